@@ -1,0 +1,270 @@
+//! `InferenceRuntime`: a backend driver as data — image, args templates, accelerator resource,
+//! scheduling, probes, drain and metrics for one vendor's serving engine.
+//!
+//! Field for field compatible with the public Hearth `serving.hearth.dev/v1alpha1` API
+//! (`api/v1alpha1/inferenceruntime_types.go`). One deliberate widening: `vendor` is any DNS
+//! label rather than a fixed list, so a new accelerator vendor is a new object, never a new
+//! Hearth release (every upstream value — nvidia, ascend, cambricon, hygon — stays valid).
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::{
+    api::core::v1::{EnvVar, Probe, Toleration},
+    apimachinery::pkg::apis::meta::v1::Condition,
+};
+use kube::CustomResource;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+/// spec is the desired state of an InferenceRuntime.
+#[derive(CustomResource, Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[kube(
+    group = "serving.hearth.dev",
+    version = "v1alpha1",
+    kind = "InferenceRuntime",
+    plural = "inferenceruntimes",
+    singular = "inferenceruntime",
+    shortname = "infrt",
+    category = "hearth",
+    status = "InferenceRuntimeStatus",
+    printcolumn = r#"{"name":"Family","type":"string","jsonPath":".spec.family"}"#,
+    printcolumn = r#"{"name":"Vendor","type":"string","jsonPath":".spec.vendor"}"#,
+    printcolumn = r#"{"name":"Image","type":"string","jsonPath":".spec.container.image","priority":1}"#,
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#,
+    doc = "InferenceRuntime is a cluster-scoped, reusable backend driver for one vendor runtime."
+)]
+#[serde(rename_all = "camelCase")]
+pub struct InferenceRuntimeSpec {
+    /// family identifies the serving engine; vllm (and its vendor forks) is supported.
+    #[serde(default)]
+    pub family: RuntimeFamily,
+
+    /// vendor names the accelerator vendor this runtime targets (nvidia, ascend, cambricon,
+    /// hygon, ...). LLMServices select runtimes by it.
+    #[schemars(
+        length(min = 1, max = 63),
+        regex(pattern = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+    )]
+    pub vendor: String,
+
+    /// priority breaks ties when several runtimes match an LLMService selector (higher wins).
+    #[serde(default)]
+    pub priority: i32,
+
+    /// container is the serving container; it must expose the OpenAI-compatible API on its port.
+    pub container: RuntimeContainer,
+
+    /// accelerator maps the abstract request onto a device-plugin resource and scheduling.
+    pub accelerator: AcceleratorSpec,
+
+    /// health configures model-load-aware probes.
+    #[serde(default)]
+    pub health: RuntimeHealth,
+
+    /// lifecycle configures graceful termination of serving pods.
+    #[serde(default)]
+    pub lifecycle: RuntimeLifecycle,
+
+    /// metrics describes the runtime's Prometheus telemetry; Hearth's autoscaling uses the
+    /// gateway's queue, so these fields are informational for external integrations.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metrics: Option<RuntimeMetrics>,
+}
+
+/// The serving engine family.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum RuntimeFamily {
+    /// vLLM and its vendor forks (vllm-ascend, vllm-mlu, ...).
+    #[default]
+    Vllm,
+}
+
+/// The serving container rendered into backend pods.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RuntimeContainer {
+    /// image is the serving runtime image.
+    #[schemars(length(min = 1, max = 1024))]
+    pub image: String,
+
+    /// args are templates rendered with `{{ .Model.Path }}`, `{{ .Service.Name }}` and
+    /// `{{ .Service.Namespace }}`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 128), inner(length(max = 4096)))]
+    pub args: Vec<String>,
+
+    /// env is copied to the serving container; literal values may use the same templates.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 128))]
+    pub env: Vec<EnvVar>,
+
+    /// port serves the OpenAI-compatible API and, for vLLM, `/metrics`.
+    #[serde(default)]
+    pub port: RuntimePort,
+}
+
+/// The serving container's named TCP port.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RuntimePort {
+    /// name is referenced by Services and probes.
+    #[serde(default = "default_port_name")]
+    #[schemars(length(min = 1, max = 15))]
+    pub name: String,
+
+    /// containerPort is the serving API port.
+    #[serde(default = "default_container_port")]
+    #[schemars(range(min = 1, max = 65535))]
+    pub container_port: i32,
+}
+
+impl Default for RuntimePort {
+    fn default() -> Self {
+        Self {
+            name: default_port_name(),
+            container_port: default_container_port(),
+        }
+    }
+}
+
+fn default_port_name() -> String {
+    "http".to_owned()
+}
+fn default_container_port() -> i32 {
+    8000
+}
+
+/// Maps an abstract accelerator request to a device-plugin resource and a scheduler.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct AcceleratorSpec {
+    /// resourceName is the device-plugin extended resource (nvidia.com/gpu,
+    /// huawei.com/Ascend910, cambricon.com/mlu, ...).
+    #[schemars(length(min = 1, max = 253))]
+    pub resource_name: String,
+
+    /// sharing declares whether this runtime supports fractional devices.
+    #[serde(default)]
+    pub sharing: AcceleratorSharing,
+
+    /// nodeSelector constrains backend and prewarm pods to compatible nodes.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub node_selector: BTreeMap<String, String>,
+
+    /// tolerations let backend and prewarm pods use tainted accelerator nodes.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 32))]
+    pub tolerations: Vec<Toleration>,
+
+    /// scheduler routes pods to an installed scheduler (for example Volcano).
+    #[serde(default)]
+    pub scheduler: RuntimeScheduler,
+}
+
+/// Fractional-device support.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct AcceleratorSharing {
+    /// supported declares that the device plugin can honour fractional requests (HAMi-style).
+    #[serde(default)]
+    pub supported: bool,
+}
+
+/// An installed scheduler and queue for backend and prewarm pods.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RuntimeScheduler {
+    /// name is the scheduler name; empty uses the default scheduler.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 253))]
+    pub name: Option<String>,
+
+    /// queue is rendered as the `scheduling.volcano.sh/queue-name` pod annotation.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 253))]
+    pub queue: Option<String>,
+}
+
+/// Model-load-aware probes: startup gives slow weight loads minutes of headroom before liveness
+/// may restart the pod.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RuntimeHealth {
+    /// readiness controls when the backend receives traffic.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub readiness: Option<Probe>,
+
+    /// liveness detects a failed serving process after startup.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub liveness: Option<Probe>,
+
+    /// startup protects slow model loading from liveness restarts.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub startup: Option<Probe>,
+}
+
+/// Graceful termination of serving pods.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RuntimeLifecycle {
+    /// terminationGracePeriodSeconds is the base shutdown budget, in seconds; Hearth widens it
+    /// when the service's drainTimeout needs more room.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub termination_grace_period_seconds: Option<i64>,
+
+    /// preStopDrain stops routing new requests and waits for in-flight streams to finish before
+    /// the pod is torn down.
+    #[serde(default)]
+    pub pre_stop_drain: bool,
+}
+
+/// Runtime Prometheus metric names, for observability integrations.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RuntimeMetrics {
+    /// path is the runtime's Prometheus scrape path.
+    #[serde(default = "default_metrics_path")]
+    #[schemars(length(max = 1024))]
+    pub path: String,
+
+    /// port names the container port that serves the metrics.
+    #[serde(default = "default_port_name")]
+    #[schemars(length(max = 15))]
+    pub port: String,
+
+    /// queueDepth is the runtime's pending-request metric (vLLM: `vllm:num_requests_waiting`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub queue_depth: Option<String>,
+
+    /// kvCacheUtil is the runtime's KV-cache utilisation metric.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        rename = "kvCacheUtil"
+    )]
+    pub kv_cache_util: Option<String>,
+
+    /// running is the runtime's in-flight request metric (vLLM: `vllm:num_requests_running`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub running: Option<String>,
+
+    /// ttft is the runtime's time-to-first-token metric.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ttft: Option<String>,
+}
+
+fn default_metrics_path() -> String {
+    "/metrics".to_owned()
+}
+
+/// status is the observed state of an InferenceRuntime.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct InferenceRuntimeStatus {
+    /// conditions describe the runtime's observed state.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
+    pub conditions: Vec<Condition>,
+}

@@ -1,0 +1,47 @@
+//! The `serving.hearth.dev/v1alpha1` API.
+//!
+//! - [`LLMService`] (namespaced): what model to serve and how to scale it.
+//! - [`InferenceRuntime`] (cluster-scoped): a backend driver as data.
+//! - [`ServingPolicy`] (cluster-scoped): a platform team's CEL policy.
+//!
+//! The CRD manifests under `crds/` are generated from these types by
+//! `cargo run -p hearth-crds --example crdgen` and checked fresh by this crate's tests.
+
+pub mod duration;
+pub mod inferenceruntime;
+pub mod llmservice;
+pub mod servingpolicy;
+pub mod wellknown;
+
+pub use duration::{Duration, DurationError, parse_duration};
+pub use inferenceruntime::{InferenceRuntime, InferenceRuntimeSpec, InferenceRuntimeStatus};
+pub use llmservice::{LLMService, LLMServicePhase, LLMServiceSpec, LLMServiceStatus};
+pub use servingpolicy::{ServingPolicy, ServingPolicySpec, ServingPolicyStatus};
+
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::CustomResourceExt;
+
+/// The API group of every Hearth kind.
+pub const GROUP: &str = "serving.hearth.dev";
+/// The API version of every Hearth kind.
+pub const VERSION: &str = "v1alpha1";
+
+/// Every Hearth CRD with the file name it is checked in under (`crds/<file>`).
+pub fn crds() -> Vec<(&'static str, CustomResourceDefinition)> {
+    vec![
+        ("llmservices.yaml", LLMService::crd()),
+        ("inferenceruntimes.yaml", InferenceRuntime::crd()),
+        ("servingpolicies.yaml", ServingPolicy::crd()),
+    ]
+}
+
+/// A CRD as the YAML document checked in under `crds/`, with a header saying how it is made.
+///
+/// Errors only if serialization fails, which the generated types do not do.
+pub fn crd_yaml(crd: &CustomResourceDefinition) -> Result<String, serde_yaml::Error> {
+    let body = serde_yaml::to_string(crd)?;
+    Ok(format!(
+        "# Generated from the Rust types in crds/src by `cargo run -p hearth-crds --example crdgen`.\n\
+         # Do not edit by hand.\n{body}"
+    ))
+}

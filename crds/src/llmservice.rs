@@ -1,0 +1,440 @@
+//! `LLMService`: what model to serve, on which runtime, and how to scale it.
+//!
+//! Field for field compatible with the public Hearth `serving.hearth.dev/v1alpha1` API
+//! (`api/v1alpha1/llmservice_types.go`): same JSON names, enums, defaults and minimums. Hearth
+//! adds `status.observedGeneration` and CEL rules (`x-kubernetes-validations`) so that the
+//! apiserver rejects contradictory scaling settings before any webhook runs.
+
+use k8s_openapi::{
+    api::core::v1::LocalObjectReference,
+    apimachinery::pkg::{api::resource::Quantity, apis::meta::v1::Condition},
+};
+use kube::CustomResource;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::duration::Duration;
+
+/// spec is the desired state of an LLMService: a model, a runtime, resources, scaling, cache
+/// and client endpoint.
+#[derive(CustomResource, Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[kube(
+    group = "serving.hearth.dev",
+    version = "v1alpha1",
+    kind = "LLMService",
+    plural = "llmservices",
+    singular = "llmservice",
+    shortname = "llmsvc",
+    category = "hearth",
+    namespaced,
+    status = "LLMServiceStatus",
+    printcolumn = r#"{"name":"Phase","type":"string","jsonPath":".status.phase"}"#,
+    printcolumn = r#"{"name":"Runtime","type":"string","jsonPath":".status.resolvedRuntime"}"#,
+    printcolumn = r#"{"name":"Replicas","type":"integer","jsonPath":".status.replicas"}"#,
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#,
+    doc = "LLMService declaratively serves one model behind a scale-to-zero gateway."
+)]
+#[serde(rename_all = "camelCase")]
+pub struct LLMServiceSpec {
+    /// model identifies the weights served by the backend.
+    pub model: ModelSpec,
+
+    /// runtime selects the backend: pinned by name or picked by vendor preference.
+    #[serde(default)]
+    pub runtime: RuntimeSelection,
+
+    /// resources requests accelerators and compute for each backend replica.
+    #[serde(default)]
+    pub resources: ResourceSpec,
+
+    /// scaling configures KEDA and cold-start timing.
+    #[serde(default)]
+    pub scaling: ScalingSpec,
+
+    /// cache configures model-weight storage and prewarming.
+    #[serde(default)]
+    pub cache: CacheSpec,
+
+    /// endpoint configures client-facing cold-start behaviour.
+    #[serde(default)]
+    pub endpoint: EndpointSpec,
+
+    /// imagePullSecrets are applied to the backend, gateway and prewarm pods; they must exist in
+    /// the LLMService's namespace.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 16))]
+    pub image_pull_secrets: Vec<LocalObjectReference>,
+}
+
+/// Where the model comes from: an inline source, or (not implemented yet) a catalog entry.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [{
+    "rule": "has(self.source) || has(self.catalogRef)",
+    "message": "set model.source.uri (for example hf://Qwen/Qwen2.5-0.5B-Instruct)"
+}]))]
+pub struct ModelSpec {
+    /// catalogRef points to an external model catalog entry. Catalog resolution is not
+    /// implemented; use model.source.uri.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 253))]
+    pub catalog_ref: Option<String>,
+
+    /// source is the inline model location.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source: Option<ModelSource>,
+}
+
+/// An inline model location and optional credentials.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ModelSource {
+    /// uri is the model location: `hf://<org>/<name>`, `modelscope://<org>/<name>`, or
+    /// `pvc://<claim>[/<subpath>]` (pre-staged weights on an existing PVC, mounted read-only).
+    #[schemars(length(min = 1, max = 2048))]
+    pub uri: String,
+
+    /// secretRef holds credentials for private sources (for example a ModelScope token).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secret_ref: Option<LocalObjectReference>,
+}
+
+/// Pins a runtime by name, or selects one by vendor preference.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RuntimeSelection {
+    /// name pins one cluster-scoped InferenceRuntime.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 253))]
+    pub name: Option<String>,
+
+    /// selector picks among runtimes by vendor preference order.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub selector: Option<RuntimeSelector>,
+
+    /// argsOverride is appended after the runtime's serving args; a repeated flag overrides an
+    /// earlier one where the runtime's CLI allows it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 64), inner(length(max = 4096)))]
+    pub args_override: Vec<String>,
+}
+
+/// Ordered runtime preferences.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RuntimeSelector {
+    /// vendor lists acceptable vendors in preference order (first is preferred).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 16), inner(length(max = 63)))]
+    pub vendor: Vec<String>,
+}
+
+/// The abstract accelerator request, mapped onto the runtime's accelerator at reconcile time.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ResourceSpec {
+    /// accelerators is the number of whole devices requested per backend replica.
+    #[serde(default = "default_accelerators")]
+    #[schemars(range(min = 1))]
+    pub accelerators: i32,
+
+    /// fraction requests a slice of a device; valid only with a runtime whose
+    /// accelerator.sharing.supported is true (for example NVIDIA through HAMi).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fraction: Option<AcceleratorFraction>,
+
+    /// cpu is the CPU request for each backend replica.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu: Option<Quantity>,
+
+    /// memory is the memory request and limit for each backend replica.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory: Option<Quantity>,
+}
+
+impl Default for ResourceSpec {
+    fn default() -> Self {
+        Self {
+            accelerators: default_accelerators(),
+            fraction: None,
+            cpu: None,
+            memory: None,
+        }
+    }
+}
+
+fn default_accelerators() -> i32 {
+    1
+}
+
+/// A slice of one device (device memory, compute share), as HAMi-style schedulers offer.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [{
+    "rule": "has(self.memory) || (has(self.cores) && self.cores > 0)",
+    "message": "fraction must request device memory (fraction.memory) or a compute share (fraction.cores, 1-100); remove fraction to request whole devices"
+}]))]
+pub struct AcceleratorFraction {
+    /// memory requests a device-memory slice.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory: Option<Quantity>,
+
+    /// cores requests a device-compute share, in percent of one device.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0, max = 100))]
+    pub cores: Option<i32>,
+}
+
+/// KEDA-driven autoscaling. Scaling is limited to LLM-aware signals: CPU and raw request rate
+/// are not offered.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [{
+    "rule": "(has(self.min) ? self.min : 0) <= (has(self.max) ? self.max : 1)",
+    "message": "scaling.min must not exceed scaling.max: lower min or raise max",
+    "fieldPath": ".min",
+    "reason": "FieldValueInvalid"
+}]))]
+pub struct ScalingSpec {
+    /// min is the minimum number of backend replicas; 0 enables scale-to-zero.
+    #[serde(default)]
+    #[schemars(range(min = 0))]
+    pub min: i32,
+
+    /// max is the maximum number of backend replicas.
+    #[serde(default = "default_max")]
+    #[schemars(range(min = 1))]
+    pub max: i32,
+
+    /// metric selects the scaling signal. Only queueDepth is wired to the autoscaler;
+    /// kvCacheUtil is reserved.
+    #[serde(default)]
+    pub metric: ScalingMetric,
+
+    /// target is the desired metric value per replica (KEDA's threshold).
+    #[serde(default = "default_target")]
+    #[schemars(range(min = 1))]
+    pub target: i32,
+
+    /// activationTimeout is how long the gateway holds a request while the model starts.
+    #[serde(default = "default_activation_timeout")]
+    pub activation_timeout: Duration,
+
+    /// scaleDownStabilization delays HPA scale-down and the final transition to zero. Whole
+    /// seconds, at most one hour (the HPA's limit for `stabilizationWindowSeconds`).
+    #[serde(default = "default_scale_down_stabilization")]
+    #[schemars(extend("x-kubernetes-validations" = [
+        {
+            "rule": "duration(self).getMilliseconds() % 1000 == 0",
+            "message": "scaleDownStabilization must be whole seconds (for example 90s or 5m): the HPA stabilization window counts seconds"
+        },
+        {
+            "rule": "duration(self) <= duration('1h')",
+            "message": "scaleDownStabilization must be at most 1h, the HPA's maximum stabilization window"
+        }
+    ]))]
+    pub scale_down_stabilization: Duration,
+
+    /// drainTimeout bounds the preStop wait for in-flight requests; Hearth widens the pod's
+    /// termination grace period when the drain needs more room.
+    #[serde(default = "default_drain_timeout")]
+    pub drain_timeout: Duration,
+}
+
+impl Default for ScalingSpec {
+    fn default() -> Self {
+        Self {
+            min: 0,
+            max: default_max(),
+            metric: ScalingMetric::default(),
+            target: default_target(),
+            activation_timeout: default_activation_timeout(),
+            scale_down_stabilization: default_scale_down_stabilization(),
+            drain_timeout: default_drain_timeout(),
+        }
+    }
+}
+
+fn default_max() -> i32 {
+    1
+}
+fn default_target() -> i32 {
+    10
+}
+fn default_activation_timeout() -> Duration {
+    Duration::new("5m")
+}
+fn default_scale_down_stabilization() -> Duration {
+    Duration::new("5m")
+}
+fn default_drain_timeout() -> Duration {
+    Duration::new("2m")
+}
+
+/// The scaling signal.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
+pub enum ScalingMetric {
+    /// Requests waiting at the gateway (and the engine): the demand KEDA scales on.
+    #[default]
+    #[serde(rename = "queueDepth")]
+    QueueDepth,
+    /// KV-cache utilisation; reserved, not wired to the autoscaler yet.
+    #[serde(rename = "kvCacheUtil")]
+    KvCacheUtil,
+}
+
+/// How model weights are cached so cold pods load from local disk instead of re-downloading.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct CacheSpec {
+    /// strategy selects the model cache backend.
+    #[serde(default)]
+    pub strategy: CacheStrategy,
+
+    /// size is the requested NodeLocalPVC capacity.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub size: Option<Quantity>,
+
+    /// storageClassName pins the cache PVC to a StorageClass; empty uses the cluster default.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 253))]
+    pub storage_class_name: Option<String>,
+
+    /// prewarm requests a one-time Job that downloads the weights into the cache.
+    #[serde(default)]
+    pub prewarm: bool,
+}
+
+/// The model cache backend.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
+pub enum CacheStrategy {
+    /// A PersistentVolumeClaim per service, on node-local storage.
+    #[default]
+    NodeLocalPVC,
+    /// A directory on the node.
+    HostPath,
+    /// A ReadWriteMany claim shared by replicas; reserved.
+    SharedPVC,
+    /// Weights baked into the runtime image; reserved.
+    BakedImage,
+    /// No cache: each pod downloads the model.
+    None,
+}
+
+/// Client-facing protocol and cold-start behaviour.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct EndpointSpec {
+    /// openAICompatible is informational: the gateway always serves the OpenAI-compatible API.
+    #[serde(default = "default_true", rename = "openAICompatible")]
+    pub openai_compatible: bool,
+
+    /// coldStart configures requests received while the backend is unavailable.
+    #[serde(default)]
+    pub cold_start: ColdStartSpec,
+}
+
+impl Default for EndpointSpec {
+    fn default() -> Self {
+        Self {
+            openai_compatible: true,
+            cold_start: ColdStartSpec::default(),
+        }
+    }
+}
+
+fn default_true() -> bool {
+    true
+}
+
+/// How the gateway handles a cold backend.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ColdStartSpec {
+    /// mode: keepalive (SSE heartbeats hold the connection) or reject (fast 503 with
+    /// Retry-After for the client to retry).
+    #[serde(default)]
+    pub mode: ColdStartMode,
+
+    /// heartbeatInterval is the gap between SSE keepalive comments while activation waits.
+    #[serde(default = "default_heartbeat_interval")]
+    #[schemars(extend("x-kubernetes-validations" = [{
+        "rule": "duration(self) >= duration('100ms')",
+        "message": "heartbeatInterval must be at least 100ms"
+    }]))]
+    pub heartbeat_interval: Duration,
+}
+
+impl Default for ColdStartSpec {
+    fn default() -> Self {
+        Self {
+            mode: ColdStartMode::default(),
+            heartbeat_interval: default_heartbeat_interval(),
+        }
+    }
+}
+
+fn default_heartbeat_interval() -> Duration {
+    Duration::new("10s")
+}
+
+/// Cold-start handling mode.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum ColdStartMode {
+    /// Hold the request; streaming clients get SSE comment heartbeats.
+    #[default]
+    Keepalive,
+    /// Answer 503 with Retry-After at once, and still wake the model.
+    Reject,
+}
+
+/// A summary of backend availability (`status.phase`).
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, JsonSchema)]
+pub enum LLMServicePhase {
+    /// Children are being created, or the runtime is not resolved yet.
+    Pending,
+    /// A backend pod exists and is loading the model.
+    Loading,
+    /// At least one backend replica is ready.
+    Ready,
+    /// No backend replica runs; the next request wakes one.
+    ScaledToZero,
+    /// Something prevents serving; see the conditions.
+    Degraded,
+}
+
+/// status is the observed state of an LLMService.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct LLMServiceStatus {
+    /// phase summarizes backend availability.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub phase: Option<LLMServicePhase>,
+
+    /// resolvedRuntime is the InferenceRuntime actually selected.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resolved_runtime: Option<String>,
+
+    /// replicas is the number of ready backend replicas.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replicas: Option<i32>,
+
+    /// endpointURL is the OpenAI-compatible base URL clients should call.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        rename = "endpointURL"
+    )]
+    pub endpoint_url: Option<String>,
+
+    /// observedGeneration is the metadata.generation this status describes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+
+    /// conditions describe the service's observed state (Ready, RuntimeResolved,
+    /// AutoscalingReady, CacheReady, Prewarmed).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
+    pub conditions: Vec<Condition>,
+}

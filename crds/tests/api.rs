@@ -1,0 +1,377 @@
+//! The API contract: generated CRDs are fresh, the public Hearth examples round-trip through
+//! the types, and the CRDs' CEL rules accept good objects and reject bad ones with their
+//! messages (evaluated offline with kube-cel's validator, as the apiserver would).
+
+use std::path::{Path, PathBuf};
+
+use hearth_crds::{InferenceRuntime, LLMService, ServingPolicy};
+use kube::CustomResourceExt;
+use serde_json::Value;
+
+fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// The shared upstream examples live beside the repository (`../shared/examples/upstream`);
+/// `HEARTH_UPSTREAM_EXAMPLES` points elsewhere.
+fn upstream_dir() -> PathBuf {
+    let dir = std::env::var_os("HEARTH_UPSTREAM_EXAMPLES")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| repo_root().join("../shared/examples/upstream"));
+    assert!(
+        dir.is_dir(),
+        "upstream examples not found at {}: check out shared/ beside the repository or set HEARTH_UPSTREAM_EXAMPLES",
+        dir.display()
+    );
+    dir
+}
+
+fn upstream(kind: &str) -> Vec<(String, Value)> {
+    let mut out = Vec::new();
+    let mut entries: Vec<_> = std::fs::read_dir(upstream_dir())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "yaml"))
+        .collect();
+    entries.sort();
+    for path in entries {
+        let text = std::fs::read_to_string(&path).unwrap();
+        let value: Value = serde_yaml::from_str(&text).unwrap();
+        if value["kind"] == kind {
+            out.push((
+                path.file_name().unwrap().to_string_lossy().into_owned(),
+                value,
+            ));
+        }
+    }
+    assert!(!out.is_empty(), "no upstream {kind} examples");
+    out
+}
+
+/// Every leaf of `input` is present, equal, in `output` (defaults may add fields; none may go).
+fn assert_superset(input: &Value, output: &Value, path: &str) {
+    match (input, output) {
+        (Value::Object(a), Value::Object(b)) => {
+            for (k, v) in a {
+                let o = b
+                    .get(k)
+                    .unwrap_or_else(|| panic!("field {path}.{k} was lost in the round trip"));
+                assert_superset(v, o, &format!("{path}.{k}"));
+            }
+        }
+        (Value::Array(a), Value::Array(b)) => {
+            assert_eq!(a.len(), b.len(), "list {path} changed length");
+            for (i, (x, y)) in a.iter().zip(b).enumerate() {
+                assert_superset(x, y, &format!("{path}[{i}]"));
+            }
+        }
+        _ => assert_eq!(input, output, "value at {path} changed"),
+    }
+}
+
+#[test]
+fn checked_in_crds_are_fresh() {
+    for (file, crd) in hearth_crds::crds() {
+        let path = repo_root().join("crds").join(file);
+        let checked_in = std::fs::read_to_string(&path).unwrap_or_default();
+        let generated = hearth_crds::crd_yaml(&crd).unwrap();
+        assert!(
+            checked_in == generated,
+            "crds/{file} is stale: run `cargo run -p hearth-crds --example crdgen` and commit the result"
+        );
+    }
+}
+
+#[test]
+fn crds_have_names_categories_and_status() {
+    for (_, crd) in hearth_crds::crds() {
+        let names = &crd.spec.names;
+        assert_eq!(crd.spec.group, "serving.hearth.dev");
+        assert_eq!(
+            names.categories.as_deref(),
+            Some(&["hearth".to_owned()][..])
+        );
+        assert!(names.short_names.as_ref().is_some_and(|s| !s.is_empty()));
+        let version = &crd.spec.versions[0];
+        assert_eq!(version.name, "v1alpha1");
+        assert!(version.subresources.as_ref().unwrap().status.is_some());
+    }
+    assert_eq!(LLMService::crd().spec.scope, "Namespaced");
+    assert_eq!(InferenceRuntime::crd().spec.scope, "Cluster");
+    assert_eq!(ServingPolicy::crd().spec.scope, "Cluster");
+}
+
+#[test]
+fn printer_columns_match_upstream() {
+    let columns = |crd: k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition| {
+        crd.spec.versions[0]
+            .additional_printer_columns
+            .clone()
+            .unwrap()
+            .into_iter()
+            .map(|c| (c.name, c.json_path, c.priority.unwrap_or(0)))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(
+        columns(LLMService::crd()),
+        [
+            ("Phase".into(), ".status.phase".into(), 0),
+            ("Runtime".into(), ".status.resolvedRuntime".into(), 0),
+            ("Replicas".into(), ".status.replicas".into(), 0),
+            ("Age".into(), ".metadata.creationTimestamp".into(), 0),
+        ]
+    );
+    assert_eq!(
+        columns(InferenceRuntime::crd()),
+        [
+            ("Family".into(), ".spec.family".into(), 0),
+            ("Vendor".into(), ".spec.vendor".into(), 0),
+            ("Image".into(), ".spec.container.image".into(), 1),
+            ("Age".into(), ".metadata.creationTimestamp".into(), 0),
+        ]
+    );
+}
+
+#[test]
+fn upstream_llmservices_round_trip() {
+    for (file, input) in upstream("LLMService") {
+        let svc: LLMService = serde_json::from_value(input.clone())
+            .unwrap_or_else(|e| panic!("{file} does not deserialize: {e}"));
+        let output = serde_json::to_value(&svc).unwrap();
+        assert_superset(&input, &output, &file);
+    }
+}
+
+#[test]
+fn upstream_runtimes_round_trip() {
+    for (file, input) in upstream("InferenceRuntime") {
+        let rt: InferenceRuntime = serde_json::from_value(input.clone())
+            .unwrap_or_else(|e| panic!("{file} does not deserialize: {e}"));
+        let output = serde_json::to_value(&rt).unwrap();
+        assert_superset(&input, &output, &file);
+    }
+}
+
+#[test]
+fn defaults_match_upstream() {
+    let svc: LLMService = serde_json::from_value(serde_json::json!({
+        "apiVersion": "serving.hearth.dev/v1alpha1",
+        "kind": "LLMService",
+        "metadata": {"name": "m"},
+        "spec": {"model": {"source": {"uri": "hf://a/b"}}}
+    }))
+    .unwrap();
+    let s = &svc.spec;
+    assert_eq!(s.resources.accelerators, 1);
+    assert_eq!((s.scaling.min, s.scaling.max, s.scaling.target), (0, 1, 10));
+    assert_eq!(
+        s.scaling.metric,
+        hearth_crds::llmservice::ScalingMetric::QueueDepth
+    );
+    assert_eq!(s.scaling.activation_timeout.as_str(), "5m");
+    assert_eq!(s.scaling.scale_down_stabilization.as_str(), "5m");
+    assert_eq!(s.scaling.drain_timeout.as_str(), "2m");
+    assert_eq!(
+        s.cache.strategy,
+        hearth_crds::llmservice::CacheStrategy::NodeLocalPVC
+    );
+    assert_eq!(
+        s.endpoint.cold_start.mode,
+        hearth_crds::llmservice::ColdStartMode::Keepalive
+    );
+    assert_eq!(s.endpoint.cold_start.heartbeat_interval.as_str(), "10s");
+    assert!(s.endpoint.openai_compatible);
+
+    let rt: InferenceRuntime = serde_json::from_value(serde_json::json!({
+        "apiVersion": "serving.hearth.dev/v1alpha1",
+        "kind": "InferenceRuntime",
+        "metadata": {"name": "r"},
+        "spec": {"vendor": "cambricon", "container": {"image": "i"},
+                 "accelerator": {"resourceName": "cambricon.com/mlu"},
+                 "metrics": {}}
+    }))
+    .unwrap();
+    assert_eq!(
+        rt.spec.family,
+        hearth_crds::inferenceruntime::RuntimeFamily::Vllm
+    );
+    assert_eq!(rt.spec.container.port.name, "http");
+    assert_eq!(rt.spec.container.port.container_port, 8000);
+    assert_eq!(rt.spec.metrics.unwrap().path, "/metrics");
+}
+
+fn schema_of(
+    crd: &k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition,
+) -> Value {
+    serde_json::to_value(
+        crd.spec.versions[0]
+            .schema
+            .as_ref()
+            .unwrap()
+            .open_api_v3_schema
+            .as_ref()
+            .unwrap(),
+    )
+    .unwrap()
+}
+
+/// The messages of the CEL rules an object breaks, evaluated as the apiserver would (defaults
+/// applied first).
+fn cel_errors(
+    crd: &k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition,
+    object: &Value,
+) -> Vec<String> {
+    match kube_cel::Validator::new().validate(&schema_of(crd), object, None) {
+        Ok(()) => Vec::new(),
+        Err(errors) => errors
+            .into_vec()
+            .into_iter()
+            .map(|e| format!("{}: {}", e.field_path, e.message))
+            .collect(),
+    }
+}
+
+#[test]
+fn upstream_examples_pass_the_crd_rules() {
+    for (file, obj) in upstream("LLMService") {
+        assert_eq!(
+            cel_errors(&LLMService::crd(), &obj),
+            Vec::<String>::new(),
+            "{file}"
+        );
+    }
+    for (file, obj) in upstream("InferenceRuntime") {
+        assert_eq!(
+            cel_errors(&InferenceRuntime::crd(), &obj),
+            Vec::<String>::new(),
+            "{file}"
+        );
+    }
+}
+
+fn service_with(scaling: Value) -> Value {
+    serde_json::json!({
+        "apiVersion": "serving.hearth.dev/v1alpha1",
+        "kind": "LLMService",
+        "metadata": {"name": "bad", "namespace": "default"},
+        "spec": {"model": {"source": {"uri": "hf://a/b"}}, "scaling": scaling}
+    })
+}
+
+#[rstest::rstest]
+#[case(serde_json::json!({"min": 3, "max": 1}), "scaling.min must not exceed scaling.max")]
+#[case(serde_json::json!({"scaleDownStabilization": "2h"}), "scaleDownStabilization must be at most 1h")]
+#[case(serde_json::json!({"scaleDownStabilization": "1.5s"}), "scaleDownStabilization must be whole seconds")]
+#[case(serde_json::json!({"scaleDownStabilization": "1500ms"}), "scaleDownStabilization must be whole seconds")]
+fn bad_scaling_is_rejected_with_the_rules_message(#[case] scaling: Value, #[case] message: &str) {
+    let errors = cel_errors(&LLMService::crd(), &service_with(scaling));
+    assert!(
+        errors.iter().any(|e| e.contains(message)),
+        "expected an error containing {message:?}, got {errors:?}"
+    );
+}
+
+#[rstest::rstest]
+#[case(serde_json::json!({"min": 1, "max": 1}))]
+#[case(serde_json::json!({"min": 0, "max": 4, "scaleDownStabilization": "1h"}))]
+#[case(serde_json::json!({"scaleDownStabilization": "90s"}))]
+#[case(serde_json::json!({}))]
+fn good_scaling_is_accepted(#[case] scaling: Value) {
+    assert_eq!(
+        cel_errors(&LLMService::crd(), &service_with(scaling)),
+        Vec::<String>::new()
+    );
+}
+
+#[test]
+fn empty_fraction_and_missing_model_are_rejected() {
+    let mut svc = service_with(serde_json::json!({}));
+    svc["spec"]["resources"] = serde_json::json!({"fraction": {}});
+    let errors = cel_errors(&LLMService::crd(), &svc);
+    assert!(
+        errors.iter().any(|e| e.contains("fraction must request")),
+        "{errors:?}"
+    );
+
+    svc["spec"]["resources"] = serde_json::json!({"fraction": {"memory": "8Gi"}});
+    assert_eq!(cel_errors(&LLMService::crd(), &svc), Vec::<String>::new());
+
+    svc["spec"]["model"] = serde_json::json!({});
+    let errors = cel_errors(&LLMService::crd(), &svc);
+    assert!(
+        errors.iter().any(|e| e.contains("set model.source.uri")),
+        "{errors:?}"
+    );
+}
+
+#[test]
+fn mutation_needs_its_expression() {
+    let policy = serde_json::json!({
+        "apiVersion": "serving.hearth.dev/v1alpha1",
+        "kind": "ServingPolicy",
+        "metadata": {"name": "p"},
+        "spec": {"mutations": [{"patchType": "JSONPatch"}]}
+    });
+    let errors = cel_errors(&ServingPolicy::crd(), &policy);
+    assert!(
+        errors
+            .iter()
+            .any(|e| e.contains("needs jsonPatch.expression")),
+        "{errors:?}"
+    );
+}
+
+/// Every string or list a CEL rule reads (`self`, or `self.<field>`) is bounded, so the
+/// apiserver's cost estimator accepts the rule (KEP-2876: unbounded inputs make the estimated
+/// cost exceed the per-rule limit).
+#[test]
+fn rule_inputs_are_bounded() {
+    fn check_bounded(schema: &Value, path: &str) {
+        match schema.get("type").and_then(Value::as_str) {
+            Some("string") if schema.get("enum").is_none() => assert!(
+                schema.get("maxLength").is_some(),
+                "{path}: a string a CEL rule reads needs maxLength"
+            ),
+            Some("array") => assert!(
+                schema.get("maxItems").is_some(),
+                "{path}: a list a CEL rule reads needs maxItems"
+            ),
+            _ => {}
+        }
+    }
+    fn walk(schema: &Value, path: &str, rules_seen: &mut usize) {
+        if let Some(rules) = schema
+            .get("x-kubernetes-validations")
+            .and_then(Value::as_array)
+        {
+            for rule in rules {
+                *rules_seen += 1;
+                let text = rule["rule"].as_str().unwrap();
+                check_bounded(schema, path);
+                if let Some(props) = schema.get("properties").and_then(Value::as_object) {
+                    for (name, prop) in props {
+                        if text.contains(&format!("self.{name}")) {
+                            check_bounded(prop, &format!("{path}.{name}"));
+                        }
+                    }
+                }
+            }
+        }
+        if let Some(props) = schema.get("properties").and_then(Value::as_object) {
+            for (k, v) in props {
+                walk(v, &format!("{path}.{k}"), rules_seen);
+            }
+        }
+        if let Some(items) = schema.get("items") {
+            walk(items, &format!("{path}[]"), rules_seen);
+        }
+    }
+    let mut rules_seen = 0;
+    for (file, crd) in hearth_crds::crds() {
+        walk(&schema_of(&crd), file, &mut rules_seen);
+    }
+    assert!(
+        rules_seen >= 7,
+        "expected the CRDs' CEL rules, found {rules_seen}"
+    );
+}
