@@ -19,3 +19,8 @@ pub const FIELD_MANAGER: &str = "hearth-controller";
 
 /// Pod annotation carrying the Volcano queue (`accelerator.scheduler.queue`).
 pub const VOLCANO_QUEUE_ANNOTATION: &str = "scheduling.volcano.sh/queue-name";
+
+/// Annotation on an `LLMService` choosing how KEDA reads the gateway's demand: `poll` (default:
+/// a `metrics-api` trigger on `GET /hearth/queue`, summed over gateway endpoints) or `push`
+/// (an `external-push` trigger to the gateway's KEDA ExternalScaler gRPC port).
+pub const SCALER_ANNOTATION: &str = "serving.hearth.dev/scaler";
