@@ -1,0 +1,207 @@
+//! Optional API keys, read from a file (a mounted Secret key) and reloaded when it changes.
+//!
+//! The file holds one key per line; blank lines and lines starting with `#` are skipped, and
+//! surrounding whitespace is trimmed. Clients send `Authorization: Bearer <key>` (the OpenAI
+//! API's scheme). A Secret volume is updated by the kubelet through an atomic symlink swap, so
+//! the file is re-read every reload interval and swapped in when its content changed; a read
+//! error keeps the previous keys and is logged.
+
+use std::{
+    collections::HashSet,
+    path::{Path, PathBuf},
+    sync::{Arc, RwLock},
+    time::Duration,
+};
+
+/// Why the key file could not be used.
+#[derive(Debug, thiserror::Error)]
+pub enum ApiKeyError {
+    /// The file could not be read.
+    #[error("reading API key file {path}: {source} (check --api-key-file and the Secret mount)")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+}
+
+/// The set of accepted keys, or `None` when authentication is off.
+#[derive(Debug, Clone, Default)]
+pub struct ApiKeys {
+    inner: Option<Arc<KeysInner>>,
+}
+
+#[derive(Debug)]
+struct KeysInner {
+    path: PathBuf,
+    keys: RwLock<Arc<HashSet<String>>>,
+}
+
+/// The outcome of checking a request's credentials.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AuthOutcome {
+    /// Authentication is off, or the key is accepted.
+    Allowed,
+    /// No `Authorization: Bearer` header.
+    Missing,
+    /// A key that is not in the file.
+    Invalid,
+}
+
+/// Parses the key file's content.
+pub fn parse_keys(content: &str) -> HashSet<String> {
+    content
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+        .map(str::to_owned)
+        .collect()
+}
+
+impl ApiKeys {
+    /// Authentication off: every request is allowed.
+    pub fn disabled() -> Self {
+        Self { inner: None }
+    }
+
+    /// Loads keys from `path`.
+    ///
+    /// # Errors
+    /// [`ApiKeyError::Read`] when the file cannot be read.
+    pub fn load(path: &Path) -> Result<Self, ApiKeyError> {
+        let keys = read(path)?;
+        if keys.is_empty() {
+            tracing::warn!(path = %path.display(), "API key file holds no key: every request will get 401");
+        }
+        Ok(Self {
+            inner: Some(Arc::new(KeysInner {
+                path: path.to_owned(),
+                keys: RwLock::new(Arc::new(keys)),
+            })),
+        })
+    }
+
+    /// Whether keys are checked.
+    pub fn enabled(&self) -> bool {
+        self.inner.is_some()
+    }
+
+    /// Checks an `Authorization` header value.
+    pub fn check(&self, authorization: Option<&[u8]>) -> AuthOutcome {
+        let Some(inner) = &self.inner else {
+            return AuthOutcome::Allowed;
+        };
+        let Some(token) = authorization
+            .and_then(|v| std::str::from_utf8(v).ok())
+            .and_then(bearer)
+        else {
+            return AuthOutcome::Missing;
+        };
+        let keys = inner
+            .keys
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        if keys.contains(token) {
+            AuthOutcome::Allowed
+        } else {
+            AuthOutcome::Invalid
+        }
+    }
+
+    /// Re-reads the file now; returns whether the keys changed.
+    ///
+    /// # Errors
+    /// [`ApiKeyError::Read`]; the previous keys stay in force.
+    pub fn reload(&self) -> Result<bool, ApiKeyError> {
+        let Some(inner) = &self.inner else {
+            return Ok(false);
+        };
+        let next = read(&inner.path)?;
+        let mut cur = inner.keys.write().unwrap_or_else(|e| e.into_inner());
+        if **cur == next {
+            return Ok(false);
+        }
+        *cur = Arc::new(next);
+        Ok(true)
+    }
+
+    /// Reloads every `interval` until the task is dropped.
+    pub async fn watch(self, interval: Duration) {
+        if self.inner.is_none() {
+            return;
+        }
+        let mut tick = tokio::time::interval(interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        tick.tick().await;
+        loop {
+            tick.tick().await;
+            match self.reload() {
+                Ok(true) => tracing::info!("API keys reloaded"),
+                Ok(false) => {}
+                Err(e) => tracing::warn!(error = %e, "keeping the previous API keys"),
+            }
+        }
+    }
+}
+
+/// The token of `Bearer <token>` (scheme case-insensitive, RFC 9110 §11.1).
+fn bearer(v: &str) -> Option<&str> {
+    let (scheme, token) = v.trim().split_once(' ')?;
+    scheme
+        .eq_ignore_ascii_case("bearer")
+        .then(|| token.trim())
+        .filter(|t| !t.is_empty())
+}
+
+fn read(path: &Path) -> Result<HashSet<String>, ApiKeyError> {
+    std::fs::read_to_string(path)
+        .map(|c| parse_keys(&c))
+        .map_err(|source| ApiKeyError::Read {
+            path: path.to_owned(),
+            source,
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_lines_and_comments() {
+        let k = parse_keys("# keys\n sk-one \n\nsk-two\r\n#sk-three\n");
+        assert_eq!(k.len(), 2);
+        assert!(k.contains("sk-one") && k.contains("sk-two"));
+    }
+
+    #[test]
+    fn checks_bearer_tokens_and_reloads() {
+        let dir = std::env::temp_dir().join(format!("hearth-keys-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("keys");
+        std::fs::write(&path, "sk-a\n").unwrap();
+        let keys = ApiKeys::load(&path).unwrap();
+        assert_eq!(keys.check(Some(b"Bearer sk-a")), AuthOutcome::Allowed);
+        assert_eq!(keys.check(Some(b"bearer  sk-a ")), AuthOutcome::Allowed);
+        assert_eq!(keys.check(Some(b"Bearer sk-b")), AuthOutcome::Invalid);
+        assert_eq!(keys.check(Some(b"Basic sk-a")), AuthOutcome::Missing);
+        assert_eq!(keys.check(None), AuthOutcome::Missing);
+        assert!(!keys.reload().unwrap());
+        std::fs::write(&path, "sk-b\n").unwrap();
+        assert!(keys.reload().unwrap());
+        assert_eq!(keys.check(Some(b"Bearer sk-a")), AuthOutcome::Invalid);
+        assert_eq!(keys.check(Some(b"Bearer sk-b")), AuthOutcome::Allowed);
+        std::fs::remove_file(&path).unwrap();
+        let err = keys.reload().unwrap_err().to_string();
+        assert!(err.contains("--api-key-file"), "{err}");
+        // The previous keys stay in force.
+        assert_eq!(keys.check(Some(b"Bearer sk-b")), AuthOutcome::Allowed);
+        assert_eq!(
+            ApiKeys::disabled().check(None),
+            AuthOutcome::Allowed,
+            "no key file: authentication is off"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

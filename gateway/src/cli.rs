@@ -1,0 +1,345 @@
+//! The `hearth-gateway` command line: every flag has an environment variable, durations are
+//! written the Kubernetes/Go way (`"5m"`, `"10s"`, `"150ms"`). `docs/gateway.md` lists them.
+
+use std::{net::SocketAddr, path::PathBuf, time::Duration};
+
+use clap::{Args, Parser, Subcommand};
+use hearth_crds::duration::parse_duration;
+use http::uri::Authority;
+
+use crate::config::{ColdStartMode, GatewayConfig};
+
+/// A flag value that makes no sense; the message names the flag and says what to write.
+#[derive(Debug, thiserror::Error)]
+#[error("{flag}: {message}")]
+pub struct CliError {
+    /// The flag, e.g. `--max-queue`.
+    pub flag: &'static str,
+    /// What is wrong and how to fix it.
+    pub message: String,
+}
+
+fn err(flag: &'static str, message: impl Into<String>) -> CliError {
+    CliError {
+        flag,
+        message: message.into(),
+    }
+}
+
+/// Parses a Go-style duration for clap.
+pub fn duration(s: &str) -> Result<Duration, String> {
+    parse_duration(s).map_err(|e| e.to_string())
+}
+
+/// Parses a byte size: an integer, optionally with a Kubernetes quantity suffix
+/// (`Ki`, `Mi`, `Gi`, or `k`, `M`, `G`).
+pub fn byte_size(s: &str) -> Result<usize, String> {
+    let s = s.trim();
+    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let n: usize = num
+        .parse()
+        .map_err(|_| format!("invalid size {s:?}: write bytes like \"1048576\" or \"8Mi\""))?;
+    let mult: usize = match unit {
+        "" => 1,
+        "k" => 1_000,
+        "M" => 1_000_000,
+        "G" => 1_000_000_000,
+        "Ki" => 1 << 10,
+        "Mi" => 1 << 20,
+        "Gi" => 1 << 30,
+        _ => {
+            return Err(format!(
+                "invalid size unit {unit:?} in {s:?}: use Ki, Mi, Gi, k, M or G"
+            ));
+        }
+    };
+    n.checked_mul(mult)
+        .ok_or_else(|| format!("size {s:?} is too large"))
+}
+
+/// Hearth's gateway: an OpenAI-compatible scale-to-zero proxy in front of a model backend, and
+/// a KEDA external scaler.
+#[derive(Debug, Parser)]
+#[command(name = "hearth-gateway", version, args_conflicts_with_subcommands = true)]
+pub struct Cli {
+    /// A helper command instead of serving.
+    #[command(subcommand)]
+    pub command: Option<Command>,
+    /// Serving options (the default command).
+    #[command(flatten)]
+    pub serve: ServeArgs,
+}
+
+/// Helper commands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// For a backend pod's preStop hook: return as soon as the backend's vLLM metrics report no
+    /// running and no waiting request, or when the timeout passes (exit status 0 either way).
+    Drain(DrainArgs),
+}
+
+/// `hearth-gateway drain`.
+#[derive(Debug, Args)]
+pub struct DrainArgs {
+    /// The backend's Prometheus endpoint.
+    #[arg(long, env = "HEARTH_DRAIN_URL", default_value = "http://127.0.0.1:8000/metrics")]
+    pub url: http::Uri,
+    /// Upper bound on the wait (the LLMService's drainTimeout).
+    #[arg(long, env = "HEARTH_DRAIN_TIMEOUT", default_value = "60s", value_parser = duration)]
+    pub timeout: Duration,
+    /// Time between two reads of the metrics.
+    #[arg(long, env = "HEARTH_DRAIN_INTERVAL", default_value = "250ms", value_parser = duration)]
+    pub interval: Duration,
+}
+
+/// `hearth-gateway` (serve).
+#[derive(Debug, Args)]
+pub struct ServeArgs {
+    /// HTTP listen address: the OpenAI API, /hearth/queue, /healthz, /readyz, /metrics.
+    #[arg(long, env = "HEARTH_LISTEN", default_value = "0.0.0.0:8080")]
+    pub listen: SocketAddr,
+    /// KEDA ExternalScaler gRPC listen address.
+    #[arg(long, env = "HEARTH_SCALER_LISTEN", default_value = "0.0.0.0:9090")]
+    pub scaler_listen: SocketAddr,
+    /// Namespace of the backend and gateway Services.
+    #[arg(long, env = "POD_NAMESPACE", default_value = "default")]
+    pub namespace: String,
+    /// Backend Service whose EndpointSlices list the ready backend pods.
+    #[arg(long, env = "HEARTH_BACKEND_SERVICE")]
+    pub backend_service: Option<String>,
+    /// Backend Service port, used for the fallback URL http://<service>.<namespace>.svc:<port>.
+    #[arg(long, env = "HEARTH_BACKEND_PORT", default_value_t = 8000)]
+    pub backend_port: u16,
+    /// Name of the backend Service port in the EndpointSlices (default: the only port, or "http").
+    #[arg(long, env = "HEARTH_BACKEND_PORT_NAME")]
+    pub backend_port_name: Option<String>,
+    /// Backend URL used when EndpointSlices may not be watched (RBAC), or alone without
+    /// --backend-service (a fixed backend, always considered ready).
+    #[arg(long, env = "HEARTH_BACKEND_URL")]
+    pub backend_url: Option<http::Uri>,
+    /// Model name(s) clients use; enables answering /v1/models while cold and 404 for other names.
+    #[arg(long = "served-model-name", env = "HEARTH_SERVED_MODEL_NAME", value_delimiter = ',')]
+    pub served_model_name: Vec<String>,
+    /// Requests admitted at once (held + in flight); beyond it, 429 with Retry-After.
+    #[arg(long, env = "HEARTH_MAX_QUEUE", default_value_t = 1000)]
+    pub max_queue: u64,
+    /// Cold start: keepalive (hold; SSE heartbeats for streams) or reject (503 + Retry-After).
+    #[arg(long, env = "HEARTH_COLD_START", value_enum, default_value = "keepalive")]
+    pub cold_start: ColdStartMode,
+    /// Interval of SSE comment lines while a streaming request is held.
+    #[arg(long, env = "HEARTH_HEARTBEAT_INTERVAL", default_value = "5s", value_parser = duration)]
+    pub heartbeat_interval: Duration,
+    /// How long a request may wait for a ready backend.
+    #[arg(long, env = "HEARTH_ACTIVATION_TIMEOUT", default_value = "5m", value_parser = duration)]
+    pub activation_timeout: Duration,
+    /// How long demand stays raised after a backend turned ready (the activation lease).
+    #[arg(long, env = "HEARTH_ACTIVATION_GRACE", default_value = "10s", value_parser = duration)]
+    pub activation_grace: Duration,
+    /// After SIGTERM, how long in-flight requests may take before the gateway exits.
+    #[arg(long, env = "HEARTH_DRAIN_TIMEOUT", default_value = "60s", value_parser = duration)]
+    pub drain_timeout: Duration,
+    /// Largest request body, in bytes (suffixes Ki, Mi, Gi, k, M, G); larger gets 413.
+    #[arg(long, env = "HEARTH_BODY_LIMIT", default_value = "8Mi", value_parser = byte_size)]
+    pub body_limit: usize,
+    /// Retry-After sent with 429 and 503.
+    #[arg(long, env = "HEARTH_RETRY_AFTER", default_value = "5s", value_parser = duration)]
+    pub retry_after: Duration,
+    /// File of accepted API keys, one per line (a mounted Secret); absent: no authentication.
+    #[arg(long, env = "HEARTH_API_KEY_FILE")]
+    pub api_key_file: Option<PathBuf>,
+    /// How often the API key file is re-read.
+    #[arg(long, env = "HEARTH_API_KEY_RELOAD_INTERVAL", default_value = "10s", value_parser = duration)]
+    pub api_key_reload_interval: Duration,
+    /// Gateway Service whose EndpointSlices list the peer replicas; enables demand aggregation.
+    #[arg(long, env = "HEARTH_PEER_SERVICE")]
+    pub peer_service: Option<String>,
+    /// Name of the gateway Service's HTTP port in the EndpointSlices (default: the only port, or "http").
+    #[arg(long, env = "HEARTH_PEER_PORT_NAME")]
+    pub peer_port_name: Option<String>,
+    /// This pod's IP, to leave itself out of the peers (downward API status.podIP).
+    #[arg(long, env = "POD_IP")]
+    pub pod_ip: Option<std::net::IpAddr>,
+    /// Metric name served to KEDA (GetMetricSpec/GetMetrics).
+    #[arg(long, env = "HEARTH_METRIC_NAME", default_value = "hearth_queue_depth")]
+    pub metric_name: String,
+    /// Target demand per backend replica (targetSizeFloat), unless the trigger sets targetSize.
+    #[arg(long, env = "HEARTH_METRIC_TARGET", default_value_t = 1.0)]
+    pub metric_target: f64,
+    /// Timeout for connecting to a backend endpoint.
+    #[arg(long, env = "HEARTH_CONNECT_TIMEOUT", default_value = "5s", value_parser = duration)]
+    pub connect_timeout: Duration,
+}
+
+impl ServeArgs {
+    /// The settings, checked.
+    ///
+    /// # Errors
+    /// A [`CliError`] naming the flag when a value makes no sense.
+    pub fn gateway_config(&self) -> Result<GatewayConfig, CliError> {
+        if self.max_queue == 0 {
+            return Err(err("--max-queue", "must be at least 1"));
+        }
+        if self.heartbeat_interval.is_zero() {
+            return Err(err("--heartbeat-interval", "must be positive, like \"5s\""));
+        }
+        if self.activation_timeout.is_zero() {
+            return Err(err("--activation-timeout", "must be positive, like \"5m\""));
+        }
+        if self.body_limit == 0 {
+            return Err(err("--body-limit", "must be positive, like \"8Mi\""));
+        }
+        if !(self.metric_target.is_finite() && self.metric_target > 0.0) {
+            return Err(err("--metric-target", "must be a positive number, like 1"));
+        }
+        if self.metric_name.trim().is_empty() {
+            return Err(err("--metric-name", "must not be empty"));
+        }
+        if self.served_model_name.iter().any(|n| n.trim().is_empty()) {
+            return Err(err("--served-model-name", "names must not be empty"));
+        }
+        if self.peer_service.is_some() && self.pod_ip.is_none() {
+            return Err(err(
+                "--pod-ip",
+                "required with --peer-service so the replica leaves itself out of its peers (set env POD_IP from the downward API status.podIP)",
+            ));
+        }
+        if self.backend_service.is_none() && self.backend_url.is_none() {
+            return Err(err(
+                "--backend-service",
+                "set --backend-service (EndpointSlice discovery) or --backend-url (a fixed backend)",
+            ));
+        }
+        self.fallback_authority()?;
+        Ok(GatewayConfig {
+            served_model_names: self.served_model_name.clone(),
+            max_queue: self.max_queue,
+            cold_start: self.cold_start,
+            heartbeat_interval: self.heartbeat_interval,
+            activation_timeout: self.activation_timeout,
+            activation_grace: self.activation_grace,
+            drain_timeout: self.drain_timeout,
+            body_limit: self.body_limit,
+            retry_after: self.retry_after,
+            metric_name: self.metric_name.clone(),
+            metric_target: self.metric_target,
+            aggregate_peers: self.peer_service.is_some(),
+            connect_timeout: self.connect_timeout,
+        })
+    }
+
+    /// `host:port` of the fallback backend: `--backend-url`, else the backend Service's DNS name.
+    ///
+    /// # Errors
+    /// When `--backend-url` is not an `http://host[:port]` URL.
+    pub fn fallback_authority(&self) -> Result<Option<Authority>, CliError> {
+        if let Some(url) = &self.backend_url {
+            if url.scheme_str() != Some("http") {
+                return Err(err(
+                    "--backend-url",
+                    format!("{url} must be an http:// URL (the backend speaks plain HTTP)"),
+                ));
+            }
+            if url.path() != "/" && !url.path().is_empty() {
+                return Err(err(
+                    "--backend-url",
+                    format!("{url} must have no path; request paths are passed through"),
+                ));
+            }
+            let Some(auth) = url.authority() else {
+                return Err(err("--backend-url", format!("{url} has no host")));
+            };
+            let auth = if auth.port().is_some() {
+                auth.clone()
+            } else {
+                format!("{}:80", auth.host())
+                    .parse()
+                    .map_err(|e| err("--backend-url", format!("{e}")))?
+            };
+            return Ok(Some(auth));
+        }
+        match &self.backend_service {
+            Some(svc) => format!("{svc}.{}.svc:{}", self.namespace, self.backend_port)
+                .parse()
+                .map(Some)
+                .map_err(|e| {
+                    err(
+                        "--backend-service",
+                        format!("{svc:?} is not a valid DNS name: {e}"),
+                    )
+                }),
+            None => Ok(None),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    fn parse(args: &[&str]) -> Cli {
+        Cli::try_parse_from(std::iter::once("hearth-gateway").chain(args.iter().copied())).unwrap()
+    }
+
+    #[test]
+    fn cli_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn serve_flags_build_a_config() {
+        let cli = parse(&[
+            "--backend-service=stub-svc",
+            "--namespace=hearth-e2e",
+            "--cold-start=reject",
+            "--heartbeat-interval=2s",
+            "--activation-timeout=2m",
+            "--body-limit=1Mi",
+            "--served-model-name=stub-svc",
+        ]);
+        assert!(cli.command.is_none());
+        let cfg = cli.serve.gateway_config().unwrap();
+        assert_eq!(cfg.cold_start, ColdStartMode::Reject);
+        assert_eq!(cfg.heartbeat_interval, Duration::from_secs(2));
+        assert_eq!(cfg.activation_timeout, Duration::from_secs(120));
+        assert_eq!(cfg.body_limit, 1 << 20);
+        assert_eq!(
+            cli.serve.fallback_authority().unwrap().unwrap().as_str(),
+            "stub-svc.hearth-e2e.svc:8000"
+        );
+    }
+
+    #[test]
+    fn drain_subcommand_parses() {
+        let cli = parse(&["drain", "--url", "http://127.0.0.1:8000/metrics", "--timeout", "2m"]);
+        let Some(Command::Drain(d)) = cli.command else {
+            panic!("expected drain")
+        };
+        assert_eq!(d.timeout, Duration::from_secs(120));
+    }
+
+    #[test]
+    fn bad_values_name_the_flag() {
+        let e = Cli::try_parse_from(["hearth-gateway", "--heartbeat-interval=5"]).unwrap_err();
+        assert!(e.to_string().contains("--heartbeat-interval"), "{e}");
+        let cli = parse(&["--backend-url=https://x:1"]);
+        let e = cli.serve.gateway_config().unwrap_err();
+        assert_eq!(e.flag, "--backend-url");
+        let cli = parse(&[]);
+        assert_eq!(cli.serve.gateway_config().unwrap_err().flag, "--backend-service");
+        let cli = parse(&["--backend-url=http://x:1", "--peer-service=gw"]);
+        assert_eq!(cli.serve.gateway_config().unwrap_err().flag, "--pod-ip");
+        let cli = parse(&["--backend-url=http://x:1", "--max-queue=0"]);
+        assert_eq!(cli.serve.gateway_config().unwrap_err().flag, "--max-queue");
+    }
+
+    #[test]
+    fn byte_sizes() {
+        assert_eq!(byte_size("10").unwrap(), 10);
+        assert_eq!(byte_size("8Mi").unwrap(), 8 << 20);
+        assert_eq!(byte_size("2k").unwrap(), 2000);
+        assert!(byte_size("8MB").unwrap_err().contains("Ki, Mi"));
+        assert!(byte_size("x").is_err());
+    }
+}

@@ -1,0 +1,69 @@
+//! The gateway's runtime settings (built from the command line by [`crate::cli`], or directly by
+//! tests and benchmarks).
+
+use std::time::Duration;
+
+/// What a request that finds no ready backend gets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum ColdStartMode {
+    /// Hold the request until a backend is ready: a streaming request gets `200` and an SSE
+    /// comment line every heartbeat interval, a non-streaming one waits silently.
+    #[default]
+    Keepalive,
+    /// Answer `503 Service Unavailable` with `Retry-After` at once (demand is still raised).
+    Reject,
+}
+
+/// Settings of one gateway replica.
+#[derive(Debug, Clone)]
+pub struct GatewayConfig {
+    /// Model names clients may use (`--served-model-name`). When non-empty, `GET /v1/models`
+    /// is answered by the gateway while no backend is ready, and a request naming another
+    /// model gets 404 without waking a backend. Empty: every request is forwarded.
+    pub served_model_names: Vec<String>,
+    /// Requests admitted at once (held + in flight); beyond it, 429 with `Retry-After`.
+    pub max_queue: u64,
+    /// Cold-start behaviour.
+    pub cold_start: ColdStartMode,
+    /// Interval between SSE comment lines while a streaming request is held.
+    pub heartbeat_interval: Duration,
+    /// How long a request may wait for a ready backend.
+    pub activation_timeout: Duration,
+    /// How long demand stays raised after a backend turned ready.
+    pub activation_grace: Duration,
+    /// After SIGTERM, how long in-flight requests may take before the gateway exits.
+    pub drain_timeout: Duration,
+    /// Largest request body accepted, in bytes; larger gets 413.
+    pub body_limit: usize,
+    /// `Retry-After` sent with 429 and 503.
+    pub retry_after: Duration,
+    /// The metric name served to KEDA (`GetMetricSpec`, `GetMetrics`).
+    pub metric_name: String,
+    /// Target demand per backend replica (`targetSizeFloat`), unless the ScaledObject trigger
+    /// metadata sets `targetSize`.
+    pub metric_target: f64,
+    /// Demand is summed over peer gateway replicas (see [`crate::peers`]).
+    pub aggregate_peers: bool,
+    /// Timeout for establishing a TCP connection to a backend endpoint.
+    pub connect_timeout: Duration,
+}
+
+impl Default for GatewayConfig {
+    fn default() -> Self {
+        Self {
+            served_model_names: Vec::new(),
+            max_queue: 1000,
+            cold_start: ColdStartMode::Keepalive,
+            heartbeat_interval: Duration::from_secs(5),
+            activation_timeout: Duration::from_secs(300),
+            activation_grace: Duration::from_secs(10),
+            drain_timeout: Duration::from_secs(60),
+            body_limit: 8 * 1024 * 1024,
+            retry_after: Duration::from_secs(5),
+            metric_name: "hearth_queue_depth".into(),
+            metric_target: 1.0,
+            aggregate_peers: false,
+            connect_timeout: Duration::from_secs(5),
+        }
+    }
+}

@@ -1,0 +1,404 @@
+//! Demand: how many requests want a backend, here and on the peer gateway replicas.
+//!
+//! - **pending**: requests admitted by this replica and not finished (held for a cold backend,
+//!   or in flight to a warm one). Bounded by `maxQueue`: admission beyond it is refused.
+//! - **local demand**: `pending`, or at least 1 while the activation lease is held (a cold
+//!   request arrived and the backend has not been ready for the grace period since, nor has
+//!   the activation timeout passed), so a client that got a 503 still wakes the model.
+//! - **total demand**: local demand plus every peer replica's local demand. When aggregation is
+//!   on and a peer's value is not known (not yet received, connection lost, discovery
+//!   forbidden), the total is *unknown* and readers get a [`DemandUnknown`] error rather than a
+//!   silently low number.
+//!
+//! All of it lives in one `tokio::sync::watch` channel, so KEDA's push stream, the peers'
+//! subscriptions and drain wait on changes instead of polling.
+
+use std::{
+    collections::BTreeMap,
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
+
+use tokio::sync::{Notify, watch};
+
+use crate::endpoints::EndpointSet;
+
+/// Why the total demand is not known.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("total demand unknown: {0}")]
+pub struct DemandUnknown(pub String);
+
+/// Peer bookkeeping, present when demand is aggregated over gateway replicas.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+struct Peers {
+    /// The peer list has been discovered at least once.
+    synced: bool,
+    /// Discovery itself fails (e.g. RBAC forbids the watch).
+    discovery_error: Option<String>,
+    /// Each peer's last local demand; `None` while unknown.
+    values: BTreeMap<String, Option<u64>>,
+}
+
+/// The demand state, as seen through [`DemandHub::subscribe`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DemandState {
+    pending: u64,
+    max_queue: u64,
+    lease: bool,
+    peers: Option<Peers>,
+}
+
+impl DemandState {
+    /// Requests admitted by this replica and not finished.
+    pub fn pending(&self) -> u64 {
+        self.pending
+    }
+
+    /// Whether the activation lease is held.
+    pub fn lease(&self) -> bool {
+        self.lease
+    }
+
+    /// This replica's demand: `pending`, at least 1 while the lease is held.
+    pub fn local(&self) -> u64 {
+        self.pending.max(u64::from(self.lease))
+    }
+
+    /// Local demand plus every peer's, or why that sum is unknown.
+    pub fn total(&self) -> Result<u64, DemandUnknown> {
+        let local = self.local();
+        let Some(peers) = &self.peers else {
+            return Ok(local);
+        };
+        if let Some(e) = &peers.discovery_error {
+            return Err(DemandUnknown(format!("peer discovery failed: {e}")));
+        }
+        if !peers.synced {
+            return Err(DemandUnknown(
+                "peer gateway replicas not discovered yet".into(),
+            ));
+        }
+        let mut sum = local;
+        for (peer, v) in &peers.values {
+            match v {
+                Some(v) => sum += v,
+                None => {
+                    return Err(DemandUnknown(format!(
+                        "no current demand from peer gateway {peer}"
+                    )));
+                }
+            }
+        }
+        Ok(sum)
+    }
+
+    /// Whether there is any demand: `Some(true)` as soon as local demand is positive even if a
+    /// peer is unknown, `None` when nothing local and the total is unknown.
+    pub fn active(&self) -> Option<bool> {
+        if self.local() > 0 {
+            return Some(true);
+        }
+        self.total().ok().map(|t| t > 0)
+    }
+}
+
+/// Shared demand counters of one gateway replica.
+#[derive(Debug, Clone)]
+pub struct DemandHub {
+    tx: Arc<watch::Sender<DemandState>>,
+}
+
+impl DemandHub {
+    /// A hub admitting at most `max_queue` requests at once; `aggregate` turns on peer
+    /// aggregation (total unknown until the peer list is set).
+    pub fn new(max_queue: u64, aggregate: bool) -> Self {
+        let state = DemandState {
+            pending: 0,
+            max_queue,
+            lease: false,
+            peers: aggregate.then(Peers::default),
+        };
+        Self {
+            tx: Arc::new(watch::channel(state).0),
+        }
+    }
+
+    /// Admits one request if fewer than `max_queue` are pending; the slot frees on drop.
+    pub fn try_admit(&self) -> Option<Admission> {
+        let mut admitted = false;
+        self.tx.send_if_modified(|s| {
+            if s.pending < s.max_queue {
+                s.pending += 1;
+                admitted = true;
+            }
+            admitted
+        });
+        admitted.then(|| Admission { hub: self.clone() })
+    }
+
+    /// Sets or clears the activation lease.
+    pub fn set_lease(&self, on: bool) {
+        self.tx.send_if_modified(|s| {
+            let changed = s.lease != on;
+            s.lease = on;
+            changed
+        });
+    }
+
+    /// The current state.
+    pub fn state(&self) -> DemandState {
+        self.tx.borrow().clone()
+    }
+
+    /// A receiver woken on every change.
+    pub fn subscribe(&self) -> watch::Receiver<DemandState> {
+        self.tx.subscribe()
+    }
+
+    /// Replaces the peer list (peers keep their last values; new ones start unknown) and marks
+    /// discovery as working.
+    pub fn set_peers(&self, peers: impl IntoIterator<Item = String>) {
+        let peers: Vec<String> = peers.into_iter().collect();
+        self.tx.send_if_modified(|s| {
+            let Some(p) = &mut s.peers else { return false };
+            let before = p.clone();
+            let mut next = BTreeMap::new();
+            for peer in peers {
+                let v = p.values.get(&peer).copied().flatten();
+                next.insert(peer, v);
+            }
+            p.values = next;
+            p.synced = true;
+            p.discovery_error = None;
+            *p != before
+        });
+    }
+
+    /// Records a peer's local demand (`None`: unknown now). Ignored for peers not in the list.
+    pub fn set_peer_value(&self, peer: &str, value: Option<u64>) {
+        self.tx.send_if_modified(|s| {
+            let Some(p) = &mut s.peers else { return false };
+            match p.values.get_mut(peer) {
+                Some(v) if *v != value => {
+                    *v = value;
+                    true
+                }
+                _ => false,
+            }
+        });
+    }
+
+    /// Records that peer discovery fails, making the total unknown until it works again.
+    pub fn set_peer_discovery_error(&self, error: String) {
+        self.tx.send_if_modified(|s| {
+            let Some(p) = &mut s.peers else { return false };
+            let changed = p.discovery_error.as_ref() != Some(&error);
+            p.discovery_error = Some(error);
+            changed
+        });
+    }
+
+    /// Waits until nothing is pending on this replica, or `timeout` passes; returns the
+    /// pending count left.
+    pub async fn wait_idle(&self, timeout: Duration) -> u64 {
+        let mut rx = self.subscribe();
+        let _ = tokio::time::timeout(timeout, rx.wait_for(|s| s.pending == 0)).await;
+        self.state().pending
+    }
+}
+
+/// One admitted request; dropping it frees the slot and lowers demand.
+#[derive(Debug)]
+pub struct Admission {
+    hub: DemandHub,
+}
+
+impl Drop for Admission {
+    fn drop(&mut self) {
+        self.hub.tx.send_modify(|s| s.pending = s.pending.saturating_sub(1));
+    }
+}
+
+/// The activation lease: raised by every cold request, held until the backend has been ready
+/// for `grace`, or until `activation_timeout` after the last cold request.
+#[derive(Debug, Clone)]
+pub struct Lease {
+    inner: Arc<LeaseInner>,
+}
+
+#[derive(Debug)]
+struct LeaseInner {
+    hub: DemandHub,
+    timeout: Duration,
+    deadline: Mutex<Option<Instant>>,
+    notify: Notify,
+}
+
+impl Lease {
+    /// A lease over `hub`; call [`Lease::run`] in a task to let it expire.
+    pub fn new(hub: DemandHub, activation_timeout: Duration) -> Self {
+        Self {
+            inner: Arc::new(LeaseInner {
+                hub,
+                timeout: activation_timeout,
+                deadline: Mutex::new(None),
+                notify: Notify::new(),
+            }),
+        }
+    }
+
+    /// A cold request arrived: raise demand now, until a backend is ready or the activation
+    /// timeout passes.
+    pub fn raise(&self) {
+        let until = Instant::now() + self.inner.timeout;
+        {
+            let mut d = self
+                .inner
+                .deadline
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
+            *d = Some(d.map_or(until, |cur| cur.max(until)));
+        }
+        self.inner.hub.set_lease(true);
+        self.inner.notify.notify_one();
+    }
+
+    fn deadline(&self) -> Option<Instant> {
+        *self
+            .inner
+            .deadline
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Clears the lease if its deadline is still `expected` (not extended meanwhile).
+    fn expire(&self, expected: Instant) -> bool {
+        let mut d = self
+            .inner
+            .deadline
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if *d == Some(expected) {
+            *d = None;
+            self.inner.hub.set_lease(false);
+            true
+        } else {
+            false
+        }
+    }
+
+    /// Expires the lease: at its deadline, or `grace` after `endpoints` turned ready.
+    pub async fn run(self, endpoints: EndpointSet, grace: Duration) {
+        let mut ready_rx = endpoints.subscribe();
+        loop {
+            let Some(deadline) = self.deadline() else {
+                self.inner.notify.notified().await;
+                continue;
+            };
+            tokio::select! {
+                _ = tokio::time::sleep_until(deadline.into()) => {
+                    self.expire(deadline);
+                }
+                ok = async { ready_rx.wait_for(|e| !e.is_empty()).await.is_ok() } => {
+                    if !ok {
+                        return;
+                    }
+                    // Ready: keep the lease for the grace period, then drop it unless a new
+                    // cold request extended it meanwhile.
+                    tokio::time::sleep(grace).await;
+                    let cur = self.deadline();
+                    if let Some(cur) = cur
+                        && (cur == deadline || endpoints.is_ready())
+                    {
+                        self.expire(cur);
+                    }
+                }
+                _ = self.inner.notify.notified() => {}
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn admission_is_bounded_and_frees_on_drop() {
+        let hub = DemandHub::new(2, false);
+        let a = hub.try_admit().unwrap();
+        let b = hub.try_admit().unwrap();
+        assert!(hub.try_admit().is_none());
+        assert_eq!(hub.state().pending(), 2);
+        drop(a);
+        assert_eq!(hub.state().pending(), 1);
+        let _c = hub.try_admit().unwrap();
+        drop(b);
+        assert_eq!(hub.state().total(), Ok(1));
+    }
+
+    #[test]
+    fn lease_counts_as_one() {
+        let hub = DemandHub::new(8, false);
+        hub.set_lease(true);
+        assert_eq!(hub.state().local(), 1);
+        let _a = hub.try_admit().unwrap();
+        let _b = hub.try_admit().unwrap();
+        assert_eq!(hub.state().local(), 2);
+    }
+
+    #[test]
+    fn aggregation_is_unknown_until_every_peer_reports() {
+        let hub = DemandHub::new(8, true);
+        assert!(hub.state().total().is_err());
+        assert_eq!(hub.state().active(), None);
+        hub.set_peers(["10.0.0.2:8080".to_string(), "10.0.0.3:8080".to_string()]);
+        let err = hub.state().total().unwrap_err();
+        assert!(err.0.contains("10.0.0.2:8080"), "{err}");
+        hub.set_peer_value("10.0.0.2:8080", Some(3));
+        hub.set_peer_value("10.0.0.3:8080", Some(0));
+        assert_eq!(hub.state().total(), Ok(3));
+        assert_eq!(hub.state().active(), Some(true));
+        let _a = hub.try_admit().unwrap();
+        assert_eq!(hub.state().total(), Ok(4));
+        // A peer going silent makes the total unknown, but local demand still says "active".
+        hub.set_peer_value("10.0.0.3:8080", None);
+        assert!(hub.state().total().is_err());
+        assert_eq!(hub.state().active(), Some(true));
+        // A removed peer no longer counts.
+        hub.set_peers(["10.0.0.2:8080".to_string()]);
+        assert_eq!(hub.state().total(), Ok(4));
+        hub.set_peer_discovery_error("forbidden".into());
+        assert!(hub.state().total().unwrap_err().0.contains("forbidden"));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn lease_expires_after_timeout_without_backend() {
+        let hub = DemandHub::new(8, false);
+        let endpoints = EndpointSet::new();
+        let lease = Lease::new(hub.clone(), Duration::from_secs(60));
+        tokio::spawn(lease.clone().run(endpoints, Duration::from_secs(5)));
+        lease.raise();
+        assert!(hub.state().lease());
+        let mut rx = hub.subscribe();
+        let start = tokio::time::Instant::now();
+        rx.wait_for(|s| !s.lease()).await.unwrap();
+        assert_eq!(start.elapsed(), Duration::from_secs(60));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn lease_ends_grace_after_ready() {
+        let hub = DemandHub::new(8, false);
+        let endpoints = EndpointSet::new();
+        let lease = Lease::new(hub.clone(), Duration::from_secs(60));
+        tokio::spawn(lease.clone().run(endpoints.clone(), Duration::from_secs(5)));
+        lease.raise();
+        tokio::time::sleep(Duration::from_secs(10)).await;
+        assert!(hub.state().lease());
+        endpoints.replace(["127.0.0.1:1".parse().unwrap()]);
+        let start = tokio::time::Instant::now();
+        let mut rx = hub.subscribe();
+        rx.wait_for(|s| !s.lease()).await.unwrap();
+        assert_eq!(start.elapsed(), Duration::from_secs(5));
+    }
+}

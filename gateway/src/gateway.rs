@@ -1,0 +1,348 @@
+//! One gateway replica: shared state, the HTTP router and server loop, drain.
+//!
+//! HTTP endpoints of the gateway itself (everything else is proxied to the backend):
+//!
+//! | endpoint | answer |
+//! |---|---|
+//! | `GET /healthz` | `200` while the process runs (liveness) |
+//! | `GET /readyz` | `200`, or `503` once draining (readiness) |
+//! | `GET /hearth/queue` | `{"pending": N}`: total demand over all replicas (KEDA `metrics-api`); `?scope=local` for this replica only (with KEDA's `aggregateFromKubeServiceEndpoints`); `503` with an error while the total is unknown |
+//! | `GET /hearth/local-demand` | internal: newline-delimited `{"demand": N}` on every change of this replica's demand, for peer replicas |
+//! | `GET /metrics` | Prometheus text |
+
+use std::{
+    future::Future,
+    net::SocketAddr,
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::Duration,
+};
+
+use axum::{
+    Router,
+    extract::{Query, State},
+    http::{HeaderValue, StatusCode, header},
+    response::{IntoResponse, Response},
+    routing::get,
+};
+use hyper_util::rt::{TokioIo, TokioTimer};
+use serde::Deserialize;
+use tokio::{net::TcpListener, sync::watch};
+use tower_service::Service;
+
+use crate::{
+    apikeys::ApiKeys,
+    config::GatewayConfig,
+    demand::{DemandHub, Lease},
+    endpoints::EndpointSet,
+    metrics::Metrics,
+    peers,
+    proxy::{self, ClientAddr, UpstreamClient},
+    scaler::Scaler,
+};
+
+/// State shared by all handlers of one replica.
+#[derive(Debug)]
+pub struct Shared {
+    pub(crate) cfg: GatewayConfig,
+    pub(crate) backends: EndpointSet,
+    pub(crate) demand: DemandHub,
+    pub(crate) lease: Lease,
+    pub(crate) metrics: Arc<Metrics>,
+    pub(crate) keys: ApiKeys,
+    pub(crate) client: UpstreamClient,
+    draining: AtomicBool,
+    stop_tx: watch::Sender<bool>,
+}
+
+impl Shared {
+    pub(crate) fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::Relaxed)
+    }
+}
+
+/// A gateway replica. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct Gateway {
+    shared: Arc<Shared>,
+}
+
+impl Gateway {
+    /// A replica forwarding to `backends`, checking `keys`. Background work (the activation
+    /// lease, key reloads) starts with [`Gateway::spawn_background`].
+    pub fn new(cfg: GatewayConfig, backends: EndpointSet, keys: ApiKeys) -> Self {
+        let demand = DemandHub::new(cfg.max_queue, cfg.aggregate_peers);
+        let lease = Lease::new(demand.clone(), cfg.activation_timeout);
+        let client = proxy::upstream_client(cfg.connect_timeout);
+        Self {
+            shared: Arc::new(Shared {
+                cfg,
+                backends,
+                demand,
+                lease,
+                metrics: Arc::new(Metrics::new()),
+                keys,
+                client,
+                draining: AtomicBool::new(false),
+                stop_tx: watch::channel(false).0,
+            }),
+        }
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &GatewayConfig {
+        &self.shared.cfg
+    }
+
+    /// The backend endpoints.
+    pub fn backends(&self) -> &EndpointSet {
+        &self.shared.backends
+    }
+
+    /// The demand counters.
+    pub fn demand(&self) -> &DemandHub {
+        &self.shared.demand
+    }
+
+    /// The metrics.
+    pub fn metrics(&self) -> &Metrics {
+        &self.shared.metrics
+    }
+
+    /// Starts the lease expiry and API key reloads; they stop when the runtime does.
+    pub fn spawn_background(&self, key_reload_interval: Duration) {
+        tokio::spawn(
+            self.shared
+                .lease
+                .clone()
+                .run(self.shared.backends.clone(), self.shared.cfg.activation_grace),
+        );
+        tokio::spawn(self.shared.keys.clone().watch(key_reload_interval));
+    }
+
+    /// The HTTP routes: the gateway's own endpoints, everything else proxied.
+    pub fn router(&self) -> Router {
+        Router::new()
+            .route("/healthz", get(|| async { "ok" }))
+            .route("/readyz", get(readyz))
+            .route("/hearth/queue", get(queue))
+            .route("/hearth/local-demand", get(local_demand))
+            .route("/metrics", get(metrics))
+            .fallback(proxy::proxy)
+            .with_state(self.shared.clone())
+    }
+
+    /// The KEDA ExternalScaler gRPC service of this replica.
+    pub fn scaler(&self) -> Scaler {
+        Scaler::new(
+            self.shared.demand.clone(),
+            self.shared.metrics.clone(),
+            self.shared.cfg.metric_name.clone(),
+            self.shared.cfg.metric_target,
+        )
+    }
+
+    /// Starts draining: readiness turns 503 and new requests get 503; in-flight requests go on.
+    pub fn start_drain(&self) {
+        self.shared.draining.store(true, Ordering::SeqCst);
+    }
+
+    /// Whether [`Gateway::start_drain`] was called.
+    pub fn is_draining(&self) -> bool {
+        self.shared.is_draining()
+    }
+
+    /// Drains: refuses new requests, waits until in-flight ones finish or the drain timeout
+    /// passes, then tells the servers to stop. Returns the requests still pending.
+    pub async fn drain(&self) -> u64 {
+        self.start_drain();
+        let left = self
+            .shared
+            .demand
+            .wait_idle(self.shared.cfg.drain_timeout)
+            .await;
+        self.shared.stop_tx.send_replace(true);
+        left
+    }
+
+    /// Resolves once [`Gateway::drain`] has finished (or [`Gateway::stop`] was called).
+    pub fn stopped(&self) -> impl Future<Output = ()> + Send + 'static {
+        let mut rx = self.shared.stop_tx.subscribe();
+        async move {
+            let _ = rx.wait_for(|s| *s).await;
+        }
+    }
+
+    /// Stops the servers now, without waiting for in-flight requests.
+    pub fn stop(&self) {
+        self.shared.stop_tx.send_replace(true);
+    }
+
+    /// Serves HTTP/1.1 on `listener` until [`Gateway::stopped`], then closes idle connections
+    /// and gives busy ones one second to finish.
+    ///
+    /// # Errors
+    /// None in practice: accept errors (e.g. out of file descriptors) are logged and retried.
+    pub async fn serve_http(&self, listener: TcpListener) -> std::io::Result<()> {
+        let router = self.router();
+        let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+        let mut builder = hyper::server::conn::http1::Builder::new();
+        builder
+            .timer(TokioTimer::new())
+            .header_read_timeout(Duration::from_secs(30))
+            .keep_alive(true);
+        let stopped = self.stopped();
+        tokio::pin!(stopped);
+        loop {
+            let (stream, peer) = tokio::select! {
+                r = listener.accept() => match r {
+                    Ok(x) => x,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "accept failed");
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                        continue;
+                    }
+                },
+                _ = &mut stopped => break,
+            };
+            let _ = stream.set_nodelay(true);
+            let router = router.clone();
+            let svc = hyper::service::service_fn(move |mut req: hyper::Request<hyper::body::Incoming>| {
+                req.extensions_mut().insert(ClientAddr(peer));
+                let mut r = router.clone();
+                r.call(req)
+            });
+            let conn = builder.serve_connection(TokioIo::new(stream), svc);
+            let conn = graceful.watch(conn);
+            tokio::spawn(async move {
+                let _ = conn.await;
+            });
+        }
+        drop(listener);
+        tokio::select! {
+            _ = graceful.shutdown() => {}
+            _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+        }
+        Ok(())
+    }
+
+    /// Serves the ExternalScaler gRPC service on `listener` until [`Gateway::stopped`].
+    ///
+    /// # Errors
+    /// The transport error of the gRPC server.
+    pub async fn serve_grpc(&self, listener: TcpListener) -> Result<(), tonic::transport::Error> {
+        let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+        tonic::transport::Server::builder()
+            .add_service(crate::scaler::server(self.scaler()))
+            .serve_with_incoming_shutdown(incoming, self.stopped())
+            .await
+    }
+}
+
+/// A gateway serving on loopback ports in background tasks: for tests and benchmarks.
+#[derive(Debug)]
+pub struct RunningGateway {
+    /// The replica.
+    pub gateway: Gateway,
+    /// HTTP address.
+    pub http: SocketAddr,
+    /// ExternalScaler gRPC address.
+    pub grpc: SocketAddr,
+}
+
+impl RunningGateway {
+    /// `http://<http addr>`.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.http)
+    }
+
+    /// `http://<grpc addr>`, for a tonic client.
+    pub fn grpc_url(&self) -> String {
+        format!("http://{}", self.grpc)
+    }
+}
+
+/// Starts `gateway` on ephemeral ports of `ip` (HTTP and gRPC) with its background tasks.
+///
+/// # Errors
+/// Bind errors.
+pub async fn spawn(gateway: Gateway, ip: std::net::IpAddr) -> std::io::Result<RunningGateway> {
+    let http_l = TcpListener::bind(SocketAddr::new(ip, 0)).await?;
+    let grpc_l = TcpListener::bind(SocketAddr::new(ip, 0)).await?;
+    let http = http_l.local_addr()?;
+    let grpc = grpc_l.local_addr()?;
+    gateway.spawn_background(Duration::from_secs(1));
+    let g = gateway.clone();
+    tokio::spawn(async move { g.serve_http(http_l).await });
+    let g = gateway.clone();
+    tokio::spawn(async move {
+        if let Err(e) = g.serve_grpc(grpc_l).await {
+            tracing::error!(error = %e, "gRPC server failed");
+        }
+    });
+    Ok(RunningGateway {
+        gateway,
+        http,
+        grpc,
+    })
+}
+
+async fn readyz(State(shared): State<Arc<Shared>>) -> Response {
+    if shared.is_draining() {
+        (StatusCode::SERVICE_UNAVAILABLE, "draining").into_response()
+    } else {
+        "ok".into_response()
+    }
+}
+
+#[derive(Deserialize)]
+struct QueueQuery {
+    #[serde(default)]
+    scope: Option<String>,
+}
+
+async fn queue(State(shared): State<Arc<Shared>>, Query(q): Query<QueueQuery>) -> Response {
+    let state = shared.demand.state();
+    let value = match q.scope.as_deref() {
+        None | Some("total") => state.total(),
+        Some("local") => Ok(state.local()),
+        Some(other) => {
+            let body = serde_json::json!({"error": format!("unknown scope {other:?}: use scope=total (default) or scope=local")});
+            return (StatusCode::BAD_REQUEST, axum::Json(body)).into_response();
+        }
+    };
+    match value {
+        Ok(n) => axum::Json(serde_json::json!({"pending": n})).into_response(),
+        Err(e) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            axum::Json(serde_json::json!({"error": e.to_string()})),
+        )
+            .into_response(),
+    }
+}
+
+async fn local_demand(State(shared): State<Arc<Shared>>) -> Response {
+    let stop = shared.stop_tx.subscribe();
+    peers::local_demand_stream(shared.demand.subscribe(), stop)
+}
+
+async fn metrics(State(shared): State<Arc<Shared>>) -> Response {
+    let state = shared.demand.state();
+    let m = &shared.metrics;
+    m.pending.set(state.pending() as i64);
+    m.demand.set(state.local() as i64);
+    m.demand_total.clear();
+    if let Ok(t) = state.total() {
+        m.demand_total.get_or_create(&Vec::new()).set(t as i64);
+    }
+    m.backend_endpoints
+        .set(shared.backends.snapshot().len() as i64);
+    let mut resp = m.encode().into_response();
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/openmetrics-text; version=1.0.0; charset=utf-8"),
+    );
+    resp
+}

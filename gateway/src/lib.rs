@@ -1,0 +1,34 @@
+//! Hearth's data plane: an OpenAI-compatible reverse proxy that makes scale-to-zero usable.
+//!
+//! - bounded admission (`maxQueue`, 429 + `Retry-After` beyond it);
+//! - cold start: hold (SSE heartbeats for streams) or reject (503 + `Retry-After`), an
+//!   activation timeout, and an activation lease that keeps demand raised until the backend is
+//!   ready;
+//! - backends discovered from the backend Service's EndpointSlices ([`discovery`]) into an
+//!   [`endpoints::EndpointSet`], least outstanding requests, held requests forwarded the moment
+//!   an endpoint turns ready;
+//! - streaming passed through chunk by chunk, bytes unchanged ([`proxy`]);
+//! - KEDA: `GET /hearth/queue` (metrics-api) and the ExternalScaler gRPC service ([`scaler`]),
+//!   with demand aggregated over gateway replicas ([`peers`]);
+//! - drain on SIGTERM, and the backend `preStop` drain command ([`drain`]);
+//! - optional API keys ([`apikeys`]) and Prometheus metrics ([`metrics`]).
+//!
+//! `docs/gateway.md` describes the flags and the behaviour.
+
+pub mod apikeys;
+pub mod cli;
+pub mod config;
+pub mod demand;
+pub mod discovery;
+pub mod drain;
+pub mod endpoints;
+pub mod gateway;
+pub mod metrics;
+pub mod openai;
+pub mod peers;
+pub mod proxy;
+pub mod scaler;
+
+pub use config::{ColdStartMode, GatewayConfig};
+pub use endpoints::EndpointSet;
+pub use gateway::{Gateway, RunningGateway, spawn};

@@ -1,0 +1,175 @@
+//! `hearth-gateway`: the thin binary over the `hearth_gateway` library.
+//!
+//! `hearth-gateway [flags]` serves; `hearth-gateway drain --url … --timeout …` is the backend
+//! pods' preStop drain. Flags and environment variables: `--help` and `docs/gateway.md`.
+
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Parser;
+use hearth_gateway::{
+    Gateway,
+    apikeys::ApiKeys,
+    cli::{Cli, Command, DrainArgs, ServeArgs},
+    discovery::{SliceSource, watch_endpoints},
+    drain::{DrainOutcome, wait_backend_idle},
+    endpoints::EndpointSet,
+    peers::PeerSet,
+};
+use tokio::signal::unix::{SignalKind, signal};
+
+fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .json()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "info".into()),
+        )
+        .init();
+    let cli = Cli::parse();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the tokio runtime")?;
+    match cli.command {
+        Some(Command::Drain(args)) => rt.block_on(drain(args)),
+        None => rt.block_on(serve(cli.serve)),
+    }
+}
+
+async fn drain(args: DrainArgs) -> anyhow::Result<()> {
+    let outcome = wait_backend_idle(&args.url, args.timeout, args.interval).await;
+    match outcome {
+        DrainOutcome::Idle { waited } => {
+            tracing::info!(waited_ms = waited.as_millis() as u64, "backend idle")
+        }
+        DrainOutcome::Gone { waited } => {
+            tracing::info!(waited_ms = waited.as_millis() as u64, "backend not listening")
+        }
+        DrainOutcome::TimedOut { running, waiting } => tracing::warn!(
+            ?running,
+            ?waiting,
+            "drain timeout passed with requests in flight"
+        ),
+    }
+    Ok(())
+}
+
+async fn kube_client() -> anyhow::Result<kube::Client> {
+    kube::Client::try_default()
+        .await
+        .context("connecting to the Kubernetes API (in-cluster config or KUBECONFIG)")
+}
+
+async fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    let cfg = args.gateway_config()?;
+    let keys = match &args.api_key_file {
+        Some(path) => ApiKeys::load(path)?,
+        None => ApiKeys::disabled(),
+    };
+    let fallback = args.fallback_authority()?;
+    let backends = EndpointSet::new();
+    let needs_kube = args.backend_service.is_some() || args.peer_service.is_some();
+    let client = if needs_kube {
+        Some(kube_client().await?)
+    } else {
+        None
+    };
+
+    match (&args.backend_service, &client) {
+        (Some(service), Some(client)) => {
+            let source = SliceSource {
+                namespace: args.namespace.clone(),
+                service: service.clone(),
+                port_name: args.backend_port_name.clone(),
+            };
+            let set = backends.clone();
+            let client = client.clone();
+            tokio::spawn(async move {
+                let feed = set.clone();
+                let e = watch_endpoints(client, source, move |eps| feed.replace(eps)).await;
+                match fallback {
+                    Some(auth) => {
+                        tracing::warn!(error = %e, fallback = %auth, "backend discovery stopped; forwarding to the Service URL");
+                        set.replace([auth]);
+                    }
+                    None => tracing::error!(error = %e, "backend discovery stopped"),
+                }
+            });
+        }
+        _ => {
+            let auth = fallback.context("no backend: set --backend-service or --backend-url")?;
+            tracing::info!(backend = %auth, "fixed backend (no discovery)");
+            backends.replace([auth]);
+        }
+    }
+
+    let gateway = Gateway::new(cfg, backends, keys);
+
+    if let (Some(service), Some(client)) = (&args.peer_service, &client) {
+        let peers = PeerSet::new(gateway.demand().clone());
+        let source = SliceSource {
+            namespace: args.namespace.clone(),
+            service: service.clone(),
+            port_name: args.peer_port_name.clone(),
+        };
+        let me = args.pod_ip;
+        let client = client.clone();
+        tokio::spawn(async move {
+            let feed = peers.clone();
+            let e = watch_endpoints(client, source, move |eps| {
+                let others = eps
+                    .into_iter()
+                    .filter(|a| me.is_none_or(|ip| a.host().trim_matches(['[', ']']) != ip.to_string()))
+                    .map(|a| a.to_string())
+                    .collect();
+                feed.update(others);
+            })
+            .await;
+            tracing::error!(error = %e, "peer discovery stopped; total demand is unknown");
+            peers.discovery_failed(e.to_string());
+        });
+    }
+
+    let http = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .with_context(|| format!("binding --listen {}", args.listen))?;
+    let grpc = tokio::net::TcpListener::bind(args.scaler_listen)
+        .await
+        .with_context(|| format!("binding --scaler-listen {}", args.scaler_listen))?;
+    gateway.spawn_background(args.api_key_reload_interval);
+    tracing::info!(http = %args.listen, scaler = %args.scaler_listen, "hearth-gateway serving");
+
+    let g = gateway.clone();
+    let http_task = tokio::spawn(async move { g.serve_http(http).await });
+    let g = gateway.clone();
+    let grpc_task = tokio::spawn(async move { g.serve_grpc(grpc).await });
+
+    let mut term = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
+    let mut int = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = int.recv() => {}
+    }
+    tracing::info!(
+        pending = gateway.demand().state().pending(),
+        "draining: readiness is 503, new requests get 503, in-flight requests continue"
+    );
+    let g = gateway.clone();
+    let left = tokio::select! {
+        left = g.drain() => left,
+        _ = term.recv() => { gateway.stop(); gateway.demand().state().pending() }
+        _ = int.recv() => { gateway.stop(); gateway.demand().state().pending() }
+    };
+    if left > 0 {
+        tracing::warn!(pending = left, "drain timeout passed with requests in flight");
+    } else {
+        tracing::info!("drained");
+    }
+    let _ = tokio::time::timeout(Duration::from_secs(2), async {
+        let _ = http_task.await;
+        let _ = grpc_task.await;
+    })
+    .await;
+    Ok(())
+}

@@ -1,0 +1,206 @@
+//! The gateway's Prometheus metrics, served as text at `GET /metrics`.
+//!
+//! | metric | type | meaning |
+//! |---|---|---|
+//! | `hearth_gateway_pending` | gauge | requests admitted by this replica and not finished |
+//! | `hearth_gateway_demand` | gauge | this replica's demand (pending, at least 1 while the activation lease is held) |
+//! | `hearth_gateway_demand_total` | gauge | demand summed over all gateway replicas; absent while unknown |
+//! | `hearth_gateway_requests_total{code}` | counter | finished requests by HTTP status code sent |
+//! | `hearth_gateway_requests_canceled_total` | counter | requests whose client left before the response finished |
+//! | `hearth_gateway_rejections_total{reason}` | counter | requests refused by the gateway itself (`queue_full`, `cold_reject`, `activation_timeout`, `body_too_large`, `unauthorized`, `draining`, `unknown_model`) |
+//! | `hearth_gateway_activation_wait_seconds` | histogram | cold requests: arrival until forwarded to a ready backend |
+//! | `hearth_gateway_upstream_latency_seconds` | histogram | request sent to the backend until its response headers |
+//! | `hearth_gateway_time_to_first_token_seconds` | histogram | streaming requests: arrival until the first body chunk from the backend |
+//! | `hearth_gateway_upstream_errors_total{kind}` | counter | backend failures (`connect`, `request`, `stream`) |
+//! | `hearth_gateway_scaler_streams` | gauge | open KEDA `StreamIsActive` streams |
+//! | `hearth_gateway_backend_endpoints` | gauge | ready backend endpoints known |
+
+use std::sync::atomic::AtomicI64;
+
+use prometheus_client::{
+    encoding::EncodeLabelSet,
+    metrics::{
+        counter::Counter,
+        family::Family,
+        gauge::Gauge,
+        histogram::{Histogram, exponential_buckets},
+    },
+    registry::Registry,
+};
+
+/// `code` label: an HTTP status code.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct CodeLabel {
+    /// The status code, e.g. `200`.
+    pub code: u16,
+}
+
+/// `reason` or `kind` label.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReasonLabel {
+    /// Why, in `snake_case`.
+    pub reason: &'static str,
+}
+
+/// `kind` label of upstream errors.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct KindLabel {
+    /// What failed, in `snake_case`.
+    pub kind: &'static str,
+}
+
+/// All gateway metrics and their registry.
+#[derive(Debug)]
+pub struct Metrics {
+    registry: Registry,
+    /// `hearth_gateway_pending`.
+    pub pending: Gauge,
+    /// `hearth_gateway_demand`.
+    pub demand: Gauge,
+    /// `hearth_gateway_demand_total`, set at scrape time.
+    pub demand_total: Family<Vec<(String, String)>, Gauge<i64, AtomicI64>>,
+    /// `hearth_gateway_requests_total{code}`.
+    pub requests: Family<CodeLabel, Counter>,
+    /// `hearth_gateway_requests_canceled_total`.
+    pub canceled: Counter,
+    /// `hearth_gateway_rejections_total{reason}`.
+    pub rejections: Family<ReasonLabel, Counter>,
+    /// `hearth_gateway_activation_wait_seconds`.
+    pub activation_wait: Histogram,
+    /// `hearth_gateway_upstream_latency_seconds`.
+    pub upstream_latency: Histogram,
+    /// `hearth_gateway_time_to_first_token_seconds`.
+    pub ttft: Histogram,
+    /// `hearth_gateway_upstream_errors_total{kind}`.
+    pub upstream_errors: Family<KindLabel, Counter>,
+    /// `hearth_gateway_scaler_streams`.
+    pub scaler_streams: Gauge,
+    /// `hearth_gateway_backend_endpoints`.
+    pub backend_endpoints: Gauge,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    /// Creates and registers every metric.
+    pub fn new() -> Self {
+        let mut registry = Registry::default();
+        let pending = Gauge::default();
+        let demand = Gauge::default();
+        let demand_total = Family::default();
+        let requests = Family::default();
+        let canceled = Counter::default();
+        let rejections = Family::default();
+        // 1 ms .. ~9 min.
+        let activation_wait = Histogram::new(exponential_buckets(0.001, 2.0, 20));
+        // 0.1 ms .. ~52 s.
+        let upstream_latency = Histogram::new(exponential_buckets(0.0001, 2.0, 20));
+        let ttft = Histogram::new(exponential_buckets(0.001, 2.0, 20));
+        let upstream_errors = Family::default();
+        let scaler_streams = Gauge::default();
+        let backend_endpoints = Gauge::default();
+        registry.register(
+            "hearth_gateway_pending",
+            "Requests admitted by this replica and not finished",
+            pending.clone(),
+        );
+        registry.register(
+            "hearth_gateway_demand",
+            "This replica's demand: pending, at least 1 while the activation lease is held",
+            demand.clone(),
+        );
+        registry.register(
+            "hearth_gateway_demand_total",
+            "Demand summed over all gateway replicas (absent while unknown)",
+            demand_total.clone(),
+        );
+        registry.register(
+            "hearth_gateway_requests",
+            "Finished requests by HTTP status code sent",
+            requests.clone(),
+        );
+        registry.register(
+            "hearth_gateway_requests_canceled",
+            "Requests whose client left before the response finished",
+            canceled.clone(),
+        );
+        registry.register(
+            "hearth_gateway_rejections",
+            "Requests refused by the gateway itself, by reason",
+            rejections.clone(),
+        );
+        registry.register(
+            "hearth_gateway_activation_wait_seconds",
+            "Cold requests: arrival until forwarded to a ready backend",
+            activation_wait.clone(),
+        );
+        registry.register(
+            "hearth_gateway_upstream_latency_seconds",
+            "Request sent to the backend until its response headers",
+            upstream_latency.clone(),
+        );
+        registry.register(
+            "hearth_gateway_time_to_first_token_seconds",
+            "Streaming requests: arrival until the first body chunk from the backend",
+            ttft.clone(),
+        );
+        registry.register(
+            "hearth_gateway_upstream_errors",
+            "Backend failures by kind",
+            upstream_errors.clone(),
+        );
+        registry.register(
+            "hearth_gateway_scaler_streams",
+            "Open KEDA StreamIsActive streams",
+            scaler_streams.clone(),
+        );
+        registry.register(
+            "hearth_gateway_backend_endpoints",
+            "Ready backend endpoints known",
+            backend_endpoints.clone(),
+        );
+        Self {
+            registry,
+            pending,
+            demand,
+            demand_total,
+            requests,
+            canceled,
+            rejections,
+            activation_wait,
+            upstream_latency,
+            ttft,
+            upstream_errors,
+            scaler_streams,
+            backend_endpoints,
+        }
+    }
+
+    /// Counts a finished request by status code.
+    pub fn finished(&self, code: u16) {
+        self.requests.get_or_create(&CodeLabel { code }).inc();
+    }
+
+    /// Counts a refusal by the gateway.
+    pub fn rejected(&self, reason: &'static str) {
+        self.rejections.get_or_create(&ReasonLabel { reason }).inc();
+    }
+
+    /// Counts a backend failure.
+    pub fn upstream_error(&self, kind: &'static str) {
+        self.upstream_errors.get_or_create(&KindLabel { kind }).inc();
+    }
+
+    /// The text exposition format (Prometheus `text/plain; version=0.0.4` compatible
+    /// OpenMetrics text).
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        // Writing to a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        out
+    }
+}

@@ -1,0 +1,763 @@
+//! The request path: admission, cold-start hold or reject, forwarding and streaming.
+//!
+//! Order of checks for a proxied request: draining (503) → API key (401) → body size (413) →
+//! model name (404, only with served model names) → admission (`maxQueue`, 429) → a ready
+//! endpoint? forward : cold start. The body is read before admission so a malformed or
+//! misdirected request never raises demand (and never wakes a model).
+
+use std::{
+    pin::Pin,
+    sync::Arc,
+    task::{Context, Poll},
+    time::{Duration, Instant},
+};
+
+use axum::{
+    body::Body,
+    extract::{Request, State},
+    http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode, Uri, header},
+    response::Response,
+};
+use bytes::Bytes;
+use http_body::{Body as HttpBody, Frame, SizeHint};
+use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
+use hyper::body::Incoming;
+use hyper_util::client::legacy::{Client, connect::HttpConnector};
+use prometheus_client::metrics::histogram::Histogram;
+use tokio::sync::mpsc;
+
+use crate::{
+    apikeys::AuthOutcome,
+    config::ColdStartMode,
+    demand::Admission,
+    endpoints::EndpointGuard,
+    gateway::Shared,
+    metrics::Metrics,
+    openai::{RequestHints, error_response, sse_error_event, with_retry_after},
+};
+
+/// The HTTP client used towards backends.
+pub type UpstreamClient = Client<HttpConnector, Full<Bytes>>;
+
+/// Builds the backend client: HTTP/1.1, TCP_NODELAY, pooled keep-alive connections.
+pub fn upstream_client(connect_timeout: Duration) -> UpstreamClient {
+    let mut connector = HttpConnector::new();
+    connector.set_nodelay(true);
+    connector.set_connect_timeout(Some(connect_timeout));
+    connector.enforce_http(true);
+    Client::builder(hyper_util::rt::TokioExecutor::new())
+        .pool_idle_timeout(Duration::from_secs(90))
+        .pool_timer(hyper_util::rt::TokioTimer::new())
+        .build(connector)
+}
+
+/// The client's address, set per connection by the server loop.
+#[derive(Debug, Clone, Copy)]
+pub struct ClientAddr(pub std::net::SocketAddr);
+
+/// The SSE comment sent while a streaming request is held (RFC-compliant SSE clients ignore
+/// lines starting with `:`).
+pub const HEARTBEAT: &[u8] = b": hearth: waiting for a backend to become ready\n\n";
+
+/// Counts a request once, when it finishes: by status code, or as canceled when dropped first.
+struct Tracker {
+    metrics: Arc<Metrics>,
+    code: Option<u16>,
+}
+
+impl Tracker {
+    fn new(metrics: Arc<Metrics>) -> Self {
+        Self {
+            metrics,
+            code: None,
+        }
+    }
+
+    fn finish(&mut self, code: u16) {
+        self.code = Some(code);
+    }
+}
+
+impl Drop for Tracker {
+    fn drop(&mut self) {
+        match self.code {
+            Some(code) => self.metrics.finished(code),
+            None => {
+                self.metrics.canceled.inc();
+            }
+        }
+    }
+}
+
+/// Finishes `tracker` with `resp`'s status and returns it.
+fn done(mut tracker: Tracker, resp: Response) -> Response {
+    tracker.finish(resp.status().as_u16());
+    resp
+}
+
+fn reject(
+    shared: &Shared,
+    tracker: Tracker,
+    reason: &'static str,
+    status: StatusCode,
+    message: &str,
+    kind: &str,
+    retry: bool,
+) -> Response {
+    shared.metrics.rejected(reason);
+    let resp = error_response(status, message, kind, Some(reason));
+    let resp = if retry {
+        with_retry_after(resp, shared.cfg.retry_after)
+    } else {
+        resp
+    };
+    done(tracker, resp)
+}
+
+/// Hop-by-hop header fields (RFC 9110 §7.6.1), removed in both directions together with any
+/// field named in `Connection`.
+const HOP_BY_HOP: [&str; 8] = [
+    "connection",
+    "proxy-connection",
+    "keep-alive",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+    "proxy-authenticate",
+];
+
+/// Removes hop-by-hop fields from `headers` (RFC 9110 §7.6.1).
+pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    let named: Vec<HeaderName> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|t| HeaderName::from_bytes(t.trim().as_bytes()).ok())
+        .collect();
+    for name in named {
+        headers.remove(name);
+    }
+    for name in HOP_BY_HOP {
+        headers.remove(name);
+    }
+}
+
+/// Whether the request got past the hold, and how.
+enum HoldError {
+    /// No endpoint became ready before the activation deadline.
+    Timeout,
+    /// The backend could not be reached or failed before answering.
+    Upstream(String),
+}
+
+/// The parts of a request to re-send on each attempt.
+struct Outgoing {
+    method: Method,
+    path_and_query: String,
+    headers: HeaderMap,
+    body: Bytes,
+}
+
+impl Shared {
+    fn build_upstream(
+        &self,
+        out: &Outgoing,
+        ep: &EndpointGuard,
+    ) -> Result<hyper::Request<Full<Bytes>>, String> {
+        let uri = Uri::builder()
+            .scheme("http")
+            .authority(ep.endpoint().authority().clone())
+            .path_and_query(out.path_and_query.as_str())
+            .build()
+            .map_err(|e| format!("building the backend URI: {e}"))?;
+        let mut req = hyper::Request::new(Full::new(out.body.clone()));
+        *req.method_mut() = out.method.clone();
+        *req.uri_mut() = uri;
+        *req.headers_mut() = out.headers.clone();
+        Ok(req)
+    }
+
+    /// Sends `out` to a ready endpoint, waiting for one until `deadline` and retrying when a
+    /// connection cannot be established (the request was not sent, so it is safe to resend).
+    async fn forward(
+        &self,
+        out: &Outgoing,
+        deadline: Instant,
+        arrival: Instant,
+        cold: bool,
+    ) -> Result<(hyper::Response<Incoming>, EndpointGuard), HoldError> {
+        let mut backoff = Duration::from_millis(20);
+        loop {
+            let ep = self
+                .acquire_endpoint(deadline)
+                .await
+                .ok_or(HoldError::Timeout)?;
+            let req = self.build_upstream(out, &ep).map_err(HoldError::Upstream)?;
+            let sent = Instant::now();
+            match self.client.request(req).await {
+                Ok(resp) => {
+                    self.metrics
+                        .upstream_latency
+                        .observe(sent.elapsed().as_secs_f64());
+                    if cold {
+                        self.metrics
+                            .activation_wait
+                            .observe(sent.duration_since(arrival).as_secs_f64());
+                    }
+                    return Ok((resp, ep));
+                }
+                Err(e) if e.is_connect() => {
+                    self.metrics.upstream_error("connect");
+                    tracing::debug!(endpoint = %ep.endpoint().authority(), error = %e, "backend refused the connection; retrying");
+                    drop(ep);
+                    let now = Instant::now();
+                    if now >= deadline {
+                        return Err(HoldError::Timeout);
+                    }
+                    tokio::time::sleep(backoff.min(deadline - now)).await;
+                    backoff = (backoff * 2).min(Duration::from_millis(500));
+                }
+                Err(e) => {
+                    self.metrics.upstream_error("request");
+                    return Err(HoldError::Upstream(format!(
+                        "backend {} failed: {e}",
+                        ep.endpoint().authority()
+                    )));
+                }
+            }
+        }
+    }
+
+    /// The least-loaded ready endpoint, waiting for the set to change until `deadline`.
+    async fn acquire_endpoint(&self, deadline: Instant) -> Option<EndpointGuard> {
+        let mut rx = self.backends.subscribe();
+        loop {
+            rx.borrow_and_update();
+            if let Some(ep) = self.backends.pick() {
+                return Some(ep);
+            }
+            tokio::select! {
+                r = rx.changed() => r.ok()?,
+                _ = tokio::time::sleep_until(deadline.into()) => return None,
+            }
+        }
+    }
+}
+
+/// The response to `GET /v1/models` while no backend is ready: the served model names, in the
+/// OpenAI `list` shape, so clients can discover the model without waking it.
+fn models_list(names: &[String]) -> Response {
+    let data: Vec<serde_json::Value> = names
+        .iter()
+        .map(|n| serde_json::json!({"id": n, "object": "model", "created": 0, "owned_by": "hearth"}))
+        .collect();
+    let mut resp = Response::new(Body::from(
+        serde_json::json!({"object": "list", "data": data}).to_string(),
+    ));
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    resp
+}
+
+/// Every request that is not one of the gateway's own endpoints.
+pub(crate) async fn proxy(State(shared): State<Arc<Shared>>, req: Request) -> Response {
+    let arrival = Instant::now();
+    let tracker = Tracker::new(shared.metrics.clone());
+    if shared.is_draining() {
+        let mut resp = reject(
+            &shared,
+            tracker,
+            "draining",
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the gateway is shutting down; retry the request",
+            "server_error",
+            true,
+        );
+        resp.headers_mut()
+            .insert(header::CONNECTION, HeaderValue::from_static("close"));
+        return resp;
+    }
+    match shared
+        .keys
+        .check(req.headers().get(header::AUTHORIZATION).map(|v| v.as_bytes()))
+    {
+        AuthOutcome::Allowed => {}
+        outcome => {
+            let message = if outcome == AuthOutcome::Missing {
+                "You didn't provide an API key. You need to provide your API key in an Authorization header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY)."
+            } else {
+                "Incorrect API key provided."
+            };
+            shared.metrics.rejected("unauthorized");
+            let mut resp = error_response(
+                StatusCode::UNAUTHORIZED,
+                message,
+                "invalid_request_error",
+                Some("invalid_api_key"),
+            );
+            resp.headers_mut().insert(
+                header::WWW_AUTHENTICATE,
+                HeaderValue::from_static("Bearer"),
+            );
+            return done(tracker, resp);
+        }
+    }
+
+    let (parts, body) = req.into_parts();
+    if parts.method == Method::GET
+        && parts.uri.path() == "/v1/models"
+        && !shared.cfg.served_model_names.is_empty()
+        && !shared.backends.is_ready()
+    {
+        return done(tracker, models_list(&shared.cfg.served_model_names));
+    }
+
+    // The body, whole and bounded: it is kept to be forwarded after activation.
+    let limit = shared.cfg.body_limit;
+    let declared = parts
+        .headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    let too_large = || {
+        format!("the request body is larger than the gateway's limit of {limit} bytes (--body-limit)")
+    };
+    if declared.is_some_and(|n| n > limit as u64) {
+        let msg = too_large();
+        return reject(
+            &shared,
+            tracker,
+            "body_too_large",
+            StatusCode::PAYLOAD_TOO_LARGE,
+            &msg,
+            "invalid_request_error",
+            false,
+        );
+    }
+    let body = match Limited::new(body, limit).collect().await {
+        Ok(c) => c.to_bytes(),
+        Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => {
+            let msg = too_large();
+            return reject(
+                &shared,
+                tracker,
+                "body_too_large",
+                StatusCode::PAYLOAD_TOO_LARGE,
+                &msg,
+                "invalid_request_error",
+                false,
+            );
+        }
+        Err(e) => {
+            // The client went away mid-body: the tracker counts it as canceled.
+            tracing::debug!(error = %e, "reading the request body failed");
+            drop(tracker);
+            return error_response(
+                StatusCode::BAD_REQUEST,
+                "the request body could not be read",
+                "invalid_request_error",
+                None,
+            );
+        }
+    };
+
+    let is_json = parts
+        .headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.trim_start().starts_with("application/json"));
+    let hints = if is_json || (parts.method == Method::POST && body.first() == Some(&b'{')) {
+        RequestHints::from_body(&body)
+    } else {
+        RequestHints::default()
+    };
+    if let Some(model) = &hints.model
+        && !shared.cfg.served_model_names.is_empty()
+        && !shared.cfg.served_model_names.iter().any(|n| n == model)
+    {
+        let msg = format!("The model `{model}` does not exist.");
+        return reject(
+            &shared,
+            tracker,
+            "unknown_model",
+            StatusCode::NOT_FOUND,
+            &msg,
+            "invalid_request_error",
+            false,
+        );
+    }
+
+    let Some(slot) = shared.demand.try_admit() else {
+        let msg = format!(
+            "the gateway already holds {} requests (maxQueue); retry later",
+            shared.cfg.max_queue
+        );
+        return reject(
+            &shared,
+            tracker,
+            "queue_full",
+            StatusCode::TOO_MANY_REQUESTS,
+            &msg,
+            "rate_limit_error",
+            true,
+        );
+    };
+
+    let out = Outgoing {
+        method: parts.method.clone(),
+        path_and_query: parts
+            .uri
+            .path_and_query()
+            .map_or_else(|| "/".to_owned(), |p| p.as_str().to_owned()),
+        headers: forward_headers(&parts),
+        body,
+    };
+    let deadline = arrival + shared.cfg.activation_timeout;
+    let cold = !shared.backends.is_ready();
+    if cold {
+        shared.lease.raise();
+        match shared.cfg.cold_start {
+            ColdStartMode::Reject => {
+                drop(slot);
+                return reject(
+                    &shared,
+                    tracker,
+                    "cold_reject",
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "the model is starting; retry the request",
+                    "server_error",
+                    true,
+                );
+            }
+            ColdStartMode::Keepalive if hints.stream => {
+                return hold_streaming(shared, out, slot, tracker, arrival, deadline);
+            }
+            ColdStartMode::Keepalive => {}
+        }
+    }
+
+    match shared.forward(&out, deadline, arrival, cold).await {
+        Ok((resp, ep)) => relay(&shared, resp, ep, slot, tracker, hints.stream, arrival),
+        Err(HoldError::Timeout) => {
+            drop(slot);
+            let msg = format!(
+                "no backend became ready within the activation timeout ({:?}); retry the request",
+                shared.cfg.activation_timeout
+            );
+            reject(
+                &shared,
+                tracker,
+                "activation_timeout",
+                StatusCode::SERVICE_UNAVAILABLE,
+                &msg,
+                "server_error",
+                true,
+            )
+        }
+        Err(HoldError::Upstream(msg)) => done(
+            tracker,
+            error_response(StatusCode::BAD_GATEWAY, &msg, "server_error", None),
+        ),
+    }
+}
+
+/// The headers sent to the backend: the client's, minus hop-by-hop fields, with
+/// `Content-Length` recomputed from the buffered body, `Via` (RFC 9110 §7.6.3) and
+/// `X-Forwarded-For`/`X-Forwarded-Host`/`X-Forwarded-Proto`. `Authorization` is passed through.
+fn forward_headers(parts: &http::request::Parts) -> HeaderMap {
+    let mut h = parts.headers.clone();
+    strip_hop_by_hop(&mut h);
+    h.remove(header::CONTENT_LENGTH);
+    if let Some(host) = h.remove(header::HOST) {
+        h.insert("x-forwarded-host", host);
+    }
+    h.append(header::VIA, HeaderValue::from_static("1.1 hearth-gateway"));
+    if let Some(ClientAddr(addr)) = parts.extensions.get::<ClientAddr>() {
+        let ip = addr.ip().to_string();
+        let v = match h.get("x-forwarded-for").and_then(|v| v.to_str().ok()) {
+            Some(prev) => format!("{prev}, {ip}"),
+            None => ip,
+        };
+        if let Ok(v) = HeaderValue::from_str(&v) {
+            h.insert("x-forwarded-for", v);
+        }
+    }
+    h.insert("x-forwarded-proto", HeaderValue::from_static("http"));
+    h
+}
+
+/// Turns the backend's response into ours: status and end-to-end headers unchanged, body
+/// frames passed through as they arrive.
+fn relay(
+    shared: &Arc<Shared>,
+    resp: hyper::Response<Incoming>,
+    ep: EndpointGuard,
+    slot: Admission,
+    mut tracker: Tracker,
+    stream: bool,
+    arrival: Instant,
+) -> Response {
+    let (mut parts, body) = resp.into_parts();
+    strip_hop_by_hop(&mut parts.headers);
+    let code = parts.status.as_u16();
+    let ttft = stream.then(|| (arrival, shared.metrics.ttft.clone()));
+    if body.is_end_stream() {
+        tracker.finish(code);
+    }
+    let relay = Relay {
+        inner: body,
+        tracker: Some(tracker),
+        code,
+        held: Some((slot, ep)),
+        ttft,
+        metrics: shared.metrics.clone(),
+    };
+    Response::from_parts(parts, Body::new(relay))
+}
+
+/// The backend's body on its way to the client; it holds the admission slot and the endpoint's
+/// outstanding count until the last frame, and records the outcome.
+struct Relay {
+    inner: Incoming,
+    tracker: Option<Tracker>,
+    code: u16,
+    held: Option<(Admission, EndpointGuard)>,
+    ttft: Option<(Instant, Histogram)>,
+    metrics: Arc<Metrics>,
+}
+
+impl Relay {
+    fn complete(&mut self) {
+        if let Some(mut t) = self.tracker.take() {
+            t.finish(self.code);
+        }
+        self.held = None;
+    }
+}
+
+impl HttpBody for Relay {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        let this = &mut *self;
+        match Pin::new(&mut this.inner).poll_frame(cx) {
+            Poll::Ready(Some(Ok(frame))) => {
+                if frame.is_data()
+                    && let Some((start, h)) = this.ttft.take()
+                {
+                    h.observe(start.elapsed().as_secs_f64());
+                }
+                if this.inner.is_end_stream() {
+                    this.complete();
+                }
+                Poll::Ready(Some(Ok(frame)))
+            }
+            Poll::Ready(Some(Err(e))) => {
+                this.metrics.upstream_error("stream");
+                this.complete();
+                Poll::Ready(Some(Err(e)))
+            }
+            Poll::Ready(None) => {
+                this.complete();
+                Poll::Ready(None)
+            }
+            Poll::Pending => Poll::Pending,
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+impl Drop for Relay {
+    fn drop(&mut self) {
+        if self.inner.is_end_stream() {
+            self.complete();
+        }
+        // Otherwise the tracker drops unfinished: the client left, counted as canceled, and
+        // dropping `inner` closes the backend connection, which cancels the generation.
+    }
+}
+
+/// A body fed by a channel: the committed SSE stream of a held streaming request.
+struct ChannelBody {
+    rx: mpsc::Receiver<Bytes>,
+}
+
+impl HttpBody for ChannelBody {
+    type Data = Bytes;
+    type Error = std::convert::Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        self.rx
+            .poll_recv(cx)
+            .map(|o| o.map(|b| Ok(Frame::data(b))))
+    }
+}
+
+/// Keepalive cold start for a streaming request: `200` with `text/event-stream` now, comment
+/// lines every heartbeat interval, then the backend's stream bytes unchanged; on activation
+/// timeout or backend failure an `event: error` event, then the end of the stream.
+fn hold_streaming(
+    shared: Arc<Shared>,
+    out: Outgoing,
+    slot: Admission,
+    tracker: Tracker,
+    arrival: Instant,
+    deadline: Instant,
+) -> Response {
+    let (tx, rx) = mpsc::channel::<Bytes>(8);
+    tokio::spawn(async move {
+        let mut tracker = tracker;
+        let _slot = slot;
+        if tx.send(Bytes::from_static(HEARTBEAT)).await.is_err() {
+            return;
+        }
+        let hb = shared.cfg.heartbeat_interval;
+        let mut heartbeat = tokio::time::interval_at(tokio::time::Instant::now() + hb, hb);
+        let forward = shared.forward(&out, deadline, arrival, true);
+        tokio::pin!(forward);
+        let result = loop {
+            tokio::select! {
+                biased;
+                _ = tx.closed() => return, // client left: tracker counts a cancel
+                r = &mut forward => break r,
+                _ = heartbeat.tick() => {
+                    if tx.send(Bytes::from_static(HEARTBEAT)).await.is_err() {
+                        return;
+                    }
+                }
+            }
+        };
+        let (resp, _ep) = match result {
+            Ok(r) => r,
+            Err(HoldError::Timeout) => {
+                shared.metrics.rejected("activation_timeout");
+                let msg = format!(
+                    "no backend became ready within the activation timeout ({:?}); retry the request",
+                    shared.cfg.activation_timeout
+                );
+                let _ = tx
+                    .send(sse_error_event(
+                        &msg,
+                        "server_error",
+                        Some("activation_timeout"),
+                    ))
+                    .await;
+                tracker.finish(200);
+                return;
+            }
+            Err(HoldError::Upstream(msg)) => {
+                let _ = tx
+                    .send(sse_error_event(&msg, "server_error", Some("bad_gateway")))
+                    .await;
+                tracker.finish(200);
+                return;
+            }
+        };
+        let status = resp.status();
+        let mut body = resp.into_body();
+        if !status.is_success() {
+            // The 200 is committed: carry the backend's error inside the stream.
+            let bytes = tokio::select! {
+                _ = tx.closed() => return,
+                b = Limited::new(body, 64 * 1024).collect() => b.map(|c| c.to_bytes()).unwrap_or_default(),
+            };
+            let msg = serde_json::from_slice::<serde_json::Value>(&bytes)
+                .ok()
+                .and_then(|v| v["error"]["message"].as_str().map(str::to_owned))
+                .unwrap_or_else(|| String::from_utf8_lossy(&bytes).into_owned());
+            let msg = format!("backend answered {status}: {msg}");
+            let _ = tx
+                .send(sse_error_event(
+                    &msg,
+                    "server_error",
+                    Some(status.as_str()),
+                ))
+                .await;
+            tracker.finish(200);
+            return;
+        }
+        let mut first = true;
+        loop {
+            let frame = tokio::select! {
+                biased;
+                _ = tx.closed() => return,
+                f = body.frame() => f,
+            };
+            match frame {
+                Some(Ok(frame)) => {
+                    if let Ok(data) = frame.into_data() {
+                        if first {
+                            first = false;
+                            shared.metrics.ttft.observe(arrival.elapsed().as_secs_f64());
+                        }
+                        if tx.send(data).await.is_err() {
+                            return;
+                        }
+                    }
+                }
+                Some(Err(e)) => {
+                    shared.metrics.upstream_error("stream");
+                    let msg = format!("the backend stream failed: {e}");
+                    let _ = tx
+                        .send(sse_error_event(&msg, "server_error", Some("bad_gateway")))
+                        .await;
+                    tracker.finish(200);
+                    return;
+                }
+                None => {
+                    tracker.finish(200);
+                    return;
+                }
+            }
+        }
+    });
+    let mut resp = Response::new(Body::new(ChannelBody { rx }));
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/event-stream; charset=utf-8"),
+    );
+    resp.headers_mut()
+        .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    resp
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn strips_hop_by_hop_and_connection_named_fields() {
+        let mut h = HeaderMap::new();
+        h.insert(header::CONNECTION, HeaderValue::from_static("keep-alive, X-Secret"));
+        h.insert("keep-alive", HeaderValue::from_static("timeout=5"));
+        h.insert("x-secret", HeaderValue::from_static("1"));
+        h.insert(header::TE, HeaderValue::from_static("trailers"));
+        h.insert(header::TRANSFER_ENCODING, HeaderValue::from_static("chunked"));
+        h.insert(header::UPGRADE, HeaderValue::from_static("websocket"));
+        h.insert(header::AUTHORIZATION, HeaderValue::from_static("Bearer k"));
+        h.insert("x-end-to-end", HeaderValue::from_static("kept"));
+        strip_hop_by_hop(&mut h);
+        let left: Vec<&str> = h.keys().map(|k| k.as_str()).collect();
+        assert_eq!(left.len(), 2, "{left:?}");
+        assert_eq!(h[header::AUTHORIZATION], "Bearer k");
+        assert_eq!(h["x-end-to-end"], "kept");
+    }
+}

@@ -1,0 +1,742 @@
+//! A CPU stand-in for a vLLM OpenAI-compatible server.
+//!
+//! It answers the endpoints the Hearth gateway, the kubelet probes and KEDA touch on a real vLLM
+//! pod, with deterministic fake tokens and configurable timing, so the data path can be tested
+//! without an accelerator:
+//!
+//! | endpoint | behaviour |
+//! |---|---|
+//! | `GET /health` | `503` until the startup delay has passed, then `200` (vLLM's health route) |
+//! | `GET /v1/models` | the served model names, OpenAI `list` of `model` objects |
+//! | `POST /v1/chat/completions` | `chat.completion`, or SSE `chat.completion.chunk` events ending with `data: [DONE]` when `"stream": true` |
+//! | `POST /v1/completions` | `text_completion`, streaming likewise |
+//! | `GET /metrics` | Prometheus text: `vllm:num_requests_running`, `vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc` |
+//! | any method `/stub/echo` | test aid: the request's method, URI, headers and body size as JSON |
+//!
+//! Per-request overrides (documented in `tests/vllm-stub/README.md`):
+//! - `max_tokens` (or `max_completion_tokens` for chat) sets how many tokens are generated;
+//! - the header `x-stub-token-delay` or the body field `stub_token_delay` (a Go-style duration,
+//!   `"10ms"`) sets the delay before each token;
+//! - the header `x-stub-status` (an HTTP status code, 400..=599) makes the request fail with that
+//!   status and an OpenAI-style error body.
+//!
+//! At most `max_num_seqs` requests generate at once (vLLM's `--max-num-seqs`); the others wait,
+//! and are counted by `vllm:num_requests_waiting`.
+
+use std::{
+    convert::Infallible,
+    future::Future,
+    net::SocketAddr,
+    sync::{
+        Arc,
+        atomic::{AtomicU64, AtomicUsize, Ordering},
+    },
+    time::{Duration, Instant, SystemTime, UNIX_EPOCH},
+};
+
+use axum::{
+    Json, Router,
+    body::{Body, Bytes},
+    extract::{Request, State},
+    http::{HeaderMap, HeaderValue, StatusCode, header},
+    response::{IntoResponse, Response},
+    routing::{any, get, post},
+};
+use futures::StreamExt;
+use serde::Deserialize;
+use serde_json::{Value, json};
+use tokio::{net::TcpListener, sync::Semaphore};
+
+pub use hearth_crds::duration::parse_duration;
+
+/// Default number of tokens a request generates (`STUB_TOKEN_COUNT`).
+pub const DEFAULT_TOKEN_COUNT: u32 = 16;
+/// Default delay before each token (`STUB_TOKEN_DELAY`).
+pub const DEFAULT_TOKEN_DELAY: Duration = Duration::from_millis(20);
+/// Default concurrency limit, as vLLM's `--max-num-seqs` default.
+pub const DEFAULT_MAX_NUM_SEQS: usize = 256;
+/// Largest request body the stub reads, in bytes.
+pub const MAX_BODY_BYTES: usize = 16 * 1024 * 1024;
+
+/// What a stub serves and how slowly.
+#[derive(Clone, Debug)]
+pub struct StubConfig {
+    /// The model path or name given with `--model`; reported as the model's `root`.
+    pub model: String,
+    /// The names requests may use in `model` (`--served-model-name`); `model` when empty.
+    pub served_model_names: Vec<String>,
+    /// How long `/health` answers 503 after start (`STUB_STARTUP_DELAY`).
+    pub startup_delay: Duration,
+    /// Tokens generated per request unless `max_tokens` says otherwise (`STUB_TOKEN_COUNT`).
+    pub token_count: u32,
+    /// Delay before each generated token (`STUB_TOKEN_DELAY`).
+    pub token_delay: Duration,
+    /// Requests generating at once; the rest wait (`--max-num-seqs`).
+    pub max_num_seqs: usize,
+}
+
+impl Default for StubConfig {
+    fn default() -> Self {
+        Self {
+            model: "stub-model".into(),
+            served_model_names: Vec::new(),
+            startup_delay: Duration::ZERO,
+            token_count: DEFAULT_TOKEN_COUNT,
+            token_delay: DEFAULT_TOKEN_DELAY,
+            max_num_seqs: DEFAULT_MAX_NUM_SEQS,
+        }
+    }
+}
+
+impl StubConfig {
+    /// The names the stub answers to: `served_model_names`, or `model` when that is empty.
+    pub fn names(&self) -> Vec<String> {
+        if self.served_model_names.is_empty() {
+            vec![self.model.clone()]
+        } else {
+            self.served_model_names.clone()
+        }
+    }
+}
+
+/// Live counters of a running stub, shared by its handlers and readable by tests.
+#[derive(Debug)]
+pub struct StubState {
+    config: StubConfig,
+    started: Instant,
+    created_unix: u64,
+    running: AtomicUsize,
+    waiting: AtomicUsize,
+    received: AtomicU64,
+    next_id: AtomicU64,
+    seqs: Arc<Semaphore>,
+    received_tx: tokio::sync::watch::Sender<u64>,
+}
+
+impl StubState {
+    /// A fresh state; the startup delay counts from now.
+    pub fn new(config: StubConfig) -> Arc<Self> {
+        let seqs = Arc::new(Semaphore::new(config.max_num_seqs.max(1)));
+        Arc::new(Self {
+            config,
+            started: Instant::now(),
+            created_unix: SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map(|d| d.as_secs())
+                .unwrap_or(0),
+            running: AtomicUsize::new(0),
+            waiting: AtomicUsize::new(0),
+            received: AtomicU64::new(0),
+            next_id: AtomicU64::new(1),
+            seqs,
+            received_tx: tokio::sync::watch::channel(0).0,
+        })
+    }
+
+    /// The configuration this stub runs with.
+    pub fn config(&self) -> &StubConfig {
+        &self.config
+    }
+
+    /// Whether the startup delay has passed.
+    pub fn is_ready(&self) -> bool {
+        self.started.elapsed() >= self.config.startup_delay
+    }
+
+    /// Requests generating tokens now (`vllm:num_requests_running`).
+    pub fn running(&self) -> usize {
+        self.running.load(Ordering::SeqCst)
+    }
+
+    /// Requests waiting for a generation slot (`vllm:num_requests_waiting`).
+    pub fn waiting(&self) -> usize {
+        self.waiting.load(Ordering::SeqCst)
+    }
+
+    /// Completion requests received so far (counted when their body has been read).
+    pub fn received(&self) -> u64 {
+        self.received.load(Ordering::SeqCst)
+    }
+
+    /// A receiver that changes each time a completion request arrives (value: [`Self::received`]).
+    pub fn subscribe_received(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.received_tx.subscribe()
+    }
+}
+
+/// The stub's routes over `state`.
+pub fn router(state: Arc<StubState>) -> Router {
+    Router::new()
+        .route("/health", get(health))
+        .route("/v1/models", get(models))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/completions", post(completions))
+        .route("/metrics", get(metrics))
+        .route("/stub/echo", any(echo))
+        .with_state(state)
+}
+
+/// A stub serving on a bound listener; dropping it does not stop the server, call
+/// [`RunningStub::shutdown`] or abort the task.
+pub struct RunningStub {
+    /// The address the stub listens on.
+    pub addr: SocketAddr,
+    /// The stub's counters.
+    pub state: Arc<StubState>,
+    shutdown: Option<tokio::sync::oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<std::io::Result<()>>,
+}
+
+impl RunningStub {
+    /// `http://<addr>`, the base URL to send requests to.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Stops accepting connections, lets in-flight requests finish, and waits for the server.
+    pub async fn shutdown(mut self) -> std::io::Result<()> {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+        match self.task.await {
+            Ok(r) => r,
+            Err(e) => Err(std::io::Error::other(e)),
+        }
+    }
+}
+
+/// Binds `addr` (port 0 for an ephemeral port) and serves the stub in a background task.
+///
+/// # Errors
+/// The bind error, if the address cannot be bound.
+pub async fn spawn(config: StubConfig, addr: SocketAddr) -> std::io::Result<RunningStub> {
+    let listener = TcpListener::bind(addr).await?;
+    let addr = listener.local_addr()?;
+    let state = StubState::new(config);
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(serve(listener, state.clone(), async move {
+        let _ = rx.await;
+    }));
+    Ok(RunningStub {
+        addr,
+        state,
+        shutdown: Some(tx),
+        task,
+    })
+}
+
+/// Serves the stub on `listener` until `shutdown` resolves, then stops accepting connections
+/// and returns once every in-flight request (streams included) has finished.
+///
+/// # Errors
+/// I/O errors of the accept loop.
+pub async fn serve(
+    listener: TcpListener,
+    state: Arc<StubState>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(listener, router(state))
+        .with_graceful_shutdown(shutdown)
+        .await
+}
+
+async fn health(State(state): State<Arc<StubState>>) -> StatusCode {
+    if state.is_ready() {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    }
+}
+
+async fn models(State(state): State<Arc<StubState>>) -> Response {
+    if !state.is_ready() {
+        return not_ready();
+    }
+    let data: Vec<Value> = state
+        .config
+        .names()
+        .into_iter()
+        .map(|name| {
+            json!({
+                "id": name,
+                "object": "model",
+                "created": state.created_unix,
+                "owned_by": "vllm",
+                "root": state.config.model,
+                "parent": null,
+                "max_model_len": 4096,
+            })
+        })
+        .collect();
+    Json(json!({"object": "list", "data": data})).into_response()
+}
+
+async fn metrics(State(state): State<Arc<StubState>>) -> Response {
+    let running = state.running();
+    let waiting = state.waiting();
+    let usage = running as f64 / state.config.max_num_seqs.max(1) as f64;
+    let mut out = String::new();
+    for name in state.config.names() {
+        let labels = format!("engine=\"0\",model_name=\"{}\"", escape_label(&name));
+        if out.is_empty() {
+            out.push_str(
+                "# HELP vllm:num_requests_running Number of requests in model execution batches.\n\
+                 # TYPE vllm:num_requests_running gauge\n",
+            );
+        }
+        out.push_str(&format!(
+            "vllm:num_requests_running{{{labels}}} {running}.0\n"
+        ));
+        out.push_str(
+            "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n\
+             # TYPE vllm:num_requests_waiting gauge\n",
+        );
+        out.push_str(&format!(
+            "vllm:num_requests_waiting{{{labels}}} {waiting}.0\n"
+        ));
+        out.push_str(
+            "# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.\n\
+             # TYPE vllm:kv_cache_usage_perc gauge\n",
+        );
+        out.push_str(&format!("vllm:kv_cache_usage_perc{{{labels}}} {usage}\n"));
+        // Only the first served name carries the values, as one engine serves all names.
+        break;
+    }
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        out,
+    )
+        .into_response()
+}
+
+fn escape_label(v: &str) -> String {
+    v.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+async fn echo(req: Request) -> Response {
+    let (parts, body) = req.into_parts();
+    let bytes = match axum::body::to_bytes(body, MAX_BODY_BYTES).await {
+        Ok(b) => b,
+        Err(e) => return error(StatusCode::BAD_REQUEST, &format!("reading body: {e}"), "BadRequestError"),
+    };
+    let headers: Vec<Value> = parts
+        .headers
+        .iter()
+        .map(|(k, v)| json!([k.as_str(), String::from_utf8_lossy(v.as_bytes())]))
+        .collect();
+    Json(json!({
+        "method": parts.method.as_str(),
+        "uri": parts.uri.to_string(),
+        "version": format!("{:?}", parts.version),
+        "headers": headers,
+        "body_len": bytes.len(),
+        "body": String::from_utf8_lossy(&bytes),
+    }))
+    .into_response()
+}
+
+/// An OpenAI-style error response: `{"error": {"message", "type", "param", "code"}}`.
+fn error(status: StatusCode, message: &str, kind: &str) -> Response {
+    (
+        status,
+        Json(json!({
+            "error": {
+                "message": message,
+                "type": kind,
+                "param": null,
+                "code": status.as_u16(),
+            }
+        })),
+    )
+        .into_response()
+}
+
+fn not_ready() -> Response {
+    error(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "the model is still loading",
+        "ServiceUnavailableError",
+    )
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Chat,
+    Completion,
+}
+
+/// The request fields the stub reads; everything else is accepted and ignored, as vLLM does for
+/// sampling parameters it would apply.
+#[derive(Deserialize)]
+struct CompletionRequest {
+    model: Option<String>,
+    #[serde(default)]
+    stream: bool,
+    max_tokens: Option<u32>,
+    max_completion_tokens: Option<u32>,
+    stream_options: Option<StreamOptions>,
+    stub_token_delay: Option<String>,
+    messages: Option<Vec<Value>>,
+    prompt: Option<Value>,
+}
+
+#[derive(Deserialize)]
+struct StreamOptions {
+    #[serde(default)]
+    include_usage: bool,
+}
+
+async fn chat_completions(
+    State(state): State<Arc<StubState>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    generate(state, Kind::Chat, headers, body).await
+}
+
+async fn completions(
+    State(state): State<Arc<StubState>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    generate(state, Kind::Completion, headers, body).await
+}
+
+/// Counts a request in `vllm:num_requests_waiting` or `vllm:num_requests_running` until dropped.
+struct Gauge<'a>(&'a AtomicUsize);
+
+impl<'a> Gauge<'a> {
+    fn enter(counter: &'a AtomicUsize) -> Self {
+        counter.fetch_add(1, Ordering::SeqCst);
+        Self(counter)
+    }
+}
+
+impl Drop for Gauge<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// An owned "running" slot: the semaphore permit plus the running gauge, released on drop
+/// (end of generation, or the client went away and the body was dropped).
+struct Running {
+    state: Arc<StubState>,
+    _permit: tokio::sync::OwnedSemaphorePermit,
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.state.running.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+async fn generate(state: Arc<StubState>, kind: Kind, headers: HeaderMap, body: Bytes) -> Response {
+    state.received.fetch_add(1, Ordering::SeqCst);
+    state.received_tx.send_modify(|n| *n += 1);
+    if !state.is_ready() {
+        return not_ready();
+    }
+    if let Some(v) = headers.get("x-stub-status") {
+        let code = v
+            .to_str()
+            .ok()
+            .and_then(|s| s.parse::<u16>().ok())
+            .and_then(|c| StatusCode::from_u16(c).ok())
+            .filter(|c| c.is_client_error() || c.is_server_error());
+        return match code {
+            Some(code) => error(code, "failure requested by x-stub-status", "StubError"),
+            None => error(
+                StatusCode::BAD_REQUEST,
+                "x-stub-status must be an HTTP status code from 400 to 599",
+                "BadRequestError",
+            ),
+        };
+    }
+    let req: CompletionRequest = match serde_json::from_slice(&body) {
+        Ok(r) => r,
+        Err(e) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                &format!("request body is not a valid completion request: {e}"),
+                "BadRequestError",
+            );
+        }
+    };
+    let names = state.config.names();
+    let model = match req.model {
+        Some(m) if names.contains(&m) => m,
+        Some(m) => {
+            return error(
+                StatusCode::NOT_FOUND,
+                &format!("The model `{m}` does not exist."),
+                "NotFoundError",
+            );
+        }
+        None => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                "field `model` is required",
+                "BadRequestError",
+            );
+        }
+    };
+    match kind {
+        Kind::Chat if req.messages.as_ref().is_none_or(|m| m.is_empty()) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                "field `messages` is required and must not be empty",
+                "BadRequestError",
+            );
+        }
+        Kind::Completion if req.prompt.is_none() => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                "field `prompt` is required",
+                "BadRequestError",
+            );
+        }
+        _ => {}
+    }
+    let delay_src = headers
+        .get("x-stub-token-delay")
+        .map(|v| (v.to_str().unwrap_or("\u{fffd}").to_owned(), "header x-stub-token-delay"))
+        .or_else(|| req.stub_token_delay.map(|v| (v, "field stub_token_delay")));
+    let token_delay = match delay_src {
+        None => state.config.token_delay,
+        Some((v, what)) => match parse_duration(&v) {
+            Ok(d) => d,
+            Err(e) => {
+                return error(
+                    StatusCode::BAD_REQUEST,
+                    &format!("{what}: {e}"),
+                    "BadRequestError",
+                );
+            }
+        },
+    };
+    let limit = match kind {
+        Kind::Chat => req.max_completion_tokens.or(req.max_tokens),
+        Kind::Completion => req.max_tokens,
+    };
+    let tokens = limit.unwrap_or(state.config.token_count);
+    let finish_reason = if limit.is_some() { "length" } else { "stop" };
+    let prompt_tokens = prompt_tokens(&body);
+
+    // Wait for a generation slot, as vLLM's scheduler does past --max-num-seqs.
+    let permit = {
+        let _waiting = Gauge::enter(&state.waiting);
+        match state.seqs.clone().acquire_owned().await {
+            Ok(p) => p,
+            Err(_) => {
+                return error(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "the server is shutting down",
+                    "ServiceUnavailableError",
+                );
+            }
+        }
+    };
+    state.running.fetch_add(1, Ordering::SeqCst);
+    let slot = Running {
+        state: state.clone(),
+        _permit: permit,
+    };
+    let id_num = state.next_id.fetch_add(1, Ordering::Relaxed);
+    let created = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    let generation = Generation {
+        kind,
+        id: match kind {
+            Kind::Chat => format!("chatcmpl-stub{id_num}"),
+            Kind::Completion => format!("cmpl-stub{id_num}"),
+        },
+        created,
+        model,
+        tokens,
+        finish_reason,
+        prompt_tokens,
+    };
+
+    if req.stream {
+        let include_usage = req.stream_options.is_some_and(|o| o.include_usage);
+        let stream = sse_stream(generation, token_delay, include_usage, slot);
+        let mut resp = Response::new(Body::from_stream(stream));
+        resp.headers_mut().insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("text/event-stream; charset=utf-8"),
+        );
+        resp.headers_mut()
+            .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+        resp
+    } else {
+        for _ in 0..tokens {
+            tokio::time::sleep(token_delay).await;
+        }
+        drop(slot);
+        Json(generation.full()).into_response()
+    }
+}
+
+/// A rough prompt size: whitespace-separated words in the request body.
+fn prompt_tokens(body: &[u8]) -> u64 {
+    String::from_utf8_lossy(body).split_whitespace().count() as u64
+}
+
+const WORDS: [&str; 8] = [
+    "Hearth ", "keeps ", "the ", "model ", "warm ", "until ", "idle ", "time. ",
+];
+
+struct Generation {
+    kind: Kind,
+    id: String,
+    created: u64,
+    model: String,
+    tokens: u32,
+    finish_reason: &'static str,
+    prompt_tokens: u64,
+}
+
+impl Generation {
+    fn usage(&self) -> Value {
+        json!({
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.tokens,
+            "total_tokens": self.prompt_tokens + u64::from(self.tokens),
+        })
+    }
+
+    fn text(&self) -> String {
+        (0..self.tokens)
+            .map(|i| WORDS[i as usize % WORDS.len()])
+            .collect()
+    }
+
+    fn full(&self) -> Value {
+        match self.kind {
+            Kind::Chat => json!({
+                "id": self.id,
+                "object": "chat.completion",
+                "created": self.created,
+                "model": self.model,
+                "choices": [{
+                    "index": 0,
+                    "message": {"role": "assistant", "content": self.text()},
+                    "logprobs": null,
+                    "finish_reason": self.finish_reason,
+                }],
+                "usage": self.usage(),
+            }),
+            Kind::Completion => json!({
+                "id": self.id,
+                "object": "text_completion",
+                "created": self.created,
+                "model": self.model,
+                "choices": [{
+                    "index": 0,
+                    "text": self.text(),
+                    "logprobs": null,
+                    "finish_reason": self.finish_reason,
+                }],
+                "usage": self.usage(),
+            }),
+        }
+    }
+
+    /// The chunk for token `i`, or the final chunk (`finish_reason` set) when `i == tokens`.
+    fn chunk(&self, i: u32) -> Value {
+        let last = i == self.tokens;
+        let finish = if last {
+            Value::from(self.finish_reason)
+        } else {
+            Value::Null
+        };
+        let word = if last {
+            ""
+        } else {
+            WORDS[i as usize % WORDS.len()]
+        };
+        match self.kind {
+            Kind::Chat => {
+                let delta = if last {
+                    json!({})
+                } else if i == 0 {
+                    json!({"role": "assistant", "content": word})
+                } else {
+                    json!({"content": word})
+                };
+                json!({
+                    "id": self.id,
+                    "object": "chat.completion.chunk",
+                    "created": self.created,
+                    "model": self.model,
+                    "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}],
+                })
+            }
+            Kind::Completion => json!({
+                "id": self.id,
+                "object": "text_completion",
+                "created": self.created,
+                "model": self.model,
+                "choices": [{"index": 0, "text": word, "logprobs": null, "finish_reason": finish}],
+            }),
+        }
+    }
+
+    fn usage_chunk(&self) -> Value {
+        let object = match self.kind {
+            Kind::Chat => "chat.completion.chunk",
+            Kind::Completion => "text_completion",
+        };
+        json!({
+            "id": self.id,
+            "object": object,
+            "created": self.created,
+            "model": self.model,
+            "choices": [],
+            "usage": self.usage(),
+        })
+    }
+}
+
+fn event(v: &Value) -> Bytes {
+    Bytes::from(format!("data: {v}\n\n"))
+}
+
+/// The SSE body: one `data:` event per token after `delay`, a final chunk with
+/// `finish_reason`, an optional usage chunk, then `data: [DONE]`. `slot` is held until the
+/// stream ends or is dropped (client gone), keeping `vllm:num_requests_running` exact.
+fn sse_stream(
+    generation: Generation,
+    delay: Duration,
+    include_usage: bool,
+    slot: Running,
+) -> impl futures::Stream<Item = Result<Bytes, Infallible>> + Send + 'static {
+    let total = generation.tokens;
+    futures::stream::unfold(
+        (generation, 0u32, Some(slot)),
+        move |(generation, i, mut slot)| async move {
+            slot.as_ref()?;
+            let out = if i < total {
+                tokio::time::sleep(delay).await;
+                event(&generation.chunk(i))
+            } else if i == total {
+                event(&generation.chunk(i))
+            } else if i == total + 1 && include_usage {
+                event(&generation.usage_chunk())
+            } else {
+                slot = None;
+                Bytes::from_static(b"data: [DONE]\n\n")
+            };
+            Some((Ok(out), (generation, i + 1, slot)))
+        },
+    )
+    .fuse()
+}
