@@ -24,3 +24,20 @@ pub const VOLCANO_QUEUE_ANNOTATION: &str = "scheduling.volcano.sh/queue-name";
 /// a `metrics-api` trigger on `GET /hearth/queue`, summed over gateway endpoints) or `push`
 /// (an `external-push` trigger to the gateway's KEDA ExternalScaler gRPC port).
 pub const SCALER_ANNOTATION: &str = "serving.hearth.dev/scaler";
+
+/// Annotation (or label) on an annotated plain workload bounding its preStop drain, as a Go
+/// duration (`"90s"`, `"2m"`); [`DEFAULT_DRAIN_TIMEOUT`] when absent. An LLMService uses
+/// `spec.scaling.drainTimeout` instead.
+pub const DRAIN_TIMEOUT_ANNOTATION: &str = "serving.hearth.dev/drain-timeout";
+
+/// The drain timeout of annotated plain workloads without [`DRAIN_TIMEOUT_ANNOTATION`]; the same
+/// as the LLMService default.
+pub const DEFAULT_DRAIN_TIMEOUT: &str = "2m";
+
+/// Annotation naming the model-serving container of an annotated workload, when the pod has
+/// several containers.
+pub const CONTAINER_ANNOTATION: &str = "serving.hearth.dev/container";
+
+/// Annotation on an annotated plain workload: how many whole accelerators the model container
+/// requests (default 1). An LLMService uses `spec.resources.accelerators` instead.
+pub const ACCELERATORS_ANNOTATION: &str = "serving.hearth.dev/accelerators";
