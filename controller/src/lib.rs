@@ -1,0 +1,26 @@
+//! Hearth's controller: reconciles each `LLMService` into its children — backend Deployment and
+//! Service, gateway Deployment/Service/ServiceAccount/Role/RoleBinding, model cache, prewarm Job
+//! and KEDA `ScaledObject` — and reports status.
+//!
+//! - [`render`] turns an `LLMService` and its resolved `InferenceRuntime` into children, offline
+//!   (`hearth-controller render` and the golden tests use it; the reconciler applies its output).
+//! - [`resolve`] picks the runtime (pinned name, or vendor preference, then priority, then name).
+//! - [`reconcile`] is the kube-runtime controller: server-side apply under one field manager,
+//!   status, Events, metrics.
+//! - [`leader`] is leader election on a `coordination.k8s.io` Lease.
+
+pub mod labels;
+pub mod leader;
+pub mod metrics;
+pub mod model;
+pub mod names;
+pub mod policy;
+pub mod reconcile;
+pub mod render;
+pub mod resolve;
+pub mod status;
+pub mod template;
+
+pub use reconcile::{Context, Error, run};
+pub use render::{Children, RenderConfig, render};
+pub use resolve::resolve_runtime;

@@ -1,0 +1,233 @@
+//! `hearth-controller`: `run` reconciles LLMServices in a cluster; `render` prints the children
+//! of one LLMService offline, like `helm template`.
+
+use std::{
+    net::SocketAddr,
+    path::PathBuf,
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::Duration,
+};
+
+use anyhow::{Context as _, bail};
+use clap::{Args, Parser, Subcommand};
+use hearth_controller::{
+    leader::{self, LeaseConfig},
+    metrics::Metrics,
+    reconcile::RunConfig,
+    render::{RenderConfig, default_gateway_image},
+};
+use hearth_crds::{InferenceRuntime, LLMService};
+use kube::{Client, Config, client::ClientBuilder};
+
+#[derive(Parser)]
+#[command(
+    name = "hearth-controller",
+    version,
+    about = "Reconciles Hearth LLMServices into workloads, Services and KEDA objects"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the controller against the cluster of the current kubeconfig (or in-cluster config).
+    Run(RunArgs),
+    /// Print the children of one LLMService as YAML, without a cluster.
+    Render(RenderArgs),
+}
+
+#[derive(Args)]
+struct ImageArgs {
+    /// Image of the hearth-gateway binary, run by each service's gateway Deployment.
+    #[arg(long, env = "HEARTH_GATEWAY_IMAGE", default_value_t = default_gateway_image())]
+    gateway_image: String,
+    /// Node directory used by `cache.strategy: HostPath`.
+    #[arg(
+        long,
+        env = "HEARTH_HOST_PATH_ROOT",
+        default_value = "/var/lib/hearth/models"
+    )]
+    host_path_root: String,
+}
+
+impl ImageArgs {
+    fn render_config(&self) -> RenderConfig {
+        RenderConfig {
+            gateway_image: self.gateway_image.clone(),
+            host_path_root: self.host_path_root.clone(),
+            ..RenderConfig::default()
+        }
+    }
+}
+
+#[derive(Args)]
+struct RunArgs {
+    #[command(flatten)]
+    images: ImageArgs,
+    /// Watch only this namespace (default: all namespaces).
+    #[arg(long, env = "HEARTH_WATCH_NAMESPACE")]
+    namespace: Option<String>,
+    /// Address of the /metrics, /healthz and /readyz endpoint.
+    #[arg(long, env = "HEARTH_METRICS_ADDR", default_value = "0.0.0.0:8080")]
+    metrics_addr: SocketAddr,
+    /// Take a coordination.k8s.io Lease before reconciling, so only one replica works.
+    #[arg(long, env = "HEARTH_LEADER_ELECT", default_value_t = true, action = clap::ArgAction::Set)]
+    leader_elect: bool,
+    /// Namespace of the leader-election Lease.
+    #[arg(long, env = "POD_NAMESPACE", default_value = "hearth-system")]
+    leader_election_namespace: String,
+    /// Name of the leader-election Lease.
+    #[arg(long, default_value = "hearth-controller")]
+    leader_election_name: String,
+    /// Periodic resync of every LLMService, in seconds.
+    #[arg(long, default_value_t = 300)]
+    resync_seconds: u64,
+    /// Reconciles running at once.
+    #[arg(long, default_value_t = 8)]
+    concurrency: u16,
+    /// Log as JSON lines.
+    #[arg(long, env = "HEARTH_LOG_JSON", default_value_t = false)]
+    log_json: bool,
+}
+
+#[derive(Args)]
+struct RenderArgs {
+    #[command(flatten)]
+    images: ImageArgs,
+    /// The LLMService manifest (YAML).
+    #[arg(short = 'f', long = "filename")]
+    file: PathBuf,
+    /// The InferenceRuntime manifest it uses (YAML).
+    #[arg(long)]
+    runtime: PathBuf,
+    /// Namespace for a manifest that names none.
+    #[arg(short, long, default_value = "default")]
+    namespace: String,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Render(args) => render(args),
+        Command::Run(args) => run(args).await,
+    }
+}
+
+fn render(args: RenderArgs) -> anyhow::Result<()> {
+    let read = |p: &PathBuf| {
+        std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))
+    };
+    let mut service: LLMService = serde_yaml::from_str(&read(&args.file)?)
+        .with_context(|| format!("{} is not an LLMService", args.file.display()))?;
+    let runtime: InferenceRuntime = serde_yaml::from_str(&read(&args.runtime)?)
+        .with_context(|| format!("{} is not an InferenceRuntime", args.runtime.display()))?;
+    if service.metadata.namespace.is_none() {
+        service.metadata.namespace = Some(args.namespace.clone());
+    }
+    let resolved = hearth_controller::resolve_runtime(&service, [&runtime])?;
+    let children = hearth_controller::render(
+        &service,
+        resolved.runtime,
+        &args.images.render_config(),
+        true,
+    )?;
+    print!("{}", children.to_yaml()?);
+    Ok(())
+}
+
+async fn run(args: RunArgs) -> anyhow::Result<()> {
+    init_tracing(args.log_json);
+    rustls::crypto::ring::default_provider()
+        .install_default()
+        .map_err(|_| anyhow::anyhow!("installing the ring TLS provider failed"))?;
+    let metrics = Metrics::new();
+    let config = Config::infer()
+        .await
+        .context("loading kubeconfig or in-cluster config")?;
+    let client: Client = ClientBuilder::try_from(config)?
+        .with_layer(&metrics.request_counter())
+        .build();
+
+    let listener = tokio::net::TcpListener::bind(args.metrics_addr)
+        .await
+        .with_context(|| format!("binding {}", args.metrics_addr))?;
+    tracing::info!(addr = %listener.local_addr()?, "serving /metrics");
+    tokio::spawn(hearth_controller::metrics::serve(listener, metrics.clone()));
+
+    let identity = format!(
+        "{}-{}",
+        std::env::var("POD_NAME")
+            .or_else(|_| std::env::var("HOSTNAME"))
+            .unwrap_or_else(|_| "hearth-controller".into()),
+        std::process::id()
+    );
+    let (lost_tx, lost_rx) = tokio::sync::oneshot::channel::<()>();
+    if args.leader_elect {
+        let mut leading = leader::acquire(
+            client.clone(),
+            LeaseConfig {
+                name: args.leader_election_name.clone(),
+                namespace: args.leader_election_namespace.clone(),
+                identity: identity.clone(),
+                lease_duration: Duration::from_secs(15),
+                renew_interval: Duration::from_secs(2),
+            },
+        )
+        .await?;
+        tokio::spawn(async move {
+            while leading.changed().await.is_ok() && *leading.borrow() {}
+            let _ = lost_tx.send(());
+        });
+    } else {
+        // Never lost: keep the sender alive for the life of the process.
+        std::mem::forget(lost_tx);
+    }
+    let lost = Arc::new(AtomicBool::new(false));
+    let shutdown = {
+        let lost = lost.clone();
+        async move {
+            let mut term =
+                match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                    Ok(s) => s,
+                    Err(e) => {
+                        tracing::error!(error = %e, "installing the SIGTERM handler failed");
+                        return;
+                    }
+                };
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = term.recv() => {}
+                _ = lost_rx => lost.store(true, Ordering::SeqCst),
+            }
+        }
+    };
+    let cfg = RunConfig {
+        render: args.images.render_config(),
+        namespace: args.namespace,
+        requeue: Duration::from_secs(args.resync_seconds),
+        concurrency: args.concurrency,
+        instance: identity,
+    };
+    hearth_controller::run(client, cfg, metrics, shutdown).await?;
+    if lost.load(Ordering::SeqCst) {
+        bail!("lost the leader-election lease; exiting so a restart campaigns again");
+    }
+    Ok(())
+}
+
+fn init_tracing(json: bool) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,kube=warn"));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter);
+    if json {
+        builder.json().init();
+    } else {
+        builder.init();
+    }
+}

@@ -1,0 +1,174 @@
+//! Prometheus metrics of the controller (prometheus-client, OpenMetrics text on `/metrics`).
+
+use std::{
+    sync::Arc,
+    task::{Context as TaskContext, Poll},
+    time::Duration,
+};
+
+use prometheus_client::{
+    encoding::EncodeLabelSet,
+    metrics::{counter::Counter, family::Family, histogram::Histogram},
+    registry::Registry,
+};
+
+/// Label of the error counter: the error's metric label (see [`crate::Error::metric_label`]).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ErrorLabels {
+    /// Short error class, e.g. `kube_api`, `render`.
+    pub reason: String,
+}
+
+/// The controller's metrics.
+#[derive(Clone)]
+pub struct Metrics {
+    /// `hearth_controller_reconciles_total`: reconciles started.
+    pub reconciles: Counter,
+    /// `hearth_controller_reconcile_errors_total{reason}`: reconciles that returned an error.
+    pub errors: Family<ErrorLabels, Counter>,
+    /// `hearth_controller_reconcile_duration_seconds`: reconcile wall time.
+    pub duration: Histogram,
+    /// `hearth_controller_kube_requests_total`: HTTP requests sent to the apiserver.
+    pub kube_requests: Counter,
+    /// `hearth_controller_writes_total`: create/apply/status writes issued.
+    pub writes: Counter,
+    registry: Arc<Registry>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    /// Registers every metric in a fresh registry.
+    pub fn new() -> Self {
+        let mut registry = Registry::with_prefix("hearth_controller");
+        let reconciles = Counter::default();
+        let errors = Family::<ErrorLabels, Counter>::default();
+        let duration = Histogram::new([
+            0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+        ]);
+        let kube_requests = Counter::default();
+        let writes = Counter::default();
+        registry.register("reconciles", "Reconciles started", reconciles.clone());
+        registry.register(
+            "reconcile_errors",
+            "Reconciles that failed, by error reason",
+            errors.clone(),
+        );
+        registry.register(
+            "reconcile_duration_seconds",
+            "Reconcile duration in seconds",
+            duration.clone(),
+        );
+        registry.register(
+            "kube_requests",
+            "HTTP requests sent to the Kubernetes apiserver",
+            kube_requests.clone(),
+        );
+        registry.register(
+            "writes",
+            "Create, apply and status writes sent to the apiserver",
+            writes.clone(),
+        );
+        Self {
+            reconciles,
+            errors,
+            duration,
+            kube_requests,
+            writes,
+            registry: Arc::new(registry),
+        }
+    }
+
+    /// Records one finished reconcile.
+    pub fn observe(&self, elapsed: Duration, error: Option<&str>) {
+        self.duration.observe(elapsed.as_secs_f64());
+        if let Some(reason) = error {
+            self.errors
+                .get_or_create(&ErrorLabels {
+                    reason: reason.to_owned(),
+                })
+                .inc();
+        }
+    }
+
+    /// The OpenMetrics text exposition.
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        // Writing into a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        out
+    }
+
+    /// A tower layer counting every request a kube `Client` sends.
+    pub fn request_counter(&self) -> CountLayer {
+        CountLayer(self.kube_requests.clone())
+    }
+}
+
+/// Counts requests through a service (see [`Metrics::request_counter`]).
+#[derive(Clone)]
+pub struct CountLayer(Counter);
+
+impl<S> tower::Layer<S> for CountLayer {
+    type Service = CountService<S>;
+    fn layer(&self, inner: S) -> Self::Service {
+        CountService {
+            inner,
+            counter: self.0.clone(),
+        }
+    }
+}
+
+/// The service made by [`CountLayer`].
+#[derive(Clone)]
+pub struct CountService<S> {
+    inner: S,
+    counter: Counter,
+}
+
+impl<S, R> tower::Service<R> for CountService<S>
+where
+    S: tower::Service<R>,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = S::Future;
+
+    fn poll_ready(&mut self, cx: &mut TaskContext<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: R) -> Self::Future {
+        self.counter.inc();
+        self.inner.call(req)
+    }
+}
+
+/// Serves `/metrics` (OpenMetrics text), `/healthz` and `/readyz` on `listener` until the
+/// process ends.
+pub async fn serve(listener: tokio::net::TcpListener, metrics: Metrics) -> std::io::Result<()> {
+    use axum::{Router, http::header, routing::get};
+    let app = Router::new()
+        .route(
+            "/metrics",
+            get(move || {
+                let m = metrics.clone();
+                async move {
+                    (
+                        [(
+                            header::CONTENT_TYPE,
+                            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                        )],
+                        m.encode(),
+                    )
+                }
+            }),
+        )
+        .route("/healthz", get(|| async { "ok" }))
+        .route("/readyz", get(|| async { "ok" }));
+    axum::serve(listener, app).await
+}

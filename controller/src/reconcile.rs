@@ -1,0 +1,926 @@
+//! The `LLMService` reconciler (kube-runtime `Controller`, shaped like kube-rs controller-rs):
+//! `reconcile(obj, ctx) -> Result<Action, Error>`, errors carry a metric label, children and
+//! status are written with server-side apply under one field manager.
+//!
+//! Rules that keep it boring:
+//! - The backend Deployment is created once with `spec.replicas = scaling.min` (a plain create,
+//!   so that field stays with the create entry of `managedFields`); every later apply leaves
+//!   `replicas` out, so KEDA, the HPA or a user owns it and the controller never fights them.
+//! - Server-side apply of unchanged content changes nothing, and status is written only when it
+//!   differs, so an idle service makes no writes that change a `resourceVersion`.
+//! - Bad input is not an error loop: it is a condition with a reason and a fix, and the object
+//!   is requeued slowly; only API failures are errors (retried with backoff).
+//! - KEDA missing is a condition too; the `scaledobjects.keda.sh` CRD is watched, and every
+//!   service is reconciled when it appears.
+
+use std::{
+    fmt::Debug,
+    future::Future,
+    sync::{
+        Arc, RwLock,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+use futures::{StreamExt, channel::mpsc};
+use hearth_crds::{
+    InferenceRuntime, LLMService, LLMServicePhase, LLMServiceStatus,
+    llmservice::CacheStrategy,
+    wellknown::{FIELD_MANAGER, LLMSERVICE_LABEL},
+};
+use k8s_openapi::{
+    NamespaceResourceScope,
+    api::{
+        apps::v1::Deployment,
+        batch::v1::Job,
+        core::v1::{PersistentVolumeClaim, Service, ServiceAccount},
+        rbac::v1::{Role, RoleBinding},
+    },
+    apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition,
+    apimachinery::pkg::apis::meta::v1::Time,
+};
+use kube::{
+    Api, Client, Resource, ResourceExt,
+    api::{DynamicObject, PartialObjectMeta, Patch, PatchParams, PostParams},
+    runtime::{
+        Controller, WatchStreamExt,
+        controller::{Action, Config as ControllerConfig},
+        events::{Event as KubeEvent, EventType, Recorder, Reporter},
+        reflector::{self, ObjectRef, Store},
+        watcher,
+    },
+};
+use serde::{Serialize, de::DeserializeOwned};
+use tracing::{Instrument, info_span};
+
+use crate::{
+    labels,
+    metrics::Metrics,
+    model::{self, ModelSource},
+    names,
+    render::{self, Children, RenderConfig, TEMPLATE_HASH_ANNOTATION, scaled_object_resource},
+    resolve::{ResolveError, resolve_runtime},
+    status::{self, Cond},
+};
+
+/// The CRD whose presence means KEDA is installed.
+pub const KEDA_CRD: &str = "scaledobjects.keda.sh";
+
+/// A reconcile failure: API errors only (bad specs become conditions, not errors).
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A Kubernetes API call failed.
+    #[error("{action}: {source}")]
+    Kube {
+        /// What was being done, e.g. `apply Deployment ns/x-backend`.
+        action: String,
+        /// The API error.
+        source: kube::Error,
+    },
+    /// An object could not be serialized.
+    #[error("serializing {0}")]
+    Serialize(String),
+}
+
+impl Error {
+    /// The `reason` label of `hearth_controller_reconcile_errors_total`.
+    pub fn metric_label(&self) -> &'static str {
+        match self {
+            Error::Kube {
+                source: kube::Error::Api(e),
+                ..
+            } if e.code == 409 => "conflict",
+            Error::Kube {
+                source: kube::Error::Api(e),
+                ..
+            } if e.code == 422 => "invalid",
+            Error::Kube {
+                source: kube::Error::Api(e),
+                ..
+            } if e.code == 403 => "forbidden",
+            Error::Kube { .. } => "kube_api",
+            Error::Serialize(_) => "serialize",
+        }
+    }
+}
+
+/// KEDA's presence and, once present, a cache of ScaledObjects.
+#[derive(Default)]
+pub struct KedaState {
+    installed: AtomicBool,
+    store: RwLock<Option<Store<DynamicObject>>>,
+}
+
+impl KedaState {
+    /// Whether the ScaledObject CRD is installed and established.
+    pub fn installed(&self) -> bool {
+        self.installed.load(Ordering::SeqCst)
+    }
+
+    fn get(&self, namespace: &str, name: &str) -> Option<Arc<DynamicObject>> {
+        let guard = self.store.read().ok()?;
+        let store = guard.as_ref()?;
+        store.get(&ObjectRef::new_with(name, scaled_object_resource()).within(namespace))
+    }
+}
+
+/// Settings of a controller run.
+#[derive(Clone, Debug)]
+pub struct RunConfig {
+    /// Images and paths for rendering.
+    pub render: RenderConfig,
+    /// Watch only this namespace (all namespaces when `None`).
+    pub namespace: Option<String>,
+    /// Periodic resync of every service.
+    pub requeue: Duration,
+    /// Reconciles running at once.
+    pub concurrency: u16,
+    /// `reportingInstance` of Events.
+    pub instance: String,
+}
+
+impl Default for RunConfig {
+    fn default() -> Self {
+        Self {
+            render: RenderConfig::default(),
+            namespace: None,
+            requeue: Duration::from_secs(300),
+            concurrency: 8,
+            instance: "hearth-controller".to_owned(),
+        }
+    }
+}
+
+/// What every reconcile shares.
+pub struct Context {
+    /// The API client.
+    pub client: Client,
+    /// Rendering settings.
+    pub render: RenderConfig,
+    /// Metrics.
+    pub metrics: Metrics,
+    /// Resync period.
+    pub requeue: Duration,
+    runtimes: Store<InferenceRuntime>,
+    deployments: Store<Deployment>,
+    claims: Store<PersistentVolumeClaim>,
+    jobs: Store<Job>,
+    keda: Arc<KedaState>,
+    recorder: Recorder,
+}
+
+fn kube_err(action: impl Into<String>) -> impl FnOnce(kube::Error) -> Error {
+    let action = action.into();
+    move |source| Error::Kube { action, source }
+}
+
+fn get_in<K>(store: &Store<K>, namespace: &str, name: &str) -> Option<Arc<K>>
+where
+    K: Resource<DynamicType = ()> + Clone + 'static,
+{
+    store.get(&ObjectRef::new(name).within(namespace))
+}
+
+/// Server-side apply of one namespaced child, forced (this controller is the owner of what it
+/// sets). Unchanged content is a no-op in the apiserver.
+async fn apply<K>(ctx: &Context, namespace: &str, obj: &K) -> Result<(), Error>
+where
+    K: Resource<DynamicType = (), Scope = NamespaceResourceScope>
+        + Serialize
+        + DeserializeOwned
+        + Clone
+        + Debug,
+{
+    let name = obj.meta().name.clone().unwrap_or_default();
+    let api: Api<K> = Api::namespaced(ctx.client.clone(), namespace);
+    ctx.metrics.writes.inc();
+    api.patch(
+        &name,
+        &PatchParams::apply(FIELD_MANAGER).force(),
+        &Patch::Apply(obj),
+    )
+    .await
+    .map_err(kube_err(format!(
+        "apply {} {namespace}/{name}",
+        K::kind(&())
+    )))?;
+    Ok(())
+}
+
+/// Reconciles one `LLMService`.
+pub async fn reconcile(svc: Arc<LLMService>, ctx: Arc<Context>) -> Result<Action, Error> {
+    let span = info_span!("reconcile", llmservice = %svc.name_any(), namespace = %svc.namespace().unwrap_or_default());
+    async move {
+        ctx.metrics.reconciles.inc();
+        let start = Instant::now();
+        let result = reconcile_inner(&svc, &ctx).await;
+        ctx.metrics.observe(
+            start.elapsed(),
+            result.as_ref().err().map(Error::metric_label),
+        );
+        if let Err(e) = &result {
+            tracing::warn!(error = %e, "reconcile failed");
+            publish(
+                &ctx,
+                &svc,
+                EventType::Warning,
+                "ReconcileFailed",
+                e.to_string(),
+            )
+            .await;
+        }
+        result
+    }
+    .instrument(span)
+    .await
+}
+
+/// Requeue after a failure: exponential-ish by error class, never a hot loop.
+pub fn error_policy(_svc: Arc<LLMService>, error: &Error, _ctx: Arc<Context>) -> Action {
+    match error.metric_label() {
+        "conflict" => Action::requeue(Duration::from_secs(1)),
+        _ => Action::requeue(Duration::from_secs(15)),
+    }
+}
+
+async fn publish(ctx: &Context, svc: &LLMService, type_: EventType, reason: &str, note: String) {
+    let ev = KubeEvent {
+        type_,
+        reason: reason.to_owned(),
+        note: Some(note.chars().take(1000).collect()),
+        action: "Reconcile".to_owned(),
+        secondary: None,
+    };
+    if let Err(e) = ctx.recorder.publish(&ev, &svc.object_ref(&())).await {
+        tracing::debug!(error = %e, "publishing event failed");
+    }
+}
+
+async fn reconcile_inner(svc: &LLMService, ctx: &Context) -> Result<Action, Error> {
+    let name = svc.name_any();
+    let namespace = svc.namespace().unwrap_or_default();
+    let runtimes = ctx.runtimes.state();
+    let mut conds: Vec<Cond> = Vec::new();
+    let mut resolved_name = None;
+    let mut phase = LLMServicePhase::Pending;
+    let mut replicas = 0;
+
+    match resolve_runtime(svc, runtimes.iter().map(|r| r.as_ref())) {
+        Err(e) => {
+            conds.push(Cond::new(
+                status::RUNTIME_RESOLVED,
+                Some(false),
+                e.reason(),
+                e.to_string(),
+            ));
+            conds.push(not_ready_for(&e));
+        }
+        Ok(resolved) => {
+            resolved_name = Some(resolved.runtime.name_any());
+            conds.push(Cond::new(
+                status::RUNTIME_RESOLVED,
+                Some(true),
+                resolved.reason,
+                resolved.message.clone(),
+            ));
+            let backend_name = names::backend(&name);
+            let backend_exists = get_in(&ctx.deployments, &namespace, &backend_name).is_some();
+            match render::render(svc, resolved.runtime, &ctx.render, !backend_exists) {
+                Err(e) => {
+                    let (type_, reason) = e.condition();
+                    phase = LLMServicePhase::Degraded;
+                    if type_ == status::CACHE_READY {
+                        conds.push(Cond::new(
+                            status::CACHE_READY,
+                            Some(false),
+                            reason,
+                            e.to_string(),
+                        ));
+                        conds.push(Cond::new(
+                            status::READY,
+                            Some(false),
+                            "CacheNotReady",
+                            "see the CacheReady condition",
+                        ));
+                    } else {
+                        conds.push(Cond::new(status::READY, Some(false), reason, e.to_string()));
+                    }
+                }
+                Ok(children) => {
+                    let (p, r, mut others) =
+                        apply_children(svc, ctx, &namespace, children, backend_exists).await?;
+                    phase = p;
+                    replicas = r.0;
+                    conds.push(r.1);
+                    conds.append(&mut others);
+                }
+            }
+        }
+    }
+
+    // Stable condition order: Ready, RuntimeResolved, AutoscalingReady, CacheReady, Prewarmed.
+    let order = [
+        status::READY,
+        status::RUNTIME_RESOLVED,
+        status::AUTOSCALING_READY,
+        status::CACHE_READY,
+        status::PREWARMED,
+    ];
+    conds.sort_by_key(|c| {
+        order
+            .iter()
+            .position(|t| *t == c.type_)
+            .unwrap_or(order.len())
+    });
+    let previous = svc.status.clone().unwrap_or_default();
+    let now = Time(k8s_openapi::jiff::Timestamp::now());
+    let desired = LLMServiceStatus {
+        phase: Some(phase),
+        resolved_runtime: resolved_name,
+        replicas: Some(replicas),
+        endpoint_url: Some(format!(
+            "http://{}.{namespace}.svc/v1",
+            names::gateway_service(&name)
+        )),
+        observed_generation: svc.metadata.generation,
+        conditions: status::merge_conditions(
+            &previous.conditions,
+            &conds,
+            svc.metadata.generation,
+            &now,
+        ),
+    };
+    if status::differs(svc.status.as_ref(), &desired) {
+        let api: Api<LLMService> = Api::namespaced(ctx.client.clone(), &namespace);
+        let patch = serde_json::json!({
+            "apiVersion": "serving.hearth.dev/v1alpha1",
+            "kind": "LLMService",
+            "status": desired,
+        });
+        ctx.metrics.writes.inc();
+        api.patch_status(
+            &name,
+            &PatchParams::apply(FIELD_MANAGER).force(),
+            &Patch::Apply(&patch),
+        )
+        .await
+        .map_err(kube_err(format!(
+            "apply status of LLMService {namespace}/{name}"
+        )))?;
+        emit_transitions(ctx, svc, &previous, &desired).await;
+    }
+    Ok(Action::requeue(ctx.requeue))
+}
+
+fn not_ready_for(e: &ResolveError) -> Cond {
+    Cond::new(
+        status::READY,
+        Some(false),
+        "RuntimeNotResolved",
+        format!("no runtime: {e}"),
+    )
+}
+
+/// Events on phase changes and on conditions changing status or reason.
+async fn emit_transitions(
+    ctx: &Context,
+    svc: &LLMService,
+    old: &LLMServiceStatus,
+    new: &LLMServiceStatus,
+) {
+    if old.phase != new.phase
+        && let Some(phase) = new.phase
+    {
+        let from = old
+            .phase
+            .map(|p| format!("{p:?}"))
+            .unwrap_or_else(|| "none".to_owned());
+        publish(
+            ctx,
+            svc,
+            EventType::Normal,
+            &format!("{phase:?}"),
+            format!("phase {from} -> {phase:?}"),
+        )
+        .await;
+    }
+    for c in &new.conditions {
+        let before = old.conditions.iter().find(|o| o.type_ == c.type_);
+        if before.is_some_and(|b| b.status == c.status && b.reason == c.reason) {
+            continue;
+        }
+        let type_ = if c.status == "False" && c.type_ != status::PREWARMED {
+            EventType::Warning
+        } else {
+            EventType::Normal
+        };
+        publish(
+            ctx,
+            svc,
+            type_,
+            &c.reason,
+            format!("{}={}: {}", c.type_, c.status, c.message),
+        )
+        .await;
+    }
+}
+
+type Applied = (LLMServicePhase, (i32, Cond), Vec<Cond>);
+
+async fn apply_children(
+    svc: &LLMService,
+    ctx: &Context,
+    namespace: &str,
+    children: Children,
+    backend_exists: bool,
+) -> Result<Applied, Error> {
+    let name = svc.name_any();
+    let mut conds = Vec::new();
+
+    apply(ctx, namespace, &children.gateway_service_account).await?;
+    apply(ctx, namespace, &children.gateway_role).await?;
+    apply(ctx, namespace, &children.gateway_role_binding).await?;
+
+    // Cache.
+    let source = model::parse_source(&svc.spec.model).ok();
+    match (&source, &children.cache_claim) {
+        (Some(ModelSource::Pvc { claim, .. }), _) => conds.push(Cond::new(
+            status::CACHE_READY,
+            Some(true),
+            "PreStaged",
+            format!("weights are read from PersistentVolumeClaim {claim}, mounted read-only"),
+        )),
+        (_, Some(claim)) => {
+            let claim_name = names::cache_claim(&name);
+            let existing = get_in(&ctx.claims, namespace, &claim_name);
+            match replace_needed(existing.as_deref().map(|c| &c.metadata), &claim.metadata) {
+                true => conds.push(Cond::new(
+                    status::CACHE_READY,
+                    Some(false),
+                    "ReplaceRequired",
+                    format!(
+                        "spec.cache.storageClassName changed, and a claim's storage class cannot change: delete PersistentVolumeClaim {claim_name} (after scaling the backend to zero) to recreate it"
+                    ),
+                )),
+                false => match apply(ctx, namespace, claim).await {
+                    Err(Error::Kube { source: kube::Error::Api(e), .. }) if e.code == 422 => conds.push(Cond::new(
+                        status::CACHE_READY,
+                        Some(false),
+                        "ReplaceRequired",
+                        format!(
+                            "the apiserver rejected the cache claim change ({}): a claim can only grow; delete PersistentVolumeClaim {claim_name} to recreate it smaller",
+                            e.message
+                        ),
+                    )),
+                    Err(e) => return Err(e),
+                    Ok(()) => conds.push(status::cache_claim(existing.as_deref(), &claim_name)),
+                },
+            }
+        }
+        _ => conds.push(match svc.spec.cache.strategy {
+            CacheStrategy::HostPath => Cond::new(
+                status::CACHE_READY,
+                Some(true),
+                "HostPath",
+                format!(
+                    "weights are cached on each node under {}",
+                    ctx.render.host_path_root
+                ),
+            ),
+            _ => Cond::new(
+                status::CACHE_READY,
+                Some(true),
+                "NoCache",
+                "cache.strategy is None: each backend pod downloads the model",
+            ),
+        }),
+    }
+
+    // Prewarm.
+    let job_name = names::prewarm_job(&name);
+    match &children.prewarm_job {
+        Some(job) => {
+            let existing = get_in(&ctx.jobs, namespace, &job_name);
+            match existing {
+                None => {
+                    apply(ctx, namespace, job).await?;
+                    conds.push(status::prewarm(None, &job_name));
+                }
+                Some(current) if replace_needed(Some(&current.metadata), &job.metadata) => conds.push(Cond::new(
+                    status::PREWARMED,
+                    Some(false),
+                    "ReplaceRequired",
+                    format!(
+                        "the model source or runtime changed after prewarm Job {job_name} was created, and a Job cannot change: delete Job {job_name} to prewarm again"
+                    ),
+                )),
+                // A Job is create-once: nothing to apply once it exists.
+                Some(current) => conds.push(status::prewarm(Some(&current), &job_name)),
+            }
+        }
+        None => {
+            let (reason, message) = match (&source, svc.spec.cache.prewarm, svc.spec.cache.strategy)
+            {
+                (_, false, _) => ("NotRequested", "cache.prewarm is false".to_owned()),
+                (Some(ModelSource::Pvc { .. }), true, _) => (
+                    "NotApplicable",
+                    "pvc:// weights are pre-staged; there is nothing to download".to_owned(),
+                ),
+                (_, true, strategy) => (
+                    "NoCache",
+                    format!(
+                        "cache.prewarm needs a cache to fill, but cache.strategy is {strategy:?}: use NodeLocalPVC or HostPath"
+                    ),
+                ),
+            };
+            conds.push(Cond::new(status::PREWARMED, Some(false), reason, message));
+        }
+    }
+
+    // Backend.
+    apply(ctx, namespace, &children.backend_service).await?;
+    let backend_name = names::backend(&name);
+    if backend_exists {
+        apply(ctx, namespace, &children.backend).await?;
+    } else {
+        // A plain create: `spec.replicas` stays with the create entry of managedFields, so the
+        // later applies (which leave it out) never reset it.
+        let api: Api<Deployment> = Api::namespaced(ctx.client.clone(), namespace);
+        ctx.metrics.writes.inc();
+        let pp = PostParams {
+            field_manager: Some(FIELD_MANAGER.to_owned()),
+            ..Default::default()
+        };
+        match api.create(&pp, &children.backend).await {
+            Ok(_) => {}
+            Err(kube::Error::Api(e)) if e.code == 409 => {
+                // The cache was behind: it exists. Apply without replicas.
+                let mut backend = children.backend.clone();
+                if let Some(spec) = backend.spec.as_mut() {
+                    spec.replicas = None;
+                }
+                apply(ctx, namespace, &backend).await?;
+            }
+            Err(e) => {
+                return Err(kube_err(format!(
+                    "create Deployment {namespace}/{backend_name}"
+                ))(e));
+            }
+        }
+    }
+
+    // Gateway.
+    apply(ctx, namespace, &children.gateway_service).await?;
+    if let Some(s) = &children.scaler_service {
+        apply(ctx, namespace, s).await?;
+    } else {
+        delete_if_owned::<Service>(ctx, namespace, &names::scaler_service(&name), svc).await?;
+    }
+    apply(ctx, namespace, &children.gateway).await?;
+
+    // Autoscaling.
+    let keda = if ctx.keda.installed() {
+        let api: Api<DynamicObject> =
+            Api::namespaced_with(ctx.client.clone(), namespace, &scaled_object_resource());
+        ctx.metrics.writes.inc();
+        let so_name = names::scaled_object(&name);
+        match api
+            .patch(
+                &so_name,
+                &PatchParams::apply(FIELD_MANAGER).force(),
+                &Patch::Apply(&children.scaled_object),
+            )
+            .await
+        {
+            Ok(_) => status::autoscaling(true, ctx.keda.get(namespace, &so_name).as_deref()),
+            // The CRD went away between the check and the apply.
+            Err(kube::Error::Api(e)) if e.code == 404 => status::autoscaling(false, None),
+            Err(e) => {
+                return Err(kube_err(format!(
+                    "apply ScaledObject {namespace}/{so_name}"
+                ))(e));
+            }
+        }
+    } else {
+        status::autoscaling(false, None)
+    };
+    conds.push(keda);
+
+    let backend =
+        status::BackendState::of(get_in(&ctx.deployments, namespace, &backend_name).as_deref());
+    let backend = if backend.exists {
+        backend
+    } else {
+        // Just created: what was created.
+        status::BackendState {
+            exists: true,
+            desired: svc.spec.scaling.min,
+            ready: 0,
+            stuck: false,
+        }
+    };
+    let gateway_ready = status::gateway_ready(
+        get_in(&ctx.deployments, namespace, &names::gateway(&name)).as_deref(),
+    );
+    let (phase, ready) = status::phase_and_ready(backend, gateway_ready, &conds);
+    Ok((phase, (backend.ready, ready), conds))
+}
+
+/// Whether a create-once child must be replaced: it exists with a different template hash.
+fn replace_needed(
+    existing: Option<&k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta>,
+    desired: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
+) -> bool {
+    let hash = |m: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta| {
+        m.annotations
+            .as_ref()
+            .and_then(|a| a.get(TEMPLATE_HASH_ANNOTATION))
+            .cloned()
+    };
+    existing.is_some_and(|e| hash(e) != hash(desired))
+}
+
+/// Deletes a child that is no longer wanted (for example the scaler Service after switching back
+/// to poll mode), only if this service controls it.
+async fn delete_if_owned<K>(
+    ctx: &Context,
+    namespace: &str,
+    name: &str,
+    owner: &LLMService,
+) -> Result<(), Error>
+where
+    K: Resource<DynamicType = (), Scope = NamespaceResourceScope>
+        + Serialize
+        + DeserializeOwned
+        + Clone
+        + Debug,
+{
+    let api: Api<K> = Api::namespaced(ctx.client.clone(), namespace);
+    let meta = api
+        .get_metadata_opt(name)
+        .await
+        .map_err(kube_err(format!("get {} {namespace}/{name}", K::kind(&()))))?;
+    let owned = meta.is_some_and(|m| {
+        m.metadata
+            .owner_references
+            .unwrap_or_default()
+            .iter()
+            .any(|o| Some(&o.uid) == owner.metadata.uid.as_ref())
+    });
+    if owned {
+        ctx.metrics.writes.inc();
+        match api.delete(name, &Default::default()).await {
+            Ok(_) => {}
+            Err(kube::Error::Api(e)) if e.code == 404 => {}
+            Err(e) => {
+                return Err(kube_err(format!(
+                    "delete {} {namespace}/{name}",
+                    K::kind(&())
+                ))(e));
+            }
+        }
+    }
+    Ok(())
+}
+
+fn scoped<K>(client: &Client, namespace: Option<&str>) -> Api<K>
+where
+    K: Resource<DynamicType = (), Scope = NamespaceResourceScope>,
+{
+    match namespace {
+        Some(ns) => Api::namespaced(client.clone(), ns),
+        None => Api::all(client.clone()),
+    }
+}
+
+/// Runs the controller until `shutdown` resolves.
+pub async fn run(
+    client: Client,
+    cfg: RunConfig,
+    metrics: Metrics,
+    shutdown: impl Future<Output = ()> + Send + Sync + 'static,
+) -> Result<(), Error> {
+    let ns = cfg.namespace.as_deref();
+    let managed = watcher::Config::default().labels(&labels::managed_selector());
+
+    let (runtimes, runtime_writer) = reflector::store::<InferenceRuntime>();
+    let runtime_stream = watcher(
+        Api::<InferenceRuntime>::all(client.clone()),
+        watcher::Config::default(),
+    )
+    .default_backoff()
+    .modify(|r| r.metadata.managed_fields = None)
+    .reflect(runtime_writer)
+    .touched_objects();
+    let (deployments, dep_writer) = reflector::store::<Deployment>();
+    let dep_stream = watcher(scoped::<Deployment>(&client, ns), managed.clone())
+        .default_backoff()
+        .modify(|d| d.metadata.managed_fields = None)
+        .reflect(dep_writer)
+        .touched_objects();
+    let (claims, claim_writer) = reflector::store::<PersistentVolumeClaim>();
+    let claim_stream = watcher(
+        scoped::<PersistentVolumeClaim>(&client, ns),
+        managed.clone(),
+    )
+    .default_backoff()
+    .modify(|c| c.metadata.managed_fields = None)
+    .reflect(claim_writer)
+    .touched_objects();
+    let (jobs, job_writer) = reflector::store::<Job>();
+    let job_stream = watcher(scoped::<Job>(&client, ns), managed.clone())
+        .default_backoff()
+        .modify(|j| j.metadata.managed_fields = None)
+        .reflect(job_writer)
+        .touched_objects();
+
+    let keda = Arc::new(KedaState::default());
+    let crd_api: Api<CustomResourceDefinition> = Api::all(client.clone());
+    let initial = crd_api
+        .get_opt(KEDA_CRD)
+        .await
+        .map_err(kube_err(format!("get CustomResourceDefinition {KEDA_CRD}")))?;
+    keda.installed
+        .store(initial.as_ref().is_some_and(established), Ordering::SeqCst);
+    let (all_tx, all_rx) = mpsc::unbounded::<()>();
+    let (one_tx, one_rx) = mpsc::unbounded::<ObjectRef<LLMService>>();
+    tokio::spawn(watch_keda(
+        client.clone(),
+        ns.map(str::to_owned),
+        keda.clone(),
+        all_tx,
+        one_tx,
+    ));
+
+    let ctx = Arc::new(Context {
+        client: client.clone(),
+        render: cfg.render.clone(),
+        metrics,
+        requeue: cfg.requeue,
+        runtimes,
+        deployments,
+        claims,
+        jobs,
+        keda,
+        recorder: Recorder::new(
+            client.clone(),
+            Reporter {
+                controller: FIELD_MANAGER.to_owned(),
+                instance: Some(cfg.instance.clone()),
+            },
+        ),
+    });
+
+    let services = scoped::<LLMService>(&client, ns);
+    let controller = Controller::new(services, watcher::Config::default()).with_config(
+        ControllerConfig::default()
+            .concurrency(cfg.concurrency)
+            .debounce(Duration::from_millis(200)),
+    );
+    let service_store = controller.store();
+    controller
+        .owns_stream(dep_stream)
+        .owns_stream(claim_stream)
+        .owns_stream(job_stream)
+        .owns_stream(
+            watcher(
+                scoped::<PartialObjectMeta<Service>>(&client, ns),
+                managed.clone(),
+            )
+            .default_backoff()
+            .touched_objects(),
+        )
+        .owns_stream(
+            watcher(
+                scoped::<PartialObjectMeta<ServiceAccount>>(&client, ns),
+                managed.clone(),
+            )
+            .default_backoff()
+            .touched_objects(),
+        )
+        .owns_stream(
+            watcher(
+                scoped::<PartialObjectMeta<Role>>(&client, ns),
+                managed.clone(),
+            )
+            .default_backoff()
+            .touched_objects(),
+        )
+        .owns_stream(
+            watcher(
+                scoped::<PartialObjectMeta<RoleBinding>>(&client, ns),
+                managed.clone(),
+            )
+            .default_backoff()
+            .touched_objects(),
+        )
+        .watches_stream(runtime_stream, move |rt: InferenceRuntime| {
+            let rt_name = rt.name_any();
+            service_store
+                .state()
+                .into_iter()
+                .filter(|s| uses_runtime(s, &rt_name, &rt.spec.vendor))
+                .map(|s| ObjectRef::from_obj(s.as_ref()))
+                .collect::<Vec<_>>()
+        })
+        .reconcile_all_on(all_rx)
+        .reconcile_on(one_rx)
+        .graceful_shutdown_on(shutdown)
+        .run(reconcile, error_policy, ctx)
+        .for_each(|res| async move {
+            if let Err(e) = res {
+                tracing::debug!(error = %e, "controller event");
+            }
+        })
+        .await;
+    Ok(())
+}
+
+/// Whether a runtime change may concern a service: it pins the runtime, selects its vendor, or
+/// currently resolves to it.
+fn uses_runtime(svc: &LLMService, rt_name: &str, vendor: &str) -> bool {
+    let sel = &svc.spec.runtime;
+    sel.name.as_deref() == Some(rt_name)
+        || sel
+            .selector
+            .as_ref()
+            .is_some_and(|s| s.vendor.iter().any(|v| v == vendor))
+        || svc
+            .status
+            .as_ref()
+            .and_then(|s| s.resolved_runtime.as_deref())
+            == Some(rt_name)
+}
+
+fn established(crd: &CustomResourceDefinition) -> bool {
+    crd.status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .is_some_and(|cs| {
+            cs.iter()
+                .any(|c| c.type_ == "Established" && c.status == "True")
+        })
+}
+
+/// Watches the ScaledObject CRD; when it becomes established, starts the ScaledObject cache
+/// and reconciles every service; ScaledObject changes reconcile their owner.
+async fn watch_keda(
+    client: Client,
+    namespace: Option<String>,
+    keda: Arc<KedaState>,
+    all_tx: mpsc::UnboundedSender<()>,
+    one_tx: mpsc::UnboundedSender<ObjectRef<LLMService>>,
+) {
+    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
+    let cfg = watcher::Config::default().fields(&format!("metadata.name={KEDA_CRD}"));
+    let mut events = watcher(crds, cfg).default_backoff().boxed();
+    let mut cache_started = false;
+    while let Some(event) = events.next().await {
+        let now_installed = match event {
+            Ok(watcher::Event::Apply(crd)) | Ok(watcher::Event::InitApply(crd)) => {
+                established(&crd)
+            }
+            Ok(watcher::Event::Delete(_)) => false,
+            Ok(watcher::Event::Init) | Ok(watcher::Event::InitDone) => continue,
+            Err(e) => {
+                tracing::debug!(error = %e, "watching the KEDA CRD");
+                continue;
+            }
+        };
+        if now_installed && !cache_started {
+            cache_started = true;
+            let writer = reflector::store::Writer::new(scaled_object_resource());
+            let store = writer.as_reader();
+            if let Ok(mut guard) = keda.store.write() {
+                *guard = Some(store);
+            }
+            let ar = scaled_object_resource();
+            let api: Api<DynamicObject> = match &namespace {
+                Some(ns) => Api::namespaced_with(client.clone(), ns, &ar),
+                None => Api::all_with(client.clone(), &ar),
+            };
+            let tx = one_tx.clone();
+            let managed = watcher::Config::default().labels(&labels::managed_selector());
+            tokio::spawn(async move {
+                let mut stream = watcher(api, managed)
+                    .default_backoff()
+                    .modify(|o: &mut DynamicObject| o.metadata.managed_fields = None)
+                    .reflect(writer)
+                    .applied_objects()
+                    .boxed();
+                while let Some(obj) = stream.next().await {
+                    let Ok(obj) = obj else { continue };
+                    let owner = obj.labels().get(LLMSERVICE_LABEL).cloned();
+                    if let (Some(owner), Some(ns)) = (owner, obj.namespace()) {
+                        let _ = tx.unbounded_send(ObjectRef::new(&owner).within(&ns));
+                    }
+                }
+            });
+        }
+        if keda.installed.swap(now_installed, Ordering::SeqCst) != now_installed {
+            tracing::info!(installed = now_installed, "KEDA ScaledObject CRD changed");
+            let _ = all_tx.unbounded_send(());
+        }
+    }
+}

@@ -1,0 +1,938 @@
+//! Rendering: one `LLMService` plus its resolved `InferenceRuntime` → the children, as plain
+//! objects, with no cluster access (so `hearth-controller render` and golden tests see exactly
+//! what the reconciler applies).
+//!
+//! The backend is built in two steps: [`backend_skeleton`] makes a plain Deployment (image,
+//! rendered args/env templates, ports, cache mounts, cpu/memory), then [`crate::policy::apply`]
+//! lays the runtime specifics on it.
+
+use std::collections::BTreeMap;
+
+use hearth_crds::{
+    InferenceRuntime, LLMService,
+    llmservice::{CacheStrategy, ColdStartMode},
+    wellknown::SCALER_ANNOTATION,
+};
+use k8s_openapi::{
+    api::{
+        apps::v1::{Deployment, DeploymentSpec},
+        batch::v1::{Job, JobSpec},
+        core::v1::{
+            Container, ContainerPort, EnvFromSource, EnvVar, EnvVarSource, HTTPGetAction,
+            HostPathVolumeSource, ObjectFieldSelector, PersistentVolumeClaim,
+            PersistentVolumeClaimSpec, PersistentVolumeClaimVolumeSource, PodSpec, PodTemplateSpec,
+            Probe, ResourceRequirements, SecretEnvSource, Service, ServiceAccount, ServicePort,
+            ServiceSpec, Volume, VolumeMount, VolumeResourceRequirements,
+        },
+        rbac::v1::{PolicyRule, Role, RoleBinding, RoleRef, Subject},
+    },
+    apimachinery::pkg::{
+        api::resource::Quantity,
+        apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference},
+        util::intstr::IntOrString,
+    },
+};
+use kube::{
+    Resource, ResourceExt,
+    api::{ApiResource, DynamicObject},
+};
+use serde::Serialize;
+use serde_json::json;
+
+use crate::{
+    labels::{self, Component},
+    model::{self, CACHE_MOUNT_PATH, HF_HOME, MODELSCOPE_CACHE, ModelSource},
+    names,
+    policy::{self, SERVING_CONTAINER},
+    template::{self, TemplateValues},
+};
+
+/// Annotation on create-once children (cache claim, prewarm Job) recording a hash of the
+/// fields that cannot change after creation, so a changed spec is detected and reported.
+pub const TEMPLATE_HASH_ANNOTATION: &str = "serving.hearth.dev/template-hash";
+
+/// Settings that do not come from the `LLMService`: Hearth's own images and node paths.
+#[derive(Clone, Debug)]
+pub struct RenderConfig {
+    /// Image running `hearth-gateway`.
+    pub gateway_image: String,
+    /// Node directory for `cache.strategy: HostPath` (shared by services on a node; the cache
+    /// layout is keyed by repository, so sharing is safe).
+    pub host_path_root: String,
+    /// The gateway's HTTP port (OpenAI API and `GET /hearth/queue`).
+    pub gateway_port: i32,
+    /// The gateway's KEDA ExternalScaler gRPC port (push mode).
+    pub scaler_port: i32,
+}
+
+impl Default for RenderConfig {
+    fn default() -> Self {
+        Self {
+            gateway_image: default_gateway_image(),
+            host_path_root: "/var/lib/hearth/models".to_owned(),
+            gateway_port: 8080,
+            scaler_port: 9090,
+        }
+    }
+}
+
+/// The default gateway image: Hearth's registry, tagged with this controller's version.
+pub fn default_gateway_image() -> String {
+    format!(
+        "ghcr.io/hearth-rs/hearth-gateway:v{}",
+        env!("CARGO_PKG_VERSION")
+    )
+}
+
+/// How KEDA learns the gateway's demand (`serving.hearth.dev/scaler` annotation).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ScalerMode {
+    /// `metrics-api` trigger polling `GET /hearth/queue` on every gateway endpoint, summed.
+    Poll,
+    /// `external-push` trigger to the gateway's ExternalScaler gRPC port.
+    Push,
+}
+
+/// The KEDA `ScaledObject` API (keda.sh/v1alpha1).
+pub fn scaled_object_resource() -> ApiResource {
+    ApiResource {
+        group: "keda.sh".to_owned(),
+        version: "v1alpha1".to_owned(),
+        api_version: "keda.sh/v1alpha1".to_owned(),
+        kind: "ScaledObject".to_owned(),
+        plural: "scaledobjects".to_owned(),
+    }
+}
+
+/// Every child of one `LLMService`.
+#[derive(Clone, Debug)]
+pub struct Children {
+    /// Identity of the gateway pods.
+    pub gateway_service_account: ServiceAccount,
+    /// EndpointSlice read access for the gateway.
+    pub gateway_role: Role,
+    /// Binds the Role to the ServiceAccount.
+    pub gateway_role_binding: RoleBinding,
+    /// NodeLocalPVC cache claim (create-once).
+    pub cache_claim: Option<PersistentVolumeClaim>,
+    /// Prewarm Job (create-once).
+    pub prewarm_job: Option<Job>,
+    /// Backend Service, watched by the gateway through its EndpointSlices.
+    pub backend_service: Service,
+    /// Backend Deployment; `spec.replicas` is set only for creation (see [`render`]).
+    pub backend: Deployment,
+    /// Client-facing gateway Service.
+    pub gateway_service: Service,
+    /// ExternalScaler Service (push mode only).
+    pub scaler_service: Option<Service>,
+    /// Gateway Deployment.
+    pub gateway: Deployment,
+    /// KEDA ScaledObject.
+    pub scaled_object: DynamicObject,
+}
+
+impl Children {
+    /// All children as JSON, in apply order (dependencies first).
+    pub fn to_values(&self) -> Result<Vec<serde_json::Value>, serde_json::Error> {
+        fn v<T: Serialize>(t: &T) -> Result<serde_json::Value, serde_json::Error> {
+            serde_json::to_value(t)
+        }
+        let mut out = vec![
+            v(&self.gateway_service_account)?,
+            v(&self.gateway_role)?,
+            v(&self.gateway_role_binding)?,
+        ];
+        if let Some(c) = &self.cache_claim {
+            out.push(v(c)?);
+        }
+        if let Some(j) = &self.prewarm_job {
+            out.push(v(j)?);
+        }
+        out.push(v(&self.backend_service)?);
+        out.push(v(&self.backend)?);
+        out.push(v(&self.gateway_service)?);
+        if let Some(s) = &self.scaler_service {
+            out.push(v(s)?);
+        }
+        out.push(v(&self.gateway)?);
+        out.push(v(&self.scaled_object)?);
+        Ok(out)
+    }
+
+    /// All children as a multi-document YAML stream, like `helm template`.
+    pub fn to_yaml(&self) -> Result<String, RenderError> {
+        let mut out = String::new();
+        for value in self
+            .to_values()
+            .map_err(|e| RenderError::Serialize(e.to_string()))?
+        {
+            out.push_str("---\n");
+            out.push_str(
+                &serde_yaml::to_string(&value)
+                    .map_err(|e| RenderError::Serialize(e.to_string()))?,
+            );
+        }
+        Ok(out)
+    }
+}
+
+/// Why an `LLMService` could not be rendered. Each names the field and the fix.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RenderError {
+    /// A bad or unsupported model source.
+    #[error(transparent)]
+    Model(#[from] model::ModelError),
+    /// A runtime template did not render.
+    #[error("InferenceRuntime {runtime}: {source}")]
+    Template {
+        /// The runtime name.
+        runtime: String,
+        /// The template error (names the field).
+        source: template::TemplateError,
+    },
+    /// A duration field did not parse.
+    #[error("{field}: {source}")]
+    Duration {
+        /// The field path.
+        field: &'static str,
+        /// The parse error.
+        source: hearth_crds::DurationError,
+    },
+    /// A cache strategy reserved in the API but not implemented.
+    #[error(
+        "spec.cache.strategy: {0:?} is not implemented yet; use NodeLocalPVC, HostPath or None"
+    )]
+    CacheNotImplemented(CacheStrategy),
+    /// NodeLocalPVC without a size.
+    #[error("spec.cache.size is required with strategy NodeLocalPVC (for example 30Gi)")]
+    CacheSizeRequired,
+    /// The name does not leave room for child suffixes.
+    #[error("metadata.name {0:?} is longer than {max} characters; child Service names must fit 63; choose a shorter name", max = names::MAX_SERVICE_NAME_LEN)]
+    NameTooLong(String),
+    /// The object has no namespace (rendering needs one; `render` defaults it to `default`).
+    #[error("metadata.namespace is required")]
+    NoNamespace,
+    /// An unknown scaler annotation value.
+    #[error("annotation {SCALER_ANNOTATION}: {0:?} is not a scaler mode; use poll or push")]
+    ScalerMode(String),
+    /// The policy step failed.
+    #[error(transparent)]
+    Policy(#[from] policy::PolicyError),
+    /// Serialization of a rendered object failed.
+    #[error("serializing rendered objects: {0}")]
+    Serialize(String),
+}
+
+impl RenderError {
+    /// The condition this error is reported under and its reason: cache problems under
+    /// `CacheReady`, everything else under `Ready`.
+    pub fn condition(&self) -> (&'static str, &'static str) {
+        match self {
+            RenderError::CacheNotImplemented(_) => ("CacheReady", "StrategyNotImplemented"),
+            RenderError::CacheSizeRequired => ("CacheReady", "CacheSizeRequired"),
+            RenderError::Model(model::ModelError::CatalogNotImplemented) => {
+                ("Ready", "CatalogNotImplemented")
+            }
+            RenderError::Model(_) => ("Ready", "InvalidModelSource"),
+            RenderError::Template { .. } => ("Ready", "InvalidRuntimeTemplate"),
+            RenderError::Policy(_) => ("Ready", "PolicyFailed"),
+            _ => ("Ready", "InvalidSpec"),
+        }
+    }
+}
+
+/// Inputs shared by the child renderers.
+struct Ctx<'a> {
+    svc: &'a LLMService,
+    rt: &'a InferenceRuntime,
+    cfg: &'a RenderConfig,
+    name: String,
+    namespace: String,
+    owner: Option<OwnerReference>,
+    source: ModelSource,
+    scaler: ScalerMode,
+}
+
+impl Ctx<'_> {
+    fn meta(&self, name: String, component: Component) -> ObjectMeta {
+        ObjectMeta {
+            name: Some(name),
+            namespace: Some(self.namespace.clone()),
+            labels: Some(labels::labels(&self.name, component)),
+            owner_references: self.owner.clone().map(|o| vec![o]),
+            ..Default::default()
+        }
+    }
+
+    fn pull_secrets(&self) -> Option<Vec<k8s_openapi::api::core::v1::LocalObjectReference>> {
+        let s = &self.svc.spec.image_pull_secrets;
+        (!s.is_empty()).then(|| s.clone())
+    }
+
+    /// The cache volume and whether the prewarm/engine env should point into it.
+    fn cache_volume(&self) -> Result<Option<Volume>, RenderError> {
+        if let ModelSource::Pvc { claim, .. } = &self.source {
+            return Ok(Some(Volume {
+                name: "model".to_owned(),
+                persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
+                    claim_name: claim.clone(),
+                    read_only: Some(true),
+                }),
+                ..Default::default()
+            }));
+        }
+        match self.svc.spec.cache.strategy {
+            CacheStrategy::NodeLocalPVC => Ok(Some(Volume {
+                name: "model-cache".to_owned(),
+                persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
+                    claim_name: names::cache_claim(&self.name),
+                    read_only: None,
+                }),
+                ..Default::default()
+            })),
+            CacheStrategy::HostPath => Ok(Some(Volume {
+                name: "model-cache".to_owned(),
+                host_path: Some(HostPathVolumeSource {
+                    path: self.cfg.host_path_root.clone(),
+                    type_: Some("DirectoryOrCreate".to_owned()),
+                }),
+                ..Default::default()
+            })),
+            CacheStrategy::None => Ok(None),
+            other => Err(RenderError::CacheNotImplemented(other)),
+        }
+    }
+
+    /// `.Model.Path` (see the table in [`crate::model`]).
+    fn model_path(&self) -> String {
+        match &self.source {
+            ModelSource::HuggingFace { repo } | ModelSource::ModelScope { repo } => repo.clone(),
+            ModelSource::Pvc { subpath, .. } if subpath.is_empty() => CACHE_MOUNT_PATH.to_owned(),
+            ModelSource::Pvc { subpath, .. } => format!("{CACHE_MOUNT_PATH}/{subpath}"),
+        }
+    }
+
+    /// The hub environment shared by the engine and the prewarm Job.
+    fn cache_env(&self, cached: bool) -> Vec<EnvVar> {
+        let var = |name: &str, value: &str| EnvVar {
+            name: name.to_owned(),
+            value: Some(value.to_owned()),
+            value_from: None,
+        };
+        match &self.source {
+            ModelSource::HuggingFace { .. } if cached => vec![var("HF_HOME", HF_HOME)],
+            ModelSource::ModelScope { .. } if cached => vec![
+                var("VLLM_USE_MODELSCOPE", "True"),
+                var("MODELSCOPE_CACHE", MODELSCOPE_CACHE),
+            ],
+            ModelSource::ModelScope { .. } => vec![var("VLLM_USE_MODELSCOPE", "True")],
+            _ => Vec::new(),
+        }
+    }
+
+    fn secret_env(&self) -> Option<Vec<EnvFromSource>> {
+        let secret = self.svc.spec.model.source.as_ref()?.secret_ref.as_ref()?;
+        Some(vec![EnvFromSource {
+            secret_ref: Some(SecretEnvSource {
+                name: secret.name.clone(),
+                optional: None,
+            }),
+            ..Default::default()
+        }])
+    }
+}
+
+/// Renders every child. `create_backend` says whether the backend Deployment is being created:
+/// only then is `spec.replicas` set (to `scaling.min`, so `min: 0` starts no pod); afterwards it
+/// is left out so KEDA (or a user) owns it.
+pub fn render(
+    service: &LLMService,
+    runtime: &InferenceRuntime,
+    cfg: &RenderConfig,
+    create_backend: bool,
+) -> Result<Children, RenderError> {
+    let name = service.name_any();
+    if name.len() > names::MAX_SERVICE_NAME_LEN {
+        return Err(RenderError::NameTooLong(name));
+    }
+    let namespace = service.namespace().ok_or(RenderError::NoNamespace)?;
+    let scaler = match service
+        .annotations()
+        .get(SCALER_ANNOTATION)
+        .map(String::as_str)
+    {
+        None | Some("") | Some("poll") => ScalerMode::Poll,
+        Some("push") => ScalerMode::Push,
+        Some(other) => return Err(RenderError::ScalerMode(other.to_owned())),
+    };
+    let ctx = Ctx {
+        svc: service,
+        rt: runtime,
+        cfg,
+        name,
+        namespace,
+        owner: service.controller_owner_ref(&()),
+        source: model::parse_source(&service.spec.model)?,
+        scaler,
+    };
+    let volume = ctx.cache_volume()?;
+    if matches!(
+        ctx.source,
+        ModelSource::HuggingFace { .. } | ModelSource::ModelScope { .. }
+    ) && service.spec.cache.strategy == CacheStrategy::NodeLocalPVC
+        && service.spec.cache.size.is_none()
+    {
+        return Err(RenderError::CacheSizeRequired);
+    }
+
+    let skeleton = backend_skeleton(&ctx, volume.clone(), create_backend)?;
+    let backend = policy::apply(skeleton, service, runtime)?;
+    Ok(Children {
+        gateway_service_account: ServiceAccount {
+            metadata: ctx.meta(names::gateway(&ctx.name), Component::Gateway),
+            ..Default::default()
+        },
+        gateway_role: gateway_role(&ctx),
+        gateway_role_binding: gateway_role_binding(&ctx),
+        cache_claim: cache_claim(&ctx),
+        prewarm_job: prewarm_job(&ctx, volume),
+        backend_service: backend_service(&ctx),
+        backend,
+        gateway_service: gateway_service(&ctx),
+        scaler_service: (ctx.scaler == ScalerMode::Push).then(|| scaler_service(&ctx)),
+        gateway: gateway_deployment(&ctx)?,
+        scaled_object: scaled_object(&ctx)?,
+    })
+}
+
+fn duration_secs(d: &hearth_crds::Duration, field: &'static str) -> Result<u64, RenderError> {
+    let v = d
+        .get()
+        .map_err(|source| RenderError::Duration { field, source })?;
+    Ok(v.as_secs() + u64::from(v.subsec_nanos() > 0))
+}
+
+/// The plain backend Deployment before the policy step.
+fn backend_skeleton(
+    ctx: &Ctx<'_>,
+    volume: Option<Volume>,
+    create: bool,
+) -> Result<Deployment, RenderError> {
+    let rt = &ctx.rt.spec;
+    let runtime_name = ctx.rt.name_any();
+    let model_path = ctx.model_path();
+    let values = TemplateValues {
+        model_path: &model_path,
+        service_name: &ctx.name,
+        service_namespace: &ctx.namespace,
+    };
+    let terr = |source| RenderError::Template {
+        runtime: runtime_name.clone(),
+        source,
+    };
+    let mut args = rt
+        .container
+        .args
+        .iter()
+        .enumerate()
+        .map(|(i, a)| template::render(a, &values, &format!("spec.container.args[{i}]")))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(terr)?;
+    args.extend(ctx.svc.spec.runtime.args_override.iter().cloned());
+
+    let cached = volume.is_some() && !matches!(ctx.source, ModelSource::Pvc { .. });
+    let mut env = Vec::with_capacity(rt.container.env.len() + 2);
+    for (i, e) in rt.container.env.iter().enumerate() {
+        let mut e = e.clone();
+        if let Some(v) = &e.value {
+            e.value = Some(
+                template::render(v, &values, &format!("spec.container.env[{i}].value"))
+                    .map_err(terr)?,
+            );
+        }
+        env.push(e);
+    }
+    for e in ctx.cache_env(cached) {
+        if !env.iter().any(|x| x.name == e.name) {
+            env.push(e);
+        }
+    }
+
+    let mut requests = BTreeMap::new();
+    let mut limits = BTreeMap::new();
+    if let Some(cpu) = &ctx.svc.spec.resources.cpu {
+        requests.insert("cpu".to_owned(), cpu.clone());
+    }
+    if let Some(mem) = &ctx.svc.spec.resources.memory {
+        // Memory is request and limit: an engine over its request is the first OOM victim.
+        requests.insert("memory".to_owned(), mem.clone());
+        limits.insert("memory".to_owned(), mem.clone());
+    }
+    let mount = volume.as_ref().map(|v| VolumeMount {
+        name: v.name.clone(),
+        mount_path: CACHE_MOUNT_PATH.to_owned(),
+        read_only: matches!(ctx.source, ModelSource::Pvc { .. }).then_some(true),
+        ..Default::default()
+    });
+
+    let container = Container {
+        name: SERVING_CONTAINER.to_owned(),
+        image: Some(rt.container.image.clone()),
+        args: (!args.is_empty()).then_some(args),
+        env: (!env.is_empty()).then_some(env),
+        env_from: ctx.secret_env(),
+        ports: Some(vec![ContainerPort {
+            name: Some(rt.container.port.name.clone()),
+            container_port: rt.container.port.container_port,
+            protocol: Some("TCP".to_owned()),
+            ..Default::default()
+        }]),
+        resources: Some(ResourceRequirements {
+            requests: (!requests.is_empty()).then_some(requests),
+            limits: (!limits.is_empty()).then_some(limits),
+            ..Default::default()
+        }),
+        volume_mounts: mount.map(|m| vec![m]),
+        ..Default::default()
+    };
+    let selector = labels::selector(&ctx.name, Component::Backend);
+    Ok(Deployment {
+        metadata: ctx.meta(names::backend(&ctx.name), Component::Backend),
+        spec: Some(DeploymentSpec {
+            replicas: create.then_some(ctx.svc.spec.scaling.min),
+            selector: LabelSelector {
+                match_labels: Some(selector),
+                ..Default::default()
+            },
+            template: PodTemplateSpec {
+                metadata: Some(ObjectMeta {
+                    labels: Some(labels::labels(&ctx.name, Component::Backend)),
+                    ..Default::default()
+                }),
+                spec: Some(PodSpec {
+                    containers: vec![container],
+                    volumes: volume.map(|v| vec![v]),
+                    image_pull_secrets: ctx.pull_secrets(),
+                    enable_service_links: Some(false),
+                    ..Default::default()
+                }),
+            },
+            ..Default::default()
+        }),
+        ..Default::default()
+    })
+}
+
+fn backend_service(ctx: &Ctx<'_>) -> Service {
+    let port = &ctx.rt.spec.container.port;
+    Service {
+        metadata: ctx.meta(names::backend(&ctx.name), Component::Backend),
+        spec: Some(ServiceSpec {
+            selector: Some(labels::selector(&ctx.name, Component::Backend)),
+            ports: Some(vec![ServicePort {
+                name: Some(port.name.clone()),
+                port: port.container_port,
+                target_port: Some(IntOrString::String(port.name.clone())),
+                protocol: Some("TCP".to_owned()),
+                ..Default::default()
+            }]),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+fn gateway_service(ctx: &Ctx<'_>) -> Service {
+    Service {
+        metadata: ctx.meta(names::gateway_service(&ctx.name), Component::Gateway),
+        spec: Some(ServiceSpec {
+            selector: Some(labels::selector(&ctx.name, Component::Gateway)),
+            ports: Some(vec![ServicePort {
+                name: Some("http".to_owned()),
+                port: 80,
+                target_port: Some(IntOrString::String("http".to_owned())),
+                protocol: Some("TCP".to_owned()),
+                ..Default::default()
+            }]),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+fn scaler_service(ctx: &Ctx<'_>) -> Service {
+    Service {
+        metadata: ctx.meta(names::scaler_service(&ctx.name), Component::Gateway),
+        spec: Some(ServiceSpec {
+            type_: Some("ClusterIP".to_owned()),
+            selector: Some(labels::selector(&ctx.name, Component::Gateway)),
+            ports: Some(vec![ServicePort {
+                name: Some("grpc-scaler".to_owned()),
+                port: ctx.cfg.scaler_port,
+                target_port: Some(IntOrString::String("grpc-scaler".to_owned())),
+                protocol: Some("TCP".to_owned()),
+                ..Default::default()
+            }]),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+fn gateway_role(ctx: &Ctx<'_>) -> Role {
+    Role {
+        metadata: ctx.meta(names::gateway(&ctx.name), Component::Gateway),
+        rules: Some(vec![PolicyRule {
+            api_groups: Some(vec!["discovery.k8s.io".to_owned()]),
+            resources: Some(vec!["endpointslices".to_owned()]),
+            verbs: vec!["get".to_owned(), "list".to_owned(), "watch".to_owned()],
+            ..Default::default()
+        }]),
+    }
+}
+
+fn gateway_role_binding(ctx: &Ctx<'_>) -> RoleBinding {
+    RoleBinding {
+        metadata: ctx.meta(names::gateway(&ctx.name), Component::Gateway),
+        role_ref: RoleRef {
+            api_group: "rbac.authorization.k8s.io".to_owned(),
+            kind: "Role".to_owned(),
+            name: names::gateway(&ctx.name),
+        },
+        subjects: Some(vec![Subject {
+            kind: "ServiceAccount".to_owned(),
+            name: names::gateway(&ctx.name),
+            namespace: Some(ctx.namespace.clone()),
+            ..Default::default()
+        }]),
+    }
+}
+
+/// The gateway queue bound: enough for every replica at its target, ten times over, and never
+/// below 100 (the API has no field for it yet).
+pub fn max_queue(service: &LLMService) -> i64 {
+    let s = &service.spec.scaling;
+    (i64::from(s.target) * i64::from(s.max) * 10).max(100)
+}
+
+fn http_probe(path: &str, period: i32) -> Probe {
+    Probe {
+        http_get: Some(HTTPGetAction {
+            path: Some(path.to_owned()),
+            port: IntOrString::String("http".to_owned()),
+            ..Default::default()
+        }),
+        period_seconds: Some(period),
+        ..Default::default()
+    }
+}
+
+fn gateway_deployment(ctx: &Ctx<'_>) -> Result<Deployment, RenderError> {
+    let s = &ctx.svc.spec.scaling;
+    let cold = &ctx.svc.spec.endpoint.cold_start;
+    let drain = duration_secs(&s.drain_timeout, "spec.scaling.drainTimeout")?;
+    duration_secs(&s.activation_timeout, "spec.scaling.activationTimeout")?;
+    duration_secs(
+        &cold.heartbeat_interval,
+        "spec.endpoint.coldStart.heartbeatInterval",
+    )?;
+    let backend_port = &ctx.rt.spec.container.port;
+    // Flags of `hearth-gateway` (docs/gateway.md); the namespace comes from POD_NAMESPACE.
+    let mut args = vec![
+        format!("--listen=0.0.0.0:{}", ctx.cfg.gateway_port),
+        format!("--backend-service={}", names::backend(&ctx.name)),
+        format!("--backend-port={}", backend_port.container_port),
+        format!("--backend-port-name={}", backend_port.name),
+        // The runtime templates serve the model under the service name.
+        format!("--served-model-name={}", ctx.name),
+        format!("--max-queue={}", max_queue(ctx.svc)),
+        format!(
+            "--cold-start={}",
+            match cold.mode {
+                ColdStartMode::Keepalive => "keepalive",
+                ColdStartMode::Reject => "reject",
+            }
+        ),
+        format!("--heartbeat-interval={}", cold.heartbeat_interval),
+        format!("--activation-timeout={}", s.activation_timeout),
+        format!("--drain-timeout={}", s.drain_timeout),
+        format!("--metric-target={}", s.target),
+    ];
+    let mut ports = vec![ContainerPort {
+        name: Some("http".to_owned()),
+        container_port: ctx.cfg.gateway_port,
+        protocol: Some("TCP".to_owned()),
+        ..Default::default()
+    }];
+    if ctx.scaler == ScalerMode::Push {
+        args.push(format!("--scaler-listen=0.0.0.0:{}", ctx.cfg.scaler_port));
+        args.push(format!(
+            "--peer-service={}",
+            names::gateway_service(&ctx.name)
+        ));
+        ports.push(ContainerPort {
+            name: Some("grpc-scaler".to_owned()),
+            container_port: ctx.cfg.scaler_port,
+            protocol: Some("TCP".to_owned()),
+            ..Default::default()
+        });
+    }
+    let field_env = |name: &str, path: &str| EnvVar {
+        name: name.to_owned(),
+        value: None,
+        value_from: Some(EnvVarSource {
+            field_ref: Some(ObjectFieldSelector {
+                field_path: path.to_owned(),
+                api_version: None,
+            }),
+            ..Default::default()
+        }),
+    };
+    let container = Container {
+        name: "gateway".to_owned(),
+        image: Some(ctx.cfg.gateway_image.clone()),
+        args: Some(args),
+        env: Some(vec![
+            field_env("POD_NAME", "metadata.name"),
+            field_env("POD_NAMESPACE", "metadata.namespace"),
+            field_env("POD_IP", "status.podIP"),
+        ]),
+        ports: Some(ports),
+        readiness_probe: Some(http_probe("/readyz", 5)),
+        liveness_probe: Some(http_probe("/healthz", 10)),
+        resources: Some(ResourceRequirements {
+            requests: Some(BTreeMap::from([
+                ("cpu".to_owned(), Quantity("50m".to_owned())),
+                ("memory".to_owned(), Quantity("64Mi".to_owned())),
+            ])),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    Ok(Deployment {
+        metadata: ctx.meta(names::gateway(&ctx.name), Component::Gateway),
+        spec: Some(DeploymentSpec {
+            replicas: Some(1),
+            selector: LabelSelector {
+                match_labels: Some(labels::selector(&ctx.name, Component::Gateway)),
+                ..Default::default()
+            },
+            template: PodTemplateSpec {
+                metadata: Some(ObjectMeta {
+                    labels: Some(labels::labels(&ctx.name, Component::Gateway)),
+                    ..Default::default()
+                }),
+                spec: Some(PodSpec {
+                    service_account_name: Some(names::gateway(&ctx.name)),
+                    containers: vec![container],
+                    image_pull_secrets: ctx.pull_secrets(),
+                    // Held and streaming requests finish within the drain window.
+                    termination_grace_period_seconds: Some(
+                        i64::try_from(drain).unwrap_or(i64::MAX / 2) + 5,
+                    ),
+                    enable_service_links: Some(false),
+                    ..Default::default()
+                }),
+            },
+            ..Default::default()
+        }),
+        ..Default::default()
+    })
+}
+
+/// FNV-1a over the JSON of the immutable part: stable across builds (unlike `std`'s hasher).
+fn stable_hash(value: &impl Serialize) -> String {
+    let bytes = serde_json::to_vec(value).unwrap_or_default();
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in bytes {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    format!("{h:016x}")
+}
+
+fn with_hash(mut meta: ObjectMeta, hash: String) -> ObjectMeta {
+    meta.annotations
+        .get_or_insert_with(BTreeMap::new)
+        .insert(TEMPLATE_HASH_ANNOTATION.to_owned(), hash);
+    meta
+}
+
+fn cache_claim(ctx: &Ctx<'_>) -> Option<PersistentVolumeClaim> {
+    let cache = &ctx.svc.spec.cache;
+    if cache.strategy != CacheStrategy::NodeLocalPVC
+        || matches!(ctx.source, ModelSource::Pvc { .. })
+    {
+        return None;
+    }
+    let size = cache.size.clone()?;
+    let spec = PersistentVolumeClaimSpec {
+        access_modes: Some(vec!["ReadWriteOnce".to_owned()]),
+        resources: Some(VolumeResourceRequirements {
+            requests: Some(BTreeMap::from([("storage".to_owned(), size)])),
+            ..Default::default()
+        }),
+        storage_class_name: cache.storage_class_name.clone(),
+        ..Default::default()
+    };
+    // Only the storage class is immutable; size may grow (volume expansion).
+    let hash = stable_hash(&cache.storage_class_name);
+    Some(PersistentVolumeClaim {
+        metadata: with_hash(
+            ctx.meta(names::cache_claim(&ctx.name), Component::Cache),
+            hash,
+        ),
+        spec: Some(spec),
+        ..Default::default()
+    })
+}
+
+/// The download program run by the prewarm Job: the hub library vLLM itself uses, so the cache
+/// layout is the one the engine reads.
+fn prewarm_program(source: &ModelSource) -> Option<String> {
+    match source {
+        ModelSource::HuggingFace { repo } => Some(format!(
+            "from huggingface_hub import snapshot_download\nprint(snapshot_download(repo_id={repo:?}))\n"
+        )),
+        ModelSource::ModelScope { repo } => Some(format!(
+            "from modelscope import snapshot_download\nprint(snapshot_download({repo:?}))\n"
+        )),
+        ModelSource::Pvc { .. } => None,
+    }
+}
+
+fn prewarm_job(ctx: &Ctx<'_>, volume: Option<Volume>) -> Option<Job> {
+    let cache = &ctx.svc.spec.cache;
+    let volume = volume?;
+    if !cache.prewarm
+        || !matches!(
+            cache.strategy,
+            CacheStrategy::NodeLocalPVC | CacheStrategy::HostPath
+        )
+    {
+        return None;
+    }
+    let program = prewarm_program(&ctx.source)?;
+    let acc = &ctx.rt.spec.accelerator;
+    let mut pod_meta = ObjectMeta {
+        labels: Some(labels::labels(&ctx.name, Component::Prewarm)),
+        ..Default::default()
+    };
+    if let Some(queue) = acc.scheduler.queue.as_deref().filter(|q| !q.is_empty()) {
+        pod_meta.annotations = Some(BTreeMap::from([(
+            hearth_crds::wellknown::VOLCANO_QUEUE_ANNOTATION.to_owned(),
+            queue.to_owned(),
+        )]));
+    }
+    let template = PodTemplateSpec {
+        metadata: Some(pod_meta),
+        spec: Some(PodSpec {
+            restart_policy: Some("OnFailure".to_owned()),
+            containers: vec![Container {
+                name: "prewarm".to_owned(),
+                image: Some(ctx.rt.spec.container.image.clone()),
+                command: Some(vec!["python3".to_owned(), "-c".to_owned(), program]),
+                env: Some(ctx.cache_env(true)),
+                env_from: ctx.secret_env(),
+                volume_mounts: Some(vec![VolumeMount {
+                    name: volume.name.clone(),
+                    mount_path: CACHE_MOUNT_PATH.to_owned(),
+                    ..Default::default()
+                }]),
+                ..Default::default()
+            }],
+            volumes: Some(vec![volume]),
+            node_selector: (!acc.node_selector.is_empty()).then(|| acc.node_selector.clone()),
+            tolerations: (!acc.tolerations.is_empty()).then(|| acc.tolerations.clone()),
+            scheduler_name: acc.scheduler.name.clone().filter(|n| !n.is_empty()),
+            image_pull_secrets: ctx.pull_secrets(),
+            enable_service_links: Some(false),
+            ..Default::default()
+        }),
+    };
+    let hash = stable_hash(&template);
+    Some(Job {
+        metadata: with_hash(
+            ctx.meta(names::prewarm_job(&ctx.name), Component::Prewarm),
+            hash,
+        ),
+        spec: Some(JobSpec {
+            backoff_limit: Some(4),
+            template,
+            ..Default::default()
+        }),
+        ..Default::default()
+    })
+}
+
+fn scaled_object(ctx: &Ctx<'_>) -> Result<DynamicObject, RenderError> {
+    let s = &ctx.svc.spec.scaling;
+    let stabilization = duration_secs(
+        &s.scale_down_stabilization,
+        "spec.scaling.scaleDownStabilization",
+    )?;
+    let activation = duration_secs(&s.activation_timeout, "spec.scaling.activationTimeout")?;
+    let trigger = match ctx.scaler {
+        // KEDA resolves `<service>.<namespace>` from the host and polls each endpoint on the
+        // URL's port, which must therefore be the gateway's container port (KEDA >= 2.18).
+        ScalerMode::Poll => json!({
+            "type": "metrics-api",
+            "metricType": "AverageValue",
+            "metadata": {
+                "url": format!(
+                    "http://{}.{}.svc:{}/hearth/queue",
+                    names::gateway_service(&ctx.name),
+                    ctx.namespace,
+                    ctx.cfg.gateway_port
+                ),
+                "format": "json",
+                "valueLocation": "pending",
+                "targetValue": s.target.to_string(),
+                "aggregateFromKubeServiceEndpoints": "true",
+                "aggregationType": "sum",
+            }
+        }),
+        ScalerMode::Push => json!({
+            "type": "external-push",
+            "metricType": "AverageValue",
+            "metadata": {
+                "scalerAddress": format!(
+                    "{}.{}.svc:{}",
+                    names::scaler_service(&ctx.name),
+                    ctx.namespace,
+                    ctx.cfg.scaler_port
+                ),
+                // The gateway's ExternalScaler reads the per-replica target from `targetSize`.
+                "targetSize": s.target.to_string(),
+            }
+        }),
+    };
+    let mut obj = DynamicObject::new(&names::scaled_object(&ctx.name), &scaled_object_resource());
+    obj.metadata = ctx.meta(names::scaled_object(&ctx.name), Component::Autoscaler);
+    obj.data = json!({
+        "spec": {
+            "scaleTargetRef": {
+                "apiVersion": "apps/v1",
+                "kind": "Deployment",
+                "name": names::backend(&ctx.name),
+            },
+            "minReplicaCount": s.min,
+            "maxReplicaCount": s.max,
+            // Activation (0 -> 1) is decided by KEDA's own poll; keep cold starts short.
+            "pollingInterval": 5,
+            "cooldownPeriod": stabilization,
+            // A fresh service is loading its model: do not scale it to zero before it could
+            // have served (the activation timeout bounds a load).
+            "initialCooldownPeriod": activation,
+            "advanced": {
+                "horizontalPodAutoscalerConfig": {
+                    "behavior": {
+                        "scaleDown": {"stabilizationWindowSeconds": stabilization}
+                    }
+                }
+            },
+            "triggers": [trigger],
+        }
+    });
+    Ok(obj)
+}

@@ -1,0 +1,453 @@
+//! Status: phase, conditions and replicas of an `LLMService`, computed from what the controller
+//! observed. Pure functions, so the rules are unit-tested without a cluster.
+//!
+//! Condition semantics follow the Kubernetes API conventions (`metav1.Condition`): a
+//! `lastTransitionTime` changes only when `status` changes, so an unchanged world produces a
+//! byte-identical status and no write.
+
+use hearth_crds::{LLMServicePhase, LLMServiceStatus};
+use k8s_openapi::{
+    api::{apps::v1::Deployment, batch::v1::Job, core::v1::PersistentVolumeClaim},
+    apimachinery::pkg::apis::meta::v1::{Condition, Time},
+};
+use kube::api::DynamicObject;
+
+/// `Ready`: the service can take requests (a backend is ready, or it is scaled to zero with a
+/// working gateway and autoscaler to wake it).
+pub const READY: &str = "Ready";
+/// `RuntimeResolved`: an InferenceRuntime was selected.
+pub const RUNTIME_RESOLVED: &str = "RuntimeResolved";
+/// `AutoscalingReady`: the KEDA ScaledObject exists and KEDA reports it Ready.
+pub const AUTOSCALING_READY: &str = "AutoscalingReady";
+/// `CacheReady`: the model cache is usable.
+pub const CACHE_READY: &str = "CacheReady";
+/// `Prewarmed`: the prewarm Job has downloaded the weights into the cache.
+pub const PREWARMED: &str = "Prewarmed";
+
+/// A condition before timestamps: what the reconciler decided.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Cond {
+    /// Condition type.
+    pub type_: &'static str,
+    /// `"True"`, `"False"` or `"Unknown"`.
+    pub status: &'static str,
+    /// PascalCase reason.
+    pub reason: String,
+    /// Human message saying what to do when not True.
+    pub message: String,
+}
+
+impl Cond {
+    /// Builds a condition.
+    pub fn new(
+        type_: &'static str,
+        ok: Option<bool>,
+        reason: &str,
+        message: impl Into<String>,
+    ) -> Self {
+        Self {
+            type_,
+            status: match ok {
+                Some(true) => "True",
+                Some(false) => "False",
+                None => "Unknown",
+            },
+            reason: reason.to_owned(),
+            message: message.into(),
+        }
+    }
+
+    /// Whether the condition is True.
+    pub fn is_true(&self) -> bool {
+        self.status == "True"
+    }
+}
+
+/// Turns decided conditions into `metav1.Condition`s, keeping `lastTransitionTime` from
+/// `previous` when the status did not change. Output order is the order of `conds`.
+pub fn merge_conditions(
+    previous: &[Condition],
+    conds: &[Cond],
+    generation: Option<i64>,
+    now: &Time,
+) -> Vec<Condition> {
+    conds
+        .iter()
+        .map(|c| {
+            let last = previous
+                .iter()
+                .find(|p| p.type_ == c.type_ && p.status == c.status)
+                .map(|p| p.last_transition_time.clone())
+                .unwrap_or_else(|| now.clone());
+            Condition {
+                type_: c.type_.to_owned(),
+                status: c.status.to_owned(),
+                reason: c.reason.clone(),
+                message: c.message.clone(),
+                observed_generation: generation,
+                last_transition_time: last,
+            }
+        })
+        .collect()
+}
+
+/// The backend's replica picture from its Deployment.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BackendState {
+    /// Whether the Deployment exists.
+    pub exists: bool,
+    /// `spec.replicas` (what KEDA asked for).
+    pub desired: i32,
+    /// `status.readyReplicas`.
+    pub ready: i32,
+    /// `Progressing=False` (`ProgressDeadlineExceeded`): pods are not coming up.
+    pub stuck: bool,
+}
+
+impl BackendState {
+    /// Reads a backend Deployment.
+    pub fn of(deployment: Option<&Deployment>) -> Self {
+        let Some(d) = deployment else {
+            return Self::default();
+        };
+        let status = d.status.as_ref();
+        Self {
+            exists: true,
+            desired: d.spec.as_ref().and_then(|s| s.replicas).unwrap_or(1),
+            ready: status.and_then(|s| s.ready_replicas).unwrap_or(0),
+            stuck: status
+                .and_then(|s| s.conditions.as_ref())
+                .is_some_and(|cs| {
+                    cs.iter()
+                        .any(|c| c.type_ == "Progressing" && c.status == "False")
+                }),
+        }
+    }
+}
+
+/// Ready replicas of the gateway Deployment.
+pub fn gateway_ready(deployment: Option<&Deployment>) -> i32 {
+    deployment
+        .and_then(|d| d.status.as_ref())
+        .and_then(|s| s.ready_replicas)
+        .unwrap_or(0)
+}
+
+/// `AutoscalingReady` from KEDA's presence and the ScaledObject's own `Ready` condition.
+pub fn autoscaling(keda_installed: bool, scaled_object: Option<&DynamicObject>) -> Cond {
+    if !keda_installed {
+        return Cond::new(
+            AUTOSCALING_READY,
+            Some(false),
+            "KEDANotInstalled",
+            "KEDA is not installed (no scaledobjects.keda.sh CRD): install KEDA >= 2.18; the ScaledObject is created as soon as its CRD appears",
+        );
+    }
+    let Some(so) = scaled_object else {
+        return Cond::new(
+            AUTOSCALING_READY,
+            None,
+            "ScaledObjectPending",
+            "the KEDA ScaledObject is being created",
+        );
+    };
+    let ready = so.data["status"]["conditions"]
+        .as_array()
+        .and_then(|cs| cs.iter().find(|c| c["type"] == "Ready"));
+    match ready {
+        Some(c) if c["status"] == "True" => Cond::new(
+            AUTOSCALING_READY,
+            Some(true),
+            "ScaledObjectReady",
+            "KEDA reports the ScaledObject Ready",
+        ),
+        Some(c) if c["status"] == "False" => Cond::new(
+            AUTOSCALING_READY,
+            Some(false),
+            "ScaledObjectNotReady",
+            format!(
+                "KEDA reports the ScaledObject not Ready: {} ({})",
+                c["message"].as_str().unwrap_or(""),
+                c["reason"].as_str().unwrap_or("")
+            ),
+        ),
+        _ => Cond::new(
+            AUTOSCALING_READY,
+            None,
+            "ScaledObjectPending",
+            "waiting for KEDA to report on the ScaledObject",
+        ),
+    }
+}
+
+/// `CacheReady` for a NodeLocalPVC claim.
+pub fn cache_claim(claim: Option<&PersistentVolumeClaim>, name: &str) -> Cond {
+    match claim
+        .and_then(|c| c.status.as_ref())
+        .and_then(|s| s.phase.as_deref())
+    {
+        Some("Bound") => Cond::new(
+            CACHE_READY,
+            Some(true),
+            "Bound",
+            format!("PersistentVolumeClaim {name} is Bound"),
+        ),
+        Some("Lost") => Cond::new(
+            CACHE_READY,
+            Some(false),
+            "ClaimLost",
+            format!(
+                "PersistentVolumeClaim {name} lost its volume: delete the claim so it is recreated"
+            ),
+        ),
+        // WaitForFirstConsumer classes bind when the first pod (prewarm or backend) schedules.
+        _ => Cond::new(
+            CACHE_READY,
+            Some(false),
+            "Pending",
+            format!(
+                "PersistentVolumeClaim {name} is not bound yet (node-local classes bind when the first pod is scheduled)"
+            ),
+        ),
+    }
+}
+
+/// `Prewarmed` from the prewarm Job.
+pub fn prewarm(job: Option<&Job>, name: &str) -> Cond {
+    let Some(status) = job.and_then(|j| j.status.as_ref()) else {
+        return Cond::new(
+            PREWARMED,
+            Some(false),
+            "Downloading",
+            format!("prewarm Job {name} is starting"),
+        );
+    };
+    if status.succeeded.unwrap_or(0) > 0 {
+        return Cond::new(
+            PREWARMED,
+            Some(true),
+            "Downloaded",
+            format!("prewarm Job {name} downloaded the model into the cache"),
+        );
+    }
+    let failed = status.conditions.as_ref().and_then(|cs| {
+        cs.iter()
+            .find(|c| c.type_ == "Failed" && c.status == "True")
+    });
+    if let Some(c) = failed {
+        return Cond::new(
+            PREWARMED,
+            Some(false),
+            "PrewarmFailed",
+            format!(
+                "prewarm Job {name} failed ({}): see `kubectl logs job/{name}`, fix the cause (source, credentials, disk) and delete the Job to retry",
+                c.message
+                    .as_deref()
+                    .unwrap_or(c.reason.as_deref().unwrap_or("no reason"))
+            ),
+        );
+    }
+    Cond::new(
+        PREWARMED,
+        Some(false),
+        "Downloading",
+        format!("prewarm Job {name} is downloading the model"),
+    )
+}
+
+/// Phase and `Ready` from the backend, gateway and the other conditions.
+pub fn phase_and_ready(
+    backend: BackendState,
+    gateway_ready: i32,
+    others: &[Cond],
+) -> (LLMServicePhase, Cond) {
+    let failed = |t: &str, r: &str| others.iter().any(|c| c.type_ == t && c.reason == r);
+    let autoscaling_ok = others
+        .iter()
+        .any(|c| c.type_ == AUTOSCALING_READY && c.is_true());
+    if failed(PREWARMED, "PrewarmFailed") {
+        return (
+            LLMServicePhase::Degraded,
+            Cond::new(
+                READY,
+                Some(false),
+                "PrewarmFailed",
+                "the prewarm Job failed; see the Prewarmed condition",
+            ),
+        );
+    }
+    if !backend.exists {
+        return (
+            LLMServicePhase::Pending,
+            Cond::new(
+                READY,
+                Some(false),
+                "Creating",
+                "the backend Deployment is being created",
+            ),
+        );
+    }
+    if backend.ready > 0 {
+        let ready = if gateway_ready > 0 {
+            Cond::new(
+                READY,
+                Some(true),
+                "BackendReady",
+                format!("{} backend replica(s) ready", backend.ready),
+            )
+        } else {
+            Cond::new(
+                READY,
+                Some(false),
+                "GatewayNotReady",
+                "no gateway replica is ready yet",
+            )
+        };
+        return (LLMServicePhase::Ready, ready);
+    }
+    if backend.stuck {
+        return (
+            LLMServicePhase::Degraded,
+            Cond::new(
+                READY,
+                Some(false),
+                "BackendNotProgressing",
+                "backend pods are not becoming ready (ProgressDeadlineExceeded): see `kubectl describe` on the backend Deployment's pods",
+            ),
+        );
+    }
+    if backend.desired == 0 {
+        let ready = if gateway_ready == 0 {
+            Cond::new(
+                READY,
+                Some(false),
+                "GatewayNotReady",
+                "no gateway replica is ready yet",
+            )
+        } else if !autoscaling_ok {
+            Cond::new(
+                READY,
+                Some(false),
+                "AutoscalingNotReady",
+                "scaled to zero, and nothing can wake the backend until autoscaling is ready; see AutoscalingReady",
+            )
+        } else {
+            Cond::new(
+                READY,
+                Some(true),
+                "ScaledToZero",
+                "no backend replica runs; the next request starts one",
+            )
+        };
+        return (LLMServicePhase::ScaledToZero, ready);
+    }
+    (
+        LLMServicePhase::Loading,
+        Cond::new(
+            READY,
+            Some(false),
+            "BackendLoading",
+            "a backend replica is starting and loading the model",
+        ),
+    )
+}
+
+/// Whether two statuses differ in anything but timestamps of unchanged conditions (which
+/// [`merge_conditions`] already preserves): plain equality.
+pub fn differs(current: Option<&LLMServiceStatus>, desired: &LLMServiceStatus) -> bool {
+    current != Some(desired)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn t(secs: i64) -> Time {
+        Time(k8s_openapi::jiff::Timestamp::from_second(secs).unwrap())
+    }
+
+    #[test]
+    fn transition_time_moves_only_on_status_change() {
+        let first = merge_conditions(
+            &[],
+            &[Cond::new(READY, Some(false), "Creating", "x")],
+            Some(1),
+            &t(10),
+        );
+        let same = merge_conditions(
+            &first,
+            &[Cond::new(READY, Some(false), "BackendLoading", "y")],
+            Some(1),
+            &t(20),
+        );
+        assert_eq!(same[0].last_transition_time, t(10));
+        let flipped = merge_conditions(
+            &same,
+            &[Cond::new(READY, Some(true), "BackendReady", "z")],
+            Some(1),
+            &t(30),
+        );
+        assert_eq!(flipped[0].last_transition_time, t(30));
+    }
+
+    fn autoscaling_ok() -> Vec<Cond> {
+        vec![Cond::new(
+            AUTOSCALING_READY,
+            Some(true),
+            "ScaledObjectReady",
+            "",
+        )]
+    }
+
+    #[test]
+    fn phases() {
+        let b = |exists, desired, ready| BackendState {
+            exists,
+            desired,
+            ready,
+            stuck: false,
+        };
+        assert_eq!(
+            phase_and_ready(b(false, 0, 0), 1, &[]).0,
+            LLMServicePhase::Pending
+        );
+        let (p, r) = phase_and_ready(b(true, 0, 0), 1, &autoscaling_ok());
+        assert_eq!((p, r.is_true()), (LLMServicePhase::ScaledToZero, true));
+        let (p, r) = phase_and_ready(b(true, 0, 0), 1, &[]);
+        assert_eq!(
+            (p, r.reason.as_str()),
+            (LLMServicePhase::ScaledToZero, "AutoscalingNotReady")
+        );
+        assert_eq!(
+            phase_and_ready(b(true, 1, 0), 1, &[]).0,
+            LLMServicePhase::Loading
+        );
+        let (p, r) = phase_and_ready(b(true, 1, 1), 1, &[]);
+        assert_eq!((p, r.is_true()), (LLMServicePhase::Ready, true));
+        let stuck = BackendState {
+            exists: true,
+            desired: 1,
+            ready: 0,
+            stuck: true,
+        };
+        assert_eq!(phase_and_ready(stuck, 1, &[]).0, LLMServicePhase::Degraded);
+        let failed = [Cond::new(PREWARMED, Some(false), "PrewarmFailed", "")];
+        assert_eq!(
+            phase_and_ready(b(true, 0, 0), 1, &failed).0,
+            LLMServicePhase::Degraded
+        );
+    }
+
+    #[test]
+    fn keda_absent_is_reported_not_errored() {
+        let c = autoscaling(false, None);
+        assert_eq!((c.status, c.reason.as_str()), ("False", "KEDANotInstalled"));
+        let so: DynamicObject = serde_json::from_value(serde_json::json!({
+            "apiVersion": "keda.sh/v1alpha1", "kind": "ScaledObject",
+            "metadata": {"name": "s"},
+            "status": {"conditions": [{"type": "Ready", "status": "True"}]}
+        }))
+        .unwrap();
+        assert!(autoscaling(true, Some(&so)).is_true());
+    }
+}

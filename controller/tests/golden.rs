@@ -1,0 +1,161 @@
+//! Golden render tests: `hearth-controller render -f SERVICE --runtime RUNTIME` on the upstream
+//! examples (unchanged) and on our own inputs under `tests/golden/inputs`, compared byte for
+//! byte with `tests/golden/<case>.yaml`. `HEARTH_UPDATE_GOLDEN=1` rewrites the expected files
+//! (review the diff before committing).
+
+use std::{
+    path::{Path, PathBuf},
+    process::Command,
+};
+
+fn here() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// The shared upstream examples beside the repository, or `HEARTH_UPSTREAM_EXAMPLES`.
+fn upstream(file: &str) -> PathBuf {
+    let dir = std::env::var_os("HEARTH_UPSTREAM_EXAMPLES")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| here().join("../../shared/examples/upstream"));
+    assert!(
+        dir.is_dir(),
+        "upstream examples not found at {}: check out shared/ beside the repository or set HEARTH_UPSTREAM_EXAMPLES",
+        dir.display()
+    );
+    dir.join(file)
+}
+
+fn input(file: &str) -> PathBuf {
+    here().join("tests/golden/inputs").join(file)
+}
+
+fn render(service: &Path, runtime: &Path, extra: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_hearth-controller"))
+        .arg("render")
+        .arg("-f")
+        .arg(service)
+        .arg("--runtime")
+        .arg(runtime)
+        .args(["--gateway-image", "ghcr.io/hearth-rs/hearth-gateway:golden"])
+        .args(extra)
+        .output()
+        .expect("running hearth-controller render")
+}
+
+fn check(case: &str, service: PathBuf, runtime: PathBuf, extra: &[&str]) {
+    let out = render(&service, &runtime, extra);
+    assert!(
+        out.status.success(),
+        "{case}: render failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let got = String::from_utf8(out.stdout).expect("render prints UTF-8");
+    let golden = here().join("tests/golden").join(format!("{case}.yaml"));
+    if std::env::var_os("HEARTH_UPDATE_GOLDEN").is_some() {
+        std::fs::write(&golden, &got).expect("writing golden file");
+        return;
+    }
+    let want = std::fs::read_to_string(&golden).unwrap_or_else(|e| {
+        panic!(
+            "{}: {e}; run with HEARTH_UPDATE_GOLDEN=1 to create it",
+            golden.display()
+        )
+    });
+    if got != want {
+        let line = got
+            .lines()
+            .zip(want.lines())
+            .position(|(g, w)| g != w)
+            .unwrap_or_else(|| got.lines().count().min(want.lines().count()));
+        panic!(
+            "{case}: rendered output differs from {} at line {}:\n  got:  {:?}\n  want: {:?}\nrun with HEARTH_UPDATE_GOLDEN=1 to accept",
+            golden.display(),
+            line + 1,
+            got.lines().nth(line),
+            want.lines().nth(line)
+        );
+    }
+}
+
+#[test]
+fn upstream_nvidia_a10() {
+    check(
+        "nvidia-a10",
+        upstream("nvidia-a10-llmservice.yaml"),
+        upstream("nvidia-a10-inferenceruntime.yaml"),
+        &["-n", "ml"],
+    );
+}
+
+#[test]
+fn upstream_ascend_910b3() {
+    check(
+        "ascend-910b3",
+        upstream("ascend-910b3-llmservice.yaml"),
+        upstream("ascend-910b3-inferenceruntime.yaml"),
+        &["-n", "ml"],
+    );
+}
+
+#[test]
+fn upstream_stub() {
+    check(
+        "stub",
+        upstream("stub-llmservice.yaml"),
+        upstream("stub-inferenceruntime.yaml"),
+        &[],
+    );
+}
+
+#[test]
+fn hostpath_hf_push_mode_with_secrets() {
+    check(
+        "hostpath-hf-push",
+        input("hostpath-hf-secret-llmservice.yaml"),
+        input("volcano-inferenceruntime.yaml"),
+        &[],
+    );
+}
+
+#[test]
+fn prestaged_pvc() {
+    check(
+        "pvc",
+        input("pvc-llmservice.yaml"),
+        upstream("nvidia-a10-inferenceruntime.yaml"),
+        &[],
+    );
+}
+
+#[test]
+fn bad_input_is_a_clear_error_not_a_panic() {
+    let dir = std::env::temp_dir().join(format!("hearth-golden-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let runtime = dir.join("runtime.yaml");
+    let original = std::fs::read_to_string(upstream("stub-inferenceruntime.yaml")).unwrap();
+    std::fs::write(
+        &runtime,
+        original.replace("{{ .Model.Path }}", "{{ .Model.Name }}"),
+    )
+    .unwrap();
+    let out = render(&upstream("stub-llmservice.yaml"), &runtime, &[]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("spec.container.args[0]: unknown template reference {{ .Model.Name }}"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("panicked"), "{stderr}");
+
+    let service = dir.join("service.yaml");
+    let original = std::fs::read_to_string(upstream("stub-llmservice.yaml")).unwrap();
+    std::fs::write(&service, original.replace("strategy: None", "strategy: SharedPVC")).unwrap();
+    let out = render(&service, &upstream("stub-inferenceruntime.yaml"), &[]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("spec.cache.strategy: SharedPVC is not implemented yet"),
+        "{stderr}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
