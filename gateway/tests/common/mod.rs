@@ -1,0 +1,148 @@
+//! Shared test helpers: a real vllm-stub, a real gateway, and an HTTP client.
+#![allow(dead_code)]
+
+use std::{net::SocketAddr, time::Duration};
+
+use bytes::Bytes;
+use hearth_gateway::{EndpointSet, Gateway, GatewayConfig, RunningGateway, apikeys::ApiKeys};
+use http_body_util::{BodyExt, Full};
+use hyper::{Request, Response, StatusCode, body::Incoming};
+use hyper_util::{
+    client::legacy::{Client, connect::HttpConnector},
+    rt::TokioExecutor,
+};
+use vllm_stub::{RunningStub, StubConfig};
+
+pub type HttpClient = Client<HttpConnector, Full<Bytes>>;
+
+pub fn client() -> HttpClient {
+    Client::builder(TokioExecutor::new()).build_http()
+}
+
+pub fn localhost() -> SocketAddr {
+    "127.0.0.1:0".parse().unwrap()
+}
+
+pub fn stub_config() -> StubConfig {
+    StubConfig {
+        model: "/models/stub".into(),
+        served_model_names: vec!["stub-svc".into()],
+        token_count: 5,
+        token_delay: Duration::from_millis(2),
+        ..StubConfig::default()
+    }
+}
+
+pub async fn stub() -> RunningStub {
+    vllm_stub::spawn(stub_config(), localhost()).await.unwrap()
+}
+
+pub fn authority(stub: &RunningStub) -> http::uri::Authority {
+    stub.addr.to_string().parse().unwrap()
+}
+
+pub fn config() -> GatewayConfig {
+    GatewayConfig {
+        heartbeat_interval: Duration::from_millis(50),
+        activation_timeout: Duration::from_secs(30),
+        activation_grace: Duration::from_millis(100),
+        drain_timeout: Duration::from_secs(10),
+        retry_after: Duration::from_secs(3),
+        ..GatewayConfig::default()
+    }
+}
+
+pub async fn gateway(cfg: GatewayConfig, backends: EndpointSet) -> RunningGateway {
+    gateway_with_keys(cfg, backends, ApiKeys::disabled()).await
+}
+
+pub async fn gateway_with_keys(
+    cfg: GatewayConfig,
+    backends: EndpointSet,
+    keys: ApiKeys,
+) -> RunningGateway {
+    hearth_gateway::spawn(Gateway::new(cfg, backends, keys), "127.0.0.1".parse().unwrap())
+        .await
+        .unwrap()
+}
+
+pub fn chat(stream: bool) -> serde_json::Value {
+    serde_json::json!({
+        "model": "stub-svc",
+        "stream": stream,
+        "messages": [{"role": "user", "content": "Hello there"}],
+    })
+}
+
+pub fn post_req(url: &str, body: &serde_json::Value, headers: &[(&str, &str)]) -> Request<Full<Bytes>> {
+    let mut req = Request::post(url).header("content-type", "application/json");
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    req.body(Full::new(Bytes::from(body.to_string()))).unwrap()
+}
+
+/// Sends and returns the response with its body unread.
+pub async fn send(c: &HttpClient, req: Request<Full<Bytes>>) -> Response<Incoming> {
+    c.request(req).await.unwrap()
+}
+
+/// Sends and reads the whole body.
+pub async fn send_full(c: &HttpClient, req: Request<Full<Bytes>>) -> (StatusCode, http::HeaderMap, Bytes) {
+    let resp = send(c, req).await;
+    let (parts, body) = resp.into_parts();
+    (parts.status, parts.headers, body.collect().await.unwrap().to_bytes())
+}
+
+pub async fn get(c: &HttpClient, url: &str) -> (StatusCode, Bytes) {
+    let (s, _, b) = send_full(c, Request::get(url).body(Full::new(Bytes::new())).unwrap()).await;
+    (s, b)
+}
+
+pub async fn json(c: &HttpClient, url: &str) -> (StatusCode, serde_json::Value) {
+    let (s, b) = get(c, url).await;
+    (s, serde_json::from_slice(&b).unwrap_or(serde_json::Value::Null))
+}
+
+/// Reads the next data frame of a streaming body.
+pub async fn next_chunk(body: &mut Incoming) -> Option<Bytes> {
+    loop {
+        match body.frame().await? {
+            Ok(f) => {
+                if let Ok(d) = f.into_data() {
+                    return Some(d);
+                }
+            }
+            Err(e) => panic!("body error: {e}"),
+        }
+    }
+}
+
+/// The events of an SSE body, split on blank lines.
+pub fn sse_events(body: &[u8]) -> Vec<String> {
+    std::str::from_utf8(body)
+        .unwrap()
+        .split("\n\n")
+        .filter(|e| !e.is_empty())
+        .map(str::to_owned)
+        .collect()
+}
+
+/// Waits until `pred` holds for the gateway's demand state (no time limit: the test runner's
+/// own timeout applies; these waits end in milliseconds when the behaviour is right).
+pub async fn wait_demand(g: &RunningGateway, pred: impl Fn(&hearth_gateway::demand::DemandState) -> bool) {
+    let mut rx = g.gateway.demand().subscribe();
+    rx.wait_for(|s| pred(s)).await.unwrap();
+}
+
+/// The value of one sample line (`name{labels} value`) in a Prometheus text body.
+pub fn metric(text: &str, sample: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(sample).and_then(|r| r.strip_prefix(' ')))
+        .and_then(|v| v.trim().parse().ok())
+}
+
+pub async fn gateway_metrics(c: &HttpClient, g: &RunningGateway) -> String {
+    let (_, b) = get(c, &format!("{}/metrics", g.url())).await;
+    String::from_utf8(b.to_vec()).unwrap()
+}
