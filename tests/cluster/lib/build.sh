@@ -1,0 +1,120 @@
+# shellcheck shell=bash
+# Builds the pinned upstream binaries from Go modules into $BIN (sourced after common.sh).
+# Each binary is named <name>-<version>; an existing file is reused, so only the first run
+# compiles. Module versions and go.sum files live in tests/cluster/go/<group>/.
+
+require_go() {
+  command -v go >/dev/null 2>&1 ||
+    die "the Go toolchain (>= 1.26) is needed to build the cluster binaries; install it and put 'go' on PATH"
+  local v
+  v="$(go env GOVERSION)"
+  if ! [[ "$v" =~ ^go1\.([0-9]+) ]] || ((BASH_REMATCH[1] < 26)); then
+    die "Go >= 1.26 is needed (kwok 0.8 and KEDA 2.20 require it), found $v"
+  fi
+}
+
+# Reads `go build -v` output (one package per line) and prints a progress line every 5%.
+progress() { # <label> <total packages>
+  awk -v label="$1" -v total="$2" -v start="$(date +%s)" '
+    { n++; pct = int(n * 100 / total); if (pct > 100) pct = 100
+      if (pct >= next_pct) {
+        printf "[build] %-11s %5d/%d packages (%3d%%) %4ds\n", label, n, total, pct, systime() - start
+        fflush(); next_pct = pct - pct % 5 + 5
+      } }'
+}
+
+# go_build <label> <module dir under go/> <ldflags> <output dir> <package>...
+go_build() {
+  local label="$1" dir="$CLUSTER_DIR/go/$2" ldflags="$3" out="$4"
+  shift 4
+  local logf="$CACHE/build/$label.log" total start
+  mkdir -p "$out" "$CACHE/build"
+  start=$SECONDS
+  log "building $label (module downloads first; full log: $logf)"
+  # -mod=readonly: go.mod/go.sum are committed and must already be complete; GOTOOLCHAIN=local
+  # keeps Go from fetching another toolchain; CGO_ENABLED=0 as upstream's release builds.
+  export CGO_ENABLED=0 GOTOOLCHAIN=local GOFLAGS="-mod=readonly -buildvcs=false"
+  total="$(cd "$dir" && go list -deps "$@" | wc -l)" ||
+    die "resolving the packages of $label failed (network to the Go module proxy needed on a first build)"
+  if ! (cd "$dir" && go build -v -trimpath -ldflags "$ldflags" -o "$out/" "$@" 2>&1) |
+    tee "$logf" | progress "$label" "$total"; then
+    tail -n 30 "$logf" >&2
+    die "building $label failed; full log in $logf"
+  fi
+  log "built $label in $((SECONDS - start))s"
+}
+
+# install_bin <built file> <final path>: atomic rename within the cache.
+install_bin() { mv -f "$1" "$2"; }
+
+build_all() {
+  local need=() tmp
+  [[ -x "$ETCD" ]] || need+=(etcd)
+  [[ -x "$KUBE_APISERVER" && -x "$KUBE_CONTROLLER_MANAGER" && -x "$KUBE_SCHEDULER" && -x "$KUBECTL" ]] ||
+    need+=(kubernetes)
+  [[ -x "$KWOK" ]] || need+=(kwok)
+  [[ -x "$KEDA_OPERATOR" && -x "$KEDA_ADAPTER" && -f "$KEDA_CRDS/keda.sh_scaledobjects.yaml" ]] ||
+    need+=(keda)
+  [[ -x "$HELM" ]] || need+=(helm)
+  if ((${#need[@]} == 0)); then
+    return 0
+  fi
+  require_go
+  log "building into $BIN: ${need[*]} (first time only; Kubernetes and KEDA take a while on 2 cores)"
+  mkdir -p "$BIN"
+  tmp="$CACHE/build/out"
+  rm -rf "$tmp"
+  local g ld p
+  for g in "${need[@]}"; do
+    case "$g" in
+      etcd)
+        go_build etcd etcd "-s -w -X go.etcd.io/etcd/api/v3/version.GitSHA=$ETCD_VERSION" \
+          "$tmp/etcd" go.etcd.io/etcd/server/v3
+        install_bin "$tmp/etcd/server" "$ETCD"
+        ;;
+      kubernetes)
+        # What hack/lib/version.sh sets for release builds; the commit is not known from the
+        # module, so gitCommit keeps its default.
+        ld="-s -w"
+        for p in k8s.io/client-go/pkg/version k8s.io/component-base/version; do
+          ld+=" -X $p.gitVersion=$KUBE_VERSION -X $p.gitTreeState=clean"
+          ld+=" -X $p.gitMajor=$(cut -d. -f1 <<<"${KUBE_VERSION#v}")"
+          ld+=" -X $p.gitMinor=$(cut -d. -f2 <<<"$KUBE_VERSION")"
+        done
+        go_build kubernetes kubernetes "$ld" "$tmp/kubernetes" \
+          k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager \
+          k8s.io/kubernetes/cmd/kube-scheduler k8s.io/kubernetes/cmd/kubectl
+        install_bin "$tmp/kubernetes/kube-apiserver" "$KUBE_APISERVER"
+        install_bin "$tmp/kubernetes/kube-controller-manager" "$KUBE_CONTROLLER_MANAGER"
+        install_bin "$tmp/kubernetes/kube-scheduler" "$KUBE_SCHEDULER"
+        install_bin "$tmp/kubernetes/kubectl" "$KUBECTL"
+        ;;
+      kwok)
+        go_build kwok kwok "-s -w -X sigs.k8s.io/kwok/pkg/consts.Version=${KWOK_VERSION#v}" \
+          "$tmp/kwok" sigs.k8s.io/kwok/cmd/kwok
+        install_bin "$tmp/kwok/kwok" "$KWOK"
+        ;;
+      keda)
+        ld="-s -w -X github.com/kedacore/keda/v2/version.Version=${KEDA_VERSION#v}"
+        go_build keda keda "$ld" "$tmp/keda" \
+          github.com/kedacore/keda/v2/cmd/operator github.com/kedacore/keda/v2/cmd/adapter
+        install_bin "$tmp/keda/operator" "$KEDA_OPERATOR"
+        install_bin "$tmp/keda/adapter" "$KEDA_ADAPTER"
+        # The CRDs come from the same module version as the operator.
+        local dir
+        dir="$(cd "$CLUSTER_DIR/go/keda" && go list -m -f '{{.Dir}}' github.com/kedacore/keda/v2)"
+        mkdir -p "$KEDA_CRDS"
+        cp "$dir"/config/crd/bases/*.yaml "$KEDA_CRDS/"
+        chmod u+w "$KEDA_CRDS"/*.yaml
+        ;;
+      helm)
+        ld="-s -w -X helm.sh/helm/v4/internal/version.version=$HELM_VERSION"
+        ld+=" -X helm.sh/helm/v4/internal/version.gitTreeState=clean"
+        go_build helm helm "$ld" "$tmp/helm" helm.sh/helm/v4/cmd/helm
+        install_bin "$tmp/helm/helm" "$HELM"
+        ;;
+    esac
+  done
+  rm -rf "$tmp"
+  log "binaries ready in $BIN"
+}

@@ -1,0 +1,104 @@
+# shellcheck shell=bash
+# Certificates and kubeconfigs of the local cluster, made with openssl (sourced after common.sh).
+# Keys are ECDSA P-256 (fast to make); everything is valid for 10 years and lives in the state
+# dir, so `down` throws it away with the cluster.
+
+require_openssl() {
+  command -v openssl >/dev/null 2>&1 ||
+    die "openssl is needed to make the cluster's certificates: apt-get install -y openssl"
+}
+
+new_key() { openssl genpkey -algorithm EC -pkeyopt ec_paramgen_curve:P-256 -out "$1" 2>/dev/null; }
+
+# new_ca <dir> <name> <common name>
+new_ca() {
+  new_key "$1/$2.key"
+  openssl req -x509 -new -key "$1/$2.key" -subj "/CN=$3" -days 3650 -out "$1/$2.crt" \
+    -addext "basicConstraints=critical,CA:TRUE" -addext "keyUsage=critical,keyCertSign,cRLSign" \
+    2>/dev/null
+}
+
+# issue <dir> <ca name> <name> <subject> <extendedKeyUsage> [subjectAltName]
+issue() {
+  local dir="$1" ca="$2" name="$3" subj="$4" eku="$5" san="${6:-}" ext
+  new_key "$dir/$name.key"
+  ext="$dir/$name.ext"
+  {
+    echo "basicConstraints=critical,CA:FALSE"
+    echo "keyUsage=critical,digitalSignature,keyEncipherment"
+    echo "extendedKeyUsage=$eku"
+    [[ -z "$san" ]] || echo "subjectAltName=$san"
+  } >"$ext"
+  openssl req -new -key "$dir/$name.key" -subj "$subj" 2>/dev/null |
+    openssl x509 -req -CA "$dir/$ca.crt" -CAkey "$dir/$ca.key" -CAcreateserial -days 3650 \
+      -extfile "$ext" -out "$dir/$name.crt" 2>/dev/null
+  rm -f "$ext"
+}
+
+# write_kubeconfig <file> <cert dir> <client name> <user>
+write_kubeconfig() {
+  local file="$1" dir="$2" client="$3" user="$4"
+  cat >"$file" <<KUBECONFIG
+apiVersion: v1
+kind: Config
+clusters:
+- name: hearth
+  cluster:
+    server: https://$CP_IP:$APISERVER_PORT
+    certificate-authority-data: $(base64 -w0 <"$dir/ca.crt")
+users:
+- name: $user
+  user:
+    client-certificate-data: $(base64 -w0 <"$dir/$client.crt")
+    client-key-data: $(base64 -w0 <"$dir/$client.key")
+contexts:
+- name: hearth
+  context:
+    cluster: hearth
+    user: $user
+current-context: hearth
+KUBECONFIG
+  chmod 600 "$file"
+}
+
+make_pki() {
+  require_openssl
+  local d="$STATE/pki"
+  mkdir -p "$d"
+  chmod 700 "$d"
+  # Cluster CA: signs serving certs and client certs of every component.
+  new_ca "$d" ca hearth-cluster-ca
+  # Front-proxy CA: the aggregator's client identity towards extension apiservers (KEDA).
+  new_ca "$d" front-proxy-ca hearth-front-proxy-ca
+  issue "$d" front-proxy-ca front-proxy-client "/CN=front-proxy-client" clientAuth
+  issue "$d" ca etcd-server "/CN=etcd" serverAuth "IP:$CP_IP"
+  issue "$d" ca apiserver-etcd-client "/CN=kube-apiserver-etcd-client" clientAuth
+  issue "$d" ca apiserver "/CN=kube-apiserver" serverAuth \
+    "IP:$CP_IP,IP:$SERVICE_FIRST_IP,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local"
+  issue "$d" ca admin "/O=system:masters/CN=hearth-admin" clientAuth
+  issue "$d" ca controller-manager "/CN=system:kube-controller-manager" clientAuth
+  issue "$d" ca scheduler "/CN=system:kube-scheduler" clientAuth
+  # kwok plays the kubelet of many nodes at once; the Node authorizer would confine one
+  # identity to one node, so it gets admin rights.
+  issue "$d" ca kwok "/O=system:masters/CN=hearth-kwok" clientAuth
+  # KEDA: one cert serves the operator's metrics gRPC (mTLS), the adapter's gRPC client cert and
+  # the adapter's HTTPS (reached by the aggregator as keda-metrics-apiserver.keda.svc). Admin
+  # rights stand in for KEDA's ClusterRoles, which install with its Helm chart.
+  issue "$d" ca keda "/O=system:masters/CN=hearth-keda" serverAuth,clientAuth \
+    "IP:$KEDA_OPERATOR_IP,IP:$KEDA_ADAPTER_IP,DNS:keda-operator.keda.svc,DNS:keda-operator.keda.svc.cluster.local,DNS:keda-metrics-apiserver.keda.svc,DNS:keda-metrics-apiserver.keda.svc.cluster.local"
+  mkdir -p "$STATE/keda/certs"
+  cp "$d/keda.crt" "$STATE/keda/certs/tls.crt"
+  cp "$d/keda.key" "$STATE/keda/certs/tls.key"
+  cp "$d/ca.crt" "$STATE/keda/certs/ca.crt"
+  # Service-account token signing key pair.
+  new_key "$d/sa.key"
+  openssl pkey -in "$d/sa.key" -pubout -out "$d/sa.pub" 2>/dev/null
+  rm -f "$d"/*.srl
+
+  write_kubeconfig "$KUBECONFIG_PATH" "$d" admin hearth-admin
+  mkdir -p "$STATE/kubeconfigs"
+  write_kubeconfig "$STATE/kubeconfigs/controller-manager" "$d" controller-manager system:kube-controller-manager
+  write_kubeconfig "$STATE/kubeconfigs/scheduler" "$d" scheduler system:kube-scheduler
+  write_kubeconfig "$STATE/kubeconfigs/kwok" "$d" kwok hearth-kwok
+  write_kubeconfig "$STATE/kubeconfigs/keda" "$d" keda hearth-keda
+}

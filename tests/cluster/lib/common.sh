@@ -1,0 +1,113 @@
+# shellcheck shell=bash
+# Shared settings and helpers of tests/cluster/{build,up,down,status}. Sourced, never executed.
+#
+# Environment (all optional):
+#   HEARTH_CACHE          build cache, outside the repo (default ~/.cache/hearth); binaries land
+#                         in $HEARTH_CACHE/bin/<name>-<version>
+#   HEARTH_CLUSTER_STATE  state dir: certs, kubeconfigs, logs, PID files, etcd data
+#                         (default tests/cluster/.state)
+#   HEARTH_CLUSTER_NET    first two octets of the loopback /16 the cluster lives in
+#                         (default 127.100); see README.md for the address plan
+
+set -euo pipefail
+
+CLUSTER_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+CACHE="${HEARTH_CACHE:-${HOME:-/root}/.cache/hearth}"
+BIN="$CACHE/bin"
+STATE="${HEARTH_CLUSTER_STATE:-$CLUSTER_DIR/.state}"
+NET="${HEARTH_CLUSTER_NET:-127.100}"
+
+if ! [[ "$NET" =~ ^127\.([0-9]{1,3})$ ]] || ((BASH_REMATCH[1] > 255)); then
+  echo "error: HEARTH_CLUSTER_NET='$NET' must be the first two octets of a loopback /16, e.g. 127.100" >&2
+  exit 2
+fi
+
+# Address plan (README.md, "Addresses").
+CP_IP="$NET.0.1"          # etcd, kube-apiserver, controller-manager, scheduler, kwok
+KEDA_OPERATOR_IP="$NET.0.2"
+KEDA_ADAPTER_IP="$NET.0.3"
+APISERVER_PORT=6443
+ETCD_CLIENT_PORT=2379
+ETCD_PEER_PORT=2380
+KCM_PORT=10257
+SCHEDULER_PORT=10259
+KWOK_PORT=10247
+KEDA_GRPC_PORT=9666
+KEDA_OPERATOR_METRICS_PORT=8080
+KEDA_OPERATOR_PROBE_PORT=8081
+KEDA_ADAPTER_PORT=6443
+SERVICE_CIDR="$NET.240.0/20"
+SERVICE_FIRST_IP="$NET.240.1"
+
+# Versions come from our go.mod files, so there is one place to change them.
+gomod_version() { # <dir under go/> <module path>
+  local v
+  v="$(awk -v m="$2" '($1 == m) { print $2; exit } ($1 == "require" && $2 == m) { print $3; exit }' \
+    "$CLUSTER_DIR/go/$1/go.mod")"
+  if [[ -z "$v" ]]; then
+    echo "error: tests/cluster/go/$1/go.mod does not require $2" >&2
+    exit 2
+  fi
+  printf '%s' "$v"
+}
+ETCD_VERSION="$(gomod_version etcd go.etcd.io/etcd/server/v3)"
+KUBE_VERSION="$(gomod_version kubernetes k8s.io/kubernetes)"
+KWOK_VERSION="$(gomod_version kwok sigs.k8s.io/kwok)"
+KEDA_VERSION="$(gomod_version keda github.com/kedacore/keda/v2)"
+HELM_VERSION="$(gomod_version helm helm.sh/helm/v4)"
+
+ETCD="$BIN/etcd-$ETCD_VERSION"
+KUBE_APISERVER="$BIN/kube-apiserver-$KUBE_VERSION"
+KUBE_CONTROLLER_MANAGER="$BIN/kube-controller-manager-$KUBE_VERSION"
+KUBE_SCHEDULER="$BIN/kube-scheduler-$KUBE_VERSION"
+KUBECTL="$BIN/kubectl-$KUBE_VERSION"
+KWOK="$BIN/kwok-$KWOK_VERSION"
+KEDA_OPERATOR="$BIN/keda-operator-$KEDA_VERSION"
+KEDA_ADAPTER="$BIN/keda-adapter-$KEDA_VERSION"
+HELM="$BIN/helm-$HELM_VERSION"
+KEDA_CRDS="$CACHE/share/keda-$KEDA_VERSION/crds"
+
+KUBECONFIG_PATH="$STATE/kubeconfig"
+PIDS="$STATE/pids"
+LOGS="$STATE/logs"
+
+# Processes in start order; `down` stops them in reverse.
+COMPONENTS=(etcd kube-apiserver kube-controller-manager kube-scheduler kwok keda-operator keda-adapter)
+
+log() { printf '[cluster %5ss] %s\n' "$SECONDS" "$*" >&2; }
+die() {
+  printf 'error: %s\n' "$*" >&2
+  exit 1
+}
+
+# The binary a component runs, used to start it and to check a PID still belongs to it.
+component_binary() {
+  case "$1" in
+    etcd) echo "$ETCD" ;;
+    kube-apiserver) echo "$KUBE_APISERVER" ;;
+    kube-controller-manager) echo "$KUBE_CONTROLLER_MANAGER" ;;
+    kube-scheduler) echo "$KUBE_SCHEDULER" ;;
+    kwok) echo "$KWOK" ;;
+    keda-operator) echo "$KEDA_OPERATOR" ;;
+    keda-adapter) echo "$KEDA_ADAPTER" ;;
+    *) die "unknown component $1" ;;
+  esac
+}
+
+# Prints the PID of a component if its PID file names a live process that runs the component's
+# binary (guards against PID reuse after a reboot or a crash); prints nothing otherwise.
+component_pid() {
+  local pidfile="$PIDS/$1.pid" pid exe
+  [[ -f "$pidfile" ]] || return 0
+  pid="$(<"$pidfile")"
+  [[ "$pid" =~ ^[0-9]+$ ]] || return 0
+  exe="$(readlink "/proc/$pid/exe" 2>/dev/null)" || return 0
+  # A binary replaced on disk (rebuilt) shows as "<path> (deleted)".
+  [[ "${exe% (deleted)}" == "$(component_binary "$1")" ]] || return 0
+  echo "$pid"
+}
+
+# Resident memory of a PID in KiB.
+rss_kib() { awk '/^VmRSS:/ { print $2 }' "/proc/$1/status" 2>/dev/null || echo 0; }
+
+kubectl_() { "$KUBECTL" --kubeconfig "$KUBECONFIG_PATH" "$@"; }

@@ -1,0 +1,383 @@
+//! Support for tests that run against the local control plane of `tests/cluster/`.
+//!
+//! - [`Cluster::connect`] reaches the cluster through its kubeconfig (`KUBECONFIG`, else the
+//!   default state dir of `tests/cluster/up`) and fails with a message naming the fix when no
+//!   cluster answers.
+//! - [`Cluster::namespace`] gives a test its own namespace, deleted when the returned
+//!   [`TestNamespace`] is dropped, also when the test panics.
+//! - [`wait_until`] and the helpers built on it poll a condition until a deadline and, on
+//!   timeout, fail with what was awaited and the last state observed.
+//! - [`MetricServer`] is a tiny HTTP server on loopback that serves a number as JSON, for KEDA's
+//!   `metrics-api` trigger.
+
+mod metric_server;
+mod wait;
+
+pub use metric_server::MetricServer;
+pub use wait::{Observed, wait_until};
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use k8s_openapi::api::core::v1::{Namespace, Pod, ServiceAccount};
+use kube::api::{ApiResource, DeleteParams, DynamicObject, GroupVersionKind, PostParams};
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube::{Api, Client, Config};
+
+/// Label put on every namespace made by [`Cluster::namespace`], so leftovers can be found.
+pub const TEST_NAMESPACE_LABEL: &str = "tests.hearth.dev/test-namespace";
+
+/// Label that makes kwok leave a pod alone; the test-only pod runner plays the kubelet for
+/// pods that carry it (`tests/cluster/README.md`, "Pods kwok leaves alone").
+pub const RUNNER_LABEL: &str = "tests.hearth.dev/runner";
+
+/// Environment variable that, when set to `1`, keeps test namespaces for inspection.
+pub const KEEP_NAMESPACES_ENV: &str = "HEARTH_TEST_KEEP_NAMESPACES";
+
+/// How long [`Cluster::connect`] waits for the apiserver to answer.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A connection to the local test cluster.
+#[derive(Clone)]
+pub struct Cluster {
+    client: Client,
+    config: Config,
+    kubeconfig: PathBuf,
+}
+
+impl Cluster {
+    /// Connects through `$KUBECONFIG`, or `tests/cluster/.state/kubeconfig` (the state dir may be
+    /// moved with `HEARTH_CLUSTER_STATE`, as for `tests/cluster/up`), and checks that the
+    /// apiserver answers.
+    pub async fn connect() -> Result<Self> {
+        // kube's rustls transport needs a process-wide provider; ring is the project's choice.
+        // An error only means a provider is installed already.
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let path = kubeconfig_path();
+        let hint = "start the local cluster with `tests/cluster/up` (it prints the KUBECONFIG \
+                    export), or run the whole suite with `tests/run-tests`";
+        if !path.is_file() {
+            bail!(
+                "no kubeconfig at {} ({}); {hint}",
+                path.display(),
+                if std::env::var_os("KUBECONFIG").is_some() {
+                    "from KUBECONFIG"
+                } else {
+                    "KUBECONFIG is unset, so the default state dir of tests/cluster/up was used"
+                }
+            );
+        }
+        let kubeconfig = Kubeconfig::read_from(&path)
+            .with_context(|| format!("reading kubeconfig {}", path.display()))?;
+        let config = Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
+            .await
+            .with_context(|| format!("loading kubeconfig {}", path.display()))?;
+        let server = config.cluster_url.clone();
+        let client = Client::try_from(config.clone())
+            .with_context(|| format!("building a client for {server}"))?;
+        match tokio::time::timeout(CONNECT_TIMEOUT, client.apiserver_version()).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => bail!(
+                "the cluster at {server} (kubeconfig {}) did not answer: {e}; {hint}",
+                path.display()
+            ),
+            Err(_) => bail!(
+                "the cluster at {server} (kubeconfig {}) did not answer within {CONNECT_TIMEOUT:?}; {hint}",
+                path.display()
+            ),
+        }
+        Ok(Self {
+            client,
+            config,
+            kubeconfig: path,
+        })
+    }
+
+    /// A client with the cluster's admin credentials.
+    pub fn client(&self) -> Client {
+        self.client.clone()
+    }
+
+    /// The kubeconfig this connection was made from.
+    pub fn kubeconfig(&self) -> &Path {
+        &self.kubeconfig
+    }
+
+    /// A `kubectl` command of the cluster's Kubernetes version, already pointed at the cluster.
+    /// `tests/cluster/up` links the binaries it built into `<state dir>/bin/`.
+    pub fn kubectl(&self) -> Result<Command> {
+        let state = self.kubeconfig.parent().with_context(|| {
+            format!("kubeconfig {} has no parent dir", self.kubeconfig.display())
+        })?;
+        let kubectl = state.join("bin").join("kubectl");
+        if !kubectl.is_file() {
+            bail!(
+                "no kubectl at {}: the kubeconfig {} is not in a state dir of tests/cluster/up, \
+                 which links kubectl there",
+                kubectl.display(),
+                self.kubeconfig.display()
+            );
+        }
+        let mut cmd = Command::new(kubectl);
+        cmd.arg("--kubeconfig").arg(&self.kubeconfig);
+        Ok(cmd)
+    }
+
+    /// Creates a namespace named `<prefix>-<random suffix>` and waits until pods can be made in
+    /// it (its `default` ServiceAccount exists). It is deleted when the guard is dropped.
+    pub async fn namespace(&self, prefix: &str) -> Result<TestNamespace> {
+        let name = format!("{prefix}-{}", random_suffix());
+        if name.len() > 63 {
+            bail!("namespace prefix {prefix:?} is too long: {name:?} exceeds 63 characters");
+        }
+        let namespaces: Api<Namespace> = Api::all(self.client.clone());
+        let ns: Namespace = serde_json::from_value(serde_json::json!({
+            "apiVersion": "v1",
+            "kind": "Namespace",
+            "metadata": { "name": name, "labels": { TEST_NAMESPACE_LABEL: "true" } },
+        }))?;
+        namespaces
+            .create(&PostParams::default(), &ns)
+            .await
+            .with_context(|| format!("creating test namespace {name}"))?;
+        // From here on the guard owns the namespace, so a failure below still deletes it.
+        let guard = TestNamespace {
+            name: name.clone(),
+            client: self.client.clone(),
+            config: self.config.clone(),
+        };
+        let accounts: Api<ServiceAccount> = Api::namespaced(self.client.clone(), &name);
+        wait_until(
+            format!("ServiceAccount {name}/default (made by kube-controller-manager)"),
+            Duration::from_secs(30),
+            || async {
+                Ok(match accounts.get_opt("default").await? {
+                    Some(_) => Observed::Ready(()),
+                    None => Observed::NotYet("not created yet".to_string()),
+                })
+            },
+        )
+        .await?;
+        Ok(guard)
+    }
+}
+
+/// A namespace owned by one test. Dropping it deletes the namespace (unless
+/// `HEARTH_TEST_KEEP_NAMESPACES=1`), also while a panic unwinds.
+pub struct TestNamespace {
+    name: String,
+    client: Client,
+    config: Config,
+}
+
+impl TestNamespace {
+    /// The namespace's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// A client with the cluster's admin credentials.
+    pub fn client(&self) -> Client {
+        self.client.clone()
+    }
+
+    /// A typed API for namespaced objects of this namespace.
+    pub fn api<K>(&self) -> Api<K>
+    where
+        K: kube::Resource<Scope = k8s_openapi::NamespaceResourceScope>,
+        <K as kube::Resource>::DynamicType: Default,
+    {
+        Api::namespaced(self.client.clone(), &self.name)
+    }
+
+    /// An untyped API in this namespace, for kinds without Rust types here (e.g. KEDA's).
+    pub fn dynamic_api(
+        &self,
+        group: &str,
+        version: &str,
+        kind: &str,
+        plural: &str,
+    ) -> Api<DynamicObject> {
+        let gvk = GroupVersionKind::gvk(group, version, kind);
+        let resource = ApiResource::from_gvk_with_plural(&gvk, plural);
+        Api::namespaced_with(self.client.clone(), &self.name, &resource)
+    }
+
+    /// Waits until the pods matching `selector` satisfy `done`, and returns them. `done` sees
+    /// the current pods; on timeout the error lists each pod with its phase and node.
+    pub async fn wait_for_pods(
+        &self,
+        what: &str,
+        selector: &str,
+        timeout: Duration,
+        done: impl Fn(&[Pod]) -> bool,
+    ) -> Result<Vec<Pod>> {
+        let pods: Api<Pod> = self.api();
+        let lp = kube::api::ListParams::default().labels(selector);
+        wait_until(
+            format!("{what} (pods {selector} in {})", self.name),
+            timeout,
+            || async {
+                let list = pods.list(&lp).await?.items;
+                Ok(if done(&list) {
+                    Observed::Ready(list)
+                } else {
+                    Observed::NotYet(describe_pods(&list))
+                })
+            },
+        )
+        .await
+    }
+}
+
+impl Drop for TestNamespace {
+    fn drop(&mut self) {
+        if std::env::var(KEEP_NAMESPACES_ENV).as_deref() == Ok("1") {
+            eprintln!(
+                "keeping test namespace {} ({KEEP_NAMESPACES_ENV}=1)",
+                self.name
+            );
+            return;
+        }
+        // Drop cannot await, and the test's runtime may be the single thread running this
+        // drop, so the delete runs on its own thread and runtime with a client of its own.
+        let name = self.name.clone();
+        let config = self.config.clone();
+        let outcome = std::thread::spawn(move || -> Result<()> {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
+            runtime.block_on(async {
+                let client = Client::try_from(config)?;
+                let namespaces: Api<Namespace> = Api::all(client);
+                match namespaces.delete(&name, &DeleteParams::background()).await {
+                    Ok(_) => Ok(()),
+                    Err(kube::Error::Api(e)) if e.code == 404 => Ok(()),
+                    Err(e) => Err(e.into()),
+                }
+            })
+        })
+        .join();
+        match outcome {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => eprintln!("warning: deleting test namespace {}: {e:#}", self.name),
+            Err(_) => eprintln!("warning: deleting test namespace {} panicked", self.name),
+        }
+    }
+}
+
+/// One line per pod: name, phase, node, and why it is not scheduled when it is not.
+pub fn describe_pods(pods: &[Pod]) -> String {
+    if pods.is_empty() {
+        return "no pods".to_string();
+    }
+    let mut out = String::new();
+    for pod in pods {
+        let name = pod.metadata.name.as_deref().unwrap_or("?");
+        let status = pod.status.as_ref();
+        let phase = status.and_then(|s| s.phase.as_deref()).unwrap_or("?");
+        let node = pod
+            .spec
+            .as_ref()
+            .and_then(|s| s.node_name.as_deref())
+            .unwrap_or("-");
+        let _ = write!(out, "[{name} {phase} node={node}");
+        let unscheduled = status
+            .and_then(|s| s.conditions.as_ref())
+            .into_iter()
+            .flatten()
+            .find(|c| c.type_ == "PodScheduled" && c.status == "False");
+        if let Some(c) = unscheduled {
+            let _ = write!(
+                out,
+                " unscheduled: {}",
+                c.message.as_deref().unwrap_or("no message")
+            );
+        }
+        out.push_str("] ");
+    }
+    out.trim_end().to_string()
+}
+
+/// The kubeconfig the tests use: `$KUBECONFIG` (its first entry), else the default state dir of
+/// `tests/cluster/up`.
+pub fn kubeconfig_path() -> PathBuf {
+    if let Some(value) = std::env::var_os("KUBECONFIG").filter(|v| !v.is_empty())
+        && let Some(first) = std::env::split_paths(&value).next()
+    {
+        return first;
+    }
+    state_dir().join("kubeconfig")
+}
+
+/// The state dir of `tests/cluster/up`: `$HEARTH_CLUSTER_STATE`, else `tests/cluster/.state`.
+pub fn state_dir() -> PathBuf {
+    match std::env::var_os("HEARTH_CLUSTER_STATE").filter(|v| !v.is_empty()) {
+        Some(dir) => PathBuf::from(dir),
+        None => Path::new(env!("CARGO_MANIFEST_DIR")).join("../cluster/.state"),
+    }
+}
+
+/// Six lowercase base-36 characters, different for every call in a process and, through the
+/// randomly keyed hasher, across processes.
+fn random_suffix() -> String {
+    use std::hash::{BuildHasher, Hasher};
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    hasher.write_u64(COUNTER.fetch_add(1, Ordering::Relaxed));
+    hasher.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or_default(),
+    );
+    let mut n = hasher.finish();
+    let mut s = String::with_capacity(6);
+    for _ in 0..6 {
+        let digit = (n % 36) as u32;
+        s.push(char::from_digit(digit, 36).unwrap_or('0'));
+        n /= 36;
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn suffixes_are_valid_dns_labels_and_differ() {
+        let a = random_suffix();
+        let b = random_suffix();
+        assert_eq!(a.len(), 6);
+        assert!(
+            a.chars()
+                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit())
+        );
+        assert_ne!(a, b);
+    }
+
+    #[test]
+    fn describe_pods_names_the_scheduling_failure() {
+        let pod: Pod = serde_json::from_value(serde_json::json!({
+            "metadata": { "name": "p" },
+            "status": {
+                "phase": "Pending",
+                "conditions": [{
+                    "type": "PodScheduled", "status": "False",
+                    "message": "0/5 nodes are available: 5 Insufficient nvidia.com/gpu."
+                }]
+            }
+        }))
+        .unwrap();
+        assert_eq!(
+            describe_pods(&[pod]),
+            "[p Pending node=- unscheduled: 0/5 nodes are available: 5 Insufficient nvidia.com/gpu.]"
+        );
+        assert_eq!(describe_pods(&[]), "no pods");
+    }
+}

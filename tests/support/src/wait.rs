@@ -1,0 +1,95 @@
+//! Polling with a deadline and a useful failure message.
+
+use std::fmt::Display;
+use std::future::Future;
+use std::time::Duration;
+
+use anyhow::{Result, bail};
+use tokio::time::{Instant, sleep};
+
+/// How often [`wait_until`] probes.
+const POLL_INTERVAL: Duration = Duration::from_millis(250);
+
+/// What one probe of [`wait_until`] saw.
+#[derive(Debug)]
+pub enum Observed<T> {
+    /// The condition holds; the wait ends with this value.
+    Ready(T),
+    /// Not yet; the text describes the state seen, for the timeout message.
+    NotYet(String),
+}
+
+/// Probes every 250 ms until `probe` returns [`Observed::Ready`], and returns its value.
+///
+/// A probe error (e.g. an API call failing while a component starts) is recorded as the last
+/// observation and retried. After `timeout` the error says what was awaited (`what`), for how
+/// long, and the last observation.
+pub async fn wait_until<T, F, Fut>(what: impl Display, timeout: Duration, mut probe: F) -> Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<Observed<T>>>,
+{
+    let deadline = Instant::now() + timeout;
+    loop {
+        let last = match probe().await {
+            Ok(Observed::Ready(value)) => return Ok(value),
+            Ok(Observed::NotYet(state)) => state,
+            Err(e) => format!("probe failed: {e:#}"),
+        };
+        if Instant::now() >= deadline {
+            bail!("timed out after {timeout:?} waiting for {what}; last observed: {last}");
+        }
+        sleep(POLL_INTERVAL).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::cell::Cell;
+
+    #[tokio::test]
+    async fn returns_the_ready_value() {
+        let calls = Cell::new(0);
+        let value = wait_until("the third call", Duration::from_secs(60), || {
+            calls.set(calls.get() + 1);
+            let n = calls.get();
+            async move {
+                Ok(if n == 3 {
+                    Observed::Ready(n)
+                } else {
+                    Observed::NotYet(format!("call {n}"))
+                })
+            }
+        })
+        .await
+        .unwrap();
+        assert_eq!(value, 3);
+    }
+
+    #[tokio::test]
+    async fn timeout_names_the_wait_and_the_last_observation() {
+        let err = wait_until("a thing that never happens", Duration::ZERO, || async {
+            Ok(Observed::<()>::NotYet("still 7 pods".to_string()))
+        })
+        .await
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("waiting for a thing that never happens"),
+            "{err}"
+        );
+        assert!(err.contains("last observed: still 7 pods"), "{err}");
+    }
+
+    #[tokio::test]
+    async fn probe_errors_are_reported_as_the_last_observation() {
+        let err = wait_until("an answer", Duration::ZERO, || async {
+            Err::<Observed<()>, _>(anyhow::anyhow!("connection refused"))
+        })
+        .await
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("probe failed: connection refused"), "{err}");
+    }
+}
