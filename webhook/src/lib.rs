@@ -1,0 +1,28 @@
+//! Hearth's admission webhook.
+//!
+//! - `POST /validate`: `LLMService` and `InferenceRuntime` checks beyond the CRD schema
+//!   ([`validate`]), and platform `ServingPolicy` validations of annotated workloads.
+//! - `POST /mutate`: Deployments, StatefulSets and Pods annotated with
+//!   `serving.hearth.dev/runtime` or `serving.hearth.dev/vendor` get the built-in and platform
+//!   policies' mutations ([`workload`]).
+//! - `/healthz`, `/readyz`, `/metrics`.
+//!
+//! The wire protocol lives in [`admission`] (a pure function of the body and a [`Snapshot`],
+//! fuzzed by `webhook/fuzz`), the HTTPS server in [`server`], certificates in [`tls`] and
+//! [`selfmanaged`], the cluster watches in [`watch`], and the webhook configurations it is
+//! registered with in [`registration`]. See `docs/webhook.md`.
+
+pub mod admission;
+pub mod metrics;
+pub mod registration;
+pub mod selfmanaged;
+pub mod server;
+pub mod tls;
+pub mod uri;
+pub mod validate;
+pub mod watch;
+pub mod workload;
+
+pub use admission::{Endpoint, handle};
+pub use server::{AppState, Limits, router, serve};
+pub use workload::Snapshot;

@@ -1,0 +1,226 @@
+//! `hearth-webhook`: the admission webhook server, and `hearth-webhook configurations` to print
+//! the webhook configurations it expects to be registered with.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use clap::{Args, Parser, Subcommand};
+use hearth_crds::parse_duration;
+use hearth_webhook::registration::{Registration, Target};
+use hearth_webhook::selfmanaged::{SelfManaged, SelfManagedConfig};
+use hearth_webhook::tls::{CertFiles, CertStore};
+use hearth_webhook::{AppState, Limits, Snapshot, router, serve, watch};
+use tokio::net::TcpListener;
+
+#[derive(Parser)]
+#[command(version, about = "Hearth's admission webhook")]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+    #[command(flatten)]
+    serve: ServeArgs,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Print the Mutating- and ValidatingWebhookConfiguration as YAML.
+    Configurations(ConfigArgs),
+}
+
+#[derive(Args)]
+struct ServeArgs {
+    /// Address to serve HTTPS on.
+    #[arg(long, env = "HEARTH_WEBHOOK_LISTEN", default_value = "0.0.0.0:8443")]
+    listen: SocketAddr,
+    /// PEM certificate chain to serve (cert-manager's tls.crt); reloaded when it changes.
+    #[arg(long, requires = "tls_key_file", conflicts_with = "self_managed")]
+    tls_cert_file: Option<PathBuf>,
+    /// PEM private key of --tls-cert-file.
+    #[arg(long, requires = "tls_cert_file")]
+    tls_key_file: Option<PathBuf>,
+    /// How often to check the certificate files for changes (Go duration).
+    #[arg(long, default_value = "10s", value_parser = duration)]
+    tls_reload_interval: Duration,
+    /// Generate and rotate the CA and serving certificate, keep them in a Secret, and publish
+    /// the CA as caBundle of the webhook configurations.
+    #[arg(long)]
+    self_managed: bool,
+    /// The webhook's namespace (for the Secret and the service DNS names).
+    #[arg(long, env = "POD_NAMESPACE", default_value = "hearth-system")]
+    namespace: String,
+    /// Secret holding the self-managed certificates.
+    #[arg(long, default_value = "hearth-webhook-tls")]
+    secret_name: String,
+    /// Service name the apiserver calls; its DNS names go into the serving certificate.
+    #[arg(long, default_value = "hearth-webhook")]
+    service_name: String,
+    /// Extra subject alternative names (DNS names or IP addresses), comma separated.
+    #[arg(long, value_delimiter = ',')]
+    extra_san: Vec<String>,
+    /// Name of the webhook configurations whose caBundle is kept current.
+    #[arg(long, default_value = "hearth")]
+    webhook_configuration: String,
+    /// Lifetime of each self-managed serving certificate (Go duration).
+    #[arg(long, default_value = "2160h", value_parser = duration)]
+    cert_validity: Duration,
+    /// Lifetime of the self-managed CA (Go duration).
+    #[arg(long, default_value = "87600h", value_parser = duration)]
+    ca_validity: Duration,
+    /// Largest accepted request body, in bytes.
+    #[arg(long, default_value_t = Limits::default().max_body)]
+    max_body_bytes: usize,
+}
+
+#[derive(Args)]
+struct ConfigArgs {
+    /// Hearth's namespace (skipped by the webhooks; home of the Service).
+    #[arg(long, default_value = "hearth-system")]
+    namespace: String,
+    /// Base URL instead of a Service, such as https://127.0.0.1:8443.
+    #[arg(long)]
+    url: Option<String>,
+    /// PEM CA bundle to embed as caBundle.
+    #[arg(long)]
+    ca_bundle_file: Option<PathBuf>,
+}
+
+fn duration(s: &str) -> Result<Duration, String> {
+    parse_duration(s).map_err(|e| e.to_string())
+}
+
+fn main() -> Result<()> {
+    let cli = Cli::parse();
+    // One crypto provider for the process: ring. An error means one is installed already.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    if let Some(Command::Configurations(args)) = cli.command {
+        return print_configurations(args);
+    }
+    tracing_subscriber::fmt()
+        .json()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .init();
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?
+        .block_on(run(cli.serve))
+}
+
+fn print_configurations(args: ConfigArgs) -> Result<()> {
+    let mut reg = Registration::in_cluster(&args.namespace);
+    if let Some(url) = args.url {
+        reg.target = Target::Url(url);
+    }
+    if let Some(f) = args.ca_bundle_file {
+        reg.ca_bundle =
+            Some(std::fs::read(&f).with_context(|| format!("reading {}", f.display()))?);
+    }
+    print!(
+        "{}---\n{}",
+        serde_yaml::to_string(&reg.mutating())?,
+        serde_yaml::to_string(&reg.validating())?
+    );
+    Ok(())
+}
+
+async fn run(args: ServeArgs) -> Result<()> {
+    let client = kube::Client::try_default()
+        .await
+        .context("connecting to the Kubernetes API (in-cluster config or KUBECONFIG)")?;
+    let (shutdown_tx, shutdown) = tokio::sync::watch::channel(false);
+    let limits = Limits {
+        max_body: args.max_body_bytes,
+        ..Limits::default()
+    };
+    let mut state = AppState::new(Snapshot::default(), limits);
+    state.ready = Arc::new(AtomicBool::new(false));
+
+    let store = match (&args.tls_cert_file, &args.tls_key_file, args.self_managed) {
+        (Some(cert), Some(key), false) => {
+            let files = CertFiles {
+                cert: cert.clone(),
+                key: key.clone(),
+            };
+            let store = CertStore::new(files.load().context("loading the serving certificate")?);
+            tokio::spawn(files.watch(
+                store.clone(),
+                args.tls_reload_interval,
+                state.metrics.clone(),
+                shutdown.clone(),
+            ));
+            store
+        }
+        (None, None, true) => {
+            let ns = &args.namespace;
+            let svc = &args.service_name;
+            let mut sans = vec![
+                format!("{svc}.{ns}.svc"),
+                format!("{svc}.{ns}.svc.cluster.local"),
+                format!("{svc}.{ns}"),
+                svc.clone(),
+            ];
+            sans.extend(args.extra_san.iter().cloned());
+            let sm = SelfManaged::new(
+                client.clone(),
+                SelfManagedConfig {
+                    namespace: ns.clone(),
+                    secret_name: args.secret_name.clone(),
+                    sans,
+                    cert_validity: args.cert_validity,
+                    ca_validity: args.ca_validity,
+                    webhook_configuration: args.webhook_configuration.clone(),
+                    ca_propagation: Duration::from_secs(10),
+                },
+            );
+            let (store, material) = sm.bootstrap().await?;
+            tokio::spawn(sm.run(
+                store.clone(),
+                material,
+                Duration::from_secs(60),
+                state.metrics.clone(),
+                shutdown.clone(),
+            ));
+            store
+        }
+        _ => bail!("choose one TLS mode: --tls-cert-file with --tls-key-file, or --self-managed"),
+    };
+
+    tokio::spawn(watch::run(client, state.clone(), shutdown.clone()));
+    let listener = TcpListener::bind(args.listen)
+        .await
+        .with_context(|| format!("binding {}", args.listen))?;
+    tracing::info!(listen = %args.listen, "serving admission reviews");
+    let tls = store.server_config()?;
+    let server = tokio::spawn(serve(listener, tls, router(state), limits, shutdown));
+    shutdown_signal().await;
+    tracing::info!("shutting down");
+    let _ = shutdown_tx.send(true);
+    server.await?;
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(s) => s,
+                Err(_) => {
+                    let _ = ctrl_c.await;
+                    return;
+                }
+            };
+        tokio::select! {
+            _ = ctrl_c => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = ctrl_c.await;
+}

@@ -1,0 +1,147 @@
+//! Prometheus metrics of the webhook, served on `/metrics` in the OpenMetrics text format.
+
+use std::sync::Mutex;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+/// Labels of an answered review.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReviewLabels {
+    /// `validate` or `mutate`.
+    pub endpoint: &'static str,
+    /// `request.kind.kind`.
+    pub kind: String,
+    /// `allowed`, `patched`, `denied`, `skipped`.
+    pub outcome: &'static str,
+}
+
+/// Labels of a refused request.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ErrorLabels {
+    /// `validate` or `mutate`.
+    pub endpoint: &'static str,
+    /// `malformed`, `version`, `too_large`, `timeout`, `content_type`.
+    pub reason: &'static str,
+}
+
+/// Labels of a policy compile failure.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PolicyLabels {
+    /// ServingPolicy name.
+    pub policy: String,
+}
+
+/// Every metric the webhook exports.
+#[derive(Debug)]
+pub struct Metrics {
+    registry: Mutex<Registry>,
+    /// `hearth_webhook_reviews_total`: reviews answered.
+    pub reviews: Family<ReviewLabels, Counter>,
+    /// `hearth_webhook_request_errors_total`: requests refused before a review could be made.
+    pub errors: Family<ErrorLabels, Counter>,
+    /// `hearth_webhook_review_duration_seconds`: time to answer a review, body read excluded.
+    pub duration: Histogram,
+    /// `hearth_webhook_cert_reloads_total`: serving certificate swaps.
+    pub cert_reloads: Counter,
+    /// `hearth_webhook_cert_reload_errors_total`: failed reloads or renewals.
+    pub cert_reload_errors: Counter,
+    /// `hearth_webhook_policy_compile_errors_total`: ServingPolicy compile failures by policy.
+    pub policy_errors: Family<PolicyLabels, Counter>,
+    /// `hearth_webhook_policies`: platform ServingPolicies currently enforced.
+    pub policies: Gauge,
+    /// `hearth_webhook_runtimes`: InferenceRuntimes currently known.
+    pub runtimes: Gauge,
+    /// `hearth_webhook_snapshot_rebuilds_total`: policy/runtime snapshots swapped in.
+    pub rebuilds: Counter,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    /// Registers every metric under the `hearth_webhook` prefix.
+    pub fn new() -> Self {
+        let mut r = Registry::with_prefix("hearth_webhook");
+        let reviews = Family::<ReviewLabels, Counter>::default();
+        r.register("reviews", "AdmissionReviews answered", reviews.clone());
+        let errors = Family::<ErrorLabels, Counter>::default();
+        r.register(
+            "request_errors",
+            "Requests refused before an AdmissionReview could be answered",
+            errors.clone(),
+        );
+        // 50 µs .. ~1.6 s.
+        let duration = Histogram::new(exponential_buckets(0.00005, 2.0, 16));
+        r.register(
+            "review_duration_seconds",
+            "Time to answer one AdmissionReview, excluding the body read",
+            duration.clone(),
+        );
+        let cert_reloads = Counter::default();
+        r.register(
+            "cert_reloads",
+            "Serving certificate swaps",
+            cert_reloads.clone(),
+        );
+        let cert_reload_errors = Counter::default();
+        r.register(
+            "cert_reload_errors",
+            "Failed serving certificate reloads or renewals",
+            cert_reload_errors.clone(),
+        );
+        let policy_errors = Family::<PolicyLabels, Counter>::default();
+        r.register(
+            "policy_compile_errors",
+            "ServingPolicy compile failures",
+            policy_errors.clone(),
+        );
+        let policies = Gauge::default();
+        r.register(
+            "policies",
+            "Platform ServingPolicies currently enforced",
+            policies.clone(),
+        );
+        let runtimes = Gauge::default();
+        r.register(
+            "runtimes",
+            "InferenceRuntimes currently known",
+            runtimes.clone(),
+        );
+        let rebuilds = Counter::default();
+        r.register(
+            "snapshot_rebuilds",
+            "Policy and runtime snapshots swapped in",
+            rebuilds.clone(),
+        );
+        Self {
+            registry: Mutex::new(r),
+            reviews,
+            errors,
+            duration,
+            cert_reloads,
+            cert_reload_errors,
+            policy_errors,
+            policies,
+            runtimes,
+            rebuilds,
+        }
+    }
+
+    /// The OpenMetrics text exposition.
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        let registry = self.registry.lock().unwrap_or_else(|p| p.into_inner());
+        // Writing into a String cannot fail.
+        let _ = encode(&mut out, &registry);
+        out
+    }
+}

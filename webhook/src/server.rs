@@ -1,0 +1,321 @@
+//! The HTTPS server: an axum router (`/validate`, `/mutate`, `/healthz`, `/readyz`,
+//! `/metrics`) served over rustls with bounds on everything a client controls.
+//!
+//! Bounds: request bodies over [`Limits::max_body`] get 413; a body not received within
+//! [`Limits::body_timeout`] gets 408; a TLS handshake must finish within
+//! [`Limits::handshake_timeout`] and HTTP/1 headers within [`Limits::header_timeout`] or the
+//! connection is closed; at most [`Limits::max_connections`] connections are served at once
+//! (more wait in the accept queue). None of these panics or blocks other connections.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use arc_swap::ArcSwap;
+use axum::Router;
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use http_body_util::{BodyExt, Limited};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::conn::auto;
+use hyper_util::server::graceful::GracefulShutdown;
+use hyper_util::service::TowerToHyperService;
+use rustls::ServerConfig;
+use tokio::net::TcpListener;
+use tokio::sync::{Semaphore, watch};
+use tokio_rustls::TlsAcceptor;
+
+use crate::Snapshot;
+use crate::admission::{self, Endpoint, ReviewError};
+use crate::metrics::{ErrorLabels, Metrics, ReviewLabels};
+
+/// Bounds on what one client may cost the server.
+#[derive(Clone, Copy, Debug)]
+pub struct Limits {
+    /// Largest accepted request body, in bytes. An AdmissionReview carries the object and the
+    /// old object; the apiserver caps each at 3 MiB (`--max-request-bytes`), so 8 MiB fits
+    /// both with room for the envelope.
+    pub max_body: usize,
+    /// Time allowed to receive a whole body once headers are in.
+    pub body_timeout: Duration,
+    /// Time allowed for a TLS handshake.
+    pub handshake_timeout: Duration,
+    /// Time allowed for HTTP/1 request headers.
+    pub header_timeout: Duration,
+    /// Connections served at once.
+    pub max_connections: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            max_body: 8 << 20,
+            // The apiserver's webhook timeout is at most 30 s and ours 10 s.
+            body_timeout: Duration::from_secs(10),
+            handshake_timeout: Duration::from_secs(10),
+            header_timeout: Duration::from_secs(10),
+            max_connections: 1024,
+        }
+    }
+}
+
+/// Shared state of the handlers.
+#[derive(Clone)]
+pub struct AppState {
+    /// The policies and runtimes reviews are answered with; swapped whole on change.
+    pub snapshot: Arc<ArcSwap<Snapshot>>,
+    /// Metrics.
+    pub metrics: Arc<Metrics>,
+    /// True once the first snapshot from the cluster is in (or at once without a cluster).
+    pub ready: Arc<AtomicBool>,
+    /// Request bounds.
+    pub limits: Limits,
+}
+
+impl AppState {
+    /// State serving `snapshot`, ready at once.
+    pub fn new(snapshot: Snapshot, limits: Limits) -> Self {
+        Self {
+            snapshot: Arc::new(ArcSwap::from_pointee(snapshot)),
+            metrics: Arc::new(Metrics::new()),
+            ready: Arc::new(AtomicBool::new(true)),
+            limits,
+        }
+    }
+}
+
+/// A request that could not be answered with an AdmissionReview; rendered as a JSON error
+/// with a 4xx status. The apiserver treats it as a webhook failure (its `failurePolicy`).
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    /// The body was not a usable AdmissionReview.
+    #[error(transparent)]
+    Review(#[from] ReviewError),
+    /// The body exceeded the limit.
+    #[error("the request body exceeds {0} bytes")]
+    TooLarge(usize),
+    /// The body did not arrive in time.
+    #[error("the request body was not received within {0:?}")]
+    Timeout(Duration),
+    /// The body could not be read.
+    #[error("reading the request body: {0}")]
+    Body(String),
+    /// Not JSON.
+    #[error("Content-Type {0:?} is not application/json")]
+    ContentType(String),
+}
+
+impl ApiError {
+    fn status(&self) -> StatusCode {
+        match self {
+            Self::Review(_) | Self::Body(_) => StatusCode::BAD_REQUEST,
+            Self::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::Timeout(_) => StatusCode::REQUEST_TIMEOUT,
+            Self::ContentType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+        }
+    }
+
+    /// A short label for metrics.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Self::Review(ReviewError::WrongVersion { .. }) => "version",
+            Self::Review(_) | Self::Body(_) => "malformed",
+            Self::TooLarge(_) => "too_large",
+            Self::Timeout(_) => "timeout",
+            Self::ContentType(_) => "content_type",
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let status = self.status();
+        let body = serde_json::json!({ "code": status.as_u16(), "message": self.to_string() });
+        (status, axum::Json(body)).into_response()
+    }
+}
+
+/// The webhook's routes.
+pub fn router(state: AppState) -> Router {
+    Router::new()
+        .route(
+            Endpoint::Validate.path(),
+            post(|s, h, b| review(Endpoint::Validate, s, h, b)),
+        )
+        .route(
+            Endpoint::Mutate.path(),
+            post(|s, h, b| review(Endpoint::Mutate, s, h, b)),
+        )
+        .route("/healthz", get(|| async { "ok" }))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
+        .with_state(state)
+}
+
+async fn readyz(State(s): State<AppState>) -> Response {
+    if s.ready.load(Ordering::Acquire) {
+        "ok".into_response()
+    } else {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "waiting for the first list of ServingPolicies and InferenceRuntimes",
+        )
+            .into_response()
+    }
+}
+
+async fn metrics(State(s): State<AppState>) -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        s.metrics.encode(),
+    )
+        .into_response()
+}
+
+async fn review(
+    endpoint: Endpoint,
+    State(s): State<AppState>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    match review_inner(endpoint, &s, &headers, body).await {
+        Ok(r) => r,
+        Err(e) => {
+            s.metrics
+                .errors
+                .get_or_create(&ErrorLabels {
+                    endpoint: endpoint.as_str(),
+                    reason: e.reason(),
+                })
+                .inc();
+            tracing::debug!(endpoint = endpoint.as_str(), error = %e, "request refused");
+            e.into_response()
+        }
+    }
+}
+
+async fn review_inner(
+    endpoint: Endpoint,
+    s: &AppState,
+    headers: &HeaderMap,
+    body: Body,
+) -> Result<Response, ApiError> {
+    if let Some(ct) = headers.get(header::CONTENT_TYPE) {
+        let ct = ct.to_str().unwrap_or_default();
+        let mime = ct.split(';').next().unwrap_or_default().trim();
+        if !mime.eq_ignore_ascii_case("application/json") {
+            return Err(ApiError::ContentType(ct.to_owned()));
+        }
+    }
+    let limit = s.limits.max_body;
+    if let Some(len) = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok()?.parse::<usize>().ok())
+        && len > limit
+    {
+        return Err(ApiError::TooLarge(limit));
+    }
+    let collected =
+        tokio::time::timeout(s.limits.body_timeout, Limited::new(body, limit).collect())
+            .await
+            .map_err(|_| ApiError::Timeout(s.limits.body_timeout))?
+            .map_err(|e| {
+                if e.is::<http_body_util::LengthLimitError>() {
+                    ApiError::TooLarge(limit)
+                } else {
+                    ApiError::Body(e.to_string())
+                }
+            })?;
+    let bytes = collected.to_bytes();
+    let started = Instant::now();
+    let snapshot = s.snapshot.load();
+    let answer = admission::handle(endpoint, &bytes, &snapshot)?;
+    let out = serde_json::to_vec(&answer.review).map_err(|e| ApiError::Body(e.to_string()))?;
+    s.metrics.duration.observe(started.elapsed().as_secs_f64());
+    s.metrics
+        .reviews
+        .get_or_create(&ReviewLabels {
+            endpoint: endpoint.as_str(),
+            kind: answer.kind,
+            outcome: answer.outcome.as_str(),
+        })
+        .inc();
+    Ok(([(header::CONTENT_TYPE, "application/json")], out).into_response())
+}
+
+/// Serves `app` over TLS on `listener` until `shutdown` turns true, then stops accepting and
+/// lets open connections finish their requests.
+pub async fn serve(
+    listener: TcpListener,
+    tls: Arc<ServerConfig>,
+    app: Router,
+    limits: Limits,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let acceptor = TlsAcceptor::from(tls);
+    let graceful = GracefulShutdown::new();
+    let permits = Arc::new(Semaphore::new(limits.max_connections.max(1)));
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(limits.header_timeout);
+    builder
+        .http2()
+        .timer(TokioTimer::new())
+        .keep_alive_interval(Some(Duration::from_secs(30)))
+        .keep_alive_timeout(Duration::from_secs(10))
+        .max_concurrent_streams(256);
+    let builder = Arc::new(builder);
+    loop {
+        let permit = tokio::select! {
+            p = permits.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => break },
+            _ = shutdown.changed() => break,
+        };
+        let (tcp, peer): (_, SocketAddr) = tokio::select! {
+            r = listener.accept() => match r {
+                Ok(c) => c,
+                Err(e) => {
+                    // EMFILE and friends: back off instead of spinning.
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            _ = shutdown.changed() => break,
+        };
+        let _ = tcp.set_nodelay(true);
+        let acceptor = acceptor.clone();
+        let app = app.clone();
+        let builder = builder.clone();
+        let watcher = graceful.watcher();
+        tokio::spawn(async move {
+            let _permit = permit;
+            let tls =
+                match tokio::time::timeout(limits.handshake_timeout, acceptor.accept(tcp)).await {
+                    Ok(Ok(s)) => s,
+                    Ok(Err(e)) => {
+                        tracing::debug!(%peer, error = %e, "TLS handshake failed");
+                        return;
+                    }
+                    Err(_) => {
+                        tracing::debug!(%peer, "TLS handshake timed out");
+                        return;
+                    }
+                };
+            let conn = builder.serve_connection(TokioIo::new(tls), TowerToHyperService::new(app));
+            if let Err(e) = watcher.watch(conn.into_owned()).await {
+                tracing::debug!(%peer, error = %e, "connection ended with an error");
+            }
+        });
+    }
+    // Let requests in flight finish, bounded.
+    let _ = tokio::time::timeout(Duration::from_secs(15), graceful.shutdown()).await;
+}
