@@ -58,6 +58,12 @@ pub struct Registration {
     pub own_namespace: String,
     /// Request timeout, clamped to 1..=[`MAX_TIMEOUT_SECONDS`].
     pub timeout_seconds: i32,
+    /// Extra labels a namespace must carry for its objects to reach the webhooks (empty: every
+    /// namespace but the skipped ones). Lets a test or a tenant scope an installation.
+    pub namespace_match_labels: BTreeMap<String, String>,
+    /// Object selector of the InferenceRuntime webhook (none by default). The namespace
+    /// selector does not apply to cluster-scoped objects, so this is how a test scopes them.
+    pub cluster_object_selector: Option<LabelSelector>,
 }
 
 impl Registration {
@@ -73,6 +79,8 @@ impl Registration {
             ca_bundle: None,
             own_namespace: namespace.to_owned(),
             timeout_seconds: 5,
+            namespace_match_labels: BTreeMap::new(),
+            cluster_object_selector: None,
         }
     }
 
@@ -114,7 +122,8 @@ impl Registration {
                 operator: "NotIn".to_owned(),
                 values: Some(skip),
             }]),
-            match_labels: None,
+            match_labels: (!self.namespace_match_labels.is_empty())
+                .then(|| self.namespace_match_labels.clone()),
         }
     }
 
@@ -136,7 +145,10 @@ impl Registration {
     /// Validating webhooks: LLMServices (namespaced), InferenceRuntimes (cluster-scoped; the
     /// namespace selector does not apply to them) and annotated workloads.
     pub fn validating(&self) -> ValidatingWebhookConfiguration {
-        let hook = |name: &str, rules: Vec<RuleWithOperations>, conditions| ValidatingWebhook {
+        let hook = |name: &str,
+                    rules: Vec<RuleWithOperations>,
+                    conditions,
+                    object_selector: Option<LabelSelector>| ValidatingWebhook {
             name: format!("{name}.{GROUP}"),
             admission_review_versions: vec!["v1".to_owned()],
             client_config: self.client_config(Endpoint::Validate),
@@ -144,7 +156,7 @@ impl Registration {
             match_policy: Some("Equivalent".to_owned()),
             match_conditions: conditions,
             namespace_selector: Some(self.namespace_selector()),
-            object_selector: None,
+            object_selector,
             rules: Some(rules),
             side_effects: "None".to_owned(),
             timeout_seconds: self.timeout(),
@@ -156,13 +168,20 @@ impl Registration {
                     "llmservices.validate",
                     vec![rule(GROUP, VERSION, "llmservices", "Namespaced")],
                     None,
+                    None,
                 ),
                 hook(
                     "inferenceruntimes.validate",
                     vec![rule(GROUP, VERSION, "inferenceruntimes", "Cluster")],
                     None,
+                    self.cluster_object_selector.clone(),
                 ),
-                hook("workloads.validate", workload_rules(), Some(opted_in())),
+                hook(
+                    "workloads.validate",
+                    workload_rules(),
+                    Some(opted_in()),
+                    None,
+                ),
             ]),
         }
     }

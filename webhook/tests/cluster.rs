@@ -1,0 +1,431 @@
+//! The webhook registered with the real kube-apiserver of the local control plane
+//! (`tests/cluster/up`), by URL (`https://127.0.0.1:PORT/...`) and the caBundle its self-managed
+//! TLS publishes. The server runs in the test process.
+//!
+//! Each test makes its own namespace and its own webhook configurations, scoped to that
+//! namespace (and, for cluster-scoped InferenceRuntimes, to objects labelled with it), so tests
+//! running beside it in the same cluster never reach this webhook. The configurations are
+//! deleted when the test ends, also when it fails.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use hearth_crds::{InferenceRuntime, LLMService};
+use hearth_test_support::{Cluster, Observed, TestNamespace, wait_until};
+use hearth_webhook::registration::{Registration, Target};
+use hearth_webhook::selfmanaged::{SelfManaged, SelfManagedConfig};
+use hearth_webhook::{AppState, Limits, Snapshot, router, serve, watch};
+use k8s_openapi::api::admissionregistration::v1::{
+    MutatingWebhookConfiguration, ValidatingWebhookConfiguration,
+};
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
+use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
+use kube::{Api, Client};
+use serde_json::{Value, json};
+
+const SCOPE_LABEL: &str = "tests.hearth.dev/webhook";
+
+fn upstream(kind: &str) -> Vec<Value> {
+    let dir = std::env::var_os("HEARTH_UPSTREAM_EXAMPLES")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| {
+            std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                .join("../../shared/examples/upstream")
+        });
+    let mut paths: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap_or_else(|e| panic!("upstream examples at {}: {e}", dir.display()))
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "yaml"))
+        .collect();
+    paths.sort();
+    paths
+        .into_iter()
+        .map(|p| serde_yaml::from_str::<Value>(&std::fs::read_to_string(p).unwrap()).unwrap())
+        .filter(|v| v["kind"] == kind)
+        .collect()
+}
+
+/// The webhook serving in this process and registered with the cluster.
+struct Webhook {
+    state: AppState,
+    shutdown: tokio::sync::watch::Sender<bool>,
+    config: String,
+    client: Client,
+}
+
+impl Webhook {
+    async fn start(cluster: &Cluster, ns: &TestNamespace, cert_validity: Duration) -> Result<Self> {
+        let client = cluster.client();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let port = listener.local_addr()?.port();
+        let config = format!("hearth-test-{}", ns.name());
+        let reg = Registration {
+            name: config.clone(),
+            target: Target::Url(format!("https://127.0.0.1:{port}")),
+            ca_bundle: None,
+            own_namespace: "hearth-system".to_owned(),
+            timeout_seconds: 10,
+            namespace_match_labels: BTreeMap::from([(
+                "kubernetes.io/metadata.name".to_owned(),
+                ns.name().to_owned(),
+            )]),
+            cluster_object_selector: Some(LabelSelector {
+                match_labels: Some(BTreeMap::from([(
+                    SCOPE_LABEL.to_owned(),
+                    ns.name().to_owned(),
+                )])),
+                match_expressions: None,
+            }),
+        };
+        let (shutdown, shutdown_rx) = tokio::sync::watch::channel(false);
+        let hook = Self {
+            state: AppState::new(Snapshot::default(), Limits::default()),
+            shutdown,
+            config: config.clone(),
+            client: client.clone(),
+        };
+        hook.state.ready.store(false, Ordering::Release);
+        let pp = PatchParams::apply("hearth-webhook-test").force();
+        Api::<MutatingWebhookConfiguration>::all(client.clone())
+            .patch(&config, &pp, &Patch::Apply(&reg.mutating()))
+            .await
+            .context("registering the mutating webhook")?;
+        Api::<ValidatingWebhookConfiguration>::all(client.clone())
+            .patch(&config, &pp, &Patch::Apply(&reg.validating()))
+            .await
+            .context("registering the validating webhook")?;
+
+        let tls = SelfManaged::new(
+            client.clone(),
+            SelfManagedConfig {
+                namespace: ns.name().to_owned(),
+                secret_name: "hearth-webhook-tls".to_owned(),
+                sans: vec!["127.0.0.1".to_owned()],
+                cert_validity,
+                ca_validity: Duration::from_secs(3600),
+                webhook_configuration: config.clone(),
+                ca_propagation: Duration::from_secs(1),
+            },
+        );
+        let (store, material) = tls.bootstrap().await?;
+        tokio::spawn(tls.run(
+            store.clone(),
+            material,
+            Duration::from_secs(1),
+            hook.state.metrics.clone(),
+            shutdown_rx.clone(),
+        ));
+        tokio::spawn(watch::run(
+            client.clone(),
+            hook.state.clone(),
+            shutdown_rx.clone(),
+        ));
+        tokio::spawn(serve(
+            listener,
+            store.server_config()?,
+            router(hook.state.clone()),
+            Limits::default(),
+            shutdown_rx,
+        ));
+        let ready = hook.state.ready.clone();
+        wait_until(
+            "the webhook's first snapshot",
+            Duration::from_secs(30),
+            || {
+                let ready = ready.clone();
+                async move {
+                    Ok(if ready.load(Ordering::Acquire) {
+                        Observed::Ready(())
+                    } else {
+                        Observed::NotYet("reflectors not synced".to_owned())
+                    })
+                }
+            },
+        )
+        .await?;
+        // The apiserver picks up new configurations asynchronously: wait until a review of an
+        // invalid object comes back denied by this webhook.
+        let api: Api<LLMService> = ns.api();
+        let probe: LLMService = serde_json::from_value(llmservice(
+            "probe",
+            json!({"scaling": {"metric": "kvCacheUtil"}}),
+        ))?;
+        wait_until(
+            "the apiserver to call the webhook",
+            Duration::from_secs(30),
+            || {
+                let api = api.clone();
+                let probe = probe.clone();
+                async move {
+                    match api.create(&dry_run(), &probe).await {
+                        Err(kube::Error::Api(e)) if e.message.contains("spec.scaling.metric") => {
+                            Ok(Observed::Ready(()))
+                        }
+                        other => Ok(Observed::NotYet(format!("{other:?}"))),
+                    }
+                }
+            },
+        )
+        .await?;
+        Ok(hook)
+    }
+
+    fn reviews(&self, kind: &str) -> u64 {
+        let text = self.state.metrics.encode();
+        text.lines()
+            .filter(|l| {
+                l.starts_with("hearth_webhook_reviews_total{")
+                    && l.contains(&format!("kind=\"{kind}\""))
+            })
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+            .sum()
+    }
+}
+
+impl Drop for Webhook {
+    fn drop(&mut self) {
+        let _ = self.shutdown.send(true);
+        // Remove the registrations even when the test failed; Drop cannot await, so use a
+        // runtime of its own on its own thread.
+        let client = self.client.clone();
+        let name = self.config.clone();
+        let _ = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .ok()?;
+            rt.block_on(async {
+                let dp = DeleteParams::default();
+                let _ = Api::<MutatingWebhookConfiguration>::all(client.clone())
+                    .delete(&name, &dp)
+                    .await;
+                let _ = Api::<ValidatingWebhookConfiguration>::all(client)
+                    .delete(&name, &dp)
+                    .await;
+            });
+            Some(())
+        })
+        .join();
+    }
+}
+
+fn dry_run() -> PostParams {
+    PostParams {
+        dry_run: true,
+        ..PostParams::default()
+    }
+}
+
+fn llmservice(name: &str, spec: Value) -> Value {
+    let mut v = json!({
+        "apiVersion": "serving.hearth.dev/v1alpha1",
+        "kind": "LLMService",
+        "metadata": {"name": name},
+        "spec": {
+            "model": {"source": {"uri": "hf://Qwen/Qwen2.5-0.5B-Instruct"}},
+            "runtime": {"name": "vllm-nvidia-a10"},
+        }
+    });
+    merge(&mut v["spec"], spec);
+    v
+}
+
+fn merge(a: &mut Value, b: Value) {
+    match (a, b) {
+        (Value::Object(a), Value::Object(b)) => {
+            for (k, v) in b {
+                merge(a.entry(k).or_insert(Value::Null), v);
+            }
+        }
+        (a, b) => *a = b,
+    }
+}
+
+async fn setup(prefix: &str, cert_validity: Duration) -> Result<(TestNamespace, Webhook)> {
+    let cluster = Cluster::connect().await?;
+    let ns = cluster.namespace(prefix).await?;
+    let hook = Webhook::start(&cluster, &ns, cert_validity).await?;
+    Ok((ns, hook))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn upstream_examples_are_accepted_and_invalid_llmservices_rejected() -> Result<()> {
+    let (ns, hook) = setup("webhook-validate", Duration::from_secs(3600)).await?;
+
+    // Runtimes are cluster-scoped and shared with other suites (they may exist already):
+    // applied with server-side dry run, which runs admission (CREATE or UPDATE) without storing.
+    let apply = PatchParams::apply("hearth-webhook-test").force().dry_run();
+    let runtimes: Api<InferenceRuntime> = Api::all(ns.client());
+    let before = hook.reviews("InferenceRuntime");
+    for mut rt in upstream("InferenceRuntime") {
+        rt["metadata"]["labels"][SCOPE_LABEL] = json!(ns.name());
+        let rt: InferenceRuntime = serde_json::from_value(rt)?;
+        let name = rt.metadata.name.clone().unwrap_or_default();
+        runtimes
+            .patch(&name, &apply, &Patch::Apply(&rt))
+            .await
+            .with_context(|| format!("upstream runtime {name}"))?;
+    }
+    assert_eq!(
+        hook.reviews("InferenceRuntime") - before,
+        3,
+        "each runtime was reviewed"
+    );
+    let mut bad = upstream("InferenceRuntime").remove(0);
+    bad["metadata"]["labels"][SCOPE_LABEL] = json!(ns.name());
+    bad["spec"]["container"]["args"] = json!(["{{ .Model.Name }}"]);
+    let bad: InferenceRuntime = serde_json::from_value(bad)?;
+    let err = runtimes
+        .patch(
+            bad.metadata.name.as_deref().unwrap_or_default(),
+            &apply,
+            &Patch::Apply(&bad),
+        )
+        .await
+        .expect_err("a runtime with an unknown template is denied");
+    assert!(err.to_string().contains("unknown template"), "{err}");
+
+    // The upstream LLMServices are stored, unchanged but for their namespace.
+    let services: Api<LLMService> = ns.api();
+    for mut svc in upstream("LLMService") {
+        if let Some(m) = svc["metadata"].as_object_mut() {
+            m.remove("namespace");
+        }
+        let svc: LLMService = serde_json::from_value(svc)?;
+        services
+            .create(&PostParams::default(), &svc)
+            .await
+            .with_context(|| format!("upstream LLMService {:?}", svc.metadata.name))?;
+    }
+
+    let cases = [
+        (
+            json!({"model": {"source": {"uri": "pvc://weights/../../etc"}}}),
+            "spec.model.source.uri: subpath \"../../etc\" has a '..' segment",
+        ),
+        (
+            json!({"model": {"source": {"uri": "s3://bucket/qwen"}}}),
+            "unsupported scheme \"s3\"",
+        ),
+        (
+            json!({"model": {"catalogRef": "qwen"}}),
+            "spec.model.catalogRef: catalog resolution is not supported",
+        ),
+        (
+            json!({"resources": {"fraction": {"cores": 50}}}),
+            "spec.resources.fraction: InferenceRuntime \"vllm-nvidia-a10\"",
+        ),
+        (
+            json!({"scaling": {"metric": "kvCacheUtil"}}),
+            "spec.scaling.metric: kvCacheUtil is reserved",
+        ),
+        (
+            json!({"cache": {"strategy": "SharedPVC"}}),
+            "spec.cache.strategy: SharedPVC is reserved",
+        ),
+        (
+            json!({"imagePullSecrets": [{"name": "Bad_Name"}]}),
+            "spec.imagePullSecrets[0].name",
+        ),
+    ];
+    // The fraction case needs the pinned runtime to exist in the cluster.
+    let have_a10 = runtimes.get_opt("vllm-nvidia-a10").await?.is_some();
+    for (spec, message) in cases {
+        if message.contains("fraction") && !have_a10 {
+            continue;
+        }
+        let svc: LLMService = serde_json::from_value(llmservice("bad", spec.clone()))?;
+        match services.create(&PostParams::default(), &svc).await {
+            Err(kube::Error::Api(e)) => {
+                assert_eq!(e.code, 422, "{e:?}");
+                assert!(e.message.contains("denied the request"), "{}", e.message);
+                assert!(e.message.contains(message), "{message:?} in {}", e.message);
+            }
+            other => bail!("{spec} was not denied: {other:?}"),
+        }
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_opted_in_workloads_reach_the_workload_webhooks() -> Result<()> {
+    let (ns, hook) = setup("webhook-workloads", Duration::from_secs(3600)).await?;
+    let deployments: Api<Deployment> = ns.api();
+    let deployment = |name: &str, annotations: Value| -> Deployment {
+        serde_json::from_value(json!({
+            "apiVersion": "apps/v1", "kind": "Deployment",
+            "metadata": {"name": name, "annotations": annotations},
+            "spec": {"replicas": 0, "selector": {"matchLabels": {"app": name}},
+                     "template": {"metadata": {"labels": {"app": name}},
+                                  "spec": {"containers": [{"name": "vllm", "image": "vllm/vllm-openai:v0.25.1"}]}}}
+        }))
+        .unwrap()
+    };
+    // An unrelated Deployment never reaches the webhook (matchConditions).
+    deployments
+        .create(&PostParams::default(), &deployment("web", json!({})))
+        .await?;
+    assert_eq!(hook.reviews("Deployment"), 0);
+
+    // One naming a runtime that does not exist is denied with the fix.
+    let err = deployments
+        .create(
+            &PostParams::default(),
+            &deployment(
+                "qwen",
+                json!({"serving.hearth.dev/runtime": "vllm-nowhere"}),
+            ),
+        )
+        .await
+        .expect_err("a missing runtime is denied");
+    assert!(
+        err.to_string().contains("\"vllm-nowhere\" does not exist"),
+        "{err}"
+    );
+    assert!(hook.reviews("Deployment") >= 1);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn certificate_rotation_under_a_request_loop_loses_none() -> Result<()> {
+    // A 6 s certificate is renewed every 4 s (two thirds of its life).
+    let (ns, hook) = setup("webhook-rotate", Duration::from_secs(6)).await?;
+    let api: Api<LLMService> = ns.api();
+    let good: LLMService = serde_json::from_value(llmservice("loop", json!({})))?;
+    let bad: LLMService = serde_json::from_value(llmservice(
+        "loop",
+        json!({"scaling": {"metric": "kvCacheUtil"}}),
+    ))?;
+    let rotations_before = hook.state.metrics.cert_reloads.get();
+    let start = Instant::now();
+    let mut sent = 0;
+    let mut failures = Vec::new();
+    // Keep going until at least two rotations happened, bounded.
+    while hook.state.metrics.cert_reloads.get() < rotations_before + 2
+        && start.elapsed() < Duration::from_secs(60)
+    {
+        sent += 2;
+        if let Err(e) = api.create(&dry_run(), &good).await {
+            failures.push(format!("valid: {e}"));
+        }
+        match api.create(&dry_run(), &bad).await {
+            Err(kube::Error::Api(e)) if e.message.contains("spec.scaling.metric") => {}
+            other => failures.push(format!("invalid: {other:?}")),
+        }
+    }
+    let rotations = hook.state.metrics.cert_reloads.get() - rotations_before;
+    assert!(
+        rotations >= 2,
+        "only {rotations} rotation(s) in {:?}",
+        start.elapsed()
+    );
+    assert!(
+        failures.is_empty(),
+        "{} of {sent} requests failed: {failures:#?}",
+        failures.len()
+    );
+    Ok(())
+}
