@@ -59,13 +59,16 @@ use crate::{
     metrics::Metrics,
     model::{self, ModelSource},
     names,
-    render::{self, Children, RenderConfig, TEMPLATE_HASH_ANNOTATION, scaled_object_resource},
+    render::{self, Children, RenderConfig, TEMPLATE_HASH_ANNOTATION},
     resolve::{ResolveError, resolve_runtime},
     status::{self, Cond},
 };
 
-/// The CRD whose presence means KEDA is installed.
-pub const KEDA_CRD: &str = "scaledobjects.keda.sh";
+/// The name of the CRD of `api`, whose presence means KEDA is installed
+/// (`scaledobjects.keda.sh`).
+pub fn crd_name(api: &kube::api::ApiResource) -> String {
+    format!("{}.{}", api.plural, api.group)
+}
 
 /// A reconcile failure: API errors only (bad specs become conditions, not errors).
 #[derive(Debug, thiserror::Error)]
@@ -106,8 +109,8 @@ impl Error {
 }
 
 /// KEDA's presence and, once present, a cache of ScaledObjects.
-#[derive(Default)]
 pub struct KedaState {
+    api: kube::api::ApiResource,
     installed: AtomicBool,
     store: RwLock<Option<Store<DynamicObject>>>,
 }
@@ -121,7 +124,7 @@ impl KedaState {
     fn get(&self, namespace: &str, name: &str) -> Option<Arc<DynamicObject>> {
         let guard = self.store.read().ok()?;
         let store = guard.as_ref()?;
-        store.get(&ObjectRef::new_with(name, scaled_object_resource()).within(namespace))
+        store.get(&ObjectRef::new_with(name, self.api.clone()).within(namespace))
     }
 }
 
@@ -582,7 +585,7 @@ async fn apply_children(
     // Autoscaling.
     let keda = if ctx.keda.installed() {
         let api: Api<DynamicObject> =
-            Api::namespaced_with(ctx.client.clone(), namespace, &scaled_object_resource());
+            Api::namespaced_with(ctx.client.clone(), namespace, &ctx.render.keda_api);
         ctx.metrics.writes.inc();
         let so_name = names::scaled_object(&name);
         match api
@@ -735,12 +738,17 @@ pub async fn run(
         .reflect(job_writer)
         .touched_objects();
 
-    let keda = Arc::new(KedaState::default());
+    let keda = Arc::new(KedaState {
+        api: cfg.render.keda_api.clone(),
+        installed: AtomicBool::new(false),
+        store: RwLock::new(None),
+    });
     let crd_api: Api<CustomResourceDefinition> = Api::all(client.clone());
+    let crd = crd_name(&keda.api);
     let initial = crd_api
-        .get_opt(KEDA_CRD)
+        .get_opt(&crd)
         .await
-        .map_err(kube_err(format!("get CustomResourceDefinition {KEDA_CRD}")))?;
+        .map_err(kube_err(format!("get CustomResourceDefinition {crd}")))?;
     keda.installed
         .store(initial.as_ref().is_some_and(established), Ordering::SeqCst);
     let (all_tx, all_rx) = mpsc::unbounded::<()>();
@@ -873,7 +881,7 @@ async fn watch_keda(
     one_tx: mpsc::UnboundedSender<ObjectRef<LLMService>>,
 ) {
     let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
-    let cfg = watcher::Config::default().fields(&format!("metadata.name={KEDA_CRD}"));
+    let cfg = watcher::Config::default().fields(&format!("metadata.name={}", crd_name(&keda.api)));
     let mut events = watcher(crds, cfg).default_backoff().boxed();
     let mut cache_started = false;
     while let Some(event) = events.next().await {
@@ -890,12 +898,12 @@ async fn watch_keda(
         };
         if now_installed && !cache_started {
             cache_started = true;
-            let writer = reflector::store::Writer::new(scaled_object_resource());
+            let writer = reflector::store::Writer::new(keda.api.clone());
             let store = writer.as_reader();
             if let Ok(mut guard) = keda.store.write() {
                 *guard = Some(store);
             }
-            let ar = scaled_object_resource();
+            let ar = keda.api.clone();
             let api: Api<DynamicObject> = match &namespace {
                 Some(ns) => Api::namespaced_with(client.clone(), ns, &ar),
                 None => Api::all_with(client.clone(), &ar),

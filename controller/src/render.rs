@@ -63,6 +63,9 @@ pub struct RenderConfig {
     pub gateway_port: i32,
     /// The gateway's KEDA ExternalScaler gRPC port (push mode).
     pub scaler_port: i32,
+    /// The ScaledObject API: KEDA's `keda.sh/v1alpha1` (see [`scaled_object_resource`]). Its
+    /// CRD, `<plural>.<group>`, is what the controller watches to learn whether KEDA is installed.
+    pub keda_api: ApiResource,
 }
 
 impl Default for RenderConfig {
@@ -72,6 +75,7 @@ impl Default for RenderConfig {
             host_path_root: "/var/lib/hearth/models".to_owned(),
             gateway_port: 8080,
             scaler_port: 9090,
+            keda_api: scaled_object_resource(),
         }
     }
 }
@@ -93,7 +97,7 @@ pub enum ScalerMode {
     Push,
 }
 
-/// The KEDA `ScaledObject` API (keda.sh/v1alpha1).
+/// The KEDA `ScaledObject` API (keda.sh/v1alpha1), the default of [`RenderConfig::keda_api`].
 pub fn scaled_object_resource() -> ApiResource {
     ApiResource {
         group: "keda.sh".to_owned(),
@@ -907,7 +911,7 @@ fn scaled_object(ctx: &Ctx<'_>) -> Result<DynamicObject, RenderError> {
             }
         }),
     };
-    let mut obj = DynamicObject::new(&names::scaled_object(&ctx.name), &scaled_object_resource());
+    let mut obj = DynamicObject::new(&names::scaled_object(&ctx.name), &ctx.cfg.keda_api);
     obj.metadata = ctx.meta(names::scaled_object(&ctx.name), Component::Autoscaler);
     obj.data = json!({
         "spec": {

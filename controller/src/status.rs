@@ -140,7 +140,7 @@ pub fn autoscaling(keda_installed: bool, scaled_object: Option<&DynamicObject>) 
             AUTOSCALING_READY,
             Some(false),
             "KEDANotInstalled",
-            "KEDA is not installed (no scaledobjects.keda.sh CRD): install KEDA >= 2.18; the ScaledObject is created as soon as its CRD appears",
+            "KEDA is not installed (its ScaledObject CRD is missing): install KEDA >= 2.18; the ScaledObject is created as soon as the CRD appears, without a restart",
         );
     }
     let Some(so) = scaled_object else {

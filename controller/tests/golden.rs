@@ -149,7 +149,11 @@ fn bad_input_is_a_clear_error_not_a_panic() {
 
     let service = dir.join("service.yaml");
     let original = std::fs::read_to_string(upstream("stub-llmservice.yaml")).unwrap();
-    std::fs::write(&service, original.replace("strategy: None", "strategy: SharedPVC")).unwrap();
+    std::fs::write(
+        &service,
+        original.replace("strategy: None", "strategy: SharedPVC"),
+    )
+    .unwrap();
     let out = render(&service, &upstream("stub-inferenceruntime.yaml"), &[]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());

@@ -1,0 +1,977 @@
+//! Integration tests of the controller on the local control plane (`tests/cluster/up`): a real
+//! kube-apiserver, kube-controller-manager (garbage collector, Deployment and Job controllers),
+//! kube-scheduler, kwok nodes and KEDA. Each test runs its own controller in-process, scoped to
+//! its own namespace, so tests run in parallel without seeing each other's objects.
+
+use std::{path::PathBuf, sync::Arc, time::Duration};
+
+use anyhow::{Context as _, Result, bail};
+use hearth_controller::{
+    metrics::Metrics,
+    reconcile::RunConfig,
+    render::{RenderConfig, scaled_object_resource},
+};
+use hearth_crds::{InferenceRuntime, LLMService, LLMServicePhase, wellknown::FIELD_MANAGER};
+use hearth_test_support::{Cluster, Observed, TestNamespace, wait_until};
+use k8s_openapi::{
+    api::{
+        apps::v1::Deployment,
+        core::v1::{Event, Pod, Service},
+    },
+    apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition,
+};
+use kube::{
+    Api, Client, ResourceExt,
+    api::{ApiResource, DeleteParams, DynamicObject, ListParams, Patch, PatchParams, PostParams},
+};
+use serde_json::{Value, json};
+use tokio::{sync::oneshot, task::JoinHandle};
+
+const TEST_MANAGER: &str = "hearth-controller-tests";
+const WAIT: Duration = Duration::from_secs(60);
+
+fn upstream(file: &str) -> PathBuf {
+    let dir = std::env::var_os("HEARTH_UPSTREAM_EXAMPLES")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/examples/upstream")
+        });
+    dir.join(file)
+}
+
+fn read_yaml<T: serde::de::DeserializeOwned>(path: &PathBuf) -> Result<T> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    serde_yaml::from_str(&text).with_context(|| format!("parsing {}", path.display()))
+}
+
+/// A controller running in this process, stopped when dropped.
+struct Running {
+    metrics: Metrics,
+    stop: Option<oneshot::Sender<()>>,
+    task: Option<JoinHandle<()>>,
+}
+
+impl Running {
+    async fn stop(mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(task) = self.task.take() {
+            let _ = task.await;
+        }
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+    }
+}
+
+fn start(client: Client, namespace: &str, render: RenderConfig, requeue: Duration) -> Running {
+    let metrics = Metrics::new();
+    let (tx, rx) = oneshot::channel::<()>();
+    let cfg = RunConfig {
+        render,
+        namespace: Some(namespace.to_owned()),
+        requeue,
+        concurrency: 4,
+        instance: format!("test-{namespace}"),
+    };
+    let m = metrics.clone();
+    let task = tokio::spawn(async move {
+        let shutdown = async move {
+            let _ = rx.await;
+        };
+        if let Err(e) = hearth_controller::run(client, cfg, m, shutdown).await {
+            panic!("controller stopped with an error: {e}");
+        }
+    });
+    Running {
+        metrics,
+        stop: Some(tx),
+        task: Some(task),
+    }
+}
+
+fn test_render_config() -> RenderConfig {
+    RenderConfig {
+        gateway_image: "hearth.dev/hearth-gateway:test".to_owned(),
+        ..RenderConfig::default()
+    }
+}
+
+/// Installs Hearth's CRDs (idempotent server-side apply) and waits until they are served.
+async fn install_crds(client: &Client) -> Result<()> {
+    let api: Api<CustomResourceDefinition> = Api::all(client.clone());
+    for (_, crd) in hearth_crds::crds() {
+        let name = crd.name_any();
+        api.patch(
+            &name,
+            &PatchParams::apply(TEST_MANAGER).force(),
+            &Patch::Apply(&crd),
+        )
+        .await?;
+        wait_established(&api, &name).await?;
+    }
+    Ok(())
+}
+
+async fn wait_established(api: &Api<CustomResourceDefinition>, name: &str) -> Result<()> {
+    wait_until(format!("CRD {name} Established"), WAIT, || async {
+        let crd = api.get(name).await?;
+        let ok = crd.status.and_then(|s| s.conditions).is_some_and(|cs| {
+            cs.iter()
+                .any(|c| c.type_ == "Established" && c.status == "True")
+        });
+        Ok(if ok {
+            Observed::Ready(())
+        } else {
+            Observed::NotYet("not established".into())
+        })
+    })
+    .await
+}
+
+async fn apply_runtime(client: &Client, runtime: &InferenceRuntime) -> Result<()> {
+    let api: Api<InferenceRuntime> = Api::all(client.clone());
+    let mut rt = runtime.clone();
+    rt.metadata.managed_fields = None;
+    rt.metadata.resource_version = None;
+    api.patch(
+        &rt.name_any(),
+        &PatchParams::apply(TEST_MANAGER).force(),
+        &Patch::Apply(&rt),
+    )
+    .await?;
+    Ok(())
+}
+
+async fn create_service(ns: &TestNamespace, mut svc: LLMService) -> Result<LLMService> {
+    svc.metadata.namespace = Some(ns.name().to_owned());
+    let api: Api<LLMService> = ns.api();
+    Ok(api.create(&PostParams::default(), &svc).await?)
+}
+
+/// Waits until the service's status satisfies `done` (and describes the status otherwise).
+async fn wait_service(
+    ns: &TestNamespace,
+    name: &str,
+    what: &str,
+    done: impl Fn(&LLMService) -> bool,
+) -> Result<LLMService> {
+    let api: Api<LLMService> = ns.api();
+    wait_until(format!("LLMService {name}: {what}"), WAIT, || async {
+        let svc = api.get(name).await?;
+        Ok(if done(&svc) {
+            Observed::Ready(svc)
+        } else {
+            Observed::NotYet(format!("status {}", serde_json::to_string(&svc.status)?))
+        })
+    })
+    .await
+}
+
+fn condition<'a>(
+    svc: &'a LLMService,
+    type_: &str,
+) -> Option<&'a k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition> {
+    svc.status
+        .as_ref()?
+        .conditions
+        .iter()
+        .find(|c| c.type_ == type_)
+}
+
+fn has_condition(svc: &LLMService, type_: &str, status: &str, reason: &str) -> bool {
+    condition(svc, type_).is_some_and(|c| c.status == status && c.reason == reason)
+}
+
+fn phase(svc: &LLMService) -> Option<LLMServicePhase> {
+    svc.status.as_ref()?.phase
+}
+
+fn observed_current(svc: &LLMService) -> bool {
+    svc.status.as_ref().and_then(|s| s.observed_generation) == svc.metadata.generation
+}
+
+/// `want` is contained in `got`: every field of `want` is in `got` with an equal value (arrays
+/// element by element, same length). The apiserver adds defaults; it must not change ours.
+fn subset(want: &Value, got: &Value, path: &str) -> std::result::Result<(), String> {
+    match (want, got) {
+        (Value::Object(w), Value::Object(g)) => {
+            for (k, v) in w {
+                let Some(gv) = g.get(k) else {
+                    return Err(format!("{path}.{k} missing"));
+                };
+                subset(v, gv, &format!("{path}.{k}"))?;
+            }
+            Ok(())
+        }
+        (Value::Array(w), Value::Array(g)) if w.len() == g.len() => w
+            .iter()
+            .zip(g)
+            .enumerate()
+            .try_for_each(|(i, (a, b))| subset(a, b, &format!("{path}[{i}]"))),
+        (w, g) if w == g => Ok(()),
+        (w, g) => Err(format!("{path}: want {w}, got {g}")),
+    }
+}
+
+fn resource_of(kind: &str, api_version: &str) -> ApiResource {
+    let (group, version) = api_version.split_once('/').unwrap_or(("", api_version));
+    let plural = match kind {
+        "ServiceAccount" => "serviceaccounts",
+        "Role" => "roles",
+        "RoleBinding" => "rolebindings",
+        "PersistentVolumeClaim" => "persistentvolumeclaims",
+        "Job" => "jobs",
+        "Service" => "services",
+        "Deployment" => "deployments",
+        "ScaledObject" => "scaledobjects",
+        other => panic!("no plural for kind {other}"),
+    };
+    ApiResource {
+        group: group.to_owned(),
+        version: version.to_owned(),
+        api_version: api_version.to_owned(),
+        kind: kind.to_owned(),
+        plural: plural.to_owned(),
+    }
+}
+
+/// Every child the renderer produces for `svc` exists, is controlled by `svc`, and contains
+/// what was rendered.
+async fn assert_children(
+    ns: &TestNamespace,
+    svc: &LLMService,
+    runtime: &InferenceRuntime,
+) -> Result<usize> {
+    let children = hearth_controller::render(svc, runtime, &test_render_config(), false)?;
+    let values = children.to_values()?;
+    for want in &values {
+        let kind = want["kind"].as_str().unwrap_or_default();
+        let name = want["metadata"]["name"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned();
+        let api: Api<DynamicObject> = Api::namespaced_with(
+            ns.client(),
+            ns.name(),
+            &resource_of(kind, want["apiVersion"].as_str().unwrap_or("")),
+        );
+        let got = wait_until(format!("{kind} {name}"), WAIT, || async {
+            Ok(match api.get_opt(&name).await? {
+                Some(o) => Observed::Ready(o),
+                None => Observed::NotYet("absent".into()),
+            })
+        })
+        .await?;
+        let owner = got
+            .owner_references()
+            .iter()
+            .find(|o| o.controller == Some(true))
+            .cloned();
+        if owner.as_ref().map(|o| o.uid.as_str()) != svc.metadata.uid.as_deref() {
+            bail!(
+                "{kind} {name} is not controlled by LLMService {}: {owner:?}",
+                svc.name_any()
+            );
+        }
+        let got = serde_json::to_value(&got)?;
+        if let Err(e) = subset(&want["spec"], &got["spec"], "spec").and(subset(
+            &want["metadata"]["labels"],
+            &got["metadata"]["labels"],
+            "labels",
+        )) {
+            bail!("{kind} {name} differs from the rendered object: {e}");
+        }
+    }
+    Ok(values.len())
+}
+
+async fn backend_replicas(ns: &TestNamespace, service: &str) -> Result<Option<i32>> {
+    let api: Api<Deployment> = ns.api();
+    Ok(api
+        .get(&format!("{service}-backend"))
+        .await?
+        .spec
+        .and_then(|s| s.replicas))
+}
+
+async fn scale_backend(ns: &TestNamespace, service: &str, replicas: i32) -> Result<()> {
+    let api: Api<Deployment> = ns.api();
+    // What KEDA's HPA or `kubectl scale` does: the scale subresource, another field manager.
+    api.patch_scale(
+        &format!("{service}-backend"),
+        &PatchParams::default(),
+        &Patch::Merge(json!({"spec": {"replicas": replicas}})),
+    )
+    .await?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn upstream_examples_reconcile_to_expected_children() -> Result<()> {
+    let cluster = Cluster::connect().await?;
+    let client = cluster.client();
+    install_crds(&client).await?;
+    let ns = cluster.namespace("ctrl-upstream").await?;
+    let pairs = [
+        (
+            "nvidia-a10-llmservice.yaml",
+            "nvidia-a10-inferenceruntime.yaml",
+        ),
+        (
+            "ascend-910b3-llmservice.yaml",
+            "ascend-910b3-inferenceruntime.yaml",
+        ),
+        ("stub-llmservice.yaml", "stub-inferenceruntime.yaml"),
+    ];
+    let mut runtimes = Vec::new();
+    for (_, rt) in pairs {
+        let rt: InferenceRuntime = read_yaml(&upstream(rt))?;
+        apply_runtime(&client, &rt).await?;
+        runtimes.push(rt);
+    }
+    let running = start(
+        client.clone(),
+        ns.name(),
+        test_render_config(),
+        Duration::from_secs(300),
+    );
+    let keda_installed = Api::<CustomResourceDefinition>::all(client.clone())
+        .get_opt("scaledobjects.keda.sh")
+        .await?
+        .is_some();
+
+    for ((svc_file, _), rt) in pairs.iter().zip(&runtimes) {
+        let svc = create_service(&ns, read_yaml(&upstream(svc_file))?).await?;
+        let name = svc.name_any();
+        let svc = wait_service(&ns, &name, "runtime resolved and scaled to zero", |s| {
+            has_condition(s, "RuntimeResolved", "True", "Pinned")
+                && phase(s) == Some(LLMServicePhase::ScaledToZero)
+                && observed_current(s)
+        })
+        .await?;
+        let status = svc.status.clone().unwrap_or_default();
+        assert_eq!(
+            status.resolved_runtime.as_deref(),
+            Some(rt.name_any().as_str())
+        );
+        assert_eq!(
+            status.endpoint_url,
+            Some(format!("http://{name}.{}.svc/v1", ns.name()))
+        );
+        let count = assert_children(&ns, &svc, rt).await?;
+        assert!(count >= 8, "{name}: only {count} children");
+        if !keda_installed {
+            assert!(has_condition(
+                &svc,
+                "AutoscalingReady",
+                "False",
+                "KEDANotInstalled"
+            ));
+        }
+        // min: 0 never starts a backend pod before the first request.
+        assert_eq!(backend_replicas(&ns, &name).await?, Some(0), "{name}");
+        let pods: Api<Pod> = ns.api();
+        let backend_pods = pods
+            .list(&ListParams::default().labels(&format!(
+                "serving.hearth.dev/llmservice={name},app.kubernetes.io/component=backend"
+            )))
+            .await?;
+        assert!(
+            backend_pods.items.is_empty(),
+            "{name}: backend pods exist: {}",
+            hearth_test_support::describe_pods(&backend_pods.items)
+        );
+    }
+    // The cache claims exist for the two NodeLocalPVC examples; the stub uses no cache.
+    let svc_api: Api<LLMService> = ns.api();
+    let stub = svc_api.get("stub-svc").await?;
+    assert!(
+        has_condition(&stub, "CacheReady", "True", "NoCache"),
+        "{:?}",
+        stub.status
+    );
+    assert!(
+        has_condition(&stub, "Prewarmed", "False", "NotRequested"),
+        "{:?}",
+        stub.status
+    );
+    let a10 = svc_api.get("qwen2-5-7b-a10").await?;
+    assert!(
+        condition(&a10, "CacheReady").is_some_and(|c| c.status == "False" && c.reason == "Pending"),
+        "{:?}",
+        a10.status
+    );
+    running.stop().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn phases_follow_the_backend_and_replicas_belong_to_the_scaler() -> Result<()> {
+    let cluster = Cluster::connect().await?;
+    let client = cluster.client();
+    install_crds(&client).await?;
+    let ns = cluster.namespace("ctrl-phase").await?;
+    let rt: InferenceRuntime = read_yaml(&upstream("stub-inferenceruntime.yaml"))?;
+    apply_runtime(&client, &rt).await?;
+    let running = start(
+        client.clone(),
+        ns.name(),
+        test_render_config(),
+        Duration::from_secs(300),
+    );
+    create_service(&ns, read_yaml(&upstream("stub-llmservice.yaml"))?).await?;
+    wait_service(&ns, "stub-svc", "ScaledToZero", |s| {
+        phase(s) == Some(LLMServicePhase::ScaledToZero)
+    })
+    .await?;
+
+    // KEDA wakes it: kwok makes the pod ready, the phase goes Ready with one replica.
+    scale_backend(&ns, "stub-svc", 1).await?;
+    let svc = wait_service(&ns, "stub-svc", "Ready with 1 replica", |s| {
+        phase(s) == Some(LLMServicePhase::Ready)
+            && s.status.as_ref().and_then(|st| st.replicas) == Some(1)
+    })
+    .await?;
+    assert!(
+        has_condition(&svc, "Ready", "True", "BackendReady"),
+        "{:?}",
+        svc.status
+    );
+
+    // Someone scales to 3; a following reconcile (spec change → new generation) keeps 3.
+    scale_backend(&ns, "stub-svc", 3).await?;
+    let api: Api<LLMService> = ns.api();
+    api.patch(
+        "stub-svc",
+        &PatchParams::default(),
+        &Patch::Merge(json!({"spec": {"scaling": {"target": 2}}})),
+    )
+    .await?;
+    wait_service(
+        &ns,
+        "stub-svc",
+        "observed the new generation",
+        observed_current,
+    )
+    .await?;
+    let gateway: Api<Deployment> = ns.api();
+    wait_until(
+        "gateway re-rendered with --metric-target=2",
+        WAIT,
+        || async {
+            let d = gateway.get("stub-svc-gateway").await?;
+            let args = d
+                .spec
+                .and_then(|s| s.template.spec)
+                .map(|p| p.containers[0].args.clone().unwrap_or_default());
+            Ok(
+                if args
+                    .as_ref()
+                    .is_some_and(|a| a.iter().any(|x| x == "--metric-target=2"))
+                {
+                    Observed::Ready(())
+                } else {
+                    Observed::NotYet(format!("{args:?}"))
+                },
+            )
+        },
+    )
+    .await?;
+    assert_eq!(backend_replicas(&ns, "stub-svc").await?, Some(3));
+    wait_service(&ns, "stub-svc", "3 ready replicas", |s| {
+        s.status.as_ref().and_then(|st| st.replicas) == Some(3)
+    })
+    .await?;
+
+    // Back to zero.
+    scale_backend(&ns, "stub-svc", 0).await?;
+    wait_service(&ns, "stub-svc", "ScaledToZero again", |s| {
+        phase(s) == Some(LLMServicePhase::ScaledToZero)
+    })
+    .await?;
+
+    // Transitions were recorded as Events on the LLMService.
+    let events: Api<Event> = ns.api();
+    let reasons: Vec<String> = wait_until("phase Events", WAIT, || async {
+        let list = events
+            .list(&ListParams::default().fields("involvedObject.name=stub-svc"))
+            .await?;
+        let reasons: Vec<String> = list.items.iter().filter_map(|e| e.reason.clone()).collect();
+        Ok(
+            if ["Ready", "ScaledToZero"]
+                .iter()
+                .all(|r| reasons.iter().any(|x| x == r))
+            {
+                Observed::Ready(reasons)
+            } else {
+                Observed::NotYet(format!("{reasons:?}"))
+            },
+        )
+    })
+    .await?;
+    assert!(!reasons.is_empty());
+    assert!(
+        running
+            .metrics
+            .encode()
+            .contains("hearth_controller_reconciles_total")
+    );
+    running.stop().await;
+    Ok(())
+}
+
+/// A CRD standing in for KEDA's ScaledObject under a test-only group, so this test can install
+/// "KEDA" mid-run without touching the real KEDA other tests use.
+fn fake_keda_crd(group: &str) -> Result<CustomResourceDefinition> {
+    Ok(serde_json::from_value(json!({
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": format!("scaledobjects.{group}")},
+        "spec": {
+            "group": group,
+            "names": {"kind": "ScaledObject", "plural": "scaledobjects", "singular": "scaledobject", "listKind": "ScaledObjectList"},
+            "scope": "Namespaced",
+            "versions": [{
+                "name": "v1alpha1", "served": true, "storage": true,
+                "subresources": {"status": {}},
+                "schema": {"openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": true}}
+            }]
+        }
+    }))?)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keda_absent_is_a_condition_and_its_arrival_is_picked_up() -> Result<()> {
+    let cluster = Cluster::connect().await?;
+    let client = cluster.client();
+    install_crds(&client).await?;
+    let ns = cluster.namespace("ctrl-keda").await?;
+    let group = format!("{}.tests.hearth.dev", ns.name());
+    let keda_api = ApiResource {
+        group: group.clone(),
+        api_version: format!("{group}/v1alpha1"),
+        ..scaled_object_resource()
+    };
+    let rt: InferenceRuntime = read_yaml(&upstream("stub-inferenceruntime.yaml"))?;
+    apply_runtime(&client, &rt).await?;
+    let render = RenderConfig {
+        keda_api: keda_api.clone(),
+        ..test_render_config()
+    };
+    let running = start(client.clone(), ns.name(), render, Duration::from_secs(300));
+    create_service(&ns, read_yaml(&upstream("stub-llmservice.yaml"))?).await?;
+    wait_service(&ns, "stub-svc", "KEDANotInstalled, so not Ready", |s| {
+        has_condition(s, "AutoscalingReady", "False", "KEDANotInstalled")
+            && has_condition(s, "Ready", "False", "AutoscalingNotReady")
+    })
+    .await?;
+    // Not an error loop: no reconcile failed.
+    let errors_before = running
+        .metrics
+        .errors
+        .get_or_create(&hearth_controller::metrics::ErrorLabels {
+            reason: "kube_api".into(),
+        })
+        .get();
+    assert_eq!(errors_before, 0);
+
+    // "Install KEDA": the CRD appears; the ScaledObject follows without a restart.
+    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
+    let crd = fake_keda_crd(&group)?;
+    crds.create(&PostParams::default(), &crd).await?;
+    let result = async {
+        wait_established(&crds, &crd.name_any()).await?;
+        let sos: Api<DynamicObject> = Api::namespaced_with(client.clone(), ns.name(), &keda_api);
+        let so = wait_until("ScaledObject stub-svc", WAIT, || async {
+            Ok(match sos.get_opt("stub-svc").await? {
+                Some(o) => Observed::Ready(o),
+                None => Observed::NotYet("absent".into()),
+            })
+        })
+        .await?;
+        let trigger = &so.data["spec"]["triggers"][0];
+        assert_eq!(trigger["type"], "metrics-api");
+        assert_eq!(trigger["metadata"]["aggregationType"], "sum");
+        assert_eq!(trigger["metadata"]["aggregateFromKubeServiceEndpoints"], "true");
+        assert_eq!(so.data["spec"]["minReplicaCount"], 0);
+        assert_eq!(so.data["spec"]["maxReplicaCount"], 2);
+        assert_eq!(so.data["spec"]["cooldownPeriod"], 15);
+        assert_eq!(
+            so.data["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]["scaleDown"]["stabilizationWindowSeconds"],
+            15
+        );
+        wait_service(&ns, "stub-svc", "AutoscalingReady pending on KEDA", |s| {
+            condition(s, "AutoscalingReady").is_some_and(|c| c.reason != "KEDANotInstalled")
+        })
+        .await?;
+        // KEDA reports Ready: the condition and Ready follow.
+        sos.patch_status(
+            "stub-svc",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"status": {"conditions": [{"type": "Ready", "status": "True", "reason": "ScaledObjectReady", "message": "ok"}]}})),
+        )
+        .await?;
+        wait_service(&ns, "stub-svc", "Ready while scaled to zero", |s| {
+            has_condition(s, "AutoscalingReady", "True", "ScaledObjectReady") && has_condition(s, "Ready", "True", "ScaledToZero")
+        })
+        .await?;
+        Ok::<_, anyhow::Error>(())
+    }
+    .await;
+    running.stop().await;
+    crds.delete(&crd.name_any(), &DeleteParams::default())
+        .await?;
+    result
+}
+
+fn runtime_named(name: &str, vendor: &str, priority: i32, image: &str) -> Result<InferenceRuntime> {
+    Ok(serde_json::from_value(json!({
+        "apiVersion": "serving.hearth.dev/v1alpha1",
+        "kind": "InferenceRuntime",
+        "metadata": {"name": name},
+        "spec": {
+            "vendor": vendor,
+            "priority": priority,
+            "container": {"image": image, "args": ["--model={{ .Model.Path }}"]},
+            "accelerator": {"resourceName": "hearth.dev/fake-gpu"}
+        }
+    }))?)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_runtime_change_re_renders_its_services() -> Result<()> {
+    let cluster = Cluster::connect().await?;
+    let client = cluster.client();
+    install_crds(&client).await?;
+    let ns = cluster.namespace("ctrl-switch").await?;
+    // Cluster-scoped runtimes with a vendor unique to this test.
+    let vendor = ns.name().to_owned();
+    let (a, b) = (format!("{vendor}-a"), format!("{vendor}-b"));
+    apply_runtime(
+        &client,
+        &runtime_named(&a, &vendor, 10, "example.com/engine:a")?,
+    )
+    .await?;
+    apply_runtime(
+        &client,
+        &runtime_named(&b, &vendor, 5, "example.com/engine:b")?,
+    )
+    .await?;
+    let running = start(
+        client.clone(),
+        ns.name(),
+        test_render_config(),
+        Duration::from_secs(300),
+    );
+    let svc: LLMService = serde_json::from_value(json!({
+        "apiVersion": "serving.hearth.dev/v1alpha1",
+        "kind": "LLMService",
+        "metadata": {"name": "switch"},
+        "spec": {
+            "model": {"source": {"uri": "hf://org/model"}},
+            "runtime": {"selector": {"vendor": ["nobody", vendor]}},
+            "cache": {"strategy": "None"}
+        }
+    }))?;
+    create_service(&ns, svc).await?;
+    let image = |ns: &TestNamespace| {
+        let api: Api<Deployment> = ns.api();
+        async move {
+            let d = api.get("switch-backend").await?;
+            Ok::<_, anyhow::Error>(
+                d.spec
+                    .and_then(|s| s.template.spec)
+                    .and_then(|p| p.containers[0].image.clone()),
+            )
+        }
+    };
+    let result = async {
+        wait_service(&ns, "switch", "runtime a", |s| {
+            s.status
+                .as_ref()
+                .and_then(|st| st.resolved_runtime.as_deref())
+                == Some(a.as_str())
+                && has_condition(s, "RuntimeResolved", "True", "SelectedByVendor")
+        })
+        .await?;
+        assert_eq!(image(&ns).await?.as_deref(), Some("example.com/engine:a"));
+        // b outranks a now: the service follows, the backend is re-rendered.
+        apply_runtime(
+            &client,
+            &runtime_named(&b, &vendor, 50, "example.com/engine:b")?,
+        )
+        .await?;
+        wait_service(&ns, "switch", "runtime b", |s| {
+            s.status
+                .as_ref()
+                .and_then(|st| st.resolved_runtime.as_deref())
+                == Some(b.as_str())
+        })
+        .await?;
+        wait_until("backend image b", WAIT, || async {
+            let img = image(&ns).await?;
+            Ok(if img.as_deref() == Some("example.com/engine:b") {
+                Observed::Ready(())
+            } else {
+                Observed::NotYet(format!("{img:?}"))
+            })
+        })
+        .await?;
+        // Every runtime of the vendor gone: a condition that says what to do, not an error.
+        let rts: Api<InferenceRuntime> = Api::all(client.clone());
+        rts.delete(&a, &DeleteParams::default()).await?;
+        rts.delete(&b, &DeleteParams::default()).await?;
+        let svc = wait_service(&ns, "switch", "NoRuntimeForVendor", |s| {
+            has_condition(s, "RuntimeResolved", "False", "NoRuntimeForVendor")
+        })
+        .await?;
+        assert!(
+            condition(&svc, "RuntimeResolved")
+                .is_some_and(|c| c.message.contains("spec.runtime.selector.vendor"))
+        );
+        assert_eq!(phase(&svc), Some(LLMServicePhase::Pending));
+        Ok::<_, anyhow::Error>(())
+    }
+    .await;
+    running.stop().await;
+    let rts: Api<InferenceRuntime> = Api::all(client.clone());
+    for n in [&a, &b] {
+        let _ = rts.delete(n, &DeleteParams::default()).await;
+    }
+    result
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drift_is_repaired_and_idle_makes_no_writes() -> Result<()> {
+    let cluster = Cluster::connect().await?;
+    let client = cluster.client();
+    install_crds(&client).await?;
+    let ns = cluster.namespace("ctrl-drift").await?;
+    let rt: InferenceRuntime = read_yaml(&upstream("stub-inferenceruntime.yaml"))?;
+    apply_runtime(&client, &rt).await?;
+    // A short resync, so idling means many reconciles.
+    let running = start(
+        client.clone(),
+        ns.name(),
+        test_render_config(),
+        Duration::from_millis(500),
+    );
+    let svc = create_service(&ns, read_yaml(&upstream("stub-llmservice.yaml"))?).await?;
+    wait_service(&ns, "stub-svc", "ScaledToZero", |s| {
+        phase(s) == Some(LLMServicePhase::ScaledToZero)
+    })
+    .await?;
+    assert_children(&ns, &svc, &rt).await?;
+
+    // A deleted child comes back.
+    let services: Api<Service> = ns.api();
+    services
+        .delete("stub-svc-backend", &DeleteParams::default())
+        .await?;
+    wait_until("backend Service recreated", WAIT, || async {
+        Ok(match services.get_opt("stub-svc-backend").await? {
+            Some(s) if s.metadata.deletion_timestamp.is_none() => Observed::Ready(()),
+            _ => Observed::NotYet("absent".into()),
+        })
+    })
+    .await?;
+    // An edited field the controller owns is set back.
+    let gateways: Api<Deployment> = ns.api();
+    let mut edited: Value = json!({
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": {"name": "stub-svc-gateway"},
+        "spec": {"template": {"spec": {"containers": [{"name": "gateway", "image": "evil.example.com/gw:1"}]}}}
+    });
+    gateways
+        .patch(
+            "stub-svc-gateway",
+            &PatchParams::apply("someone-else").force(),
+            &Patch::Apply(&mut edited),
+        )
+        .await?;
+    wait_until("gateway image repaired", WAIT, || async {
+        let d = gateways.get("stub-svc-gateway").await?;
+        let img = d
+            .spec
+            .and_then(|s| s.template.spec)
+            .and_then(|p| p.containers[0].image.clone());
+        Ok(
+            if img.as_deref() == Some("hearth.dev/hearth-gateway:test") {
+                Observed::Ready(())
+            } else {
+                Observed::NotYet(format!("{img:?}"))
+            },
+        )
+    })
+    .await?;
+    wait_service(&ns, "stub-svc", "ScaledToZero after repair", |s| {
+        phase(s) == Some(LLMServicePhase::ScaledToZero)
+    })
+    .await?;
+
+    // Idle: record every resourceVersion, let at least 10 reconciles run, compare.
+    let snapshot = || async {
+        let mut rvs = Vec::new();
+        let svcs: Api<LLMService> = ns.api();
+        let s = svcs.get("stub-svc").await?;
+        rvs.push(("LLMService".to_owned(), s.resource_version()));
+        let children = hearth_controller::render(&s, &rt, &test_render_config(), false)?;
+        for v in children.to_values()? {
+            let kind = v["kind"].as_str().unwrap_or_default().to_owned();
+            if kind == "ScaledObject" {
+                // KEDA's operator writes its status; only our writes count here.
+                continue;
+            }
+            let api: Api<DynamicObject> = Api::namespaced_with(
+                client.clone(),
+                ns.name(),
+                &resource_of(&kind, v["apiVersion"].as_str().unwrap_or("")),
+            );
+            let name = v["metadata"]["name"].as_str().unwrap_or_default();
+            rvs.push((
+                format!("{kind}/{name}"),
+                api.get(name).await?.resource_version(),
+            ));
+        }
+        Ok::<_, anyhow::Error>(rvs)
+    };
+    // Settle: two snapshots in a row with reconciles between them and nothing changed.
+    let reconciles = || running.metrics.reconciles.get();
+    let mut before = snapshot().await?;
+    let mut stable = false;
+    for _ in 0..20 {
+        let start = reconciles();
+        wait_until("10 reconciles", WAIT, || async {
+            let n = reconciles() - start;
+            Ok(if n >= 10 {
+                Observed::Ready(())
+            } else {
+                Observed::NotYet(format!("{n} reconciles"))
+            })
+        })
+        .await?;
+        let after = snapshot().await?;
+        if after == before {
+            stable = true;
+            break;
+        }
+        before = after;
+    }
+    assert!(
+        stable,
+        "resourceVersions kept changing while idle: {before:?}"
+    );
+    running.stop().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deleting_the_service_removes_every_child() -> Result<()> {
+    let cluster = Cluster::connect().await?;
+    let client = cluster.client();
+    install_crds(&client).await?;
+    let ns = cluster.namespace("ctrl-delete").await?;
+    let rt: InferenceRuntime = read_yaml(&upstream("stub-inferenceruntime.yaml"))?;
+    apply_runtime(&client, &rt).await?;
+    let running = start(
+        client.clone(),
+        ns.name(),
+        test_render_config(),
+        Duration::from_secs(300),
+    );
+    let mut svc: LLMService = read_yaml(&upstream("stub-llmservice.yaml"))?;
+    // Push mode adds the scaler Service; a HostPath cache with prewarm adds the Job.
+    svc.metadata.annotations =
+        Some([("serving.hearth.dev/scaler".to_owned(), "push".to_owned())].into());
+    svc.spec.cache.strategy = hearth_crds::llmservice::CacheStrategy::HostPath;
+    svc.spec.cache.prewarm = true;
+    let svc = create_service(&ns, svc).await?;
+    wait_service(&ns, "stub-svc", "reconciled", |s| {
+        observed_current(s) && phase(s).is_some()
+    })
+    .await?;
+    let count = assert_children(&ns, &svc, &rt).await?;
+    assert!(
+        count == 10,
+        "push mode with prewarm renders 10 children (no claim with HostPath), got {count}"
+    );
+
+    let api: Api<LLMService> = ns.api();
+    api.delete("stub-svc", &DeleteParams::foreground()).await?;
+    let children =
+        hearth_controller::render(&svc, &rt, &test_render_config(), false)?.to_values()?;
+    let client = Arc::new(client);
+    wait_until("every child garbage-collected", WAIT, || {
+        let client = client.clone();
+        let children = children.clone();
+        let ns = ns.name().to_owned();
+        async move {
+            let mut left = Vec::new();
+            for v in &children {
+                let kind = v["kind"].as_str().unwrap_or_default();
+                let ar = resource_of(kind, v["apiVersion"].as_str().unwrap_or(""));
+                let api: Api<DynamicObject> = Api::namespaced_with((*client).clone(), &ns, &ar);
+                let name = v["metadata"]["name"].as_str().unwrap_or_default();
+                if api.get_opt(name).await?.is_some() {
+                    left.push(format!("{kind}/{name}"));
+                }
+            }
+            Ok(if left.is_empty() {
+                Observed::Ready(())
+            } else {
+                Observed::NotYet(left.join(", "))
+            })
+        }
+    })
+    .await?;
+    running.stop().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_leader_at_a_time_and_takeover_after_expiry() -> Result<()> {
+    use hearth_controller::leader::{LeaseConfig, try_acquire};
+    let cluster = Cluster::connect().await?;
+    let ns = cluster.namespace("ctrl-lease").await?;
+    let api: Api<k8s_openapi::api::coordination::v1::Lease> = ns.api();
+    let cfg = |id: &str| LeaseConfig {
+        name: FIELD_MANAGER.to_owned(),
+        namespace: ns.name().to_owned(),
+        identity: id.to_owned(),
+        lease_duration: Duration::from_secs(2),
+        renew_interval: Duration::from_millis(500),
+    };
+    assert!(try_acquire(&api, &cfg("a")).await?);
+    assert!(
+        !try_acquire(&api, &cfg("b")).await?,
+        "b took a lease a holds"
+    );
+    assert!(try_acquire(&api, &cfg("a")).await?, "a could not renew");
+    // a stops renewing; b takes over once the lease has expired.
+    wait_until(
+        "b takes over the expired lease",
+        Duration::from_secs(30),
+        || async {
+            Ok(if try_acquire(&api, &cfg("b")).await? {
+                Observed::Ready(())
+            } else {
+                Observed::NotYet("a still holds it".into())
+            })
+        },
+    )
+    .await?;
+    let lease = api.get(FIELD_MANAGER).await?;
+    let spec = lease.spec.unwrap_or_default();
+    assert_eq!(spec.holder_identity.as_deref(), Some("b"));
+    assert_eq!(spec.lease_transitions, Some(1));
+    assert!(!try_acquire(&api, &cfg("a")).await?);
+    Ok(())
+}
