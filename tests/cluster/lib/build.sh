@@ -30,14 +30,17 @@ go_build() {
   local logf="$CACHE/build/$label.log" total start
   mkdir -p "$out" "$CACHE/build"
   start=$SECONDS
-  log "building $label (module downloads first; full log: $logf)"
+  log "building $label: resolving packages, downloading modules (full log: $logf)"
   # -mod=readonly: go.mod/go.sum are committed and must already be complete; GOTOOLCHAIN=local
   # keeps Go from fetching another toolchain; CGO_ENABLED=0 as upstream's release builds.
   export CGO_ENABLED=0 GOTOOLCHAIN=local GOFLAGS="-mod=readonly -buildvcs=false"
-  total="$(cd "$dir" && go list -deps "$@" | wc -l)" ||
-    die "resolving the packages of $label failed (network to the Go module proxy needed on a first build)"
+  if ! total="$(cd "$dir" && go list -deps "$@" 2>"$logf" | wc -l)"; then
+    tail -n 30 "$logf" >&2
+    die "resolving the packages of $label failed (a first build needs the Go module proxy); log: $logf"
+  fi
+  log "$label: $(grep -c '^go: downloading' "$logf" || true) modules downloaded, $total packages"
   if ! (cd "$dir" && go build -v -trimpath -ldflags "$ldflags" -o "$out/" "$@" 2>&1) |
-    tee "$logf" | progress "$label" "$total"; then
+    tee -a "$logf" | progress "$label" "$total" >&2; then
     tail -n 30 "$logf" >&2
     die "building $label failed; full log in $logf"
   fi
