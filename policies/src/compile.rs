@@ -1,0 +1,566 @@
+//! Compiling one CEL expression: text bounds, parsing, checks for what this engine cannot
+//! evaluate, and the rewrite that splices in the run-time guards of [`crate::guard`].
+
+use std::collections::BTreeSet;
+
+use kube_cel::cel::{
+    common::ast::{
+        CallExpr, ComprehensionExpr, EntryExpr, Expr, IdedEntryExpr, IdedExpr, MapEntryExpr,
+        MapExpr, operators,
+    },
+    parser::Parser,
+};
+
+use kube_cel::cel::common::types::CelString;
+
+use crate::{guard, limits::Limits};
+
+/// Variables a policy expression may use (KEP-3488 plus Hearth's `params` and `service`).
+pub const ROOT_VARIABLES: &[&str] = &[
+    "object",
+    "oldObject",
+    "request",
+    "namespaceObject",
+    "params",
+    "service",
+    "variables",
+];
+
+/// Functions of the `cel` crate's standard library.
+const CEL_FUNCTIONS: &[&str] = &[
+    "contains", "size", "max", "min", "startsWith", "endsWith", "string", "bytes", "double",
+    "int", "uint", "optional.none", "optional.of", "optional.ofNonZeroValue", "value",
+    "hasValue", "or", "orValue", "matches", "duration", "timestamp", "getFullYear", "getMonth",
+    "getDayOfYear", "getDayOfMonth", "getDate", "getDayOfWeek", "getHours", "getMinutes",
+    "getSeconds", "getMilliseconds",
+];
+
+/// Functions kube-cel 0.8 registers (`KubeCelExt::register_all`): the Kubernetes CEL
+/// libraries (k8s.io/apiserver/pkg/cel/library) and cel-go extensions.
+const KUBE_FUNCTIONS: &[&str] = &[
+    "add", "asApproximateFloat", "asInteger", "base64.decode", "base64.encode", "charAt",
+    "cidr", "compareTo", "containsCIDR", "containsIP", "distinct", "family", "find", "findAll",
+    "first", "flatten", "format", "format.byte", "format.date", "format.datetime",
+    "format.dns1035Label", "format.dns1035LabelPrefix", "format.dns1123Label",
+    "format.dns1123LabelPrefix", "format.dns1123Subdomain", "format.dns1123SubdomainPrefix",
+    "format.labelValue", "format.named", "format.qualifiedName", "format.uri", "format.uuid",
+    "getEscapedPath", "getHost", "getHostname", "getPort", "getQuery", "getScheme", "indexOf",
+    "ip", "ip.isCanonical", "isCIDR", "isCIDRv4", "isCIDRv6", "isGlobalUnicast",
+    "isGreaterThan", "isIP", "isIPv4", "isIPv6", "isInteger", "isLessThan",
+    "isLinkLocalMulticast", "isLinkLocalUnicast", "isLoopback", "isQuantity", "isSemver",
+    "isSorted", "isURL", "isUnspecified", "join", "jsonpatch.escapeKey", "last", "lastIndexOf",
+    "lists.range", "lowerAscii", "major", "masked", "math.abs", "math.bitAnd", "math.bitNot",
+    "math.bitOr", "math.bitShiftLeft", "math.bitShiftRight", "math.bitXor", "math.ceil",
+    "math.floor", "math.greatest", "math.isFinite", "math.isInf", "math.isNaN", "math.least",
+    "math.round", "math.sign", "math.sqrt", "math.trunc", "minor", "patch", "prefixLength",
+    "quantity", "replace", "reverse", "semver", "sets.contains", "sets.equivalent",
+    "sets.intersects", "sign", "slice", "sort", "split", "strings.quote", "sub", "substring",
+    "sum", "trim", "upperAscii", "url", "validate",
+];
+
+/// Operators the interpreter evaluates itself.
+const OPERATORS: &[&str] = &[
+    operators::CONDITIONAL,
+    operators::LOGICAL_AND,
+    operators::LOGICAL_OR,
+    operators::LOGICAL_NOT,
+    operators::SUBSTRACT,
+    operators::ADD,
+    operators::MULTIPLY,
+    operators::DIVIDE,
+    operators::MODULO,
+    operators::EQUALS,
+    operators::NOT_EQUALS,
+    operators::GREATER_EQUALS,
+    operators::LESS_EQUALS,
+    operators::GREATER,
+    operators::LESS,
+    operators::NEGATE,
+    operators::INDEX,
+    operators::OPT_INDEX,
+    operators::OPT_SELECT,
+    operators::NOT_STRICTLY_FALSE,
+    operators::IN,
+];
+
+/// Calls whose result can outgrow their inputs: their result is size-checked and charged.
+const GROWING: &[&str] = &[
+    operators::ADD,
+    "join",
+    "replace",
+    "format",
+    "lists.range",
+    "flatten",
+    "strings.quote",
+    "base64.encode",
+    "base64.decode",
+    "upperAscii",
+    "lowerAscii",
+    "split",
+    "findAll",
+    "sort",
+    "distinct",
+    "reverse",
+    "string",
+];
+
+/// Functions that need the apiserver (or a newer CEL) and are rejected with a reason.
+const UNSUPPORTED: &[(&str, &str)] = &[
+    ("cel.bind", "cel.bind is not supported: declare a policy variable (spec.variables) and use variables.<name>"),
+    ("all", "two-variable comprehensions are not supported: use the one-variable form list.all(x, ...)"),
+    ("exists", "two-variable comprehensions are not supported: use the one-variable form list.exists(x, ...)"),
+    ("existsOne", "two-variable comprehensions are not supported"),
+    ("exists_one", "two-variable comprehensions are not supported"),
+    ("transformList", "transformList is not supported: use map(x, ...)"),
+    ("transformMap", "transformMap is not supported"),
+    ("transformMapEntry", "transformMapEntry is not supported"),
+    ("type", "type() is not supported"),
+];
+
+/// Why an expression did not compile. `Display` names the problem and, where known, the
+/// position (`line:column`, 1-based) in the expression.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{message}")]
+pub struct ExprError {
+    /// What is wrong and how to fix it.
+    pub message: String,
+    /// 1-based line and column of the problem in the expression, when known.
+    pub position: Option<(usize, usize)>,
+}
+
+/// A compiled expression: the guarded tree, ready to evaluate many times.
+#[derive(Debug, Clone)]
+pub struct CompiledExpr {
+    /// The CEL source as written.
+    pub source: String,
+    pub(crate) expr: IdedExpr,
+    /// Names of policy variables the expression reads (`variables.<name>`).
+    pub(crate) uses_variables: BTreeSet<String>,
+}
+
+fn error_at(source: &str, needle: &str, message: String) -> ExprError {
+    ExprError {
+        position: source.find(needle).map(|i| line_col(source, i)),
+        message,
+    }
+}
+
+fn line_col(source: &str, byte: usize) -> (usize, usize) {
+    let before = &source[..byte];
+    let line = before.matches('\n').count() + 1;
+    let col = before.rsplit('\n').next().map_or(0, |l| l.chars().count()) + 1;
+    (line, col)
+}
+
+/// Deepest `(`/`[`/`{` nesting in the source text, outside string literals, with the byte
+/// offset where it first exceeds `limit`.
+fn text_nesting(source: &str, limit: usize) -> Option<usize> {
+    let bytes = source.as_bytes();
+    let mut depth = 0usize;
+    let mut i = 0;
+    while i < bytes.len() {
+        let c = bytes[i];
+        match c {
+            b'"' | b'\'' => {
+                // Skip a string literal (single, or triple quoted), honouring backslashes.
+                let triple = bytes.get(i + 1) == Some(&c) && bytes.get(i + 2) == Some(&c);
+                i += if triple { 3 } else { 1 };
+                while i < bytes.len() {
+                    if bytes[i] == b'\\' {
+                        i += 2;
+                        continue;
+                    }
+                    if bytes[i] == c
+                        && (!triple
+                            || (bytes.get(i + 1) == Some(&c) && bytes.get(i + 2) == Some(&c)))
+                    {
+                        i += if triple { 3 } else { 1 };
+                        break;
+                    }
+                    i += 1;
+                }
+                continue;
+            }
+            b'(' | b'[' | b'{' => {
+                depth += 1;
+                if depth > limit {
+                    return Some(i);
+                }
+            }
+            b')' | b']' | b'}' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+        i += 1;
+    }
+    None
+}
+
+/// Compiles one expression under `limits`. `declared` are the policy variables defined before
+/// this expression (in order), which `variables.<name>` may name.
+pub fn compile_expr(
+    source: &str,
+    limits: &Limits,
+    declared: &[String],
+) -> Result<CompiledExpr, ExprError> {
+    if source.len() > limits.max_expression_bytes {
+        return Err(ExprError {
+            message: format!(
+                "expression is {} bytes, more than the limit of {}: split it into policy variables",
+                source.len(),
+                limits.max_expression_bytes
+            ),
+            position: None,
+        });
+    }
+    if source.trim().is_empty() {
+        return Err(ExprError {
+            message: "expression is empty".into(),
+            position: None,
+        });
+    }
+    if let Some(at) = text_nesting(source, limits.max_nesting) {
+        return Err(ExprError {
+            message: format!(
+                "expression nests brackets more than {} deep: flatten it or use policy variables",
+                limits.max_nesting
+            ),
+            position: Some(line_col(source, at)),
+        });
+    }
+    // Parsing recurses per grammar rule; a long operator chain is deep even without brackets,
+    // so parse on a stack sized for the longest allowed source.
+    let depth_budget = (limits.max_nesting * 12).min(u16::MAX as usize - 1) as u16;
+    let parsed = stacker::grow(64 << 20, || {
+        Parser::new()
+            .enable_optional_syntax(true)
+            .max_recursion_depth(depth_budget)
+            .parse(source)
+    });
+    let mut expr = match parsed {
+        Ok(e) => e,
+        Err(errs) => {
+            let first = errs.errors.first();
+            let position = first.and_then(|e| {
+                let (l, c) = e.pos;
+                (l > 0).then_some((l as usize, c.max(0) as usize + 1))
+            });
+            let message = first.map_or_else(|| errs.to_string(), |e| e.msg.clone());
+            return Err(ExprError {
+                message: format!("syntax error: {message}"),
+                position,
+            });
+        }
+    };
+    let mut checker = Checker {
+        source,
+        limits,
+        declared,
+        scope: Vec::new(),
+        uses: BTreeSet::new(),
+    };
+    stacker::grow(16 << 20, || checker.check(&expr, 1, 0))?;
+    let uses = checker.uses;
+    stacker::grow(16 << 20, || rewrite(&mut expr, 0));
+    Ok(CompiledExpr {
+        source: source.to_owned(),
+        expr,
+        uses_variables: uses,
+    })
+}
+
+struct Checker<'a> {
+    source: &'a str,
+    limits: &'a Limits,
+    declared: &'a [String],
+    scope: Vec<String>,
+    uses: BTreeSet<String>,
+}
+
+impl Checker<'_> {
+    fn check(&mut self, e: &IdedExpr, depth: usize, comps: usize) -> Result<(), ExprError> {
+        if depth > self.limits.max_ast_depth {
+            return Err(ExprError {
+                message: format!(
+                    "expression is more than {} levels deep: split it into policy variables",
+                    self.limits.max_ast_depth
+                ),
+                position: None,
+            });
+        }
+        let d = depth + 1;
+        match &e.expr {
+            Expr::Literal(_) | Expr::Unspecified => Ok(()),
+            Expr::Ident(name) => self.ident(name),
+            Expr::Select(sel) => {
+                if let Expr::Ident(root) = &sel.operand.expr
+                    && root == "variables"
+                    && !self.scope.iter().any(|s| s == "variables")
+                {
+                    if !self.declared.iter().any(|v| v == &sel.field) {
+                        return Err(error_at(
+                            self.source,
+                            &format!("variables.{}", sel.field),
+                            format!(
+                                "variables.{} is not declared before this expression: add it to spec.variables above its first use",
+                                sel.field
+                            ),
+                        ));
+                    }
+                    self.uses.insert(sel.field.clone());
+                    return Ok(());
+                }
+                self.check(&sel.operand, d, comps)
+            }
+            Expr::Call(call) => self.call(call, d, comps),
+            Expr::List(l) => l.elements.iter().try_for_each(|x| self.check(x, d, comps)),
+            Expr::Map(m) => m.entries.iter().try_for_each(|en| match &en.expr {
+                EntryExpr::MapEntry(me) => {
+                    self.check(&me.key, d, comps)?;
+                    self.check(&me.value, d, comps)
+                }
+                EntryExpr::StructField(f) => self.check(&f.value, d, comps),
+            }),
+            Expr::Struct(s) => {
+                if s.type_name != "JSONPatch"
+                    && s.type_name != "Object"
+                    && !s.type_name.starts_with("Object.")
+                {
+                    return Err(error_at(
+                        self.source,
+                        &s.type_name,
+                        format!(
+                            "message type {} is not supported: build a map, Object{{...}} (ApplyConfiguration) or JSONPatch{{...}}",
+                            s.type_name
+                        ),
+                    ));
+                }
+                s.entries.iter().try_for_each(|en| match &en.expr {
+                    EntryExpr::StructField(f) => self.check(&f.value, d, comps),
+                    EntryExpr::MapEntry(me) => self.check(&me.value, d, comps),
+                })
+            }
+            Expr::Comprehension(c) => self.comprehension(c, d, comps),
+        }
+    }
+
+    fn ident(&mut self, name: &str) -> Result<(), ExprError> {
+        if self.scope.iter().any(|s| s == name) || ROOT_VARIABLES.contains(&name) {
+            return Ok(());
+        }
+        let message = if name == "authorizer" {
+            "authorizer is not supported: it needs the apiserver's authorization check; enforce it with RBAC or a ValidatingAdmissionPolicy".to_owned()
+        } else {
+            format!(
+                "undeclared reference to '{name}': expressions may use {}",
+                ROOT_VARIABLES.join(", ")
+            )
+        };
+        Err(error_at(self.source, name, message))
+    }
+
+    fn comprehension(
+        &mut self,
+        c: &ComprehensionExpr,
+        d: usize,
+        comps: usize,
+    ) -> Result<(), ExprError> {
+        if c.iter_var2.is_some() {
+            return Err(error_at(
+                self.source,
+                &c.iter_var,
+                "two-variable comprehensions are not supported: use the one-variable form".into(),
+            ));
+        }
+        if comps + 1 > self.limits.max_comprehension_nesting {
+            return Err(error_at(
+                self.source,
+                &format!("({}", c.iter_var),
+                format!(
+                    "comprehensions nest more than {} deep: compute inner results in policy variables",
+                    self.limits.max_comprehension_nesting
+                ),
+            ));
+        }
+        self.check(&c.iter_range, d, comps)?;
+        self.check(&c.accu_init, d, comps)?;
+        self.scope.push(c.iter_var.clone());
+        self.scope.push(c.accu_var.clone());
+        let r = self
+            .check(&c.loop_cond, d, comps + 1)
+            .and_then(|_| self.check(&c.loop_step, d, comps + 1))
+            .and_then(|_| self.check(&c.result, d, comps + 1));
+        self.scope.pop();
+        self.scope.pop();
+        r
+    }
+
+    fn call(&mut self, call: &CallExpr, d: usize, comps: usize) -> Result<(), ExprError> {
+        let name = call.func_name.as_str();
+        if name.starts_with("__hearth") {
+            return Err(error_at(
+                self.source,
+                name,
+                format!("{name} is reserved for the engine"),
+            ));
+        }
+        // `ns.fn(...)` parses as a call of `fn` on the identifier `ns`.
+        let qualified = match call.target.as_deref().map(|t| &t.expr) {
+            Some(Expr::Ident(ns)) if !self.scope.contains(ns) && !ROOT_VARIABLES.contains(&ns.as_str()) => {
+                Some(format!("{ns}.{name}"))
+            }
+            _ => None,
+        };
+        let full = qualified.as_deref().unwrap_or(name);
+        if let Some((_, why)) = UNSUPPORTED.iter().find(|(n, _)| *n == full) {
+            return Err(error_at(self.source, full, format!("{full}: {why}")));
+        }
+        // Operands next, so the innermost problem is reported.
+        if qualified.is_none()
+            && let Some(t) = &call.target
+        {
+            self.check(t, d, comps)?;
+        }
+        call.args.iter().try_for_each(|a| self.check(a, d, comps))?;
+        let known = |n: &str| {
+            OPERATORS.contains(&n) || CEL_FUNCTIONS.contains(&n) || KUBE_FUNCTIONS.contains(&n)
+        };
+        if !known(full) {
+            return Err(error_at(
+                self.source,
+                full,
+                format!("unknown function '{full}': it is not in the standard or Kubernetes CEL libraries"),
+            ));
+        }
+        Ok(())
+    }
+}
+
+fn call(name: &str, target: Option<IdedExpr>, args: Vec<IdedExpr>) -> IdedExpr {
+    IdedExpr {
+        id: 0,
+        expr: Expr::Call(CallExpr {
+            func_name: name.to_owned(),
+            target: target.map(Box::new),
+            args,
+        }),
+    }
+}
+
+fn take(e: &mut IdedExpr) -> IdedExpr {
+    std::mem::take(e)
+}
+
+/// How many tree levels may pass between stack checks. Debug builds of the interpreter use
+/// tens of KiB of stack per level.
+const DEEP_EVERY: usize = 6;
+
+/// Splices in guards: comprehension ticks, size checks on growing calls, pre-checks on
+/// amplifying calls, stack growth every few levels; turns `Object{...}`/`JSONPatch{...}`
+/// message construction (which the interpreter cannot evaluate) into maps.
+fn rewrite(e: &mut IdedExpr, depth: usize) {
+    // Children first.
+    match &mut e.expr {
+        Expr::Call(c) => {
+            if let Some(t) = c.target.as_deref_mut() {
+                rewrite(t, depth + 1);
+            }
+            c.args.iter_mut().for_each(|a| rewrite(a, depth + 1));
+        }
+        Expr::Select(s) => rewrite(&mut s.operand, depth + 1),
+        Expr::List(l) => l.elements.iter_mut().for_each(|x| rewrite(x, depth + 1)),
+        Expr::Map(m) => m.entries.iter_mut().for_each(|en| {
+            if let EntryExpr::MapEntry(me) = &mut en.expr {
+                rewrite(&mut me.key, depth + 1);
+                rewrite(&mut me.value, depth + 1);
+            }
+        }),
+        Expr::Struct(s) => s.entries.iter_mut().for_each(|en| match &mut en.expr {
+            EntryExpr::StructField(f) => rewrite(&mut f.value, depth + 1),
+            EntryExpr::MapEntry(me) => rewrite(&mut me.value, depth + 1),
+        }),
+        Expr::Comprehension(c) => {
+            rewrite(&mut c.iter_range, depth + 1);
+            rewrite(&mut c.accu_init, depth + 1);
+            rewrite(&mut c.loop_cond, depth + 1);
+            rewrite(&mut c.loop_step, depth + 1);
+            rewrite(&mut c.result, depth + 1);
+            let cond = take(&mut c.loop_cond);
+            c.loop_cond = call(guard::TICK, None, vec![cond]);
+        }
+        Expr::Literal(_) | Expr::Ident(_) | Expr::Unspecified => {}
+    }
+    // Then this node.
+    match &mut e.expr {
+        Expr::Struct(s) => {
+            let entries = std::mem::take(&mut s.entries)
+                .into_iter()
+                .map(|en| match en.expr {
+                    EntryExpr::StructField(f) => IdedEntryExpr {
+                        id: en.id,
+                        expr: EntryExpr::MapEntry(MapEntryExpr {
+                            key: IdedExpr {
+                                id: 0,
+                                expr: Expr::Literal(
+                                    kube_cel::cel::common::ast::LiteralValue::String(
+                                        CelString::from(f.field),
+                                    ),
+                                ),
+                            },
+                            value: f.value,
+                            optional: f.optional,
+                        }),
+                    },
+                    other => IdedEntryExpr {
+                        id: en.id,
+                        expr: other,
+                    },
+                })
+                .collect();
+            e.expr = Expr::Map(MapExpr { entries });
+        }
+        Expr::Call(c) => {
+            let qualified = match c.target.as_deref().map(|t| &t.expr) {
+                Some(Expr::Ident(ns)) if ns == "lists" => format!("lists.{}", c.func_name),
+                _ => c.func_name.clone(),
+            };
+            match qualified.as_str() {
+                "join" => {
+                    if let Some(t) = c.target.as_deref_mut() {
+                        let mut args = vec![take(t)];
+                        args.extend(c.args.first().cloned());
+                        *t = call(guard::PRE_JOIN, None, args);
+                    }
+                }
+                "replace" if c.args.len() >= 2 => {
+                    if let Some(t) = c.target.as_deref_mut() {
+                        let args = vec![take(t), c.args[0].clone(), c.args[1].clone()];
+                        *t = call(guard::PRE_REPLACE, None, args);
+                    }
+                }
+                "format" if c.args.len() == 1 => {
+                    if let Some(t) = c.target.as_deref_mut() {
+                        let args = vec![take(t), c.args[0].clone()];
+                        *t = call(guard::PRE_FORMAT, None, args);
+                    }
+                }
+                "lists.range" if c.args.len() == 1 => {
+                    let n = take(&mut c.args[0]);
+                    c.args[0] = call(guard::PRE_RANGE, None, vec![n]);
+                }
+                _ => {}
+            }
+            if GROWING.contains(&qualified.as_str()) {
+                let inner = take(e);
+                *e = call(guard::SIZE, None, vec![inner]);
+            }
+        }
+        _ => {}
+    }
+    if depth % DEEP_EVERY == DEEP_EVERY - 1
+        && !matches!(e.expr, Expr::Literal(_) | Expr::Ident(_))
+    {
+        let inner = take(e);
+        *e = call(guard::DEEP, None, vec![inner]);
+    }
+}
+

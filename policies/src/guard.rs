@@ -1,0 +1,312 @@
+//! Run-time bounds: a per-thread cost budget charged by guard functions the compiler splices
+//! into the expression tree (see [`crate::compile`]), and stack growth for deep trees.
+//!
+//! Evaluation is synchronous on one thread, so the budget lives in a thread-local set up by
+//! [`Budget::enter`] for one request and reset per expression by [`start_expression`].
+
+use std::cell::Cell;
+
+use kube_cel::{
+    KubeCelExt,
+    cel::{Context, ExecutionError, FunctionContext, ResolveResult, Value},
+};
+
+use crate::limits::Limits;
+
+/// Guard that charges one unit per comprehension iteration (wraps `loop_cond`).
+pub(crate) const TICK: &str = "__hearth_tick";
+/// Guard that checks and charges the size of a built value (wraps `+` and growing calls).
+pub(crate) const SIZE: &str = "__hearth_size";
+/// Guard that grows the stack before evaluating a deep subtree.
+pub(crate) const DEEP: &str = "__hearth_deep";
+/// Pre-checks for functions whose output can be much larger than their input.
+pub(crate) const PRE_JOIN: &str = "__hearth_pre_join";
+pub(crate) const PRE_REPLACE: &str = "__hearth_pre_replace";
+pub(crate) const PRE_FORMAT: &str = "__hearth_pre_format";
+pub(crate) const PRE_RANGE: &str = "__hearth_pre_range";
+
+#[derive(Clone, Copy, Default)]
+struct State {
+    active: bool,
+    expr_left: u64,
+    expr_max: u64,
+    request_left: u64,
+    max_string: usize,
+    max_list: usize,
+    exceeded: bool,
+}
+
+thread_local! {
+    static STATE: Cell<State> = Cell::new(State::default());
+    static BASE: Context<'static> = base_context();
+}
+
+/// The budget of one request on this thread; restores the previous state when dropped.
+pub(crate) struct Budget {
+    previous: State,
+}
+
+impl Budget {
+    /// Starts a request's budget on the current thread.
+    pub(crate) fn enter(limits: &Limits) -> Self {
+        let previous = STATE.get();
+        STATE.set(State {
+            active: true,
+            expr_left: limits.max_expression_cost,
+            expr_max: limits.max_expression_cost,
+            request_left: limits.max_request_cost,
+            max_string: limits.max_string_bytes,
+            max_list: limits.max_list_len,
+            exceeded: false,
+        });
+        Budget { previous }
+    }
+}
+
+impl Drop for Budget {
+    fn drop(&mut self) {
+        STATE.set(self.previous);
+    }
+}
+
+/// Resets the per-expression budget and the exceeded flag before one expression runs.
+pub(crate) fn start_expression() {
+    let mut s = STATE.get();
+    s.expr_left = s.expr_max;
+    s.exceeded = false;
+    STATE.set(s);
+}
+
+/// Whether the last expression failed because it exceeded a bound.
+pub(crate) fn exceeded() -> bool {
+    STATE.get().exceeded
+}
+
+fn bound_error(what: String) -> ExecutionError {
+    let mut s = STATE.get();
+    s.exceeded = true;
+    STATE.set(s);
+    ExecutionError::function_error("bounds", what)
+}
+
+fn charge(units: u64) -> Result<(), ExecutionError> {
+    let mut s = STATE.get();
+    if !s.active {
+        return Ok(());
+    }
+    if s.expr_left < units {
+        s.expr_left = 0;
+        STATE.set(s);
+        return Err(bound_error(format!(
+            "expression cost budget of {} units exceeded",
+            s.expr_max
+        )));
+    }
+    if s.request_left < units {
+        s.request_left = 0;
+        STATE.set(s);
+        return Err(bound_error("request cost budget exceeded".into()));
+    }
+    s.expr_left -= units;
+    s.request_left -= units;
+    STATE.set(s);
+    Ok(())
+}
+
+fn check_string(len: usize) -> Result<(), ExecutionError> {
+    let s = STATE.get();
+    if s.active && len > s.max_string {
+        return Err(bound_error(format!(
+            "string of {len} bytes exceeds the limit of {} bytes",
+            s.max_string
+        )));
+    }
+    Ok(())
+}
+
+fn check_list(len: usize) -> Result<(), ExecutionError> {
+    let s = STATE.get();
+    if s.active && len > s.max_list {
+        return Err(bound_error(format!(
+            "list of {len} elements exceeds the limit of {} elements",
+            s.max_list
+        )));
+    }
+    Ok(())
+}
+
+/// Shallow size check and charge of a value an operation built.
+fn check_value(v: &Value) -> Result<(), ExecutionError> {
+    match v {
+        Value::String(s) => {
+            check_string(s.len())?;
+            charge(1 + s.len() as u64 / 64)
+        }
+        Value::Bytes(b) => {
+            check_string(b.len())?;
+            charge(1 + b.len() as u64 / 64)
+        }
+        // The interpreter copies a comprehension's accumulator on every step, so a list
+        // costs its length each time it is built: `map` over n elements costs about n²/2.
+        // Copying also copies string elements: charge their bytes too.
+        Value::List(l) => {
+            check_list(l.len())?;
+            let bytes: usize = l
+                .iter()
+                .map(|x| match x {
+                    Value::String(s) => s.len(),
+                    _ => 0,
+                })
+                .sum();
+            charge(1 + l.len() as u64 + bytes as u64 / 64)
+        }
+        Value::Map(m) => {
+            check_list(m.map.len())?;
+            charge(1 + m.map.len() as u64)
+        }
+        _ => charge(1),
+    }
+}
+
+/// Size of a value's rendering, counting string bytes and one per element, stopping at `cap`.
+fn deep_size(v: &Value, cap: usize) -> usize {
+    fn walk(v: &Value, acc: &mut usize, cap: usize) {
+        if *acc > cap {
+            return;
+        }
+        match v {
+            Value::String(s) => *acc += s.len() + 2,
+            Value::Bytes(b) => *acc += b.len() * 2,
+            Value::List(l) => {
+                *acc += 2;
+                for x in l.iter() {
+                    walk(x, acc, cap);
+                    *acc += 2;
+                }
+            }
+            Value::Map(m) => {
+                *acc += 2;
+                for (k, x) in m.map.iter() {
+                    *acc += match k {
+                        kube_cel::cel::objects::Key::String(s) => s.len() + 4,
+                        _ => 24,
+                    };
+                    walk(x, acc, cap);
+                }
+            }
+            _ => *acc += 24,
+        }
+    }
+    let mut acc = 0;
+    stacker::maybe_grow(256 * 1024, 4 << 20, || walk(v, &mut acc, cap));
+    acc
+}
+
+fn arg(ftx: &FunctionContext, i: usize) -> ResolveResult {
+    match ftx.args.get(i) {
+        Some(e) => Value::resolve(e, ftx.ptx),
+        None => Err(ExecutionError::invalid_argument_count(i + 1, ftx.args.len())),
+    }
+}
+
+fn tick(ftx: &FunctionContext) -> ResolveResult {
+    charge(1)?;
+    arg(ftx, 0)
+}
+
+fn size(ftx: &FunctionContext) -> ResolveResult {
+    let v = arg(ftx, 0)?;
+    check_value(&v)?;
+    Ok(v)
+}
+
+fn deep(ftx: &FunctionContext) -> ResolveResult {
+    stacker::maybe_grow(1 << 20, 8 << 20, || arg(ftx, 0))
+}
+
+fn pre_join(ftx: &FunctionContext) -> ResolveResult {
+    let list = arg(ftx, 0)?;
+    let sep_len = match ftx.args.len() {
+        2 => match arg(ftx, 1)? {
+            Value::String(s) => s.len(),
+            _ => 0,
+        },
+        _ => 0,
+    };
+    if let Value::List(l) = &list {
+        let mut total = sep_len.saturating_mul(l.len());
+        for x in l.iter() {
+            if let Value::String(s) = x {
+                total = total.saturating_add(s.len());
+            }
+        }
+        check_string(total)?;
+        charge(1 + total as u64 / 64)?;
+    }
+    Ok(list)
+}
+
+fn pre_replace(ftx: &FunctionContext) -> ResolveResult {
+    let target = arg(ftx, 0)?;
+    if let (Value::String(s), Value::String(old), Value::String(new)) =
+        (&target, arg(ftx, 1)?, arg(ftx, 2)?)
+    {
+        let matches = if old.is_empty() {
+            s.chars().count() + 1
+        } else {
+            s.matches(old.as_str()).count()
+        };
+        let grown = s
+            .len()
+            .saturating_add(matches.saturating_mul(new.len()));
+        check_string(grown)?;
+        charge(1 + grown as u64 / 64)?;
+    }
+    Ok(target)
+}
+
+fn pre_format(ftx: &FunctionContext) -> ResolveResult {
+    let fmt = arg(ftx, 0)?;
+    let args = arg(ftx, 1)?;
+    let s = STATE.get();
+    let fmt_len = match &fmt {
+        Value::String(f) => f.len(),
+        _ => 0,
+    };
+    let total = fmt_len.saturating_add(deep_size(&args, s.max_string.saturating_add(1)));
+    check_string(total)?;
+    charge(1 + total as u64 / 64)?;
+    Ok(fmt)
+}
+
+fn pre_range(ftx: &FunctionContext) -> ResolveResult {
+    let n = arg(ftx, 0)?;
+    if let Value::Int(i) = n {
+        check_list(i.max(0) as usize)?;
+        charge(1 + i.max(0) as u64)?;
+    }
+    Ok(n)
+}
+
+fn base_context() -> Context<'static> {
+    let mut ctx = Context::default();
+    ctx.register_all();
+    ctx.add_function(TICK, tick);
+    ctx.add_function(SIZE, size);
+    ctx.add_function(DEEP, deep);
+    ctx.add_function(PRE_JOIN, pre_join);
+    ctx.add_function(PRE_REPLACE, pre_replace);
+    ctx.add_function(PRE_FORMAT, pre_format);
+    ctx.add_function(PRE_RANGE, pre_range);
+    ctx
+}
+
+/// Runs `f` with this thread's base context: every standard and Kubernetes CEL function plus
+/// the guards, built once per thread.
+pub(crate) fn with_base<R>(f: impl FnOnce(&Context<'static>) -> R) -> R {
+    BASE.with(|b| f(b))
+}
+
+
+
+

@@ -1,0 +1,37 @@
+//! The ServingPolicy CEL engine.
+//!
+//! Platform teams (and Hearth's own defaults, in `policies/builtin`) write `ServingPolicy`
+//! objects: CEL validations and mutations with the semantics of Kubernetes
+//! `ValidatingAdmissionPolicy` (KEP-3488) and `MutatingAdmissionPolicy` (KEP-3962), where
+//! `params` is the resolved `InferenceRuntime` and `service` the owning `LLMService`.
+//!
+//! - [`PolicySet::compile`] compiles once (bad policies are reported as [`PolicyLoadError`]s
+//!   naming policy, field and position, and left out); the set is an `Arc`, cheap to clone
+//!   and share across threads.
+//! - [`PolicySet::evaluate`] runs an admission request: mutations, then validations; the
+//!   [`Outcome`] separates denials, warnings, audit annotations, the JSON Patch and the
+//!   patched object, and evaluation errors (with `failurePolicy` applied).
+//! - [`PolicySet::mutate`] is the controller's render path: mutations only.
+//! - [`resolve::resolve_runtime`] picks the InferenceRuntime for a workload.
+//! - [`Limits`] bounds what any expression may cost; see [`limits`].
+//!
+//! Expressions use kube-cel's Kubernetes CEL libraries through its `cel` re-export.
+
+pub mod compile;
+pub mod engine;
+pub(crate) mod guard;
+pub mod limits;
+pub mod manifest;
+pub mod matching;
+pub mod merge;
+pub mod resolve;
+pub mod testfile;
+pub mod value;
+
+pub use compile::{CompiledExpr, ExprError};
+pub use engine::{
+    Denial, ErrorKind, EvalError, EvalInput, GroupVersionKind, GroupVersionResource, MutateError,
+    Mutated, Outcome, PolicyLoadError, PolicySet, RequestInfo, UserInfo,
+};
+pub use limits::Limits;
+pub use resolve::{ResolveError, Selection, resolve_runtime};
