@@ -111,6 +111,10 @@ pub struct Expect {
     /// Whether a second mutation pass must yield an empty patch (default true).
     #[serde(default)]
     pub idempotent: Option<bool>,
+    /// A substring of the expected runtime-resolution error (the workload names a runtime or
+    /// vendor that does not exist); the case then checks nothing else.
+    #[serde(default)]
+    pub resolve_error: Option<String>,
 }
 
 /// One row of the result table.
@@ -227,11 +231,25 @@ pub fn run_test_file(path: &Path) -> Result<Vec<Row>, TestError> {
             Some(n) => Some(Selection::Pinned(n.clone())),
             None => Selection::from_object(&object),
         };
+        let e = &case.expect;
         if let Some(sel) = selection {
-            match resolve_runtime(&runtimes, &sel) {
-                Ok(rt) => input.params = Some(manifest::runtime_params(rt)),
-                Err(e) => failures.push(format!("runtime: {e}")),
+            match (resolve_runtime(&runtimes, &sel), &e.resolve_error) {
+                (Ok(rt), None) => input.params = Some(manifest::runtime_params(rt)),
+                (Err(err), None) => failures.push(format!("runtime: {err}")),
+                (Ok(rt), Some(want)) => failures.push(format!(
+                    "resolveError: want an error containing {want:?}, resolved {}",
+                    rt.metadata.name.as_deref().unwrap_or_default()
+                )),
+                (Err(err), Some(want)) => {
+                    if !err.to_string().contains(want.as_str()) {
+                        failures.push(format!("resolveError: want {want:?}, got {err}"));
+                    }
+                    rows.push(Row { file: path.to_owned(), suite: tf.name.clone(), case: case.name.clone(), failures });
+                    continue;
+                }
             }
+        } else if let Some(want) = &e.resolve_error {
+            failures.push(format!("resolveError: want {want:?}, but the resource selects no runtime"));
         }
         if let Some(name) = &case.service {
             match services.iter().find(|s| s.metadata.name.as_deref() == Some(name)) {
@@ -240,7 +258,6 @@ pub fn run_test_file(path: &Path) -> Result<Vec<Row>, TestError> {
             }
         }
         let out = set.evaluate(&input);
-        let e = &case.expect;
         if let Some(allowed) = e.allowed
             && out.allowed() != allowed
         {

@@ -1,1 +1,172 @@
-fn main() {}
+//! `hearth-policy`: evaluate and test ServingPolicies (and native ValidatingAdmissionPolicy /
+//! MutatingAdmissionPolicy manifests) offline.
+
+use std::{path::PathBuf, process::ExitCode};
+
+use anyhow::{Context, bail};
+use clap::{Parser, Subcommand, ValueEnum};
+use hearth_crds::servingpolicy::Operation;
+use hearth_policies::{
+    EvalInput, PolicySet, Selection,
+    manifest::{self, Bundle},
+    resolve_runtime, testfile,
+};
+use serde_json::{Value, json};
+
+#[derive(Parser)]
+#[command(name = "hearth-policy", version, about = "Evaluate and test Hearth ServingPolicies offline")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum Format {
+    Yaml,
+    Json,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum Op {
+    #[value(name = "CREATE")]
+    Create,
+    #[value(name = "UPDATE")]
+    Update,
+    #[value(name = "DELETE")]
+    Delete,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Evaluate policies against one resource and print the verdict, warnings, audit
+    /// annotations, the JSON Patch and the patched object.
+    Eval {
+        /// Policy manifests (files or directories): ServingPolicy, ValidatingAdmissionPolicy
+        /// (+ binding), MutatingAdmissionPolicy. Repeatable.
+        #[arg(long, short = 'p', required = true)]
+        policy: Vec<PathBuf>,
+        /// The resource under test (YAML or JSON, one object).
+        #[arg(long, short = 'r')]
+        resource: PathBuf,
+        /// InferenceRuntime manifests bound as `params`: a single runtime is used as is; with
+        /// several, the one the resource's annotations select.
+        #[arg(long)]
+        params: Vec<PathBuf>,
+        /// The owning LLMService, bound as `service`.
+        #[arg(long)]
+        service: Option<PathBuf>,
+        /// The old object (UPDATE, DELETE).
+        #[arg(long)]
+        old: Option<PathBuf>,
+        /// The namespace object (for namespaceSelector and `namespaceObject`).
+        #[arg(long)]
+        namespace: Option<PathBuf>,
+        /// The admission operation.
+        #[arg(long, value_enum, default_value = "CREATE")]
+        operation: Op,
+        /// Output format.
+        #[arg(long, short = 'o', value_enum, default_value = "yaml")]
+        output: Format,
+    },
+    /// Run every hearth-test.yaml under the directories, print a table, fail on any mismatch.
+    Test {
+        /// Directories (or test files).
+        #[arg(required = true)]
+        dirs: Vec<PathBuf>,
+    },
+}
+
+fn read_object(path: &PathBuf) -> anyhow::Result<Value> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let v: Value = serde_yaml::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+    Ok(v)
+}
+
+fn main() -> ExitCode {
+    match run() {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn run() -> anyhow::Result<ExitCode> {
+    match Cli::parse().command {
+        Command::Test { dirs } => {
+            let mut rows = Vec::new();
+            for d in &dirs {
+                if !d.exists() {
+                    bail!("{} does not exist", d.display());
+                }
+                rows.extend(testfile::run_dir(d));
+            }
+            if rows.is_empty() {
+                bail!("no {} found under {:?}", testfile::TEST_FILE_NAME, dirs);
+            }
+            print!("{}", testfile::render_table(&rows));
+            Ok(if rows.iter().all(|r| r.passed()) { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+        }
+        Command::Eval { policy, resource, params, service, old, namespace, operation, output } => {
+            let mut bundle = Bundle::default();
+            for p in &policy {
+                manifest::read_path(p, &mut bundle)?;
+            }
+            let (set, errors) = PolicySet::compile(&bundle.policies);
+            for e in &errors {
+                eprintln!("load error: {e}");
+            }
+            let object = read_object(&resource)?;
+            let op = match operation {
+                Op::Create => Operation::Create,
+                Op::Update => Operation::Update,
+                Op::Delete => Operation::Delete,
+            };
+            let mut input = EvalInput::for_object(object.clone(), op);
+            if let Some(o) = &old {
+                input.old_object = Some(read_object(o)?);
+            }
+            if op == Operation::Delete {
+                input.object = None;
+            }
+            if let Some(n) = &namespace {
+                input.namespace_object = Some(read_object(n)?);
+            }
+            let mut runtimes = Bundle::default();
+            for p in &params {
+                manifest::read_path(p, &mut runtimes)?;
+            }
+            if runtimes.runtimes.len() == 1 {
+                input.params = Some(manifest::runtime_params(&runtimes.runtimes[0]));
+            } else if !runtimes.runtimes.is_empty() {
+                let sel = Selection::from_object(&object)
+                    .context("several runtimes given but the resource names neither serving.hearth.dev/runtime nor serving.hearth.dev/vendor")?;
+                input.params = Some(manifest::runtime_params(resolve_runtime(&runtimes.runtimes, &sel)?));
+            }
+            if let Some(s) = &service {
+                let mut b = Bundle::default();
+                manifest::read_path(s, &mut b)?;
+                let svc = b.services.first().context("--service holds no LLMService")?;
+                input.service = Some(serde_json::to_value(svc)?);
+            }
+            let out = set.evaluate(&input);
+            let report = json!({
+                "allowed": out.allowed(),
+                "matched": out.matched,
+                "denials": out.denials,
+                "warnings": out.warnings,
+                "auditAnnotations": out.audit_annotations,
+                "errors": out.errors,
+                "patch": out.patch,
+                "patchedObject": out.patched_object,
+                "loadErrors": errors.iter().map(ToString::to_string).collect::<Vec<_>>(),
+            });
+            match output {
+                Format::Yaml => print!("{}", serde_yaml::to_string(&report)?),
+                Format::Json => println!("{}", serde_json::to_string_pretty(&report)?),
+            }
+            Ok(if out.allowed() && errors.is_empty() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+        }
+    }
+}
