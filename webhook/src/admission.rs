@@ -169,7 +169,8 @@ fn answer(
     match (endpoint, gk) {
         (Endpoint::Validate, (GROUP, "LLMService")) => findings_response(
             base,
-            typed::<LLMService>(object).map(|svc| validate::llmservice(&svc, &snapshot.runtimes)),
+            typed::<LLMService>(object)
+                .map(|svc| validate::llmservice(&svc, snapshot.runtime_list())),
         ),
         (Endpoint::Validate, (GROUP, "InferenceRuntime")) => findings_response(
             base,

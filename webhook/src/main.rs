@@ -70,6 +70,11 @@ struct ServeArgs {
     /// Lifetime of the self-managed CA (Go duration).
     #[arg(long, default_value = "87600h", value_parser = duration)]
     ca_validity: Duration,
+    /// Files or directories of ServingPolicy manifests evaluated before the cluster's
+    /// ServingPolicies: Hearth's built-ins (`policies/builtin`, mounted by the chart) and any
+    /// policy a platform wants fixed at deploy time. Repeatable.
+    #[arg(long = "builtin-policies", value_name = "PATH")]
+    builtin_policies: Vec<PathBuf>,
     /// Largest accepted request body, in bytes.
     #[arg(long, default_value_t = Limits::default().max_body)]
     max_body_bytes: usize,
@@ -190,7 +195,23 @@ async fn run(args: ServeArgs) -> Result<()> {
         _ => bail!("choose one TLS mode: --tls-cert-file with --tls-key-file, or --self-managed"),
     };
 
-    tokio::spawn(watch::run(client, state.clone(), shutdown.clone()));
+    let mut bundle = hearth_policies::manifest::Bundle::default();
+    for p in &args.builtin_policies {
+        hearth_policies::manifest::read_path(p, &mut bundle)
+            .with_context(|| format!("reading --builtin-policies {}", p.display()))?;
+    }
+    let (_, errors) = hearth_policies::PolicySet::compile(&bundle.policies);
+    if !errors.is_empty() {
+        let msgs: Vec<String> = errors.iter().map(ToString::to_string).collect();
+        bail!("--builtin-policies do not compile: {}", msgs.join("; "));
+    }
+    tracing::info!(count = bundle.policies.len(), "built-in policies loaded");
+    tokio::spawn(watch::run(
+        client,
+        state.clone(),
+        bundle.policies.into(),
+        shutdown.clone(),
+    ));
     let listener = TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("binding {}", args.listen))?;

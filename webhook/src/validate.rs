@@ -19,6 +19,8 @@ use hearth_crds::llmservice::{CacheStrategy, LLMService, ScalingMetric};
 use k8s_openapi::api::core::v1::Probe;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 
+use hearth_policies::{ResolveError, Selection, resolve_runtime};
+
 use crate::uri::{ModelUri, is_dns1123_subdomain, parse_model_uri};
 
 /// The cluster's `InferenceRuntime`s by name, as the reflector last saw them.
@@ -67,49 +69,8 @@ impl Findings {
     }
 }
 
-/// The runtime an `LLMService` would get, as the admission check sees it.
-#[derive(Debug)]
-enum Resolution<'a> {
-    Found(&'a InferenceRuntime),
-    /// Pinned by name, but no such runtime exists.
-    Missing(&'a str),
-    /// No runtime matches the vendor preference (or none exists at all).
-    NoMatch,
-}
-
-/// Pinned name first; else the first vendor in preference order that has runtimes, highest
-/// `priority` among them, ties broken by name (the public Hearth resolution order). With no
-/// selector, every runtime is a candidate.
-fn resolve<'a>(svc: &'a LLMService, runtimes: &'a Runtimes) -> Resolution<'a> {
-    let sel = &svc.spec.runtime;
-    if let Some(name) = sel.name.as_deref().filter(|n| !n.is_empty()) {
-        return match runtimes.get(name) {
-            Some(rt) => Resolution::Found(rt),
-            None => Resolution::Missing(name),
-        };
-    }
-    let vendors: &[String] = sel.selector.as_ref().map_or(&[], |s| &s.vendor);
-    let best = |pred: &dyn Fn(&InferenceRuntime) -> bool| {
-        runtimes
-            .values()
-            .filter(|rt| pred(rt))
-            // BTreeMap iterates by name, so max_by_key keeps the last of equal priorities;
-            // reverse to keep the first name instead.
-            .rev()
-            .max_by_key(|rt| rt.spec.priority)
-            .map(|rt| &**rt)
-    };
-    if vendors.is_empty() {
-        return best(&|_| true).map_or(Resolution::NoMatch, Resolution::Found);
-    }
-    vendors
-        .iter()
-        .find_map(|v| best(&|rt| &rt.spec.vendor == v))
-        .map_or(Resolution::NoMatch, Resolution::Found)
-}
-
 /// Validates an `LLMService` against the cluster's runtimes.
-pub fn llmservice(svc: &LLMService, runtimes: &Runtimes) -> Findings {
+pub fn llmservice(svc: &LLMService, runtimes: &[InferenceRuntime]) -> Findings {
     let mut f = Findings::default();
     let spec = &svc.spec;
 
@@ -178,31 +139,23 @@ pub fn llmservice(svc: &LLMService, runtimes: &Runtimes) -> Findings {
             }
         }
     }
-    let resolution = resolve(svc, runtimes);
-    match &resolution {
-        Resolution::Found(_) => {}
-        Resolution::Missing(name) => f.warn(
-            "spec.runtime.name",
-            format!(
-                "InferenceRuntime {name:?} does not exist yet; the service stays Pending until it \
-                 is created (kubectl get inferenceruntimes lists the available ones)"
-            ),
-        ),
-        Resolution::NoMatch => f.warn(
-            "spec.runtime.selector.vendor",
-            match sel.selector.as_ref().map(|s| s.vendor.join(",")) {
-                Some(v) if !v.is_empty() => format!(
-                    "no InferenceRuntime has a vendor in [{v}] yet; the service stays Pending until one is created"
-                ),
-                _ => "no InferenceRuntime exists yet; the service stays Pending until one is created".to_owned(),
-            },
-        ),
+    // The controller's rule (hearth-policies), so admission and reconcile agree.
+    let resolution = resolve_runtime(runtimes, &Selection::from_service(svc));
+    if let Err(e) = &resolution {
+        let field = match e {
+            ResolveError::NotFound { .. } => "spec.runtime.name",
+            ResolveError::NoVendorMatch { .. } => "spec.runtime.selector.vendor",
+        };
+        f.warn(
+            field,
+            format!("{e}; until then the service stays Pending (RuntimeResolved=False)"),
+        );
     }
 
     // Resources.
     if spec.resources.fraction.is_some() {
         match resolution {
-            Resolution::Found(rt) if !rt.spec.accelerator.sharing.supported => f.deny(
+            Ok(rt) if !rt.spec.accelerator.sharing.supported => f.deny(
                 "spec.resources.fraction",
                 format!(
                     "InferenceRuntime {:?} (resource {}) does not support fractional devices \
@@ -212,8 +165,8 @@ pub fn llmservice(svc: &LLMService, runtimes: &Runtimes) -> Findings {
                     rt.spec.accelerator.resource_name
                 ),
             ),
-            Resolution::Found(_) => {}
-            _ => f.warn(
+            Ok(_) => {}
+            Err(_) => f.warn(
                 "spec.resources.fraction",
                 "cannot be checked until the runtime exists; it needs a runtime with \
                  spec.accelerator.sharing.supported: true",

@@ -15,6 +15,7 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use hearth_crds::{InferenceRuntime, ServingPolicy};
+use k8s_openapi::api::core::v1::Namespace;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use kube::api::{Patch, PatchParams};
 use kube::runtime::reflector::{self, Store};
@@ -31,22 +32,32 @@ pub const FIELD_MANAGER: &str = "hearth-webhook";
 /// How long to gather changes before one rebuild.
 pub const DEBOUNCE: Duration = Duration::from_millis(100);
 
-/// Runs the reflectors and the rebuild loop until `shutdown`. `state.ready` turns true after
-/// the first snapshot built from complete lists of both kinds.
-pub async fn run(client: Client, state: AppState, mut shutdown: watch::Receiver<bool>) {
+/// Runs the reflectors and the rebuild loop until `shutdown`. Every snapshot evaluates
+/// `builtins` first, then the cluster's ServingPolicies by name. `state.ready` turns true after
+/// the first snapshot built from complete lists.
+pub async fn run(
+    client: Client,
+    state: AppState,
+    builtins: Arc<[ServingPolicy]>,
+    mut shutdown: watch::Receiver<bool>,
+) {
     let changed = Arc::new(Notify::new());
     let (runtimes, rt_task) = reflect::<InferenceRuntime>(client.clone(), changed.clone());
     let (policies, pol_task) = reflect::<ServingPolicy>(client.clone(), changed.clone());
+    // Namespace changes do not need a rebuild: reviews read the store directly.
+    let (namespaces, ns_task) = reflect::<Namespace>(client.clone(), Arc::new(Notify::new()));
     let rt_task = tokio::spawn(rt_task);
     let pol_task = tokio::spawn(pol_task);
+    let ns_task = tokio::spawn(ns_task);
 
     let ready = async {
         let _ = runtimes.wait_until_ready().await;
         let _ = policies.wait_until_ready().await;
+        let _ = namespaces.wait_until_ready().await;
     };
     tokio::select! {
         _ = ready => {}
-        _ = shutdown.changed() => { rt_task.abort(); pol_task.abort(); return; }
+        _ = shutdown.changed() => { rt_task.abort(); pol_task.abort(); ns_task.abort(); return; }
     }
     // Last good compilation of each policy, by name, with the generation it came from.
     let mut last_good: BTreeMap<String, Compiled> = BTreeMap::new();
@@ -56,8 +67,8 @@ pub async fn run(client: Client, state: AppState, mut shutdown: watch::Receiver<
         rebuild(
             &client,
             &state,
-            &runtimes,
-            &policies,
+            (&runtimes, &policies, &namespaces),
+            &builtins,
             &mut last_good,
             &mut reported,
         )
@@ -70,6 +81,7 @@ pub async fn run(client: Client, state: AppState, mut shutdown: watch::Receiver<
     }
     rt_task.abort();
     pol_task.abort();
+    ns_task.abort();
 }
 
 fn reflect<K>(
@@ -109,8 +121,12 @@ where
 async fn rebuild(
     client: &Client,
     state: &AppState,
-    runtimes: &Store<InferenceRuntime>,
-    policies: &Store<ServingPolicy>,
+    (runtimes, policies, namespaces): (
+        &Store<InferenceRuntime>,
+        &Store<ServingPolicy>,
+        &Store<Namespace>,
+    ),
+    builtins: &[ServingPolicy],
     last_good: &mut BTreeMap<String, Compiled>,
     reported: &mut BTreeMap<String, (i64, Option<String>)>,
 ) {
@@ -124,7 +140,6 @@ async fn rebuild(
     last_good.retain(|name, _| present.contains(name));
     reported.retain(|name, _| present.contains(name));
 
-    let mut failures = Vec::new();
     for p in &pols {
         let name = p.name_any();
         let generation = p.metadata.generation.unwrap_or_default();
@@ -148,12 +163,16 @@ async fn rebuild(
                     })
                     .inc();
                 tracing::warn!(policy = %name, generation, error = %e, "ServingPolicy does not compile; its last good version (if any) keeps serving");
-                report(client, reported, p, Some(e.clone())).await;
-                failures.push((name, e));
+                report(client, reported, p, Some(e)).await;
             }
         }
     }
-    let snapshot = Snapshot::new(rts, last_good.values().cloned().collect());
+    let all: Vec<ServingPolicy> = builtins
+        .iter()
+        .cloned()
+        .chain(last_good.values().map(|c| (*c.policy).clone()))
+        .collect();
+    let snapshot = Snapshot::new(rts, &all, Some(namespaces.clone()));
     state.metrics.policies.set(last_good.len() as i64);
     state.metrics.runtimes.set(snapshot.runtimes.len() as i64);
     state.metrics.rebuilds.inc();

@@ -1,37 +1,58 @@
 //! Workloads that opted in to Hearth: Deployments, StatefulSets and Pods carrying
 //! `serving.hearth.dev/runtime: <name>` or `serving.hearth.dev/vendor: a,b` (annotation or
-//! label). The runtime is resolved, then the compiled policies run with it bound as `params`:
-//! mutations on `/mutate`, validations on `/validate`.
+//! label). The runtime is resolved by `hearth-policies` (the rule the controller uses too), then
+//! the compiled built-in and platform policies run with it bound as `params`:
+//!
+//! - `/mutate` answers with the policies' JSON Patch (empty on a second pass: the built-ins are
+//!   idempotent, so reinvocation changes nothing) and denies what the validations deny, so the
+//!   user hears about it at once.
+//! - `/validate` re-runs the validations on the object as it will be stored (after every
+//!   mutating webhook) and returns warnings (`Warn`) and audit annotations (`Audit`,
+//!   `auditAnnotations`).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
+use hearth_crds::servingpolicy::{Operation as PolicyOperation, StatusReason};
 use hearth_crds::wellknown::{RUNTIME_ANNOTATION, VENDOR_ANNOTATION};
 use hearth_crds::{InferenceRuntime, ServingPolicy};
-use kube::core::DynamicObject;
-use kube::core::admission::{AdmissionRequest, AdmissionResponse};
+use hearth_policies::{
+    EvalInput, GroupVersionKind, GroupVersionResource, PolicySet, RequestInfo, Selection, UserInfo,
+    resolve_runtime,
+};
+use k8s_openapi::api::core::v1::Namespace;
+use kube::core::admission::{AdmissionRequest, AdmissionResponse, Operation};
+use kube::core::{DynamicObject, Status};
+use kube::runtime::reflector::{ObjectRef, Store};
 
-use crate::admission::{Endpoint, Outcome, deny};
+use crate::admission::{Endpoint, Outcome, deny, with_warnings};
 use crate::validate::{Finding, Runtimes};
 
-/// One compiled `ServingPolicy`, with the identity of the version it was compiled from.
+/// One platform `ServingPolicy` that compiled, kept with the identity of that version so a
+/// later broken edit can fall back to it.
 #[derive(Clone, Debug)]
 pub struct Compiled {
-    /// Policy name.
-    pub name: String,
     /// `metadata.uid` of the compiled object.
     pub uid: Option<String>,
     /// `metadata.generation` of the compiled object.
     pub generation: i64,
-    /// The policy as compiled.
+    /// The policy object as it compiled.
     pub policy: Arc<ServingPolicy>,
 }
 
 impl Compiled {
-    /// Compiles a policy. The error names the field and says what is wrong.
+    /// Compiles one policy on its own. The error names the policy, the field and the position
+    /// in the expression (from `hearth-policies`).
     pub fn compile(p: &ServingPolicy) -> Result<Self, String> {
+        let (_, errors) = PolicySet::compile(std::slice::from_ref(p));
+        if !errors.is_empty() {
+            return Err(errors
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join("; "));
+        }
         Ok(Self {
-            name: p.metadata.name.clone().unwrap_or_default(),
             uid: p.metadata.uid.clone(),
             generation: p.metadata.generation.unwrap_or_default(),
             policy: Arc::new(p.clone()),
@@ -40,86 +61,214 @@ impl Compiled {
 }
 
 /// What reviews are answered with: the cluster's runtimes and the compiled policies, replaced
-/// as a whole when either changes.
-#[derive(Clone, Debug, Default)]
+/// as a whole when either changes (an `Arc` swap; reviews in flight keep theirs).
+#[derive(Clone, Debug)]
 pub struct Snapshot {
     /// InferenceRuntimes by name.
     pub runtimes: Runtimes,
-    /// Platform policies that compiled (last good version of each).
-    pub policies: Vec<Compiled>,
+    runtime_list: Vec<InferenceRuntime>,
+    /// Built-in policies, then the platform policies (last good version of each), compiled.
+    pub policies: PolicySet,
+    /// Namespaces, for policies' `namespaceSelector` and `namespaceObject`; `None` offline.
+    pub namespaces: Option<Store<Namespace>>,
+}
+
+impl Default for Snapshot {
+    fn default() -> Self {
+        Self::new(Runtimes::new(), &[], None)
+    }
 }
 
 impl Snapshot {
-    /// A snapshot of `runtimes` and `policies`.
-    pub fn new(runtimes: Runtimes, policies: Vec<Compiled>) -> Self {
-        Self { runtimes, policies }
+    /// Compiles `policies` in order — the built-ins first, then the platform policies (each of
+    /// which already compiled on its own, see [`Compiled::compile`]) — over `runtimes`.
+    pub fn new(
+        runtimes: Runtimes,
+        policies: &[ServingPolicy],
+        namespaces: Option<Store<Namespace>>,
+    ) -> Self {
+        let (policies, errors) = PolicySet::compile(policies);
+        for e in errors {
+            // Platform policies were compiled one by one before; a broken built-in (a
+            // packaging error) is left out and logged.
+            tracing::error!(error = %e, "policy left out of the set");
+        }
+        Self {
+            runtime_list: runtimes.values().map(|r| (**r).clone()).collect(),
+            runtimes,
+            policies,
+            namespaces,
+        }
     }
 
-    /// A snapshot of runtimes only.
+    /// A snapshot of `runtimes` and `policies` (in evaluation order), without a cluster.
+    pub fn offline(
+        runtimes: impl IntoIterator<Item = InferenceRuntime>,
+        policies: &[ServingPolicy],
+    ) -> Self {
+        let runtimes = runtimes
+            .into_iter()
+            .map(|rt| (rt.metadata.name.clone().unwrap_or_default(), Arc::new(rt)))
+            .collect();
+        Self::new(runtimes, policies, None)
+    }
+
+    /// A snapshot of `runtimes` without policies.
     pub fn with_runtimes(runtimes: impl IntoIterator<Item = InferenceRuntime>) -> Self {
-        Self {
-            runtimes: runtimes
-                .into_iter()
-                .map(|rt| (rt.metadata.name.clone().unwrap_or_default(), Arc::new(rt)))
-                .collect(),
-            policies: Vec::new(),
-        }
+        Self::offline(runtimes, &[])
+    }
+
+    /// The runtimes as a slice, in name order.
+    pub fn runtime_list(&self) -> &[InferenceRuntime] {
+        &self.runtime_list
     }
 }
 
-/// Hearth's keys on a workload: annotation first, then label.
-fn opt_in(object: &DynamicObject) -> (Option<&str>, Option<&str>) {
-    fn from<'a>(m: &'a Option<BTreeMap<String, String>>, key: &str) -> Option<&'a str> {
-        m.as_ref().and_then(|m| m.get(key)).map(String::as_str)
-    }
-    let get = |key: &str| {
-        from(&object.metadata.annotations, key).or_else(|| from(&object.metadata.labels, key))
+fn selection_field(sel: &Selection, object: &DynamicObject) -> String {
+    let key = match sel {
+        Selection::Pinned(_) => RUNTIME_ANNOTATION,
+        Selection::Vendors(_) => VENDOR_ANNOTATION,
     };
-    (get(RUNTIME_ANNOTATION), get(VENDOR_ANNOTATION))
+    let in_annotations = object
+        .metadata
+        .annotations
+        .as_ref()
+        .is_some_and(|a| a.contains_key(key));
+    let map = if in_annotations {
+        "annotations"
+    } else {
+        "labels"
+    };
+    format!("metadata.{map}[{key:?}]")
+}
+
+fn request_info(req: &AdmissionRequest<DynamicObject>) -> RequestInfo {
+    RequestInfo {
+        operation: match req.operation {
+            Operation::Create => PolicyOperation::Create,
+            Operation::Update => PolicyOperation::Update,
+            Operation::Delete => PolicyOperation::Delete,
+            Operation::Connect => PolicyOperation::Connect,
+        },
+        kind: GroupVersionKind {
+            group: req.kind.group.clone(),
+            version: req.kind.version.clone(),
+            kind: req.kind.kind.clone(),
+        },
+        resource: GroupVersionResource {
+            group: req.resource.group.clone(),
+            version: req.resource.version.clone(),
+            resource: req.resource.resource.clone(),
+        },
+        sub_resource: req.sub_resource.clone().unwrap_or_default(),
+        name: req.name.clone(),
+        namespace: req.namespace.clone().unwrap_or_default(),
+        user_info: UserInfo {
+            username: req.user_info.username.clone().unwrap_or_default(),
+            uid: req.user_info.uid.clone().unwrap_or_default(),
+            groups: req.user_info.groups.clone().unwrap_or_default(),
+            extra: req
+                .user_info
+                .extra
+                .clone()
+                .unwrap_or_default()
+                .into_iter()
+                .collect::<BTreeMap<_, _>>(),
+        },
+        dry_run: req.dry_run,
+    }
+}
+
+/// HTTP code of a `metav1.StatusReason`.
+fn reason_code(r: StatusReason) -> (u16, &'static str) {
+    match r {
+        StatusReason::Unauthorized => (401, "Unauthorized"),
+        StatusReason::Forbidden => (403, "Forbidden"),
+        StatusReason::Invalid => (422, "Invalid"),
+        StatusReason::RequestEntityTooLarge => (413, "RequestEntityTooLarge"),
+    }
 }
 
 /// Answers a review of a Deployment, StatefulSet or Pod.
 pub(crate) fn review(
     endpoint: Endpoint,
-    _req: &AdmissionRequest<DynamicObject>,
+    req: &AdmissionRequest<DynamicObject>,
     object: &DynamicObject,
     snapshot: &Snapshot,
     base: AdmissionResponse,
 ) -> (AdmissionResponse, Outcome) {
-    let (runtime, vendor) = opt_in(object);
-    let resolved = match (runtime, vendor) {
-        (Some(name), _) => snapshot.runtimes.get(name.trim()).ok_or_else(|| Finding {
-            field: format!("metadata.annotations[{RUNTIME_ANNOTATION:?}]"),
-            message: format!(
-                "InferenceRuntime {name:?} does not exist; name an existing one (kubectl get inferenceruntimes) or remove the annotation"
-            ),
-        }),
-        (None, Some(vendors)) => vendors
-            .split(',')
-            .map(str::trim)
-            .filter(|v| !v.is_empty())
-            .find_map(|v| {
-                snapshot
-                    .runtimes
-                    .values()
-                    .rev()
-                    .filter(|rt| rt.spec.vendor == v)
-                    .max_by_key(|rt| rt.spec.priority)
-            })
-            .ok_or_else(|| Finding {
-                field: format!("metadata.annotations[{VENDOR_ANNOTATION:?}]"),
-                message: format!(
-                    "no InferenceRuntime has a vendor in [{vendors}]; create one or change the list"
-                ),
-            }),
-        // Not opted in: the matchConditions normally keep these away.
-        (None, None) => return (base, Outcome::Skipped),
+    let object_json = match serde_json::to_value(object) {
+        Ok(v) => v,
+        Err(e) => {
+            let f = Finding {
+                field: "object".to_owned(),
+                message: e.to_string(),
+            };
+            return (deny(base, vec![f]), Outcome::Denied);
+        }
     };
-    match resolved {
-        Err(f) => (deny(base, vec![f]), Outcome::Denied),
-        Ok(_rt) => {
-            let _ = endpoint;
-            (base, Outcome::Allowed)
+    // Not opted in: the matchConditions normally keep these away.
+    let Some(selection) = Selection::from_object(&object_json) else {
+        return (base, Outcome::Skipped);
+    };
+    let runtime = match resolve_runtime(snapshot.runtime_list(), &selection) {
+        Ok(rt) => rt,
+        Err(e) => {
+            let f = Finding {
+                field: selection_field(&selection, object),
+                message: e.to_string(),
+            };
+            return (deny(base, vec![f]), Outcome::Denied);
+        }
+    };
+    let namespace_object = match (&snapshot.namespaces, &req.namespace) {
+        (Some(store), Some(ns)) => store
+            .get(&ObjectRef::new(ns))
+            .and_then(|n| serde_json::to_value(&*n).ok()),
+        _ => None,
+    };
+    let input = EvalInput {
+        request: request_info(req),
+        object: Some(object_json),
+        old_object: req
+            .old_object
+            .as_ref()
+            .and_then(|o| serde_json::to_value(o).ok()),
+        namespace_object,
+        params: Some(hearth_policies::manifest::runtime_params(runtime)),
+        service: None,
+    };
+    let out = snapshot.policies.evaluate(&input);
+    if !out.allowed() {
+        let mut resp = base;
+        resp.allowed = false;
+        let (code, reason) = out
+            .denials
+            .first()
+            .map_or((403, "Forbidden"), |d| reason_code(d.reason));
+        resp.result = Status::failure(&out.rejection_messages().join("; "), reason).with_code(code);
+        return (resp, Outcome::Denied);
+    }
+    match endpoint {
+        Endpoint::Mutate => {
+            if out.patch.0.is_empty() {
+                return (base, Outcome::Allowed);
+            }
+            match base.clone().with_patch(out.patch) {
+                Ok(resp) => (resp, Outcome::Patched),
+                Err(e) => {
+                    let f = Finding {
+                        field: "patch".to_owned(),
+                        message: e.to_string(),
+                    };
+                    (deny(base, vec![f]), Outcome::Denied)
+                }
+            }
+        }
+        Endpoint::Validate => {
+            let mut resp = with_warnings(base, out.warnings);
+            resp.audit_annotations.extend(out.audit_annotations);
+            (resp, Outcome::Allowed)
         }
     }
 }

@@ -12,7 +12,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use hearth_crds::{InferenceRuntime, LLMService};
+use hearth_crds::{InferenceRuntime, LLMService, ServingPolicy};
 use hearth_test_support::{Cluster, Observed, TestNamespace, wait_until};
 use hearth_webhook::registration::{Registration, Target};
 use hearth_webhook::selfmanaged::{SelfManaged, SelfManagedConfig};
@@ -48,6 +48,44 @@ fn upstream(kind: &str) -> Vec<Value> {
         .collect()
 }
 
+/// Hearth's built-in policies, as the chart mounts them (`policies/builtin`).
+fn builtin_policies() -> Result<Vec<ServingPolicy>> {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../policies/builtin");
+    let mut bundle = hearth_policies::manifest::Bundle::default();
+    // Git keeps no empty directory: no built-ins yet is an empty set.
+    if dir.is_dir() {
+        hearth_policies::manifest::read_path(&dir, &mut bundle)?;
+    }
+    Ok(bundle.policies)
+}
+
+/// Deletes cluster-scoped ServingPolicies made by a test when it ends, also on failure.
+struct PolicyGuard {
+    client: Client,
+    names: Vec<String>,
+}
+
+impl Drop for PolicyGuard {
+    fn drop(&mut self) {
+        let client = self.client.clone();
+        let names = std::mem::take(&mut self.names);
+        let _ = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .ok()?;
+            rt.block_on(async {
+                let api: Api<ServingPolicy> = Api::all(client);
+                for n in names {
+                    let _ = api.delete(&n, &DeleteParams::default()).await;
+                }
+            });
+            Some(())
+        })
+        .join();
+    }
+}
+
 /// The webhook serving in this process and registered with the cluster.
 struct Webhook {
     state: AppState,
@@ -58,6 +96,7 @@ struct Webhook {
 
 impl Webhook {
     async fn start(cluster: &Cluster, ns: &TestNamespace, cert_validity: Duration) -> Result<Self> {
+        let builtins = builtin_policies()?;
         let client = cluster.client();
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let port = listener.local_addr()?.port();
@@ -121,6 +160,7 @@ impl Webhook {
         tokio::spawn(watch::run(
             client.clone(),
             hook.state.clone(),
+            builtins.into(),
             shutdown_rx.clone(),
         ));
         tokio::spawn(serve(
@@ -426,6 +466,227 @@ async fn certificate_rotation_under_a_request_loop_loses_none() -> Result<()> {
         failures.is_empty(),
         "{} of {sent} requests failed: {failures:#?}",
         failures.len()
+    );
+    Ok(())
+}
+
+/// A ServingPolicy that only this test's namespace sees.
+fn scoped_policy(name: &str, ns: &str, spec: Value) -> Result<ServingPolicy> {
+    let mut spec = spec;
+    spec["matchConstraints"] = json!({
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": ns}}
+    });
+    Ok(serde_json::from_value(json!({
+        "apiVersion": "serving.hearth.dev/v1alpha1",
+        "kind": "ServingPolicy",
+        "metadata": {"name": name},
+        "spec": spec,
+    }))?)
+}
+
+fn label_policy(expression: &str) -> Value {
+    json!({"mutations": [{"patchType": "ApplyConfiguration", "applyConfiguration": {"expression": expression}}]})
+}
+
+async fn ready_condition(api: &Api<ServingPolicy>, name: &str) -> Result<Option<(String, String)>> {
+    let p = api.get(name).await?;
+    Ok(p.status
+        .and_then(|s| s.conditions.into_iter().find(|c| c.type_ == "Ready"))
+        .map(|c| (c.status, c.message)))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn annotated_deployment_is_mutated_and_policy_changes_take_effect() -> Result<()> {
+    let (ns, hook) = setup("webhook-mutate", Duration::from_secs(3600)).await?;
+    let client = ns.client();
+    let runtimes: Api<InferenceRuntime> = Api::all(client.clone());
+    // The runtime is shared cluster-wide; make sure it exists (server-side apply, same content).
+    let a10 = upstream("InferenceRuntime")
+        .into_iter()
+        .find(|r| r["metadata"]["name"] == "vllm-nvidia-a10")
+        .unwrap();
+    if runtimes.get_opt("vllm-nvidia-a10").await?.is_none() {
+        let rt: InferenceRuntime = serde_json::from_value(a10)?;
+        runtimes
+            .patch(
+                "vllm-nvidia-a10",
+                &PatchParams::apply("hearth-webhook-test"),
+                &Patch::Apply(&rt),
+            )
+            .await?;
+    }
+    let policies: Api<ServingPolicy> = Api::all(client.clone());
+    let label_name = format!("{}-vendor-label", ns.name());
+    let broken_name = format!("{}-broken", ns.name());
+    let _guard = PolicyGuard {
+        client: client.clone(),
+        names: vec![label_name.clone(), broken_name.clone()],
+    };
+
+    let deployments: Api<Deployment> = ns.api();
+    let manifest: Deployment = serde_json::from_value(json!({
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": {"name": "qwen", "annotations": {"serving.hearth.dev/runtime": "vllm-nvidia-a10"}},
+        "spec": {"replicas": 0, "selector": {"matchLabels": {"app": "qwen"}},
+                 "template": {"metadata": {"labels": {"app": "qwen"}},
+                              "spec": {"containers": [{"name": "vllm", "image": "vllm/vllm-openai:v0.25.1",
+                                                       "args": ["Qwen/Qwen2.5-7B-Instruct"]}]}}}
+    }))?;
+
+    // A ServingPolicy created now takes effect without a restart.
+    let created = Instant::now();
+    policies
+        .create(
+            &PostParams::default(),
+            &scoped_policy(
+                &label_name,
+                ns.name(),
+                label_policy("Object{metadata: Object.metadata{labels: {'platform.example.com/vendor': params.spec.vendor}}}"),
+            )?,
+        )
+        .await?;
+    // Poll tightly (not wait_until's 250 ms) so the printed latency means something.
+    let effective = loop {
+        let out = deployments.create(&dry_run(), &manifest).await?;
+        let labels = out.metadata.labels.unwrap_or_default();
+        if labels
+            .get("platform.example.com/vendor")
+            .map(String::as_str)
+            == Some("nvidia")
+        {
+            break created.elapsed();
+        }
+        if created.elapsed() > Duration::from_secs(30) {
+            bail!("the new ServingPolicy had no effect within 30 s; labels {labels:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    eprintln!("new ServingPolicy effective after {effective:?} (create to first mutated review)");
+
+    // The stored object carries the mutation; applying the same manifest again changes nothing.
+    let pp = PatchParams::apply("hearth-webhook-test");
+    let first = deployments
+        .patch("qwen", &pp, &Patch::Apply(&manifest))
+        .await?;
+    assert_eq!(
+        first
+            .metadata
+            .labels
+            .as_ref()
+            .and_then(|l| l.get("platform.example.com/vendor"))
+            .map(String::as_str),
+        Some("nvidia")
+    );
+    // The deployment controller writes status and its revision annotation meanwhile, so compare
+    // what the user and the webhook own: generation (bumped by any spec change), spec, labels,
+    // annotations.
+    let before = deployments.get("qwen").await?;
+    let again = deployments
+        .patch("qwen", &pp, &Patch::Apply(&manifest))
+        .await?;
+    assert_eq!(
+        again.metadata.generation, before.metadata.generation,
+        "re-apply changed the spec"
+    );
+    assert_eq!(again.spec, before.spec);
+    assert_eq!(again.metadata.labels, before.metadata.labels);
+    let ours = |d: &Deployment| {
+        d.metadata
+            .annotations
+            .clone()
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|(k, _)| !k.starts_with("deployment.kubernetes.io/"))
+            .collect::<BTreeMap<_, _>>()
+    };
+    assert_eq!(ours(&again), ours(&before));
+    assert!(hook.reviews("Deployment") >= 2);
+
+    // A policy that does not compile is reported on its status and does not disturb the rest.
+    policies
+        .create(
+            &PostParams::default(),
+            &scoped_policy(&broken_name, ns.name(), label_policy("Object{metadata: "))?,
+        )
+        .await?;
+    let api = policies.clone();
+    let name = broken_name.clone();
+    let (status, message) = wait_until(
+        "Ready=False on the broken policy",
+        Duration::from_secs(30),
+        || {
+            let api = api.clone();
+            let name = name.clone();
+            async move {
+                Ok(match ready_condition(&api, &name).await? {
+                    Some((s, m)) if s == "False" => Observed::Ready((s, m)),
+                    other => Observed::NotYet(format!("{other:?}")),
+                })
+            }
+        },
+    )
+    .await?;
+    assert_eq!(status, "False");
+    assert!(
+        message.contains("spec.mutations[0].applyConfiguration.expression"),
+        "{message}"
+    );
+    assert!(
+        hook.state
+            .metrics
+            .encode()
+            .contains(&format!("policy=\"{broken_name}\""))
+    );
+    assert_eq!(
+        ready_condition(&policies, &label_name)
+            .await?
+            .map(|c| c.0)
+            .as_deref(),
+        Some("True")
+    );
+
+    // Breaking the good policy keeps its last good version serving.
+    let mut edited = policies.get(&label_name).await?;
+    edited.spec.mutations[0]
+        .apply_configuration
+        .as_mut()
+        .unwrap()
+        .expression = "Object{".to_owned();
+    policies
+        .replace(&label_name, &PostParams::default(), &edited)
+        .await?;
+    let api = policies.clone();
+    let name = label_name.clone();
+    wait_until(
+        "Ready=False on the edited policy",
+        Duration::from_secs(30),
+        || {
+            let api = api.clone();
+            let name = name.clone();
+            async move {
+                Ok(match ready_condition(&api, &name).await? {
+                    Some((s, _)) if s == "False" => Observed::Ready(()),
+                    other => Observed::NotYet(format!("{other:?}")),
+                })
+            }
+        },
+    )
+    .await?;
+    let out = deployments.create(&dry_run(), &serde_json::from_value::<Deployment>(json!({
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": {"name": "qwen-2", "annotations": {"serving.hearth.dev/runtime": "vllm-nvidia-a10"}},
+        "spec": {"replicas": 0, "selector": {"matchLabels": {"app": "q2"}},
+                 "template": {"metadata": {"labels": {"app": "q2"}},
+                              "spec": {"containers": [{"name": "vllm", "image": "vllm/vllm-openai:v0.25.1"}]}}}
+    }))?).await?;
+    assert_eq!(
+        out.metadata
+            .labels
+            .unwrap_or_default()
+            .get("platform.example.com/vendor")
+            .map(String::as_str),
+        Some("nvidia"),
+        "the last good version of the edited policy still applies"
     );
     Ok(())
 }

@@ -191,8 +191,8 @@ async fn invalid_llmservices_are_denied(
 }
 
 #[rstest]
-#[case::missing_runtime(json!({"runtime": {"name": "vllm-nowhere"}}), "spec.runtime.name: InferenceRuntime \"vllm-nowhere\" does not exist yet")]
-#[case::no_vendor(json!({"runtime": {"name": null, "selector": {"vendor": ["cambricon"]}}}), "no InferenceRuntime has a vendor in [cambricon]")]
+#[case::missing_runtime(json!({"runtime": {"name": "vllm-nowhere"}}), "spec.runtime.name: InferenceRuntime \"vllm-nowhere\" does not exist; available: [vllm-ascend, vllm-nvidia-a10, vllm-stub]")]
+#[case::no_vendor(json!({"runtime": {"name": null, "selector": {"vendor": ["cambricon"]}}}), "no InferenceRuntime has vendor cambricon; runtimes exist for [ascend, nvidia]")]
 #[case::fraction_unknown(json!({"runtime": {"name": "vllm-nowhere"}, "resources": {"fraction": {"cores": 50}}}), "spec.resources.fraction: cannot be checked until the runtime exists")]
 #[case::pinned_and_selector(json!({"runtime": {"selector": {"vendor": ["nvidia"]}}}), "spec.runtime.selector: is ignored")]
 #[case::prewarm_none(json!({"cache": {"strategy": "None", "prewarm": true}}), "spec.cache.prewarm: is ignored with strategy None")]

@@ -1,0 +1,261 @@
+//! Opted-in workloads through the router in-process: runtime resolution, the built-in and
+//! platform policies' patch (applied with json-patch, then re-reviewed: the second patch is
+//! empty), denials, warnings and audit annotations.
+
+use std::path::PathBuf;
+
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use hearth_crds::{InferenceRuntime, ServingPolicy};
+use hearth_webhook::{AppState, Limits, Snapshot, router};
+use http_body_util::BodyExt;
+use serde_json::{Value, json};
+use tower::ServiceExt;
+
+fn upstream_runtimes() -> Vec<InferenceRuntime> {
+    let dir = std::env::var_os("HEARTH_UPSTREAM_EXAMPLES")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/examples/upstream")
+        });
+    let mut paths: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap_or_else(|e| panic!("upstream examples at {}: {e}", dir.display()))
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.to_string_lossy().ends_with("inferenceruntime.yaml"))
+        .collect();
+    paths.sort();
+    paths
+        .into_iter()
+        .map(|p| serde_yaml::from_str(&std::fs::read_to_string(p).unwrap()).unwrap())
+        .collect()
+}
+
+fn policy(name: &str, spec: Value) -> ServingPolicy {
+    serde_json::from_value(json!({
+        "apiVersion": "serving.hearth.dev/v1alpha1",
+        "kind": "ServingPolicy",
+        "metadata": {"name": name},
+        "spec": spec,
+    }))
+    .unwrap()
+}
+
+/// Platform policies of the kind a team writes: a team label from the runtime's vendor, a
+/// warning, an audit annotation, and a denial.
+fn platform() -> Vec<ServingPolicy> {
+    vec![
+        policy(
+            "vendor-label",
+            json!({"mutations": [{"patchType": "ApplyConfiguration", "applyConfiguration": {"expression":
+                "Object{metadata: Object.metadata{labels: {'platform.example.com/vendor': params.spec.vendor}}}"}}]}),
+        ),
+        policy(
+            "replicas-warning",
+            json!({"validationActions": ["Warn"],
+                   "validations": [{"expression": "!has(object.spec.replicas) || object.spec.replicas <= 4",
+                                    "message": "more than 4 replicas of a model needs a capacity review"}]}),
+        ),
+        policy(
+            "audit-runtime",
+            json!({"auditAnnotations": [{"key": "runtime", "valueExpression": "params.metadata.name"}]}),
+        ),
+        policy(
+            "no-latest",
+            json!({"validations": [{"expression":
+                "object.kind != 'Deployment' || object.spec.template.spec.containers.all(c, !c.image.endsWith(':latest'))",
+                "message": "pin the serving image to a version, not :latest", "reason": "Invalid"}]}),
+        ),
+    ]
+}
+
+fn app() -> axum::Router {
+    router(AppState::new(
+        Snapshot::offline(upstream_runtimes(), &platform()),
+        Limits::default(),
+    ))
+}
+
+fn deployment(annotations: Value, image: &str, replicas: i64) -> Value {
+    json!({
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": {"name": "qwen", "namespace": "team-a", "annotations": annotations},
+        "spec": {"replicas": replicas, "selector": {"matchLabels": {"app": "qwen"}},
+                 "template": {"metadata": {"labels": {"app": "qwen"}},
+                              "spec": {"containers": [{"name": "vllm", "image": image,
+                                                       "args": ["Qwen/Qwen2.5-7B-Instruct"]}]}}}
+    })
+}
+
+fn review(object: &Value, operation: &str) -> Value {
+    let kind = object["kind"].as_str().unwrap();
+    let (group, resource) = match kind {
+        "Deployment" => ("apps", "deployments"),
+        "StatefulSet" => ("apps", "statefulsets"),
+        _ => ("", "pods"),
+    };
+    let version = "v1";
+    json!({
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": {
+            "uid": "3f7c4a1e-0000-4000-8000-000000000001",
+            "kind": {"group": group, "version": version, "kind": kind},
+            "resource": {"group": group, "version": version, "resource": resource},
+            "name": object["metadata"]["name"],
+            "namespace": "team-a",
+            "operation": operation,
+            "userInfo": {"username": "alice"},
+            "object": object,
+            "oldObject": if operation == "UPDATE" { object.clone() } else { Value::Null },
+            "dryRun": false,
+        }
+    })
+}
+
+async fn post(path: &str, review: &Value) -> Value {
+    let req = Request::post(path)
+        .header("content-type", "application/json")
+        .body(Body::from(review.to_string()))
+        .unwrap();
+    let resp = app().oneshot(req).await.unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    let v: Value =
+        serde_json::from_slice(&resp.into_body().collect().await.unwrap().to_bytes()).unwrap();
+    assert_eq!(v["response"]["uid"], review["request"]["uid"]);
+    let r = &v["response"];
+    assert_eq!(
+        r.get("patchType").is_some(),
+        r.get("patch").is_some(),
+        "{r}"
+    );
+    v
+}
+
+/// Applies the response's patch to `object`; `None` when the response has no patch.
+fn apply(object: &Value, response: &Value) -> Option<Value> {
+    // kube-core encodes the patch bytes as a JSON array of numbers, which the apiserver's
+    // decoder accepts for a []byte as well as base64.
+    let patch = response["response"]["patch"].as_array()?;
+    assert_eq!(response["response"]["patchType"], "JSONPatch");
+    let bytes: Vec<u8> = patch.iter().map(|b| b.as_u64().unwrap() as u8).collect();
+    let patch: json_patch::Patch = serde_json::from_slice(&bytes).unwrap();
+    assert!(!patch.0.is_empty(), "an empty patch must be left out");
+    let mut out = object.clone();
+    json_patch::patch(&mut out, &patch).unwrap();
+    Some(out)
+}
+
+#[tokio::test]
+async fn annotated_deployment_is_mutated_and_a_second_pass_changes_nothing() {
+    for annotations in [
+        json!({"serving.hearth.dev/runtime": "vllm-nvidia-a10"}),
+        json!({"serving.hearth.dev/vendor": "cambricon, nvidia"}),
+    ] {
+        let dep = deployment(annotations.clone(), "vllm/vllm-openai:v0.25.1", 1);
+        let v = post("/mutate", &review(&dep, "CREATE")).await;
+        assert_eq!(v["response"]["allowed"], true, "{v}");
+        let mutated = apply(&dep, &v).expect("a patch");
+        assert_eq!(
+            mutated["metadata"]["labels"]["platform.example.com/vendor"], "nvidia",
+            "{annotations}: {mutated}"
+        );
+        // Reinvocation and re-apply: the mutated object needs nothing more.
+        for op in ["CREATE", "UPDATE"] {
+            let again = post("/mutate", &review(&mutated, op)).await;
+            assert_eq!(again["response"]["allowed"], true);
+            assert!(
+                apply(&mutated, &again).is_none(),
+                "{op}: second patch {again}"
+            );
+        }
+    }
+}
+
+#[tokio::test]
+async fn validate_returns_warnings_and_audit_annotations() {
+    let dep = deployment(
+        json!({"serving.hearth.dev/runtime": "vllm-ascend"}),
+        "quay.io/ascend/vllm-ascend:v0.21.0rc1",
+        8,
+    );
+    let v = post("/validate", &review(&dep, "CREATE")).await;
+    let r = &v["response"];
+    assert_eq!(r["allowed"], true, "{v}");
+    assert!(
+        r["warnings"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|w| w.as_str().unwrap().contains("capacity review")),
+        "{r}"
+    );
+    assert_eq!(
+        r["auditAnnotations"]["audit-runtime/runtime"], "vllm-ascend",
+        "{r}"
+    );
+    // The mutating endpoint does not repeat them.
+    let m = post("/mutate", &review(&dep, "CREATE")).await;
+    assert!(m["response"].get("warnings").is_none());
+}
+
+#[tokio::test]
+async fn platform_denials_carry_their_reason_on_both_endpoints() {
+    let dep = deployment(
+        json!({"serving.hearth.dev/runtime": "vllm-nvidia-a10"}),
+        "vllm/vllm-openai:latest",
+        1,
+    );
+    for path in ["/mutate", "/validate"] {
+        let v = post(path, &review(&dep, "CREATE")).await;
+        let r = &v["response"];
+        assert_eq!(r["allowed"], false, "{v}");
+        assert_eq!(r["status"]["code"], 422);
+        assert!(
+            r["status"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("ServingPolicy 'no-latest' denied the request: pin the serving image"),
+            "{r}"
+        );
+        assert!(r.get("patch").is_none());
+    }
+}
+
+#[tokio::test]
+async fn unresolvable_selection_is_denied_naming_the_annotation() {
+    for (annotations, field, message) in [
+        (
+            json!({"serving.hearth.dev/runtime": "vllm-nowhere"}),
+            "metadata.annotations[\"serving.hearth.dev/runtime\"]",
+            "\"vllm-nowhere\" does not exist",
+        ),
+        (
+            json!({"serving.hearth.dev/vendor": "cambricon"}),
+            "metadata.annotations[\"serving.hearth.dev/vendor\"]",
+            "no InferenceRuntime has vendor cambricon",
+        ),
+    ] {
+        let dep = deployment(annotations, "vllm/vllm-openai:v0.25.1", 1);
+        let v = post("/mutate", &review(&dep, "CREATE")).await;
+        let msg = v["response"]["status"]["message"].as_str().unwrap();
+        assert_eq!(v["response"]["allowed"], false);
+        assert!(msg.starts_with(field), "{msg}");
+        assert!(msg.contains(message), "{msg}");
+    }
+}
+
+#[tokio::test]
+async fn labelled_pods_are_handled_like_annotated_ones() {
+    let pod = json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "p", "namespace": "team-a",
+                     "labels": {"serving.hearth.dev/runtime": "vllm-stub"}},
+        "spec": {"containers": [{"name": "vllm", "image": "hearth.dev/vllm-stub:e2e"}]}
+    });
+    let v = post("/mutate", &review(&pod, "CREATE")).await;
+    let mutated = apply(&pod, &v).expect("a patch");
+    assert_eq!(
+        mutated["metadata"]["labels"]["platform.example.com/vendor"],
+        "nvidia"
+    );
+}
