@@ -70,9 +70,9 @@ struct ServeArgs {
     /// Lifetime of the self-managed CA (Go duration).
     #[arg(long, default_value = "87600h", value_parser = duration)]
     ca_validity: Duration,
-    /// Files or directories of ServingPolicy manifests evaluated before the cluster's
-    /// ServingPolicies: Hearth's built-ins (`policies/builtin`, mounted by the chart) and any
-    /// policy a platform wants fixed at deploy time. Repeatable.
+    /// Files or directories of ServingPolicy manifests to evaluate before the cluster's
+    /// ServingPolicies instead of the built-ins embedded in the binary (`policies/builtin`).
+    /// Repeatable.
     #[arg(long = "builtin-policies", value_name = "PATH")]
     builtin_policies: Vec<PathBuf>,
     /// Largest accepted request body, in bytes.
@@ -199,6 +199,9 @@ async fn run(args: ServeArgs) -> Result<()> {
     for p in &args.builtin_policies {
         hearth_policies::manifest::read_path(p, &mut bundle)
             .with_context(|| format!("reading --builtin-policies {}", p.display()))?;
+    }
+    if args.builtin_policies.is_empty() {
+        bundle.policies = hearth_webhook::builtin::policies()?;
     }
     let (_, errors) = hearth_policies::PolicySet::compile(&bundle.policies);
     if !errors.is_empty() {

@@ -48,17 +48,6 @@ fn upstream(kind: &str) -> Vec<Value> {
         .collect()
 }
 
-/// Hearth's built-in policies, as the chart mounts them (`policies/builtin`).
-fn builtin_policies() -> Result<Vec<ServingPolicy>> {
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../policies/builtin");
-    let mut bundle = hearth_policies::manifest::Bundle::default();
-    // Git keeps no empty directory: no built-ins yet is an empty set.
-    if dir.is_dir() {
-        hearth_policies::manifest::read_path(&dir, &mut bundle)?;
-    }
-    Ok(bundle.policies)
-}
-
 /// Deletes cluster-scoped ServingPolicies made by a test when it ends, also on failure.
 struct PolicyGuard {
     client: Client,
@@ -96,7 +85,7 @@ struct Webhook {
 
 impl Webhook {
     async fn start(cluster: &Cluster, ns: &TestNamespace, cert_validity: Duration) -> Result<Self> {
-        let builtins = builtin_policies()?;
+        let builtins = hearth_webhook::builtin::policies()?;
         let client = cluster.client();
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let port = listener.local_addr()?.port();
@@ -563,7 +552,8 @@ async fn annotated_deployment_is_mutated_and_policy_changes_take_effect() -> Res
     };
     eprintln!("new ServingPolicy effective after {effective:?} (create to first mutated review)");
 
-    // The stored object carries the mutation; applying the same manifest again changes nothing.
+    // The stored object carries the built-ins' and the platform policy's mutations; applying
+    // the same manifest again changes nothing.
     let pp = PatchParams::apply("hearth-webhook-test");
     let first = deployments
         .patch("qwen", &pp, &Patch::Apply(&manifest))
@@ -576,6 +566,32 @@ async fn annotated_deployment_is_mutated_and_policy_changes_take_effect() -> Res
             .and_then(|l| l.get("platform.example.com/vendor"))
             .map(String::as_str),
         Some("nvidia")
+    );
+    let pod = first.spec.as_ref().unwrap().template.spec.as_ref().unwrap();
+    let c = &pod.containers[0];
+    let limits = c
+        .resources
+        .as_ref()
+        .and_then(|r| r.limits.as_ref())
+        .unwrap();
+    assert_eq!(
+        limits.get("nvidia.com/gpu").map(|q| q.0.as_str()),
+        Some("1")
+    );
+    assert!(c.startup_probe.is_some() && c.readiness_probe.is_some() && c.liveness_probe.is_some());
+    assert!(
+        c.lifecycle
+            .as_ref()
+            .and_then(|l| l.pre_stop.as_ref())
+            .is_some()
+    );
+    assert!(pod.termination_grace_period_seconds.unwrap_or_default() >= 120);
+    assert_eq!(
+        pod.node_selector
+            .as_ref()
+            .and_then(|n| n.get("nvidia.com/gpu.product"))
+            .map(String::as_str),
+        Some("NVIDIA-A10")
     );
     // The deployment controller writes status and its revision annotation meanwhile, so compare
     // what the user and the webhook own: generation (bumped by any spec change), spec, labels,

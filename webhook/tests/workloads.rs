@@ -68,9 +68,16 @@ fn platform() -> Vec<ServingPolicy> {
     ]
 }
 
+/// The built-ins, then the platform policies: the order the webhook evaluates them in.
+fn all_policies() -> Vec<ServingPolicy> {
+    let mut all = hearth_webhook::builtin::policies().unwrap();
+    all.extend(platform());
+    all
+}
+
 fn app() -> axum::Router {
     router(AppState::new(
-        Snapshot::offline(upstream_runtimes(), &platform()),
+        Snapshot::offline(upstream_runtimes(), &all_policies()),
         Limits::default(),
     ))
 }
@@ -145,6 +152,27 @@ fn apply(object: &Value, response: &Value) -> Option<Value> {
     Some(out)
 }
 
+/// What the built-ins give a Deployment on `vllm-nvidia-a10`: the accelerator request,
+/// model-load-aware probes, the preStop drain with a grace period covering it, scheduling.
+fn assert_builtins_applied(d: &Value) {
+    let pod = &d["spec"]["template"]["spec"];
+    let c = &pod["containers"][0];
+    assert_eq!(c["name"], "vllm");
+    assert_eq!(c["resources"]["limits"]["nvidia.com/gpu"], "1", "{d}");
+    assert_eq!(c["startupProbe"]["failureThreshold"], 120, "{d}");
+    assert_eq!(c["readinessProbe"]["httpGet"]["path"], "/health", "{d}");
+    assert!(c["livenessProbe"].is_object(), "{d}");
+    assert!(c["lifecycle"]["preStop"].is_object(), "{d}");
+    assert!(
+        pod["terminationGracePeriodSeconds"].as_i64().unwrap() >= 120,
+        "{d}"
+    );
+    assert_eq!(
+        pod["nodeSelector"]["nvidia.com/gpu.product"], "NVIDIA-A10",
+        "{d}"
+    );
+}
+
 #[tokio::test]
 async fn annotated_deployment_is_mutated_and_a_second_pass_changes_nothing() {
     for annotations in [
@@ -155,6 +183,7 @@ async fn annotated_deployment_is_mutated_and_a_second_pass_changes_nothing() {
         let v = post("/mutate", &review(&dep, "CREATE")).await;
         assert_eq!(v["response"]["allowed"], true, "{v}");
         let mutated = apply(&dep, &v).expect("a patch");
+        assert_builtins_applied(&mutated);
         assert_eq!(
             mutated["metadata"]["labels"]["platform.example.com/vendor"], "nvidia",
             "{annotations}: {mutated}"
