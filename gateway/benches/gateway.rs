@@ -1,1 +1,674 @@
-fn main() {}
+//! Gateway benchmarks, side by side in one run on loopback; prints markdown tables.
+//!
+//! `cargo bench -p hearth-gateway` (needs `nginx` on PATH or in /usr/sbin for the reverse-proxy
+//! baseline: `apt-get install nginx-light`; without it that row is left out).
+//!
+//! 1. Warm proxy overhead: direct to the stub, through the `hearth-gateway` binary, through
+//!    nginx, for a small JSON completion and a 64-token SSE stream: p50/p99 latency at
+//!    concurrency 1, and throughput at concurrency 32; added latency and throughput are given
+//!    relative to direct, measured in the same run.
+//! 2. Readiness to forward: a held request, the endpoint set turns ready, the stub receives the
+//!    request.
+//! 3. 10,000 held cold streaming connections with heartbeats: RSS and CPU of a process that
+//!    runs only the gateway.
+//! 4. Push activation: first cold request written → `StreamIsActive(true)` received by a tonic
+//!    client.
+//!
+//! `BENCH_QUICK=1` shrinks every sample count (for a smoke run).
+
+use std::{
+    net::SocketAddr,
+    path::PathBuf,
+    process::{Child, Command, Stdio},
+    sync::{
+        Arc,
+        atomic::{AtomicBool, AtomicU64, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+use bytes::Bytes;
+use hearth_gateway::{
+    EndpointSet, Gateway, GatewayConfig,
+    apikeys::ApiKeys,
+    scaler::pb::{ScaledObjectRef, external_scaler_client::ExternalScalerClient},
+};
+use http_body_util::{BodyExt, Full};
+use hyper::Request;
+use hyper_util::{
+    client::legacy::{Client, connect::HttpConnector},
+    rt::TokioExecutor,
+};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use vllm_stub::StubConfig;
+
+type HttpClient = Client<HttpConnector, Full<Bytes>>;
+
+const ROLE_ENV: &str = "HEARTH_BENCH_ROLE";
+
+fn quick() -> bool {
+    std::env::var_os("BENCH_QUICK").is_some()
+}
+
+fn main() {
+    // A child role: the bench re-executes itself to run only a cold gateway, so its RSS and CPU
+    // are the gateway's alone.
+    if std::env::var(ROLE_ENV).as_deref() == Ok("cold-gateway") {
+        cold_gateway_child();
+        return;
+    }
+    // `cargo bench` passes `--bench`; ignore arguments.
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(run());
+}
+
+async fn run() {
+    let host = std::process::Command::new("uname")
+        .arg("-srm")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+        .unwrap_or_default();
+    println!(
+        "# hearth-gateway benchmarks\n\nmachine: {} cores, {host}; all processes on loopback\n",
+        std::thread::available_parallelism().map_or(0, |n| n.get())
+    );
+    warm_overhead().await;
+    readiness_to_forward().await;
+    push_activation().await;
+    held_connections().await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Warm proxy overhead
+
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.0.id().to_string()])
+            .status();
+        let deadline = Instant::now() + Duration::from_secs(3);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.0.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+async fn wait_http(c: &HttpClient, url: &str) {
+    for _ in 0..500 {
+        if let Ok(r) = c
+            .request(Request::get(url).body(Full::new(Bytes::new())).unwrap())
+            .await
+            && r.status().is_success()
+        {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("{url} did not come up");
+}
+
+fn nginx_path() -> Option<PathBuf> {
+    ["/usr/sbin/nginx", "/usr/bin/nginx", "/usr/local/sbin/nginx"]
+        .iter()
+        .map(PathBuf::from)
+        .find(|p| p.exists())
+}
+
+/// Starts nginx as a reverse proxy to `upstream` with keep-alive upstream connections and no
+/// response buffering (so SSE is streamed, as through the gateway).
+fn start_nginx(upstream: SocketAddr, port: u16) -> Option<(Proc, tempdir::Dir)> {
+    let bin = nginx_path()?;
+    let dir = tempdir::Dir::new("hearth-bench-nginx");
+    let conf = format!(
+        r#"worker_processes auto;
+daemon off;
+user root;
+pid {d}/nginx.pid;
+error_log {d}/error.log warn;
+events {{ worker_connections 4096; }}
+http {{
+  access_log off;
+  client_body_temp_path {d}/body;
+  proxy_temp_path {d}/proxy;
+  fastcgi_temp_path {d}/fastcgi;
+  uwsgi_temp_path {d}/uwsgi;
+  scgi_temp_path {d}/scgi;
+  upstream stub {{ server {upstream}; keepalive 128; }}
+  server {{
+    listen 127.0.0.1:{port};
+    location / {{
+      proxy_pass http://stub;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+      proxy_buffering off;
+      proxy_request_buffering on;
+    }}
+  }}
+}}
+"#,
+        d = dir.path().display()
+    );
+    let conf_path = dir.path().join("nginx.conf");
+    std::fs::write(&conf_path, conf).unwrap();
+    let child = Command::new(bin)
+        .args(["-c", conf_path.to_str().unwrap(), "-p", dir.path().to_str().unwrap()])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .ok()?;
+    Some((Proc(child), dir))
+}
+
+mod tempdir {
+    use std::path::{Path, PathBuf};
+
+    /// A temporary directory removed on drop.
+    pub struct Dir(PathBuf);
+
+    impl Dir {
+        pub fn new(prefix: &str) -> Self {
+            let p = std::env::temp_dir().join(format!("{prefix}-{}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&p);
+            std::fs::create_dir_all(&p).unwrap();
+            Self(p)
+        }
+        pub fn path(&self) -> &Path {
+            &self.0
+        }
+    }
+
+    impl Drop for Dir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+}
+
+fn small_json() -> Bytes {
+    Bytes::from(
+        serde_json::json!({"model": "stub-svc", "max_tokens": 1, "stub_token_delay": "0s",
+            "messages": [{"role": "user", "content": "ping"}]})
+        .to_string(),
+    )
+}
+
+fn sse_64() -> Bytes {
+    Bytes::from(
+        serde_json::json!({"model": "stub-svc", "max_tokens": 64, "stub_token_delay": "0s",
+            "stream": true, "messages": [{"role": "user", "content": "ping"}]})
+        .to_string(),
+    )
+}
+
+async fn one(c: &HttpClient, url: &str, body: &Bytes) -> usize {
+    let req = Request::post(url)
+        .header("content-type", "application/json")
+        .body(Full::new(body.clone()))
+        .unwrap();
+    let resp = c.request(req).await.expect("request failed");
+    assert!(resp.status().is_success(), "{url}: {}", resp.status());
+    resp.into_body().collect().await.unwrap().to_bytes().len()
+}
+
+fn pct(sorted: &[Duration], p: f64) -> Duration {
+    if sorted.is_empty() {
+        return Duration::ZERO;
+    }
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[i]
+}
+
+fn us(d: Duration) -> String {
+    format!("{:.0}", d.as_secs_f64() * 1e6)
+}
+
+async fn throughput(c: &HttpClient, url: &str, body: &Bytes, conc: usize, dur: Duration) -> f64 {
+    let done = Arc::new(AtomicU64::new(0));
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut tasks = Vec::new();
+    for _ in 0..conc {
+        let (c, url, body, done, stop) =
+            (c.clone(), url.to_owned(), body.clone(), done.clone(), stop.clone());
+        tasks.push(tokio::spawn(async move {
+            while !stop.load(Ordering::Relaxed) {
+                one(&c, &url, &body).await;
+                done.fetch_add(1, Ordering::Relaxed);
+            }
+        }));
+    }
+    let start = Instant::now();
+    tokio::time::sleep(dur).await;
+    stop.store(true, Ordering::Relaxed);
+    let n = done.load(Ordering::Relaxed);
+    let el = start.elapsed();
+    for t in tasks {
+        let _ = t.await;
+    }
+    n as f64 / el.as_secs_f64()
+}
+
+async fn warm_overhead() {
+    let stub = vllm_stub::spawn(
+        StubConfig {
+            served_model_names: vec!["stub-svc".into()],
+            max_num_seqs: 4096,
+            ..StubConfig::default()
+        },
+        "127.0.0.1:0".parse().unwrap(),
+    )
+    .await
+    .unwrap();
+    let c: HttpClient = Client::builder(TokioExecutor::new())
+        .pool_max_idle_per_host(256)
+        .build_http();
+
+    let gw_port = free_port();
+    let _gw = Proc(
+        Command::new(env!("CARGO_BIN_EXE_hearth-gateway"))
+            .args([
+                &format!("--listen=127.0.0.1:{gw_port}"),
+                &format!("--scaler-listen=127.0.0.1:{}", free_port()),
+                &format!("--backend-url={}", stub.url()),
+                "--max-queue=100000",
+            ])
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    wait_http(&c, &format!("http://127.0.0.1:{gw_port}/readyz")).await;
+    let nginx_port = free_port();
+    let nginx = start_nginx(stub.addr, nginx_port);
+    let mut paths: Vec<(&str, String)> = vec![
+        ("direct", stub.url()),
+        ("hearth-gateway", format!("http://127.0.0.1:{gw_port}")),
+    ];
+    if nginx.is_some() {
+        wait_http(&c, &format!("http://127.0.0.1:{nginx_port}/health")).await;
+        paths.push(("nginx", format!("http://127.0.0.1:{nginx_port}")));
+    } else {
+        println!("(nginx not found: install nginx-light for the baseline row)\n");
+    }
+
+    let (rounds, per_round, tp_dur) = if quick() {
+        (2, 50, Duration::from_millis(500))
+    } else {
+        (10, 300, Duration::from_secs(4))
+    };
+    let nginx_version = nginx_path()
+        .and_then(|p| Command::new(p).arg("-v").output().ok())
+        .map(|o| String::from_utf8_lossy(&o.stderr).trim().to_owned())
+        .unwrap_or_default();
+    println!("## Warm proxy overhead\n");
+    println!(
+        "Latency: concurrency 1, {} requests per path, interleaved in {rounds} rounds after warm-up. \
+         Throughput: concurrency 32 for {:?} per path. Stub: token delay 0. {nginx_version}\n",
+        rounds * per_round,
+        tp_dur
+    );
+    println!("| workload | path | p50 µs | p99 µs | added p50 µs | added p99 µs | req/s | vs direct |");
+    println!("|---|---|---:|---:|---:|---:|---:|---:|");
+    for (wname, body) in [("small JSON", small_json()), ("SSE 64 tokens", sse_64())] {
+        let urls: Vec<String> = paths
+            .iter()
+            .map(|(_, base)| format!("{base}/v1/chat/completions"))
+            .collect();
+        for u in &urls {
+            for _ in 0..100 {
+                one(&c, u, &body).await;
+            }
+        }
+        let mut samples: Vec<Vec<Duration>> = vec![Vec::new(); urls.len()];
+        for _ in 0..rounds {
+            for (i, u) in urls.iter().enumerate() {
+                for _ in 0..per_round {
+                    let t = Instant::now();
+                    one(&c, u, &body).await;
+                    samples[i].push(t.elapsed());
+                }
+            }
+        }
+        let mut tps = Vec::new();
+        for u in &urls {
+            tps.push(throughput(&c, u, &body, 32, tp_dur).await);
+        }
+        for s in &mut samples {
+            s.sort();
+        }
+        let (d50, d99, dtp) = (pct(&samples[0], 0.5), pct(&samples[0], 0.99), tps[0]);
+        for (i, (pname, _)) in paths.iter().enumerate() {
+            let (p50, p99) = (pct(&samples[i], 0.5), pct(&samples[i], 0.99));
+            let added = |a: Duration, b: Duration| {
+                if i == 0 {
+                    "—".to_owned()
+                } else {
+                    format!("{:+.0}", (a.as_secs_f64() - b.as_secs_f64()) * 1e6)
+                }
+            };
+            println!(
+                "| {wname} | {pname} | {} | {} | {} | {} | {:.0} | {:.0}% |",
+                us(p50),
+                us(p99),
+                added(p50, d50),
+                added(p99, d99),
+                tps[i],
+                100.0 * tps[i] / dtp
+            );
+        }
+    }
+    println!();
+    drop(nginx);
+    let _ = stub.shutdown().await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Readiness to forward
+
+fn bench_config() -> GatewayConfig {
+    GatewayConfig {
+        heartbeat_interval: Duration::from_secs(1),
+        activation_timeout: Duration::from_secs(600),
+        activation_grace: Duration::ZERO,
+        max_queue: 100_000,
+        ..GatewayConfig::default()
+    }
+}
+
+async fn readiness_to_forward() {
+    let stub = vllm_stub::spawn(
+        StubConfig {
+            served_model_names: vec!["stub-svc".into()],
+            ..StubConfig::default()
+        },
+        "127.0.0.1:0".parse().unwrap(),
+    )
+    .await
+    .unwrap();
+    let backends = EndpointSet::new();
+    let gw = hearth_gateway::spawn(
+        Gateway::new(bench_config(), backends.clone(), ApiKeys::disabled()),
+        "127.0.0.1".parse().unwrap(),
+    )
+    .await
+    .unwrap();
+    let c: HttpClient = Client::builder(TokioExecutor::new()).build_http();
+    let ready: http::uri::Authority = stub.addr.to_string().parse().unwrap();
+    let n = if quick() { 30 } else { 300 };
+    let mut samples = Vec::with_capacity(n);
+    let mut received = stub.state.subscribe_received();
+    let url = format!("{}/v1/chat/completions", gw.url());
+    for _ in 0..n {
+        let req = Request::post(&url)
+            .header("content-type", "application/json")
+            .body(Full::new(small_json()))
+            .unwrap();
+        let c2 = c.clone();
+        let task = tokio::spawn(async move { c2.request(req).await.map(|r| r.status()) });
+        let mut d = gw.gateway.demand().subscribe();
+        d.wait_for(|s| s.pending() == 1).await.unwrap();
+        // Let the held request park on the endpoint watch.
+        tokio::time::sleep(Duration::from_millis(2)).await;
+        received.mark_unchanged();
+        let before = *received.borrow();
+        let t0 = Instant::now();
+        backends.replace([ready.clone()]);
+        received.wait_for(|v| *v > before).await.unwrap();
+        samples.push(t0.elapsed());
+        assert!(task.await.unwrap().unwrap().is_success());
+        backends.replace(Vec::new());
+        d.wait_for(|s| s.local() == 0).await.unwrap();
+    }
+    samples.sort();
+    println!("## Readiness to forward\n");
+    println!(
+        "{n} held requests; clock from the endpoint set turning ready (what the EndpointSlice watch \
+         does) to the stub receiving the request. Goal: p99 under 20 ms.\n"
+    );
+    println!("| samples | p50 µs | p99 µs | max µs |");
+    println!("|---:|---:|---:|---:|");
+    println!(
+        "| {n} | {} | {} | {} |\n",
+        us(pct(&samples, 0.5)),
+        us(pct(&samples, 0.99)),
+        us(*samples.last().unwrap())
+    );
+    gw.gateway.stop();
+    let _ = stub.shutdown().await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Push activation
+
+async fn push_activation() {
+    let backends = EndpointSet::new();
+    let gw = hearth_gateway::spawn(
+        Gateway::new(bench_config(), backends.clone(), ApiKeys::disabled()),
+        "127.0.0.1".parse().unwrap(),
+    )
+    .await
+    .unwrap();
+    let ch = tonic::transport::Channel::from_shared(gw.grpc_url())
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut k = ExternalScalerClient::new(ch);
+    let mut stream = k
+        .stream_is_active(ScaledObjectRef::default())
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(!stream.message().await.unwrap().unwrap().result);
+    let request = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        small_json().len()
+    );
+    let mut wire = request.into_bytes();
+    wire.extend_from_slice(&small_json());
+    let dead: http::uri::Authority = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+    let n = if quick() { 30 } else { 300 };
+    let mut samples = Vec::with_capacity(n);
+    for _ in 0..n {
+        let mut sock = tokio::net::TcpStream::connect(gw.http).await.unwrap();
+        sock.set_nodelay(true).unwrap();
+        let t0 = Instant::now();
+        sock.write_all(&wire).await.unwrap();
+        let msg = stream.message().await.unwrap().unwrap();
+        samples.push(t0.elapsed());
+        assert!(msg.result);
+        // Reset: the client leaves, a (dead) endpoint appears so the lease ends, then cold again.
+        drop(sock);
+        backends.replace([dead.clone()]);
+        assert!(!stream.message().await.unwrap().unwrap().result);
+        backends.replace(Vec::new());
+    }
+    samples.sort();
+    println!("## Push activation\n");
+    println!(
+        "{n} cold requests; clock from writing the request on a fresh connection to the tonic \
+         client receiving StreamIsActive(true). Goal: under 5 ms.\n"
+    );
+    println!("| samples | p50 µs | p99 µs | max µs |");
+    println!("|---:|---:|---:|---:|");
+    println!(
+        "| {n} | {} | {} | {} |\n",
+        us(pct(&samples, 0.5)),
+        us(pct(&samples, 0.99)),
+        us(*samples.last().unwrap())
+    );
+    gw.gateway.stop();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Held connections
+
+/// The child role: a gateway with no backend, printing its HTTP address, until stdin closes.
+fn cold_gateway_child() {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let gw = hearth_gateway::spawn(
+            Gateway::new(bench_config(), EndpointSet::new(), ApiKeys::disabled()),
+            "127.0.0.1".parse().unwrap(),
+        )
+        .await
+        .unwrap();
+        println!("{}", gw.http);
+        // Run until the parent closes stdin.
+        let mut stdin = tokio::io::stdin();
+        let mut buf = [0u8; 16];
+        while !matches!(stdin.read(&mut buf).await, Ok(0) | Err(_)) {}
+    });
+}
+
+fn proc_rss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0)
+}
+
+/// utime + stime of `pid`, in clock ticks (USER_HZ, 100 on Linux).
+fn proc_cpu_ticks(pid: u32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let after = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
+    let f: Vec<&str> = after.split_whitespace().collect();
+    // Fields after the command: state is index 0; utime is field 14 overall → index 11 here.
+    let ut: u64 = f.get(11).and_then(|v| v.parse().ok()).unwrap_or(0);
+    let st: u64 = f.get(12).and_then(|v| v.parse().ok()).unwrap_or(0);
+    ut + st
+}
+
+fn open_files_limit() -> u64 {
+    std::fs::read_to_string("/proc/self/limits")
+        .unwrap_or_default()
+        .lines()
+        .find(|l| l.starts_with("Max open files"))
+        .and_then(|l| l.split_whitespace().nth(3)?.parse().ok())
+        .unwrap_or(0)
+}
+
+async fn held_connections() {
+    let target: usize = if quick() { 1000 } else { 10_000 };
+    let limit = open_files_limit();
+    println!("## Held cold connections\n");
+    if limit < target as u64 + 200 {
+        println!(
+            "skipped: the open-files limit is {limit}; raise it (`ulimit -n {}`) to hold {target} connections\n",
+            target + 1000
+        );
+        return;
+    }
+    let exe = std::env::current_exe().unwrap();
+    let mut child = Command::new(exe)
+        .env(ROLE_ENV, "cold-gateway")
+        .env("RUST_LOG", "warn")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let pid = child.id();
+    let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    std::io::BufRead::read_line(&mut out, &mut line).unwrap();
+    let addr: SocketAddr = line.trim().parse().unwrap();
+    let rss_idle = proc_rss_kib(pid);
+
+    let body = sse_64();
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    );
+    let mut wire = head.into_bytes();
+    wire.extend_from_slice(&body);
+    let wire = Bytes::from(wire);
+    let heartbeats = Arc::new(AtomicU64::new(0));
+    let connected = Arc::new(AtomicU64::new(0));
+    let sem = Arc::new(tokio::sync::Semaphore::new(256));
+    let mut tasks = Vec::with_capacity(target);
+    for _ in 0..target {
+        let (wire, hb, conn, sem) = (wire.clone(), heartbeats.clone(), connected.clone(), sem.clone());
+        tasks.push(tokio::spawn(async move {
+            let permit = sem.acquire_owned().await.unwrap();
+            let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+            s.write_all(&wire).await.unwrap();
+            let mut buf = [0u8; 512];
+            // The first read holds the status line and the first comment line.
+            let n = s.read(&mut buf).await.unwrap();
+            assert!(buf[..n].starts_with(b"HTTP/1.1 200"));
+            conn.fetch_add(1, Ordering::Relaxed);
+            drop(permit);
+            loop {
+                match s.read(&mut buf).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(_) => {
+                        hb.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }
+        }));
+    }
+    let t_connect = Instant::now();
+    while connected.load(Ordering::Relaxed) < target as u64 {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let connect_time = t_connect.elapsed();
+    // Settle, then measure over a window of several heartbeat intervals.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let window = if quick() { Duration::from_secs(3) } else { Duration::from_secs(10) };
+    let hb0 = heartbeats.load(Ordering::Relaxed);
+    let cpu0 = proc_cpu_ticks(pid);
+    let t0 = Instant::now();
+    tokio::time::sleep(window).await;
+    let cpu1 = proc_cpu_ticks(pid);
+    let el = t0.elapsed();
+    let hb1 = heartbeats.load(Ordering::Relaxed);
+    let rss_held = proc_rss_kib(pid);
+    let cpu_pct = (cpu1 - cpu0) as f64 / 100.0 / el.as_secs_f64() * 100.0;
+    let hb_rate = (hb1 - hb0) as f64 / el.as_secs_f64();
+    println!(
+        "{target} streaming requests held by a gateway with no ready backend (keepalive mode, \
+         heartbeat every 1s), each on its own connection; the gateway runs alone in a child \
+         process. Goal: RSS under 100 MiB.\n"
+    );
+    println!("| connections | connect all (s) | RSS idle MiB | RSS held MiB | per connection KiB | CPU % of one core | heartbeats/s received |");
+    println!("|---:|---:|---:|---:|---:|---:|---:|");
+    println!(
+        "| {target} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.0} |\n",
+        connect_time.as_secs_f64(),
+        rss_idle as f64 / 1024.0,
+        rss_held as f64 / 1024.0,
+        (rss_held.saturating_sub(rss_idle)) as f64 / target as f64,
+        cpu_pct,
+        hb_rate
+    );
+    for t in &tasks {
+        t.abort();
+    }
+    drop(child.stdin.take());
+    let _ = child.wait();
+}

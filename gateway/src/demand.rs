@@ -16,10 +16,13 @@
 use std::{
     collections::BTreeMap,
     sync::{Arc, Mutex},
-    time::{Duration, Instant},
+    time::Duration,
 };
 
-use tokio::sync::{Notify, watch};
+use tokio::{
+    sync::{Notify, watch},
+    time::Instant,
+};
 
 use crate::endpoints::EndpointSet;
 
@@ -296,7 +299,7 @@ impl Lease {
                 continue;
             };
             tokio::select! {
-                _ = tokio::time::sleep_until(deadline.into()) => {
+                _ = tokio::time::sleep_until(deadline) => {
                     self.expire(deadline);
                 }
                 ok = async { ready_rx.wait_for(|e| !e.is_empty()).await.is_ok() } => {

@@ -1,0 +1,157 @@
+//! The `hearth-gateway` binary as a process: SIGTERM drain, and the backend `drain` command.
+
+mod common;
+
+use std::{
+    process::{Command, Stdio},
+    time::Duration,
+};
+
+use common::*;
+use http_body_util::BodyExt;
+use hyper::StatusCode;
+
+struct Child(std::process::Child);
+
+impl Drop for Child {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn sigterm(child: &Child) {
+    let ok = Command::new("kill")
+        .args(["-TERM", &child.0.id().to_string()])
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok);
+}
+
+#[tokio::test]
+async fn sigterm_turns_readiness_off_and_lets_streams_finish() {
+    let stub = stub().await;
+    let (http, grpc) = (free_port(), free_port());
+    let child = Child(
+        Command::new(env!("CARGO_BIN_EXE_hearth-gateway"))
+            .args([
+                &format!("--listen=127.0.0.1:{http}"),
+                &format!("--scaler-listen=127.0.0.1:{grpc}"),
+                &format!("--backend-url={}", stub.url()),
+                "--drain-timeout=30s",
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let c = client();
+    let base = format!("http://127.0.0.1:{http}");
+    loop {
+        if let Ok(r) = c
+            .request(
+                hyper::Request::get(format!("{base}/readyz"))
+                    .body(http_body_util::Full::new(bytes::Bytes::new()))
+                    .unwrap(),
+            )
+            .await
+            && r.status() == StatusCode::OK
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let mut body = chat(true);
+    body["stub_token_delay"] = "30ms".into();
+    body["max_tokens"] = 20.into();
+    let resp = send(&c, post_req(&format!("{base}/v1/chat/completions"), &body, &[])).await;
+    let mut stream = resp.into_body();
+    next_chunk(&mut stream).await.unwrap();
+    sigterm(&child);
+    // Readiness turns 503 while the stream goes on (the listener stays open during drain).
+    loop {
+        let (s, _) = get(&c, &format!("{base}/readyz")).await;
+        if s == StatusCode::SERVICE_UNAVAILABLE {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let rest = stream.collect().await.unwrap().to_bytes();
+    assert!(rest.ends_with(b"data: [DONE]\n\n"), "in-flight stream finished");
+    let mut child = child;
+    let status = tokio::task::spawn_blocking(move || {
+        let s = child.0.wait().unwrap();
+        std::mem::forget(child);
+        s
+    })
+    .await
+    .unwrap();
+    assert!(status.success(), "{status:?}");
+}
+
+#[tokio::test]
+async fn drain_command_returns_when_the_backend_is_idle() {
+    let stub = stub().await;
+    let c = client();
+    let mut body = chat(false);
+    body["stub_token_delay"] = "50ms".into();
+    body["max_tokens"] = 10.into();
+    let req = post_req(&format!("{}/v1/chat/completions", stub.url()), &body, &[]);
+    let in_flight = tokio::spawn({
+        let c = c.clone();
+        async move { send_full(&c, req).await }
+    });
+    let mut rx = stub.state.subscribe_received();
+    rx.wait_for(|n| *n == 1).await.unwrap();
+    assert_eq!(stub.state.running(), 1);
+    let url = format!("{}/metrics", stub.url());
+    let out = tokio::task::spawn_blocking(move || {
+        Command::new(env!("CARGO_BIN_EXE_hearth-gateway"))
+            .args(["drain", "--url", &url, "--timeout", "60s", "--interval", "20ms"])
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    assert!(out.status.success());
+    // The command returned only once the request had finished generating.
+    assert_eq!(stub.state.running(), 0);
+    let log = String::from_utf8_lossy(&out.stdout);
+    assert!(log.contains("backend idle"), "{log}");
+    assert_eq!(in_flight.await.unwrap().0, StatusCode::OK);
+
+    // A backend that is not listening has nothing in flight: the command returns at once.
+    let dead = free_port();
+    let out = Command::new(env!("CARGO_BIN_EXE_hearth-gateway"))
+        .args(["drain", "--url", &format!("http://127.0.0.1:{dead}/metrics"), "--timeout", "60s"])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    assert!(String::from_utf8_lossy(&out.stdout).contains("not listening"));
+}
+
+#[test]
+fn bad_flags_fail_with_the_flag_named() {
+    let out = Command::new(env!("CARGO_BIN_EXE_hearth-gateway"))
+        .args(["--backend-url=http://127.0.0.1:1", "--max-queue=0"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--max-queue"), "{err}");
+    let out = Command::new(env!("CARGO_BIN_EXE_hearth-gateway"))
+        .args(["--activation-timeout=soon"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--activation-timeout"));
+}
