@@ -536,9 +536,11 @@ fn cold_gateway_child() {
         .unwrap();
         println!("{}", gw.http);
         // Run until the parent closes stdin.
-        let mut stdin = tokio::io::stdin();
-        let mut buf = [0u8; 16];
-        while !matches!(stdin.read(&mut buf).await, Ok(0) | Err(_)) {}
+        let _ = tokio::task::spawn_blocking(|| {
+            let mut buf = [0u8; 16];
+            while matches!(std::io::Read::read(&mut std::io::stdin(), &mut buf), Ok(n) if n > 0) {}
+        })
+        .await;
     });
 }
 
