@@ -131,12 +131,22 @@ async fn run(
     std::fs::create_dir_all(&state_dir)
         .with_context(|| format!("creating {}", state_dir.display()))?;
     let record_path = state_dir.join("net.record");
+    if let Ok(pid) = std::fs::read_to_string(state_dir.join("runner.pid"))
+        && std::fs::read_link(format!("/proc/{}/exe", pid.trim()))
+            .is_ok_and(|e| e.to_string_lossy().contains("hearth-pod-runner"))
+    {
+        bail!(
+            "a pod runner (pid {}) already serves state dir {}",
+            pid.trim(),
+            state_dir.display()
+        );
+    }
     // Leftovers of a runner that died without cleaning up.
     net::cleanup(&record_path)?;
-    let pid_path = state_dir.join("runner.pid");
-    std::fs::write(&pid_path, format!("{}\n", std::process::id()))?;
     let record = net::Record::new(record_path.clone());
     net::create_bridge(&record)?;
+    let pid_path = state_dir.join("runner.pid");
+    std::fs::write(&pid_path, format!("{}\n", std::process::id()))?;
     let apiserver_for_pods = SocketAddr::new(net::HOST_IP.into(), apiserver.port());
     let pass = services::passthrough(apiserver_for_pods, apiserver).await?;
     let svc_task = tokio::spawn(services::run(client.clone()));

@@ -65,6 +65,12 @@ pub fn ip(args: &[&str]) -> Result<()> {
 
 /// Creates the bridge with [`HOST_IP`] and brings it up.
 pub fn create_bridge(record: &Record) -> Result<()> {
+    // The pod network is one per machine: never adopt (or later delete) another runner's.
+    if std::path::Path::new("/sys/class/net").join(BRIDGE).exists() {
+        bail!(
+            "{BRIDGE} exists: another pod runner owns the pod network (one per machine); stop its cluster with tests/cluster/down, or remove the bridge if no runner is left"
+        );
+    }
     record.add("link", BRIDGE)?;
     ip(&["link", "add", BRIDGE, "type", "bridge"])?;
     ip(&[

@@ -1,0 +1,179 @@
+//! Shared by the end-to-end suites: the upstream stub service deployed in a fresh namespace with
+//! its own `hearth-controller` process, reached through its Service name as an in-cluster
+//! client would (the pod runner proxies ClusterIPs and writes the names into /etc/hosts).
+
+#![allow(dead_code)] // Each suite uses a different part.
+
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use hearth_pod_runner::stack::{self, ScalerMode};
+use hearth_pod_runner::timeline::Timeline;
+use hearth_test_support::{Cluster, Observed, TestNamespace, wait_until};
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::ListParams;
+use serde_json::Value;
+use tokio::process::Child;
+
+/// The upstream stub service's name and served model name.
+pub const SERVICE: &str = "stub-svc";
+/// Its backend Deployment.
+pub const BACKEND: &str = "stub-svc-backend";
+/// Label selector of its backend pods.
+pub const BACKEND_PODS: &str =
+    "app.kubernetes.io/component=backend,serving.hearth.dev/llmservice=stub-svc";
+/// The stub runtime's STUB_TOKEN_COUNT.
+pub const TOKENS: usize = 5;
+
+/// One deployed stub service.
+pub struct Deployed {
+    pub timeline: Timeline,
+    pub cluster: Cluster,
+    /// `http://stub-svc.<ns>.svc` (Service port 80 → the gateway).
+    pub url: String,
+    controller: Child,
+    // Last: dropping it deletes the namespace after the controller is gone.
+    pub ns: TestNamespace,
+}
+
+/// Starts the runner (once per cluster), installs the CRDs and the stub runtime, makes a
+/// namespace, starts a controller for it, applies the upstream stub service (with `edit`
+/// applied to the object) and waits for phase ScaledToZero with the gateway reachable.
+pub async fn deploy(
+    prefix: &str,
+    mode: ScalerMode,
+    edit: impl FnOnce(&mut Value),
+) -> Result<Deployed> {
+    let cluster = Cluster::connect().await?;
+    stack::ensure_runner(cluster.kubeconfig()).await?;
+    let client = cluster.client();
+    stack::install(&client).await?;
+    let ns = cluster.namespace(prefix).await?;
+    let log = cluster
+        .kubeconfig()
+        .parent()
+        .context("kubeconfig dir")?
+        .join("logs")
+        .join(format!("controller-{}.log", ns.name()));
+    let controller = stack::start_controller(cluster.kubeconfig(), Some(ns.name()), &log)?;
+    let mut obj = stack::stub_service(ns.name(), mode)?;
+    edit(&mut obj);
+    stack::apply(&client, obj, None).await?;
+    let timeline = Timeline::start(client.clone(), ns.name(), BACKEND);
+    let d = Deployed {
+        timeline,
+        url: format!("http://{SERVICE}.{}.svc", ns.name()),
+        cluster,
+        controller,
+        ns,
+    };
+    d.wait_phase("ScaledToZero", Duration::from_secs(90))
+        .await?;
+    let host = format!("{SERVICE}.{}.svc", d.ns.name());
+    anyhow::ensure!(
+        stack::wait_resolvable(&host, Duration::from_secs(30)).await,
+        "{host} never resolved: the pod runner writes Service names into /etc/hosts (see docs/e2e.md)"
+    );
+    d.wait_gateway_ready().await?;
+    Ok(d)
+}
+
+impl Deployed {
+    /// Waits for the LLMService phase.
+    pub async fn wait_phase(&self, want: &str, timeout: Duration) -> Result<()> {
+        let client = self.cluster.client();
+        let ns = self.ns.name().to_string();
+        wait_until(
+            format!("LLMService {ns}/{SERVICE} phase {want}"),
+            timeout,
+            || {
+                let client = client.clone();
+                let ns = ns.clone();
+                async move {
+                    let p = stack::phase(&client, &ns, SERVICE).await?;
+                    Ok(if p.as_deref() == Some(want) {
+                        Observed::Ready(())
+                    } else {
+                        Observed::NotYet(format!("phase {p:?}"))
+                    })
+                }
+            },
+        )
+        .await
+    }
+
+    /// Waits until a gateway pod is Ready (the runner plays it).
+    pub async fn wait_gateway_ready(&self) -> Result<()> {
+        self.ns
+            .wait_for_pods(
+                "a Ready gateway pod",
+                "app.kubernetes.io/component=gateway",
+                Duration::from_secs(60),
+                |pods| {
+                    pods.iter().any(|p| {
+                        p.status
+                            .as_ref()
+                            .and_then(|s| s.conditions.as_ref())
+                            .is_some_and(|c| {
+                                c.iter().any(|c| c.type_ == "Ready" && c.status == "True")
+                            })
+                    })
+                },
+            )
+            .await
+            .map(|_| ())
+    }
+
+    /// The backend pods now.
+    pub async fn backend_pods(&self) -> Result<Vec<Pod>> {
+        Ok(self
+            .ns
+            .api::<Pod>()
+            .list(&ListParams::default().labels(BACKEND_PODS))
+            .await?
+            .items)
+    }
+
+    /// Waits until the backend has no replica and no pod left.
+    pub async fn wait_zero(&self, timeout: Duration) -> Result<()> {
+        wait_until(
+            "backend back at 0 replicas with no pod",
+            timeout,
+            || async {
+                let pods = self.backend_pods().await?;
+                let last = self.timeline.last();
+                Ok(match last {
+                    Some(s) if s.desired == 0 && s.ready == 0 && pods.is_empty() => {
+                        Observed::Ready(())
+                    }
+                    _ => Observed::NotYet(format!("{last:?}, {} backend pods", pods.len())),
+                })
+            },
+        )
+        .await
+    }
+
+    /// The timeline as text (seconds from `t0`), for failure messages and the test output.
+    pub fn timeline_text(&self, t0: std::time::Instant) -> String {
+        self.timeline
+            .samples()
+            .iter()
+            .map(|s| {
+                format!(
+                    "{:+.2}s desired={} ready={}",
+                    s.at.saturating_duration_since(t0).as_secs_f64()
+                        - t0.saturating_duration_since(s.at).as_secs_f64(),
+                    s.desired,
+                    s.ready
+                )
+            })
+            .collect::<Vec<_>>()
+            .join("; ")
+    }
+}
+
+impl Drop for Deployed {
+    fn drop(&mut self) {
+        let _ = self.controller.start_kill();
+    }
+}
