@@ -1,0 +1,145 @@
+{{/*
+Names are fixed, not release-prefixed, where the binaries' defaults expect them: the webhook
+Service "hearth-webhook" and the webhook configurations "hearth" are what
+hearth_webhook::registration::Registration::in_cluster generates. Cluster-scoped RBAC objects
+carry the release name so that two releases never fight over them.
+*/}}
+{{- define "hearth.webhookName" -}}hearth-webhook{{- end -}}
+{{- define "hearth.controllerName" -}}hearth-controller{{- end -}}
+{{- define "hearth.webhookConfigurationName" -}}hearth{{- end -}}
+
+{{- define "hearth.clusterRoleName" -}}
+{{- printf "%s-%s" .root.Release.Name .component | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "hearth.labels" -}}
+app.kubernetes.io/name: hearth
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/* Selector labels of one component: dict "root" $ "component" "webhook". */}}
+{{- define "hearth.selectorLabels" -}}
+app.kubernetes.io/name: hearth
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{- define "hearth.componentLabels" -}}
+{{ include "hearth.labels" .root }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{/* Image reference: dict "root" $ "image" .Values.webhook.image. */}}
+{{- define "hearth.image" -}}
+{{- if .image.override -}}
+{{- .image.override -}}
+{{- else -}}
+{{- $tag := .root.Values.image.tag | default (printf "v%s" .root.Chart.AppVersion) -}}
+{{- printf "%s/%s:%s" (.root.Values.image.registry | trimSuffix "/") .image.repository $tag -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Pod-level security: non-root, RuntimeDefault seccomp (Pod Security "restricted"). */}}
+{{- define "hearth.podSecurityContext" -}}
+runAsNonRoot: true
+runAsUser: 65532
+runAsGroup: 65532
+fsGroup: 65532
+seccompProfile:
+  type: RuntimeDefault
+{{- end -}}
+
+{{- define "hearth.containerSecurityContext" -}}
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: true
+runAsNonRoot: true
+privileged: false
+capabilities:
+  drop: ["ALL"]
+seccompProfile:
+  type: RuntimeDefault
+{{- end -}}
+
+{{- define "hearth.imagePullSecrets" -}}
+{{- with .Values.image.pullSecrets }}
+imagePullSecrets:
+{{- range . }}
+  - name: {{ . }}
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* The webhooks' namespace selector: never kube-system nor the release namespace. */}}
+{{- define "hearth.webhookNamespaceSelector" -}}
+namespaceSelector:
+  matchExpressions:
+    - key: kubernetes.io/metadata.name
+      operator: NotIn
+      values:
+        - kube-system
+{{- if ne .Release.Namespace "kube-system" }}
+        - {{ .Release.Namespace }}
+{{- end }}
+{{- end -}}
+
+{{/* The CEL match condition of the workload webhooks (registration::opted_in_expression). */}}
+{{- define "hearth.optedIn" -}}
+matchConditions:
+  - name: hearth-opted-in
+    expression: "(has(object.metadata.annotations) && ('serving.hearth.dev/runtime' in object.metadata.annotations || 'serving.hearth.dev/vendor' in object.metadata.annotations)) || (has(object.metadata.labels) && ('serving.hearth.dev/runtime' in object.metadata.labels || 'serving.hearth.dev/vendor' in object.metadata.labels))"
+{{- end -}}
+
+{{/* clientConfig of one endpoint: dict "root" $ "path" "/validate". */}}
+{{- define "hearth.clientConfig" -}}
+clientConfig:
+  service:
+    namespace: {{ .root.Release.Namespace }}
+    name: {{ include "hearth.webhookName" .root }}
+    path: {{ .path }}
+    port: 443
+{{- end -}}
+
+{{- define "hearth.webhookAnnotations" -}}
+{{- if eq .Values.certificates.mode "certManager" }}
+annotations:
+  cert-manager.io/inject-ca-from: {{ .Release.Namespace }}/{{ include "hearth.webhookName" . }}
+{{- end }}
+{{- end -}}
+
+{{- define "hearth.timeout" -}}
+{{- $t := int .Values.webhook.timeoutSeconds -}}
+{{- if gt $t 10 }}{{ $t = 10 }}{{ end -}}
+{{- if lt $t 1 }}{{ $t = 1 }}{{ end -}}
+{{- $t -}}
+{{- end -}}
+
+{{/* Egress of both components: the apiserver, and DNS. */}}
+{{- define "hearth.egress" -}}
+egress:
+  # The Kubernetes API.
+  - to:
+      {{- range .Values.networkPolicy.apiServer.cidrs }}
+      - ipBlock:
+          cidr: {{ . }}
+      {{- end }}
+    ports:
+      {{- range .Values.networkPolicy.apiServer.ports }}
+      - protocol: TCP
+        port: {{ . }}
+      {{- end }}
+  {{- if .Values.networkPolicy.dns }}
+  - to:
+      - namespaceSelector: {}
+    ports:
+      - protocol: UDP
+        port: 53
+      - protocol: TCP
+        port: 53
+  {{- end }}
+{{- end -}}
