@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use common::HttpsClient;
-use hearth_crds::InferenceRuntime;
+use hearth_crds::{InferenceRuntime, ServingPolicy};
 use hearth_webhook::selfmanaged::{generate_ca, issue};
 use hearth_webhook::tls::{CertStore, certified_key};
 use hearth_webhook::{AppState, Endpoint, Limits, Snapshot, handle, router, serve};
@@ -75,12 +75,13 @@ fn cases() -> Vec<Case> {
         .unwrap();
     let deployment = json!({
         "apiVersion": "apps/v1", "kind": "Deployment",
-        "metadata": {"name": "qwen", "namespace": "team-a",
+        "metadata": {"name": "qwen", "namespace": "team-a", "labels": {"team": "search"},
                      "annotations": {"serving.hearth.dev/runtime": "vllm-nvidia-a10"}},
         "spec": {"replicas": 1, "selector": {"matchLabels": {"app": "qwen"}},
                  "template": {"metadata": {"labels": {"app": "qwen"}},
                               "spec": {"containers": [{"name": "vllm", "image": "vllm/vllm-openai:v0.25.1",
-                                                       "args": ["Qwen/Qwen2.5-7B-Instruct"]}]}}}
+                                                       "args": ["Qwen/Qwen2.5-7B-Instruct"],
+                                                       "resources": {"requests": {"memory": "32Gi"}}}]}}}
     });
     vec![
         Case {
@@ -97,16 +98,42 @@ fn cases() -> Vec<Case> {
         Case {
             name: "mutate Deployment",
             endpoint: Endpoint::Mutate,
+            body: review(
+                "apps",
+                "v1",
+                "Deployment",
+                "deployments",
+                deployment.clone(),
+            ),
+        },
+        Case {
+            name: "validate Deployment",
+            endpoint: Endpoint::Validate,
             body: review("apps", "v1", "Deployment", "deployments", deployment),
         },
     ]
 }
 
+/// The built-ins plus the twenty platform policies of `benches/platform-policies.yaml`.
+fn policies() -> Vec<ServingPolicy> {
+    let mut all = hearth_webhook::builtin::policies().unwrap();
+    let mut bundle = hearth_policies::manifest::Bundle::default();
+    let path =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/platform-policies.yaml");
+    hearth_policies::manifest::read_path(&path, &mut bundle).unwrap();
+    assert_eq!(bundle.policies.len(), 20);
+    all.extend(bundle.policies);
+    let (_, errors) = hearth_policies::PolicySet::compile(&all);
+    assert!(errors.is_empty(), "{errors:?}");
+    all
+}
+
 fn snapshot() -> Snapshot {
-    Snapshot::with_runtimes(
+    Snapshot::offline(
         upstream("InferenceRuntime")
             .into_iter()
             .map(|v| serde_json::from_value::<InferenceRuntime>(v).unwrap()),
+        &policies(),
     )
 }
 
@@ -215,7 +242,8 @@ fn main() {
     let client = Arc::new(client);
 
     println!(
-        "hearth-webhook admission benchmark: {secs} s per row, {conns} keep-alive HTTPS connections, server on one core"
+        "hearth-webhook admission benchmark: {secs} s per row, {conns} keep-alive HTTPS connections, server on one core, {} policies (built-ins + 20 platform)",
+        snap.policies.names().len()
     );
     println!(
         "{:<24} {:>12} {:>12} {:>12} {:>12} {:>12} {:>12} {:>10}",
@@ -229,6 +257,16 @@ fn main() {
         "HTTPS/in"
     );
     for case in cases() {
+        // Every case is admitted; the mutating one with a patch.
+        let answer = handle(case.endpoint, &case.body, &snap).unwrap();
+        let resp = answer.review.response.as_ref().unwrap();
+        assert!(resp.allowed, "{}: {:?}", case.name, resp.result);
+        assert_eq!(
+            resp.patch.is_some(),
+            case.endpoint == Endpoint::Mutate,
+            "{}",
+            case.name
+        );
         // Warm up both paths.
         in_process(&case, &snap, 0.2);
         over_https(&case, &client, conns, 0.3);

@@ -109,7 +109,7 @@ pub struct Answer {
     pub review: AdmissionReview<DynamicObject>,
     /// What happened, for metrics.
     pub outcome: Outcome,
-    /// `request.kind.kind`, for metrics (`""` when unknown).
+    /// `request.kind.kind` for the kinds the webhook handles, `other` for the rest (metrics).
     pub kind: String,
 }
 
@@ -128,7 +128,12 @@ pub fn handle(endpoint: Endpoint, body: &[u8], snapshot: &Snapshot) -> Result<An
     if req.uid.is_empty() {
         return Err(ReviewError::NoUid);
     }
-    let kind = req.kind.kind.clone();
+    // Metric label: bounded to the kinds the webhook handles, whatever a client sends.
+    let kind = match req.kind.kind.as_str() {
+        k @ ("LLMService" | "InferenceRuntime" | "Deployment" | "StatefulSet" | "Pod") => k,
+        _ => "other",
+    }
+    .to_owned();
     let (mut resp, outcome) = answer(endpoint, &req, snapshot);
     // Do not trust the request's type meta: v1 is the only version we speak.
     resp.types.api_version = META_API_VERSION_V1.to_owned();

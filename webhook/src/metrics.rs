@@ -15,7 +15,7 @@ use prometheus_client::registry::Registry;
 pub struct ReviewLabels {
     /// `validate` or `mutate`.
     pub endpoint: &'static str,
-    /// `request.kind.kind`.
+    /// `request.kind.kind` for handled kinds, `other` for the rest (bounded cardinality).
     pub kind: String,
     /// `allowed`, `patched`, `denied`, `skipped`.
     pub outcome: &'static str,

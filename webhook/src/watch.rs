@@ -140,19 +140,28 @@ async fn rebuild(
     last_good.retain(|name, _| present.contains(name));
     reported.retain(|name, _| present.contains(name));
 
+    // The condition each policy should show: compiled, or the compile error.
+    let mut desired: Vec<(Arc<ServingPolicy>, Option<String>)> = Vec::new();
     for p in &pols {
         let name = p.name_any();
         let generation = p.metadata.generation.unwrap_or_default();
+        let same = |uid: &Option<String>, g: i64| g == generation && *uid == p.metadata.uid;
         if last_good
             .get(&name)
-            .is_some_and(|c| c.generation == generation && c.uid == p.metadata.uid)
+            .is_some_and(|c| same(&c.uid, c.generation))
         {
+            desired.push((p.clone(), None));
+            continue;
+        }
+        if let Some((_, Some(e))) = reported.get(&name).filter(|(g, _)| *g == generation) {
+            // Failed before at this generation: do not recompile, count or log it again.
+            desired.push((p.clone(), Some(e.clone())));
             continue;
         }
         match Compiled::compile(p) {
             Ok(c) => {
-                last_good.insert(name.clone(), c);
-                report(client, reported, p, None).await;
+                last_good.insert(name, c);
+                desired.push((p.clone(), None));
             }
             Err(e) => {
                 state
@@ -163,7 +172,7 @@ async fn rebuild(
                     })
                     .inc();
                 tracing::warn!(policy = %name, generation, error = %e, "ServingPolicy does not compile; its last good version (if any) keeps serving");
-                report(client, reported, p, Some(e)).await;
+                desired.push((p.clone(), Some(e)));
             }
         }
     }
@@ -177,6 +186,10 @@ async fn rebuild(
     state.metrics.runtimes.set(snapshot.runtimes.len() as i64);
     state.metrics.rebuilds.inc();
     state.snapshot.store(Arc::new(snapshot));
+    // Status writes come after the swap, so enforcement never waits on the API.
+    for (p, error) in desired {
+        report(client, reported, &p, error).await;
+    }
 }
 
 /// Sets the policy's `Ready` condition unless it already says the same for this generation.

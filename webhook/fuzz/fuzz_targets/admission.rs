@@ -15,7 +15,9 @@ static SNAPSHOT: LazyLock<Snapshot> = LazyLock::new(|| {
         include_str!("../../../../shared/examples/upstream/stub-inferenceruntime.yaml"),
     ]
     .map(|y| serde_yaml::from_str::<InferenceRuntime>(y).expect("example runtime parses"));
-    Snapshot::with_runtimes(runtimes)
+    // The built-ins, as the webhook serves them, so workloads run through the policy engine.
+    let policies = hearth_webhook::builtin::policies().expect("built-ins parse");
+    Snapshot::offline(runtimes, &policies)
 });
 
 fuzz_target!(|data: &[u8]| {
