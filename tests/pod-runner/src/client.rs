@@ -84,7 +84,7 @@ impl Trace {
 /// Errors of [`chat`].
 #[derive(Debug, thiserror::Error)]
 pub enum ChatError {
-    #[error("request to {url} failed: {source}")]
+    #[error("request to {url} failed: {source:?}")]
     Request {
         url: String,
         source: hyper_util::client::legacy::Error,
@@ -105,12 +105,26 @@ pub async fn chat(
     stream: bool,
     timeout: Duration,
 ) -> Result<Trace, ChatError> {
+    chat_with(base, model, stream, None, timeout).await
+}
+
+/// [`chat`] with OpenAI's `max_tokens` (the stub generates exactly that many tokens).
+pub async fn chat_with(
+    base: &str,
+    model: &str,
+    stream: bool,
+    max_tokens: Option<u32>,
+    timeout: Duration,
+) -> Result<Trace, ChatError> {
     let url = format!("{}/v1/chat/completions", base.trim_end_matches('/'));
-    let body = json!({
+    let mut body = json!({
         "model": model,
         "stream": stream,
         "messages": [{"role": "user", "content": "Say hello."}],
     });
+    if let Some(n) = max_tokens {
+        body["max_tokens"] = json!(n);
+    }
     let req = http::Request::post(&url)
         .header("content-type", "application/json")
         .body(Full::new(Bytes::from(body.to_string())))

@@ -187,8 +187,24 @@ async fn serve(
         let rr = Arc::new(AtomicUsize::new(0));
         let task = tokio::spawn(async move {
             while let Ok((mut c, _)) = l.accept().await {
-                let target = pick(&store, &ns, &name, port_name.as_deref(), &rr);
+                let (store, ns, name, port_name, rr) = (
+                    store.clone(),
+                    ns.clone(),
+                    name.clone(),
+                    port_name.clone(),
+                    rr.clone(),
+                );
                 tokio::spawn(async move {
+                    // Our watch of EndpointSlices may trail the API a little; wait for a ready
+                    // endpoint up to 3 s before refusing the connection.
+                    let mut target = None;
+                    for _ in 0..30 {
+                        target = pick(&store, &ns, &name, port_name.as_deref(), &rr);
+                        if target.is_some() {
+                            break;
+                        }
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
                     let Some(target) = target else { return };
                     let connect = TcpStream::connect(target);
                     if let Ok(Ok(mut t)) =

@@ -11,6 +11,7 @@ use hearth_pod_runner::stack::{self, ScalerMode};
 use hearth_pod_runner::timeline::Timeline;
 use hearth_test_support::{Cluster, Observed, TestNamespace, wait_until};
 use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::api::ListParams;
 use serde_json::Value;
 use tokio::process::Child;
@@ -75,6 +76,7 @@ pub async fn deploy(
         "{host} never resolved: the pod runner writes Service names into /etc/hosts (see docs/e2e.md)"
     );
     d.wait_gateway_ready().await?;
+    d.wait_gateway_endpoint().await?;
     Ok(d)
 }
 
@@ -122,6 +124,33 @@ impl Deployed {
             )
             .await
             .map(|_| ())
+    }
+
+    /// Waits until the gateway Service's EndpointSlice lists a ready endpoint: until then its
+    /// ClusterIP has nowhere to send a connection (as with kube-proxy).
+    pub async fn wait_gateway_endpoint(&self) -> Result<()> {
+        let api = self.ns.api::<EndpointSlice>();
+        let lp = ListParams::default().labels(&format!("kubernetes.io/service-name={SERVICE}"));
+        wait_until(
+            "a ready endpoint of the gateway Service",
+            Duration::from_secs(60),
+            || async {
+                let slices = api.list(&lp).await?.items;
+                let ready = slices
+                    .iter()
+                    .flat_map(|s| &s.endpoints)
+                    .any(|e| e.conditions.as_ref().and_then(|c| c.ready).unwrap_or(false));
+                Ok(if ready {
+                    Observed::Ready(())
+                } else {
+                    Observed::NotYet(format!(
+                        "{} EndpointSlices without a ready endpoint",
+                        slices.len()
+                    ))
+                })
+            },
+        )
+        .await
     }
 
     /// The backend pods now.
