@@ -169,7 +169,12 @@ http {{
     let conf_path = dir.path().join("nginx.conf");
     std::fs::write(&conf_path, conf).unwrap();
     let child = Command::new(bin)
-        .args(["-c", conf_path.to_str().unwrap(), "-p", dir.path().to_str().unwrap()])
+        .args([
+            "-c",
+            conf_path.to_str().unwrap(),
+            "-p",
+            dir.path().to_str().unwrap(),
+        ])
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
@@ -245,8 +250,13 @@ async fn throughput(c: &HttpClient, url: &str, body: &Bytes, conc: usize, dur: D
     let stop = Arc::new(AtomicBool::new(false));
     let mut tasks = Vec::new();
     for _ in 0..conc {
-        let (c, url, body, done, stop) =
-            (c.clone(), url.to_owned(), body.clone(), done.clone(), stop.clone());
+        let (c, url, body, done, stop) = (
+            c.clone(),
+            url.to_owned(),
+            body.clone(),
+            done.clone(),
+            stop.clone(),
+        );
         tasks.push(tokio::spawn(async move {
             while !stop.load(Ordering::Relaxed) {
                 one(&c, &url, &body).await;
@@ -325,7 +335,9 @@ async fn warm_overhead() {
         rounds * per_round,
         tp_dur
     );
-    println!("| workload | path | p50 µs | p99 µs | added p50 µs | added p99 µs | req/s | vs direct |");
+    println!(
+        "| workload | path | p50 µs | p99 µs | added p50 µs | added p99 µs | req/s | vs direct |"
+    );
     println!("|---|---|---:|---:|---:|---:|---:|---:|");
     for (wname, body) in [("small JSON", small_json()), ("SSE 64 tokens", sse_64())] {
         let urls: Vec<String> = paths
@@ -613,7 +625,12 @@ async fn held_connections() {
     let sem = Arc::new(tokio::sync::Semaphore::new(256));
     let mut tasks = Vec::with_capacity(target);
     for _ in 0..target {
-        let (wire, hb, conn, sem) = (wire.clone(), heartbeats.clone(), connected.clone(), sem.clone());
+        let (wire, hb, conn, sem) = (
+            wire.clone(),
+            heartbeats.clone(),
+            connected.clone(),
+            sem.clone(),
+        );
         tasks.push(tokio::spawn(async move {
             let permit = sem.acquire_owned().await.unwrap();
             let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
@@ -641,7 +658,11 @@ async fn held_connections() {
     let connect_time = t_connect.elapsed();
     // Settle, then measure over a window of several heartbeat intervals.
     tokio::time::sleep(Duration::from_secs(2)).await;
-    let window = if quick() { Duration::from_secs(3) } else { Duration::from_secs(10) };
+    let window = if quick() {
+        Duration::from_secs(3)
+    } else {
+        Duration::from_secs(10)
+    };
     let hb0 = heartbeats.load(Ordering::Relaxed);
     let cpu0 = proc_cpu_ticks(pid);
     let t0 = Instant::now();
@@ -657,7 +678,9 @@ async fn held_connections() {
          heartbeat every 1s), each on its own connection; the gateway runs alone in a child \
          process. Goal: RSS under 100 MiB.\n"
     );
-    println!("| connections | connect all (s) | RSS idle MiB | RSS held MiB | per connection KiB | CPU % of one core | heartbeats/s received |");
+    println!(
+        "| connections | connect all (s) | RSS idle MiB | RSS held MiB | per connection KiB | CPU % of one core | heartbeats/s received |"
+    );
     println!("|---:|---:|---:|---:|---:|---:|---:|");
     println!(
         "| {target} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.0} |\n",

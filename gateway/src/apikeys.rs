@@ -98,11 +98,7 @@ impl ApiKeys {
         else {
             return AuthOutcome::Missing;
         };
-        let keys = inner
-            .keys
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone();
+        let keys = inner.keys.read().unwrap_or_else(|e| e.into_inner()).clone();
         if keys.contains(token) {
             AuthOutcome::Allowed
         } else {

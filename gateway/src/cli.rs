@@ -61,7 +61,11 @@ pub fn byte_size(s: &str) -> Result<usize, String> {
 /// Hearth's gateway: an OpenAI-compatible scale-to-zero proxy in front of a model backend, and
 /// a KEDA external scaler.
 #[derive(Debug, Parser)]
-#[command(name = "hearth-gateway", version, args_conflicts_with_subcommands = true)]
+#[command(
+    name = "hearth-gateway",
+    version,
+    args_conflicts_with_subcommands = true
+)]
 pub struct Cli {
     /// A helper command instead of serving.
     #[command(subcommand)]
@@ -83,7 +87,11 @@ pub enum Command {
 #[derive(Debug, Args)]
 pub struct DrainArgs {
     /// The backend's Prometheus endpoint.
-    #[arg(long, env = "HEARTH_DRAIN_URL", default_value = "http://127.0.0.1:8000/metrics")]
+    #[arg(
+        long,
+        env = "HEARTH_DRAIN_URL",
+        default_value = "http://127.0.0.1:8000/metrics"
+    )]
     pub url: http::Uri,
     /// Upper bound on the wait (the LLMService's drainTimeout).
     #[arg(long, env = "HEARTH_DRAIN_TIMEOUT", default_value = "60s", value_parser = duration)]
@@ -119,13 +127,22 @@ pub struct ServeArgs {
     #[arg(long, env = "HEARTH_BACKEND_URL")]
     pub backend_url: Option<http::Uri>,
     /// Model name(s) clients use; enables answering /v1/models while cold and 404 for other names.
-    #[arg(long = "served-model-name", env = "HEARTH_SERVED_MODEL_NAME", value_delimiter = ',')]
+    #[arg(
+        long = "served-model-name",
+        env = "HEARTH_SERVED_MODEL_NAME",
+        value_delimiter = ','
+    )]
     pub served_model_name: Vec<String>,
     /// Requests admitted at once (held + in flight); beyond it, 429 with Retry-After.
     #[arg(long, env = "HEARTH_MAX_QUEUE", default_value_t = 1000)]
     pub max_queue: u64,
     /// Cold start: keepalive (hold; SSE heartbeats for streams) or reject (503 + Retry-After).
-    #[arg(long, env = "HEARTH_COLD_START", value_enum, default_value = "keepalive")]
+    #[arg(
+        long,
+        env = "HEARTH_COLD_START",
+        value_enum,
+        default_value = "keepalive"
+    )]
     pub cold_start: ColdStartMode,
     /// Interval of SSE comment lines while a streaming request is held.
     #[arg(long, env = "HEARTH_HEARTBEAT_INTERVAL", default_value = "5s", value_parser = duration)]
@@ -312,7 +329,13 @@ mod tests {
 
     #[test]
     fn drain_subcommand_parses() {
-        let cli = parse(&["drain", "--url", "http://127.0.0.1:8000/metrics", "--timeout", "2m"]);
+        let cli = parse(&[
+            "drain",
+            "--url",
+            "http://127.0.0.1:8000/metrics",
+            "--timeout",
+            "2m",
+        ]);
         let Some(Command::Drain(d)) = cli.command else {
             panic!("expected drain")
         };
@@ -327,7 +350,10 @@ mod tests {
         let e = cli.serve.gateway_config().unwrap_err();
         assert_eq!(e.flag, "--backend-url");
         let cli = parse(&[]);
-        assert_eq!(cli.serve.gateway_config().unwrap_err().flag, "--backend-service");
+        assert_eq!(
+            cli.serve.gateway_config().unwrap_err().flag,
+            "--backend-service"
+        );
         let cli = parse(&["--backend-url=http://x:1", "--peer-service=gw"]);
         assert_eq!(cli.serve.gateway_config().unwrap_err().flag, "--pod-ip");
         let cli = parse(&["--backend-url=http://x:1", "--max-queue=0"]);

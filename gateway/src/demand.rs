@@ -218,7 +218,9 @@ pub struct Admission {
 
 impl Drop for Admission {
     fn drop(&mut self) {
-        self.hub.tx.send_modify(|s| s.pending = s.pending.saturating_sub(1));
+        self.hub
+            .tx
+            .send_modify(|s| s.pending = s.pending.saturating_sub(1));
     }
 }
 

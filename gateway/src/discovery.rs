@@ -186,7 +186,10 @@ mod tests {
             "endpoints": [{"addresses": ["fd00::1"]}]
         }));
         assert_eq!(ready_endpoints(&s, None)[0].as_str(), "[fd00::1]:8000");
-        assert_eq!(ready_endpoints(&s, Some("metrics"))[0].as_str(), "[fd00::1]:9000");
+        assert_eq!(
+            ready_endpoints(&s, Some("metrics"))[0].as_str(),
+            "[fd00::1]:9000"
+        );
         assert!(ready_endpoints(&s, Some("grpc")).is_empty());
     }
 }

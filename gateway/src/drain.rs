@@ -58,7 +58,11 @@ pub fn sum_metric(text: &str, name: &str) -> Option<f64> {
             Some(b' ' | b'\t') => rest,
             _ => continue, // a longer metric name sharing the prefix
         };
-        let Some(v) = rest.split_whitespace().next().and_then(|v| v.parse::<f64>().ok()) else {
+        let Some(v) = rest
+            .split_whitespace()
+            .next()
+            .and_then(|v| v.parse::<f64>().ok())
+        else {
             continue;
         };
         *found.get_or_insert(0.0) += v;
@@ -84,7 +88,11 @@ fn close_labels(s: &str) -> Option<usize> {
 
 /// Polls `url` (a vLLM `/metrics` endpoint) every `interval` until the backend is idle or gone,
 /// or `timeout` passes.
-pub async fn wait_backend_idle(url: &http::Uri, timeout: Duration, interval: Duration) -> DrainOutcome {
+pub async fn wait_backend_idle(
+    url: &http::Uri,
+    timeout: Duration,
+    interval: Duration,
+) -> DrainOutcome {
     let start = Instant::now();
     let mut connector = HttpConnector::new();
     connector.set_connect_timeout(Some(Duration::from_secs(2)));
@@ -96,9 +104,12 @@ pub async fn wait_backend_idle(url: &http::Uri, timeout: Duration, interval: Dur
         if left.is_zero() {
             return DrainOutcome::TimedOut { running, waiting };
         }
-        match tokio::time::timeout(left.min(Duration::from_secs(5)), client.get(url.clone())).await {
+        match tokio::time::timeout(left.min(Duration::from_secs(5)), client.get(url.clone())).await
+        {
             Ok(Ok(resp)) if resp.status().is_success() => {
-                let body = Limited::new(resp.into_body(), 16 * 1024 * 1024).collect().await;
+                let body = Limited::new(resp.into_body(), 16 * 1024 * 1024)
+                    .collect()
+                    .await;
                 if let Ok(body) = body {
                     let text = String::from_utf8_lossy(&body.to_bytes()).into_owned();
                     running = sum_metric(&text, RUNNING);
@@ -113,7 +124,9 @@ pub async fn wait_backend_idle(url: &http::Uri, timeout: Duration, interval: Dur
                     }
                 }
             }
-            Ok(Ok(resp)) => tracing::warn!(%url, status = %resp.status(), "metrics endpoint answered an error"),
+            Ok(Ok(resp)) => {
+                tracing::warn!(%url, status = %resp.status(), "metrics endpoint answered an error")
+            }
             Ok(Err(e)) if e.is_connect() => {
                 return DrainOutcome::Gone {
                     waited: start.elapsed(),

@@ -73,8 +73,7 @@ impl EndpointSet {
         wanted.sort_by(|a, b| a.as_str().cmp(b.as_str()));
         wanted.dedup();
         self.tx.send_if_modified(|cur| {
-            if cur.len() == wanted.len()
-                && cur.iter().zip(&wanted).all(|(e, a)| e.authority == *a)
+            if cur.len() == wanted.len() && cur.iter().zip(&wanted).all(|(e, a)| e.authority == *a)
             {
                 return false;
             }

@@ -113,12 +113,10 @@ impl Gateway {
 
     /// Starts the lease expiry and API key reloads; they stop when the runtime does.
     pub fn spawn_background(&self, key_reload_interval: Duration) {
-        tokio::spawn(
-            self.shared
-                .lease
-                .clone()
-                .run(self.shared.backends.clone(), self.shared.cfg.activation_grace),
-        );
+        tokio::spawn(self.shared.lease.clone().run(
+            self.shared.backends.clone(),
+            self.shared.cfg.activation_grace,
+        ));
         tokio::spawn(self.shared.keys.clone().watch(key_reload_interval));
     }
 
@@ -209,11 +207,13 @@ impl Gateway {
             };
             let _ = stream.set_nodelay(true);
             let router = router.clone();
-            let svc = hyper::service::service_fn(move |mut req: hyper::Request<hyper::body::Incoming>| {
-                req.extensions_mut().insert(ClientAddr(peer));
-                let mut r = router.clone();
-                r.call(req)
-            });
+            let svc = hyper::service::service_fn(
+                move |mut req: hyper::Request<hyper::body::Incoming>| {
+                    req.extensions_mut().insert(ClientAddr(peer));
+                    let mut r = router.clone();
+                    r.call(req)
+                },
+            );
             let conn = builder.serve_connection(TokioIo::new(stream), svc);
             let conn = graceful.watch(conn);
             tokio::spawn(async move {
@@ -233,7 +233,8 @@ impl Gateway {
     /// # Errors
     /// The transport error of the gRPC server.
     pub async fn serve_grpc(&self, listener: TcpListener) -> Result<(), tonic::transport::Error> {
-        let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+        let incoming =
+            tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
         tonic::transport::Server::builder()
             .add_service(crate::scaler::server(self.scaler()))
             .serve_with_incoming_shutdown(incoming, self.stopped())

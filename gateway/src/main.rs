@@ -22,8 +22,7 @@ fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .json()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| "info".into()),
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
         )
         .init();
     let cli = Cli::parse();
@@ -44,7 +43,10 @@ async fn drain(args: DrainArgs) -> anyhow::Result<()> {
             tracing::info!(waited_ms = waited.as_millis() as u64, "backend idle")
         }
         DrainOutcome::Gone { waited } => {
-            tracing::info!(waited_ms = waited.as_millis() as u64, "backend not listening")
+            tracing::info!(
+                waited_ms = waited.as_millis() as u64,
+                "backend not listening"
+            )
         }
         DrainOutcome::TimedOut { running, waiting } => tracing::warn!(
             ?running,
@@ -120,7 +122,9 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             let e = watch_endpoints(client, source, move |eps| {
                 let others = eps
                     .into_iter()
-                    .filter(|a| me.is_none_or(|ip| a.host().trim_matches(['[', ']']) != ip.to_string()))
+                    .filter(|a| {
+                        me.is_none_or(|ip| a.host().trim_matches(['[', ']']) != ip.to_string())
+                    })
                     .map(|a| a.to_string())
                     .collect();
                 feed.update(others);
@@ -162,7 +166,10 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         _ = int.recv() => { gateway.stop(); gateway.demand().state().pending() }
     };
     if left > 0 {
-        tracing::warn!(pending = left, "drain timeout passed with requests in flight");
+        tracing::warn!(
+            pending = left,
+            "drain timeout passed with requests in flight"
+        );
     } else {
         tracing::info!("drained");
     }

@@ -192,7 +192,9 @@ impl Metrics {
 
     /// Counts a backend failure.
     pub fn upstream_error(&self, kind: &'static str) {
-        self.upstream_errors.get_or_create(&KindLabel { kind }).inc();
+        self.upstream_errors
+            .get_or_create(&KindLabel { kind })
+            .inc();
     }
 
     /// The text exposition format (Prometheus `text/plain; version=0.0.4` compatible

@@ -51,7 +51,10 @@ pub fn local_demand_stream(
                 }
                 let v = rx.borrow_and_update().local();
                 if last != Some(v) {
-                    return Some((Ok::<_, std::convert::Infallible>(line(v)), (rx, stop, Some(v))));
+                    return Some((
+                        Ok::<_, std::convert::Infallible>(line(v)),
+                        (rx, stop, Some(v)),
+                    ));
                 }
                 tokio::select! {
                     r = rx.changed() => if r.is_err() { return None },
@@ -168,13 +171,15 @@ async fn follow(
             .map_err(|_| format!("silent for {PEER_SILENCE:?}"))?;
         let Some(frame) = frame else { return Ok(()) };
         let frame = frame.map_err(|e| e.to_string())?;
-        let Ok(data) = frame.into_data() else { continue };
+        let Ok(data) = frame.into_data() else {
+            continue;
+        };
         buf.extend_from_slice(&data);
         while let Some(pos) = buf.iter().position(|b| *b == b'\n') {
             let rest = buf.split_off(pos + 1);
             let text = std::mem::replace(&mut buf, rest);
-            let v: serde_json::Value = serde_json::from_slice(&text)
-                .map_err(|e| format!("bad demand line: {e}"))?;
+            let v: serde_json::Value =
+                serde_json::from_slice(&text).map_err(|e| format!("bad demand line: {e}"))?;
             let n = v["demand"]
                 .as_u64()
                 .ok_or_else(|| "demand line without a \"demand\" number".to_owned())?;

@@ -251,7 +251,9 @@ impl Shared {
 fn models_list(names: &[String]) -> Response {
     let data: Vec<serde_json::Value> = names
         .iter()
-        .map(|n| serde_json::json!({"id": n, "object": "model", "created": 0, "owned_by": "hearth"}))
+        .map(
+            |n| serde_json::json!({"id": n, "object": "model", "created": 0, "owned_by": "hearth"}),
+        )
         .collect();
     let mut resp = Response::new(Body::from(
         serde_json::json!({"object": "list", "data": data}).to_string(),
@@ -281,10 +283,11 @@ pub(crate) async fn proxy(State(shared): State<Arc<Shared>>, req: Request) -> Re
             .insert(header::CONNECTION, HeaderValue::from_static("close"));
         return resp;
     }
-    match shared
-        .keys
-        .check(req.headers().get(header::AUTHORIZATION).map(|v| v.as_bytes()))
-    {
+    match shared.keys.check(
+        req.headers()
+            .get(header::AUTHORIZATION)
+            .map(|v| v.as_bytes()),
+    ) {
         AuthOutcome::Allowed => {}
         outcome => {
             let message = if outcome == AuthOutcome::Missing {
@@ -299,10 +302,8 @@ pub(crate) async fn proxy(State(shared): State<Arc<Shared>>, req: Request) -> Re
                 "invalid_request_error",
                 Some("invalid_api_key"),
             );
-            resp.headers_mut().insert(
-                header::WWW_AUTHENTICATE,
-                HeaderValue::from_static("Bearer"),
-            );
+            resp.headers_mut()
+                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
             return done(tracker, resp);
         }
     }
@@ -324,7 +325,9 @@ pub(crate) async fn proxy(State(shared): State<Arc<Shared>>, req: Request) -> Re
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok());
     let too_large = || {
-        format!("the request body is larger than the gateway's limit of {limit} bytes (--body-limit)")
+        format!(
+            "the request body is larger than the gateway's limit of {limit} bytes (--body-limit)"
+        )
     };
     if declared.is_some_and(|n| n > limit as u64) {
         let msg = too_large();
@@ -605,9 +608,7 @@ impl HttpBody for ChannelBody {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
-        self.rx
-            .poll_recv(cx)
-            .map(|o| o.map(|b| Ok(Frame::data(b))))
+        self.rx.poll_recv(cx).map(|o| o.map(|b| Ok(Frame::data(b))))
     }
 }
 
@@ -685,11 +686,7 @@ fn hold_streaming(
                 .unwrap_or_else(|| String::from_utf8_lossy(&bytes).into_owned());
             let msg = format!("backend answered {status}: {msg}");
             let _ = tx
-                .send(sse_error_event(
-                    &msg,
-                    "server_error",
-                    Some(status.as_str()),
-                ))
+                .send(sse_error_event(&msg, "server_error", Some(status.as_str())))
                 .await;
             tracker.finish(200);
             return;
@@ -746,11 +743,17 @@ mod tests {
     #[test]
     fn strips_hop_by_hop_and_connection_named_fields() {
         let mut h = HeaderMap::new();
-        h.insert(header::CONNECTION, HeaderValue::from_static("keep-alive, X-Secret"));
+        h.insert(
+            header::CONNECTION,
+            HeaderValue::from_static("keep-alive, X-Secret"),
+        );
         h.insert("keep-alive", HeaderValue::from_static("timeout=5"));
         h.insert("x-secret", HeaderValue::from_static("1"));
         h.insert(header::TE, HeaderValue::from_static("trailers"));
-        h.insert(header::TRANSFER_ENCODING, HeaderValue::from_static("chunked"));
+        h.insert(
+            header::TRANSFER_ENCODING,
+            HeaderValue::from_static("chunked"),
+        );
         h.insert(header::UPGRADE, HeaderValue::from_static("websocket"));
         h.insert(header::AUTHORIZATION, HeaderValue::from_static("Bearer k"));
         h.insert("x-end-to-end", HeaderValue::from_static("kept"));

@@ -65,7 +65,9 @@ impl Scaler {
             .strip_prefix(['s', 'S'])
             .and_then(|r| r.split_once('-'))
             .is_some_and(|(idx, rest)| {
-                !idx.is_empty() && idx.bytes().all(|b| b.is_ascii_digit()) && rest.eq_ignore_ascii_case(name)
+                !idx.is_empty()
+                    && idx.bytes().all(|b| b.is_ascii_digit())
+                    && rest.eq_ignore_ascii_case(name)
             })
     }
 }
@@ -94,7 +96,12 @@ impl ExternalScaler for Scaler {
         let state = self.demand.state();
         match state.active() {
             Some(result) => Ok(Response::new(IsActiveResponse { result })),
-            None => Err(unknown(state.total().err().map_or_else(String::new, |e| e.to_string()))),
+            None => Err(unknown(
+                state
+                    .total()
+                    .err()
+                    .map_or_else(String::new, |e| e.to_string()),
+            )),
         }
     }
 

@@ -73,7 +73,11 @@ async fn sigterm_turns_readiness_off_and_lets_streams_finish() {
     let mut body = chat(true);
     body["stub_token_delay"] = "30ms".into();
     body["max_tokens"] = 20.into();
-    let resp = send(&c, post_req(&format!("{base}/v1/chat/completions"), &body, &[])).await;
+    let resp = send(
+        &c,
+        post_req(&format!("{base}/v1/chat/completions"), &body, &[]),
+    )
+    .await;
     let mut stream = resp.into_body();
     next_chunk(&mut stream).await.unwrap();
     sigterm(&child);
@@ -86,7 +90,10 @@ async fn sigterm_turns_readiness_off_and_lets_streams_finish() {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     let rest = stream.collect().await.unwrap().to_bytes();
-    assert!(rest.ends_with(b"data: [DONE]\n\n"), "in-flight stream finished");
+    assert!(
+        rest.ends_with(b"data: [DONE]\n\n"),
+        "in-flight stream finished"
+    );
     let mut child = child;
     let status = tokio::task::spawn_blocking(move || {
         let s = child.0.wait().unwrap();
@@ -116,7 +123,15 @@ async fn drain_command_returns_when_the_backend_is_idle() {
     let url = format!("{}/metrics", stub.url());
     let out = tokio::task::spawn_blocking(move || {
         Command::new(env!("CARGO_BIN_EXE_hearth-gateway"))
-            .args(["drain", "--url", &url, "--timeout", "60s", "--interval", "20ms"])
+            .args([
+                "drain",
+                "--url",
+                &url,
+                "--timeout",
+                "60s",
+                "--interval",
+                "20ms",
+            ])
             .output()
             .unwrap()
     })
@@ -132,7 +147,13 @@ async fn drain_command_returns_when_the_backend_is_idle() {
     // A backend that is not listening has nothing in flight: the command returns at once.
     let dead = free_port();
     let out = Command::new(env!("CARGO_BIN_EXE_hearth-gateway"))
-        .args(["drain", "--url", &format!("http://127.0.0.1:{dead}/metrics"), "--timeout", "60s"])
+        .args([
+            "drain",
+            "--url",
+            &format!("http://127.0.0.1:{dead}/metrics"),
+            "--timeout",
+            "60s",
+        ])
         .output()
         .unwrap();
     assert!(out.status.success());

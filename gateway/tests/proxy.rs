@@ -36,7 +36,11 @@ async fn warm_requests_pass_through() {
 
     let (status, headers, body) = send_full(
         &c,
-        post_req(&format!("{}/v1/chat/completions", gw.url()), &chat(false), &[]),
+        post_req(
+            &format!("{}/v1/chat/completions", gw.url()),
+            &chat(false),
+            &[],
+        ),
     )
     .await;
     assert_eq!(status, StatusCode::OK);
@@ -47,24 +51,42 @@ async fn warm_requests_pass_through() {
     // Streaming: the same events as straight from the stub, chunk by chunk.
     let direct = send_full(
         &c,
-        post_req(&format!("{}/v1/chat/completions", stub.url()), &chat(true), &[]),
+        post_req(
+            &format!("{}/v1/chat/completions", stub.url()),
+            &chat(true),
+            &[],
+        ),
     )
     .await
     .2;
     let resp = send(
         &c,
-        post_req(&format!("{}/v1/chat/completions", gw.url()), &chat(true), &[]),
+        post_req(
+            &format!("{}/v1/chat/completions", gw.url()),
+            &chat(true),
+            &[],
+        ),
     )
     .await;
-    assert_eq!(resp.headers()["content-type"], "text/event-stream; charset=utf-8");
+    assert_eq!(
+        resp.headers()["content-type"],
+        "text/event-stream; charset=utf-8"
+    );
     let mut body = resp.into_body();
     let mut chunks = Vec::new();
     while let Some(c) = next_chunk(&mut body).await {
         chunks.push(c);
     }
-    assert!(chunks.len() >= 5, "tokens arrive as separate chunks: {}", chunks.len());
+    assert!(
+        chunks.len() >= 5,
+        "tokens arrive as separate chunks: {}",
+        chunks.len()
+    );
     let all: Vec<u8> = chunks.concat();
-    assert_eq!(normalize(&sse_events(&all)), normalize(&sse_events(&direct)));
+    assert_eq!(
+        normalize(&sse_events(&all)),
+        normalize(&sse_events(&direct))
+    );
     assert!(all.ends_with(b"data: [DONE]\n\n"));
 
     // /v1/models is forwarded while warm.
@@ -76,7 +98,11 @@ async fn warm_requests_pass_through() {
     let (_, q) = json(&c, &format!("{}/hearth/queue", gw.url())).await;
     assert_eq!(q, serde_json::json!({"pending": 0}));
     let m = gateway_metrics(&c, &gw).await;
-    assert_eq!(metric(&m, "hearth_gateway_requests_total{code=\"200\"}"), Some(3.0), "{m}");
+    assert_eq!(
+        metric(&m, "hearth_gateway_requests_total{code=\"200\"}"),
+        Some(3.0),
+        "{m}"
+    );
 }
 
 #[tokio::test]
@@ -87,11 +113,18 @@ async fn cold_streaming_request_gets_heartbeats_then_the_stream() {
     let c = client();
     let resp = send(
         &c,
-        post_req(&format!("{}/v1/chat/completions", gw.url()), &chat(true), &[]),
+        post_req(
+            &format!("{}/v1/chat/completions", gw.url()),
+            &chat(true),
+            &[],
+        ),
     )
     .await;
     assert_eq!(resp.status(), StatusCode::OK);
-    assert_eq!(resp.headers()["content-type"], "text/event-stream; charset=utf-8");
+    assert_eq!(
+        resp.headers()["content-type"],
+        "text/event-stream; charset=utf-8"
+    );
     let mut body = resp.into_body();
     // At least two comment lines (one at once, then one per heartbeat interval).
     for _ in 0..2 {
@@ -111,7 +144,11 @@ async fn cold_streaming_request_gets_heartbeats_then_the_stream() {
     assert!(rest.ends_with(b"data: [DONE]\n\n"));
     wait_demand(&gw, |s| s.pending() == 0).await;
     let m = gateway_metrics(&c, &gw).await;
-    assert_eq!(metric(&m, "hearth_gateway_activation_wait_seconds_count"), Some(1.0), "{m}");
+    assert_eq!(
+        metric(&m, "hearth_gateway_activation_wait_seconds_count"),
+        Some(1.0),
+        "{m}"
+    );
 }
 
 #[tokio::test]
@@ -156,7 +193,11 @@ async fn reject_mode_answers_503_and_still_raises_demand() {
     let c = client();
     let (status, headers, body) = send_full(
         &c,
-        post_req(&format!("{}/v1/chat/completions", gw.url()), &chat(true), &[]),
+        post_req(
+            &format!("{}/v1/chat/completions", gw.url()),
+            &chat(true),
+            &[],
+        ),
     )
     .await;
     assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
@@ -183,7 +224,11 @@ async fn activation_timeout_ends_a_committed_stream_with_an_error_event_and_othe
     let c = client();
     let (status, _, body) = send_full(
         &c,
-        post_req(&format!("{}/v1/chat/completions", gw.url()), &chat(true), &[]),
+        post_req(
+            &format!("{}/v1/chat/completions", gw.url()),
+            &chat(true),
+            &[],
+        ),
     )
     .await;
     assert_eq!(status, StatusCode::OK);
@@ -193,11 +238,19 @@ async fn activation_timeout_ends_a_committed_stream_with_an_error_event_and_othe
     let err: serde_json::Value =
         serde_json::from_str(last.strip_prefix("event: error\ndata: ").unwrap()).unwrap();
     assert_eq!(err["error"]["code"], "activation_timeout");
-    assert!(events[..events.len() - 1].iter().all(|e| e.starts_with(": ")));
+    assert!(
+        events[..events.len() - 1]
+            .iter()
+            .all(|e| e.starts_with(": "))
+    );
 
     let (status, headers, body) = send_full(
         &c,
-        post_req(&format!("{}/v1/chat/completions", gw.url()), &chat(false), &[]),
+        post_req(
+            &format!("{}/v1/chat/completions", gw.url()),
+            &chat(false),
+            &[],
+        ),
     )
     .await;
     assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
@@ -206,7 +259,10 @@ async fn activation_timeout_ends_a_committed_stream_with_an_error_event_and_othe
     assert_eq!(v["error"]["code"], "activation_timeout");
     let m = gateway_metrics(&c, &gw).await;
     assert_eq!(
-        metric(&m, "hearth_gateway_rejections_total{reason=\"activation_timeout\"}"),
+        metric(
+            &m,
+            "hearth_gateway_rejections_total{reason=\"activation_timeout\"}"
+        ),
         Some(2.0),
         "{m}"
     );
@@ -217,7 +273,11 @@ async fn a_client_leaving_a_held_request_frees_its_slot_and_counts_as_canceled()
     let gw = gateway(config(), EndpointSet::new()).await;
     let c = client();
     for stream in [false, true] {
-        let req = post_req(&format!("{}/v1/chat/completions", gw.url()), &chat(stream), &[]);
+        let req = post_req(
+            &format!("{}/v1/chat/completions", gw.url()),
+            &chat(stream),
+            &[],
+        );
         let c2 = c.clone();
         let task = tokio::spawn(async move {
             let resp = send(&c2, req).await;
@@ -230,9 +290,16 @@ async fn a_client_leaving_a_held_request_frees_its_slot_and_counts_as_canceled()
         wait_demand(&gw, |s| s.pending() == 0).await;
     }
     let m = gateway_metrics(&c, &gw).await;
-    assert_eq!(metric(&m, "hearth_gateway_requests_canceled_total"), Some(2.0), "{m}");
+    assert_eq!(
+        metric(&m, "hearth_gateway_requests_canceled_total"),
+        Some(2.0),
+        "{m}"
+    );
     assert!(!m.contains("code=\"503\""), "a cancel is not a 5xx: {m}");
-    assert!(!m.contains("activation_timeout"), "a cancel is not a timeout: {m}");
+    assert!(
+        !m.contains("activation_timeout"),
+        "a cancel is not a timeout: {m}"
+    );
 }
 
 #[tokio::test]
@@ -257,7 +324,11 @@ async fn a_client_leaving_mid_stream_cancels_the_backend_request() {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     let m = gateway_metrics(&c, &gw).await;
-    assert_eq!(metric(&m, "hearth_gateway_requests_canceled_total"), Some(1.0), "{m}");
+    assert_eq!(
+        metric(&m, "hearth_gateway_requests_canceled_total"),
+        Some(1.0),
+        "{m}"
+    );
 }
 
 #[tokio::test]
@@ -273,14 +344,22 @@ async fn max_queue_bounds_admission_with_429() {
     let c = client();
     let mut held = Vec::new();
     for _ in 0..2 {
-        let req = post_req(&format!("{}/v1/chat/completions", gw.url()), &chat(false), &[]);
+        let req = post_req(
+            &format!("{}/v1/chat/completions", gw.url()),
+            &chat(false),
+            &[],
+        );
         let c2 = c.clone();
         held.push(tokio::spawn(async move { send_full(&c2, req).await }));
     }
     wait_demand(&gw, |s| s.pending() == 2).await;
     let (status, headers, body) = send_full(
         &c,
-        post_req(&format!("{}/v1/chat/completions", gw.url()), &chat(false), &[]),
+        post_req(
+            &format!("{}/v1/chat/completions", gw.url()),
+            &chat(false),
+            &[],
+        ),
     )
     .await;
     assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);
@@ -312,14 +391,15 @@ async fn bodies_over_the_limit_get_413() {
     assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE);
     assert!(String::from_utf8_lossy(&body).contains("--body-limit"));
     // Chunked (no length) over the limit.
-    let chunks = futures::stream::iter(
-        (0..4).map(|_| Ok::<_, std::convert::Infallible>(hyper::body::Frame::data(Bytes::from(vec![b'b'; 400])))),
-    );
+    let chunks = futures::stream::iter((0..4).map(|_| {
+        Ok::<_, std::convert::Infallible>(hyper::body::Frame::data(Bytes::from(vec![b'b'; 400])))
+    }));
     let req = Request::post(format!("{}/stub/echo", gw.url()))
         .body(http_body_util::StreamBody::new(chunks))
         .unwrap();
     let chunked: hyper_util::client::legacy::Client<_, _> =
-        hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new()).build_http();
+        hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+            .build_http();
     let resp = chunked.request(req).await.unwrap();
     assert_eq!(resp.status(), StatusCode::PAYLOAD_TOO_LARGE);
     // Exactly at the limit passes.
@@ -330,7 +410,11 @@ async fn bodies_over_the_limit_get_413() {
     assert_eq!(status, StatusCode::OK);
     let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
     assert_eq!(v["body_len"], 1024);
-    assert_eq!(gw.gateway.demand().state().local(), 0, "413s never raise demand");
+    assert_eq!(
+        gw.gateway.demand().state().local(),
+        0,
+        "413s never raise demand"
+    );
 }
 
 #[tokio::test]
@@ -357,9 +441,19 @@ async fn hop_by_hop_headers_are_dropped_and_end_to_end_ones_kept() {
         .as_array()
         .unwrap()
         .iter()
-        .map(|h| (h[0].as_str().unwrap().to_owned(), h[1].as_str().unwrap().to_owned()))
+        .map(|h| {
+            (
+                h[0].as_str().unwrap().to_owned(),
+                h[1].as_str().unwrap().to_owned(),
+            )
+        })
         .collect();
-    let get = |k: &str| headers.iter().find(|(n, _)| n == k).map(|(_, v)| v.as_str());
+    let get = |k: &str| {
+        headers
+            .iter()
+            .find(|(n, _)| n == k)
+            .map(|(_, v)| v.as_str())
+    };
     assert_eq!(get("authorization"), Some("Bearer sk-test"));
     assert_eq!(get("x-custom"), Some("kept"));
     assert_eq!(get("content-length"), Some("2"));
@@ -437,26 +531,42 @@ async fn api_keys_are_checked_and_passed_through() {
     let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
     assert_eq!(v["error"]["type"], "invalid_request_error");
     assert_eq!(v["error"]["code"], "invalid_api_key");
-    let (status, _, _) =
-        send_full(&c, post_req(&url, &chat(false), &[("authorization", "Bearer sk-bad")])).await;
+    let (status, _, _) = send_full(
+        &c,
+        post_req(&url, &chat(false), &[("authorization", "Bearer sk-bad")]),
+    )
+    .await;
     assert_eq!(status, StatusCode::UNAUTHORIZED);
-    let (status, _, _) =
-        send_full(&c, post_req(&url, &chat(false), &[("authorization", "Bearer sk-good")])).await;
+    let (status, _, _) = send_full(
+        &c,
+        post_req(&url, &chat(false), &[("authorization", "Bearer sk-good")]),
+    )
+    .await;
     assert_eq!(status, StatusCode::OK);
     // Rotating the Secret: the reload task (1 s in tests) picks up the new key.
     std::fs::write(&path, "sk-new\n").unwrap();
     loop {
-        let (status, _, _) =
-            send_full(&c, post_req(&url, &chat(false), &[("authorization", "Bearer sk-new")])).await;
+        let (status, _, _) = send_full(
+            &c,
+            post_req(&url, &chat(false), &[("authorization", "Bearer sk-new")]),
+        )
+        .await;
         if status == StatusCode::OK {
             break;
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    let (status, _, _) =
-        send_full(&c, post_req(&url, &chat(false), &[("authorization", "Bearer sk-good")])).await;
+    let (status, _, _) = send_full(
+        &c,
+        post_req(&url, &chat(false), &[("authorization", "Bearer sk-good")]),
+    )
+    .await;
     assert_eq!(status, StatusCode::UNAUTHORIZED);
-    assert_eq!(gw.gateway.demand().state().local(), 0, "401s never raise demand");
+    assert_eq!(
+        gw.gateway.demand().state().local(),
+        0,
+        "401s never raise demand"
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -491,7 +601,11 @@ async fn served_model_names_answer_models_cold_and_refuse_other_models() {
 #[tokio::test]
 async fn least_outstanding_requests_spreads_load() {
     let (s1, s2) = (stub().await, stub().await);
-    let gw = gateway(config(), EndpointSet::fixed([authority(&s1), authority(&s2)])).await;
+    let gw = gateway(
+        config(),
+        EndpointSet::fixed([authority(&s1), authority(&s2)]),
+    )
+    .await;
     let c = client();
     let mut body = chat(true);
     body["stub_token_delay"] = "50ms".into();
@@ -539,7 +653,11 @@ async fn a_refused_endpoint_is_retried_until_a_working_one_appears() {
     let backends = EndpointSet::fixed([dead.to_string().parse().unwrap()]);
     let gw = gateway(config(), backends.clone()).await;
     let c = client();
-    let req = post_req(&format!("{}/v1/chat/completions", gw.url()), &chat(false), &[]);
+    let req = post_req(
+        &format!("{}/v1/chat/completions", gw.url()),
+        &chat(false),
+        &[],
+    );
     let task = tokio::spawn({
         let c = c.clone();
         async move { send_full(&c, req).await }
@@ -579,14 +697,22 @@ async fn drain_refuses_new_requests_and_lets_streams_finish() {
     assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
     let (status, headers, _) = send_full(
         &c,
-        post_req(&format!("{}/v1/chat/completions", gw.url()), &chat(false), &[]),
+        post_req(
+            &format!("{}/v1/chat/completions", gw.url()),
+            &chat(false),
+            &[],
+        ),
     )
     .await;
     assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(headers["connection"], "close");
     let rest = stream.collect().await.unwrap().to_bytes();
     assert!(rest.ends_with(b"data: [DONE]\n\n"));
-    assert_eq!(drained.await.unwrap(), 0, "drain ended with nothing pending");
+    assert_eq!(
+        drained.await.unwrap(),
+        0,
+        "drain ended with nothing pending"
+    );
 }
 
 #[tokio::test]
@@ -599,7 +725,11 @@ async fn terminating_endpoints_stop_receiving_requests_at_once() {
     for _ in 0..4 {
         let (status, _, _) = send_full(
             &c,
-            post_req(&format!("{}/v1/chat/completions", gw.url()), &chat(false), &[]),
+            post_req(
+                &format!("{}/v1/chat/completions", gw.url()),
+                &chat(false),
+                &[],
+            ),
         )
         .await;
         assert_eq!(status, StatusCode::OK);

@@ -9,13 +9,19 @@ use common::*;
 use hearth_gateway::{
     EndpointSet, GatewayConfig, RunningGateway,
     peers::PeerSet,
-    scaler::pb::{GetMetricsRequest, ScaledObjectRef, external_scaler_client::ExternalScalerClient},
+    scaler::pb::{
+        GetMetricsRequest, ScaledObjectRef, external_scaler_client::ExternalScalerClient,
+    },
 };
 use hyper::StatusCode;
 use tonic::{Code, transport::Channel};
 
 async fn scaler_client(g: &RunningGateway) -> ExternalScalerClient<Channel> {
-    let ch = Channel::from_shared(g.grpc_url()).unwrap().connect().await.unwrap();
+    let ch = Channel::from_shared(g.grpc_url())
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
     ExternalScalerClient::new(ch)
 }
 
@@ -63,7 +69,11 @@ async fn is_active_metric_spec_and_metrics() {
     assert_eq!(e.code(), Code::InvalidArgument);
     assert!(e.message().contains("targetSize"), "{}", e.message());
 
-    let m = k.get_metrics(metrics_req("hearth_queue_depth")).await.unwrap().into_inner();
+    let m = k
+        .get_metrics(metrics_req("hearth_queue_depth"))
+        .await
+        .unwrap()
+        .into_inner();
     assert_eq!(m.metric_values[0].metric_value, 0);
     assert_eq!(m.metric_values[0].metric_value_float, 0.0);
     let e = k.get_metrics(metrics_req("queue")).await.unwrap_err();
@@ -74,7 +84,11 @@ async fn is_active_metric_spec_and_metrics() {
     let c = client();
     let mut held = Vec::new();
     for _ in 0..2 {
-        let req = post_req(&format!("{}/v1/chat/completions", gw.url()), &chat(false), &[]);
+        let req = post_req(
+            &format!("{}/v1/chat/completions", gw.url()),
+            &chat(false),
+            &[],
+        );
         let c2 = c.clone();
         held.push(tokio::spawn(async move { send_full(&c2, req).await }));
     }
@@ -98,18 +112,32 @@ async fn stream_is_active_pushes_at_connect_and_on_every_change() {
     let gw = gateway(config(), backends.clone()).await;
     let mut k = scaler_client(&gw).await;
     let mut stream = k.stream_is_active(so_ref(&[])).await.unwrap().into_inner();
-    assert!(!stream.message().await.unwrap().unwrap().result, "state at connect");
+    assert!(
+        !stream.message().await.unwrap().unwrap().result,
+        "state at connect"
+    );
 
     let c = client();
     let m = gateway_metrics(&c, &gw).await;
-    assert_eq!(metric(&m, "hearth_gateway_scaler_streams"), Some(1.0), "{m}");
+    assert_eq!(
+        metric(&m, "hearth_gateway_scaler_streams"),
+        Some(1.0),
+        "{m}"
+    );
 
-    let req = post_req(&format!("{}/v1/chat/completions", gw.url()), &chat(false), &[]);
+    let req = post_req(
+        &format!("{}/v1/chat/completions", gw.url()),
+        &chat(false),
+        &[],
+    );
     let task = tokio::spawn({
         let c = c.clone();
         async move { send_full(&c, req).await }
     });
-    assert!(stream.message().await.unwrap().unwrap().result, "first cold request");
+    assert!(
+        stream.message().await.unwrap().unwrap().result,
+        "first cold request"
+    );
     backends.replace([authority(&stub)]);
     assert_eq!(task.await.unwrap().0, StatusCode::OK);
     // Request done and the lease's grace passed: inactive again.
@@ -145,7 +173,10 @@ async fn demand_is_aggregated_over_replicas_and_unknown_when_a_peer_is_lost() {
     let c = client();
 
     // Before the peer list is known, the total is an error, not 0.
-    let e = k.get_metrics(metrics_req("hearth_queue_depth")).await.unwrap_err();
+    let e = k
+        .get_metrics(metrics_req("hearth_queue_depth"))
+        .await
+        .unwrap_err();
     assert_eq!(e.code(), Code::Unavailable);
     let (status, v) = json(&c, &format!("{}/hearth/queue", a.url())).await;
     assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
@@ -158,14 +189,22 @@ async fn demand_is_aggregated_over_replicas_and_unknown_when_a_peer_is_lost() {
     assert!(!stream.message().await.unwrap().unwrap().result);
 
     // A cold request on B: A's push stream turns active, A's metrics see it.
-    let req = post_req(&format!("{}/v1/chat/completions", b.url()), &chat(false), &[]);
+    let req = post_req(
+        &format!("{}/v1/chat/completions", b.url()),
+        &chat(false),
+        &[],
+    );
     let held = tokio::spawn({
         let c = c.clone();
         async move { send_full(&c, req).await }
     });
     assert!(stream.message().await.unwrap().unwrap().result);
     wait_demand(&a, |s| s.total() == Ok(1)).await;
-    let m = k.get_metrics(metrics_req("hearth_queue_depth")).await.unwrap().into_inner();
+    let m = k
+        .get_metrics(metrics_req("hearth_queue_depth"))
+        .await
+        .unwrap()
+        .into_inner();
     assert_eq!(m.metric_values[0].metric_value, 1);
     let (_, v) = json(&c, &format!("{}/hearth/queue", a.url())).await;
     assert_eq!(v["pending"], 1);
@@ -178,11 +217,18 @@ async fn demand_is_aggregated_over_replicas_and_unknown_when_a_peer_is_lost() {
     held.abort();
     b.gateway.stop();
     wait_demand(&a, |s| s.total().is_err()).await;
-    let e = k.get_metrics(metrics_req("hearth_queue_depth")).await.unwrap_err();
+    let e = k
+        .get_metrics(metrics_req("hearth_queue_depth"))
+        .await
+        .unwrap_err();
     assert_eq!(e.code(), Code::Unavailable);
     assert!(e.message().contains(&b.http.to_string()), "{}", e.message());
     // Removing B from the peers (its endpoint left the Service) makes the total known again.
     peers_a.update(Vec::new());
-    let m = k.get_metrics(metrics_req("hearth_queue_depth")).await.unwrap().into_inner();
+    let m = k
+        .get_metrics(metrics_req("hearth_queue_depth"))
+        .await
+        .unwrap()
+        .into_inner();
     assert_eq!(m.metric_values[0].metric_value, 0);
 }

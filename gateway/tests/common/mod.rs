@@ -61,9 +61,12 @@ pub async fn gateway_with_keys(
     backends: EndpointSet,
     keys: ApiKeys,
 ) -> RunningGateway {
-    hearth_gateway::spawn(Gateway::new(cfg, backends, keys), "127.0.0.1".parse().unwrap())
-        .await
-        .unwrap()
+    hearth_gateway::spawn(
+        Gateway::new(cfg, backends, keys),
+        "127.0.0.1".parse().unwrap(),
+    )
+    .await
+    .unwrap()
 }
 
 pub fn chat(stream: bool) -> serde_json::Value {
@@ -74,7 +77,11 @@ pub fn chat(stream: bool) -> serde_json::Value {
     })
 }
 
-pub fn post_req(url: &str, body: &serde_json::Value, headers: &[(&str, &str)]) -> Request<Full<Bytes>> {
+pub fn post_req(
+    url: &str,
+    body: &serde_json::Value,
+    headers: &[(&str, &str)],
+) -> Request<Full<Bytes>> {
     let mut req = Request::post(url).header("content-type", "application/json");
     for (k, v) in headers {
         req = req.header(*k, *v);
@@ -88,10 +95,17 @@ pub async fn send(c: &HttpClient, req: Request<Full<Bytes>>) -> Response<Incomin
 }
 
 /// Sends and reads the whole body.
-pub async fn send_full(c: &HttpClient, req: Request<Full<Bytes>>) -> (StatusCode, http::HeaderMap, Bytes) {
+pub async fn send_full(
+    c: &HttpClient,
+    req: Request<Full<Bytes>>,
+) -> (StatusCode, http::HeaderMap, Bytes) {
     let resp = send(c, req).await;
     let (parts, body) = resp.into_parts();
-    (parts.status, parts.headers, body.collect().await.unwrap().to_bytes())
+    (
+        parts.status,
+        parts.headers,
+        body.collect().await.unwrap().to_bytes(),
+    )
 }
 
 pub async fn get(c: &HttpClient, url: &str) -> (StatusCode, Bytes) {
@@ -101,7 +115,10 @@ pub async fn get(c: &HttpClient, url: &str) -> (StatusCode, Bytes) {
 
 pub async fn json(c: &HttpClient, url: &str) -> (StatusCode, serde_json::Value) {
     let (s, b) = get(c, url).await;
-    (s, serde_json::from_slice(&b).unwrap_or(serde_json::Value::Null))
+    (
+        s,
+        serde_json::from_slice(&b).unwrap_or(serde_json::Value::Null),
+    )
 }
 
 /// Reads the next data frame of a streaming body.
@@ -130,7 +147,10 @@ pub fn sse_events(body: &[u8]) -> Vec<String> {
 
 /// Waits until `pred` holds for the gateway's demand state (no time limit: the test runner's
 /// own timeout applies; these waits end in milliseconds when the behaviour is right).
-pub async fn wait_demand(g: &RunningGateway, pred: impl Fn(&hearth_gateway::demand::DemandState) -> bool) {
+pub async fn wait_demand(
+    g: &RunningGateway,
+    pred: impl Fn(&hearth_gateway::demand::DemandState) -> bool,
+) {
     let mut rx = g.gateway.demand().subscribe();
     rx.wait_for(|s| pred(s)).await.unwrap();
 }

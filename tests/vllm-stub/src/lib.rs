@@ -275,33 +275,20 @@ async fn metrics(State(state): State<Arc<StubState>>) -> Response {
     let running = state.running();
     let waiting = state.waiting();
     let usage = running as f64 / state.config.max_num_seqs.max(1) as f64;
-    let mut out = String::new();
-    for name in state.config.names() {
-        let labels = format!("engine=\"0\",model_name=\"{}\"", escape_label(&name));
-        if out.is_empty() {
-            out.push_str(
-                "# HELP vllm:num_requests_running Number of requests in model execution batches.\n\
-                 # TYPE vllm:num_requests_running gauge\n",
-            );
-        }
-        out.push_str(&format!(
-            "vllm:num_requests_running{{{labels}}} {running}.0\n"
-        ));
-        out.push_str(
-            "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n\
-             # TYPE vllm:num_requests_waiting gauge\n",
-        );
-        out.push_str(&format!(
-            "vllm:num_requests_waiting{{{labels}}} {waiting}.0\n"
-        ));
-        out.push_str(
-            "# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.\n\
-             # TYPE vllm:kv_cache_usage_perc gauge\n",
-        );
-        out.push_str(&format!("vllm:kv_cache_usage_perc{{{labels}}} {usage}\n"));
-        // Only the first served name carries the values, as one engine serves all names.
-        break;
-    }
+    // One engine serves every name; vLLM labels its gauges with the first served name.
+    let name = state.config.names().into_iter().next().unwrap_or_default();
+    let labels = format!("engine=\"0\",model_name=\"{}\"", escape_label(&name));
+    let out = format!(
+        "# HELP vllm:num_requests_running Number of requests in model execution batches.\n\
+         # TYPE vllm:num_requests_running gauge\n\
+         vllm:num_requests_running{{{labels}}} {running}.0\n\
+         # HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n\
+         # TYPE vllm:num_requests_waiting gauge\n\
+         vllm:num_requests_waiting{{{labels}}} {waiting}.0\n\
+         # HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.\n\
+         # TYPE vllm:kv_cache_usage_perc gauge\n\
+         vllm:kv_cache_usage_perc{{{labels}}} {usage}\n"
+    );
     (
         [(
             header::CONTENT_TYPE,
@@ -322,7 +309,13 @@ async fn echo(req: Request) -> Response {
     let (parts, body) = req.into_parts();
     let bytes = match axum::body::to_bytes(body, MAX_BODY_BYTES).await {
         Ok(b) => b,
-        Err(e) => return error(StatusCode::BAD_REQUEST, &format!("reading body: {e}"), "BadRequestError"),
+        Err(e) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                &format!("reading body: {e}"),
+                "BadRequestError",
+            );
+        }
     };
     let headers: Vec<Value> = parts
         .headers
@@ -505,7 +498,12 @@ async fn generate(state: Arc<StubState>, kind: Kind, headers: HeaderMap, body: B
     }
     let delay_src = headers
         .get("x-stub-token-delay")
-        .map(|v| (v.to_str().unwrap_or("\u{fffd}").to_owned(), "header x-stub-token-delay"))
+        .map(|v| {
+            (
+                v.to_str().unwrap_or("\u{fffd}").to_owned(),
+                "header x-stub-token-delay",
+            )
+        })
         .or_else(|| req.stub_token_delay.map(|v| (v, "field stub_token_delay")));
     let token_delay = match delay_src {
         None => state.config.token_delay,

@@ -66,7 +66,11 @@ fn events(body: &[u8]) -> Vec<String> {
         .unwrap()
         .split("\n\n")
         .filter(|e| !e.is_empty())
-        .map(|e| e.strip_prefix("data: ").expect("every event is one data line").to_owned())
+        .map(|e| {
+            e.strip_prefix("data: ")
+                .expect("every event is one data line")
+                .to_owned()
+        })
         .collect()
 }
 
@@ -193,7 +197,14 @@ async fn metrics_count_running_and_waiting() {
     let url = format!("{}/v1/chat/completions", stub.url());
     let body = serde_json::json!({"model": "stub-svc", "stub_token_delay": "200ms", "max_tokens": 50,
         "messages": [{"role": "user", "content": "x"}]});
-    let (c1, c2, u1, u2, b1, b2) = (c.clone(), c.clone(), url.clone(), url.clone(), body.clone(), body);
+    let (c1, c2, u1, u2, b1, b2) = (
+        c.clone(),
+        c.clone(),
+        url.clone(),
+        url.clone(),
+        body.clone(),
+        body,
+    );
     let r1 = tokio::spawn(async move { post(&c1, &u1, b1, &[]).await });
     let mut rx = stub.state.subscribe_received();
     rx.wait_for(|n| *n >= 1).await.unwrap();
@@ -208,7 +219,10 @@ async fn metrics_count_running_and_waiting() {
         }
         tokio::time::sleep(Duration::from_millis(5)).await;
     };
-    assert!(metrics.contains("vllm:num_requests_running{engine=\"0\",model_name=\"stub-svc\"} 1.0"), "{metrics}");
+    assert!(
+        metrics.contains("vllm:num_requests_running{engine=\"0\",model_name=\"stub-svc\"} 1.0"),
+        "{metrics}"
+    );
     assert!(metrics.contains("# TYPE vllm:kv_cache_usage_perc gauge"));
     // Dropping the clients' requests cancels them: the gauges return to 0.
     r1.abort();
@@ -274,7 +288,10 @@ async fn process_health_waits_for_startup_delay() {
     let _child = start_process(port, &[("STUB_STARTUP_DELAY", "1s")]);
     let c = client();
     let health = format!("http://127.0.0.1:{port}/health");
-    assert_eq!(wait_listening(&c, &health).await, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(
+        wait_listening(&c, &health).await,
+        StatusCode::SERVICE_UNAVAILABLE
+    );
     loop {
         let (s, _) = get(&c, &health).await;
         if s == StatusCode::OK {
@@ -294,7 +311,10 @@ async fn process_sigterm_finishes_in_flight_stream_then_exits() {
     );
     let c = client();
     let base = format!("http://127.0.0.1:{port}");
-    assert_eq!(wait_listening(&c, &format!("{base}/health")).await, StatusCode::OK);
+    assert_eq!(
+        wait_listening(&c, &format!("{base}/health")).await,
+        StatusCode::OK
+    );
     let req = Request::post(format!("{base}/v1/chat/completions"))
         .header("content-type", "application/json")
         .body(Full::new(Bytes::from(
@@ -313,7 +333,10 @@ async fn process_sigterm_finishes_in_flight_stream_then_exits() {
         .unwrap();
     assert!(status.success());
     let rest = body.collect().await.unwrap().to_bytes();
-    assert!(rest.ends_with(b"data: [DONE]\n\n"), "the stream finished after SIGTERM");
+    assert!(
+        rest.ends_with(b"data: [DONE]\n\n"),
+        "the stream finished after SIGTERM"
+    );
     let code = tokio::task::spawn_blocking(move || child.0.wait().unwrap())
         .await
         .unwrap();
