@@ -1,0 +1,1661 @@
+//! The Helm chart `charts/hearth`.
+//!
+//! - Sources stay single: the chart's CRDs and built-in policies are the generated files, the
+//!   webhook configurations are what `hearth_webhook::registration` generates, the args use flags
+//!   the binaries define, the dashboard uses metric names the crates register.
+//! - `helm lint`, and `helm template` for several value sets, applied with
+//!   `kubectl apply --dry-run=server` to the local control plane (the chart's CRDs applied for
+//!   real first; minimal cert-manager and Prometheus Operator CRDs stand in for the real ones),
+//!   in namespaces that warn on Pod Security "restricted" violations.
+//! - An RBAC matrix: the chart's RBAC installed for real, then `kubectl auth can-i --as=...`
+//!   for what each service account needs and what it must not do, the full rule list of each
+//!   account compared with the expected one, and the writes that RBAC escalation prevention
+//!   checks (the controller granting the gateway's Role) done for real.
+//!
+//! Needs `helm` and `kubectl` from `tests/cluster/up` (linked into its state dir), and for most
+//! tests a running cluster.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail, ensure};
+use hearth_crds::{InferenceRuntime, LLMService};
+use hearth_test_support::{Cluster, Observed, TestNamespace, state_dir, wait_until};
+use hearth_webhook::registration::Registration;
+use k8s_openapi::api::admissionregistration::v1::{
+    MutatingWebhookConfiguration, ValidatingWebhookConfiguration,
+};
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::Api;
+use kube::api::PostParams;
+use serde_json::{Value, json};
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// An upstream example: `../shared/examples/upstream` beside the repository, or
+/// `HEARTH_UPSTREAM_EXAMPLES` (as in crds/tests/api.rs).
+fn read_upstream<T: serde::de::DeserializeOwned>(file: &str) -> Result<T> {
+    let dir = std::env::var_os("HEARTH_UPSTREAM_EXAMPLES")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| repo().join("../shared/examples/upstream"));
+    let path = dir.join(file);
+    let text = std::fs::read(&path).with_context(|| {
+        format!(
+            "reading {}: check out shared/ beside the repository or set HEARTH_UPSTREAM_EXAMPLES",
+            path.display()
+        )
+    })?;
+    serde_yaml::from_slice(&text).with_context(|| format!("parsing {}", path.display()))
+}
+
+fn chart_dir() -> PathBuf {
+    repo().join("charts/hearth")
+}
+
+/// `helm` as `tests/cluster/up` links it (Helm 4, built from the pinned module).
+fn helm() -> Result<Command> {
+    let bin = state_dir().join("bin").join("helm");
+    ensure!(
+        bin.is_file(),
+        "no helm at {}: run `tests/cluster/up` (it builds helm and links it there)",
+        bin.display()
+    );
+    Ok(Command::new(bin))
+}
+
+/// Runs a command, failing with its stderr unless it exits 0.
+fn run(cmd: &mut Command, what: &str) -> Result<Output> {
+    let out = cmd.output().with_context(|| format!("running {what}"))?;
+    if !out.status.success() {
+        bail!(
+            "{what} failed ({}):\n{}{}",
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(out)
+}
+
+/// Runs a command with `input` on stdin.
+fn run_stdin(cmd: &mut Command, input: &[u8], what: &str) -> Result<Output> {
+    let mut child = cmd
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .with_context(|| format!("starting {what}"))?;
+    child
+        .stdin
+        .take()
+        .context("stdin")?
+        .write_all(input)
+        .with_context(|| format!("writing stdin of {what}"))?;
+    let out = child.wait_with_output()?;
+    if !out.status.success() {
+        bail!(
+            "{what} failed ({}):\n{}{}",
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(out)
+}
+
+/// `helm template <release> charts/hearth -n <namespace> -f <values>`: the manifest text.
+fn template(release: &str, namespace: &str, values: &Value) -> Result<String> {
+    let file = std::env::temp_dir().join(format!(
+        "hearth-chart-values-{}-{release}-{namespace}.json",
+        std::process::id()
+    ));
+    std::fs::write(&file, serde_json::to_vec(values)?)?;
+    let out = run(
+        helm()?
+            .args(["template", release])
+            .arg(chart_dir())
+            .args(["--namespace", namespace, "--values"])
+            .arg(&file),
+        &format!("helm template with {values}"),
+    );
+    let _ = std::fs::remove_file(&file);
+    Ok(String::from_utf8(out?.stdout)?)
+}
+
+/// The documents of a multi-document YAML stream, as JSON; empty documents dropped.
+fn documents(yaml: &str) -> Result<Vec<Value>> {
+    let mut docs = Vec::new();
+    for de in serde_yaml::Deserializer::from_str(yaml) {
+        let v: Value = serde::Deserialize::deserialize(de)?;
+        if !v.is_null() {
+            docs.push(v);
+        }
+    }
+    Ok(docs)
+}
+
+fn kind(doc: &Value) -> &str {
+    doc["kind"].as_str().unwrap_or("")
+}
+
+fn name(doc: &Value) -> &str {
+    doc["metadata"]["name"].as_str().unwrap_or("")
+}
+
+fn find<'a>(docs: &'a [Value], k: &str, n: &str) -> Result<&'a Value> {
+    docs.iter()
+        .find(|d| kind(d) == k && name(d) == n)
+        .with_context(|| format!("the chart rendered no {k} {n}"))
+}
+
+fn of_kind<'a>(docs: &'a [Value], k: &'a str) -> impl Iterator<Item = &'a Value> + 'a {
+    docs.iter().filter(move |d| kind(d) == k)
+}
+
+fn strings(v: &Value) -> Vec<String> {
+    v.as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|s| s.as_str().map(str::to_owned))
+        .collect()
+}
+
+fn yaml_files(dir: &Path) -> Result<BTreeMap<String, Vec<u8>>> {
+    let mut out = BTreeMap::new();
+    for entry in std::fs::read_dir(dir).with_context(|| format!("reading {}", dir.display()))? {
+        let path = entry?.path();
+        if path.extension().is_some_and(|e| e == "yaml") {
+            let name = path
+                .file_name()
+                .context("file name")?
+                .to_string_lossy()
+                .into_owned();
+            out.insert(name, std::fs::read(&path)?);
+        }
+    }
+    Ok(out)
+}
+
+/// Fails unless `copy` holds exactly the YAML files of `source`, byte for byte.
+fn same_files(source: &Path, copy: &Path, fix: &str) -> Result<()> {
+    let want = yaml_files(source)?;
+    let got = yaml_files(copy)?;
+    let names = |m: &BTreeMap<String, Vec<u8>>| m.keys().cloned().collect::<Vec<_>>();
+    ensure!(
+        names(&want) == names(&got),
+        "{} has {:?} but {} has {:?}; {fix}",
+        copy.display(),
+        names(&got),
+        source.display(),
+        names(&want)
+    );
+    for (file, bytes) in &want {
+        ensure!(
+            got.get(file) == Some(bytes),
+            "{}/{file} differs from {}/{file}; {fix}",
+            copy.display(),
+            source.display()
+        );
+    }
+    Ok(())
+}
+
+#[test]
+fn chart_crds_are_the_generated_crds() -> Result<()> {
+    same_files(
+        &repo().join("crds"),
+        &chart_dir().join("crds"),
+        "copy them: cp crds/*.yaml charts/hearth/crds/",
+    )
+}
+
+#[test]
+fn chart_builtin_policies_are_policies_builtin() -> Result<()> {
+    same_files(
+        &repo().join("policies/builtin"),
+        &chart_dir().join("files/builtin-policies"),
+        "copy them: cp policies/builtin/*.yaml charts/hearth/files/builtin-policies/",
+    )?;
+    // Rendered as ServingPolicy objects whose spec is the file's, in file order.
+    let docs = documents(&template("hearth", "hearth-system", &json!({}))?)?;
+    let rendered: Vec<&Value> = of_kind(&docs, "ServingPolicy").collect();
+    let files = yaml_files(&repo().join("policies/builtin"))?;
+    ensure!(
+        rendered.len() == files.len(),
+        "{} ServingPolicies rendered for {} files",
+        rendered.len(),
+        files.len()
+    );
+    for (doc, (file, text)) in rendered.iter().zip(&files) {
+        let source: Value = serde_yaml::from_slice(text)?;
+        ensure!(
+            doc["spec"] == source["spec"] && name(doc) == name(&source),
+            "ServingPolicy {} does not match policies/builtin/{file}",
+            name(doc)
+        );
+        ensure!(
+            doc["metadata"]["labels"]["serving.hearth.dev/builtin"] == "true",
+            "{file}: the builtin label was lost"
+        );
+    }
+    Ok(())
+}
+
+#[test]
+fn helm_lint_passes_strict() -> Result<()> {
+    for set in [
+        vec![],
+        vec!["--set", "certificates.mode=certManager"],
+        vec![
+            "--set",
+            "networkPolicy.enabled=true,serviceMonitor.enabled=true,dashboards.enabled=true",
+        ],
+    ] {
+        run(
+            helm()?
+                .args(["lint", "--strict"])
+                .arg(chart_dir())
+                .args(&set),
+            &format!("helm lint --strict {set:?}"),
+        )?;
+    }
+    Ok(())
+}
+
+#[test]
+fn schema_rejects_bad_values_naming_the_field() -> Result<()> {
+    for (set, field) in [
+        ("webhook.timeoutSeconds=30", "timeoutSeconds"),
+        ("certificates.mode=vault", "mode"),
+        ("webhok.replicas=2", "webhok"),
+        ("webhook.replicas=0", "replicas"),
+        ("controller.hostPathRoot=relative", "hostPathRoot"),
+        ("webhook.certValidity=90d", "certValidity"),
+        (
+            "controller.replicas=2,controller.leaderElection.enabled=false",
+            "leaderElection",
+        ),
+        ("webhook.podDisruptionBudget.minAvailable=2", "minAvailable"),
+    ] {
+        let out = helm()?
+            .args(["template", "hearth"])
+            .arg(chart_dir())
+            .args(["--set", set])
+            .output()?;
+        let err = String::from_utf8_lossy(&out.stderr);
+        ensure!(!out.status.success(), "--set {set} was accepted");
+        ensure!(
+            err.contains(field),
+            "--set {set}: the error does not name {field}: {err}"
+        );
+    }
+    Ok(())
+}
+
+/// The chart's webhook configurations are exactly `Registration::in_cluster` (apart from the
+/// chart's labels and cert-manager's injection annotation).
+#[test]
+fn webhook_configurations_are_what_the_webhook_crate_generates() -> Result<()> {
+    for (namespace, values, timeout) in [
+        ("hearth-system", json!({}), 5),
+        ("platform", json!({"webhook": {"timeoutSeconds": 10}}), 10),
+        ("kube-system", json!({"webhook": {"timeoutSeconds": 1}}), 1),
+        (
+            "hearth-system",
+            json!({"certificates": {"mode": "certManager"}}),
+            5,
+        ),
+    ] {
+        let docs = documents(&template("hearth", namespace, &values)?)?;
+        let reg = Registration {
+            timeout_seconds: timeout,
+            ..Registration::in_cluster(namespace)
+        };
+        let m: MutatingWebhookConfiguration =
+            serde_json::from_value(find(&docs, "MutatingWebhookConfiguration", "hearth")?.clone())?;
+        let v: ValidatingWebhookConfiguration = serde_json::from_value(
+            find(&docs, "ValidatingWebhookConfiguration", "hearth")?.clone(),
+        )?;
+        let want_m = reg.mutating();
+        let want_v = reg.validating();
+        ensure!(
+            m.metadata.name == want_m.metadata.name && m.webhooks == want_m.webhooks,
+            "MutatingWebhookConfiguration ({namespace}, {values}) differs from the crate's:\nchart: {}\ncrate: {}",
+            serde_json::to_string_pretty(&m.webhooks)?,
+            serde_json::to_string_pretty(&want_m.webhooks)?
+        );
+        ensure!(
+            v.metadata.name == want_v.metadata.name && v.webhooks == want_v.webhooks,
+            "ValidatingWebhookConfiguration ({namespace}, {values}) differs from the crate's:\nchart: {}\ncrate: {}",
+            serde_json::to_string_pretty(&v.webhooks)?,
+            serde_json::to_string_pretty(&want_v.webhooks)?
+        );
+        for (k, labels) in [
+            ("mutating", &m.metadata.labels),
+            ("validating", &v.metadata.labels),
+        ] {
+            for (key, value) in want_m.metadata.labels.iter().flatten() {
+                ensure!(
+                    labels.as_ref().and_then(|l| l.get(key)) == Some(value),
+                    "{k} configuration lacks the crate's label {key}={value}"
+                );
+            }
+        }
+        let inject = m
+            .metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get("cert-manager.io/inject-ca-from"));
+        if values["certificates"]["mode"] == "certManager" {
+            ensure!(
+                inject == Some(&format!("{namespace}/hearth-webhook")),
+                "cert-manager mode needs the CA injector annotation, got {inject:?}"
+            );
+        } else {
+            ensure!(
+                inject.is_none(),
+                "self-managed mode must not ask cert-manager"
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Long flags a binary's `main.rs` defines: clap derives `--foo-bar` from a field `foo_bar` and
+/// takes `long = "..."` verbatim.
+fn clap_flags(main_rs: &Path) -> Result<BTreeSet<String>> {
+    let src = std::fs::read_to_string(main_rs)?;
+    let mut flags = BTreeSet::new();
+    let mut pending_long = None;
+    for line in src.lines().map(str::trim) {
+        if line.starts_with("#[arg(") {
+            if let Some(i) = line.find("long = \"") {
+                let rest = &line[i + 8..];
+                pending_long = rest.split('"').next().map(str::to_owned);
+            }
+            continue;
+        }
+        if let Some((field, _)) = line.split_once(':')
+            && let Some(field) = field.strip_prefix("pub ").or(Some(field))
+            && !field.is_empty()
+            && field.chars().all(|c| c.is_ascii_lowercase() || c == '_')
+            && line.ends_with(',')
+        {
+            flags.insert(
+                pending_long
+                    .take()
+                    .unwrap_or_else(|| field.replace('_', "-")),
+            );
+        }
+    }
+    Ok(flags)
+}
+
+fn container_args(deployment: &Value) -> Vec<String> {
+    strings(&deployment["spec"]["template"]["spec"]["containers"][0]["args"])
+}
+
+#[test]
+fn container_args_are_flags_the_binaries_define() -> Result<()> {
+    let webhook_flags = clap_flags(&repo().join("webhook/src/main.rs"))?;
+    let controller_flags = clap_flags(&repo().join("controller/src/main.rs"))?;
+    for values in [
+        json!({}),
+        json!({"certificates": {"mode": "certManager"}, "webhook": {"extraSANs": ["a.example"]},
+               "controller": {"watchNamespace": "team-a", "leaderElection": {"enabled": false}}}),
+    ] {
+        let docs = documents(&template("hearth", "hearth-system", &values)?)?;
+        for (deploy, flags) in [
+            ("hearth-webhook", &webhook_flags),
+            ("hearth-controller", &controller_flags),
+        ] {
+            let args = container_args(find(&docs, "Deployment", deploy)?);
+            for arg in args.iter().filter(|a| a.starts_with("--")) {
+                let flag = arg.trim_start_matches("--");
+                let flag = flag.split_once('=').map_or(flag, |(f, _)| f);
+                ensure!(
+                    flags.contains(flag),
+                    "{deploy}: --{flag} is not a flag of its binary (known: {flags:?})"
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Metric names a crate's metrics module registers, with its registry prefix.
+fn registered_metrics(file: &str) -> Result<BTreeSet<String>> {
+    let src = std::fs::read_to_string(repo().join(file))?;
+    let prefix = src
+        .split_once("with_prefix(\"")
+        .and_then(|(_, rest)| rest.split('"').next())
+        .map(|p| format!("{p}_"))
+        .unwrap_or_default();
+    let mut names = BTreeSet::new();
+    for chunk in src.split(".register(").skip(1) {
+        if let Some(name) = chunk
+            .trim_start()
+            .strip_prefix('"')
+            .and_then(|s| s.split('"').next())
+        {
+            names.insert(format!("{prefix}{name}"));
+        }
+    }
+    ensure!(!names.is_empty(), "{file} registers no metrics?");
+    Ok(names)
+}
+
+#[test]
+fn dashboard_queries_use_registered_metric_names() -> Result<()> {
+    let mut known = BTreeSet::new();
+    for f in [
+        "gateway/src/metrics.rs",
+        "controller/src/metrics.rs",
+        "webhook/src/metrics.rs",
+    ] {
+        known.extend(registered_metrics(f)?);
+    }
+    let dashboard: Value =
+        serde_json::from_slice(&std::fs::read(chart_dir().join("dashboards/hearth.json"))?)?;
+    let mut exprs = Vec::new();
+    for panel in dashboard["panels"].as_array().into_iter().flatten() {
+        for target in panel["targets"].as_array().into_iter().flatten() {
+            exprs.push(target["expr"].as_str().unwrap_or_default().to_owned());
+        }
+    }
+    let mut used = BTreeSet::new();
+    for expr in &exprs {
+        for (i, _) in expr.match_indices("hearth_") {
+            let name: String = expr[i..]
+                .chars()
+                .take_while(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == '_')
+                .collect();
+            used.insert(name);
+        }
+    }
+    ensure!(used.len() >= 20, "the dashboard queries only {used:?}");
+    for name in &used {
+        // prometheus-client adds `_total` to counters and `_bucket`/`_sum`/`_count` to
+        // histograms.
+        let base = ["_total", "_bucket", "_sum", "_count"]
+            .iter()
+            .find_map(|s| name.strip_suffix(s).filter(|b| known.contains(*b)))
+            .unwrap_or(name);
+        ensure!(
+            known.contains(base),
+            "the dashboard queries {name}, which no metrics module registers (known: {known:?})"
+        );
+    }
+    // Every registered metric is on the dashboard.
+    for name in &known {
+        ensure!(
+            used.iter().any(|u| u.starts_with(name.as_str())),
+            "{name} is registered but not on the dashboard"
+        );
+    }
+    // The ConfigMap carries the same JSON.
+    let docs = documents(&template(
+        "hearth",
+        "hearth-system",
+        &json!({"dashboards": {"enabled": true}}),
+    )?)?;
+    let cm = find(&docs, "ConfigMap", "hearth-dashboards")?;
+    let embedded: Value =
+        serde_json::from_str(cm["data"]["hearth.json"].as_str().unwrap_or_default())?;
+    ensure!(embedded == dashboard, "the ConfigMap's dashboard differs");
+    ensure!(cm["metadata"]["labels"]["grafana_dashboard"] == "1");
+    Ok(())
+}
+
+/// Checks every Deployment's pod against the secure defaults.
+fn assert_secure_pods(docs: &[Value]) -> Result<()> {
+    let mut n = 0;
+    for d in of_kind(docs, "Deployment") {
+        n += 1;
+        let pod = &d["spec"]["template"]["spec"];
+        let who = name(d);
+        ensure!(
+            pod["securityContext"]["runAsNonRoot"] == true,
+            "{who}: runAsNonRoot"
+        );
+        ensure!(
+            pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault",
+            "{who}: seccomp"
+        );
+        for c in pod["containers"].as_array().into_iter().flatten() {
+            let sc = &c["securityContext"];
+            ensure!(
+                sc["readOnlyRootFilesystem"] == true,
+                "{who}: readOnlyRootFilesystem"
+            );
+            ensure!(
+                sc["allowPrivilegeEscalation"] == false,
+                "{who}: allowPrivilegeEscalation"
+            );
+            ensure!(
+                strings(&sc["capabilities"]["drop"]) == ["ALL"],
+                "{who}: drop ALL"
+            );
+            ensure!(
+                sc["seccompProfile"]["type"] == "RuntimeDefault",
+                "{who}: container seccomp"
+            );
+            let req = &c["resources"]["requests"];
+            ensure!(
+                req["cpu"].is_string() && req["memory"].is_string(),
+                "{who}: requests"
+            );
+        }
+    }
+    ensure!(
+        n == 2,
+        "expected the webhook and controller Deployments, saw {n}"
+    );
+    Ok(())
+}
+
+/// No ClusterRole grants anything on Secrets.
+fn assert_no_cluster_secret_access(docs: &[Value]) -> Result<()> {
+    for cr in of_kind(docs, "ClusterRole") {
+        for rule in cr["rules"].as_array().into_iter().flatten() {
+            let res = strings(&rule["resources"]);
+            ensure!(
+                !res.iter().any(|r| r == "secrets" || r == "*"),
+                "ClusterRole {} grants {res:?}",
+                name(cr)
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Minimal CRDs for kinds the chart can render whose operators are not on the local cluster:
+/// enough for the apiserver to accept (dry-run) objects of those kinds.
+fn stand_in_crd(group: &str, kind: &str, plural: &str) -> Result<CustomResourceDefinition> {
+    Ok(serde_json::from_value(json!({
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {
+            "name": format!("{plural}.{group}"),
+            "labels": {"tests.hearth.dev/stand-in": "chart"},
+        },
+        "spec": {
+            "group": group,
+            "names": {"kind": kind, "plural": plural, "singular": kind.to_lowercase(),
+                      "listKind": format!("{kind}List")},
+            "scope": "Namespaced",
+            "versions": [{
+                "name": "v1", "served": true, "storage": true,
+                "schema": {"openAPIV3Schema": {
+                    "type": "object",
+                    "x-kubernetes-preserve-unknown-fields": true,
+                }},
+            }],
+        },
+    }))?)
+}
+
+/// Applies the chart's CRDs for real (server-side, same content as `crds/`), and creates the
+/// stand-in CRDs unless the real ones are installed; waits until all are established.
+async fn install_crds(cluster: &Cluster) -> Result<()> {
+    run(
+        cluster
+            .kubectl()?
+            .args([
+                "apply",
+                "--server-side",
+                "--force-conflicts",
+                "--field-manager=hearth-chart-test",
+                "-f",
+            ])
+            .arg(chart_dir().join("crds")),
+        "kubectl apply of the chart's CRDs",
+    )?;
+    let crds: Api<CustomResourceDefinition> = Api::all(cluster.client());
+    let stand_ins = [
+        stand_in_crd("cert-manager.io", "Certificate", "certificates")?,
+        stand_in_crd("cert-manager.io", "Issuer", "issuers")?,
+        stand_in_crd("monitoring.coreos.com", "ServiceMonitor", "servicemonitors")?,
+    ];
+    let mut names: Vec<String> = yaml_files(&chart_dir().join("crds"))?
+        .values()
+        .map(|y| Ok(name(&serde_yaml::from_slice::<Value>(y)?).to_owned()))
+        .collect::<Result<_>>()?;
+    for crd in &stand_ins {
+        let n = crd.metadata.name.clone().unwrap_or_default();
+        if crds.get_opt(&n).await?.is_none() {
+            match crds.create(&PostParams::default(), crd).await {
+                Ok(_) => {}
+                // A parallel test made it first.
+                Err(kube::Error::Api(e)) if e.code == 409 => {}
+                Err(e) => return Err(e).context(format!("creating stand-in CRD {n}")),
+            }
+        }
+        names.push(n);
+    }
+    for n in names {
+        wait_until(
+            format!("CRD {n} established"),
+            Duration::from_secs(30),
+            || async {
+                let crd = crds.get(&n).await?;
+                let ok = crd
+                    .status
+                    .and_then(|s| s.conditions)
+                    .into_iter()
+                    .flatten()
+                    .any(|c| c.type_ == "Established" && c.status == "True");
+                Ok(if ok {
+                    Observed::Ready(())
+                } else {
+                    Observed::NotYet("not established".into())
+                })
+            },
+        )
+        .await?;
+    }
+    Ok(())
+}
+
+/// A test namespace whose Pod Security admission warns on "restricted" violations, so a
+/// dry-run of the chart's Deployments reports any insecure default.
+async fn restricted_namespace(cluster: &Cluster, prefix: &str) -> Result<TestNamespace> {
+    let ns = cluster.namespace(prefix).await?;
+    run(
+        cluster.kubectl()?.args([
+            "label",
+            "namespace",
+            ns.name(),
+            "pod-security.kubernetes.io/warn=restricted",
+            "pod-security.kubernetes.io/enforce=restricted",
+        ]),
+        "labelling the namespace for Pod Security",
+    )?;
+    Ok(ns)
+}
+
+struct ValueSet {
+    name: &'static str,
+    values: Value,
+    /// (kind, name) the set must render.
+    renders: Vec<(&'static str, &'static str)>,
+    /// Extra checks of the rendered documents.
+    check: fn(&[Value], &str) -> Result<()>,
+}
+
+fn value_sets() -> Vec<ValueSet> {
+    vec![
+        ValueSet {
+            name: "default",
+            values: json!({}),
+            renders: vec![
+                ("Deployment", "hearth-webhook"),
+                ("Deployment", "hearth-controller"),
+                ("PodDisruptionBudget", "hearth-webhook"),
+                ("Service", "hearth-webhook"),
+                ("Service", "hearth-controller-metrics"),
+                ("Role", "hearth-webhook"),
+                ("Role", "hearth-controller-leader-election"),
+                ("MutatingWebhookConfiguration", "hearth"),
+                ("ValidatingWebhookConfiguration", "hearth"),
+                ("ServingPolicy", "hearth-accelerator"),
+            ],
+            check: |docs, _| {
+                let webhook = find(docs, "Deployment", "hearth-webhook")?;
+                ensure!(webhook["spec"]["replicas"] == 2, "two webhook replicas");
+                let spread = &webhook["spec"]["template"]["spec"]["topologySpreadConstraints"];
+                ensure!(
+                    spread.as_array().is_some_and(|a| !a.is_empty()),
+                    "webhook pods spread"
+                );
+                ensure!(container_args(webhook).contains(&"--self-managed".to_owned()));
+                let ctrl = container_args(find(docs, "Deployment", "hearth-controller")?);
+                ensure!(ctrl.contains(&"--leader-elect=true".to_owned()), "{ctrl:?}");
+                ensure!(
+                    ctrl.contains(
+                        &"--gateway-image=ghcr.io/hearth-rs/hearth-gateway:v0.1.0".into()
+                    ),
+                    "{ctrl:?}"
+                );
+                ensure!(
+                    of_kind(docs, "NetworkPolicy").count() == 0
+                        && of_kind(docs, "ServiceMonitor").count() == 0
+                        && of_kind(docs, "Certificate").count() == 0,
+                    "optional kinds are off by default"
+                );
+                Ok(())
+            },
+        },
+        ValueSet {
+            name: "cert-manager",
+            values: json!({"certificates": {"mode": "certManager"}}),
+            renders: vec![
+                ("Issuer", "hearth-webhook-selfsigned"),
+                ("Certificate", "hearth-webhook-ca"),
+                ("Issuer", "hearth-webhook-ca"),
+                ("Certificate", "hearth-webhook"),
+            ],
+            check: |docs, ns| {
+                let cert = find(docs, "Certificate", "hearth-webhook")?;
+                ensure!(
+                    strings(&cert["spec"]["dnsNames"])
+                        .contains(&format!("hearth-webhook.{ns}.svc")),
+                    "serving certificate names the Service"
+                );
+                let args = container_args(find(docs, "Deployment", "hearth-webhook")?);
+                ensure!(
+                    args.iter().any(|a| a.starts_with("--tls-cert-file=")),
+                    "{args:?}"
+                );
+                ensure!(!args.contains(&"--self-managed".to_owned()), "{args:?}");
+                // cert-manager writes the Secret and the caBundle: no Secret Role, no write
+                // access to the webhook configurations.
+                ensure!(
+                    !docs
+                        .iter()
+                        .any(|d| kind(d) == "Role" && name(d) == "hearth-webhook"),
+                    "no Secret Role in cert-manager mode"
+                );
+                let cr = find(docs, "ClusterRole", "chart-webhook")?;
+                ensure!(
+                    !cr.to_string().contains("webhookconfigurations"),
+                    "no webhook configuration access in cert-manager mode"
+                );
+                Ok(())
+            },
+        },
+        ValueSet {
+            name: "cert-manager-issuer",
+            values: json!({"certificates": {"mode": "certManager",
+                "certManager": {"issuerRef": {"name": "corp-ca", "kind": "ClusterIssuer"}}}}),
+            renders: vec![("Certificate", "hearth-webhook")],
+            check: |docs, _| {
+                ensure!(of_kind(docs, "Issuer").count() == 0, "no chart issuers");
+                let cert = find(docs, "Certificate", "hearth-webhook")?;
+                ensure!(cert["spec"]["issuerRef"]["name"] == "corp-ca");
+                ensure!(cert["spec"]["issuerRef"]["kind"] == "ClusterIssuer");
+                Ok(())
+            },
+        },
+        ValueSet {
+            name: "network-policies",
+            values: json!({"networkPolicy": {"enabled": true, "metricsFrom": [
+                {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+            ]}}),
+            renders: vec![
+                ("NetworkPolicy", "hearth-webhook"),
+                ("NetworkPolicy", "hearth-controller"),
+            ],
+            check: |docs, _| {
+                for np in of_kind(docs, "NetworkPolicy") {
+                    ensure!(strings(&np["spec"]["policyTypes"]) == ["Ingress", "Egress"]);
+                }
+                let ctrl = find(docs, "NetworkPolicy", "hearth-controller")?;
+                ensure!(
+                    ctrl["spec"]["ingress"][0]["from"][0]["namespaceSelector"].is_object(),
+                    "metricsFrom is used"
+                );
+                Ok(())
+            },
+        },
+        ValueSet {
+            name: "service-monitor",
+            values: json!({"serviceMonitor": {"enabled": true, "labels": {"release": "prom"}},
+                           "dashboards": {"enabled": true}}),
+            renders: vec![
+                ("ServiceMonitor", "hearth-webhook"),
+                ("ServiceMonitor", "hearth-controller"),
+                ("ConfigMap", "hearth-dashboards"),
+            ],
+            check: |docs, ns| {
+                let sm = find(docs, "ServiceMonitor", "hearth-webhook")?;
+                ensure!(sm["metadata"]["labels"]["release"] == "prom");
+                ensure!(
+                    sm["spec"]["endpoints"][0]["tlsConfig"]["serverName"]
+                        == format!("hearth-webhook.{ns}.svc").as_str()
+                );
+                Ok(())
+            },
+        },
+        ValueSet {
+            name: "custom-images",
+            values: json!({
+                "image": {"registry": "registry.example.internal/platform", "tag": "v9.9.9",
+                          "pullSecrets": ["regcred"], "pullPolicy": "Always"},
+                "controller": {"image": {"repository": "hearth-controller",
+                    "override": "mirror.example.internal/hearth/controller@sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef"},
+                    "replicas": 2, "watchNamespace": "team-a"},
+                "webhook": {"replicas": 3, "timeoutSeconds": 8},
+                "commonLabels": {"team": "platform"},
+            }),
+            renders: vec![("Deployment", "hearth-webhook")],
+            check: |docs, _| {
+                let image = |d: &str| -> Result<String> {
+                    Ok(find(docs, "Deployment", d)?["spec"]["template"]["spec"]["containers"][0]
+                        ["image"]
+                        .as_str()
+                        .unwrap_or_default()
+                        .to_owned())
+                };
+                ensure!(
+                    image("hearth-webhook")?
+                        == "registry.example.internal/platform/hearth-webhook:v9.9.9"
+                );
+                ensure!(image("hearth-controller")?.starts_with("mirror.example.internal/"));
+                let ctrl = container_args(find(docs, "Deployment", "hearth-controller")?);
+                ensure!(
+                    ctrl.contains(
+                        &"--gateway-image=registry.example.internal/platform/hearth-gateway:v9.9.9"
+                            .into()
+                    )
+                );
+                ensure!(ctrl.contains(&"--namespace=team-a".into()), "{ctrl:?}");
+                let w = find(docs, "Deployment", "hearth-webhook")?;
+                ensure!(w["spec"]["replicas"] == 3);
+                ensure!(w["spec"]["template"]["spec"]["imagePullSecrets"][0]["name"] == "regcred");
+                ensure!(w["metadata"]["labels"]["team"] == "platform");
+                Ok(())
+            },
+        },
+    ]
+}
+
+/// Every value set renders what it should and is accepted by the apiserver (server dry-run)
+/// in a namespace enforcing Pod Security "restricted", without warnings.
+#[tokio::test]
+async fn value_sets_render_and_pass_server_dry_run() -> Result<()> {
+    let cluster = Cluster::connect().await?;
+    install_crds(&cluster).await?;
+    let mut table = Vec::new();
+    for set in value_sets() {
+        let ns = restricted_namespace(&cluster, &format!("chart-{}", set.name)).await?;
+        let manifest = template("chart", ns.name(), &set.values)?;
+        let docs = documents(&manifest)?;
+        for (k, n) in &set.renders {
+            find(&docs, k, n).with_context(|| format!("value set {}", set.name))?;
+        }
+        assert_secure_pods(&docs).with_context(|| format!("value set {}", set.name))?;
+        assert_no_cluster_secret_access(&docs)?;
+        (set.check)(&docs, ns.name()).with_context(|| format!("value set {}", set.name))?;
+        let out = run_stdin(
+            cluster
+                .kubectl()?
+                .args(["apply", "--dry-run=server", "-o", "name", "-f", "-"]),
+            manifest.as_bytes(),
+            &format!("kubectl apply --dry-run=server (value set {})", set.name),
+        )?;
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        ensure!(
+            !stderr.contains("Warning"),
+            "value set {}: the apiserver warned: {stderr}",
+            set.name
+        );
+        let applied = String::from_utf8_lossy(&out.stdout).lines().count();
+        ensure!(
+            applied == docs.len(),
+            "value set {}: {applied} objects accepted of {} rendered",
+            set.name,
+            docs.len()
+        );
+        table.push(format!("{:<22} {:>3} objects accepted", set.name, applied));
+    }
+    eprintln!("server dry-run:\n{}", table.join("\n"));
+    Ok(())
+}
+
+/// Rendered RBAC objects of a release, installed for real; cluster-scoped ones are deleted on
+/// drop (the namespace takes the rest).
+struct InstalledRbac {
+    kubectl: PathBuf,
+    kubeconfig: PathBuf,
+    cluster_scoped: Vec<String>,
+}
+
+impl InstalledRbac {
+    fn install(cluster: &Cluster, release: &str, namespace: &str) -> Result<Self> {
+        let docs = documents(&template(release, namespace, &json!({}))?)?;
+        let rbac: Vec<&Value> = docs
+            .iter()
+            .filter(|d| {
+                matches!(
+                    kind(d),
+                    "ServiceAccount"
+                        | "Role"
+                        | "RoleBinding"
+                        | "ClusterRole"
+                        | "ClusterRoleBinding"
+                )
+            })
+            .collect();
+        let cluster_scoped = rbac
+            .iter()
+            .filter(|d| kind(d).starts_with("Cluster"))
+            .map(|d| format!("{}/{}", kind(d).to_lowercase(), name(d)))
+            .collect();
+        let kubectl = cluster
+            .kubeconfig()
+            .parent()
+            .context("state dir")?
+            .join("bin/kubectl");
+        let this = Self {
+            kubectl,
+            kubeconfig: cluster.kubeconfig().to_owned(),
+            cluster_scoped,
+        };
+        let list = json!({"apiVersion": "v1", "kind": "List", "items": rbac});
+        run_stdin(
+            cluster.kubectl()?.args(["apply", "-f", "-"]),
+            list.to_string().as_bytes(),
+            "installing the chart's RBAC",
+        )?;
+        Ok(this)
+    }
+}
+
+impl Drop for InstalledRbac {
+    fn drop(&mut self) {
+        let _ = Command::new(&self.kubectl)
+            .arg("--kubeconfig")
+            .arg(&self.kubeconfig)
+            .args(["delete", "--ignore-not-found", "--wait=false"])
+            .args(&self.cluster_scoped)
+            .output();
+    }
+}
+
+/// One `kubectl auth can-i` question.
+struct Check {
+    account: &'static str,
+    verb: &'static str,
+    /// `resource.group[/name]`.
+    resource: String,
+    subresource: Option<&'static str>,
+    /// `None`: all namespaces (or a cluster-scoped resource).
+    namespace: Option<String>,
+    allowed: bool,
+}
+
+fn can_i(cluster: &Cluster, sa_namespace: &str, c: &Check) -> Result<bool> {
+    let mut cmd = cluster.kubectl()?;
+    cmd.args(["auth", "can-i", c.verb, &c.resource])
+        .arg(format!(
+            "--as=system:serviceaccount:{sa_namespace}:{}",
+            c.account
+        ));
+    match &c.namespace {
+        Some(ns) => cmd.args(["-n", ns]),
+        None => cmd.arg("--all-namespaces"),
+    };
+    if let Some(sub) = c.subresource {
+        cmd.arg(format!("--subresource={sub}"));
+    }
+    let out = cmd.output()?;
+    match out.status.code() {
+        Some(0) => Ok(true),
+        Some(1) => Ok(false),
+        _ => bail!(
+            "kubectl auth can-i {} {}: {}",
+            c.verb,
+            c.resource,
+            String::from_utf8_lossy(&out.stderr)
+        ),
+    }
+}
+
+fn matrix(release_ns: &str) -> Vec<Check> {
+    let team = || Some("team-a".to_owned());
+    let own = || Some(release_ns.to_owned());
+    let mut checks = Vec::new();
+    let mut add = |account,
+                   verbs: &[&'static str],
+                   resource: &str,
+                   sub,
+                   namespace: Option<String>,
+                   allowed| {
+        for verb in verbs {
+            checks.push(Check {
+                account,
+                verb,
+                resource: resource.to_owned(),
+                subresource: sub,
+                namespace: namespace.clone(),
+                allowed,
+            });
+        }
+    };
+    let c = "hearth-controller";
+    // What the controller needs.
+    add(
+        c,
+        &["list", "watch"],
+        "llmservices.serving.hearth.dev",
+        None,
+        None,
+        true,
+    );
+    add(
+        c,
+        &["patch"],
+        "llmservices.serving.hearth.dev",
+        Some("status"),
+        team(),
+        true,
+    );
+    add(
+        c,
+        &["list", "watch"],
+        "inferenceruntimes.serving.hearth.dev",
+        None,
+        None,
+        true,
+    );
+    add(c, &["list", "watch"], "deployments.apps", None, None, true);
+    add(
+        c,
+        &["create", "patch"],
+        "deployments.apps",
+        None,
+        team(),
+        true,
+    );
+    add(c, &["list", "watch"], "services", None, None, true);
+    add(
+        c,
+        &["create", "patch", "get", "delete"],
+        "services",
+        None,
+        team(),
+        true,
+    );
+    for r in [
+        "serviceaccounts",
+        "persistentvolumeclaims",
+        "jobs.batch",
+        "roles.rbac.authorization.k8s.io",
+        "rolebindings.rbac.authorization.k8s.io",
+        "scaledobjects.keda.sh",
+    ] {
+        add(c, &["list", "watch"], r, None, None, true);
+        add(c, &["create", "patch"], r, None, team(), true);
+    }
+    add(
+        c,
+        &["get", "list", "watch"],
+        "endpointslices.discovery.k8s.io",
+        None,
+        team(),
+        true,
+    );
+    add(
+        c,
+        &["get"],
+        "customresourcedefinitions.apiextensions.k8s.io/scaledobjects.keda.sh",
+        None,
+        None,
+        true,
+    );
+    add(
+        c,
+        &["create", "patch"],
+        "events.events.k8s.io",
+        None,
+        team(),
+        true,
+    );
+    add(
+        c,
+        &["create"],
+        "leases.coordination.k8s.io",
+        None,
+        own(),
+        true,
+    );
+    add(
+        c,
+        &["get", "update"],
+        "leases.coordination.k8s.io/hearth-controller",
+        None,
+        own(),
+        true,
+    );
+    // And nothing like this.
+    add(c, &["get", "list", "watch"], "secrets", None, None, false);
+    add(c, &["get", "list"], "secrets", None, team(), false);
+    add(c, &["get", "list"], "secrets", None, own(), false);
+    add(
+        c,
+        &["update", "delete"],
+        "deployments.apps",
+        None,
+        team(),
+        false,
+    );
+    add(c, &["create"], "pods", None, team(), false);
+    add(
+        c,
+        &["escalate", "bind"],
+        "roles.rbac.authorization.k8s.io",
+        None,
+        team(),
+        false,
+    );
+    add(
+        c,
+        &["create"],
+        "clusterroles.rbac.authorization.k8s.io",
+        None,
+        None,
+        false,
+    );
+    add(
+        c,
+        &["create"],
+        "clusterrolebindings.rbac.authorization.k8s.io",
+        None,
+        None,
+        false,
+    );
+    add(
+        c,
+        &["get"],
+        "customresourcedefinitions.apiextensions.k8s.io/llmservices.serving.hearth.dev",
+        None,
+        None,
+        false,
+    );
+    add(
+        c,
+        &["list"],
+        "customresourcedefinitions.apiextensions.k8s.io",
+        None,
+        None,
+        false,
+    );
+    add(
+        c,
+        &["update"],
+        "leases.coordination.k8s.io/kube-scheduler",
+        None,
+        own(),
+        false,
+    );
+    add(
+        c,
+        &["get"],
+        "leases.coordination.k8s.io",
+        None,
+        team(),
+        false,
+    );
+    add(
+        c,
+        &["patch", "create", "delete"],
+        "inferenceruntimes.serving.hearth.dev",
+        None,
+        None,
+        false,
+    );
+    add(
+        c,
+        &["create"],
+        "servingpolicies.serving.hearth.dev",
+        None,
+        None,
+        false,
+    );
+    add(
+        c,
+        &["update", "delete"],
+        "llmservices.serving.hearth.dev",
+        None,
+        team(),
+        false,
+    );
+    add(
+        c,
+        &["update"],
+        "mutatingwebhookconfigurations.admissionregistration.k8s.io/hearth",
+        None,
+        None,
+        false,
+    );
+    add(c, &["get"], "configmaps", None, team(), false);
+    add(c, &["create"], "pods", Some("exec"), team(), false);
+
+    let w = "hearth-webhook";
+    // What the webhook needs.
+    for r in [
+        "inferenceruntimes.serving.hearth.dev",
+        "servingpolicies.serving.hearth.dev",
+        "namespaces",
+    ] {
+        add(w, &["list", "watch"], r, None, None, true);
+    }
+    add(
+        w,
+        &["patch"],
+        "servingpolicies.serving.hearth.dev",
+        Some("status"),
+        None,
+        true,
+    );
+    add(
+        w,
+        &["get", "update"],
+        "mutatingwebhookconfigurations.admissionregistration.k8s.io/hearth",
+        None,
+        None,
+        true,
+    );
+    add(
+        w,
+        &["get", "update"],
+        "validatingwebhookconfigurations.admissionregistration.k8s.io/hearth",
+        None,
+        None,
+        true,
+    );
+    add(
+        w,
+        &["get", "update"],
+        "secrets/hearth-webhook-tls",
+        None,
+        own(),
+        true,
+    );
+    add(w, &["create"], "secrets", None, own(), true);
+    // And nothing like this.
+    add(
+        w,
+        &["create", "patch"],
+        "deployments.apps",
+        None,
+        team(),
+        false,
+    );
+    add(w, &["create"], "deployments.apps", None, own(), false);
+    add(w, &["get", "list"], "secrets", None, None, false);
+    add(w, &["get", "create"], "secrets", None, team(), false);
+    add(
+        w,
+        &["get", "update", "delete"],
+        "secrets/hearth-controller-token",
+        None,
+        own(),
+        false,
+    );
+    add(
+        w,
+        &["list", "watch", "delete"],
+        "secrets",
+        None,
+        own(),
+        false,
+    );
+    add(
+        w,
+        &["update", "delete"],
+        "mutatingwebhookconfigurations.admissionregistration.k8s.io/other",
+        None,
+        None,
+        false,
+    );
+    add(
+        w,
+        &["delete", "create"],
+        "mutatingwebhookconfigurations.admissionregistration.k8s.io",
+        None,
+        None,
+        false,
+    );
+    add(
+        w,
+        &["patch", "update", "delete"],
+        "servingpolicies.serving.hearth.dev",
+        None,
+        None,
+        false,
+    );
+    add(
+        w,
+        &["create"],
+        "llmservices.serving.hearth.dev",
+        None,
+        team(),
+        false,
+    );
+    add(
+        w,
+        &["patch"],
+        "llmservices.serving.hearth.dev",
+        Some("status"),
+        team(),
+        false,
+    );
+    add(
+        w,
+        &["get"],
+        "leases.coordination.k8s.io",
+        None,
+        own(),
+        false,
+    );
+    add(w, &["get"], "pods", None, team(), false);
+    add(w, &["create"], "events.events.k8s.io", None, team(), false);
+    checks
+}
+
+/// Resource rules of `kubectl auth can-i --list` for one account in one namespace, without
+/// the rules every authenticated user has (self reviews, discovery URLs).
+fn listed_rules(
+    cluster: &Cluster,
+    account: &str,
+    sa_ns: &str,
+    ns: &str,
+) -> Result<BTreeSet<String>> {
+    let out = run(
+        cluster
+            .kubectl()?
+            .args(["auth", "can-i", "--list", "-n", ns])
+            .arg(format!("--as=system:serviceaccount:{sa_ns}:{account}")),
+        "kubectl auth can-i --list",
+    )?;
+    let mut rules = BTreeSet::new();
+    for line in String::from_utf8_lossy(&out.stdout).lines().skip(1) {
+        let resource = line.split_whitespace().next().unwrap_or_default();
+        // Rows of nonResourceURLs (discovery, health) have no resource; the self reviews are
+        // every authenticated user's.
+        if resource.is_empty() || resource.starts_with('[') || resource.starts_with("selfsubject") {
+            continue;
+        }
+        let rest = &line[resource.len()..];
+        let lists: Vec<&str> = rest
+            .split('[')
+            .skip(1)
+            .map(|s| s.split(']').next().unwrap_or_default())
+            .collect();
+        let (names, verbs) = (
+            lists.get(1).copied().unwrap_or(""),
+            lists.get(2).copied().unwrap_or(""),
+        );
+        let mut verbs: Vec<&str> = verbs.split_whitespace().collect();
+        verbs.sort_unstable();
+        rules.insert(format!("{resource} [{names}] [{}]", verbs.join(" ")));
+    }
+    Ok(rules)
+}
+
+fn set(lines: &[&str]) -> BTreeSet<String> {
+    lines.iter().map(|s| (*s).to_owned()).collect()
+}
+
+#[tokio::test]
+async fn rbac_matrix_each_account_can_do_what_it_needs_and_nothing_more() -> Result<()> {
+    let cluster = Cluster::connect().await?;
+    install_crds(&cluster).await?;
+    let ns = cluster.namespace("chart-rbac").await?;
+    let release = ns.name().to_owned();
+    let _rbac = InstalledRbac::install(&cluster, &release, ns.name())?;
+
+    // RBAC is cached by the authorizer only briefly; wait until the grant is visible.
+    let probe = Check {
+        account: "hearth-webhook",
+        verb: "create",
+        resource: "secrets".into(),
+        subresource: None,
+        namespace: Some(ns.name().to_owned()),
+        allowed: true,
+    };
+    wait_until(
+        "the chart's RBAC in effect",
+        Duration::from_secs(30),
+        || async {
+            Ok(if can_i(&cluster, ns.name(), &probe)? {
+                Observed::Ready(())
+            } else {
+                Observed::NotYet("webhook cannot create its Secret yet".into())
+            })
+        },
+    )
+    .await?;
+
+    let checks = matrix(ns.name());
+    let mut rows = Vec::new();
+    let mut wrong = Vec::new();
+    for chunk in checks.chunks(8) {
+        let answers: Vec<Result<bool>> = std::thread::scope(|s| {
+            let handles: Vec<_> = chunk
+                .iter()
+                .map(|c| s.spawn(|| can_i(&cluster, ns.name(), c)))
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    h.join()
+                        .unwrap_or_else(|_| Err(anyhow::anyhow!("panicked")))
+                })
+                .collect()
+        });
+        for (c, got) in chunk.iter().zip(answers) {
+            let got = got?;
+            let where_ = match &c.namespace {
+                Some(n) if n == ns.name() => "release ns".to_owned(),
+                Some(n) => n.clone(),
+                None => "cluster".to_owned(),
+            };
+            let what = match c.subresource {
+                Some(s) => format!("{}/{s}", c.resource),
+                None => c.resource.clone(),
+            };
+            let row = format!(
+                "{:<18} {:<7} {:<72} {:<10} {}",
+                c.account,
+                c.verb,
+                what,
+                where_,
+                if got { "yes" } else { "no" }
+            );
+            if got != c.allowed {
+                wrong.push(format!(
+                    "{row} (expected {})",
+                    if c.allowed { "yes" } else { "no" }
+                ));
+            }
+            rows.push(row);
+        }
+    }
+    eprintln!("RBAC matrix ({} checks):\n{}", rows.len(), rows.join("\n"));
+    ensure!(
+        wrong.is_empty(),
+        "RBAC matrix mismatches:\n{}",
+        wrong.join("\n")
+    );
+
+    // Nothing more: every rule each account holds, as the apiserver lists them.
+    let controller_cluster = [
+        "deployments.apps [] [create list patch watch]",
+        "services [] [create delete get list patch watch]",
+        "serviceaccounts [] [create list patch watch]",
+        "persistentvolumeclaims [] [create list patch watch]",
+        "jobs.batch [] [create list patch watch]",
+        "roles.rbac.authorization.k8s.io [] [create list patch watch]",
+        "rolebindings.rbac.authorization.k8s.io [] [create list patch watch]",
+        "scaledobjects.keda.sh [] [create list patch watch]",
+        "endpointslices.discovery.k8s.io [] [get list watch]",
+        "customresourcedefinitions.apiextensions.k8s.io [scaledobjects.keda.sh] [get list watch]",
+        "events.events.k8s.io [] [create patch]",
+        "llmservices.serving.hearth.dev [] [list watch]",
+        "inferenceruntimes.serving.hearth.dev [] [list watch]",
+        "llmservices.serving.hearth.dev/status [] [patch]",
+    ];
+    let controller_own = [
+        "leases.coordination.k8s.io [hearth-controller] [get update]",
+        "leases.coordination.k8s.io [] [create]",
+    ];
+    let webhook_cluster = [
+        "inferenceruntimes.serving.hearth.dev [] [list watch]",
+        "servingpolicies.serving.hearth.dev [] [list watch]",
+        "servingpolicies.serving.hearth.dev/status [] [patch]",
+        "namespaces [] [list watch]",
+        "mutatingwebhookconfigurations.admissionregistration.k8s.io [hearth] [get update]",
+        "validatingwebhookconfigurations.admissionregistration.k8s.io [hearth] [get update]",
+    ];
+    let webhook_own = [
+        "secrets [hearth-webhook-tls] [get update]",
+        "secrets [] [create]",
+    ];
+    let with = |a: &[&str], b: &[&str]| set(&[a, b].concat());
+    for (account, in_ns, want) in [
+        (
+            "hearth-controller",
+            "team-a".to_owned(),
+            set(&controller_cluster),
+        ),
+        (
+            "hearth-controller",
+            ns.name().to_owned(),
+            with(&controller_cluster, &controller_own),
+        ),
+        ("hearth-webhook", "team-a".to_owned(), set(&webhook_cluster)),
+        (
+            "hearth-webhook",
+            ns.name().to_owned(),
+            with(&webhook_cluster, &webhook_own),
+        ),
+    ] {
+        let got = listed_rules(&cluster, account, ns.name(), &in_ns)?;
+        ensure!(
+            got == want,
+            "{account} in {in_ns}: rules differ\nextra: {:?}\nmissing: {:?}",
+            got.difference(&want).collect::<Vec<_>>(),
+            want.difference(&got).collect::<Vec<_>>()
+        );
+    }
+
+    // Escalation prevention is checked on writes, not by can-i: the controller must be able
+    // to grant each gateway its Role (rendered by the controller crate itself) ...
+    let team = cluster.namespace("chart-rbac-team").await?;
+    let controller_as = format!("--as=system:serviceaccount:{}:hearth-controller", ns.name());
+    let mut service: LLMService = read_upstream("stub-llmservice.yaml")?;
+    service.metadata.namespace = Some(team.name().to_owned());
+    service.metadata.uid = Some("00000000-0000-0000-0000-000000000001".into());
+    let runtime: InferenceRuntime = read_upstream("stub-inferenceruntime.yaml")?;
+    let resolved = hearth_controller::resolve_runtime(&service, [&runtime])?;
+    let children = hearth_controller::render(
+        &service,
+        resolved.runtime,
+        &hearth_controller::RenderConfig::default(),
+        true,
+    )?;
+    let mut grant = vec![
+        serde_json::to_value(&children.gateway_service_account)?,
+        serde_json::to_value(&children.gateway_role)?,
+        serde_json::to_value(&children.gateway_role_binding)?,
+        serde_json::to_value(&children.gateway_service)?,
+    ];
+    for obj in &mut grant {
+        // No owner: the LLMService is not created here, and the garbage collector would
+        // remove children of a missing owner.
+        if let Some(meta) = obj["metadata"].as_object_mut() {
+            meta.remove("ownerReferences");
+        }
+    }
+    let list = json!({"apiVersion": "v1", "kind": "List", "items": grant});
+    run_stdin(
+        cluster
+            .kubectl()?
+            .args([
+                "apply",
+                "--server-side",
+                "--field-manager=hearth-controller",
+                "-f",
+                "-",
+            ])
+            .arg(&controller_as),
+        list.to_string().as_bytes(),
+        "server-side apply of the gateway's ServiceAccount, Role, RoleBinding and Service as the controller",
+    )?;
+    // ... but not to grant anything it does not hold (here: reading Secrets).
+    let escalate = json!({
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+        "metadata": {"name": "escalate", "namespace": team.name()},
+        "rules": [{"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]}],
+    });
+    let out = cluster
+        .kubectl()?
+        .args([
+            "apply",
+            "--server-side",
+            "--field-manager=hearth-controller",
+            "-f",
+            "-",
+        ])
+        .arg(&controller_as)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .and_then(|mut child| {
+            if let Some(mut stdin) = child.stdin.take() {
+                stdin.write_all(escalate.to_string().as_bytes())?;
+            }
+            child.wait_with_output()
+        })?;
+    let err = String::from_utf8_lossy(&out.stderr);
+    ensure!(
+        !out.status.success() && err.contains("escalat"),
+        "the controller could create a Role granting Secrets: {err}"
+    );
+
+    // The webhook makes its own Secret, and reads no other.
+    let webhook_as = format!("--as=system:serviceaccount:{}:hearth-webhook", ns.name());
+    run(
+        cluster
+            .kubectl()?
+            .args([
+                "create",
+                "secret",
+                "generic",
+                "hearth-webhook-tls",
+                "-n",
+                ns.name(),
+                "--from-literal=probe=1",
+            ])
+            .arg(&webhook_as),
+        "the webhook creating its Secret",
+    )?;
+    run(
+        cluster
+            .kubectl()?
+            .args(["get", "secret", "hearth-webhook-tls", "-n", ns.name()])
+            .arg(&webhook_as),
+        "the webhook reading its Secret",
+    )?;
+    run(
+        cluster.kubectl()?.args([
+            "create",
+            "secret",
+            "generic",
+            "other",
+            "-n",
+            ns.name(),
+            "--from-literal=a=b",
+        ]),
+        "creating another Secret as admin",
+    )?;
+    let out = cluster
+        .kubectl()?
+        .args(["get", "secret", "other", "-n", ns.name()])
+        .arg(&webhook_as)
+        .output()?;
+    ensure!(
+        !out.status.success() && String::from_utf8_lossy(&out.stderr).contains("forbidden"),
+        "the webhook could read another Secret"
+    );
+    Ok(())
+}
