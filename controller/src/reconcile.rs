@@ -14,8 +14,10 @@
 //!   service is reconciled when it appears.
 
 use std::{
+    collections::HashMap,
     fmt::Debug,
     future::Future,
+    hash::{Hash, Hasher},
     sync::{
         Arc, RwLock,
         atomic::{AtomicBool, Ordering},
@@ -42,7 +44,7 @@ use k8s_openapi::{
 };
 use kube::{
     Api, Client, Resource, ResourceExt,
-    api::{DynamicObject, PartialObjectMeta, Patch, PatchParams, PostParams},
+    api::{DynamicObject, Patch, PatchParams, PostParams},
     runtime::{
         Controller, WatchStreamExt,
         controller::{Action, Config as ControllerConfig},
@@ -55,7 +57,7 @@ use serde::{Serialize, de::DeserializeOwned};
 use tracing::{Instrument, info_span};
 
 use crate::{
-    labels,
+    diff, labels,
     metrics::Metrics,
     model::{self, ModelSource},
     names,
@@ -169,6 +171,10 @@ pub struct Context {
     deployments: Store<Deployment>,
     claims: Store<PersistentVolumeClaim>,
     jobs: Store<Job>,
+    services: Store<Service>,
+    service_accounts: Store<ServiceAccount>,
+    roles: Store<Role>,
+    role_bindings: Store<RoleBinding>,
     keda: Arc<KedaState>,
     recorder: Recorder,
 }
@@ -209,6 +215,29 @@ where
         K::kind(&())
     )))?;
     Ok(())
+}
+
+/// [`apply`] unless the watch cache already holds everything `obj` sets (see [`crate::diff`]):
+/// an unchanged child costs no request at all.
+async fn apply_cached<K>(
+    ctx: &Context,
+    namespace: &str,
+    obj: &K,
+    store: &Store<K>,
+) -> Result<(), Error>
+where
+    K: Resource<DynamicType = (), Scope = NamespaceResourceScope>
+        + Serialize
+        + DeserializeOwned
+        + Clone
+        + Debug
+        + 'static,
+{
+    let name = obj.meta().name.clone().unwrap_or_default();
+    if get_in(store, namespace, &name).is_some_and(|cached| diff::contains(cached.as_ref(), obj)) {
+        return Ok(());
+    }
+    apply(ctx, namespace, obj).await
 }
 
 /// Reconciles one `LLMService`.
@@ -441,9 +470,21 @@ async fn apply_children(
     let name = svc.name_any();
     let mut conds = Vec::new();
 
-    apply(ctx, namespace, &children.gateway_service_account).await?;
-    apply(ctx, namespace, &children.gateway_role).await?;
-    apply(ctx, namespace, &children.gateway_role_binding).await?;
+    apply_cached(
+        ctx,
+        namespace,
+        &children.gateway_service_account,
+        &ctx.service_accounts,
+    )
+    .await?;
+    apply_cached(ctx, namespace, &children.gateway_role, &ctx.roles).await?;
+    apply_cached(
+        ctx,
+        namespace,
+        &children.gateway_role_binding,
+        &ctx.role_bindings,
+    )
+    .await?;
 
     // Cache.
     let source = model::parse_source(&svc.spec.model).ok();
@@ -466,6 +507,9 @@ async fn apply_children(
                         "spec.cache.storageClassName changed, and a claim's storage class cannot change: delete PersistentVolumeClaim {claim_name} (after scaling the backend to zero) to recreate it"
                     ),
                 )),
+                false if existing.as_deref().is_some_and(|c| diff::contains(c, claim)) => {
+                    conds.push(status::cache_claim(existing.as_deref(), &claim_name))
+                }
                 false => match apply(ctx, namespace, claim).await {
                     Err(Error::Kube { source: kube::Error::Api(e), .. }) if e.code == 422 => conds.push(Cond::new(
                         status::CACHE_READY,
@@ -542,10 +586,10 @@ async fn apply_children(
     }
 
     // Backend.
-    apply(ctx, namespace, &children.backend_service).await?;
+    apply_cached(ctx, namespace, &children.backend_service, &ctx.services).await?;
     let backend_name = names::backend(&name);
     if backend_exists {
-        apply(ctx, namespace, &children.backend).await?;
+        apply_cached(ctx, namespace, &children.backend, &ctx.deployments).await?;
     } else {
         // A plain create: `spec.replicas` stays with the create entry of managedFields, so the
         // later applies (which leave it out) never reset it.
@@ -574,35 +618,43 @@ async fn apply_children(
     }
 
     // Gateway.
-    apply(ctx, namespace, &children.gateway_service).await?;
+    apply_cached(ctx, namespace, &children.gateway_service, &ctx.services).await?;
     if let Some(s) = &children.scaler_service {
-        apply(ctx, namespace, s).await?;
+        apply_cached(ctx, namespace, s, &ctx.services).await?;
     } else {
         delete_if_owned::<Service>(ctx, namespace, &names::scaler_service(&name), svc).await?;
     }
-    apply(ctx, namespace, &children.gateway).await?;
+    apply_cached(ctx, namespace, &children.gateway, &ctx.deployments).await?;
 
     // Autoscaling.
     let keda = if ctx.keda.installed() {
-        let api: Api<DynamicObject> =
-            Api::namespaced_with(ctx.client.clone(), namespace, &ctx.render.keda_api);
-        ctx.metrics.writes.inc();
         let so_name = names::scaled_object(&name);
-        match api
-            .patch(
-                &so_name,
-                &PatchParams::apply(FIELD_MANAGER).force(),
-                &Patch::Apply(&children.scaled_object),
-            )
-            .await
+        let cached = ctx.keda.get(namespace, &so_name);
+        if cached
+            .as_deref()
+            .is_some_and(|c| diff::contains(c, &children.scaled_object))
         {
-            Ok(_) => status::autoscaling(true, ctx.keda.get(namespace, &so_name).as_deref()),
-            // The CRD went away between the check and the apply.
-            Err(kube::Error::Api(e)) if e.code == 404 => status::autoscaling(false, None),
-            Err(e) => {
-                return Err(kube_err(format!(
-                    "apply ScaledObject {namespace}/{so_name}"
-                ))(e));
+            status::autoscaling(true, cached.as_deref())
+        } else {
+            let api: Api<DynamicObject> =
+                Api::namespaced_with(ctx.client.clone(), namespace, &ctx.render.keda_api);
+            ctx.metrics.writes.inc();
+            match api
+                .patch(
+                    &so_name,
+                    &PatchParams::apply(FIELD_MANAGER).force(),
+                    &Patch::Apply(&children.scaled_object),
+                )
+                .await
+            {
+                Ok(_) => status::autoscaling(true, cached.as_deref()),
+                // The CRD went away between the check and the apply.
+                Err(kube::Error::Api(e)) if e.code == 404 => status::autoscaling(false, None),
+                Err(e) => {
+                    return Err(kube_err(format!(
+                        "apply ScaledObject {namespace}/{so_name}"
+                    ))(e));
+                }
             }
         }
     } else {
@@ -716,27 +768,33 @@ pub async fn run(
     .modify(|r| r.metadata.managed_fields = None)
     .reflect(runtime_writer)
     .touched_objects();
-    let (deployments, dep_writer) = reflector::store::<Deployment>();
-    let dep_stream = watcher(scoped::<Deployment>(&client, ns), managed.clone())
-        .default_backoff()
-        .modify(|d| d.metadata.managed_fields = None)
-        .reflect(dep_writer)
-        .touched_objects();
-    let (claims, claim_writer) = reflector::store::<PersistentVolumeClaim>();
-    let claim_stream = watcher(
-        scoped::<PersistentVolumeClaim>(&client, ns),
-        managed.clone(),
-    )
-    .default_backoff()
-    .modify(|c| c.metadata.managed_fields = None)
-    .reflect(claim_writer)
-    .touched_objects();
-    let (jobs, job_writer) = reflector::store::<Job>();
-    let job_stream = watcher(scoped::<Job>(&client, ns), managed.clone())
-        .default_backoff()
-        .modify(|j| j.metadata.managed_fields = None)
-        .reflect(job_writer)
-        .touched_objects();
+    // Children whose status feeds ours trigger a reconcile only when what we read changes
+    // (see `relevant`): KEDA, kwok and the Deployment controller update status often.
+    let (deployments, dep_stream) =
+        cached_watch_filtered::<Deployment>(&client, ns, &managed, |d| {
+            let b = status::BackendState::of(Some(d));
+            relevant(d, &(b.desired, b.ready, b.stuck))
+        });
+    let (claims, claim_stream) =
+        cached_watch_filtered::<PersistentVolumeClaim>(&client, ns, &managed, |c| {
+            relevant(
+                c,
+                &(
+                    c.status.as_ref().and_then(|s| s.phase.clone()),
+                    c.spec
+                        .as_ref()
+                        .and_then(|s| s.resources.clone())
+                        .map(|r| serde_json::to_string(&r).unwrap_or_default()),
+                ),
+            )
+        });
+    let (jobs, job_stream) = cached_watch_filtered::<Job>(&client, ns, &managed, |j| {
+        relevant(j, &status::prewarm(Some(j), "").reason)
+    });
+    let (services_store, services_stream) = cached_watch::<Service>(&client, ns, &managed);
+    let (sa_store, sa_stream) = cached_watch::<ServiceAccount>(&client, ns, &managed);
+    let (roles_store, roles_stream) = cached_watch::<Role>(&client, ns, &managed);
+    let (rb_store, rb_stream) = cached_watch::<RoleBinding>(&client, ns, &managed);
 
     let keda = Arc::new(KedaState {
         api: cfg.render.keda_api.clone(),
@@ -770,6 +828,10 @@ pub async fn run(
         deployments,
         claims,
         jobs,
+        services: services_store,
+        service_accounts: sa_store,
+        roles: roles_store,
+        role_bindings: rb_store,
         keda,
         recorder: Recorder::new(
             client.clone(),
@@ -784,45 +846,17 @@ pub async fn run(
     let controller = Controller::new(services, watcher::Config::default()).with_config(
         ControllerConfig::default()
             .concurrency(cfg.concurrency)
-            .debounce(Duration::from_millis(200)),
+            .debounce(Duration::from_secs(1)),
     );
     let service_store = controller.store();
     controller
         .owns_stream(dep_stream)
         .owns_stream(claim_stream)
         .owns_stream(job_stream)
-        .owns_stream(
-            watcher(
-                scoped::<PartialObjectMeta<Service>>(&client, ns),
-                managed.clone(),
-            )
-            .default_backoff()
-            .touched_objects(),
-        )
-        .owns_stream(
-            watcher(
-                scoped::<PartialObjectMeta<ServiceAccount>>(&client, ns),
-                managed.clone(),
-            )
-            .default_backoff()
-            .touched_objects(),
-        )
-        .owns_stream(
-            watcher(
-                scoped::<PartialObjectMeta<Role>>(&client, ns),
-                managed.clone(),
-            )
-            .default_backoff()
-            .touched_objects(),
-        )
-        .owns_stream(
-            watcher(
-                scoped::<PartialObjectMeta<RoleBinding>>(&client, ns),
-                managed.clone(),
-            )
-            .default_backoff()
-            .touched_objects(),
-        )
+        .owns_stream(services_stream)
+        .owns_stream(sa_stream)
+        .owns_stream(roles_stream)
+        .owns_stream(rb_stream)
         .watches_stream(runtime_stream, move |rt: InferenceRuntime| {
             let rt_name = rt.name_any();
             service_store
@@ -859,6 +893,96 @@ fn uses_runtime(svc: &LLMService, rt_name: &str, vendor: &str) -> bool {
             .as_ref()
             .and_then(|s| s.resolved_runtime.as_deref())
             == Some(rt_name)
+}
+
+/// A cache of managed children of kind `K` (without `managedFields`) and the stream that feeds
+/// it, for `owns_stream`.
+fn cached_watch<K>(
+    client: &Client,
+    namespace: Option<&str>,
+    selector: &watcher::Config,
+) -> (
+    Store<K>,
+    impl futures::Stream<Item = Result<K, watcher::Error>> + Send + 'static,
+)
+where
+    K: Resource<DynamicType = (), Scope = NamespaceResourceScope>
+        + DeserializeOwned
+        + Clone
+        + Debug
+        + Send
+        + Sync
+        + 'static,
+{
+    let (store, writer) = reflector::store::<K>();
+    let stream = watcher(scoped::<K>(client, namespace), selector.clone())
+        .default_backoff()
+        .modify(|o: &mut K| o.meta_mut().managed_fields = None)
+        .reflect(writer)
+        .touched_objects();
+    (store, stream)
+}
+
+/// A hash of what a reconcile reads from a child: its generation (spec changes), the metadata
+/// the controller sets (labels, annotations, owner references) and `extra` from its status.
+fn relevant<K: Resource, X: Hash>(obj: &K, extra: &X) -> u64 {
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    let meta = obj.meta();
+    meta.generation.hash(&mut h);
+    meta.labels.hash(&mut h);
+    meta.annotations.hash(&mut h);
+    for o in meta.owner_references.iter().flatten() {
+        (&o.uid, o.controller).hash(&mut h);
+    }
+    extra.hash(&mut h);
+    h.finish()
+}
+
+/// Like [`cached_watch`], but an update passes only when `relevant` changes; deletions always
+/// pass (a deleted child must be recreated).
+fn cached_watch_filtered<K>(
+    client: &Client,
+    namespace: Option<&str>,
+    selector: &watcher::Config,
+    relevant: impl Fn(&K) -> u64 + Send + 'static,
+) -> (
+    Store<K>,
+    impl futures::Stream<Item = Result<K, watcher::Error>> + Send + 'static,
+)
+where
+    K: Resource<DynamicType = (), Scope = NamespaceResourceScope>
+        + DeserializeOwned
+        + Clone
+        + Debug
+        + Send
+        + Sync
+        + 'static,
+{
+    let (store, writer) = reflector::store::<K>();
+    let mut seen: HashMap<(Option<String>, String), u64> = HashMap::new();
+    let stream = watcher(scoped::<K>(client, namespace), selector.clone())
+        .default_backoff()
+        .modify(|o: &mut K| o.meta_mut().managed_fields = None)
+        .reflect(writer)
+        .filter_map(move |event| {
+            let out = match event {
+                Ok(watcher::Event::Delete(o)) => {
+                    seen.remove(&(o.namespace(), o.name_any()));
+                    Some(Ok(o))
+                }
+                Ok(watcher::Event::Apply(o)) | Ok(watcher::Event::InitApply(o)) => {
+                    let h = relevant(&o);
+                    match seen.insert((o.namespace(), o.name_any()), h) {
+                        Some(old) if old == h => None,
+                        _ => Some(Ok(o)),
+                    }
+                }
+                Ok(watcher::Event::Init) | Ok(watcher::Event::InitDone) => None,
+                Err(e) => Some(Err(e)),
+            };
+            futures::future::ready(out)
+        });
+    (store, stream)
 }
 
 fn established(crd: &CustomResourceDefinition) -> bool {
@@ -915,10 +1039,26 @@ async fn watch_keda(
                     .default_backoff()
                     .modify(|o: &mut DynamicObject| o.metadata.managed_fields = None)
                     .reflect(writer)
-                    .applied_objects()
                     .boxed();
-                while let Some(obj) = stream.next().await {
-                    let Ok(obj) = obj else { continue };
+                // KEDA rewrites status often; only a change of what we read triggers, and a
+                // deletion (the ScaledObject must be recreated).
+                let mut seen: HashMap<(Option<String>, String), u64> = HashMap::new();
+                while let Some(event) = stream.next().await {
+                    let obj = match event {
+                        Ok(watcher::Event::Delete(obj)) => {
+                            seen.remove(&(obj.namespace(), obj.name_any()));
+                            obj
+                        }
+                        Ok(watcher::Event::Apply(obj)) | Ok(watcher::Event::InitApply(obj)) => {
+                            let ready = status::autoscaling(true, Some(&obj));
+                            let h = relevant(&obj, &(ready.status, ready.reason, ready.message));
+                            if seen.insert((obj.namespace(), obj.name_any()), h) == Some(h) {
+                                continue;
+                            }
+                            obj
+                        }
+                        _ => continue,
+                    };
                     let owner = obj.labels().get(LLMSERVICE_LABEL).cloned();
                     if let (Some(owner), Some(ns)) = (owner, obj.namespace()) {
                         let _ = tx.unbounded_send(ObjectRef::new(&owner).within(&ns));
