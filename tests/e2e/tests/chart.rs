@@ -267,6 +267,57 @@ fn helm_lint_passes_strict() -> Result<()> {
     Ok(())
 }
 
+/// The packaged chart (what a registry serves) carries the CRDs and policy files and renders
+/// exactly like the source directory.
+#[test]
+fn packaged_chart_carries_crds_and_renders_the_same() -> Result<()> {
+    let dir = std::env::temp_dir().join(format!("hearth-chart-package-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let result = (|| -> Result<()> {
+        run(
+            helm()?
+                .arg("package")
+                .arg(chart_dir())
+                .arg("--destination")
+                .arg(&dir),
+            "helm package",
+        )?;
+        let tgz = dir.join("hearth-0.1.0.tgz");
+        let crds = run(helm()?.args(["show", "crds"]).arg(&tgz), "helm show crds")?;
+        let shown = documents(&String::from_utf8(crds.stdout)?)?;
+        let mut names: Vec<&str> = shown.iter().map(name).collect();
+        names.sort_unstable();
+        ensure!(
+            names
+                == [
+                    "inferenceruntimes.serving.hearth.dev",
+                    "llmservices.serving.hearth.dev",
+                    "servingpolicies.serving.hearth.dev"
+                ],
+            "packaged CRDs: {names:?}"
+        );
+        let render = |chart: &Path| -> Result<Vec<u8>> {
+            Ok(run(
+                helm()?.args(["template", "hearth"]).arg(chart).args([
+                    "-n",
+                    "hearth-system",
+                    "--set",
+                    "dashboards.enabled=true",
+                ]),
+                "helm template",
+            )?
+            .stdout)
+        };
+        ensure!(
+            render(&tgz)? == render(&chart_dir())?,
+            "the packaged chart renders differently from charts/hearth"
+        );
+        Ok(())
+    })();
+    let _ = std::fs::remove_dir_all(&dir);
+    result
+}
+
 #[test]
 fn schema_rejects_bad_values_naming_the_field() -> Result<()> {
     for (set, field) in [
@@ -904,6 +955,21 @@ async fn value_sets_render_and_pass_server_dry_run() -> Result<()> {
         );
         table.push(format!("{:<22} {:>3} objects accepted", set.name, applied));
     }
+    // Helm's own install path against the cluster (release storage, hooks, CRD handling).
+    let ns = restricted_namespace(&cluster, "chart-install").await?;
+    run(
+        helm()?
+            .arg("--kubeconfig")
+            .arg(cluster.kubeconfig())
+            .args(["install", "hearth"])
+            .arg(chart_dir())
+            .args(["--namespace", ns.name(), "--dry-run=server"]),
+        "helm install --dry-run=server",
+    )?;
+    table.push(format!(
+        "{:<22} helm install --dry-run=server ok",
+        "default"
+    ));
     eprintln!("server dry-run:\n{}", table.join("\n"));
     Ok(())
 }
