@@ -114,26 +114,24 @@ fn cases() -> Vec<Case> {
     ]
 }
 
-/// The built-ins plus the twenty platform policies of `benches/platform-policies.yaml`.
-fn policies() -> Vec<ServingPolicy> {
-    let mut all = hearth_webhook::builtin::policies().unwrap();
+/// The twenty platform policies of `benches/platform-policies.yaml`.
+fn platform() -> Vec<ServingPolicy> {
     let mut bundle = hearth_policies::manifest::Bundle::default();
     let path =
         std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/platform-policies.yaml");
     hearth_policies::manifest::read_path(&path, &mut bundle).unwrap();
     assert_eq!(bundle.policies.len(), 20);
-    all.extend(bundle.policies);
-    let (_, errors) = hearth_policies::PolicySet::compile(&all);
-    assert!(errors.is_empty(), "{errors:?}");
-    all
+    bundle.policies
 }
 
-fn snapshot() -> Snapshot {
+fn snapshot(policies: &[ServingPolicy]) -> Snapshot {
+    let (_, errors) = hearth_policies::PolicySet::compile(policies);
+    assert!(errors.is_empty(), "{errors:?}");
     Snapshot::offline(
         upstream("InferenceRuntime")
             .into_iter()
             .map(|v| serde_json::from_value::<InferenceRuntime>(v).unwrap()),
-        &policies(),
+        policies,
     )
 }
 
@@ -218,7 +216,9 @@ fn main() {
     )
     .unwrap();
     let store = CertStore::new(certified_key(cert.as_bytes(), key.as_bytes()).unwrap());
-    let snap = snapshot();
+    let builtins = hearth_webhook::builtin::policies().unwrap();
+    let all: Vec<ServingPolicy> = builtins.iter().cloned().chain(platform()).collect();
+    let snap = snapshot(&all);
     let limits = Limits::default();
     let app = router(AppState::new(snap.clone(), limits));
 
@@ -282,6 +282,36 @@ fn main() {
             net.p50,
             net.p99,
             net.per_sec / base.per_sec
+        );
+    }
+
+    // Where the time goes: the mutate case in-process against subsets of the policy set.
+    println!();
+    println!("in-process mutate Deployment by policy set ({secs} s per row)");
+    println!(
+        "{:<32} {:>10} {:>12} {:>12} {:>12}",
+        "policies", "count", "reviews/s", "p50", "p99"
+    );
+    let mutate = cases()
+        .into_iter()
+        .find(|c| c.name == "mutate Deployment")
+        .unwrap();
+    for (name, set) in [
+        ("none", Vec::new()),
+        ("built-ins", builtins.clone()),
+        ("20 platform", platform()),
+        ("built-ins + 20 platform", all.clone()),
+    ] {
+        let snap = snapshot(&set);
+        in_process(&mutate, &snap, 0.2);
+        let st = in_process(&mutate, &snap, secs);
+        println!(
+            "{:<32} {:>10} {:>12.0} {:>12.1?} {:>12.1?}",
+            name,
+            set.len(),
+            st.per_sec,
+            st.p50,
+            st.p99
         );
     }
 }
