@@ -1,6 +1,7 @@
 //! The Helm chart `charts/hearth`.
 //!
-//! - Sources stay single: the chart's CRDs and built-in policies are the generated files, the
+//! - Sources stay single: the chart's CRDs and built-in policies are links to the files of
+//!   `crds/` and `policies/builtin/` (Helm packages the linked content), the
 //!   webhook configurations are what `hearth_webhook::registration` generates, the args use flags
 //!   the binaries define, the dashboard uses metric names the crates register.
 //! - `helm lint`, and `helm template` for several value sets, applied with
@@ -22,7 +23,6 @@ use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail, ensure};
-use hearth_crds::{InferenceRuntime, LLMService};
 use hearth_test_support::{Cluster, Observed, TestNamespace, state_dir, wait_until};
 use hearth_webhook::registration::Registration;
 use k8s_openapi::api::admissionregistration::v1::{
@@ -35,22 +35,6 @@ use serde_json::{Value, json};
 
 fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
-/// An upstream example: `../shared/examples/upstream` beside the repository, or
-/// `HEARTH_UPSTREAM_EXAMPLES` (as in crds/tests/api.rs).
-fn read_upstream<T: serde::de::DeserializeOwned>(file: &str) -> Result<T> {
-    let dir = std::env::var_os("HEARTH_UPSTREAM_EXAMPLES")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| repo().join("../shared/examples/upstream"));
-    let path = dir.join(file);
-    let text = std::fs::read(&path).with_context(|| {
-        format!(
-            "reading {}: check out shared/ beside the repository or set HEARTH_UPSTREAM_EXAMPLES",
-            path.display()
-        )
-    })?;
-    serde_yaml::from_slice(&text).with_context(|| format!("parsing {}", path.display()))
 }
 
 fn chart_dir() -> PathBuf {
@@ -181,45 +165,53 @@ fn yaml_files(dir: &Path) -> Result<BTreeMap<String, Vec<u8>>> {
     Ok(out)
 }
 
-/// Fails unless `copy` holds exactly the YAML files of `source`, byte for byte.
-fn same_files(source: &Path, copy: &Path, fix: &str) -> Result<()> {
+/// Fails unless `linked` holds, for exactly the YAML files of `source`, symbolic links to them:
+/// the chart reads its CRDs and built-in policies from the one source, and Helm copies the
+/// linked content into a packaged chart.
+fn linked_files(source: &Path, linked: &Path, fix: &str) -> Result<()> {
     let want = yaml_files(source)?;
-    let got = yaml_files(copy)?;
+    let got = yaml_files(linked)?;
     let names = |m: &BTreeMap<String, Vec<u8>>| m.keys().cloned().collect::<Vec<_>>();
     ensure!(
         names(&want) == names(&got),
         "{} has {:?} but {} has {:?}; {fix}",
-        copy.display(),
+        linked.display(),
         names(&got),
         source.display(),
         names(&want)
     );
-    for (file, bytes) in &want {
+    for file in want.keys() {
+        let link = linked.join(file);
         ensure!(
-            got.get(file) == Some(bytes),
-            "{}/{file} differs from {}/{file}; {fix}",
-            copy.display(),
-            source.display()
+            std::fs::symlink_metadata(&link)?.file_type().is_symlink(),
+            "{} is a copy, not a link; {fix}",
+            link.display()
+        );
+        ensure!(
+            std::fs::canonicalize(&link)? == std::fs::canonicalize(source.join(file))?,
+            "{} does not point at {}; {fix}",
+            link.display(),
+            source.join(file).display()
         );
     }
     Ok(())
 }
 
 #[test]
-fn chart_crds_are_the_generated_crds() -> Result<()> {
-    same_files(
+fn chart_crds_are_links_to_the_generated_crds() -> Result<()> {
+    linked_files(
         &repo().join("crds"),
         &chart_dir().join("crds"),
-        "copy them: cp crds/*.yaml charts/hearth/crds/",
+        "link each: cd charts/hearth/crds && ln -sf ../../../crds/<file>.yaml .",
     )
 }
 
 #[test]
-fn chart_builtin_policies_are_policies_builtin() -> Result<()> {
-    same_files(
+fn chart_builtin_policies_are_links_to_policies_builtin() -> Result<()> {
+    linked_files(
         &repo().join("policies/builtin"),
         &chart_dir().join("files/builtin-policies"),
-        "copy them: cp policies/builtin/*.yaml charts/hearth/files/builtin-policies/",
+        "link each: cd charts/hearth/files/builtin-policies && ln -sf ../../../../policies/builtin/<file>.yaml .",
     )?;
     // Rendered as ServingPolicy objects whose spec is the file's, in file order.
     let docs = documents(&template("hearth", "hearth-system", &json!({}))?)?;
@@ -1034,6 +1026,30 @@ impl Drop for InstalledRbac {
     }
 }
 
+/// The rules of the gateway Role the controller renders, read from `fn gateway_role` in
+/// controller/src/render.rs: its string literals must be exactly one EndpointSlice read rule, so
+/// a change there fails here (and the controller's ClusterRole must then hold the new rights).
+fn gateway_role_rules() -> Result<Value> {
+    let src = std::fs::read_to_string(repo().join("controller/src/render.rs"))?;
+    let body = src
+        .split_once("fn gateway_role(")
+        .and_then(|(_, rest)| rest.split_once("\n}\n"))
+        .map(|(body, _)| body)
+        .context("controller/src/render.rs has no fn gateway_role")?;
+    let literals: BTreeSet<&str> = body.split('"').skip(1).step_by(2).collect();
+    let want = BTreeSet::from(["discovery.k8s.io", "endpointslices", "get", "list", "watch"]);
+    ensure!(
+        literals == want,
+        "the controller's gateway Role changed (its literals: {literals:?}); update the \
+         controller ClusterRole in charts/hearth/templates/controller-rbac.yaml so it holds what \
+         it grants, then this check"
+    );
+    Ok(
+        json!([{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+                "verbs": ["get", "list", "watch"]}]),
+    )
+}
+
 /// One `kubectl auth can-i` question.
 struct Check {
     account: &'static str,
@@ -1604,33 +1620,23 @@ async fn rbac_matrix_each_account_can_do_what_it_needs_and_nothing_more() -> Res
     }
 
     // Escalation prevention is checked on writes, not by can-i: the controller must be able
-    // to grant each gateway its Role (rendered by the controller crate itself) ...
+    // to grant each gateway its Role (the rules of controller/src/render.rs) ...
     let team = cluster.namespace("chart-rbac-team").await?;
     let controller_as = format!("--as=system:serviceaccount:{}:hearth-controller", ns.name());
-    let mut service: LLMService = read_upstream("stub-llmservice.yaml")?;
-    service.metadata.namespace = Some(team.name().to_owned());
-    service.metadata.uid = Some("00000000-0000-0000-0000-000000000001".into());
-    let runtime: InferenceRuntime = read_upstream("stub-inferenceruntime.yaml")?;
-    let resolved = hearth_controller::resolve_runtime(&service, [&runtime])?;
-    let children = hearth_controller::render(
-        &service,
-        resolved.runtime,
-        &hearth_controller::RenderConfig::default(),
-        true,
-    )?;
-    let mut grant = vec![
-        serde_json::to_value(&children.gateway_service_account)?,
-        serde_json::to_value(&children.gateway_role)?,
-        serde_json::to_value(&children.gateway_role_binding)?,
-        serde_json::to_value(&children.gateway_service)?,
+    let gateway = "stub-svc-gateway";
+    let meta = |n: &str| json!({"name": n, "namespace": team.name()});
+    let grant = vec![
+        json!({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta(gateway)}),
+        json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+               "metadata": meta(gateway), "rules": gateway_role_rules()?}),
+        json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+               "metadata": meta(gateway),
+               "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": gateway},
+               "subjects": [{"kind": "ServiceAccount", "name": gateway, "namespace": team.name()}]}),
+        json!({"apiVersion": "v1", "kind": "Service", "metadata": meta(gateway),
+               "spec": {"ports": [{"name": "http", "port": 80, "targetPort": "http"}],
+                        "selector": {"app": gateway}}}),
     ];
-    for obj in &mut grant {
-        // No owner: the LLMService is not created here, and the garbage collector would
-        // remove children of a missing owner.
-        if let Some(meta) = obj["metadata"].as_object_mut() {
-            meta.remove("ownerReferences");
-        }
-    }
     let list = json!({"apiVersion": "v1", "kind": "List", "items": grant});
     run_stdin(
         cluster
