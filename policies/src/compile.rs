@@ -28,34 +28,148 @@ pub const ROOT_VARIABLES: &[&str] = &[
 
 /// Functions of the `cel` crate's standard library.
 const CEL_FUNCTIONS: &[&str] = &[
-    "contains", "size", "max", "min", "startsWith", "endsWith", "string", "bytes", "double",
-    "int", "uint", "optional.none", "optional.of", "optional.ofNonZeroValue", "value",
-    "hasValue", "or", "orValue", "matches", "duration", "timestamp", "getFullYear", "getMonth",
-    "getDayOfYear", "getDayOfMonth", "getDate", "getDayOfWeek", "getHours", "getMinutes",
-    "getSeconds", "getMilliseconds",
+    "contains",
+    "size",
+    "max",
+    "min",
+    "startsWith",
+    "endsWith",
+    "string",
+    "bytes",
+    "double",
+    "int",
+    "uint",
+    "optional.none",
+    "optional.of",
+    "optional.ofNonZeroValue",
+    "value",
+    "hasValue",
+    "or",
+    "orValue",
+    "matches",
+    "duration",
+    "timestamp",
+    "getFullYear",
+    "getMonth",
+    "getDayOfYear",
+    "getDayOfMonth",
+    "getDate",
+    "getDayOfWeek",
+    "getHours",
+    "getMinutes",
+    "getSeconds",
+    "getMilliseconds",
 ];
 
 /// Functions kube-cel 0.8 registers (`KubeCelExt::register_all`): the Kubernetes CEL
 /// libraries (k8s.io/apiserver/pkg/cel/library) and cel-go extensions.
 const KUBE_FUNCTIONS: &[&str] = &[
-    "add", "asApproximateFloat", "asInteger", "base64.decode", "base64.encode", "charAt",
-    "cidr", "compareTo", "containsCIDR", "containsIP", "distinct", "family", "find", "findAll",
-    "first", "flatten", "format", "format.byte", "format.date", "format.datetime",
-    "format.dns1035Label", "format.dns1035LabelPrefix", "format.dns1123Label",
-    "format.dns1123LabelPrefix", "format.dns1123Subdomain", "format.dns1123SubdomainPrefix",
-    "format.labelValue", "format.named", "format.qualifiedName", "format.uri", "format.uuid",
-    "getEscapedPath", "getHost", "getHostname", "getPort", "getQuery", "getScheme", "indexOf",
-    "ip", "ip.isCanonical", "isCIDR", "isCIDRv4", "isCIDRv6", "isGlobalUnicast",
-    "isGreaterThan", "isIP", "isIPv4", "isIPv6", "isInteger", "isLessThan",
-    "isLinkLocalMulticast", "isLinkLocalUnicast", "isLoopback", "isQuantity", "isSemver",
-    "isSorted", "isURL", "isUnspecified", "join", "jsonpatch.escapeKey", "last", "lastIndexOf",
-    "lists.range", "lowerAscii", "major", "masked", "math.abs", "math.bitAnd", "math.bitNot",
-    "math.bitOr", "math.bitShiftLeft", "math.bitShiftRight", "math.bitXor", "math.ceil",
-    "math.floor", "math.greatest", "math.isFinite", "math.isInf", "math.isNaN", "math.least",
-    "math.round", "math.sign", "math.sqrt", "math.trunc", "minor", "patch", "prefixLength",
-    "quantity", "replace", "reverse", "semver", "sets.contains", "sets.equivalent",
-    "sets.intersects", "sign", "slice", "sort", "split", "strings.quote", "sub", "substring",
-    "sum", "trim", "upperAscii", "url", "validate",
+    "add",
+    "asApproximateFloat",
+    "asInteger",
+    "base64.decode",
+    "base64.encode",
+    "charAt",
+    "cidr",
+    "compareTo",
+    "containsCIDR",
+    "containsIP",
+    "distinct",
+    "family",
+    "find",
+    "findAll",
+    "first",
+    "flatten",
+    "format",
+    "format.byte",
+    "format.date",
+    "format.datetime",
+    "format.dns1035Label",
+    "format.dns1035LabelPrefix",
+    "format.dns1123Label",
+    "format.dns1123LabelPrefix",
+    "format.dns1123Subdomain",
+    "format.dns1123SubdomainPrefix",
+    "format.labelValue",
+    "format.named",
+    "format.qualifiedName",
+    "format.uri",
+    "format.uuid",
+    "getEscapedPath",
+    "getHost",
+    "getHostname",
+    "getPort",
+    "getQuery",
+    "getScheme",
+    "indexOf",
+    "ip",
+    "ip.isCanonical",
+    "isCIDR",
+    "isCIDRv4",
+    "isCIDRv6",
+    "isGlobalUnicast",
+    "isGreaterThan",
+    "isIP",
+    "isIPv4",
+    "isIPv6",
+    "isInteger",
+    "isLessThan",
+    "isLinkLocalMulticast",
+    "isLinkLocalUnicast",
+    "isLoopback",
+    "isQuantity",
+    "isSemver",
+    "isSorted",
+    "isURL",
+    "isUnspecified",
+    "join",
+    "jsonpatch.escapeKey",
+    "last",
+    "lastIndexOf",
+    "lists.range",
+    "lowerAscii",
+    "major",
+    "masked",
+    "math.abs",
+    "math.bitAnd",
+    "math.bitNot",
+    "math.bitOr",
+    "math.bitShiftLeft",
+    "math.bitShiftRight",
+    "math.bitXor",
+    "math.ceil",
+    "math.floor",
+    "math.greatest",
+    "math.isFinite",
+    "math.isInf",
+    "math.isNaN",
+    "math.least",
+    "math.round",
+    "math.sign",
+    "math.sqrt",
+    "math.trunc",
+    "minor",
+    "patch",
+    "prefixLength",
+    "quantity",
+    "replace",
+    "reverse",
+    "semver",
+    "sets.contains",
+    "sets.equivalent",
+    "sets.intersects",
+    "sign",
+    "slice",
+    "sort",
+    "split",
+    "strings.quote",
+    "sub",
+    "substring",
+    "sum",
+    "trim",
+    "upperAscii",
+    "url",
+    "validate",
 ];
 
 /// Operators the interpreter evaluates itself.
@@ -106,12 +220,27 @@ const GROWING: &[&str] = &[
 
 /// Functions that need the apiserver (or a newer CEL) and are rejected with a reason.
 const UNSUPPORTED: &[(&str, &str)] = &[
-    ("cel.bind", "cel.bind is not supported: declare a policy variable (spec.variables) and use variables.<name>"),
-    ("all", "two-variable comprehensions are not supported: use the one-variable form list.all(x, ...)"),
-    ("exists", "two-variable comprehensions are not supported: use the one-variable form list.exists(x, ...)"),
+    (
+        "cel.bind",
+        "cel.bind is not supported: declare a policy variable (spec.variables) and use variables.<name>",
+    ),
+    (
+        "all",
+        "two-variable comprehensions are not supported: use the one-variable form list.all(x, ...)",
+    ),
+    (
+        "exists",
+        "two-variable comprehensions are not supported: use the one-variable form list.exists(x, ...)",
+    ),
     ("existsOne", "two-variable comprehensions are not supported"),
-    ("exists_one", "two-variable comprehensions are not supported"),
-    ("transformList", "transformList is not supported: use map(x, ...)"),
+    (
+        "exists_one",
+        "two-variable comprehensions are not supported",
+    ),
+    (
+        "transformList",
+        "transformList is not supported: use map(x, ...)",
+    ),
     ("transformMap", "transformMap is not supported"),
     ("transformMapEntry", "transformMapEntry is not supported"),
     ("type", "type() is not supported"),
@@ -260,7 +389,7 @@ pub fn compile_expr(
     };
     stacker::grow(16 << 20, || checker.check(&expr, 1, 0))?;
     let uses = checker.uses;
-    stacker::grow(16 << 20, || rewrite(&mut expr, 0));
+    stacker::grow(16 << 20, || rewrite(&mut expr));
     Ok(CompiledExpr {
         source: source.to_owned(),
         expr,
@@ -344,7 +473,17 @@ impl Checker<'_> {
     }
 
     fn ident(&mut self, name: &str) -> Result<(), ExprError> {
-        if self.scope.iter().any(|s| s == name) || ROOT_VARIABLES.contains(&name) {
+        if self.scope.iter().any(|s| s == name) {
+            return Ok(());
+        }
+        if name == "variables" {
+            return Err(error_at(
+                self.source,
+                name,
+                "use a policy variable by name: variables.<name>".into(),
+            ));
+        }
+        if ROOT_VARIABLES.contains(&name) {
             return Ok(());
         }
         let message = if name == "authorizer" {
@@ -405,7 +544,9 @@ impl Checker<'_> {
         }
         // `ns.fn(...)` parses as a call of `fn` on the identifier `ns`.
         let qualified = match call.target.as_deref().map(|t| &t.expr) {
-            Some(Expr::Ident(ns)) if !self.scope.contains(ns) && !ROOT_VARIABLES.contains(&ns.as_str()) => {
+            Some(Expr::Ident(ns))
+                if !self.scope.contains(ns) && !ROOT_VARIABLES.contains(&ns.as_str()) =>
+            {
                 Some(format!("{ns}.{name}"))
             }
             _ => None,
@@ -428,7 +569,9 @@ impl Checker<'_> {
             return Err(error_at(
                 self.source,
                 full,
-                format!("unknown function '{full}': it is not in the standard or Kubernetes CEL libraries"),
+                format!(
+                    "unknown function '{full}': it is not in the standard or Kubernetes CEL libraries"
+                ),
             ));
         }
         Ok(())
@@ -450,40 +593,51 @@ fn take(e: &mut IdedExpr) -> IdedExpr {
     std::mem::take(e)
 }
 
-/// How many tree levels may pass between stack checks. Debug builds of the interpreter use
-/// tens of KiB of stack per level.
-const DEEP_EVERY: usize = 6;
+/// The context identifier holding policy variable `name` (`variables.<name>` is rewritten to
+/// it, so each variable is converted into the interpreter's representation once).
+pub(crate) fn variable_ident(name: &str) -> String {
+    format!("__hearth_var_{name}")
+}
 
 /// Splices in guards: comprehension ticks, size checks on growing calls, pre-checks on
-/// amplifying calls, stack growth every few levels; turns `Object{...}`/`JSONPatch{...}`
+/// amplifying calls; binds `variables.<name>` to its own identifier; turns `Object{...}`/`JSONPatch{...}`
 /// message construction (which the interpreter cannot evaluate) into maps.
-fn rewrite(e: &mut IdedExpr, depth: usize) {
+fn rewrite(e: &mut IdedExpr) {
     // Children first.
     match &mut e.expr {
         Expr::Call(c) => {
             if let Some(t) = c.target.as_deref_mut() {
-                rewrite(t, depth + 1);
+                rewrite(t);
             }
-            c.args.iter_mut().for_each(|a| rewrite(a, depth + 1));
+            c.args.iter_mut().for_each(rewrite);
         }
-        Expr::Select(s) => rewrite(&mut s.operand, depth + 1),
-        Expr::List(l) => l.elements.iter_mut().for_each(|x| rewrite(x, depth + 1)),
+        Expr::Select(s) => {
+            if let Expr::Ident(root) = &s.operand.expr
+                && root == "variables"
+                && !s.test
+            {
+                e.expr = Expr::Ident(variable_ident(&s.field));
+                return;
+            }
+            rewrite(&mut s.operand)
+        }
+        Expr::List(l) => l.elements.iter_mut().for_each(rewrite),
         Expr::Map(m) => m.entries.iter_mut().for_each(|en| {
             if let EntryExpr::MapEntry(me) = &mut en.expr {
-                rewrite(&mut me.key, depth + 1);
-                rewrite(&mut me.value, depth + 1);
+                rewrite(&mut me.key);
+                rewrite(&mut me.value);
             }
         }),
         Expr::Struct(s) => s.entries.iter_mut().for_each(|en| match &mut en.expr {
-            EntryExpr::StructField(f) => rewrite(&mut f.value, depth + 1),
-            EntryExpr::MapEntry(me) => rewrite(&mut me.value, depth + 1),
+            EntryExpr::StructField(f) => rewrite(&mut f.value),
+            EntryExpr::MapEntry(me) => rewrite(&mut me.value),
         }),
         Expr::Comprehension(c) => {
-            rewrite(&mut c.iter_range, depth + 1);
-            rewrite(&mut c.accu_init, depth + 1);
-            rewrite(&mut c.loop_cond, depth + 1);
-            rewrite(&mut c.loop_step, depth + 1);
-            rewrite(&mut c.result, depth + 1);
+            rewrite(&mut c.iter_range);
+            rewrite(&mut c.accu_init);
+            rewrite(&mut c.loop_cond);
+            rewrite(&mut c.loop_step);
+            rewrite(&mut c.result);
             let cond = take(&mut c.loop_cond);
             c.loop_cond = call(guard::TICK, None, vec![cond]);
         }
@@ -549,18 +703,14 @@ fn rewrite(e: &mut IdedExpr, depth: usize) {
                 }
                 _ => {}
             }
-            if GROWING.contains(&qualified.as_str()) {
+            // The accumulator step of a comprehension (`@result + [x]`) is charged by the tick
+            // guard instead, without converting the accumulator.
+            let accumulates = matches!(c.args.first().map(|a| &a.expr), Some(Expr::Ident(n)) if n.starts_with('@'));
+            if GROWING.contains(&qualified.as_str()) && !accumulates {
                 let inner = take(e);
                 *e = call(guard::SIZE, None, vec![inner]);
             }
         }
         _ => {}
     }
-    if depth % DEEP_EVERY == DEEP_EVERY - 1
-        && !matches!(e.expr, Expr::Literal(_) | Expr::Ident(_))
-    {
-        let inner = take(e);
-        *e = call(guard::DEEP, None, vec![inner]);
-    }
 }
-

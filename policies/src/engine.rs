@@ -10,15 +10,12 @@ use hearth_crds::servingpolicy::{
     FailurePolicy, MatchResources, Operation, PatchType, ReinvocationPolicy, ServingPolicy,
     StatusReason, ValidationAction,
 };
-use kube_cel::cel::{
-    Context, Value as CelValue,
-    objects::{Key, Map},
-};
+use kube_cel::cel::{Context, Value as CelValue};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::{
-    compile::{CompiledExpr, ExprError, compile_expr},
+    compile::{CompiledExpr, ExprError, compile_expr, variable_ident},
     guard,
     limits::Limits,
     matching, merge,
@@ -110,7 +107,13 @@ impl RequestInfo {
     /// for the controller's render path. The resource is the lower-case plural of the kind
     /// (`Deployment` → `deployments`, `Policy` → `policies`).
     pub fn for_object(object: &Value, operation: Operation) -> Self {
-        let s = |p: &str| object.pointer(p).and_then(Value::as_str).unwrap_or_default().to_owned();
+        let s = |p: &str| {
+            object
+                .pointer(p)
+                .and_then(Value::as_str)
+                .unwrap_or_default()
+                .to_owned()
+        };
         let api_version = s("/apiVersion");
         let (group, version) = match api_version.split_once('/') {
             Some((g, v)) => (g.to_owned(), v.to_owned()),
@@ -127,8 +130,16 @@ impl RequestInfo {
         };
         RequestInfo {
             operation,
-            kind: GroupVersionKind { group: group.clone(), version: version.clone(), kind },
-            resource: GroupVersionResource { group, version, resource },
+            kind: GroupVersionKind {
+                group: group.clone(),
+                version: version.clone(),
+                kind,
+            },
+            resource: GroupVersionResource {
+                group,
+                version,
+                resource,
+            },
             sub_resource: String::new(),
             name: s("/metadata/name"),
             namespace: s("/metadata/namespace"),
@@ -235,7 +246,10 @@ impl Outcome {
     /// Whether the request is admitted: no denial and no error of a `Fail` policy.
     pub fn allowed(&self) -> bool {
         self.denials.is_empty()
-            && self.errors.iter().all(|e| e.failure_policy == FailurePolicy::Ignore)
+            && self
+                .errors
+                .iter()
+                .all(|e| e.failure_policy == FailurePolicy::Ignore)
     }
 
     /// Every reason the request is rejected, one line each: denials, then `Fail` errors.
@@ -243,7 +257,12 @@ impl Outcome {
         let mut out: Vec<String> = self
             .denials
             .iter()
-            .map(|d| format!("ServingPolicy '{}' denied the request: {}", d.policy, d.message))
+            .map(|d| {
+                format!(
+                    "ServingPolicy '{}' denied the request: {}",
+                    d.policy, d.message
+                )
+            })
             .collect();
         out.extend(
             self.errors
@@ -324,7 +343,9 @@ pub struct PolicySet {
 
 impl std::fmt::Debug for PolicySet {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PolicySet").field("policies", &self.names()).finish()
+        f.debug_struct("PolicySet")
+            .field("policies", &self.names())
+            .finish()
     }
 }
 
@@ -340,20 +361,36 @@ fn compile_policy(p: &ServingPolicy, limits: &Limits) -> Result<CompiledPolicy, 
     let mut variables = Vec::new();
     for (i, v) in spec.variables.iter().enumerate() {
         let field = format!("spec.variables[{i}].expression");
-        let expr = compile_expr(&v.expression, limits, &declared).map_err(|e| err(field.clone(), e))?;
+        let expr =
+            compile_expr(&v.expression, limits, &declared).map_err(|e| err(field.clone(), e))?;
         declared.push(v.name.clone());
-        variables.push(Named { name: v.name.clone(), field, expr });
+        variables.push(Named {
+            name: v.name.clone(),
+            field,
+            expr,
+        });
     }
     if spec.match_conditions.len() > 64 {
         return Err(err(
             "spec.matchConditions".into(),
-            ExprError { message: "at most 64 matchConditions are allowed".into(), position: None },
+            ExprError {
+                message: "at most 64 matchConditions are allowed".into(),
+                position: None,
+            },
         ));
     }
-    let named = |list: &mut Vec<Named>, items: Vec<(String, String, &str)>| -> Result<(), PolicyLoadError> {
+    // matchConditions run before variables (as in the apiserver), so they cannot use them.
+    let named = |list: &mut Vec<Named>,
+                 items: Vec<(String, String, &str)>,
+                 vars: &[String]|
+     -> Result<(), PolicyLoadError> {
         for (n, field, src) in items {
-            let expr = compile_expr(src, limits, &declared).map_err(|e| err(field.clone(), e))?;
-            list.push(Named { name: n, field, expr });
+            let expr = compile_expr(src, limits, vars).map_err(|e| err(field.clone(), e))?;
+            list.push(Named {
+                name: n,
+                field,
+                expr,
+            });
         }
         Ok(())
     };
@@ -363,8 +400,15 @@ fn compile_policy(p: &ServingPolicy, limits: &Limits) -> Result<CompiledPolicy, 
         spec.match_conditions
             .iter()
             .enumerate()
-            .map(|(i, c)| (c.name.clone(), format!("spec.matchConditions[{i}].expression"), c.expression.as_str()))
+            .map(|(i, c)| {
+                (
+                    c.name.clone(),
+                    format!("spec.matchConditions[{i}].expression"),
+                    c.expression.as_str(),
+                )
+            })
             .collect(),
+        &[],
     )?;
     let mut audit_annotations = Vec::new();
     named(
@@ -372,17 +416,28 @@ fn compile_policy(p: &ServingPolicy, limits: &Limits) -> Result<CompiledPolicy, 
         spec.audit_annotations
             .iter()
             .enumerate()
-            .map(|(i, a)| (a.key.clone(), format!("spec.auditAnnotations[{i}].valueExpression"), a.value_expression.as_str()))
+            .map(|(i, a)| {
+                (
+                    a.key.clone(),
+                    format!("spec.auditAnnotations[{i}].valueExpression"),
+                    a.value_expression.as_str(),
+                )
+            })
             .collect(),
+        &declared,
     )?;
     let mut validations = Vec::new();
     for (i, v) in spec.validations.iter().enumerate() {
         let field = format!("spec.validations[{i}].expression");
-        let expr = compile_expr(&v.expression, limits, &declared).map_err(|e| err(field.clone(), e))?;
+        let expr =
+            compile_expr(&v.expression, limits, &declared).map_err(|e| err(field.clone(), e))?;
         let message_expr = match &v.message_expression {
             Some(src) => {
                 let f = format!("spec.validations[{i}].messageExpression");
-                Some((f.clone(), compile_expr(src, limits, &declared).map_err(|e| err(f, e))?))
+                Some((
+                    f.clone(),
+                    compile_expr(src, limits, &declared).map_err(|e| err(f, e))?,
+                ))
             }
             None => None,
         };
@@ -399,7 +454,11 @@ fn compile_policy(p: &ServingPolicy, limits: &Limits) -> Result<CompiledPolicy, 
     {
         return Err(err(
             "spec.validationActions".into(),
-            ExprError { message: "Deny and Warn are exclusive: pick one (Audit combines with either)".into(), position: None },
+            ExprError {
+                message: "Deny and Warn are exclusive: pick one (Audit combines with either)"
+                    .into(),
+                position: None,
+            },
         ));
     }
     let mut mutations = Vec::new();
@@ -410,13 +469,21 @@ fn compile_policy(p: &ServingPolicy, limits: &Limits) -> Result<CompiledPolicy, 
         };
         let field = format!("spec.mutations[{i}].{sub}.expression");
         let Some(holder) = holder else {
-            return Err(err(field, ExprError {
-                message: format!("patchType {:?} needs {sub}.expression", m.patch_type),
-                position: None,
-            }));
+            return Err(err(
+                field,
+                ExprError {
+                    message: format!("patchType {:?} needs {sub}.expression", m.patch_type),
+                    position: None,
+                },
+            ));
         };
-        let expr = compile_expr(&holder.expression, limits, &declared).map_err(|e| err(field.clone(), e))?;
-        mutations.push(CompiledMutation { field, patch_type: m.patch_type, expr });
+        let expr = compile_expr(&holder.expression, limits, &declared)
+            .map_err(|e| err(field.clone(), e))?;
+        mutations.push(CompiledMutation {
+            field,
+            patch_type: m.patch_type,
+            expr,
+        });
     }
     Ok(CompiledPolicy {
         name,
@@ -443,11 +510,23 @@ struct Activation {
 }
 
 fn opt_to_cel(v: Option<&Value>) -> CelValue {
-    v.map_or(CelValue::Null, |v| stacker::maybe_grow(256 * 1024, 4 << 20, || json_to_cel(v)))
+    v.map_or(CelValue::Null, |v| {
+        stacker::maybe_grow(256 * 1024, 4 << 20, || json_to_cel(v))
+    })
 }
 
 enum ExprFailure {
     Error(String, ErrorKind),
+}
+
+/// Stack the interpreter may use for one request: it recurses per tree level, tens of KiB per
+/// level in debug builds. Threads with less headroom (2 MiB test and Tokio threads) evaluate on
+/// a fresh segment.
+const STACK_RED_ZONE: usize = 6 << 20;
+const STACK_SIZE: usize = 16 << 20;
+
+fn with_stack<R>(f: impl FnOnce() -> R) -> R {
+    stacker::maybe_grow(STACK_RED_ZONE, STACK_SIZE, f)
 }
 
 fn run(ctx: &Context, expr: &CompiledExpr) -> Result<CelValue, ExprFailure> {
@@ -455,7 +534,11 @@ fn run(ctx: &Context, expr: &CompiledExpr) -> Result<CelValue, ExprFailure> {
     match catch_unwind(AssertUnwindSafe(|| CelValue::resolve(&expr.expr, ctx))) {
         Ok(Ok(v)) => Ok(v),
         Ok(Err(e)) => {
-            let kind = if guard::exceeded() { ErrorKind::BoundExceeded } else { ErrorKind::Evaluation };
+            let kind = if guard::exceeded() {
+                ErrorKind::BoundExceeded
+            } else {
+                ErrorKind::Evaluation
+            };
             Err(ExprFailure::Error(e.to_string(), kind))
         }
         Err(_) => Err(ExprFailure::Error(
@@ -465,47 +548,44 @@ fn run(ctx: &Context, expr: &CompiledExpr) -> Result<CelValue, ExprFailure> {
     }
 }
 
-/// Per-policy evaluation state: variables computed (or failed) for the current object.
+/// The context holding the request's variables, over the thread's base context. Values are
+/// converted into the interpreter's representation once per context.
+fn activation_context<'b>(base: &'b Context<'static>, act: &Activation) -> Context<'b> {
+    let mut ctx = base.new_inner_scope();
+    ctx.add_variable_from_value("object", act.object.clone());
+    ctx.add_variable_from_value("oldObject", act.old_object.clone());
+    ctx.add_variable_from_value("request", act.request.clone());
+    ctx.add_variable_from_value("namespaceObject", act.namespace_object.clone());
+    ctx.add_variable_from_value("params", act.params.clone());
+    ctx.add_variable_from_value("service", act.service.clone());
+    ctx
+}
+
+/// Per-policy evaluation state: which variables failed for the current object.
 struct PolicyRun<'p> {
     policy: &'p CompiledPolicy,
-    vars: HashMap<Key, CelValue>,
     var_errors: HashMap<String, (String, ErrorKind)>,
 }
 
 impl<'p> PolicyRun<'p> {
     fn new(policy: &'p CompiledPolicy) -> Self {
-        PolicyRun { policy, vars: HashMap::new(), var_errors: HashMap::new() }
+        PolicyRun {
+            policy,
+            var_errors: HashMap::new(),
+        }
     }
 
-    fn context<'b>(&self, base: &'b Context<'static>, act: &Activation) -> Context<'b> {
-        let mut ctx = base.new_inner_scope();
-        ctx.add_variable_from_value("object", act.object.clone());
-        ctx.add_variable_from_value("oldObject", act.old_object.clone());
-        ctx.add_variable_from_value("request", act.request.clone());
-        ctx.add_variable_from_value("namespaceObject", act.namespace_object.clone());
-        ctx.add_variable_from_value("params", act.params.clone());
-        ctx.add_variable_from_value("service", act.service.clone());
-        ctx.add_variable_from_value("variables", CelValue::Map(Map { map: Arc::new(self.vars.clone()) }));
-        ctx
-    }
-
-    /// Evaluates the variables in order for the current object. A failing variable fails only
-    /// the expressions that use it (the apiserver evaluates variables lazily).
-    fn compute_variables(&mut self, base: &Context<'static>, act: &Activation) {
-        self.vars.clear();
+    /// Evaluates the variables in order into `ctx`. A failing variable fails only the
+    /// expressions that use it (the apiserver evaluates variables lazily).
+    fn compute_variables(&mut self, ctx: &mut Context) {
         self.var_errors.clear();
         for v in &self.policy.variables {
-            if let Some(dep) = v.expr.uses_variables.iter().find(|d| self.var_errors.contains_key(*d)) {
-                let (m, k) = &self.var_errors[dep];
-                let msg = format!("variables.{dep} failed: {m}");
-                self.var_errors.insert(v.name.clone(), (msg, *k));
-                continue;
-            }
-            let ctx = self.context(base, act);
-            match run(&ctx, &v.expr) {
-                Ok(val) => {
-                    self.vars.insert(Key::String(Arc::new(v.name.clone())), val);
-                }
+            let result = match self.failed_dependency(&v.expr) {
+                Some(failure) => Err(failure),
+                None => run(ctx, &v.expr),
+            };
+            match result {
+                Ok(val) => ctx.add_variable_from_value(variable_ident(&v.name), val),
                 Err(ExprFailure::Error(m, k)) => {
                     self.var_errors.insert(v.name.clone(), (m, k));
                 }
@@ -513,16 +593,32 @@ impl<'p> PolicyRun<'p> {
         }
     }
 
-    fn eval(&self, base: &Context<'static>, act: &Activation, expr: &CompiledExpr) -> Result<CelValue, ExprFailure> {
-        if let Some(dep) = expr.uses_variables.iter().find(|d| self.var_errors.contains_key(*d)) {
-            let (m, k) = &self.var_errors[dep];
-            return Err(ExprFailure::Error(format!("variables.{dep} failed: {m}"), *k));
-        }
-        let ctx = self.context(base, act);
-        run(&ctx, expr)
+    fn failed_dependency(&self, expr: &CompiledExpr) -> Option<ExprFailure> {
+        let dep = expr
+            .uses_variables
+            .iter()
+            .find(|d| self.var_errors.contains_key(*d))?;
+        let (m, k) = &self.var_errors[dep];
+        Some(ExprFailure::Error(
+            format!("variables.{dep} failed: {m}"),
+            *k,
+        ))
     }
 
-    fn error(&self, field: &str, expr: &CompiledExpr, message: String, kind: ErrorKind) -> EvalError {
+    fn eval(&self, ctx: &Context, expr: &CompiledExpr) -> Result<CelValue, ExprFailure> {
+        match self.failed_dependency(expr) {
+            Some(f) => Err(f),
+            None => run(ctx, expr),
+        }
+    }
+
+    fn error(
+        &self,
+        field: &str,
+        expr: &CompiledExpr,
+        message: String,
+        kind: ErrorKind,
+    ) -> EvalError {
         EvalError {
             policy: self.policy.name.clone(),
             field: field.to_owned(),
@@ -534,13 +630,21 @@ impl<'p> PolicyRun<'p> {
     }
 
     /// Runs matchConditions: Ok(true) when all hold.
-    fn conditions(&self, base: &Context<'static>, act: &Activation) -> Result<bool, EvalError> {
+    fn conditions(&self, ctx: &Context) -> Result<bool, EvalError> {
         for c in &self.policy.match_conditions {
-            match self.eval(base, act, &c.expr) {
+            match self.eval(ctx, &c.expr) {
                 Ok(CelValue::Bool(true)) => {}
                 Ok(CelValue::Bool(false)) => return Ok(false),
                 Ok(other) => {
-                    return Err(self.error(&c.field, &c.expr, format!("matchCondition '{}' must return bool, got {other:?}", c.name), ErrorKind::WrongType));
+                    return Err(self.error(
+                        &c.field,
+                        &c.expr,
+                        format!(
+                            "matchCondition '{}' must return bool, got {other:?}",
+                            c.name
+                        ),
+                        ErrorKind::WrongType,
+                    ));
                 }
                 Err(ExprFailure::Error(m, k)) => return Err(self.error(&c.field, &c.expr, m, k)),
             }
@@ -564,7 +668,10 @@ impl PolicySet {
     }
 
     /// Compiles `policies` under `limits`.
-    pub fn compile_with_limits(policies: &[ServingPolicy], limits: Limits) -> (PolicySet, Vec<PolicyLoadError>) {
+    pub fn compile_with_limits(
+        policies: &[ServingPolicy],
+        limits: Limits,
+    ) -> (PolicySet, Vec<PolicyLoadError>) {
         let mut ok = Vec::new();
         let mut errors = Vec::new();
         for p in policies {
@@ -573,12 +680,24 @@ impl PolicySet {
                 Err(e) => errors.push(e),
             }
         }
-        (PolicySet { inner: Arc::new(Inner { policies: ok, limits }) }, errors)
+        (
+            PolicySet {
+                inner: Arc::new(Inner {
+                    policies: ok,
+                    limits,
+                }),
+            },
+            errors,
+        )
     }
 
     /// Names of the compiled policies, in evaluation order.
     pub fn names(&self) -> Vec<&str> {
-        self.inner.policies.iter().map(|p| p.name.as_str()).collect()
+        self.inner
+            .policies
+            .iter()
+            .map(|p| p.name.as_str())
+            .collect()
     }
 
     /// The limits this set enforces.
@@ -590,7 +709,7 @@ impl PolicySet {
     /// then validations and audit annotations against the mutated object.
     pub fn evaluate(&self, input: &EvalInput) -> Outcome {
         let _budget = guard::Budget::enter(&self.inner.limits);
-        guard::with_base(|base| self.evaluate_in(base, input, true))
+        with_stack(|| guard::with_base(|base| self.evaluate_in(base, input, true)))
     }
 
     /// The controller's render path: runs only the mutations over `input.object` and returns
@@ -598,9 +717,11 @@ impl PolicySet {
     /// patch. Errors when a `Fail` policy cannot be evaluated.
     pub fn mutate(&self, input: &EvalInput) -> Result<Mutated, MutateError> {
         let _budget = guard::Budget::enter(&self.inner.limits);
-        let out = guard::with_base(|base| self.evaluate_in(base, input, false));
-        let (fail, ignored): (Vec<_>, Vec<_>) =
-            out.errors.into_iter().partition(|e| e.failure_policy == FailurePolicy::Fail);
+        let out = with_stack(|| guard::with_base(|base| self.evaluate_in(base, input, false)));
+        let (fail, ignored): (Vec<_>, Vec<_>) = out
+            .errors
+            .into_iter()
+            .partition(|e| e.failure_policy == FailurePolicy::Fail);
         if !fail.is_empty() {
             return Err(MutateError(fail));
         }
@@ -661,8 +782,9 @@ impl PolicySet {
         }
 
         if validate {
+            let actx = activation_context(base, &act);
             for p in &matched {
-                self.validate_policy(base, p, &act, &mut out);
+                self.validate_policy(&actx, p, &mut out);
             }
         }
         if let (Some(orig), Some(new)) = (&input.object, &object) {
@@ -681,58 +803,71 @@ impl PolicySet {
         out: &mut Outcome,
     ) {
         let mut run = PolicyRun::new(p);
-        run.compute_variables(base, act);
-        match run.conditions(base, act) {
-            Ok(true) => {}
-            Ok(false) => return,
-            Err(e) => {
-                out.errors.push(e);
-                return;
-            }
-        }
-        for m in &p.mutations {
-            let Some(current) = object.as_ref() else { return };
-            let result = match run.eval(base, act, &m.expr) {
-                Ok(v) => v,
-                Err(ExprFailure::Error(msg, kind)) => {
-                    out.errors.push(run.error(&m.field, &m.expr, msg, kind));
-                    return;
-                }
-            };
-            let produced = match cel_to_json(&result) {
-                Ok(j) => j,
-                Err(msg) => {
-                    out.errors.push(run.error(&m.field, &m.expr, msg, ErrorKind::WrongType));
-                    return;
-                }
-            };
-            let next = match m.patch_type {
-                PatchType::JsonPatch => apply_json_patch(current, produced),
-                PatchType::ApplyConfiguration => apply_configuration(current, &produced),
-            };
-            match next {
-                Ok(next) => {
-                    if &next != current {
-                        act.object = opt_to_cel(Some(&next));
-                        *object = Some(next);
-                        run.compute_variables(base, act);
+        let mut next_mutation = 0;
+        let mut first = true;
+        // Contexts are rebuilt only when a mutation changed the object.
+        'object: while next_mutation < p.mutations.len() {
+            let actx = activation_context(base, act);
+            let mut pctx = actx.new_inner_scope();
+            if first {
+                first = false;
+                match run.conditions(&pctx) {
+                    Ok(true) => {}
+                    Ok(false) => return,
+                    Err(e) => {
+                        out.errors.push(e);
+                        return;
                     }
                 }
-                Err((msg, kind)) => {
-                    out.errors.push(run.error(&m.field, &m.expr, msg, kind));
+            }
+            run.compute_variables(&mut pctx);
+            while let Some(m) = p.mutations.get(next_mutation) {
+                next_mutation += 1;
+                let Some(current) = object.as_ref() else {
                     return;
+                };
+                let result = match run.eval(&pctx, &m.expr) {
+                    Ok(v) => v,
+                    Err(ExprFailure::Error(msg, kind)) => {
+                        out.errors.push(run.error(&m.field, &m.expr, msg, kind));
+                        return;
+                    }
+                };
+                let produced = match cel_to_json(&result) {
+                    Ok(j) => j,
+                    Err(msg) => {
+                        out.errors
+                            .push(run.error(&m.field, &m.expr, msg, ErrorKind::WrongType));
+                        return;
+                    }
+                };
+                let next = match m.patch_type {
+                    PatchType::JsonPatch => apply_json_patch(current, produced),
+                    PatchType::ApplyConfiguration => apply_configuration(current, &produced),
+                };
+                match next {
+                    Ok(next) if &next != current => {
+                        act.object = opt_to_cel(Some(&next));
+                        *object = Some(next);
+                        continue 'object;
+                    }
+                    Ok(_) => {}
+                    Err((msg, kind)) => {
+                        out.errors.push(run.error(&m.field, &m.expr, msg, kind));
+                        return;
+                    }
                 }
             }
         }
     }
 
-    fn validate_policy(&self, base: &Context<'static>, p: &CompiledPolicy, act: &Activation, out: &mut Outcome) {
+    fn validate_policy(&self, actx: &Context, p: &CompiledPolicy, out: &mut Outcome) {
         if p.validations.is_empty() && p.audit_annotations.is_empty() {
             return;
         }
         let mut run = PolicyRun::new(p);
-        run.compute_variables(base, act);
-        match run.conditions(base, act) {
+        let mut pctx = actx.new_inner_scope();
+        match run.conditions(&pctx) {
             Ok(true) => {}
             Ok(false) => return,
             Err(e) => {
@@ -740,12 +875,18 @@ impl PolicySet {
                 return;
             }
         }
+        run.compute_variables(&mut pctx);
         let mut audit_failures = Vec::new();
         for (i, v) in p.validations.iter().enumerate() {
-            let passed = match run.eval(base, act, &v.expr) {
+            let passed = match run.eval(&pctx, &v.expr) {
                 Ok(CelValue::Bool(b)) => b,
                 Ok(other) => {
-                    out.errors.push(run.error(&v.field, &v.expr, format!("validation must return bool, got {other:?}"), ErrorKind::WrongType));
+                    out.errors.push(run.error(
+                        &v.field,
+                        &v.expr,
+                        format!("validation must return bool, got {other:?}"),
+                        ErrorKind::WrongType,
+                    ));
                     continue;
                 }
                 Err(ExprFailure::Error(m, k)) => {
@@ -759,7 +900,7 @@ impl PolicySet {
             let message = v
                 .message_expr
                 .as_ref()
-                .and_then(|(_, me)| run.eval(base, act, me).ok())
+                .and_then(|(_, me)| run.eval(&pctx, me).ok())
                 .and_then(|m| cel_string(&m))
                 .filter(|m| !m.trim().is_empty())
                 .or_else(|| v.message.clone())
@@ -771,9 +912,10 @@ impl PolicySet {
                         message: message.clone(),
                         reason: v.reason,
                     }),
-                    ValidationAction::Warn => out
-                        .warnings
-                        .push(format!("Validation failed for ServingPolicy '{}': {message}", p.name)),
+                    ValidationAction::Warn => out.warnings.push(format!(
+                        "Validation failed for ServingPolicy '{}': {message}",
+                        p.name
+                    )),
                     ValidationAction::Audit => audit_failures.push(serde_json::json!({
                         "message": message,
                         "policy": p.name,
@@ -791,16 +933,25 @@ impl PolicySet {
                 .and_then(|s| serde_json::from_str(s).ok())
                 .unwrap_or_default();
             all.extend(audit_failures);
-            out.audit_annotations.insert(key, Value::Array(all).to_string());
+            out.audit_annotations
+                .insert(key, Value::Array(all).to_string());
         }
         for a in &p.audit_annotations {
-            match run.eval(base, act, &a.expr) {
+            match run.eval(&pctx, &a.expr) {
                 Ok(CelValue::String(s)) if !s.is_empty() => {
-                    out.audit_annotations.insert(format!("{}/{}", p.name, a.name), s.as_str().to_owned());
+                    out.audit_annotations
+                        .insert(format!("{}/{}", p.name, a.name), s.as_str().to_owned());
                 }
                 Ok(CelValue::String(_)) | Ok(CelValue::Null) => {}
-                Ok(other) => out.errors.push(run.error(&a.field, &a.expr, format!("valueExpression must return a string or null, got {other:?}"), ErrorKind::WrongType)),
-                Err(ExprFailure::Error(m, k)) => out.errors.push(run.error(&a.field, &a.expr, m, k)),
+                Ok(other) => out.errors.push(run.error(
+                    &a.field,
+                    &a.expr,
+                    format!("valueExpression must return a string or null, got {other:?}"),
+                    ErrorKind::WrongType,
+                )),
+                Err(ExprFailure::Error(m, k)) => {
+                    out.errors.push(run.error(&a.field, &a.expr, m, k))
+                }
             }
         }
     }
@@ -811,19 +962,36 @@ impl PolicySet {
 fn apply_json_patch(current: &Value, ops: Value) -> Result<Value, (String, ErrorKind)> {
     let list = match ops {
         Value::Array(a) => a,
-        other => return Err((format!("a JSONPatch mutation must return a list of JSONPatch operations, got {other}"), ErrorKind::WrongType)),
+        other => {
+            return Err((
+                format!(
+                    "a JSONPatch mutation must return a list of JSONPatch operations, got {other}"
+                ),
+                ErrorKind::WrongType,
+            ));
+        }
     };
-    let patch: json_patch::Patch = serde_json::from_value(Value::Array(list))
-        .map_err(|e| (format!("invalid JSONPatch operation: {e}"), ErrorKind::WrongType))?;
+    let patch: json_patch::Patch = serde_json::from_value(Value::Array(list)).map_err(|e| {
+        (
+            format!("invalid JSONPatch operation: {e}"),
+            ErrorKind::WrongType,
+        )
+    })?;
     let mut next = current.clone();
-    json_patch::patch(&mut next, &patch).map_err(|e| (format!("JSON Patch does not apply: {e}"), ErrorKind::Patch))?;
+    json_patch::patch(&mut next, &patch)
+        .map_err(|e| (format!("JSON Patch does not apply: {e}"), ErrorKind::Patch))?;
     keep_identity(current, &next)?;
     Ok(next)
 }
 
 fn apply_configuration(current: &Value, partial: &Value) -> Result<Value, (String, ErrorKind)> {
     if !partial.is_object() {
-        return Err((format!("an ApplyConfiguration mutation must return an object (Object{{...}}), got {partial}"), ErrorKind::WrongType));
+        return Err((
+            format!(
+                "an ApplyConfiguration mutation must return an object (Object{{...}}), got {partial}"
+            ),
+            ErrorKind::WrongType,
+        ));
     }
     let mut next = current.clone();
     merge::apply(&mut next, partial);
@@ -833,7 +1001,12 @@ fn apply_configuration(current: &Value, partial: &Value) -> Result<Value, (Strin
 
 /// Mutations may not change what the object is (MutatingAdmissionPolicy forbids it too).
 fn keep_identity(before: &Value, after: &Value) -> Result<(), (String, ErrorKind)> {
-    for p in ["/apiVersion", "/kind", "/metadata/name", "/metadata/namespace"] {
+    for p in [
+        "/apiVersion",
+        "/kind",
+        "/metadata/name",
+        "/metadata/namespace",
+    ] {
         if before.pointer(p) != after.pointer(p) {
             return Err((format!("a mutation may not change {p}"), ErrorKind::Patch));
         }

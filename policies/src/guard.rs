@@ -8,7 +8,10 @@ use std::cell::Cell;
 
 use kube_cel::{
     KubeCelExt,
-    cel::{Context, ExecutionError, FunctionContext, ResolveResult, Value},
+    cel::{
+        Context, ExecutionError, FunctionContext, ResolveResult, Value,
+        common::types::{CelList, CelString},
+    },
 };
 
 use crate::limits::Limits;
@@ -17,8 +20,6 @@ use crate::limits::Limits;
 pub(crate) const TICK: &str = "__hearth_tick";
 /// Guard that checks and charges the size of a built value (wraps `+` and growing calls).
 pub(crate) const SIZE: &str = "__hearth_size";
-/// Guard that grows the stack before evaluating a deep subtree.
-pub(crate) const DEEP: &str = "__hearth_deep";
 /// Pre-checks for functions whose output can be much larger than their input.
 pub(crate) const PRE_JOIN: &str = "__hearth_pre_join";
 pub(crate) const PRE_REPLACE: &str = "__hearth_pre_replace";
@@ -146,9 +147,7 @@ fn check_value(v: &Value) -> Result<(), ExecutionError> {
             check_string(b.len())?;
             charge(1 + b.len() as u64 / 64)
         }
-        // The interpreter copies a comprehension's accumulator on every step, so a list
-        // costs its length each time it is built: `map` over n elements costs about n²/2.
-        // Copying also copies string elements: charge their bytes too.
+        // Building a list copies its elements (string bytes included).
         Value::List(l) => {
             check_list(l.len())?;
             let bytes: usize = l
@@ -205,12 +204,32 @@ fn deep_size(v: &Value, cap: usize) -> usize {
 fn arg(ftx: &FunctionContext, i: usize) -> ResolveResult {
     match ftx.args.get(i) {
         Some(e) => Value::resolve(e, ftx.ptx),
-        None => Err(ExecutionError::invalid_argument_count(i + 1, ftx.args.len())),
+        None => Err(ExecutionError::invalid_argument_count(
+            i + 1,
+            ftx.args.len(),
+        )),
     }
 }
 
+/// One comprehension iteration. The interpreter copies the accumulator on every step, so a
+/// list accumulator (`map`, `filter`) costs its length each time: about n²/2 for n elements.
 fn tick(ftx: &FunctionContext) -> ResolveResult {
-    charge(1)?;
+    let (accumulated, bytes) = ftx
+        .ptx
+        .get_variable("@result")
+        .and_then(|v| {
+            v.downcast_ref::<CelList>().map(|l| {
+                let bytes: usize = l
+                    .inner()
+                    .iter()
+                    .filter_map(|x| x.downcast_ref::<CelString>().map(|s| s.inner().len()))
+                    .sum();
+                (l.inner().len(), bytes)
+            })
+        })
+        .unwrap_or((0, 0));
+    check_list(accumulated)?;
+    charge(1 + accumulated as u64 + bytes as u64 / 64)?;
     arg(ftx, 0)
 }
 
@@ -218,10 +237,6 @@ fn size(ftx: &FunctionContext) -> ResolveResult {
     let v = arg(ftx, 0)?;
     check_value(&v)?;
     Ok(v)
-}
-
-fn deep(ftx: &FunctionContext) -> ResolveResult {
-    stacker::maybe_grow(1 << 20, 8 << 20, || arg(ftx, 0))
 }
 
 fn pre_join(ftx: &FunctionContext) -> ResolveResult {
@@ -256,9 +271,7 @@ fn pre_replace(ftx: &FunctionContext) -> ResolveResult {
         } else {
             s.matches(old.as_str()).count()
         };
-        let grown = s
-            .len()
-            .saturating_add(matches.saturating_mul(new.len()));
+        let grown = s.len().saturating_add(matches.saturating_mul(new.len()));
         check_string(grown)?;
         charge(1 + grown as u64 / 64)?;
     }
@@ -293,7 +306,6 @@ fn base_context() -> Context<'static> {
     ctx.register_all();
     ctx.add_function(TICK, tick);
     ctx.add_function(SIZE, size);
-    ctx.add_function(DEEP, deep);
     ctx.add_function(PRE_JOIN, pre_join);
     ctx.add_function(PRE_REPLACE, pre_replace);
     ctx.add_function(PRE_FORMAT, pre_format);
@@ -306,7 +318,3 @@ fn base_context() -> Context<'static> {
 pub(crate) fn with_base<R>(f: impl FnOnce(&Context<'static>) -> R) -> R {
     BASE.with(|b| f(b))
 }
-
-
-
-

@@ -47,7 +47,11 @@ pub struct Bundle {
 
 /// Reads every YAML document of `text` (from `path`, for messages) into `bundle`.
 pub fn read_str(text: &str, path: &Path, bundle: &mut Bundle) -> Result<(), ManifestError> {
-    let invalid = |index: usize, message: String| ManifestError::Invalid { path: path.to_owned(), index, message };
+    let invalid = |index: usize, message: String| ManifestError::Invalid {
+        path: path.to_owned(),
+        index,
+        message,
+    };
     let mut bindings: Vec<(String, Vec<Value>)> = Vec::new();
     for (index, doc) in serde_yaml::Deserializer::from_str(text).enumerate() {
         let v = Value::deserialize(doc).map_err(|e| invalid(index, e.to_string()))?;
@@ -57,20 +61,31 @@ pub fn read_str(text: &str, path: &Path, bundle: &mut Bundle) -> Result<(), Mani
         let kind = v.get("kind").and_then(Value::as_str).unwrap_or_default();
         match kind {
             "ServingPolicy" => bundle.policies.push(
-                serde_json::from_value(v).map_err(|e| invalid(index, format!("invalid ServingPolicy: {e}")))?,
+                serde_json::from_value(v)
+                    .map_err(|e| invalid(index, format!("invalid ServingPolicy: {e}")))?,
             ),
             "InferenceRuntime" => bundle.runtimes.push(
-                serde_json::from_value(v).map_err(|e| invalid(index, format!("invalid InferenceRuntime: {e}")))?,
+                serde_json::from_value(v)
+                    .map_err(|e| invalid(index, format!("invalid InferenceRuntime: {e}")))?,
             ),
             "LLMService" => bundle.services.push(
-                serde_json::from_value(v).map_err(|e| invalid(index, format!("invalid LLMService: {e}")))?,
+                serde_json::from_value(v)
+                    .map_err(|e| invalid(index, format!("invalid LLMService: {e}")))?,
             ),
-            "ValidatingAdmissionPolicy" | "MutatingAdmissionPolicy" => {
-                bundle.policies.push(from_admission_policy(&v).map_err(|m| invalid(index, m))?)
-            }
+            "ValidatingAdmissionPolicy" | "MutatingAdmissionPolicy" => bundle
+                .policies
+                .push(from_admission_policy(&v).map_err(|m| invalid(index, m))?),
             "ValidatingAdmissionPolicyBinding" => {
-                let policy = v.pointer("/spec/policyName").and_then(Value::as_str).unwrap_or_default().to_owned();
-                let actions = v.pointer("/spec/validationActions").and_then(Value::as_array).cloned().unwrap_or_default();
+                let policy = v
+                    .pointer("/spec/policyName")
+                    .and_then(Value::as_str)
+                    .unwrap_or_default()
+                    .to_owned();
+                let actions = v
+                    .pointer("/spec/validationActions")
+                    .and_then(Value::as_array)
+                    .cloned()
+                    .unwrap_or_default();
                 bindings.push((policy, actions));
             }
             "MutatingAdmissionPolicyBinding" => {}
@@ -78,11 +93,19 @@ pub fn read_str(text: &str, path: &Path, bundle: &mut Bundle) -> Result<(), Mani
         }
     }
     for (policy, actions) in bindings {
-        if let Some(p) = bundle.policies.iter_mut().find(|p| p.metadata.name.as_deref() == Some(&policy))
+        if let Some(p) = bundle
+            .policies
+            .iter_mut()
+            .find(|p| p.metadata.name.as_deref() == Some(&policy))
             && !actions.is_empty()
         {
-            p.spec.validation_actions = serde_json::from_value(Value::Array(actions))
-                .map_err(|e| invalid(0, format!("binding of {policy}: invalid validationActions: {e}")))?;
+            p.spec.validation_actions =
+                serde_json::from_value(Value::Array(actions)).map_err(|e| {
+                    invalid(
+                        0,
+                        format!("binding of {policy}: invalid validationActions: {e}"),
+                    )
+                })?;
         }
     }
     Ok(())
@@ -93,14 +116,22 @@ pub fn read_str(text: &str, path: &Path, bundle: &mut Bundle) -> Result<(), Mani
 /// `params` is always the resolved InferenceRuntime here.
 pub fn from_admission_policy(v: &Value) -> Result<ServingPolicy, String> {
     let kind = v.get("kind").and_then(Value::as_str).unwrap_or_default();
-    let mut spec = v.get("spec").cloned().unwrap_or(Value::Object(Default::default()));
+    let mut spec = v
+        .get("spec")
+        .cloned()
+        .unwrap_or(Value::Object(Default::default()));
     if let Some(m) = spec.as_object_mut() {
         m.remove("paramKind");
         m.remove("paramRef");
     }
     let spec: ServingPolicySpec =
         serde_json::from_value(spec).map_err(|e| format!("invalid {kind} spec: {e}"))?;
-    let mut p = ServingPolicy::new(v.pointer("/metadata/name").and_then(Value::as_str).unwrap_or_default(), spec);
+    let mut p = ServingPolicy::new(
+        v.pointer("/metadata/name")
+            .and_then(Value::as_str)
+            .unwrap_or_default(),
+        spec,
+    );
     p.metadata.labels = v
         .pointer("/metadata/labels")
         .and_then(|l| serde_json::from_value(l.clone()).ok());
@@ -110,9 +141,15 @@ pub fn from_admission_policy(v: &Value) -> Result<ServingPolicy, String> {
 /// Reads a file, or every `*.yaml`/`*.yml` file directly in a directory (sorted; not
 /// recursive, so test fixtures in sub-directories stay out of a policy directory).
 pub fn read_path(path: &Path, bundle: &mut Bundle) -> Result<(), ManifestError> {
-    let io = |source| ManifestError::Io { path: path.to_owned(), source };
+    let io = |source| ManifestError::Io {
+        path: path.to_owned(),
+        source,
+    };
     if path.is_dir() {
-        let mut entries: Vec<PathBuf> = std::fs::read_dir(path).map_err(io)?.filter_map(|e| e.ok().map(|e| e.path())).collect();
+        let mut entries: Vec<PathBuf> = std::fs::read_dir(path)
+            .map_err(io)?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .collect();
         entries.sort();
         for p in entries {
             let yaml = p.extension().is_some_and(|e| e == "yaml" || e == "yml");

@@ -72,7 +72,10 @@ fn labels(obj: Option<&Value>) -> Option<&serde_json::Map<String, Value>> {
 
 /// Whether labels satisfy a `metav1.LabelSelector` (matchLabels and matchExpressions with
 /// In, NotIn, Exists, DoesNotExist). An empty selector matches everything.
-pub fn selector_matches(sel: &LabelSelector, labels: Option<&serde_json::Map<String, Value>>) -> bool {
+pub fn selector_matches(
+    sel: &LabelSelector,
+    labels: Option<&serde_json::Map<String, Value>>,
+) -> bool {
     let get = |k: &str| labels.and_then(|l| l.get(k)).and_then(Value::as_str);
     if let Some(ml) = &sel.match_labels
         && !ml.iter().all(|(k, v)| get(k) == Some(v.as_str()))
@@ -105,9 +108,16 @@ pub fn matches(
     let included = if mc.resource_rules.is_empty() {
         default_rules().iter().any(|r| rule_matches(r, req, false))
     } else {
-        mc.resource_rules.iter().any(|r| rule_matches(r, req, exact))
+        mc.resource_rules
+            .iter()
+            .any(|r| rule_matches(r, req, exact))
     };
-    if !included || mc.exclude_resource_rules.iter().any(|r| rule_matches(r, req, exact)) {
+    if !included
+        || mc
+            .exclude_resource_rules
+            .iter()
+            .any(|r| rule_matches(r, req, exact))
+    {
         return false;
     }
     if let Some(ns) = &mc.namespace_selector

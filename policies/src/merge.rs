@@ -16,8 +16,15 @@ use serde_json::{Map, Value};
 /// The merge key of list fields Kubernetes types declare as `listType: map`.
 fn list_key(field: &str) -> Option<&'static str> {
     Some(match field {
-        "containers" | "initContainers" | "ephemeralContainers" | "volumes" | "env"
-        | "imagePullSecrets" | "resourceClaims" | "readinessGates" | "schedulingGates" => {
+        "containers"
+        | "initContainers"
+        | "ephemeralContainers"
+        | "volumes"
+        | "env"
+        | "imagePullSecrets"
+        | "resourceClaims"
+        | "readinessGates"
+        | "schedulingGates" => {
             if field == "readinessGates" {
                 "conditionType"
             } else {
@@ -41,12 +48,10 @@ pub fn apply(target: &mut Value, patch: &Value) {
 fn merge_value(target: &mut Value, patch: &Value, field: Option<&str>) {
     match (target, patch) {
         (Value::Object(t), Value::Object(p)) => merge_map(t, p),
-        (Value::Array(t), Value::Array(p)) => {
-            match field.and_then(list_key) {
-                Some(key) if keyed(t, key) && keyed(p, key) => merge_list(t, p, key),
-                _ => *t = p.clone(),
-            }
-        }
+        (Value::Array(t), Value::Array(p)) => match field.and_then(list_key) {
+            Some(key) if keyed(t, key) && keyed(p, key) => merge_list(t, p, key),
+            _ => *t = p.clone(),
+        },
         (t, p) => *t = p.clone(),
     }
 }

@@ -25,7 +25,11 @@ impl Selection {
         let meta = object.get("metadata")?;
         let find = |key: &str| {
             ["annotations", "labels"].iter().find_map(|m| {
-                meta.get(m)?.get(key)?.as_str().map(str::trim).filter(|s| !s.is_empty())
+                meta.get(m)?
+                    .get(key)?
+                    .as_str()
+                    .map(str::trim)
+                    .filter(|s| !s.is_empty())
             })
         };
         if let Some(name) = find(wellknown::RUNTIME_ANNOTATION) {
@@ -39,13 +43,22 @@ impl Selection {
         let rt = &service.spec.runtime;
         match rt.name.as_deref().map(str::trim).filter(|s| !s.is_empty()) {
             Some(name) => Selection::Pinned(name.to_owned()),
-            None => Selection::Vendors(rt.selector.as_ref().map(|s| s.vendor.clone()).unwrap_or_default()),
+            None => Selection::Vendors(
+                rt.selector
+                    .as_ref()
+                    .map(|s| s.vendor.clone())
+                    .unwrap_or_default(),
+            ),
         }
     }
 }
 
 fn split_vendors(v: &str) -> Vec<String> {
-    v.split(',').map(str::trim).filter(|s| !s.is_empty()).map(str::to_owned).collect()
+    v.split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(str::to_owned)
+        .collect()
 }
 
 /// Why no runtime could be chosen.
@@ -82,7 +95,10 @@ pub fn resolve_runtime<'a>(
             .ok_or_else(|| {
                 let mut available: Vec<String> = runtimes.iter().map(name).collect();
                 available.sort();
-                ResolveError::NotFound { name: wanted.clone(), available }
+                ResolveError::NotFound {
+                    name: wanted.clone(),
+                    available,
+                }
             }),
         Selection::Vendors(prefs) => {
             let rank = |r: &InferenceRuntime| {
@@ -102,10 +118,14 @@ pub fn resolve_runtime<'a>(
                 })
                 .map(|(_, r)| r)
                 .ok_or_else(|| {
-                    let mut available: Vec<String> = runtimes.iter().map(|r| r.spec.vendor.clone()).collect();
+                    let mut available: Vec<String> =
+                        runtimes.iter().map(|r| r.spec.vendor.clone()).collect();
                     available.sort();
                     available.dedup();
-                    ResolveError::NoVendorMatch { wanted: prefs.clone(), available }
+                    ResolveError::NoVendorMatch {
+                        wanted: prefs.clone(),
+                        available,
+                    }
                 })
         }
     }
@@ -135,21 +155,48 @@ mod tests {
         let rts = [rt("a", "nvidia", 1), rt("b", "ascend", 1)];
         assert_eq!(pick(&rts, Selection::Pinned("b".into())).unwrap(), "b");
         let err = pick(&rts, Selection::Pinned("zz".into())).unwrap_err();
-        assert_eq!(err, ResolveError::NotFound { name: "zz".into(), available: vec!["a".into(), "b".into()] });
+        assert_eq!(
+            err,
+            ResolveError::NotFound {
+                name: "zz".into(),
+                available: vec!["a".into(), "b".into()]
+            }
+        );
         assert!(err.to_string().contains("does not exist"));
     }
 
     #[test]
     fn vendor_order_beats_priority() {
         let rts = [rt("n", "nvidia", 1000), rt("a", "ascend", 1)];
-        assert_eq!(pick(&rts, Selection::Vendors(vec!["ascend".into(), "nvidia".into()])).unwrap(), "a");
-        assert_eq!(pick(&rts, Selection::Vendors(vec!["nvidia".into(), "ascend".into()])).unwrap(), "n");
+        assert_eq!(
+            pick(
+                &rts,
+                Selection::Vendors(vec!["ascend".into(), "nvidia".into()])
+            )
+            .unwrap(),
+            "a"
+        );
+        assert_eq!(
+            pick(
+                &rts,
+                Selection::Vendors(vec!["nvidia".into(), "ascend".into()])
+            )
+            .unwrap(),
+            "n"
+        );
     }
 
     #[test]
     fn priority_then_name_break_ties() {
-        let rts = [rt("z", "nvidia", 5), rt("b", "nvidia", 10), rt("a", "nvidia", 10)];
-        assert_eq!(pick(&rts, Selection::Vendors(vec!["nvidia".into()])).unwrap(), "a");
+        let rts = [
+            rt("z", "nvidia", 5),
+            rt("b", "nvidia", 10),
+            rt("a", "nvidia", 10),
+        ];
+        assert_eq!(
+            pick(&rts, Selection::Vendors(vec!["nvidia".into()])).unwrap(),
+            "a"
+        );
         assert_eq!(pick(&rts, Selection::Vendors(vec![])).unwrap(), "a");
     }
 
@@ -157,16 +204,28 @@ mod tests {
     fn no_vendor_match_names_what_exists() {
         let rts = [rt("n", "nvidia", 1), rt("m", "nvidia", 2)];
         let err = pick(&rts, Selection::Vendors(vec!["cambricon".into()])).unwrap_err();
-        assert_eq!(err, ResolveError::NoVendorMatch { wanted: vec!["cambricon".into()], available: vec!["nvidia".into()] });
+        assert_eq!(
+            err,
+            ResolveError::NoVendorMatch {
+                wanted: vec!["cambricon".into()],
+                available: vec!["nvidia".into()]
+            }
+        );
         assert!(pick(&[], Selection::Vendors(vec![])).is_err());
     }
 
     #[test]
     fn selection_from_annotations_and_labels() {
         let o = json!({"metadata": {"annotations": {"serving.hearth.dev/runtime": "rt", "serving.hearth.dev/vendor": "x"}}});
-        assert_eq!(Selection::from_object(&o), Some(Selection::Pinned("rt".into())));
+        assert_eq!(
+            Selection::from_object(&o),
+            Some(Selection::Pinned("rt".into()))
+        );
         let o = json!({"metadata": {"labels": {"serving.hearth.dev/vendor": "nvidia, ascend"}}});
-        assert_eq!(Selection::from_object(&o), Some(Selection::Vendors(vec!["nvidia".into(), "ascend".into()])));
+        assert_eq!(
+            Selection::from_object(&o),
+            Some(Selection::Vendors(vec!["nvidia".into(), "ascend".into()]))
+        );
         assert_eq!(Selection::from_object(&json!({"metadata": {}})), None);
         let o = json!({"metadata": {"annotations": {"serving.hearth.dev/runtime": "  "}}});
         assert_eq!(Selection::from_object(&o), None);

@@ -162,7 +162,9 @@ pub fn find_test_files(dir: &Path) -> Vec<PathBuf> {
     }
     let mut stack = vec![dir.to_owned()];
     while let Some(d) = stack.pop() {
-        let Ok(rd) = std::fs::read_dir(&d) else { continue };
+        let Ok(rd) = std::fs::read_dir(&d) else {
+            continue;
+        };
         for e in rd.flatten() {
             let p = e.path();
             if p.is_dir() {
@@ -177,21 +179,36 @@ pub fn find_test_files(dir: &Path) -> Vec<PathBuf> {
 }
 
 fn read_one(path: &Path) -> Result<Value, TestError> {
-    let text = std::fs::read_to_string(path).map_err(|source| manifest::ManifestError::Io { path: path.to_owned(), source })?;
+    let text = std::fs::read_to_string(path).map_err(|source| manifest::ManifestError::Io {
+        path: path.to_owned(),
+        source,
+    })?;
     // Resources may be of any kind, including ours; read them raw.
     let docs: Vec<Value> = serde_yaml::Deserializer::from_str(&text)
         .map(Value::deserialize)
         .collect::<Result<_, _>>()
-        .map_err(|e| TestError::Invalid { path: path.to_owned(), message: e.to_string() })?;
+        .map_err(|e| TestError::Invalid {
+            path: path.to_owned(),
+            message: e.to_string(),
+        })?;
     docs.into_iter()
         .find(|d| !d.is_null())
-        .ok_or_else(|| TestError::Invalid { path: path.to_owned(), message: "no object in file".into() })
+        .ok_or_else(|| TestError::Invalid {
+            path: path.to_owned(),
+            message: "no object in file".into(),
+        })
 }
 
 /// Runs one test file and returns a row per case.
 pub fn run_test_file(path: &Path) -> Result<Vec<Row>, TestError> {
-    let invalid = |message: String| TestError::Invalid { path: path.to_owned(), message };
-    let text = std::fs::read_to_string(path).map_err(|source| manifest::ManifestError::Io { path: path.to_owned(), source })?;
+    let invalid = |message: String| TestError::Invalid {
+        path: path.to_owned(),
+        message,
+    };
+    let text = std::fs::read_to_string(path).map_err(|source| manifest::ManifestError::Io {
+        path: path.to_owned(),
+        source,
+    })?;
     let tf: TestFile = serde_yaml::from_str(&text).map_err(|e| invalid(e.to_string()))?;
     let base = path.parent().unwrap_or(Path::new("."));
     let mut bundle = Bundle::default();
@@ -202,13 +219,27 @@ pub fn run_test_file(path: &Path) -> Result<Vec<Row>, TestError> {
     for p in &tf.manifests {
         manifest::read_path(&base.join(p), &mut extra)?;
     }
-    let runtimes: Vec<_> = bundle.runtimes.iter().chain(&extra.runtimes).cloned().collect();
-    let services: Vec<_> = bundle.services.iter().chain(&extra.services).cloned().collect();
+    let runtimes: Vec<_> = bundle
+        .runtimes
+        .iter()
+        .chain(&extra.runtimes)
+        .cloned()
+        .collect();
+    let services: Vec<_> = bundle
+        .services
+        .iter()
+        .chain(&extra.services)
+        .cloned()
+        .collect();
     let (set, load_errors) = PolicySet::compile(&bundle.policies);
     if !load_errors.is_empty() {
         return Err(invalid(format!(
             "policies failed to load: {}",
-            load_errors.iter().map(ToString::to_string).collect::<Vec<_>>().join("; ")
+            load_errors
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join("; ")
         )));
     }
     let mut rows = Vec::new();
@@ -244,15 +275,25 @@ pub fn run_test_file(path: &Path) -> Result<Vec<Row>, TestError> {
                     if !err.to_string().contains(want.as_str()) {
                         failures.push(format!("resolveError: want {want:?}, got {err}"));
                     }
-                    rows.push(Row { file: path.to_owned(), suite: tf.name.clone(), case: case.name.clone(), failures });
+                    rows.push(Row {
+                        file: path.to_owned(),
+                        suite: tf.name.clone(),
+                        case: case.name.clone(),
+                        failures,
+                    });
                     continue;
                 }
             }
         } else if let Some(want) = &e.resolve_error {
-            failures.push(format!("resolveError: want {want:?}, but the resource selects no runtime"));
+            failures.push(format!(
+                "resolveError: want {want:?}, but the resource selects no runtime"
+            ));
         }
         if let Some(name) = &case.service {
-            match services.iter().find(|s| s.metadata.name.as_deref() == Some(name)) {
+            match services
+                .iter()
+                .find(|s| s.metadata.name.as_deref() == Some(name))
+            {
                 Some(s) => input.service = serde_json::to_value(s).ok(),
                 None => failures.push(format!("LLMService {name:?} is not in the manifests")),
             }
@@ -261,27 +302,47 @@ pub fn run_test_file(path: &Path) -> Result<Vec<Row>, TestError> {
         if let Some(allowed) = e.allowed
             && out.allowed() != allowed
         {
-            failures.push(format!("allowed: want {allowed}, got {} ({})", out.allowed(), out.rejection_messages().join("; ")));
+            failures.push(format!(
+                "allowed: want {allowed}, got {} ({})",
+                out.allowed(),
+                out.rejection_messages().join("; ")
+            ));
         }
         for want in &e.denied {
             if !out.denials.iter().any(|d| d.message.contains(want)) {
-                failures.push(format!("denied: no denial contains {want:?}; got {:?}", out.denials.iter().map(|d| &d.message).collect::<Vec<_>>()));
+                failures.push(format!(
+                    "denied: no denial contains {want:?}; got {:?}",
+                    out.denials.iter().map(|d| &d.message).collect::<Vec<_>>()
+                ));
             }
         }
         for want in &e.warnings {
             if !out.warnings.iter().any(|w| w.contains(want)) {
-                failures.push(format!("warnings: none contains {want:?}; got {:?}", out.warnings));
+                failures.push(format!(
+                    "warnings: none contains {want:?}; got {:?}",
+                    out.warnings
+                ));
             }
         }
         for (k, v) in &e.audit_annotations {
             if out.audit_annotations.get(k) != Some(v) {
-                failures.push(format!("auditAnnotations[{k}]: want {v:?}, got {:?}", out.audit_annotations.get(k)));
+                failures.push(format!(
+                    "auditAnnotations[{k}]: want {v:?}, got {:?}",
+                    out.audit_annotations.get(k)
+                ));
             }
         }
         if let Some(n) = e.errors
             && out.errors.len() != n
         {
-            failures.push(format!("errors: want {n}, got {}: {:?}", out.errors.len(), out.errors.iter().map(|e| format!("{} {}: {}", e.policy, e.field, e.message)).collect::<Vec<_>>()));
+            failures.push(format!(
+                "errors: want {n}, got {}: {:?}",
+                out.errors.len(),
+                out.errors
+                    .iter()
+                    .map(|e| format!("{} {}: {}", e.policy, e.field, e.message))
+                    .collect::<Vec<_>>()
+            ));
         }
         if let Some(p) = &e.patched_resource {
             let want = read_one(&base.join(p))?;
@@ -308,7 +369,12 @@ pub fn run_test_file(path: &Path) -> Result<Vec<Row>, TestError> {
                 ));
             }
         }
-        rows.push(Row { file: path.to_owned(), suite: tf.name.clone(), case: case.name.clone(), failures });
+        rows.push(Row {
+            file: path.to_owned(),
+            suite: tf.name.clone(),
+            case: case.name.clone(),
+            failures,
+        });
     }
     Ok(rows)
 }
@@ -319,7 +385,12 @@ pub fn run_dir(dir: &Path) -> Vec<Row> {
     for f in find_test_files(dir) {
         match run_test_file(&f) {
             Ok(r) => rows.extend(r),
-            Err(e) => rows.push(Row { file: f.clone(), suite: f.display().to_string(), case: "(load)".into(), failures: vec![e.to_string()] }),
+            Err(e) => rows.push(Row {
+                file: f.clone(),
+                suite: f.display().to_string(),
+                case: "(load)".into(),
+                failures: vec![e.to_string()],
+            }),
         }
     }
     rows
@@ -331,12 +402,22 @@ pub fn render_table(rows: &[Row]) -> String {
     let w_case = rows.iter().map(|r| r.case.len()).max().unwrap_or(4).max(4);
     let mut s = format!("{:<w_suite$}  {:<w_case$}  RESULT\n", "SUITE", "CASE");
     for r in rows {
-        s.push_str(&format!("{:<w_suite$}  {:<w_case$}  {}\n", r.suite, r.case, if r.passed() { "PASS" } else { "FAIL" }));
+        s.push_str(&format!(
+            "{:<w_suite$}  {:<w_case$}  {}\n",
+            r.suite,
+            r.case,
+            if r.passed() { "PASS" } else { "FAIL" }
+        ));
         for f in &r.failures {
             s.push_str(&format!("    - {f}\n"));
         }
     }
     let failed = rows.iter().filter(|r| !r.passed()).count();
-    s.push_str(&format!("{} cases, {} passed, {} failed\n", rows.len(), rows.len() - failed, failed));
+    s.push_str(&format!(
+        "{} cases, {} passed, {} failed\n",
+        rows.len(),
+        rows.len() - failed,
+        failed
+    ));
     s
 }

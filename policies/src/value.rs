@@ -48,7 +48,9 @@ pub fn cel_to_json(v: &Value) -> Result<serde_json::Value, String> {
             .map(serde_json::Value::Number)
             .ok_or_else(|| format!("the double {f} has no JSON form"))?,
         Value::String(s) => serde_json::Value::String(s.as_str().to_owned()),
-        Value::List(l) => serde_json::Value::Array(l.iter().map(cel_to_json).collect::<Result<_, _>>()?),
+        Value::List(l) => {
+            serde_json::Value::Array(l.iter().map(cel_to_json).collect::<Result<_, _>>()?)
+        }
         Value::Map(m) => {
             let mut out = serde_json::Map::with_capacity(m.map.len());
             for (k, v) in m.map.iter() {

@@ -9,7 +9,10 @@ use hearth_policies::{ErrorKind, Limits, PolicySet};
 use serde_json::{Value, json};
 
 fn load_error(expression: &str) -> String {
-    let (set, errors) = PolicySet::compile(&[policy("adv", json!({"validations": [{"expression": expression}]}))]);
+    let (set, errors) = PolicySet::compile(&[policy(
+        "adv",
+        json!({"validations": [{"expression": expression}]}),
+    )]);
     assert!(set.names().is_empty(), "{expression:.80} loaded");
     assert_eq!(errors.len(), 1);
     assert_eq!(errors[0].field, "spec.validations[0].expression");
@@ -18,15 +21,21 @@ fn load_error(expression: &str) -> String {
 
 /// Evaluates one validation under failurePolicy Fail and returns the single error's kind.
 fn eval_error(variables: Value, expression: &str) -> (ErrorKind, String) {
-    let s = set(vec![policy("adv", json!({
-        "variables": variables,
-        "validations": [{"expression": expression}]
-    }))]);
+    let s = set(vec![policy(
+        "adv",
+        json!({
+            "variables": variables,
+            "validations": [{"expression": expression}]
+        }),
+    )]);
     let out = eval(&s, deployment());
     assert!(!out.allowed(), "a Fail policy's error rejects");
     assert_eq!(out.errors.len(), 1, "{:?}", out.errors);
     // The set keeps serving.
-    let healthy = set(vec![policy("ok", json!({"validations": [{"expression": "object.spec.replicas == 1"}]}))]);
+    let healthy = set(vec![policy(
+        "ok",
+        json!({"validations": [{"expression": "object.spec.replicas == 1"}]}),
+    )]);
     assert!(eval(&healthy, deployment()).allowed());
     (out.errors[0].kind, out.errors[0].message.clone())
 }
@@ -42,9 +51,15 @@ fn deep_bracket_nesting_is_rejected_at_load() {
 #[test]
 fn long_operator_chains_are_rejected_at_load() {
     let e = load_error(&vec!["1"; 4000].join("+"));
-    assert!(e.contains("levels deep") || e.contains("syntax error"), "{e}");
+    assert!(
+        e.contains("levels deep") || e.contains("syntax error"),
+        "{e}"
+    );
     let e = load_error(&format!("object{} == 1", ".a".repeat(3000)));
-    assert!(e.contains("levels deep") || e.contains("syntax error"), "{e}");
+    assert!(
+        e.contains("levels deep") || e.contains("syntax error"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -62,7 +77,10 @@ fn comprehension_nesting_is_rejected_at_load() {
 #[test]
 fn deep_but_allowed_expression_evaluates_on_a_small_stack() {
     // 90 levels deep; the test thread has a 2 MiB stack.
-    let s = set(vec![policy("deep", json!({"validations": [{"expression": format!("{} == 90", vec!["1"; 90].join(" + "))}]}))]);
+    let s = set(vec![policy(
+        "deep",
+        json!({"validations": [{"expression": format!("{} == 90", vec!["1"; 90].join(" + "))}]}),
+    )]);
     let out = eval(&s, deployment());
     assert!(out.allowed(), "{:?}", out.errors);
 }
@@ -105,11 +123,20 @@ fn join_replace_and_format_amplification_are_refused() {
     }
     vars.push(json!({"name": "big", "expression": "variables.s12"}));
     let big = Value::Array(vars);
-    let (kind, msg) = eval_error(big.clone(), "size(lists.range(400).map(i, variables.big).join('')) > 0");
+    let (kind, msg) = eval_error(
+        big.clone(),
+        "size(lists.range(400).map(i, variables.big).join('')) > 0",
+    );
     assert_eq!(kind, ErrorKind::BoundExceeded, "{msg}");
-    let (kind, msg) = eval_error(big.clone(), "size(variables.big.replace('', variables.big)) > 0");
+    let (kind, msg) = eval_error(
+        big.clone(),
+        "size(variables.big.replace('', variables.big)) > 0",
+    );
     assert_eq!(kind, ErrorKind::BoundExceeded, "{msg}");
-    let (kind, msg) = eval_error(big, "size('%s'.format([lists.range(400).map(i, variables.big)])) > 0");
+    let (kind, msg) = eval_error(
+        big,
+        "size('%s'.format([lists.range(400).map(i, variables.big)])) > 0",
+    );
     assert_eq!(kind, ErrorKind::BoundExceeded, "{msg}");
 }
 
@@ -117,29 +144,52 @@ fn join_replace_and_format_amplification_are_refused() {
 fn the_request_budget_spans_policies() {
     // Each policy stays under the per-expression budget; together they exceed the request's.
     let policies: Vec<_> = (0..20)
-        .map(|i| policy(&format!("p{i}"), json!({
-            "failurePolicy": "Ignore",
-            "validations": [{"expression": "lists.range(2000).all(x, x >= 0)"}]
-        })))
+        .map(|i| {
+            policy(
+                &format!("p{i}"),
+                json!({
+                    "failurePolicy": "Ignore",
+                    "validations": [{"expression": "lists.range(2000).all(x, x >= 0)"}]
+                }),
+            )
+        })
         .collect();
     // A small request budget keeps the test quick; the mechanism is the same at any size.
-    let limits = Limits { max_request_cost: 30_000, ..Limits::default() };
+    let limits = Limits {
+        max_request_cost: 30_000,
+        ..Limits::default()
+    };
     let (s, errors) = PolicySet::compile_with_limits(&policies, limits);
     assert!(errors.is_empty());
     let out = eval(&s, deployment());
     assert!(out.allowed(), "Ignore policies never reject");
     assert!(!out.errors.is_empty());
-    assert!(out.errors.iter().all(|e| e.kind == ErrorKind::BoundExceeded));
-    assert!(out.errors.iter().any(|e| e.message.contains("request cost budget")), "{:?}", out.errors);
+    assert!(
+        out.errors
+            .iter()
+            .all(|e| e.kind == ErrorKind::BoundExceeded)
+    );
+    assert!(
+        out.errors
+            .iter()
+            .any(|e| e.message.contains("request cost budget")),
+        "{:?}",
+        out.errors
+    );
 }
 
 #[test]
 fn realistic_comprehensions_fit_the_budget() {
     let mut d = deployment();
-    let env: Vec<Value> = (0..200).map(|i| json!({"name": format!("E{i}"), "value": "v"})).collect();
+    let env: Vec<Value> = (0..200)
+        .map(|i| json!({"name": format!("E{i}"), "value": "v"}))
+        .collect();
     d["spec"]["template"]["spec"]["containers"][0]["env"] = Value::Array(env);
-    let s = set(vec![policy("env", json!({"validations": [{"expression":
-        "object.spec.template.spec.containers.all(c, !has(c.env) || c.env.all(e, e.name.matches('^[A-Z0-9_]+$')))"}]}))]);
+    let s = set(vec![policy(
+        "env",
+        json!({"validations": [{"expression":
+        "object.spec.template.spec.containers.all(c, !has(c.env) || c.env.all(e, e.name.matches('^[A-Z0-9_]+$')))"}]}),
+    )]);
     let out = eval(&s, d);
     assert!(out.allowed(), "{:?}", out.errors);
 }

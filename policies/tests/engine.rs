@@ -9,37 +9,59 @@ use serde_json::json;
 
 #[test]
 fn validation_denies_with_message_and_message_expression() {
-    let s = set(vec![policy("replicas", json!({
-        "validations": [
-            {"expression": "object.spec.replicas <= 1", "message": "static"},
-            {"expression": "object.spec.replicas <= 2",
-             "messageExpression": "'replicas is ' + string(object.spec.replicas)", "reason": "Invalid"},
-            {"expression": "object.spec.replicas <= 3"}
-        ]
-    }))]);
+    let s = set(vec![policy(
+        "replicas",
+        json!({
+            "validations": [
+                {"expression": "object.spec.replicas <= 1", "message": "static"},
+                {"expression": "object.spec.replicas <= 2",
+                 "messageExpression": "'replicas is ' + string(object.spec.replicas)", "reason": "Invalid"},
+                {"expression": "object.spec.replicas <= 3"}
+            ]
+        }),
+    )]);
     let mut d = deployment();
     d["spec"]["replicas"] = json!(5);
     let out = eval(&s, d);
     assert!(!out.allowed());
     let msgs: Vec<_> = out.denials.iter().map(|d| d.message.as_str()).collect();
-    assert_eq!(msgs, ["static", "replicas is 5", "failed expression: object.spec.replicas <= 3"]);
-    assert_eq!(out.denials[1].reason, hearth_crds::servingpolicy::StatusReason::Invalid);
+    assert_eq!(
+        msgs,
+        [
+            "static",
+            "replicas is 5",
+            "failed expression: object.spec.replicas <= 3"
+        ]
+    );
+    assert_eq!(
+        out.denials[1].reason,
+        hearth_crds::servingpolicy::StatusReason::Invalid
+    );
     assert!(out.errors.is_empty());
     assert!(eval(&s, deployment()).allowed());
 }
 
 #[test]
 fn warn_and_audit_actions() {
-    let s = set(vec![policy("p", json!({
-        "validationActions": ["Warn", "Audit"],
-        "validations": [{"expression": "false", "message": "careful"}],
-        "auditAnnotations": [{"key": "replicas", "valueExpression": "string(object.spec.replicas)"},
-                             {"key": "none", "valueExpression": "null"}]
-    }))]);
+    let s = set(vec![policy(
+        "p",
+        json!({
+            "validationActions": ["Warn", "Audit"],
+            "validations": [{"expression": "false", "message": "careful"}],
+            "auditAnnotations": [{"key": "replicas", "valueExpression": "string(object.spec.replicas)"},
+                                 {"key": "none", "valueExpression": "null"}]
+        }),
+    )]);
     let out = eval(&s, deployment());
     assert!(out.allowed());
-    assert_eq!(out.warnings, ["Validation failed for ServingPolicy 'p': careful"]);
-    assert_eq!(out.audit_annotations.get("p/replicas").map(String::as_str), Some("1"));
+    assert_eq!(
+        out.warnings,
+        ["Validation failed for ServingPolicy 'p': careful"]
+    );
+    assert_eq!(
+        out.audit_annotations.get("p/replicas").map(String::as_str),
+        Some("1")
+    );
     assert!(!out.audit_annotations.contains_key("p/none"));
     let failure = &out.audit_annotations["validation.policy.admission.k8s.io/validation_failure"];
     assert!(failure.contains("careful"), "{failure}");
@@ -47,31 +69,41 @@ fn warn_and_audit_actions() {
 
 #[test]
 fn variables_are_ordered_and_lazy_on_error() {
-    let s = set(vec![policy("v", json!({
-        "variables": [
-            {"name": "name", "expression": "object.metadata.name"},
-            {"name": "upper", "expression": "variables.name.upperAscii()"},
-            {"name": "broken", "expression": "object.spec.nope.deeper"}
-        ],
-        "validations": [
-            {"expression": "variables.upper == 'LLM'", "message": "upper"},
-            {"expression": "variables.broken == 1", "message": "never"}
-        ]
-    }))]);
+    let s = set(vec![policy(
+        "v",
+        json!({
+            "variables": [
+                {"name": "name", "expression": "object.metadata.name"},
+                {"name": "upper", "expression": "variables.name.upperAscii()"},
+                {"name": "broken", "expression": "object.spec.nope.deeper"}
+            ],
+            "validations": [
+                {"expression": "variables.upper == 'LLM'", "message": "upper"},
+                {"expression": "variables.broken == 1", "message": "never"}
+            ]
+        }),
+    )]);
     let out = eval(&s, deployment());
     assert!(out.denials.is_empty(), "{:?}", out.denials);
     assert_eq!(out.errors.len(), 1);
     assert_eq!(out.errors[0].field, "spec.validations[1].expression");
-    assert!(out.errors[0].message.contains("variables.broken failed"), "{}", out.errors[0].message);
+    assert!(
+        out.errors[0].message.contains("variables.broken failed"),
+        "{}",
+        out.errors[0].message
+    );
     assert!(!out.allowed(), "failurePolicy Fail rejects");
 }
 
 #[test]
 fn failure_policy_ignore_skips() {
-    let s = set(vec![policy("i", json!({
-        "failurePolicy": "Ignore",
-        "validations": [{"expression": "object.spec.missing == 1"}]
-    }))]);
+    let s = set(vec![policy(
+        "i",
+        json!({
+            "failurePolicy": "Ignore",
+            "validations": [{"expression": "object.spec.missing == 1"}]
+        }),
+    )]);
     let out = eval(&s, deployment());
     assert!(out.allowed());
     assert_eq!(out.errors.len(), 1);
@@ -81,18 +113,22 @@ fn failure_policy_ignore_skips() {
 
 #[test]
 fn match_constraints_and_conditions() {
-    let s = set(vec![policy("m", json!({
-        "matchConstraints": {
-            "resourceRules": [{"apiGroups": ["apps"], "apiVersions": ["v1"], "resources": ["deployments"], "operations": ["UPDATE"]}],
-            "namespaceSelector": {"matchLabels": {"tier": "gold"}},
-            "objectSelector": {"matchExpressions": [{"key": "app", "operator": "In", "values": ["llm"]}]}
-        },
-        "matchConditions": [{"name": "not-system", "expression": "request.userInfo.username != 'system:admin'"}],
-        "validations": [{"expression": "false", "message": "matched"}]
-    }))]);
+    let s = set(vec![policy(
+        "m",
+        json!({
+            "matchConstraints": {
+                "resourceRules": [{"apiGroups": ["apps"], "apiVersions": ["v1"], "resources": ["deployments"], "operations": ["UPDATE"]}],
+                "namespaceSelector": {"matchLabels": {"tier": "gold"}},
+                "objectSelector": {"matchExpressions": [{"key": "app", "operator": "In", "values": ["llm"]}]}
+            },
+            "matchConditions": [{"name": "not-system", "expression": "request.userInfo.username != 'system:admin'"}],
+            "validations": [{"expression": "false", "message": "matched"}]
+        }),
+    )]);
     let mut input = EvalInput::for_object(deployment(), Operation::Update);
     input.old_object = Some(deployment());
-    input.namespace_object = Some(json!({"metadata": {"name": "team-a", "labels": {"tier": "gold"}}}));
+    input.namespace_object =
+        Some(json!({"metadata": {"name": "team-a", "labels": {"tier": "gold"}}}));
     assert_eq!(s.evaluate(&input).denials.len(), 1);
     // Wrong operation.
     let mut create = input.clone();
@@ -115,7 +151,10 @@ fn match_constraints_and_conditions() {
 
 #[test]
 fn default_match_is_hearth_workloads() {
-    let s = set(vec![policy("d", json!({"validations": [{"expression": "false"}]}))]);
+    let s = set(vec![policy(
+        "d",
+        json!({"validations": [{"expression": "false"}]}),
+    )]);
     assert_eq!(eval(&s, deployment()).denials.len(), 1);
     let cm = json!({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "x"}});
     assert!(eval(&s, cm).denials.is_empty());
@@ -123,27 +162,36 @@ fn default_match_is_hearth_workloads() {
 
 #[test]
 fn json_patch_mutation_with_struct_syntax_and_escaping() {
-    let s = set(vec![policy("jp", json!({
-        "mutations": [{"patchType": "JSONPatch", "jsonPatch": {"expression": r#"[
+    let s = set(vec![policy(
+        "jp",
+        json!({
+            "mutations": [{"patchType": "JSONPatch", "jsonPatch": {"expression": r#"[
             JSONPatch{op: "add", path: "/metadata/annotations/" + jsonpatch.escapeKey("a/b~c"), value: "x"},
             JSONPatch{op: "replace", path: "/spec/replicas", value: 3}
         ]"#}}]
-    }))]);
+        }),
+    )]);
     let out = eval(&s, deployment());
     assert!(out.errors.is_empty(), "{:?}", out.errors);
     let obj = out.patched_object.unwrap();
     assert_eq!(obj["metadata"]["annotations"]["a/b~c"], "x");
     assert_eq!(obj["spec"]["replicas"], 3);
     let ops = serde_json::to_value(&out.patch).unwrap();
-    assert!(ops.to_string().contains("/metadata/annotations/a~1b~0c"), "{ops}");
+    assert!(
+        ops.to_string().contains("/metadata/annotations/a~1b~0c"),
+        "{ops}"
+    );
 }
 
 #[test]
 fn json_patch_on_missing_parent_is_an_error_not_a_string() {
-    let s = set(vec![policy("jp", json!({
-        "mutations": [{"patchType": "JSONPatch", "jsonPatch": {"expression":
-            "[JSONPatch{op: 'add', path: '/spec/template/spec/nodeSelector/a', value: 'b'}]"}}]
-    }))]);
+    let s = set(vec![policy(
+        "jp",
+        json!({
+            "mutations": [{"patchType": "JSONPatch", "jsonPatch": {"expression":
+                "[JSONPatch{op: 'add', path: '/spec/template/spec/nodeSelector/a', value: 'b'}]"}}]
+        }),
+    )]);
     let out = eval(&s, deployment());
     assert_eq!(out.errors.len(), 1);
     assert_eq!(out.errors[0].kind, ErrorKind::Patch);
@@ -152,13 +200,16 @@ fn json_patch_on_missing_parent_is_an_error_not_a_string() {
 
 #[test]
 fn apply_configuration_merges_containers_by_name() {
-    let s = set(vec![policy("ac", json!({
-        "mutations": [{"patchType": "ApplyConfiguration", "applyConfiguration": {"expression": r#"
+    let s = set(vec![policy(
+        "ac",
+        json!({
+            "mutations": [{"patchType": "ApplyConfiguration", "applyConfiguration": {"expression": r#"
             Object{spec: Object.spec{template: Object.spec.template{spec: Object.spec.template.spec{
               containers: [Object.spec.template.spec.containers{name: "vllm", resources: {"limits": {"nvidia.com/gpu": 1}}}],
               nodeSelector: {"gpu": "a10"}
             }}}}"#}}]
-    }))]);
+        }),
+    )]);
     let out = eval(&s, deployment());
     assert!(out.errors.is_empty(), "{:?}", out.errors);
     let obj = out.patched_object.unwrap();
@@ -174,15 +225,21 @@ fn apply_configuration_merges_containers_by_name() {
 #[test]
 fn mutations_see_previous_mutations_and_reinvocation() {
     let s = set(vec![
-        policy("first", json!({
-            "reinvocationPolicy": "IfNeeded",
-            "mutations": [{"patchType": "ApplyConfiguration", "applyConfiguration": {"expression":
-                "has(object.metadata.annotations) && 'second' in object.metadata.annotations ? Object{metadata: Object.metadata{annotations: {'first-saw-second': 'yes'}}} : Object{}"}}]
-        })),
-        policy("second", json!({
-            "mutations": [{"patchType": "ApplyConfiguration", "applyConfiguration": {"expression":
-                "Object{metadata: Object.metadata{annotations: {'second': 'done'}}}"}}]
-        })),
+        policy(
+            "first",
+            json!({
+                "reinvocationPolicy": "IfNeeded",
+                "mutations": [{"patchType": "ApplyConfiguration", "applyConfiguration": {"expression":
+                    "has(object.metadata.annotations) && 'second' in object.metadata.annotations ? Object{metadata: Object.metadata{annotations: {'first-saw-second': 'yes'}}} : Object{}"}}]
+            }),
+        ),
+        policy(
+            "second",
+            json!({
+                "mutations": [{"patchType": "ApplyConfiguration", "applyConfiguration": {"expression":
+                    "Object{metadata: Object.metadata{annotations: {'second': 'done'}}}"}}]
+            }),
+        ),
     ]);
     let out = eval(&s, deployment());
     let obj = out.patched_object.unwrap();
@@ -192,9 +249,12 @@ fn mutations_see_previous_mutations_and_reinvocation() {
 
 #[test]
 fn mutation_may_not_change_identity() {
-    let s = set(vec![policy("id", json!({
-        "mutations": [{"patchType": "ApplyConfiguration", "applyConfiguration": {"expression": "Object{kind: 'Pod'}"}}]
-    }))]);
+    let s = set(vec![policy(
+        "id",
+        json!({
+            "mutations": [{"patchType": "ApplyConfiguration", "applyConfiguration": {"expression": "Object{kind: 'Pod'}"}}]
+        }),
+    )]);
     let out = eval(&s, deployment());
     assert_eq!(out.errors[0].kind, ErrorKind::Patch);
 }
@@ -202,46 +262,80 @@ fn mutation_may_not_change_identity() {
 #[test]
 fn load_errors_name_policy_field_and_position() {
     let bad = vec![
-        policy("syntax", json!({"validations": [{"expression": "true"}, {"expression": "true"}, {"expression": "object.("}]})),
-        policy("bind", json!({"validations": [{"expression": "cel.bind(x, 1, x == 1)"}]})),
-        policy("two-var", json!({"validations": [{"expression": "[1].all(i, v, v > 0)"}]})),
-        policy("authz", json!({"validations": [{"expression": "authorizer.group('').resource('x').check('get').allowed()"}]})),
-        policy("unknown-fn", json!({"validations": [{"expression": "object.metadata.name.frobnicate()"}]})),
-        policy("undeclared-var", json!({"variables": [{"name": "a", "expression": "variables.b"}, {"name": "b", "expression": "1"}]})),
+        policy(
+            "syntax",
+            json!({"validations": [{"expression": "true"}, {"expression": "true"}, {"expression": "object.("}]}),
+        ),
+        policy(
+            "bind",
+            json!({"validations": [{"expression": "cel.bind(x, 1, x == 1)"}]}),
+        ),
+        policy(
+            "two-var",
+            json!({"validations": [{"expression": "[1].all(i, v, v > 0)"}]}),
+        ),
+        policy(
+            "authz",
+            json!({"validations": [{"expression": "authorizer.group('').resource('x').check('get').allowed()"}]}),
+        ),
+        policy(
+            "unknown-fn",
+            json!({"validations": [{"expression": "object.metadata.name.frobnicate()"}]}),
+        ),
+        policy(
+            "undeclared-var",
+            json!({"variables": [{"name": "a", "expression": "variables.b"}, {"name": "b", "expression": "1"}]}),
+        ),
         policy("ok", json!({"validations": [{"expression": "true"}]})),
     ];
     let (set, errors) = PolicySet::compile(&bad);
     assert_eq!(set.names(), ["ok"]);
-    let by = |p: &str| errors.iter().find(|e| e.policy == p).unwrap_or_else(|| panic!("no error for {p}"));
+    let by = |p: &str| {
+        errors
+            .iter()
+            .find(|e| e.policy == p)
+            .unwrap_or_else(|| panic!("no error for {p}"))
+    };
     let e = by("syntax");
     assert_eq!(e.field, "spec.validations[2].expression");
     assert!(e.error.position.is_some(), "{e}");
     assert!(by("bind").error.message.contains("cel.bind"));
-    assert!(by("two-var").to_string().contains("two-variable"), "{}", by("two-var"));
+    assert!(
+        by("two-var").to_string().contains("two-variable"),
+        "{}",
+        by("two-var")
+    );
     assert!(by("authz").error.message.contains("authorizer"));
     let uf = by("unknown-fn");
     assert!(uf.error.message.contains("frobnicate"));
     assert_eq!(uf.error.position, Some((1, 22)));
     assert!(by("undeclared-var").error.message.contains("variables.b"));
-    assert!(by("undeclared-var").to_string().contains("spec.variables[0].expression"));
+    assert!(
+        by("undeclared-var")
+            .to_string()
+            .contains("spec.variables[0].expression")
+    );
 }
 
 #[test]
 fn kubernetes_libraries_are_available() {
-    let s = set(vec![policy("libs", json!({"validations": [
-        {"expression": "quantity('1Gi').isGreaterThan(quantity('512Mi'))", "message": "quantity"},
-        {"expression": "'a,b'.split(',').size() == 2", "message": "strings"},
-        {"expression": "isURL('https://x.io/a') && url('https://x.io/a').getHost() == 'x.io'", "message": "urls"},
-        {"expression": "sets.contains([1, 2], [1])", "message": "sets"},
-        {"expression": "'abc'.matches('^a') && 'abc'.find('b') == 'b'", "message": "regex"},
-        {"expression": "[3, 1].sort() == [1, 3] && lists.range(3) == [0, 1, 2]", "message": "lists"},
-        {"expression": "isSemver('1.2.3') && semver('1.2.3').major() == 1", "message": "semver"},
-        {"expression": "ip('10.0.0.1').family() == 4 && cidr('10.0.0.0/8').containsIP(ip('10.1.2.3'))", "message": "ip"},
-        {"expression": "math.greatest(1, 5) == 5", "message": "math"},
-        {"expression": "'%s-%d'.format(['a', 1]) == 'a-1'", "message": "format"},
-        {"expression": "duration('2m') == duration('120s')", "message": "duration"},
-        {"expression": "optional.none().orValue(7) == 7 && optional.of(1).hasValue()", "message": "optional"}
-    ]}))]);
+    let s = set(vec![policy(
+        "libs",
+        json!({"validations": [
+            {"expression": "quantity('1Gi').isGreaterThan(quantity('512Mi'))", "message": "quantity"},
+            {"expression": "'a,b'.split(',').size() == 2", "message": "strings"},
+            {"expression": "isURL('https://x.io/a') && url('https://x.io/a').getHost() == 'x.io'", "message": "urls"},
+            {"expression": "sets.contains([1, 2], [1])", "message": "sets"},
+            {"expression": "'abc'.matches('^a') && 'abc'.find('b') == 'b'", "message": "regex"},
+            {"expression": "[3, 1].sort() == [1, 3] && lists.range(3) == [0, 1, 2]", "message": "lists"},
+            {"expression": "isSemver('1.2.3') && semver('1.2.3').major() == 1", "message": "semver"},
+            {"expression": "ip('10.0.0.1').family() == 4 && cidr('10.0.0.0/8').containsIP(ip('10.1.2.3'))", "message": "ip"},
+            {"expression": "math.greatest(1, 5) == 5", "message": "math"},
+            {"expression": "'%s-%d'.format(['a', 1]) == 'a-1'", "message": "format"},
+            {"expression": "duration('2m') == duration('120s')", "message": "duration"},
+            {"expression": "optional.none().orValue(7) == 7 && optional.of(1).hasValue()", "message": "optional"}
+        ]}),
+    )]);
     let out = eval(&s, deployment());
     assert!(out.errors.is_empty(), "{:?}", out.errors);
     assert!(out.denials.is_empty(), "{:?}", out.denials);
@@ -249,10 +343,13 @@ fn kubernetes_libraries_are_available() {
 
 #[test]
 fn delete_has_no_object() {
-    let s = set(vec![policy("del", json!({
-        "matchConstraints": {"resourceRules": [{"apiGroups": ["apps"], "apiVersions": ["v1"], "resources": ["deployments"], "operations": ["DELETE"]}]},
-        "validations": [{"expression": "object == null && oldObject.metadata.name == 'llm'", "message": "x"}]
-    }))]);
+    let s = set(vec![policy(
+        "del",
+        json!({
+            "matchConstraints": {"resourceRules": [{"apiGroups": ["apps"], "apiVersions": ["v1"], "resources": ["deployments"], "operations": ["DELETE"]}]},
+            "validations": [{"expression": "object == null && oldObject.metadata.name == 'llm'", "message": "x"}]
+        }),
+    )]);
     let mut input = EvalInput::for_object(deployment(), Operation::Delete);
     input.old_object = input.object.take();
     let out = s.evaluate(&input);
@@ -264,7 +361,10 @@ fn delete_has_no_object() {
 fn policy_set_is_send_sync_and_cheap_to_clone() {
     fn assert_send_sync<T: Send + Sync + Clone>() {}
     assert_send_sync::<PolicySet>();
-    let s = set(vec![policy("p", json!({"validations": [{"expression": "true"}]}))]);
+    let s = set(vec![policy(
+        "p",
+        json!({"validations": [{"expression": "true"}]}),
+    )]);
     let handles: Vec<_> = (0..2)
         .map(|_| {
             let s = s.clone();

@@ -6,7 +6,11 @@ use hearth_policies::testfile::{find_test_files, render_table, run_dir};
 
 fn run(dir: &str) {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join(dir);
-    assert!(!find_test_files(&root).is_empty(), "no hearth-test.yaml under {}", root.display());
+    assert!(
+        !find_test_files(&root).is_empty(),
+        "no hearth-test.yaml under {}",
+        root.display()
+    );
     let rows = run_dir(&root);
     let table = render_table(&rows);
     println!("{table}");

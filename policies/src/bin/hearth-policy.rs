@@ -14,7 +14,11 @@ use hearth_policies::{
 use serde_json::{Value, json};
 
 #[derive(Parser)]
-#[command(name = "hearth-policy", version, about = "Evaluate and test Hearth ServingPolicies offline")]
+#[command(
+    name = "hearth-policy",
+    version,
+    about = "Evaluate and test Hearth ServingPolicies offline"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -77,8 +81,10 @@ enum Command {
 }
 
 fn read_object(path: &PathBuf) -> anyhow::Result<Value> {
-    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-    let v: Value = serde_yaml::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let v: Value =
+        serde_yaml::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
     Ok(v)
 }
 
@@ -106,9 +112,22 @@ fn run() -> anyhow::Result<ExitCode> {
                 bail!("no {} found under {:?}", testfile::TEST_FILE_NAME, dirs);
             }
             print!("{}", testfile::render_table(&rows));
-            Ok(if rows.iter().all(|r| r.passed()) { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+            Ok(if rows.iter().all(|r| r.passed()) {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::FAILURE
+            })
         }
-        Command::Eval { policy, resource, params, service, old, namespace, operation, output } => {
+        Command::Eval {
+            policy,
+            resource,
+            params,
+            service,
+            old,
+            namespace,
+            operation,
+            output,
+        } => {
             let mut bundle = Bundle::default();
             for p in &policy {
                 manifest::read_path(p, &mut bundle)?;
@@ -142,12 +161,18 @@ fn run() -> anyhow::Result<ExitCode> {
             } else if !runtimes.runtimes.is_empty() {
                 let sel = Selection::from_object(&object)
                     .context("several runtimes given but the resource names neither serving.hearth.dev/runtime nor serving.hearth.dev/vendor")?;
-                input.params = Some(manifest::runtime_params(resolve_runtime(&runtimes.runtimes, &sel)?));
+                input.params = Some(manifest::runtime_params(resolve_runtime(
+                    &runtimes.runtimes,
+                    &sel,
+                )?));
             }
             if let Some(s) = &service {
                 let mut b = Bundle::default();
                 manifest::read_path(s, &mut b)?;
-                let svc = b.services.first().context("--service holds no LLMService")?;
+                let svc = b
+                    .services
+                    .first()
+                    .context("--service holds no LLMService")?;
                 input.service = Some(serde_json::to_value(svc)?);
             }
             let out = set.evaluate(&input);
@@ -166,7 +191,11 @@ fn run() -> anyhow::Result<ExitCode> {
                 Format::Yaml => print!("{}", serde_yaml::to_string(&report)?),
                 Format::Json => println!("{}", serde_json::to_string_pretty(&report)?),
             }
-            Ok(if out.allowed() && errors.is_empty() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+            Ok(if out.allowed() && errors.is_empty() {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::FAILURE
+            })
         }
     }
 }
