@@ -56,12 +56,12 @@ struct ImageArgs {
 }
 
 impl ImageArgs {
-    fn render_config(&self) -> RenderConfig {
-        RenderConfig {
+    fn render_config(&self) -> anyhow::Result<RenderConfig> {
+        Ok(RenderConfig {
             gateway_image: self.gateway_image.clone(),
             host_path_root: self.host_path_root.clone(),
-            ..RenderConfig::default()
-        }
+            ..RenderConfig::builtin()?
+        })
     }
 }
 
@@ -134,7 +134,7 @@ fn render(args: RenderArgs) -> anyhow::Result<()> {
     let children = hearth_controller::render(
         &service,
         resolved.runtime,
-        &args.images.render_config(),
+        &args.images.render_config()?,
         true,
     )?;
     print!("{}", children.to_yaml()?);
@@ -208,7 +208,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         }
     };
     let cfg = RunConfig {
-        render: args.images.render_config(),
+        render: args.images.render_config()?,
         namespace: args.namespace,
         requeue: Duration::from_secs(args.resync_seconds),
         concurrency: args.concurrency,

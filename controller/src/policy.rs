@@ -1,189 +1,121 @@
-//! The policy step of backend rendering: runtime specifics (accelerator request, model-load-aware
-//! probes, preStop drain and grace period, scheduler, nodeSelector, tolerations, queue) laid onto
-//! the plain Deployment skeleton that [`crate::render`] builds.
-//!
-//! Everything vendor-specific goes through [`apply`], the one seam where the policy engine crate
-//! (`hearth-policies`, running the built-in `ServingPolicy` mutations in-process) plugs in. Until
-//! it is a dependency of this crate, [`apply`] performs the same default behaviours directly from
-//! the `InferenceRuntime` fields, so rendered backends are complete and schedulable.
+//! The policy step of backend rendering: the plain Deployment skeleton that [`crate::render`]
+//! builds goes through Hearth's policy engine (`hearth-policies`) in-process — the built-in
+//! `ServingPolicy` mutations of `policies/builtin/*.yaml` with the resolved InferenceRuntime as
+//! `params` and the LLMService as `service`: accelerator request, model-load-aware probes,
+//! preStop drain and grace period, scheduler, nodeSelector, tolerations, queue, shared memory.
+//! The same policies run in the admission webhook, so a backend rendered here and a plain
+//! Deployment annotated for a runtime get the same treatment, and the controller never depends
+//! on the webhook being up.
 
-use std::collections::BTreeMap;
+use std::{path::Path, sync::Arc};
 
-use hearth_crds::{InferenceRuntime, LLMService, wellknown::VOLCANO_QUEUE_ANNOTATION};
-use k8s_openapi::{
-    api::{
-        apps::v1::Deployment,
-        core::v1::{ExecAction, Lifecycle, LifecycleHandler},
-    },
-    apimachinery::pkg::api::resource::Quantity,
+use hearth_crds::{InferenceRuntime, LLMService, ServingPolicy, servingpolicy::Operation};
+use hearth_policies::{
+    EvalInput, MutateError, PolicySet,
+    manifest::{Bundle, read_str, runtime_params},
 };
+use k8s_openapi::api::apps::v1::Deployment;
 
-/// Name of the serving container in the backend pod; the policy step finds it by this name.
-pub const SERVING_CONTAINER: &str = "server";
-
-/// Extra grace beyond the drain window, for the engine's own shutdown after the drain.
-const GRACE_MARGIN_SECONDS: i64 = 15;
+include!(concat!(env!("OUT_DIR"), "/builtin.rs"));
 
 /// Why the policy step could not complete the backend.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum PolicyError {
-    /// The skeleton has no serving container (a bug in the renderer, reported rather than panicking).
-    #[error("backend Deployment has no container named {SERVING_CONTAINER:?}")]
-    NoServingContainer,
+    /// An embedded built-in policy did not parse or compile (a build defect, reported).
+    #[error("built-in ServingPolicies: {0}")]
+    Builtin(String),
     /// `fraction` with a runtime that does not share devices.
     #[error(
         "spec.resources.fraction: InferenceRuntime {0} does not support device sharing (spec.accelerator.sharing.supported is false); remove fraction or pick a runtime that shares devices"
     )]
     SharingUnsupported(String),
-    /// `fraction` with a sharing runtime: the per-vendor fraction resources come from
-    /// `ServingPolicy` mutations, which this build does not run yet.
+    /// `fraction` with a sharing runtime: no built-in policy renders fractional resources yet.
     #[error(
-        "spec.resources.fraction: fractional devices are rendered by sharing policies that this controller build does not include; request whole devices (remove fraction)"
+        "spec.resources.fraction: no built-in ServingPolicy renders fractional devices yet; request whole devices (remove fraction)"
     )]
-    FractionNeedsPolicyEngine,
-    /// A duration field did not parse.
-    #[error("{field}: {source}")]
-    Duration {
-        /// The field path.
-        field: &'static str,
-        /// The parse error.
-        source: hearth_crds::DurationError,
-    },
+    FractionNotRendered,
+    /// A `Fail` policy could not be evaluated.
+    #[error("rendering the backend through the ServingPolicies failed: {0}")]
+    Mutate(#[from] MutateError),
+    /// The mutated object is not a Deployment any more (a policy bug), or did not serialize.
+    #[error("the ServingPolicies produced an invalid Deployment: {0}")]
+    Invalid(String),
 }
 
-/// Applies the runtime's mutations to the backend Deployment of `service`.
+/// The compiled policies the backend is rendered with. Cheap to clone (an `Arc` inside).
+#[derive(Clone)]
+pub struct Engine {
+    set: PolicySet,
+    names: Arc<[String]>,
+}
+
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine")
+            .field("policies", &self.names)
+            .finish()
+    }
+}
+
+/// The built-in ServingPolicies embedded at build time, in evaluation order.
+pub fn builtin_policies() -> Result<Vec<ServingPolicy>, PolicyError> {
+    let mut bundle = Bundle::default();
+    for (name, text) in BUILTIN {
+        read_str(text, Path::new(name), &mut bundle)
+            .map_err(|e| PolicyError::Builtin(e.to_string()))?;
+    }
+    Ok(bundle.policies)
+}
+
+impl Engine {
+    /// Compiles `policies`; any that fails to compile is an error (the controller must not
+    /// render with a silently smaller set).
+    pub fn new(policies: &[ServingPolicy]) -> Result<Self, PolicyError> {
+        let (set, errors) = PolicySet::compile(policies);
+        if !errors.is_empty() {
+            let msgs: Vec<String> = errors.iter().map(|e| e.to_string()).collect();
+            return Err(PolicyError::Builtin(msgs.join("; ")));
+        }
+        let names = set.names().into_iter().map(str::to_owned).collect();
+        Ok(Self { set, names })
+    }
+
+    /// The built-in policies.
+    pub fn builtin() -> Result<Self, PolicyError> {
+        Self::new(&builtin_policies()?)
+    }
+
+    /// Names of the compiled policies.
+    pub fn names(&self) -> &[String] {
+        &self.names
+    }
+}
+
+/// Runs the mutations over the backend Deployment of `service` with `runtime` as `params`.
 pub fn apply(
-    mut deployment: Deployment,
+    engine: &Engine,
+    deployment: Deployment,
     service: &LLMService,
     runtime: &InferenceRuntime,
 ) -> Result<Deployment, PolicyError> {
-    let rt = &runtime.spec;
-    let runtime_name = runtime.metadata.name.clone().unwrap_or_default();
     if service.spec.resources.fraction.is_some() {
-        return Err(if rt.accelerator.sharing.supported {
-            PolicyError::FractionNeedsPolicyEngine
+        return Err(if runtime.spec.accelerator.sharing.supported {
+            PolicyError::FractionNotRendered
         } else {
-            PolicyError::SharingUnsupported(runtime_name)
+            PolicyError::SharingUnsupported(runtime.metadata.name.clone().unwrap_or_default())
         });
     }
-    let drain =
-        service
-            .spec
-            .scaling
-            .drain_timeout
-            .get()
-            .map_err(|source| PolicyError::Duration {
-                field: "spec.scaling.drainTimeout",
-                source,
-            })?;
-    let drain_secs = i64::try_from(drain.as_secs()).unwrap_or(i64::MAX / 2)
-        + i64::from(drain.subsec_nanos() > 0);
-
-    let spec = deployment.spec.get_or_insert_with(Default::default);
-    let template = &mut spec.template;
-    let pod = template.spec.get_or_insert_with(Default::default);
-
-    // Scheduling: the runtime's nodeSelector, tolerations, scheduler and queue.
-    if !rt.accelerator.node_selector.is_empty() {
-        pod.node_selector
-            .get_or_insert_with(BTreeMap::new)
-            .extend(rt.accelerator.node_selector.clone());
-    }
-    if !rt.accelerator.tolerations.is_empty() {
-        pod.tolerations
-            .get_or_insert_with(Vec::new)
-            .extend(rt.accelerator.tolerations.iter().cloned());
-    }
-    if let Some(name) = rt
-        .accelerator
-        .scheduler
-        .name
-        .as_deref()
-        .filter(|n| !n.is_empty())
-    {
-        pod.scheduler_name = Some(name.to_owned());
-    }
-    if let Some(queue) = rt
-        .accelerator
-        .scheduler
-        .queue
-        .as_deref()
-        .filter(|q| !q.is_empty())
-    {
-        template
-            .metadata
-            .get_or_insert_with(Default::default)
-            .annotations
-            .get_or_insert_with(BTreeMap::new)
-            .insert(VOLCANO_QUEUE_ANNOTATION.to_owned(), queue.to_owned());
-    }
-
-    // Grace period: the runtime's base, widened so the drain fits.
-    let base = rt.lifecycle.termination_grace_period_seconds.unwrap_or(30);
-    if rt.lifecycle.pre_stop_drain {
-        pod.termination_grace_period_seconds = Some(base.max(drain_secs + GRACE_MARGIN_SECONDS));
-    } else {
-        pod.termination_grace_period_seconds = Some(base);
-    }
-
-    let container = pod
-        .containers
-        .iter_mut()
-        .find(|c| c.name == SERVING_CONTAINER)
-        .ok_or(PolicyError::NoServingContainer)?;
-
-    // Accelerator: whole devices as an extended resource (limits only; requests default to it).
-    container
-        .resources
-        .get_or_insert_with(Default::default)
-        .limits
-        .get_or_insert_with(BTreeMap::new)
-        .insert(
-            rt.accelerator.resource_name.clone(),
-            Quantity(service.spec.resources.accelerators.to_string()),
-        );
-
-    container.readiness_probe = rt.health.readiness.clone();
-    container.liveness_probe = rt.health.liveness.clone();
-    container.startup_probe = rt.health.startup.clone();
-
-    if rt.lifecycle.pre_stop_drain {
-        container.lifecycle = Some(Lifecycle {
-            pre_stop: Some(LifecycleHandler {
-                exec: Some(ExecAction {
-                    command: Some(vec![
-                        "python3".to_owned(),
-                        "-c".to_owned(),
-                        drain_script(rt.container.port.container_port, drain_secs),
-                    ]),
-                }),
-                ..Default::default()
-            }),
-            ..Default::default()
-        });
-    }
-    Ok(deployment)
-}
-
-/// The preStop drain: poll the engine's Prometheus metrics on localhost until no request is
-/// running or waiting, bounded by the drain timeout. vLLM and its forks export
-/// `vllm:num_requests_running` / `vllm:num_requests_waiting`; if the metrics cannot be read the
-/// hook ends at once rather than holding the pod for nothing. Python because every vLLM image
-/// ships it (curl is not guaranteed).
-fn drain_script(port: i32, timeout_secs: i64) -> String {
-    format!(
-        "import time,urllib.request\n\
-         end=time.time()+{timeout_secs}\n\
-         while time.time()<end:\n\
-         \x20try:\n\
-         \x20 body=urllib.request.urlopen('http://127.0.0.1:{port}/metrics',timeout=2).read().decode()\n\
-         \x20except Exception:\n\
-         \x20 break\n\
-         \x20busy=sum(float(l.rsplit(' ',1)[1]) for l in body.splitlines() if l.startswith(('vllm:num_requests_running','vllm:num_requests_waiting')))\n\
-         \x20if busy<=0:\n\
-         \x20 break\n\
-         \x20time.sleep(1)\n"
-    )
+    let object =
+        serde_json::to_value(&deployment).map_err(|e| PolicyError::Invalid(e.to_string()))?;
+    let input = EvalInput {
+        params: Some(runtime_params(runtime)),
+        service: Some(
+            serde_json::to_value(service).map_err(|e| PolicyError::Invalid(e.to_string()))?,
+        ),
+        ..EvalInput::for_object(object, Operation::Create)
+    };
+    let mutated = engine.set.mutate(&input)?;
+    serde_json::from_value(mutated.object).map_err(|e| PolicyError::Invalid(e.to_string()))
 }
 
 #[cfg(test)]
@@ -191,9 +123,12 @@ mod tests {
     use super::*;
 
     #[test]
-    fn drain_script_is_bounded_and_targets_the_port() {
-        let s = drain_script(8000, 60);
-        assert!(s.contains("end=time.time()+60"));
-        assert!(s.contains("http://127.0.0.1:8000/metrics"));
+    fn builtins_compile() {
+        let engine = Engine::builtin().unwrap();
+        assert!(
+            engine.names().iter().any(|n| n == "hearth-accelerator"),
+            "{:?}",
+            engine.names()
+        );
     }
 }

@@ -145,10 +145,11 @@ pub struct RunConfig {
     pub instance: String,
 }
 
-impl Default for RunConfig {
-    fn default() -> Self {
+impl RunConfig {
+    /// Defaults (all namespaces, 5-minute resync, 8 reconciles at once) with `render`.
+    pub fn new(render: RenderConfig) -> Self {
         Self {
-            render: RenderConfig::default(),
+            render,
             namespace: None,
             requeue: Duration::from_secs(300),
             concurrency: 8,

@@ -42,8 +42,7 @@ use serde_json::json;
 use crate::{
     labels::{self, Component},
     model::{self, CACHE_MOUNT_PATH, HF_HOME, MODELSCOPE_CACHE, ModelSource},
-    names,
-    policy::{self, SERVING_CONTAINER},
+    names, policy,
     template::{self, TemplateValues},
 };
 
@@ -66,17 +65,22 @@ pub struct RenderConfig {
     /// The ScaledObject API: KEDA's `keda.sh/v1alpha1` (see [`scaled_object_resource`]). Its
     /// CRD, `<plural>.<group>`, is what the controller watches to learn whether KEDA is installed.
     pub keda_api: ApiResource,
+    /// The ServingPolicies the backend is rendered through.
+    pub engine: policy::Engine,
 }
 
-impl Default for RenderConfig {
-    fn default() -> Self {
-        Self {
+impl RenderConfig {
+    /// Defaults with the built-in ServingPolicies. Errors only if an embedded policy does not
+    /// compile, which this crate's tests rule out.
+    pub fn builtin() -> Result<Self, policy::PolicyError> {
+        Ok(Self {
             gateway_image: default_gateway_image(),
             host_path_root: "/var/lib/hearth/models".to_owned(),
             gateway_port: 8080,
             scaler_port: 9090,
             keda_api: scaled_object_resource(),
-        }
+            engine: policy::Engine::builtin()?,
+        })
     }
 }
 
@@ -390,7 +394,7 @@ pub fn render(
     }
 
     let skeleton = backend_skeleton(&ctx, volume.clone(), create_backend)?;
-    let backend = policy::apply(skeleton, service, runtime)?;
+    let backend = policy::apply(&cfg.engine, skeleton, service, runtime)?;
     Ok(Children {
         gateway_service_account: ServiceAccount {
             metadata: ctx.meta(names::gateway(&ctx.name), Component::Gateway),
@@ -414,6 +418,15 @@ fn duration_secs(d: &hearth_crds::Duration, field: &'static str) -> Result<u64, 
         .get()
         .map_err(|source| RenderError::Duration { field, source })?;
     Ok(v.as_secs() + u64::from(v.subsec_nanos() > 0))
+}
+
+/// The serving container's name: the runtime family (`vllm`), which is how the built-in
+/// policies find the model container.
+pub fn serving_container(runtime: &InferenceRuntime) -> String {
+    match serde_json::to_value(runtime.spec.family) {
+        Ok(serde_json::Value::String(s)) => s,
+        _ => "server".to_owned(),
+    }
 }
 
 /// The plain backend Deployment before the policy step.
@@ -480,7 +493,7 @@ fn backend_skeleton(
     });
 
     let container = Container {
-        name: SERVING_CONTAINER.to_owned(),
+        name: serving_container(ctx.rt),
         image: Some(rt.container.image.clone()),
         args: (!args.is_empty()).then_some(args),
         env: (!env.is_empty()).then_some(env),

@@ -1,9 +1,12 @@
-//! Runtime resolution: `spec.runtime.name` pins one `InferenceRuntime`; otherwise
-//! `spec.runtime.selector.vendor` is walked in preference order, and among the runtimes of the
-//! first vendor that has any, the highest `priority` wins, then the lexically smallest name (so
-//! the choice is stable). Runtimes being deleted are never picked.
+//! Runtime resolution, through the policy engine's rule (`hearth_policies::resolve`, shared with
+//! the admission webhook): `spec.runtime.name` pins one `InferenceRuntime`; otherwise
+//! `spec.runtime.selector.vendor` in preference order (an empty list accepts any vendor), then
+//! higher `priority`, then name. This module adds what the controller needs around it: runtimes
+//! being deleted are never picked, and the outcome becomes a `RuntimeResolved` condition reason
+//! and a message naming the field to change.
 
 use hearth_crds::{InferenceRuntime, LLMService};
+use hearth_policies::{Selection, resolve::ResolveError as RuleError};
 use kube::ResourceExt;
 
 /// The chosen runtime and why, for the `RuntimeResolved` condition.
@@ -17,25 +20,21 @@ pub struct Resolved<'a> {
     pub message: String,
 }
 
-/// Why no runtime was resolved. Each variant's `reason()` is the condition reason; the message
+/// Why no runtime was resolved. [`ResolveError::reason`] is the condition reason; the message
 /// says what the user can do.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ResolveError {
     /// `spec.runtime.name` names no InferenceRuntime.
-    #[error(
-        "spec.runtime.name: InferenceRuntime {0:?} not found; create it or name an existing one (kubectl get inferenceruntimes)"
-    )]
+    #[error("spec.runtime.name: {0}")]
     NotFound(String),
     /// No runtime has any of the listed vendors.
-    #[error(
-        "spec.runtime.selector.vendor: no InferenceRuntime for vendor(s) {0}; create one or add a vendor that has one (kubectl get inferenceruntimes)"
-    )]
+    #[error("spec.runtime.selector.vendor: {0}")]
     NoVendorMatch(String),
-    /// Neither a name nor a vendor selector.
+    /// The cluster has no InferenceRuntime at all.
     #[error(
-        "spec.runtime: set runtime.name or runtime.selector.vendor to choose an InferenceRuntime"
+        "no InferenceRuntime exists: create one (kubectl apply -f an InferenceRuntime manifest)"
     )]
-    NothingSelected,
+    NoRuntimes,
 }
 
 impl ResolveError {
@@ -44,7 +43,7 @@ impl ResolveError {
         match self {
             ResolveError::NotFound(_) => "RuntimeNotFound",
             ResolveError::NoVendorMatch(_) => "NoRuntimeForVendor",
-            ResolveError::NothingSelected => "NoRuntimeSelected",
+            ResolveError::NoRuntimes => "NoRuntimes",
         }
     }
 }
@@ -58,51 +57,38 @@ pub fn resolve_runtime<'a>(
         .into_iter()
         .filter(|r| r.metadata.deletion_timestamp.is_none())
         .collect();
-    let selection = &service.spec.runtime;
-    if let Some(name) = selection.name.as_deref().filter(|n| !n.is_empty()) {
-        return live
-            .into_iter()
-            .find(|r| r.name_any() == name)
-            .map(|runtime| Resolved {
-                runtime,
-                reason: "Pinned",
-                message: format!("InferenceRuntime {name} pinned by spec.runtime.name"),
-            })
-            .ok_or_else(|| ResolveError::NotFound(name.to_owned()));
+    let selection = Selection::from_service(service);
+    if live.is_empty() && !matches!(selection, Selection::Pinned(_)) {
+        return Err(ResolveError::NoRuntimes);
     }
-    let vendors = selection
-        .selector
-        .as_ref()
-        .map(|s| s.vendor.as_slice())
-        .unwrap_or_default();
-    if vendors.is_empty() {
-        return Err(ResolveError::NothingSelected);
-    }
-    for vendor in vendors {
-        let best = live
-            .iter()
-            .filter(|r| &r.spec.vendor == vendor)
-            .min_by(|a, b| {
-                b.spec
-                    .priority
-                    .cmp(&a.spec.priority)
-                    .then_with(|| a.name_any().cmp(&b.name_any()))
-            });
-        if let Some(runtime) = best {
-            return Ok(Resolved {
-                runtime,
-                reason: "SelectedByVendor",
-                message: format!(
-                    "InferenceRuntime {} selected: vendor {vendor} (preference {} of {}), priority {}",
-                    runtime.name_any(),
-                    vendors.iter().position(|v| v == vendor).unwrap_or(0) + 1,
-                    vendors.len(),
-                    runtime.spec.priority
-                ),
-            });
-        }
-    }
-    Err(ResolveError::NoVendorMatch(vendors.join(", ")))
+    let owned: Vec<InferenceRuntime> = live.iter().map(|r| (*r).clone()).collect();
+    let chosen = hearth_policies::resolve_runtime(&owned, &selection).map_err(|e| match e {
+        RuleError::NotFound { .. } => ResolveError::NotFound(e.to_string()),
+        RuleError::NoVendorMatch { .. } => ResolveError::NoVendorMatch(e.to_string()),
+    })?;
+    let index = owned
+        .iter()
+        .position(|r| std::ptr::eq(r, chosen))
+        .ok_or_else(|| ResolveError::NotFound(chosen.name_any()))?;
+    let runtime = live[index];
+    Ok(match selection {
+        Selection::Pinned(name) => Resolved {
+            runtime,
+            reason: "Pinned",
+            message: format!("InferenceRuntime {name} pinned by spec.runtime.name"),
+        },
+        Selection::Vendors(vendors) => Resolved {
+            runtime,
+            reason: "SelectedByVendor",
+            message: format!(
+                "InferenceRuntime {} selected by spec.runtime.selector.vendor [{}]: vendor {}, priority {}",
+                runtime.name_any(),
+                vendors.join(", "),
+                runtime.spec.vendor,
+                runtime.spec.priority
+            ),
+        },
+    })
 }
 
 #[cfg(test)]
@@ -184,14 +170,23 @@ mod tests {
         };
         let e = resolve_runtime(&service(pinned), &rts).unwrap_err();
         assert_eq!(e.reason(), "RuntimeNotFound");
-        assert!(e.to_string().contains("\"missing\""));
+        assert!(e.to_string().starts_with("spec.runtime.name: "), "{e}");
+        assert!(e.to_string().contains("\"missing\""), "{e}");
         let e = resolve_runtime(&service(by_vendor(&["hygon"])), &rts).unwrap_err();
-        assert_eq!(
-            e.reason(),
-            "NoVendorMatch".replace("NoVendorMatch", "NoRuntimeForVendor")
+        assert_eq!(e.reason(), "NoRuntimeForVendor");
+        assert!(
+            e.to_string().starts_with("spec.runtime.selector.vendor: "),
+            "{e}"
         );
-        let e = resolve_runtime(&service(RuntimeSelection::default()), &rts).unwrap_err();
-        assert_eq!(e, ResolveError::NothingSelected);
+        let e = resolve_runtime(&service(RuntimeSelection::default()), &[]).unwrap_err();
+        assert_eq!(e, ResolveError::NoRuntimes);
+    }
+
+    #[test]
+    fn no_selector_accepts_any_vendor() {
+        let rts = [runtime("a", "nvidia", 1), runtime("b", "ascend", 7)];
+        let r = resolve_runtime(&service(RuntimeSelection::default()), &rts).unwrap();
+        assert_eq!(r.runtime.name_any(), "b");
     }
 
     #[test]
