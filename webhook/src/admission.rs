@@ -115,8 +115,12 @@ pub struct Answer {
 
 /// Answers one AdmissionReview body. Never panics on any input (fuzzed by `webhook/fuzz`).
 pub fn handle(endpoint: Endpoint, body: &[u8], snapshot: &Snapshot) -> Result<Answer, ReviewError> {
+    // JSON is UTF-8 (RFC 8259 §8.1). serde_json skips fields it ignores without checking them,
+    // so check the whole body first rather than accept invalid bytes in unknown fields.
+    let text = std::str::from_utf8(body)
+        .map_err(|e| ReviewError::Malformed(format!("the body is not UTF-8: {e}")))?;
     let review: AdmissionReview<DynamicObject> =
-        serde_json::from_slice(body).map_err(|e| ReviewError::Malformed(e.to_string()))?;
+        serde_json::from_str(text).map_err(|e| ReviewError::Malformed(e.to_string()))?;
     if review.types.api_version != META_API_VERSION_V1 || review.types.kind != META_KIND {
         return Err(ReviewError::WrongVersion {
             api_version: review.types.api_version,

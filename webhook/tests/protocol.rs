@@ -358,6 +358,7 @@ async fn workload_naming_a_missing_runtime_is_denied() {
 
 #[rstest]
 #[case::not_json(b"{\"apiVersion\":".to_vec(), StatusCode::BAD_REQUEST, "not a valid AdmissionReview")]
+#[case::not_utf8(not_utf8(), StatusCode::BAD_REQUEST, "not UTF-8")]
 #[case::not_a_review(b"[1,2,3]".to_vec(), StatusCode::BAD_REQUEST, "not a valid AdmissionReview")]
 #[case::no_request(br#"{"apiVersion":"admission.k8s.io/v1","kind":"AdmissionReview"}"#.to_vec(), StatusCode::BAD_REQUEST, "has no request")]
 #[case::v1beta1(serde_json::to_vec(&{let mut r = review("Secret", json!({"metadata": {"name": "s"}})); r["apiVersion"] = json!("admission.k8s.io/v1beta1"); r}).unwrap(), StatusCode::BAD_REQUEST, "admissionReviewVersions: [v1]")]
@@ -375,6 +376,22 @@ async fn malformed_bodies_get_clean_errors(
         assert_eq!(got, status, "{v}");
         assert!(v["message"].as_str().unwrap().contains(message), "{v}");
     }
+}
+
+/// A review whose ignored field holds bytes that are not UTF-8 (found by the fuzzer: serde_json
+/// skips ignored strings unchecked).
+fn not_utf8() -> Vec<u8> {
+    let marker = "NOT-UTF8-MARKER";
+    let body = review(
+        "Secret",
+        json!({"metadata": {"name": "s", "ignored": marker}}),
+    )
+    .to_string();
+    let at = body.find(marker).unwrap();
+    let mut bytes = body.as_bytes()[..at].to_vec();
+    bytes.extend([0xfe, 0xff]);
+    bytes.extend(&body.as_bytes()[at + marker.len()..]);
+    bytes
 }
 
 #[tokio::test]
