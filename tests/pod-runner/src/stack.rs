@@ -151,12 +151,17 @@ pub async fn ensure_runner(kubeconfig: &Path) -> Result<PathBuf, StackError> {
 /// Splits a multi-document YAML file into JSON values.
 pub fn read_manifests(path: &Path) -> Result<Vec<Value>, StackError> {
     let text = std::fs::read_to_string(path).map_err(io(format!("reading {}", path.display())))?;
+    parse_manifests(&text).map_err(|msg| StackError::Manifest {
+        path: path.to_path_buf(),
+        msg,
+    })
+}
+
+/// Splits multi-document YAML text into JSON values (empty documents skipped).
+pub fn parse_manifests(text: &str) -> Result<Vec<Value>, String> {
     let mut out = Vec::new();
-    for doc in serde_yaml::Deserializer::from_str(&text) {
-        let v: Value = serde::Deserialize::deserialize(doc).map_err(|e| StackError::Manifest {
-            path: path.to_path_buf(),
-            msg: e.to_string(),
-        })?;
+    for doc in serde_yaml::Deserializer::from_str(text) {
+        let v: Value = serde::Deserialize::deserialize(doc).map_err(|e| e.to_string())?;
         if !v.is_null() {
             out.push(v);
         }
@@ -203,6 +208,12 @@ pub async fn apply(
 
 /// Applies the CRDs (`crds/*.yaml`) and the upstream stub InferenceRuntime, unchanged.
 pub async fn install(client: &Client) -> Result<(), StackError> {
+    install_crds(client).await?;
+    install_stub_runtime(client).await
+}
+
+/// Applies the CRDs (`crds/*.yaml`).
+pub async fn install_crds(client: &Client) -> Result<(), StackError> {
     let crds = workspace_dir().join("crds");
     for f in [
         "inferenceruntimes.yaml",
@@ -213,6 +224,12 @@ pub async fn install(client: &Client) -> Result<(), StackError> {
             apply(client, obj, None).await?;
         }
     }
+    Ok(())
+}
+
+/// Applies the upstream stub InferenceRuntime unchanged, retrying for up to 60 s while its CRD
+/// is not established yet or a just-started webhook is not trusted yet.
+pub async fn install_stub_runtime(client: &Client) -> Result<(), StackError> {
     // Until established, the stub runtime cannot be applied; retry briefly.
     let runtime = upstream_dir().join("stub-inferenceruntime.yaml");
     let start = Instant::now();
@@ -225,7 +242,7 @@ pub async fn install(client: &Client) -> Result<(), StackError> {
         }
         match last {
             None => return Ok(()),
-            Some(e) if start.elapsed() > Duration::from_secs(20) => return Err(e),
+            Some(e) if start.elapsed() > Duration::from_secs(60) => return Err(e),
             Some(_) => tokio::time::sleep(Duration::from_millis(250)).await,
         }
     }

@@ -13,7 +13,7 @@ use anyhow::{Context, Result, bail};
 use hearth_pod_runner::client::{self, Trace};
 use hearth_pod_runner::stack::{self, ScalerMode};
 use hearth_pod_runner::timeline::Timeline;
-use k8s_openapi::api::core::v1::Namespace;
+use k8s_openapi::api::core::v1::{Namespace, Pod};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::api::{ApiResource, DynamicObject, ListParams, Patch, PatchParams, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
@@ -51,10 +51,11 @@ async fn main() -> Result<()> {
     log("starting the pod runner (the test kubelet for gateway and stub pods)");
     stack::ensure_runner(&kubeconfig).await?;
     log("installing Hearth: CRDs, webhook (built-in policies embedded), controller");
-    stack::install(&client).await?;
+    stack::install_crds(&client).await?;
     ensure_namespace(&client, HEARTH_NS).await?;
     let webhook_ip = webhook_ip(&server)?;
     start_webhook(&kubeconfig, &state, &webhook_ip).await?;
+    stack::install_stub_runtime(&client).await?;
     start_daemon(
         &state,
         "hearth-controller",
@@ -169,18 +170,8 @@ fn start_daemon(state: &Path, bin: &str, args: &[&str], kubeconfig: &Path) -> Re
 
 async fn start_webhook(kubeconfig: &Path, state: &Path, ip: &str) -> Result<()> {
     let listen = format!("{ip}:8443");
-    start_daemon(
-        state,
-        "hearth-webhook",
-        &[
-            &format!("--listen={listen}"),
-            "--self-managed",
-            &format!("--namespace={HEARTH_NS}"),
-            &format!("--extra-san={ip}"),
-        ],
-        kubeconfig,
-    )?;
-    // Register by URL; the self-managed webhook keeps the caBundle current.
+    // Register by URL first: the self-managed webhook publishes its CA into the existing
+    // configurations at start and keeps it current.
     let out = std::process::Command::new(stack::binary("hearth-webhook")?)
         .args([
             "configurations",
@@ -201,7 +192,22 @@ async fn start_webhook(kubeconfig: &Path, state: &Path, ip: &str) -> Result<()> 
         )
         .await?,
     )?;
-    // The webhook must answer before it is registered with failurePolicy Fail.
+    let docs = stack::parse_manifests(&String::from_utf8_lossy(&out.stdout))
+        .map_err(|e| anyhow::anyhow!("hearth-webhook configurations output: {e}"))?;
+    for v in docs {
+        stack::apply(&client, v, None).await?;
+    }
+    start_daemon(
+        state,
+        "hearth-webhook",
+        &[
+            &format!("--listen={listen}"),
+            "--self-managed",
+            &format!("--namespace={HEARTH_NS}"),
+            &format!("--extra-san={ip}"),
+        ],
+        kubeconfig,
+    )?;
     let start = Instant::now();
     while tokio::net::TcpStream::connect(&listen).await.is_err() {
         if start.elapsed() > Duration::from_secs(30) {
@@ -211,12 +217,6 @@ async fn start_webhook(kubeconfig: &Path, state: &Path, ip: &str) -> Result<()> 
             );
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-    for doc in serde_yaml::Deserializer::from_slice(&out.stdout) {
-        let v: serde_json::Value = serde::Deserialize::deserialize(doc)?;
-        if !v.is_null() {
-            stack::apply(&client, v, None).await?;
-        }
     }
     Ok(())
 }
@@ -297,6 +297,10 @@ async fn wait_scaled_to_zero(client: &Client, mode: ScalerMode) -> Result<()> {
 async fn wait_gateway(client: &Client) -> Result<()> {
     let api: Api<EndpointSlice> = Api::namespaced(client.clone(), NS);
     let lp = ListParams::default().labels(&format!("kubernetes.io/service-name={SVC}"));
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
+    let gw = ListParams::default().labels(&format!(
+        "app.kubernetes.io/component=gateway,serving.hearth.dev/llmservice={SVC}"
+    ));
     let start = Instant::now();
     loop {
         let ready = api
@@ -306,7 +310,13 @@ async fn wait_gateway(client: &Client) -> Result<()> {
             .iter()
             .flat_map(|s| &s.endpoints)
             .any(|e| e.conditions.as_ref().and_then(|c| c.ready).unwrap_or(false));
-        if ready && stack::wait_resolvable(&format!("{SVC}.{NS}.svc"), Duration::from_secs(1)).await
+        // A scaler-mode switch re-renders the gateway: wait until the rollout is over, so the
+        // request does not land on a replica being replaced.
+        let gws = pods.list(&gw).await?.items;
+        let settled = gws.len() == 1 && gws[0].metadata.deletion_timestamp.is_none();
+        if ready
+            && settled
+            && stack::wait_resolvable(&format!("{SVC}.{NS}.svc"), Duration::from_secs(1)).await
         {
             return Ok(());
         }
