@@ -15,6 +15,12 @@ fn main() {
         })
         .unwrap_or_default();
     files.sort();
+    // Never build a webhook without its defaults.
+    assert!(
+        !files.is_empty(),
+        "no built-in policies in {}: the webhook embeds policies/builtin/*.yaml",
+        dir.display()
+    );
     let mut out = String::from(
         "/// The built-in policy manifests: (file name, YAML).\npub const BUILTIN: &[(&str, &str)] = &[\n",
     );
