@@ -143,3 +143,37 @@ egress:
         port: 53
   {{- end }}
 {{- end -}}
+
+{{/* The controller's rules on namespaced objects (see controller-rbac.yaml). */}}
+{{- define "hearth.controllerNamespacedRules" -}}
+- apiGroups: ["serving.hearth.dev"]
+  resources: ["llmservices"]
+  verbs: ["list", "watch"]
+- apiGroups: ["serving.hearth.dev"]
+  resources: ["llmservices/status"]
+  verbs: ["patch"]
+- apiGroups: ["apps"]
+  resources: ["deployments"]
+  verbs: ["list", "watch", "create", "patch"]
+- apiGroups: [""]
+  resources: ["services"]
+  verbs: ["list", "watch", "create", "patch", "get", "delete"]
+- apiGroups: [""]
+  resources: ["serviceaccounts", "persistentvolumeclaims"]
+  verbs: ["list", "watch", "create", "patch"]
+- apiGroups: ["batch"]
+  resources: ["jobs"]
+  verbs: ["list", "watch", "create", "patch"]
+- apiGroups: ["rbac.authorization.k8s.io"]
+  resources: ["roles", "rolebindings"]
+  verbs: ["list", "watch", "create", "patch"]
+- apiGroups: ["discovery.k8s.io"]
+  resources: ["endpointslices"]
+  verbs: ["get", "list", "watch"]
+- apiGroups: ["keda.sh"]
+  resources: ["scaledobjects"]
+  verbs: ["list", "watch", "create", "patch"]
+- apiGroups: ["events.k8s.io"]
+  resources: ["events"]
+  verbs: ["create", "patch"]
+{{- end -}}

@@ -94,8 +94,11 @@ fn run_stdin(cmd: &mut Command, input: &[u8], what: &str) -> Result<Output> {
 
 /// `helm template <release> charts/hearth -n <namespace> -f <values>`: the manifest text.
 fn template(release: &str, namespace: &str, values: &Value) -> Result<String> {
+    // Tests run in parallel: one file per call.
+    static CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let file = std::env::temp_dir().join(format!(
-        "hearth-chart-values-{}-{release}-{namespace}.json",
+        "hearth-chart-values-{}-{n}.json",
         std::process::id()
     ));
     std::fs::write(&file, serde_json::to_vec(values)?)?;
@@ -724,7 +727,8 @@ async fn restricted_namespace(cluster: &Cluster, prefix: &str) -> Result<TestNam
 
 struct ValueSet {
     name: &'static str,
-    values: Value,
+    /// The values, given the namespace the set is rendered into.
+    values: fn(&str) -> Value,
     /// (kind, name) the set must render.
     renders: Vec<(&'static str, &'static str)>,
     /// Extra checks of the rendered documents.
@@ -735,7 +739,7 @@ fn value_sets() -> Vec<ValueSet> {
     vec![
         ValueSet {
             name: "default",
-            values: json!({}),
+            values: |_| json!({}),
             renders: vec![
                 ("Deployment", "hearth-webhook"),
                 ("Deployment", "hearth-controller"),
@@ -776,7 +780,7 @@ fn value_sets() -> Vec<ValueSet> {
         },
         ValueSet {
             name: "cert-manager",
-            values: json!({"certificates": {"mode": "certManager"}}),
+            values: |_| json!({"certificates": {"mode": "certManager"}}),
             renders: vec![
                 ("Issuer", "hearth-webhook-selfsigned"),
                 ("Certificate", "hearth-webhook-ca"),
@@ -814,8 +818,10 @@ fn value_sets() -> Vec<ValueSet> {
         },
         ValueSet {
             name: "cert-manager-issuer",
-            values: json!({"certificates": {"mode": "certManager",
-                "certManager": {"issuerRef": {"name": "corp-ca", "kind": "ClusterIssuer"}}}}),
+            values: |_| {
+                json!({"certificates": {"mode": "certManager",
+                "certManager": {"issuerRef": {"name": "corp-ca", "kind": "ClusterIssuer"}}}})
+            },
             renders: vec![("Certificate", "hearth-webhook")],
             check: |docs, _| {
                 ensure!(of_kind(docs, "Issuer").count() == 0, "no chart issuers");
@@ -827,9 +833,11 @@ fn value_sets() -> Vec<ValueSet> {
         },
         ValueSet {
             name: "network-policies",
-            values: json!({"networkPolicy": {"enabled": true, "metricsFrom": [
-                {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
-            ]}}),
+            values: |_| {
+                json!({"networkPolicy": {"enabled": true, "metricsFrom": [
+                    {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+                ]}})
+            },
             renders: vec![
                 ("NetworkPolicy", "hearth-webhook"),
                 ("NetworkPolicy", "hearth-controller"),
@@ -848,8 +856,10 @@ fn value_sets() -> Vec<ValueSet> {
         },
         ValueSet {
             name: "service-monitor",
-            values: json!({"serviceMonitor": {"enabled": true, "labels": {"release": "prom"}},
-                           "dashboards": {"enabled": true}}),
+            values: |_| {
+                json!({"serviceMonitor": {"enabled": true, "labels": {"release": "prom"}},
+                           "dashboards": {"enabled": true}})
+            },
             renders: vec![
                 ("ServiceMonitor", "hearth-webhook"),
                 ("ServiceMonitor", "hearth-controller"),
@@ -867,17 +877,23 @@ fn value_sets() -> Vec<ValueSet> {
         },
         ValueSet {
             name: "custom-images",
-            values: json!({
-                "image": {"registry": "registry.example.internal/platform", "tag": "v9.9.9",
-                          "pullSecrets": ["regcred"], "pullPolicy": "Always"},
-                "controller": {"image": {"repository": "hearth-controller",
-                    "override": "mirror.example.internal/hearth/controller@sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef"},
-                    "replicas": 2, "watchNamespace": "team-a"},
-                "webhook": {"replicas": 3, "timeoutSeconds": 8},
-                "commonLabels": {"team": "platform"},
-            }),
-            renders: vec![("Deployment", "hearth-webhook")],
-            check: |docs, _| {
+            // The controller watches the release namespace only (so its Role can be made there).
+            values: |ns| {
+                json!({
+                    "image": {"registry": "registry.example.internal/platform", "tag": "v9.9.9",
+                              "pullSecrets": ["regcred"], "pullPolicy": "Always"},
+                    "controller": {"image": {"repository": "hearth-controller",
+                        "override": "mirror.example.internal/hearth/controller@sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef"},
+                        "replicas": 2, "watchNamespace": ns},
+                    "webhook": {"replicas": 3, "timeoutSeconds": 8},
+                    "commonLabels": {"team": "platform"},
+                })
+            },
+            renders: vec![
+                ("Deployment", "hearth-webhook"),
+                ("Role", "hearth-controller"),
+            ],
+            check: |docs, ns| {
                 let image = |d: &str| -> Result<String> {
                     Ok(find(docs, "Deployment", d)?["spec"]["template"]["spec"]["containers"][0]
                         ["image"]
@@ -897,7 +913,12 @@ fn value_sets() -> Vec<ValueSet> {
                             .into()
                     )
                 );
-                ensure!(ctrl.contains(&"--namespace=team-a".into()), "{ctrl:?}");
+                ensure!(ctrl.contains(&format!("--namespace={ns}")), "{ctrl:?}");
+                let cr = find(docs, "ClusterRole", "chart-controller")?;
+                ensure!(
+                    !cr.to_string().contains("deployments"),
+                    "with watchNamespace the ClusterRole holds no namespaced rights: {cr}"
+                );
                 let w = find(docs, "Deployment", "hearth-webhook")?;
                 ensure!(w["spec"]["replicas"] == 3);
                 ensure!(w["spec"]["template"]["spec"]["imagePullSecrets"][0]["name"] == "regcred");
@@ -917,7 +938,7 @@ async fn value_sets_render_and_pass_server_dry_run() -> Result<()> {
     let mut table = Vec::new();
     for set in value_sets() {
         let ns = restricted_namespace(&cluster, &format!("chart-{}", set.name)).await?;
-        let manifest = template("chart", ns.name(), &set.values)?;
+        let manifest = template("chart", ns.name(), &(set.values)(ns.name()))?;
         let docs = documents(&manifest)?;
         for (k, n) in &set.renders {
             find(&docs, k, n).with_context(|| format!("value set {}", set.name))?;
@@ -975,8 +996,8 @@ struct InstalledRbac {
 }
 
 impl InstalledRbac {
-    fn install(cluster: &Cluster, release: &str, namespace: &str) -> Result<Self> {
-        let docs = documents(&template(release, namespace, &json!({}))?)?;
+    fn install(cluster: &Cluster, release: &str, namespace: &str, values: &Value) -> Result<Self> {
+        let docs = documents(&template(release, namespace, values)?)?;
         let rbac: Vec<&Value> = docs
             .iter()
             .filter(|d| {
@@ -1476,44 +1497,31 @@ fn set(lines: &[&str]) -> BTreeSet<String> {
     lines.iter().map(|s| (*s).to_owned()).collect()
 }
 
-#[tokio::test]
-async fn rbac_matrix_each_account_can_do_what_it_needs_and_nothing_more() -> Result<()> {
-    let cluster = Cluster::connect().await?;
-    install_crds(&cluster).await?;
-    let ns = cluster.namespace("chart-rbac").await?;
-    let release = ns.name().to_owned();
-    let _rbac = InstalledRbac::install(&cluster, &release, ns.name())?;
-
-    // RBAC is cached by the authorizer only briefly; wait until the grant is visible.
-    let probe = Check {
-        account: "hearth-webhook",
-        verb: "create",
-        resource: "secrets".into(),
-        subresource: None,
-        namespace: Some(ns.name().to_owned()),
-        allowed: true,
-    };
+/// Waits until `check` is allowed: the authorizer sees new RBAC objects through an informer.
+async fn wait_for_grant(cluster: &Cluster, sa_namespace: &str, check: &Check) -> Result<()> {
     wait_until(
-        "the chart's RBAC in effect",
+        format!("{} may {} {}", check.account, check.verb, check.resource),
         Duration::from_secs(30),
         || async {
-            Ok(if can_i(&cluster, ns.name(), &probe)? {
+            Ok(if can_i(cluster, sa_namespace, check)? {
                 Observed::Ready(())
             } else {
-                Observed::NotYet("webhook cannot create its Secret yet".into())
+                Observed::NotYet("not yet allowed".into())
             })
         },
     )
-    .await?;
+    .await
+}
 
-    let checks = matrix(ns.name());
+/// Asks every check and fails with the table of mismatches.
+fn assert_checks(cluster: &Cluster, sa_namespace: &str, checks: &[Check]) -> Result<Vec<String>> {
     let mut rows = Vec::new();
     let mut wrong = Vec::new();
     for chunk in checks.chunks(8) {
         let answers: Vec<Result<bool>> = std::thread::scope(|s| {
             let handles: Vec<_> = chunk
                 .iter()
-                .map(|c| s.spawn(|| can_i(&cluster, ns.name(), c)))
+                .map(|c| s.spawn(|| can_i(cluster, sa_namespace, c)))
                 .collect();
             handles
                 .into_iter()
@@ -1526,7 +1534,7 @@ async fn rbac_matrix_each_account_can_do_what_it_needs_and_nothing_more() -> Res
         for (c, got) in chunk.iter().zip(answers) {
             let got = got?;
             let where_ = match &c.namespace {
-                Some(n) if n == ns.name() => "release ns".to_owned(),
+                Some(n) if n == sa_namespace => "release ns".to_owned(),
                 Some(n) => n.clone(),
                 None => "cluster".to_owned(),
             };
@@ -1551,12 +1559,112 @@ async fn rbac_matrix_each_account_can_do_what_it_needs_and_nothing_more() -> Res
             rows.push(row);
         }
     }
-    eprintln!("RBAC matrix ({} checks):\n{}", rows.len(), rows.join("\n"));
-    ensure!(
-        wrong.is_empty(),
-        "RBAC matrix mismatches:\n{}",
-        wrong.join("\n")
+    ensure!(wrong.is_empty(), "RBAC mismatches:\n{}", wrong.join("\n"));
+    Ok(rows)
+}
+
+/// `controller.watchNamespace`: the controller's rights on namespaced objects are a Role in
+/// that namespace only.
+#[tokio::test]
+async fn rbac_watch_namespace_confines_the_controller() -> Result<()> {
+    let cluster = Cluster::connect().await?;
+    let ns = cluster.namespace("chart-rbac-ns").await?;
+    let watched = cluster.namespace("chart-rbac-watched").await?;
+    let release = ns.name().to_owned();
+    let _rbac = InstalledRbac::install(
+        &cluster,
+        &release,
+        ns.name(),
+        &json!({"controller": {"watchNamespace": watched.name()}}),
+    )?;
+    let check = |verb: &'static str, resource: &str, namespace: Option<&str>, allowed| Check {
+        account: "hearth-controller",
+        verb,
+        resource: resource.to_owned(),
+        subresource: None,
+        namespace: namespace.map(str::to_owned),
+        allowed,
+    };
+    wait_for_grant(
+        &cluster,
+        ns.name(),
+        &check("create", "deployments.apps", Some(watched.name()), true),
+    )
+    .await?;
+    let checks = vec![
+        check("create", "deployments.apps", Some(watched.name()), true),
+        check(
+            "list",
+            "llmservices.serving.hearth.dev",
+            Some(watched.name()),
+            true,
+        ),
+        check(
+            "get",
+            "endpointslices.discovery.k8s.io",
+            Some(watched.name()),
+            true,
+        ),
+        check("list", "inferenceruntimes.serving.hearth.dev", None, true),
+        check(
+            "create",
+            "leases.coordination.k8s.io",
+            Some(ns.name()),
+            true,
+        ),
+        check("create", "deployments.apps", Some("team-a"), false),
+        check("list", "deployments.apps", None, false),
+        check("list", "llmservices.serving.hearth.dev", None, false),
+        check(
+            "get",
+            "endpointslices.discovery.k8s.io",
+            Some("team-a"),
+            false,
+        ),
+        check("create", "events.events.k8s.io", Some("team-a"), false),
+        check("get", "secrets", Some(watched.name()), false),
+    ];
+    let rows = assert_checks(&cluster, ns.name(), &checks)?;
+    eprintln!(
+        "watchNamespace RBAC ({} checks):\n{}",
+        rows.len(),
+        rows.join("\n")
     );
+    Ok(())
+}
+
+#[tokio::test]
+async fn rbac_matrix_each_account_can_do_what_it_needs_and_nothing_more() -> Result<()> {
+    let cluster = Cluster::connect().await?;
+    install_crds(&cluster).await?;
+    let ns = cluster.namespace("chart-rbac").await?;
+    let release = ns.name().to_owned();
+    let _rbac = InstalledRbac::install(&cluster, &release, ns.name(), &json!({}))?;
+
+    // RBAC is cached by the authorizer only briefly; wait until the grant is visible.
+    let probe = Check {
+        account: "hearth-webhook",
+        verb: "create",
+        resource: "secrets".into(),
+        subresource: None,
+        namespace: Some(ns.name().to_owned()),
+        allowed: true,
+    };
+    wait_until(
+        "the chart's RBAC in effect",
+        Duration::from_secs(30),
+        || async {
+            Ok(if can_i(&cluster, ns.name(), &probe)? {
+                Observed::Ready(())
+            } else {
+                Observed::NotYet("webhook cannot create its Secret yet".into())
+            })
+        },
+    )
+    .await?;
+
+    let rows = assert_checks(&cluster, ns.name(), &matrix(ns.name()))?;
+    eprintln!("RBAC matrix ({} checks):\n{}", rows.len(), rows.join("\n"));
 
     // Nothing more: every rule each account holds, as the apiserver lists them.
     let controller_cluster = [
