@@ -15,7 +15,7 @@ use hearth_pod_runner::stack::{self, ScalerMode};
 use hearth_pod_runner::timeline::Timeline;
 use k8s_openapi::api::core::v1::{Namespace, Pod};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
-use kube::api::{ApiResource, DynamicObject, ListParams, Patch, PatchParams, PostParams};
+use kube::api::{ApiResource, DynamicObject, ListParams, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::core::GroupVersionKind;
 use kube::{Api, Client, Config};
@@ -68,21 +68,26 @@ async fn main() -> Result<()> {
         &kubeconfig,
     )?;
 
-    log(format!(
-        "applying the upstream stub runtime and service ({NS}/{SVC}) unchanged"
-    ));
-    ensure_namespace(&client, NS).await?;
-    let svc = stack::read_manifests(&stack::upstream_dir().join("stub-llmservice.yaml"))?.remove(0);
-    apply_retrying(&client, svc).await?;
-    let url = format!("http://{SVC}.{NS}.svc");
-
+    // Poll mode: the upstream service exactly as published (namespace hearth-e2e). Push mode:
+    // the same manifest in its own namespace with the scaler annotation, so each mode's cold
+    // start is a first activation.
+    for mode in [ScalerMode::Poll, ScalerMode::Push] {
+        let ns = ns_of(mode);
+        log(format!(
+            "applying the upstream stub service as {ns}/{SVC} ({} mode)",
+            mode.annotation()
+        ));
+        ensure_namespace(&client, ns).await?;
+        apply_retrying(&client, stack::stub_service(ns, mode)?).await?;
+    }
     let mut rows = Vec::new();
     for mode in [ScalerMode::Poll, ScalerMode::Push] {
-        set_mode(&client, mode).await?;
+        let url = format!("http://{SVC}.{}.svc", ns_of(mode));
         wait_scaled_to_zero(&client, mode).await?;
-        wait_gateway(&client).await?;
+        wait_gateway(&client, mode).await?;
         rows.push(cold_request(&client, &url, mode).await?);
     }
+    let url = format!("http://{SVC}.{NS}.svc");
 
     println!();
     println!("Cold activation, both scaler modes, this run (seconds after the request was sent):");
@@ -98,7 +103,7 @@ async fn main() -> Result<()> {
         "  curl -N {url}/v1/chat/completions -H 'content-type: application/json' \\\n    -d '{{\"model\":\"{SVC}\",\"stream\":true,\"messages\":[{{\"role\":\"user\",\"content\":\"hi\"}}]}}'"
     );
     println!(
-        "  export KUBECONFIG={} PATH={}/bin:$PATH; kubectl get llmservice,pods -n {NS} -w",
+        "  export KUBECONFIG={} PATH={}/bin:$PATH; kubectl get llmservice,pods -A -w",
         kubeconfig.display(),
         state.display()
     );
@@ -233,26 +238,12 @@ async fn apply_retrying(client: &Client, obj: serde_json::Value) -> Result<()> {
     }
 }
 
-fn llmservices(client: &Client) -> Api<DynamicObject> {
-    Api::namespaced_with(
-        client.clone(),
-        NS,
-        &ApiResource::from_gvk(&GroupVersionKind::gvk(
-            "serving.hearth.dev",
-            "v1alpha1",
-            "LLMService",
-        )),
-    )
-}
-
-async fn set_mode(client: &Client, mode: ScalerMode) -> Result<()> {
-    let patch = serde_json::json!({"metadata": {"annotations": {
-        hearth_crds::wellknown::SCALER_ANNOTATION: mode.annotation()
-    }}});
-    llmservices(client)
-        .patch(SVC, &PatchParams::default(), &Patch::Merge(&patch))
-        .await?;
-    Ok(())
+/// The namespace of each mode's copy of the upstream stub service.
+fn ns_of(mode: ScalerMode) -> &'static str {
+    match mode {
+        ScalerMode::Poll => NS,
+        ScalerMode::Push => "hearth-e2e-push",
+    }
 }
 
 async fn wait_scaled_to_zero(client: &Client, mode: ScalerMode) -> Result<()> {
@@ -262,7 +253,7 @@ async fn wait_scaled_to_zero(client: &Client, mode: ScalerMode) -> Result<()> {
     };
     let so: Api<DynamicObject> = Api::namespaced_with(
         client.clone(),
-        NS,
+        ns_of(mode),
         &ApiResource::from_gvk(&GroupVersionKind::gvk(
             "keda.sh",
             "v1alpha1",
@@ -275,7 +266,7 @@ async fn wait_scaled_to_zero(client: &Client, mode: ScalerMode) -> Result<()> {
     ));
     let start = Instant::now();
     loop {
-        let phase = stack::phase(client, NS, SVC).await?;
+        let phase = stack::phase(client, ns_of(mode), SVC).await?;
         let t = so
             .get_opt(SVC)
             .await?
@@ -287,17 +278,19 @@ async fn wait_scaled_to_zero(client: &Client, mode: ScalerMode) -> Result<()> {
         }
         if start.elapsed() > Duration::from_secs(240) {
             bail!(
-                "LLMService {NS}/{SVC} not ScaledToZero with a {trigger} trigger after 240 s (phase {phase:?}, trigger {t:?})"
+                "LLMService {}/{SVC} not ScaledToZero with a {trigger} trigger after 240 s (phase {phase:?}, trigger {t:?})",
+                ns_of(mode)
             );
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
 }
 
-async fn wait_gateway(client: &Client) -> Result<()> {
-    let api: Api<EndpointSlice> = Api::namespaced(client.clone(), NS);
+async fn wait_gateway(client: &Client, mode: ScalerMode) -> Result<()> {
+    let ns = ns_of(mode);
+    let api: Api<EndpointSlice> = Api::namespaced(client.clone(), ns);
     let lp = ListParams::default().labels(&format!("kubernetes.io/service-name={SVC}"));
-    let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
     let gw = ListParams::default().labels(&format!(
         "app.kubernetes.io/component=gateway,serving.hearth.dev/llmservice={SVC}"
     ));
@@ -316,12 +309,12 @@ async fn wait_gateway(client: &Client) -> Result<()> {
         let settled = gws.len() == 1 && gws[0].metadata.deletion_timestamp.is_none();
         if ready
             && settled
-            && stack::wait_resolvable(&format!("{SVC}.{NS}.svc"), Duration::from_secs(1)).await
+            && stack::wait_resolvable(&format!("{SVC}.{ns}.svc"), Duration::from_secs(1)).await
         {
             return Ok(());
         }
         if start.elapsed() > Duration::from_secs(120) {
-            bail!("the gateway of {NS}/{SVC} has no ready endpoint after 120 s");
+            bail!("the gateway of {ns}/{SVC} has no ready endpoint after 120 s");
         }
         tokio::time::sleep(Duration::from_millis(300)).await;
     }
@@ -338,7 +331,7 @@ fn wall(t: Instant, base_i: Instant, base_w: SystemTime) -> String {
 
 async fn cold_request(client: &Client, url: &str, mode: ScalerMode) -> Result<String> {
     let m = mode.annotation();
-    let tl = Timeline::start(client.clone(), NS, "stub-svc-backend");
+    let tl = Timeline::start(client.clone(), ns_of(mode), "stub-svc-backend");
     tokio::time::sleep(Duration::from_millis(300)).await;
     let base_w = SystemTime::now();
     let base_i = Instant::now();
