@@ -548,16 +548,22 @@ fn run(ctx: &Context, expr: &CompiledExpr) -> Result<CelValue, ExprFailure> {
     }
 }
 
-/// The context holding the request's variables, over the thread's base context. Values are
-/// converted into the interpreter's representation once per context.
-fn activation_context<'b>(base: &'b Context<'static>, act: &Activation) -> Context<'b> {
+/// The context holding the request's fixed variables, over the thread's base context. Values
+/// are converted into the interpreter's representation once per request.
+fn request_context<'b>(base: &'b Context<'static>, act: &Activation) -> Context<'b> {
     let mut ctx = base.new_inner_scope();
-    ctx.add_variable_from_value("object", act.object.clone());
     ctx.add_variable_from_value("oldObject", act.old_object.clone());
     ctx.add_variable_from_value("request", act.request.clone());
     ctx.add_variable_from_value("namespaceObject", act.namespace_object.clone());
     ctx.add_variable_from_value("params", act.params.clone());
     ctx.add_variable_from_value("service", act.service.clone());
+    ctx
+}
+
+/// The context binding `object` over the request context; rebuilt when a mutation changes it.
+fn object_context<'b>(request: &'b Context<'b>, act: &Activation) -> Context<'b> {
+    let mut ctx = request.new_inner_scope();
+    ctx.add_variable_from_value("object", act.object.clone());
     ctx
 }
 
@@ -762,13 +768,14 @@ impl PolicySet {
 
         // Mutations, then one reinvocation round for IfNeeded policies whose output a later
         // policy changed (MutatingAdmissionPolicy semantics).
+        let rctx = request_context(base, &act);
         if object.is_some() {
             let mut after: Vec<Option<Value>> = vec![None; matched.len()];
             for (i, p) in matched.iter().enumerate() {
                 if p.mutations.is_empty() {
                     continue;
                 }
-                self.mutate_policy(base, p, &mut act, &mut object, &mut out);
+                self.mutate_policy(&rctx, p, &mut act, &mut object, &mut out);
                 after[i] = object.clone();
             }
             for (i, p) in matched.iter().enumerate() {
@@ -776,13 +783,13 @@ impl PolicySet {
                     && after[i].is_some()
                     && after[i] != object
                 {
-                    self.mutate_policy(base, p, &mut act, &mut object, &mut out);
+                    self.mutate_policy(&rctx, p, &mut act, &mut object, &mut out);
                 }
             }
         }
 
         if validate {
-            let actx = activation_context(base, &act);
+            let actx = object_context(&rctx, &act);
             for p in &matched {
                 self.validate_policy(&actx, p, &mut out);
             }
@@ -796,7 +803,7 @@ impl PolicySet {
 
     fn mutate_policy(
         &self,
-        base: &Context<'static>,
+        rctx: &Context,
         p: &CompiledPolicy,
         act: &mut Activation,
         object: &mut Option<Value>,
@@ -807,7 +814,7 @@ impl PolicySet {
         let mut first = true;
         // Contexts are rebuilt only when a mutation changed the object.
         'object: while next_mutation < p.mutations.len() {
-            let actx = activation_context(base, act);
+            let actx = object_context(rctx, act);
             let mut pctx = actx.new_inner_scope();
             if first {
                 first = false;
