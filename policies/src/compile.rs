@@ -599,10 +599,66 @@ pub(crate) fn variable_ident(name: &str) -> String {
     format!("__hearth_var_{name}")
 }
 
+/// A chain of field selections on an identifier (`object.spec.template.spec`) becomes one
+/// call of [`guard::PATH`], which walks the fields by reference instead of copying every
+/// intermediate object as the interpreter's selection does. `variables.<name>` becomes the
+/// variable's identifier. `None` when `e` is not such a chain.
+fn select_path(e: &IdedExpr) -> Option<IdedExpr> {
+    let mut fields = Vec::new();
+    let mut cur = e;
+    while let Expr::Select(s) = &cur.expr {
+        if s.test {
+            return None;
+        }
+        fields.push(s.field.clone());
+        cur = &s.operand;
+    }
+    let Expr::Ident(root) = &cur.expr else {
+        return None;
+    };
+    fields.reverse();
+    let mut root = root.clone();
+    if root == "variables" {
+        root = variable_ident(&fields.remove(0));
+    }
+    let ident = IdedExpr {
+        id: 0,
+        expr: Expr::Ident(root),
+    };
+    if fields.len() < 2 {
+        // One selection copies only the selected value: leave it to the interpreter.
+        return Some(match fields.pop() {
+            None => ident,
+            Some(f) => IdedExpr {
+                id: 0,
+                expr: Expr::Select(kube_cel::cel::common::ast::SelectExpr {
+                    operand: Box::new(ident),
+                    field: f,
+                    test: false,
+                }),
+            },
+        });
+    }
+    let mut args = vec![ident];
+    args.extend(fields.into_iter().map(|f| IdedExpr {
+        id: 0,
+        expr: Expr::Literal(kube_cel::cel::common::ast::LiteralValue::String(
+            CelString::from(f),
+        )),
+    }));
+    Some(call(guard::PATH, None, args))
+}
+
 /// Splices in guards: comprehension ticks, size checks on growing calls, pre-checks on
 /// amplifying calls; binds `variables.<name>` to its own identifier; turns `Object{...}`/`JSONPatch{...}`
 /// message construction (which the interpreter cannot evaluate) into maps.
 fn rewrite(e: &mut IdedExpr) {
+    if matches!(&e.expr, Expr::Select(s) if !s.test)
+        && let Some(path) = select_path(e)
+    {
+        *e = path;
+        return;
+    }
     // Children first.
     match &mut e.expr {
         Expr::Call(c) => {
@@ -611,16 +667,7 @@ fn rewrite(e: &mut IdedExpr) {
             }
             c.args.iter_mut().for_each(rewrite);
         }
-        Expr::Select(s) => {
-            if let Expr::Ident(root) = &s.operand.expr
-                && root == "variables"
-                && !s.test
-            {
-                e.expr = Expr::Ident(variable_ident(&s.field));
-                return;
-            }
-            rewrite(&mut s.operand)
-        }
+        Expr::Select(s) => rewrite(&mut s.operand),
         Expr::List(l) => l.elements.iter_mut().for_each(rewrite),
         Expr::Map(m) => m.entries.iter_mut().for_each(|en| {
             if let EntryExpr::MapEntry(me) = &mut en.expr {

@@ -4,13 +4,17 @@
 //! Evaluation is synchronous on one thread, so the budget lives in a thread-local set up by
 //! [`Budget::enter`] for one request and reset per expression by [`start_expression`].
 
-use std::cell::Cell;
+use std::{borrow::Cow, cell::Cell};
 
 use kube_cel::{
     KubeCelExt,
     cel::{
-        Context, ExecutionError, FunctionContext, ResolveResult, Value,
-        common::types::{CelList, CelString},
+        Context, ExecutionError, FunctionContext, IdedExpr, ResolveResult, Value,
+        common::{
+            ast::{Expr, LiteralValue},
+            types::{CelList, CelString, MAP_TYPE},
+            value::Val,
+        },
     },
 };
 
@@ -20,6 +24,8 @@ use crate::limits::Limits;
 pub(crate) const TICK: &str = "__hearth_tick";
 /// Guard that checks and charges the size of a built value (wraps `+` and growing calls).
 pub(crate) const SIZE: &str = "__hearth_size";
+/// Field-path selection by reference (see `compile::select_path`).
+pub(crate) const PATH: &str = "__hearth_path";
 /// Pre-checks for functions whose output can be much larger than their input.
 pub(crate) const PRE_JOIN: &str = "__hearth_pre_join";
 pub(crate) const PRE_REPLACE: &str = "__hearth_pre_replace";
@@ -301,6 +307,39 @@ fn pre_range(ftx: &FunctionContext) -> ResolveResult {
     Ok(n)
 }
 
+/// `__hearth_path(root, 'f1', 'f2', ...)`: `root.f1.f2...` without copying the intermediate
+/// maps (the interpreter's selection copies each one).
+fn path(ftx: &FunctionContext) -> ResolveResult {
+    let Some(Expr::Ident(name)) = ftx.args.first().map(|a| &a.expr) else {
+        return Err(ExecutionError::function_error(PATH, "needs an identifier"));
+    };
+    let root = ftx
+        .ptx
+        .get_variable(name)
+        .ok_or_else(|| ExecutionError::undeclared_reference(name))?;
+    walk(root.as_ref(), &ftx.args[1..])
+}
+
+fn walk(cur: &dyn Val, keys: &[IdedExpr]) -> ResolveResult {
+    let Some((first, rest)) = keys.split_first() else {
+        return cur.try_into();
+    };
+    let Expr::Literal(LiteralValue::String(key)) = &first.expr else {
+        return Err(ExecutionError::function_error(
+            PATH,
+            "field names are strings",
+        ));
+    };
+    let indexer = cur
+        .as_indexer()
+        .filter(|_| cur.get_type() == MAP_TYPE)
+        .ok_or_else(|| ExecutionError::no_such_key(key.inner()))?;
+    match indexer.get(key)? {
+        Cow::Borrowed(next) => walk(next, rest),
+        Cow::Owned(next) => walk(next.as_ref(), rest),
+    }
+}
+
 fn base_context() -> Context<'static> {
     let mut ctx = Context::default();
     ctx.register_all();
@@ -310,6 +349,7 @@ fn base_context() -> Context<'static> {
     ctx.add_function(PRE_REPLACE, pre_replace);
     ctx.add_function(PRE_FORMAT, pre_format);
     ctx.add_function(PRE_RANGE, pre_range);
+    ctx.add_function(PATH, path);
     ctx
 }
 
