@@ -88,7 +88,7 @@ struct RunArgs {
     #[arg(long, default_value_t = 300)]
     resync_seconds: u64,
     /// Reconciles running at once.
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = 16)]
     concurrency: u16,
     /// Log as JSON lines.
     #[arg(long, env = "HEARTH_LOG_JSON", default_value_t = false)]

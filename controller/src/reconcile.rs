@@ -146,13 +146,13 @@ pub struct RunConfig {
 }
 
 impl RunConfig {
-    /// Defaults (all namespaces, 5-minute resync, 8 reconciles at once) with `render`.
+    /// Defaults (all namespaces, 5-minute resync, 16 reconciles at once) with `render`.
     pub fn new(render: RenderConfig) -> Self {
         Self {
             render,
             namespace: None,
             requeue: Duration::from_secs(300),
-            concurrency: 8,
+            concurrency: 16,
             instance: "hearth-controller".to_owned(),
         }
     }
@@ -415,6 +415,19 @@ fn not_ready_for(e: &ResolveError) -> Cond {
     )
 }
 
+/// Condition reasons that are the normal state of a service just created.
+const EXPECTED_AT_START: &[&str] = &[
+    "Creating",
+    "GatewayNotReady",
+    "BackendLoading",
+    "AutoscalingNotReady",
+    "ScaledObjectPending",
+    "NotRequested",
+    "NotApplicable",
+    "Pending",
+    "Downloading",
+];
+
 /// Events on phase changes and on conditions changing status or reason.
 async fn emit_transitions(
     ctx: &Context,
@@ -441,6 +454,13 @@ async fn emit_transitions(
     for c in &new.conditions {
         let before = old.conditions.iter().find(|o| o.type_ == c.type_);
         if before.is_some_and(|b| b.status == c.status && b.reason == c.reason) {
+            continue;
+        }
+        // A first status says what is expected of a new service (creating, scaled to zero,
+        // waiting on KEDA); only something the user should act on is worth an Event then.
+        if before.is_none()
+            && (c.status == "True" || EXPECTED_AT_START.contains(&c.reason.as_str()))
+        {
             continue;
         }
         let type_ = if c.status == "False" && c.type_ != status::PREWARMED {
@@ -843,8 +863,17 @@ pub async fn run(
         ),
     });
 
-    let services = scoped::<LLMService>(&client, ns);
-    let controller = Controller::new(services, watcher::Config::default()).with_config(
+    // The services' own cache, without managedFields (most of each object's size).
+    let (service_store, service_writer) = reflector::store::<LLMService>();
+    let service_stream = watcher(
+        scoped::<LLMService>(&client, ns),
+        watcher::Config::default(),
+    )
+    .default_backoff()
+    .modify(|s| s.metadata.managed_fields = None)
+    .reflect(service_writer)
+    .applied_objects();
+    let controller = Controller::for_stream(service_stream, service_store).with_config(
         ControllerConfig::default()
             .concurrency(cfg.concurrency)
             .debounce(Duration::from_secs(1)),
