@@ -14,7 +14,8 @@
 //! 4. Push activation: first cold request written → `StreamIsActive(true)` received by a tonic
 //!    client.
 //!
-//! `BENCH_QUICK=1` shrinks every sample count (for a smoke run).
+//! `BENCH_QUICK=1` shrinks every sample count (for a smoke run); `BENCH_ONLY=warm|ready|push|held`
+//! runs one section.
 
 use std::{
     net::SocketAddr,
@@ -75,10 +76,21 @@ async fn run() {
         "# hearth-gateway benchmarks\n\nmachine: {} cores, {host}; all processes on loopback\n",
         std::thread::available_parallelism().map_or(0, |n| n.get())
     );
-    warm_overhead().await;
-    readiness_to_forward().await;
-    push_activation().await;
-    held_connections().await;
+    // `BENCH_ONLY=warm|ready|push|held` runs one section.
+    let only = std::env::var("BENCH_ONLY").ok();
+    let run = |name: &str| only.as_deref().is_none_or(|o| o == name);
+    if run("warm") {
+        warm_overhead().await;
+    }
+    if run("ready") {
+        readiness_to_forward().await;
+    }
+    if run("push") {
+        push_activation().await;
+    }
+    if run("held") {
+        held_connections().await;
+    }
 }
 
 // ---------------------------------------------------------------------------------------------

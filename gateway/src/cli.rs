@@ -183,6 +183,10 @@ pub struct ServeArgs {
     /// Target demand per backend replica (targetSizeFloat), unless the trigger sets targetSize.
     #[arg(long, env = "HEARTH_METRIC_TARGET", default_value_t = 1.0)]
     pub metric_target: f64,
+    /// HTTP worker threads, each with its own listener (SO_REUSEPORT) and backend pool
+    /// (default: one per CPU).
+    #[arg(long, env = "HEARTH_HTTP_WORKERS")]
+    pub http_workers: Option<usize>,
     /// Timeout for connecting to a backend endpoint.
     #[arg(long, env = "HEARTH_CONNECT_TIMEOUT", default_value = "5s", value_parser = duration)]
     pub connect_timeout: Duration,
@@ -194,6 +198,9 @@ impl ServeArgs {
     /// # Errors
     /// A [`CliError`] naming the flag when a value makes no sense.
     pub fn gateway_config(&self) -> Result<GatewayConfig, CliError> {
+        if self.http_workers == Some(0) {
+            return Err(err("--http-workers", "must be at least 1"));
+        }
         if self.max_queue == 0 {
             return Err(err("--max-queue", "must be at least 1"));
         }

@@ -228,6 +228,65 @@ impl Gateway {
         Ok(())
     }
 
+    /// Serves HTTP/1.1 on `addr` with `workers` threads, each running a single-threaded tokio
+    /// runtime with its own `SO_REUSEPORT` listener and its own backend connection pool (the
+    /// kernel spreads connections over the listeners): a request, its backend connection and
+    /// its response stay on one thread, as in nginx's worker model. Returns once every listener
+    /// is bound; the threads run until [`Gateway::stopped`].
+    ///
+    /// # Errors
+    /// The bind error of any listener (e.g. the address is in use), naming the address.
+    pub fn serve_http_workers(
+        &self,
+        addr: SocketAddr,
+        workers: usize,
+    ) -> std::io::Result<Vec<std::thread::JoinHandle<()>>> {
+        let mut handles = Vec::new();
+        for i in 0..workers.max(1) {
+            let (tx, rx) = std::sync::mpsc::channel::<std::io::Result<()>>();
+            let gw = self.clone();
+            let handle = std::thread::Builder::new()
+                .name(format!("http-worker-{i}"))
+                .spawn(move || {
+                    let rt = match tokio::runtime::Builder::new_current_thread()
+                        .enable_all()
+                        .build()
+                    {
+                        Ok(rt) => rt,
+                        Err(e) => {
+                            let _ = tx.send(Err(e));
+                            return;
+                        }
+                    };
+                    rt.block_on(async move {
+                        let listener = match reuseport_listener(addr) {
+                            Ok(l) => l,
+                            Err(e) => {
+                                let _ = tx.send(Err(e));
+                                return;
+                            }
+                        };
+                        proxy::install_worker_client(proxy::upstream_client(
+                            gw.shared.cfg.connect_timeout,
+                        ));
+                        let _ = tx.send(Ok(()));
+                        let _ = gw.serve_http(listener).await;
+                    });
+                })?;
+            match rx.recv() {
+                Ok(Ok(())) => handles.push(handle),
+                Ok(Err(e)) => {
+                    return Err(std::io::Error::new(
+                        e.kind(),
+                        format!("binding {addr}: {e}"),
+                    ));
+                }
+                Err(_) => return Err(std::io::Error::other("HTTP worker thread died at start")),
+            }
+        }
+        Ok(handles)
+    }
+
     /// Serves the ExternalScaler gRPC service on `listener` until [`Gateway::stopped`].
     ///
     /// # Errors
@@ -240,6 +299,19 @@ impl Gateway {
             .serve_with_incoming_shutdown(incoming, self.stopped())
             .await
     }
+}
+
+/// A listener on `addr` with `SO_REUSEADDR` and `SO_REUSEPORT`, backlog 4096.
+fn reuseport_listener(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    let socket = if addr.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()?
+    } else {
+        tokio::net::TcpSocket::new_v6()?
+    };
+    socket.set_reuseaddr(true)?;
+    socket.set_reuseport(true)?;
+    socket.bind(addr)?;
+    socket.listen(4096)
 }
 
 /// A gateway serving on loopback ports in background tasks: for tests and benchmarks.

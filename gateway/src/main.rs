@@ -135,17 +135,18 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         });
     }
 
-    let http = tokio::net::TcpListener::bind(args.listen)
-        .await
-        .with_context(|| format!("binding --listen {}", args.listen))?;
     let grpc = tokio::net::TcpListener::bind(args.scaler_listen)
         .await
         .with_context(|| format!("binding --scaler-listen {}", args.scaler_listen))?;
     gateway.spawn_background(args.api_key_reload_interval);
-    tracing::info!(http = %args.listen, scaler = %args.scaler_listen, "hearth-gateway serving");
+    tracing::info!(http = %args.listen, scaler = %args.scaler_listen, "hearth-gateway starting");
 
-    let g = gateway.clone();
-    let http_task = tokio::spawn(async move { g.serve_http(http).await });
+    let workers = args
+        .http_workers
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let http_workers = gateway
+        .serve_http_workers(args.listen, workers)
+        .with_context(|| format!("serving --listen {}", args.listen))?;
     let g = gateway.clone();
     let grpc_task = tokio::spawn(async move { g.serve_grpc(grpc).await });
 
@@ -174,8 +175,13 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         tracing::info!("drained");
     }
     let _ = tokio::time::timeout(Duration::from_secs(2), async {
-        let _ = http_task.await;
         let _ = grpc_task.await;
+        let _ = tokio::task::spawn_blocking(move || {
+            for w in http_workers {
+                let _ = w.join();
+            }
+        })
+        .await;
     })
     .await;
     Ok(())

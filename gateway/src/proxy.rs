@@ -51,6 +51,27 @@ pub fn upstream_client(connect_timeout: Duration) -> UpstreamClient {
         .build(connector)
 }
 
+thread_local! {
+    /// The backend client of an HTTP worker thread ([`crate::Gateway::serve_http_workers`]):
+    /// each worker keeps its own connection pool, so a request and its backend connection are
+    /// served by the same thread, without cross-thread wake-ups.
+    static WORKER_CLIENT: std::cell::RefCell<Option<UpstreamClient>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Gives the current thread its own backend client (see [`WORKER_CLIENT`]).
+pub(crate) fn install_worker_client(client: UpstreamClient) {
+    WORKER_CLIENT.with(|c| *c.borrow_mut() = Some(client));
+}
+
+impl Shared {
+    /// The current worker thread's backend client, or the shared one.
+    fn upstream(&self) -> UpstreamClient {
+        WORKER_CLIENT
+            .with(|c| c.borrow().clone())
+            .unwrap_or_else(|| self.client.clone())
+    }
+}
+
 /// The client's address, set per connection by the server loop.
 #[derive(Debug, Clone, Copy)]
 pub struct ClientAddr(pub std::net::SocketAddr);
@@ -196,7 +217,7 @@ impl Shared {
                 .ok_or(HoldError::Timeout)?;
             let req = self.build_upstream(out, &ep).map_err(HoldError::Upstream)?;
             let sent = Instant::now();
-            match self.client.request(req).await {
+            match self.upstream().request(req).await {
                 Ok(resp) => {
                     self.metrics
                         .upstream_latency
@@ -624,7 +645,7 @@ fn hold_streaming(
     deadline: Instant,
 ) -> Response {
     let (tx, rx) = mpsc::channel::<Bytes>(8);
-    tokio::spawn(async move {
+    let fut = async move {
         let mut tracker = tracker;
         let _slot = slot;
         if tx.send(Bytes::from_static(HEARTBEAT)).await.is_err() {
@@ -725,7 +746,8 @@ fn hold_streaming(
                 }
             }
         }
-    });
+    };
+    tokio::spawn(fut);
     let mut resp = Response::new(Body::new(ChannelBody { rx }));
     resp.headers_mut().insert(
         header::CONTENT_TYPE,
