@@ -50,6 +50,10 @@ enum Cmd {
         /// Repeatable
         #[arg(long = "image", value_name = "IMAGE=BINARY", required = true)]
         images: Vec<String>,
+        /// Play only pods in namespaces whose name starts with one of these (repeatable); must
+        /// match the namespace rule of kwok's pod stages in tests/cluster/kwok/kwok.yaml
+        #[arg(long = "namespace-prefix", default_values = ["e2e-", "hearth-e2e"])]
+        namespace_prefixes: Vec<String>,
         /// A DNS name in the apiserver's serving certificate, for pods' `tls-server-name`
         #[arg(long, default_value = "kubernetes.default.svc")]
         tls_server_name: String,
@@ -79,8 +83,18 @@ async fn main() -> Result<()> {
             kubeconfig,
             state_dir,
             images,
+            namespace_prefixes,
             tls_server_name,
-        } => run(kubeconfig, state_dir, images, tls_server_name).await,
+        } => {
+            run(
+                kubeconfig,
+                state_dir,
+                images,
+                namespace_prefixes,
+                tls_server_name,
+            )
+            .await
+        }
     }
 }
 
@@ -102,6 +116,7 @@ async fn run(
     kubeconfig: PathBuf,
     state_dir: PathBuf,
     images: Vec<String>,
+    namespace_prefixes: Vec<String>,
     tls_server_name: String,
 ) -> Result<()> {
     let images = parse_images(&images)?;
@@ -154,6 +169,7 @@ async fn run(
     let shared = Arc::new(Shared {
         client: client.clone(),
         images,
+        namespace_prefixes,
         state_dir: state_dir.clone(),
         record,
         next: AtomicU32::new(1),
@@ -214,7 +230,7 @@ async fn watch_pods(
         running.retain(|_, r| !r.task.is_finished());
         match ev {
             watcher::Event::Apply(p) | watcher::Event::InitApply(p) => {
-                if !pod::wanted(&p, &shared.images) {
+                if !pod::wanted(&p, &shared.images, &shared.namespace_prefixes) {
                     continue;
                 }
                 let uid = p.uid().unwrap_or_default();

@@ -31,6 +31,8 @@ pub struct Shared {
     pub client: Client,
     /// Image reference → local binary playing its entrypoint.
     pub images: HashMap<String, PathBuf>,
+    /// Namespaces (by name prefix) whose pods of those images this runner plays.
+    pub namespace_prefixes: Vec<String>,
     /// Per-pod files (kubeconfig, logs) live under `<state>/pods/<namespace>_<name>_<uid>/`.
     pub state_dir: PathBuf,
     pub record: Record,
@@ -49,10 +51,14 @@ pub struct Term {
     pub grace: Duration,
 }
 
-/// Whether this runner plays the pod: scheduled, one container, an image it maps.
-pub fn wanted(pod: &Pod, images: &HashMap<String, PathBuf>) -> bool {
+/// Whether this runner plays the pod: scheduled, in a namespace starting with one of
+/// `prefixes`, with a first container image it maps (the rule kwok's stages exclude, see
+/// tests/cluster/kwok/kwok.yaml).
+pub fn wanted(pod: &Pod, images: &HashMap<String, PathBuf>, prefixes: &[String]) -> bool {
     let Some(spec) = &pod.spec else { return false };
-    spec.node_name.is_some()
+    let ns = pod.metadata.namespace.as_deref().unwrap_or_default();
+    prefixes.iter().any(|p| ns.starts_with(p.as_str()))
+        && spec.node_name.is_some()
         && spec
             .containers
             .first()
