@@ -446,6 +446,7 @@ impl Ctx {
         let mut reported = (false, false);
         let mut startup_fails = 0;
         let mut live_fails = 0;
+        let mut ready_fails = 0;
         let mut next_startup = t0
             + startup
                 .as_ref()
@@ -544,8 +545,12 @@ impl Ctx {
                     .unwrap_or(false)
                 {
                     ready = true;
-                } else if ready {
-                    ready = false;
+                    ready_fails = 0;
+                } else {
+                    ready_fails += 1;
+                    if ready_fails >= t.failure_threshold {
+                        ready = false;
+                    }
                 }
                 next_ready = now_i + t.period;
             }
@@ -759,6 +764,54 @@ pub fn expand(s: &str, env: &[(String, String)]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn pod(ns: &str, image: &str, node: Option<&str>) -> Pod {
+        serde_json::from_value(json!({
+            "metadata": {"name": "p", "namespace": ns},
+            "spec": {"nodeName": node, "containers": [{"name": "c", "image": image}]},
+        }))
+        .expect("valid pod")
+    }
+
+    #[test]
+    fn plays_mapped_images_in_suite_namespaces_once_scheduled() {
+        let images = HashMap::from([(
+            "hearth.dev/vllm-stub:e2e".to_string(),
+            PathBuf::from("/bin/true"),
+        )]);
+        let prefixes = vec!["e2e-".to_string(), "hearth-e2e".to_string()];
+        let stub = "hearth.dev/vllm-stub:e2e";
+        assert!(wanted(
+            &pod("e2e-zero-abc", stub, Some("kwok-stub-0")),
+            &images,
+            &prefixes
+        ));
+        assert!(wanted(
+            &pod("hearth-e2e-push", stub, Some("kwok-stub-0")),
+            &images,
+            &prefixes
+        ));
+        // Other suites' stub pods stay with kwok; unscheduled pods and other images are not ours.
+        assert!(!wanted(
+            &pod("ctrl-phase-abc", stub, Some("kwok-stub-0")),
+            &images,
+            &prefixes
+        ));
+        assert!(!wanted(
+            &pod("e2e-zero-abc", stub, None),
+            &images,
+            &prefixes
+        ));
+        assert!(!wanted(
+            &pod(
+                "e2e-zero-abc",
+                "vllm/vllm-openai:v0.25.1",
+                Some("kwok-gpu-0")
+            ),
+            &images,
+            &prefixes
+        ));
+    }
 
     #[test]
     fn expands_references_like_the_kubelet() {

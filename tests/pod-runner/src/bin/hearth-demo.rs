@@ -261,7 +261,7 @@ async fn wait_scaled_to_zero(client: &Client, mode: ScalerMode) -> Result<()> {
         )),
     );
     log(format!(
-        "[{}] waiting for phase ScaledToZero with a {trigger} trigger",
+        "[{}] waiting for phase ScaledToZero and a {trigger} trigger",
         mode.annotation()
     ));
     let start = Instant::now();
