@@ -776,7 +776,9 @@ impl PolicySet {
                     continue;
                 }
                 self.mutate_policy(&rctx, p, &mut act, &mut object, &mut out);
-                after[i] = object.clone();
+                if p.reinvocation == ReinvocationPolicy::IfNeeded {
+                    after[i] = object.clone();
+                }
             }
             for (i, p) in matched.iter().enumerate() {
                 if p.reinvocation == ReinvocationPolicy::IfNeeded
@@ -848,6 +850,17 @@ impl PolicySet {
                         return;
                     }
                 };
+                // Nothing to apply: skip copying and comparing the object.
+                let empty = match &produced {
+                    Value::Array(a) => a.is_empty() && m.patch_type == PatchType::JsonPatch,
+                    Value::Object(o) => {
+                        o.is_empty() && m.patch_type == PatchType::ApplyConfiguration
+                    }
+                    _ => false,
+                };
+                if empty {
+                    continue;
+                }
                 let next = match m.patch_type {
                     PatchType::JsonPatch => apply_json_patch(current, produced),
                     PatchType::ApplyConfiguration => apply_configuration(current, &produced),
