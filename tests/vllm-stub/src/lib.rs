@@ -13,7 +13,7 @@
 //! | `GET /metrics` | Prometheus text: `vllm:num_requests_running`, `vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc` |
 //! | any method `/stub/echo` | test aid: the request's method, URI, headers and body size as JSON |
 //!
-//! Per-request overrides (documented in `tests/vllm-stub/README.md`):
+//! Per-request overrides (documented in `docs/gateway.md`, section "The vLLM stand-in"):
 //! - `max_tokens` (or `max_completion_tokens` for chat) sets how many tokens are generated;
 //! - the header `x-stub-token-delay` or the body field `stub_token_delay` (a Go-style duration,
 //!   `"10ms"`) sets the delay before each token;
@@ -576,10 +576,20 @@ async fn generate(state: Arc<StubState>, kind: Kind, headers: HeaderMap, body: B
         resp
     } else {
         for _ in 0..tokens {
-            tokio::time::sleep(token_delay).await;
+            token_pause(token_delay).await;
         }
         drop(slot);
         Json(generation.full()).into_response()
+    }
+}
+
+/// Waits `delay` before a token. A zero delay only yields: tokio's timer has a 1 ms
+/// resolution, so a zero-length sleep would still cost about a millisecond per token.
+async fn token_pause(delay: Duration) {
+    if delay.is_zero() {
+        tokio::task::yield_now().await;
+    } else {
+        tokio::time::sleep(delay).await;
     }
 }
 
@@ -723,7 +733,7 @@ fn sse_stream(
         move |(generation, i, mut slot)| async move {
             slot.as_ref()?;
             let out = if i < total {
-                tokio::time::sleep(delay).await;
+                token_pause(delay).await;
                 event(&generation.chunk(i))
             } else if i == total {
                 event(&generation.chunk(i))

@@ -2,7 +2,8 @@
 //!
 //! Invoked like `vllm serve` is by the upstream stub runtime:
 //! `vllm-stub --model=<path> --served-model-name=<name> [--host H] [--port 8000]`, timing from
-//! `STUB_STARTUP_DELAY`, `STUB_TOKEN_COUNT`, `STUB_TOKEN_DELAY`. See `tests/vllm-stub/README.md`.
+//! `STUB_STARTUP_DELAY`, `STUB_TOKEN_COUNT`, `STUB_TOKEN_DELAY`. See `docs/gateway.md`,
+//! section "The vLLM stand-in".
 
 use std::{net::SocketAddr, time::Duration};
 
