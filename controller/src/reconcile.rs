@@ -643,7 +643,14 @@ async fn apply_children(
     if let Some(s) = &children.scaler_service {
         apply_cached(ctx, namespace, s, &ctx.services).await?;
     } else {
-        delete_if_owned::<Service>(ctx, namespace, &names::scaler_service(&name), svc).await?;
+        delete_if_owned(
+            ctx,
+            namespace,
+            &names::scaler_service(&name),
+            svc,
+            &ctx.services,
+        )
+        .await?;
     }
     apply_cached(ctx, namespace, &children.gateway, &ctx.deployments).await?;
 
@@ -724,26 +731,25 @@ async fn delete_if_owned<K>(
     namespace: &str,
     name: &str,
     owner: &LLMService,
+    cache: &Store<K>,
 ) -> Result<(), Error>
 where
     K: Resource<DynamicType = (), Scope = NamespaceResourceScope>
         + Serialize
         + DeserializeOwned
         + Clone
-        + Debug,
+        + Debug
+        + 'static,
 {
-    let api: Api<K> = Api::namespaced(ctx.client.clone(), namespace);
-    let meta = api
-        .get_metadata_opt(name)
-        .await
-        .map_err(kube_err(format!("get {} {namespace}/{name}", K::kind(&()))))?;
-    let owned = meta.is_some_and(|m| {
-        m.metadata
+    // The watch cache answers "is it there?"; only an actual deletion costs a request.
+    let owned = get_in(cache, namespace, name).is_some_and(|o| {
+        o.meta()
             .owner_references
-            .unwrap_or_default()
             .iter()
-            .any(|o| Some(&o.uid) == owner.metadata.uid.as_ref())
+            .flatten()
+            .any(|r| Some(&r.uid) == owner.metadata.uid.as_ref())
     });
+    let api: Api<K> = Api::namespaced(ctx.client.clone(), namespace);
     if owned {
         ctx.metrics.writes.inc();
         match api.delete(name, &Default::default()).await {
