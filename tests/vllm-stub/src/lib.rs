@@ -235,6 +235,11 @@ pub async fn serve(
     state: Arc<StubState>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
+    // TCP_NODELAY, as vLLM's server (uvicorn) sets it: without it, Nagle's algorithm holds each
+    // small SSE chunk until the previous one is acknowledged.
+    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp: &mut tokio::net::TcpStream| {
+        let _ = tcp.set_nodelay(true);
+    });
     axum::serve(listener, router(state))
         .with_graceful_shutdown(shutdown)
         .await
