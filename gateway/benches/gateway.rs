@@ -458,8 +458,9 @@ async fn readiness_to_forward() {
         received.wait_for(|v| *v > before).await.unwrap();
         samples.push(t0.elapsed());
         assert!(task.await.unwrap().unwrap().is_success());
-        backends.replace(Vec::new());
+        // The lease ends once the backend is seen ready (grace 0); then the backend goes away.
         d.wait_for(|s| s.local() == 0).await.unwrap();
+        backends.replace(Vec::new());
     }
     samples.sort();
     println!("## Readiness to forward\n");
