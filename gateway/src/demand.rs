@@ -235,17 +235,20 @@ pub struct Lease {
 struct LeaseInner {
     hub: DemandHub,
     timeout: Duration,
+    grace: Duration,
     deadline: Mutex<Option<Instant>>,
     notify: Notify,
 }
 
 impl Lease {
-    /// A lease over `hub`; call [`Lease::run`] in a task to let it expire.
-    pub fn new(hub: DemandHub, activation_timeout: Duration) -> Self {
+    /// A lease over `hub`, held at most `activation_timeout` after the last cold request and
+    /// `grace` after the backend was seen ready; call [`Lease::run`] in a task to let it expire.
+    pub fn new(hub: DemandHub, activation_timeout: Duration, grace: Duration) -> Self {
         Self {
             inner: Arc::new(LeaseInner {
                 hub,
                 timeout: activation_timeout,
+                grace,
                 deadline: Mutex::new(None),
                 notify: Notify::new(),
             }),
@@ -266,6 +269,24 @@ impl Lease {
         }
         self.inner.hub.set_lease(true);
         self.inner.notify.notify_one();
+    }
+
+    /// A held request reached a backend: the lease ends `grace` from now at the latest. This
+    /// catches a backend that was ready only briefly, which the endpoint watch may coalesce away.
+    pub fn ready_seen(&self) {
+        let until = Instant::now() + self.inner.grace;
+        let mut d = self
+            .inner
+            .deadline
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if let Some(cur) = *d
+            && until < cur
+        {
+            *d = Some(until);
+            drop(d);
+            self.inner.notify.notify_one();
+        }
     }
 
     fn deadline(&self) -> Option<Instant> {
@@ -293,7 +314,8 @@ impl Lease {
     }
 
     /// Expires the lease: at its deadline, or `grace` after `endpoints` turned ready.
-    pub async fn run(self, endpoints: EndpointSet, grace: Duration) {
+    pub async fn run(self, endpoints: EndpointSet) {
+        let grace = self.inner.grace;
         let mut ready_rx = endpoints.subscribe();
         loop {
             let Some(deadline) = self.deadline() else {
@@ -381,8 +403,8 @@ mod tests {
     async fn lease_expires_after_timeout_without_backend() {
         let hub = DemandHub::new(8, false);
         let endpoints = EndpointSet::new();
-        let lease = Lease::new(hub.clone(), Duration::from_secs(60));
-        tokio::spawn(lease.clone().run(endpoints, Duration::from_secs(5)));
+        let lease = Lease::new(hub.clone(), Duration::from_secs(60), Duration::from_secs(5));
+        tokio::spawn(lease.clone().run(endpoints));
         lease.raise();
         assert!(hub.state().lease());
         let mut rx = hub.subscribe();
@@ -395,12 +417,29 @@ mod tests {
     async fn lease_ends_grace_after_ready() {
         let hub = DemandHub::new(8, false);
         let endpoints = EndpointSet::new();
-        let lease = Lease::new(hub.clone(), Duration::from_secs(60));
-        tokio::spawn(lease.clone().run(endpoints.clone(), Duration::from_secs(5)));
+        let lease = Lease::new(hub.clone(), Duration::from_secs(60), Duration::from_secs(5));
+        tokio::spawn(lease.clone().run(endpoints.clone()));
         lease.raise();
         tokio::time::sleep(Duration::from_secs(10)).await;
         assert!(hub.state().lease());
         endpoints.replace(["127.0.0.1:1".parse().unwrap()]);
+        let start = tokio::time::Instant::now();
+        let mut rx = hub.subscribe();
+        rx.wait_for(|s| !s.lease()).await.unwrap();
+        assert_eq!(start.elapsed(), Duration::from_secs(5));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_forwarded_held_request_ends_the_lease_even_if_readiness_was_brief() {
+        let hub = DemandHub::new(8, false);
+        let endpoints = EndpointSet::new();
+        let lease = Lease::new(hub.clone(), Duration::from_secs(60), Duration::from_secs(5));
+        tokio::spawn(lease.clone().run(endpoints.clone()));
+        lease.raise();
+        // Ready and gone again before the lease task looked: the watch shows only "empty".
+        endpoints.replace(["127.0.0.1:1".parse().unwrap()]);
+        endpoints.replace(Vec::new());
+        lease.ready_seen();
         let start = tokio::time::Instant::now();
         let mut rx = hub.subscribe();
         rx.wait_for(|s| !s.lease()).await.unwrap();

@@ -74,7 +74,7 @@ impl Gateway {
     /// lease, key reloads) starts with [`Gateway::spawn_background`].
     pub fn new(cfg: GatewayConfig, backends: EndpointSet, keys: ApiKeys) -> Self {
         let demand = DemandHub::new(cfg.max_queue, cfg.aggregate_peers);
-        let lease = Lease::new(demand.clone(), cfg.activation_timeout);
+        let lease = Lease::new(demand.clone(), cfg.activation_timeout, cfg.activation_grace);
         let client = proxy::upstream_client(cfg.connect_timeout);
         Self {
             shared: Arc::new(Shared {
@@ -113,10 +113,7 @@ impl Gateway {
 
     /// Starts the lease expiry and API key reloads; they stop when the runtime does.
     pub fn spawn_background(&self, key_reload_interval: Duration) {
-        tokio::spawn(self.shared.lease.clone().run(
-            self.shared.backends.clone(),
-            self.shared.cfg.activation_grace,
-        ));
+        tokio::spawn(self.shared.lease.clone().run(self.shared.backends.clone()));
         tokio::spawn(self.shared.keys.clone().watch(key_reload_interval));
     }
 

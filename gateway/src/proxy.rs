@@ -226,6 +226,7 @@ impl Shared {
                         self.metrics
                             .activation_wait
                             .observe(sent.duration_since(arrival).as_secs_f64());
+                        self.lease.ready_seen();
                     }
                     return Ok((resp, ep));
                 }
