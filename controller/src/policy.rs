@@ -7,16 +7,11 @@
 //! Deployment annotated for a runtime get the same treatment, and the controller never depends
 //! on the webhook being up.
 
-use std::{path::Path, sync::Arc};
+use std::sync::Arc;
 
 use hearth_crds::{InferenceRuntime, LLMService, ServingPolicy, servingpolicy::Operation};
-use hearth_policies::{
-    EvalInput, MutateError, PolicySet,
-    manifest::{Bundle, read_str, runtime_params},
-};
+use hearth_policies::{EvalInput, MutateError, PolicySet, manifest::runtime_params};
 use k8s_openapi::api::apps::v1::Deployment;
-
-include!(concat!(env!("OUT_DIR"), "/builtin.rs"));
 
 /// Why the policy step could not complete the backend.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -57,14 +52,9 @@ impl std::fmt::Debug for Engine {
     }
 }
 
-/// The built-in ServingPolicies embedded at build time, in evaluation order.
+/// The built-in ServingPolicies embedded in `hearth-policies`, in evaluation order.
 pub fn builtin_policies() -> Result<Vec<ServingPolicy>, PolicyError> {
-    let mut bundle = Bundle::default();
-    for (name, text) in BUILTIN {
-        read_str(text, Path::new(name), &mut bundle)
-            .map_err(|e| PolicyError::Builtin(e.to_string()))?;
-    }
-    Ok(bundle.policies)
+    hearth_policies::builtin::policies().map_err(|e| PolicyError::Builtin(e.to_string()))
 }
 
 impl Engine {
@@ -126,7 +116,10 @@ mod tests {
     fn builtins_compile() {
         let engine = Engine::builtin().unwrap();
         assert!(
-            engine.names().iter().any(|n| n == "hearth-accelerator"),
+            engine
+                .names()
+                .iter()
+                .any(|n| n == "hearth-serving-defaults"),
             "{:?}",
             engine.names()
         );

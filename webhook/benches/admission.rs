@@ -216,7 +216,7 @@ fn main() {
     )
     .unwrap();
     let store = CertStore::new(certified_key(cert.as_bytes(), key.as_bytes()).unwrap());
-    let builtins = hearth_webhook::builtin::policies().unwrap();
+    let builtins = hearth_policies::builtin::policies().unwrap();
     let all: Vec<ServingPolicy> = builtins.iter().cloned().chain(platform()).collect();
     let snap = snapshot(&all);
     let limits = Limits::default();

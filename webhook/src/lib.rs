@@ -13,7 +13,6 @@
 //! registered with in [`registration`]. See `docs/webhook.md`.
 
 pub mod admission;
-pub mod builtin;
 pub mod metrics;
 pub mod registration;
 pub mod selfmanaged;

@@ -201,7 +201,7 @@ async fn run(args: ServeArgs) -> Result<()> {
             .with_context(|| format!("reading --builtin-policies {}", p.display()))?;
     }
     if args.builtin_policies.is_empty() {
-        bundle.policies = hearth_webhook::builtin::policies()?;
+        bundle.policies = hearth_policies::builtin::policies()?;
     }
     let (_, errors) = hearth_policies::PolicySet::compile(&bundle.policies);
     if !errors.is_empty() {

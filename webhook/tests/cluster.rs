@@ -85,7 +85,7 @@ struct Webhook {
 
 impl Webhook {
     async fn start(cluster: &Cluster, ns: &TestNamespace, cert_validity: Duration) -> Result<Self> {
-        let builtins = hearth_webhook::builtin::policies()?;
+        let builtins = hearth_policies::builtin::policies()?;
         let client = cluster.client();
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let port = listener.local_addr()?.port();

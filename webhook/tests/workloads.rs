@@ -70,7 +70,7 @@ fn platform() -> Vec<ServingPolicy> {
 
 /// The built-ins, then the platform policies: the order the webhook evaluates them in.
 fn all_policies() -> Vec<ServingPolicy> {
-    let mut all = hearth_webhook::builtin::policies().unwrap();
+    let mut all = hearth_policies::builtin::policies().unwrap();
     all.extend(platform());
     all
 }

@@ -1,10 +1,12 @@
 //! Hearth's built-in ServingPolicies (`policies/builtin/*.yaml`), embedded at build time: the
-//! default accelerator request, probes, drain and scheduling behaviour, written as policies.
+//! default accelerator request, probes, drain and scheduling, written as policies. The webhook
+//! and the controller both take them from here.
 
 use std::path::Path;
 
 use hearth_crds::ServingPolicy;
-use hearth_policies::manifest::{Bundle, ManifestError, read_str};
+
+use crate::manifest::{Bundle, ManifestError, read_str};
 
 include!(concat!(env!("OUT_DIR"), "/builtin.rs"));
 
@@ -13,7 +15,7 @@ include!(concat!(env!("OUT_DIR"), "/builtin.rs"));
 /// Errors only if an embedded file is not a valid manifest, which this crate's tests rule out.
 pub fn policies() -> Result<Vec<ServingPolicy>, ManifestError> {
     let mut bundle = Bundle::default();
-    for (name, text) in BUILTIN {
+    for (name, text) in MANIFESTS {
         read_str(text, Path::new(name), &mut bundle)?;
     }
     Ok(bundle.policies)
@@ -25,7 +27,7 @@ mod tests {
     fn builtins_parse_and_compile() {
         let policies = super::policies().unwrap();
         assert!(!policies.is_empty());
-        let (_, errors) = hearth_policies::PolicySet::compile(&policies);
+        let (_, errors) = crate::PolicySet::compile(&policies);
         assert!(errors.is_empty(), "{errors:?}");
     }
 }
