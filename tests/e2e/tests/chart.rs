@@ -750,7 +750,7 @@ fn value_sets() -> Vec<ValueSet> {
                 ("Role", "hearth-controller-leader-election"),
                 ("MutatingWebhookConfiguration", "hearth"),
                 ("ValidatingWebhookConfiguration", "hearth"),
-                ("ServingPolicy", "hearth-accelerator"),
+                ("ServingPolicy", "hearth-serving-defaults"),
             ],
             check: |docs, _| {
                 let webhook = find(docs, "Deployment", "hearth-webhook")?;
