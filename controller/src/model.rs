@@ -16,6 +16,8 @@
 
 use std::fmt;
 
+use hearth_crds::model_uri::{ModelUri, UriError, parse_model_uri};
+
 /// Where cache volumes are mounted in backend and prewarm containers.
 pub const CACHE_MOUNT_PATH: &str = "/models";
 /// `HF_HOME` under the cache mount.
@@ -67,21 +69,14 @@ pub enum ModelError {
     /// Neither source nor catalogRef.
     #[error("spec.model.source.uri is required (for example hf://Qwen/Qwen2.5-0.5B-Instruct)")]
     Missing,
-    /// A scheme other than hf, modelscope, pvc.
-    #[error(
-        "spec.model.source.uri {0:?}: unsupported scheme; use hf://<org>/<name>, modelscope://<org>/<name> or pvc://<claim>[/<path>]"
-    )]
-    Scheme(String),
-    /// A malformed repository id.
-    #[error(
-        "spec.model.source.uri {0:?}: the repository must be <org>/<name> (letters, digits, '-', '_', '.'), like hf://Qwen/Qwen2.5-0.5B-Instruct"
-    )]
-    Repo(String),
-    /// A malformed claim name or path.
-    #[error(
-        "spec.model.source.uri {0:?}: write pvc://<claim>[/<path>] with a DNS-1123 claim name and a relative path without '..'"
-    )]
-    Pvc(String),
+    /// A URI the shared parser (`hearth_crds::model_uri`) rejects.
+    #[error("spec.model.source.uri {uri:?} {source}")]
+    Uri {
+        /// The URI as written.
+        uri: String,
+        /// What is wrong and what to write instead.
+        source: UriError,
+    },
 }
 
 /// Parses `spec.model.source.uri` (or reports the catalog/missing cases).
@@ -96,58 +91,21 @@ pub fn parse_source(model: &hearth_crds::llmservice::ModelSpec) -> Result<ModelS
     parse_uri(&source.uri)
 }
 
-/// Parses one model URI.
+/// Parses one model URI with the rules the admission webhook applies
+/// (`hearth_crds::model_uri`), into where the controller mounts and finds the weights.
 pub fn parse_uri(uri: &str) -> Result<ModelSource, ModelError> {
-    if let Some(repo) = uri.strip_prefix("hf://") {
-        check_repo(uri, repo)?;
-        Ok(ModelSource::HuggingFace {
-            repo: repo.to_owned(),
-        })
-    } else if let Some(repo) = uri.strip_prefix("modelscope://") {
-        check_repo(uri, repo)?;
-        Ok(ModelSource::ModelScope {
-            repo: repo.to_owned(),
-        })
-    } else if let Some(rest) = uri.strip_prefix("pvc://") {
-        let (claim, subpath) = rest.split_once('/').unwrap_or((rest, ""));
-        let subpath = subpath.trim_end_matches('/');
-        let claim_ok = !claim.is_empty()
-            && claim.len() <= 253
-            && claim
-                .bytes()
-                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'.')
-            && claim.as_bytes()[0].is_ascii_alphanumeric()
-            && claim.as_bytes()[claim.len() - 1].is_ascii_alphanumeric();
-        let path_ok = subpath
-            .split('/')
-            .all(|seg| subpath.is_empty() || (!seg.is_empty() && seg != ".." && seg != "."));
-        if !claim_ok || !path_ok {
-            return Err(ModelError::Pvc(uri.to_owned()));
-        }
-        Ok(ModelSource::Pvc {
-            claim: claim.to_owned(),
-            subpath: subpath.to_owned(),
-        })
-    } else {
-        Err(ModelError::Scheme(uri.to_owned()))
-    }
-}
-
-fn check_repo(uri: &str, repo: &str) -> Result<(), ModelError> {
-    let segments: Vec<&str> = repo.split('/').collect();
-    let ok = segments.len() == 2
-        && segments.iter().all(|s| {
-            !s.is_empty()
-                && *s != "."
-                && *s != ".."
-                && s.bytes()
-                    .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
-        });
-    if ok {
-        Ok(())
-    } else {
-        Err(ModelError::Repo(uri.to_owned()))
-    }
+    let parsed = parse_model_uri(uri).map_err(|source| ModelError::Uri {
+        uri: uri.to_owned(),
+        source,
+    })?;
+    Ok(match parsed {
+        ModelUri::HuggingFace { repo } => ModelSource::HuggingFace { repo },
+        ModelUri::ModelScope { repo } => ModelSource::ModelScope { repo },
+        ModelUri::Pvc { claim, subpath } => ModelSource::Pvc {
+            claim,
+            subpath: subpath.unwrap_or_default(),
+        },
+    })
 }
 
 #[cfg(test)]
@@ -188,7 +146,6 @@ mod tests {
     fn rejects_bad_uris_with_the_field_name() {
         for bad in [
             "s3://bucket/model",
-            "hf://just-a-name",
             "hf://a/b/c",
             "hf://../etc",
             "pvc://Weights",

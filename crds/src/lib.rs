@@ -10,6 +10,7 @@
 pub mod duration;
 pub mod inferenceruntime;
 pub mod llmservice;
+pub mod model_uri;
 pub mod servingpolicy;
 pub mod wellknown;
 

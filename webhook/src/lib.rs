@@ -18,7 +18,6 @@ pub mod registration;
 pub mod selfmanaged;
 pub mod server;
 pub mod tls;
-pub mod uri;
 pub mod validate;
 pub mod watch;
 pub mod workload;

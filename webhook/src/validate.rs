@@ -21,7 +21,7 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 
 use hearth_policies::{ResolveError, Selection, resolve_runtime};
 
-use crate::uri::{ModelUri, is_dns1123_subdomain, parse_model_uri};
+use hearth_crds::model_uri::{ModelUri, is_dns1123_subdomain, parse_model_uri};
 
 /// The cluster's `InferenceRuntime`s by name, as the reflector last saw them.
 pub type Runtimes = BTreeMap<String, Arc<InferenceRuntime>>;

@@ -214,7 +214,7 @@ fn pvc(rest: &str) -> Result<ModelUri, UriError> {
 }
 
 /// RFC 1123 subdomain as Kubernetes checks object names (`IsDNS1123Subdomain`).
-pub(crate) fn is_dns1123_subdomain(s: &str) -> bool {
+pub fn is_dns1123_subdomain(s: &str) -> bool {
     !s.is_empty() && s.len() <= 253 && s.split('.').all(is_dns1123_label_part)
 }
 
