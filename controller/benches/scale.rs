@@ -95,13 +95,9 @@ impl Controller {
     }
 }
 
+/// One upstream example file.
 fn upstream(file: &str) -> PathBuf {
-    std::env::var_os("HEARTH_UPSTREAM_EXAMPLES")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/examples/upstream")
-        })
-        .join(file)
+    hearth_test_support::upstream_file(file)
 }
 
 async fn run_size(cluster: &Cluster, n: usize, template: &LLMService) -> Result<Row> {

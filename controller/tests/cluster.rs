@@ -30,13 +30,9 @@ use tokio::{sync::oneshot, task::JoinHandle};
 const TEST_MANAGER: &str = "hearth-controller-tests";
 const WAIT: Duration = Duration::from_secs(60);
 
+/// One upstream example file.
 fn upstream(file: &str) -> PathBuf {
-    let dir = std::env::var_os("HEARTH_UPSTREAM_EXAMPLES")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/examples/upstream")
-        });
-    dir.join(file)
+    hearth_test_support::upstream_file(file)
 }
 
 fn read_yaml<T: serde::de::DeserializeOwned>(path: &PathBuf) -> Result<T> {

@@ -12,17 +12,9 @@ fn here() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
 
-/// The shared upstream examples beside the repository, or `HEARTH_UPSTREAM_EXAMPLES`.
+/// One upstream example file.
 fn upstream(file: &str) -> PathBuf {
-    let dir = std::env::var_os("HEARTH_UPSTREAM_EXAMPLES")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| here().join("../../shared/examples/upstream"));
-    assert!(
-        dir.is_dir(),
-        "upstream examples not found at {}: check out shared/ beside the repository or set HEARTH_UPSTREAM_EXAMPLES",
-        dir.display()
-    );
-    dir.join(file)
+    hearth_test_support::upstream_file(file)
 }
 
 fn input(file: &str) -> PathBuf {

@@ -22,23 +22,7 @@ use hearth_webhook::{AppState, Endpoint, Limits, Snapshot, handle, router, serve
 use serde_json::{Value, json};
 
 fn upstream(kind: &str) -> Vec<Value> {
-    let dir = std::env::var_os("HEARTH_UPSTREAM_EXAMPLES")
-        .map(std::path::PathBuf::from)
-        .unwrap_or_else(|| {
-            std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-                .join("../../shared/examples/upstream")
-        });
-    let mut paths: Vec<_> = std::fs::read_dir(&dir)
-        .unwrap_or_else(|e| panic!("upstream examples at {}: {e}", dir.display()))
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|e| e == "yaml"))
-        .collect();
-    paths.sort();
-    paths
-        .into_iter()
-        .map(|p| serde_yaml::from_str::<Value>(&std::fs::read_to_string(p).unwrap()).unwrap())
-        .filter(|v| v["kind"] == kind)
-        .collect()
+    hearth_test_support::upstream_examples(kind)
 }
 
 fn review(group: &str, version: &str, kind: &str, resource: &str, object: Value) -> Bytes {

@@ -29,23 +29,7 @@ use serde_json::{Value, json};
 const SCOPE_LABEL: &str = "tests.hearth.dev/webhook";
 
 fn upstream(kind: &str) -> Vec<Value> {
-    let dir = std::env::var_os("HEARTH_UPSTREAM_EXAMPLES")
-        .map(std::path::PathBuf::from)
-        .unwrap_or_else(|| {
-            std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-                .join("../../shared/examples/upstream")
-        });
-    let mut paths: Vec<_> = std::fs::read_dir(&dir)
-        .unwrap_or_else(|e| panic!("upstream examples at {}: {e}", dir.display()))
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|e| e == "yaml"))
-        .collect();
-    paths.sort();
-    paths
-        .into_iter()
-        .map(|p| serde_yaml::from_str::<Value>(&std::fs::read_to_string(p).unwrap()).unwrap())
-        .filter(|v| v["kind"] == kind)
-        .collect()
+    hearth_test_support::upstream_examples(kind)
 }
 
 /// Deletes cluster-scoped ServingPolicies made by a test when it ends, also on failure.

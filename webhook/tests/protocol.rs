@@ -1,7 +1,6 @@
 //! The admission protocol and the LLMService/InferenceRuntime checks, through the axum router
 //! in-process (no TLS, no cluster): table-driven, one review per case.
 
-use std::path::PathBuf;
 use std::time::Duration;
 
 use axum::body::Body;
@@ -13,28 +12,8 @@ use rstest::rstest;
 use serde_json::{Value, json};
 use tower::ServiceExt;
 
-fn upstream_dir() -> PathBuf {
-    std::env::var_os("HEARTH_UPSTREAM_EXAMPLES")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/examples/upstream")
-        })
-}
-
-/// Every upstream example of `kind`, as JSON.
 fn upstream(kind: &str) -> Vec<Value> {
-    let dir = upstream_dir();
-    let mut paths: Vec<_> = std::fs::read_dir(&dir)
-        .unwrap_or_else(|e| panic!("upstream examples at {}: {e}", dir.display()))
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|e| e == "yaml"))
-        .collect();
-    paths.sort();
-    paths
-        .into_iter()
-        .map(|p| serde_yaml::from_str::<Value>(&std::fs::read_to_string(p).unwrap()).unwrap())
-        .filter(|v| v["kind"] == kind)
-        .collect()
+    hearth_test_support::upstream_examples(kind)
 }
 
 fn snapshot() -> Snapshot {

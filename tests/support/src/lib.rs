@@ -11,9 +11,11 @@
 //!   `metrics-api` trigger.
 
 mod metric_server;
+mod upstream;
 mod wait;
 
 pub use metric_server::MetricServer;
+pub use upstream::{UPSTREAM_EXAMPLES_ENV, upstream_dir, upstream_examples, upstream_file};
 pub use wait::{Observed, wait_until};
 
 use std::fmt::Write as _;
