@@ -2,8 +2,9 @@
 //! evaluation (mutations + validations) of an annotated Deployment, on one thread.
 //!
 //! `cargo bench -p hearth-policies --bench eval` (pin to one core with `taskset -c 0`).
-//! Rows: a one-policy baseline, the built-ins, and the built-ins plus 20 platform policies;
-//! the last column is the cost relative to the baseline in the same run.
+//! Rows: a one-policy baseline, the built-ins, the built-ins plus 20 platform policies, and that
+//! set again with the `cel` interpreter only (no native evaluator, a tenth of the
+//! iterations); the last column is the cost relative to the baseline in the same run.
 
 use std::{path::Path, time::Instant};
 
@@ -106,13 +107,36 @@ fn main() {
         .and_then(|v| v.parse().ok())
         .unwrap_or(if benching { 5000 } else { 20 });
     let mut rows = Vec::new();
+    let mut full = None;
+    // `BENCH_ONLY=built-ins` measures only the rows whose name starts with it (for profiling).
+    let only = std::env::var("BENCH_ONLY").unwrap_or_default();
     for (name, policies) in &sets {
+        if !name.starts_with(&only) && !rows.is_empty() {
+            continue;
+        }
         let (set, errors) = PolicySet::compile(policies);
         assert!(errors.is_empty(), "{errors:?}");
         rows.push(measure(name, &set, &input, iterations));
+        full = Some(set);
     }
+    // The same set with the `cel` interpreter only: what the native evaluator saves.
+    let full = full.expect("sets");
+    let native = full.native_policies().len();
+    let all_rows = only.is_empty();
+    rows.extend(all_rows.then(|| {
+        measure(
+            "  same, interpreter only",
+            &full.interpreted(),
+            &input,
+            iterations / 10,
+        )
+    }));
     let base = rows[0].per_sec;
     println!("hearth-policies evaluation benchmark: {iterations} evaluations per row, one thread");
+    println!(
+        "native evaluator runs {native} of {} policies of the full set",
+        full.names().len()
+    );
     println!(
         "{:<26} {:>8} {:>12} {:>10} {:>10} {:>12}",
         "set", "policies", "evals/s", "p50 µs", "p99 µs", "cost vs base"

@@ -1,7 +1,7 @@
 //! Compiling one CEL expression: text bounds, parsing, checks for what this engine cannot
 //! evaluate, and the rewrite that splices in the run-time guards of [`crate::guard`].
 
-use std::collections::BTreeSet;
+use std::{collections::BTreeSet, sync::Arc};
 
 use kube_cel::cel::{
     common::ast::{
@@ -13,7 +13,7 @@ use kube_cel::cel::{
 
 use kube_cel::cel::common::types::CelString;
 
-use crate::{guard, limits::Limits};
+use crate::{guard, limits::Limits, native};
 
 /// Variables a policy expression may use (KEP-3488 plus Hearth's `params` and `service`).
 pub const ROOT_VARIABLES: &[&str] = &[
@@ -265,6 +265,8 @@ pub struct CompiledExpr {
     pub(crate) expr: IdedExpr,
     /// Names of policy variables the expression reads (`variables.<name>`).
     pub(crate) uses_variables: BTreeSet<String>,
+    /// The native program, when the expression uses only what [`crate::native`] implements.
+    pub(crate) native: Option<Arc<native::Program>>,
 }
 
 fn error_at(source: &str, needle: &str, message: String) -> ExprError {
@@ -389,11 +391,13 @@ pub fn compile_expr(
     };
     stacker::grow(16 << 20, || checker.check(&expr, 1, 0))?;
     let uses = checker.uses;
+    let native = stacker::grow(16 << 20, || native::compile(&expr, declared)).map(Arc::new);
     stacker::grow(16 << 20, || rewrite(&mut expr));
     Ok(CompiledExpr {
         source: source.to_owned(),
         expr,
         uses_variables: uses,
+        native,
     })
 }
 
@@ -652,7 +656,7 @@ fn select_path(e: &IdedExpr) -> Option<IdedExpr> {
 /// Splices in guards: comprehension ticks, size checks on growing calls, pre-checks on
 /// amplifying calls; binds `variables.<name>` to its own identifier; turns `Object{...}`/`JSONPatch{...}`
 /// message construction (which the interpreter cannot evaluate) into maps.
-fn rewrite(e: &mut IdedExpr) {
+pub(crate) fn rewrite(e: &mut IdedExpr) {
     if matches!(&e.expr, Expr::Select(s) if !s.test)
         && let Some(path) = select_path(e)
     {

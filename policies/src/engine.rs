@@ -18,7 +18,7 @@ use crate::{
     compile::{CompiledExpr, ExprError, compile_expr, variable_ident},
     guard,
     limits::Limits,
-    matching, merge,
+    matching, merge, native,
     value::{cel_to_json, json_to_cel},
 };
 
@@ -326,6 +326,10 @@ struct CompiledPolicy {
     audit_annotations: Vec<Named>,
     mutations: Vec<CompiledMutation>,
     reinvocation: ReinvocationPolicy,
+    /// Every expression has a native program.
+    native: bool,
+    /// Root variables the native programs read (see [`native::REQUEST_ROOT`]).
+    roots: u8,
 }
 
 struct Inner {
@@ -339,6 +343,8 @@ struct Inner {
 #[derive(Clone)]
 pub struct PolicySet {
     inner: Arc<Inner>,
+    /// Whether native-capable policies run natively (see [`crate::native`]).
+    native: bool,
 }
 
 impl std::fmt::Debug for PolicySet {
@@ -485,7 +491,25 @@ fn compile_policy(p: &ServingPolicy, limits: &Limits) -> Result<CompiledPolicy, 
             expr,
         });
     }
+    let exprs: Vec<&CompiledExpr> =
+        match_conditions
+            .iter()
+            .chain(&variables)
+            .chain(&audit_annotations)
+            .map(|n| &n.expr)
+            .chain(validations.iter().flat_map(|v| {
+                std::iter::once(&v.expr).chain(v.message_expr.as_ref().map(|(_, e)| e))
+            }))
+            .chain(mutations.iter().map(|m| &m.expr))
+            .collect();
+    let native = exprs.iter().all(|e| e.native.is_some());
+    let roots = exprs
+        .iter()
+        .filter_map(|e| e.native.as_ref())
+        .fold(0, |acc, p| acc | p.roots);
     Ok(CompiledPolicy {
+        native,
+        roots,
         name,
         failure_policy: spec.failure_policy,
         match_constraints: spec.match_constraints.clone(),
@@ -499,14 +523,42 @@ fn compile_policy(p: &ServingPolicy, limits: &Limits) -> Result<CompiledPolicy, 
     })
 }
 
-/// The CEL activation of one policy evaluation.
-struct Activation {
-    object: CelValue,
-    old_object: CelValue,
-    request: CelValue,
-    namespace_object: CelValue,
-    params: CelValue,
-    service: CelValue,
+/// The request's roots other than `object`, as JSON. Each evaluator reads them its own way:
+/// the native one in place, the interpreter after conversion (once per request, on first use).
+struct Fixed<'i> {
+    old_object: Option<&'i Value>,
+    request_info: &'i RequestInfo,
+    /// `request` as JSON, serialized on first use.
+    request: std::cell::OnceCell<Value>,
+    namespace_object: Option<&'i Value>,
+    params: Option<&'i Value>,
+    service: Option<&'i Value>,
+}
+
+impl Fixed<'_> {
+    fn request(&self) -> &Value {
+        self.request
+            .get_or_init(|| serde_json::to_value(self.request_info).unwrap_or(Value::Null))
+    }
+
+    /// The native environment of policy `p` with `object` bound. Roots the policy never
+    /// reads stay null.
+    fn native_env<'a>(&'a self, p: &CompiledPolicy, object: Option<&'a Value>) -> native::Env<'a> {
+        let v = |o: Option<&'a Value>| o.map_or(native::Val::Null, native::from_json);
+        let request = if p.roots & native::REQUEST_ROOT != 0 {
+            native::from_json(self.request())
+        } else {
+            native::Val::Null
+        };
+        native::Env::new([
+            v(object),
+            v(self.old_object),
+            request,
+            v(self.namespace_object),
+            v(self.params),
+            v(self.service),
+        ])
+    }
 }
 
 fn opt_to_cel(v: Option<&Value>) -> CelValue {
@@ -517,6 +569,30 @@ fn opt_to_cel(v: Option<&Value>) -> CelValue {
 
 enum ExprFailure {
     Error(String, ErrorKind),
+}
+
+/// The native evaluator could not answer: evaluate the policy with the interpreter.
+struct Fallback;
+
+/// What an expression returned, as far as the engine looks at it.
+enum Got {
+    Bool(bool),
+    Str(String),
+    Null,
+    /// Any other value, rendered for a wrong-type message.
+    Other(String),
+}
+
+type Evaluated<T> = Result<Result<T, ExprFailure>, Fallback>;
+
+/// One policy's expressions evaluated against one object: by the interpreter or natively.
+trait Evaluator<'p> {
+    /// Evaluates a matchCondition, validation, message or audit annotation.
+    fn eval(&mut self, e: &'p CompiledExpr) -> Evaluated<Got>;
+    /// Evaluates a mutation to its JSON result.
+    fn eval_json(&mut self, e: &'p CompiledExpr) -> Evaluated<Value>;
+    /// Evaluates policy variable `index` and binds it for later expressions.
+    fn define(&mut self, index: usize, v: &'p Named) -> Evaluated<()>;
 }
 
 /// Stack the interpreter may use for one request: it recurses per tree level, tens of KiB per
@@ -548,23 +624,105 @@ fn run(ctx: &Context, expr: &CompiledExpr) -> Result<CelValue, ExprFailure> {
     }
 }
 
-/// The context holding the request's fixed variables, over the thread's base context. Values
-/// are converted into the interpreter's representation once per request.
-fn request_context<'b>(base: &'b Context<'static>, act: &Activation) -> Context<'b> {
+/// The interpreter's context holding the request's fixed variables, over the thread's base
+/// context.
+fn request_context<'b>(base: &'b Context<'static>, f: &Fixed) -> Context<'b> {
     let mut ctx = base.new_inner_scope();
-    ctx.add_variable_from_value("oldObject", act.old_object.clone());
-    ctx.add_variable_from_value("request", act.request.clone());
-    ctx.add_variable_from_value("namespaceObject", act.namespace_object.clone());
-    ctx.add_variable_from_value("params", act.params.clone());
-    ctx.add_variable_from_value("service", act.service.clone());
+    ctx.add_variable_from_value("oldObject", opt_to_cel(f.old_object));
+    ctx.add_variable_from_value("request", json_to_cel(f.request()));
+    ctx.add_variable_from_value("namespaceObject", opt_to_cel(f.namespace_object));
+    ctx.add_variable_from_value("params", opt_to_cel(f.params));
+    ctx.add_variable_from_value("service", opt_to_cel(f.service));
     ctx
 }
 
-/// The context binding `object` over the request context; rebuilt when a mutation changes it.
-fn object_context<'b>(request: &'b Context<'b>, act: &Activation) -> Context<'b> {
-    let mut ctx = request.new_inner_scope();
-    ctx.add_variable_from_value("object", act.object.clone());
-    ctx
+/// The interpreter evaluating one policy: `object` and the policy variables over the request
+/// context.
+struct CelEval<'c> {
+    ctx: Context<'c>,
+}
+
+impl<'c> CelEval<'c> {
+    fn new(request: &'c Context<'c>, object: Option<&Value>) -> Self {
+        let mut ctx = request.new_inner_scope();
+        ctx.add_variable_from_value("object", opt_to_cel(object));
+        CelEval { ctx }
+    }
+}
+
+impl<'p> Evaluator<'p> for CelEval<'_> {
+    fn eval(&mut self, e: &'p CompiledExpr) -> Evaluated<Got> {
+        Ok(run(&self.ctx, e).map(|v| match v {
+            CelValue::Bool(b) => Got::Bool(b),
+            CelValue::String(s) => Got::Str(s.as_str().to_owned()),
+            CelValue::Null => Got::Null,
+            other => Got::Other(format!("{other:?}")),
+        }))
+    }
+
+    fn eval_json(&mut self, e: &'p CompiledExpr) -> Evaluated<Value> {
+        Ok(run(&self.ctx, e)
+            .and_then(|v| cel_to_json(&v).map_err(|m| ExprFailure::Error(m, ErrorKind::WrongType))))
+    }
+
+    fn define(&mut self, _index: usize, v: &'p Named) -> Evaluated<()> {
+        Ok(run(&self.ctx, &v.expr).map(|val| {
+            self.ctx
+                .add_variable_from_value(variable_ident(&v.name), val)
+        }))
+    }
+}
+
+/// The native evaluator over one policy; falls back on anything it does not answer.
+struct NativeEval<'a> {
+    env: native::Env<'a>,
+}
+
+impl<'a> NativeEval<'a> {
+    fn run(&mut self, e: &'a CompiledExpr) -> Evaluated<native::Val<'a>> {
+        let program = e.native.as_deref().ok_or(Fallback)?;
+        match self.env.run(program) {
+            Ok(v) => Ok(Ok(v)),
+            Err(native::Failure::Bound(m)) => {
+                Ok(Err(ExprFailure::Error(m, ErrorKind::BoundExceeded)))
+            }
+            Err(native::Failure::Fallback) => Err(Fallback),
+        }
+    }
+}
+
+impl<'p: 'a, 'a> Evaluator<'p> for NativeEval<'a> {
+    fn eval(&mut self, e: &'p CompiledExpr) -> Evaluated<Got> {
+        Ok(match self.run(e)? {
+            Ok(native::Val::Bool(b)) => Ok(Got::Bool(b)),
+            Ok(native::Val::Null) => Ok(Got::Null),
+            Ok(v @ native::Val::Str(_)) => match v.to_json() {
+                Ok(Value::String(s)) => Ok(Got::Str(s)),
+                _ => return Err(Fallback),
+            },
+            // The interpreter words the wrong-type error.
+            Ok(_) => return Err(Fallback),
+            Err(f) => Err(f),
+        })
+    }
+
+    fn eval_json(&mut self, e: &'p CompiledExpr) -> Evaluated<Value> {
+        Ok(match self.run(e)? {
+            Ok(v) => Ok(v.to_json().map_err(|_| Fallback)?),
+            Err(f) => Err(f),
+        })
+    }
+
+    fn define(&mut self, index: usize, v: &'p Named) -> Evaluated<()> {
+        let program = v.expr.native.as_deref().ok_or(Fallback)?;
+        match self.env.define(index, program) {
+            Ok(()) => Ok(Ok(())),
+            Err(native::Failure::Bound(m)) => {
+                Ok(Err(ExprFailure::Error(m, ErrorKind::BoundExceeded)))
+            }
+            Err(native::Failure::Fallback) => Err(Fallback),
+        }
+    }
 }
 
 /// Per-policy evaluation state: which variables failed for the current object.
@@ -581,22 +739,20 @@ impl<'p> PolicyRun<'p> {
         }
     }
 
-    /// Evaluates the variables in order into `ctx`. A failing variable fails only the
-    /// expressions that use it (the apiserver evaluates variables lazily).
-    fn compute_variables(&mut self, ctx: &mut Context) {
+    /// Evaluates the variables in order. A failing variable fails only the expressions that
+    /// use it (the apiserver evaluates variables lazily).
+    fn compute_variables<E: Evaluator<'p>>(&mut self, ev: &mut E) -> Result<(), Fallback> {
         self.var_errors.clear();
-        for v in &self.policy.variables {
+        for (i, v) in self.policy.variables.iter().enumerate() {
             let result = match self.failed_dependency(&v.expr) {
                 Some(failure) => Err(failure),
-                None => run(ctx, &v.expr),
+                None => ev.define(i, v)?,
             };
-            match result {
-                Ok(val) => ctx.add_variable_from_value(variable_ident(&v.name), val),
-                Err(ExprFailure::Error(m, k)) => {
-                    self.var_errors.insert(v.name.clone(), (m, k));
-                }
+            if let Err(ExprFailure::Error(m, k)) = result {
+                self.var_errors.insert(v.name.clone(), (m, k));
             }
         }
+        Ok(())
     }
 
     fn failed_dependency(&self, expr: &CompiledExpr) -> Option<ExprFailure> {
@@ -611,10 +767,10 @@ impl<'p> PolicyRun<'p> {
         ))
     }
 
-    fn eval(&self, ctx: &Context, expr: &CompiledExpr) -> Result<CelValue, ExprFailure> {
+    fn eval<E: Evaluator<'p>>(&self, ev: &mut E, expr: &'p CompiledExpr) -> Evaluated<Got> {
         match self.failed_dependency(expr) {
-            Some(f) => Err(f),
-            None => run(ctx, expr),
+            Some(f) => Ok(Err(f)),
+            None => ev.eval(expr),
         }
     }
 
@@ -636,33 +792,215 @@ impl<'p> PolicyRun<'p> {
     }
 
     /// Runs matchConditions: Ok(true) when all hold.
-    fn conditions(&self, ctx: &Context) -> Result<bool, EvalError> {
+    fn conditions<E: Evaluator<'p>>(
+        &self,
+        ev: &mut E,
+    ) -> Result<Result<bool, EvalError>, Fallback> {
         for c in &self.policy.match_conditions {
-            match self.eval(ctx, &c.expr) {
-                Ok(CelValue::Bool(true)) => {}
-                Ok(CelValue::Bool(false)) => return Ok(false),
+            match self.eval(ev, &c.expr)? {
+                Ok(Got::Bool(true)) => {}
+                Ok(Got::Bool(false)) => return Ok(Ok(false)),
                 Ok(other) => {
-                    return Err(self.error(
+                    return Ok(Err(self.error(
                         &c.field,
                         &c.expr,
                         format!(
-                            "matchCondition '{}' must return bool, got {other:?}",
-                            c.name
+                            "matchCondition '{}' must return bool, got {}",
+                            c.name,
+                            other.describe()
                         ),
                         ErrorKind::WrongType,
-                    ));
+                    )));
                 }
-                Err(ExprFailure::Error(m, k)) => return Err(self.error(&c.field, &c.expr, m, k)),
+                Err(ExprFailure::Error(m, k)) => {
+                    return Ok(Err(self.error(&c.field, &c.expr, m, k)));
+                }
             }
         }
-        Ok(true)
+        Ok(Ok(true))
+    }
+
+    /// One pass of the mutations from `*next` over `current`: stops at the first one with
+    /// something to apply (the caller applies it and calls again), or at a failure.
+    fn mutation_pass<E: Evaluator<'p>>(
+        &mut self,
+        ev: &mut E,
+        next: &mut usize,
+        first: bool,
+    ) -> Result<Pass<'p>, Fallback> {
+        if first {
+            match self.conditions(ev)? {
+                Ok(true) => {}
+                Ok(false) => return Ok(Pass::Done),
+                Err(e) => return Ok(Pass::Failed(e)),
+            }
+        }
+        self.compute_variables(ev)?;
+        let p = self.policy;
+        while let Some(m) = p.mutations.get(*next) {
+            *next += 1;
+            let produced = match self.failed_dependency(&m.expr) {
+                Some(f) => Err(f),
+                None => ev.eval_json(&m.expr)?,
+            };
+            let produced = match produced {
+                Ok(v) => v,
+                Err(ExprFailure::Error(msg, kind)) => {
+                    return Ok(Pass::Failed(self.error(&m.field, &m.expr, msg, kind)));
+                }
+            };
+            // Nothing to apply: the object and the variables stay as they are.
+            let empty = match &produced {
+                Value::Array(a) => a.is_empty() && m.patch_type == PatchType::JsonPatch,
+                Value::Object(o) => o.is_empty() && m.patch_type == PatchType::ApplyConfiguration,
+                _ => false,
+            };
+            if !empty {
+                return Ok(Pass::Apply(m, produced));
+            }
+        }
+        Ok(Pass::Done)
+    }
+
+    /// Validations and audit annotations of the policy, into `out`.
+    fn validate<E: Evaluator<'p>>(
+        &mut self,
+        ev: &mut E,
+        out: &mut Outcome,
+    ) -> Result<(), Fallback> {
+        let p = self.policy;
+        match self.conditions(ev)? {
+            Ok(true) => {}
+            Ok(false) => return Ok(()),
+            Err(e) => {
+                out.errors.push(e);
+                return Ok(());
+            }
+        }
+        self.compute_variables(ev)?;
+        let mut audit_failures = Vec::new();
+        for (i, v) in p.validations.iter().enumerate() {
+            let passed = match self.eval(ev, &v.expr)? {
+                Ok(Got::Bool(b)) => b,
+                Ok(other) => {
+                    out.errors.push(self.error(
+                        &v.field,
+                        &v.expr,
+                        format!("validation must return bool, got {}", other.describe()),
+                        ErrorKind::WrongType,
+                    ));
+                    continue;
+                }
+                Err(ExprFailure::Error(m, k)) => {
+                    out.errors.push(self.error(&v.field, &v.expr, m, k));
+                    continue;
+                }
+            };
+            if passed {
+                continue;
+            }
+            let from_expression = match &v.message_expr {
+                Some((_, me)) => match self.eval(ev, me)? {
+                    Ok(Got::Str(m)) if !m.trim().is_empty() => Some(m),
+                    _ => None,
+                },
+                None => None,
+            };
+            let message = from_expression
+                .or_else(|| v.message.clone())
+                .unwrap_or_else(|| format!("failed expression: {}", v.expr.source));
+            for action in &p.actions {
+                match action {
+                    ValidationAction::Deny => out.denials.push(Denial {
+                        policy: p.name.clone(),
+                        message: message.clone(),
+                        reason: v.reason,
+                    }),
+                    ValidationAction::Warn => out.warnings.push(format!(
+                        "Validation failed for ServingPolicy '{}': {message}",
+                        p.name
+                    )),
+                    ValidationAction::Audit => audit_failures.push(serde_json::json!({
+                        "message": message,
+                        "policy": p.name,
+                        "expressionIndex": i,
+                        "validationActions": p.actions,
+                    })),
+                }
+            }
+        }
+        if !audit_failures.is_empty() {
+            out.audit_annotations.insert(
+                VALIDATION_FAILURE.to_owned(),
+                Value::Array(audit_failures).to_string(),
+            );
+        }
+        for a in &p.audit_annotations {
+            match self.eval(ev, &a.expr)? {
+                Ok(Got::Str(s)) if !s.is_empty() => {
+                    out.audit_annotations
+                        .insert(format!("{}/{}", p.name, a.name), s);
+                }
+                Ok(Got::Str(_)) | Ok(Got::Null) => {}
+                Ok(other) => out.errors.push(self.error(
+                    &a.field,
+                    &a.expr,
+                    format!(
+                        "valueExpression must return a string or null, got {}",
+                        other.describe()
+                    ),
+                    ErrorKind::WrongType,
+                )),
+                Err(ExprFailure::Error(m, k)) => {
+                    out.errors.push(self.error(&a.field, &a.expr, m, k))
+                }
+            }
+        }
+        Ok(())
     }
 }
 
-fn cel_string(v: &CelValue) -> Option<String> {
-    match v {
-        CelValue::String(s) => Some(s.as_str().to_owned()),
-        _ => None,
+impl Got {
+    fn describe(&self) -> String {
+        match self {
+            Got::Bool(b) => format!("Bool({b})"),
+            Got::Str(s) => format!("String({s:?})"),
+            Got::Null => "Null".into(),
+            Got::Other(s) => s.clone(),
+        }
+    }
+}
+
+/// How a pass of a policy's mutations ended.
+enum Pass<'p> {
+    /// Nothing (more) to apply.
+    Done,
+    /// A mutation's result to apply; then rebind the object and continue.
+    Apply(&'p CompiledMutation, Value),
+    /// A mutation failed: the policy stops here, keeping the changes made so far.
+    Failed(EvalError),
+}
+
+/// The audit annotation collecting failed `Audit` validations (KEP-3488).
+const VALIDATION_FAILURE: &str = "validation.policy.admission.k8s.io/validation_failure";
+
+/// Adds one policy's validation results to the request's outcome. Failed `Audit` validations
+/// of all policies are collected in one JSON list.
+fn merge(out: &mut Outcome, local: Outcome) {
+    out.denials.extend(local.denials);
+    out.warnings.extend(local.warnings);
+    out.errors.extend(local.errors);
+    for (k, v) in local.audit_annotations {
+        if k == VALIDATION_FAILURE
+            && let Some(previous) = out.audit_annotations.get(&k)
+        {
+            let mut all: Vec<Value> = serde_json::from_str(previous).unwrap_or_default();
+            all.extend(serde_json::from_str::<Vec<Value>>(&v).unwrap_or_default());
+            out.audit_annotations
+                .insert(k, Value::Array(all).to_string());
+        } else {
+            out.audit_annotations.insert(k, v);
+        }
     }
 }
 
@@ -692,9 +1030,20 @@ impl PolicySet {
                     policies: ok,
                     limits,
                 }),
+                native: true,
             },
             errors,
         )
+    }
+
+    /// The same set evaluated by the `cel` interpreter only, without the native evaluator.
+    /// Outcomes are the same (the differential tests compare them); for comparisons and
+    /// benchmarks.
+    pub fn interpreted(&self) -> PolicySet {
+        PolicySet {
+            inner: self.inner.clone(),
+            native: false,
+        }
     }
 
     /// Names of the compiled policies, in evaluation order.
@@ -702,6 +1051,17 @@ impl PolicySet {
         self.inner
             .policies
             .iter()
+            .map(|p| p.name.as_str())
+            .collect()
+    }
+
+    /// Names of the policies the native evaluator runs (the rest use the interpreter
+    /// throughout, see [`crate::native`]).
+    pub fn native_policies(&self) -> Vec<&str> {
+        self.inner
+            .policies
+            .iter()
+            .filter(|p| p.native)
             .map(|p| p.name.as_str())
             .collect()
     }
@@ -740,15 +1100,17 @@ impl PolicySet {
 
     fn evaluate_in(&self, base: &Context<'static>, input: &EvalInput, validate: bool) -> Outcome {
         let mut out = Outcome::default();
-        let request_json = serde_json::to_value(&input.request).unwrap_or(Value::Null);
-        let mut act = Activation {
-            object: opt_to_cel(input.object.as_ref()),
-            old_object: opt_to_cel(input.old_object.as_ref()),
-            request: json_to_cel(&request_json),
-            namespace_object: opt_to_cel(input.namespace_object.as_ref()),
-            params: opt_to_cel(input.params.as_ref()),
-            service: opt_to_cel(input.service.as_ref()),
+        let fixed = Fixed {
+            old_object: input.old_object.as_ref(),
+            request_info: &input.request,
+            request: std::cell::OnceCell::new(),
+            namespace_object: input.namespace_object.as_ref(),
+            params: input.params.as_ref(),
+            service: input.service.as_ref(),
         };
+        // The interpreter's request context, built only when a policy needs it.
+        let cel = std::cell::OnceCell::new();
+        let rctx = || cel.get_or_init(|| request_context(base, &fixed));
         let mut object = input.object.clone();
         let matched: Vec<&CompiledPolicy> = self
             .inner
@@ -768,218 +1130,200 @@ impl PolicySet {
 
         // Mutations, then one reinvocation round for IfNeeded policies whose output a later
         // policy changed (MutatingAdmissionPolicy semantics).
-        let rctx = request_context(base, &act);
-        if object.is_some() {
+        let mut changed = false;
+        if let Some(obj) = object.as_mut() {
             let mut after: Vec<Option<Value>> = vec![None; matched.len()];
             for (i, p) in matched.iter().enumerate() {
                 if p.mutations.is_empty() {
                     continue;
                 }
-                self.mutate_policy(&rctx, p, &mut act, &mut object, &mut out);
+                changed |= self.mutate_policy(&rctx, &fixed, p, obj, &mut out);
                 if p.reinvocation == ReinvocationPolicy::IfNeeded {
-                    after[i] = object.clone();
+                    after[i] = Some(obj.clone());
                 }
             }
             for (i, p) in matched.iter().enumerate() {
                 if p.reinvocation == ReinvocationPolicy::IfNeeded
-                    && after[i].is_some()
-                    && after[i] != object
+                    && after[i].as_ref().is_some_and(|a| a != obj)
                 {
-                    self.mutate_policy(&rctx, p, &mut act, &mut object, &mut out);
+                    changed |= self.mutate_policy(&rctx, &fixed, p, obj, &mut out);
                 }
             }
         }
 
         if validate {
-            let actx = object_context(&rctx, &act);
+            let mut interpreted: Option<CelEval> = None;
             for p in &matched {
-                self.validate_policy(&actx, p, &mut out);
+                if p.validations.is_empty() && p.audit_annotations.is_empty() {
+                    continue;
+                }
+                let mut local = Outcome::default();
+                let native = self.native && p.native && {
+                    let mut ev = NativeEval {
+                        env: fixed.native_env(p, object.as_ref()),
+                    };
+                    PolicyRun::new(p).validate(&mut ev, &mut local).is_ok()
+                };
+                if !native {
+                    local = Outcome::default();
+                    let ev =
+                        interpreted.get_or_insert_with(|| CelEval::new(rctx(), object.as_ref()));
+                    // Each policy's variables in a scope of their own.
+                    let mut scoped = CelEval {
+                        ctx: ev.ctx.new_inner_scope(),
+                    };
+                    let _ = PolicyRun::new(p).validate(&mut scoped, &mut local);
+                }
+                merge(&mut out, local);
             }
         }
-        if let (Some(orig), Some(new)) = (&input.object, &object) {
+        if changed && let (Some(orig), Some(new)) = (&input.object, &object) {
             out.patch = json_patch::diff(orig, new);
         }
         out.patched_object = object;
         out
     }
 
-    fn mutate_policy(
+    /// Runs one policy's mutations over `object`, natively when it can, else with the
+    /// interpreter from the same starting object. Returns whether the object changed.
+    fn mutate_policy<'c>(
         &self,
-        rctx: &Context,
+        rctx: &impl Fn() -> &'c Context<'c>,
+        fixed: &Fixed,
         p: &CompiledPolicy,
-        act: &mut Activation,
-        object: &mut Option<Value>,
+        object: &mut Value,
         out: &mut Outcome,
-    ) {
-        let mut run = PolicyRun::new(p);
-        let mut next_mutation = 0;
-        let mut first = true;
-        // Contexts are rebuilt only when a mutation changed the object.
-        'object: while next_mutation < p.mutations.len() {
-            let actx = object_context(rctx, act);
-            let mut pctx = actx.new_inner_scope();
-            if first {
-                first = false;
-                match run.conditions(&pctx) {
-                    Ok(true) => {}
-                    Ok(false) => return,
-                    Err(e) => {
-                        out.errors.push(e);
-                        return;
-                    }
-                }
-            }
-            run.compute_variables(&mut pctx);
-            while let Some(m) = p.mutations.get(next_mutation) {
-                next_mutation += 1;
-                let Some(current) = object.as_ref() else {
-                    return;
+    ) -> bool {
+        if self.native && p.native {
+            // A fallback after an applied mutation restarts from the original object; with one
+            // mutation nothing is applied before the last evaluation, so no copy is needed.
+            let backup = (p.mutations.len() > 1).then(|| object.clone());
+            let result = mutate_passes(p, object, |run, current, next, first| {
+                let mut ev = NativeEval {
+                    env: fixed.native_env(p, Some(current)),
                 };
-                let result = match run.eval(&pctx, &m.expr) {
-                    Ok(v) => v,
-                    Err(ExprFailure::Error(msg, kind)) => {
-                        out.errors.push(run.error(&m.field, &m.expr, msg, kind));
-                        return;
-                    }
-                };
-                let produced = match cel_to_json(&result) {
-                    Ok(j) => j,
-                    Err(msg) => {
-                        out.errors
-                            .push(run.error(&m.field, &m.expr, msg, ErrorKind::WrongType));
-                        return;
-                    }
-                };
-                // Nothing to apply: skip copying and comparing the object.
-                let empty = match &produced {
-                    Value::Array(a) => a.is_empty() && m.patch_type == PatchType::JsonPatch,
-                    Value::Object(o) => {
-                        o.is_empty() && m.patch_type == PatchType::ApplyConfiguration
-                    }
-                    _ => false,
-                };
-                if empty {
-                    continue;
+                run.mutation_pass(&mut ev, next, first)
+            });
+            match result {
+                Ok((changed, error)) => {
+                    out.errors.extend(error);
+                    return changed;
                 }
-                let next = match m.patch_type {
-                    PatchType::JsonPatch => apply_json_patch(current, produced),
-                    PatchType::ApplyConfiguration => apply_configuration(current, &produced),
-                };
-                match next {
-                    Ok(next) if &next != current => {
-                        act.object = opt_to_cel(Some(&next));
-                        *object = Some(next);
-                        continue 'object;
-                    }
-                    Ok(_) => {}
-                    Err((msg, kind)) => {
-                        out.errors.push(run.error(&m.field, &m.expr, msg, kind));
-                        return;
+                Err(Fallback) => {
+                    if let Some(b) = backup {
+                        *object = b;
                     }
                 }
             }
         }
-    }
-
-    fn validate_policy(&self, actx: &Context, p: &CompiledPolicy, out: &mut Outcome) {
-        if p.validations.is_empty() && p.audit_annotations.is_empty() {
-            return;
-        }
-        let mut run = PolicyRun::new(p);
-        let mut pctx = actx.new_inner_scope();
-        match run.conditions(&pctx) {
-            Ok(true) => {}
-            Ok(false) => return,
-            Err(e) => {
-                out.errors.push(e);
-                return;
-            }
-        }
-        run.compute_variables(&mut pctx);
-        let mut audit_failures = Vec::new();
-        for (i, v) in p.validations.iter().enumerate() {
-            let passed = match run.eval(&pctx, &v.expr) {
-                Ok(CelValue::Bool(b)) => b,
-                Ok(other) => {
-                    out.errors.push(run.error(
-                        &v.field,
-                        &v.expr,
-                        format!("validation must return bool, got {other:?}"),
-                        ErrorKind::WrongType,
-                    ));
-                    continue;
-                }
-                Err(ExprFailure::Error(m, k)) => {
-                    out.errors.push(run.error(&v.field, &v.expr, m, k));
-                    continue;
-                }
-            };
-            if passed {
-                continue;
-            }
-            let message = v
-                .message_expr
-                .as_ref()
-                .and_then(|(_, me)| run.eval(&pctx, me).ok())
-                .and_then(|m| cel_string(&m))
-                .filter(|m| !m.trim().is_empty())
-                .or_else(|| v.message.clone())
-                .unwrap_or_else(|| format!("failed expression: {}", v.expr.source));
-            for action in &p.actions {
-                match action {
-                    ValidationAction::Deny => out.denials.push(Denial {
-                        policy: p.name.clone(),
-                        message: message.clone(),
-                        reason: v.reason,
-                    }),
-                    ValidationAction::Warn => out.warnings.push(format!(
-                        "Validation failed for ServingPolicy '{}': {message}",
-                        p.name
-                    )),
-                    ValidationAction::Audit => audit_failures.push(serde_json::json!({
-                        "message": message,
-                        "policy": p.name,
-                        "expressionIndex": i,
-                        "validationActions": p.actions,
-                    })),
-                }
-            }
-        }
-        if !audit_failures.is_empty() {
-            let key = "validation.policy.admission.k8s.io/validation_failure".to_owned();
-            let mut all: Vec<Value> = out
-                .audit_annotations
-                .get(&key)
-                .and_then(|s| serde_json::from_str(s).ok())
-                .unwrap_or_default();
-            all.extend(audit_failures);
-            out.audit_annotations
-                .insert(key, Value::Array(all).to_string());
-        }
-        for a in &p.audit_annotations {
-            match run.eval(&pctx, &a.expr) {
-                Ok(CelValue::String(s)) if !s.is_empty() => {
-                    out.audit_annotations
-                        .insert(format!("{}/{}", p.name, a.name), s.as_str().to_owned());
-                }
-                Ok(CelValue::String(_)) | Ok(CelValue::Null) => {}
-                Ok(other) => out.errors.push(run.error(
-                    &a.field,
-                    &a.expr,
-                    format!("valueExpression must return a string or null, got {other:?}"),
-                    ErrorKind::WrongType,
-                )),
-                Err(ExprFailure::Error(m, k)) => {
-                    out.errors.push(run.error(&a.field, &a.expr, m, k))
-                }
-            }
-        }
+        let request = rctx();
+        let (changed, error) = mutate_passes(p, object, |run, current, next, first| {
+            let mut ev = CelEval::new(request, Some(current));
+            run.mutation_pass(&mut ev, next, first)
+        })
+        .unwrap_or((false, None));
+        out.errors.extend(error);
+        changed
     }
 }
 
-/// Applies CEL-built JSON Patch operations (RFC 6902, atomically): a list of
+/// Runs a policy's mutation passes over `object`, applying each result in place, until none
+/// is left: returns whether anything was applied and the error that stopped the policy.
+fn mutate_passes<'p>(
+    p: &'p CompiledPolicy,
+    object: &mut Value,
+    mut pass: impl FnMut(&mut PolicyRun<'p>, &Value, &mut usize, bool) -> Result<Pass<'p>, Fallback>,
+) -> Result<(bool, Option<EvalError>), Fallback> {
+    let mut run = PolicyRun::new(p);
+    let mut changed = false;
+    let mut next = 0;
+    let mut first = true;
+    while next < p.mutations.len() {
+        match pass(&mut run, object, &mut next, first)? {
+            Pass::Done => break,
+            Pass::Apply(m, produced) => {
+                if let Err((msg, kind)) = apply_mutation(object, m.patch_type, produced) {
+                    return Ok((changed, Some(run.error(&m.field, &m.expr, msg, kind))));
+                }
+                changed = true;
+            }
+            Pass::Failed(e) => return Ok((changed, Some(e))),
+        }
+        first = false;
+    }
+    Ok((changed, None))
+}
+
+/// The fields a mutation may not change (MutatingAdmissionPolicy forbids it too).
+const IDENTITY: [&str; 4] = [
+    "/apiVersion",
+    "/kind",
+    "/metadata/name",
+    "/metadata/namespace",
+];
+
+/// Whether writing at JSON pointer `path` can change an identity field.
+fn touches_identity(path: &str) -> bool {
+    IDENTITY
+        .iter()
+        .any(|id| *id == path || id.starts_with(&format!("{path}/")))
+}
+
+/// Applies one mutation's result to `object` in place. On error `object` is unchanged.
+fn apply_mutation(
+    object: &mut Value,
+    patch_type: PatchType,
+    produced: Value,
+) -> Result<(), (String, ErrorKind)> {
+    // Results that may touch the identity are applied to a copy and checked; the rest in place
+    // (JSON Patch application is atomic, the merge cannot fail).
+    match patch_type {
+        PatchType::JsonPatch => {
+            let patch = json_patch_of(produced)?;
+            let risky = patch.iter().any(|op| {
+                use json_patch::PatchOperation::*;
+                match op {
+                    Move(m) => {
+                        touches_identity(m.from.as_str()) || touches_identity(m.path.as_str())
+                    }
+                    Add(o) => touches_identity(o.path.as_str()),
+                    Remove(o) => touches_identity(o.path.as_str()),
+                    Replace(o) => touches_identity(o.path.as_str()),
+                    Copy(o) => touches_identity(o.path.as_str()),
+                    Test(_) => false,
+                }
+            });
+            if risky {
+                let next = apply_json_patch(object, patch)?;
+                *object = next;
+            } else {
+                json_patch::patch(object, &patch)
+                    .map_err(|e| (format!("JSON Patch does not apply: {e}"), ErrorKind::Patch))?;
+            }
+        }
+        PatchType::ApplyConfiguration => {
+            let risky = produced.get("apiVersion").is_some()
+                || produced.get("kind").is_some()
+                || produced.get("metadata").is_some_and(|m| {
+                    !m.is_object() || m.get("name").is_some() || m.get("namespace").is_some()
+                });
+            if risky {
+                let next = apply_configuration(object, &produced)?;
+                *object = next;
+            } else {
+                if !produced.is_object() {
+                    return Err(wrong_apply_configuration(&produced));
+                }
+                merge::apply(object, &produced);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The RFC 6902 operations of a JSONPatch mutation's result: a list of
 /// `{op, path, value?, from?}` maps, as `JSONPatch{...}` builds them.
-fn apply_json_patch(current: &Value, ops: Value) -> Result<Value, (String, ErrorKind)> {
+fn json_patch_of(ops: Value) -> Result<json_patch::Patch, (String, ErrorKind)> {
     let list = match ops {
         Value::Array(a) => a,
         other => {
@@ -991,12 +1335,24 @@ fn apply_json_patch(current: &Value, ops: Value) -> Result<Value, (String, Error
             ));
         }
     };
-    let patch: json_patch::Patch = serde_json::from_value(Value::Array(list)).map_err(|e| {
-        (
-            format!("invalid JSONPatch operation: {e}"),
-            ErrorKind::WrongType,
-        )
-    })?;
+    Ok(json_patch::Patch(
+        list.into_iter()
+            .map(patch_operation)
+            .collect::<Result<_, _>>()
+            .map_err(|e| {
+                (
+                    format!("invalid JSONPatch operation: {e}"),
+                    ErrorKind::WrongType,
+                )
+            })?,
+    ))
+}
+
+/// Applies a JSON Patch (atomically) to a copy of `current` and checks the identity.
+fn apply_json_patch(
+    current: &Value,
+    patch: json_patch::Patch,
+) -> Result<Value, (String, ErrorKind)> {
     let mut next = current.clone();
     json_patch::patch(&mut next, &patch)
         .map_err(|e| (format!("JSON Patch does not apply: {e}"), ErrorKind::Patch))?;
@@ -1004,14 +1360,64 @@ fn apply_json_patch(current: &Value, ops: Value) -> Result<Value, (String, Error
     Ok(next)
 }
 
+/// One RFC 6902 operation from the map `JSONPatch{op, path, value?, from?}` builds.
+fn patch_operation(op: Value) -> Result<json_patch::PatchOperation, String> {
+    use json_patch::{jsonptr::PointerBuf, *};
+    let Value::Object(mut m) = op else {
+        return Err(format!("expected a JSONPatch object, got {op}"));
+    };
+    fn pointer(m: &mut serde_json::Map<String, Value>, field: &str) -> Result<PointerBuf, String> {
+        match m.remove(field) {
+            Some(Value::String(s)) => PointerBuf::parse(s).map_err(|e| format!("{field}: {e}")),
+            Some(other) => Err(format!("{field} must be a string, got {other}")),
+            None => Err(format!("missing field `{field}`")),
+        }
+    }
+    let name = match m.remove("op") {
+        Some(Value::String(s)) => s,
+        _ => return Err("missing field `op`".into()),
+    };
+    let path = pointer(&mut m, "path")?;
+    let from = (name == "move" || name == "copy")
+        .then(|| pointer(&mut m, "from"))
+        .transpose()?;
+    let mut value = || m.remove("value").ok_or("missing field `value`");
+    Ok(match (name.as_str(), from) {
+        ("add", _) => PatchOperation::Add(AddOperation {
+            path,
+            value: value()?,
+        }),
+        ("remove", _) => PatchOperation::Remove(RemoveOperation { path }),
+        ("replace", _) => PatchOperation::Replace(ReplaceOperation {
+            path,
+            value: value()?,
+        }),
+        ("test", _) => PatchOperation::Test(TestOperation {
+            path,
+            value: value()?,
+        }),
+        ("move", Some(from)) => PatchOperation::Move(MoveOperation { from, path }),
+        ("copy", Some(from)) => PatchOperation::Copy(CopyOperation { from, path }),
+        (other, _) => {
+            return Err(format!(
+                "unknown op `{other}`, expected one of add, remove, replace, move, copy, test"
+            ));
+        }
+    })
+}
+
+fn wrong_apply_configuration(partial: &Value) -> (String, ErrorKind) {
+    (
+        format!(
+            "an ApplyConfiguration mutation must return an object (Object{{...}}), got {partial}"
+        ),
+        ErrorKind::WrongType,
+    )
+}
+
 fn apply_configuration(current: &Value, partial: &Value) -> Result<Value, (String, ErrorKind)> {
     if !partial.is_object() {
-        return Err((
-            format!(
-                "an ApplyConfiguration mutation must return an object (Object{{...}}), got {partial}"
-            ),
-            ErrorKind::WrongType,
-        ));
+        return Err(wrong_apply_configuration(partial));
     }
     let mut next = current.clone();
     merge::apply(&mut next, partial);
@@ -1021,12 +1427,7 @@ fn apply_configuration(current: &Value, partial: &Value) -> Result<Value, (Strin
 
 /// Mutations may not change what the object is (MutatingAdmissionPolicy forbids it too).
 fn keep_identity(before: &Value, after: &Value) -> Result<(), (String, ErrorKind)> {
-    for p in [
-        "/apiVersion",
-        "/kind",
-        "/metadata/name",
-        "/metadata/namespace",
-    ] {
+    for p in IDENTITY {
         if before.pointer(p) != after.pointer(p) {
             return Err((format!("a mutation may not change {p}"), ErrorKind::Patch));
         }

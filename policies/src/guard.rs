@@ -96,7 +96,7 @@ fn bound_error(what: String) -> ExecutionError {
     ExecutionError::function_error("bounds", what)
 }
 
-fn charge(units: u64) -> Result<(), ExecutionError> {
+pub(crate) fn charge(units: u64) -> Result<(), ExecutionError> {
     let mut s = STATE.get();
     if !s.active {
         return Ok(());
@@ -120,7 +120,7 @@ fn charge(units: u64) -> Result<(), ExecutionError> {
     Ok(())
 }
 
-fn check_string(len: usize) -> Result<(), ExecutionError> {
+pub(crate) fn check_string(len: usize) -> Result<(), ExecutionError> {
     let s = STATE.get();
     if s.active && len > s.max_string {
         return Err(bound_error(format!(
@@ -131,7 +131,7 @@ fn check_string(len: usize) -> Result<(), ExecutionError> {
     Ok(())
 }
 
-fn check_list(len: usize) -> Result<(), ExecutionError> {
+pub(crate) fn check_list(len: usize) -> Result<(), ExecutionError> {
     let s = STATE.get();
     if s.active && len > s.max_list {
         return Err(bound_error(format!(

@@ -25,6 +25,7 @@ pub mod limits;
 pub mod manifest;
 pub mod matching;
 pub mod merge;
+pub(crate) mod native;
 pub mod resolve;
 pub mod testfile;
 pub mod value;
