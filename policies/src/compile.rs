@@ -1,7 +1,7 @@
 //! Compiling one CEL expression: text bounds, parsing, checks for what this engine cannot
 //! evaluate, and the rewrite that splices in the run-time guards of [`crate::guard`].
 
-use std::{collections::BTreeSet, sync::Arc};
+use std::sync::Arc;
 
 use kube_cel::cel::{
     common::ast::{
@@ -263,8 +263,6 @@ pub struct CompiledExpr {
     /// The CEL source as written.
     pub source: String,
     pub(crate) expr: IdedExpr,
-    /// Names of policy variables the expression reads (`variables.<name>`).
-    pub(crate) uses_variables: BTreeSet<String>,
     /// The native program, when the expression uses only what [`crate::native`] implements.
     pub(crate) native: Option<Arc<native::Program>>,
 }
@@ -387,16 +385,13 @@ pub fn compile_expr(
         limits,
         declared,
         scope: Vec::new(),
-        uses: BTreeSet::new(),
     };
     stacker::grow(16 << 20, || checker.check(&expr, 1, 0))?;
-    let uses = checker.uses;
     let native = stacker::grow(16 << 20, || native::compile(&expr, declared)).map(Arc::new);
     stacker::grow(16 << 20, || rewrite(&mut expr));
     Ok(CompiledExpr {
         source: source.to_owned(),
         expr,
-        uses_variables: uses,
         native,
     })
 }
@@ -406,7 +401,6 @@ struct Checker<'a> {
     limits: &'a Limits,
     declared: &'a [String],
     scope: Vec<String>,
-    uses: BTreeSet<String>,
 }
 
 impl Checker<'_> {
@@ -439,7 +433,6 @@ impl Checker<'_> {
                             ),
                         ));
                     }
-                    self.uses.insert(sel.field.clone());
                     return Ok(());
                 }
                 self.check(&sel.operand, d, comps)

@@ -543,21 +543,30 @@ impl Fixed<'_> {
 
     /// The native environment of policy `p` with `object` bound. Roots the policy never
     /// reads stay null.
-    fn native_env<'a>(&'a self, p: &CompiledPolicy, object: Option<&'a Value>) -> native::Env<'a> {
+    fn native_env<'a>(
+        &'a self,
+        p: &'a CompiledPolicy,
+        object: Option<&'a Value>,
+    ) -> native::Env<'a> {
         let v = |o: Option<&'a Value>| o.map_or(native::Val::Null, native::from_json);
         let request = if p.roots & native::REQUEST_ROOT != 0 {
             native::from_json(self.request())
         } else {
             native::Val::Null
         };
-        native::Env::new([
-            v(object),
-            v(self.old_object),
-            request,
-            v(self.namespace_object),
-            v(self.params),
-            v(self.service),
-        ])
+        native::Env::new(
+            [
+                v(object),
+                v(self.old_object),
+                request,
+                v(self.namespace_object),
+                v(self.params),
+                v(self.service),
+            ],
+            p.variables
+                .iter()
+                .filter_map(|v| Some((v.name.as_str(), v.expr.native.as_deref()?))),
+        )
     }
 }
 
@@ -574,12 +583,20 @@ enum ExprFailure {
 /// The native evaluator could not answer: evaluate the policy with the interpreter.
 struct Fallback;
 
+thread_local! {
+    static FALLBACKS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+fn count_fallback() {
+    FALLBACKS.set(FALLBACKS.get() + 1);
+}
+
 /// What an expression returned, as far as the engine looks at it.
 enum Got {
     Bool(bool),
     Str(String),
     Null,
-    /// Any other value, rendered for a wrong-type message.
+    /// Any other value, rendered (as JSON where it has that form) for a wrong-type message.
     Other(String),
 }
 
@@ -591,8 +608,9 @@ trait Evaluator<'p> {
     fn eval(&mut self, e: &'p CompiledExpr) -> Evaluated<Got>;
     /// Evaluates a mutation to its JSON result.
     fn eval_json(&mut self, e: &'p CompiledExpr) -> Evaluated<Value>;
-    /// Evaluates policy variable `index` and binds it for later expressions.
-    fn define(&mut self, index: usize, v: &'p Named) -> Evaluated<()>;
+    /// Binds policy variable `index` for later expressions (a failure is kept and reported by
+    /// the expressions that reach it).
+    fn define(&mut self, index: usize, v: &'p Named) -> Result<(), Fallback>;
 }
 
 /// Stack the interpreter may use for one request: it recurses per tree level, tens of KiB per
@@ -637,39 +655,75 @@ fn request_context<'b>(base: &'b Context<'static>, f: &Fixed) -> Context<'b> {
 }
 
 /// The interpreter evaluating one policy: `object` and the policy variables over the request
-/// context.
+/// context. Variables are evaluated in order; a failed one is left unbound, so an expression
+/// that reaches it fails with its error, and one that does not is unaffected.
 struct CelEval<'c> {
     ctx: Context<'c>,
+    /// Failed variables by context identifier: (name, message, kind).
+    failed: HashMap<String, (String, String, ErrorKind)>,
 }
 
 impl<'c> CelEval<'c> {
     fn new(request: &'c Context<'c>, object: Option<&Value>) -> Self {
         let mut ctx = request.new_inner_scope();
         ctx.add_variable_from_value("object", opt_to_cel(object));
-        CelEval { ctx }
+        CelEval {
+            ctx,
+            failed: HashMap::new(),
+        }
+    }
+
+    /// A scope over this one for another policy's variables.
+    fn scope(&self) -> CelEval<'_> {
+        CelEval {
+            ctx: self.ctx.new_inner_scope(),
+            failed: HashMap::new(),
+        }
+    }
+
+    fn run(&self, e: &CompiledExpr) -> Result<CelValue, ExprFailure> {
+        run(&self.ctx, e).map_err(|ExprFailure::Error(m, k)| {
+            let reached = m
+                .strip_prefix("Undeclared reference to '")
+                .and_then(|r| r.strip_suffix('\''))
+                .and_then(|ident| self.failed.get(ident));
+            match reached {
+                Some((name, message, kind)) => {
+                    ExprFailure::Error(format!("variables.{name} failed: {message}"), *kind)
+                }
+                None => ExprFailure::Error(m, k),
+            }
+        })
     }
 }
 
 impl<'p> Evaluator<'p> for CelEval<'_> {
     fn eval(&mut self, e: &'p CompiledExpr) -> Evaluated<Got> {
-        Ok(run(&self.ctx, e).map(|v| match v {
+        Ok(self.run(e).map(|v| match v {
             CelValue::Bool(b) => Got::Bool(b),
             CelValue::String(s) => Got::Str(s.as_str().to_owned()),
             CelValue::Null => Got::Null,
-            other => Got::Other(format!("{other:?}")),
+            other => Got::Other(
+                cel_to_json(&other).map_or_else(|_| format!("{other:?}"), |j| j.to_string()),
+            ),
         }))
     }
 
     fn eval_json(&mut self, e: &'p CompiledExpr) -> Evaluated<Value> {
-        Ok(run(&self.ctx, e)
+        Ok(self
+            .run(e)
             .and_then(|v| cel_to_json(&v).map_err(|m| ExprFailure::Error(m, ErrorKind::WrongType))))
     }
 
-    fn define(&mut self, _index: usize, v: &'p Named) -> Evaluated<()> {
-        Ok(run(&self.ctx, &v.expr).map(|val| {
-            self.ctx
-                .add_variable_from_value(variable_ident(&v.name), val)
-        }))
+    fn define(&mut self, _index: usize, v: &'p Named) -> Result<(), Fallback> {
+        let ident = variable_ident(&v.name);
+        match self.run(&v.expr) {
+            Ok(val) => self.ctx.add_variable_from_value(ident, val),
+            Err(ExprFailure::Error(m, k)) => {
+                self.failed.insert(ident, (v.name.clone(), m, k));
+            }
+        }
+        Ok(())
     }
 }
 
@@ -713,65 +767,34 @@ impl<'p: 'a, 'a> Evaluator<'p> for NativeEval<'a> {
         })
     }
 
-    fn define(&mut self, index: usize, v: &'p Named) -> Evaluated<()> {
-        let program = v.expr.native.as_deref().ok_or(Fallback)?;
-        match self.env.define(index, program) {
-            Ok(()) => Ok(Ok(())),
-            Err(native::Failure::Bound(m)) => {
-                Ok(Err(ExprFailure::Error(m, ErrorKind::BoundExceeded)))
-            }
-            Err(native::Failure::Fallback) => Err(Fallback),
-        }
+    /// Native variables are evaluated on first use (see [`native::Env`]).
+    fn define(&mut self, _index: usize, v: &'p Named) -> Result<(), Fallback> {
+        v.expr.native.as_ref().ok_or(Fallback)?;
+        Ok(())
     }
 }
 
-/// Per-policy evaluation state: which variables failed for the current object.
+/// One policy's evaluation against one object.
 struct PolicyRun<'p> {
     policy: &'p CompiledPolicy,
-    var_errors: HashMap<String, (String, ErrorKind)>,
 }
 
 impl<'p> PolicyRun<'p> {
     fn new(policy: &'p CompiledPolicy) -> Self {
-        PolicyRun {
-            policy,
-            var_errors: HashMap::new(),
-        }
+        PolicyRun { policy }
     }
 
-    /// Evaluates the variables in order. A failing variable fails only the expressions that
-    /// use it (the apiserver evaluates variables lazily).
+    /// Binds the variables in order. A failing variable fails only the expressions that reach
+    /// it when they run, as with the apiserver's lazily evaluated variables.
     fn compute_variables<E: Evaluator<'p>>(&mut self, ev: &mut E) -> Result<(), Fallback> {
-        self.var_errors.clear();
         for (i, v) in self.policy.variables.iter().enumerate() {
-            let result = match self.failed_dependency(&v.expr) {
-                Some(failure) => Err(failure),
-                None => ev.define(i, v)?,
-            };
-            if let Err(ExprFailure::Error(m, k)) = result {
-                self.var_errors.insert(v.name.clone(), (m, k));
-            }
+            ev.define(i, v)?;
         }
         Ok(())
     }
 
-    fn failed_dependency(&self, expr: &CompiledExpr) -> Option<ExprFailure> {
-        let dep = expr
-            .uses_variables
-            .iter()
-            .find(|d| self.var_errors.contains_key(*d))?;
-        let (m, k) = &self.var_errors[dep];
-        Some(ExprFailure::Error(
-            format!("variables.{dep} failed: {m}"),
-            *k,
-        ))
-    }
-
     fn eval<E: Evaluator<'p>>(&self, ev: &mut E, expr: &'p CompiledExpr) -> Evaluated<Got> {
-        match self.failed_dependency(expr) {
-            Some(f) => Ok(Err(f)),
-            None => ev.eval(expr),
-        }
+        ev.eval(expr)
     }
 
     fn error(
@@ -839,10 +862,7 @@ impl<'p> PolicyRun<'p> {
         let p = self.policy;
         while let Some(m) = p.mutations.get(*next) {
             *next += 1;
-            let produced = match self.failed_dependency(&m.expr) {
-                Some(f) => Err(f),
-                None => ev.eval_json(&m.expr)?,
-            };
+            let produced = ev.eval_json(&m.expr)?;
             let produced = match produced {
                 Ok(v) => v,
                 Err(ExprFailure::Error(msg, kind)) => {
@@ -961,11 +981,12 @@ impl<'p> PolicyRun<'p> {
 }
 
 impl Got {
+    /// The value as JSON (stable key order), or the interpreter's rendering when it has none.
     fn describe(&self) -> String {
         match self {
-            Got::Bool(b) => format!("Bool({b})"),
-            Got::Str(s) => format!("String({s:?})"),
-            Got::Null => "Null".into(),
+            Got::Bool(b) => b.to_string(),
+            Got::Str(s) => Value::String(s.clone()).to_string(),
+            Got::Null => "null".into(),
             Got::Other(s) => s.clone(),
         }
     }
@@ -1064,6 +1085,13 @@ impl PolicySet {
             .filter(|p| p.native)
             .map(|p| p.name.as_str())
             .collect()
+    }
+
+    /// How many times, on this thread, a policy the native evaluator runs was handed to the
+    /// interpreter instead (an evaluation error, or a value it does not handle). For tests and
+    /// benchmarks: well-formed workloads under the shipped policies cause none.
+    pub fn native_fallbacks() -> u64 {
+        FALLBACKS.get()
     }
 
     /// The limits this set enforces.
@@ -1165,13 +1193,14 @@ impl PolicySet {
                     PolicyRun::new(p).validate(&mut ev, &mut local).is_ok()
                 };
                 if !native {
+                    if self.native && p.native {
+                        count_fallback();
+                    }
                     local = Outcome::default();
                     let ev =
                         interpreted.get_or_insert_with(|| CelEval::new(rctx(), object.as_ref()));
                     // Each policy's variables in a scope of their own.
-                    let mut scoped = CelEval {
-                        ctx: ev.ctx.new_inner_scope(),
-                    };
+                    let mut scoped = ev.scope();
                     let _ = PolicyRun::new(p).validate(&mut scoped, &mut local);
                 }
                 merge(&mut out, local);
@@ -1210,6 +1239,7 @@ impl PolicySet {
                     return changed;
                 }
                 Err(Fallback) => {
+                    count_fallback();
                     if let Some(b) = backup {
                         *object = b;
                     }
@@ -1264,9 +1294,10 @@ const IDENTITY: [&str; 4] = [
 
 /// Whether writing at JSON pointer `path` can change an identity field.
 fn touches_identity(path: &str) -> bool {
-    IDENTITY
-        .iter()
-        .any(|id| *id == path || id.starts_with(&format!("{path}/")))
+    IDENTITY.iter().any(|id| {
+        id.strip_prefix(path)
+            .is_some_and(|rest| rest.is_empty() || rest.starts_with('/'))
+    })
 }
 
 /// Applies one mutation's result to `object` in place. On error `object` is unchanged.

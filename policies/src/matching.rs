@@ -106,7 +106,9 @@ pub fn matches(
     let mc = mc.unwrap_or(&default);
     let exact = mc.match_policy == Some(MatchPolicy::Exact);
     let included = if mc.resource_rules.is_empty() {
-        default_rules().iter().any(|r| rule_matches(r, req, false))
+        static DEFAULT: std::sync::LazyLock<Vec<NamedRuleWithOperations>> =
+            std::sync::LazyLock::new(default_rules);
+        DEFAULT.iter().any(|r| rule_matches(r, req, false))
     } else {
         mc.resource_rules
             .iter()

@@ -70,8 +70,100 @@ pub(crate) enum Val<'a> {
     JMap(&'a serde_json::Map<String, Value>),
     List(Rc<Vec<Val<'a>>>),
     Map(Rc<Vec<(Str<'a>, Val<'a>)>>),
-    /// A value only the interpreter knows (quantity, duration, timestamp, bytes, …).
+    /// A Kubernetes quantity in its plain form (see [`Quantity`]).
+    Quantity(Quantity<'a>),
+    /// A value only the interpreter knows (duration, timestamp, bytes, other quantities, …).
     Foreign(CelValue),
+}
+
+/// A Kubernetes quantity (`resource.Quantity`) as `mantissa × 10^scale`, exact, as kube-cel
+/// keeps it. Only the plain form is parsed here: digits, an optional fraction and an optional
+/// SI suffix (`500m`, `1.5Gi`, `32`); exponents and signs go to the interpreter.
+#[derive(Clone, Debug)]
+pub(crate) struct Quantity<'a> {
+    mantissa: i128,
+    scale: i32,
+    /// The source text, to hand the value to the interpreter when a foreign call needs it.
+    text: Str<'a>,
+}
+
+impl<'a> Quantity<'a> {
+    fn parse(text: Str<'a>) -> Option<Self> {
+        let s = text.as_str();
+        let end = s
+            .find(|c: char| !c.is_ascii_digit() && c != '.')
+            .unwrap_or(s.len());
+        let (number, suffix) = s.split_at(end);
+        let (int, frac) = number.split_once('.').unwrap_or((number, ""));
+        if int.is_empty()
+            || (number.contains('.') && frac.is_empty())
+            || int.len() + frac.len() > 30
+        {
+            return None;
+        }
+        let mut mantissa: i128 = 0;
+        for c in int.bytes().chain(frac.bytes()) {
+            mantissa = mantissa * 10 + i128::from(c - b'0');
+        }
+        let (shift, binary) = match suffix {
+            "" => (0, 1),
+            "n" => (-9, 1),
+            "u" => (-6, 1),
+            "m" => (-3, 1),
+            "k" => (3, 1),
+            "M" => (6, 1),
+            "G" => (9, 1),
+            "T" => (12, 1),
+            "P" => (15, 1),
+            "E" => (18, 1),
+            "Ki" => (0, 1 << 10),
+            "Mi" => (0, 1 << 20),
+            "Gi" => (0, 1 << 30),
+            "Ti" => (0, 1 << 40),
+            "Pi" => (0, 1 << 50),
+            "Ei" => (0, 1 << 60),
+            _ => return None,
+        };
+        Some(Quantity {
+            mantissa: mantissa.checked_mul(binary)?,
+            scale: shift - frac.len() as i32,
+            text,
+        })
+    }
+
+    /// Exact comparison; `None` when scaling would overflow.
+    fn compare(&self, other: &Quantity) -> Option<Ordering> {
+        let min = self.scale.min(other.scale);
+        let scaled = |q: &Quantity| {
+            10i128
+                .checked_pow((q.scale - min) as u32)
+                .and_then(|f| q.mantissa.checked_mul(f))
+        };
+        Some(scaled(self)?.cmp(&scaled(other)?))
+    }
+
+    /// The interpreter's value for the same text.
+    fn to_cel(&self) -> CelValue {
+        let expr = IdedExpr {
+            id: 0,
+            expr: Expr::Call(CallExpr {
+                func_name: "quantity".into(),
+                target: None,
+                args: vec![IdedExpr {
+                    id: 0,
+                    expr: Expr::Ident("__hearth_quantity".into()),
+                }],
+            }),
+        };
+        guard::with_base(|base| {
+            let mut ctx = base.new_inner_scope();
+            ctx.add_variable_from_value(
+                "__hearth_quantity",
+                CelValue::String(std::sync::Arc::new(self.text.as_str().to_owned())),
+            );
+            CelValue::resolve(&expr, &ctx).unwrap_or(CelValue::Null)
+        })
+    }
 }
 
 /// JSON as CEL binds it (see [`json_to_cel`]): integers are `int`, or `uint` above `i64::MAX`.
@@ -176,6 +268,7 @@ impl<'a> Val<'a> {
                 Value::Object(out)
             }
             Val::Foreign(v) => cel_to_json(v).map_err(|_| Failure::Fallback)?,
+            Val::Quantity(_) => return Err(Failure::Fallback),
         })
     }
 
@@ -213,6 +306,7 @@ impl<'a> Val<'a> {
                 ),
             }),
             Val::Foreign(v) => v.clone(),
+            Val::Quantity(q) => q.to_cel(),
         }
     }
 
@@ -261,7 +355,9 @@ fn equals(a: &Val, b: &Val) -> Result<bool, Failure> {
         ) => {
             return Err(Failure::Fallback);
         }
-        (Val::Foreign(_), _) | (_, Val::Foreign(_)) => return Err(Failure::Fallback),
+        (Val::Foreign(_) | Val::Quantity(_), _) | (_, Val::Foreign(_) | Val::Quantity(_)) => {
+            return Err(Failure::Fallback);
+        }
         (x, y) if x.list_len().is_some() && y.list_len().is_some() => {
             let n = x.list_len().unwrap_or(0);
             if n != y.list_len().unwrap_or(0) {
@@ -340,6 +436,10 @@ enum Func {
     UpperAscii,
     Duration,
     GetSeconds,
+    Quantity,
+    CompareTo,
+    IsLessThan,
+    IsGreaterThan,
 }
 
 #[derive(Debug)]
@@ -655,6 +755,10 @@ impl Compiler<'_> {
             ("upperAscii", true, 0) => Some(Func::UpperAscii),
             ("duration", false, 1) => Some(Func::Duration),
             ("getSeconds", true, 0) => Some(Func::GetSeconds),
+            ("quantity", false, 1) => Some(Func::Quantity),
+            ("compareTo", true, 1) => Some(Func::CompareTo),
+            ("isLessThan", true, 1) => Some(Func::IsLessThan),
+            ("isGreaterThan", true, 1) => Some(Func::IsGreaterThan),
             _ => None,
         };
         let mut operands = Vec::with_capacity(args.len() + 1);
@@ -710,32 +814,67 @@ impl Compiler<'_> {
     }
 }
 
-/// The variables of one evaluation: the roots, the policy variables computed so far, and the
-/// comprehension stack.
+/// A policy variable: evaluated on first use, at most once per object (as the apiserver's
+/// lazy variables).
+enum Var<'a> {
+    Pending(&'a str, &'a Program),
+    Evaluating,
+    Done(Val<'a>),
+    Failed(Failure),
+}
+
+/// The variables of one evaluation: the roots, the policy variables, and the comprehension
+/// stack.
 pub(crate) struct Env<'a> {
     roots: [Val<'a>; ROOTS],
-    vars: Vec<Option<Val<'a>>>,
+    vars: Vec<Var<'a>>,
     locals: Vec<Val<'a>>,
 }
 
 impl<'a> Env<'a> {
-    /// An environment over the roots, in [`ROOT_VARIABLES`] order without `variables`.
-    pub(crate) fn new(roots: [Val<'a>; ROOTS]) -> Self {
+    /// An environment over the roots, in [`ROOT_VARIABLES`] order without `variables`, and
+    /// the policy's variables (name and program) in declaration order.
+    pub(crate) fn new(
+        roots: [Val<'a>; ROOTS],
+        variables: impl Iterator<Item = (&'a str, &'a Program)>,
+    ) -> Self {
         Env {
             roots,
-            vars: Vec::new(),
+            vars: variables.map(|(n, p)| Var::Pending(n, p)).collect(),
             locals: Vec::new(),
         }
     }
 
-    /// Evaluates policy variable `index` with `program` and keeps its value.
-    pub(crate) fn define(&mut self, index: usize, program: &'a Program) -> Result<(), Failure> {
-        let v = self.run(program)?;
-        if self.vars.len() <= index {
-            self.vars.resize(index + 1, None);
+    /// Policy variable `i`, evaluated on first use. A failure is kept: every expression that
+    /// uses the variable fails the same way.
+    fn variable(&mut self, i: usize) -> R<'a> {
+        let slot = self.vars.get_mut(i).ok_or(Failure::Fallback)?;
+        match std::mem::replace(slot, Var::Evaluating) {
+            Var::Done(v) => {
+                *slot = Var::Done(v.clone());
+                Ok(v)
+            }
+            Var::Failed(f) => {
+                *slot = Var::Failed(f.clone());
+                Err(f)
+            }
+            Var::Evaluating => Err(Failure::Fallback),
+            Var::Pending(name, program) => {
+                // A variable is compiled at the top level: its comprehensions start their own
+                // stack.
+                let outer = std::mem::take(&mut self.locals);
+                let result = self.eval(&program.root).map_err(|f| match f {
+                    Failure::Bound(m) => Failure::Bound(format!("variables.{name} failed: {m}")),
+                    f => f,
+                });
+                self.locals = outer;
+                self.vars[i] = match &result {
+                    Ok(v) => Var::Done(v.clone()),
+                    Err(f) => Var::Failed(f.clone()),
+                };
+                result
+            }
         }
-        self.vars[index] = Some(v);
-        Ok(())
     }
 
     /// Evaluates one expression under a fresh per-expression budget.
@@ -756,12 +895,7 @@ impl<'a> Env<'a> {
                 Lit::Str(s) => Val::Str(Str::Ref(s)),
             }),
             Node::Root(i) => Ok(self.roots[*i].clone()),
-            Node::Var(i) => self
-                .vars
-                .get(*i)
-                .cloned()
-                .flatten()
-                .ok_or(Failure::Fallback),
+            Node::Var(i) => self.variable(*i),
             Node::Local(i) => self.locals.get(*i).cloned().ok_or(Failure::Fallback),
             Node::Select(operand, field) => {
                 let v = self.eval(operand)?;
@@ -807,7 +941,11 @@ impl<'a> Env<'a> {
             Node::Bin(op, a, b) => {
                 let x = self.eval(a)?;
                 let y = self.eval(b)?;
-                binary(*op, x, y)
+                match (op, x) {
+                    // A list just built here (`[...] + [...]`) is extended in place.
+                    (BinOp::Add, Val::List(l)) if Rc::strong_count(&l) == 1 => append(l, &y),
+                    (_, x) => binary(*op, x, y),
+                }
             }
             Node::Neg(a) => match self.eval(a)? {
                 Val::Int(i) => i.checked_neg().map(Val::Int).ok_or(Failure::Fallback),
@@ -820,17 +958,9 @@ impl<'a> Env<'a> {
                     self.locals.get_mut(*slot).ok_or(Failure::Fallback)?,
                     Val::Null,
                 );
-                match (x, y.list_len()) {
-                    (Val::List(mut l), Some(n)) => {
-                        let items = Rc::make_mut(&mut l);
-                        guard::check_list(items.len() + n).map_err(bound)?;
-                        guard::charge(n as u64).map_err(bound)?;
-                        for i in 0..n {
-                            items.push(y.list_item(i).ok_or(Failure::Fallback)?);
-                        }
-                        Ok(Val::List(l))
-                    }
-                    (x, _) => binary(BinOp::Add, x, y),
+                match x {
+                    Val::List(l) => append(l, &y),
+                    x => binary(BinOp::Add, x, y),
                 }
             }
             Node::List(items) => {
@@ -928,6 +1058,18 @@ impl<'a> Env<'a> {
         self.locals.truncate(c.slot);
         result
     }
+}
+
+/// `l + y` for a list `l` no one else holds (or a copy of it): appends in place.
+fn append<'a>(mut l: Rc<Vec<Val<'a>>>, y: &Val<'a>) -> R<'a> {
+    let n = y.list_len().ok_or(Failure::Fallback)?;
+    let items = Rc::make_mut(&mut l);
+    guard::check_list(items.len() + n).map_err(bound)?;
+    guard::charge(1 + n as u64).map_err(bound)?;
+    for i in 0..n {
+        items.push(y.list_item(i).ok_or(Failure::Fallback)?);
+    }
+    Ok(Val::List(l))
 }
 
 fn bound(e: kube_cel::cel::ExecutionError) -> Failure {
@@ -1120,6 +1262,25 @@ fn call(f: Func, mut args: Vec<Val<'_>>) -> R<'_> {
             kube_cel::cel::functions::time::duration(std::sync::Arc::new(text(&args, 0)?))
                 .map_err(|_| Failure::Fallback)?,
         ),
+        // Plain quantities here; the rest (exponents, signs, errors) by the interpreter.
+        Func::Quantity => match args.swap_remove(0) {
+            Val::Str(t) => match Quantity::parse(t.clone()) {
+                Some(q) => Val::Quantity(q),
+                None => return foreign_call("quantity", vec![Val::Str(t)]),
+            },
+            _ => return Err(Failure::Fallback),
+        },
+        Func::CompareTo | Func::IsLessThan | Func::IsGreaterThan => {
+            let (Val::Quantity(a), Some(Val::Quantity(b))) = (&args[0], args.get(1)) else {
+                return Err(Failure::Fallback);
+            };
+            let o = a.compare(b).ok_or(Failure::Fallback)?;
+            match f {
+                Func::CompareTo => Val::Int(o as i64),
+                Func::IsLessThan => Val::Bool(o == Ordering::Less),
+                _ => Val::Bool(o == Ordering::Greater),
+            }
+        }
         // As the interpreter: whole seconds, truncated to 32 bits.
         Func::GetSeconds => match arg(&args, 0)? {
             Val::Foreign(CelValue::Duration(d)) => Val::Int(i64::from(d.num_seconds() as i32)),
@@ -1127,6 +1288,34 @@ fn call(f: Func, mut args: Vec<Val<'_>>) -> R<'_> {
         },
         Func::UpperAscii => s(text(&args, 0)?.to_ascii_uppercase()),
     })
+}
+
+/// A global function call by the interpreter, over native arguments.
+fn foreign_call<'a>(name: &str, args: Vec<Val<'a>>) -> R<'a> {
+    let names: Vec<String> = (0..args.len())
+        .map(|i| format!("__hearth_arg{i}"))
+        .collect();
+    let mut expr = IdedExpr {
+        id: 0,
+        expr: Expr::Call(CallExpr {
+            func_name: name.into(),
+            target: None,
+            args: names
+                .iter()
+                .map(|n| IdedExpr {
+                    id: 0,
+                    expr: Expr::Ident(n.clone()),
+                })
+                .collect(),
+        }),
+    };
+    compile::rewrite(&mut expr);
+    let f = Foreign {
+        expr,
+        names,
+        args: Vec::new(),
+    };
+    foreign(&f, args.iter().map(Val::to_cel).collect())
 }
 
 fn foreign<'a>(f: &Foreign, args: Vec<CelValue>) -> R<'a> {
