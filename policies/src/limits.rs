@@ -20,8 +20,9 @@ pub struct Limits {
     pub max_comprehension_nesting: usize,
     /// Cost units one expression may spend: one per comprehension iteration, plus the size of
     /// values built by `+`, `join`, `replace`, `format`, `lists.range` and friends (one unit per
-    /// list element, one per 64 string bytes). `map`/`filter` over n elements cost about n²/2
-    /// because the interpreter copies the accumulator each step: 100,000 allows ~450 elements.
+    /// list element, one per 64 string bytes). `map`/`filter` over n elements cost about 2n
+    /// natively, and about n²/2 on the interpreter, which copies the accumulator each step
+    /// (100,000 allows ~450 elements there).
     pub max_expression_cost: u64,
     /// Cost units one request may spend over all policies and expressions.
     pub max_request_cost: u64,
