@@ -33,7 +33,7 @@ pub const FIELD_MANAGER: &str = "hearth-webhook";
 pub const DEBOUNCE: Duration = Duration::from_millis(100);
 
 /// Runs the reflectors and the rebuild loop until `shutdown`. Every snapshot evaluates
-/// `builtins` first, then the cluster's ServingPolicies by name. `state.ready` turns true after
+/// `builtins` first, then the cluster's ServingPolicies by name (see [`evaluation_order`]). `state.ready` turns true after
 /// the first snapshot built from complete lists.
 pub async fn run(
     client: Client,
@@ -176,11 +176,7 @@ async fn rebuild(
             }
         }
     }
-    let all: Vec<ServingPolicy> = builtins
-        .iter()
-        .cloned()
-        .chain(last_good.values().map(|c| (*c.policy).clone()))
-        .collect();
+    let all = evaluation_order(builtins, last_good);
     let snapshot = Snapshot::new(rts, &all, Some(namespaces.clone()));
     state.metrics.policies.set(last_good.len() as i64);
     state.metrics.runtimes.set(snapshot.runtimes.len() as i64);
@@ -190,6 +186,32 @@ async fn rebuild(
     for (p, error) in desired {
         report(client, reported, &p, error).await;
     }
+}
+
+/// The policies a snapshot evaluates, in order: the built-ins first, then the platform
+/// policies by name. A cluster ServingPolicy named like a built-in (the chart installs the
+/// built-ins as objects, so platform teams can read and edit them) replaces it in its place, so
+/// an edit takes effect and nothing runs twice; deleting it restores the embedded default.
+pub fn evaluation_order(
+    builtins: &[ServingPolicy],
+    cluster: &BTreeMap<String, Compiled>,
+) -> Vec<ServingPolicy> {
+    let builtin_names: std::collections::BTreeSet<String> =
+        builtins.iter().map(|b| b.name_any()).collect();
+    builtins
+        .iter()
+        .map(|b| {
+            cluster
+                .get(&b.name_any())
+                .map_or_else(|| b.clone(), |c| (*c.policy).clone())
+        })
+        .chain(
+            cluster
+                .iter()
+                .filter(|(name, _)| !builtin_names.contains(*name))
+                .map(|(_, c)| (*c.policy).clone()),
+        )
+        .collect()
 }
 
 /// Sets the policy's `Ready` condition unless it already says the same for this generation.
@@ -254,5 +276,55 @@ async fn report(
         Err(e) => {
             tracing::warn!(policy = %name, error = %e, "could not write the ServingPolicy's Ready condition");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn named(name: &str, expression: &str) -> ServingPolicy {
+        serde_json::from_value(serde_json::json!({
+            "apiVersion": "serving.hearth.dev/v1alpha1",
+            "kind": "ServingPolicy",
+            "metadata": {"name": name},
+            "spec": {"validations": [{"expression": expression}]},
+        }))
+        .unwrap()
+    }
+
+    fn compiled(p: ServingPolicy) -> (String, Compiled) {
+        (p.name_any(), Compiled::compile(&p).unwrap())
+    }
+
+    #[test]
+    fn a_cluster_copy_of_a_builtin_replaces_it_in_place() {
+        let builtins = [named("hearth-a", "true"), named("hearth-b", "true")];
+        let cluster: BTreeMap<String, Compiled> = [
+            compiled(named("zz-platform", "true")),
+            compiled(named("hearth-b", "false")),
+            compiled(named("aa-platform", "true")),
+        ]
+        .into_iter()
+        .collect();
+        let order = evaluation_order(&builtins, &cluster);
+        let names: Vec<String> = order.iter().map(|p| p.name_any()).collect();
+        assert_eq!(
+            names,
+            ["hearth-a", "hearth-b", "aa-platform", "zz-platform"]
+        );
+        assert_eq!(
+            order[1].spec.validations[0].expression, "false",
+            "the cluster's edit"
+        );
+        assert_eq!(order[0].spec.validations[0].expression, "true");
+    }
+
+    #[test]
+    fn without_cluster_copies_the_embedded_builtins_run() {
+        let builtins = [named("hearth-a", "true")];
+        let order = evaluation_order(&builtins, &BTreeMap::new());
+        assert_eq!(order.len(), 1);
+        assert_eq!(order[0].name_any(), "hearth-a");
     }
 }
