@@ -18,13 +18,11 @@ use axum::{
     http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode, Uri, header},
     response::Response,
 };
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use http_body::{Body as HttpBody, Frame, SizeHint};
 use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
 use hyper::body::Incoming;
 use hyper_util::client::legacy::{Client, connect::HttpConnector};
-use prometheus_client::metrics::histogram::Histogram;
-use tokio::sync::mpsc;
 
 use crate::{
     apikeys::AuthOutcome,
@@ -179,6 +177,21 @@ struct Outgoing {
     path_and_query: String,
     headers: HeaderMap,
     body: Bytes,
+}
+
+impl Outgoing {
+    /// Copies the body and the header values out of hyper's read buffer. hyper hands them out
+    /// as slices of its 8 KiB per-connection buffer, so a held request would otherwise keep
+    /// that buffer alive and make hyper allocate a second one for the same connection.
+    fn detach(&mut self) {
+        self.body = Bytes::copy_from_slice(&self.body);
+        for value in self.headers.values_mut() {
+            let mut owned =
+                HeaderValue::from_bytes(value.as_bytes()).unwrap_or_else(|_| value.clone());
+            owned.set_sensitive(value.is_sensitive());
+            *value = owned;
+        }
+    }
 }
 
 impl Shared {
@@ -432,7 +445,7 @@ pub(crate) async fn proxy(State(shared): State<Arc<Shared>>, req: Request) -> Re
         );
     };
 
-    let out = Outgoing {
+    let mut out = Outgoing {
         method: parts.method.clone(),
         path_and_query: parts
             .uri
@@ -441,10 +454,13 @@ pub(crate) async fn proxy(State(shared): State<Arc<Shared>>, req: Request) -> Re
         headers: forward_headers(&parts),
         body,
     };
+    // Not kept across the wait below: its header values point into hyper's read buffer.
+    drop(parts);
     let deadline = arrival + shared.cfg.activation_timeout;
     let cold = !shared.backends.is_ready();
     if cold {
         shared.lease.raise();
+        out.detach();
         match shared.cfg.cold_start {
             ColdStartMode::Reject => {
                 drop(slot);
@@ -516,51 +532,182 @@ fn forward_headers(parts: &http::request::Parts) -> HeaderMap {
 }
 
 /// Turns the backend's response into ours: status and end-to-end headers unchanged, body
-/// frames passed through as they arrive.
+/// passed through as it arrives (see [`Relay`]).
 fn relay(
     shared: &Arc<Shared>,
     resp: hyper::Response<Incoming>,
     ep: EndpointGuard,
     slot: Admission,
-    mut tracker: Tracker,
+    tracker: Tracker,
     stream: bool,
     arrival: Instant,
 ) -> Response {
     let (mut parts, body) = resp.into_parts();
     strip_hop_by_hop(&mut parts.headers);
-    let code = parts.status.as_u16();
-    let ttft = stream.then(|| (arrival, shared.metrics.ttft.clone()));
-    if body.is_end_stream() {
-        tracker.finish(code);
-    }
-    let relay = Relay {
-        inner: body,
-        tracker: Some(tracker),
-        code,
-        held: Some((slot, ep)),
-        ttft,
-        metrics: shared.metrics.clone(),
-    };
+    let relay = Relay::new(
+        shared,
+        body,
+        tracker,
+        parts.status.as_u16(),
+        (slot, ep),
+        stream.then_some(arrival),
+        false,
+    );
     Response::from_parts(parts, Body::new(relay))
 }
 
+/// At most this many bytes of already-arrived backend chunks are joined into one write.
+const COALESCE_MAX: usize = 16 * 1024;
+
+/// Scheduler turns without a new chunk after which the collected chunks go out. One turn is
+/// not always enough for hyper's client connection task to hand over a chunk it has already
+/// read (measured: with one turn no chunks were joined at all); each turn costs a task poll,
+/// not a timer.
+const COALESCE_TURNS: u8 = 2;
+
 /// The backend's body on its way to the client; it holds the admission slot and the endpoint's
 /// outstanding count until the last frame, and records the outcome.
+///
+/// Chunks that have already arrived are joined into one frame, so a burst of SSE events costs
+/// one write to the client instead of one per event. hyper's client hands the body over from
+/// its connection task one chunk at a time, so "already arrived" is found out by letting that
+/// task run (a self-wake, no timer, at most [`COALESCE_TURNS`] turns): if it produced another
+/// chunk, it is appended and the check repeats; if not, what was collected goes out at once.
+/// A chunk is never held back for data that has not reached the gateway, and the bytes are
+/// unchanged.
 struct Relay {
     inner: Incoming,
     tracker: Option<Tracker>,
     code: u16,
     held: Option<(Admission, EndpointGuard)>,
-    ttft: Option<(Instant, Histogram)>,
+    /// Arrival time of a streaming request whose first token is not yet counted.
+    ttft: Option<Instant>,
     metrics: Arc<Metrics>,
+    /// Data taken from `inner` and not yet returned.
+    acc: Acc,
+    /// A non-data outcome of `inner` that came after `acc`'s data, returned next.
+    stash: Option<Option<Result<Frame<Bytes>, hyper::Error>>>,
+    /// Scheduler turns given to the backend connection task since the last chunk.
+    turns: u8,
+    /// The `200` of a held stream is already committed: a backend failure becomes an SSE
+    /// `error` event and the end of the stream, trailers are dropped.
+    committed: bool,
+}
+
+/// Collected chunks: none, one (passed on without a copy), or several joined.
+enum Acc {
+    Empty,
+    One(Bytes),
+    Many(BytesMut),
+}
+
+impl Acc {
+    fn len(&self) -> usize {
+        match self {
+            Acc::Empty => 0,
+            Acc::One(b) => b.len(),
+            Acc::Many(b) => b.len(),
+        }
+    }
+
+    fn push(&mut self, data: Bytes) {
+        *self = match std::mem::replace(self, Acc::Empty) {
+            Acc::Empty => Acc::One(data),
+            Acc::One(first) => {
+                let len = first.len() + data.len();
+                let mut joined = BytesMut::with_capacity((len * 8).min(COALESCE_MAX).max(len));
+                joined.extend_from_slice(&first);
+                joined.extend_from_slice(&data);
+                Acc::Many(joined)
+            }
+            Acc::Many(mut joined) => {
+                joined.extend_from_slice(&data);
+                Acc::Many(joined)
+            }
+        };
+    }
+
+    fn take(&mut self) -> Option<Bytes> {
+        match std::mem::replace(self, Acc::Empty) {
+            Acc::Empty => None,
+            Acc::One(b) => Some(b),
+            Acc::Many(b) => Some(b.freeze()),
+        }
+    }
 }
 
 impl Relay {
+    fn new(
+        shared: &Shared,
+        inner: Incoming,
+        tracker: Tracker,
+        code: u16,
+        held: (Admission, EndpointGuard),
+        ttft: Option<Instant>,
+        committed: bool,
+    ) -> Self {
+        let mut relay = Self {
+            inner,
+            tracker: Some(tracker),
+            code,
+            held: Some(held),
+            ttft,
+            metrics: shared.metrics.clone(),
+            acc: Acc::Empty,
+            stash: None,
+            turns: 0,
+            committed,
+        };
+        if relay.inner.is_end_stream() {
+            relay.complete();
+        }
+        relay
+    }
+
     fn complete(&mut self) {
         if let Some(mut t) = self.tracker.take() {
             t.finish(self.code);
         }
         self.held = None;
+    }
+
+    /// What `inner` ended with (`None`: the end; `Some(Err)`: a failure), after the data
+    /// collected before it.
+    fn end(
+        &mut self,
+        outcome: Option<Result<Frame<Bytes>, hyper::Error>>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        let outcome = match outcome {
+            Some(Err(e)) => {
+                self.metrics.upstream_error("stream");
+                self.complete();
+                if self.committed {
+                    let msg = format!("the backend stream failed: {e}");
+                    self.acc
+                        .push(sse_error_event(&msg, "server_error", Some("bad_gateway")));
+                    None
+                } else {
+                    Some(Err(e))
+                }
+            }
+            // A committed stream carries data only.
+            Some(Ok(_)) if self.committed => {
+                self.complete();
+                None
+            }
+            None => {
+                self.complete();
+                None
+            }
+            other => other,
+        };
+        match self.acc.take() {
+            Some(data) => {
+                self.stash = Some(outcome);
+                Poll::Ready(Some(Ok(Frame::data(data))))
+            }
+            None => Poll::Ready(outcome),
+        }
     }
 }
 
@@ -573,37 +720,61 @@ impl HttpBody for Relay {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
         let this = &mut *self;
-        match Pin::new(&mut this.inner).poll_frame(cx) {
-            Poll::Ready(Some(Ok(frame))) => {
-                if frame.is_data()
-                    && let Some((start, h)) = this.ttft.take()
-                {
-                    h.observe(start.elapsed().as_secs_f64());
+        if let Some(outcome) = this.stash.take() {
+            return Poll::Ready(outcome);
+        }
+        loop {
+            match Pin::new(&mut this.inner).poll_frame(cx) {
+                Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
+                    Ok(data) => {
+                        if let Some(start) = this.ttft.take() {
+                            this.metrics.ttft.observe(start.elapsed().as_secs_f64());
+                        }
+                        if this.inner.is_end_stream() {
+                            this.complete();
+                        }
+                        if !data.is_empty() {
+                            this.acc.push(data);
+                        }
+                        this.turns = 0;
+                        if (this.inner.is_end_stream() || this.acc.len() >= COALESCE_MAX)
+                            && let Some(data) = this.acc.take()
+                        {
+                            return Poll::Ready(Some(Ok(Frame::data(data))));
+                        }
+                    }
+                    Err(frame) => return this.end(Some(Ok(frame))),
+                },
+                Poll::Ready(Some(Err(e))) => return this.end(Some(Err(e))),
+                Poll::Ready(None) => return this.end(None),
+                Poll::Pending => {
+                    if matches!(this.acc, Acc::Empty) {
+                        return Poll::Pending;
+                    }
+                    if this.turns < COALESCE_TURNS {
+                        // Let the backend connection task hand over what it has already read.
+                        this.turns += 1;
+                        cx.waker().wake_by_ref();
+                        return Poll::Pending;
+                    }
+                    this.turns = 0;
+                    let data = this.acc.take().unwrap_or_default();
+                    return Poll::Ready(Some(Ok(Frame::data(data))));
                 }
-                if this.inner.is_end_stream() {
-                    this.complete();
-                }
-                Poll::Ready(Some(Ok(frame)))
             }
-            Poll::Ready(Some(Err(e))) => {
-                this.metrics.upstream_error("stream");
-                this.complete();
-                Poll::Ready(Some(Err(e)))
-            }
-            Poll::Ready(None) => {
-                this.complete();
-                Poll::Ready(None)
-            }
-            Poll::Pending => Poll::Pending,
         }
     }
 
     fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
+        self.stash.is_none() && matches!(self.acc, Acc::Empty) && self.inner.is_end_stream()
     }
 
     fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
+        if self.stash.is_none() && matches!(self.acc, Acc::Empty) && !self.committed {
+            self.inner.size_hint()
+        } else {
+            SizeHint::default()
+        }
     }
 }
 
@@ -617,26 +788,17 @@ impl Drop for Relay {
     }
 }
 
-/// A body fed by a channel: the committed SSE stream of a held streaming request.
-struct ChannelBody {
-    rx: mpsc::Receiver<Bytes>,
-}
-
-impl HttpBody for ChannelBody {
-    type Data = Bytes;
-    type Error = std::convert::Infallible;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
-        self.rx.poll_recv(cx).map(|o| o.map(|b| Ok(Frame::data(b))))
-    }
-}
+/// The forwarding of a held request, boxed: it is only polled, never moved.
+type Forwarding = Pin<
+    Box<dyn Future<Output = Result<(hyper::Response<Incoming>, EndpointGuard), HoldError>> + Send>,
+>;
 
 /// Keepalive cold start for a streaming request: `200` with `text/event-stream` now, comment
 /// lines every heartbeat interval, then the backend's stream bytes unchanged; on activation
 /// timeout or backend failure an `event: error` event, then the end of the stream.
+///
+/// The hold runs inside the response body ([`HeldStream`]), not in a task of its own: a held
+/// connection costs one task, and a client that leaves drops the body, which ends the hold.
 fn hold_streaming(
     shared: Arc<Shared>,
     out: Outgoing,
@@ -645,111 +807,18 @@ fn hold_streaming(
     arrival: Instant,
     deadline: Instant,
 ) -> Response {
-    let (tx, rx) = mpsc::channel::<Bytes>(8);
-    let fut = async move {
-        let mut tracker = tracker;
-        let _slot = slot;
-        if tx.send(Bytes::from_static(HEARTBEAT)).await.is_err() {
-            return;
-        }
-        let hb = shared.cfg.heartbeat_interval;
-        let mut heartbeat = tokio::time::interval_at(tokio::time::Instant::now() + hb, hb);
-        let forward = shared.forward(&out, deadline, arrival, true);
-        tokio::pin!(forward);
-        let result = loop {
-            tokio::select! {
-                biased;
-                _ = tx.closed() => return, // client left: tracker counts a cancel
-                r = &mut forward => break r,
-                _ = heartbeat.tick() => {
-                    if tx.send(Bytes::from_static(HEARTBEAT)).await.is_err() {
-                        return;
-                    }
-                }
-            }
-        };
-        let (resp, _ep) = match result {
-            Ok(r) => r,
-            Err(HoldError::Timeout) => {
-                shared.metrics.rejected("activation_timeout");
-                let msg = format!(
-                    "no backend became ready within the activation timeout ({:?}); retry the request",
-                    shared.cfg.activation_timeout
-                );
-                let _ = tx
-                    .send(sse_error_event(
-                        &msg,
-                        "server_error",
-                        Some("activation_timeout"),
-                    ))
-                    .await;
-                tracker.finish(200);
-                return;
-            }
-            Err(HoldError::Upstream(msg)) => {
-                let _ = tx
-                    .send(sse_error_event(&msg, "server_error", Some("bad_gateway")))
-                    .await;
-                tracker.finish(200);
-                return;
-            }
-        };
-        let status = resp.status();
-        let mut body = resp.into_body();
-        if !status.is_success() {
-            // The 200 is committed: carry the backend's error inside the stream.
-            let bytes = tokio::select! {
-                _ = tx.closed() => return,
-                b = Limited::new(body, 64 * 1024).collect() => b.map(|c| c.to_bytes()).unwrap_or_default(),
-            };
-            let msg = serde_json::from_slice::<serde_json::Value>(&bytes)
-                .ok()
-                .and_then(|v| v["error"]["message"].as_str().map(str::to_owned))
-                .unwrap_or_else(|| String::from_utf8_lossy(&bytes).into_owned());
-            let msg = format!("backend answered {status}: {msg}");
-            let _ = tx
-                .send(sse_error_event(&msg, "server_error", Some(status.as_str())))
-                .await;
-            tracker.finish(200);
-            return;
-        }
-        let mut first = true;
-        loop {
-            let frame = tokio::select! {
-                biased;
-                _ = tx.closed() => return,
-                f = body.frame() => f,
-            };
-            match frame {
-                Some(Ok(frame)) => {
-                    if let Ok(data) = frame.into_data() {
-                        if first {
-                            first = false;
-                            shared.metrics.ttft.observe(arrival.elapsed().as_secs_f64());
-                        }
-                        if tx.send(data).await.is_err() {
-                            return;
-                        }
-                    }
-                }
-                Some(Err(e)) => {
-                    shared.metrics.upstream_error("stream");
-                    let msg = format!("the backend stream failed: {e}");
-                    let _ = tx
-                        .send(sse_error_event(&msg, "server_error", Some("bad_gateway")))
-                        .await;
-                    tracker.finish(200);
-                    return;
-                }
-                None => {
-                    tracker.finish(200);
-                    return;
-                }
-            }
-        }
+    let body = HeldStream {
+        state: HeldState::Start,
+        shared,
+        slot: Some(slot),
+        tracker: Some(tracker),
+        arrival,
+        out: Some(out),
+        deadline,
     };
-    tokio::spawn(fut);
-    let mut resp = Response::new(Body::new(ChannelBody { rx }));
+    let mut resp = Response::new(Body::new(body));
+    // hyper keeps the response's header map for the connection's next request: keep it small.
+    *resp.headers_mut() = HeaderMap::with_capacity(2);
     resp.headers_mut().insert(
         header::CONTENT_TYPE,
         HeaderValue::from_static("text/event-stream; charset=utf-8"),
@@ -757,6 +826,208 @@ fn hold_streaming(
     resp.headers_mut()
         .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
     resp
+}
+
+/// The body of a held streaming request (see [`hold_streaming`]).
+struct HeldStream {
+    state: HeldState,
+    shared: Arc<Shared>,
+    slot: Option<Admission>,
+    /// Dropped unfinished when the client leaves: counted as canceled.
+    tracker: Option<Tracker>,
+    arrival: Instant,
+    /// The request, until forwarding starts.
+    out: Option<Outgoing>,
+    /// The activation deadline.
+    deadline: Instant,
+}
+
+enum HeldState {
+    /// Nothing sent yet: the first heartbeat goes out at once.
+    Start,
+    /// Waiting for a ready backend (`ready`), then for its answer (`forward`), sending a
+    /// heartbeat on every tick. The forwarding future (~1 KiB) is only made once an endpoint
+    /// is ready; until then a held stream keeps just the small wait on the endpoint set.
+    Waiting {
+        ready: Option<Pin<Box<dyn Future<Output = ()> + Send>>>,
+        forward: Option<Forwarding>,
+        heartbeat: Pin<Box<tokio::time::Sleep>>,
+    },
+    /// The backend answered with an error status; its body is read for the message.
+    Failed {
+        status: StatusCode,
+        body: Pin<Box<dyn Future<Output = Bytes> + Send>>,
+    },
+    /// The backend's stream, passed through.
+    Streaming(Box<Relay>),
+    Done,
+}
+
+impl HeldStream {
+    /// Ends the stream with an SSE `error` event.
+    fn fail(
+        &mut self,
+        message: &str,
+        code: &str,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        self.state = HeldState::Done;
+        self.slot = None;
+        if let Some(mut t) = self.tracker.take() {
+            t.finish(200);
+        }
+        Poll::Ready(Some(Ok(Frame::data(sse_error_event(
+            message,
+            "server_error",
+            Some(code),
+        )))))
+    }
+}
+
+impl HttpBody for HeldStream {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        let this = &mut *self;
+        loop {
+            match &mut this.state {
+                HeldState::Start => {
+                    let mut rx = this.shared.backends.subscribe();
+                    let ready: Pin<Box<dyn Future<Output = ()> + Send>> = Box::pin(async move {
+                        let _ = rx.wait_for(|eps| !eps.is_empty()).await;
+                    });
+                    let next = tokio::time::Instant::now() + this.shared.cfg.heartbeat_interval;
+                    this.state = HeldState::Waiting {
+                        ready: Some(ready),
+                        forward: None,
+                        heartbeat: Box::pin(tokio::time::sleep_until(
+                            next.min(this.deadline.into()),
+                        )),
+                    };
+                    return Poll::Ready(Some(Ok(Frame::data(Bytes::from_static(HEARTBEAT)))));
+                }
+                HeldState::Waiting {
+                    ready,
+                    forward,
+                    heartbeat,
+                } => {
+                    if let Some(r) = ready
+                        && r.as_mut().poll(cx).is_ready()
+                    {
+                        *ready = None;
+                    }
+                    if ready.is_none() && forward.is_none() {
+                        let Some(out) = this.out.take() else {
+                            this.state = HeldState::Done;
+                            continue;
+                        };
+                        let (shared, arrival, deadline) =
+                            (this.shared.clone(), this.arrival, this.deadline);
+                        *forward = Some(Box::pin(async move {
+                            shared.forward(&out, deadline, arrival, true).await
+                        }));
+                    }
+                    let polled = match forward {
+                        Some(f) => f.as_mut().poll(cx),
+                        None => Poll::Pending,
+                    };
+                    let result = match polled {
+                        Poll::Ready(r) => r,
+                        Poll::Pending => {
+                            if heartbeat.as_mut().poll(cx).is_pending() {
+                                return Poll::Pending;
+                            }
+                            let now = tokio::time::Instant::now();
+                            // Still no ready endpoint at the deadline (once forwarding,
+                            // `forward` keeps the deadline itself).
+                            if forward.is_none() && now >= this.deadline.into() {
+                                Err(HoldError::Timeout)
+                            } else {
+                                // On schedule, unless the body was not polled for a while.
+                                let hb = this.shared.cfg.heartbeat_interval;
+                                let mut next = (heartbeat.deadline() + hb).max(now);
+                                if forward.is_none() {
+                                    next = next.min(this.deadline.into());
+                                }
+                                heartbeat.as_mut().reset(next);
+                                return Poll::Ready(Some(Ok(Frame::data(Bytes::from_static(
+                                    HEARTBEAT,
+                                )))));
+                            }
+                        }
+                    };
+                    match result {
+                        Ok((resp, ep)) => {
+                            let status = resp.status();
+                            let body = resp.into_body();
+                            if status.is_success() {
+                                let (Some(slot), Some(tracker)) =
+                                    (this.slot.take(), this.tracker.take())
+                                else {
+                                    this.state = HeldState::Done;
+                                    continue;
+                                };
+                                let relay = Relay::new(
+                                    &this.shared,
+                                    body,
+                                    tracker,
+                                    200,
+                                    (slot, ep),
+                                    Some(this.arrival),
+                                    true,
+                                );
+                                this.state = HeldState::Streaming(Box::new(relay));
+                            } else {
+                                // The 200 is committed: the backend's error goes inside the
+                                // stream.
+                                let body = Box::pin(async move {
+                                    let _ep = ep;
+                                    Limited::new(body, 64 * 1024)
+                                        .collect()
+                                        .await
+                                        .map(|c| c.to_bytes())
+                                        .unwrap_or_default()
+                                });
+                                this.state = HeldState::Failed { status, body };
+                            }
+                        }
+                        Err(HoldError::Timeout) => {
+                            this.shared.metrics.rejected("activation_timeout");
+                            let msg = format!(
+                                "no backend became ready within the activation timeout ({:?}); retry the request",
+                                this.shared.cfg.activation_timeout
+                            );
+                            return this.fail(&msg, "activation_timeout");
+                        }
+                        Err(HoldError::Upstream(msg)) => return this.fail(&msg, "bad_gateway"),
+                    }
+                }
+                HeldState::Failed { status, body } => {
+                    let bytes = std::task::ready!(body.as_mut().poll(cx));
+                    let status = *status;
+                    let msg = serde_json::from_slice::<serde_json::Value>(&bytes)
+                        .ok()
+                        .and_then(|v| v["error"]["message"].as_str().map(str::to_owned))
+                        .unwrap_or_else(|| String::from_utf8_lossy(&bytes).into_owned());
+                    let msg = format!("backend answered {status}: {msg}");
+                    return this.fail(&msg, status.as_str());
+                }
+                HeldState::Streaming(relay) => return Pin::new(&mut **relay).poll_frame(cx),
+                HeldState::Done => return Poll::Ready(None),
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match &self.state {
+            HeldState::Streaming(relay) => relay.is_end_stream(),
+            HeldState::Done => true,
+            _ => false,
+        }
+    }
 }
 
 #[cfg(test)]

@@ -736,3 +736,50 @@ async fn terminating_endpoints_stop_receiving_requests_at_once() {
     }
     assert_eq!((s1.state.received(), s2.state.received()), (0, 4));
 }
+
+#[tokio::test]
+async fn bursts_of_tokens_are_relayed_unchanged_warm_and_cold() {
+    let stub = stub().await;
+    let backends = EndpointSet::new();
+    let gw = gateway(config(), backends.clone()).await;
+    let c = client();
+    // No delay between tokens: chunks arrive faster than they are written out, so the relay
+    // joins them; the events must be exactly the backend's.
+    let mut req = chat(true);
+    req["max_tokens"] = 64.into();
+    req["stub_token_delay"] = "0s".into();
+    let url = |base: String| format!("{base}/v1/chat/completions");
+    let direct = send_full(&c, post_req(&url(stub.url()), &req, &[])).await.2;
+    let direct = normalize(&sse_events(&direct));
+    assert_eq!(direct.len(), 66, "64 tokens, finish, [DONE]");
+
+    // Cold: held with heartbeats, then forwarded.
+    let resp = send(&c, post_req(&url(gw.url()), &req, &[])).await;
+    let mut body = resp.into_body();
+    let first = next_chunk(&mut body).await.unwrap();
+    assert!(first.starts_with(b": "), "{first:?}");
+    backends.replace([authority(&stub)]);
+    let mut rest = Vec::new();
+    while let Some(c) = next_chunk(&mut body).await {
+        rest.extend_from_slice(&c);
+    }
+    let cold: Vec<String> = normalize(&sse_events(&rest))
+        .into_iter()
+        .filter(|e| !e.starts_with(": "))
+        .collect();
+    assert_eq!(cold, direct);
+
+    // Warm, several times over one pooled connection.
+    for _ in 0..5 {
+        let warm = send_full(&c, post_req(&url(gw.url()), &req, &[])).await.2;
+        assert!(warm.ends_with(b"data: [DONE]\n\n"));
+        assert_eq!(normalize(&sse_events(&warm)), direct);
+    }
+    wait_demand(&gw, |s| s.pending() == 0).await;
+    let m = gateway_metrics(&c, &gw).await;
+    assert_eq!(
+        metric(&m, "hearth_gateway_requests_total{code=\"200\"}"),
+        Some(6.0),
+        "{m}"
+    );
+}
