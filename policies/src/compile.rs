@@ -1,12 +1,12 @@
 //! Compiling one CEL expression: text bounds, parsing, checks for what this engine cannot
 //! evaluate, and the rewrite that splices in the run-time guards of [`crate::guard`].
 
-use std::sync::Arc;
+use std::{collections::BTreeSet, sync::Arc};
 
 use kube_cel::cel::{
     common::ast::{
-        CallExpr, ComprehensionExpr, EntryExpr, Expr, IdedEntryExpr, IdedExpr, MapEntryExpr,
-        MapExpr, operators,
+        CallExpr, ComprehensionExpr, EntryExpr, Expr, IdedEntryExpr, IdedExpr, LiteralValue,
+        MapEntryExpr, MapExpr, operators,
     },
     parser::Parser,
 };
@@ -263,6 +263,8 @@ pub struct CompiledExpr {
     /// The CEL source as written.
     pub source: String,
     pub(crate) expr: IdedExpr,
+    /// Names of policy variables the expression reads (`variables.<name>`).
+    pub(crate) uses_variables: BTreeSet<String>,
     /// The native program, when the expression uses only what [`crate::native`] implements.
     pub(crate) native: Option<Arc<native::Program>>,
 }
@@ -322,6 +324,17 @@ fn text_nesting(source: &str, limit: usize) -> Option<usize> {
         i += 1;
     }
     None
+}
+
+/// Compiled size limit of a regular expression (the `regex` crate's default is 10 MiB): large
+/// enough for any realistic pattern, small enough that compiling a hostile one fails fast.
+pub(crate) const REGEX_SIZE_LIMIT: usize = 1 << 20;
+
+/// Compiles a regular expression under [`REGEX_SIZE_LIMIT`].
+pub(crate) fn regex_limited(pattern: &str) -> Result<regex::Regex, regex::Error> {
+    regex::RegexBuilder::new(pattern)
+        .size_limit(REGEX_SIZE_LIMIT)
+        .build()
 }
 
 /// Compiles one expression under `limits`. `declared` are the policy variables defined before
@@ -385,13 +398,16 @@ pub fn compile_expr(
         limits,
         declared,
         scope: Vec::new(),
+        uses: BTreeSet::new(),
     };
     stacker::grow(16 << 20, || checker.check(&expr, 1, 0))?;
+    let uses_variables = checker.uses;
     let native = stacker::grow(16 << 20, || native::compile(&expr, declared)).map(Arc::new);
     stacker::grow(16 << 20, || rewrite(&mut expr));
     Ok(CompiledExpr {
         source: source.to_owned(),
         expr,
+        uses_variables,
         native,
     })
 }
@@ -401,6 +417,7 @@ struct Checker<'a> {
     limits: &'a Limits,
     declared: &'a [String],
     scope: Vec<String>,
+    uses: BTreeSet<String>,
 }
 
 impl Checker<'_> {
@@ -433,6 +450,7 @@ impl Checker<'_> {
                             ),
                         ));
                     }
+                    self.uses.insert(sel.field.clone());
                     return Ok(());
                 }
                 self.check(&sel.operand, d, comps)
@@ -562,6 +580,17 @@ impl Checker<'_> {
         let known = |n: &str| {
             OPERATORS.contains(&n) || CEL_FUNCTIONS.contains(&n) || KUBE_FUNCTIONS.contains(&n)
         };
+        // A literal pattern that does not compile is a load error, not a per-request one.
+        if matches!(full, "matches" | "find" | "findAll")
+            && let Some(Expr::Literal(LiteralValue::String(p))) = call.args.first().map(|a| &a.expr)
+            && let Err(e) = regex_limited(p.inner())
+        {
+            return Err(error_at(
+                self.source,
+                p.inner(),
+                format!("{full}: invalid regular expression: {e}"),
+            ));
+        }
         if !known(full) {
             return Err(error_at(
                 self.source,
@@ -600,7 +629,7 @@ pub(crate) fn variable_ident(name: &str) -> String {
 /// call of [`guard::PATH`], which walks the fields by reference instead of copying every
 /// intermediate object as the interpreter's selection does. `variables.<name>` becomes the
 /// variable's identifier. `None` when `e` is not such a chain.
-fn select_path(e: &IdedExpr) -> Option<IdedExpr> {
+fn select_path(e: &IdedExpr, shadowed: bool) -> Option<IdedExpr> {
     let mut fields = Vec::new();
     let mut cur = e;
     while let Expr::Select(s) = &cur.expr {
@@ -615,7 +644,7 @@ fn select_path(e: &IdedExpr) -> Option<IdedExpr> {
     };
     fields.reverse();
     let mut root = root.clone();
-    if root == "variables" {
+    if root == "variables" && !shadowed {
         root = variable_ident(&fields.remove(0));
     }
     let ident = IdedExpr {
@@ -650,12 +679,19 @@ fn select_path(e: &IdedExpr) -> Option<IdedExpr> {
 /// amplifying calls; binds `variables.<name>` to its own identifier; turns `Object{...}`/`JSONPatch{...}`
 /// message construction (which the interpreter cannot evaluate) into maps.
 pub(crate) fn rewrite(e: &mut IdedExpr) {
+    rewrite_in(e, false)
+}
+
+/// [`rewrite`] inside a comprehension whose variable is named `variables` when `shadowed`:
+/// there `variables.x` is a field of that variable, not a policy variable.
+fn rewrite_in(e: &mut IdedExpr, shadowed: bool) {
     if matches!(&e.expr, Expr::Select(s) if !s.test)
-        && let Some(path) = select_path(e)
+        && let Some(path) = select_path(e, shadowed)
     {
         *e = path;
         return;
     }
+    let rewrite = |e: &mut IdedExpr| rewrite_in(e, shadowed);
     // Children first.
     match &mut e.expr {
         Expr::Call(c) => {
@@ -679,9 +715,10 @@ pub(crate) fn rewrite(e: &mut IdedExpr) {
         Expr::Comprehension(c) => {
             rewrite(&mut c.iter_range);
             rewrite(&mut c.accu_init);
-            rewrite(&mut c.loop_cond);
-            rewrite(&mut c.loop_step);
-            rewrite(&mut c.result);
+            let inner = shadowed || c.iter_var == "variables" || c.accu_var == "variables";
+            rewrite_in(&mut c.loop_cond, inner);
+            rewrite_in(&mut c.loop_step, inner);
+            rewrite_in(&mut c.result, inner);
             let cond = take(&mut c.loop_cond);
             c.loop_cond = call(guard::TICK, None, vec![cond]);
         }
@@ -746,6 +783,19 @@ pub(crate) fn rewrite(e: &mut IdedExpr) {
                     c.args[0] = call(guard::PRE_RANGE, None, vec![n]);
                 }
                 _ => {}
+            }
+            // Comparing walks both operands: charge their size (literals are small).
+            if matches!(
+                c.func_name.as_str(),
+                operators::EQUALS | operators::NOT_EQUALS | operators::IN
+            ) && c.target.is_none()
+            {
+                for a in c.args.iter_mut() {
+                    if !matches!(a.expr, Expr::Literal(_)) {
+                        let inner = take(a);
+                        *a = call(guard::WEIGH, None, vec![inner]);
+                    }
+                }
             }
             // The accumulator step of a comprehension (`@result + [x]`) is charged by the tick
             // guard instead, without converting the accumulator.

@@ -626,6 +626,13 @@ fn with_stack<R>(f: impl FnOnce() -> R) -> R {
 fn run(ctx: &Context, expr: &CompiledExpr) -> Result<CelValue, ExprFailure> {
     guard::start_expression();
     match catch_unwind(AssertUnwindSafe(|| CelValue::resolve(&expr.expr, ctx))) {
+        // A bound stops the expression even where `||`, `&&` or a comprehension absorbed the
+        // error (as cel-go's cost limit does).
+        Ok(Ok(_)) if guard::exceeded() => Err(ExprFailure::Error(
+            kube_cel::cel::ExecutionError::function_error("bounds", guard::last_bound())
+                .to_string(),
+            ErrorKind::BoundExceeded,
+        )),
         Ok(Ok(v)) => Ok(v),
         Ok(Err(e)) => {
             let kind = if guard::exceeded() {
@@ -683,10 +690,21 @@ impl<'c> CelEval<'c> {
 
     fn run(&self, e: &CompiledExpr) -> Result<CelValue, ExprFailure> {
         run(&self.ctx, e).map_err(|ExprFailure::Error(m, k)| {
+            // The unbound variable is named in the error, or, as an argument of a function
+            // call, the interpreter only says an argument is missing.
             let reached = m
                 .strip_prefix("Undeclared reference to '")
                 .and_then(|r| r.strip_suffix('\''))
-                .and_then(|ident| self.failed.get(ident));
+                .and_then(|ident| self.failed.get(ident))
+                .or_else(|| {
+                    (m == kube_cel::cel::ExecutionError::MissingArgumentOrTarget.to_string())
+                        .then(|| {
+                            e.uses_variables
+                                .iter()
+                                .find_map(|n| self.failed.get(&variable_ident(n)))
+                        })
+                        .flatten()
+                });
             match reached {
                 Some((name, message, kind)) => {
                     ExprFailure::Error(format!("variables.{name} failed: {message}"), *kind)
@@ -735,7 +753,12 @@ struct NativeEval<'a> {
 impl<'a> NativeEval<'a> {
     fn run(&mut self, e: &'a CompiledExpr) -> Evaluated<native::Val<'a>> {
         let program = e.native.as_deref().ok_or(Fallback)?;
-        match self.env.run(program) {
+        // A defect in the native evaluator must not take the request down: the interpreter
+        // evaluates the policy instead.
+        let env = &mut self.env;
+        let result = catch_unwind(AssertUnwindSafe(|| env.run(program)))
+            .unwrap_or(Err(native::Failure::Fallback));
+        match result {
             Ok(v) => Ok(Ok(v)),
             Err(native::Failure::Bound(m)) => {
                 Ok(Err(ExprFailure::Error(m, ErrorKind::BoundExceeded)))
@@ -1186,6 +1209,7 @@ impl PolicySet {
                     continue;
                 }
                 let mut local = Outcome::default();
+                let budget = guard::request_left();
                 let native = self.native && p.native && {
                     let mut ev = NativeEval {
                         env: fixed.native_env(p, object.as_ref()),
@@ -1195,6 +1219,7 @@ impl PolicySet {
                 if !native {
                     if self.native && p.native {
                         count_fallback();
+                        guard::refund_request(budget);
                     }
                     local = Outcome::default();
                     let ev =
@@ -1227,6 +1252,7 @@ impl PolicySet {
             // A fallback after an applied mutation restarts from the original object; with one
             // mutation nothing is applied before the last evaluation, so no copy is needed.
             let backup = (p.mutations.len() > 1).then(|| object.clone());
+            let budget = guard::request_left();
             let result = mutate_passes(p, object, |run, current, next, first| {
                 let mut ev = NativeEval {
                     env: fixed.native_env(p, Some(current)),
@@ -1240,6 +1266,7 @@ impl PolicySet {
                 }
                 Err(Fallback) => {
                     count_fallback();
+                    guard::refund_request(budget);
                     if let Some(b) = backup {
                         *object = b;
                     }

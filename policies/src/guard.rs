@@ -12,9 +12,10 @@ use kube_cel::{
         Context, ExecutionError, FunctionContext, IdedExpr, ResolveResult, Value,
         common::{
             ast::{Expr, LiteralValue},
-            types::{CelList, CelString, MAP_TYPE},
+            types::{CelList, CelMap, CelString, MAP_TYPE},
             value::Val,
         },
+        extractors::This,
     },
 };
 
@@ -26,6 +27,8 @@ pub(crate) const TICK: &str = "__hearth_tick";
 pub(crate) const SIZE: &str = "__hearth_size";
 /// Field-path selection by reference (see `compile::select_path`).
 pub(crate) const PATH: &str = "__hearth_path";
+/// Guard that charges the size of a compared operand (wraps the operands of `==`, `!=`, `in`).
+pub(crate) const WEIGH: &str = "__hearth_weigh";
 /// Pre-checks for functions whose output can be much larger than their input.
 pub(crate) const PRE_JOIN: &str = "__hearth_pre_join";
 pub(crate) const PRE_REPLACE: &str = "__hearth_pre_replace";
@@ -45,6 +48,8 @@ struct State {
 
 thread_local! {
     static STATE: Cell<State> = Cell::new(State::default());
+    /// The message of the last exceeded bound on this thread.
+    static LAST_BOUND: std::cell::RefCell<String> = const { std::cell::RefCell::new(String::new()) };
     static BASE: Context<'static> = base_context();
 }
 
@@ -89,10 +94,44 @@ pub(crate) fn exceeded() -> bool {
     STATE.get().exceeded
 }
 
-fn bound_error(what: String) -> ExecutionError {
+/// The message of the bound the last expression exceeded.
+pub(crate) fn last_bound() -> String {
+    LAST_BOUND.with_borrow(Clone::clone)
+}
+
+/// The current expression's remaining budget and exceeded flag, to evaluate something else
+/// (a lazily evaluated variable) under a fresh budget and come back.
+pub(crate) fn save_expression() -> (u64, bool) {
+    let s = STATE.get();
+    (s.expr_left, s.exceeded)
+}
+
+/// Restores what [`save_expression`] saved.
+pub(crate) fn restore_expression((left, exceeded): (u64, bool)) {
+    let mut s = STATE.get();
+    s.expr_left = left;
+    s.exceeded = exceeded;
+    STATE.set(s);
+}
+
+/// The request's remaining budget.
+pub(crate) fn request_left() -> u64 {
+    STATE.get().request_left
+}
+
+/// Gives back what an abandoned attempt spent (the native evaluator handing a policy to the
+/// interpreter, which evaluates it again): the request budget returns to `left`.
+pub(crate) fn refund_request(left: u64) {
+    let mut s = STATE.get();
+    s.request_left = s.request_left.max(left);
+    STATE.set(s);
+}
+
+pub(crate) fn bound_error(what: String) -> ExecutionError {
     let mut s = STATE.get();
     s.exceeded = true;
     STATE.set(s);
+    LAST_BOUND.with_borrow_mut(|m| m.clone_from(&what));
     ExecutionError::function_error("bounds", what)
 }
 
@@ -217,26 +256,66 @@ fn arg(ftx: &FunctionContext, i: usize) -> ResolveResult {
     }
 }
 
+/// Cost units of copying a value of the interpreter: one per node and per 64 string bytes,
+/// nested lists and maps included; stops counting above `cap`.
+fn val_weight(v: &dyn Val, cap: u64) -> u64 {
+    fn walk(v: &dyn Val, acc: &mut u64, cap: u64) {
+        if *acc > cap {
+            return;
+        }
+        *acc += 1;
+        if let Some(s) = v.downcast_ref::<CelString>() {
+            *acc += s.inner().len() as u64 / 64;
+        } else if let Some(l) = v.downcast_ref::<CelList>() {
+            l.inner().iter().for_each(|x| walk(x.as_ref(), acc, cap));
+        } else if let Some(m) = v.downcast_ref::<CelMap>() {
+            m.inner().values().for_each(|x| walk(x.as_ref(), acc, cap));
+        }
+    }
+    let mut acc = 0;
+    stacker::maybe_grow(256 * 1024, 4 << 20, || walk(v, &mut acc, cap));
+    acc
+}
+
 /// One comprehension iteration. The interpreter copies the accumulator on every step, so a
-/// list accumulator (`map`, `filter`) costs its length each time: about n²/2 for n elements.
+/// list accumulator (`map`, `filter`) costs its whole size each time, nested values included:
+/// about n²/2 for n small elements.
 fn tick(ftx: &FunctionContext) -> ResolveResult {
-    let (accumulated, bytes) = ftx
+    let cap = STATE.get().expr_left;
+    let (len, weight) = ftx
         .ptx
         .get_variable("@result")
         .and_then(|v| {
-            v.downcast_ref::<CelList>().map(|l| {
-                let bytes: usize = l
-                    .inner()
-                    .iter()
-                    .filter_map(|x| x.downcast_ref::<CelString>().map(|s| s.inner().len()))
-                    .sum();
-                (l.inner().len(), bytes)
-            })
+            v.downcast_ref::<CelList>()
+                .map(|l| (l.inner().len(), val_weight(v.as_ref(), cap)))
         })
         .unwrap_or((0, 0));
-    check_list(accumulated)?;
-    charge(1 + accumulated as u64 + bytes as u64 / 64)?;
+    check_list(len)?;
+    charge(1 + weight)?;
     arg(ftx, 0)
+}
+
+/// `__hearth_weigh(x)`: charges the size of an operand of `==`, `!=` or `in`, which the
+/// interpreter compares node by node.
+fn weigh(ftx: &FunctionContext) -> ResolveResult {
+    fn walk(v: &Value, acc: &mut u64, cap: u64) {
+        if *acc > cap {
+            return;
+        }
+        *acc += 1;
+        match v {
+            Value::String(s) => *acc += s.len() as u64 / 64,
+            Value::List(l) => l.iter().for_each(|x| walk(x, acc, cap)),
+            Value::Map(m) => m.map.values().for_each(|x| walk(x, acc, cap)),
+            _ => {}
+        }
+    }
+    let v = arg(ftx, 0)?;
+    let cap = STATE.get().expr_left;
+    let mut weight = 0;
+    stacker::maybe_grow(256 * 1024, 4 << 20, || walk(&v, &mut weight, cap));
+    charge(weight)?;
+    Ok(v)
 }
 
 fn size(ftx: &FunctionContext) -> ResolveResult {
@@ -340,6 +419,23 @@ fn walk(cur: &dyn Val, keys: &[IdedExpr]) -> ResolveResult {
     }
 }
 
+/// The standard `matches`, with the compiled size of the pattern bounded
+/// ([`crate::compile::REGEX_SIZE_LIMIT`]), so a hostile pattern from the request fails fast.
+fn matches(
+    ftx: &FunctionContext,
+    This(this): This<std::sync::Arc<String>>,
+    pattern: std::sync::Arc<String>,
+) -> Result<bool, ExecutionError> {
+    charge(1 + pattern.len() as u64)?;
+    match crate::compile::regex_limited(&pattern) {
+        Ok(re) => Ok(re.is_match(&this)),
+        Err(regex::Error::CompiledTooBig(limit)) => Err(bound_error(format!(
+            "regular expression compiles to more than {limit} bytes"
+        ))),
+        Err(err) => Err(ftx.error(format!("'{pattern}' not a valid regex:\n{err}"))),
+    }
+}
+
 fn base_context() -> Context<'static> {
     let mut ctx = Context::default();
     ctx.register_all();
@@ -350,6 +446,8 @@ fn base_context() -> Context<'static> {
     ctx.add_function(PRE_FORMAT, pre_format);
     ctx.add_function(PRE_RANGE, pre_range);
     ctx.add_function(PATH, path);
+    ctx.add_function(WEIGH, weigh);
+    ctx.add_function("matches", matches);
     ctx
 }
 

@@ -244,9 +244,11 @@ impl<'a> Val<'a> {
         })
     }
 
-    /// The JSON form (mutation results). Values without one fall back, so the interpreter
-    /// reports the error.
+    /// The JSON form (mutation results), charged per node: a value built by sharing (a list
+    /// holding one big list many times) costs what its copy costs. Values without a JSON form
+    /// fall back, so the interpreter reports the error.
     pub(crate) fn to_json(&self) -> Result<Value, Failure> {
+        charge_node(0)?;
         Ok(match self {
             Val::Null => Value::Null,
             Val::Bool(b) => Value::Bool(*b),
@@ -255,9 +257,19 @@ impl<'a> Val<'a> {
             Val::Double(f) => serde_json::Number::from_f64(*f)
                 .map(Value::Number)
                 .ok_or(Failure::Fallback)?,
-            Val::Str(s) => Value::String(s.as_str().to_owned()),
-            Val::JList(l) => Value::Array(l.to_vec()),
-            Val::JMap(m) => Value::Object((*m).clone()),
+            Val::Str(s) => {
+                charge_node(s.as_str().len())?;
+                Value::String(s.as_str().to_owned())
+            }
+            Val::JList(_) | Val::JMap(_) => {
+                let json = match self {
+                    Val::JList(l) => Value::Array(l.to_vec()),
+                    Val::JMap(m) => Value::Object((*m).clone()),
+                    _ => Value::Null,
+                };
+                charge_json(&json)?;
+                json
+            }
             Val::List(l) => Value::Array(l.iter().map(Val::to_json).collect::<Result<_, _>>()?),
             Val::Map(m) => {
                 let mut out = serde_json::Map::with_capacity(m.len());
@@ -272,52 +284,69 @@ impl<'a> Val<'a> {
         })
     }
 
-    fn to_cel(&self) -> CelValue {
-        match self {
+    /// The interpreter's form (arguments of foreign calls), charged per node like
+    /// [`Val::to_json`].
+    fn to_cel(&self) -> Result<CelValue, Failure> {
+        charge_node(0)?;
+        Ok(match self {
             Val::Null => CelValue::Null,
             Val::Bool(b) => CelValue::Bool(*b),
             Val::Int(i) => CelValue::Int(*i),
             Val::UInt(u) => CelValue::UInt(*u),
             Val::Double(f) => CelValue::Float(*f),
-            Val::Str(s) => CelValue::String(std::sync::Arc::new(s.as_str().to_owned())),
+            Val::Str(s) => {
+                charge_node(s.as_str().len())?;
+                CelValue::String(std::sync::Arc::new(s.as_str().to_owned()))
+            }
             Val::JList(l) => {
+                l.iter().try_for_each(charge_json)?;
                 CelValue::List(std::sync::Arc::new(l.iter().map(json_to_cel).collect()))
             }
-            Val::JMap(m) => CelValue::Map(Map {
-                map: std::sync::Arc::new(
-                    m.iter()
-                        .map(|(k, v)| (Key::String(std::sync::Arc::new(k.clone())), json_to_cel(v)))
-                        .collect(),
-                ),
-            }),
-            Val::List(l) => {
-                CelValue::List(std::sync::Arc::new(l.iter().map(Val::to_cel).collect()))
+            Val::JMap(m) => {
+                m.values().try_for_each(charge_json)?;
+                CelValue::Map(Map {
+                    map: std::sync::Arc::new(
+                        m.iter()
+                            .map(|(k, v)| {
+                                (Key::String(std::sync::Arc::new(k.clone())), json_to_cel(v))
+                            })
+                            .collect(),
+                    ),
+                })
             }
-            Val::Map(m) => CelValue::Map(Map {
-                map: std::sync::Arc::new(
-                    m.iter()
-                        .map(|(k, v)| {
-                            (
-                                Key::String(std::sync::Arc::new(k.as_str().to_owned())),
-                                v.to_cel(),
-                            )
-                        })
-                        .collect(),
-                ),
-            }),
+            Val::List(l) => CelValue::List(std::sync::Arc::new(
+                l.iter().map(Val::to_cel).collect::<Result<_, _>>()?,
+            )),
+            Val::Map(m) => {
+                let mut out = std::collections::HashMap::with_capacity(m.len());
+                for (k, v) in m.iter() {
+                    out.insert(
+                        Key::String(std::sync::Arc::new(k.as_str().to_owned())),
+                        v.to_cel()?,
+                    );
+                }
+                CelValue::Map(Map {
+                    map: std::sync::Arc::new(out),
+                })
+            }
             Val::Foreign(v) => v.clone(),
             Val::Quantity(q) => q.to_cel(),
-        }
+        })
     }
 
+    /// A foreign call's result, charged per node.
     fn from_cel(v: CelValue) -> Result<Val<'a>, Failure> {
+        charge_node(0)?;
         Ok(match v {
             CelValue::Null => Val::Null,
             CelValue::Bool(b) => Val::Bool(b),
             CelValue::Int(i) => Val::Int(i),
             CelValue::UInt(u) => Val::UInt(u),
             CelValue::Float(f) => Val::Double(f),
-            CelValue::String(s) => Val::Str(Str::Own(Rc::from(s.as_str()))),
+            CelValue::String(s) => {
+                charge_node(s.len())?;
+                Val::Str(Str::Own(Rc::from(s.as_str())))
+            }
             CelValue::List(l) => Val::List(Rc::new(
                 l.iter()
                     .cloned()
@@ -339,9 +368,36 @@ impl<'a> Val<'a> {
     }
 }
 
+/// Charges one node of a walk over a value (a copy, a conversion, a comparison), plus its
+/// string bytes.
+fn charge_node(bytes: usize) -> Result<(), Failure> {
+    guard::charge(1 + bytes as u64 / 64).map_err(bound)
+}
+
+/// Charges every node of a JSON value (before copying or converting it).
+fn charge_json(v: &Value) -> Result<(), Failure> {
+    match v {
+        Value::String(s) => charge_node(s.len()),
+        Value::Array(a) => {
+            charge_node(0)?;
+            a.iter().try_for_each(charge_json)
+        }
+        Value::Object(m) => {
+            charge_node(0)?;
+            m.iter().try_for_each(|(k, x)| {
+                charge_node(k.len())?;
+                charge_json(x)
+            })
+        }
+        _ => charge_node(0),
+    }
+}
+
 /// Equality as the interpreter has it: same type and value, lists element-wise, maps by key.
 /// Mixed numeric types and foreign values fall back.
 fn equals(a: &Val, b: &Val) -> Result<bool, Failure> {
+    // Each node compared is charged: comparing shared values must not be free.
+    charge_node(0)?;
     Ok(match (a, b) {
         (Val::Null, Val::Null) => true,
         (Val::Bool(x), Val::Bool(y)) => x == y,
@@ -478,6 +534,8 @@ enum Node {
     Comp(Box<Comp>),
     Call(Func, Vec<Node>),
     Matches(Box<Node>, regex::Regex),
+    /// `matches` with a pattern computed at run time.
+    MatchesDynamic(Box<Node>, Box<Node>),
     Foreign(Box<Foreign>),
 }
 
@@ -771,13 +829,15 @@ impl Compiler<'_> {
         if let Some(f) = func {
             return Some(Node::Call(f, operands));
         }
-        if full == "matches"
-            && target.is_some()
-            && let Expr::Literal(LiteralValue::String(p)) = &args.first()?.expr
-            && let Ok(re) = regex::Regex::new(p.inner())
-        {
+        if full == "matches" && target.is_some() && args.len() == 1 {
             let mut operands = operands.into_iter();
-            return Some(Node::Matches(Box::new(operands.next()?), re));
+            let target = Box::new(operands.next()?);
+            return Some(match &args[0].expr {
+                Expr::Literal(LiteralValue::String(p)) => {
+                    Node::Matches(target, compile::regex_limited(p.inner()).ok()?)
+                }
+                _ => Node::MatchesDynamic(target, Box::new(operands.next()?)),
+            });
         }
         // Anything else the interpreter knows: a foreign call over bound arguments, with the
         // interpreter's own guards spliced in.
@@ -861,12 +921,15 @@ impl<'a> Env<'a> {
             Var::Evaluating => Err(Failure::Fallback),
             Var::Pending(name, program) => {
                 // A variable is compiled at the top level: its comprehensions start their own
-                // stack.
+                // stack. It has an expression budget of its own, as when evaluated in order.
                 let outer = std::mem::take(&mut self.locals);
+                let budget = guard::save_expression();
+                guard::start_expression();
                 let result = self.eval(&program.root).map_err(|f| match f {
                     Failure::Bound(m) => Failure::Bound(format!("variables.{name} failed: {m}")),
                     f => f,
                 });
+                guard::restore_expression(budget);
                 self.locals = outer;
                 self.vars[i] = match &result {
                     Ok(v) => Var::Done(v.clone()),
@@ -996,10 +1059,25 @@ impl<'a> Env<'a> {
                 Val::Str(s) => Ok(Val::Bool(re.is_match(s.as_str()))),
                 _ => Err(Failure::Fallback),
             },
+            Node::MatchesDynamic(target, pattern) => {
+                let (Val::Str(s), Val::Str(p)) = (self.eval(target)?, self.eval(pattern)?) else {
+                    return Err(Failure::Fallback);
+                };
+                // Compiling is charged by the pattern's length; a pattern over the size limit
+                // is a bound, not something to hand to the interpreter's unlimited compile.
+                charge_node(p.as_str().len() * 64)?;
+                match compile::regex_limited(p.as_str()) {
+                    Ok(re) => Ok(Val::Bool(re.is_match(s.as_str()))),
+                    Err(regex::Error::CompiledTooBig(limit)) => Err(bound(guard::bound_error(
+                        format!("regular expression compiles to more than {limit} bytes"),
+                    ))),
+                    Err(_) => Err(Failure::Fallback),
+                }
+            }
             Node::Foreign(f) => {
                 let mut vals = Vec::with_capacity(f.args.len());
                 for a in &f.args {
-                    vals.push(self.eval(a)?.to_cel());
+                    vals.push(self.eval(a)?.to_cel()?);
                 }
                 foreign(f, vals)
             }
@@ -1167,6 +1245,13 @@ fn binary<'a>(op: BinOp, x: Val<'a>, y: Val<'a>) -> R<'a> {
     }
 }
 
+/// A string a function built: size-checked and charged.
+fn built<'a>(s: String) -> R<'a> {
+    guard::check_string(s.len()).map_err(bound)?;
+    charge_node(s.len())?;
+    Ok(Val::Str(Str::Own(Rc::from(s))))
+}
+
 fn arg<'a>(args: &[Val<'a>], i: usize) -> R<'a> {
     args.get(i).cloned().ok_or(Failure::Fallback)
 }
@@ -1218,7 +1303,7 @@ fn call(f: Func, mut args: Vec<Val<'_>>) -> R<'_> {
             }
             _ => return Err(Failure::Fallback),
         },
-        Func::EscapeKey => s(text(&args, 0)?.replace('~', "~0").replace('/', "~1")),
+        Func::EscapeKey => built(text(&args, 0)?.replace('~', "~0").replace('/', "~1"))?,
         Func::Greatest | Func::Least => {
             let items: Vec<Val> = match args.as_slice() {
                 [one] if one.list_len().is_some() => one.iter_items().ok_or(Failure::Fallback)?,
@@ -1256,7 +1341,7 @@ fn call(f: Func, mut args: Vec<Val<'_>>) -> R<'_> {
             guard::charge(1 + total as u64 / 64).map_err(bound)?;
             s(parts.join(&sep))
         }
-        Func::LowerAscii => s(text(&args, 0)?.to_ascii_lowercase()),
+        Func::LowerAscii => built(text(&args, 0)?.to_ascii_lowercase())?,
         // The interpreter's own parser, so both accept the same strings.
         Func::Duration => Val::Foreign(
             kube_cel::cel::functions::time::duration(std::sync::Arc::new(text(&args, 0)?))
@@ -1286,7 +1371,7 @@ fn call(f: Func, mut args: Vec<Val<'_>>) -> R<'_> {
             Val::Foreign(CelValue::Duration(d)) => Val::Int(i64::from(d.num_seconds() as i32)),
             _ => return Err(Failure::Fallback),
         },
-        Func::UpperAscii => s(text(&args, 0)?.to_ascii_uppercase()),
+        Func::UpperAscii => built(text(&args, 0)?.to_ascii_uppercase())?,
     })
 }
 
@@ -1315,7 +1400,7 @@ fn foreign_call<'a>(name: &str, args: Vec<Val<'a>>) -> R<'a> {
         names,
         args: Vec::new(),
     };
-    foreign(&f, args.iter().map(Val::to_cel).collect())
+    foreign(&f, args.iter().map(Val::to_cel).collect::<Result<_, _>>()?)
 }
 
 fn foreign<'a>(f: &Foreign, args: Vec<CelValue>) -> R<'a> {

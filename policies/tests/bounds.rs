@@ -193,3 +193,52 @@ fn realistic_comprehensions_fit_the_budget() {
     let out = eval(&s, d);
     assert!(out.allowed(), "{:?}", out.errors);
 }
+
+/// Lists that share one big list, built cheaply, cost what copying or comparing them costs.
+#[test]
+fn shared_values_are_charged_when_copied_or_compared() {
+    let vars = json!([
+        {"name": "l", "expression": "lists.range(3000)"},
+        {"name": "ll", "expression": "lists.range(3000).map(i, variables.l)"},
+        {"name": "l2", "expression": "lists.range(3000).map(i, variables.l)"},
+    ]);
+    // As a mutation's value (copied into the object).
+    let s = set(vec![policy(
+        "copy",
+        json!({"variables": vars, "mutations": [{"patchType": "JSONPatch", "jsonPatch": {
+            "expression": "[JSONPatch{op: 'add', path: '/metadata/labels/x', value: variables.ll}]"}}]}),
+    )]);
+    let out = eval(&s, deployment());
+    assert_eq!(out.errors.len(), 1, "{:?}", out.errors);
+    assert_eq!(out.errors[0].kind, ErrorKind::BoundExceeded);
+    // Compared again and again.
+    let (kind, _) = eval_error(
+        vars.clone(),
+        "lists.range(50).all(i, variables.ll == variables.l2)",
+    );
+    assert_eq!(kind, ErrorKind::BoundExceeded);
+    // On the interpreter, copying the accumulator counts its nested size.
+    let s = set(vec![policy(
+        "nested",
+        json!({"variables": [{"name": "l", "expression": "lists.range(1000)"}],
+               "validations": [{"expression": "lists.range(300).map(i, variables.l).size() > 0"}]}),
+    )])
+    .interpreted();
+    let out = eval(&s, deployment());
+    assert_eq!(out.errors.len(), 1, "{:?}", out.errors);
+    assert_eq!(out.errors[0].kind, ErrorKind::BoundExceeded);
+}
+
+#[test]
+fn functions_that_grow_strings_are_bounded() {
+    let mut vars = vec![json!({"name": "s0", "expression": "'////////////////'"})];
+    for i in 1..=16 {
+        vars.push(json!({"name": format!("s{i}"), "expression": format!("variables.s{0} + variables.s{0}", i - 1)}));
+    }
+    // 1 MiB of '/': escaping doubles it past the string limit.
+    let (kind, msg) = eval_error(
+        Value::Array(vars),
+        "size(jsonpatch.escapeKey(variables.s16)) > 0",
+    );
+    assert_eq!(kind, ErrorKind::BoundExceeded, "{msg}");
+}
