@@ -27,7 +27,7 @@ use serde_json::Value;
 use crate::{
     compile::{self, ROOT_VARIABLES},
     guard,
-    value::{cel_to_json, json_to_cel},
+    value::{Number, cel_to_json, json_to_cel, number},
 };
 
 /// Why the native evaluator gave no value.
@@ -171,15 +171,11 @@ pub(crate) fn from_json(v: &Value) -> Val<'_> {
     match v {
         Value::Null => Val::Null,
         Value::Bool(b) => Val::Bool(*b),
-        Value::Number(n) => {
-            if let Some(i) = n.as_i64() {
-                Val::Int(i)
-            } else if let Some(u) = n.as_u64() {
-                Val::UInt(u)
-            } else {
-                Val::Double(n.as_f64().unwrap_or(f64::NAN))
-            }
-        }
+        Value::Number(n) => match number(n) {
+            Number::Int(i) => Val::Int(i),
+            Number::UInt(u) => Val::UInt(u),
+            Number::Double(f) => Val::Double(f),
+        },
         Value::String(s) => Val::Str(Str::Ref(s)),
         Value::Array(a) => Val::JList(a),
         Value::Object(o) => Val::JMap(o),

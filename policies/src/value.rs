@@ -7,21 +7,34 @@ use kube_cel::cel::{
     objects::{Key, Map},
 };
 
+/// A JSON number as the apiserver binds it: `int`, `uint` above `i64::MAX`, else `double`.
+pub(crate) enum Number {
+    Int(i64),
+    UInt(u64),
+    Double(f64),
+}
+
+pub(crate) fn number(n: &serde_json::Number) -> Number {
+    if let Some(i) = n.as_i64() {
+        Number::Int(i)
+    } else if let Some(u) = n.as_u64() {
+        Number::UInt(u)
+    } else {
+        Number::Double(n.as_f64().unwrap_or(f64::NAN))
+    }
+}
+
 /// JSON to CEL, the way the apiserver binds unstructured objects: integers are `int` (or `uint`
 /// above `i64::MAX`), other numbers `double`, objects maps with string keys.
 pub fn json_to_cel(v: &serde_json::Value) -> Value {
     match v {
         serde_json::Value::Null => Value::Null,
         serde_json::Value::Bool(b) => Value::Bool(*b),
-        serde_json::Value::Number(n) => {
-            if let Some(i) = n.as_i64() {
-                Value::Int(i)
-            } else if let Some(u) = n.as_u64() {
-                Value::UInt(u)
-            } else {
-                Value::Float(n.as_f64().unwrap_or(f64::NAN))
-            }
-        }
+        serde_json::Value::Number(n) => match number(n) {
+            Number::Int(i) => Value::Int(i),
+            Number::UInt(u) => Value::UInt(u),
+            Number::Double(f) => Value::Float(f),
+        },
         serde_json::Value::String(s) => Value::String(Arc::new(s.clone())),
         serde_json::Value::Array(a) => Value::List(Arc::new(a.iter().map(json_to_cel).collect())),
         serde_json::Value::Object(o) => {
