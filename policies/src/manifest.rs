@@ -58,20 +58,22 @@ pub fn read_str(text: &str, path: &Path, bundle: &mut Bundle) -> Result<(), Mani
         if v.is_null() {
             continue;
         }
-        let kind = v.get("kind").and_then(Value::as_str).unwrap_or_default();
+        let kind = v
+            .get("kind")
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_owned();
+        let kind = kind.as_str();
         match kind {
-            "ServingPolicy" => bundle.policies.push(
-                serde_json::from_value(v)
-                    .map_err(|e| invalid(index, format!("invalid ServingPolicy: {e}")))?,
-            ),
-            "InferenceRuntime" => bundle.runtimes.push(
-                serde_json::from_value(v)
-                    .map_err(|e| invalid(index, format!("invalid InferenceRuntime: {e}")))?,
-            ),
-            "LLMService" => bundle.services.push(
-                serde_json::from_value(v)
-                    .map_err(|e| invalid(index, format!("invalid LLMService: {e}")))?,
-            ),
+            "ServingPolicy" => bundle
+                .policies
+                .push(strict(v, kind).map_err(|m| invalid(index, m))?),
+            "InferenceRuntime" => bundle
+                .runtimes
+                .push(strict(v, kind).map_err(|m| invalid(index, m))?),
+            "LLMService" => bundle
+                .services
+                .push(strict(v, kind).map_err(|m| invalid(index, m))?),
             "ValidatingAdmissionPolicy" | "MutatingAdmissionPolicy" => bundle
                 .policies
                 .push(from_admission_policy(&v).map_err(|m| invalid(index, m))?),
@@ -109,6 +111,27 @@ pub fn read_str(text: &str, path: &Path, bundle: &mut Bundle) -> Result<(), Mani
         }
     }
     Ok(())
+}
+
+/// A Hearth object from its manifest, refusing fields the type does not have: offline there is
+/// no apiserver to reject a misspelled `validation:` (kubectl's strict field validation), and
+/// a policy that silently lost its validations would pass its tests.
+fn strict<T: serde::de::DeserializeOwned>(v: Value, kind: &str) -> Result<T, String> {
+    let mut unknown = Vec::new();
+    let typed = serde_ignored::deserialize(v, |path| unknown.push(path.to_string()))
+        .map_err(|e| format!("invalid {kind}: {e}"))?;
+    // The type carries apiVersion and kind in its own impl, not as fields.
+    unknown.retain(|p| p != "apiVersion" && p != "kind");
+    if unknown.is_empty() {
+        Ok(typed)
+    } else {
+        Err(format!(
+            "invalid {kind}: unknown field{} {}: check the spelling against the {kind} fields (docs/policies.md, or `kubectl explain {}`)",
+            if unknown.len() == 1 { "" } else { "s" },
+            unknown.join(", "),
+            kind.to_lowercase()
+        ))
+    }
 }
 
 /// Converts a `ValidatingAdmissionPolicy` or `MutatingAdmissionPolicy` into a ServingPolicy:
@@ -168,4 +191,42 @@ pub fn read_path(path: &Path, bundle: &mut Bundle) -> Result<(), ManifestError> 
 /// fields (`family`, `port`, `priority`) are present.
 pub fn runtime_params(rt: &InferenceRuntime) -> Value {
     serde_json::to_value(rt).unwrap_or(Value::Null)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn read(text: &str) -> Result<Bundle, ManifestError> {
+        let mut b = Bundle::default();
+        read_str(text, Path::new("t.yaml"), &mut b).map(|()| b)
+    }
+
+    #[test]
+    fn a_misspelled_field_is_an_error_naming_it() {
+        let e = read(
+            "apiVersion: serving.hearth.dev/v1alpha1\nkind: ServingPolicy\nmetadata: {name: p}\n\
+             spec:\n  validation:\n    - expression: 'true'\n",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("unknown field spec.validation"), "{e}");
+        let e = read(
+            "apiVersion: serving.hearth.dev/v1alpha1\nkind: ServingPolicy\nmetadata: {name: p}\n\
+             spec:\n  validations:\n    - expression: 'false'\n      mesage: no\n",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("spec.validations.0.mesage"), "{e}");
+    }
+
+    #[test]
+    fn known_fields_load() {
+        let b = read(
+            "apiVersion: serving.hearth.dev/v1alpha1\nkind: ServingPolicy\nmetadata: {name: p, labels: {a: b}}\n\
+             spec:\n  failurePolicy: Ignore\n  validations:\n    - expression: 'true'\n      message: m\n",
+        )
+        .unwrap();
+        assert_eq!(b.policies.len(), 1);
+    }
 }

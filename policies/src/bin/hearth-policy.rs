@@ -17,7 +17,10 @@ use serde_json::{Value, json};
 #[command(
     name = "hearth-policy",
     version,
-    about = "Evaluate and test Hearth ServingPolicies offline"
+    about = "Evaluate and test Hearth ServingPolicies offline",
+    after_help = "Exit status: 0 allowed (eval) or every case passed (test); 1 denied, or a case failed; \
+2 bad input (a file that does not read or parse, a runtime that does not resolve); \
+3 a policy did not load (eval: the verdict then covers only the policies that loaded)."
 )]
 struct Cli {
     #[command(subcommand)]
@@ -156,10 +159,17 @@ fn run() -> anyhow::Result<ExitCode> {
             for p in &params {
                 manifest::read_path(p, &mut runtimes)?;
             }
+            let selection = Selection::from_object(&object);
             if runtimes.runtimes.len() == 1 {
+                if selection.is_none() {
+                    eprintln!(
+                        "note: the resource has no serving.hearth.dev/runtime or serving.hearth.dev/vendor annotation; \
+it is evaluated with the one --params runtime, but admission (and `hearth-policy test`) would bind no runtime"
+                    );
+                }
                 input.params = Some(manifest::runtime_params(&runtimes.runtimes[0]));
             } else if !runtimes.runtimes.is_empty() {
-                let sel = Selection::from_object(&object)
+                let sel = selection
                     .context("several runtimes given but the resource names neither serving.hearth.dev/runtime nor serving.hearth.dev/vendor")?;
                 input.params = Some(manifest::runtime_params(resolve_runtime(
                     &runtimes.runtimes,
@@ -191,7 +201,14 @@ fn run() -> anyhow::Result<ExitCode> {
                 Format::Yaml => print!("{}", serde_yaml::to_string(&report)?),
                 Format::Json => println!("{}", serde_json::to_string_pretty(&report)?),
             }
-            Ok(if out.allowed() && errors.is_empty() {
+            Ok(if !errors.is_empty() {
+                eprintln!(
+                    "error: {} polic{} did not load; the verdict above covers only the policies that loaded",
+                    errors.len(),
+                    if errors.len() == 1 { "y" } else { "ies" }
+                );
+                ExitCode::from(3)
+            } else if out.allowed() {
                 ExitCode::SUCCESS
             } else {
                 ExitCode::FAILURE

@@ -261,7 +261,7 @@ async fn wait_scaled_to_zero(client: &Client, mode: ScalerMode) -> Result<()> {
         )),
     );
     log(format!(
-        "[{}] waiting for phase ScaledToZero and a {trigger} trigger",
+        "[{}] waiting for phase ScaledToZero and the {trigger} trigger",
         mode.annotation()
     ));
     let start = Instant::now();
@@ -278,7 +278,7 @@ async fn wait_scaled_to_zero(client: &Client, mode: ScalerMode) -> Result<()> {
         }
         if start.elapsed() > Duration::from_secs(240) {
             bail!(
-                "LLMService {}/{SVC} not ScaledToZero with a {trigger} trigger after 240 s (phase {phase:?}, trigger {t:?})",
+                "LLMService {}/{SVC} not ScaledToZero with the {trigger} trigger after 240 s (phase {phase:?}, trigger {t:?})",
                 ns_of(mode)
             );
         }
