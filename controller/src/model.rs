@@ -14,9 +14,7 @@
 //! mount, so the engine finds exactly the files the Job wrote, and a backend that starts before
 //! (or without) a prewarm still works: it downloads into the cache itself.
 
-use std::fmt;
-
-use hearth_crds::model_uri::{ModelUri, UriError, parse_model_uri};
+use hearth_crds::model_uri::{UriError, parse_model_uri};
 
 /// Where cache volumes are mounted in backend and prewarm containers.
 pub const CACHE_MOUNT_PATH: &str = "/models";
@@ -25,38 +23,9 @@ pub const HF_HOME: &str = "/models/huggingface";
 /// `MODELSCOPE_CACHE` under the cache mount.
 pub const MODELSCOPE_CACHE: &str = "/models/modelscope";
 
-/// A parsed `spec.model.source.uri`.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum ModelSource {
-    /// `hf://<org>/<name>`: a Hugging Face Hub repository.
-    HuggingFace {
-        /// `org/name`.
-        repo: String,
-    },
-    /// `modelscope://<org>/<name>`: a ModelScope repository.
-    ModelScope {
-        /// `org/name`.
-        repo: String,
-    },
-    /// `pvc://<claim>[/<subpath>]`: pre-staged weights on an existing claim.
-    Pvc {
-        /// The PersistentVolumeClaim name, in the `LLMService` namespace.
-        claim: String,
-        /// The directory inside the claim, empty for its root.
-        subpath: String,
-    },
-}
-
-impl fmt::Display for ModelSource {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            ModelSource::HuggingFace { repo } => write!(f, "hf://{repo}"),
-            ModelSource::ModelScope { repo } => write!(f, "modelscope://{repo}"),
-            ModelSource::Pvc { claim, subpath } if subpath.is_empty() => write!(f, "pvc://{claim}"),
-            ModelSource::Pvc { claim, subpath } => write!(f, "pvc://{claim}/{subpath}"),
-        }
-    }
-}
+/// A parsed `spec.model.source.uri`: the shared type of `hearth_crds::model_uri`, so the
+/// webhook's and the controller's reading of a URI cannot drift.
+pub use hearth_crds::model_uri::ModelUri as ModelSource;
 
 /// Why a model URI was rejected. Messages name `spec.model.source.uri` and say what to write.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -94,17 +63,9 @@ pub fn parse_source(model: &hearth_crds::llmservice::ModelSpec) -> Result<ModelS
 /// Parses one model URI with the rules the admission webhook applies
 /// (`hearth_crds::model_uri`), into where the controller mounts and finds the weights.
 pub fn parse_uri(uri: &str) -> Result<ModelSource, ModelError> {
-    let parsed = parse_model_uri(uri).map_err(|source| ModelError::Uri {
+    parse_model_uri(uri).map_err(|source| ModelError::Uri {
         uri: uri.to_owned(),
         source,
-    })?;
-    Ok(match parsed {
-        ModelUri::HuggingFace { repo } => ModelSource::HuggingFace { repo },
-        ModelUri::ModelScope { repo } => ModelSource::ModelScope { repo },
-        ModelUri::Pvc { claim, subpath } => ModelSource::Pvc {
-            claim,
-            subpath: subpath.unwrap_or_default(),
-        },
     })
 }
 
@@ -130,14 +91,14 @@ mod tests {
             parse_uri("pvc://weights/qwen/7b").unwrap(),
             ModelSource::Pvc {
                 claim: "weights".into(),
-                subpath: "qwen/7b".into()
+                subpath: Some("qwen/7b".into())
             }
         );
         assert_eq!(
             parse_uri("pvc://weights").unwrap(),
             ModelSource::Pvc {
                 claim: "weights".into(),
-                subpath: String::new()
+                subpath: None
             }
         );
     }

@@ -315,8 +315,11 @@ impl Ctx<'_> {
     fn model_path(&self) -> String {
         match &self.source {
             ModelSource::HuggingFace { repo } | ModelSource::ModelScope { repo } => repo.clone(),
-            ModelSource::Pvc { subpath, .. } if subpath.is_empty() => CACHE_MOUNT_PATH.to_owned(),
-            ModelSource::Pvc { subpath, .. } => format!("{CACHE_MOUNT_PATH}/{subpath}"),
+            ModelSource::Pvc { subpath: None, .. } => CACHE_MOUNT_PATH.to_owned(),
+            ModelSource::Pvc {
+                subpath: Some(subpath),
+                ..
+            } => format!("{CACHE_MOUNT_PATH}/{subpath}"),
         }
     }
 
