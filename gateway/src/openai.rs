@@ -56,15 +56,14 @@ pub fn sse_error_event(message: &str, kind: &str, code: Option<&str>) -> Bytes {
     Bytes::from(out)
 }
 
-/// The request fields that change how the gateway handles a request: `stream` (SSE or not)
-/// and `model` (checked against the served model names before waking a backend).
-#[derive(Debug, Default, Deserialize)]
+/// The request fields that change how the gateway handles a cold request: `stream` (hold with
+/// SSE heartbeats or silently) and `model` (checked against the served model names before
+/// waking a backend).
+#[derive(Debug, Default)]
 pub struct RequestHints {
     /// OpenAI's `stream`: the response is a `text/event-stream` of chunks.
-    #[serde(default)]
     pub stream: bool,
     /// OpenAI's `model`.
-    #[serde(default)]
     pub model: Option<String>,
 }
 
@@ -72,22 +71,36 @@ impl RequestHints {
     /// Reads the hints from a JSON body; a body that is not a JSON object yields the defaults
     /// (the backend then answers with its own validation error).
     pub fn from_body(body: &[u8]) -> Self {
+        /// Borrowed where the JSON allows it; any other field is skipped unparsed.
         #[derive(Deserialize)]
-        struct Loose {
-            #[serde(default)]
-            stream: Option<serde_json::Value>,
-            #[serde(default)]
-            model: Option<serde_json::Value>,
+        struct Loose<'a> {
+            #[serde(default, borrow)]
+            stream: Option<&'a serde_json::value::RawValue>,
+            #[serde(default, borrow)]
+            model: Option<&'a serde_json::value::RawValue>,
         }
-        match serde_json::from_slice::<Loose>(body) {
+        match serde_json::from_slice::<Loose<'_>>(body) {
             Ok(l) => Self {
-                stream: matches!(l.stream, Some(serde_json::Value::Bool(true))),
-                model: match l.model {
-                    Some(serde_json::Value::String(s)) => Some(s),
-                    _ => None,
-                },
+                stream: l.stream.is_some_and(|v| v.get() == "true"),
+                model: l
+                    .model
+                    .and_then(|v| serde_json::from_str::<String>(v.get()).ok()),
             },
             Err(_) => Self::default(),
+        }
+    }
+
+    /// The hints of a request: read from the body when it is declared JSON, or is a `POST`
+    /// body starting with `{` (clients that omit `Content-Type`); the defaults otherwise.
+    pub fn from_request(method: &http::Method, headers: &http::HeaderMap, body: &[u8]) -> Self {
+        let is_json = headers
+            .get(header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.trim_start().starts_with("application/json"));
+        if is_json || (method == http::Method::POST && body.first() == Some(&b'{')) {
+            Self::from_body(body)
+        } else {
+            Self::default()
         }
     }
 }

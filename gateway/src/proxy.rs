@@ -1,11 +1,14 @@
 //! The request path: admission, cold-start hold or reject, forwarding and streaming.
 //!
 //! Order of checks for a proxied request: draining (503) → API key (401) → body size (413) →
-//! model name (404, only with served model names) → admission (`maxQueue`, 429) → a ready
-//! endpoint? forward : cold start. The body is read before admission so a malformed or
-//! misdirected request never raises demand (and never wakes a model).
+//! admission (`maxQueue`, 429) → a ready endpoint? forward : cold start. A cold request's body
+//! is also checked for its model name (404, only with served model names) before admission, so
+//! a misdirected request never raises demand and never wakes a model; a ready backend answers
+//! that check itself (vLLM's `404 The model ... does not exist`), so a warm request is
+//! forwarded without parsing its body.
 
 use std::{
+    net::SocketAddr,
     pin::Pin,
     sync::Arc,
     task::{Context, Poll},
@@ -14,8 +17,7 @@ use std::{
 
 use axum::{
     body::Body,
-    extract::{Request, State},
-    http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode, Uri, header},
+    http::{HeaderMap, HeaderName, HeaderValue, Method, Request, StatusCode, Uri, header},
     response::Response,
 };
 use bytes::{Bytes, BytesMut};
@@ -134,17 +136,22 @@ fn reject(
 }
 
 /// Hop-by-hop header fields (RFC 9110 §7.6.1), removed in both directions together with any
-/// field named in `Connection`.
-const HOP_BY_HOP: [&str; 8] = [
-    "connection",
-    "proxy-connection",
-    "keep-alive",
-    "te",
-    "trailer",
-    "transfer-encoding",
-    "upgrade",
-    "proxy-authenticate",
+/// field named in `Connection`. Names, not strings: removing by `&str` parses and classifies
+/// the string on every call.
+const HOP_BY_HOP: [HeaderName; 8] = [
+    header::CONNECTION,
+    HeaderName::from_static("proxy-connection"),
+    HeaderName::from_static("keep-alive"),
+    header::TE,
+    header::TRAILER,
+    header::TRANSFER_ENCODING,
+    header::UPGRADE,
+    header::PROXY_AUTHENTICATE,
 ];
+
+const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
+const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
 
 /// Removes hop-by-hop fields from `headers` (RFC 9110 §7.6.1).
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
@@ -158,7 +165,7 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     for name in named {
         headers.remove(name);
     }
-    for name in HOP_BY_HOP {
+    for name in &HOP_BY_HOP {
         headers.remove(name);
     }
 }
@@ -300,8 +307,17 @@ fn models_list(names: &[String]) -> Response {
     resp
 }
 
-/// Every request that is not one of the gateway's own endpoints.
-pub(crate) async fn proxy(State(shared): State<Arc<Shared>>, req: Request) -> Response {
+/// Every request that is not one of the gateway's own endpoints; `peer` is the client's
+/// address (for `X-Forwarded-For`).
+pub(crate) async fn proxy<B>(
+    shared: Arc<Shared>,
+    req: Request<B>,
+    peer: Option<SocketAddr>,
+) -> Response
+where
+    B: HttpBody<Data = Bytes>,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
     let arrival = Instant::now();
     let tracker = Tracker::new(shared.metrics.clone());
     if shared.is_draining() {
@@ -343,7 +359,7 @@ pub(crate) async fn proxy(State(shared): State<Arc<Shared>>, req: Request) -> Re
         }
     }
 
-    let (parts, body) = req.into_parts();
+    let (mut parts, body) = req.into_parts();
     if parts.method == Method::GET
         && parts.uri.path() == "/v1/models"
         && !shared.cfg.served_model_names.is_empty()
@@ -403,13 +419,9 @@ pub(crate) async fn proxy(State(shared): State<Arc<Shared>>, req: Request) -> Re
         }
     };
 
-    let is_json = parts
-        .headers
-        .get(header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v.trim_start().starts_with("application/json"));
-    let hints = if is_json || (parts.method == Method::POST && body.first() == Some(&b'{')) {
-        RequestHints::from_body(&body)
+    let cold = !shared.backends.is_ready();
+    let hints = if cold {
+        RequestHints::from_request(&parts.method, &parts.headers, &body)
     } else {
         RequestHints::default()
     };
@@ -451,13 +463,12 @@ pub(crate) async fn proxy(State(shared): State<Arc<Shared>>, req: Request) -> Re
             .uri
             .path_and_query()
             .map_or_else(|| "/".to_owned(), |p| p.as_str().to_owned()),
-        headers: forward_headers(&parts),
+        headers: forward_headers(std::mem::take(&mut parts.headers), peer),
         body,
     };
-    // Not kept across the wait below: its header values point into hyper's read buffer.
+    // Not kept across the wait below: it may point into hyper's read buffer.
     drop(parts);
     let deadline = arrival + shared.cfg.activation_timeout;
-    let cold = !shared.backends.is_ready();
     if cold {
         shared.lease.raise();
         out.detach();
@@ -482,7 +493,7 @@ pub(crate) async fn proxy(State(shared): State<Arc<Shared>>, req: Request) -> Re
     }
 
     match shared.forward(&out, deadline, arrival, cold).await {
-        Ok((resp, ep)) => relay(&shared, resp, ep, slot, tracker, hints.stream, arrival),
+        Ok((resp, ep)) => relay(&shared, resp, ep, slot, tracker, arrival),
         Err(HoldError::Timeout) => {
             drop(slot);
             let msg = format!(
@@ -506,28 +517,28 @@ pub(crate) async fn proxy(State(shared): State<Arc<Shared>>, req: Request) -> Re
     }
 }
 
-/// The headers sent to the backend: the client's, minus hop-by-hop fields, with
+/// The headers sent to the backend: the client's `headers`, minus hop-by-hop fields, with
 /// `Content-Length` recomputed from the buffered body, `Via` (RFC 9110 §7.6.3) and
-/// `X-Forwarded-For`/`X-Forwarded-Host`/`X-Forwarded-Proto`. `Authorization` is passed through.
-fn forward_headers(parts: &http::request::Parts) -> HeaderMap {
-    let mut h = parts.headers.clone();
+/// `X-Forwarded-For` (the client `peer` appended)/`X-Forwarded-Host`/`X-Forwarded-Proto`.
+/// `Authorization` is passed through.
+fn forward_headers(mut h: HeaderMap, peer: Option<SocketAddr>) -> HeaderMap {
     strip_hop_by_hop(&mut h);
     h.remove(header::CONTENT_LENGTH);
     if let Some(host) = h.remove(header::HOST) {
-        h.insert("x-forwarded-host", host);
+        h.insert(X_FORWARDED_HOST, host);
     }
     h.append(header::VIA, HeaderValue::from_static("1.1 hearth-gateway"));
-    if let Some(ClientAddr(addr)) = parts.extensions.get::<ClientAddr>() {
-        let ip = addr.ip().to_string();
-        let v = match h.get("x-forwarded-for").and_then(|v| v.to_str().ok()) {
+    if let Some(addr) = peer {
+        let ip = addr.ip();
+        let v = match h.get(&X_FORWARDED_FOR).and_then(|v| v.to_str().ok()) {
             Some(prev) => format!("{prev}, {ip}"),
-            None => ip,
+            None => ip.to_string(),
         };
         if let Ok(v) = HeaderValue::from_str(&v) {
-            h.insert("x-forwarded-for", v);
+            h.insert(X_FORWARDED_FOR, v);
         }
     }
-    h.insert("x-forwarded-proto", HeaderValue::from_static("http"));
+    h.insert(X_FORWARDED_PROTO, HeaderValue::from_static("http"));
     h
 }
 
@@ -539,11 +550,15 @@ fn relay(
     ep: EndpointGuard,
     slot: Admission,
     tracker: Tracker,
-    stream: bool,
     arrival: Instant,
 ) -> Response {
     let (mut parts, body) = resp.into_parts();
     strip_hop_by_hop(&mut parts.headers);
+    // Time to first token is measured for streams, known by the answer's media type.
+    let stream = parts
+        .headers
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
     let relay = Relay::new(
         shared,
         body,
