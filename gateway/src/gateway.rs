@@ -41,9 +41,15 @@ use crate::{
     endpoints::EndpointSet,
     metrics::Metrics,
     peers,
-    proxy::{self, ClientAddr, UpstreamClient},
+    proxy::{self, ClientAddr},
     scaler::Scaler,
+    upstream::UpstreamPool,
 };
+
+/// How long an unused backend connection is kept open: less than vLLM's HTTP keep-alive
+/// timeout (uvicorn's `timeout_keep_alive`, 5 s in vLLM), so the gateway never sends a request
+/// on a connection the backend is closing at that moment.
+const UPSTREAM_IDLE_TIMEOUT: Duration = Duration::from_secs(4);
 
 /// The paths the gateway answers itself (see the module table); every other path is proxied.
 pub const OWN_PATHS: [&str; 5] = [
@@ -63,7 +69,7 @@ pub struct Shared {
     pub(crate) lease: Lease,
     pub(crate) metrics: Arc<Metrics>,
     pub(crate) keys: ApiKeys,
-    pub(crate) client: UpstreamClient,
+    pub(crate) pool: UpstreamPool,
     draining: AtomicBool,
     stop_tx: watch::Sender<bool>,
 }
@@ -86,7 +92,7 @@ impl Gateway {
     pub fn new(cfg: GatewayConfig, backends: EndpointSet, keys: ApiKeys) -> Self {
         let demand = DemandHub::new(cfg.max_queue, cfg.aggregate_peers);
         let lease = Lease::new(demand.clone(), cfg.activation_timeout, cfg.activation_grace);
-        let client = proxy::upstream_client(cfg.connect_timeout);
+        let pool = UpstreamPool::new(cfg.connect_timeout, UPSTREAM_IDLE_TIMEOUT);
         Self {
             shared: Arc::new(Shared {
                 cfg,
@@ -95,7 +101,7 @@ impl Gateway {
                 lease,
                 metrics: Arc::new(Metrics::new()),
                 keys,
-                client,
+                pool,
                 draining: AtomicBool::new(false),
                 stop_tx: watch::channel(false).0,
             }),
@@ -125,6 +131,7 @@ impl Gateway {
     /// Starts the lease expiry and API key reloads; they stop when the runtime does.
     pub fn spawn_background(&self, key_reload_interval: Duration) {
         tokio::spawn(self.shared.lease.clone().run(self.shared.backends.clone()));
+        tokio::spawn(self.shared.pool.clone().maintain());
         tokio::spawn(self.shared.keys.clone().watch(key_reload_interval));
     }
 
@@ -294,10 +301,10 @@ impl Gateway {
                                 return;
                             }
                         };
-                        proxy::install_worker_client(proxy::upstream_client(
-                            gw.shared.cfg.connect_timeout,
-                        ));
-                        tokio::spawn(timer_anchor());
+                        let pool =
+                            UpstreamPool::new(gw.shared.cfg.connect_timeout, UPSTREAM_IDLE_TIMEOUT);
+                        tokio::spawn(pool.clone().maintain());
+                        proxy::install_worker_pool(pool);
                         let _ = tx.send(Ok(()));
                         let _ = gw.serve_http(listener).await;
                     });
@@ -329,25 +336,6 @@ impl Gateway {
             .await
     }
 }
-
-/// Keeps a timer of this runtime due within [`TIMER_ANCHOR_PERIOD`].
-///
-/// tokio's timer driver wakes its own thread (an eventfd write, then one more `epoll_wait`)
-/// whenever a timer is registered earlier than the driver's next planned wake-up, even when
-/// that thread is the one registering it. hyper arms a header-read timer (30 s) for every
-/// request on a keep-alive connection, so without a nearer timer every request paid that
-/// system call pair (measured: one `write` per request under `strace -c`). With a one-second
-/// tick the driver's next wake-up is always nearer, at the cost of one wake-up per second.
-async fn timer_anchor() {
-    let mut tick = tokio::time::interval(TIMER_ANCHOR_PERIOD);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tick.tick().await;
-    }
-}
-
-/// See [`timer_anchor`]; shorter than any per-request timer hyper or the gateway arms.
-const TIMER_ANCHOR_PERIOD: Duration = Duration::from_secs(1);
 
 /// A listener on `addr` with `SO_REUSEADDR` and `SO_REUSEPORT`, backlog 4096.
 fn reuseport_listener(addr: SocketAddr) -> std::io::Result<TcpListener> {

@@ -24,7 +24,6 @@ use bytes::{Bytes, BytesMut};
 use http_body::{Body as HttpBody, Frame, SizeHint};
 use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
 use hyper::body::Incoming;
-use hyper_util::client::legacy::{Client, connect::HttpConnector};
 
 use crate::{
     apikeys::AuthOutcome,
@@ -34,41 +33,27 @@ use crate::{
     gateway::Shared,
     metrics::Metrics,
     openai::{RequestHints, error_response, sse_error_event, with_retry_after},
+    upstream::{PooledConn, UpstreamPool},
 };
 
-/// The HTTP client used towards backends.
-pub type UpstreamClient = Client<HttpConnector, Full<Bytes>>;
-
-/// Builds the backend client: HTTP/1.1, TCP_NODELAY, pooled keep-alive connections.
-pub fn upstream_client(connect_timeout: Duration) -> UpstreamClient {
-    let mut connector = HttpConnector::new();
-    connector.set_nodelay(true);
-    connector.set_connect_timeout(Some(connect_timeout));
-    connector.enforce_http(true);
-    Client::builder(hyper_util::rt::TokioExecutor::new())
-        .pool_idle_timeout(Duration::from_secs(90))
-        .pool_timer(hyper_util::rt::TokioTimer::new())
-        .build(connector)
-}
-
 thread_local! {
-    /// The backend client of an HTTP worker thread ([`crate::Gateway::serve_http_workers`]):
-    /// each worker keeps its own connection pool, so a request and its backend connection are
-    /// served by the same thread, without cross-thread wake-ups.
-    static WORKER_CLIENT: std::cell::RefCell<Option<UpstreamClient>> = const { std::cell::RefCell::new(None) };
+    /// The backend connection pool of an HTTP worker thread
+    /// ([`crate::Gateway::serve_http_workers`]): each worker keeps its own, so a request and its
+    /// backend connection are served by the same thread, without cross-thread wake-ups.
+    static WORKER_POOL: std::cell::RefCell<Option<UpstreamPool>> = const { std::cell::RefCell::new(None) };
 }
 
-/// Gives the current thread its own backend client (see [`WORKER_CLIENT`]).
-pub(crate) fn install_worker_client(client: UpstreamClient) {
-    WORKER_CLIENT.with(|c| *c.borrow_mut() = Some(client));
+/// Gives the current thread its own backend connection pool (see [`WORKER_POOL`]).
+pub(crate) fn install_worker_pool(pool: UpstreamPool) {
+    WORKER_POOL.with(|c| *c.borrow_mut() = Some(pool));
 }
 
 impl Shared {
-    /// The current worker thread's backend client, or the shared one.
-    fn upstream(&self) -> UpstreamClient {
-        WORKER_CLIENT
+    /// The current worker thread's backend connection pool, or the shared one.
+    fn upstream(&self) -> UpstreamPool {
+        WORKER_POOL
             .with(|c| c.borrow().clone())
-            .unwrap_or_else(|| self.client.clone())
+            .unwrap_or_else(|| self.pool.clone())
     }
 }
 
@@ -170,6 +155,13 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     }
 }
 
+/// What a forwarded request holds on the backend until its response ends: the endpoint's
+/// outstanding-request count and the connection.
+struct BackendUse {
+    _ep: EndpointGuard,
+    conn: PooledConn,
+}
+
 /// Whether the request got past the hold, and how.
 enum HoldError {
     /// No endpoint became ready before the activation deadline.
@@ -207,16 +199,16 @@ impl Shared {
         out: &Outgoing,
         ep: &EndpointGuard,
     ) -> Result<hyper::Request<Full<Bytes>>, String> {
-        let uri = Uri::builder()
-            .scheme("http")
-            .authority(ep.endpoint().authority().clone())
-            .path_and_query(out.path_and_query.as_str())
-            .build()
-            .map_err(|e| format!("building the backend URI: {e}"))?;
+        let authority = ep.endpoint().authority();
+        let uri = Uri::try_from(out.path_and_query.as_str())
+            .map_err(|e| format!("building the backend request target: {e}"))?;
+        let host = HeaderValue::from_str(authority.as_str())
+            .map_err(|e| format!("building the backend Host field: {e}"))?;
         let mut req = hyper::Request::new(Full::new(out.body.clone()));
         *req.method_mut() = out.method.clone();
         *req.uri_mut() = uri;
         *req.headers_mut() = out.headers.clone();
+        req.headers_mut().insert(header::HOST, host);
         Ok(req)
     }
 
@@ -228,7 +220,7 @@ impl Shared {
         deadline: Instant,
         arrival: Instant,
         cold: bool,
-    ) -> Result<(hyper::Response<Incoming>, EndpointGuard), HoldError> {
+    ) -> Result<(hyper::Response<Incoming>, BackendUse), HoldError> {
         let mut backoff = Duration::from_millis(20);
         loop {
             let ep = self
@@ -237,8 +229,8 @@ impl Shared {
                 .ok_or(HoldError::Timeout)?;
             let req = self.build_upstream(out, &ep).map_err(HoldError::Upstream)?;
             let sent = Instant::now();
-            match self.upstream().request(req).await {
-                Ok(resp) => {
+            match self.upstream().send(ep.endpoint().authority(), req).await {
+                Ok((resp, conn)) => {
                     self.metrics
                         .upstream_latency
                         .observe(sent.elapsed().as_secs_f64());
@@ -248,7 +240,7 @@ impl Shared {
                             .observe(sent.duration_since(arrival).as_secs_f64());
                         self.lease.ready_seen();
                     }
-                    return Ok((resp, ep));
+                    return Ok((resp, BackendUse { _ep: ep, conn }));
                 }
                 Err(e) if e.is_connect() => {
                     self.metrics.upstream_error("connect");
@@ -493,7 +485,7 @@ where
     }
 
     match shared.forward(&out, deadline, arrival, cold).await {
-        Ok((resp, ep)) => relay(&shared, resp, ep, slot, tracker, arrival),
+        Ok((resp, backend)) => relay(&shared, resp, backend, slot, tracker, arrival),
         Err(HoldError::Timeout) => {
             drop(slot);
             let msg = format!(
@@ -547,7 +539,7 @@ fn forward_headers(mut h: HeaderMap, peer: Option<SocketAddr>) -> HeaderMap {
 fn relay(
     shared: &Arc<Shared>,
     resp: hyper::Response<Incoming>,
-    ep: EndpointGuard,
+    backend: BackendUse,
     slot: Admission,
     tracker: Tracker,
     arrival: Instant,
@@ -564,7 +556,7 @@ fn relay(
         body,
         tracker,
         parts.status.as_u16(),
-        (slot, ep),
+        (slot, backend),
         stream.then_some(arrival),
         false,
     );
@@ -594,7 +586,7 @@ struct Relay {
     inner: Incoming,
     tracker: Option<Tracker>,
     code: u16,
-    held: Option<(Admission, EndpointGuard)>,
+    held: Option<(Admission, BackendUse)>,
     /// Arrival time of a streaming request whose first token is not yet counted.
     ttft: Option<Instant>,
     metrics: Arc<Metrics>,
@@ -657,7 +649,7 @@ impl Relay {
         inner: Incoming,
         tracker: Tracker,
         code: u16,
-        held: (Admission, EndpointGuard),
+        held: (Admission, BackendUse),
         ttft: Option<Instant>,
         committed: bool,
     ) -> Self {
@@ -674,16 +666,22 @@ impl Relay {
             committed,
         };
         if relay.inner.is_end_stream() {
-            relay.complete();
+            relay.complete(true);
         }
         relay
     }
 
-    fn complete(&mut self) {
+    /// Records the outcome and lets go of the slot and the endpoint; the backend connection
+    /// goes back to its pool when the response was read to its end (`whole`), else it closes.
+    fn complete(&mut self, whole: bool) {
         if let Some(mut t) = self.tracker.take() {
             t.finish(self.code);
         }
-        self.held = None;
+        if let Some((_slot, backend)) = self.held.take()
+            && whole
+        {
+            backend.conn.release();
+        }
     }
 
     /// What `inner` ended with (`None`: the end; `Some(Err)`: a failure), after the data
@@ -695,7 +693,7 @@ impl Relay {
         let outcome = match outcome {
             Some(Err(e)) => {
                 self.metrics.upstream_error("stream");
-                self.complete();
+                self.complete(false);
                 if self.committed {
                     let msg = format!("the backend stream failed: {e}");
                     self.acc
@@ -707,11 +705,11 @@ impl Relay {
             }
             // A committed stream carries data only.
             Some(Ok(_)) if self.committed => {
-                self.complete();
+                self.complete(false);
                 None
             }
             None => {
-                self.complete();
+                self.complete(true);
                 None
             }
             other => other,
@@ -746,7 +744,7 @@ impl HttpBody for Relay {
                             this.metrics.ttft.observe(start.elapsed().as_secs_f64());
                         }
                         if this.inner.is_end_stream() {
-                            this.complete();
+                            this.complete(true);
                         }
                         if !data.is_empty() {
                             this.acc.push(data);
@@ -796,7 +794,7 @@ impl HttpBody for Relay {
 impl Drop for Relay {
     fn drop(&mut self) {
         if self.inner.is_end_stream() {
-            self.complete();
+            self.complete(true);
         }
         // Otherwise the tracker drops unfinished: the client left, counted as canceled, and
         // dropping `inner` closes the backend connection, which cancels the generation.
@@ -805,7 +803,7 @@ impl Drop for Relay {
 
 /// The forwarding of a held request, boxed: it is only polled, never moved.
 type Forwarding = Pin<
-    Box<dyn Future<Output = Result<(hyper::Response<Incoming>, EndpointGuard), HoldError>> + Send>,
+    Box<dyn Future<Output = Result<(hyper::Response<Incoming>, BackendUse), HoldError>> + Send>,
 >;
 
 /// Keepalive cold start for a streaming request: `200` with `text/event-stream` now, comment
@@ -975,7 +973,7 @@ impl HttpBody for HeldStream {
                         }
                     };
                     match result {
-                        Ok((resp, ep)) => {
+                        Ok((resp, backend)) => {
                             let status = resp.status();
                             let body = resp.into_body();
                             if status.is_success() {
@@ -990,7 +988,7 @@ impl HttpBody for HeldStream {
                                     body,
                                     tracker,
                                     200,
-                                    (slot, ep),
+                                    (slot, backend),
                                     Some(this.arrival),
                                     true,
                                 );
@@ -999,7 +997,7 @@ impl HttpBody for HeldStream {
                                 // The 200 is committed: the backend's error goes inside the
                                 // stream.
                                 let body = Box::pin(async move {
-                                    let _ep = ep;
+                                    let _backend = backend;
                                     Limited::new(body, 64 * 1024)
                                         .collect()
                                         .await
