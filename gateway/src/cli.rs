@@ -190,6 +190,10 @@ pub struct ServeArgs {
     /// Timeout for connecting to a backend endpoint.
     #[arg(long, env = "HEARTH_CONNECT_TIMEOUT", default_value = "5s", value_parser = duration)]
     pub connect_timeout: Duration,
+    /// Time a client has to send a request's header section, and the most a keep-alive client
+    /// connection may sit idle between requests.
+    #[arg(long, env = "HEARTH_HEADER_READ_TIMEOUT", default_value = "30s", value_parser = duration)]
+    pub header_read_timeout: Duration,
 }
 
 impl ServeArgs {
@@ -209,6 +213,12 @@ impl ServeArgs {
         }
         if self.activation_timeout.is_zero() {
             return Err(err("--activation-timeout", "must be positive, like \"5m\""));
+        }
+        if self.header_read_timeout < Duration::from_secs(1) {
+            return Err(err(
+                "--header-read-timeout",
+                "must be at least 1s (it is enforced to within a second), like \"30s\"",
+            ));
         }
         if self.body_limit == 0 {
             return Err(err("--body-limit", "must be positive, like \"8Mi\""));
@@ -249,6 +259,7 @@ impl ServeArgs {
             metric_target: self.metric_target,
             aggregate_peers: self.peer_service.is_some(),
             connect_timeout: self.connect_timeout,
+            header_read_timeout: self.header_read_timeout,
         })
     }
 

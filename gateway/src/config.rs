@@ -46,6 +46,10 @@ pub struct GatewayConfig {
     pub aggregate_peers: bool,
     /// Timeout for establishing a TCP connection to a backend endpoint.
     pub connect_timeout: Duration,
+    /// How long a client connection may take to send a request's header section, and how long
+    /// a keep-alive connection may sit idle between requests, before it is closed (slow-client
+    /// protection). Enforced to within one second (see [`crate::timer`]).
+    pub header_read_timeout: Duration,
 }
 
 impl Default for GatewayConfig {
@@ -64,6 +68,7 @@ impl Default for GatewayConfig {
             metric_target: 1.0,
             aggregate_peers: false,
             connect_timeout: Duration::from_secs(5),
+            header_read_timeout: Duration::from_secs(30),
         }
     }
 }

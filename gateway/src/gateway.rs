@@ -29,7 +29,7 @@ use axum::{
     routing::get,
 };
 use futures::future::Either;
-use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::rt::TokioIo;
 use serde::Deserialize;
 use tokio::{net::TcpListener, sync::watch};
 use tower_service::Service;
@@ -43,6 +43,7 @@ use crate::{
     peers,
     proxy::{self, ClientAddr},
     scaler::Scaler,
+    timer::CoarseTimer,
     upstream::UpstreamPool,
 };
 
@@ -70,6 +71,10 @@ pub struct Shared {
     pub(crate) metrics: Arc<Metrics>,
     pub(crate) keys: ApiKeys,
     pub(crate) pool: UpstreamPool,
+    /// Every backend connection pool of this replica: the shared one and one per HTTP worker.
+    pools: std::sync::Mutex<Vec<UpstreamPool>>,
+    /// hyper's connection timeouts (see [`CoarseTimer`]).
+    timer: CoarseTimer,
     draining: AtomicBool,
     stop_tx: watch::Sender<bool>,
 }
@@ -101,7 +106,9 @@ impl Gateway {
                 lease,
                 metrics: Arc::new(Metrics::new()),
                 keys,
+                pools: std::sync::Mutex::new(vec![pool.clone()]),
                 pool,
+                timer: CoarseTimer::new(),
                 draining: AtomicBool::new(false),
                 stop_tx: watch::channel(false).0,
             }),
@@ -131,7 +138,27 @@ impl Gateway {
     /// Starts the lease expiry and API key reloads; they stop when the runtime does.
     pub fn spawn_background(&self, key_reload_interval: Duration) {
         tokio::spawn(self.shared.lease.clone().run(self.shared.backends.clone()));
-        tokio::spawn(self.shared.pool.clone().maintain());
+        let shared = Arc::downgrade(&self.shared);
+        tokio::spawn(async move {
+            // Idle backend connections of every pool are closed from here, so the HTTP workers
+            // keep no timer of their own (see `timer`).
+            let mut tick = tokio::time::interval(Duration::from_secs(1));
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                let Some(shared) = shared.upgrade() else {
+                    return;
+                };
+                let pools = shared
+                    .pools
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .clone();
+                for pool in pools {
+                    pool.evict_idle();
+                }
+            }
+        });
         tokio::spawn(self.shared.keys.clone().watch(key_reload_interval));
     }
 
@@ -216,8 +243,8 @@ impl Gateway {
         let graceful = hyper_util::server::graceful::GracefulShutdown::new();
         let mut builder = hyper::server::conn::http1::Builder::new();
         builder
-            .timer(TokioTimer::new())
-            .header_read_timeout(Duration::from_secs(30))
+            .timer(self.shared.timer.clone())
+            .header_read_timeout(self.shared.cfg.header_read_timeout)
             .keep_alive(true);
         let stopped = self.stopped();
         tokio::pin!(stopped);
@@ -303,7 +330,11 @@ impl Gateway {
                         };
                         let pool =
                             UpstreamPool::new(gw.shared.cfg.connect_timeout, UPSTREAM_IDLE_TIMEOUT);
-                        tokio::spawn(pool.clone().maintain());
+                        gw.shared
+                            .pools
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .push(pool.clone());
                         proxy::install_worker_pool(pool);
                         let _ = tx.send(Ok(()));
                         let _ = gw.serve_http(listener).await;

@@ -28,6 +28,7 @@ pub mod openai;
 pub mod peers;
 pub mod proxy;
 pub mod scaler;
+pub mod timer;
 pub mod upstream;
 
 pub use config::{ColdStartMode, GatewayConfig};

@@ -266,6 +266,12 @@ impl Shared {
 
     /// The least-loaded ready endpoint, waiting for the set to change until `deadline`.
     async fn acquire_endpoint(&self, deadline: Instant) -> Option<EndpointGuard> {
+        // The warm path: no watch receiver to make and drop (dropping the last one wakes the
+        // sender's waiters).
+        if let Some(ep) = self.backends.pick() {
+            return Some(ep);
+        }
+        // Subscribed before looking again, so a change in between is not missed.
         let mut rx = self.backends.subscribe();
         loop {
             rx.borrow_and_update();

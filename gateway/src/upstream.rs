@@ -200,8 +200,8 @@ impl UpstreamPool {
     }
 
     /// Closes connections idle for longer than the idle timeout or already closed by the
-    /// backend, and forgets endpoints with none left. Called every second by
-    /// [`UpstreamPool::maintain`].
+    /// backend, and forgets endpoints with none left. The gateway calls it every second from its
+    /// main runtime, for every pool.
     pub fn evict_idle(&self) {
         let now = Instant::now();
         let timeout = self.inner.idle_timeout;
@@ -216,23 +216,5 @@ impl UpstreamPool {
     pub fn idle_count(&self, authority: &Authority) -> usize {
         let idle = self.inner.idle.lock().unwrap_or_else(|e| e.into_inner());
         idle.get(authority).map_or(0, Vec::len)
-    }
-
-    /// Evicts idle connections every second, forever (spawn it on the runtime that uses the
-    /// pool).
-    ///
-    /// The tick also keeps a timer of that runtime due within a second: tokio's timer driver
-    /// wakes its own thread (an eventfd write and one more `epoll_wait`) whenever a timer is
-    /// registered earlier than the driver's next planned wake-up, and hyper arms a 30 s
-    /// header-read timer for every request on a keep-alive connection. Without a nearer timer
-    /// every request paid that system-call pair (measured with `strace -c`: one `write` per
-    /// request).
-    pub async fn maintain(self) {
-        let mut tick = tokio::time::interval(Duration::from_secs(1));
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            tick.tick().await;
-            self.evict_idle();
-        }
     }
 }

@@ -783,3 +783,43 @@ async fn bursts_of_tokens_are_relayed_unchanged_warm_and_cold() {
         "{m}"
     );
 }
+
+/// A client that never finishes its header section, or idles on a keep-alive connection, is
+/// disconnected after the header-read timeout (enforced by the gateway's coarse timer).
+#[tokio::test]
+async fn slow_and_idle_clients_are_disconnected_after_the_header_read_timeout() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let stub = stub().await;
+    let gw = gateway(
+        GatewayConfig {
+            header_read_timeout: Duration::from_secs(1),
+            ..config()
+        },
+        EndpointSet::fixed([authority(&stub)]),
+    )
+    .await;
+    // Half a header section, then nothing.
+    let mut slow = tokio::net::TcpStream::connect(gw.http).await.unwrap();
+    slow.write_all(b"GET /v1/models HTTP/1.1\r\nHost: gw\r\n")
+        .await
+        .unwrap();
+    // A complete request, then an idle keep-alive connection.
+    let mut idle = tokio::net::TcpStream::connect(gw.http).await.unwrap();
+    idle.write_all(b"GET /healthz HTTP/1.1\r\nHost: gw\r\n\r\n")
+        .await
+        .unwrap();
+    let start = std::time::Instant::now();
+    for (name, conn) in [("slow", &mut slow), ("idle", &mut idle)] {
+        let mut buf = Vec::new();
+        let closed = tokio::time::timeout(Duration::from_secs(5), conn.read_to_end(&mut buf)).await;
+        assert!(closed.is_ok(), "{name}: still open after 5 s");
+        if name == "idle" {
+            assert!(buf.starts_with(b"HTTP/1.1 200"), "{name}: {buf:?}");
+        }
+    }
+    let waited = start.elapsed();
+    assert!(
+        waited >= Duration::from_millis(900),
+        "closed too early: {waited:?}"
+    );
+}
