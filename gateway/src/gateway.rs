@@ -272,9 +272,11 @@ impl Gateway {
                         Either::Left(r.call(req))
                     } else {
                         let shared = shared.clone();
-                        Either::Right(async move {
+                        // Boxed: hyper keeps room for the service's future for the whole
+                        // connection, and the proxy's is ~2 KiB; a held stream outlives it.
+                        Either::Right(Box::pin(async move {
                             Ok::<_, Infallible>(proxy::proxy(shared, req, Some(peer)).await)
-                        })
+                        }))
                     }
                 });
             let conn = builder.serve_connection(TokioIo::new(stream), svc);
