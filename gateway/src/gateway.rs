@@ -180,8 +180,11 @@ impl Gateway {
             .route(metrics_path, get(metrics))
             .fallback(
                 |State(shared): State<Arc<Shared>>, req: axum::extract::Request| {
-                    let peer = req.extensions().get::<ClientAddr>().map(|a| a.0);
-                    proxy::proxy(shared, req, peer)
+                    let peer_ip = req
+                        .extensions()
+                        .get::<ClientAddr>()
+                        .and_then(|a| proxy::peer_ip_value(a.0));
+                    proxy::proxy(shared, req, peer_ip)
                 },
             )
             .with_state(self.shared.clone())
@@ -263,6 +266,7 @@ impl Gateway {
             let _ = stream.set_nodelay(true);
             let router = router.clone();
             let shared = self.shared.clone();
+            let peer_ip = proxy::peer_ip_value(peer);
             // Proxied requests go straight to the proxy; the router (and its per-request body
             // boxing and route matching) serves only the gateway's own endpoints.
             let svc =
@@ -272,10 +276,11 @@ impl Gateway {
                         Either::Left(r.call(req))
                     } else {
                         let shared = shared.clone();
+                        let peer_ip = peer_ip.clone();
                         // Boxed: hyper keeps room for the service's future for the whole
                         // connection, and the proxy's is ~2 KiB; a held stream outlives it.
                         Either::Right(Box::pin(async move {
-                            Ok::<_, Infallible>(proxy::proxy(shared, req, Some(peer)).await)
+                            Ok::<_, Infallible>(proxy::proxy(shared, req, peer_ip).await)
                         }))
                     }
                 });

@@ -140,6 +140,11 @@ const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto
 
 /// Removes hop-by-hop fields from `headers` (RFC 9110 §7.6.1).
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    // Most messages carry none: one pass over the names costs less than a lookup per field
+    // (a field named in `Connection` implies `Connection` itself).
+    if !headers.keys().any(|k| HOP_BY_HOP.contains(k)) {
+        return;
+    }
     let named: Vec<HeaderName> = headers
         .get_all(header::CONNECTION)
         .iter()
@@ -305,12 +310,12 @@ fn models_list(names: &[String]) -> Response {
     resp
 }
 
-/// Every request that is not one of the gateway's own endpoints; `peer` is the client's
-/// address (for `X-Forwarded-For`).
+/// Every request that is not one of the gateway's own endpoints; `peer_ip` is the client's
+/// address (see [`peer_ip_value`]), for `X-Forwarded-For`.
 pub(crate) async fn proxy<B>(
     shared: Arc<Shared>,
     req: Request<B>,
-    peer: Option<SocketAddr>,
+    peer_ip: Option<HeaderValue>,
 ) -> Response
 where
     B: HttpBody<Data = Bytes>,
@@ -461,7 +466,7 @@ where
             .uri
             .path_and_query()
             .map_or_else(|| "/".to_owned(), |p| p.as_str().to_owned()),
-        headers: forward_headers(std::mem::take(&mut parts.headers), peer),
+        headers: forward_headers(std::mem::take(&mut parts.headers), peer_ip.as_ref()),
         body,
     };
     // Not kept across the wait below: it may point into hyper's read buffer.
@@ -517,27 +522,38 @@ where
 
 /// The headers sent to the backend: the client's `headers`, minus hop-by-hop fields, with
 /// `Content-Length` recomputed from the buffered body, `Via` (RFC 9110 §7.6.3) and
-/// `X-Forwarded-For` (the client `peer` appended)/`X-Forwarded-Host`/`X-Forwarded-Proto`.
-/// `Authorization` is passed through.
-fn forward_headers(mut h: HeaderMap, peer: Option<SocketAddr>) -> HeaderMap {
+/// `X-Forwarded-For` (the client's address `peer_ip` appended)/`X-Forwarded-Host`/
+/// `X-Forwarded-Proto`. `Authorization` is passed through.
+fn forward_headers(mut h: HeaderMap, peer_ip: Option<&HeaderValue>) -> HeaderMap {
     strip_hop_by_hop(&mut h);
+    h.reserve(4);
     h.remove(header::CONTENT_LENGTH);
     if let Some(host) = h.remove(header::HOST) {
         h.insert(X_FORWARDED_HOST, host);
     }
     h.append(header::VIA, HeaderValue::from_static("1.1 hearth-gateway"));
-    if let Some(addr) = peer {
-        let ip = addr.ip();
-        let v = match h.get(&X_FORWARDED_FOR).and_then(|v| v.to_str().ok()) {
-            Some(prev) => format!("{prev}, {ip}"),
-            None => ip.to_string(),
+    if let Some(ip) = peer_ip {
+        let v = match h.get(&X_FORWARDED_FOR) {
+            Some(prev) => {
+                let mut v = Vec::with_capacity(prev.len() + 2 + ip.len());
+                v.extend_from_slice(prev.as_bytes());
+                v.extend_from_slice(b", ");
+                v.extend_from_slice(ip.as_bytes());
+                HeaderValue::from_bytes(&v).ok()
+            }
+            None => Some(ip.clone()),
         };
-        if let Ok(v) = HeaderValue::from_str(&v) {
+        if let Some(v) = v {
             h.insert(X_FORWARDED_FOR, v);
         }
     }
     h.insert(X_FORWARDED_PROTO, HeaderValue::from_static("http"));
     h
+}
+
+/// The client's IP address as a header value, for `X-Forwarded-For`: made once per connection.
+pub(crate) fn peer_ip_value(peer: SocketAddr) -> Option<HeaderValue> {
+    HeaderValue::from_str(&peer.ip().to_string()).ok()
 }
 
 /// Turns the backend's response into ours: status and end-to-end headers unchanged, body
