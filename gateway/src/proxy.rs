@@ -187,14 +187,26 @@ impl Outgoing {
     /// Copies the body and the header values out of hyper's read buffer. hyper hands them out
     /// as slices of its 8 KiB per-connection buffer, so a held request would otherwise keep
     /// that buffer alive and make hyper allocate a second one for the same connection.
+    ///
+    /// The header map is rebuilt at its exact size on the way: a held request keeps it for as
+    /// long as the hold lasts, and the warm path leaves room in it for the added fields.
     fn detach(&mut self) {
         self.body = Bytes::copy_from_slice(&self.body);
-        for value in self.headers.values_mut() {
+        let headers = std::mem::take(&mut self.headers);
+        let mut compact = HeaderMap::with_capacity(headers.len());
+        let mut name: Option<HeaderName> = None;
+        // A name is given with its first value only; the values after it share it.
+        for (next, value) in headers {
+            if next.is_some() {
+                name = next;
+            }
+            let Some(name) = &name else { continue };
             let mut owned =
                 HeaderValue::from_bytes(value.as_bytes()).unwrap_or_else(|_| value.clone());
             owned.set_sensitive(value.is_sensitive());
-            *value = owned;
+            compact.append(name.clone(), owned);
         }
+        self.headers = compact;
     }
 }
 
@@ -1068,6 +1080,31 @@ impl HttpBody for HeldStream {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn detach_keeps_every_field_value_in_order_and_sensitivity() {
+        let mut h = HeaderMap::with_capacity(64);
+        h.append("x-a", HeaderValue::from_static("1"));
+        h.append("x-b", HeaderValue::from_static("2"));
+        h.append("x-a", HeaderValue::from_static("3"));
+        let mut auth = HeaderValue::from_static("Bearer k");
+        auth.set_sensitive(true);
+        h.insert(header::AUTHORIZATION, auth);
+        let mut out = Outgoing {
+            method: Method::POST,
+            path_and_query: "/v1/completions".into(),
+            headers: h,
+            body: Bytes::from_static(b"{}"),
+        };
+        out.detach();
+        let a: Vec<_> = out.headers.get_all("x-a").iter().collect();
+        assert_eq!(a, ["1", "3"]);
+        assert_eq!(out.headers["x-b"], "2");
+        assert!(out.headers[header::AUTHORIZATION].is_sensitive());
+        assert_eq!(out.headers.len(), 4);
+        assert!(out.headers.capacity() < 64, "rebuilt at its size");
+        assert_eq!(out.body, "{}");
+    }
 
     #[test]
     fn strips_hop_by_hop_and_connection_named_fields() {
