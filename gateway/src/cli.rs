@@ -194,6 +194,10 @@ pub struct ServeArgs {
     /// connection may sit idle between requests.
     #[arg(long, env = "HEARTH_HEADER_READ_TIMEOUT", default_value = "30s", value_parser = duration)]
     pub header_read_timeout: Duration,
+    /// How long an unused backend connection is kept for reuse; below the backend's keep-alive
+    /// timeout (vLLM: 5s).
+    #[arg(long, env = "HEARTH_BACKEND_IDLE_TIMEOUT", default_value = "4s", value_parser = duration)]
+    pub backend_idle_timeout: Duration,
 }
 
 impl ServeArgs {
@@ -218,6 +222,12 @@ impl ServeArgs {
             return Err(err(
                 "--header-read-timeout",
                 "must be at least 1s (it is enforced to within a second), like \"30s\"",
+            ));
+        }
+        if self.backend_idle_timeout.is_zero() {
+            return Err(err(
+                "--backend-idle-timeout",
+                "must be positive and below the backend's keep-alive timeout, like \"4s\"",
             ));
         }
         if self.body_limit == 0 {
@@ -260,6 +270,7 @@ impl ServeArgs {
             aggregate_peers: self.peer_service.is_some(),
             connect_timeout: self.connect_timeout,
             header_read_timeout: self.header_read_timeout,
+            backend_idle_timeout: self.backend_idle_timeout,
         })
     }
 

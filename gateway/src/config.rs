@@ -50,6 +50,10 @@ pub struct GatewayConfig {
     /// a keep-alive connection may sit idle between requests, before it is closed (slow-client
     /// protection). Enforced to within one second (see [`crate::timer`]).
     pub header_read_timeout: Duration,
+    /// How long an unused backend connection is kept for reuse. Keep it below the backend's
+    /// own keep-alive timeout (vLLM's uvicorn: 5 s) so the gateway never sends a request on a
+    /// connection the backend is closing at that moment.
+    pub backend_idle_timeout: Duration,
 }
 
 impl Default for GatewayConfig {
@@ -69,6 +73,7 @@ impl Default for GatewayConfig {
             aggregate_peers: false,
             connect_timeout: Duration::from_secs(5),
             header_read_timeout: Duration::from_secs(30),
+            backend_idle_timeout: Duration::from_secs(4),
         }
     }
 }

@@ -47,11 +47,6 @@ use crate::{
     upstream::UpstreamPool,
 };
 
-/// How long an unused backend connection is kept open: less than vLLM's HTTP keep-alive
-/// timeout (uvicorn's `timeout_keep_alive`, 5 s in vLLM), so the gateway never sends a request
-/// on a connection the backend is closing at that moment.
-const UPSTREAM_IDLE_TIMEOUT: Duration = Duration::from_secs(4);
-
 /// The paths the gateway answers itself (see the module table); every other path is proxied.
 pub const OWN_PATHS: [&str; 5] = [
     "/healthz",
@@ -97,7 +92,7 @@ impl Gateway {
     pub fn new(cfg: GatewayConfig, backends: EndpointSet, keys: ApiKeys) -> Self {
         let demand = DemandHub::new(cfg.max_queue, cfg.aggregate_peers);
         let lease = Lease::new(demand.clone(), cfg.activation_timeout, cfg.activation_grace);
-        let pool = UpstreamPool::new(cfg.connect_timeout, UPSTREAM_IDLE_TIMEOUT);
+        let pool = UpstreamPool::new(cfg.connect_timeout, cfg.backend_idle_timeout);
         Self {
             shared: Arc::new(Shared {
                 cfg,
@@ -335,8 +330,10 @@ impl Gateway {
                                 return;
                             }
                         };
-                        let pool =
-                            UpstreamPool::new(gw.shared.cfg.connect_timeout, UPSTREAM_IDLE_TIMEOUT);
+                        let pool = UpstreamPool::new(
+                            gw.shared.cfg.connect_timeout,
+                            gw.shared.cfg.backend_idle_timeout,
+                        );
                         gw.shared
                             .pools
                             .lock()

@@ -746,7 +746,12 @@ impl Relay {
                 self.complete(true);
                 None
             }
-            other => other,
+            // Trailers are the last part of a message (RFC 9112 §7.1.2), and hyper does not
+            // ask for the end after them.
+            Some(Ok(trailers)) => {
+                self.complete(true);
+                Some(Ok(trailers))
+            }
         };
         match self.acc.take() {
             Some(data) => {

@@ -4,8 +4,10 @@
 //! response are served by one thread. A connection is checked out for one exchange and comes
 //! back only when the response body has been read to its end ([`PooledConn::release`]); one
 //! dropped earlier (the client left mid-stream) closes, which is how vLLM learns to stop
-//! generating. A request that an idle connection could not take (the backend had closed it,
-//! RFC 9112 §9.3.1) is resent on another connection; one that was sent is never resent.
+//! generating. A request that an idle connection could not take (the backend had closed it)
+//! is resent on another connection. One that was sent is resent only when its method is
+//! idempotent and the reused connection closed before any answer (RFC 9112 §9.3.1, RFC 9110
+//! §9.2.2): a `POST` reaches the backend at most once.
 
 use std::{
     collections::HashMap,
@@ -14,7 +16,7 @@ use std::{
 };
 
 use bytes::Bytes;
-use http::{Request, Response, uri::Authority};
+use http::{Method, Request, Response, uri::Authority};
 use http_body_util::Full;
 use hyper::{body::Incoming, client::conn::http1::SendRequest};
 use hyper_util::rt::TokioIo;
@@ -44,6 +46,23 @@ impl UpstreamError {
     pub fn is_connect(&self) -> bool {
         matches!(self, UpstreamError::Connect { .. })
     }
+}
+
+/// Methods a client may retry on its own (RFC 9110 §9.2.2).
+fn is_idempotent(method: &Method) -> bool {
+    matches!(
+        *method,
+        Method::GET | Method::HEAD | Method::OPTIONS | Method::TRACE | Method::PUT | Method::DELETE
+    )
+}
+
+fn copy(req: &Request<Full<Bytes>>) -> Request<Full<Bytes>> {
+    let mut c = Request::new(req.body().clone());
+    *c.method_mut() = req.method().clone();
+    *c.uri_mut() = req.uri().clone();
+    *c.version_mut() = req.version();
+    *c.headers_mut() = req.headers().clone();
+    c
 }
 
 struct Idle {
@@ -117,12 +136,15 @@ impl UpstreamPool {
             if sender.ready().await.is_err() {
                 continue;
             }
+            // A copy to resend if the backend closes this connection under the request.
+            let again = is_idempotent(req.method()).then(|| copy(&req));
             match sender.try_send_request(req).await {
                 Ok(resp) => return Ok((resp, self.conn(authority, sender))),
-                Err(mut e) => match e.take_message() {
+                Err(mut e) => match (e.take_message(), again) {
                     // Not sent: the connection was closing. Try the next one.
-                    Some(back) => req = back,
-                    None => return Err(UpstreamError::Request(e.into_error())),
+                    (Some(back), _) => req = back,
+                    (None, Some(copy)) if e.error().is_incomplete_message() => req = copy,
+                    (None, _) => return Err(UpstreamError::Request(e.into_error())),
                 },
             }
         }
