@@ -80,16 +80,7 @@ async fn a_backend_restarted_on_the_same_address_is_reached_without_an_error() {
 
 #[tokio::test]
 async fn a_connection_dropped_mid_stream_is_closed_and_the_generation_canceled() {
-    let stub = vllm_stub::spawn(
-        vllm_stub::StubConfig {
-            token_count: 1000,
-            token_delay: Duration::from_millis(20),
-            ..stub_config()
-        },
-        localhost(),
-    )
-    .await
-    .unwrap();
+    let stub = long_stub(Duration::from_millis(20)).await;
     let a = authority(&stub);
     let pool = pool(Duration::from_secs(60));
     let (resp, conn) = pool.send(&a, request(&a, chat(true))).await.unwrap();

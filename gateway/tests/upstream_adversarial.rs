@@ -506,16 +506,7 @@ async fn chunked_sse_bytes_unchanged() {
 
 #[tokio::test]
 async fn fifty_client_disconnects_mid_stream() {
-    let stub = vllm_stub::spawn(
-        vllm_stub::StubConfig {
-            token_count: 1000,
-            token_delay: Duration::from_millis(10),
-            ..stub_config()
-        },
-        localhost(),
-    )
-    .await
-    .unwrap();
+    let stub = long_stub(Duration::from_millis(10)).await;
     let gw = gateway(config(), EndpointSet::fixed([authority(&stub)])).await;
     for i in 0..50 {
         // A fresh client each time, so the client connection is really closed.
@@ -918,16 +909,7 @@ async fn large_body_slow_client() {
 /// non-streaming completion): the backend must see the cancellation, and later requests work.
 #[tokio::test]
 async fn client_leaves_before_response_head() {
-    let stub = vllm_stub::spawn(
-        vllm_stub::StubConfig {
-            token_count: 1000,
-            token_delay: Duration::from_millis(10),
-            ..stub_config()
-        },
-        localhost(),
-    )
-    .await
-    .unwrap();
+    let stub = long_stub(Duration::from_millis(10)).await;
     let gw = gateway(config(), EndpointSet::fixed([authority(&stub)])).await;
     for _ in 0..10 {
         let c = client();

@@ -37,6 +37,17 @@ pub async fn stub() -> RunningStub {
     vllm_stub::spawn(stub_config(), localhost()).await.unwrap()
 }
 
+/// A stub that generates 1000 tokens `token_delay` apart: a stream that outlives the test's
+/// client unless it is cut.
+pub async fn long_stub(token_delay: Duration) -> RunningStub {
+    let cfg = StubConfig {
+        token_count: 1000,
+        token_delay,
+        ..stub_config()
+    };
+    vllm_stub::spawn(cfg, localhost()).await.unwrap()
+}
+
 pub fn authority(stub: &RunningStub) -> http::uri::Authority {
     stub.addr.to_string().parse().unwrap()
 }
