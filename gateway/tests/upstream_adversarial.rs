@@ -194,6 +194,30 @@ async fn full(c: &HttpClient, req: Request<Full<Bytes>>) -> (StatusCode, http::H
     timeout(T, send_full(c, req)).await.expect("request hung")
 }
 
+/// Sends `n` requests made by `req(i)`, `pause(i)` after the previous one, and asserts that
+/// every one was answered `200`, naming the first three that were not.
+async fn all_ok(
+    c: &HttpClient,
+    n: u64,
+    pause: impl Fn(u64) -> Duration,
+    req: impl Fn(u64) -> Request<Full<Bytes>>,
+) {
+    let mut failures = Vec::new();
+    for i in 0..n {
+        tokio::time::sleep(pause(i)).await;
+        let (s, _, b) = full(c, req(i)).await;
+        if s != StatusCode::OK {
+            failures.push((i, s, String::from_utf8_lossy(&b).into_owned()));
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} of {n} failed: {:?}",
+        failures.len(),
+        &failures[..failures.len().min(3)]
+    );
+}
+
 // ---- Backends that close their side ----
 
 #[tokio::test]
@@ -218,23 +242,13 @@ async fn backend_closes_after_each_response_without_connection_close() {
     let raw = raw_backend(|i, _| Reply::Close(ok(&format!("r{i}"), ""))).await;
     let gw = gw_for(&raw, config()).await;
     let c = client();
-    let mut failures = Vec::new();
-    for i in 0..100 {
-        let (s, _, b) = full(
-            &c,
-            post_req(&format!("{}/v1/completions", gw.url()), &chat(false), &[]),
-        )
-        .await;
-        if s != StatusCode::OK {
-            failures.push((i, s, String::from_utf8_lossy(&b).into_owned()));
-        }
-    }
-    assert!(
-        failures.is_empty(),
-        "{} of 100 failed: {:?}",
-        failures.len(),
-        &failures[..failures.len().min(3)]
-    );
+    all_ok(
+        &c,
+        100,
+        |_| Duration::ZERO,
+        |_| post_req(&format!("{}/v1/completions", gw.url()), &chat(false), &[]),
+    )
+    .await;
     assert_eq!(raw.count(), 100, "no POST sent twice");
 }
 
@@ -243,19 +257,13 @@ async fn backend_resets_after_each_response() {
     let raw = raw_backend(|i, _| Reply::Reset(ok(&format!("r{i}"), ""))).await;
     let gw = gw_for(&raw, config()).await;
     let c = client();
-    let mut failures = Vec::new();
-    for i in 0..100 {
-        let (s, _, b) = full(&c, get_req(&format!("{}/x", gw.url()))).await;
-        if s != StatusCode::OK {
-            failures.push((i, s, String::from_utf8_lossy(&b).into_owned()));
-        }
-    }
-    assert!(
-        failures.is_empty(),
-        "{} of 100 failed: {:?}",
-        failures.len(),
-        &failures[..failures.len().min(3)]
-    );
+    all_ok(
+        &c,
+        100,
+        |_| Duration::ZERO,
+        |_| get_req(&format!("{}/x", gw.url())),
+    )
+    .await;
 }
 
 /// The backend's idle timeout races the gateway's reuse (GET: resent when the reused connection
@@ -268,21 +276,9 @@ async fn backend_idle_close_race() {
             .await;
     let gw = gw_for(&raw, config()).await;
     let c = client();
-    let mut failures = Vec::new();
-    for i in 0..150u64 {
-        // 25..35 ms between requests.
-        tokio::time::sleep(Duration::from_millis(25 + (i * 7) % 11)).await;
-        let (s, _, b) = full(&c, get_req(&format!("{}/x?{i}", gw.url()))).await;
-        if s != StatusCode::OK {
-            failures.push((i, s, String::from_utf8_lossy(&b).into_owned()));
-        }
-    }
-    assert!(
-        failures.is_empty(),
-        "{} of 150 failed: {:?}",
-        failures.len(),
-        &failures[..failures.len().min(3)]
-    );
+    // 25..35 ms between requests.
+    let pause = |i: u64| Duration::from_millis(25 + (i * 7) % 11);
+    all_ok(&c, 150, pause, |i| get_req(&format!("{}/x?{i}", gw.url()))).await;
 }
 
 // ---- the backend dies mid-body ----
