@@ -23,7 +23,6 @@ use axum::{
 use bytes::{Bytes, BytesMut};
 use http_body::{Body as HttpBody, Frame, SizeHint};
 use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
-use hyper::body::Incoming;
 
 use crate::{
     apikeys::AuthOutcome,
@@ -33,7 +32,7 @@ use crate::{
     gateway::Shared,
     metrics::Metrics,
     openai::{RequestHints, error_response, sse_error_event, with_retry_after},
-    upstream::{PooledConn, UpstreamPool},
+    upstream::{UpstreamBody, UpstreamPool},
 };
 
 thread_local! {
@@ -161,10 +160,9 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
 }
 
 /// What a forwarded request holds on the backend until its response ends: the endpoint's
-/// outstanding-request count and the connection.
+/// outstanding-request count.
 struct BackendUse {
     _ep: EndpointGuard,
-    conn: PooledConn,
 }
 
 /// Whether the request got past the hold, and how.
@@ -237,7 +235,7 @@ impl Shared {
         deadline: Instant,
         arrival: Instant,
         cold: bool,
-    ) -> Result<(hyper::Response<Incoming>, BackendUse), HoldError> {
+    ) -> Result<(hyper::Response<UpstreamBody>, BackendUse), HoldError> {
         let mut backoff = Duration::from_millis(20);
         loop {
             let ep = self
@@ -247,7 +245,7 @@ impl Shared {
             let req = self.build_upstream(out, &ep).map_err(HoldError::Upstream)?;
             let sent = Instant::now();
             match self.upstream().send(ep.endpoint().authority(), req).await {
-                Ok((resp, conn)) => {
+                Ok(resp) => {
                     self.metrics
                         .upstream_latency
                         .observe(sent.elapsed().as_secs_f64());
@@ -257,7 +255,7 @@ impl Shared {
                             .observe(sent.duration_since(arrival).as_secs_f64());
                         self.lease.ready_seen();
                     }
-                    return Ok((resp, BackendUse { _ep: ep, conn }));
+                    return Ok((resp, BackendUse { _ep: ep }));
                 }
                 Err(e) if e.is_connect() => {
                     self.metrics.upstream_error("connect");
@@ -572,7 +570,7 @@ pub(crate) fn peer_ip_value(peer: SocketAddr) -> Option<HeaderValue> {
 /// passed through as it arrives (see [`Relay`]).
 fn relay(
     shared: &Arc<Shared>,
-    resp: hyper::Response<Incoming>,
+    resp: hyper::Response<UpstreamBody>,
     backend: BackendUse,
     slot: Admission,
     tracker: Tracker,
@@ -600,24 +598,16 @@ fn relay(
 /// At most this many bytes of already-arrived backend chunks are joined into one write.
 const COALESCE_MAX: usize = 16 * 1024;
 
-/// Scheduler turns without a new chunk after which the collected chunks go out. One turn is
-/// not always enough for hyper's client connection task to hand over a chunk it has already
-/// read (measured: with one turn no chunks were joined at all); each turn costs a task poll,
-/// not a timer.
-const COALESCE_TURNS: u8 = 2;
-
 /// The backend's body on its way to the client; it holds the admission slot and the endpoint's
 /// outstanding count until the last frame, and records the outcome.
 ///
 /// Chunks that have already arrived are joined into one frame, so a burst of SSE events costs
-/// one write to the client instead of one per event. hyper's client hands the body over from
-/// its connection task one chunk at a time, so "already arrived" is found out by letting that
-/// task run (a self-wake, no timer, at most [`COALESCE_TURNS`] turns): if it produced another
-/// chunk, it is appended and the check repeats; if not, what was collected goes out at once.
-/// A chunk is never held back for data that has not reached the gateway, and the bytes are
-/// unchanged.
+/// one write to the client instead of one per event. Polling [`UpstreamBody`] drives the
+/// backend connection in this task, so when it has nothing more to give, nothing more has
+/// reached the gateway: what was collected goes out at once. A chunk is never held back for
+/// data that has not arrived, and the bytes are unchanged.
 struct Relay {
-    inner: Incoming,
+    inner: UpstreamBody,
     tracker: Option<Tracker>,
     code: u16,
     held: Option<(Admission, BackendUse)>,
@@ -628,8 +618,6 @@ struct Relay {
     acc: Acc,
     /// A non-data outcome of `inner` that came after `acc`'s data, returned next.
     stash: Option<Option<Result<Frame<Bytes>, hyper::Error>>>,
-    /// Scheduler turns given to the backend connection task since the last chunk.
-    turns: u8,
     /// The `200` of a held stream is already committed: a backend failure becomes an SSE
     /// `error` event and the end of the stream, trailers are dropped.
     committed: bool,
@@ -680,7 +668,7 @@ impl Acc {
 impl Relay {
     fn new(
         shared: &Shared,
-        inner: Incoming,
+        inner: UpstreamBody,
         tracker: Tracker,
         code: u16,
         held: (Admission, BackendUse),
@@ -696,26 +684,21 @@ impl Relay {
             metrics: shared.metrics.clone(),
             acc: Acc::Empty,
             stash: None,
-            turns: 0,
             committed,
         };
         if relay.inner.is_end_stream() {
-            relay.complete(true);
+            relay.complete();
         }
         relay
     }
 
-    /// Records the outcome and lets go of the slot and the endpoint; the backend connection
-    /// goes back to its pool when the response was read to its end (`whole`), else it closes.
-    fn complete(&mut self, whole: bool) {
+    /// Records the outcome and lets go of the slot and the endpoint. (The backend connection
+    /// is [`UpstreamBody`]'s: it returns to its pool once the body was read to its end.)
+    fn complete(&mut self) {
         if let Some(mut t) = self.tracker.take() {
             t.finish(self.code);
         }
-        if let Some((_slot, backend)) = self.held.take()
-            && whole
-        {
-            backend.conn.release();
-        }
+        self.held = None;
     }
 
     /// What `inner` ended with (`None`: the end; `Some(Err)`: a failure), after the data
@@ -727,7 +710,7 @@ impl Relay {
         let outcome = match outcome {
             Some(Err(e)) => {
                 self.metrics.upstream_error("stream");
-                self.complete(false);
+                self.complete();
                 if self.committed {
                     let msg = format!("the backend stream failed: {e}");
                     self.acc
@@ -739,17 +722,17 @@ impl Relay {
             }
             // A committed stream carries data only.
             Some(Ok(_)) if self.committed => {
-                self.complete(false);
+                self.complete();
                 None
             }
             None => {
-                self.complete(true);
+                self.complete();
                 None
             }
             // Trailers are the last part of a message (RFC 9112 §7.1.2), and hyper does not
             // ask for the end after them.
             Some(Ok(trailers)) => {
-                self.complete(true);
+                self.complete();
                 Some(Ok(trailers))
             }
         };
@@ -783,12 +766,11 @@ impl HttpBody for Relay {
                             this.metrics.ttft.observe(start.elapsed().as_secs_f64());
                         }
                         if this.inner.is_end_stream() {
-                            this.complete(true);
+                            this.complete();
                         }
                         if !data.is_empty() {
                             this.acc.push(data);
                         }
-                        this.turns = 0;
                         if (this.inner.is_end_stream() || this.acc.len() >= COALESCE_MAX)
                             && let Some(data) = this.acc.take()
                         {
@@ -800,18 +782,10 @@ impl HttpBody for Relay {
                 Poll::Ready(Some(Err(e))) => return this.end(Some(Err(e))),
                 Poll::Ready(None) => return this.end(None),
                 Poll::Pending => {
-                    if matches!(this.acc, Acc::Empty) {
-                        return Poll::Pending;
-                    }
-                    if this.turns < COALESCE_TURNS {
-                        // Let the backend connection task hand over what it has already read.
-                        this.turns += 1;
-                        cx.waker().wake_by_ref();
-                        return Poll::Pending;
-                    }
-                    this.turns = 0;
-                    let data = this.acc.take().unwrap_or_default();
-                    return Poll::Ready(Some(Ok(Frame::data(data))));
+                    return match this.acc.take() {
+                        Some(data) => Poll::Ready(Some(Ok(Frame::data(data)))),
+                        None => Poll::Pending,
+                    };
                 }
             }
         }
@@ -833,7 +807,7 @@ impl HttpBody for Relay {
 impl Drop for Relay {
     fn drop(&mut self) {
         if self.inner.is_end_stream() {
-            self.complete(true);
+            self.complete();
         }
         // Otherwise the tracker drops unfinished: the client left, counted as canceled, and
         // dropping `inner` closes the backend connection, which cancels the generation.
@@ -842,7 +816,7 @@ impl Drop for Relay {
 
 /// The forwarding of a held request, boxed: it is only polled, never moved.
 type Forwarding = Pin<
-    Box<dyn Future<Output = Result<(hyper::Response<Incoming>, BackendUse), HoldError>> + Send>,
+    Box<dyn Future<Output = Result<(hyper::Response<UpstreamBody>, BackendUse), HoldError>> + Send>,
 >;
 
 /// Keepalive cold start for a streaming request: `200` with `text/event-stream` now, comment

@@ -1,8 +1,12 @@
 //! Connections to backends: HTTP/1.1 over TCP, kept alive in one idle pool per endpoint.
 //!
-//! Each HTTP worker thread has its own pool, so a request, its backend connection and its
-//! response are served by one thread. A connection is checked out for one exchange and comes
-//! back only when the response body has been read to its end ([`PooledConn::release`]); one
+//! Each HTTP worker thread has its own pool, and a connection has no task of its own: the
+//! request that uses it drives its I/O, first while sending and waiting for the response
+//! head ([`UpstreamPool::send`]), then from the response body ([`UpstreamBody`]). A request,
+//! its backend exchange and its response are therefore served by one task on one thread,
+//! without wake-ups between tasks.
+//!
+//! A connection goes back to the pool when its response body has been read to its end; one
 //! dropped earlier (the client left mid-stream) closes, which is how vLLM learns to stop
 //! generating. A request that an idle connection could not take (the backend had closed it)
 //! is resent on another connection. One that was sent is resent only when its method is
@@ -11,15 +15,23 @@
 
 use std::{
     collections::HashMap,
+    future::{Future, poll_fn},
+    pin::{Pin, pin},
     sync::{Arc, Mutex},
+    task::{Context, Poll, Waker},
     time::{Duration, Instant},
 };
 
 use bytes::Bytes;
 use http::{Method, Request, Response, uri::Authority};
+use http_body::{Body as HttpBody, Frame, SizeHint};
 use http_body_util::Full;
-use hyper::{body::Incoming, client::conn::http1::SendRequest};
+use hyper::{
+    body::Incoming,
+    client::conn::{TrySendError, http1},
+};
 use hyper_util::rt::TokioIo;
+use tokio::net::TcpStream;
 
 /// Idle connections kept per endpoint; more are closed when they come back.
 const MAX_IDLE_PER_ENDPOINT: usize = 1024;
@@ -56,6 +68,16 @@ fn is_idempotent(method: &Method) -> bool {
     )
 }
 
+/// Whether `e` says the connection closed under a request before any answer came: the backend
+/// closed it (end of stream) or reset it, as one does at the end of its keep-alive timeout.
+fn closed_before_answer(e: &hyper::Error) -> bool {
+    use std::io::ErrorKind::{BrokenPipe, ConnectionAborted, ConnectionReset};
+    e.is_incomplete_message()
+        || std::error::Error::source(e)
+            .and_then(|s| s.downcast_ref::<std::io::Error>())
+            .is_some_and(|io| matches!(io.kind(), ConnectionReset | BrokenPipe | ConnectionAborted))
+}
+
 fn copy(req: &Request<Full<Bytes>>) -> Request<Full<Bytes>> {
     let mut c = Request::new(req.body().clone());
     *c.method_mut() = req.method().clone();
@@ -65,21 +87,81 @@ fn copy(req: &Request<Full<Bytes>>) -> Request<Full<Bytes>> {
     c
 }
 
+/// hyper's state machine for one connection: it reads, writes and parses when polled.
+type Driver = http1::Connection<TokioIo<TcpStream>, Full<Bytes>>;
+
+/// One backend connection: hyper's handle to send on it and the state machine that whoever
+/// uses the connection drives.
+struct Conn {
+    sender: http1::SendRequest<Full<Bytes>>,
+    /// `None` once the connection has ended.
+    driver: Option<Driver>,
+}
+
+impl Conn {
+    /// Moves the connection's I/O along as far as it can go without waiting; `false` once the
+    /// connection has ended (closed by either side, or failed).
+    fn drive(&mut self, cx: &mut Context<'_>) -> bool {
+        let Some(driver) = self.driver.as_mut() else {
+            return false;
+        };
+        match Pin::new(driver).poll(cx) {
+            Poll::Pending => true,
+            Poll::Ready(r) => {
+                if let Err(e) = r {
+                    tracing::debug!(error = %e, "backend connection ended");
+                }
+                self.driver = None;
+                false
+            }
+        }
+    }
+
+    /// Whether the connection has not ended, as far as is known without waiting.
+    fn is_open(&mut self) -> bool {
+        self.drive(&mut Context::from_waker(Waker::noop())) && !self.sender.is_closed()
+    }
+
+    /// Waits until the connection can take a request; an error when it has ended.
+    async fn ready(&mut self) -> Result<(), hyper::Error> {
+        poll_fn(|cx| {
+            self.drive(cx);
+            self.sender.poll_ready(cx)
+        })
+        .await
+    }
+
+    /// Sends `req` and waits for the response head, driving the connection meanwhile.
+    async fn exchange(
+        &mut self,
+        req: Request<Full<Bytes>>,
+    ) -> Result<Response<Incoming>, TrySendError<Request<Full<Bytes>>>> {
+        let mut answer = pin!(self.sender.try_send_request(req));
+        poll_fn(|cx| {
+            self.drive(cx);
+            answer.as_mut().poll(cx)
+        })
+        .await
+    }
+}
+
 struct Idle {
-    sender: SendRequest<Full<Bytes>>,
+    conn: Conn,
     since: Instant,
 }
 
-#[derive(Debug)]
 struct Inner {
     connect_timeout: Duration,
     idle_timeout: Duration,
     idle: Mutex<HashMap<Authority, Vec<Idle>>>,
 }
 
-impl std::fmt::Debug for Idle {
+impl std::fmt::Debug for Inner {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Idle").field("since", &self.since).finish()
+        f.debug_struct("UpstreamPool")
+            .field("connect_timeout", &self.connect_timeout)
+            .field("idle_timeout", &self.idle_timeout)
+            .finish_non_exhaustive()
     }
 }
 
@@ -90,20 +172,73 @@ pub struct UpstreamPool {
     inner: Arc<Inner>,
 }
 
-/// A connection checked out for one exchange. [`PooledConn::release`] returns it once the
-/// response has been read whole; dropping it instead closes the connection.
-#[derive(Debug)]
-pub struct PooledConn {
-    sender: SendRequest<Full<Bytes>>,
+/// A backend's response body. Polling it drives the connection it arrives on; once it has
+/// been read to its end (the last data frame, trailers, or an empty body) the connection goes
+/// back to its pool. Dropped before that, it closes the connection.
+pub struct UpstreamBody {
+    inner: Incoming,
+    /// The connection, until it is returned or closed.
+    conn: Option<Conn>,
     authority: Authority,
     pool: UpstreamPool,
 }
 
-impl PooledConn {
-    /// Returns the connection to its pool (after the response body ended).
-    pub fn release(self) {
-        if !self.sender.is_closed() {
-            self.pool.put(self.authority, self.sender);
+impl std::fmt::Debug for UpstreamBody {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UpstreamBody")
+            .field("authority", &self.authority)
+            .field("open", &self.conn.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+impl UpstreamBody {
+    fn release(&mut self) {
+        if let Some(conn) = self.conn.take() {
+            self.pool.put(self.authority.clone(), conn);
+        }
+    }
+}
+
+impl HttpBody for UpstreamBody {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        let this = &mut *self;
+        // What the connection has already read reaches `inner` first.
+        if let Some(conn) = this.conn.as_mut() {
+            conn.drive(cx);
+        }
+        let polled = Pin::new(&mut this.inner).poll_frame(cx);
+        match &polled {
+            Poll::Ready(Some(Err(_))) => this.conn = None,
+            Poll::Ready(None) => this.release(),
+            // Trailers are the last part of a message (RFC 9112 §7.1.2).
+            Poll::Ready(Some(Ok(frame))) if frame.is_trailers() || this.inner.is_end_stream() => {
+                this.release()
+            }
+            _ => {}
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+impl Drop for UpstreamBody {
+    fn drop(&mut self) {
+        if self.inner.is_end_stream() {
+            self.release();
         }
     }
 }
@@ -122,7 +257,8 @@ impl UpstreamPool {
     }
 
     /// Sends `req` (origin-form target, `Host` set) to `authority` on an idle connection or a
-    /// new one, and returns the response head with the connection it arrived on.
+    /// new one, and returns the response head; its body carries the connection (see
+    /// [`UpstreamBody`]).
     ///
     /// # Errors
     /// [`UpstreamError::Connect`] when no connection could be made; [`UpstreamError::Request`]
@@ -131,64 +267,76 @@ impl UpstreamPool {
         &self,
         authority: &Authority,
         mut req: Request<Full<Bytes>>,
-    ) -> Result<(Response<Incoming>, PooledConn), UpstreamError> {
-        while let Some(mut sender) = self.take_idle(authority) {
-            if sender.ready().await.is_err() {
+    ) -> Result<Response<UpstreamBody>, UpstreamError> {
+        while let Some(mut conn) = self.take_idle(authority) {
+            if conn.ready().await.is_err() {
                 continue;
             }
             // A copy to resend if the backend closes this connection under the request.
             let again = is_idempotent(req.method()).then(|| copy(&req));
-            match sender.try_send_request(req).await {
-                Ok(resp) => return Ok((resp, self.conn(authority, sender))),
+            match conn.exchange(req).await {
+                Ok(resp) => return Ok(self.response(authority, resp, conn)),
                 Err(mut e) => match (e.take_message(), again) {
                     // Not sent: the connection was closing. Try the next one.
                     (Some(back), _) => req = back,
-                    (None, Some(copy)) if e.error().is_incomplete_message() => req = copy,
+                    (None, Some(copy)) if closed_before_answer(e.error()) => req = copy,
                     (None, _) => return Err(UpstreamError::Request(e.into_error())),
                 },
             }
         }
-        let mut sender = self.connect(authority).await?;
-        let resp = sender.send_request(req).await?;
-        Ok((resp, self.conn(authority, sender)))
+        let mut conn = self.connect(authority).await?;
+        let resp = conn.exchange(req).await.map_err(TrySendError::into_error)?;
+        Ok(self.response(authority, resp, conn))
     }
 
-    fn conn(&self, authority: &Authority, sender: SendRequest<Full<Bytes>>) -> PooledConn {
-        PooledConn {
-            sender,
-            authority: authority.clone(),
-            pool: self.clone(),
-        }
+    fn response(
+        &self,
+        authority: &Authority,
+        resp: Response<Incoming>,
+        conn: Conn,
+    ) -> Response<UpstreamBody> {
+        resp.map(|inner| {
+            let mut body = UpstreamBody {
+                inner,
+                conn: Some(conn),
+                authority: authority.clone(),
+                pool: self.clone(),
+            };
+            if body.inner.is_end_stream() {
+                body.release();
+            }
+            body
+        })
     }
 
-    fn take_idle(&self, authority: &Authority) -> Option<SendRequest<Full<Bytes>>> {
+    fn take_idle(&self, authority: &Authority) -> Option<Conn> {
         let mut idle = self.inner.idle.lock().unwrap_or_else(|e| e.into_inner());
         let list = idle.get_mut(authority)?;
         // Most recently used first: it is the least likely to have been closed by the backend.
         let now = Instant::now();
-        while let Some(c) = list.pop() {
-            if !c.sender.is_closed() && now.duration_since(c.since) < self.inner.idle_timeout {
-                return Some(c.sender);
+        while let Some(mut c) = list.pop() {
+            if now.duration_since(c.since) < self.inner.idle_timeout && c.conn.is_open() {
+                return Some(c.conn);
             }
         }
         None
     }
 
-    fn put(&self, authority: Authority, sender: SendRequest<Full<Bytes>>) {
+    fn put(&self, authority: Authority, mut conn: Conn) {
+        if !conn.is_open() {
+            return;
+        }
         let mut idle = self.inner.idle.lock().unwrap_or_else(|e| e.into_inner());
         let list = idle.entry(authority).or_default();
         if list.len() < MAX_IDLE_PER_ENDPOINT {
             list.push(Idle {
-                sender,
+                conn,
                 since: Instant::now(),
             });
         }
     }
 
-    async fn connect(
-        &self,
-        authority: &Authority,
-    ) -> Result<SendRequest<Full<Bytes>>, UpstreamError> {
+    async fn connect(&self, authority: &Authority) -> Result<Conn, UpstreamError> {
         let err = |source| UpstreamError::Connect {
             authority: authority.clone(),
             source,
@@ -198,27 +346,22 @@ impl UpstreamPool {
             .host()
             .trim_start_matches('[')
             .trim_end_matches(']');
-        let stream = tokio::time::timeout(
-            self.inner.connect_timeout,
-            tokio::net::TcpStream::connect((host, port)),
-        )
-        .await
-        .map_err(|_| {
-            err(std::io::Error::new(
-                std::io::ErrorKind::TimedOut,
-                format!("no connection within {:?}", self.inner.connect_timeout),
-            ))
-        })?
-        .map_err(err)?;
+        let stream =
+            tokio::time::timeout(self.inner.connect_timeout, TcpStream::connect((host, port)))
+                .await
+                .map_err(|_| {
+                    err(std::io::Error::new(
+                        std::io::ErrorKind::TimedOut,
+                        format!("no connection within {:?}", self.inner.connect_timeout),
+                    ))
+                })?
+                .map_err(err)?;
         stream.set_nodelay(true).map_err(err)?;
-        let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
-        let peer = authority.clone();
-        tokio::spawn(async move {
-            if let Err(e) = conn.await {
-                tracing::debug!(endpoint = %peer, error = %e, "backend connection ended");
-            }
-        });
-        Ok(sender)
+        let (sender, driver) = http1::handshake(TokioIo::new(stream)).await?;
+        Ok(Conn {
+            sender,
+            driver: Some(driver),
+        })
     }
 
     /// Closes connections idle for longer than the idle timeout or already closed by the
@@ -229,7 +372,7 @@ impl UpstreamPool {
         let timeout = self.inner.idle_timeout;
         let mut idle = self.inner.idle.lock().unwrap_or_else(|e| e.into_inner());
         idle.retain(|_, list| {
-            list.retain(|c| !c.sender.is_closed() && now.duration_since(c.since) < timeout);
+            list.retain_mut(|c| now.duration_since(c.since) < timeout && c.conn.is_open());
             !list.is_empty()
         });
     }

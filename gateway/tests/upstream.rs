@@ -1,5 +1,6 @@
 //! The backend connection pool against the real vllm-stub: reuse, a backend that closed its
-//! side, a client that leaves mid-stream, idle expiry, connect errors.
+//! side, a client that leaves mid-stream, idle expiry, connect errors. The response body drives
+//! its connection (no task of its own) and returns it to the pool when read to its end.
 
 mod common;
 
@@ -7,10 +8,10 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use common::*;
+use hearth_gateway::upstream::UpstreamBody;
 use hearth_gateway::upstream::UpstreamPool;
 use http::{Request, header};
 use http_body_util::{BodyExt, Full};
-use hyper::body::Incoming;
 
 fn pool(idle: Duration) -> UpstreamPool {
     UpstreamPool::new(Duration::from_secs(2), idle)
@@ -24,13 +25,11 @@ fn request(authority: &http::uri::Authority, body: serde_json::Value) -> Request
         .unwrap()
 }
 
-/// One exchange, read to its end, the connection released.
+/// One exchange, read to its end (which returns the connection to the pool).
 async fn exchange(pool: &UpstreamPool, a: &http::uri::Authority) -> Bytes {
-    let (resp, conn) = pool.send(a, request(a, chat(false))).await.unwrap();
+    let resp = pool.send(a, request(a, chat(false))).await.unwrap();
     assert!(resp.status().is_success(), "{}", resp.status());
-    let body = resp.into_body().collect().await.unwrap().to_bytes();
-    conn.release();
-    body
+    resp.into_body().collect().await.unwrap().to_bytes()
 }
 
 #[tokio::test]
@@ -52,14 +51,17 @@ async fn concurrent_exchanges_get_a_connection_each() {
     let stub = stub().await;
     let a = authority(&stub);
     let pool = pool(Duration::from_secs(60));
-    let (r1, c1) = pool.send(&a, request(&a, chat(true))).await.unwrap();
-    let (r2, c2) = pool.send(&a, request(&a, chat(true))).await.unwrap();
+    let r1 = pool.send(&a, request(&a, chat(true))).await.unwrap();
+    let r2 = pool.send(&a, request(&a, chat(true))).await.unwrap();
+    assert_eq!(pool.idle_count(&a), 0, "both connections are in use");
     let (b1, b2) = tokio::join!(r1.into_body().collect(), r2.into_body().collect());
     assert!(b1.unwrap().to_bytes().ends_with(b"data: [DONE]\n\n"));
     assert!(b2.unwrap().to_bytes().ends_with(b"data: [DONE]\n\n"));
-    c1.release();
-    c2.release();
-    assert_eq!(pool.idle_count(&a), 2);
+    assert_eq!(
+        pool.idle_count(&a),
+        2,
+        "both came back once read to the end"
+    );
 }
 
 #[tokio::test]
@@ -83,13 +85,12 @@ async fn a_connection_dropped_mid_stream_is_closed_and_the_generation_canceled()
     let stub = long_stub(Duration::from_millis(20)).await;
     let a = authority(&stub);
     let pool = pool(Duration::from_secs(60));
-    let (resp, conn) = pool.send(&a, request(&a, chat(true))).await.unwrap();
-    let mut body: Incoming = resp.into_body();
+    let resp = pool.send(&a, request(&a, chat(true))).await.unwrap();
+    let mut body: UpstreamBody = resp.into_body();
     let first = body.frame().await.unwrap().unwrap();
     assert!(first.is_data());
     assert_eq!(stub.state.running(), 1);
     drop(body);
-    drop(conn);
     assert_eq!(pool.idle_count(&a), 0, "not returned to the pool");
     for _ in 0..200 {
         if stub.state.running() == 0 {
