@@ -10,7 +10,9 @@
 use std::sync::Arc;
 
 use hearth_crds::{InferenceRuntime, LLMService, ServingPolicy, servingpolicy::Operation};
-use hearth_policies::{EvalInput, MutateError, PolicySet, manifest::runtime_params};
+use hearth_policies::{
+    EvalInput, MutateError, PolicySet, PolicySettings, manifest::runtime_params,
+};
 use k8s_openapi::api::apps::v1::Deployment;
 
 /// Why the policy step could not complete the backend.
@@ -81,12 +83,14 @@ impl Engine {
     }
 }
 
-/// Runs the mutations over the backend Deployment of `service` with `runtime` as `params`.
+/// Runs the mutations over the backend Deployment of `service` with `runtime` as `params` and
+/// `settings` as `settings`.
 pub fn apply(
     engine: &Engine,
     deployment: Deployment,
     service: &LLMService,
     runtime: &InferenceRuntime,
+    settings: &PolicySettings,
 ) -> Result<Deployment, PolicyError> {
     if service.spec.resources.fraction.is_some() {
         return Err(if runtime.spec.accelerator.sharing.supported {
@@ -102,6 +106,7 @@ pub fn apply(
         service: Some(
             serde_json::to_value(service).map_err(|e| PolicyError::Invalid(e.to_string()))?,
         ),
+        settings: Some(settings.to_value()),
         ..EvalInput::for_object(object, Operation::Create)
     };
     let mutated = engine.set.mutate(&input)?;

@@ -84,6 +84,16 @@ impl RenderConfig {
     }
 }
 
+impl RenderConfig {
+    /// What the backend's policies see as `settings`: the gateway image also runs the drain
+    /// sidecar (`hearth-gateway drain --listen`).
+    pub fn policy_settings(&self) -> hearth_policies::PolicySettings {
+        hearth_policies::PolicySettings {
+            drain_image: Some(self.gateway_image.clone()),
+        }
+    }
+}
+
 /// The default gateway image: Hearth's registry, tagged with this controller's version.
 pub fn default_gateway_image() -> String {
     format!(
@@ -397,7 +407,13 @@ pub fn render(
     }
 
     let skeleton = backend_skeleton(&ctx, volume.clone(), create_backend)?;
-    let backend = policy::apply(&cfg.engine, skeleton, service, runtime)?;
+    let backend = policy::apply(
+        &cfg.engine,
+        skeleton,
+        service,
+        runtime,
+        &cfg.policy_settings(),
+    )?;
     Ok(Children {
         gateway_service_account: ServiceAccount {
             metadata: ctx.meta(names::gateway(&ctx.name), Component::Gateway),

@@ -99,6 +99,27 @@ pub struct DrainArgs {
     /// Time between two reads of the metrics.
     #[arg(long, env = "HEARTH_DRAIN_INTERVAL", default_value = "250ms", value_parser = duration)]
     pub interval: Duration,
+    /// How long the backend must report no running and no waiting request before the drain
+    /// ends: covers requests a gateway routed before it saw the pod terminating.
+    #[arg(long, env = "HEARTH_DRAIN_SETTLE", default_value = "2s", value_parser = duration)]
+    pub settle: Duration,
+    /// Serve the drain instead of running it once: `GET /drain` runs one drain and answers
+    /// when it ends (an `httpGet` preStop hook on the model container, with this process as a
+    /// native sidecar). `GET /healthz` answers 200.
+    #[arg(long, env = "HEARTH_DRAIN_LISTEN")]
+    pub listen: Option<std::net::SocketAddr>,
+}
+
+impl DrainArgs {
+    /// The drain these flags describe.
+    pub fn spec(&self) -> crate::drain::DrainSpec {
+        crate::drain::DrainSpec {
+            url: self.url.clone(),
+            timeout: self.timeout,
+            interval: self.interval,
+            settle: self.settle,
+        }
+    }
 }
 
 /// `hearth-gateway` (serve).

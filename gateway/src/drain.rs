@@ -1,10 +1,21 @@
-//! The backend drain used by a backend pod's `preStop` hook
-//! (`hearth-gateway drain --url http://127.0.0.1:8000/metrics --timeout 20s`).
+//! The backend drain a backend pod's `preStop` hook runs: it waits exactly as long as the
+//! in-flight work, not a fixed sleep.
 //!
-//! It reads vLLM's Prometheus endpoint and returns as soon as `vllm:num_requests_running` and
-//! `vllm:num_requests_waiting` are both 0 (summed over all label sets), or when the timeout
-//! passes: a preStop that waits exactly as long as the in-flight work, not a fixed sleep.
-//! A backend that refuses connections has nothing in flight, so that also ends the wait.
+//! It reads vLLM's Prometheus endpoint and returns once `vllm:num_requests_running` and
+//! `vllm:num_requests_waiting` are both 0 (summed over all label sets) and have stayed 0 for a
+//! settle time, or when the timeout passes. The settle time covers requests that a gateway
+//! routed just before it saw the pod terminating (the endpoint update takes a moment to
+//! propagate). A backend that refuses connections has nothing in flight, so that ends the wait
+//! at once.
+//!
+//! Two ways to run it:
+//! - `hearth-gateway drain --url http://127.0.0.1:8000/metrics --timeout 2m`: one drain, for an
+//!   `exec` preStop in an image that ships the binary;
+//! - `hearth-gateway drain --listen 0.0.0.0:8099 …`: a native sidecar (KEP-753) serving
+//!   `GET /drain`, which answers when one drain ends, for an `httpGet` preStop on the model
+//!   container. It needs nothing in the runtime image; this is what the built-in serving
+//!   defaults inject. The kubelet waits for the answer (bounded by the grace period), and stops
+//!   the sidecar only after the model container has exited.
 
 use std::time::{Duration, Instant};
 
@@ -86,19 +97,37 @@ fn close_labels(s: &str) -> Option<usize> {
     None
 }
 
-/// Polls `url` (a vLLM `/metrics` endpoint) every `interval` until the backend is idle or gone,
-/// or `timeout` passes.
-pub async fn wait_backend_idle(
-    url: &http::Uri,
-    timeout: Duration,
-    interval: Duration,
-) -> DrainOutcome {
+/// How to drain: where vLLM's metrics are and how long to wait.
+#[derive(Debug, Clone)]
+pub struct DrainSpec {
+    /// The backend's Prometheus endpoint (vLLM's `/metrics`).
+    pub url: http::Uri,
+    /// Upper bound on the whole wait (the LLMService's `drainTimeout`).
+    pub timeout: Duration,
+    /// Time between two reads of the metrics.
+    pub interval: Duration,
+    /// How long the backend must stay idle before the drain ends.
+    pub settle: Duration,
+}
+
+/// Polls the metrics every `spec.interval` until the backend has been idle for `spec.settle`
+/// or is gone, or `spec.timeout` passes.
+pub async fn wait_backend_idle(spec: &DrainSpec) -> DrainOutcome {
+    let DrainSpec {
+        url,
+        timeout,
+        interval,
+        settle,
+    } = spec;
+    let (timeout, interval, settle) = (*timeout, *interval, *settle);
     let start = Instant::now();
     let mut connector = HttpConnector::new();
     connector.set_connect_timeout(Some(Duration::from_secs(2)));
     let client: Client<_, Empty<Bytes>> =
         Client::builder(hyper_util::rt::TokioExecutor::new()).build(connector);
     let (mut running, mut waiting) = (None, None);
+    // When the backend was first seen idle in the current idle stretch.
+    let mut idle_since: Option<Instant> = None;
     loop {
         let left = timeout.saturating_sub(start.elapsed());
         if left.is_zero() {
@@ -115,9 +144,14 @@ pub async fn wait_backend_idle(
                     running = sum_metric(&text, RUNNING);
                     waiting = sum_metric(&text, WAITING);
                     if running == Some(0.0) && waiting.unwrap_or(0.0) == 0.0 {
-                        return DrainOutcome::Idle {
-                            waited: start.elapsed(),
-                        };
+                        let since = *idle_since.get_or_insert_with(Instant::now);
+                        if since.elapsed() >= settle {
+                            return DrainOutcome::Idle {
+                                waited: start.elapsed(),
+                            };
+                        }
+                    } else {
+                        idle_since = None;
                     }
                     if running.is_none() {
                         tracing::warn!(%url, "the metrics do not contain {RUNNING}; waiting for the timeout");
@@ -125,6 +159,7 @@ pub async fn wait_backend_idle(
                 }
             }
             Ok(Ok(resp)) => {
+                idle_since = None;
                 tracing::warn!(%url, status = %resp.status(), "metrics endpoint answered an error")
             }
             Ok(Err(e)) if e.is_connect() => {
@@ -132,12 +167,87 @@ pub async fn wait_backend_idle(
                     waited: start.elapsed(),
                 };
             }
-            Ok(Err(e)) => tracing::warn!(%url, error = %e, "reading metrics failed"),
-            Err(_) => tracing::warn!(%url, "metrics endpoint did not answer in time"),
+            Ok(Err(e)) => {
+                idle_since = None;
+                tracing::warn!(%url, error = %e, "reading metrics failed")
+            }
+            Err(_) => {
+                idle_since = None;
+                tracing::warn!(%url, "metrics endpoint did not answer in time")
+            }
         }
         let left = timeout.saturating_sub(start.elapsed());
         tokio::time::sleep(interval.min(left)).await;
     }
+}
+
+impl DrainOutcome {
+    /// Logs the outcome (info when the backend is idle or gone, a warning on timeout).
+    pub fn log(&self) {
+        match self {
+            DrainOutcome::Idle { waited } => {
+                tracing::info!(waited_ms = waited.as_millis() as u64, "backend idle")
+            }
+            DrainOutcome::Gone { waited } => tracing::info!(
+                waited_ms = waited.as_millis() as u64,
+                "backend not listening"
+            ),
+            DrainOutcome::TimedOut { running, waiting } => tracing::warn!(
+                ?running,
+                ?waiting,
+                "drain timeout passed with requests in flight"
+            ),
+        }
+    }
+}
+
+/// Serves the drain for an `httpGet` preStop hook on `listener` until `shutdown` completes:
+/// `GET /drain` runs one drain ([`wait_backend_idle`]) and answers when it ends, `200` when the
+/// backend is idle or gone, `503` when the timeout passed with requests in flight (the kubelet
+/// then records a `FailedPreStopHook` event, and terminates the container as it would anyway);
+/// `GET /healthz` answers `200`.
+///
+/// # Errors
+/// When serving fails (the listener's accept loop).
+pub async fn serve_drain(
+    listener: tokio::net::TcpListener,
+    spec: DrainSpec,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    use axum::{Router, extract::State, http::StatusCode, routing::get};
+    use std::sync::Arc;
+
+    async fn drain(State(spec): State<Arc<DrainSpec>>) -> (StatusCode, String) {
+        let outcome = wait_backend_idle(&spec).await;
+        outcome.log();
+        match outcome {
+            DrainOutcome::Idle { waited } => (
+                StatusCode::OK,
+                format!("backend idle after {:.1}s\n", waited.as_secs_f64()),
+            ),
+            DrainOutcome::Gone { waited } => (
+                StatusCode::OK,
+                format!("backend not listening after {:.1}s\n", waited.as_secs_f64()),
+            ),
+            DrainOutcome::TimedOut { running, waiting } => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!(
+                    "drain timeout of {:?} passed with requests in flight (running {}, waiting {})\n",
+                    spec.timeout,
+                    running.map_or("unknown".into(), |v| v.to_string()),
+                    waiting.map_or("unknown".into(), |v| v.to_string()),
+                ),
+            ),
+        }
+    }
+
+    let app = Router::new()
+        .route("/drain", get(drain))
+        .route("/healthz", get(|| async { "ok\n" }))
+        .with_state(Arc::new(spec));
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown)
+        .await
 }
 
 #[cfg(test)]

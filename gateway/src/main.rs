@@ -1,7 +1,8 @@
 //! `hearth-gateway`: the thin binary over the `hearth_gateway` library.
 //!
 //! `hearth-gateway [flags]` serves; `hearth-gateway drain --url … --timeout …` is the backend
-//! pods' preStop drain. Flags and environment variables: `--help` and `docs/gateway.md`.
+//! pods' preStop drain (`--listen` serves it to an `httpGet` hook from a native sidecar). Flags
+//! and environment variables: `--help` and `docs/gateway.md`.
 
 use std::time::Duration;
 
@@ -12,7 +13,7 @@ use hearth_gateway::{
     apikeys::ApiKeys,
     cli::{Cli, Command, DrainArgs, ServeArgs},
     discovery::{SliceSource, watch_endpoints},
-    drain::{DrainOutcome, wait_backend_idle},
+    drain::{serve_drain, wait_backend_idle},
     endpoints::EndpointSet,
     peers::PeerSet,
 };
@@ -43,24 +44,21 @@ fn main() -> anyhow::Result<()> {
 }
 
 async fn drain(args: DrainArgs) -> anyhow::Result<()> {
-    let outcome = wait_backend_idle(&args.url, args.timeout, args.interval).await;
-    match outcome {
-        DrainOutcome::Idle { waited } => {
-            tracing::info!(waited_ms = waited.as_millis() as u64, "backend idle")
-        }
-        DrainOutcome::Gone { waited } => {
-            tracing::info!(
-                waited_ms = waited.as_millis() as u64,
-                "backend not listening"
-            )
-        }
-        DrainOutcome::TimedOut { running, waiting } => tracing::warn!(
-            ?running,
-            ?waiting,
-            "drain timeout passed with requests in flight"
-        ),
-    }
-    Ok(())
+    let spec = args.spec();
+    let Some(listen) = args.listen else {
+        wait_backend_idle(&spec).await.log();
+        return Ok(());
+    };
+    let listener = tokio::net::TcpListener::bind(listen)
+        .await
+        .with_context(|| format!("--listen: binding {listen}"))?;
+    tracing::info!(%listen, url = %spec.url, timeout_s = spec.timeout.as_secs(), "serving GET /drain");
+    let mut term = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
+    serve_drain(listener, spec, async move {
+        term.recv().await;
+    })
+    .await
+    .context("serving the drain")
 }
 
 async fn kube_client() -> anyhow::Result<kube::Client> {

@@ -1,4 +1,5 @@
-//! The `hearth-gateway` binary as a process: SIGTERM drain, and the backend `drain` command.
+//! The `hearth-gateway` binary as a process: SIGTERM drain, and the backend `drain` command
+//! (once, and served to an `httpGet` preStop hook).
 
 mod common;
 
@@ -56,20 +57,7 @@ async fn sigterm_turns_readiness_off_and_lets_streams_finish() {
     );
     let c = client();
     let base = format!("http://127.0.0.1:{http}");
-    loop {
-        if let Ok(r) = c
-            .request(
-                hyper::Request::get(format!("{base}/readyz"))
-                    .body(http_body_util::Full::new(bytes::Bytes::new()))
-                    .unwrap(),
-            )
-            .await
-            && r.status() == StatusCode::OK
-        {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_ok(&c, &format!("{base}/readyz")).await;
     let mut body = chat(true);
     body["stub_token_delay"] = "30ms".into();
     body["max_tokens"] = 20.into();
@@ -131,6 +119,8 @@ async fn drain_command_returns_when_the_backend_is_idle() {
                 "60s",
                 "--interval",
                 "20ms",
+                "--settle",
+                "100ms",
             ])
             .output()
             .unwrap()
@@ -158,6 +148,118 @@ async fn drain_command_returns_when_the_backend_is_idle() {
         .unwrap();
     assert!(out.status.success());
     assert!(String::from_utf8_lossy(&out.stdout).contains("not listening"));
+}
+
+/// `drain --listen`: the native-sidecar form an `httpGet` preStop hook calls. `GET /drain`
+/// answers only once the in-flight request has finished and the backend stayed idle for the
+/// settle time; with a timeout shorter than the work it answers 503 naming what is in flight.
+#[tokio::test]
+async fn drain_sidecar_answers_when_the_backend_is_idle() {
+    let stub = stub().await;
+    let c = client();
+    let sidecar = |timeout: &str| {
+        let port = free_port();
+        let child = Child(
+            Command::new(env!("CARGO_BIN_EXE_hearth-gateway"))
+                .args([
+                    "drain",
+                    &format!("--listen=127.0.0.1:{port}"),
+                    &format!("--url={}/metrics", stub.url()),
+                    &format!("--timeout={timeout}"),
+                    "--interval=20ms",
+                    "--settle=300ms",
+                ])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .unwrap(),
+        );
+        (child, format!("http://127.0.0.1:{port}"))
+    };
+    let (child, base) = sidecar("60s");
+    wait_ok(&c, &format!("{base}/healthz")).await;
+
+    let mut body = chat(false);
+    body["stub_token_delay"] = "50ms".into();
+    body["max_tokens"] = 10.into();
+    let req = post_req(&format!("{}/v1/chat/completions", stub.url()), &body, &[]);
+    let in_flight = tokio::spawn({
+        let c = c.clone();
+        async move { send_full(&c, req).await }
+    });
+    let mut rx = stub.state.subscribe_received();
+    rx.wait_for(|n| *n == 1).await.unwrap();
+    let asked = std::time::Instant::now();
+    let (status, text) = get(&c, &format!("{base}/drain")).await;
+    let waited = asked.elapsed();
+    assert_eq!(status, StatusCode::OK, "{text:?}");
+    assert!(
+        String::from_utf8_lossy(&text).contains("backend idle"),
+        "{text:?}"
+    );
+    // The request had finished (about 0.5 s of tokens), then 0.3 s of quiet.
+    assert_eq!(stub.state.running(), 0);
+    assert_eq!(in_flight.await.unwrap().0, StatusCode::OK);
+    assert!(waited >= Duration::from_millis(300), "{waited:?}");
+    assert!(waited < Duration::from_secs(10), "{waited:?}");
+
+    // A second call (the kubelet may deliver a hook more than once) on an idle backend ends
+    // after the settle time alone.
+    let asked = std::time::Instant::now();
+    let (status, _) = get(&c, &format!("{base}/drain")).await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(asked.elapsed() < Duration::from_secs(5));
+
+    // SIGTERM (the kubelet stops a native sidecar after the model container exited) ends it.
+    sigterm(&child);
+    let mut child = child;
+    let status = tokio::task::spawn_blocking(move || {
+        let s = child.0.wait().unwrap();
+        std::mem::forget(child);
+        s
+    })
+    .await
+    .unwrap();
+    assert!(status.success(), "{status:?}");
+
+    // Work longer than the timeout: 503 naming what is still running.
+    let (_child, base) = sidecar("300ms");
+    wait_ok(&c, &format!("{base}/healthz")).await;
+    let mut body = chat(false);
+    body["stub_token_delay"] = "100ms".into();
+    body["max_tokens"] = 30.into();
+    let req = post_req(&format!("{}/v1/chat/completions", stub.url()), &body, &[]);
+    let long = tokio::spawn({
+        let c = c.clone();
+        async move { send_full(&c, req).await }
+    });
+    rx.wait_for(|n| *n == 2).await.unwrap();
+    let (status, text) = get(&c, &format!("{base}/drain")).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{text:?}");
+    assert!(
+        String::from_utf8_lossy(&text).contains("running 1"),
+        "{text:?}"
+    );
+    long.abort();
+}
+
+/// Polls `url` until it answers 200.
+async fn wait_ok(c: &HttpClient, url: &str) {
+    for _ in 0..500 {
+        if let Ok(r) = c
+            .request(
+                hyper::Request::get(url)
+                    .body(http_body_util::Full::new(bytes::Bytes::new()))
+                    .unwrap(),
+            )
+            .await
+            && r.status() == StatusCode::OK
+        {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("{url} never answered 200");
 }
 
 #[test]

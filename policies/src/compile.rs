@@ -15,7 +15,8 @@ use kube_cel::cel::common::types::CelString;
 
 use crate::{guard, limits::Limits, native};
 
-/// Variables a policy expression may use (KEP-3488 plus Hearth's `params` and `service`).
+/// Variables a policy expression may use (KEP-3488 plus Hearth's `params`, `service` and
+/// `settings`).
 pub const ROOT_VARIABLES: &[&str] = &[
     "object",
     "oldObject",
@@ -23,6 +24,7 @@ pub const ROOT_VARIABLES: &[&str] = &[
     "namespaceObject",
     "params",
     "service",
+    "settings",
     "variables",
 ];
 

@@ -164,6 +164,27 @@ pub struct EvalInput {
     pub params: Option<Value>,
     /// The owning LLMService as JSON (`service`) when rendering one.
     pub service: Option<Value>,
+    /// The installation's settings (`settings`, see [`PolicySettings`]); `{}` when `None`.
+    pub settings: Option<Value>,
+}
+
+/// What the Hearth installation tells policies, bound as `settings` (a JSON object, camelCase
+/// fields; a field not configured is absent, so policies test it with `has()`).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct PolicySettings {
+    /// Image of the backend drain sidecar (`hearth-gateway drain --listen …`): the built-in
+    /// serving defaults add it to workloads whose runtime asks for a preStop drain, so the
+    /// drain ends as soon as the engine is idle. Without it they fall back to a `sleep` hook.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub drain_image: Option<String>,
+}
+
+impl PolicySettings {
+    /// The settings as the JSON object policies see.
+    pub fn to_value(&self) -> Value {
+        serde_json::to_value(self).unwrap_or_else(|_| Value::Object(Default::default()))
+    }
 }
 
 impl EvalInput {
@@ -176,6 +197,7 @@ impl EvalInput {
             namespace_object: None,
             params: None,
             service: None,
+            settings: None,
         }
     }
 }
@@ -533,6 +555,7 @@ struct Fixed<'i> {
     namespace_object: Option<&'i Value>,
     params: Option<&'i Value>,
     service: Option<&'i Value>,
+    settings: &'i Value,
 }
 
 impl Fixed<'_> {
@@ -562,6 +585,7 @@ impl Fixed<'_> {
                 v(self.namespace_object),
                 v(self.params),
                 v(self.service),
+                native::from_json(self.settings),
             ],
             p.variables
                 .iter()
@@ -569,6 +593,10 @@ impl Fixed<'_> {
         )
     }
 }
+
+/// `settings` when the installation gave none.
+static EMPTY_SETTINGS: std::sync::LazyLock<Value> =
+    std::sync::LazyLock::new(|| Value::Object(serde_json::Map::new()));
 
 fn opt_to_cel(v: Option<&Value>) -> CelValue {
     v.map_or(CelValue::Null, |v| {
@@ -658,6 +686,7 @@ fn request_context<'b>(base: &'b Context<'static>, f: &Fixed) -> Context<'b> {
     ctx.add_variable_from_value("namespaceObject", opt_to_cel(f.namespace_object));
     ctx.add_variable_from_value("params", opt_to_cel(f.params));
     ctx.add_variable_from_value("service", opt_to_cel(f.service));
+    ctx.add_variable_from_value("settings", json_to_cel(f.settings));
     ctx
 }
 
@@ -1158,6 +1187,7 @@ impl PolicySet {
             namespace_object: input.namespace_object.as_ref(),
             params: input.params.as_ref(),
             service: input.service.as_ref(),
+            settings: input.settings.as_ref().unwrap_or(&EMPTY_SETTINGS),
         };
         // The interpreter's request context, built only when a policy needs it.
         let cel = std::cell::OnceCell::new();

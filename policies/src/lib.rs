@@ -33,7 +33,7 @@ pub mod value;
 pub use compile::{CompiledExpr, ExprError};
 pub use engine::{
     Denial, ErrorKind, EvalError, EvalInput, GroupVersionKind, GroupVersionResource, MutateError,
-    Mutated, Outcome, PolicyLoadError, PolicySet, RequestInfo, UserInfo,
+    Mutated, Outcome, PolicyLoadError, PolicySet, PolicySettings, RequestInfo, UserInfo,
 };
 pub use limits::Limits;
 pub use resolve::{ResolveError, Selection, resolve_runtime};

@@ -507,7 +507,7 @@ enum Lit {
 #[derive(Debug)]
 enum Node {
     Lit(Lit),
-    /// `object`, `oldObject`, `request`, `namespaceObject`, `params`, `service`.
+    /// `object`, `oldObject`, `request`, `namespaceObject`, `params`, `service`, `settings`.
     Root(usize),
     /// A policy variable, by declaration index.
     Var(usize),
@@ -574,7 +574,7 @@ fn root_index(name: &str) -> Option<usize> {
 }
 
 /// Number of root variables (all of [`ROOT_VARIABLES`] but `variables`).
-pub(crate) const ROOTS: usize = 6;
+pub(crate) const ROOTS: usize = 7;
 
 /// Compiles a parsed (unguarded) expression, or `None` when it uses something this evaluator
 /// does not implement (optional syntax, bytes, non-string map keys); the interpreter then

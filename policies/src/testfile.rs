@@ -15,6 +15,7 @@
 //!     runtime: vllm-nvidia-a10  # params; default: resolved from the resource's annotations
 //!     service: my-service       # the LLMService bound as `service` (optional)
 //!     namespaceObject: {metadata: {name: team-a, labels: {tier: gold}}}
+//!     settings: {drainImage: registry.example/hearth-gateway:v1}  # bound as `settings`
 //!     userInfo: {username: alice, groups: [dev]}
 //!     expect:
 //!       allowed: true
@@ -33,7 +34,7 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use crate::{
-    engine::{EvalInput, PolicySet, UserInfo},
+    engine::{EvalInput, PolicySet, PolicySettings, UserInfo},
     manifest::{self, Bundle},
     resolve::{Selection, resolve_runtime},
 };
@@ -79,6 +80,9 @@ pub struct TestCase {
     /// `namespaceObject`.
     #[serde(default)]
     pub namespace_object: Option<Value>,
+    /// The installation's settings (`settings`).
+    #[serde(default)]
+    pub settings: Option<PolicySettings>,
     /// The requesting user.
     #[serde(default)]
     pub user_info: Option<UserInfo>,
@@ -255,6 +259,7 @@ pub fn run_test_file(path: &Path) -> Result<Vec<Row>, TestError> {
             input.object = None;
         }
         input.namespace_object = case.namespace_object.clone();
+        input.settings = case.settings.as_ref().map(PolicySettings::to_value);
         if let Some(u) = &case.user_info {
             input.request.user_info = u.clone();
         }

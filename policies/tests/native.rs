@@ -174,7 +174,19 @@ fn inputs(object: &Value, params: &Option<Value>) -> Vec<EvalInput> {
     let mut delete = EvalInput::for_object(object.clone(), Operation::Delete);
     delete.old_object = delete.object.take();
     delete.params = params.clone();
-    vec![create, update, delete]
+    // Each once without settings and once with the drain image (the sidecar branch).
+    let with_settings: Vec<EvalInput> = [&create, &update, &delete]
+        .into_iter()
+        .map(|i| {
+            let mut i = i.clone();
+            i.settings =
+                Some(serde_json::json!({"drainImage": "registry.example/hearth-gateway:v1"}));
+            i
+        })
+        .collect();
+    let mut all = vec![create, update, delete];
+    all.extend(with_settings);
+    all
 }
 
 #[test]

@@ -10,6 +10,7 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand};
 use hearth_crds::parse_duration;
+use hearth_policies::PolicySettings;
 use hearth_webhook::registration::{Registration, Target};
 use hearth_webhook::selfmanaged::{SelfManaged, SelfManagedConfig};
 use hearth_webhook::tls::{CertFiles, CertStore};
@@ -78,6 +79,11 @@ struct ServeArgs {
     /// Largest accepted request body, in bytes.
     #[arg(long, default_value_t = Limits::default().max_body)]
     max_body_bytes: usize,
+    /// Image of the backend drain sidecar (the hearth-gateway image), bound as
+    /// `settings.drainImage`: the built-in serving defaults then drain through it instead of
+    /// a fixed `sleep` preStop. Unset: the `sleep` fallback.
+    #[arg(long, env = "HEARTH_DRAIN_IMAGE")]
+    drain_image: Option<String>,
 }
 
 #[derive(Args)]
@@ -142,7 +148,10 @@ async fn run(args: ServeArgs) -> Result<()> {
         max_body: args.max_body_bytes,
         ..Limits::default()
     };
-    let mut state = AppState::new(Snapshot::default(), limits);
+    let settings = PolicySettings {
+        drain_image: args.drain_image.clone().filter(|i| !i.is_empty()),
+    };
+    let mut state = AppState::new(Snapshot::default().with_settings(&settings), limits);
     state.ready = Arc::new(AtomicBool::new(false));
 
     let store = match (&args.tls_cert_file, &args.tls_key_file, args.self_managed) {

@@ -177,7 +177,8 @@ async fn rebuild(
         }
     }
     let all = evaluation_order(builtins, last_good);
-    let snapshot = Snapshot::new(rts, &all, Some(namespaces.clone()));
+    let mut snapshot = Snapshot::new(rts, &all, Some(namespaces.clone()));
+    snapshot.settings = state.snapshot.load().settings.clone();
     state.metrics.policies.set(last_good.len() as i64);
     state.metrics.runtimes.set(snapshot.runtimes.len() as i64);
     state.metrics.rebuilds.inc();

@@ -17,8 +17,8 @@ use hearth_crds::servingpolicy::{Operation as PolicyOperation, StatusReason};
 use hearth_crds::wellknown::{RUNTIME_ANNOTATION, VENDOR_ANNOTATION};
 use hearth_crds::{InferenceRuntime, ServingPolicy};
 use hearth_policies::{
-    EvalInput, GroupVersionKind, GroupVersionResource, PolicySet, RequestInfo, Selection, UserInfo,
-    resolve_runtime,
+    EvalInput, GroupVersionKind, GroupVersionResource, PolicySet, PolicySettings, RequestInfo,
+    Selection, UserInfo, resolve_runtime,
 };
 use k8s_openapi::api::core::v1::Namespace;
 use kube::core::admission::{AdmissionRequest, AdmissionResponse, Operation};
@@ -71,6 +71,9 @@ pub struct Snapshot {
     pub policies: PolicySet,
     /// Namespaces, for policies' `namespaceSelector` and `namespaceObject`; `None` offline.
     pub namespaces: Option<Store<Namespace>>,
+    /// The installation's settings policies see as `settings` (fixed for the process: each
+    /// rebuild keeps them, see [`Snapshot::with_settings`]).
+    pub settings: Arc<serde_json::Value>,
 }
 
 impl Default for Snapshot {
@@ -98,7 +101,14 @@ impl Snapshot {
             runtimes,
             policies,
             namespaces,
+            settings: Arc::new(PolicySettings::default().to_value()),
         }
+    }
+
+    /// The same snapshot with `settings` bound as `settings`.
+    pub fn with_settings(mut self, settings: &PolicySettings) -> Self {
+        self.settings = Arc::new(settings.to_value());
+        self
     }
 
     /// A snapshot of `runtimes` and `policies` (in evaluation order), without a cluster.
@@ -237,6 +247,7 @@ pub(crate) fn review(
         namespace_object,
         params: Some(hearth_policies::manifest::runtime_params(runtime)),
         service: None,
+        settings: Some((*snapshot.settings).clone()),
     };
     let out = snapshot.policies.evaluate(&input);
     if !out.allowed() {

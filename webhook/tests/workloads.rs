@@ -120,11 +120,15 @@ fn review(object: &Value, operation: &str) -> Value {
 }
 
 async fn post(path: &str, review: &Value) -> Value {
+    post_to(app(), path, review).await
+}
+
+async fn post_to(app: axum::Router, path: &str, review: &Value) -> Value {
     let req = Request::post(path)
         .header("content-type", "application/json")
         .body(Body::from(review.to_string()))
         .unwrap();
-    let resp = app().oneshot(req).await.unwrap();
+    let resp = app.oneshot(req).await.unwrap();
     assert_eq!(resp.status(), StatusCode::OK);
     let v: Value =
         serde_json::from_slice(&resp.into_body().collect().await.unwrap().to_bytes()).unwrap();
@@ -197,6 +201,58 @@ async fn annotated_deployment_is_mutated_and_a_second_pass_changes_nothing() {
                 "{op}: second patch {again}"
             );
         }
+    }
+}
+
+/// `--drain-image` (as `settings.drainImage`): the built-in drain becomes the native sidecar and
+/// an httpGet preStop to it, and a second pass still changes nothing.
+#[tokio::test]
+async fn with_a_drain_image_the_drain_is_a_sidecar_and_a_second_pass_changes_nothing() {
+    let image = "registry.example/hearth-gateway:v1";
+    let app = || {
+        let settings = hearth_policies::PolicySettings {
+            drain_image: Some(image.into()),
+        };
+        router(AppState::new(
+            Snapshot::offline(upstream_runtimes(), &all_policies()).with_settings(&settings),
+            Limits::default(),
+        ))
+    };
+    let dep = deployment(
+        json!({"serving.hearth.dev/runtime": "vllm-nvidia-a10", "serving.hearth.dev/drain-timeout": "90s"}),
+        "vllm/vllm-openai:v0.25.1",
+        1,
+    );
+    let v = post_to(app(), "/mutate", &review(&dep, "CREATE")).await;
+    assert_eq!(v["response"]["allowed"], true, "{v}");
+    let mutated = apply(&dep, &v).expect("a patch");
+    assert_builtins_applied(&mutated);
+    let pod = &mutated["spec"]["template"]["spec"];
+    assert_eq!(
+        pod["containers"][0]["lifecycle"]["preStop"],
+        json!({"httpGet": {"path": "/drain", "port": 8099}}),
+        "{mutated}"
+    );
+    let sidecar = &pod["initContainers"][0];
+    assert_eq!(sidecar["name"], "hearth-drain", "{mutated}");
+    assert_eq!(sidecar["image"], image);
+    assert_eq!(sidecar["restartPolicy"], "Always");
+    assert_eq!(
+        sidecar["args"],
+        json!([
+            "drain",
+            "--listen=0.0.0.0:8099",
+            "--url=http://127.0.0.1:8000/metrics",
+            "--timeout=90s"
+        ])
+    );
+    for op in ["CREATE", "UPDATE"] {
+        let again = post_to(app(), "/mutate", &review(&mutated, op)).await;
+        assert_eq!(again["response"]["allowed"], true);
+        assert!(
+            apply(&mutated, &again).is_none(),
+            "{op}: second patch {again}"
+        );
     }
 }
 

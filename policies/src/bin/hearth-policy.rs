@@ -7,7 +7,7 @@ use anyhow::{Context, bail};
 use clap::{Parser, Subcommand, ValueEnum};
 use hearth_crds::servingpolicy::Operation;
 use hearth_policies::{
-    EvalInput, PolicySet, Selection,
+    EvalInput, PolicySet, PolicySettings, Selection,
     manifest::{self, Bundle},
     resolve_runtime, testfile,
 };
@@ -62,6 +62,9 @@ enum Command {
         /// The owning LLMService, bound as `service`.
         #[arg(long)]
         service: Option<PathBuf>,
+        /// The installation's settings, bound as `settings` (YAML: `drainImage: <image>`).
+        #[arg(long)]
+        settings: Option<PathBuf>,
         /// The old object (UPDATE, DELETE).
         #[arg(long)]
         old: Option<PathBuf>,
@@ -126,6 +129,7 @@ fn run() -> anyhow::Result<ExitCode> {
             resource,
             params,
             service,
+            settings,
             old,
             namespace,
             operation,
@@ -154,6 +158,11 @@ fn run() -> anyhow::Result<ExitCode> {
             }
             if let Some(n) = &namespace {
                 input.namespace_object = Some(read_object(n)?);
+            }
+            if let Some(s) = &settings {
+                let s: PolicySettings = serde_json::from_value(read_object(s)?)
+                    .with_context(|| format!("reading the settings in {}", s.display()))?;
+                input.settings = Some(s.to_value());
             }
             let mut runtimes = Bundle::default();
             for p in &params {

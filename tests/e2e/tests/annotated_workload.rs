@@ -18,6 +18,9 @@ use kube::Api;
 use kube::api::{DeleteParams, ListParams, PostParams};
 use serde_json::{Value, json};
 
+/// The webhook's `--drain-image` (kwok plays these pods, so it is never pulled).
+const DRAIN_IMAGE: &str = "registry.example/hearth-gateway:e2e";
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn annotated_deployment_is_mutated_and_schedules_on_gpu_nodes() -> Result<()> {
     let cluster = Cluster::connect().await?;
@@ -92,6 +95,7 @@ async fn annotated_deployment_is_mutated_and_schedules_on_gpu_nodes() -> Result<
                 &format!("--namespace={}", ns.name()),
                 "--extra-san=127.0.0.1",
                 &format!("--webhook-configuration={config}"),
+                &format!("--drain-image={DRAIN_IMAGE}"),
             ])
             .env("KUBECONFIG", cluster.kubeconfig())
             .stdout(log.try_clone()?)
@@ -136,6 +140,25 @@ async fn annotated_deployment_is_mutated_and_schedules_on_gpu_nodes() -> Result<
             .and_then(|l| l.get("nvidia.com/gpu"))
             .map(|q| q.0.clone());
         ensure!(gpus.as_deref() == Some("1"), "not mutated: nvidia.com/gpu limit {gpus:?} (container {c:?})");
+        // The runtime asks for a preStop drain: the drain sidecar on --drain-image and the
+        // model container's httpGet hook to it.
+        let pod_spec = created.spec.as_ref().context("spec")?.template.spec.as_ref().context("pod spec")?;
+        let sidecar = pod_spec
+            .init_containers
+            .iter()
+            .flatten()
+            .find(|c| c.name == "hearth-drain");
+        ensure!(
+            sidecar.is_some_and(|s| s.image.as_deref() == Some(DRAIN_IMAGE) && s.restart_policy.as_deref() == Some("Always")),
+            "no native drain sidecar on {DRAIN_IMAGE}: {:?}",
+            pod_spec.init_containers
+        );
+        let hook = c.lifecycle.as_ref().and_then(|l| l.pre_stop.as_ref()).and_then(|p| p.http_get.as_ref());
+        ensure!(
+            hook.is_some_and(|h| h.path.as_deref() == Some("/drain")),
+            "preStop is not the drain sidecar's GET /drain: {:?}",
+            c.lifecycle
+        );
         let pods = ns
             .wait_for_pods("2 Running pods of the annotated Deployment", "app=plain-llm", Duration::from_secs(60), |p| {
                 p.len() == 2 && p.iter().all(|p| p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running"))

@@ -1,7 +1,8 @@
 //! The whole loop of the upstream stub service on the local cluster, in both scaler modes:
 //! apply → ScaledToZero with no backend pod; a cold streaming chat completion → SSE heartbeats
-//! while the backend goes 0 → 1 → tokens → 200; then idle → back to 0. Needs root (the pod
-//! runner) and a cluster from `tests/cluster/up`; see docs/e2e.md.
+//! while the backend goes 0 → 1 → tokens → 200; then idle → back to 0, the idle pod leaving
+//! as soon as its drain sidecar sees the engine idle (not after the whole `drainTimeout`).
+//! Needs root (the pod runner) and a cluster from `tests/cluster/up`; see docs/e2e.md.
 
 mod stack;
 
@@ -67,17 +68,30 @@ async fn cold_start_then_back_to_zero(mode: ScalerMode) -> Result<()> {
 
     // Idle → 0.
     d.wait_zero(Duration::from_secs(180)).await?;
+    let gone = Instant::now();
     d.wait_phase("ScaledToZero", Duration::from_secs(60))
         .await?;
     let back = Instant::now();
+    // The idle pod's preStop (an httpGet to the hearth-drain sidecar) ends after the drain's
+    // settle time (2 s), not after the service's drainTimeout (20 s) as a `sleep` would.
+    let zeroed = ready
+        .and_then(|r| d.timeline.first_after(r, |s| s.desired == 0))
+        .unwrap_or(gone);
+    let termination = gone.saturating_duration_since(zeroed);
+    ensure!(
+        termination < Duration::from_secs(15),
+        "the idle backend pod took {termination:?} to go after scale-down (drainTimeout is 20s: was the preStop a fixed wait?) ({})",
+        d.timeline_text(t0)
+    );
     println!(
-        "[{}] sent 0.00s, scaled 0→1 {:.2}s, ready {:.2}s, first token {:.2}s, last token {:.2}s, {} heartbeats, back to 0 by {:.1}s; timeline: {}",
+        "[{}] sent 0.00s, scaled 0→1 {:.2}s, ready {:.2}s, first token {:.2}s, last token {:.2}s, {} heartbeats, idle pod gone {:.1}s after scale-down, back to 0 by {:.1}s; timeline: {}",
         mode.annotation(),
         scaled.map(|s| (s - t0).as_secs_f64()).unwrap_or_default(),
         ready.map(|s| (s - t0).as_secs_f64()).unwrap_or_default(),
         (first_token - t0).as_secs_f64(),
         (trace.last_token().unwrap_or(first_token) - t0).as_secs_f64(),
         heartbeats_before,
+        termination.as_secs_f64(),
         (back - t0).as_secs_f64(),
         d.timeline_text(t0),
     );

@@ -46,8 +46,8 @@ enum Cmd {
         /// Directory for the PID file, the record of made network names and per-pod files
         #[arg(long)]
         state_dir: PathBuf,
-        /// `IMAGE=BINARY`: pods whose (only) container uses IMAGE run BINARY as its entrypoint.
-        /// Repeatable
+        /// `IMAGE=BINARY`: a container (the pod's first, or a native sidecar) with image IMAGE
+        /// runs BINARY as its entrypoint. Repeatable
         #[arg(long = "image", value_name = "IMAGE=BINARY", required = true)]
         images: Vec<String>,
         /// Play only pods in namespaces whose name starts with one of these (repeatable); must

@@ -136,12 +136,35 @@ impl PodNet {
 
     /// Deletes the namespace (which takes the veth pair with it) and the host end if left.
     pub fn destroy(&self) {
+        kill_pids(&self.netns);
         let _ = ip(&["netns", "del", &self.netns]);
         let _ = ip(&["link", "del", &self.veth]);
     }
 }
 
-/// Removes every name in the record at `path` (missing ones are skipped), then the record.
+/// SIGKILLs every process left in network namespace `netns`: what a pod's containers started
+/// (sidecars, their children) must not outlive the pod, nor a runner that died.
+fn kill_pids(netns: &str) {
+    let Ok(out) = std::process::Command::new("ip")
+        .args(["netns", "pids", netns])
+        .output()
+    else {
+        return;
+    };
+    for pid in String::from_utf8_lossy(&out.stdout)
+        .split_whitespace()
+        .filter_map(|p| p.parse::<i32>().ok())
+        .filter(|p| *p > 1)
+    {
+        // SAFETY: kill(2) has no memory effects; the pid was just listed in the pod's namespace.
+        unsafe {
+            libc::kill(pid, libc::SIGKILL);
+        }
+    }
+}
+
+/// Removes every name in the record at `path` (missing ones are skipped), then the record;
+/// processes left in a recorded namespace are killed first.
 pub fn cleanup(path: &Path) -> Result<()> {
     let text = match std::fs::read_to_string(path) {
         Ok(t) => t,
@@ -157,7 +180,10 @@ pub fn cleanup(path: &Path) -> Result<()> {
     });
     for (kind, name) in lines {
         let _ = match kind {
-            "netns" => ip(&["netns", "del", name]),
+            "netns" => {
+                kill_pids(name);
+                ip(&["netns", "del", name])
+            }
             "link" => ip(&["link", "del", name]),
             _ => Ok(()),
         };

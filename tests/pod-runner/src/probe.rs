@@ -31,10 +31,15 @@ impl Timing {
     }
 }
 
-/// Resolves a probe or hook port (number or the container's port name).
+/// Resolves a probe or hook port: a number (even as a string, as the kubelet accepts) needs no
+/// declared port, so a hook can reach another container of the pod; a name is looked up in
+/// `c`'s ports.
 pub fn resolve_port(port: &IntOrString, c: &Container) -> Result<u16, String> {
     match port {
         IntOrString::Int(n) => u16::try_from(*n).map_err(|_| format!("port {n} out of range")),
+        IntOrString::String(s) if s.parse::<i64>().is_ok() => s
+            .parse::<u16>()
+            .map_err(|_| format!("port {s} out of range")),
         IntOrString::String(name) => c
             .ports
             .iter()
@@ -86,5 +91,79 @@ pub async fn http_get(
             Ok((200..400).contains(&code))
         }
         Ok(Err(_)) | Err(_) => Ok(false),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::net::TcpListener;
+
+    #[test]
+    fn numeric_ports_need_no_declared_port_names_do() {
+        let c = Container {
+            name: "main".into(),
+            ..Default::default()
+        };
+        assert_eq!(resolve_port(&IntOrString::Int(8099), &c), Ok(8099));
+        assert_eq!(
+            resolve_port(&IntOrString::String("8099".into()), &c),
+            Ok(8099)
+        );
+        assert!(resolve_port(&IntOrString::Int(70000), &c).is_err());
+        let err = resolve_port(&IntOrString::String("drain".into()), &c).expect_err("no such name");
+        assert!(err.contains("no port named \"drain\""), "{err}");
+    }
+
+    /// The main container's preStop httpGet on a numeric port reaches whatever listens there
+    /// in the pod, such as a sidecar, though the main container declares no ports.
+    #[tokio::test]
+    async fn http_get_on_a_numeric_port_reaches_another_listener() {
+        let l = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let port = l.local_addr().expect("addr").port();
+        let server = tokio::spawn(async move {
+            let (mut s, _) = l.accept().await.expect("accept");
+            let mut buf = [0u8; 1024];
+            let n = s.read(&mut buf).await.expect("read");
+            s.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+                .await
+                .expect("write");
+            String::from_utf8_lossy(&buf[..n]).into_owned()
+        });
+        let action = HTTPGetAction {
+            port: IntOrString::Int(i32::from(port)),
+            path: Some("/drain".into()),
+            ..Default::default()
+        };
+        let main = Container {
+            name: "main".into(),
+            ..Default::default()
+        };
+        let ok = http_get(
+            &action,
+            &main,
+            "127.0.0.1".parse().expect("ip"),
+            Duration::from_secs(5),
+        )
+        .await
+        .expect("resolved");
+        assert!(ok);
+        let req = server.await.expect("server");
+        assert!(req.starts_with("GET /drain HTTP/1.1"), "{req}");
+        // Nothing listening: a failure, not an error.
+        let closed = HTTPGetAction {
+            port: IntOrString::Int(i32::from(port)),
+            ..Default::default()
+        };
+        assert_eq!(
+            http_get(
+                &closed,
+                &main,
+                "127.0.0.1".parse().expect("ip"),
+                Duration::from_secs(5)
+            )
+            .await,
+            Ok(false)
+        );
     }
 }
