@@ -18,6 +18,9 @@ use crate::{GATEWAY_IMAGE, STUB_IMAGE};
 
 /// Field manager of what the stack applies.
 pub const FIELD_MANAGER: &str = "hearth-e2e";
+/// Label selector of the upstream stub service's backend pods.
+pub const STUB_BACKEND_PODS: &str =
+    "app.kubernetes.io/component=backend,serving.hearth.dev/llmservice=stub-svc";
 
 /// Errors of the stack helpers; each says what to do.
 #[derive(Debug, thiserror::Error)]

@@ -21,8 +21,7 @@ pub const SERVICE: &str = "stub-svc";
 /// Its backend Deployment.
 pub const BACKEND: &str = "stub-svc-backend";
 /// Label selector of its backend pods.
-pub const BACKEND_PODS: &str =
-    "app.kubernetes.io/component=backend,serving.hearth.dev/llmservice=stub-svc";
+pub const BACKEND_PODS: &str = stack::STUB_BACKEND_PODS;
 /// The stub runtime's STUB_TOKEN_COUNT.
 pub const TOKENS: usize = 5;
 

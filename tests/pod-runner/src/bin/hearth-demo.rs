@@ -92,8 +92,10 @@ async fn main() -> Result<()> {
     println!();
     println!("Cold activation, both scaler modes, this run (seconds after the request was sent):");
     println!();
-    println!("| mode | scaled 0 → 1 | pod ready | first token | last token | back to 0 |");
-    println!("|---|---|---|---|---|---|");
+    println!(
+        "| mode | scaled 0 → 1 | pod ready | first token | last token | back to 0 | pod gone |"
+    );
+    println!("|---|---|---|---|---|---|---|");
     for r in &rows {
         println!("{r}");
     }
@@ -364,6 +366,22 @@ async fn cold_request(client: &Client, url: &str, mode: ScalerMode) -> Result<St
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     };
+    // The idle pod leaves once its preStop drain (the hearth-drain sidecar) has seen the engine
+    // idle for the settle time, not after the whole drainTimeout.
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns_of(mode));
+    let lp = ListParams::default().labels(stack::STUB_BACKEND_PODS);
+    let gone = match zero {
+        None => None,
+        Some(_) => loop {
+            if pods.list(&lp).await?.items.is_empty() {
+                break Some(Instant::now());
+            }
+            if start.elapsed() > Duration::from_secs(300) {
+                break None;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        },
+    };
     let rel = |t: Option<Instant>| {
         t.map(|t| format!("{:.2}", t.saturating_duration_since(t0).as_secs_f64()))
             .unwrap_or_else(|| "-".into())
@@ -400,12 +418,18 @@ async fn cold_request(client: &Client, url: &str, mode: ScalerMode) -> Result<St
         trace.text().trim()
     );
     println!("  {}  +{}s  back to 0", at(zero), rel(zero));
+    println!(
+        "  {}  +{}s  backend pod gone (preStop drain ended)",
+        at(gone),
+        rel(gone)
+    );
     Ok(format!(
-        "| {m} | {} | {} | {} | {} | {} |",
+        "| {m} | {} | {} | {} | {} | {} | {} |",
         rel(scaled),
         rel(ready),
         rel(first),
         rel(last),
-        rel(zero)
+        rel(zero),
+        rel(gone)
     ))
 }
