@@ -97,14 +97,7 @@ async fn sigterm_turns_readiness_off_and_lets_streams_finish() {
 async fn drain_command_returns_when_the_backend_is_idle() {
     let stub = stub().await;
     let c = client();
-    let mut body = chat(false);
-    body["stub_token_delay"] = "50ms".into();
-    body["max_tokens"] = 10.into();
-    let req = post_req(&format!("{}/v1/chat/completions", stub.url()), &body, &[]);
-    let in_flight = tokio::spawn({
-        let c = c.clone();
-        async move { send_full(&c, req).await }
-    });
+    let in_flight = slow_request(&c, &stub, "50ms", 10);
     let mut rx = stub.state.subscribe_received();
     rx.wait_for(|n| *n == 1).await.unwrap();
     assert_eq!(stub.state.running(), 1);
@@ -179,14 +172,7 @@ async fn drain_sidecar_answers_when_the_backend_is_idle() {
     let (child, base) = sidecar("60s");
     wait_ok(&c, &format!("{base}/healthz")).await;
 
-    let mut body = chat(false);
-    body["stub_token_delay"] = "50ms".into();
-    body["max_tokens"] = 10.into();
-    let req = post_req(&format!("{}/v1/chat/completions", stub.url()), &body, &[]);
-    let in_flight = tokio::spawn({
-        let c = c.clone();
-        async move { send_full(&c, req).await }
-    });
+    let in_flight = slow_request(&c, &stub, "50ms", 10);
     let mut rx = stub.state.subscribe_received();
     rx.wait_for(|n| *n == 1).await.unwrap();
     let asked = std::time::Instant::now();
@@ -225,14 +211,7 @@ async fn drain_sidecar_answers_when_the_backend_is_idle() {
     // Work longer than the timeout: 503 naming what is still running.
     let (_child, base) = sidecar("300ms");
     wait_ok(&c, &format!("{base}/healthz")).await;
-    let mut body = chat(false);
-    body["stub_token_delay"] = "100ms".into();
-    body["max_tokens"] = 30.into();
-    let req = post_req(&format!("{}/v1/chat/completions", stub.url()), &body, &[]);
-    let long = tokio::spawn({
-        let c = c.clone();
-        async move { send_full(&c, req).await }
-    });
+    let long = slow_request(&c, &stub, "100ms", 30);
     rx.wait_for(|n| *n == 2).await.unwrap();
     let (status, text) = get(&c, &format!("{base}/drain")).await;
     assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{text:?}");
@@ -241,6 +220,22 @@ async fn drain_sidecar_answers_when_the_backend_is_idle() {
         "{text:?}"
     );
     long.abort();
+}
+
+/// A non-streaming completion taking `tokens` × `token_delay` on the stub, sent in the
+/// background.
+fn slow_request(
+    c: &HttpClient,
+    stub: &vllm_stub::RunningStub,
+    token_delay: &str,
+    tokens: u64,
+) -> tokio::task::JoinHandle<(StatusCode, http::HeaderMap, bytes::Bytes)> {
+    let mut body = chat(false);
+    body["stub_token_delay"] = token_delay.into();
+    body["max_tokens"] = tokens.into();
+    let req = post_req(&format!("{}/v1/chat/completions", stub.url()), &body, &[]);
+    let c = c.clone();
+    tokio::spawn(async move { send_full(&c, req).await })
 }
 
 /// Polls `url` until it answers 200.
