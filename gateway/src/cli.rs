@@ -31,6 +31,18 @@ pub fn duration(s: &str) -> Result<Duration, String> {
     parse_duration(s).map_err(|e| e.to_string())
 }
 
+/// Parses a plain-HTTP URL with a host (`http://127.0.0.1:8000/metrics`): the drain reads the
+/// engine's metrics on the pod's loopback; any other scheme could never be read.
+pub fn http_url(s: &str) -> Result<http::Uri, String> {
+    let uri: http::Uri = s.parse().map_err(|e| format!("{s:?} is not a URL: {e}"))?;
+    if uri.scheme_str() != Some("http") || uri.host().is_none() {
+        return Err(format!(
+            "{s:?} must be an http:// URL with a host, such as http://127.0.0.1:8000/metrics"
+        ));
+    }
+    Ok(uri)
+}
+
 /// Parses a byte size: an integer, optionally with a Kubernetes quantity suffix
 /// (`Ki`, `Mi`, `Gi`, or `k`, `M`, `G`).
 pub fn byte_size(s: &str) -> Result<usize, String> {
@@ -90,7 +102,8 @@ pub struct DrainArgs {
     #[arg(
         long,
         env = "HEARTH_DRAIN_URL",
-        default_value = "http://127.0.0.1:8000/metrics"
+        default_value = "http://127.0.0.1:8000/metrics",
+        value_parser = http_url
     )]
     pub url: http::Uri,
     /// Upper bound on the wait (the LLMService's drainTimeout).

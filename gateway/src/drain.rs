@@ -111,7 +111,13 @@ pub struct DrainSpec {
 }
 
 /// Polls the metrics every `spec.interval` until the backend has been idle for `spec.settle`
-/// or is gone, or `spec.timeout` passes.
+/// or refuses connections, or `spec.timeout` passes.
+///
+/// The metrics are read at least once, even with a zero timeout, and each read (connect,
+/// head and body) is bounded by the time left (at most 5 s). When the timeout passes while
+/// the backend was idle at the last read, the drain ends as [`DrainOutcome::Idle`]: the
+/// timeout cut the settle window short. Only a refused connection means the backend is gone; a
+/// connect timeout, an error status or an unreadable body leave the drain waiting.
 pub async fn wait_backend_idle(spec: &DrainSpec) -> DrainOutcome {
     let DrainSpec {
         url,
@@ -119,8 +125,8 @@ pub async fn wait_backend_idle(spec: &DrainSpec) -> DrainOutcome {
         interval,
         settle,
     } = spec;
-    let (timeout, interval, settle) = (*timeout, *interval, *settle);
     let start = Instant::now();
+    let deadline = start + *timeout;
     let mut connector = HttpConnector::new();
     connector.set_connect_timeout(Some(Duration::from_secs(2)));
     let client: Client<_, Empty<Bytes>> =
@@ -128,57 +134,113 @@ pub async fn wait_backend_idle(spec: &DrainSpec) -> DrainOutcome {
     let (mut running, mut waiting) = (None, None);
     // When the backend was first seen idle in the current idle stretch.
     let mut idle_since: Option<Instant> = None;
+    // The first read gets at least 1 s, even with a zero timeout.
+    let mut budget = (*timeout).clamp(Duration::from_secs(1), Duration::from_secs(5));
     loop {
-        let left = timeout.saturating_sub(start.elapsed());
-        if left.is_zero() {
-            return DrainOutcome::TimedOut { running, waiting };
-        }
-        match tokio::time::timeout(left.min(Duration::from_secs(5)), client.get(url.clone())).await
-        {
-            Ok(Ok(resp)) if resp.status().is_success() => {
-                let body = Limited::new(resp.into_body(), 16 * 1024 * 1024)
-                    .collect()
-                    .await;
-                if let Ok(body) = body {
-                    let text = String::from_utf8_lossy(&body.to_bytes()).into_owned();
-                    running = sum_metric(&text, RUNNING);
-                    waiting = sum_metric(&text, WAITING);
-                    if running == Some(0.0) && waiting.unwrap_or(0.0) == 0.0 {
-                        let since = *idle_since.get_or_insert_with(Instant::now);
-                        if since.elapsed() >= settle {
-                            return DrainOutcome::Idle {
-                                waited: start.elapsed(),
-                            };
-                        }
-                    } else {
-                        idle_since = None;
-                    }
-                    if running.is_none() {
-                        tracing::warn!(%url, "the metrics do not contain {RUNNING}; waiting for the timeout");
-                    }
-                }
-            }
-            Ok(Ok(resp)) => {
-                idle_since = None;
-                tracing::warn!(%url, status = %resp.status(), "metrics endpoint answered an error")
-            }
-            Ok(Err(e)) if e.is_connect() => {
+        match read_metrics(&client, url, budget).await {
+            Reading::Refused => {
                 return DrainOutcome::Gone {
                     waited: start.elapsed(),
                 };
             }
-            Ok(Err(e)) => {
-                idle_since = None;
-                tracing::warn!(%url, error = %e, "reading metrics failed")
+            Reading::Counts {
+                running: r,
+                waiting: w,
+            } => {
+                (running, waiting) = (r, w);
+                if r == Some(0.0) && w.unwrap_or(0.0) == 0.0 {
+                    let since = *idle_since.get_or_insert_with(Instant::now);
+                    if since.elapsed() >= *settle {
+                        return DrainOutcome::Idle {
+                            waited: start.elapsed(),
+                        };
+                    }
+                } else {
+                    idle_since = None;
+                    if r.is_none() {
+                        tracing::warn!(%url, "the metrics do not contain {RUNNING}; waiting for the timeout");
+                    }
+                }
             }
-            Err(_) => {
+            Reading::Failed(why) => {
                 idle_since = None;
-                tracing::warn!(%url, "metrics endpoint did not answer in time")
+                tracing::warn!(%url, "{why}");
             }
         }
-        let left = timeout.saturating_sub(start.elapsed());
-        tokio::time::sleep(interval.min(left)).await;
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return match idle_since {
+                Some(_) => DrainOutcome::Idle {
+                    waited: start.elapsed(),
+                },
+                None => DrainOutcome::TimedOut { running, waiting },
+            };
+        }
+        tokio::time::sleep((*interval).min(left)).await;
+        budget = deadline
+            .saturating_duration_since(Instant::now())
+            .clamp(Duration::from_millis(100), Duration::from_secs(5));
     }
+}
+
+/// One read of the metrics endpoint.
+enum Reading {
+    /// vLLM's gauges (each `None` when absent).
+    Counts {
+        running: Option<f64>,
+        waiting: Option<f64>,
+    },
+    /// The connection was refused: nothing listens, so nothing is in flight.
+    Refused,
+    /// Anything else; the message says what.
+    Failed(String),
+}
+
+/// Reads `url` once, connect, head and body within `budget`.
+async fn read_metrics(
+    client: &Client<HttpConnector, Empty<Bytes>>,
+    url: &http::Uri,
+    budget: Duration,
+) -> Reading {
+    let read = async {
+        let resp = match client.get(url.clone()).await {
+            Ok(resp) => resp,
+            Err(e) if refused(&e) => return Reading::Refused,
+            Err(e) => return Reading::Failed(format!("reading metrics failed: {e}")),
+        };
+        if !resp.status().is_success() {
+            return Reading::Failed(format!("metrics endpoint answered {}", resp.status()));
+        }
+        match Limited::new(resp.into_body(), 16 * 1024 * 1024)
+            .collect()
+            .await
+        {
+            Ok(body) => {
+                let text = String::from_utf8_lossy(&body.to_bytes()).into_owned();
+                Reading::Counts {
+                    running: sum_metric(&text, RUNNING),
+                    waiting: sum_metric(&text, WAITING),
+                }
+            }
+            Err(e) => Reading::Failed(format!("reading the metrics body failed: {e}")),
+        }
+    };
+    tokio::time::timeout(budget, read)
+        .await
+        .unwrap_or_else(|_| Reading::Failed(format!("metrics not read within {budget:?}")))
+}
+
+/// Whether a client error is a refused connection (as opposed to a connect timeout, an
+/// unsupported scheme or a failure after connecting).
+fn refused(e: &hyper_util::client::legacy::Error) -> bool {
+    let mut source = std::error::Error::source(e);
+    while let Some(err) = source {
+        if let Some(io) = err.downcast_ref::<std::io::Error>() {
+            return io.kind() == std::io::ErrorKind::ConnectionRefused;
+        }
+        source = err.source();
+    }
+    false
 }
 
 impl DrainOutcome {
@@ -201,7 +263,8 @@ impl DrainOutcome {
     }
 }
 
-/// Serves the drain for an `httpGet` preStop hook on `listener` until `shutdown` completes:
+/// Serves the drain for an `httpGet` preStop hook on `listener` until `shutdown` completes
+/// (drains still running then are dropped):
 /// `GET /drain` runs one drain ([`wait_backend_idle`]) and answers when it ends, `200` when the
 /// backend is idle or gone, `503` when the timeout passed with requests in flight (the kubelet
 /// then records a `FailedPreStopHook` event, and terminates the container as it would anyway);
@@ -245,9 +308,12 @@ pub async fn serve_drain(
         .route("/drain", get(drain))
         .route("/healthz", get(|| async { "ok\n" }))
         .with_state(Arc::new(spec));
-    axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown)
-        .await
+    // No graceful shutdown: a native sidecar is stopped after the model container has exited,
+    // when no hook is waiting any more; a drain still running then has nobody to answer.
+    tokio::select! {
+        served = axum::serve(listener, app) => served,
+        () = shutdown => Ok(()),
+    }
 }
 
 #[cfg(test)]

@@ -6,9 +6,10 @@
 //! its backend exchange and its response are therefore served by one task on one thread,
 //! without wake-ups between tasks.
 //!
-//! A connection goes back to the pool when its response body has been read to its end; one
-//! dropped earlier (the client left mid-stream) closes, which is how vLLM learns to stop
-//! generating. A request that an idle connection could not take (the backend had closed it)
+//! A connection goes back to the pool when its response body has been read to its end and it
+//! can take the next request at once; one dropped earlier (the client left mid-stream) closes,
+//! which is how vLLM learns to stop generating. (A backend may answer before reading a large
+//! request body and then stop reading: that connection is closed, never pooled.) A request that an idle connection could not take (the backend had closed it)
 //! is resent on another connection. One that was sent is resent only when its method is
 //! idempotent and the reused connection closed before any answer (RFC 9112 §9.3.1, RFC 9110
 //! §9.2.2): a `POST` reaches the backend at most once.
@@ -117,18 +118,14 @@ impl Conn {
         }
     }
 
-    /// Whether the connection has not ended, as far as is known without waiting.
-    fn is_open(&mut self) -> bool {
-        self.drive(&mut Context::from_waker(Waker::noop())) && !self.sender.is_closed()
-    }
-
-    /// Waits until the connection can take a request; an error when it has ended.
-    async fn ready(&mut self) -> Result<(), hyper::Error> {
-        poll_fn(|cx| {
-            self.drive(cx);
-            self.sender.poll_ready(cx)
-        })
-        .await
+    /// Whether the connection can take a request now, without waiting: it has not ended and
+    /// hyper is done with the previous exchange. One still writing a request body the backend
+    /// stopped reading (it answered early, say `413`, and kept the connection open) is not: it
+    /// might never be, so it must not be pooled or reused.
+    fn is_ready(&mut self) -> bool {
+        let mut cx = Context::from_waker(Waker::noop());
+        // hyper's connection asks for the next request once it is polled in its idle state.
+        self.drive(&mut cx) && matches!(self.sender.poll_ready(&mut cx), Poll::Ready(Ok(())))
     }
 
     /// Sends `req` and waits for the response head, driving the connection meanwhile.
@@ -269,9 +266,6 @@ impl UpstreamPool {
         mut req: Request<Full<Bytes>>,
     ) -> Result<Response<UpstreamBody>, UpstreamError> {
         while let Some(mut conn) = self.take_idle(authority) {
-            if conn.ready().await.is_err() {
-                continue;
-            }
             // A copy to resend if the backend closes this connection under the request.
             let again = is_idempotent(req.method()).then(|| copy(&req));
             match conn.exchange(req).await {
@@ -315,7 +309,7 @@ impl UpstreamPool {
         // Most recently used first: it is the least likely to have been closed by the backend.
         let now = Instant::now();
         while let Some(mut c) = list.pop() {
-            if now.duration_since(c.since) < self.inner.idle_timeout && c.conn.is_open() {
+            if now.duration_since(c.since) < self.inner.idle_timeout && c.conn.is_ready() {
                 return Some(c.conn);
             }
         }
@@ -323,7 +317,7 @@ impl UpstreamPool {
     }
 
     fn put(&self, authority: Authority, mut conn: Conn) {
-        if !conn.is_open() {
+        if !conn.is_ready() {
             return;
         }
         let mut idle = self.inner.idle.lock().unwrap_or_else(|e| e.into_inner());
@@ -372,7 +366,7 @@ impl UpstreamPool {
         let timeout = self.inner.idle_timeout;
         let mut idle = self.inner.idle.lock().unwrap_or_else(|e| e.into_inner());
         idle.retain(|_, list| {
-            list.retain_mut(|c| now.duration_since(c.since) < timeout && c.conn.is_open());
+            list.retain_mut(|c| now.duration_since(c.since) < timeout && c.conn.is_ready());
             !list.is_empty()
         });
     }

@@ -272,4 +272,13 @@ fn bad_flags_fail_with_the_flag_named() {
         .unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("--activation-timeout"));
+    // The drain reads metrics over plain HTTP on the pod's loopback: another scheme is refused
+    // at start, not taken for a backend that is gone.
+    let out = Command::new(env!("CARGO_BIN_EXE_hearth-gateway"))
+        .args(["drain", "--url=https://127.0.0.1:8000/metrics"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--url") && err.contains("http://"), "{err}");
 }

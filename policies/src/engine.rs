@@ -181,6 +181,23 @@ pub struct PolicySettings {
 }
 
 impl PolicySettings {
+    /// Checks the values: `drainImage`, when set, is a non-empty image reference without
+    /// whitespace (a Kubernetes container image may have none).
+    ///
+    /// # Errors
+    /// A message naming the field and what to write instead.
+    pub fn validate(&self) -> Result<(), String> {
+        if let Some(image) = &self.drain_image
+            && (image.is_empty() || image.chars().any(char::is_whitespace))
+        {
+            return Err(format!(
+                "drainImage {image:?} is not an image reference: give one without spaces \
+                 (registry/repository:tag), or leave drainImage out for the sleep preStop"
+            ));
+        }
+        Ok(())
+    }
+
     /// The settings as the JSON object policies see.
     pub fn to_value(&self) -> Value {
         serde_json::to_value(self).unwrap_or_else(|_| Value::Object(Default::default()))

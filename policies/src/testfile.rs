@@ -259,7 +259,12 @@ pub fn run_test_file(path: &Path) -> Result<Vec<Row>, TestError> {
             input.object = None;
         }
         input.namespace_object = case.namespace_object.clone();
-        input.settings = case.settings.as_ref().map(PolicySettings::to_value);
+        if let Some(settings) = &case.settings {
+            if let Err(e) = settings.validate() {
+                failures.push(format!("settings: {e}"));
+            }
+            input.settings = Some(settings.to_value());
+        }
         if let Some(u) = &case.user_info {
             input.request.user_info = u.clone();
         }

@@ -140,6 +140,13 @@ fn print_configurations(args: ConfigArgs) -> Result<()> {
 }
 
 async fn run(args: ServeArgs) -> Result<()> {
+    // Flags first: a bad value is reported before anything is contacted.
+    let settings = PolicySettings {
+        drain_image: args.drain_image.clone().filter(|i| !i.is_empty()),
+    };
+    settings
+        .validate()
+        .map_err(|e| anyhow::anyhow!("--drain-image: {e}"))?;
     let client = kube::Client::try_default()
         .await
         .context("connecting to the Kubernetes API (in-cluster config or KUBECONFIG)")?;
@@ -147,9 +154,6 @@ async fn run(args: ServeArgs) -> Result<()> {
     let limits = Limits {
         max_body: args.max_body_bytes,
         ..Limits::default()
-    };
-    let settings = PolicySettings {
-        drain_image: args.drain_image.clone().filter(|i| !i.is_empty()),
     };
     let mut state = AppState::new(Snapshot::default().with_settings(&settings), limits);
     state.ready = Arc::new(AtomicBool::new(false));

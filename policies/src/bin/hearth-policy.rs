@@ -159,9 +159,19 @@ fn run() -> anyhow::Result<ExitCode> {
             if let Some(n) = &namespace {
                 input.namespace_object = Some(read_object(n)?);
             }
-            if let Some(s) = &settings {
-                let s: PolicySettings = serde_json::from_value(read_object(s)?)
-                    .with_context(|| format!("reading the settings in {}", s.display()))?;
+            if let Some(path) = &settings {
+                // An empty file is no settings.
+                let s: PolicySettings = match read_object(path)? {
+                    Value::Null => PolicySettings::default(),
+                    v => serde_json::from_value(v).with_context(|| {
+                        format!(
+                            "reading the settings in {} (fields: drainImage)",
+                            path.display()
+                        )
+                    })?,
+                };
+                s.validate()
+                    .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
                 input.settings = Some(s.to_value());
             }
             let mut runtimes = Bundle::default();
