@@ -46,6 +46,11 @@ struct ImageArgs {
     /// Image of the hearth-gateway binary, run by each service's gateway Deployment.
     #[arg(long, env = "HEARTH_GATEWAY_IMAGE", default_value_t = default_gateway_image())]
     gateway_image: String,
+    /// Image of the backend drain sidecar (`hearth-gateway drain --listen`) in LLMService
+    /// backends; default: the gateway image. Pin it to keep a Hearth upgrade from changing the
+    /// backend pod template (which rolls every model); empty: no sidecar, a `sleep` preStop.
+    #[arg(long, env = "HEARTH_DRAIN_IMAGE")]
+    drain_image: Option<String>,
     /// Node directory used by `cache.strategy: HostPath`.
     #[arg(
         long,
@@ -57,8 +62,19 @@ struct ImageArgs {
 
 impl ImageArgs {
     fn render_config(&self) -> anyhow::Result<RenderConfig> {
+        let drain_image = match &self.drain_image {
+            None => Some(self.gateway_image.clone()),
+            Some(i) if i.is_empty() => None,
+            Some(i) => Some(i.clone()),
+        };
+        hearth_policies::PolicySettings {
+            drain_image: drain_image.clone(),
+        }
+        .validate()
+        .map_err(|e| anyhow::anyhow!("--drain-image: {e}"))?;
         Ok(RenderConfig {
             gateway_image: self.gateway_image.clone(),
+            drain_image,
             host_path_root: self.host_path_root.clone(),
             ..RenderConfig::builtin()?
         })

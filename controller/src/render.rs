@@ -55,6 +55,9 @@ pub const TEMPLATE_HASH_ANNOTATION: &str = "serving.hearth.dev/template-hash";
 pub struct RenderConfig {
     /// Image running `hearth-gateway`.
     pub gateway_image: String,
+    /// Image of the backend drain sidecar, bound as the policies' `settings.drainImage`;
+    /// `None`: no sidecar (the built-in drain falls back to a `sleep` preStop).
+    pub drain_image: Option<String>,
     /// Node directory for `cache.strategy: HostPath` (shared by services on a node; the cache
     /// layout is keyed by repository, so sharing is safe).
     pub host_path_root: String,
@@ -75,6 +78,7 @@ impl RenderConfig {
     pub fn builtin() -> Result<Self, policy::PolicyError> {
         Ok(Self {
             gateway_image: default_gateway_image(),
+            drain_image: Some(default_gateway_image()),
             host_path_root: "/var/lib/hearth/models".to_owned(),
             gateway_port: 8080,
             scaler_port: 9090,
@@ -85,11 +89,10 @@ impl RenderConfig {
 }
 
 impl RenderConfig {
-    /// What the backend's policies see as `settings`: the gateway image also runs the drain
-    /// sidecar (`hearth-gateway drain --listen`).
+    /// What the backend's policies see as `settings`.
     pub fn policy_settings(&self) -> hearth_policies::PolicySettings {
         hearth_policies::PolicySettings {
-            drain_image: Some(self.gateway_image.clone()),
+            drain_image: self.drain_image.clone(),
         }
     }
 }

@@ -96,6 +96,7 @@ fn start(client: Client, namespace: &str, render: RenderConfig, requeue: Duratio
 fn test_render_config() -> RenderConfig {
     RenderConfig {
         gateway_image: "hearth.dev/hearth-gateway:test".to_owned(),
+        drain_image: Some("hearth.dev/hearth-gateway:test".to_owned()),
         ..RenderConfig::builtin().expect("the built-in ServingPolicies compile")
     }
 }

@@ -90,8 +90,10 @@ pub struct Cli {
 /// Helper commands.
 #[derive(Debug, Subcommand)]
 pub enum Command {
-    /// For a backend pod's preStop hook: return as soon as the backend's vLLM metrics report no
-    /// running and no waiting request, or when the timeout passes (exit status 0 either way).
+    /// For a backend pod's preStop hook: return once the backend's metrics have reported no
+    /// running and no waiting request for the settle time, or it refuses connections, or the
+    /// timeout passes (exit status 0 either way). With `--listen`, serve `GET /drain` instead,
+    /// for an `httpGet` hook from a native sidecar.
     Drain(DrainArgs),
 }
 
@@ -121,6 +123,12 @@ pub struct DrainArgs {
     /// native sidecar). `GET /healthz` answers 200.
     #[arg(long, env = "HEARTH_DRAIN_LISTEN")]
     pub listen: Option<std::net::SocketAddr>,
+    /// The gauge of requests being generated (the InferenceRuntime's `metrics.running`).
+    #[arg(long, env = "HEARTH_DRAIN_RUNNING_METRIC", default_value = crate::drain::RUNNING)]
+    pub running_metric: String,
+    /// The gauge of requests waiting (the InferenceRuntime's `metrics.queueDepth`).
+    #[arg(long, env = "HEARTH_DRAIN_WAITING_METRIC", default_value = crate::drain::WAITING)]
+    pub waiting_metric: String,
 }
 
 impl DrainArgs {
@@ -131,6 +139,8 @@ impl DrainArgs {
             timeout: self.timeout,
             interval: self.interval,
             settle: self.settle,
+            running_metric: self.running_metric.clone(),
+            waiting_metric: self.waiting_metric.clone(),
         }
     }
 }

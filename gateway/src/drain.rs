@@ -108,6 +108,11 @@ pub struct DrainSpec {
     pub interval: Duration,
     /// How long the backend must stay idle before the drain ends.
     pub settle: Duration,
+    /// The gauge of requests being generated ([`RUNNING`] for vLLM; the runtime's
+    /// `metrics.running`).
+    pub running_metric: String,
+    /// The gauge of requests waiting ([`WAITING`] for vLLM; the runtime's `metrics.queueDepth`).
+    pub waiting_metric: String,
 }
 
 /// Polls the metrics every `spec.interval` until the backend has been idle for `spec.settle`
@@ -124,6 +129,8 @@ pub async fn wait_backend_idle(spec: &DrainSpec) -> DrainOutcome {
         timeout,
         interval,
         settle,
+        running_metric,
+        waiting_metric,
     } = spec;
     let start = Instant::now();
     let deadline = start + *timeout;
@@ -136,8 +143,16 @@ pub async fn wait_backend_idle(spec: &DrainSpec) -> DrainOutcome {
     let mut idle_since: Option<Instant> = None;
     // The first read gets at least 1 s, even with a zero timeout.
     let mut budget = (*timeout).clamp(Duration::from_secs(1), Duration::from_secs(5));
+    // The same warning every `interval` would flood the log: each distinct one is logged once.
+    let mut warned: Option<String> = None;
+    let mut warn = |why: String| {
+        if warned.as_deref() != Some(why.as_str()) {
+            tracing::warn!(%url, "{why}");
+            warned = Some(why);
+        }
+    };
     loop {
-        match read_metrics(&client, url, budget).await {
+        match read_metrics(&client, url, budget, running_metric, waiting_metric).await {
             Reading::Refused => {
                 return DrainOutcome::Gone {
                     waited: start.elapsed(),
@@ -158,13 +173,16 @@ pub async fn wait_backend_idle(spec: &DrainSpec) -> DrainOutcome {
                 } else {
                     idle_since = None;
                     if r.is_none() {
-                        tracing::warn!(%url, "the metrics do not contain {RUNNING}; waiting for the timeout");
+                        warn(format!(
+                            "the metrics do not contain {running_metric}: the drain cannot tell \
+                             whether requests are in flight, so it waits for the timeout"
+                        ));
                     }
                 }
             }
             Reading::Failed(why) => {
                 idle_since = None;
-                tracing::warn!(%url, "{why}");
+                warn(why);
             }
         }
         let left = deadline.saturating_duration_since(Instant::now());
@@ -201,6 +219,8 @@ async fn read_metrics(
     client: &Client<HttpConnector, Empty<Bytes>>,
     url: &http::Uri,
     budget: Duration,
+    running_metric: &str,
+    waiting_metric: &str,
 ) -> Reading {
     let read = async {
         let resp = match client.get(url.clone()).await {
@@ -218,8 +238,8 @@ async fn read_metrics(
             Ok(body) => {
                 let text = String::from_utf8_lossy(&body.to_bytes()).into_owned();
                 Reading::Counts {
-                    running: sum_metric(&text, RUNNING),
-                    waiting: sum_metric(&text, WAITING),
+                    running: sum_metric(&text, running_metric),
+                    waiting: sum_metric(&text, waiting_metric),
                 }
             }
             Err(e) => Reading::Failed(format!("reading the metrics body failed: {e}")),
@@ -243,6 +263,11 @@ fn refused(e: &hyper_util::client::legacy::Error) -> bool {
     false
 }
 
+/// A gauge for messages: its value, or `unknown` when it was not read.
+fn gauge(v: Option<f64>) -> String {
+    v.map_or_else(|| "unknown".to_owned(), |v| v.to_string())
+}
+
 impl DrainOutcome {
     /// Logs the outcome (info when the backend is idle or gone, a warning on timeout).
     pub fn log(&self) {
@@ -255,8 +280,8 @@ impl DrainOutcome {
                 "backend not listening"
             ),
             DrainOutcome::TimedOut { running, waiting } => tracing::warn!(
-                ?running,
-                ?waiting,
+                running = %gauge(*running),
+                waiting = %gauge(*waiting),
                 "drain timeout passed with requests in flight"
             ),
         }
@@ -292,13 +317,23 @@ pub async fn serve_drain(
                 StatusCode::OK,
                 format!("backend not listening after {:.1}s\n", waited.as_secs_f64()),
             ),
+            DrainOutcome::TimedOut {
+                running: None,
+                waiting: _,
+            } => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!(
+                    "drain timeout of {:?} passed without reading {} from {}\n",
+                    spec.timeout, spec.running_metric, spec.url
+                ),
+            ),
             DrainOutcome::TimedOut { running, waiting } => (
                 StatusCode::SERVICE_UNAVAILABLE,
                 format!(
                     "drain timeout of {:?} passed with requests in flight (running {}, waiting {})\n",
                     spec.timeout,
-                    running.map_or("unknown".into(), |v| v.to_string()),
-                    waiting.map_or("unknown".into(), |v| v.to_string()),
+                    gauge(running),
+                    gauge(waiting),
                 ),
             ),
         }

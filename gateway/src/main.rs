@@ -56,6 +56,7 @@ async fn drain(args: DrainArgs) -> anyhow::Result<()> {
     let mut term = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
     serve_drain(listener, spec, async move {
         term.recv().await;
+        tracing::info!("SIGTERM: stopping");
     })
     .await
     .context("serving the drain")

@@ -95,6 +95,8 @@ fn ok_response(body: &str) -> Vec<u8> {
 /// A drain of `http://{addr}/metrics`, polled every 50 ms.
 fn spec(addr: SocketAddr, timeout: Duration, settle: Duration) -> DrainSpec {
     DrainSpec {
+        running_metric: hearth_gateway::drain::RUNNING.into(),
+        waiting_metric: hearth_gateway::drain::WAITING.into(),
         url: format!("http://{addr}/metrics").parse().unwrap(),
         timeout,
         interval: Duration::from_millis(50),

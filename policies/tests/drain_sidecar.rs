@@ -335,3 +335,47 @@ fn settings_values() {
     assert!(serde_yaml::from_str::<PolicySettings>("drainImage: x\nother: 1\n").is_err());
     assert!(serde_yaml::from_str::<PolicySettings>("drainImage: [1]\n").is_err());
 }
+
+/// A drain timeout of 0 without a drain image adds no hook at all: a `sleep` of 0 seconds is
+/// refused by API servers before 1.33 (PodLifecycleSleepActionAllowZero).
+#[test]
+fn zero_drain_timeout_without_a_drain_image_adds_no_hook() {
+    let set = builtin();
+    let out = eval_on(
+        &set,
+        deployment(
+            json!({"containers": [vllm(json!({}))]}),
+            json!({"serving.hearth.dev/drain-timeout": "0s"}),
+        ),
+        None,
+    );
+    let obj = patched(&out);
+    let c = &pod_spec(&obj)["containers"][0];
+    assert!(c["lifecycle"]["preStop"].is_null(), "{c}");
+    assert!(pod_spec(&obj)["initContainers"].is_null());
+}
+
+/// The runtime's metric names reach the sidecar; without them it reads vLLM's defaults.
+#[test]
+fn the_runtimes_metric_names_reach_the_sidecar() {
+    let set = builtin();
+    let out = eval_on(
+        &set,
+        deployment(json!({"containers": [vllm(json!({}))]}), json!({})),
+        with_image(),
+    );
+    let args = sidecar_args(pod_spec(&patched(&out)));
+    let running = params()["spec"]["metrics"]["running"]
+        .as_str()
+        .map(str::to_owned);
+    assert!(
+        running.is_some(),
+        "the A10 runtime declares metrics.running"
+    );
+    assert_eq!(
+        args.iter()
+            .find_map(|a| a.strip_prefix("--running-metric=")),
+        running.as_deref(),
+        "{args:?}"
+    );
+}

@@ -45,6 +45,13 @@ app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 {{- end -}}
 
+{{/* The drain sidecar's image, empty when drain.sidecar is false. */}}
+{{- define "hearth.drainImage" -}}
+{{- if .Values.drain.sidecar -}}
+{{- .Values.drain.image | default (include "hearth.image" (dict "root" . "image" .Values.gateway.image)) -}}
+{{- end -}}
+{{- end -}}
+
 {{/* Pod-level security: non-root, RuntimeDefault seccomp (Pod Security "restricted"). */}}
 {{- define "hearth.podSecurityContext" -}}
 runAsNonRoot: true

@@ -163,12 +163,16 @@ fn run() -> anyhow::Result<ExitCode> {
                 // An empty file is no settings.
                 let s: PolicySettings = match read_object(path)? {
                     Value::Null => PolicySettings::default(),
-                    v => serde_json::from_value(v).with_context(|| {
+                    v @ Value::Object(_) => serde_json::from_value(v).with_context(|| {
                         format!(
                             "reading the settings in {} (fields: drainImage)",
                             path.display()
                         )
                     })?,
+                    _ => anyhow::bail!(
+                        "{}: the settings must be a map, such as `drainImage: <image>`",
+                        path.display()
+                    ),
                 };
                 s.validate()
                     .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
