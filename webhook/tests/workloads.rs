@@ -243,7 +243,9 @@ async fn with_a_drain_image_the_drain_is_a_sidecar_and_a_second_pass_changes_not
             "drain",
             "--listen=0.0.0.0:8099",
             "--url=http://127.0.0.1:8000/metrics",
-            "--timeout=90s"
+            "--timeout=90s",
+            "--running-metric=vllm:num_requests_running",
+            "--waiting-metric=vllm:num_requests_waiting"
         ])
     );
     for op in ["CREATE", "UPDATE"] {
