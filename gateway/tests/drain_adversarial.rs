@@ -15,30 +15,16 @@ use std::{
 };
 
 use clap::Parser;
+use common::read_head;
 use hearth_gateway::{
     cli::{Cli, Command},
     drain::{DrainOutcome, DrainSpec, serve_drain, wait_backend_idle},
 };
 use tokio::{
-    io::{AsyncReadExt, AsyncWriteExt},
+    io::AsyncWriteExt,
     net::{TcpListener, TcpStream},
     time::timeout,
 };
-
-/// Reads a request head (to the blank line); false on EOF.
-async fn read_head(s: &mut TcpStream) -> bool {
-    let mut buf = Vec::new();
-    let mut tmp = [0u8; 4096];
-    loop {
-        if buf.windows(4).any(|w| w == b"\r\n\r\n") {
-            return true;
-        }
-        match s.read(&mut tmp).await {
-            Ok(0) | Err(_) => return false,
-            Ok(n) => buf.extend_from_slice(&tmp[..n]),
-        }
-    }
-}
 
 /// A raw metrics server: `f(i, stream)` handles request `i` (counted over all connections)
 /// on its connection after its head was read; returning `None` closes the connection.
@@ -52,27 +38,33 @@ where
     let n = Arc::new(AtomicUsize::new(0));
     let f = Arc::new(f);
     let count = n.clone();
-    tokio::spawn(async move {
-        loop {
-            let Ok((mut s, _)) = l.accept().await else {
-                return;
-            };
-            let (f, count) = (f.clone(), count.clone());
-            tokio::spawn(async move {
-                loop {
-                    if !read_head(&mut s).await {
-                        return;
-                    }
-                    let i = count.fetch_add(1, Ordering::SeqCst);
-                    match f(i, s).await {
-                        Some(back) => s = back,
-                        None => return,
-                    }
+    common::accept_each(l, move |_, mut s| {
+        let (f, count) = (f.clone(), count.clone());
+        async move {
+            loop {
+                if read_head(&mut s).await.is_none() {
+                    return;
                 }
-            });
+                let i = count.fetch_add(1, Ordering::SeqCst);
+                match f(i, s).await {
+                    Some(back) => s = back,
+                    None => return,
+                }
+            }
         }
     });
     (addr, n)
+}
+
+/// A metrics server that answers every request with `running` and `waiting`.
+async fn fixed_metrics(running: u32, waiting: u32) -> (SocketAddr, Arc<AtomicUsize>) {
+    raw_metrics(move |_, mut s| async move {
+        s.write_all(&ok_response(&metrics_body(running, waiting)))
+            .await
+            .ok()?;
+        Some(s)
+    })
+    .await
 }
 
 /// vLLM's two gauges, as its `/metrics` shows them.
@@ -188,11 +180,7 @@ async fn connect_timeout_is_not_gone() {
 /// backend that is gone: that would end the drain of a busy backend without a single read.
 #[tokio::test]
 async fn https_url_error_is_not_gone() {
-    let (addr, hits) = raw_metrics(|_, mut s| async move {
-        s.write_all(&ok_response(&metrics_body(3, 1))).await.ok()?;
-        Some(s)
-    })
-    .await;
+    let (addr, hits) = fixed_metrics(3, 1).await;
     let mut sp = spec(addr, Duration::from_secs(2), Duration::ZERO);
     sp.url = format!("https://{addr}/metrics").parse().unwrap();
     let out = wait_backend_idle(&sp).await;
@@ -222,11 +210,7 @@ async fn zero_timeout_still_reads_once_and_sees_the_backend_gone() {
 /// ends an idle backend's drain as idle, not as timed out with requests in flight.
 #[tokio::test]
 async fn idle_backend_is_idle_when_the_settle_outlasts_the_timeout() {
-    let (addr, _) = raw_metrics(|_, mut s| async move {
-        s.write_all(&ok_response(&metrics_body(0, 0))).await.ok()?;
-        Some(s)
-    })
-    .await;
+    let (addr, _) = fixed_metrics(0, 0).await;
     let out = wait_backend_idle(&spec(addr, Duration::from_secs(1), Duration::from_secs(2))).await;
     assert!(
         matches!(out, DrainOutcome::Idle { .. }),
@@ -340,11 +324,7 @@ async fn serve(spec: DrainSpec) -> (SocketAddr, tokio::sync::oneshot::Sender<()>
 /// 100 concurrent `GET /drain` against an idle backend all answer 200.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn many_concurrent_drains() {
-    let (maddr, _) = raw_metrics(|_, mut s| async move {
-        s.write_all(&ok_response(&metrics_body(0, 0))).await.ok()?;
-        Some(s)
-    })
-    .await;
+    let (maddr, _) = fixed_metrics(0, 0).await;
     let (addr, _stop) = serve(spec(
         maddr,
         Duration::from_secs(10),
@@ -370,11 +350,7 @@ async fn many_concurrent_drains() {
 /// is waiting any more.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_during_drain_exits_promptly() {
-    let (maddr, _) = raw_metrics(|_, mut s| async move {
-        s.write_all(&ok_response(&metrics_body(1, 0))).await.ok()?;
-        Some(s)
-    })
-    .await;
+    let (maddr, _) = fixed_metrics(1, 0).await;
     let port = {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         l.local_addr().unwrap().port()

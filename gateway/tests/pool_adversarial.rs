@@ -15,31 +15,16 @@ use std::{
 };
 
 use bytes::Bytes;
+use common::read_head;
 use hearth_gateway::upstream::UpstreamPool;
 use http::uri::Authority;
 use http_body_util::{BodyExt, Full};
 use hyper::Request;
 use tokio::{
     io::{AsyncReadExt, AsyncWriteExt},
-    net::{TcpListener, TcpStream},
+    net::TcpListener,
     time::timeout,
 };
-
-/// Reads up to the end of a request head; returns the bytes after it. None on EOF.
-async fn read_head(s: &mut TcpStream) -> Option<Vec<u8>> {
-    let mut buf = Vec::new();
-    let mut tmp = [0u8; 8192];
-    loop {
-        if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-            return Some(buf[end + 4..].to_vec());
-        }
-        let n = s.read(&mut tmp).await.ok()?;
-        if n == 0 {
-            return None;
-        }
-        buf.extend_from_slice(&tmp[..n]);
-    }
-}
 
 /// A pool with a 2 s connect timeout and a 30 s idle timeout.
 fn pool() -> UpstreamPool {
@@ -69,29 +54,24 @@ async fn an_early_answer_to_a_large_post_is_not_pooled() {
     let (l, _addr, auth) = listen().await;
     let conns = Arc::new(AtomicUsize::new(0));
     let c2 = conns.clone();
-    tokio::spawn(async move {
-        loop {
-            let Ok((mut s, _)) = l.accept().await else {
+    common::accept_each(l, move |i, mut s| {
+        c2.fetch_add(1, Ordering::SeqCst);
+        async move {
+            if read_head(&mut s).await.is_none() {
                 return;
-            };
-            let i = c2.fetch_add(1, Ordering::SeqCst);
-            tokio::spawn(async move {
-                if read_head(&mut s).await.is_none() {
-                    return;
-                }
-                if i == 0 {
-                    // Early answer; never read the body, keep the connection open.
-                    let _ = s
-                        .write_all(b"HTTP/1.1 413 Payload Too Large\r\nContent-Length: 0\r\n\r\n")
-                        .await;
-                    tokio::time::sleep(Duration::from_secs(3600)).await;
-                } else {
-                    let _ = s
-                        .write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
-                        .await;
-                    tokio::time::sleep(Duration::from_secs(3600)).await;
-                }
-            });
+            }
+            if i == 0 {
+                // Early answer; never read the body, keep the connection open.
+                let _ = s
+                    .write_all(b"HTTP/1.1 413 Payload Too Large\r\nContent-Length: 0\r\n\r\n")
+                    .await;
+                tokio::time::sleep(Duration::from_secs(3600)).await;
+            } else {
+                let _ = s
+                    .write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+                    .await;
+                tokio::time::sleep(Duration::from_secs(3600)).await;
+            }
         }
     });
     let p = pool();
@@ -126,25 +106,20 @@ async fn informational_responses_then_reuse() {
     let (l, _addr, auth) = listen().await;
     let conns = Arc::new(AtomicUsize::new(0));
     let c2 = conns.clone();
-    tokio::spawn(async move {
-        loop {
-            let Ok((mut s, _)) = l.accept().await else {
-                return;
-            };
-            c2.fetch_add(1, Ordering::SeqCst);
-            tokio::spawn(async move {
-                while read_head(&mut s).await.is_some() {
-                    let _ = s
-                        .write_all(
-                            b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </a>; rel=preload\r\n\r\n",
-                        )
-                        .await;
-                    tokio::time::sleep(Duration::from_millis(20)).await;
-                    let _ = s
-                        .write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
-                        .await;
-                }
-            });
+    common::accept_each(l, move |_, mut s| {
+        c2.fetch_add(1, Ordering::SeqCst);
+        async move {
+            while read_head(&mut s).await.is_some() {
+                let _ = s
+                    .write_all(
+                        b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </a>; rel=preload\r\n\r\n",
+                    )
+                    .await;
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                let _ = s
+                    .write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+                    .await;
+            }
         }
     });
     let p = pool();
@@ -166,32 +141,27 @@ async fn informational_responses_then_reuse() {
 async fn dropped_body_closes_and_complete_body_returns() {
     let (l, _addr, auth) = listen().await;
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<std::time::Instant>();
-    tokio::spawn(async move {
-        let mut i = 0;
-        loop {
-            let Ok((mut s, _)) = l.accept().await else {
-                return;
-            };
-            i += 1;
-            let tx = tx.clone();
-            let first = i == 1;
-            tokio::spawn(async move {
-                while read_head(&mut s).await.is_some() {
-                    if first {
-                        let _ = s
-                            .write_all(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n")
-                            .await;
-                        // Wait for the gateway to close.
-                        let mut b = [0u8; 16];
-                        let _ = s.read(&mut b).await;
-                        let _ = tx.send(std::time::Instant::now());
-                        return;
-                    }
+    common::accept_each(l, move |i, mut s| {
+        let tx = tx.clone();
+        let first = i == 0;
+        async move {
+            while read_head(&mut s).await.is_some() {
+                if first {
                     let _ = s
-                        .write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+                        .write_all(
+                            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n",
+                        )
                         .await;
+                    // Wait for the gateway to close.
+                    let mut b = [0u8; 16];
+                    let _ = s.read(&mut b).await;
+                    let _ = tx.send(std::time::Instant::now());
+                    return;
                 }
-            });
+                let _ = s
+                    .write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+                    .await;
+            }
         }
     });
     let p = pool();
@@ -217,26 +187,17 @@ async fn dropped_body_closes_and_complete_body_returns() {
 #[tokio::test]
 async fn stray_bytes_on_idle_connection_do_not_answer_the_next_request() {
     let (l, _addr, auth) = listen().await;
-    tokio::spawn(async move {
-        let mut n = 0;
-        loop {
-            let Ok((mut s, _)) = l.accept().await else {
-                return;
-            };
-            n += 1;
-            let conn = n;
-            tokio::spawn(async move {
-                while read_head(&mut s).await.is_some() {
-                    let _ = s.write_all(b"HTTP/1.1 204 No Content\r\n\r\n").await;
-                    tokio::time::sleep(Duration::from_millis(30)).await;
-                    let _ = s
-                        .write_all(
-                            format!("HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nSTAL{conn}")
-                                .as_bytes(),
-                        )
-                        .await;
-                }
-            });
+    common::accept_each(l, |i, mut s| async move {
+        // Connections numbered from 1, so the stray body is 5 bytes for the first nine.
+        let conn = i + 1;
+        while read_head(&mut s).await.is_some() {
+            let _ = s.write_all(b"HTTP/1.1 204 No Content\r\n\r\n").await;
+            tokio::time::sleep(Duration::from_millis(30)).await;
+            let _ = s
+                .write_all(
+                    format!("HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nSTAL{conn}").as_bytes(),
+                )
+                .await;
         }
     });
     let p = pool();
@@ -349,27 +310,17 @@ async fn large_response_headers() {
 #[tokio::test]
 async fn after_an_early_answer_to_a_large_post_the_next_request_is_answered() {
     let (l, _addr, auth) = listen().await;
-    tokio::spawn(async move {
-        let mut i = 0;
-        loop {
-            let Ok((mut s, _)) = l.accept().await else {
-                return;
-            };
-            i += 1;
-            let first = i == 1;
-            tokio::spawn(async move {
-                if read_head(&mut s).await.is_none() {
-                    return;
-                }
-                let reply: &[u8] = if first {
-                    b"HTTP/1.1 413 Payload Too Large\r\nContent-Length: 0\r\n\r\n"
-                } else {
-                    b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
-                };
-                let _ = s.write_all(reply).await;
-                tokio::time::sleep(Duration::from_secs(3600)).await;
-            });
+    common::accept_each(l, |i, mut s| async move {
+        if read_head(&mut s).await.is_none() {
+            return;
         }
+        let reply: &[u8] = if i == 0 {
+            b"HTTP/1.1 413 Payload Too Large\r\nContent-Length: 0\r\n\r\n"
+        } else {
+            b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+        };
+        let _ = s.write_all(reply).await;
+        tokio::time::sleep(Duration::from_secs(3600)).await;
     });
     let g = common::gateway(
         common::config(),

@@ -29,6 +29,18 @@ fn free_port() -> u16 {
         .port()
 }
 
+/// Waits for `child` to exit (off the runtime's threads) and returns its status.
+async fn exit_status(mut child: Child) -> std::process::ExitStatus {
+    tokio::task::spawn_blocking(move || {
+        let s = child.0.wait().unwrap();
+        // Already reaped: nothing left for Drop to kill.
+        std::mem::forget(child);
+        s
+    })
+    .await
+    .unwrap()
+}
+
 fn sigterm(child: &Child) {
     let ok = Command::new("kill")
         .args(["-TERM", &child.0.id().to_string()])
@@ -82,14 +94,7 @@ async fn sigterm_turns_readiness_off_and_lets_streams_finish() {
         rest.ends_with(b"data: [DONE]\n\n"),
         "in-flight stream finished"
     );
-    let mut child = child;
-    let status = tokio::task::spawn_blocking(move || {
-        let s = child.0.wait().unwrap();
-        std::mem::forget(child);
-        s
-    })
-    .await
-    .unwrap();
+    let status = exit_status(child).await;
     assert!(status.success(), "{status:?}");
 }
 
@@ -198,14 +203,7 @@ async fn drain_sidecar_answers_when_the_backend_is_idle() {
 
     // SIGTERM (the kubelet stops a native sidecar after the model container exited) ends it.
     sigterm(&child);
-    let mut child = child;
-    let status = tokio::task::spawn_blocking(move || {
-        let s = child.0.wait().unwrap();
-        std::mem::forget(child);
-        s
-    })
-    .await
-    .unwrap();
+    let status = exit_status(child).await;
     assert!(status.success(), "{status:?}");
 
     // Work longer than the timeout: 503 naming what is still running.

@@ -110,64 +110,59 @@ where
     };
     let f = Arc::new(f);
     let r = raw.clone();
-    tokio::spawn(async move {
-        loop {
-            let Ok((mut s, _)) = l.accept().await else {
-                return;
-            };
-            r.conns.fetch_add(1, Ordering::SeqCst);
-            let (f, r) = (f.clone(), r.clone());
-            tokio::spawn(async move {
-                let mut buf = Vec::new();
-                let mut idle: Option<Duration> = None;
-                loop {
-                    let next = match idle.take() {
-                        // A real keep-alive timeout: a request arriving in time is served.
-                        Some(d) => match timeout(d, read_request(&mut s, &mut buf)).await {
-                            Ok(r) => r,
-                            Err(_) => return,
-                        },
-                        None => read_request(&mut s, &mut buf).await,
-                    };
-                    let Some((head, body)) = next else { return };
-                    let i = {
-                        let mut reqs = r.reqs.lock().unwrap();
-                        reqs.push((head.clone(), body));
-                        reqs.len() - 1
-                    };
-                    match f(i, &head) {
-                        Reply::Keep(b) => {
-                            if s.write_all(&b).await.is_err() {
-                                return;
-                            }
-                        }
-                        Reply::Close(b) => {
-                            let _ = s.write_all(&b).await;
-                            let _ = s.shutdown().await;
+    accept_each(l, move |_, mut s| {
+        r.conns.fetch_add(1, Ordering::SeqCst);
+        let (f, r) = (f.clone(), r.clone());
+        async move {
+            let mut buf = Vec::new();
+            let mut idle: Option<Duration> = None;
+            loop {
+                let next = match idle.take() {
+                    // A real keep-alive timeout: a request arriving in time is served.
+                    Some(d) => match timeout(d, read_request(&mut s, &mut buf)).await {
+                        Ok(r) => r,
+                        Err(_) => return,
+                    },
+                    None => read_request(&mut s, &mut buf).await,
+                };
+                let Some((head, body)) = next else { return };
+                let i = {
+                    let mut reqs = r.reqs.lock().unwrap();
+                    reqs.push((head.clone(), body));
+                    reqs.len() - 1
+                };
+                match f(i, &head) {
+                    Reply::Keep(b) => {
+                        if s.write_all(&b).await.is_err() {
                             return;
                         }
-                        Reply::Reset(b) => {
-                            let _ = s.write_all(&b).await;
-                            let _ = s.set_zero_linger();
+                    }
+                    Reply::Close(b) => {
+                        let _ = s.write_all(&b).await;
+                        let _ = s.shutdown().await;
+                        return;
+                    }
+                    Reply::Reset(b) => {
+                        let _ = s.write_all(&b).await;
+                        let _ = s.set_zero_linger();
+                        return;
+                    }
+                    Reply::CloseAfter(b, d) => {
+                        if s.write_all(&b).await.is_err() {
                             return;
                         }
-                        Reply::CloseAfter(b, d) => {
-                            if s.write_all(&b).await.is_err() {
+                        idle = Some(d);
+                    }
+                    Reply::Pieces(pieces, d) => {
+                        for p in pieces {
+                            if s.write_all(&p).await.is_err() {
                                 return;
                             }
-                            idle = Some(d);
-                        }
-                        Reply::Pieces(pieces, d) => {
-                            for p in pieces {
-                                if s.write_all(&p).await.is_err() {
-                                    return;
-                                }
-                                tokio::time::sleep(d).await;
-                            }
+                            tokio::time::sleep(d).await;
                         }
                     }
                 }
-            });
+            }
         }
     });
     raw

@@ -11,6 +11,10 @@ use hyper_util::{
     client::legacy::{Client, connect::HttpConnector},
     rt::TokioExecutor,
 };
+use tokio::{
+    io::AsyncReadExt,
+    net::{TcpListener, TcpStream},
+};
 use vllm_stub::{RunningStub, StubConfig};
 
 pub type HttpClient = Client<HttpConnector, Full<Bytes>>;
@@ -176,4 +180,40 @@ pub fn metric(text: &str, sample: &str) -> Option<f64> {
 pub async fn gateway_metrics(c: &HttpClient, g: &RunningGateway) -> String {
     let (_, b) = get(c, &format!("{}/metrics", g.url())).await;
     String::from_utf8(b.to_vec()).unwrap()
+}
+
+/// Serves `l` on a spawned task: accepts connections until accepting fails and runs
+/// `handle(i, stream)` on its own task for each, `i` counting the listener's connections in
+/// accept order from 0. `handle` itself is called in the accept loop, so work it does before
+/// returning its future happens at accept time.
+pub fn accept_each<F, Fut>(l: TcpListener, handle: F)
+where
+    F: Fn(usize, TcpStream) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = ()> + Send + 'static,
+{
+    tokio::spawn(async move {
+        for i in 0.. {
+            let Ok((s, _)) = l.accept().await else {
+                return;
+            };
+            tokio::spawn(handle(i, s));
+        }
+    });
+}
+
+/// Reads up to the end of a request head (the blank line); returns the bytes read after it.
+/// `None` on EOF or a read error.
+pub async fn read_head(s: &mut TcpStream) -> Option<Vec<u8>> {
+    let mut buf = Vec::new();
+    let mut tmp = [0u8; 8192];
+    loop {
+        if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            return Some(buf[end + 4..].to_vec());
+        }
+        let n = s.read(&mut tmp).await.ok()?;
+        if n == 0 {
+            return None;
+        }
+        buf.extend_from_slice(&tmp[..n]);
+    }
 }
