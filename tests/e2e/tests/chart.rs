@@ -327,6 +327,8 @@ fn schema_rejects_bad_values_naming_the_field() -> Result<()> {
             "leaderElection",
         ),
         ("webhook.podDisruptionBudget.minAvailable=2", "minAvailable"),
+        ("drain.image=a b", "drain/image"),
+        ("drain.sidecar=maybe", "sidecar"),
     ] {
         let out = helm()?
             .args(["template", "hearth"])
@@ -468,6 +470,41 @@ fn container_args_are_flags_the_binaries_define() -> Result<()> {
                     flags.contains(flag),
                     "{deploy}: --{flag} is not a flag of its binary (known: {flags:?})"
                 );
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `drain.*` reaches both binaries as `--drain-image`: the gateway image by default, the
+/// override when set, empty (the `sleep` fallback) with `drain.sidecar=false`.
+#[test]
+fn drain_values_reach_the_controller_and_the_webhook() -> Result<()> {
+    let gateway = "ghcr.io/hearth-rs/hearth-gateway:v";
+    for (values, want) in [
+        (json!({}), None),
+        (
+            json!({"drain": {"image": "mirror.example/hearth-gateway@sha256:0123"}}),
+            Some("mirror.example/hearth-gateway@sha256:0123"),
+        ),
+        (json!({"drain": {"sidecar": false}}), Some("")),
+    ] {
+        let docs = documents(&template("hearth", "hearth-system", &values)?)?;
+        for deploy in ["hearth-webhook", "hearth-controller"] {
+            let args = container_args(find(&docs, "Deployment", deploy)?);
+            let got = args
+                .iter()
+                .find_map(|a| a.strip_prefix("--drain-image="))
+                .with_context(|| format!("{deploy}: no --drain-image in {args:?}"))?;
+            match want {
+                None => ensure!(
+                    got.starts_with(gateway),
+                    "{deploy} ({values}): --drain-image={got}, want the gateway image"
+                ),
+                Some(w) => ensure!(
+                    got == w,
+                    "{deploy} ({values}): --drain-image={got}, want {w:?}"
+                ),
             }
         }
     }
