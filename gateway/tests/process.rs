@@ -231,7 +231,7 @@ fn slow_request(
     let mut body = chat(false);
     body["stub_token_delay"] = token_delay.into();
     body["max_tokens"] = tokens.into();
-    let req = post_req(&format!("{}/v1/chat/completions", stub.url()), &body, &[]);
+    let req = chat_req(&stub.url(), &body);
     let c = c.clone();
     tokio::spawn(async move { send_full(&c, req).await })
 }

@@ -34,40 +34,15 @@ async fn warm_requests_pass_through() {
     let gw = gateway(config(), EndpointSet::fixed([authority(&stub)])).await;
     let c = client();
 
-    let (status, headers, body) = send_full(
-        &c,
-        post_req(
-            &format!("{}/v1/chat/completions", gw.url()),
-            &chat(false),
-            &[],
-        ),
-    )
-    .await;
+    let (status, headers, body) = send_full(&c, chat_req(&gw.url(), &chat(false))).await;
     assert_eq!(status, StatusCode::OK);
     assert_eq!(headers["content-type"], "application/json");
     let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
     assert_eq!(v["object"], "chat.completion");
 
     // Streaming: the same events as straight from the stub, chunk by chunk.
-    let direct = send_full(
-        &c,
-        post_req(
-            &format!("{}/v1/chat/completions", stub.url()),
-            &chat(true),
-            &[],
-        ),
-    )
-    .await
-    .2;
-    let resp = send(
-        &c,
-        post_req(
-            &format!("{}/v1/chat/completions", gw.url()),
-            &chat(true),
-            &[],
-        ),
-    )
-    .await;
+    let direct = send_full(&c, chat_req(&stub.url(), &chat(true))).await.2;
+    let resp = send(&c, chat_req(&gw.url(), &chat(true))).await;
     assert_eq!(
         resp.headers()["content-type"],
         "text/event-stream; charset=utf-8"
@@ -111,15 +86,7 @@ async fn cold_streaming_request_gets_heartbeats_then_the_stream() {
     let backends = EndpointSet::new();
     let gw = gateway(config(), backends.clone()).await;
     let c = client();
-    let resp = send(
-        &c,
-        post_req(
-            &format!("{}/v1/chat/completions", gw.url()),
-            &chat(true),
-            &[],
-        ),
-    )
-    .await;
+    let resp = send(&c, chat_req(&gw.url(), &chat(true))).await;
     assert_eq!(resp.status(), StatusCode::OK);
     assert_eq!(
         resp.headers()["content-type"],
@@ -191,15 +158,7 @@ async fn reject_mode_answers_503_and_still_raises_demand() {
     )
     .await;
     let c = client();
-    let (status, headers, body) = send_full(
-        &c,
-        post_req(
-            &format!("{}/v1/chat/completions", gw.url()),
-            &chat(true),
-            &[],
-        ),
-    )
-    .await;
+    let (status, headers, body) = send_full(&c, chat_req(&gw.url(), &chat(true))).await;
     assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(headers["retry-after"], "3");
     let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
@@ -222,15 +181,7 @@ async fn activation_timeout_ends_a_committed_stream_with_an_error_event_and_othe
     )
     .await;
     let c = client();
-    let (status, _, body) = send_full(
-        &c,
-        post_req(
-            &format!("{}/v1/chat/completions", gw.url()),
-            &chat(true),
-            &[],
-        ),
-    )
-    .await;
+    let (status, _, body) = send_full(&c, chat_req(&gw.url(), &chat(true))).await;
     assert_eq!(status, StatusCode::OK);
     let events = sse_events(&body);
     let last = events.last().unwrap();
@@ -244,15 +195,7 @@ async fn activation_timeout_ends_a_committed_stream_with_an_error_event_and_othe
             .all(|e| e.starts_with(": "))
     );
 
-    let (status, headers, body) = send_full(
-        &c,
-        post_req(
-            &format!("{}/v1/chat/completions", gw.url()),
-            &chat(false),
-            &[],
-        ),
-    )
-    .await;
+    let (status, headers, body) = send_full(&c, chat_req(&gw.url(), &chat(false))).await;
     assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
     assert!(headers.contains_key("retry-after"));
     let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
@@ -273,11 +216,7 @@ async fn a_client_leaving_a_held_request_frees_its_slot_and_counts_as_canceled()
     let gw = gateway(config(), EndpointSet::new()).await;
     let c = client();
     for stream in [false, true] {
-        let req = post_req(
-            &format!("{}/v1/chat/completions", gw.url()),
-            &chat(stream),
-            &[],
-        );
+        let req = chat_req(&gw.url(), &chat(stream));
         let c2 = c.clone();
         let task = tokio::spawn(async move {
             let resp = send(&c2, req).await;
@@ -310,11 +249,7 @@ async fn a_client_leaving_mid_stream_cancels_the_backend_request() {
     let mut body = chat(true);
     body["stub_token_delay"] = "100ms".into();
     body["max_tokens"] = 1000.into();
-    let resp = send(
-        &c,
-        post_req(&format!("{}/v1/chat/completions", gw.url()), &body, &[]),
-    )
-    .await;
+    let resp = send(&c, chat_req(&gw.url(), &body)).await;
     let mut b = resp.into_body();
     assert!(next_chunk(&mut b).await.unwrap().starts_with(b"data: "));
     assert_eq!(stub.state.running(), 1);
@@ -344,24 +279,12 @@ async fn max_queue_bounds_admission_with_429() {
     let c = client();
     let mut held = Vec::new();
     for _ in 0..2 {
-        let req = post_req(
-            &format!("{}/v1/chat/completions", gw.url()),
-            &chat(false),
-            &[],
-        );
+        let req = chat_req(&gw.url(), &chat(false));
         let c2 = c.clone();
         held.push(tokio::spawn(async move { send_full(&c2, req).await }));
     }
     wait_demand(&gw, |s| s.pending() == 2).await;
-    let (status, headers, body) = send_full(
-        &c,
-        post_req(
-            &format!("{}/v1/chat/completions", gw.url()),
-            &chat(false),
-            &[],
-        ),
-    )
-    .await;
+    let (status, headers, body) = send_full(&c, chat_req(&gw.url(), &chat(false))).await;
     assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);
     assert_eq!(headers["retry-after"], "3");
     let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
@@ -586,11 +509,7 @@ async fn served_model_names_answer_models_cold_and_refuse_other_models() {
     assert_eq!(v["data"][0]["id"], "stub-svc");
     let mut body = chat(false);
     body["model"] = "gpt-4".into();
-    let (status, _, b) = send_full(
-        &c,
-        post_req(&format!("{}/v1/chat/completions", gw.url()), &body, &[]),
-    )
-    .await;
+    let (status, _, b) = send_full(&c, chat_req(&gw.url(), &body)).await;
     assert_eq!(status, StatusCode::NOT_FOUND);
     let v: serde_json::Value = serde_json::from_slice(&b).unwrap();
     assert_eq!(v["error"]["message"], "The model `gpt-4` does not exist.");
@@ -612,11 +531,7 @@ async fn least_outstanding_requests_spreads_load() {
     body["max_tokens"] = 1000.into();
     let mut streams = Vec::new();
     for _ in 0..6 {
-        let resp = send(
-            &c,
-            post_req(&format!("{}/v1/chat/completions", gw.url()), &body, &[]),
-        )
-        .await;
+        let resp = send(&c, chat_req(&gw.url(), &body)).await;
         let mut b = resp.into_body();
         next_chunk(&mut b).await.unwrap();
         streams.push(b);
@@ -630,11 +545,7 @@ async fn least_outstanding_requests_spreads_load() {
     let (r1, r2) = (s1.state.running(), s2.state.running());
     let diff = r1.abs_diff(r2);
     for _ in 0..diff / 2 {
-        let resp = send(
-            &c,
-            post_req(&format!("{}/v1/chat/completions", gw.url()), &body, &[]),
-        )
-        .await;
+        let resp = send(&c, chat_req(&gw.url(), &body)).await;
         let mut b = resp.into_body();
         next_chunk(&mut b).await.unwrap();
         streams.push(b);
@@ -653,11 +564,7 @@ async fn a_refused_endpoint_is_retried_until_a_working_one_appears() {
     let backends = EndpointSet::fixed([dead.to_string().parse().unwrap()]);
     let gw = gateway(config(), backends.clone()).await;
     let c = client();
-    let req = post_req(
-        &format!("{}/v1/chat/completions", gw.url()),
-        &chat(false),
-        &[],
-    );
+    let req = chat_req(&gw.url(), &chat(false));
     let task = tokio::spawn({
         let c = c.clone();
         async move { send_full(&c, req).await }
@@ -681,11 +588,7 @@ async fn drain_refuses_new_requests_and_lets_streams_finish() {
     let mut body = chat(true);
     body["stub_token_delay"] = "20ms".into();
     body["max_tokens"] = 20.into();
-    let resp = send(
-        &c,
-        post_req(&format!("{}/v1/chat/completions", gw.url()), &body, &[]),
-    )
-    .await;
+    let resp = send(&c, chat_req(&gw.url(), &body)).await;
     let mut stream = resp.into_body();
     next_chunk(&mut stream).await.unwrap();
     let g = gw.gateway.clone();
@@ -695,15 +598,7 @@ async fn drain_refuses_new_requests_and_lets_streams_finish() {
     }
     let (status, _) = get(&c, &format!("{}/readyz", gw.url())).await;
     assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
-    let (status, headers, _) = send_full(
-        &c,
-        post_req(
-            &format!("{}/v1/chat/completions", gw.url()),
-            &chat(false),
-            &[],
-        ),
-    )
-    .await;
+    let (status, headers, _) = send_full(&c, chat_req(&gw.url(), &chat(false))).await;
     assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(headers["connection"], "close");
     let rest = stream.collect().await.unwrap().to_bytes();
@@ -723,15 +618,7 @@ async fn terminating_endpoints_stop_receiving_requests_at_once() {
     let c = client();
     backends.replace([authority(&s2)]);
     for _ in 0..4 {
-        let (status, _, _) = send_full(
-            &c,
-            post_req(
-                &format!("{}/v1/chat/completions", gw.url()),
-                &chat(false),
-                &[],
-            ),
-        )
-        .await;
+        let (status, _, _) = send_full(&c, chat_req(&gw.url(), &chat(false))).await;
         assert_eq!(status, StatusCode::OK);
     }
     assert_eq!((s1.state.received(), s2.state.received()), (0, 4));

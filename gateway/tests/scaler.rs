@@ -84,11 +84,7 @@ async fn is_active_metric_spec_and_metrics() {
     let c = client();
     let mut held = Vec::new();
     for _ in 0..2 {
-        let req = post_req(
-            &format!("{}/v1/chat/completions", gw.url()),
-            &chat(false),
-            &[],
-        );
+        let req = chat_req(&gw.url(), &chat(false));
         let c2 = c.clone();
         held.push(tokio::spawn(async move { send_full(&c2, req).await }));
     }
@@ -125,11 +121,7 @@ async fn stream_is_active_pushes_at_connect_and_on_every_change() {
         "{m}"
     );
 
-    let req = post_req(
-        &format!("{}/v1/chat/completions", gw.url()),
-        &chat(false),
-        &[],
-    );
+    let req = chat_req(&gw.url(), &chat(false));
     let task = tokio::spawn({
         let c = c.clone();
         async move { send_full(&c, req).await }
@@ -189,11 +181,7 @@ async fn demand_is_aggregated_over_replicas_and_unknown_when_a_peer_is_lost() {
     assert!(!stream.message().await.unwrap().unwrap().result);
 
     // A cold request on B: A's push stream turns active, A's metrics see it.
-    let req = post_req(
-        &format!("{}/v1/chat/completions", b.url()),
-        &chat(false),
-        &[],
-    );
+    let req = chat_req(&b.url(), &chat(false));
     let held = tokio::spawn({
         let c = c.clone();
         async move { send_full(&c, req).await }

@@ -477,15 +477,7 @@ async fn chunked_sse_bytes_unchanged() {
     let gw = gw_for(&raw, config()).await;
     let c = client();
     for i in 0..5 {
-        let (s, h, b) = full(
-            &c,
-            post_req(
-                &format!("{}/v1/chat/completions", gw.url()),
-                &chat(true),
-                &[],
-            ),
-        )
-        .await;
+        let (s, h, b) = full(&c, chat_req(&gw.url(), &chat(true))).await;
         assert_eq!(s, StatusCode::OK);
         assert_eq!(h["content-type"], "text/event-stream");
         assert_eq!(String::from_utf8_lossy(&b), expected, "round {i}");
@@ -502,17 +494,10 @@ async fn fifty_client_disconnects_mid_stream() {
     for i in 0..50 {
         // A fresh client each time, so the client connection is really closed.
         let c = client();
-        let resp = timeout(
-            T,
-            c.request(post_req(
-                &format!("{}/v1/chat/completions", gw.url()),
-                &chat(true),
-                &[],
-            )),
-        )
-        .await
-        .expect("hung")
-        .unwrap();
+        let resp = timeout(T, c.request(chat_req(&gw.url(), &chat(true))))
+            .await
+            .expect("hung")
+            .unwrap();
         assert_eq!(resp.status(), StatusCode::OK, "{i}");
         let mut body = resp.into_body();
         timeout(T, next_chunk(&mut body))
@@ -531,11 +516,7 @@ async fn fifty_client_disconnects_mid_stream() {
     let mut short = chat(false);
     short["max_tokens"] = serde_json::json!(5);
     for i in 0..10 {
-        let (s, _, b) = full(
-            &c,
-            post_req(&format!("{}/v1/chat/completions", gw.url()), &short, &[]),
-        )
-        .await;
+        let (s, _, b) = full(&c, chat_req(&gw.url(), &short)).await;
         assert_eq!(s, StatusCode::OK, "after disconnects {i}: {b:?}");
         let v: serde_json::Value = serde_json::from_slice(&b).unwrap();
         assert_eq!(v["object"], "chat.completion");
@@ -906,11 +887,7 @@ async fn client_leaves_before_response_head() {
         let c = client();
         let r = timeout(
             Duration::from_millis(150),
-            c.request(post_req(
-                &format!("{}/v1/chat/completions", gw.url()),
-                &chat(false),
-                &[],
-            )),
+            c.request(chat_req(&gw.url(), &chat(false))),
         )
         .await;
         assert!(r.is_err(), "a 10 s completion answered in 150 ms?");
@@ -929,11 +906,7 @@ async fn client_leaves_before_response_head() {
     short["max_tokens"] = serde_json::json!(3);
     let c = client();
     for i in 0..5 {
-        let (s, _, b) = full(
-            &c,
-            post_req(&format!("{}/v1/chat/completions", gw.url()), &short, &[]),
-        )
-        .await;
+        let (s, _, b) = full(&c, chat_req(&gw.url(), &short)).await;
         assert_eq!(s, StatusCode::OK, "{i}: {b:?}");
     }
 }

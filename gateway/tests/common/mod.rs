@@ -104,6 +104,11 @@ pub fn post_req(
     req.body(Full::new(Bytes::from(body.to_string()))).unwrap()
 }
 
+/// A `POST {base}/v1/chat/completions` with `body` (see [`post_req`]).
+pub fn chat_req(base: &str, body: &serde_json::Value) -> Request<Full<Bytes>> {
+    post_req(&format!("{base}/v1/chat/completions"), body, &[])
+}
+
 /// Sends and returns the response with its body unread.
 pub async fn send(c: &HttpClient, req: Request<Full<Bytes>>) -> Response<Incoming> {
     c.request(req).await.unwrap()
