@@ -88,8 +88,9 @@ struct RunArgs {
     /// Watch only this namespace (default: all namespaces).
     #[arg(long, env = "HEARTH_WATCH_NAMESPACE")]
     namespace: Option<String>,
-    /// Address of the /metrics, /healthz and /readyz endpoint.
-    #[arg(long, env = "HEARTH_METRICS_ADDR", default_value = "0.0.0.0:8080")]
+    /// Address of the /metrics, /healthz and /readyz endpoint. `[::]` is every address, IPv4
+    /// and IPv6 (IPv4 only on a host without IPv6).
+    #[arg(long, env = "HEARTH_METRICS_ADDR", default_value = "[::]:8080")]
     metrics_addr: SocketAddr,
     /// Take a coordination.k8s.io Lease before reconciling, so only one replica works.
     #[arg(long, env = "HEARTH_LEADER_ELECT", default_value_t = true, action = clap::ArgAction::Set)]
@@ -170,9 +171,8 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         .with_layer(&metrics.request_counter())
         .build();
 
-    let listener = tokio::net::TcpListener::bind(args.metrics_addr)
-        .await
-        .with_context(|| format!("binding {}", args.metrics_addr))?;
+    let listener = hearth_net::listen(args.metrics_addr, hearth_net::ListenOptions::default())
+        .context("--metrics-addr")?;
     tracing::info!(addr = %listener.local_addr()?, "serving /metrics");
     tokio::spawn(hearth_controller::metrics::serve(listener, metrics.clone()));
 

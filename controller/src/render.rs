@@ -678,7 +678,7 @@ fn gateway_deployment(ctx: &Ctx<'_>) -> Result<Deployment, RenderError> {
     let backend_port = &ctx.rt.spec.container.port;
     // Flags of `hearth-gateway` (docs/gateway.md); the namespace comes from POD_NAMESPACE.
     let mut args = vec![
-        format!("--listen=0.0.0.0:{}", ctx.cfg.gateway_port),
+        format!("--listen=[::]:{}", ctx.cfg.gateway_port),
         format!("--backend-service={}", names::backend(&ctx.name)),
         format!("--backend-port={}", backend_port.container_port),
         format!("--backend-port-name={}", backend_port.name),
@@ -704,7 +704,7 @@ fn gateway_deployment(ctx: &Ctx<'_>) -> Result<Deployment, RenderError> {
         ..Default::default()
     }];
     if ctx.scaler == ScalerMode::Push {
-        args.push(format!("--scaler-listen=0.0.0.0:{}", ctx.cfg.scaler_port));
+        args.push(format!("--scaler-listen=[::]:{}", ctx.cfg.scaler_port));
         args.push(format!(
             "--peer-service={}",
             names::gateway_service(&ctx.name)

@@ -454,7 +454,7 @@ async fn readiness_to_forward() {
     .unwrap();
     let backends = EndpointSet::new();
     let gw = hearth_gateway::spawn(
-        Gateway::new(bench_config(), backends.clone(), ApiKeys::disabled()),
+        Gateway::new(bench_config(), backends.clone(), ApiKeys::disabled()).unwrap(),
         "127.0.0.1".parse().unwrap(),
     )
     .await
@@ -511,7 +511,7 @@ async fn readiness_to_forward() {
 async fn push_activation() {
     let backends = EndpointSet::new();
     let gw = hearth_gateway::spawn(
-        Gateway::new(bench_config(), backends.clone(), ApiKeys::disabled()),
+        Gateway::new(bench_config(), backends.clone(), ApiKeys::disabled()).unwrap(),
         "127.0.0.1".parse().unwrap(),
     )
     .await
@@ -579,7 +579,7 @@ fn cold_gateway_child() {
         .unwrap();
     rt.block_on(async {
         let gw = hearth_gateway::spawn(
-            Gateway::new(bench_config(), EndpointSet::new(), ApiKeys::disabled()),
+            Gateway::new(bench_config(), EndpointSet::new(), ApiKeys::disabled()).unwrap(),
             "127.0.0.1".parse().unwrap(),
         )
         .await

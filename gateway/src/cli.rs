@@ -120,7 +120,8 @@ pub struct DrainArgs {
     pub settle: Duration,
     /// Serve the drain instead of running it once: `GET /drain` runs one drain and answers
     /// when it ends (an `httpGet` preStop hook on the model container, with this process as a
-    /// native sidecar). `GET /healthz` answers 200.
+    /// native sidecar). `GET /healthz` answers 200. `[::]:<port>` is every address, IPv4 and
+    /// IPv6 (IPv4 only on a host without IPv6).
     #[arg(long, env = "HEARTH_DRAIN_LISTEN")]
     pub listen: Option<std::net::SocketAddr>,
     /// The gauge of requests being generated (the InferenceRuntime's `metrics.running`).
@@ -149,10 +150,11 @@ impl DrainArgs {
 #[derive(Debug, Args)]
 pub struct ServeArgs {
     /// HTTP listen address: the OpenAI API, /hearth/queue, /healthz, /readyz, /metrics.
-    #[arg(long, env = "HEARTH_LISTEN", default_value = "0.0.0.0:8080")]
+    /// `[::]` is every address, IPv4 and IPv6 (IPv4 only on a host without IPv6).
+    #[arg(long, env = "HEARTH_LISTEN", default_value = "[::]:8080")]
     pub listen: SocketAddr,
     /// KEDA ExternalScaler gRPC listen address.
-    #[arg(long, env = "HEARTH_SCALER_LISTEN", default_value = "0.0.0.0:9090")]
+    #[arg(long, env = "HEARTH_SCALER_LISTEN", default_value = "[::]:9090")]
     pub scaler_listen: SocketAddr,
     /// Namespace of the backend and gateway Services.
     #[arg(long, env = "POD_NAMESPACE", default_value = "default")]

@@ -11,7 +11,7 @@
 //! Two ways to run it:
 //! - `hearth-gateway drain --url http://127.0.0.1:8000/metrics --timeout 2m`: one drain, for an
 //!   `exec` preStop in an image that ships the binary;
-//! - `hearth-gateway drain --listen 0.0.0.0:8099 …`: a native sidecar (KEP-753) serving
+//! - `hearth-gateway drain --listen [::]:8099 …`: a native sidecar (KEP-753) serving
 //!   `GET /drain`, which answers when one drain ends, for an `httpGet` preStop on the model
 //!   container. It needs nothing in the runtime image; this is what the built-in serving
 //!   defaults inject. The kubelet waits for the answer (bounded by the grace period), and stops

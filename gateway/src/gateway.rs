@@ -89,11 +89,15 @@ pub struct Gateway {
 impl Gateway {
     /// A replica forwarding to `backends`, checking `keys`. Background work (the activation
     /// lease, key reloads) starts with [`Gateway::spawn_background`].
-    pub fn new(cfg: GatewayConfig, backends: EndpointSet, keys: ApiKeys) -> Self {
+    ///
+    /// # Errors
+    /// The thread of the header-read timer could not start.
+    pub fn new(cfg: GatewayConfig, backends: EndpointSet, keys: ApiKeys) -> std::io::Result<Self> {
         let demand = DemandHub::new(cfg.max_queue, cfg.aggregate_peers);
         let lease = Lease::new(demand.clone(), cfg.activation_timeout, cfg.activation_grace);
         let pool = UpstreamPool::new(cfg.connect_timeout, cfg.backend_idle_timeout);
-        Self {
+        let timer = CoarseTimer::new()?;
+        Ok(Self {
             shared: Arc::new(Shared {
                 cfg,
                 backends,
@@ -103,11 +107,11 @@ impl Gateway {
                 keys,
                 pools: std::sync::Mutex::new(vec![pool.clone()]),
                 pool,
-                timer: CoarseTimer::new(),
+                timer,
                 draining: AtomicBool::new(false),
                 stop_tx: watch::channel(false).0,
             }),
-        }
+        })
     }
 
     /// The settings.
@@ -372,17 +376,16 @@ impl Gateway {
     }
 }
 
-/// A listener on `addr` with `SO_REUSEADDR` and `SO_REUSEPORT`, backlog 4096.
+/// A listener on `addr` with `SO_REUSEPORT`, backlog 4096 (`[::]` is dual-stack, see
+/// `hearth_net`).
 fn reuseport_listener(addr: SocketAddr) -> std::io::Result<TcpListener> {
-    let socket = if addr.is_ipv4() {
-        tokio::net::TcpSocket::new_v4()?
-    } else {
-        tokio::net::TcpSocket::new_v6()?
-    };
-    socket.set_reuseaddr(true)?;
-    socket.set_reuseport(true)?;
-    socket.bind(addr)?;
-    socket.listen(4096)
+    hearth_net::listen(
+        addr,
+        hearth_net::ListenOptions {
+            reuse_port: true,
+            backlog: 4096,
+        },
+    )
 }
 
 /// A gateway serving on loopback ports in background tasks: for tests and benchmarks.

@@ -17,6 +17,7 @@ use hearth_gateway::{
     endpoints::EndpointSet,
     peers::PeerSet,
 };
+use hearth_net::ListenOptions;
 use tokio::signal::unix::{SignalKind, signal};
 
 /// jemalloc instead of glibc's malloc: its metadata lives outside the allocations, so the
@@ -49,9 +50,7 @@ async fn drain(args: DrainArgs) -> anyhow::Result<()> {
         wait_backend_idle(&spec).await.log();
         return Ok(());
     };
-    let listener = tokio::net::TcpListener::bind(listen)
-        .await
-        .with_context(|| format!("--listen: binding {listen}"))?;
+    let listener = hearth_net::listen(listen, ListenOptions::default()).context("--listen")?;
     tracing::info!(%listen, url = %spec.url, timeout_s = spec.timeout.as_secs(), "serving GET /drain");
     let mut term = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
     serve_drain(listener, spec, async move {
@@ -111,7 +110,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         }
     }
 
-    let gateway = Gateway::new(cfg, backends, keys);
+    let gateway = Gateway::new(cfg, backends, keys).context("starting the gateway")?;
 
     if let (Some(service), Some(client)) = (&args.peer_service, &client) {
         let peers = PeerSet::new(gateway.demand().clone());
@@ -140,9 +139,8 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         });
     }
 
-    let grpc = tokio::net::TcpListener::bind(args.scaler_listen)
-        .await
-        .with_context(|| format!("binding --scaler-listen {}", args.scaler_listen))?;
+    let grpc = hearth_net::listen(args.scaler_listen, ListenOptions::default())
+        .context("--scaler-listen")?;
     gateway.spawn_background(args.api_key_reload_interval);
     tracing::info!(http = %args.listen, scaler = %args.scaler_listen, "hearth-gateway starting");
 

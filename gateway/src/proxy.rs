@@ -562,8 +562,9 @@ fn forward_headers(mut h: HeaderMap, peer_ip: Option<&HeaderValue>) -> HeaderMap
 }
 
 /// The client's IP address as a header value, for `X-Forwarded-For`: made once per connection.
+/// An IPv4 client of the dual-stack listener (`::ffff:10.0.0.7`) is written as IPv4.
 pub(crate) fn peer_ip_value(peer: SocketAddr) -> Option<HeaderValue> {
-    HeaderValue::from_str(&peer.ip().to_string()).ok()
+    HeaderValue::from_str(&peer.ip().to_canonical().to_string()).ok()
 }
 
 /// Turns the backend's response into ours: status and end-to-end headers unchanged, body

@@ -65,18 +65,12 @@ pub struct CoarseTimer {
     table: Arc<Table>,
 }
 
-impl Default for CoarseTimer {
-    fn default() -> Self {
-        Self::new()
-    }
-}
-
 impl CoarseTimer {
     /// A timer with its checking thread running.
     ///
-    /// # Panics
-    /// If the operating system refuses to start a thread.
-    pub fn new() -> Self {
+    /// # Errors
+    /// The operating system refused to start the thread (e.g. `EAGAIN` at the task limit).
+    pub fn new() -> std::io::Result<Self> {
         let table = Arc::new(Table::default());
         let weak: Weak<Table> = Arc::downgrade(&table);
         std::thread::Builder::new()
@@ -87,9 +81,8 @@ impl CoarseTimer {
                     let Some(table) = weak.upgrade() else { return };
                     table.fire_expired(Instant::now());
                 }
-            })
-            .expect("starting the coarse timer thread");
-        Self { table }
+            })?;
+        Ok(Self { table })
     }
 
     /// Deadlines not yet dropped (for tests).
@@ -160,7 +153,7 @@ mod tests {
 
     #[tokio::test]
     async fn fires_after_the_deadline_and_forgets_dropped_sleeps() {
-        let timer = CoarseTimer::new();
+        let timer = CoarseTimer::new().unwrap();
         let start = Instant::now();
         let sleep = timer.register(start + Duration::from_millis(100));
         let dropped = timer.register(start + Duration::from_secs(3600));
@@ -176,7 +169,7 @@ mod tests {
 
     #[test]
     fn fire_expired_wakes_only_passed_deadlines() {
-        let timer = CoarseTimer::new();
+        let timer = CoarseTimer::new().unwrap();
         let now = Instant::now();
         let mut early = Box::pin(timer.register(now));
         let mut late = Box::pin(timer.register(now + Duration::from_secs(3600)));

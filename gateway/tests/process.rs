@@ -280,3 +280,64 @@ fn bad_flags_fail_with_the_flag_named() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("--url") && err.contains("http://"), "{err}");
 }
+
+/// `[::]` (the default `--listen` and `--scaler-listen`) serves IPv4 and IPv6 clients alike, and
+/// an IPv4 client is forwarded as IPv4 in `X-Forwarded-For`, not as `::ffff:127.0.0.1`.
+#[tokio::test]
+async fn unspecified_ipv6_listens_dual_stack() {
+    let backend = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let backend_addr = backend.local_addr().unwrap();
+    let (tx, mut forwarded_for) = tokio::sync::mpsc::unbounded_channel::<String>();
+    accept_each(backend, move |_, mut s| {
+        let tx = tx.clone();
+        async move {
+            use tokio::io::{AsyncReadExt, AsyncWriteExt};
+            let mut head = Vec::new();
+            let mut b = [0u8; 4096];
+            while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                match s.read(&mut b).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(n) => head.extend_from_slice(&b[..n]),
+                }
+            }
+            let head = String::from_utf8_lossy(&head).to_lowercase();
+            let xff = head
+                .lines()
+                .find_map(|l| l.strip_prefix("x-forwarded-for: "))
+                .unwrap_or("")
+                .to_string();
+            let _ = tx.send(xff);
+            let _ = s
+                .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{}")
+                .await;
+        }
+    });
+    let (http, grpc) = (free_port(), free_port());
+    let _child = Child(
+        Command::new(env!("CARGO_BIN_EXE_hearth-gateway"))
+            .args([
+                &format!("--listen=[::]:{http}"),
+                &format!("--scaler-listen=[::]:{grpc}"),
+                &format!("--backend-url=http://{backend_addr}"),
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let c = client();
+    for (host, client_ip) in [("127.0.0.1", "127.0.0.1"), ("[::1]", "::1")] {
+        let base = format!("http://{host}:{http}");
+        wait_ok(&c, &format!("{base}/readyz")).await;
+        let (status, _, _) = send_full(&c, chat_req(&base, &chat(false))).await;
+        assert_eq!(status, StatusCode::OK, "through {base}");
+        assert_eq!(
+            forwarded_for.recv().await.unwrap(),
+            client_ip,
+            "through {base}"
+        );
+        tokio::net::TcpStream::connect(format!("{host}:{grpc}"))
+            .await
+            .unwrap_or_else(|e| panic!("gRPC port through {host}: {e}"));
+    }
+}

@@ -15,7 +15,6 @@ use hearth_webhook::registration::{Registration, Target};
 use hearth_webhook::selfmanaged::{SelfManaged, SelfManagedConfig};
 use hearth_webhook::tls::{CertFiles, CertStore};
 use hearth_webhook::{AppState, Limits, Snapshot, router, serve, watch};
-use tokio::net::TcpListener;
 
 #[derive(Parser)]
 #[command(version, about = "Hearth's admission webhook")]
@@ -34,8 +33,9 @@ enum Command {
 
 #[derive(Args)]
 struct ServeArgs {
-    /// Address to serve HTTPS on.
-    #[arg(long, env = "HEARTH_WEBHOOK_LISTEN", default_value = "0.0.0.0:8443")]
+    /// Address to serve HTTPS on. `[::]` is every address, IPv4 and IPv6 (IPv4 only on a host
+    /// without IPv6).
+    #[arg(long, env = "HEARTH_WEBHOOK_LISTEN", default_value = "[::]:8443")]
     listen: SocketAddr,
     /// PEM certificate chain to serve (cert-manager's tls.crt); reloaded when it changes.
     #[arg(long, requires = "tls_key_file", conflicts_with = "self_managed")]
@@ -228,9 +228,8 @@ async fn run(args: ServeArgs) -> Result<()> {
         bundle.policies.into(),
         shutdown.clone(),
     ));
-    let listener = TcpListener::bind(args.listen)
-        .await
-        .with_context(|| format!("binding {}", args.listen))?;
+    let listener = hearth_net::listen(args.listen, hearth_net::ListenOptions::default())
+        .context("--listen")?;
     tracing::info!(listen = %args.listen, "serving admission reviews");
     let tls = store.server_config()?;
     let server = tokio::spawn(serve(listener, tls, router(state), limits, shutdown));

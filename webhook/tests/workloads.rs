@@ -241,7 +241,7 @@ async fn with_a_drain_image_the_drain_is_a_sidecar_and_a_second_pass_changes_not
         sidecar["args"],
         json!([
             "drain",
-            "--listen=0.0.0.0:8099",
+            "--listen=[::]:8099",
             "--url=http://127.0.0.1:8000/metrics",
             "--timeout=90s",
             "--running-metric=vllm:num_requests_running",

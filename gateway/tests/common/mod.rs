@@ -77,7 +77,7 @@ pub async fn gateway_with_keys(
     keys: ApiKeys,
 ) -> RunningGateway {
     hearth_gateway::spawn(
-        Gateway::new(cfg, backends, keys),
+        Gateway::new(cfg, backends, keys).unwrap(),
         "127.0.0.1".parse().unwrap(),
     )
     .await
