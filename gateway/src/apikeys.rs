@@ -1,10 +1,15 @@
 //! Optional API keys, read from a file (a mounted Secret key) and reloaded when it changes.
 //!
-//! The file holds one key per line; blank lines and lines starting with `#` are skipped, and
-//! surrounding whitespace is trimmed. Clients send `Authorization: Bearer <key>` (the OpenAI
-//! API's scheme). A Secret volume is updated by the kubelet through an atomic symlink swap, so
-//! the file is re-read every reload interval and swapped in when its content changed; a read
-//! error keeps the previous keys and is logged.
+//! The file holds one key per line (LF or CRLF; a leading UTF-8 byte order mark is ignored);
+//! blank lines and lines starting with `#` are skipped, and surrounding whitespace is trimmed.
+//! Clients send `Authorization: Bearer <key>` (the OpenAI API's scheme). A Secret volume is
+//! updated by the kubelet through an atomic symlink swap, so the file is re-read every reload
+//! interval and swapped in when its content changed.
+//!
+//! A reload that cannot be used keeps the last good keys and is logged as a warning: a file
+//! that cannot be read (missing, not UTF-8), and a file that now holds no key at all (an
+//! emptied Secret would otherwise lock every client out with nothing but 401s to show for it).
+//! Nothing ever turns authentication off once it is on.
 
 use std::{
     collections::HashSet,
@@ -12,6 +17,10 @@ use std::{
     sync::{Arc, RwLock},
     time::Duration,
 };
+
+/// The shortest reload interval used; a shorter `--api-key-reload-interval` (such as `0s`) is
+/// raised to it.
+pub const MIN_RELOAD_INTERVAL: Duration = Duration::from_millis(100);
 
 /// Why the key file could not be used.
 #[derive(Debug, thiserror::Error)]
@@ -23,6 +32,14 @@ pub enum ApiKeyError {
         path: PathBuf,
         /// The I/O error.
         source: std::io::Error,
+    },
+    /// A reload found no key in the file; the previous keys stay in force.
+    #[error(
+        "API key file {path} holds no key; keeping the previous keys (put at least one key in the Secret behind --api-key-file)"
+    )]
+    NoKeys {
+        /// The file.
+        path: PathBuf,
     },
 }
 
@@ -51,6 +68,8 @@ pub enum AuthOutcome {
 
 /// Parses the key file's content.
 pub fn parse_keys(content: &str) -> HashSet<String> {
+    // Editors on Windows start UTF-8 files with a byte order mark; it is not part of a key.
+    let content = content.strip_prefix('\u{feff}').unwrap_or(content);
     content
         .lines()
         .map(str::trim)
@@ -109,7 +128,8 @@ impl ApiKeys {
     /// Re-reads the file now; returns whether the keys changed.
     ///
     /// # Errors
-    /// [`ApiKeyError::Read`]; the previous keys stay in force.
+    /// [`ApiKeyError::Read`], or [`ApiKeyError::NoKeys`] when the file holds no key while keys
+    /// are in force; either way the previous keys stay in force.
     pub fn reload(&self) -> Result<bool, ApiKeyError> {
         let Some(inner) = &self.inner else {
             return Ok(false);
@@ -119,15 +139,32 @@ impl ApiKeys {
         if **cur == next {
             return Ok(false);
         }
+        if next.is_empty() {
+            return Err(ApiKeyError::NoKeys {
+                path: inner.path.clone(),
+            });
+        }
         *cur = Arc::new(next);
         Ok(true)
     }
 
-    /// Reloads every `interval` until the task is dropped.
+    /// Reloads every `interval` (at least [`MIN_RELOAD_INTERVAL`]) until the task is dropped.
     pub async fn watch(self, interval: Duration) {
         if self.inner.is_none() {
             return;
         }
+        // `tokio::time::interval` panics on zero, which would end reloads for good with
+        // nothing but a panic message on stderr.
+        let interval = if interval < MIN_RELOAD_INTERVAL {
+            tracing::warn!(
+                requested_ms = interval.as_millis() as u64,
+                used_ms = MIN_RELOAD_INTERVAL.as_millis() as u64,
+                "--api-key-reload-interval is below the minimum; using the minimum"
+            );
+            MIN_RELOAD_INTERVAL
+        } else {
+            interval
+        };
         let mut tick = tokio::time::interval(interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         tick.tick().await;

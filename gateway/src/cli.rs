@@ -279,6 +279,12 @@ impl ServeArgs {
         if self.body_limit == 0 {
             return Err(err("--body-limit", "must be positive, like \"8Mi\""));
         }
+        if self.api_key_reload_interval < crate::apikeys::MIN_RELOAD_INTERVAL {
+            return Err(err(
+                "--api-key-reload-interval",
+                "must be at least 100ms, like \"10s\"",
+            ));
+        }
         if !(self.metric_target.is_finite() && self.metric_target > 0.0) {
             return Err(err("--metric-target", "must be a positive number, like 1"));
         }

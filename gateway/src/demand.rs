@@ -10,6 +10,9 @@
 //!   forbidden), the total is *unknown* and readers get a [`DemandUnknown`] error rather than a
 //!   silently low number.
 //!
+//! The total is capped at `i64::MAX` (saturating), so every reader (KEDA's int64 metric value,
+//! the Prometheus gauge) can hold it and huge peer values never wrap around to a low number.
+//!
 //! All of it lives in one `tokio::sync::watch` channel, so KEDA's push stream, the peers'
 //! subscriptions and drain wait on changes instead of polling.
 
@@ -45,6 +48,8 @@ struct Peers {
 /// The demand state, as seen through [`DemandHub::subscribe`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DemandState {
+    /// Identifies this replica to its peers (see [`crate::peers::INSTANCE_HEADER`]).
+    instance: u64,
     pending: u64,
     max_queue: u64,
     lease: bool,
@@ -52,6 +57,11 @@ pub struct DemandState {
 }
 
 impl DemandState {
+    /// A random identifier of the replica, the same for its whole life.
+    pub fn instance(&self) -> u64 {
+        self.instance
+    }
+
     /// Requests admitted by this replica and not finished.
     pub fn pending(&self) -> u64 {
         self.pending
@@ -67,9 +77,10 @@ impl DemandState {
         self.pending.max(u64::from(self.lease))
     }
 
-    /// Local demand plus every peer's, or why that sum is unknown.
+    /// Local demand plus every peer's (at most `i64::MAX`), or why that sum is unknown.
     pub fn total(&self) -> Result<u64, DemandUnknown> {
-        let local = self.local();
+        const CAP: u64 = i64::MAX as u64;
+        let local = self.local().min(CAP);
         let Some(peers) = &self.peers else {
             return Ok(local);
         };
@@ -84,7 +95,7 @@ impl DemandState {
         let mut sum = local;
         for (peer, v) in &peers.values {
             match v {
-                Some(v) => sum += v,
+                Some(v) => sum = sum.saturating_add(*v).min(CAP),
                 None => {
                     return Err(DemandUnknown(format!(
                         "no current demand from peer gateway {peer}"
@@ -116,6 +127,7 @@ impl DemandHub {
     /// aggregation (total unknown until the peer list is set).
     pub fn new(max_queue: u64, aggregate: bool) -> Self {
         let state = DemandState {
+            instance: random_instance(),
             pending: 0,
             max_queue,
             lease: false,
@@ -146,6 +158,11 @@ impl DemandHub {
             s.lease = on;
             changed
         });
+    }
+
+    /// This replica's random identifier (see [`DemandState::instance`]).
+    pub fn instance(&self) -> u64 {
+        self.tx.borrow().instance
     }
 
     /// The current state.
@@ -208,6 +225,14 @@ impl DemandHub {
         let _ = tokio::time::timeout(timeout, rx.wait_for(|s| s.pending == 0)).await;
         self.state().pending
     }
+}
+
+/// A random `u64`: std's `RandomState` is seeded from the OS and differs on every call.
+fn random_instance() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u32(std::process::id());
+    h.finish()
 }
 
 /// One admitted request; dropping it frees the slot and lowers demand.

@@ -8,6 +8,11 @@
 //!
 //! The port is the slice port named `port_name` when given; otherwise the only port of the
 //! slice, or the one named `http`.
+//!
+//! A dual-stack Service (`ipFamilyPolicy: PreferDualStack|RequireDualStack`) has one set of
+//! slices per address family, each listing every pod: a pod (by `targetRef`) is used once, at
+//! its IPv4 address when it has one, so a backend is not balanced as two and a peer gateway's
+//! demand is not counted twice.
 
 use std::collections::BTreeMap;
 
@@ -51,6 +56,22 @@ pub enum DiscoveryError {
 
 /// The ready, non-terminating endpoints of one slice, as `host:port`.
 pub fn ready_endpoints(slice: &EndpointSlice, port_name: Option<&str>) -> Vec<Authority> {
+    slice_endpoints(slice, port_name)
+        .endpoints
+        .into_iter()
+        .map(|(_, a)| a)
+        .collect()
+}
+
+/// The ready endpoints of one slice with the pod behind each (`targetRef`), if named.
+#[derive(Debug, Default)]
+struct SliceEndpoints {
+    ipv4: bool,
+    endpoints: Vec<(Option<String>, Authority)>,
+}
+
+fn slice_endpoints(slice: &EndpointSlice, port_name: Option<&str>) -> SliceEndpoints {
+    let ipv4 = slice.address_type == "IPv4";
     let ports = slice.ports.as_deref().unwrap_or_default();
     let port = match port_name {
         Some(name) => ports.iter().find(|p| p.name.as_deref() == Some(name)),
@@ -58,24 +79,48 @@ pub fn ready_endpoints(slice: &EndpointSlice, port_name: Option<&str>) -> Vec<Au
         None => ports.iter().find(|p| p.name.as_deref() == Some("http")),
     };
     let Some(port) = port.and_then(|p| p.port) else {
-        return Vec::new();
+        return SliceEndpoints {
+            ipv4,
+            endpoints: Vec::new(),
+        };
     };
-    slice
+    let endpoints = slice
         .endpoints
         .iter()
         .filter(|e| {
             let c = e.conditions.as_ref();
             c.and_then(|c| c.ready) != Some(false) && c.and_then(|c| c.terminating) != Some(true)
         })
-        .filter_map(|e| e.addresses.first())
-        .filter_map(|addr| {
+        .filter_map(|e| {
+            let addr = e.addresses.first()?;
             let host = if slice.address_type == "IPv6" {
                 format!("[{addr}]")
             } else {
                 addr.clone()
             };
-            format!("{host}:{port}").parse::<Authority>().ok()
+            let pod = e.target_ref.as_ref().and_then(|r| {
+                Some(format!(
+                    "{}/{}",
+                    r.namespace.as_deref().unwrap_or_default(),
+                    r.name.as_deref()?
+                ))
+            });
+            Some((pod, format!("{host}:{port}").parse::<Authority>().ok()?))
         })
+        .collect();
+    SliceEndpoints { ipv4, endpoints }
+}
+
+/// Every slice's endpoints, each pod once: IPv4 slices first, so a pod listed in both families
+/// is used at its IPv4 address. Endpoints without a `targetRef` are all kept.
+fn merge(slices: &BTreeMap<String, SliceEndpoints>) -> Vec<Authority> {
+    let mut seen = std::collections::HashSet::new();
+    let (v4, other): (Vec<_>, Vec<_>) = slices.values().partition(|s| s.ipv4);
+    v4.into_iter()
+        .chain(other)
+        .flat_map(|s| &s.endpoints)
+        .filter(|(pod, _)| pod.as_ref().is_none_or(|p| seen.insert(p.clone())))
+        .map(|(_, a)| a.clone())
         .collect()
 }
 
@@ -108,10 +153,10 @@ pub async fn watch_endpoints(
     let stream = watcher(api, cfg).default_backoff();
     futures::pin_mut!(stream);
     let port_name = source.port_name.as_deref();
-    let mut slices: BTreeMap<String, Vec<Authority>> = BTreeMap::new();
-    let mut init: Option<BTreeMap<String, Vec<Authority>>> = None;
-    let emit = |slices: &BTreeMap<String, Vec<Authority>>, f: &mut dyn FnMut(Vec<Authority>)| {
-        f(slices.values().flatten().cloned().collect());
+    let mut slices: BTreeMap<String, SliceEndpoints> = BTreeMap::new();
+    let mut init: Option<BTreeMap<String, SliceEndpoints>> = None;
+    let emit = |slices: &BTreeMap<String, SliceEndpoints>, f: &mut dyn FnMut(Vec<Authority>)| {
+        f(merge(slices));
     };
     while let Some(ev) = stream.next().await {
         match ev {
@@ -119,7 +164,7 @@ pub async fn watch_endpoints(
             Ok(watcher::Event::InitApply(s)) => {
                 let name = s.metadata.name.clone().unwrap_or_default();
                 init.get_or_insert_with(BTreeMap::new)
-                    .insert(name, ready_endpoints(&s, port_name));
+                    .insert(name, slice_endpoints(&s, port_name));
             }
             Ok(watcher::Event::InitDone) => {
                 slices = init.take().unwrap_or_default();
@@ -127,7 +172,7 @@ pub async fn watch_endpoints(
             }
             Ok(watcher::Event::Apply(s)) => {
                 let name = s.metadata.name.clone().unwrap_or_default();
-                slices.insert(name, ready_endpoints(&s, port_name));
+                slices.insert(name, slice_endpoints(&s, port_name));
                 emit(&slices, &mut on_change);
             }
             Ok(watcher::Event::Delete(s)) => {
@@ -191,5 +236,43 @@ mod tests {
             "[fd00::1]:9000"
         );
         assert!(ready_endpoints(&s, Some("grpc")).is_empty());
+    }
+
+    #[test]
+    fn a_dual_stack_service_lists_each_pod_once_at_its_ipv4_address() {
+        let pod = |n: &str| serde_json::json!({"kind": "Pod", "namespace": "m", "name": n});
+        let v6 = slice(serde_json::json!({
+            "metadata": {"name": "a-v6"},
+            "addressType": "IPv6",
+            "ports": [{"port": 8080}],
+            "endpoints": [
+                {"addresses": ["fd00::1"], "targetRef": pod("gw-1")},
+                {"addresses": ["fd00::2"], "targetRef": pod("gw-2")},
+                {"addresses": ["fd00::9"]}
+            ]
+        }));
+        let v4 = slice(serde_json::json!({
+            "metadata": {"name": "b-v4"},
+            "addressType": "IPv4",
+            "ports": [{"port": 8080}],
+            "endpoints": [
+                {"addresses": ["10.0.0.1"], "targetRef": pod("gw-1")},
+                {"addresses": ["10.0.0.3"], "targetRef": pod("gw-3")}
+            ]
+        }));
+        let slices = BTreeMap::from([
+            ("a-v6".to_owned(), slice_endpoints(&v6, None)),
+            ("b-v4".to_owned(), slice_endpoints(&v4, None)),
+        ]);
+        let got: Vec<String> = merge(&slices).iter().map(|a| a.to_string()).collect();
+        assert_eq!(
+            got,
+            [
+                "10.0.0.1:8080",
+                "10.0.0.3:8080",
+                "[fd00::2]:8080",
+                "[fd00::9]:8080"
+            ]
+        );
     }
 }

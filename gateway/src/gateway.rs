@@ -480,13 +480,14 @@ async fn metrics(State(shared): State<Arc<Shared>>) -> Response {
     let m = &shared.metrics;
     m.pending.set(state.pending() as i64);
     m.demand.set(state.local() as i64);
-    m.demand_total.clear();
-    if let Ok(t) = state.total() {
-        m.demand_total.get_or_create(&Vec::new()).set(t as i64);
-    }
     m.backend_endpoints
         .set(shared.backends.snapshot().len() as i64);
-    let mut resp = m.encode().into_response();
+    // The total is capped at i64::MAX (see `demand`).
+    let total = state
+        .total()
+        .ok()
+        .map(|t| i64::try_from(t).unwrap_or(i64::MAX));
+    let mut resp = m.encode_with_total(total).into_response();
     resp.headers_mut().insert(
         header::CONTENT_TYPE,
         HeaderValue::from_static("application/openmetrics-text; version=1.0.0; charset=utf-8"),

@@ -15,7 +15,7 @@
 //! | `hearth_gateway_scaler_streams` | gauge | open KEDA `StreamIsActive` streams |
 //! | `hearth_gateway_backend_endpoints` | gauge | ready backend endpoints known |
 
-use std::sync::atomic::AtomicI64;
+use std::sync::{Mutex, atomic::AtomicI64};
 
 use prometheus_client::{
     encoding::EncodeLabelSet,
@@ -77,6 +77,8 @@ pub struct Metrics {
     pub scaler_streams: Gauge,
     /// `hearth_gateway_backend_endpoints`.
     pub backend_endpoints: Gauge,
+    /// Makes [`Metrics::encode_with_total`] one step for concurrent scrapes.
+    scrape: Mutex<()>,
 }
 
 impl Default for Metrics {
@@ -177,6 +179,7 @@ impl Metrics {
             upstream_errors,
             scaler_streams,
             backend_endpoints,
+            scrape: Mutex::new(()),
         }
     }
 
@@ -195,6 +198,18 @@ impl Metrics {
         self.upstream_errors
             .get_or_create(&KindLabel { kind })
             .inc();
+    }
+
+    /// Sets `hearth_gateway_demand_total` to `total` (absent when `None`) and encodes, as one
+    /// step. Clearing and setting the shared family around [`Metrics::encode`] instead lets a
+    /// concurrent scrape encode between another's clear and set, and miss a known total.
+    pub fn encode_with_total(&self, total: Option<i64>) -> String {
+        let _one_at_a_time = self.scrape.lock().unwrap_or_else(|e| e.into_inner());
+        self.demand_total.clear();
+        if let Some(t) = total {
+            self.demand_total.get_or_create(&Vec::new()).set(t);
+        }
+        self.encode()
     }
 
     /// The text exposition format (Prometheus `text/plain; version=0.0.4` compatible

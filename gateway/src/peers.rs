@@ -6,8 +6,14 @@
 //! gateway Service's EndpointSlices, so a cold request on any replica reaches the replica KEDA
 //! talks to within one network hop, with no polling and no cache to go stale.
 //!
-//! A peer whose stream is not connected, or silent for [`PEER_SILENCE`], is *unknown*: the
-//! total demand is then an error (see [`crate::demand`]), never a silently low number.
+//! A peer whose stream is not connected, or sends no complete demand line for
+//! [`PEER_SILENCE`], is *unknown*: the total demand is then an error (see [`crate::demand`]),
+//! never a silently low number. So is a peer that answers anything but well-formed lines of at
+//! most [`MAX_LINE`] bytes holding a count a replica can hold (`0..=i64::MAX`).
+//!
+//! Each stream names the replica serving it in the [`INSTANCE_HEADER`] response header, so a
+//! replica that finds itself in its own peer list (a missing or wrong `--pod-ip`) counts that
+//! peer as 0 instead of counting its own demand twice.
 
 use std::{
     collections::HashMap,
@@ -29,8 +35,18 @@ use crate::demand::{DemandHub, DemandState};
 
 /// How often a demand stream repeats its value when nothing changes.
 pub const KEEPALIVE: Duration = Duration::from_secs(5);
-/// A peer silent this long is considered unknown.
+/// A peer that sends no complete demand line for this long is considered unknown.
 pub const PEER_SILENCE: Duration = Duration::from_secs(15);
+/// Longest demand line accepted from a peer (a real one is about 15 bytes); a peer that sends
+/// more without a newline is cut off instead of being buffered without bound.
+pub const MAX_LINE: usize = 4096;
+/// Response header of `/hearth/local-demand` naming the replica serving it (see
+/// [`DemandHub::instance`]).
+pub const INSTANCE_HEADER: &str = "x-hearth-instance";
+
+fn instance_value(instance: u64) -> String {
+    format!("{instance:016x}")
+}
 
 fn line(v: u64) -> Bytes {
     Bytes::from(format!("{{\"demand\":{v}}}\n"))
@@ -42,25 +58,31 @@ pub fn local_demand_stream(
     rx: watch::Receiver<DemandState>,
     stop: watch::Receiver<bool>,
 ) -> Response {
+    let instance = instance_value(rx.borrow().instance());
+    // The keepalive is due KEEPALIVE after the last line sent, not after the last wake-up:
+    // changes that leave local demand as it is (a peer's value, say) must not postpone it, or
+    // a busy cluster would starve an idle replica's liveness signal and make it unknown.
     let stream = futures::stream::unfold(
-        (rx, stop, None::<u64>),
-        |(mut rx, mut stop, last)| async move {
+        (rx, stop, None::<u64>, tokio::time::Instant::now()),
+        |(mut rx, mut stop, last, due)| async move {
             loop {
                 if *stop.borrow() {
                     return None;
                 }
                 let v = rx.borrow_and_update().local();
+                let next = tokio::time::Instant::now() + KEEPALIVE;
                 if last != Some(v) {
                     return Some((
                         Ok::<_, std::convert::Infallible>(line(v)),
-                        (rx, stop, Some(v)),
+                        (rx, stop, Some(v), next),
                     ));
                 }
                 tokio::select! {
                     r = rx.changed() => if r.is_err() { return None },
-                    _ = stop.changed() => {}
-                    _ = tokio::time::sleep(KEEPALIVE) => {
-                        return Some((Ok(line(v)), (rx, stop, Some(v))));
+                    // A dropped sender would make `changed` ready forever.
+                    r = stop.changed() => if r.is_err() { return None },
+                    _ = tokio::time::sleep_until(due) => {
+                        return Some((Ok(line(v)), (rx, stop, Some(v), next)));
                     }
                 }
             }
@@ -73,6 +95,9 @@ pub fn local_demand_stream(
     );
     resp.headers_mut()
         .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    if let Ok(v) = HeaderValue::from_str(&instance) {
+        resp.headers_mut().insert(INSTANCE_HEADER, v);
+    }
     resp
 }
 
@@ -82,11 +107,18 @@ pub struct PeerSet {
     demand: DemandHub,
     client: Client<HttpConnector, Empty<Bytes>>,
     tasks: Arc<Mutex<HashMap<String, JoinHandle<()>>>>,
+    silence: Duration,
 }
 
 impl PeerSet {
     /// Peers feeding `demand` (which must have been created with aggregation on).
     pub fn new(demand: DemandHub) -> Self {
+        Self::with_silence(demand, PEER_SILENCE)
+    }
+
+    /// Like [`PeerSet::new`], with a peer unknown after `silence` without a complete demand
+    /// line instead of [`PEER_SILENCE`] (keep it above [`KEEPALIVE`] for real replicas).
+    pub fn with_silence(demand: DemandHub, silence: Duration) -> Self {
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
         connector.set_connect_timeout(Some(Duration::from_secs(2)));
@@ -95,14 +127,17 @@ impl PeerSet {
             demand,
             client,
             tasks: Arc::new(Mutex::new(HashMap::new())),
+            silence,
         }
     }
 
     /// Replaces the peer list (`host:port` of each other replica's HTTP port): subscribes to
     /// new peers and drops removed ones.
     pub fn update(&self, peers: Vec<String>) {
-        self.demand.set_peers(peers.clone());
         let mut tasks = self.tasks.lock().unwrap_or_else(|e| e.into_inner());
+        // Under the lock, so concurrent updates cannot leave the demand's peer list and the
+        // subscriptions describing different lists.
+        self.demand.set_peers(peers.clone());
         tasks.retain(|peer, task| {
             let keep = peers.contains(peer);
             if !keep {
@@ -112,7 +147,12 @@ impl PeerSet {
         });
         for peer in peers {
             tasks.entry(peer.clone()).or_insert_with(|| {
-                tokio::spawn(subscribe(self.client.clone(), self.demand.clone(), peer))
+                tokio::spawn(subscribe(
+                    self.client.clone(),
+                    self.demand.clone(),
+                    peer,
+                    self.silence,
+                ))
             });
         }
     }
@@ -133,13 +173,32 @@ impl Drop for PeerSet {
     }
 }
 
+/// How a peer's demand stream ended.
+enum Ended {
+    /// The peer closed it; reconnect.
+    Closed,
+    /// The peer is this replica itself: its demand is already counted locally.
+    Itself,
+}
+
 /// Follows one peer's demand stream forever, reconnecting with backoff; the peer's value is
 /// unknown whenever the stream is down or silent.
-async fn subscribe(client: Client<HttpConnector, Empty<Bytes>>, demand: DemandHub, peer: String) {
+async fn subscribe(
+    client: Client<HttpConnector, Empty<Bytes>>,
+    demand: DemandHub,
+    peer: String,
+    silence: Duration,
+) {
     let mut backoff = Duration::from_millis(50);
     loop {
-        match follow(&client, &demand, &peer).await {
-            Ok(()) => tracing::debug!(%peer, "peer demand stream ended"),
+        match follow(&client, &demand, &peer, silence).await {
+            Ok(Ended::Itself) => {
+                tracing::warn!(%peer, "peer list holds this replica itself (check --pod-ip); counting it as 0");
+                demand.set_peer_value(&peer, Some(0));
+                // Nothing more to learn from it; ends when the peer leaves the list.
+                std::future::pending::<()>().await;
+            }
+            Ok(Ended::Closed) => tracing::debug!(%peer, "peer demand stream ended"),
             Err(e) => tracing::warn!(%peer, error = %e, "peer demand stream failed"),
         }
         demand.set_peer_value(&peer, None);
@@ -148,42 +207,86 @@ async fn subscribe(client: Client<HttpConnector, Empty<Bytes>>, demand: DemandHu
     }
 }
 
+/// Parses one `{"demand": N}` line; `N` must be a count a replica can hold.
+fn parse_line(line: &[u8]) -> Result<u64, String> {
+    let v: serde_json::Value =
+        serde_json::from_slice(line).map_err(|e| format!("bad demand line: {e}"))?;
+    v["demand"]
+        .as_u64()
+        .filter(|n| i64::try_from(*n).is_ok())
+        .ok_or_else(|| {
+            format!(
+                "demand line without a \"demand\" count in 0..={}: {}",
+                i64::MAX,
+                String::from_utf8_lossy(&line[..line.len().min(64)])
+            )
+        })
+}
+
 async fn follow(
     client: &Client<HttpConnector, Empty<Bytes>>,
     demand: &DemandHub,
     peer: &str,
-) -> Result<(), String> {
+    silence: Duration,
+) -> Result<Ended, String> {
     let uri: http::Uri = format!("http://{peer}/hearth/local-demand")
         .parse()
         .map_err(|e| format!("bad peer address {peer}: {e}"))?;
-    let resp = tokio::time::timeout(PEER_SILENCE, client.get(uri))
+    let resp = tokio::time::timeout(silence, client.get(uri))
         .await
         .map_err(|_| "no answer".to_owned())?
         .map_err(|e| e.to_string())?;
     if !resp.status().is_success() {
         return Err(format!("answered {}", resp.status()));
     }
+    let me = instance_value(demand.instance());
+    if resp
+        .headers()
+        .get(INSTANCE_HEADER)
+        .is_some_and(|v| v.as_bytes() == me.as_bytes())
+    {
+        return Ok(Ended::Itself);
+    }
     let mut body = resp.into_body();
     let mut buf = Vec::new();
+    // Liveness is a complete line: bytes that never finish one do not keep a peer known.
+    let mut deadline = tokio::time::Instant::now() + silence;
     loop {
-        let frame = tokio::time::timeout(PEER_SILENCE, body.frame())
+        let frame = tokio::time::timeout_at(deadline, body.frame())
             .await
-            .map_err(|_| format!("silent for {PEER_SILENCE:?}"))?;
-        let Some(frame) = frame else { return Ok(()) };
+            .map_err(|_| format!("no demand line for {silence:?}"))?;
+        let Some(frame) = frame else {
+            return Ok(Ended::Closed);
+        };
         let frame = frame.map_err(|e| e.to_string())?;
         let Ok(data) = frame.into_data() else {
             continue;
         };
+        // Only the new bytes are searched, and consumed lines are dropped once per frame, so a
+        // burst of lines costs linear time.
+        let searched = buf.len();
         buf.extend_from_slice(&data);
-        while let Some(pos) = buf.iter().position(|b| *b == b'\n') {
-            let rest = buf.split_off(pos + 1);
-            let text = std::mem::replace(&mut buf, rest);
-            let v: serde_json::Value =
-                serde_json::from_slice(&text).map_err(|e| format!("bad demand line: {e}"))?;
-            let n = v["demand"]
-                .as_u64()
-                .ok_or_else(|| "demand line without a \"demand\" number".to_owned())?;
+        let mut start = 0;
+        let mut last = None;
+        let mut from = searched;
+        while let Some(i) = buf[from..].iter().position(|b| *b == b'\n') {
+            let end = from + i;
+            let line = buf[start..end].trim_ascii();
+            if !line.is_empty() {
+                last = Some(parse_line(line)?);
+            }
+            start = end + 1;
+            from = start;
+        }
+        buf.drain(..start);
+        if buf.len() > MAX_LINE {
+            return Err(format!(
+                "demand line longer than {MAX_LINE} bytes; not a gateway replica?"
+            ));
+        }
+        if let Some(n) = last {
             demand.set_peer_value(peer, Some(n));
+            deadline = tokio::time::Instant::now() + silence;
         }
     }
 }

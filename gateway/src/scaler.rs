@@ -81,6 +81,17 @@ impl Drop for StreamGauge {
     }
 }
 
+/// At most 128 characters of `s`, for echoing client input in an error: gRPC carries the
+/// message in a header, and an oversized one makes the client drop the whole connection
+/// (KEDA's push stream on it included).
+fn clip(s: &str) -> String {
+    const MAX: usize = 128;
+    match s.char_indices().nth(MAX) {
+        None => format!("{s:?}"),
+        Some((i, _)) => format!("{:?}... ({} bytes)", &s[..i], s.len()),
+    }
+}
+
 fn unknown(e: impl std::fmt::Display) -> Status {
     Status::unavailable(format!(
         "{e}; the gateway will not report a demand it cannot see (check the peer gateway replicas)"
@@ -145,7 +156,8 @@ impl ExternalScaler for Scaler {
                 Ok(t) if t.is_finite() && t > 0.0 => t,
                 _ => {
                     return Err(Status::invalid_argument(format!(
-                        "trigger metadata targetSize must be a positive number, got {v:?}"
+                        "trigger metadata targetSize must be a positive number, got {}",
+                        clip(v)
                     )));
                 }
             },
@@ -166,7 +178,8 @@ impl ExternalScaler for Scaler {
         let requested = request.get_ref().metric_name.as_str();
         if !self.matches(requested) {
             return Err(Status::not_found(format!(
-                "unknown metric name {requested:?}: this scaler serves {:?} (from GetMetricSpec)",
+                "unknown metric name {}: this scaler serves {:?} (from GetMetricSpec)",
+                clip(requested),
                 self.metric_name
             )));
         }
@@ -174,7 +187,8 @@ impl ExternalScaler for Scaler {
         Ok(Response::new(GetMetricsResponse {
             metric_values: vec![MetricValue {
                 metric_name: self.metric_name.clone(),
-                metric_value: total as i64,
+                // The total is capped at i64::MAX; saturate anyway rather than go negative.
+                metric_value: i64::try_from(total).unwrap_or(i64::MAX),
                 metric_value_float: total as f64,
             }],
         }))

@@ -12,44 +12,6 @@ use common::*;
 use http_body_util::BodyExt;
 use hyper::StatusCode;
 
-struct Child(std::process::Child);
-
-impl Drop for Child {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-/// Waits for `child` to exit (off the runtime's threads) and returns its status.
-async fn exit_status(mut child: Child) -> std::process::ExitStatus {
-    tokio::task::spawn_blocking(move || {
-        let s = child.0.wait().unwrap();
-        // Already reaped: nothing left for Drop to kill.
-        std::mem::forget(child);
-        s
-    })
-    .await
-    .unwrap()
-}
-
-fn sigterm(child: &Child) {
-    let ok = Command::new("kill")
-        .args(["-TERM", &child.0.id().to_string()])
-        .status()
-        .unwrap()
-        .success();
-    assert!(ok);
-}
-
 #[tokio::test]
 async fn sigterm_turns_readiness_off_and_lets_streams_finish() {
     let stub = stub().await;
@@ -69,7 +31,7 @@ async fn sigterm_turns_readiness_off_and_lets_streams_finish() {
     );
     let c = client();
     let base = format!("http://127.0.0.1:{http}");
-    wait_ok(&c, &format!("{base}/readyz")).await;
+    wait_status(&c, &format!("{base}/readyz"), StatusCode::OK).await;
     let mut body = chat(true);
     body["stub_token_delay"] = "30ms".into();
     body["max_tokens"] = 20.into();
@@ -94,7 +56,7 @@ async fn sigterm_turns_readiness_off_and_lets_streams_finish() {
         rest.ends_with(b"data: [DONE]\n\n"),
         "in-flight stream finished"
     );
-    let status = exit_status(child).await;
+    let status = exit_within(child, 60).await;
     assert!(status.success(), "{status:?}");
 }
 
@@ -175,7 +137,7 @@ async fn drain_sidecar_answers_when_the_backend_is_idle() {
         (child, format!("http://127.0.0.1:{port}"))
     };
     let (child, base) = sidecar("60s");
-    wait_ok(&c, &format!("{base}/healthz")).await;
+    wait_status(&c, &format!("{base}/healthz"), StatusCode::OK).await;
 
     let in_flight = slow_request(&c, &stub, "50ms", 10);
     let mut rx = stub.state.subscribe_received();
@@ -203,12 +165,12 @@ async fn drain_sidecar_answers_when_the_backend_is_idle() {
 
     // SIGTERM (the kubelet stops a native sidecar after the model container exited) ends it.
     sigterm(&child);
-    let status = exit_status(child).await;
+    let status = exit_within(child, 60).await;
     assert!(status.success(), "{status:?}");
 
     // Work longer than the timeout: 503 naming what is still running.
     let (_child, base) = sidecar("300ms");
-    wait_ok(&c, &format!("{base}/healthz")).await;
+    wait_status(&c, &format!("{base}/healthz"), StatusCode::OK).await;
     let long = slow_request(&c, &stub, "100ms", 30);
     rx.wait_for(|n| *n == 2).await.unwrap();
     let (status, text) = get(&c, &format!("{base}/drain")).await;
@@ -234,25 +196,6 @@ fn slow_request(
     let req = chat_req(&stub.url(), &body);
     let c = c.clone();
     tokio::spawn(async move { send_full(&c, req).await })
-}
-
-/// Polls `url` until it answers 200.
-async fn wait_ok(c: &HttpClient, url: &str) {
-    for _ in 0..500 {
-        if let Ok(r) = c
-            .request(
-                hyper::Request::get(url)
-                    .body(http_body_util::Full::new(bytes::Bytes::new()))
-                    .unwrap(),
-            )
-            .await
-            && r.status() == StatusCode::OK
-        {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    panic!("{url} never answered 200");
 }
 
 #[test]
@@ -328,7 +271,7 @@ async fn unspecified_ipv6_listens_dual_stack() {
     let c = client();
     for (host, client_ip) in [("127.0.0.1", "127.0.0.1"), ("[::1]", "::1")] {
         let base = format!("http://{host}:{http}");
-        wait_ok(&c, &format!("{base}/readyz")).await;
+        wait_status(&c, &format!("{base}/readyz"), StatusCode::OK).await;
         let (status, _, _) = send_full(&c, chat_req(&base, &chat(false))).await;
         assert_eq!(status, StatusCode::OK, "through {base}");
         assert_eq!(

@@ -222,3 +222,96 @@ pub async fn read_head(s: &mut TcpStream) -> Option<Vec<u8>> {
         buf.extend_from_slice(&tmp[..n]);
     }
 }
+
+/// Fails the test (instead of hanging it) when `f` takes longer than `secs`.
+pub async fn within<T>(secs: u64, what: &str, f: impl Future<Output = T>) -> T {
+    tokio::time::timeout(Duration::from_secs(secs), f)
+        .await
+        .unwrap_or_else(|_| panic!("{what}: not done within {secs} s"))
+}
+
+/// A child process, killed and reaped when dropped.
+pub struct Child(pub std::process::Child);
+
+impl Drop for Child {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A loopback port that was free a moment ago.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Sends SIGTERM to `child`.
+pub fn sigterm(child: &Child) {
+    let ok = std::process::Command::new("kill")
+        .args(["-TERM", &child.0.id().to_string()])
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok);
+}
+
+/// Waits for `child` to exit and returns its status, failing (and killing it) after `secs`.
+pub async fn exit_within(child: Child, secs: u64) -> std::process::ExitStatus {
+    let pid = child.0.id();
+    let task = tokio::task::spawn_blocking(move || {
+        let mut child = child;
+        let s = child.0.wait().unwrap();
+        // Already reaped: nothing left for Drop to kill.
+        std::mem::forget(child);
+        s
+    });
+    match tokio::time::timeout(Duration::from_secs(secs), task).await {
+        Ok(s) => s.unwrap(),
+        Err(_) => {
+            let _ = std::process::Command::new("kill")
+                .args(["-KILL", &pid.to_string()])
+                .status();
+            panic!("the process did not exit within {secs} s");
+        }
+    }
+}
+
+/// Starts the `hearth-gateway` binary on free loopback ports with `args`; returns it and its
+/// HTTP base URL.
+pub fn spawn_gateway(args: &[String]) -> (Child, String) {
+    let (http, grpc) = (free_port(), free_port());
+    let child = Child(
+        std::process::Command::new(env!("CARGO_BIN_EXE_hearth-gateway"))
+            .args([
+                format!("--listen=127.0.0.1:{http}"),
+                format!("--scaler-listen=127.0.0.1:{grpc}"),
+                "--http-workers=2".into(),
+            ])
+            .args(args)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    (child, format!("http://127.0.0.1:{http}"))
+}
+
+/// Polls `url` with GET until it answers `want` (10 s at most).
+pub async fn wait_status(c: &HttpClient, url: &str, want: StatusCode) {
+    within(10, &format!("{url} -> {want}"), async {
+        loop {
+            let req = Request::get(url).body(Full::new(Bytes::new())).unwrap();
+            if let Ok(r) = c.request(req).await
+                && r.status() == want
+            {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+}
