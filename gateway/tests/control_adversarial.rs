@@ -7,7 +7,6 @@
 mod common;
 
 use std::{
-    collections::HashMap,
     future::Future,
     path::{Path, PathBuf},
     process::{Command, Stdio},
@@ -41,33 +40,6 @@ use tonic::{Code, transport::Channel};
 // ---------------------------------------------------------------------------------------------
 
 const METRIC: &str = "hearth_queue_depth";
-
-async fn scaler_client(g: &RunningGateway) -> ExternalScalerClient<Channel> {
-    let ch = Channel::from_shared(g.grpc_url())
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
-    ExternalScalerClient::new(ch)
-}
-
-fn so_ref(meta: &[(&str, &str)]) -> ScaledObjectRef {
-    ScaledObjectRef {
-        name: "stub-svc".into(),
-        namespace: "hearth".into(),
-        scaler_metadata: meta
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect::<HashMap<_, _>>(),
-    }
-}
-
-fn metrics_req(name: &str) -> GetMetricsRequest {
-    GetMetricsRequest {
-        scaled_object_ref: Some(so_ref(&[])),
-        metric_name: name.into(),
-    }
-}
 
 fn aggregated() -> GatewayConfig {
     GatewayConfig {

@@ -3,45 +3,12 @@
 
 mod common;
 
-use std::{collections::HashMap, time::Duration};
+use std::time::Duration;
 
 use common::*;
-use hearth_gateway::{
-    EndpointSet, GatewayConfig, RunningGateway,
-    peers::PeerSet,
-    scaler::pb::{
-        GetMetricsRequest, ScaledObjectRef, external_scaler_client::ExternalScalerClient,
-    },
-};
+use hearth_gateway::{EndpointSet, GatewayConfig, RunningGateway, peers::PeerSet};
 use hyper::StatusCode;
-use tonic::{Code, transport::Channel};
-
-async fn scaler_client(g: &RunningGateway) -> ExternalScalerClient<Channel> {
-    let ch = Channel::from_shared(g.grpc_url())
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
-    ExternalScalerClient::new(ch)
-}
-
-fn so_ref(meta: &[(&str, &str)]) -> ScaledObjectRef {
-    ScaledObjectRef {
-        name: "stub-svc".into(),
-        namespace: "hearth-e2e".into(),
-        scaler_metadata: meta
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect::<HashMap<_, _>>(),
-    }
-}
-
-fn metrics_req(name: &str) -> GetMetricsRequest {
-    GetMetricsRequest {
-        scaled_object_ref: Some(so_ref(&[])),
-        metric_name: name.into(),
-    }
-}
+use tonic::Code;
 
 #[tokio::test]
 async fn is_active_metric_spec_and_metrics() {

@@ -315,3 +315,37 @@ pub async fn wait_status(c: &HttpClient, url: &str, want: StatusCode) {
     })
     .await;
 }
+
+/// A tonic client of `g`'s ExternalScaler.
+pub async fn scaler_client(
+    g: &RunningGateway,
+) -> hearth_gateway::scaler::pb::external_scaler_client::ExternalScalerClient<
+    tonic::transport::Channel,
+> {
+    let ch = tonic::transport::Channel::from_shared(g.grpc_url())
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    hearth_gateway::scaler::pb::external_scaler_client::ExternalScalerClient::new(ch)
+}
+
+/// The ScaledObject KEDA names in its calls, with trigger metadata `meta`.
+pub fn so_ref(meta: &[(&str, &str)]) -> hearth_gateway::scaler::pb::ScaledObjectRef {
+    hearth_gateway::scaler::pb::ScaledObjectRef {
+        name: "stub-svc".into(),
+        namespace: "hearth".into(),
+        scaler_metadata: meta
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect(),
+    }
+}
+
+/// `GetMetrics` for `name`, as KEDA sends it.
+pub fn metrics_req(name: &str) -> hearth_gateway::scaler::pb::GetMetricsRequest {
+    hearth_gateway::scaler::pb::GetMetricsRequest {
+        scaled_object_ref: Some(so_ref(&[])),
+        metric_name: name.into(),
+    }
+}
