@@ -107,6 +107,19 @@ component_pid() {
   echo "$pid"
 }
 
+# Prints the PID in FILE if it names a live process whose binary's file name is NAME (a
+# rebuilt binary shows as "<path> (deleted)"); prints nothing otherwise. For the processes
+# `make demo` starts, recorded outside $PIDS.
+pid_of_binary() {
+  local file="$1" name="$2" pid exe
+  [[ -f "$file" ]] || return 0
+  pid="$(<"$file")"
+  [[ "$pid" =~ ^[0-9]+$ ]] || return 0
+  exe="$(readlink "/proc/$pid/exe" 2>/dev/null)" || return 0
+  [[ "$(basename "${exe% (deleted)}")" == "$name" ]] || return 0
+  echo "$pid"
+}
+
 # Resident memory of a PID in KiB.
 rss_kib() { awk '/^VmRSS:/ { print $2 }' "/proc/$1/status" 2>/dev/null || echo 0; }
 
