@@ -90,7 +90,12 @@ struct RunArgs {
     namespace: Option<String>,
     /// Address of the /metrics, /healthz and /readyz endpoint. `[::]` is every address, IPv4
     /// and IPv6 (IPv4 only on a host without IPv6).
-    #[arg(long, env = "HEARTH_METRICS_ADDR", default_value = "[::]:8080")]
+    #[arg(
+        long,
+        env = "HEARTH_METRICS_ADDR",
+        default_value = "[::]:8080",
+        value_parser = hearth_net::parse_listen
+    )]
     metrics_addr: SocketAddr,
     /// Take a coordination.k8s.io Lease before reconciling, so only one replica works.
     #[arg(long, env = "HEARTH_LEADER_ELECT", default_value_t = true, action = clap::ArgAction::Set)]

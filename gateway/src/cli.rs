@@ -122,7 +122,7 @@ pub struct DrainArgs {
     /// when it ends (an `httpGet` preStop hook on the model container, with this process as a
     /// native sidecar). `GET /healthz` answers 200. `[::]:<port>` is every address, IPv4 and
     /// IPv6 (IPv4 only on a host without IPv6).
-    #[arg(long, env = "HEARTH_DRAIN_LISTEN")]
+    #[arg(long, env = "HEARTH_DRAIN_LISTEN", value_parser = hearth_net::parse_listen)]
     pub listen: Option<std::net::SocketAddr>,
     /// The gauge of requests being generated (the InferenceRuntime's `metrics.running`).
     #[arg(long, env = "HEARTH_DRAIN_RUNNING_METRIC", default_value = crate::drain::RUNNING)]
@@ -151,10 +151,15 @@ impl DrainArgs {
 pub struct ServeArgs {
     /// HTTP listen address: the OpenAI API, /hearth/queue, /healthz, /readyz, /metrics.
     /// `[::]` is every address, IPv4 and IPv6 (IPv4 only on a host without IPv6).
-    #[arg(long, env = "HEARTH_LISTEN", default_value = "[::]:8080")]
+    #[arg(long, env = "HEARTH_LISTEN", default_value = "[::]:8080", value_parser = hearth_net::parse_listen)]
     pub listen: SocketAddr,
     /// KEDA ExternalScaler gRPC listen address.
-    #[arg(long, env = "HEARTH_SCALER_LISTEN", default_value = "[::]:9090")]
+    #[arg(
+        long,
+        env = "HEARTH_SCALER_LISTEN",
+        default_value = "[::]:9090",
+        value_parser = hearth_net::parse_listen
+    )]
     pub scaler_listen: SocketAddr,
     /// Namespace of the backend and gateway Services.
     #[arg(long, env = "POD_NAMESPACE", default_value = "default")]

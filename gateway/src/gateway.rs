@@ -303,12 +303,17 @@ impl Gateway {
     /// is bound; the threads run until [`Gateway::stopped`].
     ///
     /// # Errors
-    /// The bind error of any listener (e.g. the address is in use), naming the address.
+    /// The bind error of any listener, naming the address: e.g. the port is in use, also by
+    /// another process's `SO_REUSEPORT` listeners.
     pub fn serve_http_workers(
         &self,
         addr: SocketAddr,
         workers: usize,
     ) -> std::io::Result<Vec<std::thread::JoinHandle<()>>> {
+        // One plain bind first. With SO_REUSEPORT alone, a port another process already serves
+        // would be shared with it, the kernel splitting connections between the two; this
+        // fails instead. It also makes port 0 one port for every worker.
+        let addr = hearth_net::bind(addr, hearth_net::ListenOptions::default())?.addr;
         let mut handles = Vec::new();
         for i in 0..workers.max(1) {
             let (tx, rx) = std::sync::mpsc::channel::<std::io::Result<()>>();
@@ -350,12 +355,7 @@ impl Gateway {
                 })?;
             match rx.recv() {
                 Ok(Ok(())) => handles.push(handle),
-                Ok(Err(e)) => {
-                    return Err(std::io::Error::new(
-                        e.kind(),
-                        format!("binding {addr}: {e}"),
-                    ));
-                }
+                Ok(Err(e)) => return Err(e),
                 Err(_) => return Err(std::io::Error::other("HTTP worker thread died at start")),
             }
         }

@@ -141,15 +141,15 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
 
     let grpc = hearth_net::listen(args.scaler_listen, ListenOptions::default())
         .context("--scaler-listen")?;
+    // Background work (the activation lease, key reloads) runs before the first request.
     gateway.spawn_background(args.api_key_reload_interval);
-    tracing::info!(http = %args.listen, scaler = %args.scaler_listen, "hearth-gateway starting");
-
     let workers = args
         .http_workers
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
     let http_workers = gateway
         .serve_http_workers(args.listen, workers)
-        .with_context(|| format!("serving --listen {}", args.listen))?;
+        .context("--listen")?;
+    tracing::info!(http = %args.listen, scaler = %args.scaler_listen, workers, "hearth-gateway serving");
     let g = gateway.clone();
     let grpc_task = tokio::spawn(async move { g.serve_grpc(grpc).await });
 

@@ -222,6 +222,47 @@ fn bad_flags_fail_with_the_flag_named() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("--url") && err.contains("http://"), "{err}");
+    // A listen address names valid forms; `:<port>` is every address.
+    let out = Command::new(env!("CARGO_BIN_EXE_hearth-gateway"))
+        .args([
+            "--backend-url=http://127.0.0.1:1",
+            "--listen=localhost:8080",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--listen") && err.contains("\":8080\""),
+        "{err}"
+    );
+}
+
+/// A second gateway on a port the first one serves fails at start, naming the flag and the
+/// address once, instead of sharing the port through `SO_REUSEPORT`.
+#[tokio::test]
+async fn a_port_another_gateway_serves_is_refused_not_shared() {
+    let stub = stub().await;
+    let backend = format!("--backend-url={}", stub.url());
+    let (_first, base) = spawn_gateway(std::slice::from_ref(&backend));
+    wait_status(&client(), &format!("{base}/readyz"), StatusCode::OK).await;
+    let port = base.rsplit(':').next().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_hearth-gateway"))
+        .args([
+            format!("--listen=127.0.0.1:{port}"),
+            format!("--scaler-listen=127.0.0.1:{}", free_port()),
+            backend,
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--listen") && err.contains("in use"), "{err}");
+    assert_eq!(
+        err.matches(&format!("binding 127.0.0.1:{port}")).count(),
+        1,
+        "{err}"
+    );
 }
 
 /// `[::]` (the default `--listen` and `--scaler-listen`) serves IPv4 and IPv6 clients alike, and

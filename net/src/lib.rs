@@ -46,6 +46,29 @@ pub struct Listening {
     pub ipv4_fallback: bool,
 }
 
+/// Parses a listen address for a command-line flag: `<IPv4>:<port>`, `[<IPv6>]:<port>`, or
+/// `:<port>` for every address (the same as `[::]:<port>`, as in Go's `net.Listen`).
+///
+/// # Errors
+/// A message with examples of valid values (host names are refused: a server listens on
+/// addresses).
+pub fn parse_listen(s: &str) -> Result<SocketAddr, String> {
+    let s = s.trim();
+    if let Some(port) = s.strip_prefix(':') {
+        if let Ok(port) = port.parse::<u16>() {
+            return Ok(SocketAddr::new(
+                IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED),
+                port,
+            ));
+        }
+    } else if let Ok(addr) = s.parse::<SocketAddr>() {
+        return Ok(addr);
+    }
+    Err(format!(
+        "{s:?} is not an address and port; use an IP address, like \"[::]:8080\" or \":8080\" (every address), \"0.0.0.0:8080\" (every IPv4 address) or \"127.0.0.1:8080\""
+    ))
+}
+
 /// Binds and listens on `addr` (`SO_REUSEADDR` on, non-blocking).
 ///
 /// `[::]:<port>` accepts IPv6 and IPv4 (dual-stack), and binds `0.0.0.0:<port>` instead when the
@@ -153,6 +176,36 @@ mod tests {
         let mut b = [0u8; 1];
         s.read_exact(&mut b).unwrap();
         peer
+    }
+
+    #[test]
+    fn listen_addresses_parse_with_every_address_shorthand() {
+        assert_eq!(parse_listen(":8080").unwrap(), "[::]:8080".parse().unwrap());
+        assert_eq!(
+            parse_listen("[::]:9090").unwrap(),
+            "[::]:9090".parse().unwrap()
+        );
+        assert_eq!(
+            parse_listen("127.0.0.1:0").unwrap(),
+            "127.0.0.1:0".parse().unwrap()
+        );
+        assert_eq!(
+            parse_listen("[fd00::1]:80").unwrap(),
+            "[fd00::1]:80".parse().unwrap()
+        );
+        for bad in [
+            "",
+            "foo",
+            "8080",
+            ":",
+            ":99999",
+            "localhost:8080",
+            "127.0.0.1",
+            "0.0.0.0:abc",
+        ] {
+            let e = parse_listen(bad).unwrap_err();
+            assert!(e.contains("\":8080\""), "{bad}: {e}");
+        }
     }
 
     #[test]

@@ -35,7 +35,12 @@ enum Command {
 struct ServeArgs {
     /// Address to serve HTTPS on. `[::]` is every address, IPv4 and IPv6 (IPv4 only on a host
     /// without IPv6).
-    #[arg(long, env = "HEARTH_WEBHOOK_LISTEN", default_value = "[::]:8443")]
+    #[arg(
+        long,
+        env = "HEARTH_WEBHOOK_LISTEN",
+        default_value = "[::]:8443",
+        value_parser = hearth_net::parse_listen
+    )]
     listen: SocketAddr,
     /// PEM certificate chain to serve (cert-manager's tls.crt); reloaded when it changes.
     #[arg(long, requires = "tls_key_file", conflicts_with = "self_managed")]

@@ -48,7 +48,9 @@ async fn main() -> Result<()> {
     let config = Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default()).await?;
     let client = Client::try_from(config)?;
 
-    log("starting the pod runner (the test kubelet for gateway and stub pods)");
+    log(
+        "the pod runner (the test kubelet for gateway and stub pods): using the one tests/cluster/up started, or starting it",
+    );
     stack::ensure_runner(&kubeconfig).await?;
     log("installing Hearth: CRDs, webhook (built-in policies embedded), controller");
     stack::install_crds(&client).await?;
