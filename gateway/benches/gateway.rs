@@ -298,6 +298,27 @@ async fn throughput(c: &HttpClient, url: &str, body: &Bytes, conc: usize, dur: D
     n as f64 / el.as_secs_f64()
 }
 
+/// The release gateway binary as a child process forwarding to `backend`; returns it with its
+/// HTTP and ExternalScaler ports.
+fn start_gateway(backend: &str) -> (Proc, u16, u16) {
+    let (http, grpc) = (free_port(), free_port());
+    let proc = Proc(
+        Command::new(env!("CARGO_BIN_EXE_hearth-gateway"))
+            .args([
+                &format!("--listen=127.0.0.1:{http}"),
+                &format!("--scaler-listen=127.0.0.1:{grpc}"),
+                &format!("--backend-url={backend}"),
+                "--max-queue=100000",
+            ])
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    (proc, http, grpc)
+}
+
 async fn warm_overhead() {
     let stub = vllm_stub::spawn(
         StubConfig {
@@ -313,27 +334,38 @@ async fn warm_overhead() {
         .pool_max_idle_per_host(256)
         .build_http();
 
-    let gw_port = free_port();
-    let _gw = Proc(
-        Command::new(env!("CARGO_BIN_EXE_hearth-gateway"))
-            .args([
-                &format!("--listen=127.0.0.1:{gw_port}"),
-                &format!("--scaler-listen=127.0.0.1:{}", free_port()),
-                &format!("--backend-url={}", stub.url()),
-                "--max-queue=100000",
-            ])
-            .env("RUST_LOG", "warn")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
+    let (_gw, gw_port, _) = start_gateway(&stub.url());
     wait_http(&c, &format!("http://127.0.0.1:{gw_port}/readyz")).await;
+    // The same binary with a KEDA `external-push` stream open, as in push mode: demand changes
+    // on every request, and the stream must not cost each request a wake-up of its own.
+    let (_gw_push, push_port, push_grpc) = start_gateway(&stub.url());
+    wait_http(&c, &format!("http://127.0.0.1:{push_port}/readyz")).await;
+    let pushed = Arc::new(AtomicU64::new(0));
+    let ch = tonic::transport::Channel::from_shared(format!("http://127.0.0.1:{push_grpc}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut push_stream = ExternalScalerClient::new(ch)
+        .stream_is_active(ScaledObjectRef::default())
+        .await
+        .unwrap()
+        .into_inner();
+    let counter = pushed.clone();
+    tokio::spawn(async move {
+        while let Ok(Some(_)) = push_stream.message().await {
+            counter.fetch_add(1, Ordering::Relaxed);
+        }
+    });
     let nginx_port = free_port();
     let nginx = start_nginx(stub.addr, nginx_port);
     let mut paths: Vec<(&str, String)> = vec![
         ("direct", stub.url()),
         ("hearth-gateway", format!("http://127.0.0.1:{gw_port}")),
+        (
+            "hearth-gateway, push stream open",
+            format!("http://127.0.0.1:{push_port}"),
+        ),
     ];
     if nginx.is_some() {
         wait_http(&c, &format!("http://127.0.0.1:{nginx_port}/health")).await;
@@ -424,7 +456,10 @@ async fn warm_overhead() {
             );
         }
     }
-    println!();
+    println!(
+        "\nStreamIsActive messages pushed to the open stream over the whole run: {}\n",
+        pushed.load(Ordering::Relaxed)
+    );
     drop(nginx);
     let _ = stub.shutdown().await;
 }

@@ -45,6 +45,13 @@ struct Peers {
     values: BTreeMap<String, Option<u64>>,
 }
 
+/// How often a subscriber that has reported demand looks again, instead of waking on every
+/// change: at low concurrency pending flips between 0 and 1 on every request, and a wake-up per
+/// change costs each request a cross-thread wake-up (measured +28 µs p50 with a KEDA push
+/// stream open). The rise from no demand still wakes a subscriber at once; changes while busy
+/// are seen within this interval.
+pub const BUSY_RECHECK: Duration = Duration::from_millis(100);
+
 /// The demand state, as seen through [`DemandHub::subscribe`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DemandState {

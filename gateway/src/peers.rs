@@ -31,7 +31,7 @@ use http_body_util::{BodyExt, Empty};
 use hyper_util::client::legacy::{Client, connect::HttpConnector};
 use tokio::{sync::watch, task::JoinHandle};
 
-use crate::demand::{DemandHub, DemandState};
+use crate::demand::{BUSY_RECHECK, DemandHub, DemandState};
 
 /// How often a demand stream repeats its value when nothing changes.
 pub const KEEPALIVE: Duration = Duration::from_secs(5);
@@ -77,8 +77,14 @@ pub fn local_demand_stream(
                         (rx, stop, Some(v), next),
                     ));
                 }
+                // With demand sent, look again every BUSY_RECHECK instead of waking on each
+                // change (every request); the rise from 0 is sent at once.
+                let busy = v > 0;
                 tokio::select! {
-                    r = rx.changed() => if r.is_err() { return None },
+                    r = rx.changed(), if !busy => if r.is_err() { return None },
+                    _ = tokio::time::sleep(BUSY_RECHECK), if busy => {
+                        if rx.has_changed().is_err() { return None }
+                    }
                     // A dropped sender would make `changed` ready forever.
                     r = stop.changed() => if r.is_err() { return None },
                     _ = tokio::time::sleep_until(due) => {

@@ -16,7 +16,10 @@ use std::{pin::Pin, sync::Arc};
 use futures::Stream;
 use tonic::{Request, Response, Status};
 
-use crate::{demand::DemandHub, metrics::Metrics};
+use crate::{
+    demand::{BUSY_RECHECK, DemandHub},
+    metrics::Metrics,
+};
 
 /// Code generated from `proto/externalscaler.proto`.
 #[allow(missing_docs, clippy::all, clippy::pedantic)]
@@ -126,7 +129,9 @@ impl ExternalScaler for Scaler {
         self.metrics.scaler_streams.inc();
         let guard = StreamGauge(self.metrics.clone());
         let rx = self.demand.subscribe();
-        // State: receiver, last value sent, gauge guard (dropped with the stream).
+        // State: receiver, last value sent, gauge guard (dropped with the stream). After `true`
+        // the stream looks again every BUSY_RECHECK instead of waking on each change, so
+        // requests do not wake it; `true` after `false` is pushed at once.
         let stream = futures::stream::unfold(
             (rx, None::<bool>, guard),
             |(mut rx, last, guard)| async move {
@@ -137,7 +142,12 @@ impl ExternalScaler for Scaler {
                     {
                         return Some((Ok(IsActiveResponse { result: a }), (rx, Some(a), guard)));
                     }
-                    if rx.changed().await.is_err() {
+                    if last == Some(true) {
+                        tokio::time::sleep(BUSY_RECHECK).await;
+                        if rx.has_changed().is_err() {
+                            return None;
+                        }
+                    } else if rx.changed().await.is_err() {
                         return None;
                     }
                 }

@@ -3,7 +3,13 @@
 
 mod common;
 
-use std::time::Duration;
+use std::{
+    sync::{
+        Arc,
+        atomic::{AtomicBool, AtomicUsize, Ordering},
+    },
+    time::Duration,
+};
 
 use common::*;
 use hearth_gateway::{EndpointSet, GatewayConfig, RunningGateway, peers::PeerSet};
@@ -186,4 +192,93 @@ async fn demand_is_aggregated_over_replicas_and_unknown_when_a_peer_is_lost() {
         .unwrap()
         .into_inner();
     assert_eq!(m.metric_values[0].metric_value, 0);
+}
+
+/// Warm requests one after another flip demand between 0 and 1 on every request. The push
+/// stream and a peer's demand stream report that at most about every `BUSY_RECHECK` instead of
+/// twice per request (each report a wake-up in the request's path), and still end on the real
+/// state; the rise from idle is pushed at once.
+#[tokio::test]
+async fn sequential_warm_requests_are_reported_coarsely_and_end_on_the_real_state() {
+    let stub = stub().await;
+    let gw = gateway(config(), EndpointSet::fixed([authority(&stub)])).await;
+    let mut k = scaler_client(&gw).await;
+    let mut stream = k.stream_is_active(so_ref(&[])).await.unwrap().into_inner();
+    assert!(!stream.message().await.unwrap().unwrap().result);
+    let c = client();
+    let get = hyper::Request::get(format!("{}/hearth/local-demand", gw.url()))
+        .body(http_body_util::Full::new(bytes::Bytes::new()))
+        .unwrap();
+    let mut peer_view = send(&c, get).await.into_body();
+    assert_eq!(
+        next_chunk(&mut peer_view).await.unwrap(),
+        "{\"demand\":0}\n"
+    );
+
+    // The first request after idle is pushed at once, before it is answered.
+    let mut body = chat(false);
+    body["stub_token_delay"] = "200ms".into();
+    let slow = tokio::spawn({
+        let c = c.clone();
+        let req = chat_req(&gw.url(), &body);
+        async move { send_full(&c, req).await }
+    });
+    let pushed = within(1, "push of the rise", stream.message()).await;
+    assert!(pushed.unwrap().unwrap().result);
+    assert!(
+        !slow.is_finished(),
+        "pushed while the request was in flight"
+    );
+    assert_eq!(slow.await.unwrap().0, StatusCode::OK);
+
+    // Both streams are read as they go: every report counted, and the last one kept.
+    let pushes = Arc::new((AtomicUsize::new(0), AtomicBool::new(true)));
+    let p = pushes.clone();
+    tokio::spawn(async move {
+        while let Ok(Some(m)) = stream.message().await {
+            p.0.fetch_add(1, Ordering::SeqCst);
+            p.1.store(m.result, Ordering::SeqCst);
+        }
+    });
+    let lines = Arc::new((AtomicUsize::new(0), AtomicBool::new(false)));
+    let l = lines.clone();
+    tokio::spawn(async move {
+        while let Some(chunk) = next_chunk(&mut peer_view).await {
+            l.0.fetch_add(
+                chunk.iter().filter(|b| **b == b'\n').count(),
+                Ordering::SeqCst,
+            );
+            l.1.store(!chunk.ends_with(b"{\"demand\":0}\n"), Ordering::SeqCst);
+        }
+    });
+    // The slow request has been answered: both report idle before the next requests.
+    let idle = |s: &Arc<(AtomicUsize, AtomicBool)>| !s.1.load(Ordering::SeqCst);
+    within(2, "idle reported", async {
+        while !(idle(&pushes) && idle(&lines)) {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    let before = (
+        pushes.0.load(Ordering::SeqCst),
+        lines.0.load(Ordering::SeqCst),
+    );
+    let requests = 300;
+    for _ in 0..requests {
+        let (status, _, _) = send_full(&c, chat_req(&gw.url(), &chat(false))).await;
+        assert_eq!(status, StatusCode::OK);
+    }
+    // Both settle on the real state, idle, soon after the last request.
+    within(2, "idle reported after the requests", async {
+        while !(idle(&pushes) && idle(&lines)) {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    let pushed = pushes.0.load(Ordering::SeqCst) - before.0;
+    let lined = lines.0.load(Ordering::SeqCst) - before.1;
+    assert!(
+        pushed >= 2 && pushed < requests / 4 && lined < requests / 4,
+        "{pushed} pushes and {lined} peer lines for {requests} requests"
+    );
 }
