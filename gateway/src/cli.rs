@@ -249,6 +249,10 @@ pub struct ServeArgs {
     /// timeout (vLLM: 5s).
     #[arg(long, env = "HEARTH_BACKEND_IDLE_TIMEOUT", default_value = "4s", value_parser = duration)]
     pub backend_idle_timeout: Duration,
+    /// HTTP/2 PING interval on ExternalScaler connections; one unanswered for as long closes
+    /// the connection (a KEDA connection that died without closing).
+    #[arg(long, env = "HEARTH_SCALER_KEEPALIVE", default_value = "30s", value_parser = duration)]
+    pub scaler_keepalive: Duration,
 }
 
 impl ServeArgs {
@@ -279,6 +283,12 @@ impl ServeArgs {
             return Err(err(
                 "--backend-idle-timeout",
                 "must be positive and below the backend's keep-alive timeout, like \"4s\"",
+            ));
+        }
+        if self.scaler_keepalive < Duration::from_secs(1) {
+            return Err(err(
+                "--scaler-keepalive",
+                "must be at least 1s, like \"30s\"",
             ));
         }
         if self.body_limit == 0 {
@@ -328,6 +338,7 @@ impl ServeArgs {
             connect_timeout: self.connect_timeout,
             header_read_timeout: self.header_read_timeout,
             backend_idle_timeout: self.backend_idle_timeout,
+            scaler_keepalive: self.scaler_keepalive,
         })
     }
 

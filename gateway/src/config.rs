@@ -54,6 +54,10 @@ pub struct GatewayConfig {
     /// own keep-alive timeout (vLLM's uvicorn: 5 s) so the gateway never sends a request on a
     /// connection the backend is closing at that moment.
     pub backend_idle_timeout: Duration,
+    /// Interval of HTTP/2 PINGs on ExternalScaler connections, and how long a PING may go
+    /// unanswered before the connection is closed: a KEDA connection that died without closing
+    /// (its node lost, say) releases its push stream instead of holding it until TCP gives up.
+    pub scaler_keepalive: Duration,
 }
 
 impl Default for GatewayConfig {
@@ -74,6 +78,7 @@ impl Default for GatewayConfig {
             connect_timeout: Duration::from_secs(5),
             header_read_timeout: Duration::from_secs(30),
             backend_idle_timeout: Duration::from_secs(4),
+            scaler_keepalive: Duration::from_secs(30),
         }
     }
 }

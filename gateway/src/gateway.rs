@@ -362,14 +362,18 @@ impl Gateway {
         Ok(handles)
     }
 
-    /// Serves the ExternalScaler gRPC service on `listener` until [`Gateway::stopped`].
+    /// Serves the ExternalScaler gRPC service on `listener` until [`Gateway::stopped`], with
+    /// HTTP/2 keepalive PINGs every [`GatewayConfig::scaler_keepalive`].
     ///
     /// # Errors
     /// The transport error of the gRPC server.
     pub async fn serve_grpc(&self, listener: TcpListener) -> Result<(), tonic::transport::Error> {
         let incoming =
             tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+        let keepalive = self.shared.cfg.scaler_keepalive;
         tonic::transport::Server::builder()
+            .http2_keepalive_interval(Some(keepalive))
+            .http2_keepalive_timeout(Some(keepalive))
             .add_service(crate::scaler::server(self.scaler()))
             .serve_with_incoming_shutdown(incoming, self.stopped())
             .await

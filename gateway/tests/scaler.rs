@@ -282,3 +282,61 @@ async fn sequential_warm_requests_are_reported_coarsely_and_end_on_the_real_stat
         "{pushed} pushes and {lined} peer lines for {requests} requests"
     );
 }
+
+/// A KEDA connection that goes silent without closing (its node lost) is closed by the
+/// gateway's HTTP/2 keepalive, releasing its push stream, instead of being held until TCP gives
+/// up. The connection runs through a relay that stops forwarding, keeping both sockets open.
+#[tokio::test]
+async fn a_silent_scaler_connection_is_closed_by_keepalive() {
+    let gw = gateway(
+        GatewayConfig {
+            scaler_keepalive: Duration::from_millis(300),
+            ..config()
+        },
+        EndpointSet::new(),
+    )
+    .await;
+    let relay = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let relay_addr = relay.local_addr().unwrap();
+    let (freeze, frozen) = tokio::sync::watch::channel(false);
+    let target = gw.grpc;
+    tokio::spawn(async move {
+        let (mut client, _) = relay.accept().await.unwrap();
+        let mut server = tokio::net::TcpStream::connect(target).await.unwrap();
+        let mut frozen = frozen;
+        tokio::select! {
+            _ = tokio::io::copy_bidirectional(&mut client, &mut server) => {}
+            _ = frozen.wait_for(|f| *f) => {}
+        }
+        // Silent from here on, both sockets open.
+        std::future::pending::<()>().await;
+        drop((client, server));
+    });
+    let ch = tonic::transport::Channel::from_shared(format!("http://{relay_addr}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut k = hearth_gateway::scaler::pb::external_scaler_client::ExternalScalerClient::new(ch);
+    let mut stream = k.stream_is_active(so_ref(&[])).await.unwrap().into_inner();
+    assert!(!stream.message().await.unwrap().unwrap().result);
+    let c = client();
+    let streams = |c: HttpClient, gw_metrics: String| async move {
+        let (_, m) = get(&c, &gw_metrics).await;
+        metric(
+            &String::from_utf8_lossy(&m),
+            "hearth_gateway_scaler_streams",
+        )
+    };
+    let url = format!("{}/metrics", gw.url());
+    // Alive and answering PINGs: the stream stays for several keepalive rounds.
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    assert_eq!(streams(c.clone(), url.clone()).await, Some(1.0));
+    freeze.send_replace(true);
+    within(5, "the silent connection's stream released", async {
+        while streams(c.clone(), url.clone()).await != Some(0.0) {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+}
