@@ -1028,15 +1028,10 @@ async fn unauthorized_requests_get_openai_errors_and_raise_no_demand() {
 /// interval panic and end reloads for good.
 #[tokio::test]
 async fn a_zero_reload_interval_is_refused_by_the_binary_and_raised_by_the_library() {
-    let out = Command::new(env!("CARGO_BIN_EXE_hearth-gateway"))
-        .args([
-            "--backend-url=http://127.0.0.1:1",
-            "--api-key-reload-interval=0s",
-        ])
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
+    let err = refused(&[
+        "--backend-url=http://127.0.0.1:1",
+        "--api-key-reload-interval=0s",
+    ]);
     assert!(err.contains("--api-key-reload-interval"), "{err}");
 
     let dir = temp_dir("zero-interval");

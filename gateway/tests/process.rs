@@ -200,38 +200,19 @@ fn slow_request(
 
 #[test]
 fn bad_flags_fail_with_the_flag_named() {
-    let out = Command::new(env!("CARGO_BIN_EXE_hearth-gateway"))
-        .args(["--backend-url=http://127.0.0.1:1", "--max-queue=0"])
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
+    let err = refused(&["--backend-url=http://127.0.0.1:1", "--max-queue=0"]);
     assert!(err.contains("--max-queue"), "{err}");
-    let out = Command::new(env!("CARGO_BIN_EXE_hearth-gateway"))
-        .args(["--activation-timeout=soon"])
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("--activation-timeout"));
+    let err = refused(&["--activation-timeout=soon"]);
+    assert!(err.contains("--activation-timeout"), "{err}");
     // The drain reads metrics over plain HTTP on the pod's loopback: another scheme is refused
     // at start, not taken for a backend that is gone.
-    let out = Command::new(env!("CARGO_BIN_EXE_hearth-gateway"))
-        .args(["drain", "--url=https://127.0.0.1:8000/metrics"])
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
+    let err = refused(&["drain", "--url=https://127.0.0.1:8000/metrics"]);
     assert!(err.contains("--url") && err.contains("http://"), "{err}");
     // A listen address names valid forms; `:<port>` is every address.
-    let out = Command::new(env!("CARGO_BIN_EXE_hearth-gateway"))
-        .args([
-            "--backend-url=http://127.0.0.1:1",
-            "--listen=localhost:8080",
-        ])
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
+    let err = refused(&[
+        "--backend-url=http://127.0.0.1:1",
+        "--listen=localhost:8080",
+    ]);
     assert!(
         err.contains("--listen") && err.contains("\":8080\""),
         "{err}"
@@ -247,16 +228,11 @@ async fn a_port_another_gateway_serves_is_refused_not_shared() {
     let (_first, base) = spawn_gateway(std::slice::from_ref(&backend));
     wait_status(&client(), &format!("{base}/readyz"), StatusCode::OK).await;
     let port = base.rsplit(':').next().unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_hearth-gateway"))
-        .args([
-            format!("--listen=127.0.0.1:{port}"),
-            format!("--scaler-listen=127.0.0.1:{}", free_port()),
-            backend,
-        ])
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
+    let err = refused(&[
+        format!("--listen=127.0.0.1:{port}"),
+        format!("--scaler-listen=127.0.0.1:{}", free_port()),
+        backend,
+    ]);
     assert!(err.contains("--listen") && err.contains("in use"), "{err}");
     assert_eq!(
         err.matches(&format!("binding 127.0.0.1:{port}")).count(),

@@ -280,6 +280,18 @@ pub async fn exit_within(child: Child, secs: u64) -> std::process::ExitStatus {
     }
 }
 
+/// Runs the `hearth-gateway` binary with `args`, which it must refuse at start (non-zero exit);
+/// returns what it wrote to stderr.
+pub fn refused<S: AsRef<std::ffi::OsStr>>(args: &[S]) -> String {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_hearth-gateway"))
+        .args(args)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!out.status.success(), "accepted {:?}: {err}", out.status);
+    err
+}
+
 /// Starts the `hearth-gateway` binary on free loopback ports with `args`; returns it and its
 /// HTTP base URL.
 pub fn spawn_gateway(args: &[String]) -> (Child, String) {
