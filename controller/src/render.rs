@@ -734,7 +734,7 @@ fn gateway_deployment(ctx: &Ctx<'_>) -> Result<Deployment, RenderError> {
         env: Some(vec![
             field_env("POD_NAME", "metadata.name"),
             field_env("POD_NAMESPACE", "metadata.namespace"),
-            field_env("POD_IP", "status.podIP"),
+            field_env("POD_IPS", "status.podIPs"),
         ]),
         ports: Some(ports),
         readiness_probe: Some(http_probe("/readyz", 5)),

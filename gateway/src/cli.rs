@@ -225,9 +225,15 @@ pub struct ServeArgs {
     /// Name of the gateway Service's HTTP port in the EndpointSlices (default: the only port, or "http").
     #[arg(long, env = "HEARTH_PEER_PORT_NAME")]
     pub peer_port_name: Option<String>,
-    /// This pod's IP, to leave itself out of the peers (downward API status.podIP).
-    #[arg(long, env = "POD_IP")]
-    pub pod_ip: Option<std::net::IpAddr>,
+    /// This pod's IPs, to leave itself out of the peers: every address, so a dual-stack pod is
+    /// recognised in either family (downward API status.podIPs, comma-separated).
+    #[arg(
+        long = "pod-ip",
+        env = "POD_IPS",
+        value_name = "IP[,IP]",
+        value_delimiter = ','
+    )]
+    pub pod_ips: Vec<std::net::IpAddr>,
     /// Metric name served to KEDA (GetMetricSpec/GetMetrics).
     #[arg(long, env = "HEARTH_METRIC_NAME", default_value = "hearth_queue_depth")]
     pub metric_name: String,
@@ -309,10 +315,10 @@ impl ServeArgs {
         if self.served_model_name.iter().any(|n| n.trim().is_empty()) {
             return Err(err("--served-model-name", "names must not be empty"));
         }
-        if self.peer_service.is_some() && self.pod_ip.is_none() {
+        if self.peer_service.is_some() && self.pod_ips.is_empty() {
             return Err(err(
                 "--pod-ip",
-                "required with --peer-service so the replica leaves itself out of its peers (set env POD_IP from the downward API status.podIP)",
+                "required with --peer-service so the replica leaves itself out of its peers (set env POD_IPS from the downward API status.podIPs)",
             ));
         }
         if self.backend_service.is_none() && self.backend_url.is_none() {
@@ -455,6 +461,16 @@ mod tests {
         assert_eq!(cli.serve.gateway_config().unwrap_err().flag, "--pod-ip");
         let cli = parse(&["--backend-url=http://x:1", "--max-queue=0"]);
         assert_eq!(cli.serve.gateway_config().unwrap_err().flag, "--max-queue");
+    }
+
+    #[test]
+    fn pod_ip_takes_every_address_of_a_dual_stack_pod() {
+        let cli = parse(&["--backend-url=http://x:1", "--pod-ip=10.0.0.7,fd00::7"]);
+        let want: Vec<std::net::IpAddr> =
+            vec!["10.0.0.7".parse().unwrap(), "fd00::7".parse().unwrap()];
+        assert_eq!(cli.serve.pod_ips, want);
+        let e = Cli::try_parse_from(["hearth-gateway", "--pod-ip=10.0.0.7,pod-a"]).unwrap_err();
+        assert!(e.to_string().contains("--pod-ip"), "{e}");
     }
 
     #[test]

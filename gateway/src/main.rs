@@ -15,7 +15,7 @@ use hearth_gateway::{
     discovery::{SliceSource, watch_endpoints},
     drain::{serve_drain, wait_backend_idle},
     endpoints::EndpointSet,
-    peers::PeerSet,
+    peers::{PeerSet, other_replicas},
 };
 use hearth_net::ListenOptions;
 use tokio::signal::unix::{SignalKind, signal};
@@ -119,19 +119,12 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             service: service.clone(),
             port_name: args.peer_port_name.clone(),
         };
-        let me = args.pod_ip;
+        let me = args.pod_ips.clone();
         let client = client.clone();
         tokio::spawn(async move {
             let feed = peers.clone();
             let e = watch_endpoints(client, source, move |eps| {
-                let others = eps
-                    .into_iter()
-                    .filter(|a| {
-                        me.is_none_or(|ip| a.host().trim_matches(['[', ']']) != ip.to_string())
-                    })
-                    .map(|a| a.to_string())
-                    .collect();
-                feed.update(others);
+                feed.update(other_replicas(eps, &me));
             })
             .await;
             tracing::error!(error = %e, "peer discovery stopped; total demand is unknown");

@@ -17,6 +17,7 @@
 
 use std::{
     collections::HashMap,
+    net::IpAddr,
     sync::{Arc, Mutex},
     time::Duration,
 };
@@ -105,6 +106,25 @@ pub fn local_demand_stream(
         resp.headers_mut().insert(INSTANCE_HEADER, v);
     }
     resp
+}
+
+/// The replicas in `endpoints` (the gateway Service's, as `host:port`) other than this one,
+/// whose addresses are `own` (`--pod-ip`, every family of a dual-stack pod). An IPv4 address
+/// and its IPv4-mapped IPv6 form are the same address.
+pub fn other_replicas(
+    endpoints: impl IntoIterator<Item = http::uri::Authority>,
+    own: &[IpAddr],
+) -> Vec<String> {
+    endpoints
+        .into_iter()
+        .filter(|a| {
+            let host = a.host().trim_matches(['[', ']']);
+            !host
+                .parse::<IpAddr>()
+                .is_ok_and(|ip| own.iter().any(|o| o.to_canonical() == ip.to_canonical()))
+        })
+        .map(|a| a.to_string())
+        .collect()
 }
 
 /// Subscriptions to the peer replicas' demand streams.
@@ -199,7 +219,7 @@ async fn subscribe(
     loop {
         match follow(&client, &demand, &peer, silence).await {
             Ok(Ended::Itself) => {
-                tracing::warn!(%peer, "peer list holds this replica itself (check --pod-ip); counting it as 0");
+                tracing::warn!(%peer, "peer list holds this replica itself (check that --pod-ip, env POD_IPS, lists every address of the pod: downward API status.podIPs); counting it as 0");
                 demand.set_peer_value(&peer, Some(0));
                 // Nothing more to learn from it; ends when the peer leaves the list.
                 std::future::pending::<()>().await;
@@ -294,5 +314,42 @@ async fn follow(
             demand.set_peer_value(peer, Some(n));
             deadline = tokio::time::Instant::now() + silence;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn auths(list: &[&str]) -> Vec<http::uri::Authority> {
+        list.iter().map(|a| a.parse().unwrap()).collect()
+    }
+
+    #[test]
+    fn a_replica_leaves_out_each_of_its_addresses() {
+        let eps = auths(&[
+            "10.0.0.7:8080",
+            "10.0.0.8:8080",
+            "[fd00::7]:8080",
+            "[fd00::8]:8080",
+        ]);
+        let own: Vec<IpAddr> = vec!["fd00::7".parse().unwrap(), "10.0.0.7".parse().unwrap()];
+        assert_eq!(
+            other_replicas(eps, &own),
+            ["10.0.0.8:8080", "[fd00::8]:8080"]
+        );
+    }
+
+    #[test]
+    fn an_ipv4_mapped_address_is_the_ipv4_address() {
+        let eps = auths(&["[::ffff:10.0.0.7]:8080", "10.0.0.9:8080"]);
+        let own: Vec<IpAddr> = vec!["10.0.0.7".parse().unwrap()];
+        assert_eq!(other_replicas(eps, &own), ["10.0.0.9:8080"]);
+    }
+
+    #[test]
+    fn names_are_kept_and_no_own_address_keeps_all() {
+        let eps = auths(&["gw-0.gw:8080", "10.0.0.7:8080"]);
+        assert_eq!(other_replicas(eps, &[]), ["gw-0.gw:8080", "10.0.0.7:8080"]);
     }
 }

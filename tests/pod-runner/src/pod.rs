@@ -301,7 +301,7 @@ fn env(
                     )
                 })?;
             field(pod, ip, host_ip, path).ok_or_else(|| {
-                anyhow!("env {}: fieldRef {path:?} is not supported by the test pod runner (supported: metadata.name, metadata.namespace, metadata.uid, spec.nodeName, spec.serviceAccountName, status.podIP, status.hostIP)", e.name)
+                anyhow!("env {}: fieldRef {path:?} is not supported by the test pod runner (supported: metadata.name, metadata.namespace, metadata.uid, spec.nodeName, spec.serviceAccountName, status.podIP, status.podIPs, status.hostIP, status.hostIPs)", e.name)
             })?
         } else {
             String::new()
@@ -322,8 +322,9 @@ fn field(pod: &Pod, ip: Ipv4Addr, host_ip: Option<&str>, path: &str) -> Option<S
         "spec.serviceAccountName" => spec
             .and_then(|s| s.service_account_name.clone())
             .unwrap_or_else(|| "default".into()),
-        "status.podIP" => ip.to_string(),
-        "status.hostIP" => host_ip.unwrap_or_default().to_string(),
+        // The runner gives a pod one address, so the lists hold one entry.
+        "status.podIP" | "status.podIPs" => ip.to_string(),
+        "status.hostIP" | "status.hostIPs" => host_ip.unwrap_or_default().to_string(),
         _ => return None,
     })
 }
