@@ -4,7 +4,7 @@
 //! baseline: `apt-get install nginx-light`; without it that row is left out).
 //!
 //! 1. Warm proxy overhead: direct to the stub, through the `hearth-gateway` binary, through
-//!    nginx, for a small JSON completion, a 64-token SSE stream and the same stream paced at
+//!    nginx (as configured by default, and sending the same forwarded fields as the gateway), for a small JSON completion, a 64-token SSE stream and the same stream paced at
 //!    2 ms per token (a backend that is latency-bound, as a model is, rather than CPU-free):
 //!    p50/p99 latency at concurrency 1, and throughput at concurrency 32; added latency and
 //!    throughput are given relative to direct, measured in the same run.
@@ -151,8 +151,15 @@ fn nginx_path() -> Option<PathBuf> {
 }
 
 /// Starts nginx as a reverse proxy to `upstream` with keep-alive upstream connections and no
-/// response buffering (so SSE is streamed, as through the gateway).
-fn start_nginx(upstream: SocketAddr, port: u16) -> Option<(Proc, tempdir::Dir)> {
+/// response buffering (so SSE is streamed, as through the gateway), on two ports: `port` with
+/// nginx's defaults, and `same_fields_port` also sending what the gateway adds to each request
+/// (`Via`, RFC 9110 §7.6.3, and `X-Forwarded-For`/`-Host`/`-Proto`), as a reverse proxy in front
+/// of a model server is usually configured.
+fn start_nginx(
+    upstream: SocketAddr,
+    port: u16,
+    same_fields_port: u16,
+) -> Option<(Proc, tempdir::Dir)> {
     let bin = nginx_path()?;
     let dir = tempdir::Dir::new("hearth-bench-nginx");
     let conf = format!(
@@ -176,6 +183,20 @@ http {{
       proxy_pass http://stub;
       proxy_http_version 1.1;
       proxy_set_header Connection "";
+      proxy_buffering off;
+      proxy_request_buffering on;
+    }}
+  }}
+  server {{
+    listen 127.0.0.1:{same_fields_port};
+    location / {{
+      proxy_pass http://stub;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+      proxy_set_header Via "1.1 nginx";
+      proxy_set_header X-Forwarded-For $proxy_add_x_forwarded_for;
+      proxy_set_header X-Forwarded-Host $host;
+      proxy_set_header X-Forwarded-Proto $scheme;
       proxy_buffering off;
       proxy_request_buffering on;
     }}
@@ -357,8 +378,8 @@ async fn warm_overhead() {
             counter.fetch_add(1, Ordering::Relaxed);
         }
     });
-    let nginx_port = free_port();
-    let nginx = start_nginx(stub.addr, nginx_port);
+    let (nginx_port, nginx_fields_port) = (free_port(), free_port());
+    let nginx = start_nginx(stub.addr, nginx_port, nginx_fields_port);
     let mut paths: Vec<(&str, String)> = vec![
         ("direct", stub.url()),
         ("hearth-gateway", format!("http://127.0.0.1:{gw_port}")),
@@ -369,7 +390,12 @@ async fn warm_overhead() {
     ];
     if nginx.is_some() {
         wait_http(&c, &format!("http://127.0.0.1:{nginx_port}/health")).await;
+        wait_http(&c, &format!("http://127.0.0.1:{nginx_fields_port}/health")).await;
         paths.push(("nginx", format!("http://127.0.0.1:{nginx_port}")));
+        paths.push((
+            "nginx, same forwarded fields",
+            format!("http://127.0.0.1:{nginx_fields_port}"),
+        ));
     } else {
         println!("(nginx not found: install nginx-light for the baseline row)\n");
     }
