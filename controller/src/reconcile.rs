@@ -610,7 +610,17 @@ async fn apply_children(
     apply_cached(ctx, namespace, &children.backend_service, &ctx.services).await?;
     let backend_name = names::backend(&name);
     if backend_exists {
-        apply_cached(ctx, namespace, &children.backend, &ctx.deployments).await?;
+        let mut backend = children.backend;
+        if let (Some(image), Some(live)) = (
+            &ctx.render.drain_image,
+            get_in(&ctx.deployments, namespace, &backend_name),
+        ) && has_pods(&live)
+            && diff::keep_live_images(&mut backend, &live, image)
+        {
+            // Applied when the backend is next at zero, or with its next template change.
+            tracing::info!(deployment = %backend_name, %namespace, new_image = %image, "keeping the running pods' drain sidecar image, so this upgrade does not restart them");
+        }
+        apply_cached(ctx, namespace, &backend, &ctx.deployments).await?;
     } else {
         // A plain create: `spec.replicas` stays with the create entry of managedFields, so the
         // later applies (which leave it out) never reset it.
@@ -708,6 +718,14 @@ async fn apply_children(
     );
     let (phase, ready) = status::phase_and_ready(backend, gateway_ready, &conds);
     Ok((phase, (backend.ready, ready), conds))
+}
+
+/// Whether a Deployment wants or still has pods: a template change would restart them. At
+/// zero replicas it costs nothing, so Hearth's own image updates are applied then (see
+/// [`diff::keep_live_images`]).
+fn has_pods(d: &Deployment) -> bool {
+    d.spec.as_ref().and_then(|s| s.replicas).unwrap_or(1) > 0
+        || d.status.as_ref().and_then(|s| s.replicas).unwrap_or(0) > 0
 }
 
 /// Whether a create-once child must be replaced: it exists with a different template hash.

@@ -873,6 +873,111 @@ async fn drift_is_repaired_and_idle_makes_no_writes() -> Result<()> {
     Ok(())
 }
 
+/// The drain sidecar's image and the pod template's generation of `<service>-backend`.
+async fn backend_drain(ns: &TestNamespace, service: &str) -> Result<(Option<String>, i64)> {
+    let api: Api<Deployment> = ns.api();
+    let d = api.get(&format!("{service}-backend")).await?;
+    let image = d
+        .spec
+        .as_ref()
+        .and_then(|s| s.template.spec.as_ref())
+        .and_then(|p| p.init_containers.as_ref())
+        .and_then(|cs| cs.iter().find(|c| c.name == "hearth-drain"))
+        .and_then(|c| c.image.clone());
+    Ok((image, d.metadata.generation.unwrap_or_default()))
+}
+
+async fn wait_drain_image(ns: &TestNamespace, service: &str, image: &str) -> Result<i64> {
+    wait_until(
+        format!("{service}-backend with drain image {image}"),
+        WAIT,
+        || async {
+            let (got, generation) = backend_drain(ns, service).await?;
+            Ok(if got.as_deref() == Some(image) {
+                Observed::Ready(generation)
+            } else {
+                Observed::NotYet(format!("{got:?}"))
+            })
+        },
+    )
+    .await
+}
+
+/// Upgrading Hearth changes the drain sidecar's image (it follows the release). A backend with
+/// pods keeps the running image, so the upgrade restarts no model server, until its template
+/// changes for another reason; a backend at zero takes the new image at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upgrade_restarts_no_running_backend() -> Result<()> {
+    let cluster = Cluster::connect().await?;
+    let client = cluster.client();
+    install_crds(&client).await?;
+    let ns = cluster.namespace("ctrl-upgrade").await?;
+    let rt: InferenceRuntime = read_yaml(&upstream("stub-inferenceruntime.yaml"))?;
+    apply_runtime(&client, &rt).await?;
+    let release = |tag: &str| RenderConfig {
+        drain_image: Some(format!("hearth.dev/hearth-gateway:{tag}")),
+        ..test_render_config()
+    };
+    let v1 = "hearth.dev/hearth-gateway:v1";
+    let v2 = "hearth.dev/hearth-gateway:v2";
+
+    let running = start(
+        client.clone(),
+        ns.name(),
+        release("v1"),
+        Duration::from_millis(500),
+    );
+    // The upstream example (min 0: no pods), and one kept at a replica.
+    let idle: LLMService = read_yaml(&upstream("stub-llmservice.yaml"))?;
+    let mut busy = idle.clone();
+    busy.metadata.name = Some("busy-svc".to_owned());
+    busy.spec.scaling.min = 1;
+    create_service(&ns, idle).await?;
+    create_service(&ns, busy).await?;
+    wait_drain_image(&ns, "stub-svc", v1).await?;
+    let busy_generation = wait_drain_image(&ns, "busy-svc", v1).await?;
+    assert_eq!(backend_replicas(&ns, "busy-svc").await?, Some(1));
+    running.stop().await;
+
+    // The upgrade.
+    let running = start(
+        client.clone(),
+        ns.name(),
+        release("v2"),
+        Duration::from_millis(500),
+    );
+    wait_drain_image(&ns, "stub-svc", v2).await?;
+    let start_count = running.metrics.reconciles.get();
+    wait_until("10 reconciles after the upgrade", WAIT, || async {
+        let n = running.metrics.reconciles.get() - start_count;
+        Ok(if n >= 10 {
+            Observed::Ready(())
+        } else {
+            Observed::NotYet(format!("{n} reconciles"))
+        })
+    })
+    .await?;
+    assert_eq!(
+        backend_drain(&ns, "busy-svc").await?,
+        (Some(v1.to_owned()), busy_generation),
+        "the busy backend's pod template must not change for the upgrade alone"
+    );
+
+    // Another change rolls the pods anyway: the new image comes along.
+    let services: Api<LLMService> = ns.api();
+    services
+        .patch(
+            "busy-svc",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"resources": {"memory": "256Mi"}}})),
+        )
+        .await?;
+    let generation = wait_drain_image(&ns, "busy-svc", v2).await?;
+    assert!(generation > busy_generation);
+    running.stop().await;
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deleting_the_service_removes_every_child() -> Result<()> {
     let cluster = Cluster::connect().await?;
