@@ -51,58 +51,6 @@ pub fn contains_value(cached: &Value, desired: &Value) -> bool {
     true
 }
 
-/// Upgrading Hearth changes an image it puts into backend pods itself, `image` (the drain
-/// sidecar's, `settings.drainImage`, which follows the release). Restarting a model server
-/// reloads its weights, so that alone should not roll the pods: when `live`'s pod template
-/// contains `desired`'s with `live`'s own value for each container whose image is `image`,
-/// those values are put into `desired` and `true` is returned. Any other template change rolls
-/// the pods anyway, and the new image comes along with it (`false`, `desired` unchanged). The
-/// same rule as Istio's sidecars: new pods get the new image, running ones are not restarted
-/// for it.
-pub fn keep_live_images(
-    desired: &mut k8s_openapi::api::apps::v1::Deployment,
-    live: &k8s_openapi::api::apps::v1::Deployment,
-    image: &str,
-) -> bool {
-    let (Some(d), Some(l)) = (desired.spec.as_mut(), live.spec.as_ref()) else {
-        return false;
-    };
-    let (Ok(mut want), Ok(got)) = (
-        serde_json::to_value(&d.template),
-        serde_json::to_value(&l.template),
-    ) else {
-        return false;
-    };
-    let mut kept = false;
-    for list in ["/spec/containers", "/spec/initContainers"] {
-        let live_containers = got.pointer(list).and_then(Value::as_array);
-        let Some(containers) = want.pointer_mut(list).and_then(Value::as_array_mut) else {
-            continue;
-        };
-        for c in containers.iter_mut().filter(|c| c["image"] == image) {
-            let live_image = live_containers
-                .and_then(|cs| cs.iter().find(|l| l["name"] == c["name"]))
-                .and_then(|l| l["image"].as_str());
-            if let Some(live_image) = live_image
-                && live_image != image
-            {
-                c["image"] = Value::from(live_image);
-                kept = true;
-            }
-        }
-    }
-    if !kept || !subset(&want, &got) {
-        return false;
-    }
-    match serde_json::from_value(want) {
-        Ok(template) => {
-            d.template = template;
-            true
-        }
-        Err(_) => false,
-    }
-}
-
 fn subset(want: &Value, got: &Value) -> bool {
     match (want, got) {
         (Value::Object(w), Value::Object(g)) => w
@@ -129,71 +77,6 @@ mod tests {
             "status": {}
         });
         assert!(contains_value(&cached, &desired));
-    }
-
-    fn backend(drain: &str, memory: &str) -> k8s_openapi::api::apps::v1::Deployment {
-        serde_json::from_value(json!({
-            "metadata": {"name": "m-backend"},
-            "spec": {
-                "selector": {"matchLabels": {"app": "m"}},
-                "template": {
-                    "metadata": {"labels": {"app": "m"}},
-                    "spec": {
-                        "initContainers": [
-                            {"name": "hearth-drain", "image": drain, "restartPolicy": "Always"},
-                            {"name": "fetch", "image": "busybox"}
-                        ],
-                        "containers": [{"name": "model", "image": "vllm/vllm-openai:v0.11",
-                            "resources": {"limits": {"memory": memory}}}]
-                    }
-                }
-            }
-        }))
-        .unwrap()
-    }
-
-    fn drain_image(d: &k8s_openapi::api::apps::v1::Deployment) -> Option<String> {
-        d.spec
-            .as_ref()?
-            .template
-            .spec
-            .as_ref()?
-            .init_containers
-            .as_ref()?[0]
-            .image
-            .clone()
-    }
-
-    #[test]
-    fn an_upgrade_alone_keeps_the_running_drain_image() {
-        let live = backend("hearth/gw:v1", "1Gi");
-        let mut desired = backend("hearth/gw:v2", "1Gi");
-        assert!(keep_live_images(&mut desired, &live, "hearth/gw:v2"));
-        assert_eq!(drain_image(&desired).as_deref(), Some("hearth/gw:v1"));
-        assert!(contains(&live, &desired), "nothing left to apply");
-    }
-
-    #[test]
-    fn another_template_change_takes_the_new_image_along() {
-        let live = backend("hearth/gw:v1", "1Gi");
-        let mut desired = backend("hearth/gw:v2", "2Gi");
-        assert!(!keep_live_images(&mut desired, &live, "hearth/gw:v2"));
-        assert_eq!(drain_image(&desired).as_deref(), Some("hearth/gw:v2"));
-    }
-
-    #[test]
-    fn nothing_to_keep_when_the_image_is_current_or_new() {
-        let live = backend("hearth/gw:v2", "1Gi");
-        let mut desired = backend("hearth/gw:v2", "1Gi");
-        assert!(!keep_live_images(&mut desired, &live, "hearth/gw:v2"));
-        // A sidecar the live pods do not have yet is added, with the current image.
-        let mut live = backend("x", "1Gi");
-        if let Some(spec) = live.spec.as_mut().and_then(|s| s.template.spec.as_mut()) {
-            spec.init_containers = None;
-        }
-        let mut desired = backend("hearth/gw:v2", "1Gi");
-        assert!(!keep_live_images(&mut desired, &live, "hearth/gw:v2"));
-        assert_eq!(drain_image(&desired).as_deref(), Some("hearth/gw:v2"));
     }
 
     #[test]

@@ -21,6 +21,7 @@ pub mod render;
 pub mod resolve;
 pub mod status;
 pub mod template;
+pub mod upgrade;
 
 pub use reconcile::{Context, Error, run};
 pub use render::{Children, RenderConfig, render};

@@ -64,6 +64,7 @@ use crate::{
     render::{self, Children, RenderConfig, TEMPLATE_HASH_ANNOTATION},
     resolve::{ResolveError, resolve_runtime},
     status::{self, Cond},
+    upgrade,
 };
 
 /// The name of the CRD of `api`, whose presence means KEDA is installed
@@ -615,7 +616,7 @@ async fn apply_children(
             &ctx.render.drain_image,
             get_in(&ctx.deployments, namespace, &backend_name),
         ) && has_pods(&live)
-            && diff::keep_live_images(&mut backend, &live, image)
+            && upgrade::keep_live_images(&mut backend, &live, image)
         {
             // Applied when the backend is next at zero, or with its next template change.
             tracing::info!(deployment = %backend_name, %namespace, new_image = %image, "keeping the running pods' drain sidecar image, so this upgrade does not restart them");
@@ -722,7 +723,7 @@ async fn apply_children(
 
 /// Whether a Deployment wants or still has pods: a template change would restart them. At
 /// zero replicas it costs nothing, so Hearth's own image updates are applied then (see
-/// [`diff::keep_live_images`]).
+/// [`upgrade::keep_live_images`]).
 fn has_pods(d: &Deployment) -> bool {
     d.spec.as_ref().and_then(|s| s.replicas).unwrap_or(1) > 0
         || d.status.as_ref().and_then(|s| s.replicas).unwrap_or(0) > 0

@@ -417,6 +417,7 @@ pub fn render(
         runtime,
         &cfg.policy_settings(),
     )?;
+    let backend = crate::upgrade::mark(backend, cfg.drain_image.as_deref());
     Ok(Children {
         gateway_service_account: ServiceAccount {
             metadata: ctx.meta(names::gateway(&ctx.name), Component::Gateway),

@@ -905,7 +905,8 @@ async fn wait_drain_image(ns: &TestNamespace, service: &str, image: &str) -> Res
 
 /// Upgrading Hearth changes the drain sidecar's image (it follows the release). A backend with
 /// pods keeps the running image, so the upgrade restarts no model server, until its template
-/// changes for another reason; a backend at zero takes the new image at once.
+/// changes for another reason; a backend at zero takes the new image at once. An image someone
+/// else set is repaired, not kept.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_upgrade_restarts_no_running_backend() -> Result<()> {
     let cluster = Cluster::connect().await?;
@@ -932,9 +933,13 @@ async fn an_upgrade_restarts_no_running_backend() -> Result<()> {
     let mut busy = idle.clone();
     busy.metadata.name = Some("busy-svc".to_owned());
     busy.spec.scaling.min = 1;
+    let mut edited = busy.clone();
+    edited.metadata.name = Some("edited-svc".to_owned());
     create_service(&ns, idle).await?;
     create_service(&ns, busy).await?;
+    create_service(&ns, edited).await?;
     wait_drain_image(&ns, "stub-svc", v1).await?;
+    wait_drain_image(&ns, "edited-svc", v1).await?;
     let busy_generation = wait_drain_image(&ns, "busy-svc", v1).await?;
     assert_eq!(backend_replicas(&ns, "busy-svc").await?, Some(1));
     running.stop().await;
@@ -962,6 +967,24 @@ async fn an_upgrade_restarts_no_running_backend() -> Result<()> {
         (Some(v1.to_owned()), busy_generation),
         "the busy backend's pod template must not change for the upgrade alone"
     );
+
+    // Someone else's image is not Hearth's to keep: the sidecar is set back, to the new image.
+    let deployments: Api<Deployment> = ns.api();
+    let mut edit = json!({
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": {"name": "edited-svc-backend"},
+        "spec": {"template": {"spec": {"initContainers": [
+            {"name": "hearth-drain", "image": "evil.example.com/drain:1"}
+        ]}}}
+    });
+    deployments
+        .patch(
+            "edited-svc-backend",
+            &PatchParams::apply("someone-else").force(),
+            &Patch::Apply(&mut edit),
+        )
+        .await?;
+    wait_drain_image(&ns, "edited-svc", v2).await?;
 
     // Another change rolls the pods anyway: the new image comes along.
     let services: Api<LLMService> = ns.api();

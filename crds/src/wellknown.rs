@@ -34,6 +34,11 @@ pub const DRAIN_TIMEOUT_ANNOTATION: &str = "serving.hearth.dev/drain-timeout";
 /// as the LLMService default.
 pub const DEFAULT_DRAIN_TIMEOUT: &str = "2m";
 
+/// Annotation on an LLMService's backend Deployment: the drain sidecar image the controller last
+/// put into its pod template. An upgrade keeps a running backend's sidecar image only while it
+/// is still this one, so someone else's edit of it is repaired, not kept.
+pub const DRAIN_IMAGE_ANNOTATION: &str = "serving.hearth.dev/drain-image";
+
 /// Annotation naming the model-serving container of an annotated workload, when the pod has
 /// several containers.
 pub const CONTAINER_ANNOTATION: &str = "serving.hearth.dev/container";
