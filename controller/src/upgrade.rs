@@ -46,19 +46,22 @@ pub fn mark(mut backend: Deployment, image: Option<&str>) -> Deployment {
     backend
 }
 
+/// The drain image recorded on `backend` by [`mark`].
+pub fn recorded(backend: &Deployment) -> Option<&str> {
+    backend
+        .metadata
+        .annotations
+        .as_ref()?
+        .get(DRAIN_IMAGE_ANNOTATION)
+        .map(String::as_str)
+}
+
 /// Puts `live`'s drain image back into `desired` (rendered with `image`, marked by [`mark`])
 /// when that is the only difference between their pod templates and `live` still runs the image
 /// its annotation records; returns whether it did. Otherwise `desired` is left as it is. Call
 /// it only for a backend that has or wants pods: at zero, taking the new image costs nothing.
 pub fn keep_live_images(desired: &mut Deployment, live: &Deployment, image: &str) -> bool {
-    let Some(recorded) = live
-        .metadata
-        .annotations
-        .as_ref()
-        .and_then(|a| a.get(DRAIN_IMAGE_ANNOTATION))
-        .filter(|r| r.as_str() != image)
-        .cloned()
-    else {
+    let Some(recorded) = recorded(live).filter(|r| *r != image).map(str::to_owned) else {
         return false;
     };
     let (Some(d), Some(l)) = (desired.spec.as_mut(), live.spec.as_ref()) else {
@@ -170,21 +173,10 @@ mod tests {
     #[test]
     fn mark_records_only_an_image_the_template_runs() {
         let d = backend("hearth/gw:v1", "1Gi");
-        assert_eq!(
-            d.metadata
-                .annotations
-                .as_ref()
-                .and_then(|a| a.get(DRAIN_IMAGE_ANNOTATION))
-                .map(String::as_str),
-            Some("hearth/gw:v1")
-        );
+        assert_eq!(recorded(&d), Some("hearth/gw:v1"));
         let d = mark(backend("hearth/gw:v1", "1Gi"), Some("other/image:1"));
         assert_eq!(
-            d.metadata
-                .annotations
-                .as_ref()
-                .and_then(|a| a.get(DRAIN_IMAGE_ANNOTATION))
-                .map(String::as_str),
+            recorded(&d),
             Some("hearth/gw:v1"),
             "another image is not recorded"
         );
