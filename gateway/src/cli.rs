@@ -251,6 +251,9 @@ pub struct ServeArgs {
     /// connection may sit idle between requests.
     #[arg(long, env = "HEARTH_HEADER_READ_TIMEOUT", default_value = "30s", value_parser = duration)]
     pub header_read_timeout: Duration,
+    /// Time a client has to send a request's body after its header section (408 after it).
+    #[arg(long, env = "HEARTH_BODY_READ_TIMEOUT", default_value = "60s", value_parser = duration)]
+    pub body_read_timeout: Duration,
     /// How long an unused backend connection is kept for reuse; below the backend's keep-alive
     /// timeout (vLLM: 5s).
     #[arg(long, env = "HEARTH_BACKEND_IDLE_TIMEOUT", default_value = "4s", value_parser = duration)]
@@ -283,6 +286,12 @@ impl ServeArgs {
             return Err(err(
                 "--header-read-timeout",
                 "must be at least 1s (it is enforced to within a second), like \"30s\"",
+            ));
+        }
+        if self.body_read_timeout < Duration::from_secs(1) {
+            return Err(err(
+                "--body-read-timeout",
+                "must be at least 1s (it is enforced to within a second), like \"60s\"",
             ));
         }
         if self.backend_idle_timeout.is_zero() {
@@ -343,6 +352,7 @@ impl ServeArgs {
             aggregate_peers: self.peer_service.is_some(),
             connect_timeout: self.connect_timeout,
             header_read_timeout: self.header_read_timeout,
+            body_read_timeout: self.body_read_timeout,
             backend_idle_timeout: self.backend_idle_timeout,
             scaler_keepalive: self.scaler_keepalive,
         })

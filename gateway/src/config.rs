@@ -50,6 +50,12 @@ pub struct GatewayConfig {
     /// a keep-alive connection may sit idle between requests, before it is closed (slow-client
     /// protection). Enforced to within one second (see [`crate::timer`]).
     pub header_read_timeout: Duration,
+    /// How long a client may take to send a request's body once its header section arrived;
+    /// then `408` and the connection is closed. The body is read whole before forwarding, and
+    /// an admitted request holds a `maxQueue` slot while it arrives, so this bounds how long a
+    /// slow or stalled upload keeps a slot and up to `body_limit` bytes. Enforced to within one
+    /// second (see [`crate::timer`]).
+    pub body_read_timeout: Duration,
     /// How long an unused backend connection is kept for reuse. Keep it below the backend's
     /// own keep-alive timeout (vLLM's uvicorn: 5 s) so the gateway never sends a request on a
     /// connection the backend is closing at that moment.
@@ -77,6 +83,7 @@ impl Default for GatewayConfig {
             aggregate_peers: false,
             connect_timeout: Duration::from_secs(5),
             header_read_timeout: Duration::from_secs(30),
+            body_read_timeout: Duration::from_secs(60),
             backend_idle_timeout: Duration::from_secs(4),
             scaler_keepalive: Duration::from_secs(30),
         }

@@ -69,7 +69,7 @@ pub struct Shared {
     /// Every backend connection pool of this replica: the shared one and one per HTTP worker.
     pools: std::sync::Mutex<Vec<UpstreamPool>>,
     /// hyper's connection timeouts (see [`CoarseTimer`]).
-    timer: CoarseTimer,
+    pub(crate) timer: CoarseTimer,
     draining: AtomicBool,
     stop_tx: watch::Sender<bool>,
 }

@@ -9,7 +9,6 @@ use axum::{
     response::Response,
 };
 use bytes::Bytes;
-use serde::Deserialize;
 use serde_json::json;
 
 /// The JSON bytes of an OpenAI error object.
@@ -59,6 +58,12 @@ pub fn sse_error_event(message: &str, kind: &str, code: Option<&str>) -> Bytes {
 /// The request fields that change how the gateway handles a cold request: `stream` (hold with
 /// SSE heartbeats or silently) and `model` (checked against the served model names before
 /// waking a backend).
+///
+/// They are read as vLLM's OpenAI server (FastAPI and pydantic) reads them, so the gateway and
+/// the model agree: a body without `Content-Type`, or with a JSON media type (`application/json`,
+/// `application/*+json`, any case), is JSON; a byte order mark and white space may precede it;
+/// of a repeated key the last one counts; `stream` is a pydantic bool (`true`, `1`, `"yes"`,
+/// `"on"`, ...). Only `POST`, `PUT` and `PATCH` bodies count.
 #[derive(Debug, Default)]
 pub struct RequestHints {
     /// OpenAI's `stream`: the response is a `text/event-stream` of chunks.
@@ -71,37 +76,61 @@ impl RequestHints {
     /// Reads the hints from a JSON body; a body that is not a JSON object yields the defaults
     /// (the backend then answers with its own validation error).
     pub fn from_body(body: &[u8]) -> Self {
-        /// Borrowed where the JSON allows it; any other field is skipped unparsed.
-        #[derive(Deserialize)]
-        struct Loose<'a> {
-            #[serde(default, borrow)]
-            stream: Option<&'a serde_json::value::RawValue>,
-            #[serde(default, borrow)]
-            model: Option<&'a serde_json::value::RawValue>,
-        }
-        match serde_json::from_slice::<Loose<'_>>(body) {
-            Ok(l) => Self {
-                stream: l.stream.is_some_and(|v| v.get() == "true"),
-                model: l
-                    .model
-                    .and_then(|v| serde_json::from_str::<String>(v.get()).ok()),
-            },
-            Err(_) => Self::default(),
+        let body = body.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(body);
+        // Values borrowed, so the messages are not copied; a later key replaces an earlier one,
+        // as in Python's `json`.
+        let Ok(fields) = serde_json::from_slice::<
+            std::collections::HashMap<std::borrow::Cow<'_, str>, &serde_json::value::RawValue>,
+        >(body) else {
+            return Self::default();
+        };
+        Self {
+            stream: fields.get("stream").is_some_and(|v| lax_true(v.get())),
+            model: fields
+                .get("model")
+                .and_then(|v| serde_json::from_str::<String>(v.get()).ok()),
         }
     }
 
-    /// The hints of a request: read from the body when it is declared JSON, or is a `POST`
-    /// body starting with `{` (clients that omit `Content-Type`); the defaults otherwise.
+    /// The hints of a request: read from the body of a `POST`, `PUT` or `PATCH` that is JSON as
+    /// FastAPI decides (no `Content-Type`, or a JSON media type); the defaults otherwise.
     pub fn from_request(method: &http::Method, headers: &http::HeaderMap, body: &[u8]) -> Self {
-        let is_json = headers
-            .get(header::CONTENT_TYPE)
-            .and_then(|v| v.to_str().ok())
-            .is_some_and(|v| v.trim_start().starts_with("application/json"));
-        if is_json || (method == http::Method::POST && body.first() == Some(&b'{')) {
+        if !matches!(
+            *method,
+            http::Method::POST | http::Method::PUT | http::Method::PATCH
+        ) {
+            return Self::default();
+        }
+        let is_json = headers.get(header::CONTENT_TYPE).is_none_or(|v| {
+            let media = v
+                .as_bytes()
+                .split(|b| *b == b';')
+                .next()
+                .unwrap_or_default();
+            let media = String::from_utf8_lossy(media.trim_ascii()).to_ascii_lowercase();
+            media
+                .strip_prefix("application/")
+                .is_some_and(|sub| sub == "json" || sub.ends_with("+json"))
+        });
+        if is_json {
             Self::from_body(body)
         } else {
             Self::default()
         }
+    }
+}
+
+/// Whether a JSON value is true as a pydantic (v2, lax) `bool` reads it: `true`, `1`, `1.0`,
+/// or one of the strings `1`, `on`, `t`, `true`, `y`, `yes` in any case.
+fn lax_true(raw: &str) -> bool {
+    match serde_json::from_str::<serde_json::Value>(raw) {
+        Ok(serde_json::Value::Bool(b)) => b,
+        Ok(serde_json::Value::Number(n)) => n.as_f64() == Some(1.0),
+        Ok(serde_json::Value::String(s)) => matches!(
+            s.to_ascii_lowercase().as_str(),
+            "1" | "on" | "t" | "true" | "y" | "yes"
+        ),
+        _ => false,
     }
 }
 
@@ -117,8 +146,57 @@ mod tests {
     }
 
     #[test]
+    fn hints_are_read_as_vllm_reads_them() {
+        // (body, stream, model) as FastAPI + pydantic see them.
+        for (body, stream, model) in [
+            (&br#"{"stream":false,"stream":true}"#[..], true, None),
+            (br#"{"model":"m","model":"other"}"#, false, Some("other")),
+            (br#"{"stream":"true"}"#, true, None),
+            (br#"{"stream":"YES"}"#, true, None),
+            (br#"{"stream":1}"#, true, None),
+            (br#"{"stream":0}"#, false, None),
+            (br#"{"stream":"no"}"#, false, None),
+            (br#"{"stream":null}"#, false, None),
+            (
+                b"\xEF\xBB\xBF{\"stream\":true,\"model\":\"m\"}",
+                true,
+                Some("m"),
+            ),
+            (b" \n\t{\"stream\":true}", true, None),
+            (br#"{"model":"other"} x"#, false, None),
+        ] {
+            let h = RequestHints::from_body(body);
+            let shown = String::from_utf8_lossy(body);
+            assert_eq!(h.stream, stream, "{shown}");
+            assert_eq!(h.model.as_deref(), model, "{shown}");
+        }
+    }
+
+    #[test]
+    fn a_json_body_is_what_fastapi_reads_as_json() {
+        let body = br#"{"stream":true}"#;
+        let post = http::Method::POST;
+        let with = |ct: Option<&str>| {
+            let mut h = http::HeaderMap::new();
+            if let Some(ct) = ct {
+                h.insert(header::CONTENT_TYPE, ct.parse().unwrap());
+            }
+            RequestHints::from_request(&post, &h, body).stream
+        };
+        assert!(with(None));
+        assert!(with(Some("application/json")));
+        assert!(with(Some(" Application/JSON; charset=utf-8")));
+        assert!(with(Some("application/vnd.api+json")));
+        assert!(!with(Some("text/plain")));
+        assert!(!with(Some("application/x-www-form-urlencoded")));
+        let h = http::HeaderMap::new();
+        assert!(!RequestHints::from_request(&http::Method::HEAD, &h, body).stream);
+        assert!(!RequestHints::from_request(&http::Method::GET, &h, body).stream);
+    }
+
+    #[test]
     fn hints_tolerate_other_shapes() {
-        let h = RequestHints::from_body(br#"{"model":3,"stream":"yes"}"#);
+        let h = RequestHints::from_body(br#"{"model":3,"stream":"maybe"}"#);
         assert!(!h.stream);
         assert_eq!(h.model, None);
         let h = RequestHints::from_body(b"not json");

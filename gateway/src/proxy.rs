@@ -1,9 +1,10 @@
 //! The request path: admission, cold-start hold or reject, forwarding and streaming.
 //!
-//! Order of checks for a proxied request: draining (503) → API key (401) → body size (413) →
-//! admission (`maxQueue`, 429) → a ready endpoint? forward : cold start. A cold request's body
-//! is also checked for its model name (404, only with served model names) before admission, so
-//! a misdirected request never raises demand and never wakes a model; a ready backend answers
+//! Order of checks for a proxied request: draining (503) → method and framing (405, 400, 501;
+//! see [`refusal`]) → API key (401) → body size and read timeout (413, 408) → admission
+//! (`maxQueue`, 429) → a ready endpoint? forward : cold start. A cold request's body is also
+//! checked for its model name (404, only with served model names) before admission, so a
+//! misdirected request never raises demand and never wakes a model; a ready backend answers
 //! that check itself (vLLM's `404 The model ... does not exist`), so a warm request is
 //! forwarded without parsing its body.
 
@@ -22,7 +23,7 @@ use axum::{
 };
 use bytes::{Bytes, BytesMut};
 use http_body::{Body as HttpBody, Frame, SizeHint};
-use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
+use http_body_util::{BodyExt, Full, Limited};
 
 use crate::{
     apikeys::AuthOutcome,
@@ -122,7 +123,9 @@ fn reject(
 /// Hop-by-hop header fields (RFC 9110 §7.6.1), removed in both directions together with any
 /// field named in `Connection`. Names, not strings: removing by `&str` parses and classifies
 /// the string on every call.
-const HOP_BY_HOP: [HeaderName; 8] = [
+/// `Proxy-Authenticate` and `Proxy-Authorization` are for the proxy next to the client, never
+/// the backend (RFC 9110 §11.7).
+const HOP_BY_HOP: [HeaderName; 9] = [
     header::CONNECTION,
     HeaderName::from_static("proxy-connection"),
     HeaderName::from_static("keep-alive"),
@@ -131,6 +134,7 @@ const HOP_BY_HOP: [HeaderName; 8] = [
     header::TRANSFER_ENCODING,
     header::UPGRADE,
     header::PROXY_AUTHENTICATE,
+    header::PROXY_AUTHORIZATION,
 ];
 
 const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
@@ -224,6 +228,11 @@ impl Shared {
         *req.uri_mut() = uri;
         *req.headers_mut() = out.headers.clone();
         req.headers_mut().insert(header::HOST, host);
+        if out.body.is_empty() && matches!(out.method, Method::POST | Method::PUT | Method::PATCH) {
+            // hyper leaves it out for an empty body; a server may then answer 411 (RFC 9110 §8.6).
+            req.headers_mut()
+                .insert(header::CONTENT_LENGTH, HeaderValue::from_static("0"));
+        }
         Ok(req)
     }
 
@@ -270,10 +279,9 @@ impl Shared {
                 }
                 Err(e) => {
                     self.metrics.upstream_error("request");
-                    return Err(HoldError::Upstream(format!(
-                        "backend {} failed: {e}",
-                        ep.endpoint().authority()
-                    )));
+                    // The backend's address is for the logs, not for clients.
+                    tracing::warn!(endpoint = %ep.endpoint().authority(), error = %e, "backend request failed");
+                    return Err(HoldError::Upstream(format!("the backend failed: {e}")));
                 }
             }
         }
@@ -322,6 +330,201 @@ fn models_list(names: &[String]) -> Response {
 
 /// Every request that is not one of the gateway's own endpoints; `peer_ip` is the client's
 /// address (see [`peer_ip_value`]), for `X-Forwarded-For`.
+/// Methods the gateway forwards, for `Allow` (RFC 9110 §10.2.1).
+const ALLOWED_METHODS: &str = "GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS";
+
+/// Why a request is refused before anything else is done with it: status, metric reason, and
+/// the message naming what to change.
+type Refusal = (StatusCode, &'static str, String);
+
+/// A request the gateway must not forward, or must answer `400` by its framing rules:
+/// - `CONNECT` (a tunnel) and `TRACE` (echoes credentials back): `405`;
+/// - an HTTP/1.1 request without `Host`, or any with several `Host` lines or an invalid one:
+///   `400` (RFC 9112 §3.2 makes both a MUST);
+/// - a `Transfer-Encoding` other than `chunked`: `501` (RFC 9112 §6.1); the body would reach the
+///   backend still encoded, with nothing saying so;
+/// - several `Authorization` lines: `400`; the gateway and the backend might each read another.
+fn refusal(parts: &http::request::Parts) -> Option<Refusal> {
+    if matches!(parts.method, Method::CONNECT | Method::TRACE) {
+        return Some((
+            StatusCode::METHOD_NOT_ALLOWED,
+            "method_not_allowed",
+            format!(
+                "{} is not supported: the gateway forwards HTTP API requests ({ALLOWED_METHODS})",
+                parts.method
+            ),
+        ));
+    }
+    let mut hosts = parts.headers.get_all(header::HOST).iter();
+    match (hosts.next(), hosts.next()) {
+        (None, _) if parts.version == http::Version::HTTP_11 => {
+            return Some((
+                StatusCode::BAD_REQUEST,
+                "bad_request",
+                "an HTTP/1.1 request must have a Host field (RFC 9112 §3.2)".to_owned(),
+            ));
+        }
+        (Some(_), Some(_)) => {
+            return Some((
+                StatusCode::BAD_REQUEST,
+                "bad_request",
+                "the request has more than one Host field line (RFC 9112 §3.2)".to_owned(),
+            ));
+        }
+        (Some(host), None) if !valid_host(host.as_bytes()) => {
+            return Some((
+                StatusCode::BAD_REQUEST,
+                "bad_request",
+                "the Host field is not a host with an optional port (RFC 9112 §3.2)".to_owned(),
+            ));
+        }
+        _ => {}
+    }
+    if let Some(te) = parts.headers.get(header::TRANSFER_ENCODING)
+        && parts
+            .headers
+            .get_all(header::TRANSFER_ENCODING)
+            .iter()
+            .flat_map(|v| v.as_bytes().split(|b| *b == b','))
+            .any(|coding| !coding.trim_ascii().eq_ignore_ascii_case(b"chunked"))
+    {
+        return Some((
+            StatusCode::NOT_IMPLEMENTED,
+            "unsupported_transfer_coding",
+            format!(
+                "Transfer-Encoding {:?} is not supported: send the body with chunked or a Content-Length, uncompressed (RFC 9112 §6.1)",
+                String::from_utf8_lossy(te.as_bytes())
+            ),
+        ));
+    }
+    if parts
+        .headers
+        .get_all(header::AUTHORIZATION)
+        .iter()
+        .nth(1)
+        .is_some()
+    {
+        return Some((
+            StatusCode::BAD_REQUEST,
+            "bad_request",
+            "the request has more than one Authorization field line; send one".to_owned(),
+        ));
+    }
+    None
+}
+
+/// Whether `host` is `uri-host [ ":" port ]` (no user info, no path).
+fn valid_host(host: &[u8]) -> bool {
+    !host.is_empty()
+        && !host.contains(&b'@')
+        && http::uri::Authority::try_from(host).is_ok_and(|a| a.as_str().len() == host.len())
+}
+
+/// Why a request body was not read whole.
+enum BodyError {
+    /// Over the gateway's limit.
+    TooLarge,
+    /// Not complete within the body read timeout.
+    Timeout,
+    /// The client closed or reset the connection first.
+    Gone,
+    /// Broken framing (a bad chunk, say).
+    Malformed(String),
+}
+
+/// Reads a request body whole into one buffer, at most `limit` bytes, within `timeout` of the
+/// first wait for more.
+///
+/// One buffer, not one entry per frame: a body sent as many tiny chunks would otherwise cost
+/// far more memory than its bytes, and pin hyper's read buffers. A body that arrives in one
+/// frame (the usual small request) is kept as it is, and one that is complete without waiting
+/// arms no timer.
+async fn read_body<B>(
+    body: B,
+    declared: Option<u64>,
+    limit: usize,
+    timer: &crate::timer::CoarseTimer,
+    timeout: Duration,
+) -> Result<Bytes, BodyError>
+where
+    B: HttpBody<Data = Bytes>,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    use hyper::rt::Timer as _;
+    let mut body = std::pin::pin!(body);
+    let mut first: Option<Bytes> = None;
+    let mut rest: Option<BytesMut> = None;
+    let mut len = 0usize;
+    let mut deadline: Option<Pin<Box<dyn hyper::rt::Sleep>>> = None;
+    std::future::poll_fn(|cx| {
+        loop {
+            match body.as_mut().poll_frame(cx) {
+                Poll::Ready(Some(Ok(frame))) => {
+                    let Ok(data) = frame.into_data() else {
+                        continue; // trailers: not forwarded
+                    };
+                    len += data.len();
+                    if len > limit {
+                        return Poll::Ready(Err(BodyError::TooLarge));
+                    }
+                    match (&mut first, &mut rest) {
+                        (None, None) => first = Some(data),
+                        (Some(f), None) => {
+                            let cap = declared.map_or(len, |n| n as usize).clamp(len, limit);
+                            let mut buf = BytesMut::with_capacity(cap);
+                            buf.extend_from_slice(f);
+                            buf.extend_from_slice(&data);
+                            first = None;
+                            rest = Some(buf);
+                        }
+                        (_, Some(buf)) => buf.extend_from_slice(&data),
+                    }
+                }
+                Poll::Ready(Some(Err(e))) => {
+                    let e: Box<dyn std::error::Error + Send + Sync> = e.into();
+                    return Poll::Ready(Err(body_read_error(&*e)));
+                }
+                Poll::Ready(None) => return Poll::Ready(Ok(())),
+                Poll::Pending => {
+                    let sleep = deadline.get_or_insert_with(|| timer.sleep(timeout));
+                    return match sleep.as_mut().poll(cx) {
+                        Poll::Ready(()) => Poll::Ready(Err(BodyError::Timeout)),
+                        Poll::Pending => Poll::Pending,
+                    };
+                }
+            }
+        }
+    })
+    .await?;
+    Ok(match (first, rest) {
+        (_, Some(buf)) => buf.freeze(),
+        (Some(f), None) => f,
+        (None, None) => Bytes::new(),
+    })
+}
+
+/// Tells a client that left (closed or reset mid-body) from a body that is broken.
+fn body_read_error(e: &(dyn std::error::Error + 'static)) -> BodyError {
+    use std::io::ErrorKind::{BrokenPipe, ConnectionAborted, ConnectionReset, UnexpectedEof};
+    let mut source = Some(e);
+    while let Some(err) = source {
+        if err
+            .downcast_ref::<hyper::Error>()
+            .is_some_and(|h| h.is_incomplete_message() || h.is_closed() || h.is_canceled())
+            || err.downcast_ref::<std::io::Error>().is_some_and(|io| {
+                matches!(
+                    io.kind(),
+                    ConnectionReset | BrokenPipe | ConnectionAborted | UnexpectedEof
+                )
+            })
+        {
+            return BodyError::Gone;
+        }
+        source = err.source();
+    }
+    BodyError::Malformed(e.to_string())
+}
+
 pub(crate) async fn proxy<B>(
     shared: Arc<Shared>,
     req: Request<B>,
@@ -347,8 +550,29 @@ where
             .insert(header::CONNECTION, HeaderValue::from_static("close"));
         return resp;
     }
+    let (mut parts, body) = req.into_parts();
+    if let Some((status, reason, message)) = refusal(&parts) {
+        let mut resp = reject(
+            &shared,
+            tracker,
+            reason,
+            status,
+            &message,
+            "invalid_request_error",
+            false,
+        );
+        if status == StatusCode::METHOD_NOT_ALLOWED {
+            resp.headers_mut()
+                .insert(header::ALLOW, HeaderValue::from_static(ALLOWED_METHODS));
+        }
+        // The rest of the request's framing is not to be trusted.
+        resp.headers_mut()
+            .insert(header::CONNECTION, HeaderValue::from_static("close"));
+        return resp;
+    }
     match shared.keys.check(
-        req.headers()
+        parts
+            .headers
             .get(header::AUTHORIZATION)
             .map(|v| v.as_bytes()),
     ) {
@@ -372,8 +596,7 @@ where
         }
     }
 
-    let (mut parts, body) = req.into_parts();
-    if parts.method == Method::GET
+    if matches!(parts.method, Method::GET | Method::HEAD)
         && parts.uri.path() == "/v1/models"
         && !shared.cfg.served_model_names.is_empty()
         && !shared.backends.is_ready()
@@ -405,9 +628,10 @@ where
             false,
         );
     }
-    let body = match Limited::new(body, limit).collect().await {
-        Ok(c) => c.to_bytes(),
-        Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => {
+    let timeout = shared.cfg.body_read_timeout;
+    let body = match read_body(body, declared, limit, &shared.timer, timeout).await {
+        Ok(body) => body,
+        Err(BodyError::TooLarge) => {
             let msg = too_large();
             return reject(
                 &shared,
@@ -419,15 +643,43 @@ where
                 false,
             );
         }
-        Err(e) => {
-            // The client went away mid-body: the tracker counts it as canceled.
-            tracing::debug!(error = %e, "reading the request body failed");
+        Err(BodyError::Timeout) => {
+            let msg =
+                format!("the request body did not arrive within {timeout:?} (--body-read-timeout)");
+            let mut resp = reject(
+                &shared,
+                tracker,
+                "body_timeout",
+                StatusCode::REQUEST_TIMEOUT,
+                &msg,
+                "invalid_request_error",
+                false,
+            );
+            // RFC 9110 §15.5.9: the rest of the body is not coming, or not worth waiting for.
+            resp.headers_mut()
+                .insert(header::CONNECTION, HeaderValue::from_static("close"));
+            return resp;
+        }
+        Err(BodyError::Gone) => {
+            // The tracker counts it as canceled; nobody reads the answer.
             drop(tracker);
             return error_response(
                 StatusCode::BAD_REQUEST,
                 "the request body could not be read",
                 "invalid_request_error",
                 None,
+            );
+        }
+        Err(BodyError::Malformed(e)) => {
+            tracing::debug!(error = %e, "malformed request body");
+            return reject(
+                &shared,
+                tracker,
+                "bad_request",
+                StatusCode::BAD_REQUEST,
+                &format!("the request body could not be read: {e}"),
+                "invalid_request_error",
+                false,
             );
         }
     };
@@ -470,13 +722,22 @@ where
         );
     };
 
+    let target_host = match parts.uri.authority() {
+        Some(a) => HeaderValue::from_str(a.as_str()).ok(),
+        None => parts.headers.get(header::HOST).cloned(),
+    };
     let mut out = Outgoing {
         method: parts.method.clone(),
         path_and_query: parts
             .uri
             .path_and_query()
             .map_or_else(|| "/".to_owned(), |p| p.as_str().to_owned()),
-        headers: forward_headers(std::mem::take(&mut parts.headers), peer_ip.as_ref()),
+        headers: forward_headers(
+            std::mem::take(&mut parts.headers),
+            parts.version,
+            target_host,
+            peer_ip.as_ref(),
+        ),
         body,
     };
     // Not kept across the wait below: it may point into hyper's read buffer.
@@ -530,28 +791,60 @@ where
     }
 }
 
-/// The headers sent to the backend: the client's `headers`, minus hop-by-hop fields, with
-/// `Content-Length` recomputed from the buffered body, `Via` (RFC 9110 §7.6.3) and
-/// `X-Forwarded-For` (the client's address `peer_ip` appended)/`X-Forwarded-Host`/
-/// `X-Forwarded-Proto`. `Authorization` is passed through.
-fn forward_headers(mut h: HeaderMap, peer_ip: Option<&HeaderValue>) -> HeaderMap {
+/// The headers sent to the backend: the client's `headers`, minus hop-by-hop fields and
+/// `Expect` (the gateway has read the body already), with `Content-Length` recomputed from the
+/// buffered body and:
+/// - `Via` with the client's protocol `version` (RFC 9110 §7.6.3);
+/// - `X-Forwarded-For`: every line the client sent, joined in order (RFC 9110 §5.3), then the
+///   client's address `peer_ip`;
+/// - `X-Forwarded-Host`: the host the client asked for, `target_host` (the absolute-form
+///   target's authority, else `Host`, RFC 9112 §3.2.2), replacing any the client sent;
+/// - `X-Forwarded-Proto: http`.
+///
+/// `Authorization` is passed through.
+fn forward_headers(
+    mut h: HeaderMap,
+    version: http::Version,
+    target_host: Option<HeaderValue>,
+    peer_ip: Option<&HeaderValue>,
+) -> HeaderMap {
     strip_hop_by_hop(&mut h);
     h.reserve(4);
     h.remove(header::CONTENT_LENGTH);
-    if let Some(host) = h.remove(header::HOST) {
-        h.insert(X_FORWARDED_HOST, host);
-    }
-    h.append(header::VIA, HeaderValue::from_static("1.1 hearth-gateway"));
+    h.remove(header::EXPECT);
+    h.remove(header::HOST);
+    match target_host {
+        Some(host) => h.insert(X_FORWARDED_HOST, host),
+        None => h.remove(X_FORWARDED_HOST),
+    };
+    h.append(
+        header::VIA,
+        HeaderValue::from_static(if version == http::Version::HTTP_10 {
+            "1.0 hearth-gateway"
+        } else {
+            "1.1 hearth-gateway"
+        }),
+    );
     if let Some(ip) = peer_ip {
-        let v = match h.get(&X_FORWARDED_FOR) {
-            Some(prev) => {
-                let mut v = Vec::with_capacity(prev.len() + 2 + ip.len());
-                v.extend_from_slice(prev.as_bytes());
+        let mut prev = h.get_all(&X_FORWARDED_FOR).iter();
+        let v = match (prev.next(), prev.next()) {
+            (None, _) => Some(ip.clone()),
+            (Some(one), None) => {
+                let mut v = Vec::with_capacity(one.len() + 2 + ip.len());
+                v.extend_from_slice(one.as_bytes());
                 v.extend_from_slice(b", ");
                 v.extend_from_slice(ip.as_bytes());
                 HeaderValue::from_bytes(&v).ok()
             }
-            None => Some(ip.clone()),
+            (Some(_), Some(_)) => {
+                let mut v = Vec::new();
+                for line in h.get_all(&X_FORWARDED_FOR) {
+                    v.extend_from_slice(line.as_bytes());
+                    v.extend_from_slice(b", ");
+                }
+                v.extend_from_slice(ip.as_bytes());
+                HeaderValue::from_bytes(&v).ok()
+            }
         };
         if let Some(v) = v {
             h.insert(X_FORWARDED_FOR, v);
@@ -1060,6 +1353,71 @@ impl HttpBody for HeldStream {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A frame's bytes that count how many frames are still alive.
+    struct Counted(Arc<std::sync::atomic::AtomicUsize>, [u8; 1]);
+
+    impl AsRef<[u8]> for Counted {
+        fn as_ref(&self) -> &[u8] {
+            &self.1
+        }
+    }
+
+    impl Drop for Counted {
+        fn drop(&mut self) {
+            self.0.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+
+    type Frames = http_body_util::StreamBody<
+        futures::stream::Iter<std::vec::IntoIter<Result<Frame<Bytes>, std::io::Error>>>,
+    >;
+
+    /// A body of `n` one-byte frames, and the count of frames still alive.
+    fn frames(n: usize) -> (Frames, Arc<std::sync::atomic::AtomicUsize>) {
+        let live = Arc::new(std::sync::atomic::AtomicUsize::new(n));
+        let frames: Vec<_> = (0..n)
+            .map(|_| {
+                Ok(Frame::data(Bytes::from_owner(Counted(
+                    live.clone(),
+                    [b'x'],
+                ))))
+            })
+            .collect();
+        (
+            http_body_util::StreamBody::new(futures::stream::iter(frames)),
+            live,
+        )
+    }
+
+    #[tokio::test]
+    async fn a_body_of_many_frames_is_one_buffer_and_keeps_no_frame() {
+        let timer = crate::timer::CoarseTimer::new().unwrap();
+        let (body, live) = frames(10_000);
+        let out = read_body(body, None, 1 << 20, &timer, Duration::from_secs(5))
+            .await
+            .unwrap_or_else(|_| panic!("read failed"));
+        assert_eq!(out.len(), 10_000);
+        // Each frame was copied and released: a body of tiny chunks costs its bytes, not a
+        // buffer (or a list entry) per chunk.
+        assert_eq!(live.load(std::sync::atomic::Ordering::SeqCst), 0);
+    }
+
+    #[tokio::test]
+    async fn a_body_in_one_frame_is_not_copied_and_the_limit_holds() {
+        let timer = crate::timer::CoarseTimer::new().unwrap();
+        let data = Bytes::from_static(b"{\"model\":\"m\"}");
+        let body = Full::new(data.clone());
+        let out = read_body(body, Some(13), 1 << 20, &timer, Duration::from_secs(5))
+            .await
+            .unwrap_or_else(|_| panic!("read failed"));
+        assert_eq!(out.as_ptr(), data.as_ptr());
+        let (body, _) = frames(11);
+        assert!(matches!(
+            read_body(body, None, 10, &timer, Duration::from_secs(5)).await,
+            Err(BodyError::TooLarge)
+        ));
+    }
 
     #[test]
     fn detach_keeps_every_field_value_in_order_and_sensitivity() {

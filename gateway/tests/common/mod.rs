@@ -1,6 +1,8 @@
 //! Shared test helpers: a real vllm-stub, a real gateway, and an HTTP client.
 #![allow(dead_code)]
 
+pub mod raw;
+
 use std::{net::SocketAddr, time::Duration};
 
 use bytes::Bytes;
