@@ -210,6 +210,10 @@ pub struct ServeArgs {
     /// Largest request body, in bytes (suffixes Ki, Mi, Gi, k, M, G); larger gets 413.
     #[arg(long, env = "HEARTH_BODY_LIMIT", default_value = "8Mi", value_parser = byte_size)]
     pub body_limit: usize,
+    /// Request-body bytes held at once (being read, or kept while the model starts); past it a
+    /// request gets 503. At least --body-limit.
+    #[arg(long, env = "HEARTH_BODY_MEMORY_LIMIT", default_value = "256Mi", value_parser = byte_size)]
+    pub body_memory_limit: usize,
     /// Retry-After sent with 429 and 503.
     #[arg(long, env = "HEARTH_RETRY_AFTER", default_value = "5s", value_parser = duration)]
     pub retry_after: Duration,
@@ -309,6 +313,15 @@ impl ServeArgs {
         if self.body_limit == 0 {
             return Err(err("--body-limit", "must be positive, like \"8Mi\""));
         }
+        if self.body_memory_limit < self.body_limit {
+            return Err(err(
+                "--body-memory-limit",
+                format!(
+                    "must be at least --body-limit ({} bytes), or a request of the largest accepted size could never be read",
+                    self.body_limit
+                ),
+            ));
+        }
         if self.api_key_reload_interval < crate::apikeys::MIN_RELOAD_INTERVAL {
             return Err(err(
                 "--api-key-reload-interval",
@@ -346,6 +359,7 @@ impl ServeArgs {
             activation_grace: self.activation_grace,
             drain_timeout: self.drain_timeout,
             body_limit: self.body_limit,
+            body_memory_limit: self.body_memory_limit,
             retry_after: self.retry_after,
             metric_name: self.metric_name.clone(),
             metric_target: self.metric_target,
@@ -469,6 +483,15 @@ mod tests {
         );
         let cli = parse(&["--backend-url=http://x:1", "--peer-service=gw"]);
         assert_eq!(cli.serve.gateway_config().unwrap_err().flag, "--pod-ip");
+        let cli = parse(&[
+            "--backend-url=http://x:1",
+            "--body-limit=8Mi",
+            "--body-memory-limit=1Mi",
+        ]);
+        assert_eq!(
+            cli.serve.gateway_config().unwrap_err().flag,
+            "--body-memory-limit"
+        );
         let cli = parse(&["--backend-url=http://x:1", "--max-queue=0"]);
         assert_eq!(cli.serve.gateway_config().unwrap_err().flag, "--max-queue");
     }

@@ -35,6 +35,9 @@ pub struct GatewayConfig {
     pub drain_timeout: Duration,
     /// Largest request body accepted, in bytes; larger gets 413.
     pub body_limit: usize,
+    /// Request-body bytes the replica holds at once (being read, or kept to forward); a request
+    /// that would pass it gets `503` (see [`crate::budget`]). At least `body_limit`.
+    pub body_memory_limit: usize,
     /// `Retry-After` sent with 429 and 503.
     pub retry_after: Duration,
     /// The metric name served to KEDA (`GetMetricSpec`, `GetMetrics`).
@@ -77,6 +80,7 @@ impl Default for GatewayConfig {
             activation_grace: Duration::from_secs(10),
             drain_timeout: Duration::from_secs(60),
             body_limit: 8 * 1024 * 1024,
+            body_memory_limit: 256 * 1024 * 1024,
             retry_after: Duration::from_secs(5),
             metric_name: "hearth_queue_depth".into(),
             metric_target: 1.0,

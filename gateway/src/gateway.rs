@@ -66,6 +66,8 @@ pub struct Shared {
     pub(crate) metrics: Arc<Metrics>,
     pub(crate) keys: ApiKeys,
     pub(crate) pool: UpstreamPool,
+    /// Request-body bytes held (see [`crate::budget`]).
+    pub(crate) budget: crate::budget::BodyBudget,
     /// Every backend connection pool of this replica: the shared one and one per HTTP worker.
     pools: std::sync::Mutex<Vec<UpstreamPool>>,
     /// hyper's connection timeouts (see [`CoarseTimer`]).
@@ -97,6 +99,7 @@ impl Gateway {
         let lease = Lease::new(demand.clone(), cfg.activation_timeout, cfg.activation_grace);
         let pool = UpstreamPool::new(cfg.connect_timeout, cfg.backend_idle_timeout);
         let timer = CoarseTimer::new()?;
+        let budget = crate::budget::BodyBudget::new(cfg.body_memory_limit);
         Ok(Self {
             shared: Arc::new(Shared {
                 cfg,
@@ -106,6 +109,7 @@ impl Gateway {
                 metrics: Arc::new(Metrics::new()),
                 keys,
                 pools: std::sync::Mutex::new(vec![pool.clone()]),
+                budget,
                 pool,
                 timer,
                 draining: AtomicBool::new(false),
@@ -486,6 +490,8 @@ async fn metrics(State(shared): State<Arc<Shared>>) -> Response {
     m.demand.set(state.local() as i64);
     m.backend_endpoints
         .set(shared.backends.snapshot().len() as i64);
+    m.request_body_bytes
+        .set(i64::try_from(shared.budget.held()).unwrap_or(i64::MAX));
     // The total is capped at i64::MAX (see `demand`).
     let total = state
         .total()

@@ -16,6 +16,7 @@
 //! `docs/gateway.md` describes the flags and the behaviour.
 
 pub mod apikeys;
+pub mod budget;
 pub mod cli;
 pub mod config;
 pub mod demand;

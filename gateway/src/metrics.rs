@@ -77,6 +77,8 @@ pub struct Metrics {
     pub scaler_streams: Gauge,
     /// `hearth_gateway_backend_endpoints`.
     pub backend_endpoints: Gauge,
+    /// `hearth_gateway_request_body_bytes`.
+    pub request_body_bytes: Gauge,
     /// Makes [`Metrics::encode_with_total`] one step for concurrent scrapes.
     scrape: Mutex<()>,
 }
@@ -105,6 +107,7 @@ impl Metrics {
         let upstream_errors = Family::default();
         let scaler_streams = Gauge::default();
         let backend_endpoints = Gauge::default();
+        let request_body_bytes = Gauge::default();
         registry.register(
             "hearth_gateway_pending",
             "Requests admitted by this replica and not finished",
@@ -165,6 +168,11 @@ impl Metrics {
             "Ready backend endpoints known",
             backend_endpoints.clone(),
         );
+        registry.register(
+            "hearth_gateway_request_body_bytes",
+            "Request body bytes held: being read, or kept to forward (bounded by --body-memory-limit)",
+            request_body_bytes.clone(),
+        );
         Self {
             registry,
             pending,
@@ -179,6 +187,7 @@ impl Metrics {
             upstream_errors,
             scaler_streams,
             backend_endpoints,
+            request_body_bytes,
             scrape: Mutex::new(()),
         }
     }

@@ -183,6 +183,9 @@ struct Outgoing {
     path_and_query: String,
     headers: HeaderMap,
     body: Bytes,
+    /// The body's bytes in the replica's [`crate::budget::BodyBudget`], until the request is
+    /// done with.
+    _held: crate::budget::Reservation,
 }
 
 impl Outgoing {
@@ -424,6 +427,8 @@ fn valid_host(host: &[u8]) -> bool {
 enum BodyError {
     /// Over the gateway's limit.
     TooLarge,
+    /// The replica already holds `--body-memory-limit` bytes of bodies.
+    OverBudget,
     /// Not complete within the body read timeout.
     Timeout,
     /// The client closed or reset the connection first.
@@ -433,7 +438,7 @@ enum BodyError {
 }
 
 /// Reads a request body whole into one buffer, at most `limit` bytes, within `timeout` of the
-/// first wait for more.
+/// first wait for more, its bytes taken from `budget` as they arrive.
 ///
 /// One buffer, not one entry per frame: a body sent as many tiny chunks would otherwise cost
 /// far more memory than its bytes, and pin hyper's read buffers. A body that arrives in one
@@ -443,9 +448,10 @@ async fn read_body<B>(
     body: B,
     declared: Option<u64>,
     limit: usize,
+    budget: &crate::budget::BodyBudget,
     timer: &crate::timer::CoarseTimer,
     timeout: Duration,
-) -> Result<Bytes, BodyError>
+) -> Result<(Bytes, crate::budget::Reservation), BodyError>
 where
     B: HttpBody<Data = Bytes>,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
@@ -455,6 +461,7 @@ where
     let mut first: Option<Bytes> = None;
     let mut rest: Option<BytesMut> = None;
     let mut len = 0usize;
+    let mut held = budget.reservation();
     let mut deadline: Option<Pin<Box<dyn hyper::rt::Sleep>>> = None;
     std::future::poll_fn(|cx| {
         loop {
@@ -466,6 +473,9 @@ where
                     len += data.len();
                     if len > limit {
                         return Poll::Ready(Err(BodyError::TooLarge));
+                    }
+                    if !budget.reserve(&mut held, data.len()) {
+                        return Poll::Ready(Err(BodyError::OverBudget));
                     }
                     match (&mut first, &mut rest) {
                         (None, None) => first = Some(data),
@@ -496,11 +506,12 @@ where
         }
     })
     .await?;
-    Ok(match (first, rest) {
+    let body = match (first, rest) {
         (_, Some(buf)) => buf.freeze(),
         (Some(f), None) => f,
         (None, None) => Bytes::new(),
-    })
+    };
+    Ok((body, held))
 }
 
 /// Tells a client that left (closed or reset mid-body) from a body that is broken.
@@ -629,8 +640,31 @@ where
         );
     }
     let timeout = shared.cfg.body_read_timeout;
-    let body = match read_body(body, declared, limit, &shared.timer, timeout).await {
-        Ok(body) => body,
+    let read = read_body(
+        body,
+        declared,
+        limit,
+        &shared.budget,
+        &shared.timer,
+        timeout,
+    );
+    let (body, held) = match read.await {
+        Ok(read) => read,
+        Err(BodyError::OverBudget) => {
+            let msg = format!(
+                "the gateway holds {} bytes of request bodies, its limit (--body-memory-limit); retry later",
+                shared.budget.limit()
+            );
+            return reject(
+                &shared,
+                tracker,
+                "body_memory",
+                StatusCode::SERVICE_UNAVAILABLE,
+                &msg,
+                "server_error",
+                true,
+            );
+        }
         Err(BodyError::TooLarge) => {
             let msg = too_large();
             return reject(
@@ -739,6 +773,7 @@ where
             peer_ip.as_ref(),
         ),
         body,
+        _held: held,
     };
     // Not kept across the wait below: it may point into hyper's read buffer.
     drop(parts);
@@ -1393,28 +1428,41 @@ mod tests {
     #[tokio::test]
     async fn a_body_of_many_frames_is_one_buffer_and_keeps_no_frame() {
         let timer = crate::timer::CoarseTimer::new().unwrap();
+        let budget = crate::budget::BodyBudget::new(1 << 20);
         let (body, live) = frames(10_000);
-        let out = read_body(body, None, 1 << 20, &timer, Duration::from_secs(5))
+        let out = read_body(body, None, 1 << 20, &budget, &timer, Duration::from_secs(5))
             .await
             .unwrap_or_else(|_| panic!("read failed"));
+        let (out, held) = out;
         assert_eq!(out.len(), 10_000);
+        assert_eq!(budget.held(), 10_000);
         // Each frame was copied and released: a body of tiny chunks costs its bytes, not a
         // buffer (or a list entry) per chunk.
         assert_eq!(live.load(std::sync::atomic::Ordering::SeqCst), 0);
+        drop(held);
+        assert_eq!(budget.held(), 0);
     }
 
     #[tokio::test]
     async fn a_body_in_one_frame_is_not_copied_and_the_limit_holds() {
         let timer = crate::timer::CoarseTimer::new().unwrap();
+        let budget = crate::budget::BodyBudget::new(1 << 20);
         let data = Bytes::from_static(b"{\"model\":\"m\"}");
         let body = Full::new(data.clone());
-        let out = read_body(body, Some(13), 1 << 20, &timer, Duration::from_secs(5))
-            .await
-            .unwrap_or_else(|_| panic!("read failed"));
-        assert_eq!(out.as_ptr(), data.as_ptr());
+        let out = read_body(
+            body,
+            Some(13),
+            1 << 20,
+            &budget,
+            &timer,
+            Duration::from_secs(5),
+        )
+        .await
+        .unwrap_or_else(|_| panic!("read failed"));
+        assert_eq!(out.0.as_ptr(), data.as_ptr());
         let (body, _) = frames(11);
         assert!(matches!(
-            read_body(body, None, 10, &timer, Duration::from_secs(5)).await,
+            read_body(body, None, 10, &budget, &timer, Duration::from_secs(5)).await,
             Err(BodyError::TooLarge)
         ));
     }
@@ -1433,6 +1481,7 @@ mod tests {
             path_and_query: "/v1/completions".into(),
             headers: h,
             body: Bytes::from_static(b"{}"),
+            _held: crate::budget::BodyBudget::new(1).reservation(),
         };
         out.detach();
         let a: Vec<_> = out.headers.get_all("x-a").iter().collect();

@@ -281,3 +281,67 @@ async fn head_is_never_held_as_a_stream_while_cold() {
     assert!(resp.starts_with("HTTP/1.1 503"), "{resp}");
     assert!(!resp.contains("text/event-stream"), "{resp}");
 }
+
+#[tokio::test]
+async fn bodies_past_the_memory_limit_are_refused_not_buffered() {
+    let cfg = GatewayConfig {
+        body_limit: 1000,
+        body_memory_limit: 2000,
+        ..config()
+    };
+    let g = gateway(cfg, EndpointSet::new()).await;
+    let req = |close: &str| {
+        format!(
+            "POST /v1/completions HTTP/1.1\r\nHost: a\r\nContent-Type: text/plain\r\n\
+             Content-Length: 1000\r\n{close}\r\n{}",
+            "x".repeat(1000)
+        )
+    };
+    // Two cold requests held, their bodies kept: the limit is reached.
+    let mut held = Vec::new();
+    for _ in 0..2 {
+        let mut s = TcpStream::connect(g.http).await.unwrap();
+        s.write_all(req("").as_bytes()).await.unwrap();
+        held.push(s);
+    }
+    within(
+        10,
+        "two requests held",
+        wait_demand(&g, |s| s.pending() == 2),
+    )
+    .await;
+    let resp = exchange(&g, req("Connection: close\r\n").as_bytes()).await;
+    assert!(resp.starts_with("HTTP/1.1 503"), "{resp}");
+    assert!(resp.to_ascii_lowercase().contains("retry-after:"), "{resp}");
+    assert!(resp.contains("--body-memory-limit"), "{resp}");
+    let c = client();
+    let m = gateway_metrics(&c, &g).await;
+    assert_eq!(
+        metric(&m, "hearth_gateway_request_body_bytes"),
+        Some(2000.0),
+        "{m}"
+    );
+    assert_eq!(
+        metric(
+            &m,
+            "hearth_gateway_rejections_total{reason=\"body_memory\"}"
+        ),
+        Some(1.0),
+        "{m}"
+    );
+    // A client that leaves gives its bytes back; the next request is held again.
+    drop(held.pop());
+    within(10, "the left request's bytes given back", async {
+        loop {
+            let m = gateway_metrics(&c, &g).await;
+            if metric(&m, "hearth_gateway_request_body_bytes") == Some(1000.0) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    let mut s = TcpStream::connect(g.http).await.unwrap();
+    s.write_all(req("").as_bytes()).await.unwrap();
+    within(10, "held again", wait_demand(&g, |s| s.pending() == 2)).await;
+}
