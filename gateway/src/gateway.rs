@@ -181,6 +181,18 @@ impl Gateway {
             .route(queue_path, get(queue))
             .route(local_demand_path, get(local_demand))
             .route(metrics_path, get(metrics))
+            // The gateway's own endpoints are read-only; axum's 405 would have an empty body.
+            .method_not_allowed_fallback(|| async {
+                let mut resp = crate::openai::error_response(
+                    StatusCode::METHOD_NOT_ALLOWED,
+                    "the gateway's own endpoints answer GET only",
+                    "invalid_request_error",
+                    Some("method_not_allowed"),
+                );
+                resp.headers_mut()
+                    .insert(header::ALLOW, HeaderValue::from_static("GET, HEAD"));
+                resp
+            })
             .fallback(
                 |State(shared): State<Arc<Shared>>, req: axum::extract::Request| {
                     let peer_ip = req

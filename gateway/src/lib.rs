@@ -11,6 +11,7 @@
 //! - KEDA: `GET /hearth/queue` (metrics-api) and the ExternalScaler gRPC service ([`scaler`]),
 //!   with demand aggregated over gateway replicas ([`peers`]);
 //! - drain on SIGTERM, and the backend `preStop` drain command ([`drain`]);
+//! - request bodies bounded in size, read time and total memory ([`proxy`], [`budget`]);
 //! - optional API keys ([`apikeys`]) and Prometheus metrics ([`metrics`]).
 //!
 //! `docs/gateway.md` describes the flags and the behaviour.

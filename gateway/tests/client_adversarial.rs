@@ -345,3 +345,21 @@ async fn bodies_past_the_memory_limit_are_refused_not_buffered() {
     s.write_all(req("").as_bytes()).await.unwrap();
     within(10, "held again", wait_demand(&g, |s| s.pending() == 2)).await;
 }
+
+#[tokio::test]
+async fn a_wrong_method_on_an_own_endpoint_gets_an_openai_error() {
+    let raw = echo_backend().await;
+    let g = gw(&raw, config()).await;
+    let resp = exchange(
+        &g,
+        b"POST /hearth/queue HTTP/1.1\r\nHost: a\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    assert!(resp.starts_with("HTTP/1.1 405"), "{resp}");
+    assert!(
+        resp.to_ascii_lowercase().contains("allow: get, head"),
+        "{resp}"
+    );
+    assert!(resp.contains(r#""code":"method_not_allowed""#), "{resp}");
+    assert_eq!(raw.count(), 0);
+}
