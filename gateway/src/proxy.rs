@@ -333,6 +333,13 @@ fn models_list(names: &[String]) -> Response {
 
 /// Every request that is not one of the gateway's own endpoints; `peer_ip` is the client's
 /// address (see [`peer_ip_value`]), for `X-Forwarded-For`.
+/// Marks `resp` as the connection's last (`Connection: close`, RFC 9112 §9.6): hyper closes the
+/// connection once it is written.
+fn close_after(resp: &mut Response) {
+    resp.headers_mut()
+        .insert(header::CONNECTION, HeaderValue::from_static("close"));
+}
+
 /// Methods the gateway forwards, for `Allow` (RFC 9110 §10.2.1).
 const ALLOWED_METHODS: &str = "GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS";
 
@@ -557,8 +564,7 @@ where
             "server_error",
             true,
         );
-        resp.headers_mut()
-            .insert(header::CONNECTION, HeaderValue::from_static("close"));
+        close_after(&mut resp);
         return resp;
     }
     let (mut parts, body) = req.into_parts();
@@ -577,8 +583,7 @@ where
                 .insert(header::ALLOW, HeaderValue::from_static(ALLOWED_METHODS));
         }
         // The rest of the request's framing is not to be trusted.
-        resp.headers_mut()
-            .insert(header::CONNECTION, HeaderValue::from_static("close"));
+        close_after(&mut resp);
         return resp;
     }
     match shared.keys.check(
@@ -690,8 +695,7 @@ where
                 false,
             );
             // RFC 9110 §15.5.9: the rest of the body is not coming, or not worth waiting for.
-            resp.headers_mut()
-                .insert(header::CONNECTION, HeaderValue::from_static("close"));
+            close_after(&mut resp);
             return resp;
         }
         Err(BodyError::Gone) => {
