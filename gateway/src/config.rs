@@ -54,10 +54,10 @@ pub struct GatewayConfig {
     /// protection). Enforced to within one second (see [`crate::timer`]).
     pub header_read_timeout: Duration,
     /// How long a client may take to send a request's body once its header section arrived;
-    /// then `408` and the connection is closed. The body is read whole before forwarding, and
-    /// an admitted request holds a `maxQueue` slot while it arrives, so this bounds how long a
-    /// slow or stalled upload keeps a slot and up to `body_limit` bytes. Enforced to within one
-    /// second (see [`crate::timer`]).
+    /// then `408` and the connection is closed. The body is read whole before forwarding, so
+    /// this bounds how long a slow or stalled upload keeps its connection and up to
+    /// `body_limit` bytes of the body budget. Enforced to within one second (see
+    /// [`crate::timer`]).
     pub body_read_timeout: Duration,
     /// How long an unused backend connection is kept for reuse. Keep it below the backend's
     /// own keep-alive timeout (vLLM's uvicorn: 5 s) so the gateway never sends a request on a

@@ -63,7 +63,9 @@ pub fn sse_error_event(message: &str, kind: &str, code: Option<&str>) -> Bytes {
 /// the model agree: a body without `Content-Type`, or with a JSON media type (`application/json`,
 /// `application/*+json`, any case), is JSON; a byte order mark and white space may precede it;
 /// of a repeated key the last one counts; `stream` is a pydantic bool (`true`, `1`, `"yes"`,
-/// `"on"`, ...). Only `POST`, `PUT` and `PATCH` bodies count.
+/// `"on"`, ...). Only `POST`, `PUT` and `PATCH` bodies count. Not matched: Python's `NaN` and
+/// `Infinity` literals and UTF-16/32 bodies, which Python's `json` reads and JSON (RFC 8259)
+/// does not allow; such a body gets the defaults.
 #[derive(Debug, Default)]
 pub struct RequestHints {
     /// OpenAI's `stream`: the response is a `text/event-stream` of chunks.
@@ -101,7 +103,11 @@ impl RequestHints {
         ) {
             return Self::default();
         }
-        let is_json = headers.get(header::CONTENT_TYPE).is_none_or(|v| {
+        // An empty value is read as no value, as FastAPI does (`if not content_type`).
+        let content_type = headers
+            .get(header::CONTENT_TYPE)
+            .filter(|v| !v.as_bytes().trim_ascii().is_empty());
+        let is_json = content_type.is_none_or(|v| {
             let media = v
                 .as_bytes()
                 .split(|b| *b == b';')
@@ -184,6 +190,7 @@ mod tests {
             RequestHints::from_request(&post, &h, body).stream
         };
         assert!(with(None));
+        assert!(with(Some("")), "an empty Content-Type is no Content-Type");
         assert!(with(Some("application/json")));
         assert!(with(Some(" Application/JSON; charset=utf-8")));
         assert!(with(Some("application/vnd.api+json")));

@@ -340,6 +340,22 @@ fn close_after(resp: &mut Response) {
         .insert(header::CONNECTION, HeaderValue::from_static("close"));
 }
 
+/// The answer to a request that arrives while the gateway drains: `503`, retry elsewhere, and
+/// the connection closes.
+fn draining(shared: &Shared, tracker: Tracker) -> Response {
+    let mut resp = reject(
+        shared,
+        tracker,
+        "draining",
+        StatusCode::SERVICE_UNAVAILABLE,
+        "the gateway is shutting down; retry the request",
+        "server_error",
+        true,
+    );
+    close_after(&mut resp);
+    resp
+}
+
 /// Methods the gateway forwards, for `Allow` (RFC 9110 §10.2.1).
 const ALLOWED_METHODS: &str = "GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS";
 
@@ -363,6 +379,17 @@ fn refusal(parts: &http::request::Parts) -> Option<Refusal> {
                 "{} is not supported: the gateway forwards HTTP API requests ({ALLOWED_METHODS})",
                 parts.method
             ),
+        ));
+    }
+    if parts
+        .uri
+        .authority()
+        .is_some_and(|a| a.as_str().contains('@'))
+    {
+        return Some((
+            StatusCode::BAD_REQUEST,
+            "bad_request",
+            "the request target carries user info (user@host), which must not be sent (RFC 9110 §4.2.4)".to_owned(),
         ));
     }
     let mut hosts = parts.headers.get_all(header::HOST).iter();
@@ -396,7 +423,9 @@ fn refusal(parts: &http::request::Parts) -> Option<Refusal> {
             .get_all(header::TRANSFER_ENCODING)
             .iter()
             .flat_map(|v| v.as_bytes().split(|b| *b == b','))
-            .any(|coding| !coding.trim_ascii().eq_ignore_ascii_case(b"chunked"))
+            .map(<[u8]>::trim_ascii)
+            // Empty list elements are ignored (RFC 9110 §5.6.1.2).
+            .any(|coding| !coding.is_empty() && !coding.eq_ignore_ascii_case(b"chunked"))
     {
         return Some((
             StatusCode::NOT_IMPLEMENTED,
@@ -423,11 +452,39 @@ fn refusal(parts: &http::request::Parts) -> Option<Refusal> {
     None
 }
 
-/// Whether `host` is `uri-host [ ":" port ]` (no user info, no path).
+/// Whether `host` is a `Host` field value: `uri-host [ ":" port ]` (RFC 9112 §3.2, RFC 3986
+/// §3.2.2), or empty (a target without an authority). No user info, path or other delimiters;
+/// a reg-name may be percent-encoded, an IP literal is bracketed (`[fe80::1%25eth0]`).
 fn valid_host(host: &[u8]) -> bool {
-    !host.is_empty()
-        && !host.contains(&b'@')
-        && http::uri::Authority::try_from(host).is_ok_and(|a| a.as_str().len() == host.len())
+    let (name, port) = match host.strip_prefix(b"[") {
+        Some(rest) => {
+            let Some(end) = rest.iter().position(|b| *b == b']') else {
+                return false;
+            };
+            let literal = &rest[..end];
+            if literal.is_empty()
+                || !literal
+                    .iter()
+                    .all(|b| b.is_ascii_alphanumeric() || b":.%-_~".contains(b))
+            {
+                return false;
+            }
+            (None, &rest[end + 1..])
+        }
+        None => match host.iter().rposition(|b| *b == b':') {
+            Some(i) => (Some(&host[..i]), &host[i..]),
+            None => (Some(host), &host[host.len()..]),
+        },
+    };
+    let reg_name_ok = name.is_none_or(|n| {
+        n.iter()
+            .all(|b| b.is_ascii_alphanumeric() || b"-._~%!$&'()*+,;=".contains(b))
+    });
+    let port_ok = port.is_empty()
+        || port
+            .strip_prefix(b":")
+            .is_some_and(|p| p.iter().all(u8::is_ascii_digit));
+    reg_name_ok && port_ok
 }
 
 /// Why a request body was not read whole.
@@ -469,6 +526,12 @@ where
     let mut rest: Option<BytesMut> = None;
     let mut len = 0usize;
     let mut held = budget.reservation();
+    // A declared length is taken from the budget at once, as the buffer is allocated at that
+    // size; bytes past what was taken (a chunked body) are taken as they arrive.
+    let mut taken = declared.map_or(0, |n| usize::try_from(n).unwrap_or(usize::MAX));
+    if !budget.reserve(&mut held, taken) {
+        return Err(BodyError::OverBudget);
+    }
     let mut deadline: Option<Pin<Box<dyn hyper::rt::Sleep>>> = None;
     std::future::poll_fn(|cx| {
         loop {
@@ -481,8 +544,11 @@ where
                     if len > limit {
                         return Poll::Ready(Err(BodyError::TooLarge));
                     }
-                    if !budget.reserve(&mut held, data.len()) {
-                        return Poll::Ready(Err(BodyError::OverBudget));
+                    if len > taken {
+                        if !budget.reserve(&mut held, len - taken) {
+                            return Poll::Ready(Err(BodyError::OverBudget));
+                        }
+                        taken = len;
                     }
                     match (&mut first, &mut rest) {
                         (None, None) => first = Some(data),
@@ -555,17 +621,7 @@ where
     let arrival = Instant::now();
     let tracker = Tracker::new(shared.metrics.clone());
     if shared.is_draining() {
-        let mut resp = reject(
-            &shared,
-            tracker,
-            "draining",
-            StatusCode::SERVICE_UNAVAILABLE,
-            "the gateway is shutting down; retry the request",
-            "server_error",
-            true,
-        );
-        close_after(&mut resp);
-        return resp;
+        return draining(&shared, tracker);
     }
     let (mut parts, body) = req.into_parts();
     if let Some((status, reason, message)) = refusal(&parts) {
@@ -657,7 +713,7 @@ where
         Ok(read) => read,
         Err(BodyError::OverBudget) => {
             let msg = format!(
-                "the gateway holds {} bytes of request bodies, its limit (--body-memory-limit); retry later",
+                "the request bodies the gateway holds would pass its limit of {} bytes (--body-memory-limit); retry later",
                 shared.budget.limit()
             );
             return reject(
@@ -744,6 +800,10 @@ where
         );
     }
 
+    // Draining may have begun while the body arrived: nothing new is admitted after it.
+    if shared.is_draining() {
+        return draining(&shared, tracker);
+    }
     let Some(slot) = shared.demand.try_admit() else {
         let msg = format!(
             "the gateway already holds {} requests (maxQueue); retry later",
@@ -762,7 +822,11 @@ where
 
     let target_host = match parts.uri.authority() {
         Some(a) => HeaderValue::from_str(a.as_str()).ok(),
-        None => parts.headers.get(header::HOST).cloned(),
+        None => parts
+            .headers
+            .get(header::HOST)
+            .filter(|h| !h.is_empty())
+            .cloned(),
     };
     let mut out = Outgoing {
         method: parts.method.clone(),
