@@ -68,6 +68,8 @@ pub struct Shared {
     pub(crate) pool: UpstreamPool,
     /// Request-body bytes held (see [`crate::budget`]).
     pub(crate) budget: crate::budget::BodyBudget,
+    /// The `Via` this replica adds (see [`proxy::Via`]).
+    pub(crate) via: proxy::Via,
     /// Every backend connection pool of this replica: the shared one and one per HTTP worker.
     pools: std::sync::Mutex<Vec<UpstreamPool>>,
     /// hyper's connection timeouts (see [`CoarseTimer`]).
@@ -100,6 +102,7 @@ impl Gateway {
         let pool = UpstreamPool::new(cfg.connect_timeout, cfg.backend_idle_timeout);
         let timer = CoarseTimer::new()?;
         let budget = crate::budget::BodyBudget::new(cfg.body_memory_limit);
+        let via = proxy::Via::new(demand.instance());
         Ok(Self {
             shared: Arc::new(Shared {
                 cfg,
@@ -110,6 +113,7 @@ impl Gateway {
                 keys,
                 pools: std::sync::Mutex::new(vec![pool.clone()]),
                 budget,
+                via,
                 pool,
                 timer,
                 draining: AtomicBool::new(false),

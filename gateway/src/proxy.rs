@@ -333,6 +333,53 @@ fn models_list(names: &[String]) -> Response {
 
 /// Every request that is not one of the gateway's own endpoints; `peer_ip` is the client's
 /// address (see [`peer_ip_value`]), for `X-Forwarded-For`.
+/// The `Via` field value a replica adds to forwarded requests (RFC 9110 §7.6.3):
+/// `1.1 hearth-gateway (<instance>)`, the comment naming the replica (its random
+/// [`crate::demand::DemandHub::instance`]). A request that already carries it has come back to
+/// the replica that forwarded it: a backend that leads back to the gateway. Such a request is
+/// answered `508` instead of being forwarded again until `maxQueue` fills (§7.6.3: an
+/// intermediary must not forward a message to itself unprotected from a loop).
+#[derive(Debug)]
+pub struct Via {
+    http10: HeaderValue,
+    http11: HeaderValue,
+    token: Vec<u8>,
+}
+
+impl Via {
+    /// The values of the replica `instance`.
+    pub fn new(instance: u64) -> Self {
+        let token = format!("hearth-gateway ({instance:016x})");
+        let value = |v: &str| {
+            HeaderValue::from_str(&format!("{v} {token}"))
+                .unwrap_or_else(|_| HeaderValue::from_static("1.1 hearth-gateway"))
+        };
+        Self {
+            http10: value("1.0"),
+            http11: value("1.1"),
+            token: token.into_bytes(),
+        }
+    }
+
+    /// The value for a request received with `version`.
+    fn value(&self, version: http::Version) -> HeaderValue {
+        if version == http::Version::HTTP_10 {
+            self.http10.clone()
+        } else {
+            self.http11.clone()
+        }
+    }
+
+    /// Whether `headers` show the request already passed through this replica.
+    fn seen_in(&self, headers: &HeaderMap) -> bool {
+        headers.get_all(header::VIA).iter().any(|v| {
+            v.as_bytes()
+                .windows(self.token.len())
+                .any(|w| w == self.token.as_slice())
+        })
+    }
+}
+
 /// Marks `resp` as the connection's last (`Connection: close`, RFC 9112 §9.6): hyper closes the
 /// connection once it is written.
 fn close_after(resp: &mut Response) {
@@ -642,6 +689,17 @@ where
         close_after(&mut resp);
         return resp;
     }
+    if shared.via.seen_in(&parts.headers) {
+        return reject(
+            &shared,
+            tracker,
+            "loop_detected",
+            StatusCode::LOOP_DETECTED,
+            "this request already passed through this gateway (Via): its backend leads back to the gateway; check --backend-url or --backend-service",
+            "server_error",
+            false,
+        );
+    }
     match shared.keys.check(
         parts
             .headers
@@ -836,7 +894,7 @@ where
             .map_or_else(|| "/".to_owned(), |p| p.as_str().to_owned()),
         headers: forward_headers(
             std::mem::take(&mut parts.headers),
-            parts.version,
+            shared.via.value(parts.version),
             target_host,
             peer_ip.as_ref(),
         ),
@@ -897,7 +955,7 @@ where
 /// The headers sent to the backend: the client's `headers`, minus hop-by-hop fields and
 /// `Expect` (the gateway has read the body already), with `Content-Length` recomputed from the
 /// buffered body and:
-/// - `Via` with the client's protocol `version` (RFC 9110 §7.6.3);
+/// - `via`, this replica's `Via` for the client's protocol version (RFC 9110 §7.6.3);
 /// - `X-Forwarded-For`: every line the client sent, joined in order (RFC 9110 §5.3), then the
 ///   client's address `peer_ip`;
 /// - `X-Forwarded-Host`: the host the client asked for, `target_host` (the absolute-form
@@ -907,7 +965,7 @@ where
 /// `Authorization` is passed through.
 fn forward_headers(
     mut h: HeaderMap,
-    version: http::Version,
+    via: HeaderValue,
     target_host: Option<HeaderValue>,
     peer_ip: Option<&HeaderValue>,
 ) -> HeaderMap {
@@ -920,14 +978,7 @@ fn forward_headers(
         Some(host) => h.insert(X_FORWARDED_HOST, host),
         None => h.remove(X_FORWARDED_HOST),
     };
-    h.append(
-        header::VIA,
-        HeaderValue::from_static(if version == http::Version::HTTP_10 {
-            "1.0 hearth-gateway"
-        } else {
-            "1.1 hearth-gateway"
-        }),
-    );
+    h.append(header::VIA, via);
     if let Some(ip) = peer_ip {
         let mut prev = h.get_all(&X_FORWARDED_FOR).iter();
         let v = match (prev.next(), prev.next()) {

@@ -462,3 +462,29 @@ async fn a_body_that_completes_after_the_drain_began_is_not_admitted() {
     assert_eq!(raw.count(), 0);
     assert_eq!(g.gateway.demand().state().pending(), 0);
 }
+
+#[tokio::test]
+async fn a_request_that_comes_back_to_the_gateway_is_a_loop_not_a_queue() {
+    let g = gateway(config(), EndpointSet::new()).await;
+    // A backend that leads back to the gateway itself.
+    g.gateway
+        .backends()
+        .replace([g.http.to_string().parse().unwrap()]);
+    let resp = exchange(
+        &g,
+        b"POST /v1/completions HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}",
+    )
+    .await;
+    assert!(resp.starts_with("HTTP/1.1 508"), "{resp}");
+    assert!(resp.contains("loop_detected"), "{resp}");
+    assert_eq!(g.gateway.demand().state().pending(), 0);
+    let m = gateway_metrics(&client(), &g).await;
+    assert_eq!(
+        metric(
+            &m,
+            "hearth_gateway_rejections_total{reason=\"loop_detected\"}"
+        ),
+        Some(1.0),
+        "one hop refused, the other forwarded: {m}"
+    );
+}

@@ -380,7 +380,8 @@ async fn hop_by_hop_headers_are_dropped_and_end_to_end_ones_kept() {
     assert_eq!(get("authorization"), Some("Bearer sk-test"));
     assert_eq!(get("x-custom"), Some("kept"));
     assert_eq!(get("content-length"), Some("2"));
-    assert_eq!(get("via"), Some("1.1 hearth-gateway"));
+    let via = get("via").unwrap_or_default();
+    assert!(via.starts_with("1.1 hearth-gateway ("), "{via}");
     assert_eq!(get("x-forwarded-for"), Some("203.0.113.9, 127.0.0.1"));
     assert_eq!(get("x-forwarded-host"), Some(gw.http.to_string().as_str()));
     for gone in ["x-drop-me", "keep-alive", "te", "upgrade"] {
