@@ -980,25 +980,17 @@ fn forward_headers(
     };
     h.append(header::VIA, via);
     if let Some(ip) = peer_ip {
-        let mut prev = h.get_all(&X_FORWARDED_FOR).iter();
-        let v = match (prev.next(), prev.next()) {
-            (None, _) => Some(ip.clone()),
-            (Some(one), None) => {
-                let mut v = Vec::with_capacity(one.len() + 2 + ip.len());
-                v.extend_from_slice(one.as_bytes());
+        let mut lines = h.get_all(&X_FORWARDED_FOR).iter().peekable();
+        let v = if lines.peek().is_none() {
+            Some(ip.clone())
+        } else {
+            let mut v = Vec::with_capacity(64);
+            for line in lines {
+                v.extend_from_slice(line.as_bytes());
                 v.extend_from_slice(b", ");
-                v.extend_from_slice(ip.as_bytes());
-                HeaderValue::from_bytes(&v).ok()
             }
-            (Some(_), Some(_)) => {
-                let mut v = Vec::new();
-                for line in h.get_all(&X_FORWARDED_FOR) {
-                    v.extend_from_slice(line.as_bytes());
-                    v.extend_from_slice(b", ");
-                }
-                v.extend_from_slice(ip.as_bytes());
-                HeaderValue::from_bytes(&v).ok()
-            }
+            v.extend_from_slice(ip.as_bytes());
+            HeaderValue::from_bytes(&v).ok()
         };
         if let Some(v) = v {
             h.insert(X_FORWARDED_FOR, v);
