@@ -211,9 +211,10 @@ pub struct ServeArgs {
     #[arg(long, env = "HEARTH_BODY_LIMIT", default_value = "8Mi", value_parser = byte_size)]
     pub body_limit: usize,
     /// Request-body bytes held at once (being read, or kept while the model starts); past it a
-    /// request gets 503. At least --body-limit.
-    #[arg(long, env = "HEARTH_BODY_MEMORY_LIMIT", default_value = "256Mi", value_parser = byte_size)]
-    pub body_memory_limit: usize,
+    /// request gets 503. At least --body-limit. Default: 256Mi, or half the container's memory
+    /// limit (cgroup) when that is lower.
+    #[arg(long, env = "HEARTH_BODY_MEMORY_LIMIT", value_parser = byte_size)]
+    pub body_memory_limit: Option<usize>,
     /// Retry-After sent with 429 and 503.
     #[arg(long, env = "HEARTH_RETRY_AFTER", default_value = "5s", value_parser = duration)]
     pub retry_after: Duration,
@@ -274,6 +275,11 @@ impl ServeArgs {
     /// # Errors
     /// A [`CliError`] naming the flag when a value makes no sense.
     pub fn gateway_config(&self) -> Result<GatewayConfig, CliError> {
+        self.gateway_config_in(crate::budget::container_memory_limit())
+    }
+
+    /// [`Self::gateway_config`] in a container limited to `container_memory` bytes.
+    fn gateway_config_in(&self, container_memory: Option<u64>) -> Result<GatewayConfig, CliError> {
         if self.http_workers == Some(0) {
             return Err(err("--http-workers", "must be at least 1"));
         }
@@ -313,15 +319,40 @@ impl ServeArgs {
         if self.body_limit == 0 {
             return Err(err("--body-limit", "must be positive, like \"8Mi\""));
         }
-        if self.body_memory_limit < self.body_limit {
-            return Err(err(
-                "--body-memory-limit",
-                format!(
-                    "must be at least --body-limit ({} bytes), or a request of the largest accepted size could never be read",
-                    self.body_limit
-                ),
-            ));
-        }
+        let body_memory_limit = match self.body_memory_limit {
+            Some(n) if n < self.body_limit => {
+                return Err(err(
+                    "--body-memory-limit",
+                    format!(
+                        "must be at least --body-limit ({} bytes), or a request of the largest accepted size could never be read",
+                        self.body_limit
+                    ),
+                ));
+            }
+            Some(n) => {
+                if let Some(limit) = container_memory.filter(|l| n as u64 >= *l) {
+                    tracing::warn!(
+                        body_memory_limit = n,
+                        container_memory_limit = limit,
+                        "--body-memory-limit is not below the container's memory limit: held request bodies can get the replica OOM-killed"
+                    );
+                }
+                n
+            }
+            None => {
+                let n = crate::budget::default_limit(container_memory);
+                if n < self.body_limit {
+                    return Err(err(
+                        "--body-memory-limit",
+                        format!(
+                            "defaults to half the container's memory limit ({n} bytes here), which is below --body-limit ({} bytes); raise the memory limit, lower --body-limit, or set --body-memory-limit",
+                            self.body_limit
+                        ),
+                    ));
+                }
+                n
+            }
+        };
         if self.api_key_reload_interval < crate::apikeys::MIN_RELOAD_INTERVAL {
             return Err(err(
                 "--api-key-reload-interval",
@@ -359,7 +390,7 @@ impl ServeArgs {
             activation_grace: self.activation_grace,
             drain_timeout: self.drain_timeout,
             body_limit: self.body_limit,
-            body_memory_limit: self.body_memory_limit,
+            body_memory_limit,
             retry_after: self.retry_after,
             metric_name: self.metric_name.clone(),
             metric_target: self.metric_target,
@@ -492,8 +523,26 @@ mod tests {
             cli.serve.gateway_config().unwrap_err().flag,
             "--body-memory-limit"
         );
+        let cli = parse(&["--backend-url=http://x:1", "--body-limit=8Mi"]);
+        let e = cli.serve.gateway_config_in(Some(12 << 20)).unwrap_err();
+        assert_eq!(e.flag, "--body-memory-limit");
+        assert!(e.message.contains("raise the memory limit"), "{e}");
         let cli = parse(&["--backend-url=http://x:1", "--max-queue=0"]);
         assert_eq!(cli.serve.gateway_config().unwrap_err().flag, "--max-queue");
+    }
+
+    #[test]
+    fn the_body_memory_limit_follows_the_container_unless_given() {
+        let cli = parse(&["--backend-url=http://x:1"]);
+        let cfg = |c: &Cli, mem| c.serve.gateway_config_in(mem).unwrap().body_memory_limit;
+        assert_eq!(cfg(&cli, None), 256 << 20);
+        assert_eq!(cfg(&cli, Some(128 << 20)), 64 << 20);
+        let cli = parse(&["--backend-url=http://x:1", "--body-memory-limit=200Mi"]);
+        assert_eq!(
+            cfg(&cli, Some(128 << 20)),
+            200 << 20,
+            "given: kept, with a warning"
+        );
     }
 
     #[test]

@@ -80,7 +80,7 @@ impl Default for GatewayConfig {
             activation_grace: Duration::from_secs(10),
             drain_timeout: Duration::from_secs(60),
             body_limit: 8 * 1024 * 1024,
-            body_memory_limit: 256 * 1024 * 1024,
+            body_memory_limit: crate::budget::DEFAULT_LIMIT,
             retry_after: Duration::from_secs(5),
             metric_name: "hearth_queue_depth".into(),
             metric_target: 1.0,

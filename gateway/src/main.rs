@@ -69,6 +69,7 @@ async fn kube_client() -> anyhow::Result<kube::Client> {
 
 async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let cfg = args.gateway_config()?;
+    let body_memory_limit = cfg.body_memory_limit;
     let keys = match &args.api_key_file {
         Some(path) => ApiKeys::load(path)?,
         None => ApiKeys::disabled(),
@@ -142,7 +143,13 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let http_workers = gateway
         .serve_http_workers(args.listen, workers)
         .context("--listen")?;
-    tracing::info!(http = %args.listen, scaler = %args.scaler_listen, workers, "hearth-gateway serving");
+    tracing::info!(
+        http = %args.listen,
+        scaler = %args.scaler_listen,
+        workers,
+        body_memory_limit,
+        "hearth-gateway serving"
+    );
     let g = gateway.clone();
     let grpc_task = tokio::spawn(async move { g.serve_grpc(grpc).await });
 
