@@ -17,7 +17,7 @@ use hearth_controller::{
     leader::{self, LeaseConfig},
     metrics::Metrics,
     reconcile::RunConfig,
-    render::{RenderConfig, default_gateway_image},
+    render::{self, RenderConfig, default_gateway_image},
 };
 use hearth_crds::{InferenceRuntime, LLMService};
 use kube::{Client, Config, client::ClientBuilder};
@@ -51,6 +51,10 @@ struct ImageArgs {
     /// backend pod template (which rolls every model); empty: no sidecar, a `sleep` preStop.
     #[arg(long, env = "HEARTH_DRAIN_IMAGE")]
     drain_image: Option<String>,
+    /// Resources of each service's gateway container, as a Kubernetes ResourceRequirements in
+    /// JSON; default: requests cpu 50m and memory 64Mi, limit memory 512Mi.
+    #[arg(long, env = "HEARTH_GATEWAY_RESOURCES")]
+    gateway_resources: Option<String>,
     /// Node directory used by `cache.strategy: HostPath`.
     #[arg(
         long,
@@ -72,8 +76,14 @@ impl ImageArgs {
         }
         .validate()
         .map_err(|e| anyhow::anyhow!("--drain-image: {e}"))?;
+        let gateway_resources = match &self.gateway_resources {
+            Some(json) => render::parse_gateway_resources(json)
+                .map_err(|e| anyhow::anyhow!("--gateway-resources: {e}"))?,
+            None => render::default_gateway_resources(),
+        };
         Ok(RenderConfig {
             gateway_image: self.gateway_image.clone(),
+            gateway_resources,
             drain_image,
             host_path_root: self.host_path_root.clone(),
             ..RenderConfig::builtin()?

@@ -55,6 +55,8 @@ pub const TEMPLATE_HASH_ANNOTATION: &str = "serving.hearth.dev/template-hash";
 pub struct RenderConfig {
     /// Image running `hearth-gateway`.
     pub gateway_image: String,
+    /// Resources of each gateway container (see [`default_gateway_resources`]).
+    pub gateway_resources: ResourceRequirements,
     /// Image of the backend drain sidecar, bound as the policies' `settings.drainImage`;
     /// `None`: no sidecar (the built-in drain falls back to a `sleep` preStop).
     pub drain_image: Option<String>,
@@ -78,6 +80,7 @@ impl RenderConfig {
     pub fn builtin() -> Result<Self, policy::PolicyError> {
         Ok(Self {
             gateway_image: default_gateway_image(),
+            gateway_resources: default_gateway_resources(),
             drain_image: Some(default_gateway_image()),
             host_path_root: "/var/lib/hearth/models".to_owned(),
             gateway_port: 8080,
@@ -103,6 +106,79 @@ pub fn default_gateway_image() -> String {
         "ghcr.io/hearth-rs/hearth-gateway:v{}",
         env!("CARGO_PKG_VERSION")
     )
+}
+
+/// The gateway container's default resources: requests `cpu: 50m`, `memory: 64Mi`; limit
+/// `memory: 512Mi`. The limit keeps the pod admissible where a policy or a `ResourceQuota` on
+/// `limits.memory` requires one, and the gateway bounds the request bodies it holds to half of it
+/// (`--body-memory-limit`, 256 MiB here); the rest covers ~9 KiB per open connection. No CPU
+/// limit: throttling a proxy adds latency to every request.
+pub fn default_gateway_resources() -> ResourceRequirements {
+    let q = |v: &str| Quantity(v.to_owned());
+    ResourceRequirements {
+        requests: Some(BTreeMap::from([
+            ("cpu".to_owned(), q("50m")),
+            ("memory".to_owned(), q("64Mi")),
+        ])),
+        limits: Some(BTreeMap::from([("memory".to_owned(), q("512Mi"))])),
+        ..Default::default()
+    }
+}
+
+/// Gateway container resources from JSON, a Kubernetes `ResourceRequirements` such as
+/// `{"requests":{"cpu":"50m","memory":"64Mi"},"limits":{"memory":"512Mi"}}`.
+///
+/// # Errors
+/// A message naming the field when the JSON is not a `ResourceRequirements` or a value is not a
+/// quantity (`resource.Quantity`'s syntax: an optionally signed decimal number, then an SI or
+/// binary suffix or a decimal exponent).
+pub fn parse_gateway_resources(json: &str) -> Result<ResourceRequirements, String> {
+    let value: serde_json::Value =
+        serde_json::from_str(json).map_err(|e| format!("not JSON: {e}"))?;
+    let serde_json::Value::Object(fields) = &value else {
+        return Err("must be a JSON object with requests and limits".to_owned());
+    };
+    if let Some(other) = fields.keys().find(|k| *k != "requests" && *k != "limits") {
+        return Err(format!(
+            "unknown field {other:?}: only requests and limits are set on the gateway"
+        ));
+    }
+    let r: ResourceRequirements = serde_json::from_value(value).map_err(|e| {
+        format!("not a ResourceRequirements ({e}), like {{\"limits\":{{\"memory\":\"512Mi\"}}}}")
+    })?;
+    for (kind, list) in [("requests", &r.requests), ("limits", &r.limits)] {
+        for (name, Quantity(v)) in list.iter().flatten() {
+            if !is_quantity(v) {
+                return Err(format!(
+                    "{kind}.{name}: {v:?} is not a quantity; write it like \"500m\", \"256Mi\" or \"1.5\""
+                ));
+            }
+        }
+    }
+    Ok(r)
+}
+
+/// `resource.Quantity`'s syntax (apimachinery `ParseQuantity`): `[+-]` digits with an optional
+/// fraction, then nothing, a binary suffix (`Ki` … `Ei`), a decimal one (`n u m k M G T P E`) or a
+/// decimal exponent (`e3`, `E-2`).
+fn is_quantity(s: &str) -> bool {
+    let s = s.strip_prefix(['+', '-']).unwrap_or(s);
+    let end = s
+        .find(|c: char| !c.is_ascii_digit() && c != '.')
+        .unwrap_or(s.len());
+    let (number, suffix) = s.split_at(end);
+    let digits = number.bytes().filter(u8::is_ascii_digit).count();
+    if digits == 0 || number.len() - digits > 1 {
+        return false;
+    }
+    match suffix {
+        "" | "Ki" | "Mi" | "Gi" | "Ti" | "Pi" | "Ei" | "n" | "u" | "m" | "k" | "M" | "G" | "T"
+        | "P" | "E" => true,
+        _ => suffix
+            .strip_prefix(['e', 'E'])
+            .map(|exp| exp.strip_prefix(['+', '-']).unwrap_or(exp))
+            .is_some_and(|exp| !exp.is_empty() && exp.bytes().all(|b| b.is_ascii_digit())),
+    }
 }
 
 /// How KEDA learns the gateway's demand (`serving.hearth.dev/scaler` annotation).
@@ -740,13 +816,7 @@ fn gateway_deployment(ctx: &Ctx<'_>) -> Result<Deployment, RenderError> {
         ports: Some(ports),
         readiness_probe: Some(http_probe("/readyz", 5)),
         liveness_probe: Some(http_probe("/healthz", 10)),
-        resources: Some(ResourceRequirements {
-            requests: Some(BTreeMap::from([
-                ("cpu".to_owned(), Quantity("50m".to_owned())),
-                ("memory".to_owned(), Quantity("64Mi".to_owned())),
-            ])),
-            ..Default::default()
-        }),
+        resources: Some(ctx.cfg.gateway_resources.clone()),
         ..Default::default()
     };
     Ok(Deployment {
@@ -975,4 +1045,60 @@ fn scaled_object(ctx: &Ctx<'_>) -> Result<DynamicObject, RenderError> {
         }
     });
     Ok(obj)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quantities_follow_apimachinery_syntax() {
+        for ok in [
+            "1", "500m", "1.5Gi", "0.5", ".5", "1.", "+2", "-1", "1e3", "1E-2", "64Mi", "2k",
+        ] {
+            assert!(is_quantity(ok), "{ok}");
+        }
+        for bad in [
+            "", "Mi", "1MB", "1..5", "1.2.3", "lots", "1e", "1e+", "1 Mi", "1Mi ", "--1",
+        ] {
+            assert!(!is_quantity(bad), "{bad}");
+        }
+    }
+
+    #[test]
+    fn gateway_resources_from_json_name_the_bad_field() {
+        let r = parse_gateway_resources(
+            r#"{"requests":{"cpu":"100m","memory":"128Mi"},"limits":{"memory":"1Gi"}}"#,
+        )
+        .unwrap();
+        assert_eq!(r.limits.unwrap()["memory"], Quantity("1Gi".to_owned()));
+        assert_eq!(
+            parse_gateway_resources("{}").unwrap(),
+            ResourceRequirements::default()
+        );
+        let e = parse_gateway_resources(r#"{"limits":{"memory":"512MB"}}"#).unwrap_err();
+        assert!(
+            e.starts_with("limits.memory: \"512MB\" is not a quantity"),
+            "{e}"
+        );
+        let e = parse_gateway_resources(r#"{"limit":{"memory":"1Gi"}}"#).unwrap_err();
+        assert!(e.contains("unknown field \"limit\""), "{e}");
+        let e = parse_gateway_resources(r#"{"limits":"512Mi"}"#).unwrap_err();
+        assert!(e.contains("not a ResourceRequirements"), "{e}");
+        assert!(
+            parse_gateway_resources("512Mi")
+                .unwrap_err()
+                .contains("not JSON")
+        );
+        assert!(parse_gateway_resources("[]").is_err());
+    }
+
+    #[test]
+    fn the_default_gateway_resources_parse_back() {
+        let json = serde_json::to_string(&default_gateway_resources()).unwrap();
+        assert_eq!(
+            parse_gateway_resources(&json).unwrap(),
+            default_gateway_resources()
+        );
+    }
 }

@@ -807,6 +807,12 @@ fn value_sets() -> Vec<ValueSet> {
                     "{ctrl:?}"
                 );
                 ensure!(
+                    gateway_resources(&ctrl)?
+                        == json!({"requests": {"cpu": "50m", "memory": "64Mi"},
+                                  "limits": {"memory": "512Mi"}}),
+                    "gateway containers get a memory limit by default: {ctrl:?}"
+                );
+                ensure!(
                     of_kind(docs, "NetworkPolicy").count() == 0
                         && of_kind(docs, "ServiceMonitor").count() == 0
                         && of_kind(docs, "Certificate").count() == 0,
@@ -923,6 +929,8 @@ fn value_sets() -> Vec<ValueSet> {
                         "override": "mirror.example.internal/hearth/controller@sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef"},
                         "replicas": 2, "watchNamespace": ns},
                     "webhook": {"replicas": 3, "timeoutSeconds": 8},
+                    "gateway": {"resources": {"requests": {"cpu": "100m", "memory": "128Mi"},
+                                              "limits": {"cpu": "2", "memory": "1Gi"}}},
                     "commonLabels": {"team": "platform"},
                 })
             },
@@ -951,6 +959,12 @@ fn value_sets() -> Vec<ValueSet> {
                     )
                 );
                 ensure!(ctrl.contains(&format!("--namespace={ns}")), "{ctrl:?}");
+                ensure!(
+                    gateway_resources(&ctrl)?
+                        == json!({"requests": {"cpu": "100m", "memory": "128Mi"},
+                                  "limits": {"cpu": "2", "memory": "1Gi"}}),
+                    "{ctrl:?}"
+                );
                 let cr = find(docs, "ClusterRole", "chart-controller")?;
                 ensure!(
                     !cr.to_string().contains("deployments"),
@@ -964,6 +978,15 @@ fn value_sets() -> Vec<ValueSet> {
             },
         },
     ]
+}
+
+/// The JSON of the controller's `--gateway-resources` argument.
+fn gateway_resources(args: &[String]) -> Result<Value> {
+    let arg = args
+        .iter()
+        .find_map(|a| a.strip_prefix("--gateway-resources="))
+        .context("no --gateway-resources argument")?;
+    serde_json::from_str(arg).with_context(|| format!("--gateway-resources={arg}"))
 }
 
 /// Every value set renders what it should and is accepted by the apiserver (server dry-run)
