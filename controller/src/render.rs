@@ -155,6 +155,16 @@ pub fn parse_gateway_resources(json: &str) -> Result<ResourceRequirements, Strin
             }
         }
     }
+    for (name, Quantity(request)) in r.requests.iter().flatten() {
+        if let Some(Quantity(limit)) = r.limits.as_ref().and_then(|l| l.get(name))
+            && hearth_policies::compare_quantities(request, limit)
+                == Some(std::cmp::Ordering::Greater)
+        {
+            return Err(format!(
+                "requests.{name} ({request}) is above limits.{name} ({limit}); a request must not exceed its limit"
+            ));
+        }
+    }
     Ok(r)
 }
 
@@ -1091,6 +1101,16 @@ mod tests {
                 .contains("not JSON")
         );
         assert!(parse_gateway_resources("[]").is_err());
+        let e =
+            parse_gateway_resources(r#"{"requests":{"memory":"1Gi"},"limits":{"memory":"512Mi"}}"#)
+                .unwrap_err();
+        assert!(
+            e.starts_with("requests.memory (1Gi) is above limits.memory (512Mi)"),
+            "{e}"
+        );
+        assert!(
+            parse_gateway_resources(r#"{"requests":{"cpu":"1"},"limits":{"cpu":"1000m"}}"#).is_ok()
+        );
     }
 
     #[test]

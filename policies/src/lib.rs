@@ -36,4 +36,5 @@ pub use engine::{
     Mutated, Outcome, PolicyLoadError, PolicySet, PolicySettings, RequestInfo, UserInfo,
 };
 pub use limits::Limits;
+pub use native::compare_quantities;
 pub use resolve::{ResolveError, Selection, resolve_runtime};

@@ -87,6 +87,13 @@ pub(crate) struct Quantity<'a> {
     text: Str<'a>,
 }
 
+/// Compares two Kubernetes quantities in their plain form (`500m`, `1.5Gi`, `32`), exactly;
+/// `None` when either is in another form (a sign, an exponent) or not a quantity, or when
+/// scaling one to the other overflows.
+pub fn compare_quantities(a: &str, b: &str) -> Option<Ordering> {
+    Quantity::parse(Str::Ref(a))?.compare(&Quantity::parse(Str::Ref(b))?)
+}
+
 impl<'a> Quantity<'a> {
     fn parse(text: Str<'a>) -> Option<Self> {
         let s = text.as_str();
@@ -1413,5 +1420,24 @@ fn foreign<'a>(f: &Foreign, args: Vec<CelValue>) -> R<'a> {
         Ok(Ok(v)) => Val::from_cel(v),
         Ok(Err(e)) if guard::exceeded() => Err(Failure::Bound(e.to_string())),
         _ => Err(Failure::Fallback),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quantities_compare_exactly_across_suffixes() {
+        assert_eq!(compare_quantities("1Gi", "512Mi"), Some(Ordering::Greater));
+        assert_eq!(compare_quantities("1", "1000m"), Some(Ordering::Equal));
+        assert_eq!(compare_quantities("0.5Gi", "512Mi"), Some(Ordering::Equal));
+        assert_eq!(compare_quantities("1G", "1Gi"), Some(Ordering::Less));
+        assert_eq!(
+            compare_quantities("1e3", "1k"),
+            None,
+            "exponents are not the plain form"
+        );
+        assert_eq!(compare_quantities("lots", "1"), None);
     }
 }
