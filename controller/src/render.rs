@@ -125,14 +125,23 @@ pub fn default_gateway_resources() -> ResourceRequirements {
     }
 }
 
+/// The least memory limit a gateway container may have: the gateway keeps half of it for request
+/// bodies, which must hold one body of `--body-limit` (8 MiB; the controller sets no other).
+const GATEWAY_MIN_MEMORY_LIMIT: &str = "16Mi";
+
 /// Gateway container resources from JSON, a Kubernetes `ResourceRequirements` such as
 /// `{"requests":{"cpu":"50m","memory":"64Mi"},"limits":{"memory":"512Mi"}}`.
 ///
 /// # Errors
-/// A message naming the field when the JSON is not a `ResourceRequirements` or a value is not a
-/// quantity (`resource.Quantity`'s syntax: an optionally signed decimal number, then an SI or
-/// binary suffix or a decimal exponent).
+/// A message naming the field, so that a value the apiserver would refuse for every gateway
+/// Deployment stops the controller at start instead:
+/// - not JSON, not a `ResourceRequirements`, a field other than `requests` and `limits`;
+/// - a resource other than `cpu`, `memory` and `ephemeral-storage` (the gateway uses no device);
+/// - a value that is not a non-negative quantity (apimachinery's `ParseQuantity` syntax);
+/// - a request above its limit, or a memory limit below 16Mi (compared
+///   when both are in the plain form, `500m` or `1.5Gi`).
 pub fn parse_gateway_resources(json: &str) -> Result<ResourceRequirements, String> {
+    use std::cmp::Ordering::{Greater, Less};
     let value: serde_json::Value =
         serde_json::from_str(json).map_err(|e| format!("not JSON: {e}"))?;
     let serde_json::Value::Object(fields) = &value else {
@@ -148,6 +157,14 @@ pub fn parse_gateway_resources(json: &str) -> Result<ResourceRequirements, Strin
     })?;
     for (kind, list) in [("requests", &r.requests), ("limits", &r.limits)] {
         for (name, Quantity(v)) in list.iter().flatten() {
+            if !matches!(name.as_str(), "cpu" | "memory" | "ephemeral-storage") {
+                return Err(format!(
+                    "{kind}.{name}: the gateway takes cpu, memory and ephemeral-storage only"
+                ));
+            }
+            if v.starts_with('-') {
+                return Err(format!("{kind}.{name}: {v:?} must not be negative"));
+            }
             if !is_quantity(v) {
                 return Err(format!(
                     "{kind}.{name}: {v:?} is not a quantity; write it like \"500m\", \"256Mi\" or \"1.5\""
@@ -155,22 +172,30 @@ pub fn parse_gateway_resources(json: &str) -> Result<ResourceRequirements, Strin
             }
         }
     }
+    let limit_of = |name: &str| r.limits.as_ref().and_then(|l| l.get(name));
     for (name, Quantity(request)) in r.requests.iter().flatten() {
-        if let Some(Quantity(limit)) = r.limits.as_ref().and_then(|l| l.get(name))
-            && hearth_policies::compare_quantities(request, limit)
-                == Some(std::cmp::Ordering::Greater)
+        if let Some(Quantity(limit)) = limit_of(name)
+            && hearth_policies::compare_quantities(request, limit) == Some(Greater)
         {
             return Err(format!(
                 "requests.{name} ({request}) is above limits.{name} ({limit}); a request must not exceed its limit"
             ));
         }
     }
+    if let Some(Quantity(limit)) = limit_of("memory")
+        && hearth_policies::compare_quantities(limit, GATEWAY_MIN_MEMORY_LIMIT) == Some(Less)
+    {
+        return Err(format!(
+            "limits.memory ({limit}) is below {GATEWAY_MIN_MEMORY_LIMIT}: the gateway keeps half its memory limit for request bodies of up to 8Mi each"
+        ));
+    }
     Ok(r)
 }
 
 /// `resource.Quantity`'s syntax (apimachinery `ParseQuantity`): `[+-]` digits with an optional
 /// fraction, then nothing, a binary suffix (`Ki` … `Ei`), a decimal one (`n u m k M G T P E`) or a
-/// decimal exponent (`e3`, `E-2`).
+/// decimal exponent that fits in 32 bits (`e3`, `E-2`). The degenerate forms `ParseQuantity`
+/// reads as zero (`"+"`, `"."`, `"Mi"`) are refused.
 fn is_quantity(s: &str) -> bool {
     let s = s.strip_prefix(['+', '-']).unwrap_or(s);
     let end = s
@@ -184,10 +209,9 @@ fn is_quantity(s: &str) -> bool {
     match suffix {
         "" | "Ki" | "Mi" | "Gi" | "Ti" | "Pi" | "Ei" | "n" | "u" | "m" | "k" | "M" | "G" | "T"
         | "P" | "E" => true,
-        _ => suffix
-            .strip_prefix(['e', 'E'])
-            .map(|exp| exp.strip_prefix(['+', '-']).unwrap_or(exp))
-            .is_some_and(|exp| !exp.is_empty() && exp.bytes().all(|b| b.is_ascii_digit())),
+        _ => suffix.strip_prefix(['e', 'E']).is_some_and(|exp| {
+            exp.bytes().last().is_some_and(|b| b.is_ascii_digit()) && exp.parse::<i32>().is_ok()
+        }),
     }
 }
 
@@ -1069,7 +1093,20 @@ mod tests {
             assert!(is_quantity(ok), "{ok}");
         }
         for bad in [
-            "", "Mi", "1MB", "1..5", "1.2.3", "lots", "1e", "1e+", "1 Mi", "1Mi ", "--1",
+            "",
+            "Mi",
+            "1MB",
+            "1..5",
+            "1.2.3",
+            "lots",
+            "1e",
+            "1e+",
+            "1 Mi",
+            "1Mi ",
+            "--1",
+            "1e2147483648",
+            "1e99999999999999999999",
+            "1e+-3",
         ] {
             assert!(!is_quantity(bad), "{bad}");
         }
@@ -1111,6 +1148,32 @@ mod tests {
         assert!(
             parse_gateway_resources(r#"{"requests":{"cpu":"1"},"limits":{"cpu":"1000m"}}"#).is_ok()
         );
+        for (json, want) in [
+            (
+                r#"{"requests":{"memory":"-64Mi"}}"#,
+                "requests.memory: \"-64Mi\" must not be negative",
+            ),
+            (
+                r#"{"requests":{"foo":"1"}}"#,
+                "requests.foo: the gateway takes cpu",
+            ),
+            (
+                r#"{"limits":{"nvidia.com/gpu":"1"}}"#,
+                "limits.nvidia.com/gpu: the gateway takes",
+            ),
+            (
+                r#"{"limits":{"memory":"15Mi"}}"#,
+                "limits.memory (15Mi) is below 16Mi",
+            ),
+            (
+                r#"{"limits":{"memory":"1e99999999999999999999"}}"#,
+                "is not a quantity",
+            ),
+        ] {
+            let e = parse_gateway_resources(json).unwrap_err();
+            assert!(e.contains(want), "{json}: {e}");
+        }
+        assert!(parse_gateway_resources(r#"{"limits":{"memory":"16Mi"}}"#).is_ok());
     }
 
     #[test]

@@ -342,13 +342,17 @@ impl ServeArgs {
             None => {
                 let n = crate::budget::default_limit(container_memory);
                 if n < self.body_limit {
-                    return Err(err(
-                        "--body-memory-limit",
+                    let body_limit = self.body_limit;
+                    let message = if n == crate::budget::DEFAULT_LIMIT {
                         format!(
-                            "defaults to half the container's memory limit ({n} bytes here), which is below --body-limit ({} bytes); raise the memory limit, lower --body-limit, or set --body-memory-limit",
-                            self.body_limit
-                        ),
-                    ));
+                            "defaults to {n} bytes, below --body-limit ({body_limit} bytes); set --body-memory-limit to at least --body-limit, or lower --body-limit"
+                        )
+                    } else {
+                        format!(
+                            "defaults to half the container's memory limit ({n} bytes here), below --body-limit ({body_limit} bytes); raise the memory limit, lower --body-limit, or set --body-memory-limit"
+                        )
+                    };
+                    return Err(err("--body-memory-limit", message));
                 }
                 n
             }
@@ -527,6 +531,13 @@ mod tests {
         let e = cli.serve.gateway_config_in(Some(12 << 20)).unwrap_err();
         assert_eq!(e.flag, "--body-memory-limit");
         assert!(e.message.contains("raise the memory limit"), "{e}");
+        let cli = parse(&["--backend-url=http://x:1", "--body-limit=300Mi"]);
+        let e = cli.serve.gateway_config_in(None).unwrap_err();
+        assert_eq!(e.flag, "--body-memory-limit");
+        assert!(
+            !e.message.contains("container"),
+            "no container limit here: {e}"
+        );
         let cli = parse(&["--backend-url=http://x:1", "--max-queue=0"]);
         assert_eq!(cli.serve.gateway_config().unwrap_err().flag, "--max-queue");
     }

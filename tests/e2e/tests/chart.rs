@@ -329,6 +329,10 @@ fn schema_rejects_bad_values_naming_the_field() -> Result<()> {
         ("webhook.podDisruptionBudget.minAvailable=2", "minAvailable"),
         ("drain.image=a b", "drain/image"),
         ("drain.sidecar=maybe", "sidecar"),
+        ("gateway.resources=null", "resources"),
+        ("gateway.resources.limits.memory=512MB", "limits/memory"),
+        ("gateway.resources.requests.cpu=-1", "requests/cpu"),
+        ("controller.resources.limits.memory=lots", "limits/memory"),
     ] {
         let out = helm()?
             .args(["template", "hearth"])
