@@ -165,7 +165,7 @@ pub fn parse_gateway_resources(json: &str) -> Result<ResourceRequirements, Strin
             if v.starts_with('-') {
                 return Err(format!("{kind}.{name}: {v:?} must not be negative"));
             }
-            if !is_quantity(v) {
+            if !hearth_policies::is_quantity(v) {
                 return Err(format!(
                     "{kind}.{name}: {v:?} is not a quantity; write it like \"500m\", \"256Mi\" or \"1.5\""
                 ));
@@ -190,29 +190,6 @@ pub fn parse_gateway_resources(json: &str) -> Result<ResourceRequirements, Strin
         ));
     }
     Ok(r)
-}
-
-/// `resource.Quantity`'s syntax (apimachinery `ParseQuantity`): `[+-]` digits with an optional
-/// fraction, then nothing, a binary suffix (`Ki` … `Ei`), a decimal one (`n u m k M G T P E`) or a
-/// decimal exponent that fits in 32 bits (`e3`, `E-2`). The degenerate forms `ParseQuantity`
-/// reads as zero (`"+"`, `"."`, `"Mi"`) are refused.
-fn is_quantity(s: &str) -> bool {
-    let s = s.strip_prefix(['+', '-']).unwrap_or(s);
-    let end = s
-        .find(|c: char| !c.is_ascii_digit() && c != '.')
-        .unwrap_or(s.len());
-    let (number, suffix) = s.split_at(end);
-    let digits = number.bytes().filter(u8::is_ascii_digit).count();
-    if digits == 0 || number.len() - digits > 1 {
-        return false;
-    }
-    match suffix {
-        "" | "Ki" | "Mi" | "Gi" | "Ti" | "Pi" | "Ei" | "n" | "u" | "m" | "k" | "M" | "G" | "T"
-        | "P" | "E" => true,
-        _ => suffix.strip_prefix(['e', 'E']).is_some_and(|exp| {
-            exp.bytes().last().is_some_and(|b| b.is_ascii_digit()) && exp.parse::<i32>().is_ok()
-        }),
-    }
 }
 
 /// How KEDA learns the gateway's demand (`serving.hearth.dev/scaler` annotation).
@@ -1084,33 +1061,6 @@ fn scaled_object(ctx: &Ctx<'_>) -> Result<DynamicObject, RenderError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn quantities_follow_apimachinery_syntax() {
-        for ok in [
-            "1", "500m", "1.5Gi", "0.5", ".5", "1.", "+2", "-1", "1e3", "1E-2", "64Mi", "2k",
-        ] {
-            assert!(is_quantity(ok), "{ok}");
-        }
-        for bad in [
-            "",
-            "Mi",
-            "1MB",
-            "1..5",
-            "1.2.3",
-            "lots",
-            "1e",
-            "1e+",
-            "1 Mi",
-            "1Mi ",
-            "--1",
-            "1e2147483648",
-            "1e99999999999999999999",
-            "1e+-3",
-        ] {
-            assert!(!is_quantity(bad), "{bad}");
-        }
-    }
 
     #[test]
     fn gateway_resources_from_json_name_the_bad_field() {
