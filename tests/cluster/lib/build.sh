@@ -59,15 +59,27 @@ build_all() {
   [[ -x "$KEDA_OPERATOR" && -x "$KEDA_ADAPTER" && -f "$KEDA_CRDS/keda.sh_scaledobjects.yaml" ]] ||
     need+=(keda)
   [[ -x "$HELM" ]] || need+=(helm)
+  [[ -x "$KUBELET" && -x "$KUBE_PROXY" ]] || need+=(kube-node)
+  [[ -x "$COREDNS" ]] || need+=(coredns)
+  [[ -x "$PAUSE" ]] || need+=(pause)
   if ((${#need[@]} == 0)); then
     return 0
   fi
   require_go
   log "building into $BIN: ${need[*]} (first time only; Kubernetes and KEDA take a while on 2 cores)"
+  local kube_ld p
+  # What hack/lib/version.sh sets for release builds; the commit is not known from the module,
+  # so gitCommit keeps its default.
+  kube_ld="-s -w"
+  for p in k8s.io/client-go/pkg/version k8s.io/component-base/version; do
+    kube_ld+=" -X $p.gitVersion=$KUBE_VERSION -X $p.gitTreeState=clean"
+    kube_ld+=" -X $p.gitMajor=$(cut -d. -f1 <<<"${KUBE_VERSION#v}")"
+    kube_ld+=" -X $p.gitMinor=$(cut -d. -f2 <<<"$KUBE_VERSION")"
+  done
   mkdir -p "$BIN"
   tmp="$CACHE/build/out"
   rm -rf "$tmp"
-  local g ld p
+  local g ld
   for g in "${need[@]}"; do
     case "$g" in
       etcd)
@@ -76,21 +88,38 @@ build_all() {
         install_bin "$tmp/etcd/server" "$ETCD"
         ;;
       kubernetes)
-        # What hack/lib/version.sh sets for release builds; the commit is not known from the
-        # module, so gitCommit keeps its default.
-        ld="-s -w"
-        for p in k8s.io/client-go/pkg/version k8s.io/component-base/version; do
-          ld+=" -X $p.gitVersion=$KUBE_VERSION -X $p.gitTreeState=clean"
-          ld+=" -X $p.gitMajor=$(cut -d. -f1 <<<"${KUBE_VERSION#v}")"
-          ld+=" -X $p.gitMinor=$(cut -d. -f2 <<<"$KUBE_VERSION")"
-        done
-        go_build kubernetes kubernetes "$ld" "$tmp/kubernetes" \
+        go_build kubernetes kubernetes "$kube_ld" "$tmp/kubernetes" \
           k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager \
           k8s.io/kubernetes/cmd/kube-scheduler k8s.io/kubernetes/cmd/kubectl
         install_bin "$tmp/kubernetes/kube-apiserver" "$KUBE_APISERVER"
         install_bin "$tmp/kubernetes/kube-controller-manager" "$KUBE_CONTROLLER_MANAGER"
         install_bin "$tmp/kubernetes/kube-scheduler" "$KUBE_SCHEDULER"
         install_bin "$tmp/kubernetes/kubectl" "$KUBECTL"
+        ;;
+      kube-node)
+        # The real node's kubelet and kube-proxy: same module, so the shared packages come from
+        # Go's build cache.
+        go_build kube-node kubernetes "$kube_ld" "$tmp/kube-node" \
+          k8s.io/kubernetes/cmd/kubelet k8s.io/kubernetes/cmd/kube-proxy
+        install_bin "$tmp/kube-node/kubelet" "$KUBELET"
+        install_bin "$tmp/kube-node/kube-proxy" "$KUBE_PROXY"
+        ;;
+      coredns)
+        go_build coredns coredns \
+          "-s -w -X github.com/coredns/coredns/coremain.GitCommit=$COREDNS_VERSION" \
+          "$tmp/coredns" hearth.test/cluster/coredns
+        install_bin "$tmp/coredns/coredns" "$COREDNS"
+        ;;
+      pause)
+        # The pod sandbox: Kubernetes' own pause.c from the same module, compiled the way its
+        # build/pause/Makefile does (static, -Os).
+        local src
+        src="$(cd "$CLUSTER_DIR/go/kubernetes" && go list -m -f '{{.Dir}}' k8s.io/kubernetes)/build/pause/linux/pause.c"
+        command -v gcc >/dev/null 2>&1 || die "gcc is needed to compile the pod sandbox (pause): apt-get install -y gcc libc6-dev"
+        mkdir -p "$tmp/pause"
+        gcc -Os -Wall -Werror -static -DVERSION="$KUBE_VERSION" -o "$tmp/pause/pause" "$src" ||
+          die "compiling $src failed (needs gcc and libc6-dev for a static binary)"
+        install_bin "$tmp/pause/pause" "$PAUSE"
         ;;
       kwok)
         go_build kwok kwok "-s -w -X sigs.k8s.io/kwok/pkg/consts.Version=${KWOK_VERSION#v}" \

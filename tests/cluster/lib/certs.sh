@@ -44,7 +44,7 @@ kind: Config
 clusters:
 - name: hearth
   cluster:
-    server: https://$CP_IP:$APISERVER_PORT
+    server: https://$APISERVER_IP:$APISERVER_PORT
     certificate-authority-data: $(base64 -w0 <"$dir/ca.crt")
 users:
 - name: $user
@@ -74,8 +74,16 @@ make_pki() {
   issue "$d" ca etcd-server "/CN=etcd" serverAuth "IP:$CP_IP"
   issue "$d" ca apiserver-etcd-client "/CN=kube-apiserver-etcd-client" clientAuth
   issue "$d" ca apiserver "/CN=kube-apiserver" serverAuth \
-    "IP:$CP_IP,IP:$SERVICE_FIRST_IP,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local"
+    "IP:$APISERVER_IP,IP:$SERVICE_FIRST_IP,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local"
   issue "$d" ca admin "/O=system:masters/CN=hearth-admin" clientAuth
+  # The real node: the kubelet's client identity (the Node authorizer and NodeRestriction confine
+  # it to its own node), its serving certificate (the apiserver verifies it for logs and exec),
+  # the apiserver's client identity towards kubelets, and kube-proxy's (bound to
+  # system:node-proxier by the apiserver's default RBAC).
+  issue "$d" ca kubelet "/O=system:nodes/CN=system:node:$NODE_NAME" clientAuth
+  issue "$d" ca kubelet-serving "/CN=$NODE_NAME" serverAuth "IP:$NODE_IP,DNS:$NODE_NAME"
+  issue "$d" ca apiserver-kubelet-client "/CN=kube-apiserver-kubelet-client" clientAuth
+  issue "$d" ca kube-proxy "/CN=system:kube-proxy" clientAuth
   issue "$d" ca controller-manager "/CN=system:kube-controller-manager" clientAuth
   issue "$d" ca scheduler "/CN=system:kube-scheduler" clientAuth
   # kwok plays the kubelet of many nodes at once; the Node authorizer would confine one
@@ -101,4 +109,6 @@ make_pki() {
   write_kubeconfig "$STATE/kubeconfigs/scheduler" "$d" scheduler system:kube-scheduler
   write_kubeconfig "$STATE/kubeconfigs/kwok" "$d" kwok hearth-kwok
   write_kubeconfig "$STATE/kubeconfigs/keda" "$d" keda hearth-keda
+  write_kubeconfig "$STATE/kubeconfigs/kubelet" "$d" kubelet "system:node:$NODE_NAME"
+  write_kubeconfig "$STATE/kubeconfigs/kube-proxy" "$d" kube-proxy system:kube-proxy
 }

@@ -6,8 +6,11 @@
 #                         in $HEARTH_CACHE/bin/<name>-<version>
 #   HEARTH_CLUSTER_STATE  state dir: certs, kubeconfigs, logs, PID files, etcd data
 #                         (default tests/cluster/.state)
-#   HEARTH_CLUSTER_NET    first two octets of the loopback /16 the cluster lives in
+#   HEARTH_CLUSTER_NET    first two octets of the loopback /16 the control plane lives in
 #                         (default 127.100); see README.md for the address plan
+#   HEARTH_NODE_NET       the /18 of the real node: its link to the host, pod and Service
+#                         addresses (default 198.19.0.0/18; any /18 of RFC 2544's benchmarking
+#                         block 198.18.0.0/15, never a private range)
 
 set -euo pipefail
 
@@ -21,6 +24,13 @@ if ! [[ "$NET" =~ ^127\.([0-9]{1,3})$ ]] || ((BASH_REMATCH[1] > 255)); then
   echo "error: HEARTH_CLUSTER_NET='$NET' must be the first two octets of a loopback /16, e.g. 127.100" >&2
   exit 2
 fi
+
+NODE_NET="${HEARTH_NODE_NET:-198.19.0.0/18}"
+if ! [[ "$NODE_NET" =~ ^198\.(1[89])\.([0-9]{1,3})\.0/18$ ]] || ((BASH_REMATCH[2] % 64 != 0 || BASH_REMATCH[2] > 192)); then
+  echo "error: HEARTH_NODE_NET='$NODE_NET' must be a /18 of 198.18.0.0/15, e.g. 198.19.0.0/18 or 198.19.64.0/18" >&2
+  exit 2
+fi
+node_b="${BASH_REMATCH[1]}" node_c="${BASH_REMATCH[2]}"
 
 # Address plan (README.md, "Addresses").
 CP_IP="$NET.0.1"          # etcd, kube-apiserver, controller-manager, scheduler, kwok
@@ -36,8 +46,20 @@ KEDA_GRPC_PORT=9666
 KEDA_OPERATOR_METRICS_PORT=8080
 KEDA_OPERATOR_PROBE_PORT=8081
 KEDA_ADAPTER_PORT=6443
-SERVICE_CIDR="$NET.240.0/20"
-SERVICE_FIRST_IP="$NET.240.1"
+# The real node lives in a network namespace of its own, linked to the host by a veth pair; the
+# host routes $NODE_NET (and nothing else) into it. The apiserver listens on the host end of the
+# link, the one address of the control plane that pods and the kubelet can reach.
+NODE_HOST_IP="198.$node_b.$node_c.1"   # host end of the veth pair: kube-apiserver
+NODE_IP="198.$node_b.$node_c.2"        # node end: the node's InternalIP (kubelet, kube-proxy)
+NODE_POD_CIDR="198.$node_b.$((node_c + 1)).0/24"
+NODE_NAME=hearth-node
+NODE_HOST_IF="hearth-$node_b-$node_c"     # hearth-19-0
+NODE_CGROUP="hearth-198-$node_b-$node_c"  # cgroup of the node's processes and pods
+SERVICE_CIDR="198.$node_b.$((node_c + 16)).0/20"
+SERVICE_FIRST_IP="198.$node_b.$((node_c + 16)).1"
+CLUSTER_DNS_IP="198.$node_b.$((node_c + 16)).10"
+APISERVER_IP="$NODE_HOST_IP"
+KUBELET_PORT=10250
 
 # Versions come from our go.mod files, so there is one place to change them.
 gomod_version() { # <dir under go/> <module path>
@@ -55,24 +77,45 @@ KUBE_VERSION="$(gomod_version kubernetes k8s.io/kubernetes)"
 KWOK_VERSION="$(gomod_version kwok sigs.k8s.io/kwok)"
 KEDA_VERSION="$(gomod_version keda github.com/kedacore/keda/v2)"
 HELM_VERSION="$(gomod_version helm helm.sh/helm/v4)"
+COREDNS_VERSION="$(gomod_version coredns github.com/coredns/coredns)"
 
 ETCD="$BIN/etcd-$ETCD_VERSION"
 KUBE_APISERVER="$BIN/kube-apiserver-$KUBE_VERSION"
 KUBE_CONTROLLER_MANAGER="$BIN/kube-controller-manager-$KUBE_VERSION"
 KUBE_SCHEDULER="$BIN/kube-scheduler-$KUBE_VERSION"
 KUBECTL="$BIN/kubectl-$KUBE_VERSION"
+KUBELET="$BIN/kubelet-$KUBE_VERSION"
+KUBE_PROXY="$BIN/kube-proxy-$KUBE_VERSION"
+COREDNS="$BIN/coredns-$COREDNS_VERSION"
+# The pod sandbox ("pause") binary, compiled from build/pause of the same Kubernetes module.
+PAUSE="$BIN/pause-$KUBE_VERSION"
 KWOK="$BIN/kwok-$KWOK_VERSION"
 KEDA_OPERATOR="$BIN/keda-operator-$KEDA_VERSION"
 KEDA_ADAPTER="$BIN/keda-adapter-$KEDA_VERSION"
 HELM="$BIN/helm-$HELM_VERSION"
 KEDA_CRDS="$CACHE/share/keda-$KEDA_VERSION/crds"
+# The container runtime and CNI plugins come from Debian's packages (see README.md).
+CONTAINERD=/usr/bin/containerd
+CTR=/usr/bin/ctr
+CNI_BIN_DIR=/usr/lib/cni
+# Cluster images (pause, CoreDNS, test tools), built once from the binaries above.
+IMAGES="$CACHE/images"
+PAUSE_IMAGE="hearth.dev/pause:${KUBE_VERSION}"
+COREDNS_IMAGE="hearth.dev/coredns:${COREDNS_VERSION}"
+TOOLS_IMAGE="hearth.dev/test-tools:busybox"
+ROOT_DIR="$(cd "$CLUSTER_DIR/../.." && pwd)"
+TARGET_DIR="${CARGO_TARGET_DIR:-$ROOT_DIR/target}"
+DEVICE_PLUGIN="$TARGET_DIR/debug/hearth-fake-device-plugin"
 
 KUBECONFIG_PATH="$STATE/kubeconfig"
+NODE_DIR="$STATE/node" # containerd, kubelet and CNI state of the real node
+NS_DIR="$STATE/ns"     # the node's persistent network and mount namespaces (bind mounts)
 PIDS="$STATE/pids"
 LOGS="$STATE/logs"
 
 # Processes in start order; `down` stops them in reverse.
-COMPONENTS=(etcd kube-apiserver kube-controller-manager kube-scheduler kwok keda-operator keda-adapter)
+COMPONENTS=(etcd kube-apiserver kube-controller-manager kube-scheduler kwok
+  containerd kubelet kube-proxy device-plugin keda-operator keda-adapter)
 
 log() { printf '[cluster %5ss] %s\n' "$SECONDS" "$*" >&2; }
 die() {
@@ -90,6 +133,10 @@ component_binary() {
     kwok) echo "$KWOK" ;;
     keda-operator) echo "$KEDA_OPERATOR" ;;
     keda-adapter) echo "$KEDA_ADAPTER" ;;
+    containerd) echo "$CONTAINERD" ;;
+    kubelet) echo "$KUBELET" ;;
+    kube-proxy) echo "$KUBE_PROXY" ;;
+    device-plugin) echo "$DEVICE_PLUGIN" ;;
     *) die "unknown component $1" ;;
   esac
 }

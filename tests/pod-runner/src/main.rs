@@ -158,13 +158,17 @@ async fn run(
     }
     // Leftovers of a runner that died without cleaning up.
     net::cleanup(&record_path)?;
-    let record = net::Record::new(record_path.clone());
+    let record = Arc::new(net::Record::new(record_path.clone()));
     net::create_bridge(&record)?;
     let pid_path = state_dir.join("runner.pid");
     std::fs::write(&pid_path, format!("{}\n", std::process::id()))?;
     let apiserver_for_pods = SocketAddr::new(net::HOST_IP.into(), apiserver.port());
     let pass = services::passthrough(apiserver_for_pods, apiserver).await?;
-    let svc_task = tokio::spawn(services::run(client.clone()));
+    let svc_task = tokio::spawn(services::run(
+        client.clone(),
+        namespace_prefixes.clone(),
+        record.clone(),
+    ));
 
     let shared = Arc::new(Shared {
         client: client.clone(),

@@ -20,7 +20,8 @@ pub const HOST_IP: Ipv4Addr = Ipv4Addr::new(198, 18, 0, 1);
 /// Name of the bridge (Linux interface names have at most 15 bytes).
 pub const BRIDGE: &str = "hearth-br0";
 
-/// Names made by the runner, recorded as `<kind> <name>` lines (`bridge`, `netns`, `link`).
+/// Names made by the runner, recorded as `<kind> <name>` lines (`bridge`, `netns`, `link`,
+/// and `addr`: a Service ClusterIP/32 put on `lo`).
 pub struct Record {
     path: PathBuf,
     lock: Mutex<()>,
@@ -35,7 +36,7 @@ impl Record {
         }
     }
 
-    fn add(&self, kind: &str, name: &str) -> Result<()> {
+    pub(crate) fn add(&self, kind: &str, name: &str) -> Result<()> {
         let _g = self.lock.lock().unwrap_or_else(|e| e.into_inner());
         let mut f = OpenOptions::new()
             .create(true)
@@ -185,6 +186,7 @@ pub fn cleanup(path: &Path) -> Result<()> {
                 ip(&["netns", "del", name])
             }
             "link" => ip(&["link", "del", name]),
+            "addr" => ip(&["addr", "del", name, "dev", "lo"]),
             _ => Ok(()),
         };
     }

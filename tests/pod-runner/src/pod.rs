@@ -43,7 +43,7 @@ pub struct Shared {
     pub namespace_prefixes: Vec<String>,
     /// Per-pod files (kubeconfig, logs) live under `<state>/pods/<namespace>_<name>_<uid>/`.
     pub state_dir: PathBuf,
-    pub record: Record,
+    pub record: Arc<Record>,
     pub next: AtomicU32,
     /// The apiserver's CA (base64 PEM, as in a kubeconfig), for pod kubeconfigs.
     pub ca_data: String,

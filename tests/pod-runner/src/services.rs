@@ -1,8 +1,12 @@
-//! What kube-proxy and cluster DNS would give host processes: every Service ClusterIP:port is
-//! served by a userspace TCP proxy (kube-proxy's original mode) to a ready endpoint from the
-//! Service's EndpointSlices, and `<svc>.<ns>.svc[.cluster.local]` resolve to the ClusterIP
-//! through a marked block in `/etc/hosts`. This is how the KEDA operator, a host process, reaches
-//! a gateway's `external-push` `scalerAddress`. Also the apiserver passthrough for pods.
+//! What kube-proxy and cluster DNS would give host processes for the runner's pods: every
+//! ClusterIP:port of a Service in a namespace the runner plays is served by a userspace TCP proxy
+//! (kube-proxy's original mode) to a ready endpoint from the Service's EndpointSlices, and
+//! `<svc>.<ns>.svc[.cluster.local]` resolve to the ClusterIP through a marked block in
+//! `/etc/hosts`. This is how the KEDA operator, a host process, reaches a gateway's
+//! `external-push` `scalerAddress`. ClusterIPs belong to the cluster's real node (its kube-proxy
+//! serves them); the runner puts the ClusterIPs it serves on `lo` as /32 addresses (recorded,
+//! removed with the Service), which take precedence over the host's route into the node. Also
+//! the apiserver passthrough for pods.
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
@@ -18,6 +22,8 @@ use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client, ResourceExt};
 use tokio::net::{TcpListener, TcpStream};
+
+use crate::net::{Record, ip};
 use tokio::task::JoinHandle;
 
 const HOSTS: &str = "/etc/hosts";
@@ -68,13 +74,44 @@ pub fn write_hosts(entries: &BTreeMap<String, Vec<String>>) -> Result<()> {
     std::fs::write(HOSTS, out).context("writing /etc/hosts")
 }
 
+/// ClusterIPs the runner put on `lo`, by the Service that needs them.
+struct LocalAddrs {
+    record: Arc<Record>,
+    added: HashMap<String, String>,
+}
+
+impl LocalAddrs {
+    /// Binds `addr`; when its IP is not local, first puts it on `lo` as a /32 (recorded).
+    async fn bind(&mut self, service: &str, addr: SocketAddr) -> Result<TcpListener> {
+        match TcpListener::bind(addr).await {
+            Err(e) if e.kind() == std::io::ErrorKind::AddrNotAvailable => {
+                let cidr = format!("{}/32", addr.ip());
+                self.record.add("addr", &cidr)?;
+                ip(&["addr", "add", &cidr, "dev", "lo"])?;
+                self.added.insert(service.to_string(), cidr);
+                Ok(TcpListener::bind(addr).await?)
+            }
+            other => Ok(other?),
+        }
+    }
+
+    /// Removes the address put on `lo` for `service`, if any.
+    fn release(&mut self, service: &str) {
+        if let Some(cidr) = self.added.remove(service)
+            && let Err(e) = ip(&["addr", "del", &cidr, "dev", "lo"])
+        {
+            tracing::warn!(service, error = %e, "removing a ClusterIP from lo");
+        }
+    }
+}
+
 struct Listener {
     key: String,
     task: JoinHandle<()>,
 }
 
 /// Watches Services and serves each ClusterIP:port until the Service goes away.
-pub async fn run(client: Client) -> Result<()> {
+pub async fn run(client: Client, prefixes: Vec<String>, record: Arc<Record>) -> Result<()> {
     let slices: Api<EndpointSlice> = Api::all(client.clone());
     let (store, writer) = reflector::store();
     let refl = reflector::reflector(writer, watcher(slices, watcher::Config::default()))
@@ -85,6 +122,10 @@ pub async fn run(client: Client) -> Result<()> {
     let services: Api<Service> = Api::all(client);
     let mut listeners: HashMap<String, Vec<Listener>> = HashMap::new();
     let mut hosts: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    let mut local = LocalAddrs {
+        record,
+        added: HashMap::new(),
+    };
     let mut stream = watcher(services, watcher::Config::default()).boxed();
     while let Some(ev) = stream.next().await {
         let ev = match ev {
@@ -98,13 +139,17 @@ pub async fn run(client: Client) -> Result<()> {
         let before = hosts.clone();
         match ev {
             watcher::Event::Apply(svc) | watcher::Event::InitApply(svc) => {
-                serve(&svc, &store, &mut listeners, &mut hosts).await;
+                let ns = svc.namespace().unwrap_or_default();
+                if prefixes.iter().any(|p| ns.starts_with(p.as_str())) {
+                    serve(&svc, &store, &mut listeners, &mut hosts, &mut local).await;
+                }
             }
             watcher::Event::Delete(svc) => {
                 let id = format!("{}/{}", svc.namespace().unwrap_or_default(), svc.name_any());
                 for l in listeners.remove(&id).unwrap_or_default() {
                     l.task.abort();
                 }
+                local.release(&id);
                 hosts.retain(|_, names| !names.iter().any(|n| n == &dns(&svc)));
             }
             watcher::Event::Init | watcher::Event::InitDone => {}
@@ -131,6 +176,7 @@ async fn serve(
     store: &Store<EndpointSlice>,
     listeners: &mut HashMap<String, Vec<Listener>>,
     hosts: &mut BTreeMap<String, Vec<String>>,
+    local: &mut LocalAddrs,
 ) {
     let ns = svc.namespace().unwrap_or_default();
     let name = svc.name_any();
@@ -175,7 +221,7 @@ async fn serve(
             Ok(a) => a,
             Err(_) => continue,
         };
-        let l = match TcpListener::bind(addr).await {
+        let l = match local.bind(&id, addr).await {
             Ok(l) => l,
             Err(e) => {
                 tracing::warn!(service = %id, %addr, error = %e, "cannot serve ClusterIP");

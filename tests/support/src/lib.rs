@@ -9,12 +9,16 @@
 //!   timeout, fail with what was awaited and the last state observed.
 //! - [`MetricServer`] is a tiny HTTP server on loopback that serves a number as JSON, for KEDA's
 //!   `metrics-api` trigger.
+//! - [`RealNode`] and [`EventSink`]: pods on the cluster's real node, and what their containers
+//!   report from inside.
 
 mod metric_server;
+mod node;
 mod upstream;
 mod wait;
 
 pub use metric_server::MetricServer;
+pub use node::{Event, EventSink, RealNode};
 pub use upstream::{UPSTREAM_EXAMPLES_ENV, upstream_dir, upstream_examples, upstream_file};
 pub use wait::{Observed, wait_until};
 

@@ -1,0 +1,110 @@
+# shellcheck shell=bash
+# The cluster's own images, built FROM nothing (no base image can be pulled) with buildah and
+# written as OCI archives into $IMAGES, once per version (sourced after common.sh):
+#
+# | image            | content                                             | user  |
+# |------------------|-----------------------------------------------------|-------|
+# | $PAUSE_IMAGE     | /pause (Kubernetes' pause.c): containerd's sandbox  | 65535 |
+# | $COREDNS_IMAGE   | /coredns (tests/cluster/go/coredns)                 | 65532 |
+# | $TOOLS_IMAGE     | Debian's static busybox as /bin/* (test pods only)  | root  |
+#
+# buildah keeps its storage under $CACHE/buildah (never the host's default container storage).
+
+require_buildah() {
+  command -v buildah >/dev/null 2>&1 && return 0
+  [[ "$(id -u)" == 0 ]] && command -v apt-get >/dev/null 2>&1 ||
+    die "buildah is needed to build the cluster's images: apt-get install -y buildah"
+  log "installing buildah with apt-get"
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends buildah >&2 ||
+    die "apt-get install buildah failed"
+}
+
+buildah_() {
+  buildah --root "$CACHE/buildah/root" --runroot "$CACHE/buildah/runroot" --storage-driver vfs "$@"
+}
+
+# cluster_image_archive <pause|coredns|test-tools>: the archive's path (versioned name).
+cluster_image_archive() {
+  case "$1" in
+    pause) echo "$IMAGES/pause-$KUBE_VERSION.tar" ;;
+    coredns) echo "$IMAGES/coredns-$COREDNS_VERSION.tar" ;;
+    test-tools) echo "$IMAGES/test-tools-busybox-$(busybox_version).tar" ;;
+    *) die "unknown cluster image $1" ;;
+  esac
+}
+
+busybox_version() { dpkg-query -W -f '${Version}' busybox-static 2>/dev/null | tr -c 'A-Za-z0-9.\n' - || echo none; }
+
+# scratch_image <reference> <archive> <user> <entrypoint as JSON> <rootfs dir>
+# Commits the directory as the single layer of an image with that entrypoint and user, and
+# writes it as an OCI archive whose index names <reference>.
+scratch_image() {
+  local ref="$1" archive="$2" user="$3" entrypoint="$4" rootfs="$5" ctr
+  ctr="$(buildah_ from scratch)"
+  buildah_ copy "$ctr" "$rootfs" / >/dev/null
+  buildah_ config --entrypoint "$entrypoint" --cmd '' --user "$user" \
+    --label org.opencontainers.image.source=tests/cluster "$ctr"
+  buildah_ commit --quiet --rm "$ctr" "$ref" >/dev/null
+  rm -f "$archive.tmp"
+  buildah_ push --quiet "$ref" "oci-archive:$archive.tmp:$ref" >/dev/null
+  mv -f "$archive.tmp" "$archive"
+}
+
+build_cluster_images() {
+  local need=() name archive root
+  for name in pause coredns test-tools; do
+    [[ -s "$(cluster_image_archive "$name")" ]] || need+=("$name")
+  done
+  ((${#need[@]} > 0)) || return 0
+  require_buildah
+  if [[ " ${need[*]} " == *" test-tools "* ]] && ! dpkg-query -W busybox-static >/dev/null 2>&1; then
+    [[ "$(id -u)" == 0 ]] || die "the test-tools image needs Debian's busybox-static: apt-get install -y busybox-static"
+    log "installing busybox-static with apt-get"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends busybox-static >&2 ||
+      die "apt-get install busybox-static failed"
+  fi
+  mkdir -p "$IMAGES" "$CACHE/buildah"
+  for name in "${need[@]}"; do
+    archive="$(cluster_image_archive "$name")"
+    root="$CACHE/build/image-$name"
+    rm -rf "$root"
+    mkdir -p "$root"
+    case "$name" in
+      pause)
+        install -m 0755 "$PAUSE" "$root/pause"
+        scratch_image "$PAUSE_IMAGE" "$archive" 65535:65535 '["/pause"]' "$root"
+        ;;
+      coredns)
+        install -m 0755 "$COREDNS" "$root/coredns"
+        scratch_image "$COREDNS_IMAGE" "$archive" 65532:65532 '["/coredns"]' "$root"
+        ;;
+      test-tools)
+        # Every busybox applet as a link to /bin/busybox; /tmp for tools that write there.
+        mkdir -p "$root/bin" "$root/tmp"
+        chmod 1777 "$root/tmp"
+        install -m 0755 /bin/busybox "$root/bin/busybox"
+        local applet
+        for applet in $(/bin/busybox --list); do
+          [[ "$applet" == busybox ]] || ln -s busybox "$root/bin/$applet"
+        done
+        scratch_image "$TOOLS_IMAGE" "$archive" 0:0 '["/bin/sh"]' "$root"
+        ;;
+    esac
+    rm -rf "$root"
+    log "image $name: $archive ($(du -k "$archive" | cut -f1) KiB)"
+  done
+}
+
+# archive_ref <OCI archive>: the image reference its index.json names.
+archive_ref() {
+  tar -xOf "$1" index.json 2>/dev/null |
+    grep -o '"org.opencontainers.image.ref.name":"[^"]*"' | head -n 1 | cut -d'"' -f4 | grep .
+}
+
+# ref_repository <reference>: the reference without its tag or digest.
+ref_repository() {
+  local ref="${1%@*}" last
+  last="${ref##*/}"
+  [[ "$last" == *:* ]] && ref="${ref%:*}"
+  printf '%s\n' "$ref"
+}

@@ -1,0 +1,203 @@
+# shellcheck shell=bash
+# The real node (sourced after common.sh): containerd + runc, the kubelet, kube-proxy, CNI and a
+# fake device plugin, all inside a network and a mount namespace of their own, every process in
+# one cgroup subtree. See README.md, "The real node".
+#
+# What `up` creates on the host, and nothing else (`node_teardown` removes all of it):
+# - $NS_DIR bind-mounted onto itself, holding the node's namespaces (bind mounts of nsfs files);
+# - the veth end $NODE_HOST_IF with $NODE_HOST_IP/30, and one route: $NODE_NET via the node;
+# - the cgroup $NODE_CGROUP in every cgroup hierarchy;
+# - while the kubelet runs, the kernel settings it insists on (vm.overcommit_memory,
+#   kernel.panic, kernel.panic_on_oops, ...); their values before are saved and put back.
+# Mounts made inside the node (container root filesystems, volumes, pod network namespaces, the
+# tmpfs on /run, /var/lib and /var/log) live in the node's mount namespace and die with it;
+# iptables rules, bridges and conntrack entries live in its network namespace and die with it.
+
+# The kernel settings the kubelet sets at start (pkg/kubelet/cm setupKernelTunables).
+KUBELET_SYSCTLS=(vm.overcommit_memory vm.panic_on_oom kernel.panic kernel.panic_on_oops
+  kernel.keys.root_maxkeys kernel.keys.root_maxbytes)
+NODE_SYSCTLS_SAVED="$STATE/host-sysctls"
+
+# in_node <command...>: runs a command in the node's network and mount namespaces.
+in_node() { nsenter --net="$NS_DIR/net" --mount="$NS_DIR/mnt" -- "$@"; }
+
+# Mount points of the cgroup hierarchies (v1 controllers, name=systemd, the v2 "unified" one).
+cgroup_mounts() { awk '$9 == "cgroup" || $9 == "cgroup2" { print $5 }' /proc/self/mountinfo; }
+
+# Checks the tools the node needs; installs Debian's packages for the missing ones when root.
+node_require() {
+  [[ "$(id -u)" == 0 ]] ||
+    die "the real node needs root (network and mount namespaces, cgroups, a veth pair); run tests/cluster/up as root"
+  local missing=()
+  [[ -x "$CONTAINERD" && -x "$CTR" ]] || missing+=(containerd)
+  command -v runc >/dev/null 2>&1 || missing+=(runc)
+  [[ -x "$CNI_BIN_DIR/bridge" && -x "$CNI_BIN_DIR/host-local" && -x "$CNI_BIN_DIR/loopback" &&
+    -x "$CNI_BIN_DIR/portmap" ]] || missing+=(containernetworking-plugins)
+  command -v iptables >/dev/null 2>&1 || missing+=(iptables)
+  command -v conntrack >/dev/null 2>&1 || missing+=(conntrack)
+  command -v nsenter >/dev/null 2>&1 && command -v unshare >/dev/null 2>&1 || missing+=(util-linux)
+  command -v ip >/dev/null 2>&1 || missing+=(iproute2)
+  if ((${#missing[@]} > 0)); then
+    command -v apt-get >/dev/null 2>&1 || die "the real node needs: ${missing[*]} (Debian package names)"
+    log "installing ${missing[*]} with apt-get"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >&2 ||
+      die "apt-get install ${missing[*]} failed"
+  fi
+  case "$STATE/" in
+    /run/* | /var/run/* | /var/lib/* | /var/log/*)
+      die "HEARTH_CLUSTER_STATE=$STATE is below /run, /var/lib or /var/log, which the node covers with a tmpfs of its own; choose another dir" ;;
+  esac
+  [[ -d /sys/fs/cgroup/memory ]] ||
+    die "the real node expects cgroups v1 controllers under /sys/fs/cgroup (found none for memory)"
+}
+
+# Creates the node's namespaces, its link to the host and its cgroup.
+node_network_up() {
+  mkdir -p "$NS_DIR"
+  # A namespace is kept by bind-mounting its nsfs file, which must sit on a private mount.
+  mount --bind "$NS_DIR" "$NS_DIR"
+  mount --make-private "$NS_DIR"
+  : >"$NS_DIR/net"
+  : >"$NS_DIR/mnt"
+  # Slave propagation: the host's mounts stay visible, the node's never reach the host. The
+  # tmpfs mounts catch what the node's programs write to their default paths (/run/containerd,
+  # /var/lib/cni, /var/log/pods, ...).
+  unshare --net="$NS_DIR/net" --mount="$NS_DIR/mnt" --propagation slave -- /bin/sh -ec '
+    mount -t tmpfs -o mode=0755,size=512m hearth-node-run /run
+    mount -t tmpfs -o mode=0755,size=1g hearth-node-var-lib /var/lib
+    mount -t tmpfs -o mode=0755,size=1g hearth-node-var-log /var/log
+    ip link set lo up'
+  # The veth pair: eth0 in the node, $NODE_HOST_IF on the host (the netns of this script).
+  in_node ip link add eth0 type veth peer name "$NODE_HOST_IF" netns "$$"
+  ip addr add "$NODE_HOST_IP/30" dev "$NODE_HOST_IF"
+  ip link set "$NODE_HOST_IF" up
+  in_node ip addr add "$NODE_IP/30" dev eth0
+  in_node ip link set eth0 up
+  # The host reaches pods and Service VIPs through the node; the node has no default route, so
+  # nothing from a pod leaves the node's block except to the host.
+  ip route add "$NODE_NET" via "$NODE_IP" dev "$NODE_HOST_IF"
+  # Per network namespace: forwarding between pods, and bridged traffic through iptables so
+  # kube-proxy's rules see pod-to-Service traffic on the same bridge.
+  in_node sysctl -q -w net.ipv4.ip_forward=1 net.bridge.bridge-nf-call-iptables=1
+  local d
+  for d in $(cgroup_mounts); do
+    mkdir -p "$d/$NODE_CGROUP/node"
+    # cpuset: a v1 cgroup starts with no CPUs or memory nodes; inherit the parent's.
+    if [[ -f "$d/cpuset.cpus" ]]; then
+      cat "$d/cpuset.cpus" >"$d/$NODE_CGROUP/cpuset.cpus"
+      cat "$d/cpuset.mems" >"$d/$NODE_CGROUP/cpuset.mems"
+      cat "$d/cpuset.cpus" >"$d/$NODE_CGROUP/node/cpuset.cpus"
+      cat "$d/cpuset.mems" >"$d/$NODE_CGROUP/node/cpuset.mems"
+    fi
+  done
+}
+
+# Renders the node's configuration files from tests/cluster/node/*.
+node_configure() {
+  local f
+  mkdir -p "$NODE_DIR/cni/net.d" "$NODE_DIR/cni/ipam" "$NODE_DIR/kubelet" "$NODE_DIR/containerd"
+  for f in containerd.toml kubelet.yaml kube-proxy.yaml cluster.yaml; do
+    sed -e "s|@NODE_DIR@|$NODE_DIR|g" -e "s|@STATE@|$STATE|g" -e "s|@PKI@|$STATE/pki|g" \
+      -e "s|@PAUSE_IMAGE@|$PAUSE_IMAGE|g" -e "s|@COREDNS_IMAGE@|$COREDNS_IMAGE|g" \
+      -e "s|@CNI_BIN_DIR@|$CNI_BIN_DIR|g" -e "s|@NODE_POD_CIDR@|$NODE_POD_CIDR|g" \
+      -e "s|@NODE_CGROUP@|$NODE_CGROUP|g" -e "s|@NODE_IP@|$NODE_IP|g" \
+      -e "s|@NODE_NAME@|$NODE_NAME|g" -e "s|@KUBELET_PORT@|$KUBELET_PORT|g" \
+      -e "s|@CLUSTER_DNS_IP@|$CLUSTER_DNS_IP|g" \
+      "$CLUSTER_DIR/node/$f" >"$NODE_DIR/$f"
+  done
+  sed -e "s|@NODE_DIR@|$NODE_DIR|g" -e "s|@NODE_POD_CIDR@|$NODE_POD_CIDR|g" \
+    "$CLUSTER_DIR/node/cni.conflist" >"$NODE_DIR/cni/net.d/10-hearth.conflist"
+}
+
+# start_in_node <component> [VAR=value ...] -- <args...>: like `start`, but the process runs in
+# the node's namespaces and in the node's cgroup, so `down` finds it and every child it forks.
+start_in_node() {
+  local name="$1" bin envs=() procs="" d i
+  shift
+  while [[ "$1" != "--" ]]; do
+    envs+=("$1")
+    shift
+  done
+  shift
+  bin="$(component_binary "$name")"
+  for d in $(cgroup_mounts); do procs+="$d/$NODE_CGROUP/node/cgroup.procs "; done
+  # The shell joins the cgroup, then nsenter enters the namespaces and execs the component
+  # (no fork: the PID stays the one recorded).
+  env "${envs[@]}" setsid /bin/sh -c '
+    for f in $1; do echo $$ >"$f" || exit 1; done
+    ns="$2"; shift 2
+    exec nsenter --net="$ns/net" --mount="$ns/mnt" -- "$@"' \
+    sh "$procs" "$NS_DIR" "$bin" "$@" >"$LOGS/$name.log" 2>&1 </dev/null &
+  echo "$!" >"$PIDS/$name.pid"
+  for ((i = 0; i < 40; i++)); do
+    [[ -z "$(component_pid "$name")" ]] || return 0
+    kill -0 "$!" 2>/dev/null || break
+    sleep 0.05
+  done
+  tail -n 25 "$LOGS/$name.log" >&2 || true
+  die "$name did not start (log: $LOGS/$name.log)"
+}
+
+# Saves the kernel settings the kubelet changes, once (a restarted kubelet must not overwrite
+# the original values with its own).
+node_save_sysctls() {
+  [[ -s "$NODE_SYSCTLS_SAVED" ]] && return 0
+  local s
+  for s in "${KUBELET_SYSCTLS[@]}"; do
+    printf '%s=%s\n' "$s" "$(sysctl -n "$s")"
+  done >"$NODE_SYSCTLS_SAVED.tmp"
+  mv "$NODE_SYSCTLS_SAVED.tmp" "$NODE_SYSCTLS_SAVED"
+}
+
+# PIDs of every process in the node's cgroup subtree (daemons, shims, containers).
+node_pids() {
+  local d
+  for d in $(cgroup_mounts); do
+    [[ -d "$d/$NODE_CGROUP" ]] || continue
+    find "$d/$NODE_CGROUP" -name cgroup.procs -exec cat {} + 2>/dev/null
+  done | sort -un
+}
+
+# Removes everything node_network_up and the node's processes made on the host; safe to run on
+# a node that was never (or only partly) started, and twice.
+node_teardown() {
+  local pids d i s
+  # Every process of the node: the daemons `down` already stopped, and what they leave behind
+  # (containerd's shims and the containers themselves).
+  for ((i = 0; i < 50; i++)); do
+    pids="$(node_pids)"
+    [[ -n "$pids" ]] || break
+    ((i > 0)) || log "stopping the node's remaining processes: $(wc -w <<<"$pids")"
+    # shellcheck disable=SC2086
+    kill -KILL $pids 2>/dev/null || true
+    sleep 0.1
+  done
+  [[ -z "$(node_pids)" ]] || log "warning: processes left in cgroup $NODE_CGROUP: $(node_pids | tr '\n' ' ')"
+  # Namespaces: with no process left in them, dropping the bind mounts frees them, and with
+  # them every mount, interface, route and iptables rule made inside. The veth pair goes with the
+  # node's end, and the host route with the link.
+  if [[ -d "$NS_DIR" ]]; then
+    umount "$NS_DIR/mnt" 2>/dev/null || true
+    umount "$NS_DIR/net" 2>/dev/null || true
+    while mountpoint -q "$NS_DIR" 2>/dev/null; do umount "$NS_DIR" || break; done
+  fi
+  if ip link show "$NODE_HOST_IF" >/dev/null 2>&1; then
+    ip link del "$NODE_HOST_IF" 2>/dev/null || log "warning: could not delete link $NODE_HOST_IF"
+  fi
+  # cgroups, deepest first (a cgroup can only be removed once empty of processes and children).
+  for d in $(cgroup_mounts); do
+    [[ -d "$d/$NODE_CGROUP" ]] || continue
+    for ((i = 0; i < 20; i++)); do
+      find "$d/$NODE_CGROUP" -depth -type d -exec rmdir {} + 2>/dev/null || true
+      [[ -d "$d/$NODE_CGROUP" ]] || break
+      sleep 0.1
+    done
+    [[ ! -d "$d/$NODE_CGROUP" ]] || log "warning: could not remove cgroup $d/$NODE_CGROUP"
+  done
+  if [[ -s "$NODE_SYSCTLS_SAVED" ]]; then
+    while IFS= read -r s; do
+      sysctl -q -w "$s" >/dev/null || log "warning: could not restore $s"
+    done <"$NODE_SYSCTLS_SAVED"
+    rm -f "$NODE_SYSCTLS_SAVED"
+  fi
+}
