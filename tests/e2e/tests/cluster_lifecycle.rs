@@ -130,7 +130,11 @@ fn cluster_processes(state: &Path) -> Vec<String> {
             .unwrap_or_default();
         let cgroup = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap_or_default();
         if cmdline.contains(&state) || cgroup.contains(NODE_CGROUP) {
-            found.push(format!("{pid}: {}", cmdline.trim()));
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+            // "<pid> (<comm>) <state> ...": comm and state say what it is, also for a zombie.
+            let what = stat.split(") ").next().unwrap_or("").to_string();
+            let state = stat.split(") ").nth(1).and_then(|r| r.split(' ').next()).unwrap_or("?");
+            found.push(format!("{what}) state {state}: {}", cmdline.trim()));
         }
     }
     found
@@ -282,7 +286,14 @@ fn crash_then_down_leaves_nothing(step: &str) -> Result<()> {
             before.sysctls, after.sysctls
         ));
     }
-    let processes = cluster_processes(&state);
+    // Killed processes whose parent died with them are reaped by init a moment later; until
+    // then they show (as zombies) with the cgroup they died in.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut processes = cluster_processes(&state);
+    while !processes.is_empty() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(200));
+        processes = cluster_processes(&state);
+    }
     if !processes.is_empty() {
         problems.push(format!("processes left: {processes:?}"));
     }
