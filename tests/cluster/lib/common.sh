@@ -116,6 +116,8 @@ LOGS="$STATE/logs"
 # Processes in start order; `down` stops them in reverse.
 COMPONENTS=(etcd kube-apiserver kube-controller-manager kube-scheduler kwok
   containerd kubelet kube-proxy device-plugin keda-operator keda-adapter)
+# The real node's daemons, in the order `down` stops them.
+NODE_COMPONENTS=(device-plugin kube-proxy kubelet containerd)
 
 log() { printf '[cluster %5ss] %s\n' "$SECONDS" "$*" >&2; }
 die() {

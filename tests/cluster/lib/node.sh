@@ -161,9 +161,14 @@ node_pids() {
 # Removes everything node_network_up and the node's processes made on the host; safe to run on
 # a node that was never (or only partly) started, and twice.
 node_teardown() {
-  local pids d i s
-  # Every process of the node: the daemons `down` already stopped, and what they leave behind
-  # (containerd's shims and the containers themselves).
+  node_kill
+  node_remove
+}
+
+# Kills every process of the node: the daemons `down` already stopped, and what they leave
+# behind (containerd's shims and the containers themselves).
+node_kill() {
+  local pids i
   for ((i = 0; i < 50; i++)); do
     pids="$(node_pids)"
     [[ -n "$pids" ]] || break
@@ -173,6 +178,14 @@ node_teardown() {
     sleep 0.1
   done
   [[ -z "$(node_pids)" ]] || log "warning: processes left in cgroup $NODE_CGROUP: $(node_pids | tr '\n' ' ')"
+}
+
+# Removes the node's namespaces (and with them its link and route), cgroups and the kernel
+# settings the kubelet changed. Run it once the control plane has stopped: the apiserver listens
+# on the host end of the link, and without the link its own connections to itself would go out
+# through the host's default route.
+node_remove() {
+  local d i s
   # Namespaces: with no process left in them, dropping the bind mounts frees them, and with
   # them every mount, interface, route and iptables rule made inside. The veth pair goes with the
   # node's end, and the host route with the link.
