@@ -25,7 +25,7 @@ use kube::{Client, Config, client::ClientBuilder};
 #[derive(Parser)]
 #[command(
     name = "hearth-controller",
-    version,
+    version = hearth_net::version!(),
     about = "Reconciles Hearth LLMServices into workloads, Services and KEDA objects"
 )]
 struct Cli {

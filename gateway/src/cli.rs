@@ -75,7 +75,7 @@ pub fn byte_size(s: &str) -> Result<usize, String> {
 #[derive(Debug, Parser)]
 #[command(
     name = "hearth-gateway",
-    version,
+    version = hearth_net::version!(),
     args_conflicts_with_subcommands = true
 )]
 pub struct Cli {

@@ -9,11 +9,37 @@
 //! - On a host without IPv6 (a kernel booted with `ipv6.disable=1`: `socket(AF_INET6)` fails with
 //!   `EAFNOSUPPORT`), `[::]:<port>` falls back to `0.0.0.0:<port>`.
 //! - Any other address is bound exactly as written.
+//!
+//! It also holds [`version!`], the version every Hearth binary prints with `--version`: all of
+//! them depend on this crate.
 
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener};
 
 use socket2::{Domain, Protocol, Socket, Type};
+
+/// The version the binaries print with `--version`: `HEARTH_VERSION` at compile time
+/// (`build/binaries` sets it to `git describe --tags --always --dirty`; the `build/Containerfile`
+/// build stage takes it as a build argument), else, when unset or empty, the package version
+/// (`CARGO_PKG_VERSION`, the workspace version).
+///
+/// A macro, not a `const`: `option_env!` is then read by the crate that prints the version, so
+/// a new `HEARTH_VERSION` recompiles only that crate (cargo tracks the variable), not this one and
+/// everything that depends on it.
+///
+/// ```
+/// let version: &'static str = hearth_net::version!();
+/// assert!(!version.is_empty());
+/// ```
+#[macro_export]
+macro_rules! version {
+    () => {
+        match ::core::option_env!("HEARTH_VERSION") {
+            ::core::option::Option::Some(version) if !version.is_empty() => version,
+            _ => ::core::env!("CARGO_PKG_VERSION"),
+        }
+    };
+}
 
 /// Options of [`bind`].
 #[derive(Debug, Clone, Copy)]

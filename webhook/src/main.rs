@@ -17,7 +17,7 @@ use hearth_webhook::tls::{CertFiles, CertStore};
 use hearth_webhook::{AppState, Limits, Snapshot, router, serve, watch};
 
 #[derive(Parser)]
-#[command(version, about = "Hearth's admission webhook")]
+#[command(version = hearth_net::version!(), about = "Hearth's admission webhook")]
 struct Cli {
     #[command(subcommand)]
     command: Option<Command>,

@@ -169,6 +169,21 @@ pid_of_binary() {
   echo "$pid"
 }
 
+# record_started <component> <pid>: writes the PID file and waits (2 s at most) until it names
+# the component's own process (a wrapper may still be exec'ing into it), since `down` checks the
+# executable; dies with the end of the component's log when it exits first.
+record_started() {
+  local name="$1" pid="$2" i
+  echo "$pid" >"$PIDS/$name.pid"
+  for ((i = 0; i < 40; i++)); do
+    [[ -z "$(component_pid "$name")" ]] || return 0
+    kill -0 "$pid" 2>/dev/null || break
+    sleep 0.05
+  done
+  tail -n 25 "$LOGS/$name.log" >&2 || true
+  die "$name did not start (log: $LOGS/$name.log)"
+}
+
 # Resident memory of a PID in KiB.
 rss_kib() { awk '/^VmRSS:/ { print $2 }' "/proc/$1/status" 2>/dev/null || echo 0; }
 

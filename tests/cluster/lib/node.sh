@@ -112,7 +112,7 @@ node_configure() {
 # start_in_node <component> [VAR=value ...] -- <args...>: like `start`, but the process runs in
 # the node's namespaces and in the node's cgroup, so `down` finds it and every child it forks.
 start_in_node() {
-  local name="$1" bin envs=() procs="" d i
+  local name="$1" bin envs=() procs="" d
   shift
   while [[ "$1" != "--" ]]; do
     envs+=("$1")
@@ -128,14 +128,7 @@ start_in_node() {
     ns="$2"; shift 2
     exec nsenter --net="$ns/net" --mount="$ns/mnt" -- "$@"' \
     sh "$procs" "$NS_DIR" "$bin" "$@" >"$LOGS/$name.log" 2>&1 </dev/null &
-  echo "$!" >"$PIDS/$name.pid"
-  for ((i = 0; i < 40; i++)); do
-    [[ -z "$(component_pid "$name")" ]] || return 0
-    kill -0 "$!" 2>/dev/null || break
-    sleep 0.05
-  done
-  tail -n 25 "$LOGS/$name.log" >&2 || true
-  die "$name did not start (log: $LOGS/$name.log)"
+  record_started "$name" "$!"
 }
 
 # Saves the kernel settings the kubelet changes, once (a restarted kubelet must not overwrite

@@ -133,7 +133,11 @@ fn cluster_processes(state: &Path) -> Vec<String> {
             let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
             // "<pid> (<comm>) <state> ...": comm and state say what it is, also for a zombie.
             let what = stat.split(") ").next().unwrap_or("").to_string();
-            let state = stat.split(") ").nth(1).and_then(|r| r.split(' ').next()).unwrap_or("?");
+            let state = stat
+                .split(") ")
+                .nth(1)
+                .and_then(|r| r.split(' ').next())
+                .unwrap_or("?");
             found.push(format!("{what}) state {state}: {}", cmdline.trim()));
         }
     }

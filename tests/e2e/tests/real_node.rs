@@ -692,7 +692,9 @@ async fn hearth_images_run_non_root_on_a_read_only_root() -> Result<()> {
         let out = logs(&ns, name, None).await?;
         ensure!(
             phase(&done) == "Succeeded" && out.trim() == format!("{name} {version}"),
-            "{image} --version: expected {name:?} {version:?}, got {out:?} ({})",
+            "{image} --version: expected {name:?} {version:?}, got {out:?} ({}); images older \
+             than this checkout are rebuilt by build/images and loaded by tests/cluster/load-images \
+             (tests/run-tests does both)",
             describe(&done)
         );
     }

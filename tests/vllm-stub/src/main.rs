@@ -14,7 +14,7 @@ use vllm_stub::{StubConfig, StubState, parse_duration};
 
 /// A CPU stand-in for a vLLM OpenAI-compatible server (tests and the demo only).
 #[derive(Parser, Debug)]
-#[command(name = "vllm-stub", version)]
+#[command(name = "vllm-stub", version = hearth_net::version!())]
 struct Args {
     /// Model path or name (vLLM's `--model`); the served name when `--served-model-name` is absent.
     #[arg(long)]
