@@ -1,5 +1,5 @@
 # The two entry points a new user needs; everything else is cargo.
-.PHONY: demo test lint crds
+.PHONY: demo test lint crds images
 
 # The local demo: a cold request wakes a scaled-to-zero model.
 demo:
@@ -17,3 +17,7 @@ lint:
 # Regenerate crds/*.yaml from the API types.
 crds:
 	cargo run -p hearth-crds --example crdgen
+
+# Hearth's container images as OCI archives in target/images, without an engine or a registry.
+images:
+	build/images

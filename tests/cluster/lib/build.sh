@@ -115,7 +115,8 @@ build_all() {
         # build/pause/Makefile does (static, -Os).
         local src
         src="$(cd "$CLUSTER_DIR/go/kubernetes" && go list -m -f '{{.Dir}}' k8s.io/kubernetes)/build/pause/linux/pause.c"
-        command -v gcc >/dev/null 2>&1 || die "gcc is needed to compile the pod sandbox (pause): apt-get install -y gcc libc6-dev"
+        [[ -x /usr/bin/gcc && -f /usr/lib/x86_64-linux-gnu/libc.a ]] ||
+          apt_install "compiling the pod sandbox (pause)" gcc libc6-dev
         mkdir -p "$tmp/pause"
         gcc -Os -Wall -Werror -static -DVERSION="$KUBE_VERSION" -o "$tmp/pause/pause" "$src" ||
           die "compiling $src failed (needs gcc and libc6-dev for a static binary)"

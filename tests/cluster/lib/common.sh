@@ -169,6 +169,20 @@ pid_of_binary() {
   echo "$pid"
 }
 
+# apt_install <why> <Debian package...>: installs them with apt-get (refreshing the package lists
+# first, which a fresh machine lacks), or dies saying what to install when that is not possible.
+apt_install() {
+  local why="$1"
+  shift
+  if [[ "$(id -u)" != 0 ]] || ! command -v apt-get >/dev/null 2>&1; then
+    die "$why needs: $* (Debian package names; apt-get install -y $*)"
+  fi
+  log "installing $* with apt-get ($why)"
+  export DEBIAN_FRONTEND=noninteractive
+  { apt-get update -qq && apt-get install -y -qq --no-install-recommends "$@" >/dev/null; } >&2 ||
+    die "apt-get install $* failed"
+}
+
 # record_started <component> <pid>: writes the PID file and waits (2 s at most) until it names
 # the component's own process (a wrapper may still be exec'ing into it), since `down` checks the
 # executable; dies with the end of the component's log when it exits first.

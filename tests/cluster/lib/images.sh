@@ -11,12 +11,7 @@
 # buildah keeps its storage under $CACHE/buildah (never the host's default container storage).
 
 require_buildah() {
-  command -v buildah >/dev/null 2>&1 && return 0
-  [[ "$(id -u)" == 0 ]] && command -v apt-get >/dev/null 2>&1 ||
-    die "buildah is needed to build the cluster's images: apt-get install -y buildah"
-  log "installing buildah with apt-get"
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends buildah >&2 ||
-    die "apt-get install buildah failed"
+  command -v buildah >/dev/null 2>&1 || apt_install "building the cluster's images" buildah
 }
 
 buildah_() {
@@ -58,10 +53,7 @@ build_cluster_images() {
   ((${#need[@]} > 0)) || return 0
   require_buildah
   if [[ " ${need[*]} " == *" test-tools "* ]] && ! dpkg-query -W busybox-static >/dev/null 2>&1; then
-    [[ "$(id -u)" == 0 ]] || die "the test-tools image needs Debian's busybox-static: apt-get install -y busybox-static"
-    log "installing busybox-static with apt-get"
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends busybox-static >&2 ||
-      die "apt-get install busybox-static failed"
+    apt_install "the test-tools image" busybox-static
   fi
   mkdir -p "$IMAGES" "$CACHE/buildah"
   for name in "${need[@]}"; do

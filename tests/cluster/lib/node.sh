@@ -37,12 +37,7 @@ node_require() {
   command -v conntrack >/dev/null 2>&1 || missing+=(conntrack)
   command -v nsenter >/dev/null 2>&1 && command -v unshare >/dev/null 2>&1 || missing+=(util-linux)
   command -v ip >/dev/null 2>&1 || missing+=(iproute2)
-  if ((${#missing[@]} > 0)); then
-    command -v apt-get >/dev/null 2>&1 || die "the real node needs: ${missing[*]} (Debian package names)"
-    log "installing ${missing[*]} with apt-get"
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >&2 ||
-      die "apt-get install ${missing[*]} failed"
-  fi
+  ((${#missing[@]} == 0)) || apt_install "the real node" "${missing[@]}"
   case "$STATE/" in
     /run/* | /var/run/* | /var/lib/* | /var/log/*)
       die "HEARTH_CLUSTER_STATE=$STATE is below /run, /var/lib or /var/log, which the node covers with a tmpfs of its own; choose another dir" ;;
