@@ -9,8 +9,8 @@
 #   HEARTH_CLUSTER_NET    first two octets of the loopback /16 the control plane lives in
 #                         (default 127.100); see README.md for the address plan
 #   HEARTH_NODE_NET       the /18 of the real node: its link to the host, pod and Service
-#                         addresses (default 198.19.0.0/18; any /18 of RFC 2544's benchmarking
-#                         block 198.18.0.0/15, never a private range)
+#                         addresses (default 198.19.0.0/18; any /18 of 198.19.0.0/16, part of
+#                         RFC 2544's benchmarking block, never a private range)
 
 set -euo pipefail
 
@@ -26,8 +26,9 @@ if ! [[ "$NET" =~ ^127\.([0-9]{1,3})$ ]] || ((BASH_REMATCH[1] > 255)); then
 fi
 
 NODE_NET="${HEARTH_NODE_NET:-198.19.0.0/18}"
-if ! [[ "$NODE_NET" =~ ^198\.(1[89])\.([0-9]{1,3})\.0/18$ ]] || ((BASH_REMATCH[2] % 64 != 0 || BASH_REMATCH[2] > 192)); then
-  echo "error: HEARTH_NODE_NET='$NODE_NET' must be a /18 of 198.18.0.0/15, e.g. 198.19.0.0/18 or 198.19.64.0/18" >&2
+# 198.18.0.0/16 is the test pod runner's (docs/e2e.md).
+if ! [[ "$NODE_NET" =~ ^198\.(19)\.([0-9]{1,3})\.0/18$ ]] || ((BASH_REMATCH[2] % 64 != 0 || BASH_REMATCH[2] > 192)); then
+  echo "error: HEARTH_NODE_NET='$NODE_NET' must be a /18 of 198.19.0.0/16, e.g. 198.19.0.0/18 or 198.19.64.0/18 (198.18.0.0/16 is the pod runner's)" >&2
   exit 2
 fi
 node_b="${BASH_REMATCH[1]}" node_c="${BASH_REMATCH[2]}"
@@ -106,10 +107,14 @@ TOOLS_IMAGE="hearth.dev/test-tools:busybox"
 ROOT_DIR="$(cd "$CLUSTER_DIR/../.." && pwd)"
 TARGET_DIR="${CARGO_TARGET_DIR:-$ROOT_DIR/target}"
 DEVICE_PLUGIN="$TARGET_DIR/debug/hearth-fake-device-plugin"
+# Where build/images writes Hearth's image archives (always below the checkout).
+HEARTH_IMAGES="$ROOT_DIR/target/images"
 
 KUBECONFIG_PATH="$STATE/kubeconfig"
 NODE_DIR="$STATE/node" # containerd, kubelet and CNI state of the real node
 NS_DIR="$STATE/ns"     # the node's persistent network and mount namespaces (bind mounts)
+NODE_OWNER="$STATE/node-owner" # written before the node's first change to the host: `down`
+                               # removes a node only when its state dir has this record
 PIDS="$STATE/pids"
 LOGS="$STATE/logs"
 
@@ -183,13 +188,13 @@ apt_install() {
     die "apt-get install $* failed"
 }
 
-# record_started <component> <pid>: writes the PID file and waits (2 s at most) until it names
+# record_started <component> <pid>: writes the PID file and waits (5 s at most) until it names
 # the component's own process (a wrapper may still be exec'ing into it), since `down` checks the
 # executable; dies with the end of the component's log when it exits first.
 record_started() {
   local name="$1" pid="$2" i
   echo "$pid" >"$PIDS/$name.pid"
-  for ((i = 0; i < 40; i++)); do
+  for ((i = 0; i < 100; i++)); do
     [[ -z "$(component_pid "$name")" ]] || return 0
     kill -0 "$pid" 2>/dev/null || break
     sleep 0.05

@@ -4,11 +4,13 @@
 # one cgroup subtree. See README.md, "The real node".
 #
 # What `up` creates on the host, and nothing else (`node_teardown` removes all of it):
-# - $NS_DIR bind-mounted onto itself, holding the node's namespaces (bind mounts of nsfs files);
+# - $NS_DIR/net and $NS_DIR/mnt, each bind-mounted onto itself, holding the node's namespaces
+#   (bind mounts of nsfs files named `ns`);
 # - the veth end $NODE_HOST_IF with $NODE_HOST_IP/30, and one route: $NODE_NET via the node;
 # - the cgroup $NODE_CGROUP in every cgroup hierarchy;
 # - while the kubelet runs, the kernel settings it insists on (vm.overcommit_memory,
-#   kernel.panic, kernel.panic_on_oops, ...); their values before are saved and put back.
+#   kernel.panic, kernel.panic_on_oops, ...): their values before the first real node of this
+#   machine started are saved in $HOST_SYSCTLS_SAVED and put back when the last one stops.
 # Mounts made inside the node (container root filesystems, volumes, pod network namespaces, the
 # tmpfs on /run, /var/lib and /var/log) live in the node's mount namespace and die with it;
 # iptables rules, bridges and conntrack entries live in its network namespace and die with it.
@@ -16,13 +18,23 @@
 # The kernel settings the kubelet sets at start (pkg/kubelet/cm setupKernelTunables).
 KUBELET_SYSCTLS=(vm.overcommit_memory vm.panic_on_oom kernel.panic kernel.panic_on_oops
   kernel.keys.root_maxkeys kernel.keys.root_maxbytes)
-NODE_SYSCTLS_SAVED="$STATE/host-sysctls"
+# Machine-wide: the settings are not per namespace, and several clusters may run at once.
+HOST_SYSCTLS_SAVED=/run/hearth-kubelet-sysctls
 
 # in_node <command...>: runs a command in the node's network and mount namespaces.
-in_node() { nsenter --net="$NS_DIR/net" --mount="$NS_DIR/mnt" -- "$@"; }
+in_node() { nsenter --net="$NS_DIR/net/ns" --mount="$NS_DIR/mnt/ns" -- "$@"; }
 
 # Mount points of the cgroup hierarchies (v1 controllers, name=systemd, the v2 "unified" one).
-cgroup_mounts() { awk '$9 == "cgroup" || $9 == "cgroup2" { print $5 }' /proc/self/mountinfo; }
+cgroup_mounts() { findmnt -rn -t cgroup,cgroup2 -o TARGET; }
+
+# Other real nodes of this machine (their cgroups), besides this one.
+other_nodes() {
+  local d
+  for d in /sys/fs/cgroup/memory/hearth-198-*; do
+    [[ -d "$d" && "${d##*/}" != "$NODE_CGROUP" ]] && echo "${d##*/}"
+  done
+  return 0
+}
 
 # Checks the tools the node needs; installs Debian's packages for the missing ones when root.
 node_require() {
@@ -48,16 +60,24 @@ node_require() {
 
 # Creates the node's namespaces, its link to the host and its cgroup.
 node_network_up() {
-  mkdir -p "$NS_DIR"
-  # A namespace is kept by bind-mounting its nsfs file, which must sit on a private mount.
-  mount --bind "$NS_DIR" "$NS_DIR"
-  mount --make-private "$NS_DIR"
-  : >"$NS_DIR/net"
-  : >"$NS_DIR/mnt"
+  [[ -d "/sys/fs/cgroup/memory/$NODE_CGROUP" ]] &&
+    die "cgroup $NODE_CGROUP exists: a real node of another cluster uses $NODE_NET (or one crashed without down). Stop it with its own tests/cluster/down, or set HEARTH_NODE_NET (e.g. 198.19.64.0/18) for this one."
+  echo "$NODE_NET $NODE_HOST_IF $NODE_CGROUP" >"$NODE_OWNER"
+  # A namespace is kept by bind-mounting its nsfs file. A mount namespace's file must sit on a
+  # private mount; a network namespace's on a shared one (as iproute2 keeps /run/netns), so that
+  # unmounting it also unmounts the copies that mount namespaces made later hold (the node of a
+  # second cluster), and the namespace really goes.
+  mkdir -p "$NS_DIR/net" "$NS_DIR/mnt"
+  mount --bind "$NS_DIR/mnt" "$NS_DIR/mnt"
+  mount --make-private "$NS_DIR/mnt"
+  mount --bind "$NS_DIR/net" "$NS_DIR/net"
+  mount --make-shared "$NS_DIR/net"
+  : >"$NS_DIR/net/ns"
+  : >"$NS_DIR/mnt/ns"
   # Slave propagation: the host's mounts stay visible, the node's never reach the host. The
   # tmpfs mounts catch what the node's programs write to their default paths (/run/containerd,
   # /var/lib/cni, /var/log/pods, ...).
-  unshare --net="$NS_DIR/net" --mount="$NS_DIR/mnt" --propagation slave -- /bin/sh -ec '
+  unshare --net="$NS_DIR/net/ns" --mount="$NS_DIR/mnt/ns" --propagation slave -- /bin/sh -ec '
     mount -t tmpfs -o mode=0755,size=512m hearth-node-run /run
     mount -t tmpfs -o mode=0755,size=1g hearth-node-var-lib /var/lib
     mount -t tmpfs -o mode=0755,size=1g hearth-node-var-log /var/log
@@ -73,7 +93,8 @@ node_network_up() {
   ip route add "$NODE_NET" via "$NODE_IP" dev "$NODE_HOST_IF"
   # Per network namespace: forwarding between pods, and bridged traffic through iptables so
   # kube-proxy's rules see pod-to-Service traffic on the same bridge.
-  in_node sysctl -q -w net.ipv4.ip_forward=1 net.bridge.bridge-nf-call-iptables=1
+  in_node sysctl -q -w net.ipv4.ip_forward=1 net.bridge.bridge-nf-call-iptables=1 ||
+    die "setting net.ipv4.ip_forward and net.bridge.bridge-nf-call-iptables in the node's network namespace failed: the kernel needs bridge netfilter (br_netfilter); tests/cluster/down removes what was made"
   local d
   for d in $(cgroup_mounts); do
     mkdir -p "$d/$NODE_CGROUP/node"
@@ -121,20 +142,21 @@ start_in_node() {
   env "${envs[@]}" setsid /bin/sh -c '
     for f in $1; do echo $$ >"$f" || exit 1; done
     ns="$2"; shift 2
-    exec nsenter --net="$ns/net" --mount="$ns/mnt" -- "$@"' \
+    exec nsenter --net="$ns/net/ns" --mount="$ns/mnt/ns" -- "$@"' \
     sh "$procs" "$NS_DIR" "$bin" "$@" >"$LOGS/$name.log" 2>&1 </dev/null &
   record_started "$name" "$!"
 }
 
-# Saves the kernel settings the kubelet changes, once (a restarted kubelet must not overwrite
-# the original values with its own).
+# Saves the kernel settings the kubelet changes, once per machine: not when another real node
+# (whose kubelet set them already) runs, nor when a record exists (a restarted kubelet must not
+# overwrite the original values with its own).
 node_save_sysctls() {
-  [[ -s "$NODE_SYSCTLS_SAVED" ]] && return 0
+  [[ -s "$HOST_SYSCTLS_SAVED" || -n "$(other_nodes)" ]] && return 0
   local s
   for s in "${KUBELET_SYSCTLS[@]}"; do
     printf '%s=%s\n' "$s" "$(sysctl -n "$s")"
-  done >"$NODE_SYSCTLS_SAVED.tmp"
-  mv "$NODE_SYSCTLS_SAVED.tmp" "$NODE_SYSCTLS_SAVED"
+  done >"$HOST_SYSCTLS_SAVED.tmp"
+  mv "$HOST_SYSCTLS_SAVED.tmp" "$HOST_SYSCTLS_SAVED"
 }
 
 # PIDs of every process in the node's cgroup subtree (daemons, shims, containers).
@@ -152,6 +174,9 @@ node_teardown() {
   node_kill
   node_remove
 }
+
+# Whether this state dir made a real node (so `down` may remove it).
+node_owned() { [[ -f "$NODE_OWNER" ]]; }
 
 # Kills every process of the node: the daemons `down` already stopped, and what they leave
 # behind (containerd's shims and the containers themselves).
@@ -178,9 +203,11 @@ node_remove() {
   # them every mount, interface, route and iptables rule made inside. The veth pair goes with the
   # node's end, and the host route with the link.
   if [[ -d "$NS_DIR" ]]; then
-    umount "$NS_DIR/mnt" 2>/dev/null || true
-    umount "$NS_DIR/net" 2>/dev/null || true
-    while mountpoint -q "$NS_DIR" 2>/dev/null; do umount "$NS_DIR" || break; done
+    umount "$NS_DIR/mnt/ns" 2>/dev/null || true
+    umount "$NS_DIR/net/ns" 2>/dev/null || true
+    for d in "$NS_DIR/mnt" "$NS_DIR/net"; do
+      while mountpoint -q "$d" 2>/dev/null; do umount "$d" || break; done
+    done
   fi
   if ip link show "$NODE_HOST_IF" >/dev/null 2>&1; then
     ip link del "$NODE_HOST_IF" 2>/dev/null || log "warning: could not delete link $NODE_HOST_IF"
@@ -195,10 +222,13 @@ node_remove() {
     done
     [[ ! -d "$d/$NODE_CGROUP" ]] || log "warning: could not remove cgroup $d/$NODE_CGROUP"
   done
-  if [[ -s "$NODE_SYSCTLS_SAVED" ]]; then
+  # The last real node of the machine puts the kernel settings back.
+  if [[ -s "$HOST_SYSCTLS_SAVED" && -z "$(other_nodes)" ]]; then
+    local failed=0
     while IFS= read -r s; do
-      sysctl -q -w "$s" >/dev/null || log "warning: could not restore $s"
-    done <"$NODE_SYSCTLS_SAVED"
-    rm -f "$NODE_SYSCTLS_SAVED"
+      sysctl -q -w "$s" >/dev/null || { log "warning: could not restore $s"; failed=1; }
+    done <"$HOST_SYSCTLS_SAVED"
+    ((failed)) || rm -f "$HOST_SYSCTLS_SAVED"
   fi
+  rm -f "$NODE_OWNER"
 }

@@ -166,8 +166,10 @@ async fn pod_lifecycle_volumes_probes_hooks_and_sidecar() -> Result<()> {
         .create(&PostParams::default(), &secret)
         .await?;
 
+    // Its startup probe passes once it has reported, so the kubelet starts the main containers
+    // only after that (as it does for a native sidecar with a startup probe).
     let sidecar = format!(
-        "trap '{}; exit 0' TERM; {}; while true; do sleep 0.2; done",
+        "trap '{}; exit 0' TERM; {} && touch /tmp/started; while true; do sleep 0.2; done",
         report(&sink, "sidecar-term"),
         report(&sink, "sidecar-start"),
     );
@@ -201,6 +203,11 @@ async fn pod_lifecycle_volumes_probes_hooks_and_sidecar() -> Result<()> {
             "image": node.tools_image,
             "restartPolicy": "Always",
             "command": ["sh", "-c", sidecar],
+            "startupProbe": {
+                "exec": { "command": ["cat", "/tmp/started"] },
+                "periodSeconds": 1,
+                "failureThreshold": 30,
+            },
         }],
         "containers": [
             {
@@ -374,8 +381,17 @@ async fn pods_reach_a_service_by_its_dns_name() -> Result<()> {
 
     let fqdn = format!("web.{}.svc.cluster.local", ns.name());
     // The short name goes through the pod's DNS search path, the full one straight to CoreDNS.
-    let client =
-        format!("timeout 5 wget -q -O- http://web/ && timeout 5 wget -q -O- http://{fqdn}/");
+    // kube-proxy programs the Service a moment after its endpoint is ready: retry for 30 s.
+    let fetch = |url: &str| {
+        format!(
+            "for i in $(seq 30); do timeout 5 wget -q -O- {url} && break; sleep 1; done; [ $i -lt 30 ]"
+        )
+    };
+    let client = format!(
+        "{} && {}",
+        fetch("http://web/"),
+        fetch(&format!("http://{fqdn}/"))
+    );
     create_pod(
         &ns,
         &pod(
@@ -474,6 +490,66 @@ async fn device_plugin_allocates_distinct_fake_devices() -> Result<()> {
             "{resource}: {env} must name {count} distinct devices, got {out:?} ({})",
             describe(&done)
         );
+    }
+
+    // The device manager hands a device to one container at a time: two pods of 1 GPU each,
+    // running at once, get the node's two devices, one each.
+    for name in ["one-a", "one-b"] {
+        create_pod(
+            &ns,
+            &pod(
+                &node,
+                name,
+                json!({
+                    "restartPolicy": "Never",
+                    "containers": [{
+                        "name": "main",
+                        "image": node.tools_image,
+                        "command": ["sh", "-c", "echo \"$NVIDIA_VISIBLE_DEVICES\"; exec sleep 3600"],
+                        "resources": { "limits": { "nvidia.com/gpu": "1" } },
+                    }],
+                }),
+            )?,
+        )
+        .await?;
+    }
+    let mut singles = Vec::new();
+    for name in ["one-a", "one-b"] {
+        wait_pod(&ns, name, "Running", START_TIMEOUT, |p| {
+            phase(p) == "Running"
+        })
+        .await?;
+    }
+    // Both run at once, so each holds its device while the other's is read.
+    for name in ["one-a", "one-b"] {
+        let devices = wait_until(
+            format!("pod {name} to print its device"),
+            START_TIMEOUT,
+            || async {
+                let out = logs(&ns, name, None).await?;
+                Ok(match out.trim() {
+                    "" => Observed::NotYet("no output yet".into()),
+                    d => Observed::Ready(d.to_string()),
+                })
+            },
+        )
+        .await?;
+        singles.push(devices);
+    }
+    ensure!(
+        singles[0] != singles[1] && singles.iter().all(|d| !d.contains(',')),
+        "two 1-GPU pods running at once must get one distinct device each, got {singles:?}"
+    );
+    for name in ["one-a", "one-b"] {
+        ns.api::<Pod>()
+            .delete(
+                name,
+                &DeleteParams {
+                    grace_period_seconds: Some(0),
+                    ..DeleteParams::default()
+                },
+            )
+            .await?;
     }
 
     create_pod(
