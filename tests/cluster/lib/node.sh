@@ -209,6 +209,11 @@ node_remove() {
       while mountpoint -q "$d" 2>/dev/null; do umount "$d" || break; done
     done
   fi
+  # The kernel frees a namespace asynchronously: give the veth pair a moment to go with it.
+  for ((i = 0; i < 30; i++)); do
+    ip link show "$NODE_HOST_IF" >/dev/null 2>&1 || break
+    sleep 0.1
+  done
   if ip link show "$NODE_HOST_IF" >/dev/null 2>&1; then
     ip link del "$NODE_HOST_IF" 2>/dev/null || log "warning: could not delete link $NODE_HOST_IF"
   fi
