@@ -70,15 +70,24 @@ impl Drop for MetricServer {
     }
 }
 
-async fn serve(mut stream: TcpStream, value: &AtomicU64, requests: &AtomicU64) -> Result<()> {
+/// Reads an HTTP/1 request head (up to the blank line) of at most 16 KiB; `None` when the client
+/// hangs up first or sends more.
+pub(crate) async fn read_request_head(stream: &mut TcpStream) -> Result<Option<Vec<u8>>> {
     let mut head = Vec::with_capacity(1024);
     let mut buf = [0u8; 1024];
     while !head.windows(4).any(|w| w == b"\r\n\r\n") {
         let n = stream.read(&mut buf).await?;
         if n == 0 || head.len() + n > MAX_REQUEST_HEAD {
-            return Ok(());
+            return Ok(None);
         }
         head.extend_from_slice(&buf[..n]);
+    }
+    Ok(Some(head))
+}
+
+async fn serve(mut stream: TcpStream, value: &AtomicU64, requests: &AtomicU64) -> Result<()> {
+    if read_request_head(&mut stream).await?.is_none() {
+        return Ok(());
     }
     requests.fetch_add(1, Ordering::SeqCst);
     let body = format!("{{\"value\": {}}}", value.load(Ordering::SeqCst));

@@ -14,16 +14,14 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use serde_json::{Value, json};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
+use crate::metric_server::read_request_head;
 use crate::state_dir;
 use crate::wait::{Observed, wait_until};
-
-/// Largest request head the sink reads.
-const MAX_REQUEST_HEAD: usize = 16 * 1024;
 
 /// The real node as `tests/cluster/up` made it.
 #[derive(Debug, Clone)]
@@ -164,15 +162,9 @@ impl Drop for EventSink {
 }
 
 async fn record(mut stream: TcpStream, sink: &Mutex<Vec<Event>>, start: Instant) -> Result<()> {
-    let mut head = Vec::with_capacity(512);
-    let mut buf = [0u8; 512];
-    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
-        let n = stream.read(&mut buf).await?;
-        if n == 0 || head.len() + n > MAX_REQUEST_HEAD {
-            return Ok(());
-        }
-        head.extend_from_slice(&buf[..n]);
-    }
+    let Some(head) = read_request_head(&mut stream).await? else {
+        return Ok(());
+    };
     let at = start.elapsed();
     let line = String::from_utf8_lossy(&head);
     let path = line.split_whitespace().nth(1).unwrap_or("/");
@@ -192,6 +184,7 @@ async fn record(mut stream: TcpStream, sink: &Mutex<Vec<Event>>, start: Instant)
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tokio::io::AsyncReadExt;
 
     fn node() -> RealNode {
         RealNode {
