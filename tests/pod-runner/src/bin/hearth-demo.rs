@@ -39,12 +39,6 @@ async fn main() -> Result<()> {
         .context("kubeconfig has no parent dir")?
         .to_path_buf();
     let kc = Kubeconfig::read_from(&kubeconfig)?;
-    let server = kc
-        .clusters
-        .first()
-        .and_then(|c| c.cluster.as_ref())
-        .and_then(|c| c.server.clone())
-        .context("kubeconfig has no server")?;
     let config = Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default()).await?;
     let client = Client::try_from(config)?;
 
@@ -55,7 +49,7 @@ async fn main() -> Result<()> {
     log("installing Hearth: CRDs, webhook (built-in policies embedded), controller");
     stack::install_crds(&client).await?;
     ensure_namespace(&client, HEARTH_NS).await?;
-    let webhook_ip = webhook_ip(&server)?;
+    let webhook_ip = webhook_ip(&state)?;
     start_webhook(&kubeconfig, &state, &webhook_ip).await?;
     stack::install_stub_runtime(&client).await?;
     start_daemon(
@@ -128,18 +122,19 @@ async fn ensure_namespace(client: &Client, name: &str) -> Result<()> {
     Ok(())
 }
 
-/// `127.X.0.11`: the first address the cluster's README leaves free for Hearth's processes.
-fn webhook_ip(server: &str) -> Result<String> {
-    let host = server
-        .trim_start_matches("https://")
-        .split(':')
-        .next()
-        .unwrap_or_default();
-    let parts: Vec<&str> = host.split('.').collect();
-    if parts.len() != 4 {
-        bail!("apiserver {server} is not an IPv4 address of tests/cluster");
-    }
-    Ok(format!("{}.{}.0.11", parts[0], parts[1]))
+/// `127.X.0.11`: the first address the cluster's README leaves free for Hearth's processes, in
+/// the control plane's loopback /16 (`CONTROL_PLANE_NET` in `<state>/node.env`, from `up`).
+fn webhook_ip(state: &Path) -> Result<String> {
+    let path = state.join("node.env");
+    let env = std::fs::read_to_string(&path)
+        .with_context(|| format!("reading {} (written by tests/cluster/up)", path.display()))?;
+    let Some(net) = env
+        .lines()
+        .find_map(|l| l.strip_prefix("CONTROL_PLANE_NET="))
+    else {
+        bail!("{} has no CONTROL_PLANE_NET", path.display());
+    };
+    Ok(format!("{net}.0.11"))
 }
 
 /// Starts `bin` detached in its own process group with a PID file in `<state>/hearth/`, which
