@@ -25,6 +25,13 @@ const TERMINATE_TIMEOUT: Duration = Duration::from_secs(60);
 /// The stub image `build/images` builds and `tests/cluster/load-images` imports.
 const STUB_IMAGE: &str = "hearth.dev/vllm-stub:e2e";
 
+/// The real node and a namespace of the test's own (named `<prefix>-<suffix>`).
+async fn on_real_node(prefix: &str) -> Result<(RealNode, TestNamespace)> {
+    let node = RealNode::load()?;
+    let ns = Cluster::connect().await?.namespace(prefix).await?;
+    Ok((node, ns))
+}
+
 fn pod(node: &RealNode, name: &str, spec: Value) -> Result<Pod> {
     Ok(serde_json::from_value(json!({
         "apiVersion": "v1",
@@ -148,9 +155,7 @@ fn position(events: &[String], name: &str) -> Result<usize> {
 /// restarts its container; the preStop hook completes before the container gets SIGTERM.
 #[tokio::test]
 async fn pod_lifecycle_volumes_probes_hooks_and_sidecar() -> Result<()> {
-    let node = RealNode::load()?;
-    let cluster = Cluster::connect().await?;
-    let ns = cluster.namespace("node-lifecycle").await?;
+    let (node, ns) = on_real_node("node-lifecycle").await?;
     let sink = EventSink::start(&node).await?;
 
     let config: ConfigMap = serde_json::from_value(json!({
@@ -343,9 +348,7 @@ async fn pod_lifecycle_volumes_probes_hooks_and_sidecar() -> Result<()> {
 /// the host reaches the same Service VIP through its route into the node.
 #[tokio::test]
 async fn pods_reach_a_service_by_its_dns_name() -> Result<()> {
-    let node = RealNode::load()?;
-    let cluster = Cluster::connect().await?;
-    let ns = cluster.namespace("node-dns").await?;
+    let (node, ns) = on_real_node("node-dns").await?;
     let token = format!("served-by-{}", ns.name());
     let server = format!(
         "mkdir -p /tmp/www && echo {token} >/tmp/www/index.html && exec httpd -f -p 8080 -h /tmp/www"
@@ -450,9 +453,7 @@ async fn http_get(addr: &str) -> Result<String> {
 /// GPUs than the node has stays Pending.
 #[tokio::test]
 async fn device_plugin_allocates_distinct_fake_devices() -> Result<()> {
-    let node = RealNode::load()?;
-    let cluster = Cluster::connect().await?;
-    let ns = cluster.namespace("node-devices").await?;
+    let (node, ns) = on_real_node("node-devices").await?;
     let asks = [
         ("gpus", "nvidia.com/gpu", 2, "NVIDIA_VISIBLE_DEVICES"),
         ("npus", "huawei.com/Ascend910", 2, "ASCEND_VISIBLE_DEVICES"),
@@ -597,9 +598,7 @@ async fn device_plugin_allocates_distinct_fake_devices() -> Result<()> {
 /// container and says why in its status.
 #[tokio::test]
 async fn run_as_non_root_refuses_an_image_that_runs_as_root() -> Result<()> {
-    let node = RealNode::load()?;
-    let cluster = Cluster::connect().await?;
-    let ns = cluster.namespace("node-nonroot").await?;
+    let (node, ns) = on_real_node("node-nonroot").await?;
     create_pod(
         &ns,
         &pod(
@@ -651,9 +650,7 @@ fn waiting_reason(pod: &Pod) -> Option<(String, String)> {
 #[tokio::test]
 async fn stub_pods_start_on_the_real_node() -> Result<()> {
     const PODS: usize = 20;
-    let node = RealNode::load()?;
-    let cluster = Cluster::connect().await?;
-    let ns = cluster.namespace("node-stub").await?;
+    let (node, ns) = on_real_node("node-stub").await?;
     let mut took = Vec::with_capacity(PODS);
     for i in 0..PODS {
         let name = format!("stub-{i}");
@@ -724,9 +721,7 @@ fn hearth_images() -> Result<Vec<(&'static str, String)>> {
 /// root filesystem, no capabilities. `--version` prints the git version they were built from.
 #[tokio::test]
 async fn hearth_images_run_non_root_on_a_read_only_root() -> Result<()> {
-    let node = RealNode::load()?;
-    let cluster = Cluster::connect().await?;
-    let ns = cluster.namespace("node-images").await?;
+    let (node, ns) = on_real_node("node-images").await?;
     let git = std::process::Command::new("git")
         .args(["describe", "--tags", "--always", "--dirty"])
         .current_dir(env!("CARGO_MANIFEST_DIR"))
