@@ -67,6 +67,14 @@ impl Drop for Running {
     }
 }
 
+/// Connects to the local cluster, which must not have Hearth installed: this suite's
+/// in-process controllers would share their namespaces with the installed one.
+async fn connect() -> Result<Cluster> {
+    let cluster = Cluster::connect().await?;
+    cluster.require_hearth_not_installed().await?;
+    Ok(cluster)
+}
+
 fn start(client: Client, namespace: &str, render: RenderConfig, requeue: Duration) -> Running {
     let metrics = Metrics::new();
     let (tx, rx) = oneshot::channel::<()>();
@@ -93,10 +101,14 @@ fn start(client: Client, namespace: &str, render: RenderConfig, requeue: Duratio
     }
 }
 
+/// The gateway image `build/images` built and `tests/cluster/up` imported into the real node,
+/// so gateway pods and drain sidecars run for real.
 fn test_render_config() -> RenderConfig {
+    let gateway = hearth_test_support::hearth_image("hearth-gateway")
+        .expect("charts/hearth names the gateway image");
     RenderConfig {
-        gateway_image: "hearth.dev/hearth-gateway:test".to_owned(),
-        drain_image: Some("hearth.dev/hearth-gateway:test".to_owned()),
+        gateway_image: gateway.clone(),
+        drain_image: Some(gateway),
         ..RenderConfig::builtin().expect("the built-in ServingPolicies compile")
     }
 }
@@ -313,7 +325,7 @@ async fn scale_backend(ns: &TestNamespace, service: &str, replicas: i32) -> Resu
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn upstream_examples_reconcile_to_expected_children() -> Result<()> {
-    let cluster = Cluster::connect().await?;
+    let cluster = connect().await?;
     let client = cluster.client();
     install_crds(&client).await?;
     let ns = cluster.namespace("ctrl-upstream").await?;
@@ -412,7 +424,7 @@ async fn upstream_examples_reconcile_to_expected_children() -> Result<()> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn phases_follow_the_backend_and_replicas_belong_to_the_scaler() -> Result<()> {
-    let cluster = Cluster::connect().await?;
+    let cluster = connect().await?;
     let client = cluster.client();
     install_crds(&client).await?;
     let ns = cluster.namespace("ctrl-phase").await?;
@@ -547,7 +559,7 @@ fn fake_keda_crd(group: &str) -> Result<CustomResourceDefinition> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn keda_absent_is_a_condition_and_its_arrival_is_picked_up() -> Result<()> {
-    let cluster = Cluster::connect().await?;
+    let cluster = connect().await?;
     let client = cluster.client();
     install_crds(&client).await?;
     let ns = cluster.namespace("ctrl-keda").await?;
@@ -645,7 +657,7 @@ fn runtime_named(name: &str, vendor: &str, priority: i32, image: &str) -> Result
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_runtime_change_re_renders_its_services() -> Result<()> {
-    let cluster = Cluster::connect().await?;
+    let cluster = connect().await?;
     let client = cluster.client();
     install_crds(&client).await?;
     let ns = cluster.namespace("ctrl-switch").await?;
@@ -748,7 +760,7 @@ async fn a_runtime_change_re_renders_its_services() -> Result<()> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn drift_is_repaired_and_idle_makes_no_writes() -> Result<()> {
-    let cluster = Cluster::connect().await?;
+    let cluster = connect().await?;
     let client = cluster.client();
     install_crds(&client).await?;
     let ns = cluster.namespace("ctrl-drift").await?;
@@ -794,19 +806,18 @@ async fn drift_is_repaired_and_idle_makes_no_writes() -> Result<()> {
             &Patch::Apply(&mut edited),
         )
         .await?;
+    let want = test_render_config().gateway_image;
     wait_until("gateway image repaired", WAIT, || async {
         let d = gateways.get("stub-svc-gateway").await?;
         let img = d
             .spec
             .and_then(|s| s.template.spec)
             .and_then(|p| p.containers[0].image.clone());
-        Ok(
-            if img.as_deref() == Some("hearth.dev/hearth-gateway:test") {
-                Observed::Ready(())
-            } else {
-                Observed::NotYet(format!("{img:?}"))
-            },
-        )
+        Ok(if img.as_deref() == Some(want.as_str()) {
+            Observed::Ready(())
+        } else {
+            Observed::NotYet(format!("{img:?}"))
+        })
     })
     .await?;
     wait_service(&ns, "stub-svc", "ScaledToZero after repair", |s| {
@@ -909,7 +920,7 @@ async fn wait_drain_image(ns: &TestNamespace, service: &str, image: &str) -> Res
 /// else set is repaired, not kept.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_upgrade_restarts_no_running_backend() -> Result<()> {
-    let cluster = Cluster::connect().await?;
+    let cluster = connect().await?;
     let client = cluster.client();
     install_crds(&client).await?;
     let ns = cluster.namespace("ctrl-upgrade").await?;
@@ -1003,7 +1014,7 @@ async fn an_upgrade_restarts_no_running_backend() -> Result<()> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deleting_the_service_removes_every_child() -> Result<()> {
-    let cluster = Cluster::connect().await?;
+    let cluster = connect().await?;
     let client = cluster.client();
     install_crds(&client).await?;
     let ns = cluster.namespace("ctrl-delete").await?;
@@ -1067,7 +1078,7 @@ async fn deleting_the_service_removes_every_child() -> Result<()> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_leader_at_a_time_and_takeover_after_expiry() -> Result<()> {
     use hearth_controller::leader::{LeaseConfig, try_acquire};
-    let cluster = Cluster::connect().await?;
+    let cluster = connect().await?;
     let ns = cluster.namespace("ctrl-lease").await?;
     let api: Api<k8s_openapi::api::coordination::v1::Lease> = ns.api();
     let cfg = |id: &str| LeaseConfig {

@@ -259,6 +259,8 @@ fn merge(a: &mut Value, b: Value) {
 
 async fn setup(prefix: &str, cert_validity: Duration) -> Result<(TestNamespace, Webhook)> {
     let cluster = Cluster::connect().await?;
+    // An installed Hearth's webhook would admit this test's objects too.
+    cluster.require_hearth_not_installed().await?;
     let ns = cluster.namespace(prefix).await?;
     let hook = Webhook::start(&cluster, &ns, cert_validity).await?;
     Ok((ns, hook))

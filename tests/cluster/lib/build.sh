@@ -56,8 +56,8 @@ build_all() {
   [[ -x "$KUBE_APISERVER" && -x "$KUBE_CONTROLLER_MANAGER" && -x "$KUBE_SCHEDULER" && -x "$KUBECTL" ]] ||
     need+=(kubernetes)
   [[ -x "$KWOK" ]] || need+=(kwok)
-  [[ -x "$KEDA_OPERATOR" && -x "$KEDA_ADAPTER" && -f "$KEDA_CRDS/keda.sh_scaledobjects.yaml" ]] ||
-    need+=(keda)
+  [[ -x "$KEDA_OPERATOR" && -x "$KEDA_ADAPTER" && -x "$KEDA_WEBHOOKS" &&
+    -f "$KEDA_CONFIG/default/kustomization.yaml" ]] || need+=(keda)
   [[ -x "$HELM" ]] || need+=(helm)
   [[ -x "$KUBELET" && -x "$KUBE_PROXY" ]] || need+=(kube-node)
   [[ -x "$COREDNS" ]] || need+=(coredns)
@@ -128,17 +128,32 @@ build_all() {
         install_bin "$tmp/kwok/kwok" "$KWOK"
         ;;
       keda)
-        ld="-s -w -X github.com/kedacore/keda/v2/version.Version=${KEDA_VERSION#v}"
-        go_build keda keda "$ld" "$tmp/keda" \
-          github.com/kedacore/keda/v2/cmd/operator github.com/kedacore/keda/v2/cmd/adapter
-        install_bin "$tmp/keda/operator" "$KEDA_OPERATOR"
-        install_bin "$tmp/keda/adapter" "$KEDA_ADAPTER"
-        # The CRDs come from the same module version as the operator.
-        local dir
-        dir="$(cd "$CLUSTER_DIR/go/keda" && go list -m -f '{{.Dir}}' github.com/kedacore/keda/v2)"
-        mkdir -p "$KEDA_CRDS"
-        cp "$dir"/config/crd/bases/*.yaml "$KEDA_CRDS/"
-        chmod u+w "$KEDA_CRDS"/*.yaml
+        # The three programs of KEDA's release (its Makefile's manager, adapter and webhooks),
+        # only those missing: they share most packages, so a later one mostly links.
+        local pkgs=() dir
+        [[ -x "$KEDA_OPERATOR" ]] || pkgs+=(github.com/kedacore/keda/v2/cmd/operator)
+        [[ -x "$KEDA_ADAPTER" ]] || pkgs+=(github.com/kedacore/keda/v2/cmd/adapter)
+        [[ -x "$KEDA_WEBHOOKS" ]] || pkgs+=(github.com/kedacore/keda/v2/cmd/webhooks)
+        if ((${#pkgs[@]} > 0)); then
+          ld="-s -w -X github.com/kedacore/keda/v2/version.Version=${KEDA_VERSION#v}"
+          go_build keda keda "$ld" "$tmp/keda" "${pkgs[@]}"
+          [[ -x "$KEDA_OPERATOR" ]] || install_bin "$tmp/keda/operator" "$KEDA_OPERATOR"
+          [[ -x "$KEDA_ADAPTER" ]] || install_bin "$tmp/keda/adapter" "$KEDA_ADAPTER"
+          [[ -x "$KEDA_WEBHOOKS" ]] || install_bin "$tmp/keda/webhooks" "$KEDA_WEBHOOKS"
+        fi
+        # KEDA's manifests (config/: CRDs, RBAC, Deployments, Services, APIService, webhooks)
+        # from the same module version, which `up` renders with keda/kustomization.yaml. A copy,
+        # so that `up` needs neither Go nor the module cache.
+        # (go mod download: a no-op when the module is cached; needed when only config/ is missing.)
+        dir="$(cd "$CLUSTER_DIR/go/keda" && go mod download github.com/kedacore/keda/v2 &&
+          go list -m -f '{{.Dir}}' github.com/kedacore/keda/v2)" && [[ -d "$dir/config/default" ]] ||
+          die "KEDA's module source (for config/) is not in Go's module cache: cd tests/cluster/go/keda && go mod download"
+        rm -rf "$KEDA_CONFIG.tmp"
+        mkdir -p "$(dirname "$KEDA_CONFIG")"
+        cp -R "$dir/config" "$KEDA_CONFIG.tmp"
+        chmod -R u+w "$KEDA_CONFIG.tmp"
+        rm -rf "$KEDA_CONFIG"
+        mv "$KEDA_CONFIG.tmp" "$KEDA_CONFIG"
         ;;
       helm)
         ld="-s -w -X helm.sh/helm/v4/internal/version.version=$HELM_VERSION"

@@ -68,7 +68,8 @@ make_pki() {
   chmod 700 "$d"
   # Cluster CA: signs serving certs and client certs of every component.
   new_ca "$d" ca hearth-cluster-ca
-  # Front-proxy CA: the aggregator's client identity towards extension apiservers (KEDA).
+  # Front-proxy CA: the aggregator's client identity towards extension apiservers (KEDA's
+  # metrics adapter, which reads this CA from kube-system/extension-apiserver-authentication).
   new_ca "$d" front-proxy-ca hearth-front-proxy-ca
   issue "$d" front-proxy-ca front-proxy-client "/CN=front-proxy-client" clientAuth
   issue "$d" ca etcd-server "/CN=etcd" serverAuth "IP:$CP_IP"
@@ -89,15 +90,7 @@ make_pki() {
   # kwok plays the kubelet of many nodes at once; the Node authorizer would confine one
   # identity to one node, so it gets admin rights.
   issue "$d" ca kwok "/O=system:masters/CN=hearth-kwok" clientAuth
-  # KEDA: one cert serves the operator's metrics gRPC (mTLS), the adapter's gRPC client cert and
-  # the adapter's HTTPS (reached by the aggregator as keda-metrics-apiserver.keda.svc). Admin
-  # rights stand in for KEDA's ClusterRoles, which install with its Helm chart.
-  issue "$d" ca keda "/O=system:masters/CN=hearth-keda" serverAuth,clientAuth \
-    "IP:$KEDA_OPERATOR_IP,IP:$KEDA_ADAPTER_IP,DNS:keda-operator.keda.svc,DNS:keda-operator.keda.svc.cluster.local,DNS:keda-metrics-apiserver.keda.svc,DNS:keda-metrics-apiserver.keda.svc.cluster.local"
-  mkdir -p "$STATE/keda/certs"
-  cp "$d/keda.crt" "$STATE/keda/certs/tls.crt"
-  cp "$d/keda.key" "$STATE/keda/certs/tls.key"
-  cp "$d/ca.crt" "$STATE/keda/certs/ca.crt"
+  # (KEDA makes its own certificates: its operator keeps them in the Secret keda/kedaorg-certs.)
   # Service-account token signing key pair.
   new_key "$d/sa.key"
   openssl pkey -in "$d/sa.key" -pubout -out "$d/sa.pub" 2>/dev/null
@@ -108,7 +101,6 @@ make_pki() {
   write_kubeconfig "$STATE/kubeconfigs/controller-manager" "$d" controller-manager system:kube-controller-manager
   write_kubeconfig "$STATE/kubeconfigs/scheduler" "$d" scheduler system:kube-scheduler
   write_kubeconfig "$STATE/kubeconfigs/kwok" "$d" kwok hearth-kwok
-  write_kubeconfig "$STATE/kubeconfigs/keda" "$d" keda hearth-keda
   write_kubeconfig "$STATE/kubeconfigs/kubelet" "$d" kubelet "system:node:$NODE_NAME"
   write_kubeconfig "$STATE/kubeconfigs/kube-proxy" "$d" kube-proxy system:kube-proxy
 }

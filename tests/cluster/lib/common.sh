@@ -26,27 +26,21 @@ if ! [[ "$NET" =~ ^127\.([0-9]{1,3})$ ]] || ((BASH_REMATCH[1] > 255)); then
 fi
 
 NODE_NET="${HEARTH_NODE_NET:-198.19.0.0/18}"
-# 198.18.0.0/16 is the test pod runner's (docs/e2e.md).
+# The node's /18 holds its link, pod CIDR and Service CIDR (README.md, "Addresses").
 if ! [[ "$NODE_NET" =~ ^198\.(19)\.([0-9]{1,3})\.0/18$ ]] || ((BASH_REMATCH[2] % 64 != 0 || BASH_REMATCH[2] > 192)); then
-  echo "error: HEARTH_NODE_NET='$NODE_NET' must be a /18 of 198.19.0.0/16, e.g. 198.19.0.0/18 or 198.19.64.0/18 (198.18.0.0/16 is the pod runner's)" >&2
+  echo "error: HEARTH_NODE_NET='$NODE_NET' must be a /18 of 198.19.0.0/16, e.g. 198.19.0.0/18 or 198.19.64.0/18" >&2
   exit 2
 fi
 node_b="${BASH_REMATCH[1]}" node_c="${BASH_REMATCH[2]}"
 
 # Address plan (README.md, "Addresses").
-CP_IP="$NET.0.1"          # etcd, kube-apiserver, controller-manager, scheduler, kwok
-KEDA_OPERATOR_IP="$NET.0.2"
-KEDA_ADAPTER_IP="$NET.0.3"
+CP_IP="$NET.0.1"          # etcd, controller-manager, scheduler, kwok
 APISERVER_PORT=6443
 ETCD_CLIENT_PORT=2379
 ETCD_PEER_PORT=2380
 KCM_PORT=10257
 SCHEDULER_PORT=10259
 KWOK_PORT=10247
-KEDA_GRPC_PORT=9666
-KEDA_OPERATOR_METRICS_PORT=8080
-KEDA_OPERATOR_PROBE_PORT=8081
-KEDA_ADAPTER_PORT=6443
 # The real node lives in a network namespace of its own, linked to the host by a veth pair; the
 # host routes $NODE_NET (and nothing else) into it. The apiserver listens on the host end of the
 # link, the one address of the control plane that pods and the kubelet can reach.
@@ -91,19 +85,27 @@ COREDNS="$BIN/coredns-$COREDNS_VERSION"
 # The pod sandbox ("pause") binary, compiled from build/pause of the same Kubernetes module.
 PAUSE="$BIN/pause-$KUBE_VERSION"
 KWOK="$BIN/kwok-$KWOK_VERSION"
+# KEDA's operator, metrics adapter and admission webhooks run as pods on the real node, from
+# images built of these binaries (lib/images.sh) and KEDA's own manifests: the config/ dir of the
+# same module version, copied here (lib/build.sh) and rendered by `up` through keda/.
 KEDA_OPERATOR="$BIN/keda-operator-$KEDA_VERSION"
 KEDA_ADAPTER="$BIN/keda-adapter-$KEDA_VERSION"
+KEDA_WEBHOOKS="$BIN/keda-admission-webhooks-$KEDA_VERSION"
+KEDA_CONFIG="$CACHE/share/keda-$KEDA_VERSION/config"
 HELM="$BIN/helm-$HELM_VERSION"
-KEDA_CRDS="$CACHE/share/keda-$KEDA_VERSION/crds"
 # The container runtime and CNI plugins come from Debian's packages (see README.md).
 CONTAINERD=/usr/bin/containerd
 CTR=/usr/bin/ctr
 CNI_BIN_DIR=/usr/lib/cni
-# Cluster images (pause, CoreDNS, test tools), built once from the binaries above.
+# Cluster images (pause, CoreDNS, test tools, KEDA), built once from the binaries above.
 IMAGES="$CACHE/images"
 PAUSE_IMAGE="hearth.dev/pause:${KUBE_VERSION}"
 COREDNS_IMAGE="hearth.dev/coredns:${COREDNS_VERSION}"
 TOOLS_IMAGE="hearth.dev/test-tools:busybox"
+# keda/kustomization.yaml points KEDA's image names (ghcr.io/kedacore/...) at these.
+KEDA_IMAGE="hearth.dev/keda:${KEDA_VERSION}"
+KEDA_ADAPTER_IMAGE="hearth.dev/keda-metrics-apiserver:${KEDA_VERSION}"
+KEDA_WEBHOOKS_IMAGE="hearth.dev/keda-admission-webhooks:${KEDA_VERSION}"
 ROOT_DIR="$(cd "$CLUSTER_DIR/../.." && pwd)"
 TARGET_DIR="${CARGO_TARGET_DIR:-$ROOT_DIR/target}"
 DEVICE_PLUGIN="$TARGET_DIR/debug/hearth-fake-device-plugin"
@@ -118,9 +120,10 @@ NODE_OWNER="$STATE/node-owner" # written before the node's first change to the h
 PIDS="$STATE/pids"
 LOGS="$STATE/logs"
 
-# Processes in start order; `down` stops them in reverse.
+# Processes in start order; `down` stops them in reverse. (CoreDNS and KEDA are pods on the
+# real node: `down` ends them with the node.)
 COMPONENTS=(etcd kube-apiserver kube-controller-manager kube-scheduler kwok
-  containerd kubelet kube-proxy device-plugin keda-operator keda-adapter)
+  containerd kubelet kube-proxy device-plugin)
 # The real node's daemons, in the order `down` stops them.
 NODE_COMPONENTS=(device-plugin kube-proxy kubelet containerd)
 
@@ -138,8 +141,6 @@ component_binary() {
     kube-controller-manager) echo "$KUBE_CONTROLLER_MANAGER" ;;
     kube-scheduler) echo "$KUBE_SCHEDULER" ;;
     kwok) echo "$KWOK" ;;
-    keda-operator) echo "$KEDA_OPERATOR" ;;
-    keda-adapter) echo "$KEDA_ADAPTER" ;;
     containerd) echo "$CONTAINERD" ;;
     kubelet) echo "$KUBELET" ;;
     kube-proxy) echo "$KUBE_PROXY" ;;

@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
-# Prints the objects `up` applies before KEDA starts: the fake nodes and the wiring that lets the
-# apiserver's aggregator reach the KEDA metrics adapter, a local process, on loopback.
-#   lib/manifests.sh <CA certificate that signed the adapter's serving cert>
+# Prints the fake nodes that `up` creates for kwok to keep Ready. (KEDA comes from its own
+# manifests: keda/kustomization.yaml.)
+#   lib/manifests.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
-ca_bundle="$(base64 -w0 <"$1")"
 
-# node <index> <name> <cpu> <memory> <labels as 'k: v' lines> <extended resources as 'k: "n"' lines>
+# node <index> <name> <cpu> <memory> <labels as 'k: v' lines> <extended resources as 'k: "n"' lines> <taint key>
 # Node i gets InternalIP $NET.1.i and podCIDR $NET.(10+i).0/24, from which kwok gives its pods
-# their IPs (README.md, "Addresses").
+# their IPs (README.md, "Addresses"). Every fake node is tainted NoSchedule, so a pod lands on one
+# only when it asks to: accelerator nodes carry the taint of their device resource, as GPU node
+# pools do in production (GKE taints nvidia.com/gpu), which the apiserver's
+# ExtendedResourceToleration admission plugin tolerates for every pod that requests that
+# resource; the CPU node carries kwok.x-k8s.io/node, tolerated only by tests that target it.
+# Everything else (Hearth, KEDA, gateways, stub backends) runs on the real node.
 node() {
-  local i="$1" name="$2" cpu="$3" mem="$4" labels="$5" extra="$6" resources
+  local i="$1" name="$2" cpu="$3" mem="$4" labels="$5" extra="$6" taint="$7" resources
   resources="$(printf '    cpu: "%s"\n    memory: %s\n    pods: "110"\n    ephemeral-storage: 500Gi\n' "$cpu" "$mem")"
   if [[ -n "$extra" ]]; then
     resources+=$'\n'"$(sed 's/^/    /' <<<"$extra")"
@@ -32,6 +36,10 @@ spec:
   podCIDR: $NET.$((10 + i)).0/24
   podCIDRs:
   - $NET.$((10 + i)).0/24
+  taints:
+  - key: $taint
+    value: present
+    effect: NoSchedule
 status:
   addresses:
   - type: InternalIP
@@ -51,75 +59,12 @@ NODE
 
 node 1 kwok-gpu-0 32 256Gi \
   $'nvidia.com/gpu.present: "true"\nnvidia.com/gpu.product: NVIDIA-A10\nnvidia.com/gpu.count: "2"' \
-  'nvidia.com/gpu: "2"'
+  'nvidia.com/gpu: "2"' nvidia.com/gpu
 node 2 kwok-gpu-1 32 256Gi \
   $'nvidia.com/gpu.present: "true"\nnvidia.com/gpu.product: NVIDIA-A10\nnvidia.com/gpu.count: "2"' \
-  'nvidia.com/gpu: "2"'
+  'nvidia.com/gpu: "2"' nvidia.com/gpu
 # The second label is the one the upstream Ascend 910B3 example selects on.
 node 3 kwok-ascend-0 192 1Ti \
   $'accelerator: huawei-Ascend910\nserving.hearth.dev/ascend-product: ascend-910b3' \
-  'huawei.com/Ascend910: "8"'
-node 4 kwok-cpu-0 16 64Gi '' ''
-# Advertises the fake extended resource the upstream stub InferenceRuntime requests, as the
-# kind node of upstream's end-to-end suite does.
-node 5 kwok-stub-0 16 64Gi 'tests.hearth.dev/stub: "true"' 'hearth.dev/fake-gpu: "4"'
-
-cat <<KEDA
----
-apiVersion: v1
-kind: Namespace
-metadata:
-  name: keda
----
-# The adapter is a local process on a loopback address, which neither Endpoints nor
-# EndpointSlices accept ("may not be in the loopback range"). An ExternalName Service may name an
-# IP literal, and the aggregator (with --enable-aggregator-routing=false, the default) resolves
-# an ExternalName Service to https://<externalName>:<APIService port>, verifying the serving
-# certificate for keda-metrics-apiserver.keda.svc.
-apiVersion: v1
-kind: Service
-metadata:
-  name: keda-metrics-apiserver
-  namespace: keda
-spec:
-  type: ExternalName
-  externalName: $KEDA_ADAPTER_IP
----
-apiVersion: apiregistration.k8s.io/v1
-kind: APIService
-metadata:
-  name: v1beta1.external.metrics.k8s.io
-spec:
-  group: external.metrics.k8s.io
-  version: v1beta1
-  groupPriorityMinimum: 100
-  versionPriority: 100
-  caBundle: $ca_bundle
-  service:
-    name: keda-metrics-apiserver
-    namespace: keda
-    port: $KEDA_ADAPTER_PORT
----
-# As KEDA's chart does: the HPA controller reads external metrics through the aggregator.
-apiVersion: rbac.authorization.k8s.io/v1
-kind: ClusterRole
-metadata:
-  name: keda-external-metrics-reader
-rules:
-- apiGroups: ["external.metrics.k8s.io"]
-  resources: ["*"]
-  verbs: ["get", "list", "watch"]
----
-apiVersion: rbac.authorization.k8s.io/v1
-kind: ClusterRoleBinding
-metadata:
-  name: keda-hpa-controller-external-metrics
-roleRef:
-  apiGroup: rbac.authorization.k8s.io
-  kind: ClusterRole
-  name: keda-external-metrics-reader
-subjects:
-- kind: ServiceAccount
-  name: horizontal-pod-autoscaler
-  namespace: kube-system
-KEDA
+  'huawei.com/Ascend910: "8"' huawei.com/Ascend910
+node 4 kwok-cpu-0 16 64Gi '' '' kwok.x-k8s.io/node

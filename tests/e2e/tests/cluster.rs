@@ -1,6 +1,7 @@
 //! The local control plane of `tests/cluster/` is a real cluster: the scheduler honours the
-//! fake nodes' accelerator capacity, kwok runs pods (and leaves runner pods alone), and KEDA
-//! scales through the aggregated external metrics API.
+//! fake nodes' accelerator capacity and taints (tolerated through ExtendedResourceToleration),
+//! kwok runs the pods placed on them, and KEDA, running in the cluster, scales a Deployment on
+//! the real node through the aggregated external metrics API.
 //!
 //! Needs a running cluster: `tests/cluster/up`, or run everything with `tests/run-tests`.
 
@@ -8,13 +9,11 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
-use hearth_test_support::{
-    Cluster, MetricServer, Observed, RUNNER_LABEL, describe_pods, wait_until,
-};
+use hearth_test_support::{Cluster, MetricServer, Observed, RealNode, describe_pods, wait_until};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::Api;
-use kube::api::{DeleteParams, DynamicObject, PostParams};
+use kube::api::{DynamicObject, PostParams};
 use serde_json::json;
 
 /// Generous bounds: the cluster shares 2 cores with the test build.
@@ -48,7 +47,8 @@ fn unschedulable(pod: &Pod) -> bool {
         })
 }
 
-fn deployment(name: &str, replicas: i32, resources: serde_json::Value) -> Result<Deployment> {
+/// A Deployment of `replicas` pods with `pod` as their spec.
+fn deployment(name: &str, replicas: i32, pod: serde_json::Value) -> Result<Deployment> {
     Ok(serde_json::from_value(json!({
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -58,13 +58,7 @@ fn deployment(name: &str, replicas: i32, resources: serde_json::Value) -> Result
             "selector": { "matchLabels": { "app": name } },
             "template": {
                 "metadata": { "labels": { "app": name } },
-                "spec": {
-                    "containers": [{
-                        "name": "main",
-                        "image": "example.invalid/workload:1",
-                        "resources": resources,
-                    }],
-                },
+                "spec": pod,
             },
         },
     }))?)
@@ -78,7 +72,22 @@ async fn gpu_capacity_bounds_scheduling_to_four_of_five_replicas() -> Result<()>
     deployments
         .create(
             &PostParams::default(),
-            &deployment("burst", 5, json!({ "limits": { "nvidia.com/gpu": "1" } }))?,
+            &deployment(
+                "burst",
+                5,
+                // The A10 product label, as the upstream A10 runtime selects: the fake A10
+                // nodes, not the real node (whose device plugin serves nvidia.com/gpu too). The
+                // pods tolerate the GPU nodes' nvidia.com/gpu taint through the apiserver's
+                // ExtendedResourceToleration plugin, as in a production GPU pool.
+                json!({
+                    "nodeSelector": { "nvidia.com/gpu.product": "NVIDIA-A10" },
+                    "containers": [{
+                        "name": "main",
+                        "image": "example.invalid/workload:1",
+                        "resources": { "limits": { "nvidia.com/gpu": "1" } },
+                    }],
+                }),
+            )?,
         )
         .await?;
 
@@ -214,7 +223,10 @@ async fn fake_nodes_advertise_their_accelerators() -> Result<()> {
         "kind": "Pod",
         "metadata": { "name": "npu", "labels": { "app": "npu" } },
         "spec": {
-            "nodeSelector": { "accelerator": "huawei-Ascend910" },
+            "nodeSelector": {
+                "accelerator": "huawei-Ascend910",
+                "serving.hearth.dev/ascend-product": "ascend-910b3",
+            },
             "containers": [{
                 "name": "main",
                 "image": "example.invalid/workload:1",
@@ -248,62 +260,6 @@ async fn fake_nodes_advertise_their_accelerators() -> Result<()> {
 }
 
 #[tokio::test]
-async fn kwok_leaves_pods_with_the_runner_label_alone() -> Result<()> {
-    let cluster = Cluster::connect().await?;
-    let ns = cluster.namespace("runner-label").await?;
-    let pods: Api<Pod> = ns.api();
-    let make = |name: &str, runner: bool| -> Result<Pod> {
-        let mut labels = json!({ "app": "label-check", "name": name });
-        if runner {
-            labels[RUNNER_LABEL] = json!("true");
-        }
-        Ok(serde_json::from_value(json!({
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "metadata": { "name": name, "labels": labels },
-            "spec": {
-                "nodeSelector": { "kubernetes.io/hostname": "kwok-cpu-0" },
-                "containers": [{ "name": "main", "image": "example.invalid/workload:1" }],
-            },
-        }))?)
-    };
-    // The runner pod first: by the time kwok has started the later plain pod, it has seen both.
-    pods.create(&PostParams::default(), &make("runner", true)?)
-        .await?;
-    pods.create(&PostParams::default(), &make("plain", false)?)
-        .await?;
-    let seen = ns
-        .wait_for_pods(
-            "the plain pod Running and the runner pod scheduled",
-            "app=label-check",
-            SCHEDULE_TIMEOUT,
-            |p| {
-                let plain_running = p
-                    .iter()
-                    .any(|x| x.metadata.name.as_deref() == Some("plain") && phase(x) == "Running");
-                let runner_scheduled = p.iter().any(|x| {
-                    x.metadata.name.as_deref() == Some("runner") && node_name(x) == "kwok-cpu-0"
-                });
-                plain_running && runner_scheduled
-            },
-        )
-        .await?;
-    let runner = pods.get("runner").await?;
-    let status = runner.status.clone().unwrap_or_default();
-    ensure!(
-        phase(&runner) == "Pending"
-            && status.container_statuses.is_none()
-            && status.pod_ip.is_none(),
-        "kwok touched the runner pod: {}",
-        describe_pods(&seen)
-    );
-    // No kubelet will confirm a graceful deletion of this pod, so it is removed at once.
-    pods.delete("runner", &DeleteParams::default().grace_period(0))
-        .await?;
-    Ok(())
-}
-
-#[tokio::test]
 async fn external_metrics_api_answers_through_the_apiserver() -> Result<()> {
     let cluster = Cluster::connect().await?;
     let path = "/apis/external.metrics.k8s.io/v1beta1";
@@ -330,11 +286,22 @@ async fn external_metrics_api_answers_through_the_apiserver() -> Result<()> {
 async fn keda_scales_a_deployment_from_zero_to_one_and_back() -> Result<()> {
     let cluster = Cluster::connect().await?;
     let ns = cluster.namespace("keda-scale").await?;
-    let metric = MetricServer::start(0).await?;
+    // KEDA's pods poll the metric on the host end of the real node's link.
+    let node = RealNode::load()?;
+    let metric = MetricServer::start(&node.host_ip, 0).await?;
 
+    // A real pod on the real node, so "ready" is the kubelet's word.
     let deployments: Api<Deployment> = ns.api();
+    let worker = node.place(json!({
+        "terminationGracePeriodSeconds": 1,
+        "containers": [{
+            "name": "main",
+            "image": node.tools_image,
+            "command": ["sleep", "3600"],
+        }],
+    }));
     deployments
-        .create(&PostParams::default(), &deployment("worker", 0, json!({}))?)
+        .create(&PostParams::default(), &deployment("worker", 0, worker)?)
         .await?;
     let scaled_objects = ns.dynamic_api("keda.sh", "v1alpha1", "ScaledObject", "scaledobjects");
     let scaled_object: DynamicObject = serde_json::from_value(json!({

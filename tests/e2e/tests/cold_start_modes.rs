@@ -10,8 +10,8 @@ mod stack;
 use std::time::Duration;
 
 use anyhow::{Result, ensure};
-use hearth_pod_runner::client::{self, Event};
-use hearth_pod_runner::stack::{self as hstack, ScalerMode};
+use hearth_e2e_harness::client::{self, Event};
+use hearth_e2e_harness::stack::{self as hstack, ScalerMode};
 use k8s_openapi::api::core::v1::Pod;
 use kube::Api;
 use kube::api::{ApiResource, DeleteParams, DynamicObject};
@@ -77,12 +77,11 @@ async fn reject_mode_answers_503_with_retry_after_and_still_wakes() -> Result<()
 async fn unschedulable_runtime_times_out_held_requests() -> Result<()> {
     let cluster = hearth_test_support::Cluster::connect().await?;
     let client = cluster.client();
-    hstack::ensure_runner(cluster.kubeconfig()).await?;
-    hstack::install(&client).await?;
+    hstack::ensure_hearth(&client, cluster.kubeconfig()).await?;
     // A copy of the upstream stub runtime whose accelerator no node advertises.
-    let mut rt =
-        hstack::read_manifests(&hstack::upstream_dir().join("stub-inferenceruntime.yaml"))?
-            .remove(0);
+    let mut rt = hstack::first_manifest(&hearth_test_support::upstream_file(
+        "stub-inferenceruntime.yaml",
+    ))?;
     let name = format!("vllm-stub-absent-{}", std::process::id());
     rt["metadata"]["name"] = Value::from(name.clone());
     rt["spec"]["accelerator"]["resourceName"] = Value::from("hearth.dev/absent-accelerator");

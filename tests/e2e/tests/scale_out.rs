@@ -1,6 +1,6 @@
 //! Sustained load above target scales the upstream stub service 1 → N, bounded by its
-//! `scaling.max` (2) and the fake GPU capacity of kwok-stub-0 (4 × `hearth.dev/fake-gpu`; the
-//! two tests of this file together use all 4); then idle → N → 0 while in-flight streams
+//! `scaling.max` (2) and the real node's fake GPUs (4 × `hearth.dev/fake-gpu`, served by its
+//! device plugin and allocated by the kubelet; the two tests of this file together use all 4); then idle → N → 0 while in-flight streams
 //! complete (the backend's preStop drain), with no request lost. Both scaler modes.
 
 mod stack;
@@ -10,8 +10,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
-use hearth_pod_runner::client::{self, Event, Trace};
-use hearth_pod_runner::stack::ScalerMode;
+use hearth_e2e_harness::client::{self, Event, Trace};
+use hearth_e2e_harness::stack::ScalerMode;
 use hearth_test_support::{Observed, wait_until};
 
 use stack::SERVICE;

@@ -2,15 +2,16 @@
 //! apply → ScaledToZero with no backend pod; a cold streaming chat completion → SSE heartbeats
 //! while the backend goes 0 → 1 → tokens → 200; then idle → back to 0, the idle pod leaving
 //! as soon as its drain sidecar sees the engine idle (not after the whole `drainTimeout`).
-//! Needs root (the pod runner) and a cluster from `tests/cluster/up`; see docs/e2e.md.
+//! Hearth is installed with its chart and every pod runs on the real node of `tests/cluster/up`
+//! (needs root); see docs/e2e.md.
 
 mod stack;
 
 use std::time::{Duration, Instant};
 
 use anyhow::{Result, ensure};
-use hearth_pod_runner::client::{self, Event};
-use hearth_pod_runner::stack::ScalerMode;
+use hearth_e2e_harness::client::{self, Event};
+use hearth_e2e_harness::stack::ScalerMode;
 
 use stack::{SERVICE, TOKENS};
 

@@ -12,11 +12,13 @@
 //! - [`RealNode`] and [`EventSink`]: pods on the cluster's real node, and what their containers
 //!   report from inside.
 
+mod images;
 mod metric_server;
 mod node;
 mod upstream;
 mod wait;
 
+pub use images::hearth_image;
 pub use metric_server::MetricServer;
 pub use node::{Event, EventSink, RealNode};
 pub use upstream::{UPSTREAM_EXAMPLES_ENV, upstream_dir, upstream_examples, upstream_file};
@@ -36,10 +38,6 @@ use kube::{Api, Client, Config};
 
 /// Label put on every namespace made by [`Cluster::namespace`], so leftovers can be found.
 pub const TEST_NAMESPACE_LABEL: &str = "tests.hearth.dev/test-namespace";
-
-/// Label that makes kwok leave a pod alone; the test-only pod runner plays the kubelet for
-/// pods that carry it (`tests/cluster/README.md`, "Pods kwok leaves alone").
-pub const RUNNER_LABEL: &str = "tests.hearth.dev/runner";
 
 /// Environment variable that, when set to `1`, keeps test namespaces for inspection.
 pub const KEEP_NAMESPACES_ENV: &str = "HEARTH_TEST_KEEP_NAMESPACES";
@@ -133,6 +131,20 @@ impl Cluster {
         Ok(cmd)
     }
 
+    /// Fails when Hearth is installed on the cluster (the chart's controller Deployment in
+    /// `hearth-system`): suites that run their own controller or webhook in-process would then
+    /// share their objects with the installed one. The message names the fix.
+    pub async fn require_hearth_not_installed(&self) -> Result<()> {
+        let api: Api<k8s_openapi::api::apps::v1::Deployment> =
+            Api::namespaced(self.client.clone(), "hearth-system");
+        if api.get_opt("hearth-controller").await?.is_some() {
+            bail!(
+                "Hearth is installed on this cluster (Deployment hearth-system/hearth-controller, from the Helm release the end-to-end suites install): its controller and webhook would act on this test's objects too. Uninstall it first: helm uninstall hearth --namespace hearth-system (tests/run-tests runs these suites before installing it)"
+            );
+        }
+        Ok(())
+    }
+
     /// Creates a namespace named `<prefix>-<random suffix>` and waits until pods can be made in
     /// it (its `default` ServiceAccount exists). It is deleted when the guard is dropped.
     pub async fn namespace(&self, prefix: &str) -> Result<TestNamespace> {
@@ -140,6 +152,14 @@ impl Cluster {
         if name.len() > 63 {
             bail!("namespace prefix {prefix:?} is too long: {name:?} exceeds 63 characters");
         }
+        self.namespace_named(&name).await
+    }
+
+    /// Like [`Cluster::namespace`], with exactly this name, for manifests that name their
+    /// namespace and are applied unchanged. Fails when it exists (a leftover of an earlier run:
+    /// delete it, or wait until its deletion ends).
+    pub async fn namespace_named(&self, name: &str) -> Result<TestNamespace> {
+        let name = name.to_string();
         let namespaces: Api<Namespace> = Api::all(self.client.clone());
         let ns: Namespace = serde_json::from_value(serde_json::json!({
             "apiVersion": "v1",

@@ -1,5 +1,6 @@
-//! A tiny HTTP/1.1 server on loopback that answers every GET with `{"value": <n>}`: the
-//! endpoint a KEDA `metrics-api` trigger polls (`valueLocation: value`).
+//! A tiny HTTP/1.1 server that answers every GET with `{"value": <n>}`: the endpoint a KEDA
+//! `metrics-api` trigger polls (`valueLocation: value`). KEDA runs in the cluster, so the server
+//! binds the host end of the real node's link, which pods reach.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -22,11 +23,12 @@ pub struct MetricServer {
 }
 
 impl MetricServer {
-    /// Binds `127.0.0.1` on a free port and serves `initial` until changed.
-    pub async fn start(initial: u64) -> Result<Self> {
-        let listener = TcpListener::bind("127.0.0.1:0")
+    /// Binds `ip` (an address of this host; pods reach the node's host IP) on a free port and
+    /// serves `initial` until changed.
+    pub async fn start(ip: &str, initial: u64) -> Result<Self> {
+        let listener = TcpListener::bind((ip, 0))
             .await
-            .context("binding the metric server on 127.0.0.1")?;
+            .with_context(|| format!("binding the metric server on {ip}"))?;
         let addr = listener.local_addr()?;
         let value = Arc::new(AtomicU64::new(initial));
         let requests = Arc::new(AtomicU64::new(0));
@@ -117,7 +119,7 @@ mod tests {
 
     #[tokio::test]
     async fn serves_the_current_value() {
-        let server = MetricServer::start(3).await.unwrap();
+        let server = MetricServer::start("127.0.0.1", 3).await.unwrap();
         assert!(get(&server).await.ends_with("\r\n\r\n{\"value\": 3}"));
         server.set(0);
         let response = get(&server).await;

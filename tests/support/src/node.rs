@@ -2,7 +2,7 @@
 //! need to place pods on it and to hear from them.
 //!
 //! - [`RealNode::load`] reads `<state dir>/node.env`, written by `tests/cluster/up`.
-//! - [`RealNode::place`] pins a pod spec to the node (its name and taint).
+//! - [`RealNode::place`] pins a pod spec to the node by its hostname.
 //! - [`EventSink`] is an HTTP server on the host end of the node's link: containers report what
 //!   happens inside them (`wget http://<sink>/<event>`), in the order it happens, also while
 //!   their pod is being deleted.
@@ -34,8 +34,6 @@ pub struct RealNode {
     pub host_ip: String,
     /// The cluster DNS Service's ClusterIP.
     pub dns_ip: String,
-    /// Key of the `NoSchedule` taint that keeps other tests' pods off the node.
-    pub taint: String,
     /// An image with a shell and busybox's tools, present on the node (runs as root).
     pub tools_image: String,
 }
@@ -66,20 +64,15 @@ impl RealNode {
             ip: get("NODE_IP")?,
             host_ip: get("NODE_HOST_IP")?,
             dns_ip: get("CLUSTER_DNS_IP")?,
-            taint: get("NODE_TAINT")?,
             tools_image: get("TOOLS_IMAGE")?,
         })
     }
 
-    /// Pins a pod spec (JSON) to this node: `nodeSelector` on its hostname and a toleration of
-    /// its taint, merged into what the spec already has.
+    /// Pins a pod spec (JSON) to this node: `nodeSelector` on its hostname, merged into what the
+    /// spec already has. (The fake nodes are tainted, so an unpinned pod without tolerations
+    /// lands here too; pinning makes a test's intent explicit.)
     pub fn place(&self, mut spec: Value) -> Value {
         spec["nodeSelector"]["kubernetes.io/hostname"] = json!(self.name);
-        let toleration = json!({ "key": self.taint, "operator": "Exists", "effect": "NoSchedule" });
-        match spec["tolerations"].as_array_mut() {
-            Some(list) => list.push(toleration),
-            None => spec["tolerations"] = json!([toleration]),
-        }
         spec
     }
 }
@@ -192,7 +185,6 @@ mod tests {
             ip: "198.19.0.2".into(),
             host_ip: "127.0.0.1".into(),
             dns_ip: "198.19.128.10".into(),
-            taint: "tests.hearth.dev/real-node".into(),
             tools_image: "hearth.dev/test-tools:busybox".into(),
         }
     }
@@ -209,8 +201,7 @@ mod tests {
             "hearth-node"
         );
         let tolerations = spec["tolerations"].as_array().cloned().unwrap_or_default();
-        assert_eq!(tolerations.len(), 2);
-        assert_eq!(tolerations[1]["key"], "tests.hearth.dev/real-node");
+        assert_eq!(tolerations.len(), 1, "the spec's own tolerations are kept");
     }
 
     #[tokio::test]

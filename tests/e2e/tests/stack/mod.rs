@@ -1,27 +1,29 @@
-//! Shared by the end-to-end suites: the upstream stub service deployed in a fresh namespace with
-//! its own `hearth-controller` process, reached through its Service name as an in-cluster
-//! client would (the pod runner proxies ClusterIPs and writes the names into /etc/hosts).
+//! Shared by the end-to-end suites: the upstream stub service deployed in a fresh namespace,
+//! reconciled by the chart-installed `hearth-controller` (installed once per cluster by the
+//! harness), its gateway and backend pods running on the real node, reached through its
+//! Service's ClusterIP as an in-cluster client would.
 
 #![allow(dead_code)] // Each suite uses a different part.
 
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use hearth_pod_runner::stack::{self, ScalerMode};
-use hearth_pod_runner::timeline::Timeline;
+use hearth_e2e_harness::stack::{self, ScalerMode};
+use hearth_e2e_harness::timeline::Timeline;
 use hearth_test_support::{Cluster, Observed, TestNamespace, wait_until};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::api::ListParams;
 use serde_json::Value;
-use tokio::process::Child;
 
 /// The upstream stub service's name and served model name.
 pub const SERVICE: &str = "stub-svc";
 /// Its backend Deployment.
 pub const BACKEND: &str = "stub-svc-backend";
 /// Label selector of its backend pods.
-pub const BACKEND_PODS: &str = stack::STUB_BACKEND_PODS;
+pub fn backend_selector() -> String {
+    stack::backend_pods(SERVICE)
+}
 /// The stub runtime's STUB_TOKEN_COUNT.
 pub const TOKENS: usize = 5;
 
@@ -29,54 +31,63 @@ pub const TOKENS: usize = 5;
 pub struct Deployed {
     pub timeline: Timeline,
     pub cluster: Cluster,
-    /// `http://stub-svc.<ns>.svc` (Service port 80 → the gateway).
+    /// `http://<ClusterIP of stub-svc>:80` (the gateway).
     pub url: String,
-    controller: Child,
-    // Last: dropping it deletes the namespace after the controller is gone.
+    // Last: dropping it deletes the namespace.
     pub ns: TestNamespace,
 }
 
-/// Starts the runner (once per cluster), installs the CRDs and the stub runtime, makes a
-/// namespace, starts a controller for it, applies the upstream stub service (with `edit`
-/// applied to the object) and waits for phase ScaledToZero with the gateway reachable.
+/// Installs Hearth (once per cluster) and the stub runtime, makes a namespace, applies the
+/// upstream stub service (with `edit` applied to the object) and waits for phase ScaledToZero
+/// with a Ready gateway behind the Service.
 pub async fn deploy(
     prefix: &str,
     mode: ScalerMode,
     edit: impl FnOnce(&mut Value),
 ) -> Result<Deployed> {
     let cluster = Cluster::connect().await?;
-    stack::ensure_runner(cluster.kubeconfig()).await?;
     let client = cluster.client();
-    stack::install(&client).await?;
+    stack::ensure_hearth(&client, cluster.kubeconfig()).await?;
+    stack::install_stub_runtime(&client).await?;
     let ns = cluster.namespace(prefix).await?;
-    let log = cluster
-        .kubeconfig()
-        .parent()
-        .context("kubeconfig dir")?
-        .join("logs")
-        .join(format!("controller-{}.log", ns.name()));
-    let controller = stack::start_controller(cluster.kubeconfig(), Some(ns.name()), &log)?;
     let mut obj = stack::stub_service(ns.name(), mode)?;
     edit(&mut obj);
     stack::apply(&client, obj, None).await?;
     let timeline = Timeline::start(client.clone(), ns.name(), BACKEND);
+    let url = wait_service_url(&client, ns.name()).await?;
     let d = Deployed {
         timeline,
-        url: format!("http://{SERVICE}.{}.svc", ns.name()),
+        url,
         cluster,
-        controller,
         ns,
     };
-    d.wait_phase("ScaledToZero", Duration::from_secs(90))
+    d.wait_phase("ScaledToZero", Duration::from_secs(120))
         .await?;
-    let host = format!("{SERVICE}.{}.svc", d.ns.name());
-    anyhow::ensure!(
-        stack::wait_resolvable(&host, Duration::from_secs(30)).await,
-        "{host} never resolved: the pod runner writes Service names into /etc/hosts (see docs/e2e.md)"
-    );
     d.wait_gateway_ready().await?;
     d.wait_gateway_endpoint().await?;
+    anyhow::ensure!(
+        stack::wait_reachable(&d.url, Duration::from_secs(60)).await,
+        "{} (Service {}/{SERVICE}) never accepted a connection: kube-proxy on the real node did not program it (see its log in the cluster's logs/)",
+        d.url,
+        d.ns.name()
+    );
     Ok(d)
+}
+
+/// The gateway Service's URL, once the controller has made the Service.
+async fn wait_service_url(client: &kube::Client, ns: &str) -> Result<String> {
+    wait_until(
+        format!("Service {ns}/{SERVICE} with a ClusterIP"),
+        Duration::from_secs(60),
+        || async {
+            Ok(match stack::service_url(client, ns, SERVICE).await {
+                Ok(url) => Observed::Ready(url),
+                Err(e) => Observed::NotYet(e.to_string()),
+            })
+        },
+    )
+    .await
+    .context("the controller never made the gateway Service")
 }
 
 impl Deployed {
@@ -103,7 +114,7 @@ impl Deployed {
         .await
     }
 
-    /// Waits until a gateway pod is Ready (the runner plays it).
+    /// Waits until a gateway pod is Ready.
     pub async fn wait_gateway_ready(&self) -> Result<()> {
         self.ns
             .wait_for_pods(
@@ -157,7 +168,7 @@ impl Deployed {
         Ok(self
             .ns
             .api::<Pod>()
-            .list(&ListParams::default().labels(BACKEND_PODS))
+            .list(&ListParams::default().labels(&backend_selector()))
             .await?
             .items)
     }
@@ -197,11 +208,5 @@ impl Deployed {
             })
             .collect::<Vec<_>>()
             .join("; ")
-    }
-}
-
-impl Drop for Deployed {
-    fn drop(&mut self) {
-        let _ = self.controller.start_kill();
     }
 }

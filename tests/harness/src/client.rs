@@ -208,3 +208,73 @@ pub async fn chat_with(
             timeout,
         })?
 }
+
+/// GETs `url` and returns the status and body (for `/metrics` and `/health` of pods, which the
+/// host reaches at their pod IPs through its route into the node).
+pub async fn get(url: &str, timeout: Duration) -> Result<(u16, String), ChatError> {
+    let req = http::Request::get(url)
+        .body(Full::new(Bytes::new()))
+        .map_err(|e| ChatError::Invalid(e.to_string()))?;
+    let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
+    let work = async {
+        let resp = client
+            .request(req)
+            .await
+            .map_err(|source| ChatError::Request {
+                url: url.to_string(),
+                source,
+            })?;
+        let status = resp.status().as_u16();
+        let body = resp
+            .into_body()
+            .collect()
+            .await
+            .map_err(|source| ChatError::Body {
+                url: url.to_string(),
+                source,
+            })?
+            .to_bytes();
+        Ok((status, String::from_utf8_lossy(&body).into_owned()))
+    };
+    tokio::time::timeout(timeout, work)
+        .await
+        .map_err(|_| ChatError::Timeout {
+            url: url.to_string(),
+            timeout,
+        })?
+}
+
+/// The value of a Prometheus gauge or counter without labels (or the sum over its label sets)
+/// in a text exposition; None when absent.
+pub fn metric_value(text: &str, name: &str) -> Option<f64> {
+    let mut found = None;
+    for line in text.lines().filter(|l| !l.starts_with('#')) {
+        let Some((series, value)) = line.rsplit_once(' ') else {
+            continue;
+        };
+        let series_name = series.split('{').next().unwrap_or(series);
+        if series_name == name
+            && let Ok(v) = value.parse::<f64>()
+        {
+            *found.get_or_insert(0.0) += v;
+        }
+    }
+    found
+}
+
+#[cfg(test)]
+mod tests {
+    use super::metric_value;
+
+    #[test]
+    fn metric_value_sums_label_sets_and_skips_comments() {
+        let text = "# HELP vllm:num_requests_running x\n# TYPE vllm:num_requests_running gauge\n\
+                    vllm:num_requests_running{model_name=\"a\"} 1\n\
+                    vllm:num_requests_running{model_name=\"b\"} 2\n\
+                    \n\
+                    vllm:num_requests_waiting 0\n";
+        assert_eq!(metric_value(text, "vllm:num_requests_running"), Some(3.0));
+        assert_eq!(metric_value(text, "vllm:num_requests_waiting"), Some(0.0));
+        assert_eq!(metric_value(text, "vllm:kv_cache_usage_perc"), None);
+    }
+}

@@ -1,18 +1,16 @@
 //! `hearth-demo`, run by `tests/demo` (`make demo`) on a cluster from `tests/cluster/up`:
-//! installs Hearth as local processes (CRDs, `hearth-webhook` with its embedded built-in
-//! policies, `hearth-controller`), starts the pod runner, applies the upstream stub runtime and
-//! service unchanged, and prints the timeline of a cold streaming request in each scaler mode.
+//! installs Hearth with its Helm chart (`tests/cluster/install-hearth`: the images of
+//! `build/images`, imported into the real node), applies the quickstart runtime and model of
+//! `examples/quickstart/` (once per KEDA scaler mode, each in its own namespace), and prints the
+//! timeline of a cold streaming request in each mode: the request, KEDA's 0 → 1, the backend pod
+//! scheduled, started and Ready on the real node, the tokens, and the way back to 0.
 
-use std::fs::File;
-use std::os::unix::process::CommandExt;
-use std::path::{Path, PathBuf};
-use std::process::Stdio;
 use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::{Context, Result, bail};
-use hearth_pod_runner::client::{self, Trace};
-use hearth_pod_runner::stack::{self, ScalerMode};
-use hearth_pod_runner::timeline::Timeline;
+use hearth_e2e_harness::client::{self, Trace};
+use hearth_e2e_harness::stack::{self, ScalerMode};
+use hearth_e2e_harness::timeline::{PodTimeline, Timeline};
 use k8s_openapi::api::core::v1::{Namespace, Pod};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::api::{ApiResource, DynamicObject, ListParams, PostParams};
@@ -20,9 +18,10 @@ use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::core::GroupVersionKind;
 use kube::{Api, Client, Config};
 
-const NS: &str = "hearth-e2e";
-const SVC: &str = "stub-svc";
-const HEARTH_NS: &str = "hearth-system";
+/// The quickstart LLMService's name (examples/quickstart/llmservice.yaml).
+const SVC: &str = "quickstart";
+/// Its backend Deployment.
+const BACKEND: &str = "quickstart-backend";
 
 fn log(msg: impl AsRef<str>) {
     eprintln!("[demo] {}", msg.as_ref());
@@ -31,7 +30,7 @@ fn log(msg: impl AsRef<str>) {
 #[tokio::main]
 async fn main() -> Result<()> {
     let _ = rustls::crypto::ring::default_provider().install_default();
-    let kubeconfig = PathBuf::from(
+    let kubeconfig = std::path::PathBuf::from(
         std::env::var_os("KUBECONFIG").context("KUBECONFIG is unset: run through tests/demo")?,
     );
     let state = kubeconfig
@@ -43,60 +42,72 @@ async fn main() -> Result<()> {
     let client = Client::try_from(config)?;
 
     log(
-        "the pod runner (the test kubelet for gateway and stub pods): using the one tests/cluster/up started, or starting it",
+        "installing Hearth with its Helm chart (tests/cluster/install-hearth: images from build/images, webhook and controller as pods on the real node)",
     );
-    stack::ensure_runner(&kubeconfig).await?;
-    log("installing Hearth: CRDs, webhook (built-in policies embedded), controller");
-    stack::install_crds(&client).await?;
-    ensure_namespace(&client, HEARTH_NS).await?;
-    let webhook_ip = webhook_ip(&state)?;
-    start_webhook(&kubeconfig, &state, &webhook_ip).await?;
-    stack::install_stub_runtime(&client).await?;
-    start_daemon(
-        &state,
-        "hearth-controller",
-        &[
-            "run",
-            "--leader-elect=false",
-            "--metrics-addr=127.0.0.1:0",
-            &format!("--gateway-image={}", hearth_pod_runner::GATEWAY_IMAGE),
-        ],
-        &kubeconfig,
-    )?;
+    let install = Instant::now();
+    let installed = stack::hearth_available(&client).await?;
+    stack::ensure_hearth(&client, &kubeconfig).await?;
+    if installed {
+        log("Hearth was already installed (helm release hearth-system/hearth)");
+    } else {
+        log(format!(
+            "helm install to a ready webhook and controller: {:.1}s (log {}/logs/install-hearth.log)",
+            install.elapsed().as_secs_f64(),
+            state.display()
+        ));
+    }
+    let examples = stack::examples_dir().join("quickstart");
+    log("applying examples/quickstart/runtime.yaml (InferenceRuntime quickstart-stub)");
+    stack::apply_file(&client, &examples.join("runtime.yaml"), None).await?;
 
-    // Poll mode: the upstream service exactly as published (namespace hearth-e2e). Push mode:
-    // the same manifest in its own namespace with the scaler annotation, so each mode's cold
-    // start is a first activation.
+    // Poll mode: the example as written (namespace hearth-demo). Push mode: the same manifest in
+    // its own namespace with the scaler annotation, so each mode's cold start is a first
+    // activation.
+    let service = stack::first_manifest(&examples.join("llmservice.yaml"))?;
     for mode in [ScalerMode::Poll, ScalerMode::Push] {
         let ns = ns_of(mode);
         log(format!(
-            "applying the upstream stub service as {ns}/{SVC} ({} mode)",
+            "applying examples/quickstart/llmservice.yaml as {ns}/{SVC} ({} mode)",
             mode.annotation()
         ));
         ensure_namespace(&client, ns).await?;
-        apply_retrying(&client, stack::stub_service(ns, mode)?).await?;
+        let mut obj = service.clone();
+        obj["metadata"]["namespace"] = serde_json::Value::from(ns);
+        mode.annotate(&mut obj);
+        stack::apply(&client, obj, None).await?;
     }
     let mut rows = Vec::new();
+    let mut url = String::new();
     for mode in [ScalerMode::Poll, ScalerMode::Push] {
-        let url = format!("http://{SVC}.{}.svc", ns_of(mode));
         wait_scaled_to_zero(&client, mode).await?;
         wait_gateway(&client, mode).await?;
-        rows.push(cold_request(&client, &url, mode).await?);
+        let u = stack::service_url(&client, ns_of(mode), SVC).await?;
+        if !stack::wait_reachable(&u, Duration::from_secs(60)).await {
+            bail!(
+                "{u} (Service {}/{SVC}) never accepted a connection from this host",
+                ns_of(mode)
+            );
+        }
+        rows.push(cold_request(&client, &u, mode).await?);
+        if mode == ScalerMode::Poll {
+            url = u;
+        }
     }
-    let url = format!("http://{SVC}.{NS}.svc");
 
     println!();
     println!("Cold activation, both scaler modes, this run (seconds after the request was sent):");
     println!();
     println!(
-        "| mode | scaled 0 → 1 | pod ready | first token | last token | back to 0 | pod gone |"
+        "| mode | scaled 0 → 1 | pod scheduled | container started | pod Ready | first token | last token | back to 0 | pod gone |"
     );
-    println!("|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|");
     for r in &rows {
         println!("{r}");
     }
     println!();
-    println!("Hearth is running. Talk to the model (the pod runner resolves Service names here):");
+    println!(
+        "Hearth is running. Talk to the model from this host, through the gateway Service's ClusterIP (the host routes the Service range into the node, where kube-proxy forwards it):"
+    );
     println!(
         "  curl -N {url}/v1/chat/completions -H 'content-type: application/json' \\\n    -d '{{\"model\":\"{SVC}\",\"stream\":true,\"messages\":[{{\"role\":\"user\",\"content\":\"hi\"}}]}}'"
     );
@@ -106,7 +117,7 @@ async fn main() -> Result<()> {
         state.display()
     );
     println!(
-        "Logs: {}/logs/  Stop everything: tests/cluster/down",
+        "Logs: kubectl -n hearth-system logs deploy/hearth-controller (and deploy/hearth-webhook), {}/logs/  Stop everything: tests/cluster/down",
         state.display()
     );
     Ok(())
@@ -122,134 +133,16 @@ async fn ensure_namespace(client: &Client, name: &str) -> Result<()> {
     Ok(())
 }
 
-/// `127.X.0.11`: the first address the cluster's README leaves free for Hearth's processes, in
-/// the control plane's loopback /16 (`CONTROL_PLANE_NET` in `<state>/node.env`, from `up`).
-fn webhook_ip(state: &Path) -> Result<String> {
-    let path = state.join("node.env");
-    let env = std::fs::read_to_string(&path)
-        .with_context(|| format!("reading {} (written by tests/cluster/up)", path.display()))?;
-    let Some(net) = env
-        .lines()
-        .find_map(|l| l.strip_prefix("CONTROL_PLANE_NET="))
-    else {
-        bail!("{} has no CONTROL_PLANE_NET", path.display());
-    };
-    Ok(format!("{net}.0.11"))
-}
-
-/// Starts `bin` detached in its own process group with a PID file in `<state>/hearth/`, which
-/// `tests/cluster/down` stops; a running one is kept.
-fn start_daemon(state: &Path, bin: &str, args: &[&str], kubeconfig: &Path) -> Result<()> {
-    let dir = state.join("hearth");
-    std::fs::create_dir_all(&dir)?;
-    let pid_file = dir.join(format!("{bin}.pid"));
-    if let Ok(pid) = std::fs::read_to_string(&pid_file)
-        && std::fs::read_link(format!("/proc/{}/exe", pid.trim()))
-            .is_ok_and(|e| e.to_string_lossy().contains(bin))
-    {
-        log(format!("{bin} already runs (pid {})", pid.trim()));
-        return Ok(());
-    }
-    let path = stack::binary(bin)?;
-    let logs = state.join("logs");
-    std::fs::create_dir_all(&logs)?;
-    let out = File::create(logs.join(format!("{bin}.log")))?;
-    let child = std::process::Command::new(&path)
-        .args(args)
-        .env("KUBECONFIG", kubeconfig)
-        .stdin(Stdio::null())
-        .stdout(out.try_clone()?)
-        .stderr(out)
-        .process_group(0)
-        .spawn()
-        .with_context(|| format!("starting {}", path.display()))?;
-    std::fs::write(&pid_file, format!("{}\n", child.id()))?;
-    log(format!(
-        "{bin} started (pid {}, log {}/logs/{bin}.log)",
-        child.id(),
-        state.display()
-    ));
-    Ok(())
-}
-
-async fn start_webhook(kubeconfig: &Path, state: &Path, ip: &str) -> Result<()> {
-    let listen = format!("{ip}:8443");
-    // Register by URL first: the self-managed webhook publishes its CA into the existing
-    // configurations at start and keeps it current.
-    let out = std::process::Command::new(stack::binary("hearth-webhook")?)
-        .args([
-            "configurations",
-            &format!("--namespace={HEARTH_NS}"),
-            &format!("--url=https://{listen}"),
-        ])
-        .output()?;
-    if !out.status.success() {
-        bail!(
-            "hearth-webhook configurations failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-    let client = Client::try_from(
-        Config::from_custom_kubeconfig(
-            Kubeconfig::read_from(kubeconfig)?,
-            &KubeConfigOptions::default(),
-        )
-        .await?,
-    )?;
-    let docs = stack::parse_manifests(&String::from_utf8_lossy(&out.stdout))
-        .map_err(|e| anyhow::anyhow!("hearth-webhook configurations output: {e}"))?;
-    for v in docs {
-        stack::apply(&client, v, None).await?;
-    }
-    start_daemon(
-        state,
-        "hearth-webhook",
-        &[
-            &format!("--listen={listen}"),
-            "--self-managed",
-            &format!("--namespace={HEARTH_NS}"),
-            &format!("--extra-san={ip}"),
-        ],
-        kubeconfig,
-    )?;
-    let start = Instant::now();
-    while tokio::net::TcpStream::connect(&listen).await.is_err() {
-        if start.elapsed() > Duration::from_secs(30) {
-            bail!(
-                "hearth-webhook does not listen on {listen}; see {}/logs/hearth-webhook.log",
-                state.display()
-            );
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-    Ok(())
-}
-
-/// Applies, retrying while the webhook's caBundle is being published.
-async fn apply_retrying(client: &Client, obj: serde_json::Value) -> Result<()> {
-    let start = Instant::now();
-    loop {
-        match stack::apply(client, obj.clone(), None).await {
-            Ok(_) => return Ok(()),
-            Err(e) if start.elapsed() > Duration::from_secs(60) => return Err(e.into()),
-            Err(_) => tokio::time::sleep(Duration::from_millis(500)).await,
-        }
-    }
-}
-
-/// The namespace of each mode's copy of the upstream stub service.
+/// The namespace of each mode's copy of the quickstart service.
 fn ns_of(mode: ScalerMode) -> &'static str {
     match mode {
-        ScalerMode::Poll => NS,
-        ScalerMode::Push => "hearth-e2e-push",
+        ScalerMode::Poll => "hearth-demo",
+        ScalerMode::Push => "hearth-demo-push",
     }
 }
 
 async fn wait_scaled_to_zero(client: &Client, mode: ScalerMode) -> Result<()> {
-    let trigger = match mode {
-        ScalerMode::Poll => "metrics-api",
-        ScalerMode::Push => "external-push",
-    };
+    let trigger = mode.trigger();
     let so: Api<DynamicObject> = Api::namespaced_with(
         client.clone(),
         ns_of(mode),
@@ -290,9 +183,7 @@ async fn wait_gateway(client: &Client, mode: ScalerMode) -> Result<()> {
     let api: Api<EndpointSlice> = Api::namespaced(client.clone(), ns);
     let lp = ListParams::default().labels(&format!("kubernetes.io/service-name={SVC}"));
     let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
-    let gw = ListParams::default().labels(&format!(
-        "app.kubernetes.io/component=gateway,serving.hearth.dev/llmservice={SVC}"
-    ));
+    let gw = ListParams::default().labels(stack::GATEWAY_PODS);
     let start = Instant::now();
     loop {
         let ready = api
@@ -306,14 +197,11 @@ async fn wait_gateway(client: &Client, mode: ScalerMode) -> Result<()> {
         // request does not land on a replica being replaced.
         let gws = pods.list(&gw).await?.items;
         let settled = gws.len() == 1 && gws[0].metadata.deletion_timestamp.is_none();
-        if ready
-            && settled
-            && stack::wait_resolvable(&format!("{SVC}.{ns}.svc"), Duration::from_secs(1)).await
-        {
+        if ready && settled {
             return Ok(());
         }
-        if start.elapsed() > Duration::from_secs(120) {
-            bail!("the gateway of {ns}/{SVC} has no ready endpoint after 120 s");
+        if start.elapsed() > Duration::from_secs(180) {
+            bail!("the gateway of {ns}/{SVC} has no ready endpoint after 180 s");
         }
         tokio::time::sleep(Duration::from_millis(300)).await;
     }
@@ -330,7 +218,8 @@ fn wall(t: Instant, base_i: Instant, base_w: SystemTime) -> String {
 
 async fn cold_request(client: &Client, url: &str, mode: ScalerMode) -> Result<String> {
     let m = mode.annotation();
-    let tl = Timeline::start(client.clone(), ns_of(mode), "stub-svc-backend");
+    let tl = Timeline::start(client.clone(), ns_of(mode), BACKEND);
+    let pod_tl = PodTimeline::start(client.clone(), ns_of(mode), &stack::backend_pods(SVC));
     tokio::time::sleep(Duration::from_millis(300)).await;
     let base_w = SystemTime::now();
     let base_i = Instant::now();
@@ -349,6 +238,7 @@ async fn cold_request(client: &Client, url: &str, mode: ScalerMode) -> Result<St
     let scaled = tl.first_after(t0, |s| s.desired >= 1);
     let ready = tl.first_after(t0, |s| s.ready >= 1);
     let first = trace.first_token();
+    let pod = pod_tl.first_after(t0).unwrap_or_default();
     let last = trace.last_token();
     log(format!(
         "[{m}] answered; waiting for the backend to go back to 0 (idle; scaleDownStabilization 15s)"
@@ -366,7 +256,7 @@ async fn cold_request(client: &Client, url: &str, mode: ScalerMode) -> Result<St
     // The idle pod leaves once its preStop drain (the hearth-drain sidecar) has seen the engine
     // idle for the settle time, not after the whole drainTimeout.
     let pods: Api<Pod> = Api::namespaced(client.clone(), ns_of(mode));
-    let lp = ListParams::default().labels(stack::STUB_BACKEND_PODS);
+    let lp = ListParams::default().labels(&stack::backend_pods(SVC));
     let gone = match zero {
         None => None,
         Some(_) => loop {
@@ -401,7 +291,23 @@ async fn cold_request(client: &Client, url: &str, mode: ScalerMode) -> Result<St
         at(scaled),
         rel(scaled)
     );
-    println!("  {}  +{}s  backend pod ready", at(ready), rel(ready));
+    println!(
+        "  {}  +{}s  backend pod {} scheduled to a node",
+        at(pod.scheduled),
+        rel(pod.scheduled),
+        pod.name
+    );
+    println!(
+        "  {}  +{}s  its containers started (the kubelet ran them)",
+        at(pod.started),
+        rel(pod.started)
+    );
+    println!(
+        "  {}  +{}s  pod Ready (readiness probe on /health); Deployment ready {}s",
+        at(pod.ready),
+        rel(pod.ready),
+        rel(ready)
+    );
     println!(
         "  {}  +{}s  first token ({} SSE heartbeats before it)",
         at(first),
@@ -421,9 +327,11 @@ async fn cold_request(client: &Client, url: &str, mode: ScalerMode) -> Result<St
         rel(gone)
     );
     Ok(format!(
-        "| {m} | {} | {} | {} | {} | {} | {} |",
+        "| {m} | {} | {} | {} | {} | {} | {} | {} | {} |",
         rel(scaled),
-        rel(ready),
+        rel(pod.scheduled),
+        rel(pod.started),
+        rel(pod.ready),
         rel(first),
         rel(last),
         rel(zero),
