@@ -442,7 +442,24 @@ async fn phases_follow_the_backend_and_replicas_belong_to_the_scaler() -> Result
     })
     .await?;
 
-    // KEDA wakes it: kwok makes the pod ready, the phase goes Ready with one replica.
+    // This test plays the scaler by hand, so KEDA (running in the cluster, and seeing no
+    // demand at the gateway) is paused on this ScaledObject, as an operator would
+    // (`autoscaling.keda.sh/paused`); the annotation is another manager's field, which the
+    // controller's apply leaves alone.
+    let scaled_objects: Api<DynamicObject> =
+        Api::namespaced_with(client.clone(), ns.name(), &scaled_object_resource());
+    scaled_objects
+        .patch(
+            "stub-svc",
+            &PatchParams::default(),
+            &Patch::Merge(
+                json!({"metadata": {"annotations": {"autoscaling.keda.sh/paused": "true"}}}),
+            ),
+        )
+        .await?;
+
+    // Woken by hand: the stub pod starts on the real node and becomes ready, the phase goes
+    // Ready with one replica.
     scale_backend(&ns, "stub-svc", 1).await?;
     let svc = wait_service(&ns, "stub-svc", "Ready with 1 replica", |s| {
         phase(s) == Some(LLMServicePhase::Ready)
@@ -455,8 +472,9 @@ async fn phases_follow_the_backend_and_replicas_belong_to_the_scaler() -> Result
         svc.status
     );
 
-    // Someone scales to 3; a following reconcile (spec change → new generation) keeps 3.
-    scale_backend(&ns, "stub-svc", 3).await?;
+    // Someone scales to 2; a following reconcile (spec change → new generation) keeps 2.
+    // (Each replica takes one of the real node's 4 fake GPUs, shared with the other tests.)
+    scale_backend(&ns, "stub-svc", 2).await?;
     let api: Api<LLMService> = ns.api();
     api.patch(
         "stub-svc",
@@ -494,9 +512,9 @@ async fn phases_follow_the_backend_and_replicas_belong_to_the_scaler() -> Result
         },
     )
     .await?;
-    assert_eq!(backend_replicas(&ns, "stub-svc").await?, Some(3));
-    wait_service(&ns, "stub-svc", "3 ready replicas", |s| {
-        s.status.as_ref().and_then(|st| st.replicas) == Some(3)
+    assert_eq!(backend_replicas(&ns, "stub-svc").await?, Some(2));
+    wait_service(&ns, "stub-svc", "2 ready replicas", |s| {
+        s.status.as_ref().and_then(|st| st.replicas) == Some(2)
     })
     .await?;
 

@@ -1013,7 +1013,19 @@ async fn value_sets_render_and_pass_server_dry_run() -> Result<()> {
         let out = run_stdin(
             cluster
                 .kubectl()?
-                .args(["apply", "--dry-run=server", "-o", "name", "-f", "-"]),
+                // Server-side apply: the cluster-wide objects may exist already (the release
+                // the end-to-end suites install), which a client-side apply would warn about.
+                .args([
+                    "apply",
+                    "--server-side",
+                    "--force-conflicts",
+                    "--field-manager=chart-dry-run",
+                    "--dry-run=server",
+                    "-o",
+                    "name",
+                    "-f",
+                    "-",
+                ]),
             manifest.as_bytes(),
             &format!("kubectl apply --dry-run=server (value set {})", set.name),
         )?;
@@ -1032,21 +1044,33 @@ async fn value_sets_render_and_pass_server_dry_run() -> Result<()> {
         );
         table.push(format!("{:<22} {:>3} objects accepted", set.name, applied));
     }
-    // Helm's own install path against the cluster (release storage, hooks, CRD handling).
+    // Helm's own install path against the cluster (release storage, hooks, CRD handling). The
+    // webhook configurations have one name per cluster, so where the end-to-end suites'
+    // release is installed, its upgrade path is the one to check.
+    let installed = helm()?
+        .arg("--kubeconfig")
+        .arg(cluster.kubeconfig())
+        .args(["status", "hearth", "--namespace", "hearth-system"])
+        .output()
+        .context("running helm status")?
+        .status
+        .success();
     let ns = restricted_namespace(&cluster, "chart-install").await?;
+    let (verb, namespace) = if installed {
+        ("upgrade", "hearth-system")
+    } else {
+        ("install", ns.name())
+    };
     run(
         helm()?
             .arg("--kubeconfig")
             .arg(cluster.kubeconfig())
-            .args(["install", "hearth"])
+            .args([verb, "hearth"])
             .arg(chart_dir())
-            .args(["--namespace", ns.name(), "--dry-run=server"]),
-        "helm install --dry-run=server",
+            .args(["--namespace", namespace, "--dry-run=server"]),
+        &format!("helm {verb} --dry-run=server"),
     )?;
-    table.push(format!(
-        "{:<22} helm install --dry-run=server ok",
-        "default"
-    ));
+    table.push(format!("{:<22} helm {verb} --dry-run=server ok", "default"));
     eprintln!("server dry-run:\n{}", table.join("\n"));
     Ok(())
 }
