@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
-use hearth_e2e_harness::client::{self, Event};
+use hearth_e2e_harness::client;
 use hearth_e2e_harness::stack::ScalerMode;
 use hearth_test_support::{Observed, describe_pods, wait_until};
 use k8s_openapi::api::core::v1::Pod;
@@ -131,11 +131,7 @@ async fn replicas_beyond_the_nodes_devices_stay_pending_and_no_request_is_lost()
         let t = t
             .as_ref()
             .map_err(|e| anyhow::anyhow!("load request failed: {e}"))?;
-        let tokens = t
-            .events
-            .iter()
-            .filter(|(_, e)| matches!(e, Event::Token(_)))
-            .count();
+        let tokens = t.tokens(None);
         ensure!(
             t.status == 200 && t.complete() && tokens == 40,
             "load request lost: status {}, {tokens} tokens, last events {:?}",

@@ -9,7 +9,7 @@ mod stack;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
-use hearth_e2e_harness::client::{self, Event};
+use hearth_e2e_harness::client;
 use hearth_e2e_harness::stack::ScalerMode;
 use hearth_test_support::{Observed, wait_until};
 use k8s_openapi::api::core::v1::Pod;
@@ -75,11 +75,7 @@ async fn deleting_the_pod_serving_a_stream_loses_no_token() -> Result<()> {
     // (the drain then settles for a moment before the preStop returns).
     let pods = d.ns.api::<Pod>();
     let held = pods.get_opt(&name).await?.is_some();
-    let tokens = trace
-        .events
-        .iter()
-        .filter(|(_, e)| matches!(e, Event::Token(_)))
-        .count();
+    let tokens = trace.tokens(None);
     ensure!(
         trace.status == 200 && trace.complete(),
         "the stream served by the deleted pod {name}: status {}, last events {:?}",
@@ -90,11 +86,7 @@ async fn deleting_the_pod_serving_a_stream_loses_no_token() -> Result<()> {
         tokens == STREAM_TOKENS as usize,
         "the stream got {tokens} of {STREAM_TOKENS} tokens"
     );
-    let after_delete = trace
-        .events
-        .iter()
-        .filter(|(at, e)| *at > deleted && matches!(e, Event::Token(_)))
-        .count();
+    let after_delete = trace.tokens(Some(deleted));
     ensure!(
         after_delete > 0,
         "no token arrived after the deletion: the stream ended before it, so nothing was tested"

@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
-use hearth_e2e_harness::client::{self, Event, Trace};
+use hearth_e2e_harness::client;
 use hearth_e2e_harness::stack::ScalerMode;
 use hearth_test_support::{Observed, wait_until};
 
@@ -21,13 +21,6 @@ use stack::SERVICE;
 const CLIENTS: usize = 4;
 /// Tokens per load request (150 ms each in the stub runtime): 3 s streams.
 const LOAD_TOKENS: u32 = 20;
-
-fn tokens(t: &Trace) -> usize {
-    t.events
-        .iter()
-        .filter(|(_, e)| matches!(e, Event::Token(_)))
-        .count()
-}
 
 async fn load_then_idle(mode: ScalerMode) -> Result<()> {
     let d = stack::deploy(&format!("e2e-out-{}", mode.annotation()), mode, |_| {}).await?;
@@ -94,9 +87,9 @@ async fn load_then_idle(mode: ScalerMode) -> Result<()> {
             t.events
         );
         ensure!(
-            tokens(t) == LOAD_TOKENS as usize,
+            t.tokens(None) == LOAD_TOKENS as usize,
             "load request got {} of {LOAD_TOKENS} tokens",
-            tokens(t)
+            t.tokens(None)
         );
     }
     let a = long_a.await??;
@@ -109,9 +102,9 @@ async fn load_then_idle(mode: ScalerMode) -> Result<()> {
             t.events.iter().rev().take(3).collect::<Vec<_>>()
         );
         ensure!(
-            tokens(t) == n,
+            t.tokens(None) == n,
             "in-flight stream got {} of {n} tokens",
-            tokens(t)
+            t.tokens(None)
         );
     }
     // N never above max (2), which also keeps it within the 4 fake GPUs shared by both tests.

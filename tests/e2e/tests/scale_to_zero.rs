@@ -36,11 +36,7 @@ async fn cold_start_then_back_to_zero(mode: ScalerMode) -> Result<()> {
         "cold stream did not end with [DONE]: {:?} ({tl})",
         trace.events
     );
-    let tokens = trace
-        .events
-        .iter()
-        .filter(|(_, e)| matches!(e, Event::Token(_)))
-        .count();
+    let tokens = trace.tokens(None);
     ensure!(tokens == TOKENS, "{tokens} tokens, the stub sends {TOKENS}");
     let first_token = trace.first_token().expect("complete stream has tokens");
     let heartbeats_before = trace

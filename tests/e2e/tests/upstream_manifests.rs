@@ -10,7 +10,7 @@ mod stack;
 use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
-use hearth_e2e_harness::client::{self, Event};
+use hearth_e2e_harness::client;
 use hearth_e2e_harness::stack as hstack;
 use hearth_test_support::{Cluster, Observed, upstream_file, wait_until};
 use kube::Client;
@@ -113,11 +113,7 @@ async fn upstream_manifests_apply_unchanged_and_the_stub_serves_for_real() -> Re
         trace.status,
         trace.events
     );
-    let tokens = trace
-        .events
-        .iter()
-        .filter(|(_, e)| matches!(e, Event::Token(_)))
-        .count();
+    let tokens = trace.tokens(None);
     ensure!(
         tokens == stack::TOKENS,
         "{tokens} tokens, the stub sends {}",

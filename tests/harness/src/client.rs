@@ -56,6 +56,13 @@ impl Trace {
             .filter(|(_, e)| *e == Event::Heartbeat)
             .count()
     }
+    /// How many tokens arrived (after `since`, when given).
+    pub fn tokens(&self, since: Option<Instant>) -> usize {
+        self.events
+            .iter()
+            .filter(|(at, e)| matches!(e, Event::Token(_)) && since.is_none_or(|s| *at > s))
+            .count()
+    }
     /// Arrival of the first token.
     pub fn first_token(&self) -> Option<Instant> {
         self.events

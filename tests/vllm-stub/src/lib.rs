@@ -6,7 +6,7 @@
 //!
 //! | endpoint | behaviour |
 //! |---|---|
-//! | `GET /health` | `503` until the startup delay has passed, then `200` (vLLM's health route) |
+//! | `GET /health` | `503` until the model is loaded and the startup delay has passed, then `200` (vLLM's health route) |
 //! | `GET /v1/models` | the served model names, OpenAI `list` of `model` objects |
 //! | `POST /v1/chat/completions` | `chat.completion`, or SSE `chat.completion.chunk` events ending with `data: [DONE]` when `"stream": true` |
 //! | `POST /v1/completions` | `text_completion`, streaming likewise |
@@ -22,6 +22,16 @@
 //!
 //! At most `max_num_seqs` requests generate at once (vLLM's `--max-num-seqs`); the others wait,
 //! and are counted by `vllm:num_requests_waiting`.
+//!
+//! The binary reads its model from disk when `--model` names one ([`model`]: a directory, or a
+//! repository in the Hugging Face or ModelScope cache the environment names) and is not ready
+//! before it has ([`StubConfig::await_model`], [`StubState::model_loaded`]); invoked as
+//! `python3` it is the prewarm step that fills such a cache ([`prewarm`], [`hub`]).
+
+pub mod hub;
+pub mod model;
+pub mod prewarm;
+pub mod sha256;
 
 use std::{
     convert::Infallible,
@@ -73,6 +83,9 @@ pub struct StubConfig {
     pub token_delay: Duration,
     /// Requests generating at once; the rest wait (`--max-num-seqs`).
     pub max_num_seqs: usize,
+    /// Whether the stub waits for [`StubState::model_loaded`] before it is ready (the startup
+    /// delay then counts from the load); otherwise the model counts as loaded at start.
+    pub await_model: bool,
 }
 
 impl Default for StubConfig {
@@ -84,6 +97,7 @@ impl Default for StubConfig {
             token_count: DEFAULT_TOKEN_COUNT,
             token_delay: DEFAULT_TOKEN_DELAY,
             max_num_seqs: DEFAULT_MAX_NUM_SEQS,
+            await_model: false,
         }
     }
 }
@@ -103,7 +117,8 @@ impl StubConfig {
 #[derive(Debug)]
 pub struct StubState {
     config: StubConfig,
-    started: Instant,
+    /// When the model was loaded (at start unless `await_model`).
+    loaded: std::sync::OnceLock<Instant>,
     created_unix: u64,
     running: AtomicUsize,
     waiting: AtomicUsize,
@@ -114,12 +129,17 @@ pub struct StubState {
 }
 
 impl StubState {
-    /// A fresh state; the startup delay counts from now.
+    /// A fresh state; the startup delay counts from now, or with `await_model` from
+    /// [`StubState::model_loaded`].
     pub fn new(config: StubConfig) -> Arc<Self> {
         let seqs = Arc::new(Semaphore::new(config.max_num_seqs.max(1)));
+        let loaded = std::sync::OnceLock::new();
+        if !config.await_model {
+            let _ = loaded.set(Instant::now());
+        }
         Arc::new(Self {
             config,
-            started: Instant::now(),
+            loaded,
             created_unix: SystemTime::now()
                 .duration_since(UNIX_EPOCH)
                 .map(|d| d.as_secs())
@@ -138,9 +158,21 @@ impl StubState {
         &self.config
     }
 
-    /// Whether the startup delay has passed.
+    /// Records that the model is loaded: the startup delay counts from now (once).
+    pub fn model_loaded(&self) {
+        let _ = self.loaded.set(Instant::now());
+    }
+
+    /// Whether the model is loaded.
+    pub fn is_loaded(&self) -> bool {
+        self.loaded.get().is_some()
+    }
+
+    /// Whether the model is loaded and the startup delay has passed since.
     pub fn is_ready(&self) -> bool {
-        self.started.elapsed() >= self.config.startup_delay
+        self.loaded
+            .get()
+            .is_some_and(|t| t.elapsed() >= self.config.startup_delay)
     }
 
     /// Requests generating tokens now (`vllm:num_requests_running`).

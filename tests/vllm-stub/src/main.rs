@@ -3,13 +3,21 @@
 //! Invoked like `vllm serve` is by the upstream stub runtime:
 //! `vllm-stub --model=<path> --served-model-name=<name> [--host H] [--port 8000]`, timing from
 //! `STUB_STARTUP_DELAY`, `STUB_TOKEN_COUNT`, `STUB_TOKEN_DELAY`. See `docs/gateway.md`,
-//! section "The vLLM stand-in".
+//! section "The vLLM stand-in", and `tests/vllm-stub/README.md`.
+//!
+//! When `--model` names files (a model directory, or a repository in the hub cache that
+//! `HF_HOME` / `MODELSCOPE_CACHE` names), the stub reads and checks them before it is ready:
+//! until they are there `/health` answers 503 and the log says what is missing; files that are
+//! there but invalid end the process with an error. Invoked as `python3` (the image installs the
+//! binary under that name too), it runs the controller's prewarm program instead
+//! (`vllm_stub::prewarm`).
 
 use std::{net::SocketAddr, time::Duration};
 
 use anyhow::Context;
 use clap::Parser;
 use tokio::signal::unix::{SignalKind, signal};
+use vllm_stub::model::{self, LoadError, ModelLocation};
 use vllm_stub::{StubConfig, StubState, parse_duration};
 
 /// A CPU stand-in for a vLLM OpenAI-compatible server (tests and the demo only).
@@ -49,8 +57,101 @@ fn duration(s: &str) -> Result<Duration, String> {
     parse_duration(s).map_err(|e| e.to_string())
 }
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+fn main() -> anyhow::Result<()> {
+    let mut argv = std::env::args_os();
+    let argv0 = argv.next().unwrap_or_default();
+    let name = std::path::Path::new(&argv0)
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    if name == "python" || name == "python3" || name.starts_with("python3.") {
+        let args: Vec<std::ffi::OsString> = argv.collect();
+        let code = vllm_stub::prewarm::python_main(
+            &args,
+            &|k| std::env::var(k).ok(),
+            &mut std::io::stdout().lock(),
+            &mut std::io::stderr().lock(),
+        );
+        std::process::exit(code);
+    }
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the runtime")?
+        .block_on(serve())
+}
+
+/// How often a missing model is looked for again, and logged again when nothing changed.
+const MODEL_POLL: Duration = Duration::from_secs(1);
+const MODEL_LOG_EVERY: Duration = Duration::from_secs(10);
+
+/// Loads the model at `location` (waiting for missing files), then marks `state` loaded.
+/// Returns an error when the files are there but invalid.
+async fn load_model(
+    location: ModelLocation,
+    model: String,
+    state: std::sync::Arc<StubState>,
+) -> anyhow::Result<()> {
+    let mut last: Option<(String, std::time::Instant)> = None;
+    loop {
+        let loc = location.clone();
+        let result = tokio::task::spawn_blocking(move || model::load(&loc))
+            .await
+            .context("model loading task")?;
+        match result {
+            Ok(m) => {
+                let weights: Vec<String> = m
+                    .weights
+                    .iter()
+                    .map(|w| {
+                        format!(
+                            "{} ({} bytes, {} tensors, sha256 {})",
+                            w.name,
+                            w.bytes,
+                            w.tensors.len(),
+                            w.sha256
+                        )
+                    })
+                    .collect();
+                tracing::info!(
+                    model = %model,
+                    source = location.kind(),
+                    dir = %m.dir.display(),
+                    revision = m.revision.as_deref().unwrap_or("-"),
+                    verified_blobs = m.verified_blobs,
+                    model_type = m.model_type.as_deref().unwrap_or("-"),
+                    name_or_path = m.name_or_path.as_deref().unwrap_or("-"),
+                    tensors = m.tensor_count(),
+                    weight_bytes = m.weight_bytes(),
+                    weights = %weights.join(", "),
+                    "model loaded from {location}"
+                );
+                state.model_loaded();
+                return Ok(());
+            }
+            Err(LoadError::Missing(why)) => {
+                let repeat = last
+                    .as_ref()
+                    .is_some_and(|(w, at)| *w == why && at.elapsed() < MODEL_LOG_EVERY);
+                if !repeat {
+                    tracing::warn!(
+                        model = %model,
+                        source = location.kind(),
+                        "model files not found yet: {why}; /health answers 503 until {location} is complete"
+                    );
+                    last = Some((why, std::time::Instant::now()));
+                }
+                tokio::time::sleep(MODEL_POLL).await;
+            }
+            Err(LoadError::Invalid(why)) => {
+                tracing::error!(model = %model, source = location.kind(), "invalid model: {why}");
+                anyhow::bail!("cannot load {location}: {why}");
+            }
+        }
+    }
+}
+
+async fn serve() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .json()
         .with_env_filter(
@@ -58,6 +159,11 @@ async fn main() -> anyhow::Result<()> {
         )
         .init();
     let args = Args::parse();
+    let location = model::locate(
+        &args.model,
+        &|k| std::env::var(k).ok(),
+        &model::mount_point_of,
+    );
     let config = StubConfig {
         model: args.model,
         served_model_names: args.served_model_name,
@@ -65,14 +171,27 @@ async fn main() -> anyhow::Result<()> {
         token_count: args.token_count,
         token_delay: args.token_delay,
         max_num_seqs: args.max_num_seqs,
+        await_model: location.reads_files(),
     };
     let addr = SocketAddr::new(args.host, args.port);
     let listener = tokio::net::TcpListener::bind(addr)
         .await
         .with_context(|| format!("binding {addr} (set --host/--port)"))?;
     let names = config.names();
+    let model_name = config.model.clone();
     let state = StubState::new(config);
-    tracing::info!(%addr, models = ?names, "vllm-stub listening");
+    tracing::info!(%addr, models = ?names, model = %model_name, "vllm-stub listening; model: {location}");
+    let (failed_tx, mut failed_rx) = tokio::sync::oneshot::channel::<anyhow::Error>();
+    if location.reads_files() {
+        let state = state.clone();
+        tokio::spawn(async move {
+            if let Err(e) = load_model(location, model_name, state).await {
+                let _ = failed_tx.send(e);
+            }
+        });
+    } else {
+        drop(failed_tx);
+    }
 
     let mut term = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
     let mut int = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
@@ -83,6 +202,7 @@ async fn main() -> anyhow::Result<()> {
     tokio::select! {
         _ = term.recv() => {}
         _ = int.recv() => {}
+        Ok(e) = &mut failed_rx => return Err(e),
     }
     tracing::info!(
         running = state.running(),

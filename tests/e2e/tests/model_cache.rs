@@ -1,0 +1,908 @@
+//! Model caches that really mount, on the real node: the upstream stub service with only its
+//! `cache` and `model.source` changed, Hearth installed with its chart, every pod run by the
+//! node's kubelet and containerd (see docs/controller.md, "Model path and cache").
+//!
+//! - **NodeLocalPVC** (`cache.size`, `cache.storageClassName`, `cache.prewarm: true`). The
+//!   cluster has no dynamic provisioner, so the test pre-creates what a platform team running
+//!   local disks would: a StorageClass with `kubernetes.io/no-provisioner` and
+//!   `volumeBindingMode: WaitForFirstConsumer`, and one local PersistentVolume (`local:` on a
+//!   directory of the node, `nodeAffinity` to it, `Retain`). A pre-created local PV is the honest
+//!   minimum: the controller's claim binds to it through the scheduler's volume binding, as it
+//!   would to one a local provisioner made, with no provisioner to install or to trust. The
+//!   directory is made first by a pod with a `hostPath` (`DirectoryOrCreate`) on the node's
+//!   `/var/lib` (a tmpfs inside the node's mount namespace, where the kubelet resolves local and
+//!   hostPath volumes) and given to the runtime's user (65532: the stub image runs as non-root,
+//!   and the controller sets no `fsGroup`, which local volumes would honour).
+//! - **HostPath** (`cache.prewarm: true`): the controller's `--host-path-root` (read from the
+//!   installed controller's args; the chart's `controller.hostPathRoot`, default
+//!   `/var/lib/hearth/models`). The kubelet would create a missing root as root-owned 0755, which
+//!   a non-root runtime cannot write, so the test prepares it on the node as a platform team must
+//!   (owned by 65532). The repository id is unique to the run (`hf://hearth-e2e/hostpath-<id>`,
+//!   a `model.source` edit), so the backend can only have read what this run's prewarm wrote,
+//!   and the test removes it from the node at the end.
+//! - **`pvc://`**: the test makes a claim (on a local PV as above), fills it with a Job of the
+//!   busybox tools image (a `config.json` and a safetensors file the test builds, copied from a
+//!   ConfigMap), and points `model.source.uri` at `pvc://weights/qwen/7b`; the backend mounts the
+//!   claim read-only at `/models` and serves `/models/qwen/7b`.
+//!
+//! The prewarm Job runs what the controller renders for every runtime: the runtime's image with
+//! `python3 -c 'from huggingface_hub import snapshot_download ...'`, `HF_HOME=/models/huggingface`
+//! and the cache at `/models`. The stub image installs its binary as `python3` too; under that
+//! name it runs exactly that program, writing the hub cache layout (`refs/main`, `snapshots/`,
+//! SHA-256-named `blobs/`) from its built-in hub (tests/vllm-stub). The stub backend, with
+//! `--model` a repository id and `HF_HOME` set, reads and checks those files (answering 503 until
+//! they are there) and logs a "model loaded" line naming the snapshot it read, which each test
+//! compares with what the prewarm printed or the fill Job wrote. Each test ends with a cold
+//! streaming chat completion: `200`, every token, `[DONE]`.
+//!
+//! Cleanup: the test namespaces go with their guards; the StorageClasses and PersistentVolumes
+//! (cluster-scoped) with a guard that deletes them when the test ends, also on failure; the
+//! node directories are removed by a pod at the end of a passing test (they live on the node's
+//! tmpfs, which `tests/cluster/down` drops anyway). Each test's backend takes one
+//! `hearth.dev/fake-gpu` at a time.
+
+mod stack;
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail, ensure};
+use hearth_e2e_harness::client::{self, Event};
+use hearth_e2e_harness::stack::ScalerMode;
+use hearth_test_support::{Cluster, Observed, RealNode, TestNamespace, describe_pods, wait_until};
+use k8s_openapi::ByteString;
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::batch::v1::Job;
+use k8s_openapi::api::core::v1::{
+    ConfigMap, PersistentVolume, PersistentVolumeClaim, Pod, PodSpec,
+};
+use k8s_openapi::api::storage::v1::StorageClass;
+use kube::Api;
+use kube::api::{ApiResource, DynamicObject, ListParams, LogParams, PostParams};
+use kube::core::GroupVersionKind;
+use serde_json::{Value, json};
+
+use stack::{Deployed, SERVICE, TOKENS};
+
+/// The stub runtime's image (the upstream stub InferenceRuntime), which the prewarm Job runs too.
+const STUB_IMAGE: &str = "hearth.dev/vllm-stub:e2e";
+/// The user the stub image runs as (build/Containerfile).
+const STUB_UID: u32 = 65532;
+/// The upstream stub service's model.
+const UPSTREAM_REPO: &str = "hearth/stub-model";
+/// Where the node's local volumes of these tests live (the node's `/var/lib` is a tmpfs of its
+/// own mount namespace).
+const LOCAL_VOLUMES: &str = "/var/lib/hearth-e2e";
+/// The installed controller (tests/cluster/install-hearth).
+const CONTROLLER: (&str, &str) = ("hearth-system", "hearth-controller");
+
+/// Cluster-scoped objects a test made (`kind/name` for kubectl), deleted when the guard drops:
+/// at the end of the test, also when it fails. A PersistentVolume still bound to a claim of the
+/// test's namespace waits (its `pv-protection` finalizer) until the namespace's deletion has
+/// removed the claim.
+struct ClusterScoped {
+    cluster: Cluster,
+    objects: Vec<String>,
+}
+
+impl ClusterScoped {
+    fn new(cluster: &Cluster) -> Self {
+        Self {
+            cluster: cluster.clone(),
+            objects: Vec::new(),
+        }
+    }
+
+    /// Records an object before it is made, so a failure half-way still deletes it.
+    fn will_make(&mut self, kind: &str, name: &str) {
+        self.objects.push(format!("{kind}/{name}"));
+    }
+}
+
+impl Drop for ClusterScoped {
+    fn drop(&mut self) {
+        if self.objects.is_empty() {
+            return;
+        }
+        let Ok(mut kubectl) = self.cluster.kubectl() else {
+            eprintln!("warning: no kubectl to delete {:?}", self.objects);
+            return;
+        };
+        match kubectl
+            .args(["delete", "--ignore-not-found", "--wait=false"])
+            .args(&self.objects)
+            .output()
+        {
+            Ok(o) if o.status.success() => {}
+            Ok(o) => eprintln!(
+                "warning: deleting {:?}: {}",
+                self.objects,
+                String::from_utf8_lossy(&o.stderr)
+            ),
+            Err(e) => eprintln!("warning: deleting {:?}: {e}", self.objects),
+        }
+    }
+}
+
+/// What one test made on the node and in the cluster besides its service.
+struct Fixture {
+    cluster: Cluster,
+    node: RealNode,
+    /// A namespace for the pods that prepare and clean the node's directories (made before the
+    /// service's, which `stack::deploy` creates).
+    node_ns: TestNamespace,
+    /// Unique to the test: names the StorageClass, the PV and the node directory.
+    id: String,
+    scoped: ClusterScoped,
+}
+
+impl Fixture {
+    async fn new(prefix: &str) -> Result<Self> {
+        let cluster = Cluster::connect().await?;
+        let node = RealNode::load()?;
+        let node_ns = cluster.namespace(prefix).await?;
+        let id = node_ns.name().to_owned();
+        let scoped = ClusterScoped::new(&cluster);
+        Ok(Self {
+            cluster,
+            node,
+            node_ns,
+            id,
+            scoped,
+        })
+    }
+
+    /// Runs `script` as root in the busybox tools image on the real node, with the node's
+    /// directory `host_dir` (created if absent) at `/host`; returns the pod's output.
+    async fn on_node(&self, name: &str, host_dir: &str, script: &str) -> Result<String> {
+        let spec = self.node.place(json!({
+            "restartPolicy": "Never",
+            "terminationGracePeriodSeconds": 0,
+            "containers": [{
+                "name": "sh",
+                "image": self.node.tools_image,
+                "command": ["sh", "-c", script],
+                "volumeMounts": [{ "name": "host", "mountPath": "/host" }],
+            }],
+            "volumes": [{
+                "name": "host",
+                "hostPath": { "path": host_dir, "type": "DirectoryOrCreate" },
+            }],
+        }));
+        let pod: Pod = serde_json::from_value(json!({
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": { "name": name },
+            "spec": spec,
+        }))?;
+        let pods = self.node_ns.api::<Pod>();
+        pods.create(&PostParams::default(), &pod)
+            .await
+            .with_context(|| format!("creating pod {name}"))?;
+        let phase = wait_until(
+            format!("pod {}/{name} to finish", self.node_ns.name()),
+            Duration::from_secs(90),
+            || async {
+                let p = pods.get(name).await?;
+                let phase = p.status.as_ref().and_then(|s| s.phase.clone());
+                Ok(match phase.as_deref() {
+                    Some(done @ ("Succeeded" | "Failed")) => Observed::Ready(done.to_owned()),
+                    _ => Observed::NotYet(describe_pods(&[p])),
+                })
+            },
+        )
+        .await?;
+        let out = pods
+            .logs(name, &LogParams::default())
+            .await
+            .with_context(|| format!("logs of pod {name}"))?;
+        ensure!(phase == "Succeeded", "node pod {name} failed: {out}");
+        Ok(out)
+    }
+
+    /// A StorageClass without a provisioner that binds at the first consumer, and one local
+    /// PersistentVolume of it on a fresh directory of the node, writable by the stub's user.
+    /// Returns the class's name.
+    async fn local_volume(&mut self) -> Result<String> {
+        let name = self.id.clone();
+        let client = self.cluster.client();
+        self.scoped.will_make("storageclass", &name);
+        let class: StorageClass = serde_json::from_value(json!({
+            "apiVersion": "storage.k8s.io/v1",
+            "kind": "StorageClass",
+            "metadata": { "name": name },
+            "provisioner": "kubernetes.io/no-provisioner",
+            "volumeBindingMode": "WaitForFirstConsumer",
+            "reclaimPolicy": "Retain",
+        }))?;
+        Api::<StorageClass>::all(client.clone())
+            .create(&PostParams::default(), &class)
+            .await
+            .context("creating the StorageClass")?;
+        self.on_node(
+            "make-local-volume",
+            LOCAL_VOLUMES,
+            &format!("mkdir /host/{name} && chown {STUB_UID}:{STUB_UID} /host/{name} && ls -ld /host/{name}"),
+        )
+        .await?;
+        self.scoped.will_make("persistentvolume", &name);
+        let pv: PersistentVolume = serde_json::from_value(json!({
+            "apiVersion": "v1",
+            "kind": "PersistentVolume",
+            "metadata": { "name": name },
+            "spec": {
+                "capacity": { "storage": "1Gi" },
+                "accessModes": ["ReadWriteOnce"],
+                "persistentVolumeReclaimPolicy": "Retain",
+                "storageClassName": name,
+                "volumeMode": "Filesystem",
+                "local": { "path": format!("{LOCAL_VOLUMES}/{name}") },
+                "nodeAffinity": { "required": { "nodeSelectorTerms": [{
+                    "matchExpressions": [{
+                        "key": "kubernetes.io/hostname",
+                        "operator": "In",
+                        "values": [self.node.name],
+                    }],
+                }]}},
+            },
+        }))?;
+        Api::<PersistentVolume>::all(client)
+            .create(&PostParams::default(), &pv)
+            .await
+            .context("creating the local PersistentVolume")?;
+        Ok(name)
+    }
+
+    /// Removes the local volume's directory from the node; returns what it held (`find`).
+    async fn remove_local_volume(&self) -> Result<String> {
+        let name = &self.id;
+        self.on_node(
+            "remove-local-volume",
+            LOCAL_VOLUMES,
+            &format!("find /host/{name} | sort && rm -rf /host/{name}"),
+        )
+        .await
+    }
+}
+
+/// The LLMService's condition `type_`: (status, reason).
+async fn condition(
+    client: &kube::Client,
+    ns: &str,
+    type_: &str,
+) -> Result<Option<(String, String)>> {
+    let ar = ApiResource::from_gvk(&GroupVersionKind::gvk(
+        "serving.hearth.dev",
+        "v1alpha1",
+        "LLMService",
+    ));
+    let svc = Api::<DynamicObject>::namespaced_with(client.clone(), ns, &ar)
+        .get(SERVICE)
+        .await?;
+    Ok(svc.data["status"]["conditions"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|c| c["type"] == type_)
+        .map(|c| {
+            (
+                c["status"].as_str().unwrap_or_default().to_owned(),
+                c["reason"].as_str().unwrap_or_default().to_owned(),
+            )
+        }))
+}
+
+/// Waits for the LLMService condition `type_` to be True with `reason`.
+async fn wait_condition(d: &Deployed, type_: &str, reason: &str) -> Result<()> {
+    let client = d.cluster.client();
+    wait_until(
+        format!(
+            "condition {type_}=True ({reason}) of LLMService {}/{SERVICE}",
+            d.ns.name()
+        ),
+        Duration::from_secs(60),
+        || async {
+            let c = condition(&client, d.ns.name(), type_).await?;
+            Ok(match c {
+                Some((s, r)) if s == "True" && r == reason => Observed::Ready(()),
+                other => Observed::NotYet(format!("{other:?}")),
+            })
+        },
+    )
+    .await
+}
+
+/// The output of the first container of the pods a Job made, for failure messages.
+async fn job_logs(ns: &TestNamespace, job: &str) -> String {
+    let pods = ns.api::<Pod>();
+    let Ok(list) = pods
+        .list(&ListParams::default().labels(&format!("job-name={job}")))
+        .await
+    else {
+        return "no pods listed".into();
+    };
+    let mut out = describe_pods(&list.items);
+    for p in &list.items {
+        let name = p.metadata.name.clone().unwrap_or_default();
+        let log = pods
+            .logs(&name, &LogParams::default())
+            .await
+            .unwrap_or_else(|e| format!("(no log: {e})"));
+        out.push_str(&format!("\n--- {name}:\n{log}"));
+    }
+    out
+}
+
+/// Waits until the Job has a succeeded pod; returns that pod. A failed Job fails at once, with
+/// its pods' logs.
+async fn wait_job(ns: &TestNamespace, job: &str, timeout: Duration) -> Result<Pod> {
+    let jobs = ns.api::<Job>();
+    let waited = wait_until(
+        format!("Job {}/{job} to succeed", ns.name()),
+        timeout,
+        || async {
+            let Some(j) = jobs.get_opt(job).await? else {
+                return Ok(Observed::NotYet("no Job yet".into()));
+            };
+            let status = j.status.clone().unwrap_or_default();
+            if status.succeeded.unwrap_or(0) > 0 {
+                return Ok(Observed::Ready(Ok(())));
+            }
+            let failed = status
+                .conditions
+                .unwrap_or_default()
+                .into_iter()
+                .find(|c| c.type_ == "Failed" && c.status == "True");
+            Ok(match failed {
+                Some(c) => Observed::Ready(Err(c.message.unwrap_or_default())),
+                None => Observed::NotYet(format!(
+                    "active {:?}, failed {:?}",
+                    status.active, status.failed
+                )),
+            })
+        },
+    )
+    .await;
+    match waited {
+        Ok(Ok(())) => {}
+        Ok(Err(why)) => bail!("Job {job} failed ({why}): {}", job_logs(ns, job).await),
+        Err(e) => bail!("{e:#}\n{}", job_logs(ns, job).await),
+    }
+    let pods = ns
+        .api::<Pod>()
+        .list(&ListParams::default().labels(&format!("job-name={job}")))
+        .await?
+        .items;
+    pods.into_iter()
+        .find(|p| p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Succeeded"))
+        .with_context(|| format!("Job {job} succeeded but none of its pods is Succeeded"))
+}
+
+/// The path the prewarm's `print(snapshot_download(...))` wrote.
+async fn prewarm_snapshot(ns: &TestNamespace, pod: &Pod) -> Result<(String, String)> {
+    let name = pod.metadata.name.clone().unwrap_or_default();
+    let log = ns
+        .api::<Pod>()
+        .logs(&name, &LogParams::default())
+        .await
+        .with_context(|| format!("logs of prewarm pod {name}"))?;
+    let path = log
+        .lines()
+        .find(|l| l.starts_with("/models/"))
+        .with_context(|| format!("the prewarm printed no snapshot path: {log}"))?;
+    Ok((path.to_owned(), log))
+}
+
+/// Checks the prewarm pod: the runtime's image running `python3 -c <snapshot_download>` on the
+/// real node, with `HF_HOME` in the cache mounted at `/models`; returns its spec.
+fn check_prewarm_pod(pod: &Pod, node: &RealNode, repo: &str) -> Result<PodSpec> {
+    let spec = pod.spec.clone().context("prewarm pod without spec")?;
+    ensure!(
+        spec.node_name.as_deref() == Some(node.name.as_str()),
+        "the prewarm ran on {:?}, not the real node {}",
+        spec.node_name,
+        node.name
+    );
+    let c = &spec.containers[0];
+    ensure!(
+        c.image.as_deref() == Some(STUB_IMAGE),
+        "prewarm image {:?}",
+        c.image
+    );
+    let command = c.command.clone().unwrap_or_default();
+    ensure!(
+        command.first().map(String::as_str) == Some("python3")
+            && command.get(1).map(String::as_str) == Some("-c")
+            && command.get(2).is_some_and(
+                |p| p.contains("snapshot_download") && p.contains(&format!("{repo:?}"))
+            ),
+        "prewarm command {command:?}"
+    );
+    let env: BTreeMap<_, _> = c
+        .env
+        .clone()
+        .unwrap_or_default()
+        .into_iter()
+        .map(|e| (e.name, e.value.unwrap_or_default()))
+        .collect();
+    ensure!(
+        env.get("HF_HOME").map(String::as_str) == Some("/models/huggingface"),
+        "prewarm env {env:?}"
+    );
+    ensure!(
+        c.volume_mounts
+            .iter()
+            .flatten()
+            .any(|m| m.mount_path == "/models"),
+        "the prewarm mounts nothing at /models: {:?}",
+        c.volume_mounts
+    );
+    Ok(spec)
+}
+
+/// The one backend pod, ready.
+async fn backend_pod(d: &Deployed) -> Result<Pod> {
+    let pods = d.backend_pods().await?;
+    let ready: Vec<Pod> = pods
+        .into_iter()
+        .filter(|p| {
+            p.status
+                .as_ref()
+                .and_then(|s| s.conditions.as_ref())
+                .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+        })
+        .collect();
+    match ready.as_slice() {
+        [p] => Ok(p.clone()),
+        other => bail!(
+            "{} ready backend pods: {}",
+            other.len(),
+            describe_pods(other)
+        ),
+    }
+}
+
+/// The stub container's "model loaded" log line of a backend pod: its JSON `fields`.
+async fn model_loaded(d: &Deployed, pod: &Pod) -> Result<Value> {
+    let name = pod.metadata.name.clone().unwrap_or_default();
+    let spec = pod.spec.as_ref().context("backend pod without spec")?;
+    let container = spec
+        .containers
+        .iter()
+        .find(|c| c.image.as_deref() == Some(STUB_IMAGE))
+        .with_context(|| format!("backend pod {name} runs no {STUB_IMAGE} container"))?;
+    let log =
+        d.ns.api::<Pod>()
+            .logs(
+                &name,
+                &LogParams {
+                    container: Some(container.name.clone()),
+                    ..LogParams::default()
+                },
+            )
+            .await
+            .with_context(|| format!("logs of backend pod {name}"))?;
+    log.lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .map(|l| l["fields"].clone())
+        .find(|f| {
+            f["message"]
+                .as_str()
+                .is_some_and(|m| m.starts_with("model loaded"))
+        })
+        .with_context(|| format!("the stub in {name} logged no \"model loaded\" line:\n{log}"))
+}
+
+/// A cold streaming chat completion: 200, every token, `[DONE]`. Returns (first token, end)
+/// in seconds after sending.
+async fn cold_chat(d: &Deployed) -> Result<(f64, f64)> {
+    ensure!(
+        d.backend_pods().await?.is_empty(),
+        "a backend pod exists before the cold request"
+    );
+    let trace = client::chat(&d.url, SERVICE, true, Duration::from_secs(150)).await?;
+    let tl = d.timeline_text(trace.sent);
+    ensure!(
+        trace.status == 200,
+        "cold stream answered {} ({tl})",
+        trace.status
+    );
+    ensure!(
+        trace.complete(),
+        "cold stream did not end with [DONE]: {:?} ({tl})",
+        trace.events
+    );
+    let tokens = trace
+        .events
+        .iter()
+        .filter(|(_, e)| matches!(e, Event::Token(_)))
+        .count();
+    ensure!(tokens == TOKENS, "{tokens} tokens, the stub sends {TOKENS}");
+    let first = trace.first_token().context("no token")? - trace.sent;
+    Ok((first.as_secs_f64(), (trace.end - trace.sent).as_secs_f64()))
+}
+
+fn secs(since: Instant) -> f64 {
+    since.elapsed().as_secs_f64()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn node_local_pvc_prewarmed_on_a_local_volume() -> Result<()> {
+    let t0 = Instant::now();
+    let mut fx = Fixture::new("e2e-cache-local").await?;
+    let class = fx.local_volume().await?;
+    let d = stack::deploy("e2e-cache-pvc", ScalerMode::Push, |o| {
+        o["spec"]["cache"] = json!({
+            "strategy": "NodeLocalPVC",
+            "size": "512Mi",
+            "storageClassName": class,
+            "prewarm": true,
+        });
+    })
+    .await?;
+    let applied = secs(t0);
+    let job = format!("{SERVICE}-prewarm");
+    let claim = format!("{SERVICE}-model-cache");
+    let pod = wait_job(&d.ns, &job, Duration::from_secs(180)).await?;
+    let prewarmed = secs(t0);
+    let spec = check_prewarm_pod(&pod, &fx.node, UPSTREAM_REPO)?;
+    ensure!(
+        spec.volumes.iter().flatten().any(|v| v
+            .persistent_volume_claim
+            .as_ref()
+            .is_some_and(|c| c.claim_name == claim)),
+        "the prewarm does not mount claim {claim}: {:?}",
+        spec.volumes
+    );
+    let (snapshot, prewarm_log) = prewarm_snapshot(&d.ns, &pod).await?;
+    ensure!(
+        snapshot.starts_with("/models/huggingface/hub/models--hearth--stub-model/snapshots/"),
+        "prewarm snapshot {snapshot}"
+    );
+    // The controller's claim is bound to the test's local volume on the real node.
+    let pvc = d.ns.api::<PersistentVolumeClaim>().get(&claim).await?;
+    ensure!(
+        pvc.spec.as_ref().and_then(|s| s.volume_name.as_deref()) == Some(class.as_str()),
+        "claim {claim} is bound to {:?}, not the local volume {class}",
+        pvc.spec.as_ref().and_then(|s| s.volume_name.clone())
+    );
+    wait_condition(&d, "CacheReady", "Bound").await?;
+    wait_condition(&d, "Prewarmed", "Downloaded").await?;
+
+    let sent = secs(t0);
+    let (first_token, done) = cold_chat(&d).await?;
+    let backend = backend_pod(&d).await?;
+    let bspec = backend.spec.clone().context("backend spec")?;
+    ensure!(
+        bspec.volumes.iter().flatten().any(|v| v
+            .persistent_volume_claim
+            .as_ref()
+            .is_some_and(|c| c.claim_name == claim && c.read_only != Some(true))),
+        "the backend does not mount claim {claim} read-write: {:?}",
+        bspec.volumes
+    );
+    let loaded = model_loaded(&d, &backend).await?;
+    ensure!(
+        loaded["source"] == "huggingface-cache"
+            && loaded["dir"] == snapshot.as_str()
+            && loaded["verified_blobs"] == 2
+            && loaded["name_or_path"] == UPSTREAM_REPO,
+        "the backend did not load the prewarmed snapshot {snapshot}: {loaded}"
+    );
+    // What the prewarm wrote is on the node, in the local volume's directory.
+    let files = fx.remove_local_volume().await?;
+    let revision = snapshot.rsplit('/').next().unwrap_or_default();
+    ensure!(
+        files.contains(&format!(
+            "/huggingface/hub/models--hearth--stub-model/snapshots/{revision}/model.safetensors"
+        )) && files.contains("/huggingface/hub/models--hearth--stub-model/blobs/"),
+        "the local volume's directory on the node holds:\n{files}"
+    );
+    println!(
+        "[NodeLocalPVC] applied {applied:.1}s, prewarm Job done {prewarmed:.1}s; cold request at {sent:.1}s: first token +{first_token:.2}s, [DONE] +{done:.2}s; backend read {snapshot} ({} blobs verified, {} weight bytes); prewarm said:\n{}",
+        loaded["verified_blobs"],
+        loaded["weight_bytes"],
+        prewarm_log.trim_end()
+    );
+    Ok(())
+}
+
+/// The controller's `--host-path-root`, from the installed controller's args.
+async fn host_path_root(cluster: &Cluster) -> Result<String> {
+    let dep = Api::<Deployment>::namespaced(cluster.client(), CONTROLLER.0)
+        .get(CONTROLLER.1)
+        .await
+        .context("reading the installed controller")?;
+    let args = dep
+        .spec
+        .and_then(|s| s.template.spec)
+        .map(|s| s.containers)
+        .unwrap_or_default()
+        .into_iter()
+        .flat_map(|c| c.args.unwrap_or_default())
+        .collect::<Vec<_>>();
+    Ok(args
+        .iter()
+        .find_map(|a| a.strip_prefix("--host-path-root="))
+        .unwrap_or("/var/lib/hearth/models")
+        .to_owned())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn host_path_cache_prewarmed_on_the_node() -> Result<()> {
+    let t0 = Instant::now();
+    let fx = Fixture::new("e2e-cache-hostnode").await?;
+    let repo = format!(
+        "hearth-e2e/hostpath-{}",
+        fx.id.rsplit('-').next().unwrap_or("x")
+    );
+    let hub_dir = format!("huggingface/hub/models--{}", repo.replace('/', "--"));
+    // The root is the installed controller's: install Hearth first (deploy() would do it too).
+    hearth_e2e_harness::stack::ensure_hearth(&fx.cluster.client(), fx.cluster.kubeconfig()).await?;
+    let root = host_path_root(&fx.cluster).await?;
+    let (parent, leaf) = root
+        .rsplit_once('/')
+        .filter(|(p, l)| !p.is_empty() && !l.is_empty())
+        .with_context(|| format!("host path root {root} has no parent directory"))?;
+    // The root as a platform team prepares it for a non-root runtime (see the file's docs); this
+    // run's repository is not in it yet.
+    fx.on_node(
+        "prepare-host-path-root",
+        parent,
+        &format!(
+            "mkdir -p /host/{leaf} && chown {STUB_UID}:{STUB_UID} /host/{leaf} && test ! -e /host/{leaf}/{hub_dir} && ls -ld /host/{leaf}"
+        ),
+    )
+    .await?;
+    let d = stack::deploy("e2e-cache-host", ScalerMode::Push, |o| {
+        o["spec"]["model"]["source"]["uri"] = json!(format!("hf://{repo}"));
+        o["spec"]["cache"] = json!({ "strategy": "HostPath", "prewarm": true });
+    })
+    .await?;
+    let applied = secs(t0);
+    let job = format!("{SERVICE}-prewarm");
+    let pod = wait_job(&d.ns, &job, Duration::from_secs(180)).await?;
+    let prewarmed = secs(t0);
+    let spec = check_prewarm_pod(&pod, &fx.node, &repo)?;
+    ensure!(
+        spec.volumes
+            .iter()
+            .flatten()
+            .any(|v| v.host_path.as_ref().is_some_and(|h| h.path == root)),
+        "the prewarm does not mount the host path {root}: {:?}",
+        spec.volumes
+    );
+    let (snapshot, prewarm_log) = prewarm_snapshot(&d.ns, &pod).await?;
+    ensure!(
+        snapshot.starts_with(&format!("/models/{hub_dir}/snapshots/")),
+        "prewarm snapshot {snapshot}"
+    );
+    wait_condition(&d, "CacheReady", "HostPath").await?;
+    wait_condition(&d, "Prewarmed", "Downloaded").await?;
+
+    let sent = secs(t0);
+    let (first_token, done) = cold_chat(&d).await?;
+    let backend = backend_pod(&d).await?;
+    let bspec = backend.spec.clone().context("backend spec")?;
+    ensure!(
+        bspec.node_name == spec.node_name,
+        "the backend runs on {:?}, the prewarm filled {:?}",
+        bspec.node_name,
+        spec.node_name
+    );
+    ensure!(
+        bspec
+            .volumes
+            .iter()
+            .flatten()
+            .any(|v| v.host_path.as_ref().is_some_and(|h| h.path == root)),
+        "the backend does not mount the host path {root}: {:?}",
+        bspec.volumes
+    );
+    let loaded = model_loaded(&d, &backend).await?;
+    ensure!(
+        loaded["source"] == "huggingface-cache"
+            && loaded["dir"] == snapshot.as_str()
+            && loaded["verified_blobs"] == 2
+            && loaded["name_or_path"] == repo.as_str(),
+        "the backend did not load the prewarmed snapshot {snapshot}: {loaded}"
+    );
+    // The files are in the node's directory; this run's repository is removed from it.
+    let files = fx
+        .on_node(
+            "remove-host-path-model",
+            parent,
+            &format!("find /host/{leaf}/{hub_dir} | sort && rm -rf /host/{leaf}/{hub_dir}"),
+        )
+        .await?;
+    ensure!(
+        files.contains("/refs/main") && files.contains("/blobs/"),
+        "{root}/{hub_dir} on the node holds:\n{files}"
+    );
+    println!(
+        "[HostPath {root}] applied {applied:.1}s, prewarm Job done {prewarmed:.1}s; cold request at {sent:.1}s: first token +{first_token:.2}s, [DONE] +{done:.2}s; backend read {snapshot}; prewarm said:\n{}",
+        prewarm_log.trim_end()
+    );
+    Ok(())
+}
+
+/// A safetensors file (8-byte little-endian header length, JSON header, data), written here
+/// independently of the stub's own writer.
+fn safetensors(tensors: &[(&str, &str, &[u64], Vec<u8>)]) -> Vec<u8> {
+    let mut header = serde_json::Map::new();
+    let mut data = Vec::new();
+    for (name, dtype, shape, bytes) in tensors {
+        let begin = data.len();
+        data.extend_from_slice(bytes);
+        header.insert(
+            (*name).to_owned(),
+            json!({ "dtype": dtype, "shape": shape, "data_offsets": [begin, data.len()] }),
+        );
+    }
+    let mut header = serde_json::to_vec(&Value::Object(header)).expect("JSON");
+    while !header.len().is_multiple_of(8) {
+        header.push(b' ');
+    }
+    let mut out = (header.len() as u64).to_le_bytes().to_vec();
+    out.extend(header);
+    out.extend(data);
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pvc_source_is_mounted_read_only_and_served() -> Result<()> {
+    let t0 = Instant::now();
+    let mut fx = Fixture::new("e2e-cache-weights").await?;
+    let class = fx.local_volume().await?;
+    let d = stack::deploy("e2e-cache-src", ScalerMode::Push, |o| {
+        o["spec"]["model"]["source"]["uri"] = json!("pvc://weights/qwen/7b");
+    })
+    .await?;
+    let applied = secs(t0);
+    let ns = &d.ns;
+    // The claim and what the platform team stages into it.
+    let pvc: PersistentVolumeClaim = serde_json::from_value(json!({
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": { "name": "weights" },
+        "spec": {
+            "accessModes": ["ReadWriteOnce"],
+            "storageClassName": class,
+            "resources": { "requests": { "storage": "1Gi" } },
+        },
+    }))?;
+    ns.api::<PersistentVolumeClaim>()
+        .create(&PostParams::default(), &pvc)
+        .await
+        .context("creating claim weights")?;
+    let marker = format!("staged-by-{}", ns.name());
+    let config = json!({ "model_type": "stub", "_name_or_path": marker, "architectures": ["StubForCausalLM"] });
+    let embed: Vec<u8> = (0..64u8).collect();
+    let head: Vec<u8> = (0..32u8).rev().collect();
+    let weights = safetensors(&[
+        ("model.embed_tokens.weight", "BF16", &[8, 4], embed),
+        ("lm_head.weight", "U8", &[32], head),
+    ]);
+    let staged = ConfigMap {
+        metadata: kube::api::ObjectMeta {
+            name: Some("staged-model".into()),
+            ..Default::default()
+        },
+        data: Some(BTreeMap::from([(
+            "config.json".to_owned(),
+            serde_json::to_string_pretty(&config)?,
+        )])),
+        binary_data: Some(BTreeMap::from([(
+            "model.safetensors".to_owned(),
+            ByteString(weights.clone()),
+        )])),
+        ..Default::default()
+    };
+    ns.api::<ConfigMap>()
+        .create(&PostParams::default(), &staged)
+        .await?;
+    let fill: Job = serde_json::from_value(json!({
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": { "name": "stage-weights" },
+        "spec": {
+            "backoffLimit": 0,
+            "template": { "spec": fx.node.place(json!({
+                "restartPolicy": "Never",
+                "containers": [{
+                    "name": "stage",
+                    "image": fx.node.tools_image,
+                    "command": ["sh", "-c",
+                        "mkdir -p /data/qwen/7b && cp /staged/model.safetensors /staged/config.json /data/qwen/7b/ && chmod -R a+rX /data && ls -ln /data/qwen/7b"],
+                    "volumeMounts": [
+                        { "name": "data", "mountPath": "/data" },
+                        { "name": "staged", "mountPath": "/staged", "readOnly": true },
+                    ],
+                }],
+                "volumes": [
+                    { "name": "data", "persistentVolumeClaim": { "claimName": "weights" } },
+                    { "name": "staged", "configMap": { "name": "staged-model" } },
+                ],
+            })) },
+        },
+    }))?;
+    ns.api::<Job>()
+        .create(&PostParams::default(), &fill)
+        .await?;
+    wait_job(ns, "stage-weights", Duration::from_secs(120)).await?;
+    let staged_at = secs(t0);
+    wait_condition(&d, "CacheReady", "PreStaged").await?;
+
+    let sent = secs(t0);
+    let (first_token, done) = cold_chat(&d).await?;
+    let backend = backend_pod(&d).await?;
+    let bspec = backend.spec.clone().context("backend spec")?;
+    // Read-only twice over: the pod's claim volume and the container's mount.
+    let volume = bspec
+        .volumes
+        .iter()
+        .flatten()
+        .find(|v| {
+            v.persistent_volume_claim
+                .as_ref()
+                .is_some_and(|c| c.claim_name == "weights")
+        })
+        .with_context(|| {
+            format!(
+                "the backend does not mount claim weights: {:?}",
+                bspec.volumes
+            )
+        })?;
+    ensure!(
+        volume
+            .persistent_volume_claim
+            .as_ref()
+            .and_then(|c| c.read_only)
+            == Some(true),
+        "claim weights is not mounted read-only: {volume:?}"
+    );
+    let engine = bspec
+        .containers
+        .iter()
+        .find(|c| c.image.as_deref() == Some(STUB_IMAGE))
+        .context("no stub container")?;
+    let mount = engine
+        .volume_mounts
+        .iter()
+        .flatten()
+        .find(|m| m.name == volume.name)
+        .context("the stub container does not mount the claim")?;
+    ensure!(
+        mount.mount_path == "/models" && mount.read_only == Some(true),
+        "the claim's mount is {mount:?}, not read-only at /models"
+    );
+    ensure!(
+        engine
+            .args
+            .iter()
+            .flatten()
+            .any(|a| a == "--model=/models/qwen/7b"),
+        "the stub's args {:?}",
+        engine.args
+    );
+    let loaded = model_loaded(&d, &backend).await?;
+    ensure!(
+        loaded["source"] == "directory"
+            && loaded["dir"] == "/models/qwen/7b"
+            && loaded["name_or_path"] == marker.as_str()
+            && loaded["tensors"] == 2
+            && loaded["weight_bytes"] == weights.len(),
+        "the backend did not load the staged model ({marker}, {} weight bytes): {loaded}",
+        weights.len()
+    );
+    let files = fx.remove_local_volume().await?;
+    ensure!(
+        files.contains("/qwen/7b/model.safetensors"),
+        "the local volume's directory on the node holds:\n{files}"
+    );
+    println!(
+        "[pvc://weights/qwen/7b] applied {applied:.1}s, weights staged {staged_at:.1}s; cold request at {sent:.1}s: first token +{first_token:.2}s, [DONE] +{done:.2}s; backend read {} ({} tensors, {} bytes, {})",
+        loaded["dir"], loaded["tensors"], loaded["weight_bytes"], loaded["weights"]
+    );
+    Ok(())
+}
