@@ -70,10 +70,31 @@ pub fn examples_dir() -> PathBuf {
     workspace_dir().join("examples")
 }
 
-/// Installs Hearth with its chart unless the release is already deployed with both Deployments
-/// Available: runs `tests/cluster/install-hearth` (images imported into the node, then
-/// `helm upgrade --install --wait`), logging to `<state>/logs/install-hearth.log`. Serialized by
-/// a lock file in the cluster's state dir, so parallel suites install once.
+/// Pod annotation that records which build of Hearth's images a release runs: the input
+/// digests `build/images` wrote beside its archives (`target/images/<image>.tar.inputs`).
+pub const IMAGES_ANNOTATION: &str = "hearth-images";
+
+/// The images' build identity: the first 12 hex digits of each of the webhook's, controller's
+/// and gateway's input digests, or None when `build/images` has not run.
+pub fn images_build_id() -> Option<String> {
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace_dir().join("target"));
+    let mut id = Vec::new();
+    for image in ["hearth-webhook", "hearth-controller", "hearth-gateway"] {
+        let inputs =
+            std::fs::read_to_string(target.join(format!("images/{image}.tar.inputs"))).ok()?;
+        id.push(inputs.trim().chars().take(12).collect::<String>());
+    }
+    Some(id.join("-"))
+}
+
+/// Installs Hearth with its chart unless the release is deployed, both Deployments Available,
+/// and running the images `build/images` built last (their build id in the pod annotation
+/// [`IMAGES_ANNOTATION`]): runs `tests/cluster/install-hearth` (images imported into the node,
+/// then `helm upgrade --install --wait`, which rolls the pods to re-imported images because the
+/// annotation changes), logging to `<state>/logs/install-hearth.log`. Serialized by a lock file
+/// in the cluster's state dir, so parallel suites install once.
 pub async fn ensure_hearth(client: &Client, kubeconfig: &Path) -> Result<(), StackError> {
     let state = kubeconfig.parent().unwrap_or(Path::new("."));
     let lock_path = state.join("install-hearth.lock");
@@ -86,7 +107,8 @@ pub async fn ensure_hearth(client: &Client, kubeconfig: &Path) -> Result<(), Sta
             source: std::io::Error::other(e),
         })?
         .map_err(io("locking the install lock"))?;
-    if hearth_available(client).await? {
+    let build = images_build_id();
+    if hearth_available(client).await? && installed_build(client).await? == build {
         return Ok(());
     }
     let logs = state.join("logs");
@@ -94,7 +116,15 @@ pub async fn ensure_hearth(client: &Client, kubeconfig: &Path) -> Result<(), Sta
     let log_path = logs.join("install-hearth.log");
     let log = File::create(&log_path).map_err(io(format!("creating {}", log_path.display())))?;
     let script = workspace_dir().join("tests/cluster/install-hearth");
-    let status = tokio::process::Command::new(&script)
+    let mut install = tokio::process::Command::new(&script);
+    if let Some(id) = &build {
+        for component in ["webhook", "controller"] {
+            install.arg("--set-string").arg(format!(
+                "{component}.podAnnotations.{IMAGES_ANNOTATION}={id}"
+            ));
+        }
+    }
+    let status = install
         .env("KUBECONFIG", kubeconfig)
         .env("HEARTH_CLUSTER_STATE", state)
         .stdin(Stdio::null())
@@ -111,6 +141,21 @@ pub async fn ensure_hearth(client: &Client, kubeconfig: &Path) -> Result<(), Sta
         });
     }
     Ok(())
+}
+
+/// The images' build id the installed controller's pods carry ([`IMAGES_ANNOTATION`]).
+async fn installed_build(client: &Client) -> Result<Option<String>, StackError> {
+    let api: Api<Deployment> = Api::namespaced(client.clone(), RELEASE_NAMESPACE);
+    let d = api
+        .get_opt("hearth-controller")
+        .await
+        .map_err(kube_err(format!(
+            "reading Deployment {RELEASE_NAMESPACE}/hearth-controller"
+        )))?;
+    Ok(d.and_then(|d| d.spec)
+        .and_then(|s| s.template.metadata)
+        .and_then(|m| m.annotations)
+        .and_then(|mut a| a.remove(IMAGES_ANNOTATION)))
 }
 
 /// Whether the chart's webhook and controller Deployments exist and are Available.
