@@ -898,11 +898,13 @@ pub async fn run(
     .modify(|s| s.metadata.managed_fields = None)
     .reflect(service_writer)
     .applied_objects();
-    let controller = Controller::for_stream(service_stream, service_store).with_config(
-        ControllerConfig::default()
-            .concurrency(cfg.concurrency)
-            .debounce(Duration::from_secs(1)),
-    );
+    // No debounce: kube-runtime's is trailing-edge (each new trigger restarts the wait), so an
+    // LLMService edited, or with a child changing, more often than the debounce period was
+    // never reconciled while that went on (a gateway kept its old image through a Hearth
+    // upgrade while the service was edited several times a second). The scheduler already
+    // merges triggers for an object that is queued or being reconciled into one more run.
+    let controller = Controller::for_stream(service_stream, service_store)
+        .with_config(ControllerConfig::default().concurrency(cfg.concurrency));
     let service_store = controller.store();
     controller
         .owns_stream(dep_stream)
