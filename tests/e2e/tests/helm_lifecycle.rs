@@ -6,8 +6,9 @@
 //!    Deployment is mutated (accelerator, probes, the `hearth-drain` native sidecar) and its pod
 //!    runs on the real node;
 //! 2. under a steady stream of admissions (annotated Deployments created and updated, LLMService
-//!    edits, invalid LLMServices that must be denied), `helm upgrade` to a new image tag, then
-//!    `helm rollback`: not one admission may fail, and the webhook and controller pods roll
+//!    edits, invalid LLMServices that must be denied) and of chat requests through the stub
+//!    service's gateway, `helm upgrade` to a new image tag, then `helm rollback`: not one
+//!    admission or request may fail, and the webhook and controller pods roll
 //!    both times (the LLMService's gateway follows the gateway image);
 //! 3. `helm uninstall`: no webhook configuration is left that could refuse a request, CRDs and
 //!    the LLMService stay, nothing left behind holds a finalizer, and an annotated Deployment is
@@ -15,9 +16,8 @@
 //! 4. install again: other suites share the release (also when this test fails half-way).
 //!
 //! The loads of step 2 run as [`Loads`]: each is a task that runs until stopped and counts
-//! what succeeded and what failed per phase of the release. A chat-request load (through the
-//! stub service's gateway, with `hearth_e2e_harness`'s client) goes beside the admission load
-//! with one more [`Loads::spawn`].
+//! what succeeded and what failed per phase of the release: the admissions, and chat requests
+//! (streaming and not) through the stub service's gateway, whose pods roll with the release.
 //!
 //! Holds `<state>/install-hearth.lock` (the harness's install lock) throughout, so a suite
 //! starting meanwhile waits for the release instead of installing over it. Needs a cluster
@@ -31,6 +31,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
+use hearth_e2e_harness::client;
+use hearth_e2e_harness::stack::{service_url, wait_reachable};
 use hearth_test_support::{
     Cluster, Observed, RealNode, TestNamespace, describe_pods, upstream_file, wait_until,
 };
@@ -90,13 +92,17 @@ async fn run(mut cmd: Command, what: String) -> Result<String> {
     Ok(text)
 }
 
-/// `tests/cluster/install-hearth [args]` against the cluster of `kubeconfig`.
+/// `tests/cluster/install-hearth [args]` against the cluster of `kubeconfig`, recording the
+/// images' build id as the harness does (so the suites after this one keep the release).
 fn install_command(kubeconfig: &Path, args: &[&str]) -> Command {
     let mut cmd = Command::new(repo().join("tests/cluster/install-hearth"));
-    cmd.args(args).env("KUBECONFIG", kubeconfig).env(
-        "HEARTH_CLUSTER_STATE",
-        kubeconfig.parent().unwrap_or(Path::new(".")),
-    );
+    cmd.args(args)
+        .args(hearth_e2e_harness::stack::images_build_args())
+        .env("KUBECONFIG", kubeconfig)
+        .env(
+            "HEARTH_CLUSTER_STATE",
+            kubeconfig.parent().unwrap_or(Path::new(".")),
+        );
     cmd
 }
 
@@ -650,6 +656,49 @@ async fn admission_load(ctx: LoadCtx, client: Client, namespace: String) -> Resu
     Ok(())
 }
 
+/// Chat completions through the stub service's gateway (its Service's ClusterIP), one after
+/// another until stopped: streaming and not, each must end `200` with every token (and
+/// `[DONE]` for a stream). The gateway is re-rendered with the new image on an upgrade and a
+/// rollback, so its pods roll under this load too.
+async fn chat_load(ctx: LoadCtx, url: String) -> Result<()> {
+    const TOKENS: u32 = 4;
+    let mut round = 0u64;
+    while !ctx.stopped() {
+        round += 1;
+        let stream = round % 2 == 1;
+        let outcome = async {
+            let t = client::chat_with(
+                &url,
+                "stub-svc",
+                stream,
+                Some(TOKENS),
+                Duration::from_secs(150),
+            )
+            .await?;
+            ensure!(t.status == 200, "status {}: {}", t.status, t.body);
+            if stream {
+                ensure!(
+                    t.complete() && t.tokens(None) == TOKENS as usize,
+                    "stream ended after {} of {TOKENS} tokens: {:?}",
+                    t.tokens(None),
+                    t.events.iter().rev().take(3).collect::<Vec<_>>()
+                );
+            }
+            Ok(())
+        }
+        .await;
+        ctx.record(
+            if stream {
+                "streaming chat completion"
+            } else {
+                "chat completion"
+            },
+            outcome,
+        );
+    }
+    Ok(())
+}
+
 // --- the test -------------------------------------------------------------------------------
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -746,8 +795,12 @@ async fn install_upgrade_rollback_uninstall_under_admission_load() -> Result<()>
         .delete("plain-stub", &DeleteParams::default())
         .await?;
 
-    // 2. Upgrade and roll back under load.
-    // More loads (chat requests through the stub service's gateway) go beside this one.
+    // 2. Upgrade and roll back under load: admissions, and chat requests through the gateway.
+    let url = service_url(&client, ns.name(), "stub-svc").await?;
+    ensure!(
+        wait_reachable(&url, Duration::from_secs(60)).await,
+        "{url} never accepted a connection"
+    );
     let mut loads = Loads::new();
     {
         let (client, namespace) = (client.clone(), ns.name().to_owned());
@@ -755,6 +808,7 @@ async fn install_upgrade_rollback_uninstall_under_admission_load() -> Result<()>
             admission_load(ctx, client, namespace)
         });
     }
+    loads.spawn("chat requests", move |ctx| chat_load(ctx, url));
     loads.settle(20).await?;
 
     loads.phase("upgrade");

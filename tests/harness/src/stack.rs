@@ -107,8 +107,7 @@ pub async fn ensure_hearth(client: &Client, kubeconfig: &Path) -> Result<(), Sta
             source: std::io::Error::other(e),
         })?
         .map_err(io("locking the install lock"))?;
-    let build = images_build_id();
-    if hearth_available(client).await? && installed_build(client).await? == build {
+    if hearth_available(client).await? && installed_build(client).await? == images_build_id() {
         return Ok(());
     }
     let logs = state.join("logs");
@@ -116,15 +115,8 @@ pub async fn ensure_hearth(client: &Client, kubeconfig: &Path) -> Result<(), Sta
     let log_path = logs.join("install-hearth.log");
     let log = File::create(&log_path).map_err(io(format!("creating {}", log_path.display())))?;
     let script = workspace_dir().join("tests/cluster/install-hearth");
-    let mut install = tokio::process::Command::new(&script);
-    if let Some(id) = &build {
-        for component in ["webhook", "controller"] {
-            install.arg("--set-string").arg(format!(
-                "{component}.podAnnotations.{IMAGES_ANNOTATION}={id}"
-            ));
-        }
-    }
-    let status = install
+    let status = tokio::process::Command::new(&script)
+        .args(images_build_args())
         .env("KUBECONFIG", kubeconfig)
         .env("HEARTH_CLUSTER_STATE", state)
         .stdin(Stdio::null())
@@ -141,6 +133,23 @@ pub async fn ensure_hearth(client: &Client, kubeconfig: &Path) -> Result<(), Sta
         });
     }
     Ok(())
+}
+
+/// Arguments of `tests/cluster/install-hearth` (for helm) that record the images' build id in
+/// the webhook's and controller's pod template ([`IMAGES_ANNOTATION`]); none without images.
+pub fn images_build_args() -> Vec<String> {
+    let Some(id) = images_build_id() else {
+        return Vec::new();
+    };
+    ["webhook", "controller"]
+        .iter()
+        .flat_map(|component| {
+            [
+                "--set-string".to_string(),
+                format!("{component}.podAnnotations.{IMAGES_ANNOTATION}={id}"),
+            ]
+        })
+        .collect()
 }
 
 /// The images' build id the installed controller's pods carry ([`IMAGES_ANNOTATION`]).
