@@ -19,10 +19,10 @@ use k8s_openapi::{
         batch::v1::{Job, JobSpec},
         core::v1::{
             Container, ContainerPort, EnvFromSource, EnvVar, EnvVarSource, HTTPGetAction,
-            HostPathVolumeSource, ObjectFieldSelector, PersistentVolumeClaim,
+            HostPathVolumeSource, Lifecycle, LifecycleHandler, ObjectFieldSelector, PersistentVolumeClaim,
             PersistentVolumeClaimSpec, PersistentVolumeClaimVolumeSource, PodSpec, PodTemplateSpec,
             Probe, ResourceRequirements, SecretEnvSource, Service, ServiceAccount, ServicePort,
-            ServiceSpec, Volume, VolumeMount, VolumeResourceRequirements,
+            ServiceSpec, SleepAction, Volume, VolumeMount, VolumeResourceRequirements,
         },
         rbac::v1::{PolicyRule, Role, RoleBinding, RoleRef, Subject},
     },
@@ -754,6 +754,12 @@ fn http_probe(path: &str, period: i32) -> Probe {
     }
 }
 
+/// Seconds a terminating gateway keeps serving before it is signalled (its preStop `sleep`):
+/// the window in which its endpoint leaves every node's Service rules (kube-proxy syncs at most
+/// once a second by default, later under load). Without it a rollout of the gateway (a Hearth
+/// upgrade re-renders its image) refuses the connections kube-proxy still sends to the old pod.
+pub const GATEWAY_SHUTDOWN_DELAY_SECONDS: i64 = 5;
+
 fn gateway_deployment(ctx: &Ctx<'_>) -> Result<Deployment, RenderError> {
     let s = &ctx.svc.spec.scaling;
     let cold = &ctx.svc.spec.endpoint.cold_start;
@@ -828,6 +834,16 @@ fn gateway_deployment(ctx: &Ctx<'_>) -> Result<Deployment, RenderError> {
         readiness_probe: Some(http_probe("/readyz", 5)),
         liveness_probe: Some(http_probe("/healthz", 10)),
         resources: Some(ctx.cfg.gateway_resources.clone()),
+        // Keeps serving while its endpoint is withdrawn; SIGTERM (the drain) comes after.
+        lifecycle: Some(Lifecycle {
+            pre_stop: Some(LifecycleHandler {
+                sleep: Some(SleepAction {
+                    seconds: GATEWAY_SHUTDOWN_DELAY_SECONDS,
+                }),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }),
         ..Default::default()
     };
     Ok(Deployment {
@@ -847,9 +863,12 @@ fn gateway_deployment(ctx: &Ctx<'_>) -> Result<Deployment, RenderError> {
                     service_account_name: Some(names::gateway(&ctx.name)),
                     containers: vec![container],
                     image_pull_secrets: ctx.pull_secrets(),
-                    // Held and streaming requests finish within the drain window.
+                    // The shutdown delay, then held and streaming requests finish within
+                    // the drain window.
                     termination_grace_period_seconds: Some(
-                        i64::try_from(drain).unwrap_or(i64::MAX / 2) + 5,
+                        i64::try_from(drain).unwrap_or(i64::MAX / 2)
+                            + GATEWAY_SHUTDOWN_DELAY_SECONDS
+                            + 5,
                     ),
                     enable_service_links: Some(false),
                     ..Default::default()
