@@ -163,8 +163,8 @@ component_pid() {
 }
 
 # Prints the PID in FILE if it names a live process whose binary's file name is NAME (a
-# rebuilt binary shows as "<path> (deleted)"); prints nothing otherwise. For the processes
-# `make demo` starts, recorded outside $PIDS.
+# rebuilt binary shows as "<path> (deleted)"); prints nothing otherwise. For processes recorded
+# outside $PIDS (what an older `make demo` started, and the KEDA host processes of an older `up`).
 pid_of_binary() {
   local file="$1" name="$2" pid exe
   [[ -f "$file" ]] || return 0

@@ -310,10 +310,10 @@ impl Loads {
     }
 
     /// Stops every load and returns their tallies.
-    async fn finish(self) -> Result<Vec<(&'static str, Tally)>> {
+    async fn finish(mut self) -> Result<Vec<(&'static str, Tally)>> {
         let _ = self.stop.send(true);
         let mut out = Vec::new();
-        for RunningLoad { name, tally, task } in self.tasks {
+        for RunningLoad { name, tally, task } in std::mem::take(&mut self.tasks) {
             task.await
                 .with_context(|| format!("load {name} panicked"))?
                 .with_context(|| format!("load {name}"))?;
@@ -322,6 +322,16 @@ impl Loads {
             out.push((name, tally));
         }
         Ok(out)
+    }
+}
+
+impl Drop for Loads {
+    /// A test that fails before [`Loads::finish`] stops its loads too.
+    fn drop(&mut self) {
+        let _ = self.stop.send(true);
+        for t in &self.tasks {
+            t.task.abort();
+        }
     }
 }
 

@@ -77,13 +77,13 @@ pub const IMAGES_ANNOTATION: &str = "hearth-images";
 /// The images' build identity: the first 12 hex digits of each of the webhook's, controller's
 /// and gateway's input digests, or None when `build/images` has not run.
 pub fn images_build_id() -> Option<String> {
-    let target = std::env::var_os("CARGO_TARGET_DIR")
+    // Where build/images writes and tests/cluster/install-hearth reads (not $CARGO_TARGET_DIR).
+    let images = std::env::var_os("HEARTH_IMAGES_DIR")
         .map(PathBuf::from)
-        .unwrap_or_else(|| workspace_dir().join("target"));
+        .unwrap_or_else(|| workspace_dir().join("target/images"));
     let mut id = Vec::new();
     for image in ["hearth-webhook", "hearth-controller", "hearth-gateway"] {
-        let inputs =
-            std::fs::read_to_string(target.join(format!("images/{image}.tar.inputs"))).ok()?;
+        let inputs = std::fs::read_to_string(images.join(format!("{image}.tar.inputs"))).ok()?;
         id.push(inputs.trim().chars().take(12).collect::<String>());
     }
     Some(id.join("-"))
@@ -94,8 +94,8 @@ pub fn images_build_id() -> Option<String> {
 /// [`IMAGES_ANNOTATION`]): runs `tests/cluster/install-hearth` (images imported into the node,
 /// then `helm upgrade --install --wait`, which rolls the pods to re-imported images because the
 /// annotation changes), logging to `<state>/logs/install-hearth.log`. Serialized by a lock file
-/// in the cluster's state dir, so parallel suites install once.
-pub async fn ensure_hearth(client: &Client, kubeconfig: &Path) -> Result<(), StackError> {
+/// in the cluster's state dir, so parallel suites install once. Returns whether it installed.
+pub async fn ensure_hearth(client: &Client, kubeconfig: &Path) -> Result<bool, StackError> {
     let state = kubeconfig.parent().unwrap_or(Path::new("."));
     let lock_path = state.join("install-hearth.lock");
     let lock = File::create(&lock_path).map_err(io(format!("creating {}", lock_path.display())))?;
@@ -108,7 +108,7 @@ pub async fn ensure_hearth(client: &Client, kubeconfig: &Path) -> Result<(), Sta
         })?
         .map_err(io("locking the install lock"))?;
     if hearth_available(client).await? && installed_build(client).await? == images_build_id() {
-        return Ok(());
+        return Ok(false);
     }
     let logs = state.join("logs");
     std::fs::create_dir_all(&logs).map_err(io("creating the logs dir"))?;
@@ -132,7 +132,7 @@ pub async fn ensure_hearth(client: &Client, kubeconfig: &Path) -> Result<(), Sta
             log: log_path,
         });
     }
-    Ok(())
+    Ok(true)
 }
 
 /// Arguments of `tests/cluster/install-hearth` (for helm) that record the images' build id in

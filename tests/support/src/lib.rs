@@ -139,7 +139,7 @@ impl Cluster {
             Api::namespaced(self.client.clone(), "hearth-system");
         if api.get_opt("hearth-controller").await?.is_some() {
             bail!(
-                "Hearth is installed on this cluster (Deployment hearth-system/hearth-controller, from the Helm release the end-to-end suites install): its controller and webhook would act on this test's objects too. Uninstall it first: helm uninstall hearth --namespace hearth-system (tests/run-tests runs these suites before installing it)"
+                "Hearth is installed on this cluster (Deployment hearth-system/hearth-controller, from the Helm release the end-to-end suites install): its controller and webhook would act on this test's objects too. Uninstall it first: helm uninstall hearth --namespace hearth-system (tests/run-tests without arguments runs these suites before the end-to-end ones, which install it)"
             );
         }
         Ok(())

@@ -190,7 +190,7 @@ mod tests {
     }
 
     #[test]
-    fn place_adds_selector_and_toleration_to_what_is_there() {
+    fn place_adds_the_node_selector_to_what_is_there() {
         let spec = node().place(json!({
             "nodeSelector": {"a": "b"},
             "tolerations": [{"key": "x", "operator": "Exists"}],

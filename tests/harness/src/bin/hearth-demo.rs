@@ -45,10 +45,8 @@ async fn main() -> Result<()> {
         "installing Hearth with its Helm chart (tests/cluster/install-hearth: images from build/images, webhook and controller as pods on the real node)",
     );
     let install = Instant::now();
-    let installed = stack::hearth_available(&client).await?;
-    stack::ensure_hearth(&client, &kubeconfig).await?;
-    if installed {
-        log("Hearth was already installed (helm release hearth-system/hearth)");
+    if !stack::ensure_hearth(&client, &kubeconfig).await? {
+        log("Hearth was already installed with these images (helm release hearth-system/hearth)");
     } else {
         log(format!(
             "helm install to a ready webhook and controller: {:.1}s (log {}/logs/install-hearth.log)",
