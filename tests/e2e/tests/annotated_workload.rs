@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
 use hearth_e2e_harness::stack;
-use hearth_test_support::{Cluster, Observed, describe_pods, wait_until};
+use hearth_test_support::{Cluster, Observed, describe_pods, pod_ready, wait_until};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::Pod;
 use kube::Api;
@@ -87,14 +87,7 @@ async fn annotated_deployment_is_mutated_and_runs_with_its_fake_gpu_and_drain_si
             "the annotated Deployment's pod Ready",
             "app=plain-llm",
             Duration::from_secs(120),
-            |p| {
-                p.len() == 1
-                    && p[0]
-                        .status
-                        .as_ref()
-                        .and_then(|s| s.conditions.as_ref())
-                        .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
-            },
+            |p| p.len() == 1 && pod_ready(&p[0]),
         )
         .await?;
     let pod = &pods[0];

@@ -26,18 +26,8 @@ const DEVICES: i32 = 4;
 const CLIENTS: usize = 6;
 
 fn insufficient_devices(p: &Pod) -> bool {
-    p.status
-        .as_ref()
-        .and_then(|s| s.conditions.as_ref())
-        .is_some_and(|cs| {
-            cs.iter().any(|c| {
-                c.type_ == "PodScheduled"
-                    && c.status == "False"
-                    && c.message
-                        .as_deref()
-                        .is_some_and(|m| m.contains("Insufficient hearth.dev/fake-gpu"))
-            })
-        })
+    hearth_test_support::unschedulable_message(p)
+        .is_some_and(|m| m.contains("Insufficient hearth.dev/fake-gpu"))
 }
 
 /// `hearth.dev/fake-gpu` requested by pods bound to a node and not finished, outside `ns`.

@@ -566,12 +566,7 @@ async fn wait_gateway(ns: &TestNamespace, node: &RealNode, image: &str) -> Resul
                                 && s.containers.first().and_then(|c| c.image.as_deref())
                                     == Some(image)
                         })
-                        && p.status
-                            .as_ref()
-                            .and_then(|s| s.conditions.as_ref())
-                            .into_iter()
-                            .flatten()
-                            .any(|c| c.type_ == "Ready" && c.status == "True")
+                        && hearth_test_support::pod_ready(p)
                 })
             },
         )

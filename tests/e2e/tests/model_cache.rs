@@ -445,12 +445,7 @@ async fn backend_pod(d: &Deployed) -> Result<Pod> {
     let pods = d.backend_pods().await?;
     let ready: Vec<Pod> = pods
         .into_iter()
-        .filter(|p| {
-            p.status
-                .as_ref()
-                .and_then(|s| s.conditions.as_ref())
-                .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
-        })
+        .filter(hearth_test_support::pod_ready)
         .collect();
     match ready.as_slice() {
         [p] => Ok(p.clone()),

@@ -88,12 +88,7 @@ async fn upstream_manifests_apply_unchanged_and_the_stub_serves_for_real() -> Re
                 .list(&kube::api::ListParams::default().labels(hstack::GATEWAY_PODS))
                 .await?
                 .items;
-            let ready = pods.iter().any(|p| {
-                p.status
-                    .as_ref()
-                    .and_then(|s| s.conditions.as_ref())
-                    .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
-            });
+            let ready = pods.iter().any(hearth_test_support::pod_ready);
             Ok(if ready {
                 Observed::Ready(())
             } else {

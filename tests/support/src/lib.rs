@@ -296,6 +296,30 @@ impl Drop for TestNamespace {
     }
 }
 
+/// Whether the pod's condition `type_` has status `status` ("True", "False").
+pub fn pod_condition_is(pod: &Pod, type_: &str, status: &str) -> bool {
+    pod.status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .is_some_and(|cs| cs.iter().any(|c| c.type_ == type_ && c.status == status))
+}
+
+/// Whether the pod is Ready (condition `Ready` true).
+pub fn pod_ready(pod: &Pod) -> bool {
+    pod_condition_is(pod, "Ready", "True")
+}
+
+/// The scheduler's message when it could not place the pod (`PodScheduled` false), else None.
+pub fn unschedulable_message(pod: &Pod) -> Option<&str> {
+    pod.status
+        .as_ref()?
+        .conditions
+        .as_ref()?
+        .iter()
+        .find(|c| c.type_ == "PodScheduled" && c.status == "False")
+        .map(|c| c.message.as_deref().unwrap_or_default())
+}
+
 /// One line per pod: name, phase, node, and why it is not scheduled when it is not.
 pub fn describe_pods(pods: &[Pod]) -> String {
     if pods.is_empty() {

@@ -121,16 +121,7 @@ impl Deployed {
                 "a Ready gateway pod",
                 "app.kubernetes.io/component=gateway",
                 Duration::from_secs(60),
-                |pods| {
-                    pods.iter().any(|p| {
-                        p.status
-                            .as_ref()
-                            .and_then(|s| s.conditions.as_ref())
-                            .is_some_and(|c| {
-                                c.iter().any(|c| c.type_ == "Ready" && c.status == "True")
-                            })
-                    })
-                },
+                |pods| pods.iter().any(hearth_test_support::pod_ready),
             )
             .await
             .map(|_| ())
