@@ -6,6 +6,13 @@
 //! [`Limits::handshake_timeout`] and HTTP/1 headers within [`Limits::header_timeout`] or the
 //! connection is closed; at most [`Limits::max_connections`] connections are served at once
 //! (more wait in the accept queue). None of these panics or blocks other connections.
+//!
+//! Shutdown drains before it closes: the listener is dropped (new connections are refused),
+//! then for up to [`Limits::drain_timeout`] every HTTP/1.1 answer carries `Connection: close`
+//! so each client retires its pooled connection after its next answer instead of meeting a
+//! connection closed under a request it is sending (the apiserver does not resend a
+//! non-idempotent POST); HTTP/2 clients get a GOAWAY. What is still open after the window is
+//! closed once its request in flight is answered.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -16,7 +23,7 @@ use arc_swap::ArcSwap;
 use axum::Router;
 use axum::body::Body;
 use axum::extract::State;
-use axum::http::{HeaderMap, StatusCode, header};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use http_body_util::{BodyExt, Limited};
@@ -48,6 +55,9 @@ pub struct Limits {
     pub header_timeout: Duration,
     /// Connections served at once.
     pub max_connections: usize,
+    /// On shutdown, how long connections may stay open while each is closed after its next
+    /// answer; connections still idle after it are closed.
+    pub drain_timeout: Duration,
 }
 
 impl Default for Limits {
@@ -59,6 +69,9 @@ impl Default for Limits {
             handshake_timeout: Duration::from_secs(10),
             header_timeout: Duration::from_secs(10),
             max_connections: 1024,
+            // The chart's terminationGracePeriodSeconds (30) covers the preStop sleep (5), this
+            // and the last requests' body timeout.
+            drain_timeout: Duration::from_secs(10),
         }
     }
 }
@@ -250,8 +263,9 @@ async fn review_inner(
     Ok(([(header::CONTENT_TYPE, "application/json")], out).into_response())
 }
 
-/// Serves `app` over TLS on `listener` until `shutdown` turns true, then stops accepting and
-/// lets open connections finish their requests.
+/// Serves `app` over TLS on `listener` until `shutdown` turns true, then drains: refuses new
+/// connections, closes each open one after its next answer (for up to
+/// [`Limits::drain_timeout`]), and returns once the last request in flight is answered.
 pub async fn serve(
     listener: TcpListener,
     tls: Arc<ServerConfig>,
@@ -261,7 +275,24 @@ pub async fn serve(
 ) {
     let acceptor = TlsAcceptor::from(tls);
     let graceful = GracefulShutdown::new();
-    let permits = Arc::new(Semaphore::new(limits.max_connections.max(1)));
+    let max_connections = limits.max_connections.clamp(1, u32::MAX as usize);
+    let permits = Arc::new(Semaphore::new(max_connections));
+    let draining = Arc::new(AtomicBool::new(false));
+    let app = app.layer(axum::middleware::from_fn({
+        let draining = draining.clone();
+        move |req: axum::extract::Request, next: axum::middleware::Next| {
+            let draining = draining.clone();
+            async move {
+                let http1 = req.version() < axum::http::Version::HTTP_2;
+                let mut res = next.run(req).await;
+                if http1 && draining.load(Ordering::Relaxed) {
+                    res.headers_mut()
+                        .insert(header::CONNECTION, HeaderValue::from_static("close"));
+                }
+                res
+            }
+        }
+    }));
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder
         .http1()
@@ -316,6 +347,18 @@ pub async fn serve(
             }
         });
     }
-    // Let requests in flight finish, bounded.
-    let _ = tokio::time::timeout(Duration::from_secs(15), graceful.shutdown()).await;
+    // Refuse new connections, then let open ones retire after their next answer.
+    drop(listener);
+    draining.store(true, Ordering::Relaxed);
+    let open = max_connections - permits.available_permits();
+    tracing::info!(open, drain = ?limits.drain_timeout, "draining connections");
+    let all = u32::try_from(max_connections).unwrap_or(u32::MAX);
+    let drained = tokio::time::timeout(limits.drain_timeout, permits.acquire_many(all)).await;
+    if drained.is_err() {
+        let open = max_connections - permits.available_permits();
+        tracing::info!(open, "closing connections still open after the drain");
+    }
+    // Close what is left once its request in flight is answered, bounded.
+    let last = limits.body_timeout + Duration::from_secs(5);
+    let _ = tokio::time::timeout(last, graceful.shutdown()).await;
 }

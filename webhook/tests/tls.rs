@@ -1,5 +1,5 @@
 //! The HTTPS server on loopback: reviews over TLS, certificate rotation and file reload under a
-//! loop of requests (none may fail), and clients that stall.
+//! loop of requests (none may fail), clients that stall, and the drain on shutdown.
 
 mod common;
 
@@ -269,4 +269,61 @@ async fn stalled_clients_are_cut_off_without_hurting_others() {
     let res = tokio::time::timeout(Duration::from_secs(5), slow.read_to_end(&mut out)).await;
     assert!(res.is_ok(), "the stalled header was not cut off");
     server.shutdown.send(true).unwrap();
+}
+
+/// On shutdown a pooled keep-alive connection is not closed under the client: the listener
+/// refuses new connections, the next request on an open connection is answered with
+/// `Connection: close` and the connection then ends, and an idle one is closed after the drain.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_answers_pooled_connections_then_closes_them() {
+    let ca = ca();
+    let limits = Limits {
+        drain_timeout: Duration::from_millis(1500),
+        ..Limits::default()
+    };
+    let server = start(&ca, limits).await;
+    let client = HttpsClient::new(&ca.cert, server.addr);
+    let mut busy = client.connect().await.unwrap();
+    let first = busy.send("/validate", review_body("before")).await.unwrap();
+    assert_eq!(first.status(), 200);
+    assert!(first.headers().get("connection").is_none(), "{first:?}");
+    let mut idle = client.connect().await.unwrap();
+    assert_eq!(
+        idle.post("/validate", review_body("idle")).await.unwrap().0,
+        200
+    );
+
+    let started = std::time::Instant::now();
+    server.shutdown.send(true).unwrap();
+    // New connections are refused at once.
+    let mut refused = false;
+    for _ in 0..100 {
+        if TcpStream::connect(server.addr).await.is_err() {
+            refused = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(refused, "the listener still accepts after shutdown");
+    // The pooled connection gets its answer, marked as the connection's last.
+    let last = busy.send("/validate", review_body("during")).await.unwrap();
+    assert_eq!(last.status(), 200);
+    assert_eq!(last.headers()["connection"], "close");
+    let v: Value = serde_json::from_slice(last.body()).unwrap();
+    assert_eq!(v["response"]["uid"], "during");
+    assert!(busy.sender.is_closed() || busy.sender.ready().await.is_err());
+    // The idle connection is closed after the drain, and serve returns.
+    tokio::time::timeout(Duration::from_secs(10), server.task)
+        .await
+        .expect("serve did not return after the drain")
+        .unwrap();
+    let drained = started.elapsed();
+    assert!(
+        drained >= Duration::from_millis(1400),
+        "closed before the drain ended: {drained:?}"
+    );
+    assert!(
+        idle.sender.ready().await.is_err(),
+        "the idle connection is still open"
+    );
 }

@@ -72,7 +72,14 @@ impl HttpsClient {
 }
 
 impl Conn {
+    /// Posts `body` to `path` and returns the status and body.
     pub async fn post(&mut self, path: &str, body: Bytes) -> Result<(u16, Bytes), String> {
+        let resp = self.send(path, body).await?;
+        Ok((resp.status().as_u16(), resp.into_body()))
+    }
+
+    /// Posts `body` to `path` and returns the whole answer.
+    pub async fn send(&mut self, path: &str, body: Bytes) -> Result<http::Response<Bytes>, String> {
         let req = http::Request::post(path)
             .header("host", "127.0.0.1")
             .header("content-type", "application/json")
@@ -84,13 +91,8 @@ impl Conn {
             .send_request(req)
             .await
             .map_err(|e| e.to_string())?;
-        let status = resp.status().as_u16();
-        let body = resp
-            .into_body()
-            .collect()
-            .await
-            .map_err(|e| e.to_string())?
-            .to_bytes();
-        Ok((status, body))
+        let (parts, body) = resp.into_parts();
+        let body = body.collect().await.map_err(|e| e.to_string())?.to_bytes();
+        Ok(http::Response::from_parts(parts, body))
     }
 }
