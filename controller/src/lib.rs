@@ -9,6 +9,7 @@
 //!   status, Events, metrics.
 //! - [`leader`] is leader election on a `coordination.k8s.io` Lease.
 
+pub mod adopt;
 pub mod diff;
 pub mod labels;
 pub mod leader;

@@ -2,7 +2,7 @@
 //!
 //! | source | cache | `.Model.Path` | engine environment |
 //! |---|---|---|---|
-//! | `hf://org/name` | NodeLocalPVC, HostPath | `org/name` | `HF_HOME=/models/huggingface` (cache mount) |
+//! | `hf://org/name` | NodeLocalPVC, HostPath | `org/name` | `HF_HOME=/models/hf` (cache mount; upstream Hearth's layout inside the claim) |
 //! | `hf://org/name` | None | `org/name` | image default (`~/.cache/huggingface`, not kept) |
 //! | `modelscope://org/name` | NodeLocalPVC, HostPath | `org/name` | `VLLM_USE_MODELSCOPE=True`, `MODELSCOPE_CACHE=/models/modelscope` |
 //! | `modelscope://org/name` | None | `org/name` | `VLLM_USE_MODELSCOPE=True` |
@@ -18,8 +18,9 @@ use hearth_crds::model_uri::{UriError, parse_model_uri};
 
 /// Where cache volumes are mounted in backend and prewarm containers.
 pub const CACHE_MOUNT_PATH: &str = "/models";
-/// `HF_HOME` under the cache mount.
-pub const HF_HOME: &str = "/models/huggingface";
+/// `HF_HOME` under the cache mount: the `hf` directory of the cache, where upstream Hearth puts
+/// it too, so an adopted upstream cache claim is read as it is.
+pub const HF_HOME: &str = "/models/hf";
 /// `MODELSCOPE_CACHE` under the cache mount.
 pub const MODELSCOPE_CACHE: &str = "/models/modelscope";
 

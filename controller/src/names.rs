@@ -5,8 +5,20 @@
 /// (at most 63 characters) and the longest Service suffix is `-backend` (8).
 pub const MAX_SERVICE_NAME_LEN: usize = 63 - "-backend".len();
 
-/// The backend Deployment and its Service: `<name>-backend`.
+/// The backend Deployment: the `LLMService` name itself, as upstream Hearth names it (so
+/// `kubectl logs deploy/<name>` reaches the model).
 pub fn backend(service: &str) -> String {
+    service.to_owned()
+}
+
+/// The backend Service: `<name>-backend` (the gateway's `--backend-service`).
+pub fn backend_service(service: &str) -> String {
+    format!("{service}-backend")
+}
+
+/// The backend Deployment's name in earlier versions of this controller (`<name>-backend`):
+/// the reconciler deletes it, when this `LLMService` controls it, before creating [`backend`].
+pub fn legacy_backend(service: &str) -> String {
     format!("{service}-backend")
 }
 
@@ -26,9 +38,10 @@ pub fn scaler_service(service: &str) -> String {
     format!("{service}-scaler")
 }
 
-/// The NodeLocalPVC model cache claim: `<name>-model-cache`.
+/// The NodeLocalPVC model cache claim: `<name>-cache`, as upstream Hearth names it (an
+/// upstream installation's cache is adopted with its contents).
 pub fn cache_claim(service: &str) -> String {
-    format!("{service}-model-cache")
+    format!("{service}-cache")
 }
 
 /// The prewarm Job: `<name>-prewarm`.

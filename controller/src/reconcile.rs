@@ -57,7 +57,7 @@ use serde::{Serialize, de::DeserializeOwned};
 use tracing::{Instrument, info_span};
 
 use crate::{
-    diff, labels,
+    adopt, diff, labels,
     metrics::Metrics,
     model::{self, ModelSource},
     names,
@@ -236,10 +236,29 @@ where
         + 'static,
 {
     let name = obj.meta().name.clone().unwrap_or_default();
-    if get_in(store, namespace, &name).is_some_and(|cached| diff::contains(cached.as_ref(), obj)) {
-        return Ok(());
+    let cached = get_in(store, namespace, &name);
+    match cached {
+        Some(c) if adopt::foreign(c.meta()) => adopt_child::<K>(ctx, namespace, &name).await?,
+        Some(c) if diff::contains(c.as_ref(), obj) => return Ok(()),
+        _ => {}
     }
     apply(ctx, namespace, obj).await
+}
+
+/// [`adopt::adopt`] for a child of kind `K`.
+async fn adopt_child<K>(ctx: &Context, namespace: &str, name: &str) -> Result<(), Error>
+where
+    K: Resource<DynamicType = ()>,
+{
+    let resource = kube::api::ApiResource::erase::<K>(&());
+    ctx.metrics.writes.inc();
+    adopt::adopt(&ctx.client, &resource, namespace, name)
+        .await
+        .map_err(kube_err(format!(
+            "adopt {} {namespace}/{name}",
+            K::kind(&())
+        )))?;
+    Ok(())
 }
 
 /// Reconciles one `LLMService`.
@@ -519,7 +538,15 @@ async fn apply_children(
         )),
         (_, Some(claim)) => {
             let claim_name = names::cache_claim(&name);
-            let existing = get_in(&ctx.claims, namespace, &claim_name);
+            let mut existing = get_in(&ctx.claims, namespace, &claim_name);
+            if existing
+                .as_deref()
+                .is_some_and(|c| adopt::foreign(&c.metadata))
+            {
+                // An upstream installation's cache: keep it and its contents.
+                adopt_child::<PersistentVolumeClaim>(ctx, namespace, &claim_name).await?;
+                existing = None;
+            }
             match replace_needed(existing.as_deref().map(|c| &c.metadata), &claim.metadata) {
                 true => conds.push(Cond::new(
                     status::CACHE_READY,
@@ -576,15 +603,21 @@ async fn apply_children(
                     apply(ctx, namespace, job).await?;
                     conds.push(status::prewarm(None, &job_name));
                 }
-                Some(current) if replace_needed(Some(&current.metadata), &job.metadata) => conds.push(Cond::new(
+                Some(current)
+                    if !adopt::foreign(&current.metadata)
+                        && replace_needed(Some(&current.metadata), &job.metadata) =>
+                {
+                    conds.push(Cond::new(
                     status::PREWARMED,
                     Some(false),
                     "ReplaceRequired",
                     format!(
                         "the model source or runtime changed after prewarm Job {job_name} was created, and a Job cannot change: delete Job {job_name} to prewarm again"
                     ),
-                )),
-                // A Job is create-once: nothing to apply once it exists.
+                ))
+                }
+                // A Job is create-once: nothing to apply once it exists (an upstream
+                // installation's included; its template cannot change).
                 Some(current) => conds.push(status::prewarm(Some(&current), &job_name)),
             }
         }
@@ -623,6 +656,16 @@ async fn apply_children(
         }
         apply_cached(ctx, namespace, &backend, &ctx.deployments).await?;
     } else {
+        // An earlier version of this controller named the backend `<name>-backend`: remove it
+        // first, so two backends never hold accelerators at once.
+        delete_if_owned(
+            ctx,
+            namespace,
+            &names::legacy_backend(&name),
+            svc,
+            &ctx.deployments,
+        )
+        .await?;
         // A plain create: `spec.replicas` stays with the create entry of managedFields, so the
         // later applies (which leave it out) never reset it.
         let api: Api<Deployment> = Api::namespaced(ctx.client.clone(), namespace);
@@ -663,6 +706,15 @@ async fn apply_children(
         )
         .await?;
     }
+    // A Deployment's selector is immutable: a gateway an earlier version of this controller
+    // wrote with other selector labels is replaced (it holds no state).
+    let gateway_name = names::gateway(&name);
+    if let Some(live) = get_in(&ctx.deployments, namespace, &gateway_name)
+        && live.spec.as_ref().map(|s| &s.selector)
+            != children.gateway.spec.as_ref().map(|s| &s.selector)
+    {
+        delete_if_owned(ctx, namespace, &gateway_name, svc, &ctx.deployments).await?;
+    }
     apply_cached(ctx, namespace, &children.gateway, &ctx.deployments).await?;
 
     // Autoscaling.
@@ -675,6 +727,17 @@ async fn apply_children(
         {
             status::autoscaling(true, cached.as_deref())
         } else {
+            if cached
+                .as_deref()
+                .is_some_and(|c| adopt::foreign(&c.metadata))
+            {
+                ctx.metrics.writes.inc();
+                adopt::adopt(&ctx.client, &ctx.render.keda_api, namespace, &so_name)
+                    .await
+                    .map_err(kube_err(format!(
+                        "adopt ScaledObject {namespace}/{so_name}"
+                    )))?;
+            }
             let api: Api<DynamicObject> =
                 Api::namespaced_with(ctx.client.clone(), namespace, &ctx.render.keda_api);
             ctx.metrics.writes.inc();

@@ -15,7 +15,7 @@ use hearth_crds::{
 };
 use k8s_openapi::{
     api::{
-        apps::v1::{Deployment, DeploymentSpec},
+        apps::v1::{Deployment, DeploymentSpec, DeploymentStrategy, RollingUpdateDeployment},
         batch::v1::{Job, JobSpec},
         core::v1::{
             Container, ContainerPort, EnvFromSource, EnvVar, EnvVarSource, HTTPGetAction,
@@ -312,9 +312,6 @@ pub enum RenderError {
         "spec.cache.strategy: {0:?} is not implemented yet; use NodeLocalPVC, HostPath or None"
     )]
     CacheNotImplemented(CacheStrategy),
-    /// NodeLocalPVC without a size.
-    #[error("spec.cache.size is required with strategy NodeLocalPVC (for example 30Gi)")]
-    CacheSizeRequired,
     /// The name does not leave room for child suffixes.
     #[error("metadata.name {0:?} is longer than {max} characters; child Service names must fit 63; choose a shorter name", max = names::MAX_SERVICE_NAME_LEN)]
     NameTooLong(String),
@@ -338,7 +335,6 @@ impl RenderError {
     pub fn condition(&self) -> (&'static str, &'static str) {
         match self {
             RenderError::CacheNotImplemented(_) => ("CacheReady", "StrategyNotImplemented"),
-            RenderError::CacheSizeRequired => ("CacheReady", "CacheSizeRequired"),
             RenderError::Model(model::ModelError::CatalogNotImplemented) => {
                 ("Ready", "CatalogNotImplemented")
             }
@@ -488,14 +484,6 @@ pub fn render(
         scaler,
     };
     let volume = ctx.cache_volume()?;
-    if matches!(
-        ctx.source,
-        ModelSource::HuggingFace { .. } | ModelSource::ModelScope { .. }
-    ) && service.spec.cache.strategy == CacheStrategy::NodeLocalPVC
-        && service.spec.cache.size.is_none()
-    {
-        return Err(RenderError::CacheSizeRequired);
-    }
 
     let skeleton = backend_skeleton(&ctx, volume.clone(), create_backend)?;
     let backend = policy::apply(
@@ -566,7 +554,17 @@ fn backend_skeleton(
         .map(|(i, a)| template::render(a, &values, &format!("spec.container.args[{i}]")))
         .collect::<Result<Vec<_>, _>>()
         .map_err(terr)?;
-    args.extend(ctx.svc.spec.runtime.args_override.iter().cloned());
+    // argsOverride entries are templates too, rendered with the same values (as upstream).
+    for (i, a) in ctx.svc.spec.runtime.args_override.iter().enumerate() {
+        args.push(
+            template::render(a, &values, &format!("spec.runtime.argsOverride[{i}]")).map_err(
+                |source| RenderError::Template {
+                    runtime: runtime_name.clone(),
+                    source,
+                },
+            )?,
+        );
+    }
 
     let cached = volume.is_some() && !matches!(ctx.source, ModelSource::Pvc { .. });
     let mut env = Vec::with_capacity(rt.container.env.len() + 2);
@@ -632,6 +630,16 @@ fn backend_skeleton(
                 match_labels: Some(selector),
                 ..Default::default()
             },
+            // A template change replaces each pod in place (old one first): a surge pod would
+            // need a second set of accelerators, which a cluster sized for the model lacks, so
+            // the rollout would wait forever. The gateway holds requests meanwhile.
+            strategy: Some(DeploymentStrategy {
+                type_: Some("RollingUpdate".to_owned()),
+                rolling_update: Some(RollingUpdateDeployment {
+                    max_surge: Some(IntOrString::Int(0)),
+                    max_unavailable: Some(IntOrString::Int(1)),
+                }),
+            }),
             template: PodTemplateSpec {
                 metadata: Some(ObjectMeta {
                     labels: Some(labels::labels(&ctx.name, Component::Backend)),
@@ -651,15 +659,20 @@ fn backend_skeleton(
     })
 }
 
+/// The backend Service's port (upstream Hearth's); it targets the runtime's named port.
+pub const BACKEND_SERVICE_PORT: i32 = 80;
+
 fn backend_service(ctx: &Ctx<'_>) -> Service {
     let port = &ctx.rt.spec.container.port;
     Service {
-        metadata: ctx.meta(names::backend(&ctx.name), Component::Backend),
+        metadata: ctx.meta(names::backend_service(&ctx.name), Component::Backend),
         spec: Some(ServiceSpec {
             selector: Some(labels::selector(&ctx.name, Component::Backend)),
             ports: Some(vec![ServicePort {
                 name: Some(port.name.clone()),
-                port: port.container_port,
+                // Port 80 as upstream Hearth (clients of http://N-backend keep working); the
+                // gateway reads the pods' own port from the EndpointSlices.
+                port: BACKEND_SERVICE_PORT,
                 target_port: Some(IntOrString::String(port.name.clone())),
                 protocol: Some("TCP".to_owned()),
                 ..Default::default()
@@ -774,8 +787,8 @@ fn gateway_deployment(ctx: &Ctx<'_>) -> Result<Deployment, RenderError> {
     // Flags of `hearth-gateway` (docs/gateway.md); the namespace comes from POD_NAMESPACE.
     let mut args = vec![
         format!("--listen=[::]:{}", ctx.cfg.gateway_port),
-        format!("--backend-service={}", names::backend(&ctx.name)),
-        format!("--backend-port={}", backend_port.container_port),
+        format!("--backend-service={}", names::backend_service(&ctx.name)),
+        format!("--backend-port={BACKEND_SERVICE_PORT}"),
         format!("--backend-port-name={}", backend_port.name),
         // The runtime templates serve the model under the service name.
         format!("--served-model-name={}", ctx.name),
@@ -906,7 +919,7 @@ fn cache_claim(ctx: &Ctx<'_>) -> Option<PersistentVolumeClaim> {
     {
         return None;
     }
-    let size = cache.size.clone()?;
+    let size = cache.size_or_default();
     let spec = PersistentVolumeClaimSpec {
         access_modes: Some(vec!["ReadWriteOnce".to_owned()]),
         resources: Some(VolumeResourceRequirements {
@@ -942,6 +955,20 @@ fn prewarm_program(source: &ModelSource) -> Option<String> {
     }
 }
 
+/// The prewarm container's environment: the engine's hub cache variables, and
+/// `TORCH_DEVICE_BACKEND_AUTOLOAD=0` (as upstream): the Job only downloads files and has no
+/// device, and vendor images would otherwise load their device backend (and fail without the
+/// host driver) when the hub library imports torch.
+fn prewarm_env(ctx: &Ctx<'_>) -> Vec<EnvVar> {
+    let mut env = ctx.cache_env(true);
+    env.push(EnvVar {
+        name: "TORCH_DEVICE_BACKEND_AUTOLOAD".to_owned(),
+        value: Some("0".to_owned()),
+        value_from: None,
+    });
+    env
+}
+
 fn prewarm_job(ctx: &Ctx<'_>, volume: Option<Volume>) -> Option<Job> {
     let cache = &ctx.svc.spec.cache;
     let volume = volume?;
@@ -973,7 +1000,7 @@ fn prewarm_job(ctx: &Ctx<'_>, volume: Option<Volume>) -> Option<Job> {
                 name: "prewarm".to_owned(),
                 image: Some(ctx.rt.spec.container.image.clone()),
                 command: Some(vec!["python3".to_owned(), "-c".to_owned(), program]),
-                env: Some(ctx.cache_env(true)),
+                env: Some(prewarm_env(ctx)),
                 env_from: ctx.secret_env(),
                 volume_mounts: Some(vec![VolumeMount {
                     name: volume.name.clone(),

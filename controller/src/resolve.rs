@@ -1,7 +1,7 @@
 //! Runtime resolution, through the policy engine's rule (`hearth_policies::resolve`, shared with
 //! the admission webhook): `spec.runtime.name` pins one `InferenceRuntime`; otherwise
 //! `spec.runtime.selector.vendor` in preference order (an empty list accepts any vendor), then
-//! higher `priority`, then name. This module adds what the controller needs around it: runtimes
+//! higher `priority`; equally preferred runtimes are refused (`AmbiguousRuntime`). This module adds what the controller needs around it: runtimes
 //! being deleted are never picked, and the outcome becomes a `RuntimeResolved` condition reason
 //! and a message naming the field to change.
 
@@ -30,6 +30,9 @@ pub enum ResolveError {
     /// No runtime has any of the listed vendors.
     #[error("spec.runtime.selector.vendor: {0}")]
     NoVendorMatch(String),
+    /// Several runtimes are equally preferred.
+    #[error("spec.runtime: {0}")]
+    Ambiguous(String),
     /// The cluster has no InferenceRuntime at all.
     #[error(
         "no InferenceRuntime exists: create one (kubectl apply -f an InferenceRuntime manifest)"
@@ -44,6 +47,7 @@ impl ResolveError {
             ResolveError::NotFound(_) => "RuntimeNotFound",
             ResolveError::NoVendorMatch(_) => "NoRuntimeForVendor",
             ResolveError::NoRuntimes => "NoRuntimes",
+            ResolveError::Ambiguous(_) => "AmbiguousRuntime",
         }
     }
 }
@@ -65,6 +69,7 @@ pub fn resolve_runtime<'a>(
     let chosen = hearth_policies::resolve_runtime(&owned, &selection).map_err(|e| match e {
         RuleError::NotFound { .. } => ResolveError::NotFound(e.to_string()),
         RuleError::NoVendorMatch { .. } => ResolveError::NoVendorMatch(e.to_string()),
+        RuleError::Ambiguous { .. } => ResolveError::Ambiguous(e.to_string()),
     })?;
     let index = owned
         .iter()
@@ -143,10 +148,10 @@ mod tests {
     }
 
     #[test]
-    fn vendor_order_then_priority_then_name() {
+    fn vendor_order_then_priority_and_ties_are_refused() {
         let rts = [
             runtime("n-low", "nvidia", 1),
-            runtime("a-z", "ascend", 50),
+            runtime("a-z", "ascend", 60),
             runtime("a-b", "ascend", 50),
             runtime("a-low", "ascend", 10),
         ];
@@ -155,10 +160,19 @@ mod tests {
             &rts,
         )
         .unwrap();
-        assert_eq!(r.runtime.name_any(), "a-b");
+        assert_eq!(r.runtime.name_any(), "a-z");
         assert_eq!(r.reason, "SelectedByVendor");
         let r = resolve_runtime(&service(by_vendor(&["nvidia", "ascend"])), &rts).unwrap();
         assert_eq!(r.runtime.name_any(), "n-low");
+        // Two Ascend profiles of one priority: the service must pin one.
+        let rts = [
+            runtime("a-910b", "ascend", 100),
+            runtime("a-310p", "ascend", 100),
+        ];
+        let e = resolve_runtime(&service(by_vendor(&["ascend"])), &rts).unwrap_err();
+        assert_eq!(e.reason(), "AmbiguousRuntime");
+        assert!(e.to_string().contains("[a-310p, a-910b]"), "{e}");
+        assert!(e.to_string().contains("pin one by name"), "{e}");
     }
 
     #[test]

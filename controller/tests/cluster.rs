@@ -304,18 +304,14 @@ async fn assert_children(
 
 async fn backend_replicas(ns: &TestNamespace, service: &str) -> Result<Option<i32>> {
     let api: Api<Deployment> = ns.api();
-    Ok(api
-        .get(&format!("{service}-backend"))
-        .await?
-        .spec
-        .and_then(|s| s.replicas))
+    Ok(api.get(service).await?.spec.and_then(|s| s.replicas))
 }
 
 async fn scale_backend(ns: &TestNamespace, service: &str, replicas: i32) -> Result<()> {
     let api: Api<Deployment> = ns.api();
     // What KEDA's HPA or `kubectl scale` does: the scale subresource, another field manager.
     api.patch_scale(
-        &format!("{service}-backend"),
+        service,
         &PatchParams::default(),
         &Patch::Merge(json!({"spec": {"replicas": replicas}})),
     )
@@ -712,7 +708,7 @@ async fn a_runtime_change_re_renders_its_services() -> Result<()> {
     let image = |ns: &TestNamespace| {
         let api: Api<Deployment> = ns.api();
         async move {
-            let d = api.get("switch-backend").await?;
+            let d = api.get("switch").await?;
             Ok::<_, anyhow::Error>(
                 d.spec
                     .and_then(|s| s.template.spec)
@@ -902,10 +898,10 @@ async fn drift_is_repaired_and_idle_makes_no_writes() -> Result<()> {
     Ok(())
 }
 
-/// The drain sidecar's image and the pod template's generation of `<service>-backend`.
+/// The drain sidecar's image and the pod template's generation of the backend Deployment.
 async fn backend_drain(ns: &TestNamespace, service: &str) -> Result<(Option<String>, i64)> {
     let api: Api<Deployment> = ns.api();
-    let d = api.get(&format!("{service}-backend")).await?;
+    let d = api.get(service).await?;
     let image = d
         .spec
         .as_ref()
@@ -918,7 +914,7 @@ async fn backend_drain(ns: &TestNamespace, service: &str) -> Result<(Option<Stri
 
 async fn wait_drain_image(ns: &TestNamespace, service: &str, image: &str) -> Result<i64> {
     wait_until(
-        format!("{service}-backend with drain image {image}"),
+        format!("backend Deployment {service} with drain image {image}"),
         WAIT,
         || async {
             let (got, generation) = backend_drain(ns, service).await?;
@@ -1001,14 +997,14 @@ async fn an_upgrade_restarts_no_running_backend() -> Result<()> {
     let deployments: Api<Deployment> = ns.api();
     let mut edit = json!({
         "apiVersion": "apps/v1", "kind": "Deployment",
-        "metadata": {"name": "edited-svc-backend"},
+        "metadata": {"name": "edited-svc"},
         "spec": {"template": {"spec": {"initContainers": [
             {"name": "hearth-drain", "image": "evil.example.com/drain:1"}
         ]}}}
     });
     deployments
         .patch(
-            "edited-svc-backend",
+            "edited-svc",
             &PatchParams::apply("someone-else").force(),
             &Patch::Apply(&mut edit),
         )

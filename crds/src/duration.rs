@@ -9,9 +9,11 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 /// The regular expression the CRD schema uses for a duration string (`pattern`), matching what
-/// [`parse_duration`] accepts: one or more `<number><unit>` groups, unit one of
-/// `ns`, `us`, `µs`, `ms`, `s`, `m`, `h`; no sign (negative durations mean nothing here).
-pub const DURATION_PATTERN: &str = r"^([0-9]+(\.[0-9]+)?(ns|us|µs|ms|s|m|h))+$";
+/// [`parse_duration`] accepts, which is what Go's `time.ParseDuration` accepts without a sign:
+/// `"0"`, or one or more `<number><unit>` groups, the number with an optional fraction (`1.5`,
+/// `.5`, `1.`), the unit one of `ns`, `us`, `µs` (either micro sign), `ms`, `s`, `m`, `h`. Signs
+/// are refused: no duration here may be negative, and `+` adds nothing.
+pub const DURATION_PATTERN: &str = r"^(0|(([0-9]+(\.[0-9]*)?|\.[0-9]+)(ns|us|µs|μs|ms|s|m|h))+)$";
 
 /// Why a duration string did not parse.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -247,6 +249,15 @@ mod tests {
     #[case("1.5s", true)]
     #[case("150ms", true)]
     #[case("2µs", true)]
+    #[case("2μs", true)]
+    #[case("0", true)]
+    #[case(".5s", true)]
+    #[case("1.s", true)]
+    #[case("0s", true)]
+    #[case("00", false)]
+    #[case(".s", false)]
+    #[case("s", false)]
+    #[case("+5s", false)]
     #[case("5", false)]
     #[case("-5m", false)]
     #[case("5d", false)]

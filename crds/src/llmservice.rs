@@ -89,7 +89,8 @@ pub struct ModelSpec {
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct ModelSource {
-    /// uri is the model location: `hf://<org>/<name>`, `modelscope://<org>/<name>`, or
+    /// uri is the model location: `hf://<org>/<name>` (alias `huggingface://`),
+    /// `modelscope://<org>/<name>`, or
     /// `pvc://<claim>[/<subpath>]` (pre-staged weights on an existing PVC, mounted read-only).
     #[schemars(length(min = 1, max = 2048))]
     pub uri: String,
@@ -291,7 +292,8 @@ pub struct CacheSpec {
     #[serde(default)]
     pub strategy: CacheStrategy,
 
-    /// size is the requested NodeLocalPVC capacity.
+    /// size is the requested NodeLocalPVC capacity; [`DEFAULT_CACHE_SIZE`] when unset (as
+    /// upstream Hearth).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub size: Option<Quantity>,
 
@@ -303,6 +305,18 @@ pub struct CacheSpec {
     /// prewarm requests a one-time Job that downloads the weights into the cache.
     #[serde(default)]
     pub prewarm: bool,
+}
+
+/// The NodeLocalPVC capacity of a service that sets no `cache.size` (upstream Hearth's default).
+pub const DEFAULT_CACHE_SIZE: &str = "50Gi";
+
+impl CacheSpec {
+    /// `size`, or [`DEFAULT_CACHE_SIZE`].
+    pub fn size_or_default(&self) -> Quantity {
+        self.size
+            .clone()
+            .unwrap_or_else(|| Quantity(DEFAULT_CACHE_SIZE.to_owned()))
+    }
 }
 
 /// The model cache backend.

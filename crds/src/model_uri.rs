@@ -1,4 +1,5 @@
-//! Model URIs of `LLMService.spec.model.source.uri`: `hf://<org>/<name>`,
+//! Model URIs of `LLMService.spec.model.source.uri`: `hf://<org>/<name>` (or its alias
+//! `huggingface://<org>/<name>`),
 //! `modelscope://<org>/<name>` and `pvc://<claim>[/<subpath>]`.
 //!
 //! The subpath of a `pvc://` URI becomes a `volumeMounts[].subPath`, so it must stay inside the
@@ -112,7 +113,10 @@ pub fn parse_model_uri(uri: &str) -> Result<ModelUri, UriError> {
         return Err(UriError::NoScheme(uri.to_owned()));
     };
     match scheme {
-        "hf" => repo("Hugging Face", rest, true).map(|repo| ModelUri::HuggingFace { repo }),
+        // huggingface:// is upstream Hearth's alias of hf://.
+        "hf" | "huggingface" => {
+            repo("Hugging Face", rest, true).map(|repo| ModelUri::HuggingFace { repo })
+        }
         "modelscope" => repo("ModelScope", rest, false).map(|repo| ModelUri::ModelScope { repo }),
         "pvc" => pvc(rest),
         other => Err(UriError::Scheme(other.to_owned())),
@@ -236,6 +240,10 @@ mod tests {
     #[rstest]
     #[case("hf://Qwen/Qwen2.5-0.5B-Instruct", "hf://Qwen/Qwen2.5-0.5B-Instruct")]
     #[case("hf://gpt2", "hf://gpt2")]
+    #[case(
+        "huggingface://Qwen/Qwen2.5-0.5B-Instruct",
+        "hf://Qwen/Qwen2.5-0.5B-Instruct"
+    )]
     #[case(
         "modelscope://Qwen/Qwen2.5-7B-Instruct",
         "modelscope://Qwen/Qwen2.5-7B-Instruct"

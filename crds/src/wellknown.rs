@@ -8,8 +8,17 @@ pub const RUNTIME_ANNOTATION: &str = "serving.hearth.dev/runtime";
 /// named: `serving.hearth.dev/vendor: nvidia,ascend`.
 pub const VENDOR_ANNOTATION: &str = "serving.hearth.dev/vendor";
 
-/// Label on every child object naming the `LLMService` that owns it.
+/// Label on every child object naming the `LLMService` that owns it, except the gateway
+/// Deployment and its pods (as upstream Hearth: a selector on this label finds the model's pods
+/// only); those carry [`GATEWAY_LABEL`].
 pub const LLMSERVICE_LABEL: &str = "serving.hearth.dev/llmservice";
+
+/// Label on the gateway Deployment, its pods and its Services naming the `LLMService` served.
+pub const GATEWAY_LABEL: &str = "serving.hearth.dev/gateway";
+
+/// Value of `app.kubernetes.io/managed-by` on every child (upstream Hearth's, which its
+/// ServiceMonitor example selects on). The field manager is [`FIELD_MANAGER`].
+pub const MANAGED_BY: &str = "hearth";
 
 /// Label on every child naming its role: `backend`, `gateway`, `cache`, `prewarm`.
 pub const COMPONENT_LABEL: &str = "app.kubernetes.io/component";

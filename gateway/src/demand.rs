@@ -127,6 +127,9 @@ impl DemandState {
 #[derive(Debug, Clone)]
 pub struct DemandHub {
     tx: Arc<watch::Sender<DemandState>>,
+    /// Incremented on every rise of this replica's demand from 0
+    /// (`hearth_gateway_activation_events_total`).
+    activations: prometheus_client::metrics::counter::Counter,
 }
 
 impl DemandHub {
@@ -142,29 +145,50 @@ impl DemandHub {
         };
         Self {
             tx: Arc::new(watch::channel(state).0),
+            activations: Default::default(),
         }
+    }
+
+    /// Counts each rise of this replica's demand from 0 (a request arriving to an idle
+    /// replica, or the activation lease raised with nothing pending) on `counter`.
+    pub fn with_activation_counter(
+        mut self,
+        counter: prometheus_client::metrics::counter::Counter,
+    ) -> Self {
+        self.activations = counter;
+        self
     }
 
     /// Admits one request if fewer than `max_queue` are pending; the slot frees on drop.
     pub fn try_admit(&self) -> Option<Admission> {
         let mut admitted = false;
+        let mut rose = false;
         self.tx.send_if_modified(|s| {
             if s.pending < s.max_queue {
+                rose = s.local() == 0;
                 s.pending += 1;
                 admitted = true;
             }
             admitted
         });
+        if rose {
+            self.activations.inc();
+        }
         admitted.then(|| Admission { hub: self.clone() })
     }
 
     /// Sets or clears the activation lease.
     pub fn set_lease(&self, on: bool) {
+        let mut rose = false;
         self.tx.send_if_modified(|s| {
             let changed = s.lease != on;
+            rose = on && s.local() == 0;
             s.lease = on;
             changed
         });
+        if rose {
+            self.activations.inc();
+        }
     }
 
     /// This replica's random identifier (see [`DemandState::instance`]).
@@ -476,5 +500,27 @@ mod tests {
         let mut rx = hub.subscribe();
         rx.wait_for(|s| !s.lease()).await.unwrap();
         assert_eq!(start.elapsed(), Duration::from_secs(5));
+    }
+
+    #[test]
+    fn activations_count_each_rise_from_zero() {
+        let counter = prometheus_client::metrics::counter::Counter::<u64>::default();
+        let hub = DemandHub::new(8, false).with_activation_counter(counter.clone());
+        let a = hub.try_admit().unwrap();
+        let b = hub.try_admit().unwrap();
+        assert_eq!(
+            counter.get(),
+            1,
+            "a second request while busy is no new activation"
+        );
+        hub.set_lease(true);
+        drop((a, b));
+        assert_eq!(counter.get(), 1, "the lease held while requests finish");
+        hub.set_lease(false);
+        hub.set_lease(true);
+        assert_eq!(counter.get(), 2, "the lease raised on an idle replica");
+        hub.set_lease(false);
+        let _c = hub.try_admit().unwrap();
+        assert_eq!(counter.get(), 3);
     }
 }

@@ -97,7 +97,9 @@ impl Gateway {
     /// # Errors
     /// The thread of the header-read timer could not start.
     pub fn new(cfg: GatewayConfig, backends: EndpointSet, keys: ApiKeys) -> std::io::Result<Self> {
-        let demand = DemandHub::new(cfg.max_queue, cfg.aggregate_peers);
+        let metrics = Arc::new(Metrics::new());
+        let demand = DemandHub::new(cfg.max_queue, cfg.aggregate_peers)
+            .with_activation_counter(metrics.activation_events.clone());
         let lease = Lease::new(demand.clone(), cfg.activation_timeout, cfg.activation_grace);
         let pool = UpstreamPool::new(cfg.connect_timeout, cfg.backend_idle_timeout);
         let timer = CoarseTimer::new()?;
@@ -109,7 +111,7 @@ impl Gateway {
                 backends,
                 demand,
                 lease,
-                metrics: Arc::new(Metrics::new()),
+                metrics,
                 keys,
                 pools: std::sync::Mutex::new(vec![pool.clone()]),
                 budget,

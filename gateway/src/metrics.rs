@@ -13,6 +13,7 @@
 //! | `hearth_gateway_time_to_first_token_seconds` | histogram | streaming requests: arrival until the first body chunk from the backend |
 //! | `hearth_gateway_upstream_errors_total{kind}` | counter | backend failures (`connect`, `request`, `stream`) |
 //! | `hearth_gateway_scaler_streams` | gauge | open KEDA `StreamIsActive` streams |
+//! | `hearth_gateway_activation_events_total` | counter | rises of this replica's demand from 0 (upstream Hearth's "inactive-to-active transitions") |
 //! | `hearth_gateway_backend_endpoints` | gauge | ready backend endpoints known |
 
 use std::sync::{Mutex, atomic::AtomicI64};
@@ -75,6 +76,8 @@ pub struct Metrics {
     pub upstream_errors: Family<KindLabel, Counter>,
     /// `hearth_gateway_scaler_streams`.
     pub scaler_streams: Gauge,
+    /// `hearth_gateway_activation_events_total`.
+    pub activation_events: Counter,
     /// `hearth_gateway_backend_endpoints`.
     pub backend_endpoints: Gauge,
     /// `hearth_gateway_request_body_bytes`.
@@ -106,6 +109,7 @@ impl Metrics {
         let ttft = Histogram::new(exponential_buckets(0.001, 2.0, 20));
         let upstream_errors = Family::default();
         let scaler_streams = Gauge::default();
+        let activation_events = Counter::default();
         let backend_endpoints = Gauge::default();
         let request_body_bytes = Gauge::default();
         registry.register(
@@ -164,6 +168,11 @@ impl Metrics {
             scaler_streams.clone(),
         );
         registry.register(
+            "hearth_gateway_activation_events",
+            "Rises of this replica's demand from 0 (a cold or idle replica becoming active)",
+            activation_events.clone(),
+        );
+        registry.register(
             "hearth_gateway_backend_endpoints",
             "Ready backend endpoints known",
             backend_endpoints.clone(),
@@ -186,6 +195,7 @@ impl Metrics {
             ttft,
             upstream_errors,
             scaler_streams,
+            activation_events,
             backend_endpoints,
             request_body_bytes,
             scrape: Mutex::new(()),

@@ -2,8 +2,11 @@
 //! workloads) and the controller (LLMServices).
 //!
 //! Rule: a pinned name must exist; otherwise runtimes whose vendor is in the preference list
-//! win in list order, then by higher `priority`, then by name (ascending), so the choice is
-//! deterministic. An empty preference list accepts every vendor.
+//! win in list order, then by higher `priority`. Two or more runtimes left equal (same place in
+//! the list, same priority) are refused as ambiguous, as upstream Hearth does since 0.2.0: its
+//! Ascend profiles share one priority on purpose, so a cluster with several must pin one (by
+//! name) instead of getting whichever sorts first. An empty preference list accepts every
+//! vendor.
 
 use hearth_crds::{InferenceRuntime, LLMService, wellknown};
 use serde_json::Value;
@@ -80,6 +83,16 @@ pub enum ResolveError {
         /// Vendors that have runtimes.
         available: Vec<String>,
     },
+    /// Several runtimes are equally preferred.
+    #[error("InferenceRuntimes [{}] are equally preferred (vendor {vendor}, priority {priority}); pin one by name, or give one a higher spec.priority", .candidates.join(", "))]
+    Ambiguous {
+        /// The vendor of the best place in the preference list.
+        vendor: String,
+        /// Their priority.
+        priority: i32,
+        /// The tied runtimes' names, sorted.
+        candidates: Vec<String>,
+    },
 }
 
 /// Picks the runtime for `selection` from `runtimes` (see the module docs for the rule).
@@ -108,25 +121,34 @@ pub fn resolve_runtime<'a>(
                     prefs.iter().position(|v| *v == r.spec.vendor)
                 }
             };
-            runtimes
+            let key =
+                |r: &InferenceRuntime| rank(r).map(|k| (k, std::cmp::Reverse(r.spec.priority)));
+            let best = runtimes.iter().filter_map(key).min();
+            let tied: Vec<&InferenceRuntime> = runtimes
                 .iter()
-                .filter_map(|r| rank(r).map(|k| (k, r)))
-                .min_by(|(ka, a), (kb, b)| {
-                    ka.cmp(kb)
-                        .then(b.spec.priority.cmp(&a.spec.priority))
-                        .then(name(a).cmp(&name(b)))
-                })
-                .map(|(_, r)| r)
-                .ok_or_else(|| {
-                    let mut available: Vec<String> =
-                        runtimes.iter().map(|r| r.spec.vendor.clone()).collect();
-                    available.sort();
-                    available.dedup();
-                    ResolveError::NoVendorMatch {
-                        wanted: prefs.clone(),
-                        available,
-                    }
-                })
+                .filter(|r| best.is_some() && key(r) == best)
+                .collect();
+            let mut candidates: Vec<String> = tied.iter().map(|r| name(r)).collect();
+            candidates.sort();
+            // A list read from several files may hold one runtime twice: that is no tie.
+            candidates.dedup();
+            if let (Some(first), true) = (tied.first(), candidates.len() > 1) {
+                return Err(ResolveError::Ambiguous {
+                    vendor: first.spec.vendor.clone(),
+                    priority: first.spec.priority,
+                    candidates,
+                });
+            }
+            tied.first().copied().ok_or_else(|| {
+                let mut available: Vec<String> =
+                    runtimes.iter().map(|r| r.spec.vendor.clone()).collect();
+                available.sort();
+                available.dedup();
+                ResolveError::NoVendorMatch {
+                    wanted: prefs.clone(),
+                    available,
+                }
+            })
         }
     }
 }
@@ -187,17 +209,48 @@ mod tests {
     }
 
     #[test]
-    fn priority_then_name_break_ties() {
+    fn priority_decides_and_equal_priorities_are_refused() {
+        let rts = [
+            rt("z", "nvidia", 5),
+            rt("b", "nvidia", 10),
+            rt("a", "ascend", 1),
+        ];
+        assert_eq!(
+            pick(&rts, Selection::Vendors(vec!["nvidia".into()])).unwrap(),
+            "b"
+        );
         let rts = [
             rt("z", "nvidia", 5),
             rt("b", "nvidia", 10),
             rt("a", "nvidia", 10),
         ];
+        let err = pick(&rts, Selection::Vendors(vec!["nvidia".into()])).unwrap_err();
         assert_eq!(
-            pick(&rts, Selection::Vendors(vec!["nvidia".into()])).unwrap(),
+            err,
+            ResolveError::Ambiguous {
+                vendor: "nvidia".into(),
+                priority: 10,
+                candidates: vec!["a".into(), "b".into()]
+            }
+        );
+        assert!(err.to_string().contains("pin one by name"), "{err}");
+        assert!(pick(&rts, Selection::Vendors(vec![])).is_err());
+        // A runtime earlier in the preference list is not a tie, whatever its priority.
+        let rts = [
+            rt("n1", "nvidia", 1),
+            rt("n2", "nvidia", 1),
+            rt("a", "ascend", 1),
+        ];
+        assert_eq!(
+            pick(
+                &rts,
+                Selection::Vendors(vec!["ascend".into(), "nvidia".into()])
+            )
+            .unwrap(),
             "a"
         );
-        assert_eq!(pick(&rts, Selection::Vendors(vec![])).unwrap(), "a");
+        // Pinning resolves the tie.
+        assert_eq!(pick(&rts, Selection::Pinned("n2".into())).unwrap(), "n2");
     }
 
     #[test]

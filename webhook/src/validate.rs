@@ -144,7 +144,9 @@ pub fn llmservice(svc: &LLMService, runtimes: &[InferenceRuntime]) -> Findings {
     if let Err(e) = &resolution {
         let field = match e {
             ResolveError::NotFound { .. } => "spec.runtime.name",
-            ResolveError::NoVendorMatch { .. } => "spec.runtime.selector.vendor",
+            ResolveError::NoVendorMatch { .. } | ResolveError::Ambiguous { .. } => {
+                "spec.runtime.selector.vendor"
+            }
         };
         f.warn(
             field,

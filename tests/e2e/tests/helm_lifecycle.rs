@@ -556,7 +556,7 @@ async fn wait_gateway(ns: &TestNamespace, node: &RealNode, image: &str) -> Resul
     let pods = ns
         .wait_for_pods(
             &format!("a Ready gateway pod on {} running {image}", node.name),
-            "app.kubernetes.io/component=gateway,serving.hearth.dev/llmservice=stub-svc",
+            "app.kubernetes.io/component=gateway,serving.hearth.dev/gateway=stub-svc",
             POD_TIMEOUT,
             |pods| {
                 pods.iter().any(|p| {

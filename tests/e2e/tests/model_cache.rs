@@ -26,7 +26,7 @@
 //!   claim read-only at `/models` and serves `/models/qwen/7b`.
 //!
 //! The prewarm Job runs what the controller renders for every runtime: the runtime's image with
-//! `python3 -c 'from huggingface_hub import snapshot_download ...'`, `HF_HOME=/models/huggingface`
+//! `python3 -c 'from huggingface_hub import snapshot_download ...'`, `HF_HOME=/models/hf`
 //! and the cache at `/models`. The stub image installs its binary as `python3` too; under that
 //! name it runs exactly that program, writing the hub cache layout (`refs/main`, `snapshots/`,
 //! SHA-256-named `blobs/`) from its built-in hub (tests/vllm-stub). The stub backend, with
@@ -426,7 +426,7 @@ fn check_prewarm_pod(pod: &Pod, node: &RealNode, repo: &str) -> Result<PodSpec> 
         .map(|e| (e.name, e.value.unwrap_or_default()))
         .collect();
     ensure!(
-        env.get("HF_HOME").map(String::as_str) == Some("/models/huggingface"),
+        env.get("HF_HOME").map(String::as_str) == Some("/models/hf"),
         "prewarm env {env:?}"
     );
     ensure!(
@@ -537,7 +537,7 @@ async fn node_local_pvc_prewarmed_on_a_local_volume() -> Result<()> {
     .await?;
     let applied = secs(t0);
     let job = format!("{SERVICE}-prewarm");
-    let claim = format!("{SERVICE}-model-cache");
+    let claim = format!("{SERVICE}-cache");
     let pod = wait_job(&d.ns, &job, Duration::from_secs(180)).await?;
     let prewarmed = secs(t0);
     let spec = check_prewarm_pod(&pod, &fx.node, UPSTREAM_REPO)?;
@@ -551,7 +551,7 @@ async fn node_local_pvc_prewarmed_on_a_local_volume() -> Result<()> {
     );
     let (snapshot, prewarm_log) = prewarm_snapshot(&d.ns, &pod).await?;
     ensure!(
-        snapshot.starts_with("/models/huggingface/hub/models--hearth--stub-model/snapshots/"),
+        snapshot.starts_with("/models/hf/hub/models--hearth--stub-model/snapshots/"),
         "prewarm snapshot {snapshot}"
     );
     // The controller's claim is bound to the test's local volume on the real node.
@@ -589,8 +589,8 @@ async fn node_local_pvc_prewarmed_on_a_local_volume() -> Result<()> {
     let revision = snapshot.rsplit('/').next().unwrap_or_default();
     ensure!(
         files.contains(&format!(
-            "/huggingface/hub/models--hearth--stub-model/snapshots/{revision}/model.safetensors"
-        )) && files.contains("/huggingface/hub/models--hearth--stub-model/blobs/"),
+            "/hf/hub/models--hearth--stub-model/snapshots/{revision}/model.safetensors"
+        )) && files.contains("/hf/hub/models--hearth--stub-model/blobs/"),
         "the local volume's directory on the node holds:\n{files}"
     );
     println!(
@@ -631,7 +631,7 @@ async fn host_path_cache_prewarmed_on_the_node() -> Result<()> {
         "hearth-e2e/hostpath-{}",
         fx.id.rsplit('-').next().unwrap_or("x")
     );
-    let hub_dir = format!("huggingface/hub/models--{}", repo.replace('/', "--"));
+    let hub_dir = format!("hf/hub/models--{}", repo.replace('/', "--"));
     // The root is the installed controller's: install Hearth first (deploy() would do it too).
     hearth_e2e_harness::stack::ensure_hearth(&fx.cluster.client(), fx.cluster.kubeconfig()).await?;
     let root = host_path_root(&fx.cluster).await?;

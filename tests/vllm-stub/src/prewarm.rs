@@ -10,7 +10,7 @@
 //! print(snapshot_download("org/name"))'
 //! ```
 //!
-//! with `HF_HOME=/models/huggingface` (or `MODELSCOPE_CACHE=/models/modelscope`) on the cache
+//! with `HF_HOME=/models/hf` (or `MODELSCOPE_CACHE=/models/modelscope`) on the cache
 //! mounted at `/models`. The stub's image has no Python: its binary is also installed as
 //! `python3`, and invoked under that name it runs exactly such programs: the import, then
 //! `snapshot_download(...)` (optionally inside `print(...)`), with the arguments `repo_id` /

@@ -19,7 +19,7 @@ use serde_json::Value;
 /// The upstream stub service's name and served model name.
 pub const SERVICE: &str = "stub-svc";
 /// Its backend Deployment.
-pub const BACKEND: &str = "stub-svc-backend";
+pub const BACKEND: &str = "stub-svc";
 /// Label selector of its backend pods.
 pub fn backend_selector() -> String {
     stack::backend_pods(SERVICE)

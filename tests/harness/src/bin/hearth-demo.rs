@@ -21,7 +21,7 @@ use kube::{Api, Client, Config};
 /// The quickstart LLMService's name (examples/quickstart/llmservice.yaml).
 const SVC: &str = "quickstart";
 /// Its backend Deployment.
-const BACKEND: &str = "quickstart-backend";
+const BACKEND: &str = "quickstart";
 
 fn log(msg: impl AsRef<str>) {
     eprintln!("[demo] {}", msg.as_ref());
