@@ -677,10 +677,19 @@ async fn apply_children(
         match api.create(&pp, &children.backend).await {
             Ok(_) => {}
             Err(kube::Error::Api(e)) if e.code == 409 => {
-                // The cache was behind: it exists. Apply without replicas.
+                // The cache was behind (a controller just started): it exists. Apply without
+                // replicas, keeping the running pods' drain image as above.
                 let mut backend = children.backend.clone();
                 if let Some(spec) = backend.spec.as_mut() {
                     spec.replicas = None;
+                }
+                let live = api.get(&backend_name).await.map_err(kube_err(format!(
+                    "get Deployment {namespace}/{backend_name}"
+                )))?;
+                if let Some(image) = &ctx.render.drain_image
+                    && has_pods(&live)
+                {
+                    upgrade::keep_live_images(&mut backend, &live, image);
                 }
                 apply(ctx, namespace, &backend).await?;
             }
