@@ -21,16 +21,6 @@ pub enum PolicyError {
     /// An embedded built-in policy did not parse or compile (a build defect, reported).
     #[error("built-in ServingPolicies: {0}")]
     Builtin(String),
-    /// `fraction` with a runtime that does not share devices.
-    #[error(
-        "spec.resources.fraction: InferenceRuntime {0} does not support device sharing (spec.accelerator.sharing.supported is false); remove fraction or pick a runtime that shares devices"
-    )]
-    SharingUnsupported(String),
-    /// `fraction` with a sharing runtime: no built-in policy renders fractional resources yet.
-    #[error(
-        "spec.resources.fraction: no built-in ServingPolicy renders fractional devices yet; request whole devices (remove fraction)"
-    )]
-    FractionNotRendered,
     /// A `Fail` policy could not be evaluated.
     #[error("rendering the backend through the ServingPolicies failed: {0}")]
     Mutate(#[from] MutateError),
@@ -92,13 +82,6 @@ pub fn apply(
     runtime: &InferenceRuntime,
     settings: &PolicySettings,
 ) -> Result<Deployment, PolicyError> {
-    if service.spec.resources.fraction.is_some() {
-        return Err(if runtime.spec.accelerator.sharing.supported {
-            PolicyError::FractionNotRendered
-        } else {
-            PolicyError::SharingUnsupported(runtime.metadata.name.clone().unwrap_or_default())
-        });
-    }
     let object =
         serde_json::to_value(&deployment).map_err(|e| PolicyError::Invalid(e.to_string()))?;
     let input = EvalInput {

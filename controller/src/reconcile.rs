@@ -29,6 +29,7 @@ use futures::{StreamExt, channel::mpsc};
 use hearth_crds::{
     InferenceRuntime, LLMService, LLMServicePhase, LLMServiceStatus,
     llmservice::CacheStrategy,
+    rules,
     wellknown::{FIELD_MANAGER, LLMSERVICE_LABEL},
 };
 use k8s_openapi::{
@@ -310,75 +311,136 @@ async fn publish(ctx: &Context, svc: &LLMService, type_: EventType, reason: &str
     }
 }
 
-async fn reconcile_inner(svc: &LLMService, ctx: &Context) -> Result<Action, Error> {
-    let name = svc.name_any();
-    let namespace = svc.namespace().unwrap_or_default();
-    let runtimes = ctx.runtimes.state();
-    let mut conds: Vec<Cond> = Vec::new();
-    let mut resolved_name = None;
-    let mut phase = LLMServicePhase::Pending;
-    let mut replicas = 0;
+/// What a reconcile decides before it touches the cluster: the rules both the controller and
+/// the admission webhook apply (`hearth_crds::rules::check_llmservice`), runtime resolution and
+/// rendering. Pure, so its agreement with the webhook is tested without a cluster
+/// (`tests/rules_agreement.rs`).
+#[derive(Debug)]
+pub struct Plan {
+    /// The phase when nothing is rendered (`Degraded` for a spec error, `Pending` without a
+    /// runtime); once children are applied their state decides it.
+    pub phase: LLMServicePhase,
+    /// The resolved runtime's name.
+    pub resolved_runtime: Option<String>,
+    /// The conditions decided so far: `Validated`, `RuntimeResolved`, and when nothing is
+    /// rendered the `False` conditions saying why.
+    pub conds: Vec<Cond>,
+    /// The children to apply; `None` when the service cannot be rendered.
+    pub children: Option<Children>,
+}
 
-    match resolve_runtime(svc, runtimes.iter().map(|r| r.as_ref())) {
+/// Decides what to do with `svc` given the cluster's `runtimes`; `create_backend` as for
+/// [`render::render`].
+pub fn plan<'a>(
+    svc: &LLMService,
+    runtimes: impl IntoIterator<Item = &'a InferenceRuntime>,
+    cfg: &RenderConfig,
+    create_backend: bool,
+) -> Plan {
+    let resolved = resolve_runtime(svc, runtimes);
+    let findings = rules::check_llmservice(svc, resolved.as_ref().ok().map(|r| r.runtime));
+    let mut plan = Plan {
+        phase: LLMServicePhase::Pending,
+        resolved_runtime: None,
+        conds: vec![status::validated(&findings)],
+        children: None,
+    };
+    let resolved = match resolved {
         Err(e) => {
-            conds.push(Cond::new(
+            plan.conds.push(Cond::new(
                 status::RUNTIME_RESOLVED,
                 Some(false),
                 e.reason(),
                 e.to_string(),
             ));
-            conds.push(not_ready_for(&e));
+            if !findings.blocks_rendering() {
+                plan.conds.push(not_ready_for(&e));
+                return plan;
+            }
+            None
         }
         Ok(resolved) => {
-            resolved_name = Some(resolved.runtime.name_any());
-            conds.push(Cond::new(
+            plan.resolved_runtime = Some(resolved.runtime.name_any());
+            plan.conds.push(Cond::new(
                 status::RUNTIME_RESOLVED,
                 Some(true),
                 resolved.reason,
                 resolved.message.clone(),
             ));
-            let backend_name = names::backend(&name);
-            let backend_exists = get_in(&ctx.deployments, &namespace, &backend_name).is_some();
-            match render::render(svc, resolved.runtime, &ctx.render, !backend_exists) {
-                Err(e) => {
-                    let (type_, reason) = e.condition();
-                    phase = LLMServicePhase::Degraded;
-                    if type_ == status::CACHE_READY {
-                        conds.push(Cond::new(
-                            status::CACHE_READY,
-                            Some(false),
-                            reason,
-                            e.to_string(),
-                        ));
-                        conds.push(Cond::new(
-                            status::READY,
-                            Some(false),
-                            "CacheNotReady",
-                            "see the CacheReady condition",
-                        ));
-                    } else {
-                        conds.push(Cond::new(status::READY, Some(false), reason, e.to_string()));
-                    }
-                }
-                Ok(children) => {
-                    let (p, r, mut others) =
-                        apply_children(svc, ctx, &namespace, children, backend_exists).await?;
-                    phase = p;
-                    replicas = r.0;
-                    conds.push(r.1);
-                    conds.append(&mut others);
-                }
+            Some(resolved)
+        }
+    };
+    // A spec error is reported whether or not there is a runtime: it is what to fix.
+    if findings.blocks_rendering() {
+        plan.phase = LLMServicePhase::Degraded;
+        plan.conds.extend(status::rule_errors(&findings));
+        return plan;
+    }
+    let Some(resolved) = resolved else {
+        return plan;
+    };
+    match render::render(svc, resolved.runtime, cfg, create_backend) {
+        Err(e) => {
+            let (type_, reason) = e.condition();
+            plan.phase = LLMServicePhase::Degraded;
+            if type_ == status::CACHE_READY {
+                plan.conds.push(Cond::new(
+                    status::CACHE_READY,
+                    Some(false),
+                    reason,
+                    e.to_string(),
+                ));
+                plan.conds.push(Cond::new(
+                    status::READY,
+                    Some(false),
+                    "CacheNotReady",
+                    "see the CacheReady condition",
+                ));
+            } else {
+                plan.conds
+                    .push(Cond::new(status::READY, Some(false), reason, e.to_string()));
             }
         }
+        Ok(children) => plan.children = Some(children),
+    }
+    plan
+}
+
+async fn reconcile_inner(svc: &LLMService, ctx: &Context) -> Result<Action, Error> {
+    let name = svc.name_any();
+    let namespace = svc.namespace().unwrap_or_default();
+    let runtimes = ctx.runtimes.state();
+    let backend_exists = get_in(&ctx.deployments, &namespace, &names::backend(&name)).is_some();
+    let Plan {
+        mut phase,
+        resolved_runtime: resolved_name,
+        mut conds,
+        children,
+    } = plan(
+        svc,
+        runtimes.iter().map(|r| r.as_ref()),
+        &ctx.render,
+        !backend_exists,
+    );
+    let mut replicas = 0;
+    if let Some(children) = children {
+        let (p, r, mut others) =
+            apply_children(svc, ctx, &namespace, children, backend_exists).await?;
+        phase = p;
+        replicas = r.0;
+        conds.push(r.1);
+        conds.append(&mut others);
     }
 
-    // Stable condition order: Ready, RuntimeResolved, AutoscalingReady, CacheReady, Prewarmed.
+    // Stable condition order: Ready, RuntimeResolved, AutoscalingReady, CacheReady, Prewarmed,
+    // Validated.
     let order = [
         status::READY,
         status::RUNTIME_RESOLVED,
         status::AUTOSCALING_READY,
         status::CACHE_READY,
         status::PREWARMED,
+        status::VALIDATED,
     ];
     conds.sort_by_key(|c| {
         order
@@ -478,12 +540,15 @@ async fn emit_transitions(
         }
         // A first status says what is expected of a new service (creating, scaled to zero,
         // waiting on KEDA); only something the user should act on is worth an Event then.
+        // Rule warnings (`Validated=True` with a reason other than `Valid`) are worth one.
+        let warns = c.type_ == status::VALIDATED && c.reason != status::VALID;
         if before.is_none()
+            && !warns
             && (c.status == "True" || EXPECTED_AT_START.contains(&c.reason.as_str()))
         {
             continue;
         }
-        let type_ = if c.status == "False" && c.type_ != status::PREWARMED {
+        let type_ = if warns || c.status == "False" && c.type_ != status::PREWARMED {
             EventType::Warning
         } else {
             EventType::Normal

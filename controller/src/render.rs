@@ -11,7 +11,8 @@ use std::collections::BTreeMap;
 use hearth_crds::{
     InferenceRuntime, LLMService,
     llmservice::{CacheStrategy, ColdStartMode},
-    wellknown::SCALER_ANNOTATION,
+    quantity::{compare_quantities, is_quantity},
+    rules::{self, Findings},
 };
 use k8s_openapi::{
     api::{
@@ -166,7 +167,7 @@ pub fn parse_gateway_resources(json: &str) -> Result<ResourceRequirements, Strin
             if v.starts_with('-') {
                 return Err(format!("{kind}.{name}: {v:?} must not be negative"));
             }
-            if !hearth_policies::is_quantity(v) {
+            if !is_quantity(v) {
                 return Err(format!(
                     "{kind}.{name}: {v:?} is not a quantity; write it like \"500m\", \"256Mi\" or \"1.5\""
                 ));
@@ -176,7 +177,7 @@ pub fn parse_gateway_resources(json: &str) -> Result<ResourceRequirements, Strin
     let limit_of = |name: &str| r.limits.as_ref().and_then(|l| l.get(name));
     for (name, Quantity(request)) in r.requests.iter().flatten() {
         if let Some(Quantity(limit)) = limit_of(name)
-            && hearth_policies::compare_quantities(request, limit) == Some(Greater)
+            && compare_quantities(request, limit) == Some(Greater)
         {
             return Err(format!(
                 "requests.{name} ({request}) is above limits.{name} ({limit}); a request must not exceed its limit"
@@ -184,7 +185,7 @@ pub fn parse_gateway_resources(json: &str) -> Result<ResourceRequirements, Strin
         }
     }
     if let Some(Quantity(limit)) = limit_of("memory")
-        && hearth_policies::compare_quantities(limit, GATEWAY_MIN_MEMORY_LIMIT) == Some(Less)
+        && compare_quantities(limit, GATEWAY_MIN_MEMORY_LIMIT) == Some(Less)
     {
         return Err(format!(
             "limits.memory ({limit}) is below {GATEWAY_MIN_MEMORY_LIMIT}: the gateway keeps half its memory limit for request bodies of up to 8Mi each"
@@ -194,13 +195,7 @@ pub fn parse_gateway_resources(json: &str) -> Result<ResourceRequirements, Strin
 }
 
 /// How KEDA learns the gateway's demand (`serving.hearth.dev/scaler` annotation).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ScalerMode {
-    /// `metrics-api` trigger polling `GET /hearth/queue` on every gateway endpoint, summed.
-    Poll,
-    /// `external-push` trigger to the gateway's ExternalScaler gRPC port.
-    Push,
-}
+pub use hearth_crds::rules::ScalerMode;
 
 /// The KEDA `ScaledObject` API (keda.sh/v1alpha1), the default of [`RenderConfig::keda_api`].
 pub fn scaled_object_resource() -> ApiResource {
@@ -288,6 +283,10 @@ impl Children {
 /// Why an `LLMService` could not be rendered. Each names the field and the fix.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum RenderError {
+    /// The service breaks the rules it is rendered by (`hearth_crds::rules`, shared with the
+    /// admission webhook); only errors, each naming the field and the fix.
+    #[error("{0}")]
+    Rules(Findings),
     /// A bad or unsupported model source.
     #[error(transparent)]
     Model(#[from] model::ModelError),
@@ -312,15 +311,9 @@ pub enum RenderError {
         "spec.cache.strategy: {0:?} is not implemented yet; use NodeLocalPVC, HostPath or None"
     )]
     CacheNotImplemented(CacheStrategy),
-    /// The name does not leave room for child suffixes.
-    #[error("metadata.name {0:?} is longer than {max} characters; child Service names must fit 63; choose a shorter name", max = names::MAX_SERVICE_NAME_LEN)]
-    NameTooLong(String),
     /// The object has no namespace (rendering needs one; `render` defaults it to `default`).
     #[error("metadata.namespace is required")]
     NoNamespace,
-    /// An unknown scaler annotation value.
-    #[error("annotation {SCALER_ANNOTATION}: {0:?} is not a scaler mode; use poll or push")]
-    ScalerMode(String),
     /// The policy step failed.
     #[error(transparent)]
     Policy(#[from] policy::PolicyError),
@@ -334,6 +327,10 @@ impl RenderError {
     /// `CacheReady`, everything else under `Ready`.
     pub fn condition(&self) -> (&'static str, &'static str) {
         match self {
+            RenderError::Rules(findings) => findings
+                .first_error()
+                .map(|f| (f.reason.condition_type(), f.reason.as_str()))
+                .unwrap_or(("Ready", "InvalidSpec")),
             RenderError::CacheNotImplemented(_) => ("CacheReady", "StrategyNotImplemented"),
             RenderError::Model(model::ModelError::CatalogNotImplemented) => {
                 ("Ready", "CatalogNotImplemented")
@@ -459,20 +456,15 @@ pub fn render(
     cfg: &RenderConfig,
     create_backend: bool,
 ) -> Result<Children, RenderError> {
-    let name = service.name_any();
-    if name.len() > names::MAX_SERVICE_NAME_LEN {
-        return Err(RenderError::NameTooLong(name));
+    // The rules the admission webhook applies too: nothing is rendered while one is broken.
+    let mut findings = rules::check_llmservice(service, Some(runtime));
+    if findings.blocks_rendering() {
+        findings.0.retain(rules::Finding::is_error);
+        return Err(RenderError::Rules(findings));
     }
+    let name = service.name_any();
     let namespace = service.namespace().ok_or(RenderError::NoNamespace)?;
-    let scaler = match service
-        .annotations()
-        .get(SCALER_ANNOTATION)
-        .map(String::as_str)
-    {
-        None | Some("") | Some("poll") => ScalerMode::Poll,
-        Some("push") => ScalerMode::Push,
-        Some(other) => return Err(RenderError::ScalerMode(other.to_owned())),
-    };
+    let scaler = rules::scaler_mode(service).map_err(|f| RenderError::Rules(Findings(vec![f])))?;
     let ctx = Ctx {
         svc: service,
         rt: runtime,
@@ -919,7 +911,7 @@ fn cache_claim(ctx: &Ctx<'_>) -> Option<PersistentVolumeClaim> {
     {
         return None;
     }
-    let size = cache.size_or_default();
+    let size = rules::cache_claim_size(cache);
     let spec = PersistentVolumeClaimSpec {
         access_modes: Some(vec!["ReadWriteOnce".to_owned()]),
         resources: Some(VolumeResourceRequirements {

@@ -5,7 +5,10 @@
 //! `lastTransitionTime` changes only when `status` changes, so an unchanged world produces a
 //! byte-identical status and no write.
 
-use hearth_crds::{LLMServicePhase, LLMServiceStatus};
+use hearth_crds::{
+    LLMServicePhase, LLMServiceStatus,
+    rules::{Finding, Findings},
+};
 use k8s_openapi::{
     api::{apps::v1::Deployment, batch::v1::Job, core::v1::PersistentVolumeClaim},
     apimachinery::pkg::apis::meta::v1::{Condition, Time},
@@ -23,6 +26,80 @@ pub const AUTOSCALING_READY: &str = "AutoscalingReady";
 pub const CACHE_READY: &str = "CacheReady";
 /// `Prewarmed`: the prewarm Job has downloaded the weights into the cache.
 pub const PREWARMED: &str = "Prewarmed";
+/// `Validated`: the spec passes the rules it is rendered by (`hearth_crds::rules`, the ones the
+/// admission webhook applies). `True` with reason [`VALID`], or with a warning's reason (the
+/// service is rendered; the message lists the warnings); `False` with the first error's reason
+/// (nothing is rendered).
+pub const VALIDATED: &str = "Validated";
+/// The `Validated=True` reason of a spec without findings.
+pub const VALID: &str = "Valid";
+
+fn joined<'a>(findings: impl Iterator<Item = &'a Finding>) -> String {
+    findings
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+/// `Validated` from the rule findings.
+pub fn validated(findings: &Findings) -> Cond {
+    if let Some(first) = findings.first_error() {
+        return Cond::new(
+            VALIDATED,
+            Some(false),
+            first.reason.as_str(),
+            joined(findings.errors()),
+        );
+    }
+    match findings.warnings().next() {
+        Some(first) => Cond::new(
+            VALIDATED,
+            Some(true),
+            first.reason.as_str(),
+            format!("rendered, with warnings: {}", joined(findings.warnings())),
+        ),
+        None => Cond::new(
+            VALIDATED,
+            Some(true),
+            VALID,
+            "the spec passes the rules it is rendered by",
+        ),
+    }
+}
+
+/// The `False` conditions of rule errors, which keep the service from being rendered: cache
+/// errors under `CacheReady` (reason `StrategyNotImplemented`), the others
+/// under `Ready` with the first one's reason; `Ready=False` `CacheNotReady` when only the cache
+/// is wrong.
+pub fn rule_errors(findings: &Findings) -> Vec<Cond> {
+    let is_cache = |f: &&Finding| f.reason.condition_type() == CACHE_READY;
+    let mut conds = Vec::new();
+    let cache: Vec<&Finding> = findings.errors().filter(is_cache).collect();
+    if let Some(first) = cache.first() {
+        conds.push(Cond::new(
+            CACHE_READY,
+            Some(false),
+            first.reason.as_str(),
+            joined(cache.iter().copied()),
+        ));
+    }
+    let other: Vec<&Finding> = findings.errors().filter(|f| !is_cache(f)).collect();
+    conds.push(match other.first() {
+        Some(first) => Cond::new(
+            READY,
+            Some(false),
+            first.reason.as_str(),
+            joined(other.iter().copied()),
+        ),
+        None => Cond::new(
+            READY,
+            Some(false),
+            "CacheNotReady",
+            "see the CacheReady condition",
+        ),
+    });
+    conds
+}
 
 /// A condition before timestamps: what the reconciler decided.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -150,7 +150,7 @@ fn bad_input_is_a_clear_error_not_a_panic() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
     assert!(
-        stderr.contains("spec.cache.strategy: SharedPVC is not implemented yet"),
+        stderr.contains("spec.cache.strategy: SharedPVC is reserved and not implemented"),
         "{stderr}"
     );
     std::fs::remove_dir_all(&dir).unwrap();

@@ -11,7 +11,11 @@ pub mod duration;
 pub mod inferenceruntime;
 pub mod llmservice;
 pub mod model_uri;
+pub mod naming;
+pub mod quantity;
+pub mod rules;
 pub mod servingpolicy;
+pub mod template;
 pub mod wellknown;
 
 pub use duration::{Duration, DurationError, parse_duration};

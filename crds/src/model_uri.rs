@@ -217,20 +217,8 @@ fn pvc(rest: &str) -> Result<ModelUri, UriError> {
     })
 }
 
-/// RFC 1123 subdomain as Kubernetes checks object names (`IsDNS1123Subdomain`).
-pub fn is_dns1123_subdomain(s: &str) -> bool {
-    !s.is_empty() && s.len() <= 253 && s.split('.').all(is_dns1123_label_part)
-}
-
-fn is_dns1123_label_part(s: &str) -> bool {
-    let b = s.as_bytes();
-    !b.is_empty()
-        && b.len() <= 63
-        && b.iter()
-            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-')
-        && b[0] != b'-'
-        && b[b.len() - 1] != b'-'
-}
+/// RFC 1123 subdomain as Kubernetes checks object names; see [`crate::naming`].
+pub use crate::naming::is_dns1123_subdomain;
 
 #[cfg(test)]
 mod tests {

@@ -36,5 +36,4 @@ pub use engine::{
     Mutated, Outcome, PolicyLoadError, PolicySet, PolicySettings, RequestInfo, UserInfo,
 };
 pub use limits::Limits;
-pub use native::{compare_quantities, is_quantity};
 pub use resolve::{ResolveError, Selection, resolve_runtime};

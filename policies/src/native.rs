@@ -17,6 +17,7 @@
 
 use std::{cmp::Ordering, rc::Rc};
 
+use hearth_crds::quantity::Plain;
 use kube_cel::cel::{
     Value as CelValue,
     common::ast::{CallExpr, EntryExpr, Expr, IdedExpr, LiteralValue, operators},
@@ -76,100 +77,27 @@ pub(crate) enum Val<'a> {
     Foreign(CelValue),
 }
 
-/// A Kubernetes quantity (`resource.Quantity`) as `mantissa × 10^scale`, exact, as kube-cel
-/// keeps it. Only the plain form is parsed here: digits, an optional fraction and an optional
-/// SI suffix (`500m`, `1.5Gi`, `32`); exponents and signs go to the interpreter.
+/// A Kubernetes quantity (`resource.Quantity`) in its plain form (`500m`, `1.5Gi`, `32`), exact,
+/// as kube-cel keeps it ([`hearth_crds::quantity::Plain`]); exponents and signs go to the
+/// interpreter.
 #[derive(Clone, Debug)]
 pub(crate) struct Quantity<'a> {
-    mantissa: i128,
-    scale: i32,
+    value: Plain,
     /// The source text, to hand the value to the interpreter when a foreign call needs it.
     text: Str<'a>,
 }
 
-/// Compares two Kubernetes quantities in their plain form (`500m`, `1.5Gi`, `32`), exactly;
-/// `None` when either is in another form (a sign, an exponent) or not a quantity, or when
-/// scaling one to the other overflows.
-pub fn compare_quantities(a: &str, b: &str) -> Option<Ordering> {
-    Quantity::parse(Str::Ref(a))?.compare(&Quantity::parse(Str::Ref(b))?)
-}
-
-/// `resource.Quantity`'s syntax (apimachinery `ParseQuantity`): `[+-]` digits with an optional
-/// fraction, then nothing, a binary suffix (`Ki` … `Ei`), a decimal one (`n u m k M G T P E`) or a
-/// decimal exponent that fits in 32 bits (`e3`, `E-2`). The degenerate forms `ParseQuantity`
-/// reads as zero (`"+"`, `"."`, `"Mi"`) are refused.
-pub fn is_quantity(s: &str) -> bool {
-    let s = s.strip_prefix(['+', '-']).unwrap_or(s);
-    let end = s
-        .find(|c: char| !c.is_ascii_digit() && c != '.')
-        .unwrap_or(s.len());
-    let (number, suffix) = s.split_at(end);
-    let digits = number.bytes().filter(u8::is_ascii_digit).count();
-    if digits == 0 || number.len() - digits > 1 {
-        return false;
-    }
-    match suffix {
-        "" | "Ki" | "Mi" | "Gi" | "Ti" | "Pi" | "Ei" | "n" | "u" | "m" | "k" | "M" | "G" | "T"
-        | "P" | "E" => true,
-        _ => suffix.strip_prefix(['e', 'E']).is_some_and(|exp| {
-            exp.bytes().last().is_some_and(|b| b.is_ascii_digit()) && exp.parse::<i32>().is_ok()
-        }),
-    }
-}
-
 impl<'a> Quantity<'a> {
     fn parse(text: Str<'a>) -> Option<Self> {
-        let s = text.as_str();
-        let end = s
-            .find(|c: char| !c.is_ascii_digit() && c != '.')
-            .unwrap_or(s.len());
-        let (number, suffix) = s.split_at(end);
-        let (int, frac) = number.split_once('.').unwrap_or((number, ""));
-        if int.is_empty()
-            || (number.contains('.') && frac.is_empty())
-            || int.len() + frac.len() > 30
-        {
-            return None;
-        }
-        let mut mantissa: i128 = 0;
-        for c in int.bytes().chain(frac.bytes()) {
-            mantissa = mantissa * 10 + i128::from(c - b'0');
-        }
-        let (shift, binary) = match suffix {
-            "" => (0, 1),
-            "n" => (-9, 1),
-            "u" => (-6, 1),
-            "m" => (-3, 1),
-            "k" => (3, 1),
-            "M" => (6, 1),
-            "G" => (9, 1),
-            "T" => (12, 1),
-            "P" => (15, 1),
-            "E" => (18, 1),
-            "Ki" => (0, 1 << 10),
-            "Mi" => (0, 1 << 20),
-            "Gi" => (0, 1 << 30),
-            "Ti" => (0, 1 << 40),
-            "Pi" => (0, 1 << 50),
-            "Ei" => (0, 1 << 60),
-            _ => return None,
-        };
         Some(Quantity {
-            mantissa: mantissa.checked_mul(binary)?,
-            scale: shift - frac.len() as i32,
+            value: Plain::parse(text.as_str())?,
             text,
         })
     }
 
     /// Exact comparison; `None` when scaling would overflow.
     fn compare(&self, other: &Quantity) -> Option<Ordering> {
-        let min = self.scale.min(other.scale);
-        let scaled = |q: &Quantity| {
-            10i128
-                .checked_pow((q.scale - min) as u32)
-                .and_then(|f| q.mantissa.checked_mul(f))
-        };
-        Some(scaled(self)?.cmp(&scaled(other)?))
+        self.value.compare(&other.value)
     }
 
     /// The interpreter's value for the same text.
@@ -1443,51 +1371,5 @@ fn foreign<'a>(f: &Foreign, args: Vec<CelValue>) -> R<'a> {
         Ok(Ok(v)) => Val::from_cel(v),
         Ok(Err(e)) if guard::exceeded() => Err(Failure::Bound(e.to_string())),
         _ => Err(Failure::Fallback),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn quantities_follow_apimachinery_syntax() {
-        for ok in [
-            "1", "500m", "1.5Gi", "0.5", ".5", "1.", "+2", "-1", "1e3", "1E-2", "64Mi", "2k",
-        ] {
-            assert!(is_quantity(ok), "{ok}");
-        }
-        for bad in [
-            "",
-            "Mi",
-            "1MB",
-            "1..5",
-            "1.2.3",
-            "lots",
-            "1e",
-            "1e+",
-            "1 Mi",
-            "1Mi ",
-            "--1",
-            "1e2147483648",
-            "1e99999999999999999999",
-            "1e+-3",
-        ] {
-            assert!(!is_quantity(bad), "{bad}");
-        }
-    }
-
-    #[test]
-    fn quantities_compare_exactly_across_suffixes() {
-        assert_eq!(compare_quantities("1Gi", "512Mi"), Some(Ordering::Greater));
-        assert_eq!(compare_quantities("1", "1000m"), Some(Ordering::Equal));
-        assert_eq!(compare_quantities("0.5Gi", "512Mi"), Some(Ordering::Equal));
-        assert_eq!(compare_quantities("1G", "1Gi"), Some(Ordering::Less));
-        assert_eq!(
-            compare_quantities("1e3", "1k"),
-            None,
-            "exponents are not the plain form"
-        );
-        assert_eq!(compare_quantities("lots", "1"), None);
     }
 }

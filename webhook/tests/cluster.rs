@@ -240,6 +240,7 @@ fn llmservice(name: &str, spec: Value) -> Value {
         "spec": {
             "model": {"source": {"uri": "hf://Qwen/Qwen2.5-0.5B-Instruct"}},
             "runtime": {"name": "vllm-nvidia-a10"},
+            "cache": {"size": "30Gi"},
         }
     });
     merge(&mut v["spec"], spec);

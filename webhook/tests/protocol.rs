@@ -96,6 +96,7 @@ fn llmservice(spec: Value) -> Value {
         "spec": {
             "model": {"source": {"uri": "hf://Qwen/Qwen2.5-0.5B-Instruct"}},
             "runtime": {"name": "vllm-nvidia-a10"},
+            "cache": {"size": "30Gi"},
         }
     });
     merge(&mut base["spec"], spec);
@@ -143,6 +144,7 @@ async fn upstream_examples_are_accepted_without_warnings() {
 #[case::repo(json!({"model": {"source": {"uri": "hf://a/b/c"}}}), "spec.model.source.uri", "<org>/<name>")]
 #[case::catalog(json!({"model": {"catalogRef": "qwen"}}), "spec.model.catalogRef", "not supported")]
 #[case::fraction(json!({"resources": {"fraction": {"cores": 50}}}), "spec.resources.fraction", "does not support fractional devices")]
+#[case::fraction_without_runtime(json!({"runtime": {"name": "vllm-nowhere"}, "resources": {"fraction": {"cores": 50}}}), "spec.resources.fraction", "not rendered for an LLMService yet")]
 #[case::kv_metric(json!({"scaling": {"metric": "kvCacheUtil"}}), "spec.scaling.metric", "use queueDepth")]
 #[case::shared_pvc(json!({"cache": {"strategy": "SharedPVC"}}), "spec.cache.strategy", "reserved")]
 #[case::baked(json!({"cache": {"strategy": "BakedImage"}}), "spec.cache.strategy", "reserved")]
@@ -172,7 +174,6 @@ async fn invalid_llmservices_are_denied(
 #[rstest]
 #[case::missing_runtime(json!({"runtime": {"name": "vllm-nowhere"}}), "spec.runtime.name: InferenceRuntime \"vllm-nowhere\" does not exist; available: [vllm-ascend, vllm-nvidia-a10, vllm-stub]")]
 #[case::no_vendor(json!({"runtime": {"name": null, "selector": {"vendor": ["cambricon"]}}}), "no InferenceRuntime has vendor cambricon; runtimes exist for [ascend, nvidia]")]
-#[case::fraction_unknown(json!({"runtime": {"name": "vllm-nowhere"}, "resources": {"fraction": {"cores": 50}}}), "spec.resources.fraction: cannot be checked until the runtime exists")]
 #[case::pinned_and_selector(json!({"runtime": {"selector": {"vendor": ["nvidia"]}}}), "spec.runtime.selector: is ignored")]
 #[case::prewarm_none(json!({"cache": {"strategy": "None", "prewarm": true}}), "spec.cache.prewarm: is ignored with strategy None")]
 #[case::openai(json!({"endpoint": {"openAICompatible": false}}), "spec.endpoint.openAICompatible")]
@@ -241,6 +242,21 @@ async fn invalid_runtimes_are_denied(
     let msg = r["status"]["message"].as_str().unwrap();
     assert!(msg.contains(&format!("{field}: ")), "{field} in {msg}");
     assert!(msg.contains(message), "{message:?} in {msg}");
+}
+
+#[tokio::test]
+async fn go_trim_markers_are_admitted_as_the_controller_renders_them() {
+    let rt = runtime(
+        json!({"spec": {"container": {"args": ["--served-model-name= {{- .Service.Name -}}", "{{- .Model.Path }}"]}}}),
+    );
+    let v = post("/validate", &review("InferenceRuntime", rt)).await;
+    assert_eq!(v["response"]["allowed"], true, "{v}");
+    // Without the space Go reads `-.Model.Path` as a number: not a trim marker, denied.
+    let rt = runtime(json!({"spec": {"container": {"args": ["{{-.Model.Path}}"]}}}));
+    let v = post("/validate", &review("InferenceRuntime", rt)).await;
+    assert_eq!(v["response"]["allowed"], false, "{v}");
+    let msg = v["response"]["status"]["message"].as_str().unwrap();
+    assert!(msg.contains("trim marker needs white space"), "{msg}");
 }
 
 #[tokio::test]

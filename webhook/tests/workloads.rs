@@ -179,10 +179,23 @@ fn assert_builtins_applied(d: &Value) {
 
 #[tokio::test]
 async fn annotated_deployment_is_mutated_and_a_second_pass_changes_nothing() {
-    for annotations in [
-        json!({"serving.hearth.dev/runtime": "vllm-nvidia-a10"}),
+    // By vendor, the two nvidia runtimes of priority 100 (the A10 and the stub) are a tie:
+    // refused, naming both, until the workload pins one.
+    let dep = deployment(
         json!({"serving.hearth.dev/vendor": "cambricon, nvidia"}),
-    ] {
+        "vllm/vllm-openai:v0.25.1",
+        1,
+    );
+    let v = post("/mutate", &review(&dep, "CREATE")).await;
+    assert_eq!(v["response"]["allowed"], false, "{v}");
+    let message = v["response"]["status"]["message"]
+        .as_str()
+        .unwrap_or_default();
+    assert!(
+        message.contains("[vllm-nvidia-a10, vllm-stub] are equally preferred"),
+        "{v}"
+    );
+    for annotations in [json!({"serving.hearth.dev/runtime": "vllm-nvidia-a10"})] {
         let dep = deployment(annotations.clone(), "vllm/vllm-openai:v0.25.1", 1);
         let v = post("/mutate", &review(&dep, "CREATE")).await;
         assert_eq!(v["response"]["allowed"], true, "{v}");

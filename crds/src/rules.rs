@@ -1,0 +1,612 @@
+//! Whether an `LLMService` can be rendered with an `InferenceRuntime`: the one function both the
+//! admission webhook and the controller apply, so a service the webhook admits is one the
+//! controller renders, and one it denies is one the controller refuses.
+//!
+//! [`check_llmservice`] returns typed [`Finding`]s: the field, a message that names the fix, a
+//! [`Severity`] and a [`Reason`].
+//!
+//! - The webhook denies on an [`Severity::Error`] and returns a [`Severity::Warning`] as an
+//!   admission warning.
+//! - The controller renders nothing while there is an error, and reports it as a `False`
+//!   condition ([`Reason::condition_type`]: `Ready` or `CacheReady`, with [`Reason::as_str`] as
+//!   reason); warnings go into its `Validated` condition, and the service is rendered.
+//!
+//! Runtime resolution is not a finding: it is `hearth_policies::resolve_runtime` (pinned name,
+//! vendor preference, priority, name), and the callers treat a missing runtime differently on
+//! purpose (a warning at admission, `RuntimeResolved=False` in the controller; see
+//! docs/webhook.md). With `runtime: None` the checks that need the runtime are skipped.
+
+use std::fmt;
+
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+
+use crate::{
+    InferenceRuntime, LLMService,
+    llmservice::{CacheSpec, CacheStrategy, ScalingMetric},
+    model_uri::{ModelUri, parse_model_uri},
+    naming::{is_dns1035_label, is_dns1123_label, is_dns1123_subdomain},
+    quantity::{is_negative, is_quantity},
+    template,
+    wellknown::SCALER_ANNOTATION,
+};
+
+/// Longest `LLMService` name whose children all get valid names: Service names are RFC 1035
+/// labels (at most 63 characters) and the longest Service suffix is `-backend`.
+pub const MAX_NAME_LEN: usize = 63 - "-backend".len();
+
+/// Whether a finding blocks rendering.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Severity {
+    /// The service cannot be rendered: denied at admission, a `False` condition in the
+    /// controller.
+    Error,
+    /// The service is rendered, but something in it has no effect or looks wrong.
+    Warning,
+}
+
+/// Why: the reason of the controller's condition.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Reason {
+    /// `spec.model.catalogRef`: catalogs are not implemented.
+    CatalogNotImplemented,
+    /// `spec.model.source.uri` missing or not a supported URI.
+    InvalidModelSource,
+    /// The runtime's `args`/`env` templates do not parse.
+    InvalidRuntimeTemplate,
+    /// A name, quantity, duration or annotation that the children could not carry.
+    InvalidSpec,
+    /// `spec.scaling.metric: kvCacheUtil` is reserved.
+    MetricNotImplemented,
+    /// `spec.resources.fraction` with a runtime without device sharing.
+    FractionNotSupported,
+    /// `spec.resources.fraction`: no built-in ServingPolicy renders fractions.
+    FractionNotImplemented,
+    /// `spec.cache.strategy: SharedPVC` or `BakedImage` is reserved.
+    StrategyNotImplemented,
+    /// A field that has no effect in this combination (a warning).
+    FieldIgnored,
+    /// A vendor listed twice (a warning).
+    DuplicateVendor,
+}
+
+impl Reason {
+    /// The condition reason, `CacheSizeRequired`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reason::CatalogNotImplemented => "CatalogNotImplemented",
+            Reason::InvalidModelSource => "InvalidModelSource",
+            Reason::InvalidRuntimeTemplate => "InvalidRuntimeTemplate",
+            Reason::InvalidSpec => "InvalidSpec",
+            Reason::MetricNotImplemented => "MetricNotImplemented",
+            Reason::FractionNotSupported => "FractionNotSupported",
+            Reason::FractionNotImplemented => "FractionNotImplemented",
+            Reason::StrategyNotImplemented => "StrategyNotImplemented",
+            Reason::FieldIgnored => "FieldIgnored",
+            Reason::DuplicateVendor => "DuplicateVendor",
+        }
+    }
+
+    /// The status condition an error with this reason is reported under: `CacheReady` for the
+    /// cache, `Ready` for everything else.
+    pub fn condition_type(self) -> &'static str {
+        match self {
+            Reason::StrategyNotImplemented => "CacheReady",
+            _ => "Ready",
+        }
+    }
+}
+
+impl fmt::Display for Reason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// One problem: the field, what is wrong and how to fix it, how bad, and why.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Finding {
+    /// JSON path of the field in the `LLMService`, `spec.resources.fraction`.
+    pub field: String,
+    /// What is wrong and how to fix it (without the field).
+    pub message: String,
+    /// Error or warning.
+    pub severity: Severity,
+    /// The condition reason.
+    pub reason: Reason,
+}
+
+impl Finding {
+    fn new(severity: Severity, reason: Reason, field: impl Into<String>, message: String) -> Self {
+        Self {
+            field: field.into(),
+            message,
+            severity,
+            reason,
+        }
+    }
+
+    /// Whether it blocks rendering.
+    pub fn is_error(&self) -> bool {
+        self.severity == Severity::Error
+    }
+}
+
+impl fmt::Display for Finding {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.field, self.message)
+    }
+}
+
+/// Every finding about one service, in field order.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Findings(pub Vec<Finding>);
+
+impl Findings {
+    fn error(&mut self, reason: Reason, field: impl Into<String>, message: impl Into<String>) {
+        self.0
+            .push(Finding::new(Severity::Error, reason, field, message.into()));
+    }
+
+    fn warn(&mut self, reason: Reason, field: impl Into<String>, message: impl Into<String>) {
+        self.0.push(Finding::new(
+            Severity::Warning,
+            reason,
+            field,
+            message.into(),
+        ));
+    }
+
+    /// The errors.
+    pub fn errors(&self) -> impl Iterator<Item = &Finding> {
+        self.0.iter().filter(|f| f.is_error())
+    }
+
+    /// The warnings.
+    pub fn warnings(&self) -> impl Iterator<Item = &Finding> {
+        self.0.iter().filter(|f| !f.is_error())
+    }
+
+    /// Whether an error keeps the service from being rendered.
+    pub fn blocks_rendering(&self) -> bool {
+        self.0.iter().any(Finding::is_error)
+    }
+
+    /// The first error, whose reason the controller reports.
+    pub fn first_error(&self) -> Option<&Finding> {
+        self.errors().next()
+    }
+
+    /// Whether there is no finding at all.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+impl fmt::Display for Findings {
+    /// The findings as one line, `field: message; field: message`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, finding) in self.0.iter().enumerate() {
+            if i > 0 {
+                f.write_str("; ")?;
+            }
+            write!(f, "{finding}")?;
+        }
+        Ok(())
+    }
+}
+
+impl IntoIterator for Findings {
+    type Item = Finding;
+    type IntoIter = std::vec::IntoIter<Finding>;
+    fn into_iter(self) -> Self::IntoIter {
+        self.0.into_iter()
+    }
+}
+
+/// How KEDA learns the gateway's demand ([`SCALER_ANNOTATION`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ScalerMode {
+    /// `metrics-api` trigger polling `GET /hearth/queue` on every gateway endpoint, summed.
+    Poll,
+    /// `external-push` trigger to the gateway's ExternalScaler gRPC port.
+    Push,
+}
+
+/// The scaler mode of `svc`: its [`SCALER_ANNOTATION`], `poll` when absent or empty.
+pub fn scaler_mode(svc: &LLMService) -> Result<ScalerMode, Finding> {
+    match svc
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(SCALER_ANNOTATION))
+        .map(String::as_str)
+    {
+        None | Some("") | Some("poll") => Ok(ScalerMode::Poll),
+        Some("push") => Ok(ScalerMode::Push),
+        Some(other) => Err(Finding::new(
+            Severity::Error,
+            Reason::InvalidSpec,
+            format!("metadata.annotations[{SCALER_ANNOTATION:?}]"),
+            format!("{other:?} is not a scaler mode; use poll or push (or remove the annotation)"),
+        )),
+    }
+}
+
+/// The size of the NodeLocalPVC cache claim: `spec.cache.size`, else upstream Hearth's default
+/// [`crate::llmservice::DEFAULT_CACHE_SIZE`] (50Gi).
+pub fn cache_claim_size(cache: &CacheSpec) -> Quantity {
+    cache.size_or_default()
+}
+
+/// Checks whether `svc` can be rendered with `runtime` (its resolved `InferenceRuntime`, or
+/// `None` when it has none yet: then the runtime's own checks are skipped).
+pub fn check_llmservice(svc: &LLMService, runtime: Option<&InferenceRuntime>) -> Findings {
+    let mut f = Findings::default();
+    let spec = &svc.spec;
+
+    // Names: the gateway Service is named after the service, the others add a suffix.
+    if let Some(name) = svc.metadata.name.as_deref().filter(|n| !n.is_empty()) {
+        if name.len() > MAX_NAME_LEN {
+            f.error(
+                Reason::InvalidSpec,
+                "metadata.name",
+                format!(
+                    "{name:?} is longer than {MAX_NAME_LEN} characters; child Service names \
+                     (<name>-backend) must fit 63; choose a shorter name"
+                ),
+            );
+        } else if !is_dns1035_label(name) {
+            f.error(
+                Reason::InvalidSpec,
+                "metadata.name",
+                format!(
+                    "{name:?} cannot name the service's children: the gateway Service takes this \
+                     name, and Service names are lowercase letters, digits and '-', starting with \
+                     a letter and ending alphanumeric (no '.'); rename the LLMService"
+                ),
+            );
+        }
+    }
+    if let Err(e) = scaler_mode(svc) {
+        f.0.push(e);
+    }
+
+    // Model.
+    if spec.model.catalog_ref.is_some() {
+        f.error(
+            Reason::CatalogNotImplemented,
+            "spec.model.catalogRef",
+            "catalog resolution is not supported; remove catalogRef and set spec.model.source.uri \
+             (for example hf://Qwen/Qwen2.5-0.5B-Instruct)",
+        );
+    }
+    let model = match &spec.model.source {
+        None => {
+            if spec.model.catalog_ref.is_none() {
+                f.error(
+                    Reason::InvalidModelSource,
+                    "spec.model.source.uri",
+                    "is required; set it (for example hf://Qwen/Qwen2.5-0.5B-Instruct)",
+                );
+            }
+            None
+        }
+        Some(src) => match parse_model_uri(&src.uri) {
+            Ok(uri) => Some(uri),
+            Err(e) => {
+                f.error(
+                    Reason::InvalidModelSource,
+                    "spec.model.source.uri",
+                    e.to_string(),
+                );
+                None
+            }
+        },
+    };
+    let pvc_model = matches!(model, Some(ModelUri::Pvc { .. }));
+    if let Some(secret) = spec
+        .model
+        .source
+        .as_ref()
+        .and_then(|s| s.secret_ref.as_ref())
+    {
+        object_name(&mut f, "spec.model.source.secretRef.name", &secret.name);
+    }
+
+    // Runtime selection.
+    let sel = &spec.runtime;
+    if sel.name.as_deref().is_some_and(|n| !n.is_empty())
+        && sel.selector.as_ref().is_some_and(|s| !s.vendor.is_empty())
+    {
+        f.warn(
+            Reason::FieldIgnored,
+            "spec.runtime.selector",
+            "is ignored because spec.runtime.name pins a runtime; remove one of them",
+        );
+    }
+    if let Some(name) = sel.name.as_deref().filter(|n| !n.is_empty()) {
+        object_name(&mut f, "spec.runtime.name", name);
+    }
+    if let Some(s) = &sel.selector {
+        for (i, v) in s.vendor.iter().enumerate() {
+            let field = format!("spec.runtime.selector.vendor[{i}]");
+            if !is_dns1123_label(v) {
+                f.error(
+                    Reason::InvalidSpec,
+                    field,
+                    format!(
+                        "{v:?} is not a vendor name; vendors are lowercase DNS labels such as \
+                         nvidia or ascend"
+                    ),
+                );
+            } else if s.vendor[..i].contains(v) {
+                f.warn(
+                    Reason::DuplicateVendor,
+                    field,
+                    format!("{v:?} is listed twice; remove the duplicate"),
+                );
+            }
+        }
+    }
+
+    // Resources.
+    let r = &spec.resources;
+    for (field, q) in [
+        ("spec.resources.cpu", &r.cpu),
+        ("spec.resources.memory", &r.memory),
+    ] {
+        if let Some(q) = q {
+            quantity(&mut f, field, q, "500m, 4 or 16Gi");
+        }
+    }
+    if r.fraction.is_some() {
+        match runtime {
+            Some(rt) if !rt.spec.accelerator.sharing.supported => f.error(
+                Reason::FractionNotSupported,
+                "spec.resources.fraction",
+                format!(
+                    "InferenceRuntime {:?} (resource {}) does not support fractional devices \
+                     (its spec.accelerator.sharing.supported is false); remove fraction to \
+                     request whole devices",
+                    rt.metadata.name.as_deref().unwrap_or_default(),
+                    rt.spec.accelerator.resource_name
+                ),
+            ),
+            _ => f.error(
+                Reason::FractionNotImplemented,
+                "spec.resources.fraction",
+                "fractional devices are not rendered for an LLMService yet (the controller \
+                 renders backends with the built-in ServingPolicies only, and none turns a \
+                 fraction into device resources); remove fraction to request whole devices",
+            ),
+        }
+    }
+
+    // Scaling.
+    if spec.scaling.metric == ScalingMetric::KvCacheUtil {
+        f.error(
+            Reason::MetricNotImplemented,
+            "spec.scaling.metric",
+            "kvCacheUtil is reserved and not wired to the autoscaler; use queueDepth",
+        );
+    }
+    for (field, d) in [
+        (
+            "spec.scaling.activationTimeout",
+            &spec.scaling.activation_timeout,
+        ),
+        (
+            "spec.scaling.scaleDownStabilization",
+            &spec.scaling.scale_down_stabilization,
+        ),
+        ("spec.scaling.drainTimeout", &spec.scaling.drain_timeout),
+        (
+            "spec.endpoint.coldStart.heartbeatInterval",
+            &spec.endpoint.cold_start.heartbeat_interval,
+        ),
+    ] {
+        if let Err(e) = d.get() {
+            f.error(
+                Reason::InvalidSpec,
+                field,
+                format!("{e}; write a duration such as 90s, 5m or 1h30m"),
+            );
+        }
+    }
+
+    // Cache.
+    let cache = &spec.cache;
+    match cache.strategy {
+        CacheStrategy::SharedPVC | CacheStrategy::BakedImage => f.error(
+            Reason::StrategyNotImplemented,
+            "spec.cache.strategy",
+            format!(
+                "{:?} is reserved and not implemented; use NodeLocalPVC, HostPath or None",
+                cache.strategy
+            ),
+        ),
+        CacheStrategy::NodeLocalPVC => {
+            if let Some(size) = &cache.size {
+                quantity(&mut f, "spec.cache.size", size, "30Gi");
+            }
+            if let Some(class) = &cache.storage_class_name {
+                object_name(&mut f, "spec.cache.storageClassName", class);
+            }
+        }
+        CacheStrategy::HostPath | CacheStrategy::None => {
+            for (field, set) in [
+                ("spec.cache.size", cache.size.is_some()),
+                (
+                    "spec.cache.storageClassName",
+                    cache.storage_class_name.is_some(),
+                ),
+            ] {
+                if set {
+                    f.warn(
+                        Reason::FieldIgnored,
+                        field,
+                        format!("is ignored with strategy {:?}; remove it", cache.strategy),
+                    );
+                }
+            }
+        }
+    }
+    if cache.prewarm && cache.strategy == CacheStrategy::None {
+        f.warn(
+            Reason::FieldIgnored,
+            "spec.cache.prewarm",
+            "is ignored with strategy None (there is no cache to fill); remove it or pick a cache strategy",
+        );
+    } else if cache.prewarm && pvc_model {
+        f.warn(
+            Reason::FieldIgnored,
+            "spec.cache.prewarm",
+            "is ignored for pvc:// models, whose weights are already staged; remove it",
+        );
+    }
+
+    // Endpoint and pods.
+    if !spec.endpoint.openai_compatible {
+        f.warn(
+            Reason::FieldIgnored,
+            "spec.endpoint.openAICompatible",
+            "false has no effect: the gateway always serves the OpenAI-compatible API",
+        );
+    }
+    for (i, s) in spec.image_pull_secrets.iter().enumerate() {
+        object_name(&mut f, &format!("spec.imagePullSecrets[{i}].name"), &s.name);
+    }
+
+    // argsOverride entries are rendered as templates too (as upstream).
+    for (i, arg) in spec.runtime.args_override.iter().enumerate() {
+        let field = format!("spec.runtime.argsOverride[{i}]");
+        if let Err(e) = template::parse(arg, &field) {
+            f.error(Reason::InvalidSpec, field, e.problem().to_string());
+        }
+    }
+
+    // The runtime's templates, which render this service's arguments.
+    if let Some(rt) = runtime {
+        let rt_name = rt.metadata.name.as_deref().unwrap_or_default();
+        for (field, text) in template::runtime_templates(&rt.spec) {
+            if let Err(e) = template::parse(text, &field) {
+                f.error(
+                    Reason::InvalidRuntimeTemplate,
+                    "spec.runtime",
+                    format!(
+                        "InferenceRuntime {rt_name:?} cannot render this service: {e}; fix the \
+                         runtime or choose another"
+                    ),
+                );
+            }
+        }
+    }
+    f
+}
+
+fn object_name(f: &mut Findings, field: &str, name: &str) {
+    if !is_dns1123_subdomain(name) {
+        f.error(
+            Reason::InvalidSpec,
+            field,
+            format!(
+                "{name:?} is not a valid object name (lowercase letters, digits, '-' and '.', \
+                 starting and ending alphanumeric, at most 253)"
+            ),
+        );
+    }
+}
+
+fn quantity(f: &mut Findings, field: &str, q: &Quantity, example: &str) {
+    let v = q.0.as_str();
+    if !is_quantity(v) {
+        f.error(
+            Reason::InvalidSpec,
+            field,
+            format!("{v:?} is not a quantity; write it like {example}"),
+        );
+    } else if is_negative(v) {
+        f.error(
+            Reason::InvalidSpec,
+            field,
+            format!("{v:?} is negative; write an amount like {example}"),
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn service(patch: serde_json::Value) -> LLMService {
+        let mut v = serde_json::json!({
+            "apiVersion": "serving.hearth.dev/v1alpha1",
+            "kind": "LLMService",
+            "metadata": {"name": "qwen", "namespace": "ml"},
+            "spec": {"model": {"source": {"uri": "hf://Qwen/Qwen2.5-0.5B-Instruct"}}, "cache": {"size": "30Gi"}}
+        });
+        if let (Some(spec), serde_json::Value::Object(p)) = (v["spec"].as_object_mut(), patch) {
+            spec.extend(p);
+        }
+        serde_json::from_value(v).unwrap()
+    }
+
+    #[test]
+    fn a_plain_service_has_no_finding() {
+        assert!(check_llmservice(&service(serde_json::json!({})), None).is_empty());
+    }
+
+    #[test]
+    fn errors_block_and_carry_their_condition() {
+        let f = check_llmservice(
+            &service(
+                serde_json::json!({"cache": {"strategy": "SharedPVC"}, "endpoint": {"openAICompatible": false}}),
+            ),
+            None,
+        );
+        assert!(f.blocks_rendering());
+        let e = f.first_error().unwrap();
+        assert_eq!(e.reason, Reason::StrategyNotImplemented);
+        assert_eq!(e.reason.condition_type(), "CacheReady");
+        assert_eq!(f.warnings().count(), 1);
+        assert!(
+            f.to_string()
+                .starts_with("spec.cache.strategy: SharedPVC is reserved"),
+            "{f}"
+        );
+    }
+
+    #[test]
+    fn scaler_modes() {
+        let mut svc = service(serde_json::json!({}));
+        assert_eq!(scaler_mode(&svc), Ok(ScalerMode::Poll));
+        for (value, want) in [
+            ("", Some(ScalerMode::Poll)),
+            ("push", Some(ScalerMode::Push)),
+            ("Push", None),
+        ] {
+            svc.metadata.annotations =
+                Some([(SCALER_ANNOTATION.to_owned(), value.to_owned())].into());
+            assert_eq!(scaler_mode(&svc).ok(), want, "{value:?}");
+        }
+    }
+
+    #[test]
+    fn never_panics_on_odd_names() {
+        for name in [
+            "ü".repeat(40),
+            "a".repeat(300),
+            "-".to_owned(),
+            "é".to_owned(),
+        ] {
+            let mut svc = service(serde_json::json!({}));
+            svc.metadata.name = Some(name.clone());
+            let f = check_llmservice(&svc, None);
+            assert_eq!(
+                f.first_error().map(|e| e.field.as_str()),
+                Some("metadata.name"),
+                "{name}"
+            );
+        }
+    }
+}
