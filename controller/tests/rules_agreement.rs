@@ -94,19 +94,8 @@ fn service(name: &str, patch: Value) -> Value {
             "cache": {"size": "30Gi"},
         }
     });
-    merge(&mut svc, patch);
+    hearth_test_support::merge_json(&mut svc, patch);
     svc
-}
-
-fn merge(a: &mut Value, b: Value) {
-    match (a, b) {
-        (Value::Object(a), Value::Object(b)) => {
-            for (k, v) in b {
-                merge(a.entry(k).or_insert(Value::Null), v);
-            }
-        }
-        (a, b) => *a = b,
-    }
 }
 
 /// The webhook's answer: allowed, the warnings, the denied fields.

@@ -243,19 +243,8 @@ fn llmservice(name: &str, spec: Value) -> Value {
             "cache": {"size": "30Gi"},
         }
     });
-    merge(&mut v["spec"], spec);
+    hearth_test_support::merge_json(&mut v["spec"], spec);
     v
-}
-
-fn merge(a: &mut Value, b: Value) {
-    match (a, b) {
-        (Value::Object(a), Value::Object(b)) => {
-            for (k, v) in b {
-                merge(a.entry(k).or_insert(Value::Null), v);
-            }
-        }
-        (a, b) => *a = b,
-    }
 }
 
 async fn setup(prefix: &str, cert_validity: Duration) -> Result<(TestNamespace, Webhook)> {

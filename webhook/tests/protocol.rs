@@ -99,19 +99,8 @@ fn llmservice(spec: Value) -> Value {
             "cache": {"size": "30Gi"},
         }
     });
-    merge(&mut base["spec"], spec);
+    hearth_test_support::merge_json(&mut base["spec"], spec);
     base
-}
-
-fn merge(a: &mut Value, b: Value) {
-    match (a, b) {
-        (Value::Object(a), Value::Object(b)) => {
-            for (k, v) in b {
-                merge(a.entry(k).or_insert(Value::Null), v);
-            }
-        }
-        (a, b) => *a = b,
-    }
 }
 
 #[tokio::test]
@@ -217,7 +206,7 @@ fn runtime(patch: Value) -> Value {
         .into_iter()
         .find(|r| r["metadata"]["name"] == "vllm-nvidia-a10")
         .unwrap();
-    merge(&mut rt, patch);
+    hearth_test_support::merge_json(&mut rt, patch);
     rt
 }
 

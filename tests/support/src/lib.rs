@@ -24,6 +24,19 @@ pub use node::{Event, EventSink, RealNode};
 pub use upstream::{UPSTREAM_EXAMPLES_ENV, upstream_dir, upstream_examples, upstream_file};
 pub use wait::{Observed, wait_until};
 
+/// Deep-merges `patch` into `base`: objects key by key, anything else (`null` included) replaces
+/// the value, so a test can set a field to `null` to drop it from a typed object.
+pub fn merge_json(base: &mut serde_json::Value, patch: serde_json::Value) {
+    match (base, patch) {
+        (serde_json::Value::Object(a), serde_json::Value::Object(b)) => {
+            for (k, v) in b {
+                merge_json(a.entry(k).or_insert(serde_json::Value::Null), v);
+            }
+        }
+        (a, b) => *a = b,
+    }
+}
+
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::Command;
