@@ -57,6 +57,8 @@ impl Controller {
         let child = Command::new(env!("CARGO_BIN_EXE_hearth-controller"))
             .args(["run", "--leader-elect=false", "--namespace", namespace])
             .arg(format!("--metrics-addr=127.0.0.1:{port}"))
+            // Read over plain HTTP below, without a token.
+            .arg("--metrics-secure=false")
             .env("KUBECONFIG", cluster.kubeconfig())
             .env("RUST_LOG", "warn")
             .stdout(Stdio::null())

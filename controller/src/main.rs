@@ -15,7 +15,7 @@ use anyhow::{Context as _, bail};
 use clap::{Args, Parser, Subcommand};
 use hearth_controller::{
     leader::{self, LeaseConfig},
-    metrics::Metrics,
+    metrics::{Metrics, Serving},
     reconcile::RunConfig,
     render::{self, RenderConfig, default_gateway_image},
 };
@@ -107,6 +107,18 @@ struct RunArgs {
         value_parser = hearth_net::parse_listen
     )]
     metrics_addr: SocketAddr,
+    /// Serve /metrics over HTTPS and only to scrapers whose bearer token the apiserver
+    /// authenticates (TokenReview) and authorizes for GET /metrics (SubjectAccessReview).
+    /// `false`: plain HTTP to anyone. /healthz and /readyz never need a token.
+    #[arg(long, env = "HEARTH_METRICS_SECURE", default_value_t = true, action = clap::ArgAction::Set)]
+    metrics_secure: bool,
+    /// PEM certificate chain of the metrics server (such as a mounted Secret's tls.crt);
+    /// without it a self-signed certificate is made at start.
+    #[arg(long, requires = "metrics_key_file")]
+    metrics_cert_file: Option<PathBuf>,
+    /// PEM private key of --metrics-cert-file.
+    #[arg(long, requires = "metrics_cert_file")]
+    metrics_key_file: Option<PathBuf>,
     /// Take a coordination.k8s.io Lease before reconciling, so only one replica works.
     #[arg(long, env = "HEARTH_LEADER_ELECT", default_value_t = true, action = clap::ArgAction::Set)]
     leader_elect: bool,
@@ -188,8 +200,17 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
 
     let listener = hearth_net::listen(args.metrics_addr, hearth_net::ListenOptions::default())
         .context("--metrics-addr")?;
-    tracing::info!(addr = %listener.local_addr()?, "serving /metrics");
-    tokio::spawn(hearth_controller::metrics::serve(listener, metrics.clone()));
+    let serving = metrics_serving(&args, &client)?;
+    tracing::info!(
+        addr = %listener.local_addr()?,
+        secure = args.metrics_secure,
+        "serving /metrics"
+    );
+    tokio::spawn(hearth_controller::metrics::serve(
+        listener,
+        metrics.clone(),
+        serving,
+    ));
 
     let identity = format!(
         "{}-{}",
@@ -250,6 +271,32 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         bail!("lost the leader-election lease; exiting so a restart campaigns again");
     }
     Ok(())
+}
+
+/// How /metrics is served (see `--metrics-secure`).
+fn metrics_serving(args: &RunArgs, client: &Client) -> anyhow::Result<Serving> {
+    use hearth_net::secure_metrics;
+    if !args.metrics_secure {
+        return Ok(Serving::Plain);
+    }
+    let tls = match (&args.metrics_cert_file, &args.metrics_key_file) {
+        (Some(cert), Some(key)) => secure_metrics::load_pem(cert, key)
+            .context("--metrics-cert-file / --metrics-key-file")?,
+        _ => {
+            let ns = &args.leader_election_namespace;
+            let names = [
+                "hearth-controller-metrics".to_owned(),
+                format!("hearth-controller-metrics.{ns}.svc"),
+                format!("hearth-controller-metrics.{ns}.svc.cluster.local"),
+                "localhost".to_owned(),
+            ];
+            secure_metrics::self_signed(&names).context("the metrics certificate")?
+        }
+    };
+    Ok(Serving::Secure {
+        tls,
+        auth: secure_metrics::MetricsAuth::kube(client.clone()),
+    })
 }
 
 fn init_tracing(json: bool) {

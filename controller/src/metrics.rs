@@ -148,27 +148,56 @@ where
     }
 }
 
+/// How `/metrics` is served.
+pub enum Serving {
+    /// Plain HTTP, no authentication (`--metrics-secure=false`: local runs and benchmarks).
+    Plain,
+    /// HTTPS with this configuration, and every scrape authenticated and authorized
+    /// (`hearth_net::secure_metrics`); `/healthz` and `/readyz` stay open for the kubelet.
+    Secure {
+        /// The server's certificate.
+        tls: Arc<rustls::ServerConfig>,
+        /// The check in front of `/metrics`.
+        auth: hearth_net::secure_metrics::MetricsAuth,
+    },
+}
+
 /// Serves `/metrics` (OpenMetrics text), `/healthz` and `/readyz` on `listener` until the
 /// process ends.
-pub async fn serve(listener: tokio::net::TcpListener, metrics: Metrics) -> std::io::Result<()> {
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    metrics: Metrics,
+    serving: Serving,
+) -> std::io::Result<()> {
     use axum::{Router, http::header, routing::get};
+    let scrape = get(move || {
+        let m = metrics.clone();
+        async move {
+            (
+                [(
+                    header::CONTENT_TYPE,
+                    "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                )],
+                m.encode(),
+            )
+        }
+    });
+    let scrape = match &serving {
+        Serving::Plain => scrape,
+        Serving::Secure { auth, .. } => scrape.route_layer(axum::middleware::from_fn_with_state(
+            auth.clone(),
+            hearth_net::secure_metrics::require,
+        )),
+    };
     let app = Router::new()
-        .route(
-            "/metrics",
-            get(move || {
-                let m = metrics.clone();
-                async move {
-                    (
-                        [(
-                            header::CONTENT_TYPE,
-                            "application/openmetrics-text; version=1.0.0; charset=utf-8",
-                        )],
-                        m.encode(),
-                    )
-                }
-            }),
-        )
+        .route("/metrics", scrape)
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(|| async { "ok" }));
-    axum::serve(listener, app).await
+    match serving {
+        Serving::Plain => axum::serve(listener, app).await,
+        Serving::Secure { tls, .. } => {
+            hearth_net::secure_metrics::serve_tls(listener, tls, app).await;
+            Ok(())
+        }
+    }
 }

@@ -7,7 +7,7 @@
 //! | `hearth_gateway_demand_total` | gauge | demand summed over all gateway replicas; absent while unknown |
 //! | `hearth_gateway_requests_total{code}` | counter | finished requests by HTTP status code sent |
 //! | `hearth_gateway_requests_canceled_total` | counter | requests whose client left before the response finished |
-//! | `hearth_gateway_rejections_total{reason}` | counter | requests refused by the gateway itself (`queue_full`, `cold_reject`, `activation_timeout`, `body_too_large`, `unauthorized`, `draining`, `unknown_model`) |
+//! | `hearth_gateway_rejections_total{reason}` | counter | requests refused by the gateway itself (`queue_full`, `cold_reject`, `activation_timeout`, `body_too_large`, `body_timeout`, `body_memory`, `loop_detected`, `bad_request`, `method_not_allowed`, `unsupported_transfer_coding`, `unauthorized`, `draining`, `unknown_model`) |
 //! | `hearth_gateway_activation_wait_seconds` | histogram | cold requests: arrival until forwarded to a ready backend |
 //! | `hearth_gateway_upstream_latency_seconds` | histogram | request sent to the backend until its response headers |
 //! | `hearth_gateway_time_to_first_token_seconds` | histogram | streaming requests: arrival until the first body chunk from the backend |
@@ -15,6 +15,11 @@
 //! | `hearth_gateway_scaler_streams` | gauge | open KEDA `StreamIsActive` streams |
 //! | `hearth_gateway_activation_events_total` | counter | rises of this replica's demand from 0 (upstream Hearth's "inactive-to-active transitions") |
 //! | `hearth_gateway_backend_endpoints` | gauge | ready backend endpoints known |
+//! | `hearth_gateway_request_body_bytes` | gauge | request body bytes held: being read, or kept to forward (bounded by `--body-memory-limit`) |
+//!
+//! The gateway names no namespace, pod or service in its series: Prometheus adds `namespace` and
+//! `pod` (the chart's `hearth-gateways` PodMonitor also `llmservice`); the dashboard groups by
+//! them.
 
 use std::sync::{Mutex, atomic::AtomicI64};
 

@@ -12,6 +12,13 @@
 //!
 //! It also holds [`version!`], the version every Hearth binary prints with `--version`: all of
 //! them depend on this crate.
+//!
+//! With the `secure-metrics` feature, [`secure_metrics`] authenticates and authorizes scrapes of
+//! the controller's and the webhook's `/metrics` (TokenReview, SubjectAccessReview) and serves
+//! them over HTTPS.
+
+#[cfg(feature = "secure-metrics")]
+pub mod secure_metrics;
 
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener};

@@ -89,6 +89,11 @@ struct ServeArgs {
     /// a fixed `sleep` preStop. Unset: the `sleep` fallback.
     #[arg(long, env = "HEARTH_DRAIN_IMAGE")]
     drain_image: Option<String>,
+    /// Serve /metrics only to scrapers whose bearer token the apiserver authenticates
+    /// (TokenReview) and authorizes for GET /metrics (SubjectAccessReview). `false`: to anyone.
+    /// The admission paths and the probes never need a token.
+    #[arg(long, env = "HEARTH_METRICS_SECURE", default_value_t = true, action = clap::ArgAction::Set)]
+    metrics_secure: bool,
 }
 
 #[derive(Args)]
@@ -162,6 +167,11 @@ async fn run(args: ServeArgs) -> Result<()> {
     };
     let mut state = AppState::new(Snapshot::default().with_settings(&settings), limits);
     state.ready = Arc::new(AtomicBool::new(false));
+    if args.metrics_secure {
+        state.metrics_auth = Some(hearth_net::secure_metrics::MetricsAuth::kube(
+            client.clone(),
+        ));
+    }
 
     let store = match (&args.tls_cert_file, &args.tls_key_file, args.self_managed) {
         (Some(cert), Some(key), false) => {

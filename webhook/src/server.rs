@@ -87,6 +87,9 @@ pub struct AppState {
     pub ready: Arc<AtomicBool>,
     /// Request bounds.
     pub limits: Limits,
+    /// The check in front of `/metrics` (TokenReview + SubjectAccessReview); `None`: anyone
+    /// may scrape (`--metrics-secure=false`, and in-process tests).
+    pub metrics_auth: Option<hearth_net::secure_metrics::MetricsAuth>,
 }
 
 impl AppState {
@@ -97,6 +100,7 @@ impl AppState {
             metrics: Arc::new(Metrics::new()),
             ready: Arc::new(AtomicBool::new(true)),
             limits,
+            metrics_auth: None,
         }
     }
 }
@@ -152,8 +156,16 @@ impl IntoResponse for ApiError {
     }
 }
 
-/// The webhook's routes.
+/// The webhook's routes. `/metrics` needs a bearer token allowed to get it when
+/// [`AppState::metrics_auth`] is set; the probes never do.
 pub fn router(state: AppState) -> Router {
+    let scrape = match &state.metrics_auth {
+        Some(auth) => get(metrics).route_layer(axum::middleware::from_fn_with_state(
+            auth.clone(),
+            hearth_net::secure_metrics::require,
+        )),
+        None => get(metrics),
+    };
     Router::new()
         .route(
             Endpoint::Validate.path(),
@@ -165,7 +177,7 @@ pub fn router(state: AppState) -> Router {
         )
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(readyz))
-        .route("/metrics", get(metrics))
+        .route("/metrics", scrape)
         .with_state(state)
 }
 

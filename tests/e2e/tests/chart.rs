@@ -708,6 +708,7 @@ async fn install_crds(cluster: &Cluster) -> Result<()> {
         stand_in_crd("cert-manager.io", "Certificate", "certificates")?,
         stand_in_crd("cert-manager.io", "Issuer", "issuers")?,
         stand_in_crd("monitoring.coreos.com", "ServiceMonitor", "servicemonitors")?,
+        stand_in_crd("monitoring.coreos.com", "PodMonitor", "podmonitors")?,
     ];
     let mut names: Vec<String> = yaml_files(&chart_dir().join("crds"))?
         .values()
@@ -792,8 +793,46 @@ fn value_sets() -> Vec<ValueSet> {
                 ("MutatingWebhookConfiguration", "hearth"),
                 ("ValidatingWebhookConfiguration", "hearth"),
                 ("ServingPolicy", "hearth-serving-defaults"),
+                ("ClusterRole", "chart-metrics-reader"),
             ],
             check: |docs, _| {
+                let reader = find(docs, "ClusterRole", "chart-metrics-reader")?;
+                ensure!(
+                    reader["rules"] == json!([{"nonResourceURLs": ["/metrics"], "verbs": ["get"]}]),
+                    "the metrics reader may get /metrics and nothing else: {reader}"
+                );
+                ensure!(
+                    !docs
+                        .iter()
+                        .any(|d| kind(d) == "ClusterRoleBinding"
+                            && name(d) == "chart-metrics-reader"),
+                    "nobody is bound to the metrics reader by default"
+                );
+                for component in ["webhook", "controller"] {
+                    let rules = find(docs, "ClusterRole", &format!("chart-{component}"))?;
+                    for (group, resource) in [
+                        ("authentication.k8s.io", "tokenreviews"),
+                        ("authorization.k8s.io", "subjectaccessreviews"),
+                    ] {
+                        ensure!(
+                            rules["rules"].as_array().into_iter().flatten().any(|r| {
+                                strings(&r["apiGroups"]) == [group]
+                                    && strings(&r["resources"]) == [resource]
+                                    && strings(&r["verbs"]) == ["create"]
+                            }),
+                            "{component} may create {resource}"
+                        );
+                    }
+                }
+                let probes = &find(docs, "Deployment", "hearth-controller")?["spec"]["template"]["spec"]
+                    ["containers"][0];
+                for probe in ["livenessProbe", "readinessProbe"] {
+                    ensure!(
+                        probes[probe]["httpGet"]["scheme"] == "HTTPS",
+                        "the controller's {probe} speaks HTTPS: {}",
+                        probes[probe]
+                    );
+                }
                 let webhook = find(docs, "Deployment", "hearth-webhook")?;
                 ensure!(webhook["spec"]["replicas"] == 2, "two webhook replicas");
                 let spread = &webhook["spec"]["template"]["spec"]["topologySpreadConstraints"];
@@ -819,6 +858,7 @@ fn value_sets() -> Vec<ValueSet> {
                 ensure!(
                     of_kind(docs, "NetworkPolicy").count() == 0
                         && of_kind(docs, "ServiceMonitor").count() == 0
+                        && of_kind(docs, "PodMonitor").count() == 0
                         && of_kind(docs, "Certificate").count() == 0,
                     "optional kinds are off by default"
                 );
@@ -905,12 +945,17 @@ fn value_sets() -> Vec<ValueSet> {
             name: "service-monitor",
             values: |_| {
                 json!({"serviceMonitor": {"enabled": true, "labels": {"release": "prom"}},
-                           "dashboards": {"enabled": true}})
+                           "dashboards": {"enabled": true},
+                           "metricsReader": {"subjects": [{"kind": "ServiceAccount",
+                               "name": "prometheus", "namespace": "monitoring"}]}})
             },
             renders: vec![
                 ("ServiceMonitor", "hearth-webhook"),
                 ("ServiceMonitor", "hearth-controller"),
+                ("PodMonitor", "hearth-gateways"),
+                ("PodMonitor", "hearth-backends"),
                 ("ConfigMap", "hearth-dashboards"),
+                ("ClusterRoleBinding", "chart-metrics-reader"),
             ],
             check: |docs, ns| {
                 let sm = find(docs, "ServiceMonitor", "hearth-webhook")?;
@@ -919,6 +964,41 @@ fn value_sets() -> Vec<ValueSet> {
                     sm["spec"]["endpoints"][0]["tlsConfig"]["serverName"]
                         == format!("hearth-webhook.{ns}.svc").as_str()
                 );
+                const TOKEN: &str = "/var/run/secrets/kubernetes.io/serviceaccount/token";
+                for name in ["hearth-webhook", "hearth-controller"] {
+                    let ep = &find(docs, "ServiceMonitor", name)?["spec"]["endpoints"][0];
+                    ensure!(ep["scheme"] == "https", "{name}: {ep}");
+                    ensure!(ep["bearerTokenFile"] == TOKEN, "{name}: {ep}");
+                }
+                // The gateways and backends in every namespace, selected by labels that do not
+                // name the controller (app.kubernetes.io/managed-by changes value).
+                for (name, component) in [
+                    ("hearth-gateways", "gateway"),
+                    ("hearth-backends", "backend"),
+                ] {
+                    let pm = &find(docs, "PodMonitor", name)?["spec"];
+                    ensure!(
+                        pm["namespaceSelector"] == json!({"any": true}),
+                        "{name}: {pm}"
+                    );
+                    ensure!(
+                        pm["selector"]["matchLabels"]
+                            == json!({"app.kubernetes.io/part-of": "hearth",
+                                      "app.kubernetes.io/component": component}),
+                        "{name}: {pm}"
+                    );
+                    ensure!(
+                        pm["podMetricsEndpoints"][0]["port"] == "http",
+                        "{name}: {pm}"
+                    );
+                    ensure!(
+                        pm["podMetricsEndpoints"][0]["path"] == "/metrics",
+                        "{name}: {pm}"
+                    );
+                }
+                let binding = find(docs, "ClusterRoleBinding", "chart-metrics-reader")?;
+                ensure!(binding["roleRef"]["name"] == "chart-metrics-reader");
+                ensure!(binding["subjects"][0]["name"] == "prometheus");
                 Ok(())
             },
         },
@@ -1418,6 +1498,26 @@ fn matrix(release_ns: &str) -> Vec<Check> {
     add(c, &["get"], "configmaps", None, team(), false);
     add(c, &["create"], "pods", Some("exec"), team(), false);
 
+    // Both check who scrapes their /metrics.
+    for account in [c, "hearth-webhook"] {
+        add(
+            account,
+            &["create"],
+            "tokenreviews.authentication.k8s.io",
+            None,
+            None,
+            true,
+        );
+        add(
+            account,
+            &["create"],
+            "subjectaccessreviews.authorization.k8s.io",
+            None,
+            None,
+            true,
+        );
+    }
+
     let w = "hearth-webhook";
     // What the webhook needs.
     for r in [
@@ -1770,6 +1870,8 @@ async fn rbac_matrix_each_account_can_do_what_it_needs_and_nothing_more() -> Res
         "llmservices.serving.hearth.dev [] [list watch]",
         "inferenceruntimes.serving.hearth.dev [] [list watch]",
         "llmservices.serving.hearth.dev/status [] [patch]",
+        "tokenreviews.authentication.k8s.io [] [create]",
+        "subjectaccessreviews.authorization.k8s.io [] [create]",
     ];
     let controller_own = [
         "leases.coordination.k8s.io [hearth-controller] [get update]",
@@ -1782,6 +1884,8 @@ async fn rbac_matrix_each_account_can_do_what_it_needs_and_nothing_more() -> Res
         "namespaces [] [list watch]",
         "mutatingwebhookconfigurations.admissionregistration.k8s.io [hearth] [get update]",
         "validatingwebhookconfigurations.admissionregistration.k8s.io [hearth] [get update]",
+        "tokenreviews.authentication.k8s.io [] [create]",
+        "subjectaccessreviews.authorization.k8s.io [] [create]",
     ];
     let webhook_own = [
         "secrets [hearth-webhook-tls] [get update]",
