@@ -60,7 +60,7 @@ use crate::{
     diff, labels,
     metrics::Metrics,
     model::{self, ModelSource},
-    names,
+    names, policy,
     render::{self, Children, RenderConfig, TEMPLATE_HASH_ANNOTATION},
     resolve::{ResolveError, resolve_runtime},
     status::{self, Cond},
@@ -144,6 +144,9 @@ pub struct RunConfig {
     pub concurrency: u16,
     /// `reportingInstance` of Events.
     pub instance: String,
+    /// Render backends with the cluster's ServingPolicies too (after `render.engine`'s, the
+    /// built-ins), as the webhook evaluates them; `false`: only `render.engine`'s.
+    pub cluster_policies: bool,
 }
 
 impl RunConfig {
@@ -155,6 +158,7 @@ impl RunConfig {
             requeue: Duration::from_secs(300),
             concurrency: 16,
             instance: "hearth-controller".to_owned(),
+            cluster_policies: true,
         }
     }
 }
@@ -179,6 +183,21 @@ pub struct Context {
     role_bindings: Store<RoleBinding>,
     keda: Arc<KedaState>,
     recorder: Recorder,
+    policies: Option<policy::ClusterEngine>,
+}
+
+impl Context {
+    /// The render settings with the policies as they are now.
+    fn render_config(&self) -> std::borrow::Cow<'_, RenderConfig> {
+        match &self.policies {
+            Some(p) => {
+                let mut cfg = self.render.clone();
+                cfg.engine = p.current();
+                std::borrow::Cow::Owned(cfg)
+            }
+            None => std::borrow::Cow::Borrowed(&self.render),
+        }
+    }
 }
 
 fn kube_err(action: impl Into<String>) -> impl FnOnce(kube::Error) -> Error {
@@ -320,7 +339,8 @@ async fn reconcile_inner(svc: &LLMService, ctx: &Context) -> Result<Action, Erro
             ));
             let backend_name = names::backend(&name);
             let backend_exists = get_in(&ctx.deployments, &namespace, &backend_name).is_some();
-            match render::render(svc, resolved.runtime, &ctx.render, !backend_exists) {
+            let render_cfg = ctx.render_config();
+            match render::render(svc, resolved.runtime, &render_cfg, !backend_exists) {
                 Err(e) => {
                     let (type_, reason) = e.condition();
                     phase = LLMServicePhase::Degraded;
@@ -861,9 +881,15 @@ pub async fn run(
         client.clone(),
         ns.map(str::to_owned),
         keda.clone(),
-        all_tx,
+        all_tx.clone(),
         one_tx,
     ));
+
+    let policies = if cfg.cluster_policies {
+        Some(watch_policies(client.clone(), &cfg.render.engine, all_tx.clone()).await)
+    } else {
+        None
+    };
 
     let ctx = Arc::new(Context {
         client: client.clone(),
@@ -879,6 +905,7 @@ pub async fn run(
         roles: roles_store,
         role_bindings: rb_store,
         keda,
+        policies,
         recorder: Recorder::new(
             client.clone(),
             Reporter {
@@ -934,6 +961,60 @@ pub async fn run(
         })
         .await;
     Ok(())
+}
+
+/// Watches the cluster's ServingPolicies and keeps a [`policy::ClusterEngine`] of `base`'s
+/// policies (the built-ins) and theirs, built like the webhook's set. Returns once the first
+/// complete list is in, so no backend is rendered without the platform's policies (and then
+/// re-rendered, restarting its pods). Every change (debounced by [`policy::DEBOUNCE`]) that
+/// changes the set reconciles every service through `all_tx`.
+async fn watch_policies(
+    client: Client,
+    base: &policy::Engine,
+    all_tx: mpsc::UnboundedSender<()>,
+) -> policy::ClusterEngine {
+    use hearth_crds::ServingPolicy;
+    let engine = policy::ClusterEngine::new(base.clone());
+    let builtins: Arc<[ServingPolicy]> = base.policies().into();
+    let (store, writer) = reflector::store::<ServingPolicy>();
+    let changed = Arc::new(tokio::sync::Notify::new());
+    let notify = changed.clone();
+    let stream = watcher(
+        Api::<ServingPolicy>::all(client),
+        watcher::Config::default(),
+    )
+    .default_backoff()
+    .modify(|p| p.metadata.managed_fields = None)
+    .reflect(writer)
+    .touched_objects();
+    tokio::spawn(async move {
+        let mut stream = std::pin::pin!(stream);
+        while let Some(ev) = stream.next().await {
+            if let Err(e) = ev {
+                tracing::warn!(error = %e, "watching ServingPolicies; retrying (backends are rendered with the last list)");
+            }
+            notify.notify_one();
+        }
+    });
+    tracing::info!("waiting for the list of ServingPolicies");
+    let _ = store.wait_until_ready().await;
+    let mut last_good = hearth_policies::cluster::LastGood::default();
+    engine.rebuild(&builtins, &mut last_good, &store.state());
+    tracing::info!(policies = ?engine.current().names(), "rendering backends with these ServingPolicies");
+    let task_engine = engine.clone();
+    tokio::spawn(async move {
+        loop {
+            changed.notified().await;
+            tokio::time::sleep(policy::DEBOUNCE).await;
+            if task_engine.rebuild(&builtins, &mut last_good, &store.state()) {
+                tracing::info!(policies = ?task_engine.current().names(), "ServingPolicies changed; reconciling every service");
+                if all_tx.unbounded_send(()).is_err() {
+                    break;
+                }
+            }
+        }
+    });
+    engine
 }
 
 /// Whether a runtime change may concern a service: it pins the runtime, selects its vendor, or

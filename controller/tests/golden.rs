@@ -119,6 +119,36 @@ fn prestaged_pvc() {
     );
 }
 
+fn example(file: &str) -> PathBuf {
+    here().join("../examples").join(file)
+}
+
+#[test]
+fn hami_fraction_rendered_by_the_platform_policy() {
+    let policy = example("hami/fraction-policy.yaml");
+    check(
+        "hami-fraction",
+        input("hami-fraction-llmservice.yaml"),
+        example("hami/runtime.yaml"),
+        &["--policy", policy.to_str().unwrap()],
+    );
+}
+
+#[test]
+fn a_fraction_no_policy_renders_is_refused() {
+    let out = render(
+        &input("hami-fraction-llmservice.yaml"),
+        &example("hami/runtime.yaml"),
+        &[],
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("spec.resources.fraction: no ServingPolicy renders fractional devices"),
+        "{stderr}"
+    );
+}
+
 #[test]
 fn bad_input_is_a_clear_error_not_a_panic() {
     let dir = std::env::temp_dir().join(format!("hearth-golden-{}", std::process::id()));

@@ -28,37 +28,7 @@ use kube::runtime::reflector::{ObjectRef, Store};
 use crate::admission::{Endpoint, Outcome, deny, with_warnings};
 use crate::validate::{Finding, Runtimes};
 
-/// One platform `ServingPolicy` that compiled, kept with the identity of that version so a
-/// later broken edit can fall back to it.
-#[derive(Clone, Debug)]
-pub struct Compiled {
-    /// `metadata.uid` of the compiled object.
-    pub uid: Option<String>,
-    /// `metadata.generation` of the compiled object.
-    pub generation: i64,
-    /// The policy object as it compiled.
-    pub policy: Arc<ServingPolicy>,
-}
-
-impl Compiled {
-    /// Compiles one policy on its own. The error names the policy, the field and the position
-    /// in the expression (from `hearth-policies`).
-    pub fn compile(p: &ServingPolicy) -> Result<Self, String> {
-        let (_, errors) = PolicySet::compile(std::slice::from_ref(p));
-        if !errors.is_empty() {
-            return Err(errors
-                .iter()
-                .map(ToString::to_string)
-                .collect::<Vec<_>>()
-                .join("; "));
-        }
-        Ok(Self {
-            uid: p.metadata.uid.clone(),
-            generation: p.metadata.generation.unwrap_or_default(),
-            policy: Arc::new(p.clone()),
-        })
-    }
-}
+pub use hearth_policies::cluster::Compiled;
 
 /// What reviews are answered with: the cluster's runtimes and the compiled policies, replaced
 /// as a whole when either changes (an `Arc` swap; reviews in flight keep theirs).

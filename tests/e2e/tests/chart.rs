@@ -1245,6 +1245,14 @@ fn matrix(release_ns: &str) -> Vec<Check> {
         None,
         true,
     );
+    add(
+        c,
+        &["get", "list", "watch"],
+        "servingpolicies.serving.hearth.dev",
+        None,
+        None,
+        true,
+    );
     add(c, &["list", "watch"], "deployments.apps", None, None, true);
     add(
         c,
@@ -1769,6 +1777,7 @@ async fn rbac_matrix_each_account_can_do_what_it_needs_and_nothing_more() -> Res
         "events.events.k8s.io [] [create patch]",
         "llmservices.serving.hearth.dev [] [list watch]",
         "inferenceruntimes.serving.hearth.dev [] [list watch]",
+        "servingpolicies.serving.hearth.dev [] [get list watch]",
         "llmservices.serving.hearth.dev/status [] [patch]",
     ];
     let controller_own = [
