@@ -37,6 +37,7 @@ use k8s_openapi::{
         apps::v1::Deployment,
         batch::v1::Job,
         core::v1::{PersistentVolumeClaim, Service, ServiceAccount},
+        policy::v1::PodDisruptionBudget,
         rbac::v1::{Role, RoleBinding},
     },
     apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition,
@@ -181,6 +182,7 @@ pub struct Context {
     service_accounts: Store<ServiceAccount>,
     roles: Store<Role>,
     role_bindings: Store<RoleBinding>,
+    pdbs: Store<PodDisruptionBudget>,
     keda: Arc<KedaState>,
     recorder: Recorder,
     policies: Option<policy::ClusterEngine>,
@@ -684,6 +686,7 @@ async fn apply_children(
         .await?;
     }
     apply_cached(ctx, namespace, &children.gateway, &ctx.deployments).await?;
+    apply_cached(ctx, namespace, &children.gateway_pdb, &ctx.pdbs).await?;
 
     // Autoscaling.
     let keda = if ctx.keda.installed() {
@@ -737,7 +740,19 @@ async fn apply_children(
     let gateway_ready = status::gateway_ready(
         get_in(&ctx.deployments, namespace, &names::gateway(&name)).as_deref(),
     );
-    let (phase, ready) = status::phase_and_ready(backend, gateway_ready, &conds);
+    let (phase, mut ready) = status::phase_and_ready(backend, gateway_ready, &conds);
+    if ready.reason == "GatewayNotReady"
+        && let Some(r) = &svc.spec.endpoint.api_key_secret_ref
+    {
+        // The controller may not read Secrets; say where to look when it is the likely cause.
+        ready.message = format!(
+            "{}; the gateway mounts the API keys from key {:?} of Secret {:?}: until both exist its pods wait in ContainerCreating (FailedMount events on the pods of Deployment {})",
+            ready.message,
+            r.key,
+            r.name,
+            names::gateway(&name)
+        );
+    }
     Ok((phase, (backend.ready, ready), conds))
 }
 
@@ -861,6 +876,8 @@ pub async fn run(
     let (sa_store, sa_stream) = cached_watch::<ServiceAccount>(&client, ns, &managed);
     let (roles_store, roles_stream) = cached_watch::<Role>(&client, ns, &managed);
     let (rb_store, rb_stream) = cached_watch::<RoleBinding>(&client, ns, &managed);
+    let (pdb_store, pdb_stream) =
+        cached_watch_filtered::<PodDisruptionBudget>(&client, ns, &managed, |p| relevant(p, &()));
 
     let keda = Arc::new(KedaState {
         api: cfg.render.keda_api.clone(),
@@ -904,6 +921,7 @@ pub async fn run(
         service_accounts: sa_store,
         roles: roles_store,
         role_bindings: rb_store,
+        pdbs: pdb_store,
         keda,
         policies,
         recorder: Recorder::new(
@@ -941,6 +959,7 @@ pub async fn run(
         .owns_stream(sa_stream)
         .owns_stream(roles_stream)
         .owns_stream(rb_stream)
+        .owns_stream(pdb_stream)
         .watches_stream(runtime_stream, move |rt: InferenceRuntime| {
             let rt_name = rt.name_any();
             service_store

@@ -242,6 +242,7 @@ fn resource_of(kind: &str, api_version: &str) -> ApiResource {
         "Service" => "services",
         "Deployment" => "deployments",
         "ScaledObject" => "scaledobjects",
+        "PodDisruptionBudget" => "poddisruptionbudgets",
         other => panic!("no plural for kind {other}"),
     };
     ApiResource {

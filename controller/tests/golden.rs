@@ -110,6 +110,16 @@ fn hostpath_hf_push_mode_with_secrets() {
 }
 
 #[test]
+fn gateway_replicas_and_api_keys_push_mode() {
+    check(
+        "gateway-replicas-apikey",
+        input("gateway-replicas-apikey-llmservice.yaml"),
+        upstream("stub-inferenceruntime.yaml"),
+        &[],
+    );
+}
+
+#[test]
 fn prestaged_pvc() {
     check(
         "pvc",

@@ -1257,6 +1257,14 @@ fn matrix(release_ns: &str) -> Vec<Check> {
     add(
         c,
         &["create", "patch"],
+        "poddisruptionbudgets.policy",
+        None,
+        team(),
+        true,
+    );
+    add(
+        c,
+        &["create", "patch"],
         "deployments.apps",
         None,
         team(),
@@ -1772,6 +1780,7 @@ async fn rbac_matrix_each_account_can_do_what_it_needs_and_nothing_more() -> Res
         "roles.rbac.authorization.k8s.io [] [create list patch watch]",
         "rolebindings.rbac.authorization.k8s.io [] [create list patch watch]",
         "scaledobjects.keda.sh [] [create list patch watch]",
+        "poddisruptionbudgets.policy [] [create list patch watch]",
         "endpointslices.discovery.k8s.io [] [get list watch]",
         "customresourcedefinitions.apiextensions.k8s.io [scaledobjects.keda.sh] [get list watch]",
         "events.events.k8s.io [] [create patch]",
