@@ -314,6 +314,55 @@ async fn unannotated_workloads_pass_unchanged() {
 }
 
 #[tokio::test]
+async fn a_workload_container_reaching_devices_it_did_not_request_is_warned_about() {
+    let rt = upstream("InferenceRuntime")[0]["metadata"]["name"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let dep = json!({
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": {"name": "web", "namespace": "team-a",
+                     "annotations": {"serving.hearth.dev/runtime": rt}},
+        "spec": {"selector": {"matchLabels": {"app": "web"}},
+                 "template": {"metadata": {"labels": {"app": "web"}},
+                              "spec": {
+                                  "volumes": [{"name": "host-dev", "hostPath": {"path": "/dev/"}}],
+                                  "containers": [
+                                      {"name": "vllm", "image": "vllm"},
+                                      {"name": "exporter", "image": "x",
+                                       "volumeMounts": [{"name": "host-dev", "mountPath": "/dev"}]},
+                                      {"name": "debug", "image": "y",
+                                       "securityContext": {"privileged": true}},
+                                  ]}}}
+    });
+    let v = post("/validate", &review("Deployment", dep)).await;
+    let r = &v["response"];
+    assert_eq!(r["allowed"], true, "{r}");
+    let warnings: Vec<&str> = r["warnings"]
+        .as_array()
+        .expect("warnings")
+        .iter()
+        .filter_map(Value::as_str)
+        .collect();
+    assert!(
+        warnings
+            .iter()
+            .any(|w| w.starts_with("container \"exporter\"") && w.contains("hostPath \"/dev/\"")),
+        "{warnings:?}"
+    );
+    assert!(
+        warnings
+            .iter()
+            .any(|w| w.starts_with("container \"debug\"") && w.contains("privileged")),
+        "{warnings:?}"
+    );
+    assert!(
+        !warnings.iter().any(|w| w.contains("\"vllm\"")),
+        "{warnings:?}"
+    );
+}
+
+#[tokio::test]
 async fn workload_naming_a_missing_runtime_is_denied() {
     let dep = json!({
         "apiVersion": "apps/v1", "kind": "Deployment",
