@@ -1177,8 +1177,8 @@ async fn deleting_the_service_removes_every_child() -> Result<()> {
     .await?;
     let count = assert_children(&ns, &svc, &rt).await?;
     assert!(
-        count == 10,
-        "push mode with prewarm renders 10 children (no claim with HostPath), got {count}"
+        count == 11,
+        "push mode with prewarm renders 11 children (no claim with HostPath; the gateway's PodDisruptionBudget), got {count}"
     );
 
     let api: Api<LLMService> = ns.api();
