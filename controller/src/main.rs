@@ -137,6 +137,10 @@ struct RunArgs {
     /// Log as JSON lines.
     #[arg(long, env = "HEARTH_LOG_JSON", default_value_t = false)]
     log_json: bool,
+    /// Render backends with the cluster's ServingPolicies after the built-ins, as the webhook
+    /// evaluates them (needs list/watch on servingpolicies); false: the built-ins only.
+    #[arg(long, env = "HEARTH_CLUSTER_POLICIES", default_value_t = true, action = clap::ArgAction::Set)]
+    cluster_policies: bool,
 }
 
 #[derive(Args)]
@@ -152,6 +156,10 @@ struct RenderArgs {
     /// Namespace for a manifest that names none.
     #[arg(short, long, default_value = "default")]
     namespace: String,
+    /// Platform ServingPolicy manifests (files or directories) to render with after the
+    /// built-ins, as the controller does with the cluster's; repeatable.
+    #[arg(long = "policy")]
+    policies: Vec<PathBuf>,
 }
 
 #[tokio::main]
@@ -175,12 +183,26 @@ fn render(args: RenderArgs) -> anyhow::Result<()> {
         service.metadata.namespace = Some(args.namespace.clone());
     }
     let resolved = hearth_controller::resolve_runtime(&service, [&runtime])?;
-    let children = hearth_controller::render(
-        &service,
-        resolved.runtime,
-        &args.images.render_config()?,
-        true,
-    )?;
+    let mut cfg = args.images.render_config()?;
+    if !args.policies.is_empty() {
+        let mut bundle = hearth_policies::manifest::Bundle::default();
+        for p in &args.policies {
+            hearth_policies::manifest::read_path(p, &mut bundle)
+                .with_context(|| format!("--policy {}", p.display()))?;
+        }
+        let mut last_good = hearth_policies::cluster::LastGood::default();
+        let listed: Vec<Arc<hearth_crds::ServingPolicy>> =
+            bundle.policies.into_iter().map(Arc::new).collect();
+        for st in last_good.update(&listed) {
+            if let Some(e) = st.error {
+                bail!("--policy: {e}");
+            }
+        }
+        cfg.engine = hearth_controller::policy::Engine::new(
+            &last_good.evaluation_order(cfg.engine.policies()),
+        )?;
+    }
+    let children = hearth_controller::render(&service, resolved.runtime, &cfg, true)?;
     print!("{}", children.to_yaml()?);
     Ok(())
 }
@@ -265,6 +287,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         requeue: Duration::from_secs(args.resync_seconds),
         concurrency: args.concurrency,
         instance: identity,
+        cluster_policies: args.cluster_policies,
     };
     hearth_controller::run(client, cfg, metrics, shutdown).await?;
     if lost.load(Ordering::SeqCst) {

@@ -7,7 +7,8 @@
 //! Deployment annotated for a runtime get the same treatment, and the controller never depends
 //! on the webhook being up.
 
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
 
 use hearth_crds::{InferenceRuntime, LLMService, ServingPolicy, servingpolicy::Operation};
 use hearth_policies::{
@@ -21,6 +22,12 @@ pub enum PolicyError {
     /// An embedded built-in policy did not parse or compile (a build defect, reported).
     #[error("built-in ServingPolicies: {0}")]
     Builtin(String),
+    /// `fraction` with a sharing runtime, but no policy changes the backend for it: the built-ins
+    /// render no fractions, a platform policy (like `examples/hami/fraction-policy.yaml`) must.
+    #[error(
+        "spec.resources.fraction: no ServingPolicy renders fractional devices for this backend (the built-ins do not; install a platform policy such as examples/hami/fraction-policy.yaml), so it would get whole devices; request whole devices (remove fraction) or add such a policy"
+    )]
+    FractionNotRendered,
     /// A `Fail` policy could not be evaluated.
     #[error("rendering the backend through the ServingPolicies failed: {0}")]
     Mutate(#[from] MutateError),
@@ -34,6 +41,7 @@ pub enum PolicyError {
 pub struct Engine {
     set: PolicySet,
     names: Arc<[String]>,
+    sources: Arc<[ServingPolicy]>,
 }
 
 impl std::fmt::Debug for Engine {
@@ -59,7 +67,11 @@ impl Engine {
             return Err(PolicyError::Builtin(msgs.join("; ")));
         }
         let names = set.names().into_iter().map(str::to_owned).collect();
-        Ok(Self { set, names })
+        Ok(Self {
+            set,
+            names,
+            sources: policies.into(),
+        })
     }
 
     /// The built-in policies.
@@ -71,10 +83,95 @@ impl Engine {
     pub fn names(&self) -> &[String] {
         &self.names
     }
+
+    /// The policies, in evaluation order.
+    pub fn policies(&self) -> &[ServingPolicy] {
+        &self.sources
+    }
 }
+
+/// The engine the controller renders with: the built-ins and the cluster's ServingPolicies
+/// (the set the webhook evaluates, built the same way by `hearth_policies::cluster`), replaced
+/// as a whole when a policy changes.
+#[derive(Clone, Debug)]
+pub struct ClusterEngine(Arc<RwLock<Engine>>);
+
+impl ClusterEngine {
+    /// Starts with `engine` (the built-ins) until the first list of the cluster's policies.
+    pub fn new(engine: Engine) -> Self {
+        Self(Arc::new(RwLock::new(engine)))
+    }
+
+    /// The current engine.
+    pub fn current(&self) -> Engine {
+        match self.0.read() {
+            Ok(e) => e.clone(),
+            Err(poisoned) => poisoned.into_inner().clone(),
+        }
+    }
+
+    fn set(&self, engine: Engine) {
+        match self.0.write() {
+            Ok(mut e) => *e = engine,
+            Err(poisoned) => *poisoned.into_inner() = engine,
+        }
+    }
+
+    /// Rebuilds the engine from `builtins` and the cluster's policies (each compiled on its own;
+    /// a broken edit keeps its last good version and is logged once). Returns whether the set
+    /// of policies changed.
+    pub fn rebuild(
+        &self,
+        builtins: &[ServingPolicy],
+        last_good: &mut hearth_policies::cluster::LastGood,
+        cluster: &[Arc<ServingPolicy>],
+    ) -> bool {
+        for st in last_good.update(cluster) {
+            if st.fresh
+                && let Some(e) = &st.error
+            {
+                tracing::warn!(policy = ?st.policy.metadata.name, error = %e, "ServingPolicy does not compile; backends are rendered with its last good version, if any");
+            }
+        }
+        let order = last_good.evaluation_order(builtins);
+        let (set, errors) = PolicySet::compile(&order);
+        for e in errors {
+            tracing::error!(error = %e, "policy left out of the set");
+        }
+        let names: Arc<[String]> = set.names().into_iter().map(str::to_owned).collect();
+        let changed = {
+            let current = self.current();
+            // Same names in the same order and every one the same version as before.
+            let key = |p: &ServingPolicy| {
+                (
+                    p.metadata.name.clone(),
+                    p.metadata.uid.clone(),
+                    p.metadata.generation,
+                    p.spec.clone(),
+                )
+            };
+            current.names != names || !current.sources.iter().map(key).eq(order.iter().map(key))
+        };
+        if changed {
+            self.set(Engine {
+                set,
+                names,
+                sources: order.into(),
+            });
+        }
+        changed
+    }
+}
+
+/// How long to gather ServingPolicy changes before one rebuild.
+pub const DEBOUNCE: Duration = Duration::from_millis(100);
 
 /// Runs the mutations over the backend Deployment of `service` with `runtime` as `params` and
 /// `settings` as `settings`.
+///
+/// A `fraction` is refused unless the runtime shares devices and some policy renders it: the
+/// backend is rendered once more without the fraction, and when both come out the same no
+/// policy acted on it (the pod would silently get whole devices).
 pub fn apply(
     engine: &Engine,
     deployment: Deployment,
@@ -82,8 +179,30 @@ pub fn apply(
     runtime: &InferenceRuntime,
     settings: &PolicySettings,
 ) -> Result<Deployment, PolicyError> {
+    if service.spec.resources.fraction.is_some() {
+        // A runtime without sharing is refused before rendering (`hearth_crds::rules`).
+        let mut whole = service.clone();
+        whole.spec.resources.fraction = None;
+        let with = mutate(engine, &deployment, service, runtime, settings)?;
+        let without = mutate(engine, &deployment, &whole, runtime, settings)?;
+        if with == without {
+            return Err(PolicyError::FractionNotRendered);
+        }
+        return serde_json::from_value(with).map_err(|e| PolicyError::Invalid(e.to_string()));
+    }
+    let mutated = mutate(engine, &deployment, service, runtime, settings)?;
+    serde_json::from_value(mutated).map_err(|e| PolicyError::Invalid(e.to_string()))
+}
+
+fn mutate(
+    engine: &Engine,
+    deployment: &Deployment,
+    service: &LLMService,
+    runtime: &InferenceRuntime,
+    settings: &PolicySettings,
+) -> Result<serde_json::Value, PolicyError> {
     let object =
-        serde_json::to_value(&deployment).map_err(|e| PolicyError::Invalid(e.to_string()))?;
+        serde_json::to_value(deployment).map_err(|e| PolicyError::Invalid(e.to_string()))?;
     let input = EvalInput {
         params: Some(runtime_params(runtime)),
         service: Some(
@@ -92,8 +211,7 @@ pub fn apply(
         settings: Some(settings.to_value()),
         ..EvalInput::for_object(object, Operation::Create)
     };
-    let mutated = engine.set.mutate(&input)?;
-    serde_json::from_value(mutated.object).map_err(|e| PolicyError::Invalid(e.to_string()))
+    Ok(engine.set.mutate(&input)?.object)
 }
 
 #[cfg(test)]

@@ -38,6 +38,7 @@ use k8s_openapi::{
         apps::v1::Deployment,
         batch::v1::Job,
         core::v1::{PersistentVolumeClaim, Service, ServiceAccount},
+        policy::v1::PodDisruptionBudget,
         rbac::v1::{Role, RoleBinding},
     },
     apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition,
@@ -61,7 +62,7 @@ use crate::{
     adopt, diff, labels,
     metrics::Metrics,
     model::{self, ModelSource},
-    names,
+    names, policy,
     render::{self, Children, RenderConfig, TEMPLATE_HASH_ANNOTATION},
     resolve::{ResolveError, resolve_runtime},
     status::{self, Cond},
@@ -145,6 +146,9 @@ pub struct RunConfig {
     pub concurrency: u16,
     /// `reportingInstance` of Events.
     pub instance: String,
+    /// Render backends with the cluster's ServingPolicies too (after `render.engine`'s, the
+    /// built-ins), as the webhook evaluates them; `false`: only `render.engine`'s.
+    pub cluster_policies: bool,
 }
 
 impl RunConfig {
@@ -156,6 +160,7 @@ impl RunConfig {
             requeue: Duration::from_secs(300),
             concurrency: 16,
             instance: "hearth-controller".to_owned(),
+            cluster_policies: true,
         }
     }
 }
@@ -178,8 +183,24 @@ pub struct Context {
     service_accounts: Store<ServiceAccount>,
     roles: Store<Role>,
     role_bindings: Store<RoleBinding>,
+    pdbs: Store<PodDisruptionBudget>,
     keda: Arc<KedaState>,
     recorder: Recorder,
+    policies: Option<policy::ClusterEngine>,
+}
+
+impl Context {
+    /// The render settings with the policies as they are now.
+    fn render_config(&self) -> std::borrow::Cow<'_, RenderConfig> {
+        match &self.policies {
+            Some(p) => {
+                let mut cfg = self.render.clone();
+                cfg.engine = p.current();
+                std::borrow::Cow::Owned(cfg)
+            }
+            None => std::borrow::Cow::Borrowed(&self.render),
+        }
+    }
 }
 
 fn kube_err(action: impl Into<String>) -> impl FnOnce(kube::Error) -> Error {
@@ -419,7 +440,7 @@ async fn reconcile_inner(svc: &LLMService, ctx: &Context) -> Result<Action, Erro
     } = plan(
         svc,
         runtimes.iter().map(|r| r.as_ref()),
-        &ctx.render,
+        &ctx.render_config(),
         !backend_exists,
     );
     let mut replicas = 0;
@@ -790,6 +811,7 @@ async fn apply_children(
         delete_if_owned(ctx, namespace, &gateway_name, svc, &ctx.deployments).await?;
     }
     apply_cached(ctx, namespace, &children.gateway, &ctx.deployments).await?;
+    apply_cached(ctx, namespace, &children.gateway_pdb, &ctx.pdbs).await?;
 
     // Autoscaling.
     let keda = if ctx.keda.installed() {
@@ -854,7 +876,19 @@ async fn apply_children(
     let gateway_ready = status::gateway_ready(
         get_in(&ctx.deployments, namespace, &names::gateway(&name)).as_deref(),
     );
-    let (phase, ready) = status::phase_and_ready(backend, gateway_ready, &conds);
+    let (phase, mut ready) = status::phase_and_ready(backend, gateway_ready, &conds);
+    if ready.reason == "GatewayNotReady"
+        && let Some(r) = &svc.spec.endpoint.api_key_secret_ref
+    {
+        // The controller may not read Secrets; say where to look when it is the likely cause.
+        ready.message = format!(
+            "{}; the gateway mounts the API keys from key {:?} of Secret {:?}: until both exist its pods wait in ContainerCreating (FailedMount events on the pods of Deployment {})",
+            ready.message,
+            r.key,
+            r.name,
+            names::gateway(&name)
+        );
+    }
     Ok((phase, (backend.ready, ready), conds))
 }
 
@@ -978,6 +1012,8 @@ pub async fn run(
     let (sa_store, sa_stream) = cached_watch::<ServiceAccount>(&client, ns, &managed);
     let (roles_store, roles_stream) = cached_watch::<Role>(&client, ns, &managed);
     let (rb_store, rb_stream) = cached_watch::<RoleBinding>(&client, ns, &managed);
+    let (pdb_store, pdb_stream) =
+        cached_watch_filtered::<PodDisruptionBudget>(&client, ns, &managed, |p| relevant(p, &()));
 
     let keda = Arc::new(KedaState {
         api: cfg.render.keda_api.clone(),
@@ -998,9 +1034,15 @@ pub async fn run(
         client.clone(),
         ns.map(str::to_owned),
         keda.clone(),
-        all_tx,
+        all_tx.clone(),
         one_tx,
     ));
+
+    let policies = if cfg.cluster_policies {
+        Some(watch_policies(client.clone(), &cfg.render.engine, all_tx.clone()).await)
+    } else {
+        None
+    };
 
     let ctx = Arc::new(Context {
         client: client.clone(),
@@ -1015,7 +1057,9 @@ pub async fn run(
         service_accounts: sa_store,
         roles: roles_store,
         role_bindings: rb_store,
+        pdbs: pdb_store,
         keda,
+        policies,
         recorder: Recorder::new(
             client.clone(),
             Reporter {
@@ -1051,6 +1095,7 @@ pub async fn run(
         .owns_stream(sa_stream)
         .owns_stream(roles_stream)
         .owns_stream(rb_stream)
+        .owns_stream(pdb_stream)
         .watches_stream(runtime_stream, move |rt: InferenceRuntime| {
             let rt_name = rt.name_any();
             service_store
@@ -1071,6 +1116,60 @@ pub async fn run(
         })
         .await;
     Ok(())
+}
+
+/// Watches the cluster's ServingPolicies and keeps a [`policy::ClusterEngine`] of `base`'s
+/// policies (the built-ins) and theirs, built like the webhook's set. Returns once the first
+/// complete list is in, so no backend is rendered without the platform's policies (and then
+/// re-rendered, restarting its pods). Every change (debounced by [`policy::DEBOUNCE`]) that
+/// changes the set reconciles every service through `all_tx`.
+async fn watch_policies(
+    client: Client,
+    base: &policy::Engine,
+    all_tx: mpsc::UnboundedSender<()>,
+) -> policy::ClusterEngine {
+    use hearth_crds::ServingPolicy;
+    let engine = policy::ClusterEngine::new(base.clone());
+    let builtins: Arc<[ServingPolicy]> = base.policies().into();
+    let (store, writer) = reflector::store::<ServingPolicy>();
+    let changed = Arc::new(tokio::sync::Notify::new());
+    let notify = changed.clone();
+    let stream = watcher(
+        Api::<ServingPolicy>::all(client),
+        watcher::Config::default(),
+    )
+    .default_backoff()
+    .modify(|p| p.metadata.managed_fields = None)
+    .reflect(writer)
+    .touched_objects();
+    tokio::spawn(async move {
+        let mut stream = std::pin::pin!(stream);
+        while let Some(ev) = stream.next().await {
+            if let Err(e) = ev {
+                tracing::warn!(error = %e, "watching ServingPolicies; retrying (backends are rendered with the last list)");
+            }
+            notify.notify_one();
+        }
+    });
+    tracing::info!("waiting for the list of ServingPolicies");
+    let _ = store.wait_until_ready().await;
+    let mut last_good = hearth_policies::cluster::LastGood::default();
+    engine.rebuild(&builtins, &mut last_good, &store.state());
+    tracing::info!(policies = ?engine.current().names(), "rendering backends with these ServingPolicies");
+    let task_engine = engine.clone();
+    tokio::spawn(async move {
+        loop {
+            changed.notified().await;
+            tokio::time::sleep(policy::DEBOUNCE).await;
+            if task_engine.rebuild(&builtins, &mut last_good, &store.state()) {
+                tracing::info!(policies = ?task_engine.current().names(), "ServingPolicies changed; reconciling every service");
+                if all_tx.unbounded_send(()).is_err() {
+                    break;
+                }
+            }
+        }
+    });
+    engine
 }
 
 /// Whether a runtime change may concern a service: it pins the runtime, selects its vendor, or

@@ -19,13 +19,15 @@ use k8s_openapi::{
         apps::v1::{Deployment, DeploymentSpec, DeploymentStrategy, RollingUpdateDeployment},
         batch::v1::{Job, JobSpec},
         core::v1::{
-            Container, ContainerPort, EnvFromSource, EnvVar, EnvVarSource, HTTPGetAction,
-            HostPathVolumeSource, Lifecycle, LifecycleHandler, ObjectFieldSelector,
-            PersistentVolumeClaim, PersistentVolumeClaimSpec, PersistentVolumeClaimVolumeSource,
-            PodSpec, PodTemplateSpec, Probe, ResourceRequirements, SecretEnvSource, Service,
-            ServiceAccount, ServicePort, ServiceSpec, SleepAction, Volume, VolumeMount,
-            VolumeResourceRequirements,
+            Capabilities, Container, ContainerPort, EnvFromSource, EnvVar, EnvVarSource,
+            HTTPGetAction, HostPathVolumeSource, KeyToPath, Lifecycle, LifecycleHandler,
+            ObjectFieldSelector, PersistentVolumeClaim, PersistentVolumeClaimSpec,
+            PersistentVolumeClaimVolumeSource, PodSecurityContext, PodSpec, PodTemplateSpec, Probe,
+            ResourceRequirements, SeccompProfile, SecretEnvSource, SecretVolumeSource,
+            SecurityContext, Service, ServiceAccount, ServicePort, ServiceSpec, SleepAction,
+            TopologySpreadConstraint, Volume, VolumeMount, VolumeResourceRequirements,
         },
+        policy::v1::{PodDisruptionBudget, PodDisruptionBudgetSpec},
         rbac::v1::{PolicyRule, Role, RoleBinding, RoleRef, Subject},
     },
     apimachinery::pkg::{
@@ -231,6 +233,8 @@ pub struct Children {
     pub scaler_service: Option<Service>,
     /// Gateway Deployment.
     pub gateway: Deployment,
+    /// Keeps all but one gateway replica up through voluntary disruptions (node drains).
+    pub gateway_pdb: PodDisruptionBudget,
     /// KEDA ScaledObject.
     pub scaled_object: DynamicObject,
 }
@@ -259,6 +263,7 @@ impl Children {
             out.push(v(s)?);
         }
         out.push(v(&self.gateway)?);
+        out.push(v(&self.gateway_pdb)?);
         out.push(v(&self.scaled_object)?);
         Ok(out)
     }
@@ -477,7 +482,8 @@ pub fn render(
     };
     let volume = ctx.cache_volume()?;
 
-    let skeleton = backend_skeleton(&ctx, volume.clone(), create_backend)?;
+    let mut skeleton = backend_skeleton(&ctx, volume.clone(), create_backend)?;
+    set_backend_security(&mut skeleton, runtime);
     let backend = policy::apply(
         &cfg.engine,
         skeleton,
@@ -499,7 +505,8 @@ pub fn render(
         backend,
         gateway_service: gateway_service(&ctx),
         scaler_service: (ctx.scaler == ScalerMode::Push).then(|| scaler_service(&ctx)),
-        gateway: gateway_deployment(&ctx)?,
+        gateway: gateway_extensions(&ctx, gateway_deployment(&ctx)?),
+        gateway_pdb: gateway_pdb(&ctx),
         scaled_object: scaled_object(&ctx)?,
     })
 }
@@ -886,6 +893,177 @@ fn gateway_deployment(ctx: &Ctx<'_>) -> Result<Deployment, RenderError> {
     })
 }
 
+/// Gateway replicas: `spec.endpoint.replicas`, default 1.
+pub fn gateway_replicas(service: &LLMService) -> i32 {
+    service.spec.endpoint.replicas.unwrap_or(1).max(1)
+}
+
+/// UID and GID the gateway runs as: the image's `USER 65532:65532` (distroless "nonroot"),
+/// stated in the pod so `runAsNonRoot` can be checked without reading the image.
+pub const GATEWAY_UID: i64 = 65532;
+
+/// Directory the API key Secret is mounted at, and the file (the Secret key's projection) the
+/// gateway reads with `--api-key-file`.
+pub const API_KEY_DIR: &str = "/etc/hearth/api-keys";
+/// File name of the API keys under [`API_KEY_DIR`].
+pub const API_KEY_FILE: &str = "keys";
+
+/// Pod Security `restricted` for the gateway pod: non-root, RuntimeDefault seccomp, no
+/// privilege escalation, no capabilities, read-only root filesystem (the gateway writes no file).
+fn gateway_security(pod: &mut PodSpec) {
+    pod.security_context = Some(PodSecurityContext {
+        run_as_non_root: Some(true),
+        run_as_user: Some(GATEWAY_UID),
+        run_as_group: Some(GATEWAY_UID),
+        // Group owner of the mounted API key file, which is then readable by the group only.
+        fs_group: Some(GATEWAY_UID),
+        seccomp_profile: Some(SeccompProfile {
+            type_: "RuntimeDefault".to_owned(),
+            localhost_profile: None,
+        }),
+        ..Default::default()
+    });
+    for c in &mut pod.containers {
+        c.security_context = Some(SecurityContext {
+            allow_privilege_escalation: Some(false),
+            capabilities: Some(Capabilities {
+                drop: Some(vec!["ALL".to_owned()]),
+                add: None,
+            }),
+            read_only_root_filesystem: Some(true),
+            run_as_non_root: Some(true),
+            ..Default::default()
+        });
+    }
+}
+
+/// What the gateway Deployment gets beyond its flags: `spec.endpoint.replicas` spread over
+/// nodes, the restricted security context, the push-mode peer port name, and the API key
+/// Secret (`spec.endpoint.apiKeySecretRef`) mounted as a file for `--api-key-file`.
+///
+/// The Secret is a volume, never `subPath` (the kubelet does not update those) and never env:
+/// editing the Secret rotates the keys in every replica without a restart (the kubelet swaps
+/// the file, the gateway re-reads it). The volume is not optional, so a missing Secret or key
+/// keeps the pods in `ContainerCreating` with a `FailedMount` event naming it, rather than
+/// starting a gateway without authentication.
+fn gateway_extensions(ctx: &Ctx<'_>, mut d: Deployment) -> Deployment {
+    let replicas = gateway_replicas(ctx.svc);
+    let Some(spec) = d.spec.as_mut() else {
+        return d;
+    };
+    spec.replicas = Some(replicas);
+    let Some(pod) = spec.template.spec.as_mut() else {
+        return d;
+    };
+    pod.topology_spread_constraints = Some(vec![TopologySpreadConstraint {
+        max_skew: 1,
+        topology_key: "kubernetes.io/hostname".to_owned(),
+        when_unsatisfiable: "ScheduleAnyway".to_owned(),
+        label_selector: Some(LabelSelector {
+            match_labels: Some(labels::selector(&ctx.name, Component::Gateway)),
+            ..Default::default()
+        }),
+        // Only the pods of the same rollout count, so a rollout does not skew the spread.
+        match_label_keys: Some(vec!["pod-template-hash".to_owned()]),
+        ..Default::default()
+    }]);
+    gateway_security(pod);
+    let key_ref = ctx.svc.spec.endpoint.api_key_secret_ref.as_ref();
+    if let Some(r) = key_ref {
+        pod.volumes.get_or_insert_with(Vec::new).push(Volume {
+            name: "api-keys".to_owned(),
+            secret: Some(SecretVolumeSource {
+                secret_name: Some(r.name.clone()),
+                items: Some(vec![KeyToPath {
+                    key: r.key.clone(),
+                    path: API_KEY_FILE.to_owned(),
+                    mode: None,
+                }]),
+                default_mode: Some(0o440),
+                optional: Some(false),
+            }),
+            ..Default::default()
+        });
+    }
+    if let Some(c) = pod.containers.first_mut() {
+        let args = c.args.get_or_insert_with(Vec::new);
+        if ctx.scaler == ScalerMode::Push {
+            args.push("--peer-port-name=http".to_owned());
+        }
+        if key_ref.is_some() {
+            args.push(format!("--api-key-file={API_KEY_DIR}/{API_KEY_FILE}"));
+            c.volume_mounts
+                .get_or_insert_with(Vec::new)
+                .push(VolumeMount {
+                    name: "api-keys".to_owned(),
+                    mount_path: API_KEY_DIR.to_owned(),
+                    read_only: Some(true),
+                    ..Default::default()
+                });
+        }
+    }
+    d
+}
+
+/// The gateway's PodDisruptionBudget: at most one replica down at a time through voluntary
+/// disruptions, so with two or more replicas a node drain never takes the endpoint away, and
+/// with one it never blocks a drain.
+fn gateway_pdb(ctx: &Ctx<'_>) -> PodDisruptionBudget {
+    PodDisruptionBudget {
+        metadata: ctx.meta(names::gateway(&ctx.name), Component::Gateway),
+        spec: Some(PodDisruptionBudgetSpec {
+            max_unavailable: Some(IntOrString::Int(1)),
+            selector: Some(LabelSelector {
+                match_labels: Some(labels::selector(&ctx.name, Component::Gateway)),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+/// The serving container's default security context: as much of Pod Security `restricted` as
+/// upstream engine images allow. No privilege escalation, every capability dropped, the
+/// RuntimeDefault seccomp profile; not `runAsNonRoot` (vLLM's images run as root) and not a
+/// read-only root filesystem (vLLM, torch and triton write caches under the home directory and
+/// `/tmp`). Devices come from the device plugin, which needs no capability.
+pub fn default_backend_security_context() -> SecurityContext {
+    SecurityContext {
+        allow_privilege_escalation: Some(false),
+        capabilities: Some(Capabilities {
+            drop: Some(vec!["ALL".to_owned()]),
+            add: None,
+        }),
+        seccomp_profile: Some(SeccompProfile {
+            type_: "RuntimeDefault".to_owned(),
+            localhost_profile: None,
+        }),
+        ..Default::default()
+    }
+}
+
+/// Sets the serving container's security context: the runtime's
+/// `spec.container.securityContext` when it has one (it replaces the default whole), else
+/// [`default_backend_security_context`].
+fn set_backend_security(backend: &mut Deployment, runtime: &InferenceRuntime) {
+    let sc = runtime
+        .spec
+        .container
+        .security_context
+        .clone()
+        .unwrap_or_else(default_backend_security_context);
+    let name = serving_container(runtime);
+    if let Some(c) = backend
+        .spec
+        .as_mut()
+        .and_then(|s| s.template.spec.as_mut())
+        .and_then(|p| p.containers.iter_mut().find(|c| c.name == name))
+    {
+        c.security_context = Some(sc);
+    }
+}
+
 /// FNV-1a over the JSON of the immutable part: stable across builds (unlike `std`'s hasher).
 fn stable_hash(value: &impl Serialize) -> String {
     let bytes = serde_json::to_vec(value).unwrap_or_default();
@@ -1163,6 +1341,129 @@ mod tests {
             assert!(e.contains(want), "{json}: {e}");
         }
         assert!(parse_gateway_resources(r#"{"limits":{"memory":"16Mi"}}"#).is_ok());
+    }
+
+    fn service_and_runtime(endpoint: serde_json::Value) -> (LLMService, InferenceRuntime) {
+        let svc = serde_json::from_value(json!({
+            "apiVersion": "serving.hearth.dev/v1alpha1",
+            "kind": "LLMService",
+            "metadata": {"name": "chat", "namespace": "team-a", "uid": "u1"},
+            "spec": {
+                "model": {"source": {"uri": "hf://org/model"}},
+                "runtime": {"name": "rt"},
+                "cache": {"strategy": "None"},
+                "endpoint": endpoint,
+            }
+        }))
+        .unwrap();
+        let rt = serde_json::from_value(json!({
+            "apiVersion": "serving.hearth.dev/v1alpha1",
+            "kind": "InferenceRuntime",
+            "metadata": {"name": "rt"},
+            "spec": {
+                "vendor": "nvidia",
+                "container": {"image": "example.com/vllm:1", "port": {"name": "http", "containerPort": 8000}},
+                "accelerator": {"resourceName": "nvidia.com/gpu"},
+            }
+        }))
+        .unwrap();
+        (svc, rt)
+    }
+
+    fn pod(d: &Deployment) -> &PodSpec {
+        d.spec.as_ref().unwrap().template.spec.as_ref().unwrap()
+    }
+
+    #[test]
+    fn api_keys_are_a_mounted_file_never_a_value() {
+        let (svc, rt) = service_and_runtime(json!({
+            "replicas": 3,
+            "apiKeySecretRef": {"name": "keys"},
+        }));
+        let children = render(&svc, &rt, &RenderConfig::builtin().unwrap(), true).unwrap();
+        let gw = &children.gateway;
+        assert_eq!(gw.spec.as_ref().unwrap().replicas, Some(3));
+        let p = pod(gw);
+        let vol = p
+            .volumes
+            .as_ref()
+            .unwrap()
+            .iter()
+            .find(|v| v.name == "api-keys")
+            .unwrap();
+        let secret = vol.secret.as_ref().unwrap();
+        assert_eq!(secret.secret_name.as_deref(), Some("keys"));
+        assert_eq!(
+            secret.items.as_ref().unwrap()[0].key,
+            "api-keys",
+            "the default key"
+        );
+        assert_eq!(secret.optional, Some(false));
+        let c = &p.containers[0];
+        let mount = &c.volume_mounts.as_ref().unwrap()[0];
+        assert!(mount.sub_path.is_none(), "subPath mounts are never updated");
+        assert!(
+            c.args
+                .as_ref()
+                .unwrap()
+                .contains(&format!("--api-key-file={API_KEY_DIR}/{API_KEY_FILE}"))
+        );
+        assert!(c.env.iter().flatten().all(|e| {
+            e.value_from
+                .as_ref()
+                .is_none_or(|v| v.secret_key_ref.is_none())
+        }));
+        assert!(c.env_from.is_none());
+        let sc = c.security_context.as_ref().unwrap();
+        assert_eq!(sc.read_only_root_filesystem, Some(true));
+        assert_eq!(
+            p.security_context.as_ref().unwrap().run_as_non_root,
+            Some(true)
+        );
+        assert_eq!(
+            children.gateway_pdb.spec.as_ref().unwrap().max_unavailable,
+            Some(IntOrString::Int(1))
+        );
+        // No key reference, no volume and no flag.
+        let (svc, rt) = service_and_runtime(json!({}));
+        let children = render(&svc, &rt, &RenderConfig::builtin().unwrap(), true).unwrap();
+        let p = pod(&children.gateway);
+        assert!(p.volumes.is_none());
+        assert!(
+            !p.containers[0]
+                .args
+                .as_ref()
+                .unwrap()
+                .iter()
+                .any(|a| a.starts_with("--api-key-file"))
+        );
+        assert_eq!(children.gateway.spec.as_ref().unwrap().replicas, Some(1));
+    }
+
+    #[test]
+    fn the_runtime_security_context_replaces_the_backend_default() {
+        let (svc, mut rt) = service_and_runtime(json!({}));
+        let cfg = RenderConfig::builtin().unwrap();
+        let backend = render(&svc, &rt, &cfg, true).unwrap().backend;
+        let c = pod(&backend)
+            .containers
+            .iter()
+            .find(|c| c.name == "vllm")
+            .unwrap();
+        assert_eq!(c.security_context, Some(default_backend_security_context()));
+        let hardened = SecurityContext {
+            run_as_non_root: Some(true),
+            read_only_root_filesystem: Some(true),
+            ..default_backend_security_context()
+        };
+        rt.spec.container.security_context = Some(hardened.clone());
+        let backend = render(&svc, &rt, &cfg, true).unwrap().backend;
+        let c = pod(&backend)
+            .containers
+            .iter()
+            .find(|c| c.name == "vllm")
+            .unwrap();
+        assert_eq!(c.security_context, Some(hardened));
     }
 
     #[test]

@@ -84,6 +84,7 @@ fn start(client: Client, namespace: &str, render: RenderConfig, requeue: Duratio
         requeue,
         concurrency: 4,
         instance: format!("test-{namespace}"),
+        cluster_policies: true,
     };
     let m = metrics.clone();
     let task = tokio::spawn(async move {
@@ -241,6 +242,7 @@ fn resource_of(kind: &str, api_version: &str) -> ApiResource {
         "Service" => "services",
         "Deployment" => "deployments",
         "ScaledObject" => "scaledobjects",
+        "PodDisruptionBudget" => "poddisruptionbudgets",
         other => panic!("no plural for kind {other}"),
     };
     ApiResource {
@@ -772,6 +774,124 @@ async fn a_runtime_change_re_renders_its_services() -> Result<()> {
     result
 }
 
+/// The HAMi example's fraction policy, renamed and limited to one namespace so it touches no
+/// other test's backends (ServingPolicies are cluster-scoped).
+fn scoped_fraction_policy(name: &str, namespace: &str) -> Result<hearth_crds::ServingPolicy> {
+    let path =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../examples/hami/fraction-policy.yaml");
+    let mut p: Value = read_yaml(&path)?;
+    p["metadata"]["name"] = json!(name);
+    p["spec"]["matchConditions"]
+        .as_array_mut()
+        .context("the example has matchConditions")?
+        .push(json!({
+            "name": "this-test-only",
+            "expression": format!("service != null && service.metadata.namespace == {namespace:?}"),
+        }));
+    Ok(serde_json::from_value(p)?)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_platform_policy_in_the_cluster_renders_fractions() -> Result<()> {
+    let cluster = connect().await?;
+    let client = cluster.client();
+    install_crds(&client).await?;
+    let ns = cluster.namespace("ctrl-policy").await?;
+    let rt_name = format!("{}-hami", ns.name());
+    let mut rt: InferenceRuntime = read_yaml(
+        &PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../examples/hami/runtime.yaml"),
+    )?;
+    rt.metadata.name = Some(rt_name.clone());
+    apply_runtime(&client, &rt).await?;
+    let policies: Api<hearth_crds::ServingPolicy> = Api::all(client.clone());
+    let policy_name = format!("{}-fraction", ns.name());
+    let running = start(
+        client.clone(),
+        ns.name(),
+        test_render_config(),
+        Duration::from_secs(300),
+    );
+    let svc: LLMService = serde_json::from_value(json!({
+        "apiVersion": "serving.hearth.dev/v1alpha1",
+        "kind": "LLMService",
+        "metadata": {"name": "slice"},
+        "spec": {
+            "model": {"source": {"uri": "hf://org/model"}},
+            "runtime": {"name": rt_name},
+            "resources": {"accelerators": 1, "fraction": {"memory": "8Gi", "cores": 30}},
+            "cache": {"strategy": "None"}
+        }
+    }))?;
+    create_service(&ns, svc).await?;
+    let limits = |ns: &TestNamespace| {
+        let api: Api<Deployment> = ns.api();
+        async move {
+            Ok::<_, anyhow::Error>(api.get_opt("slice-backend").await?.and_then(|d| {
+                d.spec?.template.spec?.containers[0]
+                    .resources
+                    .clone()?
+                    .limits
+            }))
+        }
+    };
+    let result = async {
+        // No policy renders the fraction: refused with a condition, no backend.
+        let svc = wait_service(&ns, "slice", "fraction refused", |s| {
+            has_condition(s, "Ready", "False", "PolicyFailed")
+        })
+        .await?;
+        let msg = &condition(&svc, "Ready").context("Ready")?.message;
+        assert!(
+            msg.contains("no ServingPolicy renders fractional devices"),
+            "{msg}"
+        );
+        assert!(
+            limits(&ns).await?.is_none(),
+            "no backend without the policy"
+        );
+        // The platform policy arrives: the service is reconciled without a restart or an edit.
+        policies
+            .patch(
+                &policy_name,
+                &PatchParams::apply(TEST_MANAGER).force(),
+                &Patch::Apply(&scoped_fraction_policy(&policy_name, ns.name())?),
+            )
+            .await?;
+        let got = wait_until("HAMi resources on the backend", WAIT, || async {
+            let l = limits(&ns).await?;
+            Ok(match &l {
+                Some(l) if l.contains_key("nvidia.com/gpumem") => Observed::Ready(l.clone()),
+                _ => Observed::NotYet(format!("limits {l:?}")),
+            })
+        })
+        .await?;
+        assert_eq!(got["nvidia.com/gpumem"].0, "8192");
+        assert_eq!(got["nvidia.com/gpucores"].0, "30");
+        assert_eq!(got["nvidia.com/gpu"].0, "1");
+        wait_service(&ns, "slice", "no longer refused", |s| {
+            !has_condition(s, "Ready", "False", "PolicyFailed")
+        })
+        .await?;
+        // And its removal brings the refusal back.
+        policies
+            .delete(&policy_name, &DeleteParams::default())
+            .await?;
+        wait_service(&ns, "slice", "refused again", |s| {
+            has_condition(s, "Ready", "False", "PolicyFailed")
+        })
+        .await?;
+        Ok::<_, anyhow::Error>(())
+    }
+    .await;
+    running.stop().await;
+    let _ = policies
+        .delete(&policy_name, &DeleteParams::default())
+        .await;
+    let rts: Api<InferenceRuntime> = Api::all(client.clone());
+    let _ = rts.delete(&rt_name, &DeleteParams::default()).await;
+    result
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn drift_is_repaired_and_idle_makes_no_writes() -> Result<()> {
     let cluster = connect().await?;
@@ -1053,8 +1173,8 @@ async fn deleting_the_service_removes_every_child() -> Result<()> {
     .await?;
     let count = assert_children(&ns, &svc, &rt).await?;
     assert!(
-        count == 10,
-        "push mode with prewarm renders 10 children (no claim with HostPath), got {count}"
+        count == 11,
+        "push mode with prewarm renders 11 children (no claim with HostPath; the gateway's PodDisruptionBudget), got {count}"
     );
 
     let api: Api<LLMService> = ns.api();

@@ -110,12 +110,52 @@ fn hostpath_hf_push_mode_with_secrets() {
 }
 
 #[test]
+fn gateway_replicas_and_api_keys_push_mode() {
+    check(
+        "gateway-replicas-apikey",
+        input("gateway-replicas-apikey-llmservice.yaml"),
+        upstream("stub-inferenceruntime.yaml"),
+        &[],
+    );
+}
+
+#[test]
 fn prestaged_pvc() {
     check(
         "pvc",
         input("pvc-llmservice.yaml"),
         upstream("nvidia-a10-inferenceruntime.yaml"),
         &[],
+    );
+}
+
+fn example(file: &str) -> PathBuf {
+    here().join("../examples").join(file)
+}
+
+#[test]
+fn hami_fraction_rendered_by_the_platform_policy() {
+    let policy = example("hami/fraction-policy.yaml");
+    check(
+        "hami-fraction",
+        input("hami-fraction-llmservice.yaml"),
+        example("hami/runtime.yaml"),
+        &["--policy", policy.to_str().unwrap()],
+    );
+}
+
+#[test]
+fn a_fraction_no_policy_renders_is_refused() {
+    let out = render(
+        &input("hami-fraction-llmservice.yaml"),
+        &example("hami/runtime.yaml"),
+        &[],
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("spec.resources.fraction: no ServingPolicy renders fractional devices"),
+        "{stderr}"
     );
 }
 

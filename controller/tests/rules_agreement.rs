@@ -9,10 +9,13 @@
 //! | `Warned(field)` | allowed, a warning naming `field` | children rendered, `Validated=True` with a warning reason naming `field` |
 //! | `Refused(field, type, reason)` | denied, a cause on `field` | nothing rendered, `type=False` with `reason`, `Validated=False`, phase `Degraded` |
 //! | `WaitsForRuntime(field)` | allowed, a warning naming `field` | nothing rendered, `RuntimeResolved=False`, phase `Pending` |
+//! | `WaitsForPolicy` | allowed, no warning | nothing rendered, `Ready=False` `PolicyFailed`, phase `Degraded` |
 //!
-//! `WaitsForRuntime` is the one deliberate difference (docs/webhook.md): a runtime that does
-//! not exist yet is a warning at admission, so unordered applies (GitOps, `kubectl apply -f
-//! dir/`) do not fail, and the controller waits for it.
+//! `WaitsForRuntime` and `WaitsForPolicy` are the deliberate differences (docs/webhook.md): a
+//! runtime that does not exist yet is a warning at admission, so unordered applies (GitOps,
+//! `kubectl apply -f dir/`) do not fail, and the controller waits for it; a fraction on a
+//! sharing runtime is admitted and rendered by the platform's ServingPolicies, which only the
+//! controller's render can tell (here, with the built-ins only, none does).
 
 use hearth_controller::{
     RenderConfig,
@@ -30,6 +33,7 @@ enum Verdict {
     Warned(&'static str),
     Refused(&'static str, &'static str, &'static str),
     WaitsForRuntime(&'static str),
+    WaitsForPolicy,
 }
 use Verdict::*;
 
@@ -188,6 +192,14 @@ fn check(svc: Value, verdict: Verdict) {
             assert!(c.message.contains(&format!("{field}: ")), "{ctx}");
             assert_eq!(validated.status, "False", "{ctx}");
         }
+        WaitsForPolicy => {
+            assert!(allowed && warnings.is_empty(), "{ctx}");
+            assert!(plan.children.is_none(), "{ctx}");
+            assert_eq!(plan.phase, LLMServicePhase::Degraded, "{ctx}");
+            let ready = cond(&plan, status::READY);
+            assert_eq!((ready.status, ready.reason.as_str()), ("False", "PolicyFailed"), "{ctx}");
+            assert!(ready.message.contains("spec.resources.fraction: "), "{ctx}");
+        }
         WaitsForRuntime(field) => {
             assert!(allowed && warned(field), "{ctx}");
             assert!(plan.children.is_none(), "{ctx}");
@@ -234,7 +246,7 @@ const SCALER: &str = "serving.hearth.dev/scaler";
 #[case::uri(json!({"spec": {"model": {"source": {"uri": "pvc://weights/../../etc"}}}}), Refused("spec.model.source.uri", "Ready", "InvalidModelSource"))]
 #[case::secret_ref(json!({"spec": {"model": {"source": {"secretRef": {"name": "HF_TOKEN"}}}}}), Refused("spec.model.source.secretRef.name", "Ready", "InvalidSpec"))]
 #[case::fraction_without_sharing(json!({"spec": {"resources": {"fraction": {"cores": 50}}}}), Refused("spec.resources.fraction", "Ready", "FractionNotSupported"))]
-#[case::fraction_with_sharing(json!({"spec": {"runtime": {"name": "slices"}, "resources": {"fraction": {"memory": "8Gi"}}}}), Refused("spec.resources.fraction", "Ready", "FractionNotImplemented"))]
+#[case::fraction_with_sharing(json!({"spec": {"runtime": {"name": "slices"}, "resources": {"fraction": {"memory": "8Gi"}}}}), WaitsForPolicy)]
 #[case::kv_cache_metric(json!({"spec": {"scaling": {"metric": "kvCacheUtil"}}}), Refused("spec.scaling.metric", "Ready", "MetricNotImplemented"))]
 #[case::cpu(json!({"spec": {"resources": {"cpu": "lots"}}}), Refused("spec.resources.cpu", "Ready", "InvalidSpec"))]
 #[case::negative_memory(json!({"spec": {"resources": {"memory": "-1Gi"}}}), Refused("spec.resources.memory", "Ready", "InvalidSpec"))]
@@ -245,7 +257,7 @@ const SCALER: &str = "serving.hearth.dev/scaler";
 #[case::runtime_template(json!({"spec": {"runtime": {"name": "broken"}}}), Refused("spec.runtime", "Ready", "InvalidRuntimeTemplate"))]
 // A spec error is reported without a runtime too.
 #[case::error_without_runtime(json!({"spec": {"runtime": {"name": "nowhere"}, "cache": {"strategy": "SharedPVC"}}}), Refused("spec.cache.strategy", "CacheReady", "StrategyNotImplemented"))]
-#[case::fraction_without_runtime(json!({"spec": {"runtime": {"name": "nowhere"}, "resources": {"fraction": {"cores": 10}}}}), Refused("spec.resources.fraction", "Ready", "FractionNotImplemented"))]
+#[case::fraction_without_runtime(json!({"spec": {"runtime": {"name": "nowhere"}, "resources": {"fraction": {"cores": 10}}}}), WaitsForRuntime("spec.runtime.name"))]
 // The documented difference: admitted with a warning, the controller waits.
 #[case::missing_runtime(json!({"spec": {"runtime": {"name": "nowhere"}}}), WaitsForRuntime("spec.runtime.name"))]
 #[case::unmatched_vendor(json!({"spec": {"runtime": {"name": null, "selector": {"vendor": ["cambricon"]}}}}), WaitsForRuntime("spec.runtime.selector.vendor"))]

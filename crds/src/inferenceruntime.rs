@@ -9,7 +9,7 @@
 use std::collections::BTreeMap;
 
 use k8s_openapi::{
-    api::core::v1::{EnvVar, Probe, Toleration},
+    api::core::v1::{EnvVar, Probe, SecurityContext, Toleration},
     apimachinery::pkg::apis::meta::v1::Condition,
 };
 use kube::CustomResource;
@@ -102,6 +102,14 @@ pub struct RuntimeContainer {
     /// port serves the OpenAI-compatible API and, for vLLM, `/metrics`.
     #[serde(default)]
     pub port: RuntimePort,
+
+    /// securityContext replaces the serving container's default one (no privilege escalation,
+    /// every capability dropped, the RuntimeDefault seccomp profile; root and a writable root
+    /// filesystem allowed, as upstream vLLM images need). Set it to harden an image that runs
+    /// as non-root with a read-only root filesystem, or to relax the default for an engine
+    /// that needs a capability. A Hearth extension of the public API.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub security_context: Option<SecurityContext>,
 }
 
 /// The serving container's named TCP port.

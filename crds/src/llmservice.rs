@@ -346,6 +346,20 @@ pub struct EndpointSpec {
     /// coldStart configures requests received while the backend is unavailable.
     #[serde(default)]
     pub cold_start: ColdStartSpec,
+
+    /// replicas is the number of gateway replicas (default 1), spread over nodes and kept
+    /// available by a PodDisruptionBudget; the replicas agree on the total demand KEDA sees.
+    /// A Hearth extension of the public API.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 20))]
+    pub replicas: Option<i32>,
+
+    /// apiKeySecretRef names a Secret key (in the service's namespace) holding the API keys
+    /// clients must send as `Authorization: Bearer <key>`, one per line. Editing the Secret
+    /// rotates them without a restart. Unset: no authentication. A Hearth extension of the
+    /// public API.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub api_key_secret_ref: Option<ApiKeySecretRef>,
 }
 
 impl Default for EndpointSpec {
@@ -353,8 +367,32 @@ impl Default for EndpointSpec {
         Self {
             openai_compatible: true,
             cold_start: ColdStartSpec::default(),
+            replicas: None,
+            api_key_secret_ref: None,
         }
     }
+}
+
+/// A key of a Secret in the LLMService's namespace.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ApiKeySecretRef {
+    /// name of the Secret.
+    #[schemars(
+        length(min = 1, max = 253),
+        regex(pattern = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+    )]
+    pub name: String,
+
+    /// key of the Secret holding the keys (default `api-keys`).
+    #[serde(default = "default_api_key_key")]
+    #[schemars(length(min = 1, max = 253), regex(pattern = r"^[-._a-zA-Z0-9]+$"))]
+    pub key: String,
+}
+
+/// The default key of [`ApiKeySecretRef`].
+pub fn default_api_key_key() -> String {
+    "api-keys".to_owned()
 }
 
 fn default_true() -> bool {

@@ -59,8 +59,6 @@ pub enum Reason {
     MetricNotImplemented,
     /// `spec.resources.fraction` with a runtime without device sharing.
     FractionNotSupported,
-    /// `spec.resources.fraction`: no built-in ServingPolicy renders fractions.
-    FractionNotImplemented,
     /// `spec.cache.strategy: SharedPVC` or `BakedImage` is reserved.
     StrategyNotImplemented,
     /// A field that has no effect in this combination (a warning).
@@ -79,7 +77,6 @@ impl Reason {
             Reason::InvalidSpec => "InvalidSpec",
             Reason::MetricNotImplemented => "MetricNotImplemented",
             Reason::FractionNotSupported => "FractionNotSupported",
-            Reason::FractionNotImplemented => "FractionNotImplemented",
             Reason::StrategyNotImplemented => "StrategyNotImplemented",
             Reason::FieldIgnored => "FieldIgnored",
             Reason::DuplicateVendor => "DuplicateVendor",
@@ -359,27 +356,24 @@ pub fn check_llmservice(svc: &LLMService, runtime: Option<&InferenceRuntime>) ->
             quantity(&mut f, field, q, "500m, 4 or 16Gi");
         }
     }
-    if r.fraction.is_some() {
-        match runtime {
-            Some(rt) if !rt.spec.accelerator.sharing.supported => f.error(
-                Reason::FractionNotSupported,
-                "spec.resources.fraction",
-                format!(
-                    "InferenceRuntime {:?} (resource {}) does not support fractional devices \
-                     (its spec.accelerator.sharing.supported is false); remove fraction to \
-                     request whole devices",
-                    rt.metadata.name.as_deref().unwrap_or_default(),
-                    rt.spec.accelerator.resource_name
-                ),
+    // A fraction on a sharing runtime is rendered by the platform's ServingPolicies (the
+    // built-ins render none); the controller refuses it when no policy acts on it
+    // (`PolicyFailed`), which only rendering can tell.
+    if r.fraction.is_some()
+        && let Some(rt) = runtime
+        && !rt.spec.accelerator.sharing.supported
+    {
+        f.error(
+            Reason::FractionNotSupported,
+            "spec.resources.fraction",
+            format!(
+                "InferenceRuntime {:?} (resource {}) does not support fractional devices \
+                 (its spec.accelerator.sharing.supported is false); remove fraction to \
+                 request whole devices",
+                rt.metadata.name.as_deref().unwrap_or_default(),
+                rt.spec.accelerator.resource_name
             ),
-            _ => f.error(
-                Reason::FractionNotImplemented,
-                "spec.resources.fraction",
-                "fractional devices are not rendered for an LLMService yet (the controller \
-                 renders backends with the built-in ServingPolicies only, and none turns a \
-                 fraction into device resources); remove fraction to request whole devices",
-            ),
-        }
+        );
     }
 
     // Scaling.

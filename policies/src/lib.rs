@@ -18,6 +18,7 @@
 //! Expressions use kube-cel's Kubernetes CEL libraries through its `cel` re-export.
 
 pub mod builtin;
+pub mod cluster;
 pub mod compile;
 pub mod engine;
 pub(crate) mod guard;

@@ -24,7 +24,9 @@ use kube::{Api, Client, ResourceExt};
 use tokio::sync::{Notify, watch};
 
 use crate::server::AppState;
-use crate::workload::{Compiled, Snapshot};
+use hearth_policies::cluster::LastGood;
+
+use crate::workload::Snapshot;
 
 /// Field manager of the status conditions the webhook writes.
 pub const FIELD_MANAGER: &str = "hearth-webhook";
@@ -60,7 +62,7 @@ pub async fn run(
         _ = shutdown.changed() => { rt_task.abort(); pol_task.abort(); ns_task.abort(); return; }
     }
     // Last good compilation of each policy, by name, with the generation it came from.
-    let mut last_good: BTreeMap<String, Compiled> = BTreeMap::new();
+    let mut last_good = LastGood::default();
     // Conditions already written, so an unchanged policy is not patched on every rebuild.
     let mut reported: BTreeMap<String, (i64, Option<String>)> = BTreeMap::new();
     loop {
@@ -127,7 +129,7 @@ async fn rebuild(
         &Store<Namespace>,
     ),
     builtins: &[ServingPolicy],
-    last_good: &mut BTreeMap<String, Compiled>,
+    last_good: &mut LastGood,
     reported: &mut BTreeMap<String, (i64, Option<String>)>,
 ) {
     let rts: BTreeMap<String, Arc<InferenceRuntime>> = runtimes
@@ -137,49 +139,35 @@ async fn rebuild(
         .collect();
     let pols = policies.state();
     let present: std::collections::BTreeSet<String> = pols.iter().map(|p| p.name_any()).collect();
-    last_good.retain(|name, _| present.contains(name));
     reported.retain(|name, _| present.contains(name));
 
-    // The condition each policy should show: compiled, or the compile error.
+    // The condition each policy should show: compiled, or the compile error. A policy that
+    // failed before at this generation is not recompiled, counted or logged again.
     let mut desired: Vec<(Arc<ServingPolicy>, Option<String>)> = Vec::new();
-    for p in &pols {
-        let name = p.name_any();
-        let generation = p.metadata.generation.unwrap_or_default();
-        let same = |uid: &Option<String>, g: i64| g == generation && *uid == p.metadata.uid;
-        if last_good
-            .get(&name)
-            .is_some_and(|c| same(&c.uid, c.generation))
+    for st in last_good.update(&pols) {
+        if st.fresh
+            && let Some(e) = &st.error
         {
-            desired.push((p.clone(), None));
-            continue;
+            let name = st.policy.name_any();
+            let generation = st.policy.metadata.generation.unwrap_or_default();
+            state
+                .metrics
+                .policy_errors
+                .get_or_create(&crate::metrics::PolicyLabels {
+                    policy: name.clone(),
+                })
+                .inc();
+            tracing::warn!(policy = %name, generation, error = %e, "ServingPolicy does not compile; its last good version (if any) keeps serving");
         }
-        if let Some((_, Some(e))) = reported.get(&name).filter(|(g, _)| *g == generation) {
-            // Failed before at this generation: do not recompile, count or log it again.
-            desired.push((p.clone(), Some(e.clone())));
-            continue;
-        }
-        match Compiled::compile(p) {
-            Ok(c) => {
-                last_good.insert(name, c);
-                desired.push((p.clone(), None));
-            }
-            Err(e) => {
-                state
-                    .metrics
-                    .policy_errors
-                    .get_or_create(&crate::metrics::PolicyLabels {
-                        policy: name.clone(),
-                    })
-                    .inc();
-                tracing::warn!(policy = %name, generation, error = %e, "ServingPolicy does not compile; its last good version (if any) keeps serving");
-                desired.push((p.clone(), Some(e)));
-            }
-        }
+        desired.push((st.policy, st.error));
     }
-    let all = evaluation_order(builtins, last_good);
+    let all = last_good.evaluation_order(builtins);
     let mut snapshot = Snapshot::new(rts, &all, Some(namespaces.clone()));
     snapshot.settings = state.snapshot.load().settings.clone();
-    state.metrics.policies.set(last_good.len() as i64);
+    state
+        .metrics
+        .policies
+        .set(last_good.compiled().len() as i64);
     state.metrics.runtimes.set(snapshot.runtimes.len() as i64);
     state.metrics.rebuilds.inc();
     state.snapshot.store(Arc::new(snapshot));
@@ -189,31 +177,9 @@ async fn rebuild(
     }
 }
 
-/// The policies a snapshot evaluates, in order: the built-ins first, then the platform
-/// policies by name. A cluster ServingPolicy named like a built-in (the chart installs the
-/// built-ins as objects, so platform teams can read and edit them) replaces it in its place, so
-/// an edit takes effect and nothing runs twice; deleting it restores the embedded default.
-pub fn evaluation_order(
-    builtins: &[ServingPolicy],
-    cluster: &BTreeMap<String, Compiled>,
-) -> Vec<ServingPolicy> {
-    let builtin_names: std::collections::BTreeSet<String> =
-        builtins.iter().map(|b| b.name_any()).collect();
-    builtins
-        .iter()
-        .map(|b| {
-            cluster
-                .get(&b.name_any())
-                .map_or_else(|| b.clone(), |c| (*c.policy).clone())
-        })
-        .chain(
-            cluster
-                .iter()
-                .filter(|(name, _)| !builtin_names.contains(*name))
-                .map(|(_, c)| (*c.policy).clone()),
-        )
-        .collect()
-}
+/// The policies a snapshot evaluates, in order (shared with the controller, see
+/// `hearth_policies::cluster`).
+pub use hearth_policies::cluster::evaluation_order;
 
 /// Sets the policy's `Ready` condition unless it already says the same for this generation.
 async fn report(
@@ -277,55 +243,5 @@ async fn report(
         Err(e) => {
             tracing::warn!(policy = %name, error = %e, "could not write the ServingPolicy's Ready condition");
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn named(name: &str, expression: &str) -> ServingPolicy {
-        serde_json::from_value(serde_json::json!({
-            "apiVersion": "serving.hearth.dev/v1alpha1",
-            "kind": "ServingPolicy",
-            "metadata": {"name": name},
-            "spec": {"validations": [{"expression": expression}]},
-        }))
-        .unwrap()
-    }
-
-    fn compiled(p: ServingPolicy) -> (String, Compiled) {
-        (p.name_any(), Compiled::compile(&p).unwrap())
-    }
-
-    #[test]
-    fn a_cluster_copy_of_a_builtin_replaces_it_in_place() {
-        let builtins = [named("hearth-a", "true"), named("hearth-b", "true")];
-        let cluster: BTreeMap<String, Compiled> = [
-            compiled(named("zz-platform", "true")),
-            compiled(named("hearth-b", "false")),
-            compiled(named("aa-platform", "true")),
-        ]
-        .into_iter()
-        .collect();
-        let order = evaluation_order(&builtins, &cluster);
-        let names: Vec<String> = order.iter().map(|p| p.name_any()).collect();
-        assert_eq!(
-            names,
-            ["hearth-a", "hearth-b", "aa-platform", "zz-platform"]
-        );
-        assert_eq!(
-            order[1].spec.validations[0].expression, "false",
-            "the cluster's edit"
-        );
-        assert_eq!(order[0].spec.validations[0].expression, "true");
-    }
-
-    #[test]
-    fn without_cluster_copies_the_embedded_builtins_run() {
-        let builtins = [named("hearth-a", "true")];
-        let order = evaluation_order(&builtins, &BTreeMap::new());
-        assert_eq!(order.len(), 1);
-        assert_eq!(order[0].name_any(), "hearth-a");
     }
 }

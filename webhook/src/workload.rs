@@ -28,37 +28,7 @@ use kube::runtime::reflector::{ObjectRef, Store};
 use crate::admission::{Endpoint, Outcome, deny, with_warnings};
 use crate::validate::{Finding, Runtimes};
 
-/// One platform `ServingPolicy` that compiled, kept with the identity of that version so a
-/// later broken edit can fall back to it.
-#[derive(Clone, Debug)]
-pub struct Compiled {
-    /// `metadata.uid` of the compiled object.
-    pub uid: Option<String>,
-    /// `metadata.generation` of the compiled object.
-    pub generation: i64,
-    /// The policy object as it compiled.
-    pub policy: Arc<ServingPolicy>,
-}
-
-impl Compiled {
-    /// Compiles one policy on its own. The error names the policy, the field and the position
-    /// in the expression (from `hearth-policies`).
-    pub fn compile(p: &ServingPolicy) -> Result<Self, String> {
-        let (_, errors) = PolicySet::compile(std::slice::from_ref(p));
-        if !errors.is_empty() {
-            return Err(errors
-                .iter()
-                .map(ToString::to_string)
-                .collect::<Vec<_>>()
-                .join("; "));
-        }
-        Ok(Self {
-            uid: p.metadata.uid.clone(),
-            generation: p.metadata.generation.unwrap_or_default(),
-            policy: Arc::new(p.clone()),
-        })
-    }
-}
+pub use hearth_policies::cluster::Compiled;
 
 /// What reviews are answered with: the cluster's runtimes and the compiled policies, replaced
 /// as a whole when either changes (an `Arc` swap; reviews in flight keep theirs).
@@ -277,9 +247,133 @@ pub(crate) fn review(
             }
         }
         Endpoint::Validate => {
-            let mut resp = with_warnings(base, out.warnings);
+            let mut warnings = out.warnings;
+            if let Some(o) = &input.object {
+                warnings.extend(device_access_warnings(o));
+            }
+            let mut resp = with_warnings(base, warnings);
             resp.audit_annotations.extend(out.audit_annotations);
             (resp, Outcome::Allowed)
         }
+    }
+}
+
+/// Whether a hostPath gives access to the node's devices: `/dev`, anything below it, or an
+/// ancestor of it (`/`), compared after removing `.`, `..` and repeated slashes.
+fn reaches_dev(path: &str) -> bool {
+    let mut parts: Vec<&str> = Vec::new();
+    for seg in path.split('/') {
+        match seg {
+            "" | "." => {}
+            ".." => {
+                parts.pop();
+            }
+            s => parts.push(s),
+        }
+    }
+    parts.is_empty() || parts[0] == "dev"
+}
+
+/// Admission warnings for an opted-in workload whose pod holds a container that can reach
+/// devices beyond what it requests through the device plugin: a `privileged` container (every
+/// device of the node), or one mounting a hostPath volume of `/dev` (or below it, or `/`).
+/// Each names the container and its field path. Warnings, not denials: device plugins and
+/// monitoring agents do this on purpose, and the platform can deny it with a ServingPolicy.
+pub fn device_access_warnings(object: &serde_json::Value) -> Vec<String> {
+    let (pod, prefix) = if object["kind"] == "Pod" {
+        (&object["spec"], "spec")
+    } else {
+        (&object["spec"]["template"]["spec"], "spec.template.spec")
+    };
+    let host_dev_volumes: BTreeMap<&str, &str> = pod["volumes"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|v| Some((v["name"].as_str()?, v["hostPath"]["path"].as_str()?)))
+        .filter(|(_, path)| reaches_dev(path))
+        .collect();
+    let mut out = Vec::new();
+    for list in ["initContainers", "containers", "ephemeralContainers"] {
+        for (i, c) in pod[list].as_array().into_iter().flatten().enumerate() {
+            let name = c["name"].as_str().unwrap_or("");
+            let field = format!("{prefix}.{list}[{i}]");
+            if c["securityContext"]["privileged"] == serde_json::Value::Bool(true) {
+                out.push(format!(
+                    "container {name:?} ({field}) is privileged: it can reach every device of the node, not only the accelerators this workload requests; drop privileged unless it must manage devices"
+                ));
+            }
+            for m in c["volumeMounts"].as_array().into_iter().flatten() {
+                let Some(vol) = m["name"].as_str() else {
+                    continue;
+                };
+                if let Some(path) = host_dev_volumes.get(vol) {
+                    out.push(format!(
+                        "container {name:?} ({field}) mounts hostPath {path:?} (volume {vol:?}): it can reach the node's devices, not only the accelerators this workload requests; remove the mount and request devices through the device plugin"
+                    ));
+                }
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn dev_paths_are_recognised_after_normalising() {
+        for p in [
+            "/dev",
+            "/dev/",
+            "//dev",
+            "/dev/nvidia0",
+            "/./dev/../dev/shm",
+            "/",
+            "/x/../",
+        ] {
+            assert!(reaches_dev(p), "{p}");
+        }
+        for p in ["/devices", "/var/dev", "/opt", "/dev/../var"] {
+            assert!(!reaches_dev(p), "{p}");
+        }
+    }
+
+    #[test]
+    fn privileged_and_dev_mounting_containers_are_named() {
+        let d = json!({
+            "kind": "Deployment",
+            "spec": {"template": {"spec": {
+                "volumes": [
+                    {"name": "devices", "hostPath": {"path": "/dev"}},
+                    {"name": "models", "hostPath": {"path": "/var/lib/models"}},
+                ],
+                "initContainers": [{"name": "setup", "securityContext": {"privileged": true}}],
+                "containers": [
+                    {"name": "vllm", "volumeMounts": [{"name": "models", "mountPath": "/models"}],
+                     "securityContext": {"privileged": false}},
+                    {"name": "agent", "volumeMounts": [{"name": "devices", "mountPath": "/host/dev"}]},
+                ],
+            }}}
+        });
+        let w = device_access_warnings(&d);
+        assert_eq!(w.len(), 2, "{w:?}");
+        assert!(
+            w[0].starts_with(
+                "container \"setup\" (spec.template.spec.initContainers[0]) is privileged"
+            ),
+            "{}",
+            w[0]
+        );
+        assert!(
+            w[1].starts_with(
+                "container \"agent\" (spec.template.spec.containers[1]) mounts hostPath \"/dev\""
+            ),
+            "{}",
+            w[1]
+        );
+        let pod = json!({"kind": "Pod", "spec": {"containers": [{"name": "vllm"}]}});
+        assert!(device_access_warnings(&pod).is_empty());
     }
 }

@@ -133,7 +133,6 @@ async fn upstream_examples_are_accepted_without_warnings() {
 #[case::repo(json!({"model": {"source": {"uri": "hf://a/b/c"}}}), "spec.model.source.uri", "<org>/<name>")]
 #[case::catalog(json!({"model": {"catalogRef": "qwen"}}), "spec.model.catalogRef", "not supported")]
 #[case::fraction(json!({"resources": {"fraction": {"cores": 50}}}), "spec.resources.fraction", "does not support fractional devices")]
-#[case::fraction_without_runtime(json!({"runtime": {"name": "vllm-nowhere"}, "resources": {"fraction": {"cores": 50}}}), "spec.resources.fraction", "not rendered for an LLMService yet")]
 #[case::kv_metric(json!({"scaling": {"metric": "kvCacheUtil"}}), "spec.scaling.metric", "use queueDepth")]
 #[case::shared_pvc(json!({"cache": {"strategy": "SharedPVC"}}), "spec.cache.strategy", "reserved")]
 #[case::baked(json!({"cache": {"strategy": "BakedImage"}}), "spec.cache.strategy", "reserved")]
@@ -316,6 +315,55 @@ async fn unannotated_workloads_pass_unchanged() {
     let v = post("/mutate", &review("Deployment", dep)).await;
     assert_eq!(v["response"]["allowed"], true);
     assert!(v["response"].get("patch").is_none());
+}
+
+#[tokio::test]
+async fn a_workload_container_reaching_devices_it_did_not_request_is_warned_about() {
+    let rt = upstream("InferenceRuntime")[0]["metadata"]["name"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let dep = json!({
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": {"name": "web", "namespace": "team-a",
+                     "annotations": {"serving.hearth.dev/runtime": rt}},
+        "spec": {"selector": {"matchLabels": {"app": "web"}},
+                 "template": {"metadata": {"labels": {"app": "web"}},
+                              "spec": {
+                                  "volumes": [{"name": "host-dev", "hostPath": {"path": "/dev/"}}],
+                                  "containers": [
+                                      {"name": "vllm", "image": "vllm"},
+                                      {"name": "exporter", "image": "x",
+                                       "volumeMounts": [{"name": "host-dev", "mountPath": "/dev"}]},
+                                      {"name": "debug", "image": "y",
+                                       "securityContext": {"privileged": true}},
+                                  ]}}}
+    });
+    let v = post("/validate", &review("Deployment", dep)).await;
+    let r = &v["response"];
+    assert_eq!(r["allowed"], true, "{r}");
+    let warnings: Vec<&str> = r["warnings"]
+        .as_array()
+        .expect("warnings")
+        .iter()
+        .filter_map(Value::as_str)
+        .collect();
+    assert!(
+        warnings
+            .iter()
+            .any(|w| w.starts_with("container \"exporter\"") && w.contains("hostPath \"/dev/\"")),
+        "{warnings:?}"
+    );
+    assert!(
+        warnings
+            .iter()
+            .any(|w| w.starts_with("container \"debug\"") && w.contains("privileged")),
+        "{warnings:?}"
+    );
+    assert!(
+        !warnings.iter().any(|w| w.contains("\"vllm\"")),
+        "{warnings:?}"
+    );
 }
 
 #[tokio::test]

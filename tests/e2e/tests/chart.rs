@@ -1325,7 +1325,23 @@ fn matrix(release_ns: &str) -> Vec<Check> {
         None,
         true,
     );
+    add(
+        c,
+        &["get", "list", "watch"],
+        "servingpolicies.serving.hearth.dev",
+        None,
+        None,
+        true,
+    );
     add(c, &["list", "watch"], "deployments.apps", None, None, true);
+    add(
+        c,
+        &["create", "patch"],
+        "poddisruptionbudgets.policy",
+        None,
+        team(),
+        true,
+    );
     add(
         c,
         &["create", "patch"],
@@ -1864,11 +1880,13 @@ async fn rbac_matrix_each_account_can_do_what_it_needs_and_nothing_more() -> Res
         "roles.rbac.authorization.k8s.io [] [create list patch watch]",
         "rolebindings.rbac.authorization.k8s.io [] [create list patch watch]",
         "scaledobjects.keda.sh [] [create list patch watch]",
+        "poddisruptionbudgets.policy [] [create list patch watch]",
         "endpointslices.discovery.k8s.io [] [get list watch]",
         "customresourcedefinitions.apiextensions.k8s.io [scaledobjects.keda.sh] [get list watch]",
         "events.events.k8s.io [] [create patch]",
         "llmservices.serving.hearth.dev [] [list watch]",
         "inferenceruntimes.serving.hearth.dev [] [list watch]",
+        "servingpolicies.serving.hearth.dev [] [get list watch]",
         "llmservices.serving.hearth.dev/status [] [patch]",
         "tokenreviews.authentication.k8s.io [] [create]",
         "subjectaccessreviews.authorization.k8s.io [] [create]",

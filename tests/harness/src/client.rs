@@ -123,6 +123,18 @@ pub async fn chat_with(
     max_tokens: Option<u32>,
     timeout: Duration,
 ) -> Result<Trace, ChatError> {
+    chat_with_headers(base, model, stream, max_tokens, &[], timeout).await
+}
+
+/// [`chat_with`] with extra request headers (`Authorization`, say).
+pub async fn chat_with_headers(
+    base: &str,
+    model: &str,
+    stream: bool,
+    max_tokens: Option<u32>,
+    headers: &[(&str, &str)],
+    timeout: Duration,
+) -> Result<Trace, ChatError> {
     let url = format!("{}/v1/chat/completions", base.trim_end_matches('/'));
     let mut body = json!({
         "model": model,
@@ -132,8 +144,11 @@ pub async fn chat_with(
     if let Some(n) = max_tokens {
         body["max_tokens"] = json!(n);
     }
-    let req = http::Request::post(&url)
-        .header("content-type", "application/json")
+    let mut req = http::Request::post(&url).header("content-type", "application/json");
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let req = req
         .body(Full::new(Bytes::from(body.to_string())))
         .map_err(|e| ChatError::Invalid(e.to_string()))?;
     let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
@@ -219,7 +234,20 @@ pub async fn chat_with(
 /// GETs `url` and returns the status and body (for `/metrics` and `/health` of pods, which the
 /// host reaches at their pod IPs through its route into the node).
 pub async fn get(url: &str, timeout: Duration) -> Result<(u16, String), ChatError> {
-    let req = http::Request::get(url)
+    get_with_headers(url, &[], timeout).await
+}
+
+/// [`get`] with extra request headers.
+pub async fn get_with_headers(
+    url: &str,
+    headers: &[(&str, &str)],
+    timeout: Duration,
+) -> Result<(u16, String), ChatError> {
+    let mut req = http::Request::get(url);
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let req = req
         .body(Full::new(Bytes::new()))
         .map_err(|e| ChatError::Invalid(e.to_string()))?;
     let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new()).build_http();

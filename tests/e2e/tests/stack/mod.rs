@@ -45,11 +45,26 @@ pub async fn deploy(
     mode: ScalerMode,
     edit: impl FnOnce(&mut Value),
 ) -> Result<Deployed> {
+    deploy_with(prefix, mode, Vec::new(), edit).await
+}
+
+/// [`deploy`], applying `before` (namespaced objects such as a Secret the service names) in
+/// the new namespace first.
+pub async fn deploy_with(
+    prefix: &str,
+    mode: ScalerMode,
+    before: Vec<Value>,
+    edit: impl FnOnce(&mut Value),
+) -> Result<Deployed> {
     let cluster = Cluster::connect().await?;
     let client = cluster.client();
     stack::ensure_hearth(&client, cluster.kubeconfig()).await?;
     stack::install_stub_runtime(&client).await?;
     let ns = cluster.namespace(prefix).await?;
+    for mut o in before {
+        o["metadata"]["namespace"] = Value::String(ns.name().to_owned());
+        stack::apply(&client, o, None).await?;
+    }
     let mut obj = stack::stub_service(ns.name(), mode)?;
     edit(&mut obj);
     stack::apply(&client, obj, None).await?;
