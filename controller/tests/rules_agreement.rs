@@ -197,7 +197,11 @@ fn check(svc: Value, verdict: Verdict) {
             assert!(plan.children.is_none(), "{ctx}");
             assert_eq!(plan.phase, LLMServicePhase::Degraded, "{ctx}");
             let ready = cond(&plan, status::READY);
-            assert_eq!((ready.status, ready.reason.as_str()), ("False", "PolicyFailed"), "{ctx}");
+            assert_eq!(
+                (ready.status, ready.reason.as_str()),
+                ("False", "PolicyFailed"),
+                "{ctx}"
+            );
             assert!(ready.message.contains("spec.resources.fraction: "), "{ctx}");
         }
         WaitsForRuntime(field) => {
