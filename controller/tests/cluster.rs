@@ -826,7 +826,7 @@ async fn a_platform_policy_in_the_cluster_renders_fractions() -> Result<()> {
     let limits = |ns: &TestNamespace| {
         let api: Api<Deployment> = ns.api();
         async move {
-            Ok::<_, anyhow::Error>(api.get_opt("slice-backend").await?.and_then(|d| {
+            Ok::<_, anyhow::Error>(api.get_opt("slice").await?.and_then(|d| {
                 d.spec?.template.spec?.containers[0]
                     .resources
                     .clone()?
