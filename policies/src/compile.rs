@@ -346,6 +346,17 @@ pub fn compile_expr(
     limits: &Limits,
     declared: &[String],
 ) -> Result<CompiledExpr, ExprError> {
+    compile_with_bindings(source, limits, declared, &[])
+}
+
+/// [`compile_expr`] where `bindings` are extra identifiers in scope (a standalone expression's
+/// variables, see [`crate::expression`]).
+pub(crate) fn compile_with_bindings(
+    source: &str,
+    limits: &Limits,
+    declared: &[String],
+    bindings: &[String],
+) -> Result<CompiledExpr, ExprError> {
     if source.len() > limits.max_expression_bytes {
         return Err(ExprError {
             message: format!(
@@ -399,12 +410,13 @@ pub fn compile_expr(
         source,
         limits,
         declared,
-        scope: Vec::new(),
+        scope: bindings.to_vec(),
         uses: BTreeSet::new(),
     };
     stacker::grow(16 << 20, || checker.check(&expr, 1, 0))?;
     let uses_variables = checker.uses;
-    let native = stacker::grow(16 << 20, || native::compile(&expr, declared)).map(Arc::new);
+    let native =
+        stacker::grow(16 << 20, || native::compile(&expr, declared, bindings)).map(Arc::new);
     stacker::grow(16 << 20, || rewrite(&mut expr));
     Ok(CompiledExpr {
         source: source.to_owned(),

@@ -240,7 +240,7 @@ impl<'a> Val<'a> {
 
     /// The interpreter's form (arguments of foreign calls), charged per node like
     /// [`Val::to_json`].
-    fn to_cel(&self) -> Result<CelValue, Failure> {
+    pub(crate) fn to_cel(&self) -> Result<CelValue, Failure> {
         charge_node(0)?;
         Ok(match self {
             Val::Null => CelValue::Null,
@@ -289,7 +289,7 @@ impl<'a> Val<'a> {
     }
 
     /// A foreign call's result, charged per node.
-    fn from_cel(v: CelValue) -> Result<Val<'a>, Failure> {
+    pub(crate) fn from_cel(v: CelValue) -> Result<Val<'a>, Failure> {
         charge_node(0)?;
         Ok(match v {
             CelValue::Null => Val::Null,
@@ -537,10 +537,11 @@ pub(crate) const ROOTS: usize = 7;
 /// Compiles a parsed (unguarded) expression, or `None` when it uses something this evaluator
 /// does not implement (optional syntax, bytes, non-string map keys); the interpreter then
 /// evaluates it. `declared` are the policy variables in declaration order.
-pub(crate) fn compile(e: &IdedExpr, declared: &[String]) -> Option<Program> {
+pub(crate) fn compile(e: &IdedExpr, declared: &[String], bindings: &[String]) -> Option<Program> {
     let mut c = Compiler {
         declared,
-        scope: Vec::new(),
+        // Bindings of a standalone expression occupy the first local slots.
+        scope: bindings.to_vec(),
         roots: 0,
     };
     let root = c.node(e)?;
@@ -892,6 +893,13 @@ impl<'a> Env<'a> {
                 result
             }
         }
+    }
+
+    /// Evaluates a standalone expression whose bindings are the first local slots.
+    pub(crate) fn run_bound(&mut self, program: &'a Program, bindings: Vec<Val<'a>>) -> R<'a> {
+        guard::start_expression();
+        self.locals = bindings;
+        self.eval(&program.root)
     }
 
     /// Evaluates one expression under a fresh per-expression budget.
