@@ -37,6 +37,7 @@ const CEL_FUNCTIONS: &[&str] = &[
     "startsWith",
     "endsWith",
     "string",
+    "bool",
     "bytes",
     "double",
     "int",
@@ -223,10 +224,6 @@ const GROWING: &[&str] = &[
 /// Functions that need the apiserver (or a newer CEL) and are rejected with a reason.
 const UNSUPPORTED: &[(&str, &str)] = &[
     (
-        "cel.bind",
-        "cel.bind is not supported: declare a policy variable (spec.variables) and use variables.<name>",
-    ),
-    (
         "all",
         "two-variable comprehensions are not supported: use the one-variable form list.all(x, ...)",
     ),
@@ -406,6 +403,8 @@ pub(crate) fn compile_with_bindings(
             });
         }
     };
+    stacker::grow(16 << 20, || desugar(&mut expr))
+        .map_err(|name| error_at(source, &name, format!("{name} is reserved for the engine")))?;
     let mut checker = Checker {
         source,
         limits,
@@ -539,6 +538,12 @@ impl Checker<'_> {
                 "two-variable comprehensions are not supported: use the one-variable form".into(),
             ));
         }
+        // `cel.bind` only names a value: it does not iterate.
+        let comps = if c.iter_var == BIND_ITER {
+            comps.saturating_sub(1)
+        } else {
+            comps
+        };
         if comps + 1 > self.limits.max_comprehension_nesting {
             return Err(error_at(
                 self.source,
@@ -564,13 +569,6 @@ impl Checker<'_> {
 
     fn call(&mut self, call: &CallExpr, d: usize, comps: usize) -> Result<(), ExprError> {
         let name = call.func_name.as_str();
-        if name.starts_with("__hearth") {
-            return Err(error_at(
-                self.source,
-                name,
-                format!("{name} is reserved for the engine"),
-            ));
-        }
         // `ns.fn(...)` parses as a call of `fn` on the identifier `ns`.
         let qualified = match call.target.as_deref().map(|t| &t.expr) {
             Some(Expr::Ident(ns))
@@ -591,8 +589,13 @@ impl Checker<'_> {
             self.check(t, d, comps)?;
         }
         call.args.iter().try_for_each(|a| self.check(a, d, comps))?;
+        // The engine's own functions only come from `desugar`, which rejects them in the source.
         let known = |n: &str| {
-            OPERATORS.contains(&n) || CEL_FUNCTIONS.contains(&n) || KUBE_FUNCTIONS.contains(&n)
+            OPERATORS.contains(&n)
+                || CEL_FUNCTIONS.contains(&n)
+                || KUBE_FUNCTIONS.contains(&n)
+                || n == guard::ENTRIES
+                || n == guard::PUT
         };
         // A literal pattern that does not compile is a load error, not a per-request one.
         if matches!(full, "matches" | "find" | "findAll")
@@ -616,6 +619,253 @@ impl Checker<'_> {
         }
         Ok(())
     }
+}
+
+/// The iteration variable of the comprehension `cel.bind` becomes (it never iterates).
+pub(crate) const BIND_ITER: &str = "#bind";
+
+fn ident(name: &str) -> IdedExpr {
+    IdedExpr {
+        id: 0,
+        expr: Expr::Ident(name.to_owned()),
+    }
+}
+
+fn lit(l: LiteralValue) -> IdedExpr {
+    IdedExpr {
+        id: 0,
+        expr: Expr::Literal(l),
+    }
+}
+
+fn list_of(elements: Vec<IdedExpr>) -> IdedExpr {
+    IdedExpr {
+        id: 0,
+        expr: Expr::List(kube_cel::cel::common::ast::ListExpr {
+            elements,
+            optional_indices: Vec::new(),
+        }),
+    }
+}
+
+fn comprehension(c: ComprehensionExpr) -> IdedExpr {
+    IdedExpr {
+        id: 0,
+        expr: Expr::Comprehension(Box::new(c)),
+    }
+}
+
+/// `cel.bind(var, init, body)` as cel-go expands it: a comprehension over nothing whose
+/// accumulator `var` holds `init` and whose result is `body`.
+fn bind(var: &str, init: IdedExpr, body: IdedExpr) -> IdedExpr {
+    comprehension(ComprehensionExpr {
+        iter_range: list_of(Vec::new()),
+        iter_var: BIND_ITER.to_owned(),
+        iter_var2: None,
+        accu_var: var.to_owned(),
+        accu_init: init,
+        loop_cond: lit(LiteralValue::Boolean(false.into())),
+        loop_step: ident(var),
+        result: body,
+    })
+}
+
+/// The iteration variable of a two-variable comprehension: a `[key, value]` pair.
+const PAIR: &str = "#pair";
+/// The accumulator, named as the parser's macros name it.
+const RESULT: &str = "@result";
+
+/// A two-variable comprehension (`range.all(k, v, p)`, `exists`, `existsOne`,
+/// `transformList`, `transformMap`) over the `[key, value]` pairs of `range`, with `k` and `v`
+/// bound in each step. `None` when `func` is not one.
+fn two_variable(
+    func: &str,
+    range: IdedExpr,
+    k: &str,
+    v: &str,
+    mut rest: Vec<IdedExpr>,
+) -> Option<IdedExpr> {
+    let at = |i: i64| {
+        call(
+            operators::INDEX,
+            None,
+            vec![ident(PAIR), lit(LiteralValue::Int(i.into()))],
+        )
+    };
+    let bound = |body: IdedExpr| bind(k, at(0), bind(v, at(1), body));
+    let acc = || ident(RESULT);
+    let (init, cond, step, result) = match (func, rest.len()) {
+        ("all", 1) => (
+            lit(LiteralValue::Boolean(true.into())),
+            call(operators::NOT_STRICTLY_FALSE, None, vec![acc()]),
+            call(
+                operators::LOGICAL_AND,
+                None,
+                vec![acc(), bound(rest.remove(0))],
+            ),
+            acc(),
+        ),
+        ("exists", 1) => (
+            lit(LiteralValue::Boolean(false.into())),
+            call(
+                operators::NOT_STRICTLY_FALSE,
+                None,
+                vec![call(operators::LOGICAL_NOT, None, vec![acc()])],
+            ),
+            call(
+                operators::LOGICAL_OR,
+                None,
+                vec![acc(), bound(rest.remove(0))],
+            ),
+            acc(),
+        ),
+        ("existsOne" | "exists_one", 1) => (
+            lit(LiteralValue::Int(0.into())),
+            lit(LiteralValue::Boolean(true.into())),
+            bound(call(
+                operators::CONDITIONAL,
+                None,
+                vec![
+                    rest.remove(0),
+                    call(
+                        operators::ADD,
+                        None,
+                        vec![acc(), lit(LiteralValue::Int(1.into()))],
+                    ),
+                    acc(),
+                ],
+            )),
+            call(
+                operators::EQUALS,
+                None,
+                vec![acc(), lit(LiteralValue::Int(1.into()))],
+            ),
+        ),
+        ("transformList", 1 | 2) => {
+            let value = rest.pop()?;
+            let add = call(operators::ADD, None, vec![acc(), list_of(vec![value])]);
+            let step = match rest.pop() {
+                Some(filter) => call(operators::CONDITIONAL, None, vec![filter, add, acc()]),
+                None => add,
+            };
+            (
+                list_of(Vec::new()),
+                lit(LiteralValue::Boolean(true.into())),
+                bound(step),
+                acc(),
+            )
+        }
+        ("transformMap", 1 | 2) => {
+            let value = rest.pop()?;
+            let add = call(guard::PUT, None, vec![acc(), ident(k), value]);
+            let step = match rest.pop() {
+                Some(filter) => call(operators::CONDITIONAL, None, vec![filter, add, acc()]),
+                None => add,
+            };
+            (
+                IdedExpr {
+                    id: 0,
+                    expr: Expr::Map(MapExpr {
+                        entries: Vec::new(),
+                    }),
+                },
+                lit(LiteralValue::Boolean(true.into())),
+                bound(step),
+                acc(),
+            )
+        }
+        _ => return None,
+    };
+    Some(comprehension(ComprehensionExpr {
+        iter_range: call(guard::ENTRIES, None, vec![range]),
+        iter_var: PAIR.to_owned(),
+        iter_var2: None,
+        accu_var: RESULT.to_owned(),
+        accu_init: init,
+        loop_cond: cond,
+        loop_step: step,
+        result,
+    }))
+}
+
+/// Rewrites what the apiserver's CEL has and the interpreter does not into what it has:
+/// `dyn(x)` (a type-checker hint) is `x`; `cel.bind(v, init, body)` is the comprehension
+/// cel-go expands it to; two-variable comprehensions iterate `[key, value]` pairs with both
+/// variables bound. Errors with the name of an engine function written in the source.
+fn desugar(e: &mut IdedExpr) -> Result<(), String> {
+    match &mut e.expr {
+        Expr::Call(c) => {
+            if c.func_name.starts_with("__hearth") {
+                return Err(c.func_name.clone());
+            }
+            if let Some(t) = c.target.as_deref_mut() {
+                desugar(t)?;
+            }
+            c.args.iter_mut().try_for_each(desugar)?;
+        }
+        Expr::Select(s) => desugar(&mut s.operand)?,
+        Expr::List(l) => l.elements.iter_mut().try_for_each(desugar)?,
+        Expr::Map(m) => m.entries.iter_mut().try_for_each(|en| match &mut en.expr {
+            EntryExpr::MapEntry(me) => {
+                desugar(&mut me.key)?;
+                desugar(&mut me.value)
+            }
+            EntryExpr::StructField(f) => desugar(&mut f.value),
+        })?,
+        Expr::Struct(s) => s.entries.iter_mut().try_for_each(|en| match &mut en.expr {
+            EntryExpr::MapEntry(me) => {
+                desugar(&mut me.key)?;
+                desugar(&mut me.value)
+            }
+            EntryExpr::StructField(f) => desugar(&mut f.value),
+        })?,
+        Expr::Comprehension(c) => {
+            desugar(&mut c.iter_range)?;
+            desugar(&mut c.accu_init)?;
+            desugar(&mut c.loop_cond)?;
+            desugar(&mut c.loop_step)?;
+            desugar(&mut c.result)?;
+        }
+        Expr::Literal(_) | Expr::Ident(_) | Expr::Unspecified => {}
+    }
+    let Expr::Call(c) = &mut e.expr else {
+        return Ok(());
+    };
+    if c.func_name == "dyn" && c.target.is_none() && c.args.len() == 1 {
+        *e = take(&mut c.args[0]);
+        return Ok(());
+    }
+    let is_cel =
+        matches!(c.target.as_deref().map(|t| &t.expr), Some(Expr::Ident(ns)) if ns == "cel");
+    if is_cel
+        && c.func_name == "bind"
+        && c.args.len() == 3
+        && let Expr::Ident(var) = &c.args[0].expr
+    {
+        let var = var.clone();
+        let body = take(&mut c.args[2]);
+        let init = take(&mut c.args[1]);
+        *e = bind(&var, init, body);
+        return Ok(());
+    }
+    let two_variable_form = matches!(
+        (c.func_name.as_str(), c.args.len()),
+        ("all" | "exists" | "existsOne" | "exists_one", 3)
+            | ("transformList" | "transformMap", 3 | 4)
+    );
+    if two_variable_form
+        && let (Some(_), Expr::Ident(k), Expr::Ident(v)) =
+            (c.target.as_deref(), &c.args[0].expr, &c.args[1].expr)
+    {
+        let (k, v) = (k.clone(), v.clone());
+        let rest: Vec<IdedExpr> = c.args.drain(2..).collect();
+        let range = c.target.as_deref_mut().map(take).unwrap_or_default();
+        let func = c.func_name.clone();
+        if let Some(desugared) = two_variable(&func, range, &k, &v, rest) {
+            *e = desugared;
+        }
+    }
+    Ok(())
 }
 
 fn call(name: &str, target: Option<IdedExpr>, args: Vec<IdedExpr>) -> IdedExpr {
@@ -798,17 +1048,21 @@ fn rewrite_in(e: &mut IdedExpr, shadowed: bool) {
                 }
                 _ => {}
             }
-            // Comparing walks both operands: charge their size (literals are small).
-            if matches!(
-                c.func_name.as_str(),
-                operators::EQUALS | operators::NOT_EQUALS | operators::IN
-            ) && c.target.is_none()
-            {
-                for a in c.args.iter_mut() {
-                    if !matches!(a.expr, Expr::Literal(_)) {
-                        let inner = take(a);
-                        *a = call(guard::WEIGH, None, vec![inner]);
-                    }
+            // Equality, ordering and `in` follow CEL across numeric types (`1 == 1.0`,
+            // `1 < 2u`), and comparing walks both operands, which is charged.
+            if c.target.is_none() && c.args.len() == 2 {
+                let guarded = match c.func_name.as_str() {
+                    operators::EQUALS => Some(guard::EQ),
+                    operators::NOT_EQUALS => Some(guard::NE),
+                    operators::IN => Some(guard::IN),
+                    operators::LESS => Some(guard::LT),
+                    operators::LESS_EQUALS => Some(guard::LE),
+                    operators::GREATER => Some(guard::GT),
+                    operators::GREATER_EQUALS => Some(guard::GE),
+                    _ => None,
+                };
+                if let Some(g) = guarded {
+                    c.func_name = g.to_owned();
                 }
             }
             // The accumulator step of a comprehension (`@result + [x]`) is charged by the tick

@@ -27,8 +27,20 @@ pub(crate) const TICK: &str = "__hearth_tick";
 pub(crate) const SIZE: &str = "__hearth_size";
 /// Field-path selection by reference (see `compile::select_path`).
 pub(crate) const PATH: &str = "__hearth_path";
-/// Guard that charges the size of a compared operand (wraps the operands of `==`, `!=`, `in`).
-pub(crate) const WEIGH: &str = "__hearth_weigh";
+/// Equality, ordering and membership with CEL's numeric semantics (`1 == 1.0`, `1 < 2u`,
+/// `1u in [1]`), charging the size of what they compare (`==`, `!=`, `<`, `<=`, `>`, `>=`,
+/// `in` are rewritten to these).
+pub(crate) const EQ: &str = "__hearth_eq";
+pub(crate) const NE: &str = "__hearth_ne";
+pub(crate) const IN: &str = "__hearth_in";
+pub(crate) const LT: &str = "__hearth_lt";
+pub(crate) const LE: &str = "__hearth_le";
+pub(crate) const GT: &str = "__hearth_gt";
+pub(crate) const GE: &str = "__hearth_ge";
+/// The `[key, value]` pairs a two-variable comprehension iterates, and the step that adds an
+/// entry to a `transformMap` result (see `compile::desugar`).
+pub(crate) const ENTRIES: &str = "__hearth_entries";
+pub(crate) const PUT: &str = "__hearth_put";
 /// Pre-checks for functions whose output can be much larger than their input.
 pub(crate) const PRE_JOIN: &str = "__hearth_pre_join";
 pub(crate) const PRE_REPLACE: &str = "__hearth_pre_replace";
@@ -295,9 +307,8 @@ fn tick(ftx: &FunctionContext) -> ResolveResult {
     arg(ftx, 0)
 }
 
-/// `__hearth_weigh(x)`: charges the size of an operand of `==`, `!=` or `in`, which the
-/// interpreter compares node by node.
-fn weigh(ftx: &FunctionContext) -> ResolveResult {
+/// Charges the size of a compared operand, which equality walks node by node.
+fn weigh_value(v: &Value) -> Result<(), ExecutionError> {
     fn walk(v: &Value, acc: &mut u64, cap: u64) {
         if *acc > cap {
             return;
@@ -310,12 +321,170 @@ fn weigh(ftx: &FunctionContext) -> ResolveResult {
             _ => {}
         }
     }
-    let v = arg(ftx, 0)?;
     let cap = STATE.get().expr_left;
     let mut weight = 0;
-    stacker::maybe_grow(256 * 1024, 4 << 20, || walk(&v, &mut weight, cap));
-    charge(weight)?;
-    Ok(v)
+    stacker::maybe_grow(256 * 1024, 4 << 20, || walk(v, &mut weight, cap));
+    charge(weight)
+}
+
+/// Both operands of a comparison, charged by size (literals are small and not charged).
+fn operands(ftx: &FunctionContext) -> Result<(Value, Value), ExecutionError> {
+    let weighed = |i: usize| -> ResolveResult {
+        let v = arg(ftx, i)?;
+        if !matches!(ftx.args[i].expr, Expr::Literal(_)) {
+            weigh_value(&v)?;
+        }
+        Ok(v)
+    };
+    Ok((weighed(0)?, weighed(1)?))
+}
+
+/// CEL equality: numbers compare by value across `int`, `uint` and `double`, lists element
+/// by element, maps by key; values of different types are not equal.
+pub(crate) fn cel_equals(a: &Value, b: &Value) -> bool {
+    a == b
+}
+
+fn eq(ftx: &FunctionContext) -> ResolveResult {
+    let (a, b) = operands(ftx)?;
+    Ok(Value::Bool(cel_equals(&a, &b)))
+}
+
+fn ne(ftx: &FunctionContext) -> ResolveResult {
+    let (a, b) = operands(ftx)?;
+    Ok(Value::Bool(!cel_equals(&a, &b)))
+}
+
+fn ordering(ftx: &FunctionContext) -> Result<std::cmp::Ordering, ExecutionError> {
+    let (a, b) = operands(ftx)?;
+    match (&a, &b) {
+        (Value::Bytes(x), Value::Bytes(y)) => Ok(x.cmp(y)),
+        // null, lists and maps have no order.
+        (Value::Null | Value::List(_) | Value::Map(_), _) => Err(ExecutionError::NoSuchOverload),
+        _ => a.partial_cmp(&b).ok_or(ExecutionError::NoSuchOverload),
+    }
+}
+
+/// `__hearth_entries(range)`: what a two-variable comprehension iterates, as `[key, value]`
+/// pairs: `[index, element]` for a list, `[key, value]` for a map.
+fn entries(ftx: &FunctionContext) -> ResolveResult {
+    let range = arg(ftx, 0)?;
+    let pairs: Vec<Value> = match &range {
+        Value::List(l) => l
+            .iter()
+            .enumerate()
+            .map(|(i, x)| Value::List(std::sync::Arc::new(vec![Value::Int(i as i64), x.clone()])))
+            .collect(),
+        Value::Map(m) => m
+            .map
+            .iter()
+            .map(|(k, v)| Value::List(std::sync::Arc::new(vec![Value::from(k), v.clone()])))
+            .collect(),
+        _ => return Err(ExecutionError::NoSuchOverload),
+    };
+    check_list(pairs.len())?;
+    charge(1 + pairs.len() as u64)?;
+    Ok(Value::List(std::sync::Arc::new(pairs)))
+}
+
+/// `__hearth_put(map, key, value)`: `map` with `key` set (what `transformMap` accumulates).
+fn put(ftx: &FunctionContext) -> ResolveResult {
+    let (Value::Map(m), key, value) = (arg(ftx, 0)?, arg(ftx, 1)?, arg(ftx, 2)?) else {
+        return Err(ExecutionError::NoSuchOverload);
+    };
+    let key = keys_of(&key)
+        .into_iter()
+        .next()
+        .filter(|_| !matches!(key, Value::Float(_)))
+        .ok_or(ExecutionError::NoSuchOverload)?;
+    let mut map = m.map.as_ref().clone();
+    map.insert(key, value);
+    check_list(map.len())?;
+    charge(1 + map.len() as u64)?;
+    Ok(Value::Map(kube_cel::cel::objects::Map {
+        map: std::sync::Arc::new(map),
+    }))
+}
+
+fn lt(ftx: &FunctionContext) -> ResolveResult {
+    Ok(Value::Bool(ordering(ftx)?.is_lt()))
+}
+
+fn le(ftx: &FunctionContext) -> ResolveResult {
+    Ok(Value::Bool(ordering(ftx)?.is_le()))
+}
+
+fn gt(ftx: &FunctionContext) -> ResolveResult {
+    Ok(Value::Bool(ordering(ftx)?.is_gt()))
+}
+
+fn ge(ftx: &FunctionContext) -> ResolveResult {
+    Ok(Value::Bool(ordering(ftx)?.is_ge()))
+}
+
+/// The map keys a value may be found under: a number under any numeric key of the same value.
+pub(crate) fn keys_of(v: &Value) -> Vec<kube_cel::cel::objects::Key> {
+    use kube_cel::cel::objects::Key;
+    match v {
+        Value::String(s) => vec![Key::String(s.clone())],
+        Value::Bool(b) => vec![Key::Bool(*b)],
+        Value::Int(i) => {
+            let mut k = vec![Key::Int(*i)];
+            k.extend(u64::try_from(*i).ok().map(Key::Uint));
+            k
+        }
+        Value::UInt(u) => {
+            let mut k = vec![Key::Uint(*u)];
+            k.extend(i64::try_from(*u).ok().map(Key::Int));
+            k
+        }
+        Value::Float(f) if f.fract() == 0.0 && f.is_finite() => {
+            let mut k = Vec::new();
+            if *f >= i64::MIN as f64 && *f < i64::MAX as f64 {
+                k.push(Key::Int(*f as i64));
+            }
+            if *f >= 0.0 && *f < u64::MAX as f64 {
+                k.push(Key::Uint(*f as u64));
+            }
+            k
+        }
+        _ => Vec::new(),
+    }
+}
+
+fn in_(ftx: &FunctionContext) -> ResolveResult {
+    let (x, container) = operands(ftx)?;
+    match &container {
+        Value::List(l) => Ok(Value::Bool(l.iter().any(|y| cel_equals(&x, y)))),
+        Value::Map(m) => Ok(Value::Bool(
+            keys_of(&x).iter().any(|k| m.map.contains_key(k)),
+        )),
+        _ => Err(ExecutionError::NoSuchOverload),
+    }
+}
+
+/// `size`: strings count code points (as cel-go), bytes bytes, lists and maps entries.
+fn size_of(ftx: &FunctionContext, This(this): This<Value>) -> Result<i64, ExecutionError> {
+    Ok(match this {
+        Value::String(s) => s.chars().count() as i64,
+        Value::Bytes(b) => b.len() as i64,
+        Value::List(l) => l.len() as i64,
+        Value::Map(m) => m.map.len() as i64,
+        other => return Err(ftx.error(format!("cannot determine the size of {other:?}"))),
+    })
+}
+
+/// `bool(x)`: a bool, or a string spelling one as Go's `strconv.ParseBool` reads it.
+fn to_bool(ftx: &FunctionContext, This(this): This<Value>) -> Result<bool, ExecutionError> {
+    match this {
+        Value::Bool(b) => Ok(b),
+        Value::String(s) => match s.as_str() {
+            "1" | "t" | "T" | "true" | "TRUE" | "True" => Ok(true),
+            "0" | "f" | "F" | "false" | "FALSE" | "False" => Ok(false),
+            other => Err(ftx.error(format!("cannot convert '{other}' to bool"))),
+        },
+        other => Err(ftx.error(format!("cannot convert {other:?} to bool"))),
+    }
 }
 
 fn size(ftx: &FunctionContext) -> ResolveResult {
@@ -446,7 +615,17 @@ fn base_context() -> Context<'static> {
     ctx.add_function(PRE_FORMAT, pre_format);
     ctx.add_function(PRE_RANGE, pre_range);
     ctx.add_function(PATH, path);
-    ctx.add_function(WEIGH, weigh);
+    ctx.add_function(EQ, eq);
+    ctx.add_function(NE, ne);
+    ctx.add_function(IN, in_);
+    ctx.add_function(LT, lt);
+    ctx.add_function(LE, le);
+    ctx.add_function(GT, gt);
+    ctx.add_function(GE, ge);
+    ctx.add_function(ENTRIES, entries);
+    ctx.add_function(PUT, put);
+    ctx.add_function("size", size_of);
+    ctx.add_function("bool", to_bool);
     ctx.add_function("matches", matches);
     ctx
 }

@@ -348,7 +348,7 @@ fn charge_json(v: &Value) -> Result<(), Failure> {
 }
 
 /// Equality as the interpreter has it: same type and value, lists element-wise, maps by key.
-/// Mixed numeric types and foreign values fall back.
+/// Numbers compare by value across types; foreign values fall back.
 fn equals(a: &Val, b: &Val) -> Result<bool, Failure> {
     // Each node compared is charged: comparing shared values must not be free.
     charge_node(0)?;
@@ -359,12 +359,12 @@ fn equals(a: &Val, b: &Val) -> Result<bool, Failure> {
         (Val::UInt(x), Val::UInt(y)) => x == y,
         (Val::Double(x), Val::Double(y)) => x == y,
         (Val::Str(x), Val::Str(y)) => x.as_str() == y.as_str(),
-        (
-            Val::Int(_) | Val::UInt(_) | Val::Double(_),
-            Val::Int(_) | Val::UInt(_) | Val::Double(_),
-        ) => {
-            return Err(Failure::Fallback);
+        // Numbers compare by value across types, as CEL's heterogeneous equality.
+        (Val::Int(x), Val::UInt(y)) | (Val::UInt(y), Val::Int(x)) => {
+            u64::try_from(*x).is_ok_and(|x| x == *y)
         }
+        (Val::Int(x), Val::Double(y)) | (Val::Double(y), Val::Int(x)) => *x as f64 == *y,
+        (Val::UInt(x), Val::Double(y)) | (Val::Double(y), Val::UInt(x)) => *x as f64 == *y,
         (Val::Foreign(_) | Val::Quantity(_), _) | (_, Val::Foreign(_) | Val::Quantity(_)) => {
             return Err(Failure::Fallback);
         }
@@ -409,6 +409,16 @@ fn compare(a: &Val, b: &Val) -> Result<Ordering, Failure> {
         (Val::UInt(x), Val::UInt(y)) => Ok(x.cmp(y)),
         (Val::Double(x), Val::Double(y)) => x.partial_cmp(y).ok_or(Failure::Fallback),
         (Val::Str(x), Val::Str(y)) => Ok(x.as_str().cmp(y.as_str())),
+        (Val::Bool(x), Val::Bool(y)) => Ok(x.cmp(y)),
+        // Numbers of different types by value.
+        (Val::Int(x), Val::UInt(y)) => Ok(u64::try_from(*x).map_or(Ordering::Less, |x| x.cmp(y))),
+        (Val::UInt(x), Val::Int(y)) => {
+            Ok(u64::try_from(*y).map_or(Ordering::Greater, |y| x.cmp(&y)))
+        }
+        (Val::Int(x), Val::Double(y)) => (*x as f64).partial_cmp(y).ok_or(Failure::Fallback),
+        (Val::UInt(x), Val::Double(y)) => (*x as f64).partial_cmp(y).ok_or(Failure::Fallback),
+        (Val::Double(x), Val::Int(y)) => x.partial_cmp(&(*y as f64)).ok_or(Failure::Fallback),
+        (Val::Double(x), Val::UInt(y)) => x.partial_cmp(&(*y as f64)).ok_or(Failure::Fallback),
         _ => Err(Failure::Fallback),
     }
 }
@@ -1227,9 +1237,9 @@ fn call(f: Func, mut args: Vec<Val<'_>>) -> R<'_> {
             .ok_or(Failure::Fallback)
     };
     Ok(match f {
-        // The interpreter's `size` of a string counts bytes.
+        // `size` of a string counts code points.
         Func::Size => match arg(&args, 0)? {
-            Val::Str(x) => Val::Int(x.as_str().len() as i64),
+            Val::Str(x) => Val::Int(x.as_str().chars().count() as i64),
             v => Val::Int(
                 v.list_len()
                     .or_else(|| v.map_len())

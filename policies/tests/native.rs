@@ -448,6 +448,31 @@ const EXPRESSIONS: &[&str] = &[
     "object.?spec.?missing.orValue('d')",
     "timestamp('2024-01-02T03:04:05Z').getHours()",
     "b'abc'",
+    // numbers across types, sizes in code points
+    "1 == 1.0 && 1u == 1 && 2.0 != 3u && [1, 2u] == [1.0, 2]",
+    "{'a': 1} == {'a': 1.0}",
+    "1 < 2u && 2.5 > 2 && 3u >= 3.0 && -1 < 0u && 18446744073709551615u > 1",
+    "1 in [1.0, 2u] && !(3u in [1, 2])",
+    "'a' < 1",
+    "null < null",
+    "true > false",
+    "object.spec.replicas == 1.0",
+    "'héllo'.size() + size('日本')",
+    "bool('true') && !bool('f')",
+    "bool('maybe')",
+    "dyn(1) == 1u",
+    // cel.bind and two-variable comprehensions
+    "cel.bind(n, object.metadata.name, n + '-' + n)",
+    "cel.bind(a, 1, cel.bind(b, a + 1, [a, b]))",
+    "cel.bind(x, 1 / 0, true)",
+    "object.metadata.labels.all(k, v, k != v)",
+    "[1, 2, 3].exists(i, x, i == 1 && x == 2)",
+    "[1, 2, 3].existsOne(i, x, x > i)",
+    "[1, 2, 3].transformList(i, x, i + x)",
+    "[1, 2, 3].transformList(i, x, i > 0, x * 10)",
+    "{'a': 1, 'b': 2}.transformMap(k, v, v * 2)",
+    "{'a': 1, 'b': 2}.transformMap(k, v, k != 'a', k + string(v))",
+    "object.spec.template.spec.containers.transformList(i, c, c.name + string(i))",
 ];
 
 #[test]
