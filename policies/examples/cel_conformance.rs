@@ -9,7 +9,25 @@
 mod cel;
 
 fn main() {
-    let failures = std::env::args().any(|a| a == "--failures");
+    let args: Vec<String> = std::env::args().collect();
+    // `--eval EXPR`: one expression through both evaluators.
+    if let Some(i) = args.iter().position(|a| a == "--eval") {
+        let source = args.get(i + 1).map_or("", String::as_str);
+        match hearth_policies::expression::Expression::compile(source, &[]) {
+            Err(e) => println!("load error: {e}"),
+            Ok(expr) => {
+                for path in [
+                    hearth_policies::expression::Path::Engine,
+                    hearth_policies::expression::Path::Interpreter,
+                ] {
+                    let got = expr.evaluate(&[], path);
+                    println!("{path:?} (native: {}): {:?}", got.native, got.result);
+                }
+            }
+        }
+        return;
+    }
+    let failures = args.iter().any(|a| a == "--failures");
     let spec = cel::spec_dir();
     let mut groups = match cel::load_spec(&spec) {
         Ok(g) => g,

@@ -38,6 +38,7 @@ const CEL_FUNCTIONS: &[&str] = &[
     "endsWith",
     "string",
     "bool",
+    "type",
     "bytes",
     "double",
     "int",
@@ -242,7 +243,6 @@ const UNSUPPORTED: &[(&str, &str)] = &[
     ),
     ("transformMap", "transformMap is not supported"),
     ("transformMapEntry", "transformMapEntry is not supported"),
-    ("type", "type() is not supported"),
 ];
 
 /// Why an expression did not compile. `Display` names the problem and, where known, the
@@ -403,8 +403,10 @@ pub(crate) fn compile_with_bindings(
             });
         }
     };
-    stacker::grow(16 << 20, || desugar(&mut expr))
-        .map_err(|name| error_at(source, &name, format!("{name} is reserved for the engine")))?;
+    stacker::grow(16 << 20, || {
+        desugar(&mut expr, &mut bindings.to_vec(), limits.max_ast_depth + 1)
+    })
+    .map_err(|name| error_at(source, &name, format!("{name} is reserved for the engine")))?;
     let mut checker = Checker {
         source,
         limits,
@@ -596,6 +598,8 @@ impl Checker<'_> {
                 || KUBE_FUNCTIONS.contains(&n)
                 || n == guard::ENTRIES
                 || n == guard::PUT
+                || n == guard::TYPE_NAMED
+                || n == guard::MAP_LITERAL
         };
         // A literal pattern that does not compile is a load error, not a per-request one.
         if matches!(full, "matches" | "find" | "findAll")
@@ -669,6 +673,23 @@ fn bind(var: &str, init: IdedExpr, body: IdedExpr) -> IdedExpr {
         result: body,
     })
 }
+
+/// Type denotations: identifiers that stand for a type value.
+const TYPE_NAMES: &[&str] = &[
+    "int",
+    "uint",
+    "double",
+    "bool",
+    "string",
+    "bytes",
+    "list",
+    "map",
+    "null_type",
+    "type",
+];
+
+/// The optional `optMap` and `optFlatMap` look into.
+const OPT: &str = "#opt";
 
 /// The iteration variable of a two-variable comprehension: a `[key, value]` pair.
 const PAIR: &str = "#pair";
@@ -792,41 +813,70 @@ fn two_variable(
 /// `dyn(x)` (a type-checker hint) is `x`; `cel.bind(v, init, body)` is the comprehension
 /// cel-go expands it to; two-variable comprehensions iterate `[key, value]` pairs with both
 /// variables bound. Errors with the name of an engine function written in the source.
-fn desugar(e: &mut IdedExpr) -> Result<(), String> {
+fn desugar(e: &mut IdedExpr, scope: &mut Vec<String>, depth: usize) -> Result<(), String> {
+    // Deeper than any expression may be: the checker rejects it.
+    let Some(depth) = depth.checked_sub(1) else {
+        return Ok(());
+    };
     match &mut e.expr {
         Expr::Call(c) => {
             if c.func_name.starts_with("__hearth") {
                 return Err(c.func_name.clone());
             }
-            if let Some(t) = c.target.as_deref_mut() {
-                desugar(t)?;
+            // `ns.fn(...)`'s namespace is not an identifier to rewrite.
+            if let Some(t) = c.target.as_deref_mut()
+                && !matches!(&t.expr, Expr::Ident(n) if !scope.contains(n))
+            {
+                desugar(t, scope, depth)?;
             }
-            c.args.iter_mut().try_for_each(desugar)?;
+            c.args
+                .iter_mut()
+                .try_for_each(|a| desugar(a, scope, depth))?;
         }
-        Expr::Select(s) => desugar(&mut s.operand)?,
-        Expr::List(l) => l.elements.iter_mut().try_for_each(desugar)?,
+        Expr::Select(s) => desugar(&mut s.operand, scope, depth)?,
+        Expr::List(l) => l
+            .elements
+            .iter_mut()
+            .try_for_each(|x| desugar(x, scope, depth))?,
         Expr::Map(m) => m.entries.iter_mut().try_for_each(|en| match &mut en.expr {
             EntryExpr::MapEntry(me) => {
-                desugar(&mut me.key)?;
-                desugar(&mut me.value)
+                desugar(&mut me.key, scope, depth)?;
+                desugar(&mut me.value, scope, depth)
             }
-            EntryExpr::StructField(f) => desugar(&mut f.value),
+            EntryExpr::StructField(f) => desugar(&mut f.value, scope, depth),
         })?,
         Expr::Struct(s) => s.entries.iter_mut().try_for_each(|en| match &mut en.expr {
             EntryExpr::MapEntry(me) => {
-                desugar(&mut me.key)?;
-                desugar(&mut me.value)
+                desugar(&mut me.key, scope, depth)?;
+                desugar(&mut me.value, scope, depth)
             }
-            EntryExpr::StructField(f) => desugar(&mut f.value),
+            EntryExpr::StructField(f) => desugar(&mut f.value, scope, depth),
         })?,
         Expr::Comprehension(c) => {
-            desugar(&mut c.iter_range)?;
-            desugar(&mut c.accu_init)?;
-            desugar(&mut c.loop_cond)?;
-            desugar(&mut c.loop_step)?;
-            desugar(&mut c.result)?;
+            desugar(&mut c.iter_range, scope, depth)?;
+            desugar(&mut c.accu_init, scope, depth)?;
+            let depth = scope.len();
+            scope.push(c.iter_var.clone());
+            scope.push(c.accu_var.clone());
+            let inner = desugar(&mut c.loop_cond, scope, depth)
+                .and_then(|_| desugar(&mut c.loop_step, scope, depth))
+                .and_then(|_| desugar(&mut c.result, scope, depth));
+            scope.truncate(depth);
+            inner?;
         }
-        Expr::Literal(_) | Expr::Ident(_) | Expr::Unspecified => {}
+        Expr::Ident(name) => {
+            // A type denotation (`type(x) == string`) is a value.
+            if TYPE_NAMES.contains(&name.as_str()) && !scope.contains(name) {
+                let name = name.clone();
+                *e = call(
+                    guard::TYPE_NAMED,
+                    None,
+                    vec![lit(LiteralValue::String(CelString::from(name)))],
+                );
+            }
+            return Ok(());
+        }
+        Expr::Literal(_) | Expr::Unspecified => {}
     }
     let Expr::Call(c) = &mut e.expr else {
         return Ok(());
@@ -846,6 +896,46 @@ fn desugar(e: &mut IdedExpr) -> Result<(), String> {
         let body = take(&mut c.args[2]);
         let init = take(&mut c.args[1]);
         *e = bind(&var, init, body);
+        return Ok(());
+    }
+    // `o.optMap(v, e)`: `optional.of(e)` with `v` bound to the value, none when `o` is none;
+    // `optFlatMap` returns `e` itself.
+    if matches!(c.func_name.as_str(), "optMap" | "optFlatMap")
+        && c.args.len() == 2
+        && c.target.is_some()
+        && let Expr::Ident(var) = &c.args[0].expr
+    {
+        let var = var.clone();
+        let flat = c.func_name == "optFlatMap";
+        let body = take(&mut c.args[1]);
+        let target = c.target.as_deref_mut().map(take).unwrap_or_default();
+        let method = |name: &str, on: IdedExpr, args: Vec<IdedExpr>| IdedExpr {
+            id: 0,
+            expr: Expr::Call(CallExpr {
+                func_name: name.to_owned(),
+                target: Some(Box::new(on)),
+                args,
+            }),
+        };
+        let mapped = bind(&var, method("value", ident(OPT), Vec::new()), body);
+        let some = if flat {
+            mapped
+        } else {
+            method("of", ident("optional"), vec![mapped])
+        };
+        *e = bind(
+            OPT,
+            target,
+            call(
+                operators::CONDITIONAL,
+                None,
+                vec![
+                    method("hasValue", ident(OPT), Vec::new()),
+                    some,
+                    method("none", ident("optional"), Vec::new()),
+                ],
+            ),
+        );
         return Ok(());
     }
     let two_variable_form = matches!(
@@ -915,19 +1005,8 @@ fn select_path(e: &IdedExpr, shadowed: bool) -> Option<IdedExpr> {
         id: 0,
         expr: Expr::Ident(root),
     };
-    if fields.len() < 2 {
-        // One selection copies only the selected value: leave it to the interpreter.
-        return Some(match fields.pop() {
-            None => ident,
-            Some(f) => IdedExpr {
-                id: 0,
-                expr: Expr::Select(kube_cel::cel::common::ast::SelectExpr {
-                    operand: Box::new(ident),
-                    field: f,
-                    test: false,
-                }),
-            },
-        });
+    if fields.is_empty() {
+        return Some(ident);
     }
     let mut args = vec![ident];
     args.extend(fields.into_iter().map(|f| IdedExpr {
@@ -976,6 +1055,18 @@ fn rewrite_in(e: &mut IdedExpr, shadowed: bool) {
             EntryExpr::StructField(f) => rewrite(&mut f.value),
             EntryExpr::MapEntry(me) => rewrite(&mut me.value),
         }),
+        Expr::Comprehension(c) if c.iter_var == BIND_ITER => {
+            // `cel.bind`: the interpreter binds the value in a scope of its own (its
+            // comprehension accumulator would unwrap an optional value).
+            rewrite(&mut c.accu_init);
+            let inner = shadowed || c.accu_var == "variables";
+            rewrite_in(&mut c.result, inner);
+            let var = lit(LiteralValue::String(CelString::from(c.accu_var.clone())));
+            let init = take(&mut c.accu_init);
+            let body = take(&mut c.result);
+            *e = call(guard::BIND, None, vec![var, init, body]);
+            return;
+        }
         Expr::Comprehension(c) => {
             rewrite(&mut c.iter_range);
             rewrite(&mut c.accu_init);
@@ -990,6 +1081,32 @@ fn rewrite_in(e: &mut IdedExpr, shadowed: bool) {
     }
     // Then this node.
     match &mut e.expr {
+        // What the path rewrite left: selections on computed values, and `has()`.
+        Expr::Select(s) => {
+            let field = IdedExpr {
+                id: 0,
+                expr: Expr::Literal(LiteralValue::String(CelString::from(s.field.clone()))),
+            };
+            let guard = if s.test { guard::HAS } else { guard::SELECT };
+            let operand = take(&mut s.operand);
+            *e = call(guard, None, vec![operand, field]);
+            return;
+        }
+        // A map literal may not repeat a key (numbers of equal value are the same key).
+        Expr::Map(m) if m.entries.len() >= 2 => {
+            let n = m
+                .entries
+                .iter()
+                .filter(|en| matches!(&en.expr, EntryExpr::MapEntry(me) if !me.optional))
+                .count() as i64;
+            let literal = take(e);
+            *e = call(
+                guard::MAP_LITERAL,
+                None,
+                vec![literal, lit(LiteralValue::Int(n.into()))],
+            );
+            return;
+        }
         Expr::Struct(s) => {
             let entries = std::mem::take(&mut s.entries)
                 .into_iter()
@@ -1064,6 +1181,16 @@ fn rewrite_in(e: &mut IdedExpr, shadowed: bool) {
                 if let Some(g) = guarded {
                     c.func_name = g.to_owned();
                 }
+            }
+            // Indexing and optional selection with CEL's semantics (see `guard::SELECT`).
+            let renamed = match c.func_name.as_str() {
+                operators::INDEX => Some(guard::INDEX),
+                operators::OPT_INDEX => Some(guard::OPT_INDEX),
+                operators::OPT_SELECT => Some(guard::OPT_SELECT),
+                _ => None,
+            };
+            if let (Some(g), None) = (renamed, &c.target) {
+                c.func_name = g.to_owned();
             }
             // The accumulator step of a comprehension (`@result + [x]`) is charged by the tick
             // guard instead, without converting the accumulator.

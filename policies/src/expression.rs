@@ -111,3 +111,14 @@ impl Expression {
         })
     }
 }
+
+/// The type value `type(x)` returns for a value of type `name` (`int`, `map`,
+/// `google.protobuf.Timestamp`, …).
+pub fn type_value(name: &str) -> Value {
+    Value::Opaque(std::sync::Arc::new(guard::TypeValue(name.to_owned())))
+}
+
+/// The name of the type `v` denotes, when `v` is a type value.
+pub fn type_name(v: &Value) -> Option<&str> {
+    guard::type_value_name(v)
+}

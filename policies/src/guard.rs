@@ -41,6 +41,20 @@ pub(crate) const GE: &str = "__hearth_ge";
 /// entry to a `transformMap` result (see `compile::desugar`).
 pub(crate) const ENTRIES: &str = "__hearth_entries";
 pub(crate) const PUT: &str = "__hearth_put";
+/// Field selection, `has()`, indexing and their optional forms (`x.f`, `has(x.f)`, `x[k]`,
+/// `x.?f`, `x[?k]`) with CEL's semantics: an error on a value without fields, numeric keys
+/// across types, and optional values propagated through a chain.
+pub(crate) const SELECT: &str = "__hearth_select";
+pub(crate) const HAS: &str = "__hearth_has";
+pub(crate) const INDEX: &str = "__hearth_index";
+pub(crate) const OPT_SELECT: &str = "__hearth_opt_select";
+pub(crate) const OPT_INDEX: &str = "__hearth_opt_index";
+/// A type denotation (`int`, `string`, `list`, …) as a value, as `type(x)` returns it.
+pub(crate) const TYPE_NAMED: &str = "__hearth_type";
+/// `cel.bind(v, init, body)` on the interpreter: `body` in a scope where `v` is `init`.
+pub(crate) const BIND: &str = "__hearth_bind";
+/// A map literal with `n` entries, checked for a repeated key.
+pub(crate) const MAP_LITERAL: &str = "__hearth_map_literal";
 /// Pre-checks for functions whose output can be much larger than their input.
 pub(crate) const PRE_JOIN: &str = "__hearth_pre_join";
 pub(crate) const PRE_REPLACE: &str = "__hearth_pre_replace";
@@ -578,13 +592,266 @@ fn walk(cur: &dyn Val, keys: &[IdedExpr]) -> ResolveResult {
             "field names are strings",
         ));
     };
-    let indexer = cur
-        .as_indexer()
-        .filter(|_| cur.get_type() == MAP_TYPE)
-        .ok_or_else(|| ExecutionError::no_such_key(key.inner()))?;
-    match indexer.get(key)? {
-        Cow::Borrowed(next) => walk(next, rest),
-        Cow::Owned(next) => walk(next.as_ref(), rest),
+    if cur.get_type() == MAP_TYPE
+        && let Some(indexer) = cur.as_indexer()
+    {
+        return match indexer.get(key)? {
+            Cow::Borrowed(next) => walk(next, rest),
+            Cow::Owned(next) => walk(next.as_ref(), rest),
+        };
+    }
+    // Not a map: an optional value, or an error.
+    let mut v: Value = cur.try_into()?;
+    for k in keys {
+        let Expr::Literal(LiteralValue::String(k)) = &k.expr else {
+            return Err(ExecutionError::function_error(
+                PATH,
+                "field names are strings",
+            ));
+        };
+        v = select_value(v, k.inner())?;
+    }
+    Ok(v)
+}
+
+fn optional(v: Option<Value>) -> Value {
+    use kube_cel::cel::objects::OptionalValue;
+    Value::Opaque(std::sync::Arc::new(match v {
+        Some(v) => OptionalValue::of(v),
+        None => OptionalValue::none(),
+    }))
+}
+
+/// The value inside an optional: `Some(None)` for `optional.none()`, `None` when `v` is not
+/// an optional.
+fn optional_inner(v: &Value) -> Option<Option<Value>> {
+    use kube_cel::cel::objects::OptionalValue;
+    match v {
+        Value::Opaque(o) => o
+            .downcast_ref::<OptionalValue>()
+            .map(|o| o.value().cloned()),
+        _ => None,
+    }
+}
+
+fn map_key_error(k: &Value) -> ExecutionError {
+    match k {
+        Value::String(s) => ExecutionError::no_such_key(s),
+        other => ExecutionError::NoSuchKey(std::sync::Arc::new(format!("{other:?}"))),
+    }
+}
+
+/// `v.field`: a map's entry; on an optional, the optional of the entry (none when absent).
+fn select_value(v: Value, field: &str) -> ResolveResult {
+    if let Some(inner) = optional_inner(&v) {
+        return match inner {
+            None => Ok(optional(None)),
+            Some(x) => Ok(optional(Some(select_value(x, field)?))),
+        };
+    }
+    match v {
+        Value::Map(m) => m
+            .map
+            .get(&kube_cel::cel::objects::Key::String(std::sync::Arc::new(
+                field.to_owned(),
+            )))
+            .cloned()
+            .ok_or_else(|| ExecutionError::no_such_key(field)),
+        _ => Err(ExecutionError::NoSuchOverload),
+    }
+}
+
+/// `v[k]` (`optional` for `v[?k]`): list elements by any integral number, map entries by
+/// key with numbers equal across types; on an optional, the optional of the element.
+fn index_value(v: Value, k: &Value, opt: bool) -> ResolveResult {
+    if let Some(inner) = optional_inner(&v) {
+        return match inner {
+            None => Ok(optional(None)),
+            Some(x) => index_value(x, k, true),
+        };
+    }
+    let found = match &v {
+        Value::List(l) => {
+            let i = match k {
+                Value::Int(i) => Some(*i),
+                Value::UInt(u) => i64::try_from(*u).ok(),
+                Value::Float(f) if f.fract() == 0.0 && f.is_finite() => Some(*f as i64),
+                _ => return Err(ExecutionError::NoSuchOverload),
+            };
+            match i
+                .and_then(|i| usize::try_from(i).ok())
+                .and_then(|i| l.get(i))
+            {
+                Some(x) => Some(x.clone()),
+                None if opt => None,
+                None => return Err(ExecutionError::IndexOutOfBounds(k.clone())),
+            }
+        }
+        Value::Map(m) => match keys_of(k).iter().find_map(|key| m.map.get(key)) {
+            Some(x) => Some(x.clone()),
+            None if opt => None,
+            None if matches!(
+                k,
+                Value::String(_)
+                    | Value::Int(_)
+                    | Value::UInt(_)
+                    | Value::Bool(_)
+                    | Value::Float(_)
+            ) =>
+            {
+                return Err(map_key_error(k));
+            }
+            None => return Err(ExecutionError::NoSuchOverload),
+        },
+        _ => return Err(ExecutionError::NoSuchOverload),
+    };
+    Ok(if opt {
+        optional(found)
+    } else {
+        found.unwrap_or(Value::Null)
+    })
+}
+
+fn field_name(ftx: &FunctionContext) -> Result<std::sync::Arc<String>, ExecutionError> {
+    match arg(ftx, 1)? {
+        Value::String(s) => Ok(s),
+        _ => Err(ExecutionError::function_error(
+            SELECT,
+            "field names are strings",
+        )),
+    }
+}
+
+fn select(ftx: &FunctionContext) -> ResolveResult {
+    select_value(arg(ftx, 0)?, &field_name(ftx)?)
+}
+
+fn opt_select(ftx: &FunctionContext) -> ResolveResult {
+    let v = arg(ftx, 0)?;
+    let field = field_name(ftx)?;
+    let inner = match optional_inner(&v) {
+        Some(None) => return Ok(optional(None)),
+        Some(Some(x)) => x,
+        None => v,
+    };
+    match inner {
+        Value::Map(_) => Ok(optional(select_value(inner, &field).ok())),
+        _ => Err(ExecutionError::NoSuchOverload),
+    }
+}
+
+/// `has(v.field)`: whether a map has the entry; on an optional, whether it holds a value
+/// that has it.
+fn has(ftx: &FunctionContext) -> ResolveResult {
+    let v = arg(ftx, 0)?;
+    let field = field_name(ftx)?;
+    let v = match optional_inner(&v) {
+        Some(None) => return Ok(Value::Bool(false)),
+        Some(Some(x)) => x,
+        None => v,
+    };
+    match v {
+        Value::Map(m) => Ok(Value::Bool(
+            m.map
+                .contains_key(&kube_cel::cel::objects::Key::String(field)),
+        )),
+        _ => Err(ExecutionError::NoSuchOverload),
+    }
+}
+
+fn index(ftx: &FunctionContext) -> ResolveResult {
+    index_value(arg(ftx, 0)?, &arg(ftx, 1)?, false)
+}
+
+fn opt_index(ftx: &FunctionContext) -> ResolveResult {
+    index_value(arg(ftx, 0)?, &arg(ftx, 1)?, true)
+}
+
+/// A CEL type as a value (`type(x)`, `int`, `string`, …), compared by name.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct TypeValue(pub(crate) String);
+
+impl kube_cel::cel::objects::Opaque for TypeValue {
+    fn runtime_type_name(&self) -> &str {
+        "type"
+    }
+}
+
+/// The name of the type a type value stands for, when `v` is one.
+pub(crate) fn type_value_name(v: &Value) -> Option<&str> {
+    match v {
+        Value::Opaque(o) => o.downcast_ref::<TypeValue>().map(|t| t.0.as_str()),
+        _ => None,
+    }
+}
+
+fn type_value(name: &str) -> Value {
+    Value::Opaque(std::sync::Arc::new(TypeValue(name.to_owned())))
+}
+
+/// `type(x)`.
+fn type_of(ftx: &FunctionContext) -> ResolveResult {
+    let v = arg(ftx, 0)?;
+    let name = match &v {
+        Value::Null => "null_type",
+        Value::Bool(_) => "bool",
+        Value::Int(_) => "int",
+        Value::UInt(_) => "uint",
+        Value::Float(_) => "double",
+        Value::String(_) => "string",
+        Value::Bytes(_) => "bytes",
+        Value::List(_) => "list",
+        Value::Map(_) => "map",
+        Value::Duration(_) => "google.protobuf.Duration",
+        Value::Timestamp(_) => "google.protobuf.Timestamp",
+        Value::Function(..) => "function",
+        Value::Opaque(o) => match o.runtime_type_name() {
+            "optional_type" => "optional_type",
+            n => n,
+        },
+    };
+    Ok(type_value(name))
+}
+
+/// `__hearth_map_literal({...}, n)`: the map, or an error when its `n` entries repeat a key.
+fn map_literal(ftx: &FunctionContext) -> ResolveResult {
+    use kube_cel::cel::objects::Key;
+    let (map, n) = (arg(ftx, 0)?, arg(ftx, 1)?);
+    if let (Value::Map(m), Value::Int(n)) = (&map, n) {
+        let numeric_twins = m.map.keys().any(|k| match k {
+            Key::Int(i) => u64::try_from(*i).is_ok_and(|u| m.map.contains_key(&Key::Uint(u))),
+            _ => false,
+        });
+        if (m.map.len() as i64) < n || numeric_twins {
+            return Err(ftx.error("repeated key in a map literal"));
+        }
+    }
+    Ok(map)
+}
+
+/// `__hearth_bind('v', init, body)`.
+fn bind(ftx: &FunctionContext) -> ResolveResult {
+    let Some(Expr::Literal(LiteralValue::String(name))) = ftx.args.first().map(|a| &a.expr) else {
+        return Err(ExecutionError::function_error(
+            BIND,
+            "needs a variable name",
+        ));
+    };
+    let init = arg(ftx, 1)?;
+    let body = ftx
+        .args
+        .get(2)
+        .ok_or_else(|| ExecutionError::invalid_argument_count(3, ftx.args.len()))?;
+    let mut scope = ftx.ptx.new_inner_scope();
+    scope.add_variable_from_value(name.inner(), init);
+    Value::resolve(body, &scope)
+}
+
+/// `__hearth_type('int')`: the type denotation `int`.
+fn type_named(ftx: &FunctionContext) -> ResolveResult {
+    match arg(ftx, 0)? {
+        Value::String(s) => Ok(type_value(&s)),
+        _ => Err(ExecutionError::function_error(TYPE_NAMED, "needs a name")),
     }
 }
 
@@ -624,6 +891,15 @@ fn base_context() -> Context<'static> {
     ctx.add_function(GE, ge);
     ctx.add_function(ENTRIES, entries);
     ctx.add_function(PUT, put);
+    ctx.add_function(SELECT, select);
+    ctx.add_function(HAS, has);
+    ctx.add_function(INDEX, index);
+    ctx.add_function(OPT_SELECT, opt_select);
+    ctx.add_function(OPT_INDEX, opt_index);
+    ctx.add_function(TYPE_NAMED, type_named);
+    ctx.add_function(MAP_LITERAL, map_literal);
+    ctx.add_function(BIND, bind);
+    ctx.add_function("type", type_of);
     ctx.add_function("size", size_of);
     ctx.add_function("bool", to_bool);
     ctx.add_function("matches", matches);

@@ -267,10 +267,6 @@ fn load_errors_name_policy_field_and_position() {
             json!({"validations": [{"expression": "true"}, {"expression": "true"}, {"expression": "object.("}]}),
         ),
         policy(
-            "type-fn",
-            json!({"validations": [{"expression": "type(object) == map"}]}),
-        ),
-        policy(
             "map-entry",
             json!({"validations": [{"expression": "{'a': 1}.transformMapEntry(k, v, {k: v}) == {'a': 1}"}]}),
         ),
@@ -299,7 +295,6 @@ fn load_errors_name_policy_field_and_position() {
     let e = by("syntax");
     assert_eq!(e.field, "spec.validations[2].expression");
     assert!(e.error.position.is_some(), "{e}");
-    assert!(by("type-fn").error.message.contains("type()"));
     assert!(
         by("map-entry").to_string().contains("transformMapEntry"),
         "{}",

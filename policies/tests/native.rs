@@ -473,6 +473,20 @@ const EXPRESSIONS: &[&str] = &[
     "{'a': 1, 'b': 2}.transformMap(k, v, v * 2)",
     "{'a': 1, 'b': 2}.transformMap(k, v, k != 'a', k + string(v))",
     "object.spec.template.spec.containers.transformList(i, c, c.name + string(i))",
+    // types, optional chains, indexing and selection
+    "type(object) == map && type(1) == int && type('a') != int && type(type(1)) == type",
+    "object.metadata.?labels.?app.orValue('none') + object.?spec.?missing.orValue('-')",
+    "optional.of(object.metadata).name.orValue('')",
+    "has(object.metadata.?labels.app) && !has(object.?status.phase)",
+    "{'a': 1}[?'b'].hasValue() || {'a': 1}[?'a'].value() == 1",
+    "optional.of(2).optMap(x, x + 1).value() + optional.none().optFlatMap(x, optional.of(x)).orValue(0)",
+    "[1, 2][1.0] + [1, 2][0u] + {1: 10}[1u] + {1u: 5}[1.0]",
+    "[1, 2][2]",
+    "{'a': 1}['b']",
+    "object.spec.replicas.x",
+    "has(object.spec.replicas.x)",
+    "{1: 'a', 1u: 'b'}",
+    "{'a': 1, 'b': 2}",
 ];
 
 #[test]

@@ -251,10 +251,9 @@ fn cel_value(pool: &DescriptorPool, v: &DynamicMessage) -> Result<Value, Unusabl
         return Ok(Value::Map(Map { map: Arc::new(out) }));
     }
     if let Some(t) = f("type_value") {
-        return Err(Unusable::Other(format!(
-            "type value {}",
-            t.as_str().unwrap_or_default()
-        )));
+        return Ok(hearth_policies::expression::type_value(
+            t.as_str().unwrap_or_default(),
+        ));
     }
     if let Some(o) = f("object_value") {
         let any = o.as_message().ok_or(Unusable::Message)?;
@@ -578,6 +577,7 @@ fn same(want: &Value, got: &Value) -> bool {
         (Value::Null, Value::Null) => true,
         (Value::Duration(a), Value::Duration(b)) => a == b,
         (Value::Timestamp(a), Value::Timestamp(b)) => a == b,
+        (Value::Opaque(_), Value::Opaque(_)) => want == got,
         _ => false,
     }
 }
