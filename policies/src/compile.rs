@@ -1184,6 +1184,8 @@ fn rewrite_in(e: &mut IdedExpr, shadowed: bool) {
             }
             // Indexing and optional selection with CEL's semantics (see `guard::SELECT`).
             let renamed = match c.func_name.as_str() {
+                "string" if c.args.len() == 1 => Some(guard::STRING),
+                "int" if c.args.len() == 1 => Some(guard::INT),
                 operators::INDEX => Some(guard::INDEX),
                 operators::OPT_INDEX => Some(guard::OPT_INDEX),
                 operators::OPT_SELECT => Some(guard::OPT_SELECT),

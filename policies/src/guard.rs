@@ -51,6 +51,9 @@ pub(crate) const OPT_SELECT: &str = "__hearth_opt_select";
 pub(crate) const OPT_INDEX: &str = "__hearth_opt_index";
 /// A type denotation (`int`, `string`, `list`, …) as a value, as `type(x)` returns it.
 pub(crate) const TYPE_NAMED: &str = "__hearth_type";
+/// `string(x)` and `int(x)` with cel-go's forms for timestamps and durations.
+pub(crate) const STRING: &str = "__hearth_string";
+pub(crate) const INT: &str = "__hearth_int";
 /// `cel.bind(v, init, body)` on the interpreter: `body` in a scope where `v` is `init`.
 pub(crate) const BIND: &str = "__hearth_bind";
 /// A map literal with `n` entries, checked for a repeated key.
@@ -646,6 +649,14 @@ fn select_value(v: Value, field: &str) -> ResolveResult {
     if let Some(inner) = optional_inner(&v) {
         return match inner {
             None => Ok(optional(None)),
+            // A map without the entry gives none; a value without fields is an error.
+            Some(Value::Map(m)) => Ok(optional(
+                m.map
+                    .get(&kube_cel::cel::objects::Key::String(std::sync::Arc::new(
+                        field.to_owned(),
+                    )))
+                    .cloned(),
+            )),
             Some(x) => Ok(optional(Some(select_value(x, field)?))),
         };
     }
@@ -847,6 +858,166 @@ fn bind(ftx: &FunctionContext) -> ResolveResult {
     Value::resolve(body, &scope)
 }
 
+/// `format.named(name)`: the named format as an optional (none for an unknown name), as the
+/// apiserver's library returns it.
+fn format_named(ftx: &FunctionContext) -> ResolveResult {
+    let Value::String(name) = arg(ftx, 0)? else {
+        return Err(ExecutionError::NoSuchOverload);
+    };
+    let lookup = IdedExpr {
+        id: 0,
+        expr: Expr::Call(kube_cel::cel::common::ast::CallExpr {
+            func_name: name.as_str().to_owned(),
+            target: Some(Box::new(IdedExpr {
+                id: 0,
+                expr: Expr::Ident("format".into()),
+            })),
+            args: Vec::new(),
+        }),
+    };
+    let known = name.chars().all(|c| c.is_ascii_alphanumeric()) && name.as_str() != "named";
+    Ok(optional(if known {
+        Value::resolve(&lookup, ftx.ptx).ok()
+    } else {
+        None
+    }))
+}
+
+fn int_operands(ftx: &FunctionContext, n: usize) -> Result<Vec<Value>, ExecutionError> {
+    (0..n).map(|i| arg(ftx, i)).collect()
+}
+
+/// `math.bitAnd`, `bitOr`, `bitXor` over two ints or two uints.
+fn bit_binary(ftx: &FunctionContext, op: fn(u64, u64) -> u64) -> ResolveResult {
+    match int_operands(ftx, 2)?.as_slice() {
+        [Value::Int(a), Value::Int(b)] => Ok(Value::Int(op(*a as u64, *b as u64) as i64)),
+        [Value::UInt(a), Value::UInt(b)] => Ok(Value::UInt(op(*a, *b))),
+        _ => Err(ExecutionError::NoSuchOverload),
+    }
+}
+
+fn bit_and(ftx: &FunctionContext) -> ResolveResult {
+    bit_binary(ftx, |a, b| a & b)
+}
+
+fn bit_or(ftx: &FunctionContext) -> ResolveResult {
+    bit_binary(ftx, |a, b| a | b)
+}
+
+fn bit_xor(ftx: &FunctionContext) -> ResolveResult {
+    bit_binary(ftx, |a, b| a ^ b)
+}
+
+fn bit_not(ftx: &FunctionContext) -> ResolveResult {
+    match arg(ftx, 0)? {
+        Value::Int(a) => Ok(Value::Int(!a)),
+        Value::UInt(a) => Ok(Value::UInt(!a)),
+        _ => Err(ExecutionError::NoSuchOverload),
+    }
+}
+
+/// Shifts: a negative amount is an error, 64 or more gives 0; right shifts are logical (the
+/// bits of a negative int move as unsigned), as cel-go's.
+fn bit_shift(ftx: &FunctionContext, left: bool) -> ResolveResult {
+    let ops = int_operands(ftx, 2)?;
+    let Value::Int(by) = ops[1] else {
+        return Err(ExecutionError::NoSuchOverload);
+    };
+    if by < 0 {
+        return Err(ftx.error(format!("negative offset: {by}")));
+    }
+    let shift = |x: u64| -> u64 {
+        if by >= 64 {
+            0
+        } else if left {
+            x << by
+        } else {
+            x >> by
+        }
+    };
+    match ops[0] {
+        Value::Int(x) => Ok(Value::Int(shift(x as u64) as i64)),
+        Value::UInt(x) => Ok(Value::UInt(shift(x))),
+        _ => Err(ExecutionError::NoSuchOverload),
+    }
+}
+
+fn bit_shift_left(ftx: &FunctionContext) -> ResolveResult {
+    bit_shift(ftx, true)
+}
+
+fn bit_shift_right(ftx: &FunctionContext) -> ResolveResult {
+    bit_shift(ftx, false)
+}
+
+/// A duration as cel-go prints it: seconds, with the fraction when there is one (`90s`,
+/// `1.5s`).
+fn duration_text(d: &chrono::Duration) -> String {
+    let nanos = d.num_nanoseconds().map(i128::from).unwrap_or_else(|| {
+        i128::from(d.num_seconds()) * 1_000_000_000 + i128::from(d.subsec_nanos())
+    });
+    let (sign, nanos) = if nanos < 0 {
+        ("-", -nanos)
+    } else {
+        ("", nanos)
+    };
+    let (secs, frac) = (nanos / 1_000_000_000, nanos % 1_000_000_000);
+    if frac == 0 {
+        format!("{sign}{secs}s")
+    } else {
+        let frac = format!("{frac:09}");
+        format!("{sign}{secs}.{}s", frac.trim_end_matches('0'))
+    }
+}
+
+/// `string(x)` for timestamps (RFC 3339 in UTC, `Z`), durations (seconds) and bytes (an
+/// error unless UTF-8), as cel-go; other values by the libraries' `string`.
+fn string_of(ftx: &FunctionContext) -> ResolveResult {
+    let v = arg(ftx, 0)?;
+    let text = match &v {
+        Value::Timestamp(t) => t
+            .with_timezone(&chrono::Utc)
+            .to_rfc3339_opts(chrono::SecondsFormat::AutoSi, true),
+        Value::Duration(d) => duration_text(d),
+        Value::Bytes(b) => std::str::from_utf8(b)
+            .map_err(|e| ftx.error(format!("invalid UTF-8 in bytes: {e}")))?
+            .to_owned(),
+        _ => return call_library("string", v, ftx),
+    };
+    Ok(Value::String(std::sync::Arc::new(text)))
+}
+
+/// `int(x)` for timestamps (Unix seconds) and doubles (an error out of range), as cel-go;
+/// other values by the libraries' `int`.
+fn int_of(ftx: &FunctionContext) -> ResolveResult {
+    let v = arg(ftx, 0)?;
+    match &v {
+        Value::Timestamp(t) => Ok(Value::Int(t.timestamp())),
+        Value::Float(f) if !(-9.223_372_036_854_775e18..9.223_372_036_854_775e18).contains(f) => {
+            Err(ftx.error(format!("{f} is out of the int range")))
+        }
+        _ => call_library("int", v, ftx),
+    }
+}
+
+/// Calls the library function `name` with `v`.
+fn call_library(name: &str, v: Value, ftx: &FunctionContext) -> ResolveResult {
+    let mut scope = ftx.ptx.new_inner_scope();
+    scope.add_variable_from_value("#v", v);
+    let expr = IdedExpr {
+        id: 0,
+        expr: Expr::Call(kube_cel::cel::common::ast::CallExpr {
+            func_name: name.to_owned(),
+            target: None,
+            args: vec![IdedExpr {
+                id: 0,
+                expr: Expr::Ident("#v".into()),
+            }],
+        }),
+    };
+    Value::resolve(&expr, &scope)
+}
+
 /// `__hearth_type('int')`: the type denotation `int`.
 fn type_named(ftx: &FunctionContext) -> ResolveResult {
     match arg(ftx, 0)? {
@@ -899,6 +1070,15 @@ fn base_context() -> Context<'static> {
     ctx.add_function(TYPE_NAMED, type_named);
     ctx.add_function(MAP_LITERAL, map_literal);
     ctx.add_function(BIND, bind);
+    ctx.add_function(STRING, string_of);
+    ctx.add_function(INT, int_of);
+    ctx.add_function("format.named", format_named);
+    ctx.add_function("math.bitAnd", bit_and);
+    ctx.add_function("math.bitOr", bit_or);
+    ctx.add_function("math.bitXor", bit_xor);
+    ctx.add_function("math.bitNot", bit_not);
+    ctx.add_function("math.bitShiftLeft", bit_shift_left);
+    ctx.add_function("math.bitShiftRight", bit_shift_right);
     ctx.add_function("type", type_of);
     ctx.add_function("size", size_of);
     ctx.add_function("bool", to_bool);

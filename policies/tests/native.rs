@@ -487,6 +487,14 @@ const EXPRESSIONS: &[&str] = &[
     "has(object.spec.replicas.x)",
     "{1: 'a', 1u: 'b'}",
     "{'a': 1, 'b': 2}",
+    // cel-go's forms of conversions, bit operations, named formats
+    "string(timestamp('2024-01-02T03:04:05Z')) + ' ' + string(duration('1h1m'))",
+    "int(timestamp('2024-01-02T03:04:05Z'))",
+    "int(1e19)",
+    "string(b'\\xff')",
+    "math.bitShiftRight(-1024, 3) + math.bitShiftLeft(1, 64)",
+    "math.bitAnd(6u, 3u) == 2u && math.bitNot(0) == -1",
+    "format.named('dns1123Label').hasValue() && !format.named('nope').hasValue()",
 ];
 
 #[test]
