@@ -625,6 +625,32 @@ impl Checker<'_> {
     }
 }
 
+/// The guard and predicate of an `all` or `exists` comprehension as the parser's macros
+/// (and [`two_variable`]) build them: `@result && p` from `true`, `@result || p` from `false`.
+fn quantifier(c: &mut ComprehensionExpr) -> Option<(&'static str, IdedExpr)> {
+    if c.accu_var != RESULT || !matches!(&c.result.expr, Expr::Ident(r) if r == RESULT) {
+        return None;
+    }
+    let Expr::Literal(LiteralValue::Boolean(init)) = &c.accu_init.expr else {
+        return None;
+    };
+    let (guard, op) = if *init.inner() {
+        (guard::ALL, operators::LOGICAL_AND)
+    } else {
+        (guard::EXISTS, operators::LOGICAL_OR)
+    };
+    let Expr::Call(step) = &mut c.loop_step.expr else {
+        return None;
+    };
+    if step.func_name != op
+        || step.args.len() != 2
+        || !matches!(&step.args[0].expr, Expr::Ident(r) if r == RESULT)
+    {
+        return None;
+    }
+    Some((guard, take(&mut step.args[1])))
+}
+
 /// The iteration variable of the comprehension `cel.bind` becomes (it never iterates).
 pub(crate) const BIND_ITER: &str = "#bind";
 
@@ -855,13 +881,13 @@ fn desugar(e: &mut IdedExpr, scope: &mut Vec<String>, depth: usize) -> Result<()
         Expr::Comprehension(c) => {
             desugar(&mut c.iter_range, scope, depth)?;
             desugar(&mut c.accu_init, scope, depth)?;
-            let depth = scope.len();
+            let mark = scope.len();
             scope.push(c.iter_var.clone());
             scope.push(c.accu_var.clone());
             let inner = desugar(&mut c.loop_cond, scope, depth)
                 .and_then(|_| desugar(&mut c.loop_step, scope, depth))
                 .and_then(|_| desugar(&mut c.result, scope, depth));
-            scope.truncate(depth);
+            scope.truncate(mark);
             inner?;
         }
         Expr::Ident(name) => {
@@ -1071,6 +1097,16 @@ fn rewrite_in(e: &mut IdedExpr, shadowed: bool) {
             rewrite(&mut c.iter_range);
             rewrite(&mut c.accu_init);
             let inner = shadowed || c.iter_var == "variables" || c.accu_var == "variables";
+            // `all` and `exists`: a guard iterates, so an element's error is absorbed when
+            // another element decides the result (the interpreter's loop stops at the error).
+            if let Some((guard, predicate)) = quantifier(c) {
+                let mut predicate = predicate;
+                rewrite_in(&mut predicate, inner);
+                let range = take(&mut c.iter_range);
+                let var = lit(LiteralValue::String(CelString::from(c.iter_var.clone())));
+                *e = call(guard, None, vec![range, var, predicate]);
+                return;
+            }
             rewrite_in(&mut c.loop_cond, inner);
             rewrite_in(&mut c.loop_step, inner);
             rewrite_in(&mut c.result, inner);
@@ -1186,6 +1222,10 @@ fn rewrite_in(e: &mut IdedExpr, shadowed: bool) {
             let renamed = match c.func_name.as_str() {
                 "string" if c.args.len() == 1 => Some(guard::STRING),
                 "int" if c.args.len() == 1 => Some(guard::INT),
+                "timestamp" if c.args.len() == 1 => Some(guard::TIMESTAMP),
+                "duration" if c.args.len() == 1 => Some(guard::DURATION),
+                "bytes" if c.args.len() == 1 => Some(guard::BYTES),
+                operators::NEGATE if c.args.len() == 1 => Some(guard::NEG),
                 operators::INDEX => Some(guard::INDEX),
                 operators::OPT_INDEX => Some(guard::OPT_INDEX),
                 operators::OPT_SELECT => Some(guard::OPT_SELECT),

@@ -54,6 +54,16 @@ pub(crate) const TYPE_NAMED: &str = "__hearth_type";
 /// `string(x)` and `int(x)` with cel-go's forms for timestamps and durations.
 pub(crate) const STRING: &str = "__hearth_string";
 pub(crate) const INT: &str = "__hearth_int";
+/// `all` and `exists` on the interpreter: `(range, 'var', predicate)`.
+pub(crate) const ALL: &str = "__hearth_all";
+pub(crate) const EXISTS: &str = "__hearth_exists";
+/// Unary minus: ints (an error on overflow) and doubles.
+pub(crate) const NEG: &str = "__hearth_neg";
+/// `timestamp`, `duration` and `bytes` conversions: identity on their own type, and
+/// `timestamp(int)` (Unix seconds).
+pub(crate) const TIMESTAMP: &str = "__hearth_timestamp";
+pub(crate) const DURATION: &str = "__hearth_duration";
+pub(crate) const BYTES: &str = "__hearth_bytes";
 /// `cel.bind(v, init, body)` on the interpreter: `body` in a scope where `v` is `init`.
 pub(crate) const BIND: &str = "__hearth_bind";
 /// A map literal with `n` entries, checked for a repeated key.
@@ -359,7 +369,22 @@ fn operands(ftx: &FunctionContext) -> Result<(Value, Value), ExecutionError> {
 /// CEL equality: numbers compare by value across `int`, `uint` and `double`, lists element
 /// by element, maps by key; values of different types are not equal.
 pub(crate) fn cel_equals(a: &Value, b: &Value) -> bool {
-    a == b
+    match (a, b) {
+        (Value::List(x), Value::List(y)) => {
+            x.len() == y.len() && x.iter().zip(y.iter()).all(|(p, q)| cel_equals(p, q))
+        }
+        // Keys match across numeric types too (`{1: 'a'} == {1u: 'a'}`).
+        (Value::Map(x), Value::Map(y)) => {
+            x.map.len() == y.map.len()
+                && x.map.iter().all(|(k, v)| {
+                    keys_of(&Value::from(k))
+                        .iter()
+                        .find_map(|k| y.map.get(k))
+                        .is_some_and(|w| cel_equals(v, w))
+                })
+        }
+        _ => a == b,
+    }
 }
 
 fn eq(ftx: &FunctionContext) -> ResolveResult {
@@ -840,6 +865,90 @@ fn map_literal(ftx: &FunctionContext) -> ResolveResult {
     Ok(map)
 }
 
+/// `all` (`decides` false) or `exists` (`decides` true): the first element whose predicate
+/// gives `decides` decides; otherwise an element's error is the result, else `!decides`.
+fn quantify(ftx: &FunctionContext, decides: bool) -> ResolveResult {
+    let range = arg(ftx, 0)?;
+    let Some(Expr::Literal(LiteralValue::String(var))) = ftx.args.get(1).map(|a| &a.expr) else {
+        return Err(ExecutionError::function_error(ALL, "needs a variable name"));
+    };
+    let predicate = ftx
+        .args
+        .get(2)
+        .ok_or_else(|| ExecutionError::invalid_argument_count(3, ftx.args.len()))?;
+    let items: Vec<Value> = match &range {
+        Value::List(l) => l.iter().cloned().collect(),
+        Value::Map(m) => m.map.keys().map(Value::from).collect(),
+        _ => return Err(ExecutionError::NoSuchOverload),
+    };
+    let mut error = None;
+    for item in items {
+        charge(1)?;
+        let mut scope = ftx.ptx.new_inner_scope();
+        scope.add_variable_from_value(var.inner(), item);
+        match Value::resolve(predicate, &scope) {
+            Ok(Value::Bool(b)) if b == decides => return Ok(Value::Bool(decides)),
+            Ok(Value::Bool(_)) => {}
+            // A bound stops the whole expression.
+            Err(e) if exceeded() => return Err(e),
+            Err(e) => {
+                error.get_or_insert(e);
+            }
+            Ok(_) => {
+                error.get_or_insert(ExecutionError::NoSuchOverload);
+            }
+        }
+    }
+    match error {
+        Some(e) => Err(e),
+        None => Ok(Value::Bool(!decides)),
+    }
+}
+
+fn all(ftx: &FunctionContext) -> ResolveResult {
+    quantify(ftx, false)
+}
+
+fn exists(ftx: &FunctionContext) -> ResolveResult {
+    quantify(ftx, true)
+}
+
+fn neg(ftx: &FunctionContext) -> ResolveResult {
+    match arg(ftx, 0)? {
+        Value::Int(i) => i
+            .checked_neg()
+            .map(Value::Int)
+            .ok_or_else(|| ftx.error("integer overflow")),
+        Value::Float(f) => Ok(Value::Float(-f)),
+        _ => Err(ExecutionError::NoSuchOverload),
+    }
+}
+
+fn timestamp_of(ftx: &FunctionContext) -> ResolveResult {
+    match arg(ftx, 0)? {
+        v @ Value::Timestamp(_) => Ok(v),
+        Value::Int(secs) => chrono::DateTime::from_timestamp(secs, 0)
+            .filter(|t| (-62_135_596_800..=253_402_300_799).contains(&t.timestamp()))
+            .map(|t| Value::Timestamp(t.fixed_offset()))
+            .ok_or_else(|| ftx.error("timestamp out of range")),
+        v => call_library("timestamp", v, ftx),
+    }
+}
+
+fn duration_of(ftx: &FunctionContext) -> ResolveResult {
+    match arg(ftx, 0)? {
+        v @ Value::Duration(_) => Ok(v),
+        v => call_library("duration", v, ftx),
+    }
+}
+
+fn bytes_of(ftx: &FunctionContext) -> ResolveResult {
+    match arg(ftx, 0)? {
+        v @ Value::Bytes(_) => Ok(v),
+        v => call_library("bytes", v, ftx),
+    }
+}
+
 /// `__hearth_bind('v', init, body)`.
 fn bind(ftx: &FunctionContext) -> ResolveResult {
     let Some(Expr::Literal(LiteralValue::String(name))) = ftx.args.first().map(|a| &a.expr) else {
@@ -1071,6 +1180,12 @@ fn base_context() -> Context<'static> {
     ctx.add_function(MAP_LITERAL, map_literal);
     ctx.add_function(BIND, bind);
     ctx.add_function(STRING, string_of);
+    ctx.add_function(ALL, all);
+    ctx.add_function(EXISTS, exists);
+    ctx.add_function(NEG, neg);
+    ctx.add_function(TIMESTAMP, timestamp_of);
+    ctx.add_function(DURATION, duration_of);
+    ctx.add_function(BYTES, bytes_of);
     ctx.add_function(INT, int_of);
     ctx.add_function("format.named", format_named);
     ctx.add_function("math.bitAnd", bit_and);

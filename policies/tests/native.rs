@@ -495,6 +495,15 @@ const EXPRESSIONS: &[&str] = &[
     "math.bitShiftRight(-1024, 3) + math.bitShiftLeft(1, 64)",
     "math.bitAnd(6u, 3u) == 2u && math.bitNot(0) == -1",
     "format.named('dns1123Label').hasValue() && !format.named('nope').hasValue()",
+    // errors absorbed by the element that decides; negation; conversions
+    "[1, 2, 3].all(e, 6 / (2 - e) == 6)",
+    "[3, 2, 1].exists(e, 6 / (2 - e) == -6)",
+    "[1, 2, 3].all(i, v, 6 / (2 - v) == i)",
+    "[2, 2].all(e, 6 / (2 - e) == 6)",
+    "-false",
+    "-(-9223372036854775807 - 1)",
+    "timestamp(0) < timestamp(1) && duration(duration('1s')) == duration('1s')",
+    "{1: 1.0, 2u: 3u} == {1u: 1, 2: 3.0}",
 ];
 
 #[test]
