@@ -1234,6 +1234,17 @@ fn rewrite_in(e: &mut IdedExpr, shadowed: bool) {
             if let (Some(g), None) = (renamed, &c.target) {
                 c.func_name = g.to_owned();
             }
+            // String methods whose arguments cel-go checks (see `guard::STRING_METHOD`; none
+            // of them has a namespaced form, so the target is the receiver).
+            if guard::CHECKED_STRING_METHODS.contains(&c.func_name.as_str())
+                && let Some(target) = c.target.take()
+            {
+                let name = lit(LiteralValue::String(CelString::from(c.func_name.clone())));
+                let mut args = vec![name, *target];
+                args.append(&mut c.args);
+                c.func_name = guard::STRING_METHOD.to_owned();
+                c.args = args;
+            }
             // The accumulator step of a comprehension (`@result + [x]`) is charged by the tick
             // guard instead, without converting the accumulator.
             let accumulates = matches!(c.args.first().map(|a| &a.expr), Some(Expr::Ident(n)) if n.starts_with('@'));

@@ -64,6 +64,12 @@ pub(crate) const NEG: &str = "__hearth_neg";
 pub(crate) const TIMESTAMP: &str = "__hearth_timestamp";
 pub(crate) const DURATION: &str = "__hearth_duration";
 pub(crate) const BYTES: &str = "__hearth_bytes";
+/// String methods with their arguments checked as cel-go's strings library checks them
+/// (`'s'.indexOf('a', 30)` is an error, not -1): `('name', target, args...)`.
+pub(crate) const STRING_METHOD: &str = "__hearth_string_method";
+/// The methods [`STRING_METHOD`] checks.
+pub(crate) const CHECKED_STRING_METHODS: &[&str] =
+    &["indexOf", "lastIndexOf", "replace", "split", "substring"];
 /// `cel.bind(v, init, body)` on the interpreter: `body` in a scope where `v` is `init`.
 pub(crate) const BIND: &str = "__hearth_bind";
 /// A map literal with `n` entries, checked for a repeated key.
@@ -949,6 +955,58 @@ fn bytes_of(ftx: &FunctionContext) -> ResolveResult {
     }
 }
 
+fn string_method(ftx: &FunctionContext) -> ResolveResult {
+    let Some(Expr::Literal(LiteralValue::String(name))) = ftx.args.first().map(|a| &a.expr) else {
+        return Err(ExecutionError::function_error(
+            STRING_METHOD,
+            "needs a name",
+        ));
+    };
+    let name = name.inner();
+    let target = arg(ftx, 1)?;
+    let args = (2..ftx.args.len())
+        .map(|i| arg(ftx, i))
+        .collect::<Result<Vec<_>, _>>()?;
+    if let Value::String(text) = &target {
+        let len = text.chars().count() as i64;
+        let bad = |why: &str| Err(ftx.error(format!("{name}: {why}")));
+        use Value::{Int, String as Str};
+        match (name, args.as_slice()) {
+            ("indexOf", [Str(_)]) | ("lastIndexOf", [Str(_)]) => {}
+            ("indexOf", [Str(_), Int(o)]) if (0..=len).contains(o) => {}
+            ("lastIndexOf", [Str(_), Int(o)]) if *o >= 0 && (*o < len || len == 0) => {}
+            ("indexOf" | "lastIndexOf", [Str(_), Int(_)]) => return bad("index out of range"),
+            ("replace", [Str(_), Str(_)] | [Str(_), Str(_), Int(_)]) => {}
+            ("split", [Str(_)] | [Str(_), Int(_)]) => {}
+            ("substring", [Int(_)] | [Int(_), Int(_)]) => {}
+            _ => return bad("no such overload for these arguments"),
+        }
+    }
+    let mut scope = ftx.ptx.new_inner_scope();
+    let mut idents = Vec::with_capacity(args.len());
+    scope.add_variable_from_value("#target", target);
+    for (i, a) in args.into_iter().enumerate() {
+        let n = format!("#arg{i}");
+        scope.add_variable_from_value(n.clone(), a);
+        idents.push(IdedExpr {
+            id: 0,
+            expr: Expr::Ident(n),
+        });
+    }
+    let expr = IdedExpr {
+        id: 0,
+        expr: Expr::Call(kube_cel::cel::common::ast::CallExpr {
+            func_name: name.to_owned(),
+            target: Some(Box::new(IdedExpr {
+                id: 0,
+                expr: Expr::Ident("#target".into()),
+            })),
+            args: idents,
+        }),
+    };
+    Value::resolve(&expr, &scope)
+}
+
 /// `__hearth_bind('v', init, body)`.
 fn bind(ftx: &FunctionContext) -> ResolveResult {
     let Some(Expr::Literal(LiteralValue::String(name))) = ftx.args.first().map(|a| &a.expr) else {
@@ -1181,6 +1239,7 @@ fn base_context() -> Context<'static> {
     ctx.add_function(BIND, bind);
     ctx.add_function(STRING, string_of);
     ctx.add_function(ALL, all);
+    ctx.add_function(STRING_METHOD, string_method);
     ctx.add_function(EXISTS, exists);
     ctx.add_function(NEG, neg);
     ctx.add_function(TIMESTAMP, timestamp_of);

@@ -504,6 +504,12 @@ const EXPRESSIONS: &[&str] = &[
     "-(-9223372036854775807 - 1)",
     "timestamp(0) < timestamp(1) && duration(duration('1s')) == duration('1s')",
     "{1: 1.0, 2u: 3u} == {1u: 1, 2: 3.0}",
+    // string methods' arguments checked
+    "'tacocat'.indexOf('a', 30)",
+    "'tacocat'.lastIndexOf('a', 3) + 'tacocat'.indexOf('a', 2)",
+    "'42'.replace('2', '1', '1')",
+    "'a,b,c'.split(',', 2).size() + 'hello'.substring(1, 3).size()",
+    "[1, 2, 1].lastIndexOf(1)",
 ];
 
 #[test]
