@@ -1234,6 +1234,14 @@ fn rewrite_in(e: &mut IdedExpr, shadowed: bool) {
             if let (Some(g), None) = (renamed, &c.target) {
                 c.func_name = g.to_owned();
             }
+            // `format` with cel-go's renderings (see `guard::FORMAT`).
+            if c.func_name == "format"
+                && c.args.len() == 1
+                && let Some(target) = c.target.take()
+            {
+                c.args.insert(0, *target);
+                c.func_name = guard::FORMAT.to_owned();
+            }
             // String methods whose arguments cel-go checks (see `guard::STRING_METHOD`; none
             // of them has a namespaced form, so the target is the receiver).
             if guard::CHECKED_STRING_METHODS.contains(&c.func_name.as_str())

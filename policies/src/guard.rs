@@ -70,6 +70,9 @@ pub(crate) const STRING_METHOD: &str = "__hearth_string_method";
 /// The methods [`STRING_METHOD`] checks.
 pub(crate) const CHECKED_STRING_METHODS: &[&str] =
     &["indexOf", "lastIndexOf", "replace", "split", "substring"];
+/// `fmt.format(args)` with cel-go's renderings of non-finite doubles and of `%s` of lists,
+/// maps, bytes, timestamps, durations and types.
+pub(crate) const FORMAT: &str = "__hearth_format";
 /// `cel.bind(v, init, body)` on the interpreter: `body` in a scope where `v` is `init`.
 pub(crate) const BIND: &str = "__hearth_bind";
 /// A map literal with `n` entries, checked for a repeated key.
@@ -955,6 +958,152 @@ fn bytes_of(ftx: &FunctionContext) -> ResolveResult {
     }
 }
 
+/// A double as cel-go's `format` writes a non-finite one.
+fn non_finite(f: f64) -> Option<&'static str> {
+    if f.is_nan() {
+        Some("NaN")
+    } else if f == f64::INFINITY {
+        Some("Infinity")
+    } else if f == f64::NEG_INFINITY {
+        Some("-Infinity")
+    } else {
+        None
+    }
+}
+
+/// `%s` of a value as cel-go writes it: strings bare, lists `[a, b]`, maps `{k: v}` in key
+/// order, timestamps in RFC 3339, durations in seconds. `None` for what the library renders
+/// the same way itself.
+fn format_text(v: &Value, nested: bool) -> Option<String> {
+    Some(match v {
+        Value::String(s) if nested => s.as_str().to_owned(),
+        Value::Null if nested => "null".into(),
+        Value::Bool(b) if nested => b.to_string(),
+        Value::Int(i) if nested => i.to_string(),
+        Value::UInt(u) if nested => u.to_string(),
+        Value::Float(f) => match non_finite(*f) {
+            Some(t) => t.to_owned(),
+            None if nested => f.to_string(),
+            None => return None,
+        },
+        Value::Bytes(b) => String::from_utf8_lossy(b).into_owned(),
+        Value::Timestamp(t) => t
+            .with_timezone(&chrono::Utc)
+            .to_rfc3339_opts(chrono::SecondsFormat::AutoSi, true),
+        Value::Duration(d) => duration_text(d),
+        Value::List(l) => {
+            let items: Option<Vec<String>> = l.iter().map(|x| format_text(x, true)).collect();
+            format!("[{}]", items?.join(", "))
+        }
+        Value::Map(m) => {
+            let mut entries: Vec<(String, String)> = m
+                .map
+                .iter()
+                .map(|(k, x)| Some((format_text(&Value::from(k), true)?, format_text(x, true)?)))
+                .collect::<Option<_>>()?;
+            entries.sort();
+            let entries: Vec<String> = entries
+                .into_iter()
+                .map(|(k, x)| format!("{k}: {x}"))
+                .collect();
+            format!("{{{}}}", entries.join(", "))
+        }
+        v => match type_value_name(v) {
+            Some(name) => name.to_owned(),
+            None => return None,
+        },
+    })
+}
+
+fn format(ftx: &FunctionContext) -> ResolveResult {
+    let (fmt, args) = (arg(ftx, 0)?, arg(ftx, 1)?);
+    let (Value::String(f), Value::List(list)) = (&fmt, &args) else {
+        return call_method("format", fmt, vec![args], ftx);
+    };
+    let mut out = String::with_capacity(f.len());
+    let mut rendered = Vec::with_capacity(list.len());
+    let mut next = 0;
+    let mut chars = f.chars().peekable();
+    while let Some(c) = chars.next() {
+        if c != '%' {
+            out.push(c);
+            continue;
+        }
+        let mut spec = String::from('%');
+        while let Some(&d) = chars.peek() {
+            spec.push(d);
+            chars.next();
+            if d.is_ascii_alphabetic() || d == '%' {
+                break;
+            }
+        }
+        let verb = spec.chars().last().unwrap_or('%');
+        if verb == '%' || spec.len() < 2 {
+            out.push_str(&spec);
+            continue;
+        }
+        let Some(v) = list.get(next) else {
+            out.push_str(&spec);
+            continue;
+        };
+        next += 1;
+        let text = match (verb, v) {
+            ('s', v) => format_text(v, false),
+            ('d' | 'f' | 'e', Value::Float(x)) => non_finite(*x).map(str::to_owned),
+            _ => None,
+        };
+        match text {
+            Some(t) => {
+                out.push_str("%s");
+                rendered.push(Value::String(std::sync::Arc::new(t)));
+            }
+            None => {
+                out.push_str(&spec);
+                rendered.push(v.clone());
+            }
+        }
+    }
+    rendered.extend(list.iter().skip(next).cloned());
+    call_method(
+        "format",
+        Value::String(std::sync::Arc::new(out)),
+        vec![Value::List(std::sync::Arc::new(rendered))],
+        ftx,
+    )
+}
+
+/// Calls the library method `name` on `target` with `args`.
+fn call_method(
+    name: &str,
+    target: Value,
+    args: Vec<Value>,
+    ftx: &FunctionContext,
+) -> ResolveResult {
+    let mut scope = ftx.ptx.new_inner_scope();
+    scope.add_variable_from_value("#target", target);
+    let mut idents = Vec::with_capacity(args.len());
+    for (i, a) in args.into_iter().enumerate() {
+        let n = format!("#arg{i}");
+        scope.add_variable_from_value(n.clone(), a);
+        idents.push(IdedExpr {
+            id: 0,
+            expr: Expr::Ident(n),
+        });
+    }
+    let expr = IdedExpr {
+        id: 0,
+        expr: Expr::Call(kube_cel::cel::common::ast::CallExpr {
+            func_name: name.to_owned(),
+            target: Some(Box::new(IdedExpr {
+                id: 0,
+                expr: Expr::Ident("#target".into()),
+            })),
+            args: idents,
+        }),
+    };
+    Value::resolve(&expr, &scope)
+}
+
 fn string_method(ftx: &FunctionContext) -> ResolveResult {
     let Some(Expr::Literal(LiteralValue::String(name))) = ftx.args.first().map(|a| &a.expr) else {
         return Err(ExecutionError::function_error(
@@ -982,29 +1131,7 @@ fn string_method(ftx: &FunctionContext) -> ResolveResult {
             _ => return bad("no such overload for these arguments"),
         }
     }
-    let mut scope = ftx.ptx.new_inner_scope();
-    let mut idents = Vec::with_capacity(args.len());
-    scope.add_variable_from_value("#target", target);
-    for (i, a) in args.into_iter().enumerate() {
-        let n = format!("#arg{i}");
-        scope.add_variable_from_value(n.clone(), a);
-        idents.push(IdedExpr {
-            id: 0,
-            expr: Expr::Ident(n),
-        });
-    }
-    let expr = IdedExpr {
-        id: 0,
-        expr: Expr::Call(kube_cel::cel::common::ast::CallExpr {
-            func_name: name.to_owned(),
-            target: Some(Box::new(IdedExpr {
-                id: 0,
-                expr: Expr::Ident("#target".into()),
-            })),
-            args: idents,
-        }),
-    };
-    Value::resolve(&expr, &scope)
+    call_method(name, target, args, ftx)
 }
 
 /// `__hearth_bind('v', init, body)`.
@@ -1240,6 +1367,7 @@ fn base_context() -> Context<'static> {
     ctx.add_function(STRING, string_of);
     ctx.add_function(ALL, all);
     ctx.add_function(STRING_METHOD, string_method);
+    ctx.add_function(FORMAT, format);
     ctx.add_function(EXISTS, exists);
     ctx.add_function(NEG, neg);
     ctx.add_function(TIMESTAMP, timestamp_of);

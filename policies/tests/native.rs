@@ -510,6 +510,7 @@ const EXPRESSIONS: &[&str] = &[
     "'42'.replace('2', '1', '1')",
     "'a,b,c'.split(',', 2).size() + 'hello'.substring(1, 3).size()",
     "[1, 2, 1].lastIndexOf(1)",
+    "'%s %s %d %.1f'.format([[1, 'a'], {'b': duration('90s')}, double('NaN'), 2.25])",
 ];
 
 #[test]
