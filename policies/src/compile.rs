@@ -702,6 +702,7 @@ fn bind(var: &str, init: IdedExpr, body: IdedExpr) -> IdedExpr {
 
 /// Type denotations: identifiers that stand for a type value.
 const TYPE_NAMES: &[&str] = &[
+    "optional_type",
     "int",
     "uint",
     "double",
@@ -859,7 +860,22 @@ fn desugar(e: &mut IdedExpr, scope: &mut Vec<String>, depth: usize) -> Result<()
                 .iter_mut()
                 .try_for_each(|a| desugar(a, scope, depth))?;
         }
-        Expr::Select(s) => desugar(&mut s.operand, scope, depth)?,
+        Expr::Select(s) => {
+            // `net.IP` and `net.CIDR` denote the IP library's types.
+            if matches!(&s.operand.expr, Expr::Ident(n) if n == "net" && !scope.contains(n))
+                && matches!(s.field.as_str(), "IP" | "CIDR")
+                && !s.test
+            {
+                let name = format!("net.{}", s.field);
+                *e = call(
+                    guard::TYPE_NAMED,
+                    None,
+                    vec![lit(LiteralValue::String(CelString::from(name)))],
+                );
+                return Ok(());
+            }
+            desugar(&mut s.operand, scope, depth)?
+        }
         Expr::List(l) => l
             .elements
             .iter_mut()
@@ -1233,6 +1249,22 @@ fn rewrite_in(e: &mut IdedExpr, shadowed: bool) {
             };
             if let (Some(g), None) = (renamed, &c.target) {
                 c.func_name = g.to_owned();
+            }
+            // `+` and `-` with timestamps and durations as cel-go; a comprehension's
+            // accumulator step stays the interpreter's (it appends in place).
+            let accumulator = matches!(c.args.first().map(|a| &a.expr), Some(Expr::Ident(n)) if n.starts_with('@'));
+            if c.target.is_none() && c.args.len() == 2 && !accumulator {
+                if c.func_name == operators::ADD {
+                    c.func_name = guard::ADD.to_owned();
+                } else if c.func_name == operators::SUBSTRACT {
+                    c.func_name = guard::SUB.to_owned();
+                }
+            }
+            if c.func_name == "getMilliseconds"
+                && let Some(target) = c.target.take()
+            {
+                c.args.insert(0, *target);
+                c.func_name = guard::MILLIS.to_owned();
             }
             // `format` with cel-go's renderings (see `guard::FORMAT`).
             if c.func_name == "format"

@@ -73,6 +73,13 @@ pub(crate) const CHECKED_STRING_METHODS: &[&str] =
 /// `fmt.format(args)` with cel-go's renderings of non-finite doubles and of `%s` of lists,
 /// maps, bytes, timestamps, durations and types.
 pub(crate) const FORMAT: &str = "__hearth_format";
+/// `+` and `-` (but a comprehension's accumulator step): timestamps and durations as
+/// cel-go (`duration + timestamp`, results out of range are errors); other operands by the
+/// interpreter's own operators.
+pub(crate) const ADD: &str = "__hearth_add";
+pub(crate) const SUB: &str = "__hearth_sub";
+/// `getMilliseconds()` of a duration: its milliseconds part, as cel-go.
+pub(crate) const MILLIS: &str = "__hearth_millis";
 /// `cel.bind(v, init, body)` on the interpreter: `body` in a scope where `v` is `init`.
 pub(crate) const BIND: &str = "__hearth_bind";
 /// A map literal with `n` entries, checked for a repeated key.
@@ -933,22 +940,100 @@ fn neg(ftx: &FunctionContext) -> ResolveResult {
     }
 }
 
-fn timestamp_of(ftx: &FunctionContext) -> ResolveResult {
-    match arg(ftx, 0)? {
-        v @ Value::Timestamp(_) => Ok(v),
-        Value::Int(secs) => chrono::DateTime::from_timestamp(secs, 0)
-            .filter(|t| (-62_135_596_800..=253_402_300_799).contains(&t.timestamp()))
-            .map(|t| Value::Timestamp(t.fixed_offset()))
-            .ok_or_else(|| ftx.error("timestamp out of range")),
-        v => call_library("timestamp", v, ftx),
+/// Timestamps from year 1 to 9999 and durations of at most 2^63-1 nanoseconds, as cel-go.
+fn in_range(v: Value, ftx: &FunctionContext) -> ResolveResult {
+    match &v {
+        Value::Timestamp(t) if !(-62_135_596_800..=253_402_300_799).contains(&t.timestamp()) => {
+            Err(ftx.error("timestamp out of range"))
+        }
+        Value::Duration(d) if d.num_nanoseconds().is_none() => {
+            Err(ftx.error("duration out of range"))
+        }
+        _ => Ok(v),
     }
 }
 
+fn timestamp_of(ftx: &FunctionContext) -> ResolveResult {
+    let v = match arg(ftx, 0)? {
+        v @ Value::Timestamp(_) => v,
+        Value::Int(secs) => chrono::DateTime::from_timestamp(secs, 0)
+            .map(|t| Value::Timestamp(t.fixed_offset()))
+            .ok_or_else(|| ftx.error("timestamp out of range"))?,
+        v => call_library("timestamp", v, ftx)?,
+    };
+    in_range(v, ftx)
+}
+
 fn duration_of(ftx: &FunctionContext) -> ResolveResult {
-    match arg(ftx, 0)? {
-        v @ Value::Duration(_) => Ok(v),
-        v => call_library("duration", v, ftx),
+    let v = match arg(ftx, 0)? {
+        v @ Value::Duration(_) => v,
+        v => match call_library("duration", v, ftx)? {
+            // The library's parser saturates at the limit instead of failing.
+            Value::Duration(d) if saturated(&d) => {
+                return Err(ftx.error("duration out of range"));
+            }
+            v => v,
+        },
+    };
+    in_range(v, ftx)
+}
+
+/// Whether a parsed duration sits at the limit the parser saturates to.
+pub(crate) fn saturated(d: &chrono::Duration) -> bool {
+    d.num_nanoseconds()
+        .is_none_or(|n| n == i64::MAX || n == -i64::MAX || n == i64::MIN)
+}
+
+fn is_time(v: &Value) -> bool {
+    matches!(v, Value::Timestamp(_) | Value::Duration(_))
+}
+
+/// Applies the interpreter's own operator `op` to `a` and `b`.
+fn operator(op: &str, a: Value, b: Value, ftx: &FunctionContext) -> ResolveResult {
+    let mut scope = ftx.ptx.new_inner_scope();
+    scope.add_variable_from_value("#a", a);
+    scope.add_variable_from_value("#b", b);
+    let ident = |n: &str| IdedExpr {
+        id: 0,
+        expr: Expr::Ident(n.into()),
+    };
+    let expr = IdedExpr {
+        id: 0,
+        expr: Expr::Call(kube_cel::cel::common::ast::CallExpr {
+            func_name: op.to_owned(),
+            target: None,
+            args: vec![ident("#a"), ident("#b")],
+        }),
+    };
+    Value::resolve(&expr, &scope)
+}
+
+fn add(ftx: &FunctionContext) -> ResolveResult {
+    let (a, b) = (arg(ftx, 0)?, arg(ftx, 1)?);
+    if is_time(&a) && is_time(&b) {
+        return in_range((a + b)?, ftx);
     }
+    operator(kube_cel::cel::common::ast::operators::ADD, a, b, ftx)
+}
+
+fn sub(ftx: &FunctionContext) -> ResolveResult {
+    let (a, b) = (arg(ftx, 0)?, arg(ftx, 1)?);
+    if is_time(&a) && is_time(&b) {
+        return in_range((a - b)?, ftx);
+    }
+    operator(kube_cel::cel::common::ast::operators::SUBSTRACT, a, b, ftx)
+}
+
+/// `getMilliseconds()`: of a duration, its milliseconds part; of a timestamp, the library's.
+fn millis(ftx: &FunctionContext) -> ResolveResult {
+    let target = arg(ftx, 0)?;
+    if let (Value::Duration(d), 1) = (&target, ftx.args.len()) {
+        return Ok(Value::Int(i64::from(d.subsec_nanos() / 1_000_000)));
+    }
+    let args = (1..ftx.args.len())
+        .map(|i| arg(ftx, i))
+        .collect::<Result<Vec<_>, _>>()?;
+    call_method("getMilliseconds", target, args, ftx)
 }
 
 fn bytes_of(ftx: &FunctionContext) -> ResolveResult {
@@ -1367,6 +1452,9 @@ fn base_context() -> Context<'static> {
     ctx.add_function(STRING, string_of);
     ctx.add_function(ALL, all);
     ctx.add_function(STRING_METHOD, string_method);
+    ctx.add_function(ADD, add);
+    ctx.add_function(SUB, sub);
+    ctx.add_function(MILLIS, millis);
     ctx.add_function(FORMAT, format);
     ctx.add_function(EXISTS, exists);
     ctx.add_function(NEG, neg);

@@ -1315,10 +1315,15 @@ fn call(f: Func, mut args: Vec<Val<'_>>) -> R<'_> {
         }
         Func::LowerAscii => built(text(&args, 0)?.to_ascii_lowercase())?,
         // The interpreter's own parser, so both accept the same strings.
-        Func::Duration => Val::Foreign(
-            kube_cel::cel::functions::time::duration(std::sync::Arc::new(text(&args, 0)?))
-                .map_err(|_| Failure::Fallback)?,
-        ),
+        Func::Duration => {
+            match kube_cel::cel::functions::time::duration(std::sync::Arc::new(text(&args, 0)?)) {
+                // At or beyond 2^63-1 nanoseconds is an error the interpreter words.
+                Ok(CelValue::Duration(d)) if !guard::saturated(&d) => {
+                    Val::Foreign(CelValue::Duration(d))
+                }
+                _ => return Err(Failure::Fallback),
+            }
+        }
         // Plain quantities here; the rest (exponents, signs, errors) by the interpreter.
         Func::Quantity => match args.swap_remove(0) {
             Val::Str(t) => match Quantity::parse(t.clone()) {

@@ -511,6 +511,13 @@ const EXPRESSIONS: &[&str] = &[
     "'a,b,c'.split(',', 2).size() + 'hello'.substring(1, 3).size()",
     "[1, 2, 1].lastIndexOf(1)",
     "'%s %s %d %.1f'.format([[1, 'a'], {'b': duration('90s')}, double('NaN'), 2.25])",
+    // time arithmetic and ranges
+    "duration('120s') + timestamp('2009-02-13T23:01:00Z') == timestamp('2009-02-13T23:03:00Z')",
+    "timestamp('9999-12-31T23:59:59Z') - timestamp('0001-01-01T00:00:00Z')",
+    "duration('320000000000s')",
+    "duration('1.5s').getMilliseconds() + timestamp('2024-01-02T03:04:05.678Z').getMilliseconds()",
+    "type(ip('10.0.0.1')) == net.IP && type(optional.none()) == optional_type",
+    "3 - 1 + 2.5 - 0.5",
 ];
 
 #[test]
