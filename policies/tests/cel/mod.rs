@@ -376,6 +376,18 @@ fn names_messages(expr: &str) -> bool {
     .any(|n| expr.contains(n))
 }
 
+/// Whether an expression constructs a message (`Name{...}`, a capitalized type name).
+fn builds_message(expr: &str) -> bool {
+    expr.contains("NullValue")
+        || expr.match_indices('{').any(|(i, _)| {
+            expr[..i]
+                .trim_end()
+                .rsplit(|c: char| !(c.is_ascii_alphanumeric() || c == '_' || c == '.'))
+                .next()
+                .is_some_and(|name| name.starts_with(|c: char| c.is_ascii_uppercase()))
+        })
+}
+
 fn prepare_test(pool: &DescriptorPool, file: &str, section: &str, t: &DynamicMessage) -> Item {
     let name = str_field(t, "name");
     let id = format!("{file}/{section}/{name}");
@@ -391,7 +403,7 @@ fn prepare_test(pool: &DescriptorPool, file: &str, section: &str, t: &DynamicMes
         return skip("unknown values (partial evaluation)");
     }
     // A container resolves message names: `Value{...}` in `google.protobuf`.
-    if names_messages(&expr) || !str_field(t, "container").is_empty() {
+    if names_messages(&expr) || (!str_field(t, "container").is_empty() && builds_message(&expr)) {
         return skip(MESSAGE_TYPES);
     }
     let mut bindings = Vec::new();
