@@ -222,26 +222,33 @@ const GROWING: &[&str] = &[
     "string",
 ];
 
-/// Functions that need the apiserver (or a newer CEL) and are rejected with a reason.
+/// Macros in a form the engine does not expand, and functions it does not have, rejected with
+/// a reason.
 const UNSUPPORTED: &[(&str, &str)] = &[
     (
         "all",
-        "two-variable comprehensions are not supported: use the one-variable form list.all(x, ...)",
+        "write list.all(x, predicate) or, with two variables, map.all(k, v, predicate)",
     ),
     (
         "exists",
-        "two-variable comprehensions are not supported: use the one-variable form list.exists(x, ...)",
+        "write list.exists(x, predicate) or, with two variables, map.exists(k, v, predicate)",
     ),
-    ("existsOne", "two-variable comprehensions are not supported"),
+    (
+        "existsOne",
+        "write list.existsOne(x, predicate) or list.existsOne(i, x, predicate)",
+    ),
     (
         "exists_one",
-        "two-variable comprehensions are not supported",
+        "write list.exists_one(x, predicate) or list.exists_one(i, x, predicate)",
     ),
     (
         "transformList",
-        "transformList is not supported: use map(x, ...)",
+        "write list.transformList(i, x, [filter,] value)",
     ),
-    ("transformMap", "transformMap is not supported"),
+    (
+        "transformMap",
+        "write map.transformMap(k, v, [filter,] value)",
+    ),
     ("transformMapEntry", "transformMapEntry is not supported"),
 ];
 

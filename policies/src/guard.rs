@@ -775,7 +775,25 @@ fn field_name(ftx: &FunctionContext) -> Result<std::sync::Arc<String>, Execution
 }
 
 fn select(ftx: &FunctionContext) -> ResolveResult {
-    select_value(arg(ftx, 0)?, &field_name(ftx)?)
+    let operand = operand(ftx)?;
+    let field = field_name(ftx)?;
+    // A map's entry by reference, without copying the map.
+    if operand.get_type() == MAP_TYPE
+        && let Some(indexer) = operand.as_indexer()
+        && let Ok(v) = indexer.get(&CelString::from(field.as_str()))
+    {
+        return v.as_ref().try_into();
+    }
+    select_value(operand.as_ref().try_into()?, &field)
+}
+
+/// The first argument as the interpreter holds it (not converted).
+fn operand<'a>(ftx: &'a FunctionContext) -> Result<Cow<'a, dyn Val>, ExecutionError> {
+    let e = ftx
+        .args
+        .first()
+        .ok_or_else(|| ExecutionError::invalid_argument_count(1, 0))?;
+    Value::resolve_val(e, ftx.ptx)
 }
 
 fn opt_select(ftx: &FunctionContext) -> ResolveResult {
@@ -812,7 +830,23 @@ fn has(ftx: &FunctionContext) -> ResolveResult {
 }
 
 fn index(ftx: &FunctionContext) -> ResolveResult {
-    index_value(arg(ftx, 0)?, &arg(ftx, 1)?, false)
+    let container = operand(ftx)?;
+    let key = arg(ftx, 1)?;
+    // A list element or a map entry by reference, without copying the container.
+    if let Some(l) = container.downcast_ref::<CelList>() {
+        if let Value::Int(i) = key
+            && let Some(x) = usize::try_from(i).ok().and_then(|i| l.inner().get(i))
+        {
+            return x.as_ref().try_into();
+        }
+    } else if container.get_type() == MAP_TYPE
+        && let Value::String(k) = &key
+        && let Some(indexer) = container.as_indexer()
+        && let Ok(v) = indexer.get(&CelString::from(k.as_str()))
+    {
+        return v.as_ref().try_into();
+    }
+    index_value(container.as_ref().try_into()?, &key, false)
 }
 
 fn opt_index(ftx: &FunctionContext) -> ResolveResult {
@@ -984,44 +1018,21 @@ pub(crate) fn saturated(d: &chrono::Duration) -> bool {
         .is_none_or(|n| n == i64::MAX || n == -i64::MAX || n == i64::MIN)
 }
 
-fn is_time(v: &Value) -> bool {
-    matches!(v, Value::Timestamp(_) | Value::Duration(_))
-}
-
-/// Applies the interpreter's own operator `op` to `a` and `b`.
-fn operator(op: &str, a: Value, b: Value, ftx: &FunctionContext) -> ResolveResult {
-    let mut scope = ftx.ptx.new_inner_scope();
-    scope.add_variable_from_value("#a", a);
-    scope.add_variable_from_value("#b", b);
-    let ident = |n: &str| IdedExpr {
-        id: 0,
-        expr: Expr::Ident(n.into()),
-    };
-    let expr = IdedExpr {
-        id: 0,
-        expr: Expr::Call(kube_cel::cel::common::ast::CallExpr {
-            func_name: op.to_owned(),
-            target: None,
-            args: vec![ident("#a"), ident("#b")],
-        }),
-    };
-    Value::resolve(&expr, &scope)
-}
-
 fn add(ftx: &FunctionContext) -> ResolveResult {
-    let (a, b) = (arg(ftx, 0)?, arg(ftx, 1)?);
-    if is_time(&a) && is_time(&b) {
-        return in_range((a + b)?, ftx);
+    match (arg(ftx, 0)?, arg(ftx, 1)?) {
+        (Value::Bytes(a), Value::Bytes(b)) => {
+            let mut out = Vec::with_capacity(a.len() + b.len());
+            out.extend_from_slice(&a);
+            out.extend_from_slice(&b);
+            Ok(Value::Bytes(std::sync::Arc::new(out)))
+        }
+        (a, b) => in_range((a + b)?, ftx),
     }
-    operator(kube_cel::cel::common::ast::operators::ADD, a, b, ftx)
 }
 
 fn sub(ftx: &FunctionContext) -> ResolveResult {
     let (a, b) = (arg(ftx, 0)?, arg(ftx, 1)?);
-    if is_time(&a) && is_time(&b) {
-        return in_range((a - b)?, ftx);
-    }
-    operator(kube_cel::cel::common::ast::operators::SUBSTRACT, a, b, ftx)
+    in_range((a - b)?, ftx)
 }
 
 /// `getMilliseconds()`: of a duration, its milliseconds part; of a timestamp, the library's.
