@@ -1149,7 +1149,6 @@ fn rewrite_in(e: &mut IdedExpr, shadowed: bool) {
             let guard = if s.test { guard::HAS } else { guard::SELECT };
             let operand = take(&mut s.operand);
             *e = call(guard, None, vec![operand, field]);
-            return;
         }
         // A map literal may not repeat a key (numbers of equal value are the same key).
         Expr::Map(m) if m.entries.len() >= 2 => {
@@ -1164,7 +1163,6 @@ fn rewrite_in(e: &mut IdedExpr, shadowed: bool) {
                 None,
                 vec![literal, lit(LiteralValue::Int(n.into()))],
             );
-            return;
         }
         Expr::Struct(s) => {
             let entries = std::mem::take(&mut s.entries)

@@ -273,10 +273,10 @@ fn any_value(pool: &DescriptorPool, any: &DynamicMessage) -> Result<Value, Unusa
         .unwrap_or_default();
     let desc = pool.get_message_by_name(name).ok_or(Unusable::Message)?;
     let msg = DynamicMessage::decode(desc, bytes).map_err(|_| Unusable::Message)?;
-    well_known(pool, name, &msg)
+    well_known(name, &msg)
 }
 
-fn well_known(pool: &DescriptorPool, name: &str, msg: &DynamicMessage) -> Result<Value, Unusable> {
+fn well_known(name: &str, msg: &DynamicMessage) -> Result<Value, Unusable> {
     let get = |n: &str| msg.get_field_by_name(n).map(|v| v.into_owned());
     Ok(match name {
         "google.protobuf.Struct" => {
@@ -289,7 +289,7 @@ fn well_known(pool: &DescriptorPool, name: &str, msg: &DynamicMessage) -> Result
                     let v = v.as_message().ok_or(Unusable::Message)?;
                     out.insert(
                         Key::String(Arc::new(k)),
-                        well_known(pool, "google.protobuf.Value", v)?,
+                        well_known("google.protobuf.Value", v)?,
                     );
                 }
             }
@@ -300,7 +300,7 @@ fn well_known(pool: &DescriptorPool, name: &str, msg: &DynamicMessage) -> Result
                 .map(|v| messages(&v))
                 .unwrap_or_default()
                 .iter()
-                .map(|x| well_known(pool, "google.protobuf.Value", x))
+                .map(|x| well_known("google.protobuf.Value", x))
                 .collect::<Result<_, _>>()?,
         )),
         "google.protobuf.Value" => {
@@ -312,9 +312,9 @@ fn well_known(pool: &DescriptorPool, name: &str, msg: &DynamicMessage) -> Result
             } else if let Some(v) = f("string_value") {
                 Value::String(Arc::new(v.as_str().unwrap_or_default().to_owned()))
             } else if let Some(Pv::Message(m)) = f("struct_value") {
-                well_known(pool, "google.protobuf.Struct", &m)?
+                well_known("google.protobuf.Struct", &m)?
             } else if let Some(Pv::Message(m)) = f("list_value") {
-                well_known(pool, "google.protobuf.ListValue", &m)?
+                well_known("google.protobuf.ListValue", &m)?
             } else {
                 Value::Null
             }
