@@ -1293,7 +1293,8 @@ fn rewrite_in(e: &mut IdedExpr, shadowed: bool) {
             // The accumulator step of a comprehension (`@result + [x]`) is charged by the tick
             // guard instead, without converting the accumulator.
             let accumulates = matches!(c.args.first().map(|a| &a.expr), Some(Expr::Ident(n)) if n.starts_with('@'));
-            if GROWING.contains(&qualified.as_str()) && !accumulates {
+            // `guard::ADD` checks and charges its result itself.
+            if GROWING.contains(&qualified.as_str()) && !accumulates && c.func_name != guard::ADD {
                 let inner = take(e);
                 *e = call(guard::SIZE, None, vec![inner]);
             }

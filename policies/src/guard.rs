@@ -918,7 +918,7 @@ fn map_literal(ftx: &FunctionContext) -> ResolveResult {
 /// `all` (`decides` false) or `exists` (`decides` true): the first element whose predicate
 /// gives `decides` decides; otherwise an element's error is the result, else `!decides`.
 fn quantify(ftx: &FunctionContext, decides: bool) -> ResolveResult {
-    let range = arg(ftx, 0)?;
+    let range = operand(ftx)?;
     let Some(Expr::Literal(LiteralValue::String(var))) = ftx.args.get(1).map(|a| &a.expr) else {
         return Err(ExecutionError::function_error(ALL, "needs a variable name"));
     };
@@ -926,13 +926,26 @@ fn quantify(ftx: &FunctionContext, decides: bool) -> ResolveResult {
         .args
         .get(2)
         .ok_or_else(|| ExecutionError::invalid_argument_count(3, ftx.args.len()))?;
-    let items: Vec<Value> = match &range {
-        Value::List(l) => l.iter().cloned().collect(),
-        Value::Map(m) => m.map.keys().map(Value::from).collect(),
-        _ => return Err(ExecutionError::NoSuchOverload),
+    // A list's elements are converted one at a time, not the whole list at once.
+    let items: Vec<&dyn Val> = match range.downcast_ref::<CelList>() {
+        Some(l) => l.inner().iter().map(|x| x.as_ref()).collect(),
+        None => Vec::new(),
+    };
+    let keys: Vec<Value> = if range.downcast_ref::<CelList>().is_some() {
+        Vec::new()
+    } else {
+        match range.as_ref().try_into()? {
+            Value::Map(m) => m.map.keys().map(Value::from).collect(),
+            _ => return Err(ExecutionError::NoSuchOverload),
+        }
     };
     let mut error = None;
-    for item in items {
+    let values = items
+        .into_iter()
+        .map(|x| x.try_into())
+        .chain(keys.into_iter().map(Ok));
+    for item in values {
+        let item: Value = item?;
         charge(1)?;
         let mut scope = ftx.ptx.new_inner_scope();
         scope.add_variable_from_value(var.inner(), item);
@@ -1018,21 +1031,57 @@ pub(crate) fn saturated(d: &chrono::Duration) -> bool {
         .is_none_or(|n| n == i64::MAX || n == -i64::MAX || n == i64::MIN)
 }
 
-fn add(ftx: &FunctionContext) -> ResolveResult {
-    match (arg(ftx, 0)?, arg(ftx, 1)?) {
-        (Value::Bytes(a), Value::Bytes(b)) => {
-            let mut out = Vec::with_capacity(a.len() + b.len());
-            out.extend_from_slice(&a);
-            out.extend_from_slice(&b);
-            Ok(Value::Bytes(std::sync::Arc::new(out)))
-        }
-        (a, b) => in_range((a + b)?, ftx),
-    }
+/// Whether `v` is a timestamp, duration or bytes, which the interpreter's own `+` and `-`
+/// get wrong (`duration + timestamp`, ranges, bytes).
+fn time_or_bytes(v: &dyn Val) -> bool {
+    use kube_cel::cel::common::types::{BYTES_TYPE, DURATION_TYPE, TIMESTAMP_TYPE};
+    let t = v.get_type();
+    t == DURATION_TYPE || t == TIMESTAMP_TYPE || t == BYTES_TYPE
 }
 
+/// `a + b`: the interpreter's addition over its own values (no copy of the operands), by
+/// value for timestamps, durations and bytes; the result is size-checked and charged.
+fn add(ftx: &FunctionContext) -> ResolveResult {
+    let a = operand(ftx)?;
+    let b = Value::resolve_val(
+        ftx.args
+            .get(1)
+            .ok_or_else(|| ExecutionError::invalid_argument_count(2, ftx.args.len()))?,
+        ftx.ptx,
+    )?;
+    let sum = if time_or_bytes(a.as_ref()) || time_or_bytes(b.as_ref()) {
+        match (a.as_ref().try_into()?, b.as_ref().try_into()?) {
+            (Value::Bytes(x), Value::Bytes(y)) => {
+                let mut out = Vec::with_capacity(x.len() + y.len());
+                out.extend_from_slice(&x);
+                out.extend_from_slice(&y);
+                Value::Bytes(std::sync::Arc::new(out))
+            }
+            (x, y) => in_range((x + y)?, ftx)?,
+        }
+    } else {
+        let adder = a.as_adder().ok_or(ExecutionError::NoSuchOverload)?;
+        adder.add(b.as_ref())?.as_ref().try_into()?
+    };
+    check_value(&sum)?;
+    Ok(sum)
+}
+
+/// `a - b`, as [`add`].
 fn sub(ftx: &FunctionContext) -> ResolveResult {
-    let (a, b) = (arg(ftx, 0)?, arg(ftx, 1)?);
-    in_range((a - b)?, ftx)
+    let a = operand(ftx)?;
+    let b = Value::resolve_val(
+        ftx.args
+            .get(1)
+            .ok_or_else(|| ExecutionError::invalid_argument_count(2, ftx.args.len()))?,
+        ftx.ptx,
+    )?;
+    if time_or_bytes(a.as_ref()) || time_or_bytes(b.as_ref()) {
+        let (x, y): (Value, Value) = (a.as_ref().try_into()?, b.as_ref().try_into()?);
+        return in_range((x - y)?, ftx);
+    }
+    let subtractor = a.as_subtractor().ok_or(ExecutionError::NoSuchOverload)?;
+    subtractor.sub(b.as_ref())?.as_ref().try_into()
 }
 
 /// `getMilliseconds()`: of a duration, its milliseconds part; of a timestamp, the library's.
