@@ -37,6 +37,8 @@ const CEL_FUNCTIONS: &[&str] = &[
     "startsWith",
     "endsWith",
     "string",
+    "bool",
+    "type",
     "bytes",
     "double",
     "int",
@@ -220,32 +222,34 @@ const GROWING: &[&str] = &[
     "string",
 ];
 
-/// Functions that need the apiserver (or a newer CEL) and are rejected with a reason.
+/// Macros in a form the engine does not expand, and functions it does not have, rejected with
+/// a reason.
 const UNSUPPORTED: &[(&str, &str)] = &[
     (
-        "cel.bind",
-        "cel.bind is not supported: declare a policy variable (spec.variables) and use variables.<name>",
-    ),
-    (
         "all",
-        "two-variable comprehensions are not supported: use the one-variable form list.all(x, ...)",
+        "write list.all(x, predicate) or, with two variables, map.all(k, v, predicate)",
     ),
     (
         "exists",
-        "two-variable comprehensions are not supported: use the one-variable form list.exists(x, ...)",
+        "write list.exists(x, predicate) or, with two variables, map.exists(k, v, predicate)",
     ),
-    ("existsOne", "two-variable comprehensions are not supported"),
+    (
+        "existsOne",
+        "write list.existsOne(x, predicate) or list.existsOne(i, x, predicate)",
+    ),
     (
         "exists_one",
-        "two-variable comprehensions are not supported",
+        "write list.exists_one(x, predicate) or list.exists_one(i, x, predicate)",
     ),
     (
         "transformList",
-        "transformList is not supported: use map(x, ...)",
+        "write list.transformList(i, x, [filter,] value)",
     ),
-    ("transformMap", "transformMap is not supported"),
+    (
+        "transformMap",
+        "write map.transformMap(k, v, [filter,] value)",
+    ),
     ("transformMapEntry", "transformMapEntry is not supported"),
-    ("type", "type() is not supported"),
 ];
 
 /// Why an expression did not compile. `Display` names the problem and, where known, the
@@ -346,6 +350,17 @@ pub fn compile_expr(
     limits: &Limits,
     declared: &[String],
 ) -> Result<CompiledExpr, ExprError> {
+    compile_with_bindings(source, limits, declared, &[])
+}
+
+/// [`compile_expr`] where `bindings` are extra identifiers in scope (a standalone expression's
+/// variables, see [`crate::expression`]).
+pub(crate) fn compile_with_bindings(
+    source: &str,
+    limits: &Limits,
+    declared: &[String],
+    bindings: &[String],
+) -> Result<CompiledExpr, ExprError> {
     if source.len() > limits.max_expression_bytes {
         return Err(ExprError {
             message: format!(
@@ -395,16 +410,21 @@ pub fn compile_expr(
             });
         }
     };
+    stacker::grow(16 << 20, || {
+        desugar(&mut expr, &mut bindings.to_vec(), limits.max_ast_depth + 1)
+    })
+    .map_err(|name| error_at(source, &name, format!("{name} is reserved for the engine")))?;
     let mut checker = Checker {
         source,
         limits,
         declared,
-        scope: Vec::new(),
+        scope: bindings.to_vec(),
         uses: BTreeSet::new(),
     };
     stacker::grow(16 << 20, || checker.check(&expr, 1, 0))?;
     let uses_variables = checker.uses;
-    let native = stacker::grow(16 << 20, || native::compile(&expr, declared)).map(Arc::new);
+    let native =
+        stacker::grow(16 << 20, || native::compile(&expr, declared, bindings)).map(Arc::new);
     stacker::grow(16 << 20, || rewrite(&mut expr));
     Ok(CompiledExpr {
         source: source.to_owned(),
@@ -527,6 +547,12 @@ impl Checker<'_> {
                 "two-variable comprehensions are not supported: use the one-variable form".into(),
             ));
         }
+        // `cel.bind` only names a value: it does not iterate.
+        let comps = if c.iter_var == BIND_ITER {
+            comps.saturating_sub(1)
+        } else {
+            comps
+        };
         if comps + 1 > self.limits.max_comprehension_nesting {
             return Err(error_at(
                 self.source,
@@ -552,13 +578,6 @@ impl Checker<'_> {
 
     fn call(&mut self, call: &CallExpr, d: usize, comps: usize) -> Result<(), ExprError> {
         let name = call.func_name.as_str();
-        if name.starts_with("__hearth") {
-            return Err(error_at(
-                self.source,
-                name,
-                format!("{name} is reserved for the engine"),
-            ));
-        }
         // `ns.fn(...)` parses as a call of `fn` on the identifier `ns`.
         let qualified = match call.target.as_deref().map(|t| &t.expr) {
             Some(Expr::Ident(ns))
@@ -579,8 +598,15 @@ impl Checker<'_> {
             self.check(t, d, comps)?;
         }
         call.args.iter().try_for_each(|a| self.check(a, d, comps))?;
+        // The engine's own functions only come from `desugar`, which rejects them in the source.
         let known = |n: &str| {
-            OPERATORS.contains(&n) || CEL_FUNCTIONS.contains(&n) || KUBE_FUNCTIONS.contains(&n)
+            OPERATORS.contains(&n)
+                || CEL_FUNCTIONS.contains(&n)
+                || KUBE_FUNCTIONS.contains(&n)
+                || n == guard::ENTRIES
+                || n == guard::PUT
+                || n == guard::TYPE_NAMED
+                || n == guard::MAP_LITERAL
         };
         // A literal pattern that does not compile is a load error, not a per-request one.
         if matches!(full, "matches" | "find" | "findAll")
@@ -604,6 +630,381 @@ impl Checker<'_> {
         }
         Ok(())
     }
+}
+
+/// The guard and predicate of an `all` or `exists` comprehension as the parser's macros
+/// (and [`two_variable`]) build them: `@result && p` from `true`, `@result || p` from `false`.
+fn quantifier(c: &mut ComprehensionExpr) -> Option<(&'static str, IdedExpr)> {
+    if c.accu_var != RESULT || !matches!(&c.result.expr, Expr::Ident(r) if r == RESULT) {
+        return None;
+    }
+    let Expr::Literal(LiteralValue::Boolean(init)) = &c.accu_init.expr else {
+        return None;
+    };
+    let (guard, op) = if *init.inner() {
+        (guard::ALL, operators::LOGICAL_AND)
+    } else {
+        (guard::EXISTS, operators::LOGICAL_OR)
+    };
+    let Expr::Call(step) = &mut c.loop_step.expr else {
+        return None;
+    };
+    if step.func_name != op
+        || step.args.len() != 2
+        || !matches!(&step.args[0].expr, Expr::Ident(r) if r == RESULT)
+    {
+        return None;
+    }
+    Some((guard, take(&mut step.args[1])))
+}
+
+/// The iteration variable of the comprehension `cel.bind` becomes (it never iterates).
+pub(crate) const BIND_ITER: &str = "#bind";
+
+fn ident(name: &str) -> IdedExpr {
+    IdedExpr {
+        id: 0,
+        expr: Expr::Ident(name.to_owned()),
+    }
+}
+
+fn lit(l: LiteralValue) -> IdedExpr {
+    IdedExpr {
+        id: 0,
+        expr: Expr::Literal(l),
+    }
+}
+
+fn list_of(elements: Vec<IdedExpr>) -> IdedExpr {
+    IdedExpr {
+        id: 0,
+        expr: Expr::List(kube_cel::cel::common::ast::ListExpr {
+            elements,
+            optional_indices: Vec::new(),
+        }),
+    }
+}
+
+fn comprehension(c: ComprehensionExpr) -> IdedExpr {
+    IdedExpr {
+        id: 0,
+        expr: Expr::Comprehension(Box::new(c)),
+    }
+}
+
+/// `cel.bind(var, init, body)` as cel-go expands it: a comprehension over nothing whose
+/// accumulator `var` holds `init` and whose result is `body`.
+fn bind(var: &str, init: IdedExpr, body: IdedExpr) -> IdedExpr {
+    comprehension(ComprehensionExpr {
+        iter_range: list_of(Vec::new()),
+        iter_var: BIND_ITER.to_owned(),
+        iter_var2: None,
+        accu_var: var.to_owned(),
+        accu_init: init,
+        loop_cond: lit(LiteralValue::Boolean(false.into())),
+        loop_step: ident(var),
+        result: body,
+    })
+}
+
+/// Type denotations: identifiers that stand for a type value.
+const TYPE_NAMES: &[&str] = &[
+    "optional_type",
+    "int",
+    "uint",
+    "double",
+    "bool",
+    "string",
+    "bytes",
+    "list",
+    "map",
+    "null_type",
+    "type",
+];
+
+/// The optional `optMap` and `optFlatMap` look into.
+const OPT: &str = "#opt";
+
+/// The iteration variable of a two-variable comprehension: a `[key, value]` pair.
+const PAIR: &str = "#pair";
+/// The accumulator, named as the parser's macros name it.
+const RESULT: &str = "@result";
+
+/// A two-variable comprehension (`range.all(k, v, p)`, `exists`, `existsOne`,
+/// `transformList`, `transformMap`) over the `[key, value]` pairs of `range`, with `k` and `v`
+/// bound in each step. `None` when `func` is not one.
+fn two_variable(
+    func: &str,
+    range: IdedExpr,
+    k: &str,
+    v: &str,
+    mut rest: Vec<IdedExpr>,
+) -> Option<IdedExpr> {
+    let at = |i: i64| {
+        call(
+            operators::INDEX,
+            None,
+            vec![ident(PAIR), lit(LiteralValue::Int(i.into()))],
+        )
+    };
+    let bound = |body: IdedExpr| bind(k, at(0), bind(v, at(1), body));
+    let acc = || ident(RESULT);
+    let (init, cond, step, result) = match (func, rest.len()) {
+        ("all", 1) => (
+            lit(LiteralValue::Boolean(true.into())),
+            call(operators::NOT_STRICTLY_FALSE, None, vec![acc()]),
+            call(
+                operators::LOGICAL_AND,
+                None,
+                vec![acc(), bound(rest.remove(0))],
+            ),
+            acc(),
+        ),
+        ("exists", 1) => (
+            lit(LiteralValue::Boolean(false.into())),
+            call(
+                operators::NOT_STRICTLY_FALSE,
+                None,
+                vec![call(operators::LOGICAL_NOT, None, vec![acc()])],
+            ),
+            call(
+                operators::LOGICAL_OR,
+                None,
+                vec![acc(), bound(rest.remove(0))],
+            ),
+            acc(),
+        ),
+        ("existsOne" | "exists_one", 1) => (
+            lit(LiteralValue::Int(0.into())),
+            lit(LiteralValue::Boolean(true.into())),
+            bound(call(
+                operators::CONDITIONAL,
+                None,
+                vec![
+                    rest.remove(0),
+                    call(
+                        operators::ADD,
+                        None,
+                        vec![acc(), lit(LiteralValue::Int(1.into()))],
+                    ),
+                    acc(),
+                ],
+            )),
+            call(
+                operators::EQUALS,
+                None,
+                vec![acc(), lit(LiteralValue::Int(1.into()))],
+            ),
+        ),
+        ("transformList", 1 | 2) => {
+            let value = rest.pop()?;
+            let add = call(operators::ADD, None, vec![acc(), list_of(vec![value])]);
+            let step = match rest.pop() {
+                Some(filter) => call(operators::CONDITIONAL, None, vec![filter, add, acc()]),
+                None => add,
+            };
+            (
+                list_of(Vec::new()),
+                lit(LiteralValue::Boolean(true.into())),
+                bound(step),
+                acc(),
+            )
+        }
+        ("transformMap", 1 | 2) => {
+            let value = rest.pop()?;
+            let add = call(guard::PUT, None, vec![acc(), ident(k), value]);
+            let step = match rest.pop() {
+                Some(filter) => call(operators::CONDITIONAL, None, vec![filter, add, acc()]),
+                None => add,
+            };
+            (
+                IdedExpr {
+                    id: 0,
+                    expr: Expr::Map(MapExpr {
+                        entries: Vec::new(),
+                    }),
+                },
+                lit(LiteralValue::Boolean(true.into())),
+                bound(step),
+                acc(),
+            )
+        }
+        _ => return None,
+    };
+    Some(comprehension(ComprehensionExpr {
+        iter_range: call(guard::ENTRIES, None, vec![range]),
+        iter_var: PAIR.to_owned(),
+        iter_var2: None,
+        accu_var: RESULT.to_owned(),
+        accu_init: init,
+        loop_cond: cond,
+        loop_step: step,
+        result,
+    }))
+}
+
+/// Rewrites what the apiserver's CEL has and the interpreter does not into what it has:
+/// `dyn(x)` (a type-checker hint) is `x`; `cel.bind(v, init, body)` is the comprehension
+/// cel-go expands it to; two-variable comprehensions iterate `[key, value]` pairs with both
+/// variables bound. Errors with the name of an engine function written in the source.
+fn desugar(e: &mut IdedExpr, scope: &mut Vec<String>, depth: usize) -> Result<(), String> {
+    // Deeper than any expression may be: the checker rejects it.
+    let Some(depth) = depth.checked_sub(1) else {
+        return Ok(());
+    };
+    match &mut e.expr {
+        Expr::Call(c) => {
+            if c.func_name.starts_with("__hearth") {
+                return Err(c.func_name.clone());
+            }
+            // `ns.fn(...)`'s namespace is not an identifier to rewrite.
+            if let Some(t) = c.target.as_deref_mut()
+                && !matches!(&t.expr, Expr::Ident(n) if !scope.contains(n))
+            {
+                desugar(t, scope, depth)?;
+            }
+            c.args
+                .iter_mut()
+                .try_for_each(|a| desugar(a, scope, depth))?;
+        }
+        Expr::Select(s) => {
+            // `net.IP` and `net.CIDR` denote the IP library's types.
+            if matches!(&s.operand.expr, Expr::Ident(n) if n == "net" && !scope.contains(n))
+                && matches!(s.field.as_str(), "IP" | "CIDR")
+                && !s.test
+            {
+                let name = format!("net.{}", s.field);
+                *e = call(
+                    guard::TYPE_NAMED,
+                    None,
+                    vec![lit(LiteralValue::String(CelString::from(name)))],
+                );
+                return Ok(());
+            }
+            desugar(&mut s.operand, scope, depth)?
+        }
+        Expr::List(l) => l
+            .elements
+            .iter_mut()
+            .try_for_each(|x| desugar(x, scope, depth))?,
+        Expr::Map(m) => m.entries.iter_mut().try_for_each(|en| match &mut en.expr {
+            EntryExpr::MapEntry(me) => {
+                desugar(&mut me.key, scope, depth)?;
+                desugar(&mut me.value, scope, depth)
+            }
+            EntryExpr::StructField(f) => desugar(&mut f.value, scope, depth),
+        })?,
+        Expr::Struct(s) => s.entries.iter_mut().try_for_each(|en| match &mut en.expr {
+            EntryExpr::MapEntry(me) => {
+                desugar(&mut me.key, scope, depth)?;
+                desugar(&mut me.value, scope, depth)
+            }
+            EntryExpr::StructField(f) => desugar(&mut f.value, scope, depth),
+        })?,
+        Expr::Comprehension(c) => {
+            desugar(&mut c.iter_range, scope, depth)?;
+            desugar(&mut c.accu_init, scope, depth)?;
+            let mark = scope.len();
+            scope.push(c.iter_var.clone());
+            scope.push(c.accu_var.clone());
+            let inner = desugar(&mut c.loop_cond, scope, depth)
+                .and_then(|_| desugar(&mut c.loop_step, scope, depth))
+                .and_then(|_| desugar(&mut c.result, scope, depth));
+            scope.truncate(mark);
+            inner?;
+        }
+        Expr::Ident(name) => {
+            // A type denotation (`type(x) == string`) is a value.
+            if TYPE_NAMES.contains(&name.as_str()) && !scope.contains(name) {
+                let name = name.clone();
+                *e = call(
+                    guard::TYPE_NAMED,
+                    None,
+                    vec![lit(LiteralValue::String(CelString::from(name)))],
+                );
+            }
+            return Ok(());
+        }
+        Expr::Literal(_) | Expr::Unspecified => {}
+    }
+    let Expr::Call(c) = &mut e.expr else {
+        return Ok(());
+    };
+    if c.func_name == "dyn" && c.target.is_none() && c.args.len() == 1 {
+        *e = take(&mut c.args[0]);
+        return Ok(());
+    }
+    let is_cel =
+        matches!(c.target.as_deref().map(|t| &t.expr), Some(Expr::Ident(ns)) if ns == "cel");
+    if is_cel
+        && c.func_name == "bind"
+        && c.args.len() == 3
+        && let Expr::Ident(var) = &c.args[0].expr
+    {
+        let var = var.clone();
+        let body = take(&mut c.args[2]);
+        let init = take(&mut c.args[1]);
+        *e = bind(&var, init, body);
+        return Ok(());
+    }
+    // `o.optMap(v, e)`: `optional.of(e)` with `v` bound to the value, none when `o` is none;
+    // `optFlatMap` returns `e` itself.
+    if matches!(c.func_name.as_str(), "optMap" | "optFlatMap")
+        && c.args.len() == 2
+        && c.target.is_some()
+        && let Expr::Ident(var) = &c.args[0].expr
+    {
+        let var = var.clone();
+        let flat = c.func_name == "optFlatMap";
+        let body = take(&mut c.args[1]);
+        let target = c.target.as_deref_mut().map(take).unwrap_or_default();
+        let method = |name: &str, on: IdedExpr, args: Vec<IdedExpr>| IdedExpr {
+            id: 0,
+            expr: Expr::Call(CallExpr {
+                func_name: name.to_owned(),
+                target: Some(Box::new(on)),
+                args,
+            }),
+        };
+        let mapped = bind(&var, method("value", ident(OPT), Vec::new()), body);
+        let some = if flat {
+            mapped
+        } else {
+            method("of", ident("optional"), vec![mapped])
+        };
+        *e = bind(
+            OPT,
+            target,
+            call(
+                operators::CONDITIONAL,
+                None,
+                vec![
+                    method("hasValue", ident(OPT), Vec::new()),
+                    some,
+                    method("none", ident("optional"), Vec::new()),
+                ],
+            ),
+        );
+        return Ok(());
+    }
+    let two_variable_form = matches!(
+        (c.func_name.as_str(), c.args.len()),
+        ("all" | "exists" | "existsOne" | "exists_one", 3)
+            | ("transformList" | "transformMap", 3 | 4)
+    );
+    if two_variable_form
+        && let (Some(_), Expr::Ident(k), Expr::Ident(v)) =
+            (c.target.as_deref(), &c.args[0].expr, &c.args[1].expr)
+    {
+        let (k, v) = (k.clone(), v.clone());
+        let rest: Vec<IdedExpr> = c.args.drain(2..).collect();
+        let range = c.target.as_deref_mut().map(take).unwrap_or_default();
+        let func = c.func_name.clone();
+        if let Some(desugared) = two_variable(&func, range, &k, &v, rest) {
+            *e = desugared;
+        }
+    }
+    Ok(())
 }
 
 fn call(name: &str, target: Option<IdedExpr>, args: Vec<IdedExpr>) -> IdedExpr {
@@ -653,19 +1054,8 @@ fn select_path(e: &IdedExpr, shadowed: bool) -> Option<IdedExpr> {
         id: 0,
         expr: Expr::Ident(root),
     };
-    if fields.len() < 2 {
-        // One selection copies only the selected value: leave it to the interpreter.
-        return Some(match fields.pop() {
-            None => ident,
-            Some(f) => IdedExpr {
-                id: 0,
-                expr: Expr::Select(kube_cel::cel::common::ast::SelectExpr {
-                    operand: Box::new(ident),
-                    field: f,
-                    test: false,
-                }),
-            },
-        });
+    if fields.is_empty() {
+        return Some(ident);
     }
     let mut args = vec![ident];
     args.extend(fields.into_iter().map(|f| IdedExpr {
@@ -714,10 +1104,32 @@ fn rewrite_in(e: &mut IdedExpr, shadowed: bool) {
             EntryExpr::StructField(f) => rewrite(&mut f.value),
             EntryExpr::MapEntry(me) => rewrite(&mut me.value),
         }),
+        Expr::Comprehension(c) if c.iter_var == BIND_ITER => {
+            // `cel.bind`: the interpreter binds the value in a scope of its own (its
+            // comprehension accumulator would unwrap an optional value).
+            rewrite(&mut c.accu_init);
+            let inner = shadowed || c.accu_var == "variables";
+            rewrite_in(&mut c.result, inner);
+            let var = lit(LiteralValue::String(CelString::from(c.accu_var.clone())));
+            let init = take(&mut c.accu_init);
+            let body = take(&mut c.result);
+            *e = call(guard::BIND, None, vec![var, init, body]);
+            return;
+        }
         Expr::Comprehension(c) => {
             rewrite(&mut c.iter_range);
             rewrite(&mut c.accu_init);
             let inner = shadowed || c.iter_var == "variables" || c.accu_var == "variables";
+            // `all` and `exists`: a guard iterates, so an element's error is absorbed when
+            // another element decides the result (the interpreter's loop stops at the error).
+            if let Some((guard, predicate)) = quantifier(c) {
+                let mut predicate = predicate;
+                rewrite_in(&mut predicate, inner);
+                let range = take(&mut c.iter_range);
+                let var = lit(LiteralValue::String(CelString::from(c.iter_var.clone())));
+                *e = call(guard, None, vec![range, var, predicate]);
+                return;
+            }
             rewrite_in(&mut c.loop_cond, inner);
             rewrite_in(&mut c.loop_step, inner);
             rewrite_in(&mut c.result, inner);
@@ -728,6 +1140,30 @@ fn rewrite_in(e: &mut IdedExpr, shadowed: bool) {
     }
     // Then this node.
     match &mut e.expr {
+        // What the path rewrite left: selections on computed values, and `has()`.
+        Expr::Select(s) => {
+            let field = IdedExpr {
+                id: 0,
+                expr: Expr::Literal(LiteralValue::String(CelString::from(s.field.clone()))),
+            };
+            let guard = if s.test { guard::HAS } else { guard::SELECT };
+            let operand = take(&mut s.operand);
+            *e = call(guard, None, vec![operand, field]);
+        }
+        // A map literal may not repeat a key (numbers of equal value are the same key).
+        Expr::Map(m) if m.entries.len() >= 2 => {
+            let n = m
+                .entries
+                .iter()
+                .filter(|en| matches!(&en.expr, EntryExpr::MapEntry(me) if !me.optional))
+                .count() as i64;
+            let literal = take(e);
+            *e = call(
+                guard::MAP_LITERAL,
+                None,
+                vec![literal, lit(LiteralValue::Int(n.into()))],
+            );
+        }
         Expr::Struct(s) => {
             let entries = std::mem::take(&mut s.entries)
                 .into_iter()
@@ -786,23 +1222,79 @@ fn rewrite_in(e: &mut IdedExpr, shadowed: bool) {
                 }
                 _ => {}
             }
-            // Comparing walks both operands: charge their size (literals are small).
-            if matches!(
-                c.func_name.as_str(),
-                operators::EQUALS | operators::NOT_EQUALS | operators::IN
-            ) && c.target.is_none()
-            {
-                for a in c.args.iter_mut() {
-                    if !matches!(a.expr, Expr::Literal(_)) {
-                        let inner = take(a);
-                        *a = call(guard::WEIGH, None, vec![inner]);
-                    }
+            // Equality, ordering and `in` follow CEL across numeric types (`1 == 1.0`,
+            // `1 < 2u`), and comparing walks both operands, which is charged.
+            if c.target.is_none() && c.args.len() == 2 {
+                let guarded = match c.func_name.as_str() {
+                    operators::EQUALS => Some(guard::EQ),
+                    operators::NOT_EQUALS => Some(guard::NE),
+                    operators::IN => Some(guard::IN),
+                    operators::LESS => Some(guard::LT),
+                    operators::LESS_EQUALS => Some(guard::LE),
+                    operators::GREATER => Some(guard::GT),
+                    operators::GREATER_EQUALS => Some(guard::GE),
+                    _ => None,
+                };
+                if let Some(g) = guarded {
+                    c.func_name = g.to_owned();
                 }
+            }
+            // Indexing and optional selection with CEL's semantics (see `guard::SELECT`).
+            let renamed = match c.func_name.as_str() {
+                "string" if c.args.len() == 1 => Some(guard::STRING),
+                "int" if c.args.len() == 1 => Some(guard::INT),
+                "timestamp" if c.args.len() == 1 => Some(guard::TIMESTAMP),
+                "duration" if c.args.len() == 1 => Some(guard::DURATION),
+                "bytes" if c.args.len() == 1 => Some(guard::BYTES),
+                operators::NEGATE if c.args.len() == 1 => Some(guard::NEG),
+                operators::INDEX => Some(guard::INDEX),
+                operators::OPT_INDEX => Some(guard::OPT_INDEX),
+                operators::OPT_SELECT => Some(guard::OPT_SELECT),
+                _ => None,
+            };
+            if let (Some(g), None) = (renamed, &c.target) {
+                c.func_name = g.to_owned();
+            }
+            // `+` and `-` with timestamps and durations as cel-go; a comprehension's
+            // accumulator step stays the interpreter's (it appends in place).
+            let accumulator = matches!(c.args.first().map(|a| &a.expr), Some(Expr::Ident(n)) if n.starts_with('@'));
+            if c.target.is_none() && c.args.len() == 2 && !accumulator {
+                if c.func_name == operators::ADD {
+                    c.func_name = guard::ADD.to_owned();
+                } else if c.func_name == operators::SUBSTRACT {
+                    c.func_name = guard::SUB.to_owned();
+                }
+            }
+            if c.func_name == "getMilliseconds"
+                && let Some(target) = c.target.take()
+            {
+                c.args.insert(0, *target);
+                c.func_name = guard::MILLIS.to_owned();
+            }
+            // `format` with cel-go's renderings (see `guard::FORMAT`).
+            if c.func_name == "format"
+                && c.args.len() == 1
+                && let Some(target) = c.target.take()
+            {
+                c.args.insert(0, *target);
+                c.func_name = guard::FORMAT.to_owned();
+            }
+            // String methods whose arguments cel-go checks (see `guard::STRING_METHOD`; none
+            // of them has a namespaced form, so the target is the receiver).
+            if guard::CHECKED_STRING_METHODS.contains(&c.func_name.as_str())
+                && let Some(target) = c.target.take()
+            {
+                let name = lit(LiteralValue::String(CelString::from(c.func_name.clone())));
+                let mut args = vec![name, *target];
+                args.append(&mut c.args);
+                c.func_name = guard::STRING_METHOD.to_owned();
+                c.args = args;
             }
             // The accumulator step of a comprehension (`@result + [x]`) is charged by the tick
             // guard instead, without converting the accumulator.
             let accumulates = matches!(c.args.first().map(|a| &a.expr), Some(Expr::Ident(n)) if n.starts_with('@'));
-            if GROWING.contains(&qualified.as_str()) && !accumulates {
+            // `guard::ADD` checks and charges its result itself.
+            if GROWING.contains(&qualified.as_str()) && !accumulates && c.func_name != guard::ADD {
                 let inner = take(e);
                 *e = call(guard::SIZE, None, vec![inner]);
             }

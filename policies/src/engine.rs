@@ -621,7 +621,7 @@ fn opt_to_cel(v: Option<&Value>) -> CelValue {
     })
 }
 
-enum ExprFailure {
+pub(crate) enum ExprFailure {
     Error(String, ErrorKind),
 }
 
@@ -664,11 +664,11 @@ trait Evaluator<'p> {
 const STACK_RED_ZONE: usize = 6 << 20;
 const STACK_SIZE: usize = 16 << 20;
 
-fn with_stack<R>(f: impl FnOnce() -> R) -> R {
+pub(crate) fn with_stack<R>(f: impl FnOnce() -> R) -> R {
     stacker::maybe_grow(STACK_RED_ZONE, STACK_SIZE, f)
 }
 
-fn run(ctx: &Context, expr: &CompiledExpr) -> Result<CelValue, ExprFailure> {
+pub(crate) fn run(ctx: &Context, expr: &CompiledExpr) -> Result<CelValue, ExprFailure> {
     guard::start_expression();
     match catch_unwind(AssertUnwindSafe(|| CelValue::resolve(&expr.expr, ctx))) {
         // A bound stops the expression even where `||`, `&&` or a comprehension absorbed the

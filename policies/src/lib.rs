@@ -21,6 +21,7 @@ pub mod builtin;
 pub mod cluster;
 pub mod compile;
 pub mod engine;
+pub mod expression;
 pub(crate) mod guard;
 pub mod limits;
 pub mod manifest;

@@ -240,7 +240,7 @@ impl<'a> Val<'a> {
 
     /// The interpreter's form (arguments of foreign calls), charged per node like
     /// [`Val::to_json`].
-    fn to_cel(&self) -> Result<CelValue, Failure> {
+    pub(crate) fn to_cel(&self) -> Result<CelValue, Failure> {
         charge_node(0)?;
         Ok(match self {
             Val::Null => CelValue::Null,
@@ -289,7 +289,7 @@ impl<'a> Val<'a> {
     }
 
     /// A foreign call's result, charged per node.
-    fn from_cel(v: CelValue) -> Result<Val<'a>, Failure> {
+    pub(crate) fn from_cel(v: CelValue) -> Result<Val<'a>, Failure> {
         charge_node(0)?;
         Ok(match v {
             CelValue::Null => Val::Null,
@@ -348,7 +348,7 @@ fn charge_json(v: &Value) -> Result<(), Failure> {
 }
 
 /// Equality as the interpreter has it: same type and value, lists element-wise, maps by key.
-/// Mixed numeric types and foreign values fall back.
+/// Numbers compare by value across types; foreign values fall back.
 fn equals(a: &Val, b: &Val) -> Result<bool, Failure> {
     // Each node compared is charged: comparing shared values must not be free.
     charge_node(0)?;
@@ -359,12 +359,12 @@ fn equals(a: &Val, b: &Val) -> Result<bool, Failure> {
         (Val::UInt(x), Val::UInt(y)) => x == y,
         (Val::Double(x), Val::Double(y)) => x == y,
         (Val::Str(x), Val::Str(y)) => x.as_str() == y.as_str(),
-        (
-            Val::Int(_) | Val::UInt(_) | Val::Double(_),
-            Val::Int(_) | Val::UInt(_) | Val::Double(_),
-        ) => {
-            return Err(Failure::Fallback);
+        // Numbers compare by value across types, as CEL's heterogeneous equality.
+        (Val::Int(x), Val::UInt(y)) | (Val::UInt(y), Val::Int(x)) => {
+            u64::try_from(*x).is_ok_and(|x| x == *y)
         }
+        (Val::Int(x), Val::Double(y)) | (Val::Double(y), Val::Int(x)) => *x as f64 == *y,
+        (Val::UInt(x), Val::Double(y)) | (Val::Double(y), Val::UInt(x)) => *x as f64 == *y,
         (Val::Foreign(_) | Val::Quantity(_), _) | (_, Val::Foreign(_) | Val::Quantity(_)) => {
             return Err(Failure::Fallback);
         }
@@ -409,6 +409,16 @@ fn compare(a: &Val, b: &Val) -> Result<Ordering, Failure> {
         (Val::UInt(x), Val::UInt(y)) => Ok(x.cmp(y)),
         (Val::Double(x), Val::Double(y)) => x.partial_cmp(y).ok_or(Failure::Fallback),
         (Val::Str(x), Val::Str(y)) => Ok(x.as_str().cmp(y.as_str())),
+        (Val::Bool(x), Val::Bool(y)) => Ok(x.cmp(y)),
+        // Numbers of different types by value.
+        (Val::Int(x), Val::UInt(y)) => Ok(u64::try_from(*x).map_or(Ordering::Less, |x| x.cmp(y))),
+        (Val::UInt(x), Val::Int(y)) => {
+            Ok(u64::try_from(*y).map_or(Ordering::Greater, |y| x.cmp(&y)))
+        }
+        (Val::Int(x), Val::Double(y)) => (*x as f64).partial_cmp(y).ok_or(Failure::Fallback),
+        (Val::UInt(x), Val::Double(y)) => (*x as f64).partial_cmp(y).ok_or(Failure::Fallback),
+        (Val::Double(x), Val::Int(y)) => x.partial_cmp(&(*y as f64)).ok_or(Failure::Fallback),
+        (Val::Double(x), Val::UInt(y)) => x.partial_cmp(&(*y as f64)).ok_or(Failure::Fallback),
         _ => Err(Failure::Fallback),
     }
 }
@@ -537,10 +547,11 @@ pub(crate) const ROOTS: usize = 7;
 /// Compiles a parsed (unguarded) expression, or `None` when it uses something this evaluator
 /// does not implement (optional syntax, bytes, non-string map keys); the interpreter then
 /// evaluates it. `declared` are the policy variables in declaration order.
-pub(crate) fn compile(e: &IdedExpr, declared: &[String]) -> Option<Program> {
+pub(crate) fn compile(e: &IdedExpr, declared: &[String], bindings: &[String]) -> Option<Program> {
     let mut c = Compiler {
         declared,
-        scope: Vec::new(),
+        // Bindings of a standalone expression occupy the first local slots.
+        scope: bindings.to_vec(),
         roots: 0,
     };
     let root = c.node(e)?;
@@ -894,6 +905,13 @@ impl<'a> Env<'a> {
         }
     }
 
+    /// Evaluates a standalone expression whose bindings are the first local slots.
+    pub(crate) fn run_bound(&mut self, program: &'a Program, bindings: Vec<Val<'a>>) -> R<'a> {
+        guard::start_expression();
+        self.locals = bindings;
+        self.eval(&program.root)
+    }
+
     /// Evaluates one expression under a fresh per-expression budget.
     pub(crate) fn run(&mut self, program: &'a Program) -> R<'a> {
         guard::start_expression();
@@ -1219,9 +1237,9 @@ fn call(f: Func, mut args: Vec<Val<'_>>) -> R<'_> {
             .ok_or(Failure::Fallback)
     };
     Ok(match f {
-        // The interpreter's `size` of a string counts bytes.
+        // `size` of a string counts code points.
         Func::Size => match arg(&args, 0)? {
-            Val::Str(x) => Val::Int(x.as_str().len() as i64),
+            Val::Str(x) => Val::Int(x.as_str().chars().count() as i64),
             v => Val::Int(
                 v.list_len()
                     .or_else(|| v.map_len())
@@ -1297,10 +1315,15 @@ fn call(f: Func, mut args: Vec<Val<'_>>) -> R<'_> {
         }
         Func::LowerAscii => built(text(&args, 0)?.to_ascii_lowercase())?,
         // The interpreter's own parser, so both accept the same strings.
-        Func::Duration => Val::Foreign(
-            kube_cel::cel::functions::time::duration(std::sync::Arc::new(text(&args, 0)?))
-                .map_err(|_| Failure::Fallback)?,
-        ),
+        Func::Duration => {
+            match kube_cel::cel::functions::time::duration(std::sync::Arc::new(text(&args, 0)?)) {
+                // At or beyond 2^63-1 nanoseconds is an error the interpreter words.
+                Ok(CelValue::Duration(d)) if !guard::saturated(&d) => {
+                    Val::Foreign(CelValue::Duration(d))
+                }
+                _ => return Err(Failure::Fallback),
+            }
+        }
         // Plain quantities here; the rest (exponents, signs, errors) by the interpreter.
         Func::Quantity => match args.swap_remove(0) {
             Val::Str(t) => match Quantity::parse(t.clone()) {

@@ -267,12 +267,8 @@ fn load_errors_name_policy_field_and_position() {
             json!({"validations": [{"expression": "true"}, {"expression": "true"}, {"expression": "object.("}]}),
         ),
         policy(
-            "bind",
-            json!({"validations": [{"expression": "cel.bind(x, 1, x == 1)"}]}),
-        ),
-        policy(
-            "two-var",
-            json!({"validations": [{"expression": "[1].all(i, v, v > 0)"}]}),
+            "map-entry",
+            json!({"validations": [{"expression": "{'a': 1}.transformMapEntry(k, v, {k: v}) == {'a': 1}"}]}),
         ),
         policy(
             "authz",
@@ -299,11 +295,10 @@ fn load_errors_name_policy_field_and_position() {
     let e = by("syntax");
     assert_eq!(e.field, "spec.validations[2].expression");
     assert!(e.error.position.is_some(), "{e}");
-    assert!(by("bind").error.message.contains("cel.bind"));
     assert!(
-        by("two-var").to_string().contains("two-variable"),
+        by("map-entry").to_string().contains("transformMapEntry"),
         "{}",
-        by("two-var")
+        by("map-entry")
     );
     assert!(by("authz").error.message.contains("authorizer"));
     let uf = by("unknown-fn");
@@ -333,7 +328,12 @@ fn kubernetes_libraries_are_available() {
             {"expression": "math.greatest(1, 5) == 5", "message": "math"},
             {"expression": "'%s-%d'.format(['a', 1]) == 'a-1'", "message": "format"},
             {"expression": "duration('2m') == duration('120s')", "message": "duration"},
-            {"expression": "optional.none().orValue(7) == 7 && optional.of(1).hasValue()", "message": "optional"}
+            {"expression": "optional.none().orValue(7) == 7 && optional.of(1).hasValue()", "message": "optional"},
+            {"expression": "cel.bind(n, object.metadata.name, n + n == 'llmllm')", "message": "bind"},
+            {"expression": "object.metadata.labels.all(k, v, k.size() > 0 && v.size() > 0)", "message": "two-variable all"},
+            {"expression": "[10, 20].transformList(i, x, i * x) == [0, 20]", "message": "transformList"},
+            {"expression": "{'a': 1}.transformMap(k, v, v + 1) == {'a': 2}", "message": "transformMap"},
+            {"expression": "1 == 1.0 && 2u == 2 && 1 < 2u && 'é'.size() == 1 && dyn(3) == 3.0", "message": "numbers and sizes"}
         ]}),
     )]);
     let out = eval(&s, deployment());

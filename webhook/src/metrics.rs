@@ -26,7 +26,8 @@ pub struct ReviewLabels {
 pub struct ErrorLabels {
     /// `validate` or `mutate`.
     pub endpoint: &'static str,
-    /// `malformed`, `version`, `too_large`, `timeout`, `content_type`.
+    /// `malformed`, `version`, `too_large`, `timeout`, `content_type`, `internal` (an
+    /// evaluation that did not complete).
     pub reason: &'static str,
 }
 

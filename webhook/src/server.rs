@@ -7,6 +7,11 @@
 //! connection is closed; at most [`Limits::max_connections`] connections are served at once
 //! (more wait in the accept queue). None of these panics or blocks other connections.
 //!
+//! Reviews are answered on Tokio's blocking pool, at most [`Limits::max_evaluations`] at once
+//! (the rest wait for a slot without holding a thread): a policy that spends its whole CEL
+//! budget takes a blocking thread, never an async worker, so other admissions, probes and
+//! scrapes on the same workers are not delayed by it.
+//!
 //! Shutdown drains before it closes: the listener is dropped (new connections are refused),
 //! then for up to [`Limits::drain_timeout`] every HTTP/1.1 answer carries `Connection: close`
 //! so each client retires its pooled connection after its next answer instead of meeting a
@@ -58,6 +63,9 @@ pub struct Limits {
     /// On shutdown, how long connections may stay open while each is closed after its next
     /// answer; connections still idle after it are closed.
     pub drain_timeout: Duration,
+    /// Reviews evaluated at once on the blocking pool (policy evaluation is CPU-bound; more
+    /// than the cores only adds latency). Others wait for a slot.
+    pub max_evaluations: usize,
 }
 
 impl Default for Limits {
@@ -72,6 +80,9 @@ impl Default for Limits {
             // The chart's terminationGracePeriodSeconds (30) covers the preStop sleep (5), this
             // and the last requests' body timeout.
             drain_timeout: Duration::from_secs(10),
+            max_evaluations: std::thread::available_parallelism()
+                .map_or(2, |n| n.get())
+                .max(2),
         }
     }
 }
@@ -90,6 +101,8 @@ pub struct AppState {
     /// The check in front of `/metrics` (TokenReview + SubjectAccessReview); `None`: anyone
     /// may scrape (`--metrics-secure=false`, and in-process tests).
     pub metrics_auth: Option<hearth_net::secure_metrics::MetricsAuth>,
+    /// Slots for reviews evaluated at once ([`Limits::max_evaluations`]).
+    pub evaluations: Arc<Semaphore>,
 }
 
 impl AppState {
@@ -101,6 +114,7 @@ impl AppState {
             ready: Arc::new(AtomicBool::new(true)),
             limits,
             metrics_auth: None,
+            evaluations: Arc::new(Semaphore::new(limits.max_evaluations.max(1))),
         }
     }
 }
@@ -124,6 +138,9 @@ pub enum ApiError {
     /// Not JSON.
     #[error("Content-Type {0:?} is not application/json")]
     ContentType(String),
+    /// The evaluation did not complete (it panicked, or the server is shutting down).
+    #[error("the review could not be evaluated: {0}")]
+    Internal(String),
 }
 
 impl ApiError {
@@ -133,6 +150,7 @@ impl ApiError {
             Self::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             Self::Timeout(_) => StatusCode::REQUEST_TIMEOUT,
             Self::ContentType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            Self::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
 
@@ -144,6 +162,7 @@ impl ApiError {
             Self::TooLarge(_) => "too_large",
             Self::Timeout(_) => "timeout",
             Self::ContentType(_) => "content_type",
+            Self::Internal(_) => "internal",
         }
     }
 }
@@ -260,8 +279,20 @@ async fn review_inner(
             })?;
     let bytes = collected.to_bytes();
     let started = Instant::now();
-    let snapshot = s.snapshot.load();
-    let answer = admission::handle(endpoint, &bytes, &snapshot)?;
+    let snapshot = s.snapshot.load_full();
+    // CEL evaluation is CPU-bound and may run to its budget: on the blocking pool, bounded.
+    let permit = s
+        .evaluations
+        .clone()
+        .acquire_owned()
+        .await
+        .map_err(|e| ApiError::Internal(e.to_string()))?;
+    let answer = tokio::task::spawn_blocking(move || {
+        let _permit = permit;
+        admission::handle(endpoint, &bytes, &snapshot)
+    })
+    .await
+    .map_err(|e| ApiError::Internal(e.to_string()))??;
     let out = serde_json::to_vec(&answer.review).map_err(|e| ApiError::Body(e.to_string()))?;
     s.metrics.duration.observe(started.elapsed().as_secs_f64());
     s.metrics

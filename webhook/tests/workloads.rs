@@ -359,3 +359,70 @@ async fn labelled_pods_are_handled_like_annotated_ones() {
         "nvidia"
     );
 }
+
+/// A policy that spends its whole request budget (ten validations of ~97,000 cost units each,
+/// about 1M) is evaluated on the blocking pool: on a runtime with a single async worker, a
+/// cheap admission sent while it runs is answered before it finishes, in about the time it
+/// takes alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+async fn an_expensive_policy_does_not_delay_a_concurrent_cheap_admission() {
+    use std::time::{Duration, Instant};
+    let mut policies = all_policies();
+    let heavy: Vec<Value> = (0..10)
+        .map(|_| json!({"expression": "lists.range(220).all(i, lists.range(220).all(j, i + j >= 0))"}))
+        .collect();
+    policies.push(policy(
+        "expensive",
+        json!({"matchConditions": [{"name": "only-expensive",
+                                    "expression": "object.metadata.name == 'expensive'"}],
+               "validations": heavy}),
+    ));
+    let app = router(AppState::new(
+        Snapshot::offline(upstream_runtimes(), &policies),
+        Limits {
+            max_evaluations: 4,
+            ..Limits::default()
+        },
+    ));
+    let cheap = deployment(
+        json!({"serving.hearth.dev/runtime": "vllm-nvidia-a10"}),
+        "vllm/vllm-openai:v0.25.1",
+        1,
+    );
+    let mut expensive = cheap.clone();
+    expensive["metadata"]["name"] = json!("expensive");
+    let (cheap, expensive) = (review(&cheap, "CREATE"), review(&expensive, "CREATE"));
+    let timed = |app: axum::Router, r: Value| async move {
+        let t = Instant::now();
+        post_to(app, "/validate", &r).await;
+        t.elapsed()
+    };
+    // Requests run as tasks, on the runtime's only worker (the test body itself runs on the
+    // test thread). Each alone first (the cheap one twice: the first builds thread-local state).
+    let run = |r: &Value| tokio::spawn(timed(app.clone(), r.clone()));
+    run(&cheap).await.unwrap();
+    let cheap_alone = run(&cheap).await.unwrap();
+    let expensive_alone = run(&expensive).await.unwrap();
+    assert!(
+        expensive_alone > cheap_alone * 20,
+        "the expensive policy must dominate: {expensive_alone:?} vs {cheap_alone:?}"
+    );
+    // Together: the expensive one starts, then the cheap one is sent while it evaluates.
+    let slow = run(&expensive);
+    tokio::time::sleep((expensive_alone / 10).min(Duration::from_millis(50))).await;
+    // Timed from here: with evaluation on the worker the task would not even start.
+    let sent = Instant::now();
+    run(&cheap).await.unwrap();
+    let cheap_concurrent = sent.elapsed();
+    let slow_still_running = !slow.is_finished();
+    let slow_took = slow.await.unwrap();
+    println!(
+        "cheap alone {cheap_alone:?}, next to the expensive one {cheap_concurrent:?} ({:.1}×); \
+         expensive alone {expensive_alone:?}, next to the cheap one {slow_took:?}",
+        cheap_concurrent.as_secs_f64() / cheap_alone.as_secs_f64()
+    );
+    assert!(
+        slow_still_running,
+        "the cheap admission ({cheap_concurrent:?}) waited for the expensive one ({slow_took:?})"
+    );
+}
