@@ -1344,12 +1344,23 @@ fn matrix(release_ns: &str) -> Vec<Check> {
     );
     add(
         c,
-        &["create", "patch"],
+        &["create", "patch", "get", "delete"],
         "deployments.apps",
         None,
         team(),
         true,
     );
+    // Adoption reads a child another manager wrote before moving its managedFields.
+    for resource in [
+        "serviceaccounts",
+        "persistentvolumeclaims",
+        "roles.rbac.authorization.k8s.io",
+        "rolebindings.rbac.authorization.k8s.io",
+        "poddisruptionbudgets.policy",
+        "scaledobjects.keda.sh",
+    ] {
+        add(c, &["get"], resource, None, team(), true);
+    }
     add(c, &["list", "watch"], "services", None, None, true);
     add(
         c,
@@ -1414,10 +1425,12 @@ fn matrix(release_ns: &str) -> Vec<Check> {
     add(c, &["get", "list", "watch"], "secrets", None, None, false);
     add(c, &["get", "list"], "secrets", None, team(), false);
     add(c, &["get", "list"], "secrets", None, own(), false);
+    add(c, &["update"], "deployments.apps", None, team(), false);
+    // A cache claim holds the model: never deleted by the controller.
     add(
         c,
-        &["update", "delete"],
-        "deployments.apps",
+        &["delete"],
+        "persistentvolumeclaims",
         None,
         team(),
         false,
@@ -1872,15 +1885,15 @@ async fn rbac_matrix_each_account_can_do_what_it_needs_and_nothing_more() -> Res
 
     // Nothing more: every rule each account holds, as the apiserver lists them.
     let controller_cluster = [
-        "deployments.apps [] [create list patch watch]",
+        "deployments.apps [] [create delete get list patch watch]",
         "services [] [create delete get list patch watch]",
-        "serviceaccounts [] [create list patch watch]",
-        "persistentvolumeclaims [] [create list patch watch]",
+        "serviceaccounts [] [create get list patch watch]",
+        "persistentvolumeclaims [] [create get list patch watch]",
         "jobs.batch [] [create list patch watch]",
-        "roles.rbac.authorization.k8s.io [] [create list patch watch]",
-        "rolebindings.rbac.authorization.k8s.io [] [create list patch watch]",
-        "scaledobjects.keda.sh [] [create list patch watch]",
-        "poddisruptionbudgets.policy [] [create list patch watch]",
+        "roles.rbac.authorization.k8s.io [] [create get list patch watch]",
+        "rolebindings.rbac.authorization.k8s.io [] [create get list patch watch]",
+        "scaledobjects.keda.sh [] [create get list patch watch]",
+        "poddisruptionbudgets.policy [] [create get list patch watch]",
         "endpointslices.discovery.k8s.io [] [get list watch]",
         "customresourcedefinitions.apiextensions.k8s.io [scaledobjects.keda.sh] [get list watch]",
         "events.events.k8s.io [] [create patch]",
