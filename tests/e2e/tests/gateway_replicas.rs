@@ -200,14 +200,21 @@ async fn two_push_mode_gateways_sum_demand_and_api_keys_rotate_without_restarts(
     // KEDA's view, read the HPA's way (apiserver → KEDA's metrics adapter → the ExternalScaler
     // of whichever replica its gRPC connection reached): the sum too.
     let client = d.cluster.client();
-    let so =
-        d.ns.dynamic_api("keda.sh", "v1alpha1", "ScaledObject", "scaledobjects")
-            .get(SERVICE)
-            .await?;
-    let metric = so.data["status"]["externalMetricNames"][0]
-        .as_str()
-        .context("ScaledObject without externalMetricNames")?
-        .to_owned();
+    let scaled_objects =
+        d.ns.dynamic_api("keda.sh", "v1alpha1", "ScaledObject", "scaledobjects");
+    // KEDA writes the metric's name into the status once it has reconciled the ScaledObject.
+    let metric = wait_until(
+        "the ScaledObject's status.externalMetricNames",
+        Duration::from_secs(60),
+        || async {
+            let so = scaled_objects.get(SERVICE).await?;
+            Ok(match so.data["status"]["externalMetricNames"][0].as_str() {
+                Some(m) => Observed::Ready(m.to_owned()),
+                None => Observed::NotYet(format!("status {}", so.data["status"])),
+            })
+        },
+    )
+    .await?;
     let path = format!(
         "/apis/external.metrics.k8s.io/v1beta1/namespaces/{}/{metric}?labelSelector=scaledobject.keda.sh%2Fname%3D{SERVICE}",
         d.ns.name()
