@@ -190,6 +190,28 @@ pub struct Context {
 }
 
 impl Context {
+    /// Whether every cache the reconciler reads holds its first complete list. Before that, a
+    /// child missing from a cache may exist: a create would meet it, and an apply would skip
+    /// its adoption ([`adopt::foreign`]) and merge beside another manager's fields.
+    fn caches_synced(&self) -> bool {
+        use futures::FutureExt;
+        fn synced<K: kube::Resource + Clone>(s: &Store<K>) -> bool
+        where
+            K::DynamicType: Eq + std::hash::Hash + Clone,
+        {
+            s.wait_until_ready().now_or_never().is_some()
+        }
+        synced(&self.runtimes)
+            && synced(&self.deployments)
+            && synced(&self.claims)
+            && synced(&self.jobs)
+            && synced(&self.services)
+            && synced(&self.service_accounts)
+            && synced(&self.roles)
+            && synced(&self.role_bindings)
+            && synced(&self.pdbs)
+    }
+
     /// The render settings with the policies as they are now.
     fn render_config(&self) -> std::borrow::Cow<'_, RenderConfig> {
         match &self.policies {
@@ -282,6 +304,9 @@ where
         )))?;
     Ok(())
 }
+
+/// How soon a reconcile that found the caches still listing runs again.
+const CACHE_SYNC_RETRY: Duration = Duration::from_millis(500);
 
 /// Reconciles one `LLMService`.
 pub async fn reconcile(svc: Arc<LLMService>, ctx: Arc<Context>) -> Result<Action, Error> {
@@ -428,6 +453,11 @@ pub fn plan<'a>(
 }
 
 async fn reconcile_inner(svc: &LLMService, ctx: &Context) -> Result<Action, Error> {
+    if !ctx.caches_synced() {
+        // The watches that fill them run beside the reconciles; this is the first second or so
+        // after a start (or a regained lease).
+        return Ok(Action::requeue(CACHE_SYNC_RETRY));
+    }
     let name = svc.name_any();
     let namespace = svc.namespace().unwrap_or_default();
     let runtimes = ctx.runtimes.state();
@@ -772,6 +802,9 @@ async fn apply_children(
                 let live = api.get(&backend_name).await.map_err(kube_err(format!(
                     "get Deployment {namespace}/{backend_name}"
                 )))?;
+                if adopt::foreign(&live.metadata) {
+                    adopt_child::<Deployment>(ctx, namespace, &backend_name).await?;
+                }
                 if let Some(image) = &ctx.render.drain_image
                     && has_pods(&live)
                 {
