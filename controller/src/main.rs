@@ -4,6 +4,7 @@
 use std::{
     net::SocketAddr,
     path::PathBuf,
+    process::ExitCode,
     sync::{
         Arc,
         atomic::{AtomicBool, Ordering},
@@ -20,6 +21,7 @@ use hearth_controller::{
     render::{self, RenderConfig, default_gateway_image},
 };
 use hearth_crds::{InferenceRuntime, LLMService};
+use hearth_net::process::{self, LogFormat, Setup, Signals};
 use kube::{Client, Config, client::ClientBuilder};
 
 #[derive(Parser)]
@@ -162,12 +164,21 @@ struct RenderArgs {
     policies: Vec<PathBuf>,
 }
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
-        Command::Render(args) => render(args),
-        Command::Run(args) => run(args).await,
+        Command::Render(args) => process::exit_code(render(args)),
+        Command::Run(args) => {
+            let setup = Setup {
+                log_format: if args.log_json {
+                    LogFormat::Json
+                } else {
+                    LogFormat::Text
+                },
+                default_filter: "info,kube=warn",
+            };
+            process::main(setup, run(args))
+        }
     }
 }
 
@@ -208,10 +219,7 @@ fn render(args: RenderArgs) -> anyhow::Result<()> {
 }
 
 async fn run(args: RunArgs) -> anyhow::Result<()> {
-    init_tracing(args.log_json);
-    rustls::crypto::ring::default_provider()
-        .install_default()
-        .map_err(|_| anyhow::anyhow!("installing the ring TLS provider failed"))?;
+    let mut signals = Signals::install()?;
     let metrics = Metrics::new();
     let config = Config::infer()
         .await
@@ -266,17 +274,8 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     let shutdown = {
         let lost = lost.clone();
         async move {
-            let mut term =
-                match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-                    Ok(s) => s,
-                    Err(e) => {
-                        tracing::error!(error = %e, "installing the SIGTERM handler failed");
-                        return;
-                    }
-                };
             tokio::select! {
-                _ = tokio::signal::ctrl_c() => {}
-                _ = term.recv() => {}
+                _ = signals.recv() => {}
                 _ = lost_rx => lost.store(true, Ordering::SeqCst),
             }
         }
@@ -320,15 +319,4 @@ fn metrics_serving(args: &RunArgs, client: &Client) -> anyhow::Result<Serving> {
         tls,
         auth: secure_metrics::MetricsAuth::kube(client.clone()),
     })
-}
-
-fn init_tracing(json: bool) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,kube=warn"));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter);
-    if json {
-        builder.json().init();
-    } else {
-        builder.init();
-    }
 }

@@ -4,6 +4,7 @@
 //! pods' preStop drain (`--listen` serves it to an `httpGet` hook from a native sidecar). Flags
 //! and environment variables: `--help` and `docs/gateway.md`.
 
+use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::Context;
@@ -18,7 +19,7 @@ use hearth_gateway::{
     peers::{PeerSet, other_replicas},
 };
 use hearth_net::ListenOptions;
-use tokio::signal::unix::{SignalKind, signal};
+use hearth_net::process::{self, LogFormat, Setup, Signals};
 
 /// jemalloc instead of glibc's malloc: its metadata lives outside the allocations, so the
 /// unwritten parts of each connection's 8 KiB hyper buffers stay out of resident memory
@@ -26,21 +27,15 @@ use tokio::signal::unix::{SignalKind, signal};
 #[global_allocator]
 static ALLOC: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 
-fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .json()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
-        )
-        .init();
+fn main() -> ExitCode {
     let cli = Cli::parse();
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .context("starting the tokio runtime")?;
+    let setup = Setup {
+        log_format: LogFormat::Json,
+        default_filter: "info",
+    };
     match cli.command {
-        Some(Command::Drain(args)) => rt.block_on(drain(args)),
-        None => rt.block_on(serve(cli.serve)),
+        Some(Command::Drain(args)) => process::main(setup, drain(args)),
+        None => process::main(setup, serve(cli.serve)),
     }
 }
 
@@ -52,10 +47,9 @@ async fn drain(args: DrainArgs) -> anyhow::Result<()> {
     };
     let listener = hearth_net::listen(listen, ListenOptions::default()).context("--listen")?;
     tracing::info!(%listen, url = %spec.url, timeout_s = spec.timeout.as_secs(), "serving GET /drain");
-    let mut term = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
+    let mut signals = Signals::install()?;
     serve_drain(listener, spec, async move {
-        term.recv().await;
-        tracing::info!("SIGTERM: stopping");
+        signals.recv().await;
     })
     .await
     .context("serving the drain")
@@ -69,6 +63,7 @@ async fn kube_client() -> anyhow::Result<kube::Client> {
 
 async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let cfg = args.gateway_config()?;
+    let mut signals = Signals::install()?;
     let body_memory_limit = cfg.body_memory_limit;
     let keys = match &args.api_key_file {
         Some(path) => ApiKeys::load(path)?,
@@ -153,12 +148,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let g = gateway.clone();
     let grpc_task = tokio::spawn(async move { g.serve_grpc(grpc).await });
 
-    let mut term = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
-    let mut int = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
-    tokio::select! {
-        _ = term.recv() => {}
-        _ = int.recv() => {}
-    }
+    signals.recv().await;
     tracing::info!(
         pending = gateway.demand().state().pending(),
         "draining: readiness is 503, new requests get 503, in-flight requests continue"
@@ -166,8 +156,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let g = gateway.clone();
     let left = tokio::select! {
         left = g.drain() => left,
-        _ = term.recv() => { gateway.stop(); gateway.demand().state().pending() }
-        _ = int.recv() => { gateway.stop(); gateway.demand().state().pending() }
+        _ = signals.recv() => { gateway.stop(); gateway.demand().state().pending() }
     };
     if left > 0 {
         tracing::warn!(

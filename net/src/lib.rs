@@ -13,12 +13,20 @@
 //! It also holds [`version!`], the version every Hearth binary prints with `--version`: all of
 //! them depend on this crate.
 //!
+//! With the `process` feature, [`process`] is the runtime every binary starts with: crypto
+//! provider, logs, signals and one way to report a failure. With `tls-server`, [`tls_server`]
+//! is the bounded, draining HTTPS accept loop of the TLS servers.
+//!
 //! With the `secure-metrics` feature, [`secure_metrics`] authenticates and authorizes scrapes of
 //! the controller's and the webhook's `/metrics` (TokenReview, SubjectAccessReview) and serves
 //! them over HTTPS.
 
+#[cfg(feature = "process")]
+pub mod process;
 #[cfg(feature = "secure-metrics")]
 pub mod secure_metrics;
+#[cfg(feature = "tls-server")]
+pub mod tls_server;
 
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener};

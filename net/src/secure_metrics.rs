@@ -22,7 +22,6 @@
 use std::collections::{BTreeMap, HashMap};
 use std::future::Future;
 use std::hash::Hash;
-use std::net::SocketAddr;
 use std::path::Path;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
@@ -425,56 +424,12 @@ fn config(cert_pem: &[u8], key_pem: &[u8]) -> Result<Arc<ServerConfig>, CertErro
     Ok(Arc::new(config))
 }
 
-/// Serves `app` over TLS on `listener` until the process ends. A TLS handshake and a request's
-/// headers must each arrive within 10 s; at most 256 connections are served at once.
+/// Serves `app` over TLS on `listener` until the process ends, with
+/// [`crate::tls_server::serve`]'s default bounds: a TLS handshake and a request's headers must
+/// each arrive within 10 s; at most 256 connections are served at once.
 pub async fn serve_tls(listener: tokio::net::TcpListener, tls: Arc<ServerConfig>, app: Router) {
-    use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-    use hyper_util::server::conn::auto;
-    use hyper_util::service::TowerToHyperService;
-
-    const TIMEOUT: Duration = Duration::from_secs(10);
-    let acceptor = tokio_rustls::TlsAcceptor::from(tls);
-    let permits = Arc::new(tokio::sync::Semaphore::new(256));
-    let mut builder = auto::Builder::new(TokioExecutor::new());
-    builder
-        .http1()
-        .timer(TokioTimer::new())
-        .header_read_timeout(TIMEOUT);
-    let builder = Arc::new(builder);
-    loop {
-        let Ok(permit) = permits.clone().acquire_owned().await else {
-            return;
-        };
-        let (tcp, peer): (_, SocketAddr) = match listener.accept().await {
-            Ok(c) => c,
-            Err(e) => {
-                tracing::warn!(error = %e, "accept failed");
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                continue;
-            }
-        };
-        let acceptor = acceptor.clone();
-        let app = app.clone();
-        let builder = builder.clone();
-        tokio::spawn(async move {
-            let _permit = permit;
-            let tls = match tokio::time::timeout(TIMEOUT, acceptor.accept(tcp)).await {
-                Ok(Ok(s)) => s,
-                Ok(Err(e)) => {
-                    tracing::debug!(%peer, error = %e, "TLS handshake failed");
-                    return;
-                }
-                Err(_) => {
-                    tracing::debug!(%peer, "TLS handshake timed out");
-                    return;
-                }
-            };
-            let conn = builder.serve_connection(TokioIo::new(tls), TowerToHyperService::new(app));
-            if let Err(e) = conn.await {
-                tracing::debug!(%peer, error = %e, "connection ended with an error");
-            }
-        });
-    }
+    let limits = crate::tls_server::ServeLimits::default();
+    crate::tls_server::serve(listener, tls, app, limits, std::future::pending()).await;
 }
 
 #[cfg(test)]

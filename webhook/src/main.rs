@@ -3,6 +3,7 @@
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::process::ExitCode;
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 use std::time::Duration;
@@ -10,6 +11,7 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand};
 use hearth_crds::parse_duration;
+use hearth_net::process::{self, LogFormat, Setup, Signals};
 use hearth_policies::PolicySettings;
 use hearth_webhook::registration::{Registration, Target};
 use hearth_webhook::selfmanaged::{SelfManaged, SelfManagedConfig};
@@ -113,23 +115,16 @@ fn duration(s: &str) -> Result<Duration, String> {
     parse_duration(s).map_err(|e| e.to_string())
 }
 
-fn main() -> Result<()> {
+fn main() -> ExitCode {
     let cli = Cli::parse();
-    // One crypto provider for the process: ring. An error means one is installed already.
-    let _ = rustls::crypto::ring::default_provider().install_default();
     if let Some(Command::Configurations(args)) = cli.command {
-        return print_configurations(args);
+        return process::exit_code(print_configurations(args));
     }
-    tracing_subscriber::fmt()
-        .json()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
-        )
-        .init();
-    tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()?
-        .block_on(run(cli.serve))
+    let setup = Setup {
+        log_format: LogFormat::Json,
+        default_filter: "info",
+    };
+    process::main(setup, run(cli.serve))
 }
 
 fn print_configurations(args: ConfigArgs) -> Result<()> {
@@ -157,6 +152,7 @@ async fn run(args: ServeArgs) -> Result<()> {
     settings
         .validate()
         .map_err(|e| anyhow::anyhow!("--drain-image: {e}"))?;
+    let mut signals = Signals::install()?;
     let client = kube::Client::try_default()
         .await
         .context("connecting to the Kubernetes API (in-cluster config or KUBECONFIG)")?;
@@ -248,30 +244,8 @@ async fn run(args: ServeArgs) -> Result<()> {
     tracing::info!(listen = %args.listen, "serving admission reviews");
     let tls = store.server_config()?;
     let server = tokio::spawn(serve(listener, tls, router(state), limits, shutdown));
-    shutdown_signal().await;
-    tracing::info!("shutting down");
+    signals.recv().await;
     let _ = shutdown_tx.send(true);
     server.await?;
     Ok(())
-}
-
-async fn shutdown_signal() {
-    let ctrl_c = tokio::signal::ctrl_c();
-    #[cfg(unix)]
-    {
-        let mut term =
-            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-                Ok(s) => s,
-                Err(_) => {
-                    let _ = ctrl_c.await;
-                    return;
-                }
-            };
-        tokio::select! {
-            _ = ctrl_c => {}
-            _ = term.recv() => {}
-        }
-    }
-    #[cfg(not(unix))]
-    let _ = ctrl_c.await;
 }

@@ -19,7 +19,6 @@
 //! non-idempotent POST); HTTP/2 clients get a GOAWAY. What is still open after the window is
 //! closed once its request in flight is answered.
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -28,18 +27,14 @@ use arc_swap::ArcSwap;
 use axum::Router;
 use axum::body::Body;
 use axum::extract::State;
-use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use hearth_net::tls_server::{self, ServeLimits};
 use http_body_util::{BodyExt, Limited};
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-use hyper_util::server::conn::auto;
-use hyper_util::server::graceful::GracefulShutdown;
-use hyper_util::service::TowerToHyperService;
 use rustls::ServerConfig;
 use tokio::net::TcpListener;
 use tokio::sync::{Semaphore, watch};
-use tokio_rustls::TlsAcceptor;
 
 use crate::Snapshot;
 use crate::admission::{self, Endpoint, ReviewError};
@@ -308,7 +303,8 @@ async fn review_inner(
 
 /// Serves `app` over TLS on `listener` until `shutdown` turns true, then drains: refuses new
 /// connections, closes each open one after its next answer (for up to
-/// [`Limits::drain_timeout`]), and returns once the last request in flight is answered.
+/// [`Limits::drain_timeout`]), and returns once the last request in flight is answered. The
+/// accept loop is [`hearth_net::tls_server::serve`], with the bounds of `limits`.
 pub async fn serve(
     listener: TcpListener,
     tls: Arc<ServerConfig>,
@@ -316,92 +312,19 @@ pub async fn serve(
     limits: Limits,
     mut shutdown: watch::Receiver<bool>,
 ) {
-    let acceptor = TlsAcceptor::from(tls);
-    let graceful = GracefulShutdown::new();
-    let max_connections = limits.max_connections.clamp(1, u32::MAX as usize);
-    let permits = Arc::new(Semaphore::new(max_connections));
-    let draining = Arc::new(AtomicBool::new(false));
-    let app = app.layer(axum::middleware::from_fn({
-        let draining = draining.clone();
-        move |req: axum::extract::Request, next: axum::middleware::Next| {
-            let draining = draining.clone();
-            async move {
-                let http1 = req.version() < axum::http::Version::HTTP_2;
-                let mut res = next.run(req).await;
-                if http1 && draining.load(Ordering::Relaxed) {
-                    res.headers_mut()
-                        .insert(header::CONNECTION, HeaderValue::from_static("close"));
-                }
-                res
+    let bounds = ServeLimits {
+        max_connections: limits.max_connections,
+        handshake_timeout: limits.handshake_timeout,
+        header_timeout: limits.header_timeout,
+        drain_timeout: limits.drain_timeout,
+        last_request_timeout: limits.body_timeout + Duration::from_secs(5),
+    };
+    let stop = async move {
+        while !*shutdown.borrow_and_update() {
+            if shutdown.changed().await.is_err() {
+                break;
             }
         }
-    }));
-    let mut builder = auto::Builder::new(TokioExecutor::new());
-    builder
-        .http1()
-        .timer(TokioTimer::new())
-        .header_read_timeout(limits.header_timeout);
-    builder
-        .http2()
-        .timer(TokioTimer::new())
-        .keep_alive_interval(Some(Duration::from_secs(30)))
-        .keep_alive_timeout(Duration::from_secs(10))
-        .max_concurrent_streams(256);
-    let builder = Arc::new(builder);
-    loop {
-        let permit = tokio::select! {
-            p = permits.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => break },
-            _ = shutdown.changed() => break,
-        };
-        let (tcp, peer): (_, SocketAddr) = tokio::select! {
-            r = listener.accept() => match r {
-                Ok(c) => c,
-                Err(e) => {
-                    // EMFILE and friends: back off instead of spinning.
-                    tracing::warn!(error = %e, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
-            _ = shutdown.changed() => break,
-        };
-        let _ = tcp.set_nodelay(true);
-        let acceptor = acceptor.clone();
-        let app = app.clone();
-        let builder = builder.clone();
-        let watcher = graceful.watcher();
-        tokio::spawn(async move {
-            let _permit = permit;
-            let tls =
-                match tokio::time::timeout(limits.handshake_timeout, acceptor.accept(tcp)).await {
-                    Ok(Ok(s)) => s,
-                    Ok(Err(e)) => {
-                        tracing::debug!(%peer, error = %e, "TLS handshake failed");
-                        return;
-                    }
-                    Err(_) => {
-                        tracing::debug!(%peer, "TLS handshake timed out");
-                        return;
-                    }
-                };
-            let conn = builder.serve_connection(TokioIo::new(tls), TowerToHyperService::new(app));
-            if let Err(e) = watcher.watch(conn.into_owned()).await {
-                tracing::debug!(%peer, error = %e, "connection ended with an error");
-            }
-        });
-    }
-    // Refuse new connections, then let open ones retire after their next answer.
-    drop(listener);
-    draining.store(true, Ordering::Relaxed);
-    let open = max_connections - permits.available_permits();
-    tracing::info!(open, drain = ?limits.drain_timeout, "draining connections");
-    let all = u32::try_from(max_connections).unwrap_or(u32::MAX);
-    let drained = tokio::time::timeout(limits.drain_timeout, permits.acquire_many(all)).await;
-    if drained.is_err() {
-        let open = max_connections - permits.available_permits();
-        tracing::info!(open, "closing connections still open after the drain");
-    }
-    // Close what is left once its request in flight is answered, bounded.
-    let last = limits.body_timeout + Duration::from_secs(5);
-    let _ = tokio::time::timeout(last, graceful.shutdown()).await;
+    };
+    tls_server::serve(listener, tls, app, bounds, stop).await;
 }
