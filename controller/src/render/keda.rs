@@ -6,7 +6,7 @@ use serde_json::json;
 use super::{Ctx, RenderError, ScalerMode, duration_secs};
 use crate::{labels::Component, names};
 
-/// The KEDA `ScaledObject` API (keda.sh/v1alpha1), the default of [`RenderConfig::keda_api`].
+/// The KEDA `ScaledObject` API (keda.sh/v1alpha1), the default of [`super::RenderConfig::keda_api`].
 pub fn scaled_object_resource() -> ApiResource {
     ApiResource {
         group: "keda.sh".to_owned(),
