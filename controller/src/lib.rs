@@ -2,7 +2,7 @@
 //! Service, gateway Deployment/Service/ServiceAccount/Role/RoleBinding, model cache, prewarm Job
 //! and KEDA `ScaledObject` — and reports status.
 //!
-//! - [`render`] turns an `LLMService` and its resolved `InferenceRuntime` into children, offline
+//! - [`mod@render`] turns an `LLMService` and its resolved `InferenceRuntime` into children, offline
 //!   (`hearth-controller render` and the golden tests use it; the reconciler applies its output).
 //! - [`resolve`] picks the runtime (pinned name, or vendor preference, then priority, then name).
 //! - [`reconcile`] is the kube-runtime controller: server-side apply under one field manager,

@@ -1,4 +1,4 @@
-//! The policy step of backend rendering: the plain Deployment skeleton that [`crate::render`]
+//! The policy step of backend rendering: the plain Deployment skeleton that [`mod@crate::render`]
 //! builds goes through Hearth's policy engine (`hearth-policies`) in-process — the built-in
 //! `ServingPolicy` mutations of `policies/builtin/*.yaml` with the resolved InferenceRuntime as
 //! `params` and the LLMService as `service`: accelerator request, model-load-aware probes,

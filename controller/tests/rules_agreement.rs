@@ -1,6 +1,6 @@
 //! One case table, two paths: every case goes through the admission webhook's validation
 //! (`hearth_webhook::handle` on `/validate`, as the apiserver sends it) and through the
-//! controller's plan (`reconcile::plan`: rules, runtime resolution, render, conditions), and
+//! controller's plan (`reconcile::desired`: rules, runtime resolution, render, conditions), and
 //! both must give the case's verdict:
 //!
 //! | verdict | webhook | controller |
@@ -19,7 +19,7 @@
 
 use hearth_controller::{
     RenderConfig,
-    reconcile::{Plan, plan},
+    reconcile::{Desired, desired},
     status::{self, Cond},
 };
 use hearth_crds::{InferenceRuntime, LLMService, LLMServicePhase};
@@ -140,13 +140,13 @@ fn admit(svc: &Value) -> (bool, Vec<String>, Vec<String>) {
     (r["allowed"] == true, strings(&r["warnings"]), causes)
 }
 
-fn reconcile_plan(svc: &Value) -> Plan {
+fn reconcile_plan(svc: &Value) -> Desired {
     let svc: LLMService = serde_json::from_value(svc.clone()).expect("a decodable LLMService");
     let cfg = RenderConfig::builtin().expect("the built-in policies compile");
-    plan(&svc, &runtimes(), &cfg, true)
+    desired(&svc, &runtimes(), &cfg, true)
 }
 
-fn cond<'a>(plan: &'a Plan, type_: &str) -> &'a Cond {
+fn cond<'a>(plan: &'a Desired, type_: &str) -> &'a Cond {
     plan.conds
         .iter()
         .find(|c| c.type_ == type_)

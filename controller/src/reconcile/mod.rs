@@ -1,0 +1,597 @@
+//! The `LLMService` reconciler (kube-runtime `Controller`, shaped like kube-rs controller-rs):
+//! `reconcile(obj, ctx) -> Result<Action, Error>`, children and status written with server-side
+//! apply under one field manager. A reconcile is a plan and its execution:
+//!
+//! 1. [`desired()`] (`desired.rs`): the rules, runtime resolution and rendering: what the spec
+//!    asks for;
+//! 2. [`plan()`] (`plan.rs`): that against one [`View`] of the watch caches: every write
+//!    (apply, adopt, create, replace, delete-if-owned, or nothing), every condition and the
+//!    phase. Both steps are pure;
+//! 3. [`execute()`] (`execute.rs`): the writes as API calls, in order, and the API's answers as
+//!    conditions ([`recovery`]); then the status, when it differs.
+//!
+//! `watch.rs` holds the watches that fill the caches and trigger reconciles.
+//!
+//! Rules that keep it boring:
+//! - The backend Deployment is created once with `spec.replicas = scaling.min` (a plain create,
+//!   so that field stays with the create entry of `managedFields`); every later apply leaves
+//!   `replicas` out, so KEDA, the HPA or a user owns it and the controller never fights them.
+//! - Server-side apply of unchanged content changes nothing, and status is written only when it
+//!   differs, so an idle service makes no writes that change a `resourceVersion`.
+//! - Bad input is not an error loop: it is a condition with a reason and a fix, and the object
+//!   is requeued slowly; only API failures are errors (retried with backoff).
+//! - KEDA missing is a condition too; the `scaledobjects.keda.sh` CRD is watched, and every
+//!   service is reconciled when it appears.
+
+use std::{
+    future::Future,
+    sync::{
+        Arc, RwLock,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+use futures::{StreamExt, channel::mpsc};
+use hearth_crds::{InferenceRuntime, LLMService, LLMServiceStatus, wellknown::FIELD_MANAGER};
+use k8s_openapi::{
+    api::{
+        apps::v1::Deployment,
+        batch::v1::Job,
+        core::v1::{PersistentVolumeClaim, Service, ServiceAccount},
+        policy::v1::PodDisruptionBudget,
+        rbac::v1::{Role, RoleBinding},
+    },
+    apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition,
+    apimachinery::pkg::apis::meta::v1::Time,
+};
+use kube::{
+    Api, Client, Resource, ResourceExt,
+    api::DynamicObject,
+    runtime::{
+        Controller, WatchStreamExt,
+        controller::{Action, Config as ControllerConfig},
+        events::{Event as KubeEvent, EventType, Recorder, Reporter},
+        reflector::{self, ObjectRef, Store},
+        watcher,
+    },
+};
+
+use tracing::{Instrument, info_span};
+
+use crate::{labels, metrics::Metrics, names, policy, render::RenderConfig, status};
+
+mod desired;
+mod execute;
+mod plan;
+#[cfg(test)]
+mod tests;
+mod watch;
+mod write;
+
+pub use desired::{Desired, desired};
+pub use execute::execute;
+pub use plan::{CONDITION_ORDER, Plan, Recovery, View, after_conflict, plan, recovery};
+pub use write::{Kind, Object, Target, Write};
+
+use watch::{
+    cached_watch, established, relevant, scoped, uses_runtime, watch_keda, watch_policies,
+};
+
+/// The name of the CRD of `api`, whose presence means KEDA is installed
+/// (`scaledobjects.keda.sh`).
+pub fn crd_name(api: &kube::api::ApiResource) -> String {
+    format!("{}.{}", api.plural, api.group)
+}
+
+/// A reconcile failure: API errors only (bad specs become conditions, not errors).
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A Kubernetes API call failed.
+    #[error("{action}: {source}")]
+    Kube {
+        /// What was being done, e.g. `apply Deployment ns/x-backend`.
+        action: String,
+        /// The API error.
+        source: kube::Error,
+    },
+    /// An object could not be serialized.
+    #[error("serializing {0}")]
+    Serialize(String),
+}
+
+impl Error {
+    /// The HTTP status of the API's answer, when the apiserver answered.
+    fn api_code(&self) -> Option<u16> {
+        match self {
+            Error::Kube {
+                source: kube::Error::Api(e),
+                ..
+            } => Some(e.code),
+            Error::Kube { .. } | Error::Serialize(_) => None,
+        }
+    }
+
+    /// The `reason` label of `hearth_controller_reconcile_errors_total`.
+    pub fn metric_label(&self) -> &'static str {
+        match (self, self.api_code()) {
+            (Error::Kube { .. }, Some(409)) => "conflict",
+            (Error::Kube { .. }, Some(422)) => "invalid",
+            (Error::Kube { .. }, Some(403)) => "forbidden",
+            (Error::Kube { .. }, _) => "kube_api",
+            (Error::Serialize(_), _) => "serialize",
+        }
+    }
+
+    /// How long to wait before the failed reconcile runs again: [`CONFLICT_RETRY`] after a 409
+    /// (someone wrote the object between our read and our write: the next try will likely
+    /// pass), [`ERROR_RETRY`] after anything else. Never a hot loop.
+    pub fn backoff(&self) -> Duration {
+        match self {
+            Error::Kube {
+                source: kube::Error::Api(e),
+                ..
+            } if e.code == 409 => CONFLICT_RETRY,
+            Error::Kube { .. } | Error::Serialize(_) => ERROR_RETRY,
+        }
+    }
+}
+
+/// Requeue delay after a conflict (409).
+pub const CONFLICT_RETRY: Duration = Duration::from_secs(1);
+/// Requeue delay after any other error.
+pub const ERROR_RETRY: Duration = Duration::from_secs(15);
+
+/// KEDA's presence and, once present, a cache of ScaledObjects.
+pub struct KedaState {
+    api: kube::api::ApiResource,
+    installed: AtomicBool,
+    store: RwLock<Option<Store<DynamicObject>>>,
+}
+
+impl KedaState {
+    /// Whether the ScaledObject CRD is installed and established.
+    pub fn installed(&self) -> bool {
+        self.installed.load(Ordering::SeqCst)
+    }
+
+    fn get(&self, namespace: &str, name: &str) -> Option<Arc<DynamicObject>> {
+        let guard = self.store.read().ok()?;
+        let store = guard.as_ref()?;
+        store.get(&ObjectRef::new_with(name, self.api.clone()).within(namespace))
+    }
+}
+
+/// Settings of a controller run.
+#[derive(Clone, Debug)]
+pub struct RunConfig {
+    /// Images and paths for rendering.
+    pub render: RenderConfig,
+    /// Watch only this namespace (all namespaces when `None`).
+    pub namespace: Option<String>,
+    /// Periodic resync of every service.
+    pub requeue: Duration,
+    /// Reconciles running at once.
+    pub concurrency: u16,
+    /// `reportingInstance` of Events.
+    pub instance: String,
+    /// Render backends with the cluster's ServingPolicies too (after `render.engine`'s, the
+    /// built-ins), as the webhook evaluates them; `false`: only `render.engine`'s.
+    pub cluster_policies: bool,
+}
+
+impl RunConfig {
+    /// Defaults (all namespaces, 5-minute resync, 16 reconciles at once) with `render`.
+    pub fn new(render: RenderConfig) -> Self {
+        Self {
+            render,
+            namespace: None,
+            requeue: Duration::from_secs(300),
+            concurrency: 16,
+            instance: "hearth-controller".to_owned(),
+            cluster_policies: true,
+        }
+    }
+}
+
+/// What every reconcile shares.
+pub struct Context {
+    /// The API client.
+    pub client: Client,
+    /// Rendering settings.
+    pub render: RenderConfig,
+    /// Metrics.
+    pub metrics: Metrics,
+    /// Resync period.
+    pub requeue: Duration,
+    runtimes: Store<InferenceRuntime>,
+    deployments: Store<Deployment>,
+    claims: Store<PersistentVolumeClaim>,
+    jobs: Store<Job>,
+    services: Store<Service>,
+    service_accounts: Store<ServiceAccount>,
+    roles: Store<Role>,
+    role_bindings: Store<RoleBinding>,
+    pdbs: Store<PodDisruptionBudget>,
+    keda: Arc<KedaState>,
+    recorder: Recorder,
+    policies: Option<policy::ClusterEngine>,
+}
+
+impl Context {
+    /// Whether every cache the reconciler reads holds its first complete list. Before that, a
+    /// child missing from a cache may exist: a create would meet it, and an apply would skip
+    /// its adoption ([`crate::adopt::foreign`]) and merge beside another manager's fields.
+    fn caches_synced(&self) -> bool {
+        use futures::FutureExt;
+        fn synced<K: kube::Resource + Clone>(s: &Store<K>) -> bool
+        where
+            K::DynamicType: Eq + std::hash::Hash + Clone,
+        {
+            s.wait_until_ready().now_or_never().is_some()
+        }
+        synced(&self.runtimes)
+            && synced(&self.deployments)
+            && synced(&self.claims)
+            && synced(&self.jobs)
+            && synced(&self.services)
+            && synced(&self.service_accounts)
+            && synced(&self.roles)
+            && synced(&self.role_bindings)
+            && synced(&self.pdbs)
+    }
+
+    /// The render settings with the policies as they are now.
+    fn render_config(&self) -> std::borrow::Cow<'_, RenderConfig> {
+        match &self.policies {
+            Some(p) => {
+                let mut cfg = self.render.clone();
+                cfg.engine = p.current();
+                std::borrow::Cow::Owned(cfg)
+            }
+            None => std::borrow::Cow::Borrowed(&self.render),
+        }
+    }
+
+    /// What the caches hold of the children of the service `name` in `namespace`.
+    fn view(&self, namespace: &str, name: &str) -> View {
+        let keda_installed = self.keda.installed();
+        View {
+            service_account: get_in(&self.service_accounts, namespace, &names::gateway(name)),
+            role: get_in(&self.roles, namespace, &names::gateway(name)),
+            role_binding: get_in(&self.role_bindings, namespace, &names::gateway(name)),
+            claim: get_in(&self.claims, namespace, &names::cache_claim(name)),
+            job: get_in(&self.jobs, namespace, &names::prewarm_job(name)),
+            backend_service: get_in(&self.services, namespace, &names::backend_service(name)),
+            gateway_service: get_in(&self.services, namespace, &names::gateway_service(name)),
+            scaler_service: get_in(&self.services, namespace, &names::scaler_service(name)),
+            backend: get_in(&self.deployments, namespace, &names::backend(name)),
+            legacy_backend: get_in(&self.deployments, namespace, &names::legacy_backend(name)),
+            gateway: get_in(&self.deployments, namespace, &names::gateway(name)),
+            gateway_pdb: get_in(&self.pdbs, namespace, &names::gateway(name)),
+            keda_installed,
+            scaled_object: keda_installed
+                .then(|| self.keda.get(namespace, &names::scaled_object(name)))
+                .flatten(),
+        }
+    }
+}
+
+fn kube_err(action: impl Into<String>) -> impl FnOnce(kube::Error) -> Error {
+    let action = action.into();
+    move |source| Error::Kube { action, source }
+}
+
+fn get_in<K>(store: &Store<K>, namespace: &str, name: &str) -> Option<Arc<K>>
+where
+    K: Resource<DynamicType = ()> + Clone + 'static,
+{
+    store.get(&ObjectRef::new(name).within(namespace))
+}
+
+/// How soon a reconcile that found the caches still listing runs again.
+const CACHE_SYNC_RETRY: Duration = Duration::from_millis(500);
+
+/// Reconciles one `LLMService`.
+pub async fn reconcile(svc: Arc<LLMService>, ctx: Arc<Context>) -> Result<Action, Error> {
+    let span = info_span!("reconcile", llmservice = %svc.name_any(), namespace = %svc.namespace().unwrap_or_default());
+    async move {
+        ctx.metrics.reconciles.inc();
+        let start = Instant::now();
+        let result = reconcile_inner(&svc, &ctx).await;
+        ctx.metrics.observe(
+            start.elapsed(),
+            result.as_ref().err().map(Error::metric_label),
+        );
+        if let Err(e) = &result {
+            tracing::warn!(error = %e, "reconcile failed");
+            publish(
+                &ctx,
+                &svc,
+                EventType::Warning,
+                "ReconcileFailed",
+                e.to_string(),
+            )
+            .await;
+        }
+        result
+    }
+    .instrument(span)
+    .await
+}
+
+/// Requeue after a failure, by error type (see [`Error::backoff`]).
+pub fn error_policy(_svc: Arc<LLMService>, error: &Error, _ctx: Arc<Context>) -> Action {
+    Action::requeue(error.backoff())
+}
+
+async fn publish(ctx: &Context, svc: &LLMService, type_: EventType, reason: &str, note: String) {
+    let ev = KubeEvent {
+        type_,
+        reason: reason.to_owned(),
+        note: Some(note.chars().take(1000).collect()),
+        action: "Reconcile".to_owned(),
+        secondary: None,
+    };
+    if let Err(e) = ctx.recorder.publish(&ev, &svc.object_ref(&())).await {
+        tracing::debug!(error = %e, "publishing event failed");
+    }
+}
+
+async fn reconcile_inner(svc: &LLMService, ctx: &Context) -> Result<Action, Error> {
+    if !ctx.caches_synced() {
+        // The watches that fill them run beside the reconciles; this is the first second or so
+        // after a start (or a regained lease).
+        return Ok(Action::requeue(CACHE_SYNC_RETRY));
+    }
+    let namespace = svc.namespace().unwrap_or_default();
+    let view = ctx.view(&namespace, &svc.name_any());
+    let runtimes = ctx.runtimes.state();
+    let desired = desired(
+        svc,
+        runtimes.iter().map(|r| r.as_ref()),
+        &ctx.render_config(),
+        view.backend.is_none(),
+    );
+    let mut plan = plan(svc, desired, &view, &ctx.render);
+    execute(ctx, &namespace, &mut plan).await?;
+
+    let now = Time(k8s_openapi::jiff::Timestamp::now());
+    let status = plan.status(svc, &now);
+    if status::differs(svc.status.as_ref(), &status) {
+        execute::write_status(ctx, svc, &status).await?;
+        let previous = svc.status.clone().unwrap_or_default();
+        emit_transitions(ctx, svc, &previous, &status).await;
+    }
+    Ok(Action::requeue(ctx.requeue))
+}
+
+/// Condition reasons that are the normal state of a service just created.
+const EXPECTED_AT_START: &[&str] = &[
+    "Creating",
+    "GatewayNotReady",
+    "BackendLoading",
+    "AutoscalingNotReady",
+    "ScaledObjectPending",
+    "NotRequested",
+    "NotApplicable",
+    "Pending",
+    "Downloading",
+];
+
+/// Events on phase changes and on conditions changing status or reason.
+async fn emit_transitions(
+    ctx: &Context,
+    svc: &LLMService,
+    old: &LLMServiceStatus,
+    new: &LLMServiceStatus,
+) {
+    if old.phase != new.phase
+        && let Some(phase) = new.phase
+    {
+        let from = old
+            .phase
+            .map(|p| format!("{p:?}"))
+            .unwrap_or_else(|| "none".to_owned());
+        publish(
+            ctx,
+            svc,
+            EventType::Normal,
+            &format!("{phase:?}"),
+            format!("phase {from} -> {phase:?}"),
+        )
+        .await;
+    }
+    for c in &new.conditions {
+        let before = old.conditions.iter().find(|o| o.type_ == c.type_);
+        if before.is_some_and(|b| b.status == c.status && b.reason == c.reason) {
+            continue;
+        }
+        // A first status says what is expected of a new service (creating, scaled to zero,
+        // waiting on KEDA); only something the user should act on is worth an Event then.
+        // Rule warnings (`Validated=True` with a reason other than `Valid`) are worth one.
+        let warns = c.type_ == status::VALIDATED && c.reason != status::VALID;
+        if before.is_none()
+            && !warns
+            && (c.status == "True" || EXPECTED_AT_START.contains(&c.reason.as_str()))
+        {
+            continue;
+        }
+        let type_ = if warns || c.status == "False" && c.type_ != status::PREWARMED {
+            EventType::Warning
+        } else {
+            EventType::Normal
+        };
+        publish(
+            ctx,
+            svc,
+            type_,
+            &c.reason,
+            format!("{}={}: {}", c.type_, c.status, c.message),
+        )
+        .await;
+    }
+}
+
+/// Runs the controller until `shutdown` resolves.
+pub async fn run(
+    client: Client,
+    cfg: RunConfig,
+    metrics: Metrics,
+    shutdown: impl Future<Output = ()> + Send + Sync + 'static,
+) -> Result<(), Error> {
+    let ns = cfg.namespace.as_deref();
+    let managed = watcher::Config::default().labels(&labels::managed_selector());
+
+    let (runtimes, runtime_writer) = reflector::store::<InferenceRuntime>();
+    let runtime_stream = watcher(
+        Api::<InferenceRuntime>::all(client.clone()),
+        watcher::Config::default(),
+    )
+    .default_backoff()
+    .modify(|r| r.metadata.managed_fields = None)
+    .reflect(runtime_writer)
+    .touched_objects();
+    // Children whose status feeds ours trigger a reconcile only when what we read changes
+    // (see `relevant`): KEDA, kwok and the Deployment controller update status often.
+    let (deployments, dep_stream) = cached_watch::<Deployment>(
+        &client,
+        ns,
+        &managed,
+        Some(|d| {
+            let b = status::BackendState::of(Some(d));
+            relevant(d, &(b.desired, b.ready, b.stuck))
+        }),
+    );
+    let (claims, claim_stream) = cached_watch::<PersistentVolumeClaim>(
+        &client,
+        ns,
+        &managed,
+        Some(|c| {
+            relevant(
+                c,
+                &(
+                    c.status.as_ref().and_then(|s| s.phase.clone()),
+                    c.spec
+                        .as_ref()
+                        .and_then(|s| s.resources.clone())
+                        .map(|r| serde_json::to_string(&r).unwrap_or_default()),
+                ),
+            )
+        }),
+    );
+    let (jobs, job_stream) = cached_watch::<Job>(
+        &client,
+        ns,
+        &managed,
+        Some(|j| relevant(j, &status::prewarm(Some(j), "").reason)),
+    );
+    let (services_store, services_stream) = cached_watch::<Service>(&client, ns, &managed, None);
+    let (sa_store, sa_stream) = cached_watch::<ServiceAccount>(&client, ns, &managed, None);
+    let (roles_store, roles_stream) = cached_watch::<Role>(&client, ns, &managed, None);
+    let (rb_store, rb_stream) = cached_watch::<RoleBinding>(&client, ns, &managed, None);
+    let (pdb_store, pdb_stream) =
+        cached_watch::<PodDisruptionBudget>(&client, ns, &managed, Some(|p| relevant(p, &())));
+
+    let keda = Arc::new(KedaState {
+        api: cfg.render.keda_api.clone(),
+        installed: AtomicBool::new(false),
+        store: RwLock::new(None),
+    });
+    let crd_api: Api<CustomResourceDefinition> = Api::all(client.clone());
+    let crd = crd_name(&keda.api);
+    let initial = crd_api
+        .get_opt(&crd)
+        .await
+        .map_err(kube_err(format!("get CustomResourceDefinition {crd}")))?;
+    keda.installed
+        .store(initial.as_ref().is_some_and(established), Ordering::SeqCst);
+    let (all_tx, all_rx) = mpsc::unbounded::<()>();
+    let (one_tx, one_rx) = mpsc::unbounded::<ObjectRef<LLMService>>();
+    tokio::spawn(watch_keda(
+        client.clone(),
+        ns.map(str::to_owned),
+        keda.clone(),
+        all_tx.clone(),
+        one_tx,
+    ));
+
+    let policies = if cfg.cluster_policies {
+        Some(watch_policies(client.clone(), &cfg.render.engine, all_tx.clone()).await)
+    } else {
+        None
+    };
+
+    let ctx = Arc::new(Context {
+        client: client.clone(),
+        render: cfg.render.clone(),
+        metrics,
+        requeue: cfg.requeue,
+        runtimes,
+        deployments,
+        claims,
+        jobs,
+        services: services_store,
+        service_accounts: sa_store,
+        roles: roles_store,
+        role_bindings: rb_store,
+        pdbs: pdb_store,
+        keda,
+        policies,
+        recorder: Recorder::new(
+            client.clone(),
+            Reporter {
+                controller: FIELD_MANAGER.to_owned(),
+                instance: Some(cfg.instance.clone()),
+            },
+        ),
+    });
+
+    // The services' own cache, without managedFields (most of each object's size).
+    let (service_store, service_writer) = reflector::store::<LLMService>();
+    let service_stream = watcher(
+        scoped::<LLMService>(&client, ns),
+        watcher::Config::default(),
+    )
+    .default_backoff()
+    .modify(|s| s.metadata.managed_fields = None)
+    .reflect(service_writer)
+    .applied_objects();
+    // No debounce: kube-runtime's is trailing-edge (each new trigger restarts the wait), so an
+    // LLMService edited, or with a child changing, more often than the debounce period was
+    // never reconciled while that went on (a gateway kept its old image through a Hearth
+    // upgrade while the service was edited several times a second). The scheduler already
+    // merges triggers for an object that is queued or being reconciled into one more run.
+    let controller = Controller::for_stream(service_stream, service_store)
+        .with_config(ControllerConfig::default().concurrency(cfg.concurrency));
+    let service_store = controller.store();
+    controller
+        .owns_stream(dep_stream)
+        .owns_stream(claim_stream)
+        .owns_stream(job_stream)
+        .owns_stream(services_stream)
+        .owns_stream(sa_stream)
+        .owns_stream(roles_stream)
+        .owns_stream(rb_stream)
+        .owns_stream(pdb_stream)
+        .watches_stream(runtime_stream, move |rt: InferenceRuntime| {
+            let rt_name = rt.name_any();
+            service_store
+                .state()
+                .into_iter()
+                .filter(|s| uses_runtime(s, &rt_name, &rt.spec.vendor))
+                .map(|s| ObjectRef::from_obj(s.as_ref()))
+                .collect::<Vec<_>>()
+        })
+        .reconcile_all_on(all_rx)
+        .reconcile_on(one_rx)
+        .graceful_shutdown_on(shutdown)
+        .run(reconcile, error_policy, ctx)
+        .for_each(|res| async move {
+            if let Err(e) = res {
+                tracing::debug!(error = %e, "controller event");
+            }
+        })
+        .await;
+    Ok(())
+}

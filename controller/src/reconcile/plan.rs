@@ -1,0 +1,547 @@
+//! The second half of a plan: what the spec asks for ([`Desired`]) against what the watch
+//! caches hold ([`View`]) decides every write, every condition and the phase. Pure: no API
+//! call, so each branch is a table test (`plan/tests.rs`); [`super::execute()`] sends the writes.
+//!
+//! Per child, in apply order (dependencies first):
+//! - **apply** when the cache does not already hold everything the controller sets
+//!   ([`diff::contains`]); nothing when it does;
+//! - **adopt**, then apply, when the cached child was written by another manager
+//!   ([`adopt::foreign`]);
+//! - create-once children (cache claim, prewarm Job) are never replaced: a changed
+//!   [`TEMPLATE_HASH_ANNOTATION`] is reported `ReplaceRequired`, naming what to delete;
+//! - the backend Deployment is **created** (not applied) the first time, after **deleting** an
+//!   earlier version's `N-backend` Deployment when this service controls it;
+//! - a gateway Deployment whose selector differs is **replaced** (deleted, then applied) when
+//!   this service controls it; the scaler Service is **deleted** in poll mode, likewise.
+
+use std::sync::Arc;
+
+use hearth_crds::{LLMService, LLMServicePhase, LLMServiceStatus, llmservice::CacheStrategy};
+use k8s_openapi::{
+    api::{
+        apps::v1::Deployment,
+        batch::v1::Job,
+        core::v1::{PersistentVolumeClaim, Service, ServiceAccount},
+        policy::v1::PodDisruptionBudget,
+        rbac::v1::{Role, RoleBinding},
+    },
+    apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time},
+};
+use kube::{Resource, ResourceExt, api::DynamicObject, core::Status};
+use serde::Serialize;
+
+use super::{
+    desired::Desired,
+    write::{Kind, Object, Target, Write},
+};
+use crate::{
+    adopt, diff,
+    model::{self, ModelSource},
+    names,
+    render::{RenderConfig, TEMPLATE_HASH_ANNOTATION},
+    status::{self, BackendState, Cond},
+    upgrade,
+};
+
+#[cfg(test)]
+mod tests;
+
+/// What the watch caches hold of one service's children (`managedFields` stripped), read once
+/// per reconcile; `None` where a child is not there.
+#[derive(Clone, Debug, Default)]
+pub struct View {
+    /// ServiceAccount `N-gateway`.
+    pub service_account: Option<Arc<ServiceAccount>>,
+    /// Role `N-gateway`.
+    pub role: Option<Arc<Role>>,
+    /// RoleBinding `N-gateway`.
+    pub role_binding: Option<Arc<RoleBinding>>,
+    /// PersistentVolumeClaim `N-cache`.
+    pub claim: Option<Arc<PersistentVolumeClaim>>,
+    /// Job `N-prewarm`.
+    pub job: Option<Arc<Job>>,
+    /// Service `N-backend`.
+    pub backend_service: Option<Arc<Service>>,
+    /// Service `N` (the gateway's).
+    pub gateway_service: Option<Arc<Service>>,
+    /// Service `N-scaler`.
+    pub scaler_service: Option<Arc<Service>>,
+    /// Deployment `N` (the backend).
+    pub backend: Option<Arc<Deployment>>,
+    /// Deployment `N-backend`: an earlier version's backend.
+    pub legacy_backend: Option<Arc<Deployment>>,
+    /// Deployment `N-gateway`.
+    pub gateway: Option<Arc<Deployment>>,
+    /// PodDisruptionBudget `N-gateway`.
+    pub gateway_pdb: Option<Arc<PodDisruptionBudget>>,
+    /// Whether KEDA's ScaledObject CRD is installed and established.
+    pub keda_installed: bool,
+    /// ScaledObject `N` (read only when KEDA is installed).
+    pub scaled_object: Option<Arc<DynamicObject>>,
+}
+
+/// What one reconcile does: the writes, in order, and the status they lead to.
+#[derive(Debug)]
+pub struct Plan {
+    /// The writes, in order; the executor stops at the first that fails.
+    pub writes: Vec<Write>,
+    /// `status.phase`.
+    pub phase: LLMServicePhase,
+    /// `status.resolvedRuntime`.
+    pub resolved_runtime: Option<String>,
+    /// `status.replicas`: ready backend replicas.
+    pub replicas: i32,
+    /// The conditions, in their stable order (see [`CONDITION_ORDER`]).
+    pub conds: Vec<Cond>,
+    /// What `Ready` and the phase are derived from once children are written.
+    readiness: Option<Readiness>,
+}
+
+/// The inputs of `Ready` and the phase besides the other conditions.
+#[derive(Clone, Debug)]
+struct Readiness {
+    backend: BackendState,
+    gateway_ready: i32,
+    gateway: String,
+    /// Key and Secret of `spec.endpoint.apiKeySecretRef`.
+    api_key: Option<(String, String)>,
+}
+
+/// The order conditions are reported in.
+pub const CONDITION_ORDER: [&str; 6] = [
+    status::READY,
+    status::RUNTIME_RESOLVED,
+    status::AUTOSCALING_READY,
+    status::CACHE_READY,
+    status::PREWARMED,
+    status::VALIDATED,
+];
+
+impl Plan {
+    /// The condition of `type_`, if decided.
+    pub fn condition(&self, type_: &str) -> Option<&Cond> {
+        self.conds.iter().find(|c| c.type_ == type_)
+    }
+
+    /// Replaces the condition of `cond`'s type (what a write's outcome says, see [`recovery`])
+    /// and derives `Ready` and the phase again.
+    pub fn set_condition(&mut self, cond: Cond) {
+        self.conds.retain(|c| c.type_ != cond.type_);
+        self.conds.push(cond);
+        self.settle();
+    }
+
+    /// The status to write: this plan's, with `lastTransitionTime` kept from `svc`'s current
+    /// conditions where their status did not change, `now` elsewhere.
+    pub fn status(&self, svc: &LLMService, now: &Time) -> LLMServiceStatus {
+        let previous = svc
+            .status
+            .as_ref()
+            .map(|s| s.conditions.as_slice())
+            .unwrap_or_default();
+        LLMServiceStatus {
+            phase: Some(self.phase),
+            resolved_runtime: self.resolved_runtime.clone(),
+            replicas: Some(self.replicas),
+            endpoint_url: Some(format!(
+                "http://{}.{}.svc/v1",
+                names::gateway_service(&svc.name_any()),
+                svc.namespace().unwrap_or_default()
+            )),
+            observed_generation: svc.metadata.generation,
+            conditions: status::merge_conditions(
+                previous,
+                &self.conds,
+                svc.metadata.generation,
+                now,
+            ),
+        }
+    }
+
+    /// Derives `Ready`, the phase and the replicas from the backend, the gateway and the other
+    /// conditions (when children are written), and puts the conditions in their order.
+    fn settle(&mut self) {
+        if let Some(r) = &self.readiness {
+            self.conds.retain(|c| c.type_ != status::READY);
+            let (phase, mut ready) =
+                status::phase_and_ready(r.backend, r.gateway_ready, &self.conds);
+            if ready.reason == "GatewayNotReady"
+                && let Some((key, secret)) = &r.api_key
+            {
+                // The controller may not read Secrets; say where to look when it is the likely
+                // cause.
+                ready.message = format!(
+                    "{}; the gateway mounts the API keys from key {key:?} of Secret {secret:?}: until both exist its pods wait in ContainerCreating (FailedMount events on the pods of Deployment {})",
+                    ready.message, r.gateway
+                );
+            }
+            self.phase = phase;
+            self.replicas = r.backend.ready;
+            self.conds.push(ready);
+        }
+        self.conds.sort_by_key(|c| {
+            CONDITION_ORDER
+                .iter()
+                .position(|t| *t == c.type_)
+                .unwrap_or(CONDITION_ORDER.len())
+        });
+    }
+}
+
+/// Decides every write for `svc` from what its spec asks for and what the caches hold;
+/// `cfg` gives the drain image (kept on running backends, see [`upgrade`]) and the HostPath
+/// root (reported in `CacheReady`).
+pub fn plan(svc: &LLMService, desired: Desired, view: &View, cfg: &RenderConfig) -> Plan {
+    let Desired {
+        phase,
+        resolved_runtime,
+        mut conds,
+        children,
+    } = desired;
+    let mut plan = Plan {
+        writes: Vec::new(),
+        phase,
+        resolved_runtime,
+        replicas: 0,
+        conds: Vec::new(),
+        readiness: None,
+    };
+    let Some(children) = children else {
+        plan.conds = conds;
+        plan.settle();
+        return plan;
+    };
+    let name = svc.name_any();
+    let writes = &mut plan.writes;
+
+    apply_cached(
+        writes,
+        children.gateway_service_account,
+        view.service_account.as_deref(),
+    );
+    apply_cached(writes, children.gateway_role, view.role.as_deref());
+    apply_cached(
+        writes,
+        children.gateway_role_binding,
+        view.role_binding.as_deref(),
+    );
+
+    // Cache.
+    let source = model::parse_source(&svc.spec.model).ok();
+    match (&source, children.cache_claim) {
+        (Some(ModelSource::Pvc { claim, .. }), _) => conds.push(Cond::new(
+            status::CACHE_READY,
+            Some(true),
+            "PreStaged",
+            format!("weights are read from PersistentVolumeClaim {claim}, mounted read-only"),
+        )),
+        (_, Some(claim)) => {
+            let claim_name = names::cache_claim(&name);
+            let mut existing = view.claim.as_deref();
+            if existing.is_some_and(|c| adopt::foreign(&c.metadata)) {
+                // An upstream installation's cache: keep it and its contents.
+                writes.push(Write::Adopt(Target::new(
+                    Kind::PersistentVolumeClaim,
+                    &claim_name,
+                )));
+                existing = None;
+            }
+            if replace_needed(existing.map(|c| &c.metadata), &claim.metadata) {
+                conds.push(Cond::new(
+                    status::CACHE_READY,
+                    Some(false),
+                    "ReplaceRequired",
+                    format!(
+                        "spec.cache.storageClassName changed, and a claim's storage class cannot change: delete PersistentVolumeClaim {claim_name} (after scaling the backend to zero) to recreate it"
+                    ),
+                ));
+            } else {
+                if !existing.is_some_and(|c| diff::contains(c, &claim)) {
+                    // The apiserver may refuse it: see `recovery`.
+                    writes.push(Write::Apply(claim.into()));
+                }
+                conds.push(status::cache_claim(existing, &claim_name));
+            }
+        }
+        _ => conds.push(match svc.spec.cache.strategy {
+            CacheStrategy::HostPath => Cond::new(
+                status::CACHE_READY,
+                Some(true),
+                "HostPath",
+                format!(
+                    "weights are cached on each node under {}",
+                    cfg.host_path_root
+                ),
+            ),
+            _ => Cond::new(
+                status::CACHE_READY,
+                Some(true),
+                "NoCache",
+                "cache.strategy is None: each backend pod downloads the model",
+            ),
+        }),
+    }
+
+    // Prewarm.
+    let job_name = names::prewarm_job(&name);
+    match (children.prewarm_job, view.job.as_deref()) {
+        (Some(job), None) => {
+            writes.push(Write::Apply(job.into()));
+            conds.push(status::prewarm(None, &job_name));
+        }
+        (Some(job), Some(current))
+            if !adopt::foreign(&current.metadata)
+                && replace_needed(Some(&current.metadata), &job.metadata) =>
+        {
+            conds.push(Cond::new(
+                status::PREWARMED,
+                Some(false),
+                "ReplaceRequired",
+                format!(
+                    "the model source or runtime changed after prewarm Job {job_name} was created, and a Job cannot change: delete Job {job_name} to prewarm again"
+                ),
+            ));
+        }
+        // A Job is create-once: nothing to apply once it exists (an upstream installation's
+        // included; its template cannot change).
+        (Some(_), Some(current)) => conds.push(status::prewarm(Some(current), &job_name)),
+        (None, _) => {
+            let (reason, message) = match (&source, svc.spec.cache.prewarm, svc.spec.cache.strategy)
+            {
+                (_, false, _) => ("NotRequested", "cache.prewarm is false".to_owned()),
+                (Some(ModelSource::Pvc { .. }), true, _) => (
+                    "NotApplicable",
+                    "pvc:// weights are pre-staged; there is nothing to download".to_owned(),
+                ),
+                (_, true, strategy) => (
+                    "NoCache",
+                    format!(
+                        "cache.prewarm needs a cache to fill, but cache.strategy is {strategy:?}: use NodeLocalPVC or HostPath"
+                    ),
+                ),
+            };
+            conds.push(Cond::new(status::PREWARMED, Some(false), reason, message));
+        }
+    }
+
+    // Backend.
+    apply_cached(
+        writes,
+        children.backend_service,
+        view.backend_service.as_deref(),
+    );
+    match view.backend.as_deref() {
+        Some(live) => {
+            let mut backend = children.backend;
+            if let Some(image) = &cfg.drain_image
+                && has_pods(live)
+                && upgrade::keep_live_images(&mut backend, live, image)
+            {
+                // Applied when the backend is next at zero, or with its next template change.
+                tracing::info!(deployment = %live.name_any(), namespace = %live.namespace().unwrap_or_default(), new_image = %image, "keeping the running pods' drain sidecar image, so this upgrade does not restart them");
+            }
+            apply_cached(writes, backend, Some(live));
+        }
+        None => {
+            // An earlier version of this controller named the backend `<name>-backend`: remove
+            // it first, so two backends never hold accelerators at once.
+            delete_if_owned(
+                writes,
+                Target::new(Kind::Deployment, names::legacy_backend(&name)),
+                view.legacy_backend.as_deref(),
+                svc,
+            );
+            writes.push(Write::Create(Box::new(children.backend)));
+        }
+    }
+
+    // Gateway.
+    apply_cached(
+        writes,
+        children.gateway_service,
+        view.gateway_service.as_deref(),
+    );
+    match children.scaler_service {
+        Some(s) => apply_cached(writes, s, view.scaler_service.as_deref()),
+        None => delete_if_owned(
+            writes,
+            Target::new(Kind::Service, names::scaler_service(&name)),
+            view.scaler_service.as_deref(),
+            svc,
+        ),
+    }
+    // A Deployment's selector is immutable: a gateway an earlier version of this controller
+    // wrote with other selector labels is replaced (it holds no state).
+    if let Some(live) = view.gateway.as_deref()
+        && live.spec.as_ref().map(|s| &s.selector)
+            != children.gateway.spec.as_ref().map(|s| &s.selector)
+    {
+        delete_if_owned(
+            writes,
+            Target::new(Kind::Deployment, names::gateway(&name)),
+            Some(live),
+            svc,
+        );
+    }
+    apply_cached(writes, children.gateway, view.gateway.as_deref());
+    apply_cached(writes, children.gateway_pdb, view.gateway_pdb.as_deref());
+
+    // Autoscaling.
+    conds.push(if view.keda_installed {
+        let cached = view.scaled_object.as_deref();
+        // KEDA's CRD may go away before the apply: see `recovery`.
+        apply_cached(writes, children.scaled_object, cached);
+        status::autoscaling(true, cached)
+    } else {
+        status::autoscaling(false, None)
+    });
+
+    let backend = match BackendState::of(view.backend.as_deref()) {
+        b if b.exists => b,
+        // Created by this plan: what is created.
+        _ => BackendState {
+            exists: true,
+            desired: svc.spec.scaling.min,
+            ready: 0,
+            stuck: false,
+        },
+    };
+    plan.readiness = Some(Readiness {
+        backend,
+        gateway_ready: status::gateway_ready(view.gateway.as_deref()),
+        gateway: names::gateway(&name),
+        api_key: svc
+            .spec
+            .endpoint
+            .api_key_secret_ref
+            .as_ref()
+            .map(|r| (r.key.clone(), r.name.clone())),
+    });
+    plan.conds = conds;
+    plan.settle();
+    plan
+}
+
+/// Apply `desired` unless the cached child already holds everything it sets (an unchanged child
+/// costs no request at all); adopt it first when another manager wrote it.
+fn apply_cached<K>(writes: &mut Vec<Write>, desired: K, cached: Option<&K>)
+where
+    K: Resource + Serialize,
+    Object: From<K>,
+{
+    let adopt = match cached {
+        Some(c) if adopt::foreign(c.meta()) => true,
+        Some(c) if diff::contains(c, &desired) => return,
+        _ => false,
+    };
+    let object = Object::from(desired);
+    if adopt {
+        writes.push(Write::Adopt(object.target()));
+    }
+    writes.push(Write::Apply(object));
+}
+
+/// Delete `target` if the cache holds it (`cached`) and `owner` controls it (the cache answers "is it there?";
+/// only an actual deletion costs a request).
+fn delete_if_owned<K: Resource>(
+    writes: &mut Vec<Write>,
+    target: Target,
+    cached: Option<&K>,
+    owner: &LLMService,
+) {
+    let Some(obj) = cached else { return };
+    let owned = obj
+        .meta()
+        .owner_references
+        .iter()
+        .flatten()
+        .any(|r| Some(&r.uid) == owner.metadata.uid.as_ref());
+    if owned {
+        writes.push(Write::Delete(target));
+    }
+}
+
+/// Whether a Deployment wants or still has pods: a template change would restart them. At
+/// zero replicas it costs nothing, so Hearth's own image updates are applied then (see
+/// [`upgrade::keep_live_images`]).
+fn has_pods(d: &Deployment) -> bool {
+    d.spec.as_ref().and_then(|s| s.replicas).unwrap_or(1) > 0
+        || d.status.as_ref().and_then(|s| s.replicas).unwrap_or(0) > 0
+}
+
+/// Whether a create-once child must be replaced: it exists with a different template hash.
+fn replace_needed(existing: Option<&ObjectMeta>, desired: &ObjectMeta) -> bool {
+    let hash = |m: &ObjectMeta| {
+        m.annotations
+            .as_ref()
+            .and_then(|a| a.get(TEMPLATE_HASH_ANNOTATION))
+            .cloned()
+    };
+    existing.is_some_and(|e| hash(e) != hash(desired))
+}
+
+/// What a write's API error means.
+#[derive(Debug, PartialEq)]
+pub enum Recovery<'a> {
+    /// The reconcile fails with it (retried with backoff, see [`super::error_policy`]).
+    Fail,
+    /// Nothing: what the write wanted is already so (a deletion of something gone).
+    Done,
+    /// The write is reported as this condition, which replaces the planned one
+    /// ([`Plan::set_condition`]); the reconcile goes on.
+    Report(Cond),
+    /// The backend exists although the cache did not hold it (a controller just started): read
+    /// it and write what [`after_conflict`] says instead.
+    ReadBackend(&'a Deployment),
+}
+
+/// How the executor goes on after `write` failed with the API error `e`.
+pub fn recovery<'a>(write: &'a Write, e: &Status) -> Recovery<'a> {
+    match (write, e.code) {
+        (Write::Apply(Object::PersistentVolumeClaim(claim)), 422) => Recovery::Report(Cond::new(
+            status::CACHE_READY,
+            Some(false),
+            "ReplaceRequired",
+            format!(
+                "the apiserver rejected the cache claim change ({}): a claim can only grow; delete PersistentVolumeClaim {} to recreate it smaller",
+                e.message,
+                claim.name_any()
+            ),
+        )),
+        // KEDA's CRD went away between the check and the apply.
+        (Write::Apply(Object::ScaledObject(_)), 404) => {
+            Recovery::Report(status::autoscaling(false, None))
+        }
+        (Write::Create(backend), 409) => Recovery::ReadBackend(backend),
+        (Write::Delete(_), 404) => Recovery::Done,
+        _ => Recovery::Fail,
+    }
+}
+
+/// The writes for a backend whose create met an existing Deployment, `live`: apply without
+/// `spec.replicas` (its owner keeps it), adopting it first when another manager wrote it, and
+/// keeping the running pods' drain image as for any backend with pods.
+pub fn after_conflict(
+    desired: &Deployment,
+    live: &Deployment,
+    drain_image: Option<&str>,
+) -> Vec<Write> {
+    let mut backend = desired.clone();
+    if let Some(spec) = backend.spec.as_mut() {
+        spec.replicas = None;
+    }
+    let mut writes = Vec::new();
+    if adopt::foreign(&live.metadata) {
+        writes.push(Write::Adopt(Target::new(
+            Kind::Deployment,
+            backend.name_any(),
+        )));
+    }
+    if let Some(image) = drain_image
+        && has_pods(live)
+    {
+        upgrade::keep_live_images(&mut backend, live, image);
+    }
+    writes.push(Write::Apply(backend.into()));
+    writes
+}

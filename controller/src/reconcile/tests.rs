@@ -1,0 +1,109 @@
+use k8s_openapi::api::apps::v1::{Deployment, DeploymentStatus};
+use kube::{core::Status, runtime::watcher::Event};
+
+use super::{
+    CONFLICT_RETRY, ERROR_RETRY, Error,
+    watch::{Churn, relevant},
+};
+
+fn api_error(code: u16) -> Error {
+    Error::Kube {
+        action: "apply Deployment team-a/chat".to_owned(),
+        source: kube::Error::Api(Box::new(Status {
+            code,
+            ..Status::default()
+        })),
+    }
+}
+
+#[test]
+fn back_off_and_metric_label_by_error() {
+    let cases = [
+        (api_error(409), CONFLICT_RETRY, "conflict"),
+        (api_error(422), ERROR_RETRY, "invalid"),
+        (api_error(403), ERROR_RETRY, "forbidden"),
+        (api_error(500), ERROR_RETRY, "kube_api"),
+        (
+            Error::Kube {
+                action: "get Deployment team-a/chat".to_owned(),
+                source: kube::Error::LinesCodecMaxLineLengthExceeded,
+            },
+            ERROR_RETRY,
+            "kube_api",
+        ),
+        (Error::Serialize("x".to_owned()), ERROR_RETRY, "serialize"),
+    ];
+    for (error, backoff, label) in cases {
+        assert_eq!(
+            (error.backoff(), error.metric_label()),
+            (backoff, label),
+            "{error}"
+        );
+    }
+    assert_eq!(CONFLICT_RETRY.as_secs(), 1);
+    assert_eq!(ERROR_RETRY.as_secs(), 15);
+}
+
+fn deployment(name: &str, ready: i32, resource_version: &str) -> Deployment {
+    let mut d = Deployment::default();
+    d.metadata.name = Some(name.to_owned());
+    d.metadata.namespace = Some("team-a".to_owned());
+    d.metadata.resource_version = Some(resource_version.to_owned());
+    d.status = Some(DeploymentStatus {
+        ready_replicas: Some(ready),
+        ..Default::default()
+    });
+    d
+}
+
+fn names(events: Vec<Event<Deployment>>, churn: &mut Churn<Deployment>) -> Vec<Option<String>> {
+    events
+        .into_iter()
+        .map(|e| churn.pass(e).and_then(|d| d.metadata.name))
+        .collect()
+}
+
+#[test]
+fn the_churn_filter_passes_what_the_reconciler_reads_and_every_deletion() {
+    let ready: fn(&Deployment) -> u64 =
+        |d| relevant(d, &d.status.as_ref().and_then(|s| s.ready_replicas));
+    let mut churn = Churn::new(Some(ready));
+    let got = names(
+        vec![
+            Event::Init,
+            Event::InitApply(deployment("a", 0, "1")),
+            Event::InitDone,
+            // Only the resourceVersion changed (another status field): dropped.
+            Event::Apply(deployment("a", 0, "2")),
+            Event::Apply(deployment("a", 1, "3")),
+            Event::Apply(deployment("b", 1, "4")),
+            Event::Delete(deployment("a", 1, "5")),
+            // Seen again after its deletion: passes.
+            Event::Apply(deployment("a", 1, "6")),
+        ],
+        &mut churn,
+    );
+    let a = Some("a".to_owned());
+    let b = Some("b".to_owned());
+    assert_eq!(
+        got,
+        [None, a.clone(), None, None, a.clone(), b, a.clone(), a]
+    );
+}
+
+#[test]
+fn without_a_relevant_function_every_change_passes() {
+    let mut churn = Churn::<Deployment>::new(None);
+    let got = names(
+        vec![
+            Event::Init,
+            Event::InitApply(deployment("a", 0, "1")),
+            Event::InitDone,
+            Event::Apply(deployment("a", 0, "1")),
+            Event::Delete(deployment("a", 0, "1")),
+        ],
+        &mut churn,
+    );
+    let a = Some("a".to_owned());
+    assert_eq!(got, [None, a.clone(), None, a.clone(), a]);
+}

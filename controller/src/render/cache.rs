@@ -1,0 +1,229 @@
+//! The model cache: the volume the engine and the prewarm Job mount, the NodeLocalPVC claim, and
+//! the prewarm Job. Claim and Job are create-once: each records a hash of its immutable part in
+//! [`TEMPLATE_HASH_ANNOTATION`], which the reconciler compares to report `ReplaceRequired`.
+
+use std::collections::BTreeMap;
+
+use hearth_crds::{llmservice::CacheStrategy, rules};
+use k8s_openapi::api::{
+    batch::v1::{Job, JobSpec},
+    core::v1::{
+        Container, EnvVar, HostPathVolumeSource, PersistentVolumeClaim, PersistentVolumeClaimSpec,
+        PersistentVolumeClaimVolumeSource, PodSpec, PodTemplateSpec, Volume, VolumeMount,
+        VolumeResourceRequirements,
+    },
+};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use serde::Serialize;
+
+use super::{Ctx, RenderError, TEMPLATE_HASH_ANNOTATION};
+use crate::{
+    labels::{self, Component},
+    model::{CACHE_MOUNT_PATH, HF_HOME, MODELSCOPE_CACHE, ModelSource},
+    names,
+};
+
+impl Ctx<'_> {
+    /// The cache volume and whether the prewarm/engine env should point into it.
+    pub(super) fn cache_volume(&self) -> Result<Option<Volume>, RenderError> {
+        if let ModelSource::Pvc { claim, .. } = &self.source {
+            return Ok(Some(Volume {
+                name: "model".to_owned(),
+                persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
+                    claim_name: claim.clone(),
+                    read_only: Some(true),
+                }),
+                ..Default::default()
+            }));
+        }
+        match self.svc.spec.cache.strategy {
+            CacheStrategy::NodeLocalPVC => Ok(Some(Volume {
+                name: "model-cache".to_owned(),
+                persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
+                    claim_name: names::cache_claim(&self.name),
+                    read_only: None,
+                }),
+                ..Default::default()
+            })),
+            CacheStrategy::HostPath => Ok(Some(Volume {
+                name: "model-cache".to_owned(),
+                host_path: Some(HostPathVolumeSource {
+                    path: self.cfg.host_path_root.clone(),
+                    type_: Some("DirectoryOrCreate".to_owned()),
+                }),
+                ..Default::default()
+            })),
+            CacheStrategy::None => Ok(None),
+            other => Err(RenderError::CacheNotImplemented(other)),
+        }
+    }
+
+    /// `.Model.Path` (see the table in [`crate::model`]).
+    pub(super) fn model_path(&self) -> String {
+        match &self.source {
+            ModelSource::HuggingFace { repo } | ModelSource::ModelScope { repo } => repo.clone(),
+            ModelSource::Pvc { subpath: None, .. } => CACHE_MOUNT_PATH.to_owned(),
+            ModelSource::Pvc {
+                subpath: Some(subpath),
+                ..
+            } => format!("{CACHE_MOUNT_PATH}/{subpath}"),
+        }
+    }
+
+    /// The hub environment shared by the engine and the prewarm Job.
+    pub(super) fn cache_env(&self, cached: bool) -> Vec<EnvVar> {
+        let var = |name: &str, value: &str| EnvVar {
+            name: name.to_owned(),
+            value: Some(value.to_owned()),
+            value_from: None,
+        };
+        match &self.source {
+            ModelSource::HuggingFace { .. } if cached => vec![var("HF_HOME", HF_HOME)],
+            ModelSource::ModelScope { .. } if cached => vec![
+                var("VLLM_USE_MODELSCOPE", "True"),
+                var("MODELSCOPE_CACHE", MODELSCOPE_CACHE),
+            ],
+            ModelSource::ModelScope { .. } => vec![var("VLLM_USE_MODELSCOPE", "True")],
+            _ => Vec::new(),
+        }
+    }
+}
+
+/// FNV-1a over the JSON of the immutable part: stable across builds (unlike `std`'s hasher).
+fn stable_hash(value: &impl Serialize) -> String {
+    let bytes = serde_json::to_vec(value).unwrap_or_default();
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in bytes {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    format!("{h:016x}")
+}
+
+fn with_hash(mut meta: ObjectMeta, hash: String) -> ObjectMeta {
+    meta.annotations
+        .get_or_insert_with(BTreeMap::new)
+        .insert(TEMPLATE_HASH_ANNOTATION.to_owned(), hash);
+    meta
+}
+
+pub(super) fn cache_claim(ctx: &Ctx<'_>) -> Option<PersistentVolumeClaim> {
+    let cache = &ctx.svc.spec.cache;
+    if cache.strategy != CacheStrategy::NodeLocalPVC
+        || matches!(ctx.source, ModelSource::Pvc { .. })
+    {
+        return None;
+    }
+    let size = rules::cache_claim_size(cache);
+    let spec = PersistentVolumeClaimSpec {
+        access_modes: Some(vec!["ReadWriteOnce".to_owned()]),
+        resources: Some(VolumeResourceRequirements {
+            requests: Some(BTreeMap::from([("storage".to_owned(), size)])),
+            ..Default::default()
+        }),
+        storage_class_name: cache.storage_class_name.clone(),
+        ..Default::default()
+    };
+    // Only the storage class is immutable; size may grow (volume expansion).
+    let hash = stable_hash(&cache.storage_class_name);
+    Some(PersistentVolumeClaim {
+        metadata: with_hash(
+            ctx.meta(names::cache_claim(&ctx.name), Component::Cache),
+            hash,
+        ),
+        spec: Some(spec),
+        ..Default::default()
+    })
+}
+
+/// The download program run by the prewarm Job: the hub library vLLM itself uses, so the cache
+/// layout is the one the engine reads.
+fn prewarm_program(source: &ModelSource) -> Option<String> {
+    match source {
+        ModelSource::HuggingFace { repo } => Some(format!(
+            "from huggingface_hub import snapshot_download\nprint(snapshot_download(repo_id={repo:?}))\n"
+        )),
+        ModelSource::ModelScope { repo } => Some(format!(
+            "from modelscope import snapshot_download\nprint(snapshot_download({repo:?}))\n"
+        )),
+        ModelSource::Pvc { .. } => None,
+    }
+}
+
+/// The prewarm container's environment: the engine's hub cache variables, and
+/// `TORCH_DEVICE_BACKEND_AUTOLOAD=0` (as upstream): the Job only downloads files and has no
+/// device, and vendor images would otherwise load their device backend (and fail without the
+/// host driver) when the hub library imports torch.
+fn prewarm_env(ctx: &Ctx<'_>) -> Vec<EnvVar> {
+    let mut env = ctx.cache_env(true);
+    env.push(EnvVar {
+        name: "TORCH_DEVICE_BACKEND_AUTOLOAD".to_owned(),
+        value: Some("0".to_owned()),
+        value_from: None,
+    });
+    env
+}
+
+pub(super) fn prewarm_job(ctx: &Ctx<'_>, volume: Option<Volume>) -> Option<Job> {
+    let cache = &ctx.svc.spec.cache;
+    let volume = volume?;
+    if !cache.prewarm
+        || !matches!(
+            cache.strategy,
+            CacheStrategy::NodeLocalPVC | CacheStrategy::HostPath
+        )
+    {
+        return None;
+    }
+    let program = prewarm_program(&ctx.source)?;
+    let acc = &ctx.rt.spec.accelerator;
+    let mut pod_meta = ObjectMeta {
+        labels: Some(labels::labels(&ctx.name, Component::Prewarm)),
+        ..Default::default()
+    };
+    if let Some(queue) = acc.scheduler.queue.as_deref().filter(|q| !q.is_empty()) {
+        pod_meta.annotations = Some(BTreeMap::from([(
+            hearth_crds::wellknown::VOLCANO_QUEUE_ANNOTATION.to_owned(),
+            queue.to_owned(),
+        )]));
+    }
+    let template = PodTemplateSpec {
+        metadata: Some(pod_meta),
+        spec: Some(PodSpec {
+            restart_policy: Some("OnFailure".to_owned()),
+            containers: vec![Container {
+                name: "prewarm".to_owned(),
+                image: Some(ctx.rt.spec.container.image.clone()),
+                command: Some(vec!["python3".to_owned(), "-c".to_owned(), program]),
+                env: Some(prewarm_env(ctx)),
+                env_from: ctx.secret_env(),
+                volume_mounts: Some(vec![VolumeMount {
+                    name: volume.name.clone(),
+                    mount_path: CACHE_MOUNT_PATH.to_owned(),
+                    ..Default::default()
+                }]),
+                ..Default::default()
+            }],
+            volumes: Some(vec![volume]),
+            node_selector: (!acc.node_selector.is_empty()).then(|| acc.node_selector.clone()),
+            tolerations: (!acc.tolerations.is_empty()).then(|| acc.tolerations.clone()),
+            scheduler_name: acc.scheduler.name.clone().filter(|n| !n.is_empty()),
+            image_pull_secrets: ctx.pull_secrets(),
+            enable_service_links: Some(false),
+            ..Default::default()
+        }),
+    };
+    let hash = stable_hash(&template);
+    Some(Job {
+        metadata: with_hash(
+            ctx.meta(names::prewarm_job(&ctx.name), Component::Prewarm),
+            hash,
+        ),
+        spec: Some(JobSpec {
+            backoff_limit: Some(4),
+            template,
+            ..Default::default()
+        }),
+        ..Default::default()
+    })
+}

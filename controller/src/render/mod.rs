@@ -1,0 +1,375 @@
+//! Rendering: one `LLMService` plus its resolved `InferenceRuntime` → the children, as plain
+//! objects, with no cluster access (so `hearth-controller render` and golden tests see exactly
+//! what the reconciler applies).
+//!
+//! [`render`] builds every child from one shared context, one file per part:
+//! - `backend.rs`: the backend Deployment and Service. The Deployment is built in two steps: a
+//!   plain skeleton (image, rendered args/env templates, ports, cache mounts, cpu/memory), then
+//!   [`crate::policy::apply`] lays the runtime specifics on it;
+//! - `gateway.rs`: the gateway Deployment, its Services, ServiceAccount, Role, RoleBinding and
+//!   PodDisruptionBudget, and the gateway container's resources;
+//! - `cache.rs`: the cache volume, the NodeLocalPVC claim and the prewarm Job (create-once, with
+//!   a [`TEMPLATE_HASH_ANNOTATION`]);
+//! - `keda.rs`: the KEDA ScaledObject.
+
+use hearth_crds::{
+    InferenceRuntime, LLMService,
+    llmservice::CacheStrategy,
+    rules::{self, Findings},
+};
+use k8s_openapi::{
+    api::{
+        apps::v1::Deployment,
+        batch::v1::Job,
+        core::v1::{
+            EnvFromSource, PersistentVolumeClaim, ResourceRequirements, SecretEnvSource, Service,
+            ServiceAccount,
+        },
+        policy::v1::PodDisruptionBudget,
+        rbac::v1::{Role, RoleBinding},
+    },
+    apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference},
+};
+use kube::{
+    Resource, ResourceExt,
+    api::{ApiResource, DynamicObject},
+};
+use serde::Serialize;
+
+use crate::{
+    labels::{self, Component},
+    model::{self, ModelSource},
+    names, policy, template,
+};
+
+mod backend;
+mod cache;
+mod gateway;
+mod keda;
+#[cfg(test)]
+mod tests;
+
+use self::{
+    backend::{backend_service, backend_skeleton, set_backend_security},
+    cache::{cache_claim, prewarm_job},
+    gateway::{
+        gateway_deployment, gateway_extensions, gateway_pdb, gateway_role, gateway_role_binding,
+        gateway_service, scaler_service,
+    },
+    keda::scaled_object,
+};
+pub use backend::{BACKEND_SERVICE_PORT, default_backend_security_context, serving_container};
+pub use gateway::{
+    API_KEY_DIR, API_KEY_FILE, GATEWAY_SHUTDOWN_DELAY_SECONDS, GATEWAY_UID,
+    default_gateway_resources, gateway_replicas, max_queue, parse_gateway_resources,
+};
+pub use keda::scaled_object_resource;
+
+/// Annotation on create-once children (cache claim, prewarm Job) recording a hash of the
+/// fields that cannot change after creation, so a changed spec is detected and reported.
+pub const TEMPLATE_HASH_ANNOTATION: &str = "serving.hearth.dev/template-hash";
+
+/// Settings that do not come from the `LLMService`: Hearth's own images and node paths.
+#[derive(Clone, Debug)]
+pub struct RenderConfig {
+    /// Image running `hearth-gateway`.
+    pub gateway_image: String,
+    /// Resources of each gateway container (see [`default_gateway_resources`]).
+    pub gateway_resources: ResourceRequirements,
+    /// Image of the backend drain sidecar, bound as the policies' `settings.drainImage`;
+    /// `None`: no sidecar (the built-in drain falls back to a `sleep` preStop).
+    pub drain_image: Option<String>,
+    /// Node directory for `cache.strategy: HostPath` (shared by services on a node; the cache
+    /// layout is keyed by repository, so sharing is safe).
+    pub host_path_root: String,
+    /// The gateway's HTTP port (OpenAI API and `GET /hearth/queue`).
+    pub gateway_port: i32,
+    /// The gateway's KEDA ExternalScaler gRPC port (push mode).
+    pub scaler_port: i32,
+    /// The ScaledObject API: KEDA's `keda.sh/v1alpha1` (see [`scaled_object_resource`]). Its
+    /// CRD, `<plural>.<group>`, is what the controller watches to learn whether KEDA is installed.
+    pub keda_api: ApiResource,
+    /// The ServingPolicies the backend is rendered through.
+    pub engine: policy::Engine,
+}
+
+impl RenderConfig {
+    /// Defaults with the built-in ServingPolicies. Errors only if an embedded policy does not
+    /// compile, which this crate's tests rule out.
+    pub fn builtin() -> Result<Self, policy::PolicyError> {
+        Ok(Self {
+            gateway_image: default_gateway_image(),
+            gateway_resources: default_gateway_resources(),
+            drain_image: Some(default_gateway_image()),
+            host_path_root: "/var/lib/hearth/models".to_owned(),
+            gateway_port: 8080,
+            scaler_port: 9090,
+            keda_api: scaled_object_resource(),
+            engine: policy::Engine::builtin()?,
+        })
+    }
+}
+
+impl RenderConfig {
+    /// What the backend's policies see as `settings`.
+    pub fn policy_settings(&self) -> hearth_policies::PolicySettings {
+        hearth_policies::PolicySettings {
+            drain_image: self.drain_image.clone(),
+        }
+    }
+}
+
+/// The default gateway image: Hearth's registry, tagged with this controller's version.
+pub fn default_gateway_image() -> String {
+    format!(
+        "ghcr.io/hearth-rs/hearth-gateway:v{}",
+        env!("CARGO_PKG_VERSION")
+    )
+}
+
+/// How KEDA learns the gateway's demand (`serving.hearth.dev/scaler` annotation).
+pub use hearth_crds::rules::ScalerMode;
+
+/// Every child of one `LLMService`.
+#[derive(Clone, Debug)]
+pub struct Children {
+    /// Identity of the gateway pods.
+    pub gateway_service_account: ServiceAccount,
+    /// EndpointSlice read access for the gateway.
+    pub gateway_role: Role,
+    /// Binds the Role to the ServiceAccount.
+    pub gateway_role_binding: RoleBinding,
+    /// NodeLocalPVC cache claim (create-once).
+    pub cache_claim: Option<PersistentVolumeClaim>,
+    /// Prewarm Job (create-once).
+    pub prewarm_job: Option<Job>,
+    /// Backend Service, watched by the gateway through its EndpointSlices.
+    pub backend_service: Service,
+    /// Backend Deployment; `spec.replicas` is set only for creation (see [`render`]).
+    pub backend: Deployment,
+    /// Client-facing gateway Service.
+    pub gateway_service: Service,
+    /// ExternalScaler Service (push mode only).
+    pub scaler_service: Option<Service>,
+    /// Gateway Deployment.
+    pub gateway: Deployment,
+    /// Keeps all but one gateway replica up through voluntary disruptions (node drains).
+    pub gateway_pdb: PodDisruptionBudget,
+    /// KEDA ScaledObject.
+    pub scaled_object: DynamicObject,
+}
+
+impl Children {
+    /// All children as JSON, in apply order (dependencies first).
+    pub fn to_values(&self) -> Result<Vec<serde_json::Value>, serde_json::Error> {
+        fn v<T: Serialize>(t: &T) -> Result<serde_json::Value, serde_json::Error> {
+            serde_json::to_value(t)
+        }
+        let mut out = vec![
+            v(&self.gateway_service_account)?,
+            v(&self.gateway_role)?,
+            v(&self.gateway_role_binding)?,
+        ];
+        if let Some(c) = &self.cache_claim {
+            out.push(v(c)?);
+        }
+        if let Some(j) = &self.prewarm_job {
+            out.push(v(j)?);
+        }
+        out.push(v(&self.backend_service)?);
+        out.push(v(&self.backend)?);
+        out.push(v(&self.gateway_service)?);
+        if let Some(s) = &self.scaler_service {
+            out.push(v(s)?);
+        }
+        out.push(v(&self.gateway)?);
+        out.push(v(&self.gateway_pdb)?);
+        out.push(v(&self.scaled_object)?);
+        Ok(out)
+    }
+
+    /// All children as a multi-document YAML stream, like `helm template`.
+    pub fn to_yaml(&self) -> Result<String, RenderError> {
+        let mut out = String::new();
+        for value in self
+            .to_values()
+            .map_err(|e| RenderError::Serialize(e.to_string()))?
+        {
+            out.push_str("---\n");
+            out.push_str(
+                &serde_yaml::to_string(&value)
+                    .map_err(|e| RenderError::Serialize(e.to_string()))?,
+            );
+        }
+        Ok(out)
+    }
+}
+
+/// Why an `LLMService` could not be rendered. Each names the field and the fix.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RenderError {
+    /// The service breaks the rules it is rendered by (`hearth_crds::rules`, shared with the
+    /// admission webhook); only errors, each naming the field and the fix.
+    #[error("{0}")]
+    Rules(Findings),
+    /// A bad or unsupported model source.
+    #[error(transparent)]
+    Model(#[from] model::ModelError),
+    /// A runtime template did not render.
+    #[error("InferenceRuntime {runtime}: {source}")]
+    Template {
+        /// The runtime name.
+        runtime: String,
+        /// The template error (names the field).
+        source: template::TemplateError,
+    },
+    /// A duration field did not parse.
+    #[error("{field}: {source}")]
+    Duration {
+        /// The field path.
+        field: &'static str,
+        /// The parse error.
+        source: hearth_crds::DurationError,
+    },
+    /// A cache strategy reserved in the API but not implemented.
+    #[error(
+        "spec.cache.strategy: {0:?} is not implemented yet; use NodeLocalPVC, HostPath or None"
+    )]
+    CacheNotImplemented(CacheStrategy),
+    /// The object has no namespace (rendering needs one; `render` defaults it to `default`).
+    #[error("metadata.namespace is required")]
+    NoNamespace,
+    /// The policy step failed.
+    #[error(transparent)]
+    Policy(#[from] policy::PolicyError),
+    /// Serialization of a rendered object failed.
+    #[error("serializing rendered objects: {0}")]
+    Serialize(String),
+}
+
+impl RenderError {
+    /// The condition this error is reported under and its reason: cache problems under
+    /// `CacheReady`, everything else under `Ready`.
+    pub fn condition(&self) -> (&'static str, &'static str) {
+        match self {
+            RenderError::Rules(findings) => findings
+                .first_error()
+                .map(|f| (f.reason.condition_type(), f.reason.as_str()))
+                .unwrap_or(("Ready", "InvalidSpec")),
+            RenderError::CacheNotImplemented(_) => ("CacheReady", "StrategyNotImplemented"),
+            RenderError::Model(model::ModelError::CatalogNotImplemented) => {
+                ("Ready", "CatalogNotImplemented")
+            }
+            RenderError::Model(_) => ("Ready", "InvalidModelSource"),
+            RenderError::Template { .. } => ("Ready", "InvalidRuntimeTemplate"),
+            RenderError::Policy(_) => ("Ready", "PolicyFailed"),
+            _ => ("Ready", "InvalidSpec"),
+        }
+    }
+}
+
+/// Inputs shared by the child renderers.
+struct Ctx<'a> {
+    svc: &'a LLMService,
+    rt: &'a InferenceRuntime,
+    cfg: &'a RenderConfig,
+    name: String,
+    namespace: String,
+    owner: Option<OwnerReference>,
+    source: ModelSource,
+    scaler: ScalerMode,
+}
+
+impl Ctx<'_> {
+    fn meta(&self, name: String, component: Component) -> ObjectMeta {
+        ObjectMeta {
+            name: Some(name),
+            namespace: Some(self.namespace.clone()),
+            labels: Some(labels::labels(&self.name, component)),
+            owner_references: self.owner.clone().map(|o| vec![o]),
+            ..Default::default()
+        }
+    }
+
+    fn pull_secrets(&self) -> Option<Vec<k8s_openapi::api::core::v1::LocalObjectReference>> {
+        let s = &self.svc.spec.image_pull_secrets;
+        (!s.is_empty()).then(|| s.clone())
+    }
+
+    fn secret_env(&self) -> Option<Vec<EnvFromSource>> {
+        let secret = self.svc.spec.model.source.as_ref()?.secret_ref.as_ref()?;
+        Some(vec![EnvFromSource {
+            secret_ref: Some(SecretEnvSource {
+                name: secret.name.clone(),
+                optional: None,
+            }),
+            ..Default::default()
+        }])
+    }
+}
+
+/// Renders every child. `create_backend` says whether the backend Deployment is being created:
+/// only then is `spec.replicas` set (to `scaling.min`, so `min: 0` starts no pod); afterwards it
+/// is left out so KEDA (or a user) owns it.
+pub fn render(
+    service: &LLMService,
+    runtime: &InferenceRuntime,
+    cfg: &RenderConfig,
+    create_backend: bool,
+) -> Result<Children, RenderError> {
+    // The rules the admission webhook applies too: nothing is rendered while one is broken.
+    let mut findings = rules::check_llmservice(service, Some(runtime));
+    if findings.blocks_rendering() {
+        findings.0.retain(rules::Finding::is_error);
+        return Err(RenderError::Rules(findings));
+    }
+    let name = service.name_any();
+    let namespace = service.namespace().ok_or(RenderError::NoNamespace)?;
+    let scaler = rules::scaler_mode(service).map_err(|f| RenderError::Rules(Findings(vec![f])))?;
+    let ctx = Ctx {
+        svc: service,
+        rt: runtime,
+        cfg,
+        name,
+        namespace,
+        owner: service.controller_owner_ref(&()),
+        source: model::parse_source(&service.spec.model)?,
+        scaler,
+    };
+    let volume = ctx.cache_volume()?;
+
+    let mut skeleton = backend_skeleton(&ctx, volume.clone(), create_backend)?;
+    set_backend_security(&mut skeleton, runtime);
+    let backend = policy::apply(
+        &cfg.engine,
+        skeleton,
+        service,
+        runtime,
+        &cfg.policy_settings(),
+    )?;
+    let backend = crate::upgrade::mark(backend, cfg.drain_image.as_deref());
+    Ok(Children {
+        gateway_service_account: ServiceAccount {
+            metadata: ctx.meta(names::gateway(&ctx.name), Component::Gateway),
+            ..Default::default()
+        },
+        gateway_role: gateway_role(&ctx),
+        gateway_role_binding: gateway_role_binding(&ctx),
+        cache_claim: cache_claim(&ctx),
+        prewarm_job: prewarm_job(&ctx, volume),
+        backend_service: backend_service(&ctx),
+        backend,
+        gateway_service: gateway_service(&ctx),
+        scaler_service: (ctx.scaler == ScalerMode::Push).then(|| scaler_service(&ctx)),
+        gateway: gateway_extensions(&ctx, gateway_deployment(&ctx)?),
+        gateway_pdb: gateway_pdb(&ctx),
+        scaled_object: scaled_object(&ctx)?,
+    })
+}
+
+fn duration_secs(d: &hearth_crds::Duration, field: &'static str) -> Result<u64, RenderError> {
+    let v = d
+        .get()
+        .map_err(|source| RenderError::Duration { field, source })?;
+    Ok(v.as_secs() + u64::from(v.subsec_nanos() > 0))
+}

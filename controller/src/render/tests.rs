@@ -1,0 +1,206 @@
+use hearth_crds::{InferenceRuntime, LLMService};
+use k8s_openapi::{
+    api::{
+        apps::v1::Deployment,
+        core::v1::{PodSpec, ResourceRequirements, SecurityContext},
+    },
+    apimachinery::pkg::{api::resource::Quantity, util::intstr::IntOrString},
+};
+use serde_json::json;
+
+use super::*;
+
+#[test]
+fn gateway_resources_from_json_name_the_bad_field() {
+    let r = parse_gateway_resources(
+        r#"{"requests":{"cpu":"100m","memory":"128Mi"},"limits":{"memory":"1Gi"}}"#,
+    )
+    .unwrap();
+    assert_eq!(r.limits.unwrap()["memory"], Quantity("1Gi".to_owned()));
+    assert_eq!(
+        parse_gateway_resources("{}").unwrap(),
+        ResourceRequirements::default()
+    );
+    let e = parse_gateway_resources(r#"{"limits":{"memory":"512MB"}}"#).unwrap_err();
+    assert!(
+        e.starts_with("limits.memory: \"512MB\" is not a quantity"),
+        "{e}"
+    );
+    let e = parse_gateway_resources(r#"{"limit":{"memory":"1Gi"}}"#).unwrap_err();
+    assert!(e.contains("unknown field \"limit\""), "{e}");
+    let e = parse_gateway_resources(r#"{"limits":"512Mi"}"#).unwrap_err();
+    assert!(e.contains("not a ResourceRequirements"), "{e}");
+    assert!(
+        parse_gateway_resources("512Mi")
+            .unwrap_err()
+            .contains("not JSON")
+    );
+    assert!(parse_gateway_resources("[]").is_err());
+    let e = parse_gateway_resources(r#"{"requests":{"memory":"1Gi"},"limits":{"memory":"512Mi"}}"#)
+        .unwrap_err();
+    assert!(
+        e.starts_with("requests.memory (1Gi) is above limits.memory (512Mi)"),
+        "{e}"
+    );
+    assert!(
+        parse_gateway_resources(r#"{"requests":{"cpu":"1"},"limits":{"cpu":"1000m"}}"#).is_ok()
+    );
+    for (json, want) in [
+        (
+            r#"{"requests":{"memory":"-64Mi"}}"#,
+            "requests.memory: \"-64Mi\" must not be negative",
+        ),
+        (
+            r#"{"requests":{"foo":"1"}}"#,
+            "requests.foo: the gateway takes cpu",
+        ),
+        (
+            r#"{"limits":{"nvidia.com/gpu":"1"}}"#,
+            "limits.nvidia.com/gpu: the gateway takes",
+        ),
+        (
+            r#"{"limits":{"memory":"15Mi"}}"#,
+            "limits.memory (15Mi) is below 16Mi",
+        ),
+        (
+            r#"{"limits":{"memory":"1e99999999999999999999"}}"#,
+            "is not a quantity",
+        ),
+    ] {
+        let e = parse_gateway_resources(json).unwrap_err();
+        assert!(e.contains(want), "{json}: {e}");
+    }
+    assert!(parse_gateway_resources(r#"{"limits":{"memory":"16Mi"}}"#).is_ok());
+}
+
+fn service_and_runtime(endpoint: serde_json::Value) -> (LLMService, InferenceRuntime) {
+    let svc = serde_json::from_value(json!({
+        "apiVersion": "serving.hearth.dev/v1alpha1",
+        "kind": "LLMService",
+        "metadata": {"name": "chat", "namespace": "team-a", "uid": "u1"},
+        "spec": {
+            "model": {"source": {"uri": "hf://org/model"}},
+            "runtime": {"name": "rt"},
+            "cache": {"strategy": "None"},
+            "endpoint": endpoint,
+        }
+    }))
+    .unwrap();
+    let rt = serde_json::from_value(json!({
+        "apiVersion": "serving.hearth.dev/v1alpha1",
+        "kind": "InferenceRuntime",
+        "metadata": {"name": "rt"},
+        "spec": {
+            "vendor": "nvidia",
+            "container": {"image": "example.com/vllm:1", "port": {"name": "http", "containerPort": 8000}},
+            "accelerator": {"resourceName": "nvidia.com/gpu"},
+        }
+    }))
+    .unwrap();
+    (svc, rt)
+}
+
+fn pod(d: &Deployment) -> &PodSpec {
+    d.spec.as_ref().unwrap().template.spec.as_ref().unwrap()
+}
+
+#[test]
+fn api_keys_are_a_mounted_file_never_a_value() {
+    let (svc, rt) = service_and_runtime(json!({
+        "replicas": 3,
+        "apiKeySecretRef": {"name": "keys"},
+    }));
+    let children = render(&svc, &rt, &RenderConfig::builtin().unwrap(), true).unwrap();
+    let gw = &children.gateway;
+    assert_eq!(gw.spec.as_ref().unwrap().replicas, Some(3));
+    let p = pod(gw);
+    let vol = p
+        .volumes
+        .as_ref()
+        .unwrap()
+        .iter()
+        .find(|v| v.name == "api-keys")
+        .unwrap();
+    let secret = vol.secret.as_ref().unwrap();
+    assert_eq!(secret.secret_name.as_deref(), Some("keys"));
+    assert_eq!(
+        secret.items.as_ref().unwrap()[0].key,
+        "api-keys",
+        "the default key"
+    );
+    assert_eq!(secret.optional, Some(false));
+    let c = &p.containers[0];
+    let mount = &c.volume_mounts.as_ref().unwrap()[0];
+    assert!(mount.sub_path.is_none(), "subPath mounts are never updated");
+    assert!(
+        c.args
+            .as_ref()
+            .unwrap()
+            .contains(&format!("--api-key-file={API_KEY_DIR}/{API_KEY_FILE}"))
+    );
+    assert!(c.env.iter().flatten().all(|e| {
+        e.value_from
+            .as_ref()
+            .is_none_or(|v| v.secret_key_ref.is_none())
+    }));
+    assert!(c.env_from.is_none());
+    let sc = c.security_context.as_ref().unwrap();
+    assert_eq!(sc.read_only_root_filesystem, Some(true));
+    assert_eq!(
+        p.security_context.as_ref().unwrap().run_as_non_root,
+        Some(true)
+    );
+    assert_eq!(
+        children.gateway_pdb.spec.as_ref().unwrap().max_unavailable,
+        Some(IntOrString::Int(1))
+    );
+    // No key reference, no volume and no flag.
+    let (svc, rt) = service_and_runtime(json!({}));
+    let children = render(&svc, &rt, &RenderConfig::builtin().unwrap(), true).unwrap();
+    let p = pod(&children.gateway);
+    assert!(p.volumes.is_none());
+    assert!(
+        !p.containers[0]
+            .args
+            .as_ref()
+            .unwrap()
+            .iter()
+            .any(|a| a.starts_with("--api-key-file"))
+    );
+    assert_eq!(children.gateway.spec.as_ref().unwrap().replicas, Some(1));
+}
+
+#[test]
+fn the_runtime_security_context_replaces_the_backend_default() {
+    let (svc, mut rt) = service_and_runtime(json!({}));
+    let cfg = RenderConfig::builtin().unwrap();
+    let backend = render(&svc, &rt, &cfg, true).unwrap().backend;
+    let c = pod(&backend)
+        .containers
+        .iter()
+        .find(|c| c.name == "vllm")
+        .unwrap();
+    assert_eq!(c.security_context, Some(default_backend_security_context()));
+    let hardened = SecurityContext {
+        run_as_non_root: Some(true),
+        read_only_root_filesystem: Some(true),
+        ..default_backend_security_context()
+    };
+    rt.spec.container.security_context = Some(hardened.clone());
+    let backend = render(&svc, &rt, &cfg, true).unwrap().backend;
+    let c = pod(&backend)
+        .containers
+        .iter()
+        .find(|c| c.name == "vllm")
+        .unwrap();
+    assert_eq!(c.security_context, Some(hardened));
+}
+
+#[test]
+fn the_default_gateway_resources_parse_back() {
+    let json = serde_json::to_string(&default_gateway_resources()).unwrap();
+    assert_eq!(
+        parse_gateway_resources(&json).unwrap(),
+        default_gateway_resources()
+    );
+}
