@@ -11,7 +11,7 @@ use serde_json::Value;
 
 use crate::{
     compile::{CompiledExpr, variable_ident},
-    guard, native,
+    fallback, guard, native,
     value::{cel_to_json, json_to_cel},
 };
 
@@ -82,14 +82,25 @@ pub(crate) enum ExprFailure {
 }
 
 /// The native evaluator could not answer: evaluate the policy with the interpreter.
-pub(super) struct Fallback;
-
-thread_local! {
-    pub(super) static FALLBACKS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+pub(super) struct Fallback {
+    /// Why it could not.
+    pub(super) reason: fallback::Reason,
+    /// The source of the expression it stopped at.
+    pub(super) expression: String,
 }
 
-pub(super) fn count_fallback() {
-    FALLBACKS.set(FALLBACKS.get() + 1);
+impl Fallback {
+    fn unsupported(e: &CompiledExpr) -> Self {
+        Fallback {
+            reason: fallback::Reason::Unsupported,
+            expression: e.source.clone(),
+        }
+    }
+
+    /// Records the fallback of policy `policy` (see [`crate::fallback`]).
+    pub(super) fn record(&self, policy: &str) {
+        fallback::record(policy, &self.expression, self.reason);
+    }
 }
 
 /// What an expression returned, as far as the engine looks at it.
@@ -254,18 +265,23 @@ pub(super) struct NativeEval<'a> {
 
 impl<'a> NativeEval<'a> {
     pub(super) fn run(&mut self, e: &'a CompiledExpr) -> Evaluated<native::Val<'a>> {
-        let program = e.native.as_deref().ok_or(Fallback)?;
+        let program = e
+            .native
+            .as_deref()
+            .ok_or_else(|| Fallback::unsupported(e))?;
         // A defect in the native evaluator must not take the request down: the interpreter
         // evaluates the policy instead.
         let env = &mut self.env;
-        let result = catch_unwind(AssertUnwindSafe(|| env.run(program)))
-            .unwrap_or(Err(native::Failure::Fallback));
+        let result = catch_unwind(AssertUnwindSafe(|| env.run(program))).map_err(|_| Fallback {
+            reason: fallback::Reason::Panic,
+            expression: e.source.clone(),
+        })?;
         match result {
             Ok(v) => Ok(Ok(v)),
             Err(native::Failure::Bound(m)) => {
                 Ok(Err(ExprFailure::Error(m, ErrorKind::BoundExceeded)))
             }
-            Err(native::Failure::Fallback) => Err(Fallback),
+            Err(native::Failure::Fallback) => Err(Fallback::unsupported(e)),
         }
     }
 }
@@ -277,24 +293,27 @@ impl<'p: 'a, 'a> Evaluator<'p> for NativeEval<'a> {
             Ok(native::Val::Null) => Ok(Got::Null),
             Ok(v @ native::Val::Str(_)) => match v.to_json() {
                 Ok(Value::String(s)) => Ok(Got::Str(s)),
-                _ => return Err(Fallback),
+                _ => return Err(Fallback::unsupported(e)),
             },
             // The interpreter words the wrong-type error.
-            Ok(_) => return Err(Fallback),
+            Ok(_) => return Err(Fallback::unsupported(e)),
             Err(f) => Err(f),
         })
     }
 
     fn eval_json(&mut self, e: &'p CompiledExpr) -> Evaluated<Value> {
         Ok(match self.run(e)? {
-            Ok(v) => Ok(v.to_json().map_err(|_| Fallback)?),
+            Ok(v) => Ok(v.to_json().map_err(|_| Fallback::unsupported(e))?),
             Err(f) => Err(f),
         })
     }
 
     /// Native variables are evaluated on first use (see [`native::Env`]).
     fn define(&mut self, _index: usize, v: &'p Named) -> Result<(), Fallback> {
-        v.expr.native.as_ref().ok_or(Fallback)?;
+        v.expr
+            .native
+            .as_ref()
+            .ok_or_else(|| Fallback::unsupported(&v.expr))?;
         Ok(())
     }
 }

@@ -24,10 +24,7 @@ pub use types::{
 };
 
 use compile::{CompiledPolicy, compile_policy};
-use eval::{
-    CelEval, EMPTY_SETTINGS, FALLBACKS, Fallback, Fixed, NativeEval, PolicyRun, count_fallback,
-    merge, request_context,
-};
+use eval::{CelEval, EMPTY_SETTINGS, Fixed, NativeEval, PolicyRun, merge, request_context};
 use patch::mutate_passes;
 
 struct Inner {
@@ -119,7 +116,7 @@ impl PolicySet {
     /// interpreter instead (an evaluation error, or a value it does not handle). For tests and
     /// benchmarks: well-formed workloads under the shipped policies cause none.
     pub fn native_fallbacks() -> u64 {
-        FALLBACKS.get()
+        crate::fallback::on_thread()
     }
 
     /// The limits this set enforces.
@@ -220,13 +217,16 @@ impl PolicySet {
                     let mut ev = NativeEval {
                         env: fixed.native_env(p, object.as_ref()),
                     };
-                    PolicyRun::new(p).validate(&mut ev, &mut local).is_ok()
+                    match PolicyRun::new(p).validate(&mut ev, &mut local) {
+                        Ok(()) => true,
+                        Err(fallback) => {
+                            fallback.record(&p.name);
+                            guard::refund_request(budget);
+                            false
+                        }
+                    }
                 };
                 if !native {
-                    if self.native && p.native {
-                        count_fallback();
-                        guard::refund_request(budget);
-                    }
                     local = Outcome::default();
                     let ev =
                         interpreted.get_or_insert_with(|| CelEval::new(rctx(), object.as_ref()));
@@ -270,8 +270,8 @@ impl PolicySet {
                     out.errors.extend(error);
                     return changed;
                 }
-                Err(Fallback) => {
-                    count_fallback();
+                Err(fallback) => {
+                    fallback.record(&p.name);
                     guard::refund_request(budget);
                     if let Some(b) = backup {
                         *object = b;
