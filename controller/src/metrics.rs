@@ -33,6 +33,9 @@ pub struct Metrics {
     /// `hearth_controller_writes_total`: create/apply/status writes issued.
     pub writes: Counter,
     registry: Arc<Registry>,
+    /// Metrics of the libraries, under their own names (no `hearth_controller` prefix):
+    /// `hearth_policy_native_fallbacks_total{reason}` (see [`hearth_policies::fallback`]).
+    libraries: Arc<Registry>,
 }
 
 impl Default for Metrics {
@@ -73,6 +76,8 @@ impl Metrics {
             "Create, apply and status writes sent to the apiserver",
             writes.clone(),
         );
+        let mut libraries = Registry::default();
+        libraries.register_collector(Box::new(hearth_policies::fallback::Collector));
         Self {
             reconciles,
             errors,
@@ -80,6 +85,7 @@ impl Metrics {
             kube_requests,
             writes,
             registry: Arc::new(registry),
+            libraries: Arc::new(libraries),
         }
     }
 
@@ -98,8 +104,11 @@ impl Metrics {
     /// The OpenMetrics text exposition.
     pub fn encode(&self) -> String {
         let mut out = String::new();
+        use prometheus_client::encoding::text::{encode_eof, encode_registry};
         // Writing into a String cannot fail.
-        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        let _ = encode_registry(&mut out, &self.registry);
+        let _ = encode_registry(&mut out, &self.libraries);
+        let _ = encode_eof(&mut out);
         out
     }
 
@@ -199,5 +208,28 @@ pub async fn serve(
             hearth_net::secure_metrics::serve_tls(listener, tls, app).await;
             Ok(())
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Metrics;
+
+    #[test]
+    fn exports_the_policy_engine_fallbacks() {
+        let text = Metrics::new().encode();
+        assert!(
+            text.contains("# TYPE hearth_controller_reconciles counter"),
+            "{text}"
+        );
+        assert!(
+            text.contains("# TYPE hearth_policy_native_fallbacks counter"),
+            "{text}"
+        );
+        for reason in ["panic", "unsupported"] {
+            let line = format!("hearth_policy_native_fallbacks_total{{reason=\"{reason}\"}} ");
+            assert!(text.contains(&line), "{text}");
+        }
+        assert!(text.ends_with("# EOF\n"), "{text}");
     }
 }

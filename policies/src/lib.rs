@@ -14,6 +14,7 @@
 //! - [`PolicySet::mutate`] is the controller's render path: mutations only.
 //! - [`resolve::resolve_runtime`] picks the InferenceRuntime for a workload.
 //! - [`Limits`] bounds what any expression may cost; see [`limits`].
+//! - [`fallback`] counts and logs the policies the native evaluator hands to the interpreter.
 //!
 //! Expressions use kube-cel's Kubernetes CEL libraries through its `cel` re-export.
 
@@ -22,6 +23,7 @@ pub mod cluster;
 pub mod compile;
 pub mod engine;
 pub mod expression;
+pub mod fallback;
 pub(crate) mod guard;
 pub mod limits;
 pub mod manifest;

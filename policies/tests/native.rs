@@ -226,6 +226,53 @@ fn a_well_formed_workload_never_falls_back() {
     assert_eq!(PolicySet::native_fallbacks(), before);
 }
 
+/// The value of `hearth_policy_native_fallbacks_total{reason="<reason>"}` in `text`.
+fn rendered_fallbacks(text: &str, reason: &str) -> u64 {
+    let prefix = format!("hearth_policy_native_fallbacks_total{{reason=\"{reason}\"}} ");
+    text.lines()
+        .find_map(|l| l.strip_prefix(prefix.as_str()))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no {reason} counter in:\n{text}"))
+}
+
+#[test]
+fn a_fallback_is_counted_for_the_process_and_rendered() {
+    use hearth_policies::fallback::{self, Reason};
+    use prometheus_client::{encoding::text::encode, registry::Registry};
+
+    let mut registry = Registry::default();
+    registry.register_collector(Box::new(fallback::Collector));
+    let render = || {
+        let mut text = String::new();
+        encode(&mut text, &registry).expect("renders");
+        text
+    };
+    let text = render();
+    assert!(
+        text.contains("# TYPE hearth_policy_native_fallbacks counter"),
+        "{text}"
+    );
+    let before = rendered_fallbacks(&text, "unsupported");
+    let panics = rendered_fallbacks(&text, "panic");
+
+    // A missing field is an error: the native evaluator hands the policy to the interpreter,
+    // which words it.
+    let s = set(vec![policy(
+        "falls-back",
+        json!({"validations": [{"expression": "object.spec.missing == 1"}]}),
+    )]);
+    assert_eq!(s.native_policies(), ["falls-back"]);
+    let on_thread = PolicySet::native_fallbacks();
+    let out = s.evaluate(&EvalInput::for_object(deployment(), Operation::Create));
+    assert_eq!(out.errors.len(), 1, "{out:?}");
+    assert_eq!(PolicySet::native_fallbacks(), on_thread + 1);
+    assert!(fallback::total(Reason::Unsupported) > before);
+
+    let text = render();
+    assert!(rendered_fallbacks(&text, "unsupported") > before, "{text}");
+    assert!(rendered_fallbacks(&text, "panic") >= panics, "{text}");
+}
+
 /// Damage to apply to a resource: (JSON pointer of an existing field, replacement).
 fn damage() -> impl Strategy<Value = Vec<(usize, Value)>> {
     let values = prop_oneof![

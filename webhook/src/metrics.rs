@@ -3,7 +3,7 @@
 use std::sync::Mutex;
 
 use prometheus_client::encoding::EncodeLabelSet;
-use prometheus_client::encoding::text::encode;
+use prometheus_client::encoding::text::{encode_eof, encode_registry};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
@@ -42,6 +42,9 @@ pub struct PolicyLabels {
 #[derive(Debug)]
 pub struct Metrics {
     registry: Mutex<Registry>,
+    /// Metrics of the libraries, under their own names (no `hearth_webhook` prefix):
+    /// `hearth_policy_native_fallbacks_total{reason}` (see [`hearth_policies::fallback`]).
+    libraries: Registry,
     /// `hearth_webhook_reviews_total`: reviews answered.
     pub reviews: Family<ReviewLabels, Counter>,
     /// `hearth_webhook_request_errors_total`: requests refused before a review could be made.
@@ -123,8 +126,11 @@ impl Metrics {
             "Policy and runtime snapshots swapped in",
             rebuilds.clone(),
         );
+        let mut libraries = Registry::default();
+        libraries.register_collector(Box::new(hearth_policies::fallback::Collector));
         Self {
             registry: Mutex::new(r),
+            libraries,
             reviews,
             errors,
             duration,
@@ -142,7 +148,60 @@ impl Metrics {
         let mut out = String::new();
         let registry = self.registry.lock().unwrap_or_else(|p| p.into_inner());
         // Writing into a String cannot fail.
-        let _ = encode(&mut out, &registry);
+        let _ = encode_registry(&mut out, &registry);
+        let _ = encode_registry(&mut out, &self.libraries);
+        let _ = encode_eof(&mut out);
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use hearth_crds::{ServingPolicy, servingpolicy::Operation};
+    use hearth_policies::{EvalInput, PolicySet};
+    use serde_json::json;
+
+    use super::Metrics;
+
+    /// The value of `hearth_policy_native_fallbacks_total{reason="unsupported"}` in `text`.
+    fn unsupported(text: &str) -> u64 {
+        text.lines()
+            .find_map(|l| {
+                l.strip_prefix(r#"hearth_policy_native_fallbacks_total{reason="unsupported"} "#)
+            })
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or_else(|| panic!("no unsupported fallback counter in:\n{text}"))
+    }
+
+    #[test]
+    fn native_fallbacks_are_exported() {
+        let metrics = Metrics::new();
+        let text = metrics.encode();
+        assert!(text.contains("# TYPE hearth_policy_native_fallbacks counter"));
+        assert!(text.contains(r#"hearth_policy_native_fallbacks_total{reason="panic"} "#));
+        assert!(text.ends_with("# EOF\n"));
+        let before = unsupported(&text);
+
+        // A validation that fails on a missing field: the native evaluator hands the policy
+        // to the interpreter, which words the error.
+        let policy: ServingPolicy = serde_json::from_value(json!({
+            "apiVersion": "serving.hearth.dev/v1alpha1",
+            "kind": "ServingPolicy",
+            "metadata": {"name": "falls-back"},
+            "spec": {"validations": [{"expression": "object.spec.missing == 1"}]},
+        }))
+        .expect("policy parses");
+        let (set, errors) = PolicySet::compile(&[policy]);
+        assert!(errors.is_empty(), "{errors:?}");
+        assert_eq!(set.native_policies(), ["falls-back"]);
+        // The default matchConstraints: Deployments, StatefulSets and Pods.
+        let object = json!({"apiVersion": "apps/v1", "kind": "Deployment",
+                            "metadata": {"name": "d", "namespace": "n"}, "spec": {}});
+        let on_thread = PolicySet::native_fallbacks();
+        let out = set.evaluate(&EvalInput::for_object(object, Operation::Create));
+        assert_eq!(out.matched, ["falls-back"]);
+        assert_eq!(PolicySet::native_fallbacks(), on_thread + 1);
+
+        assert!(unsupported(&metrics.encode()) > before);
     }
 }

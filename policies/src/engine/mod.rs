@@ -1,0 +1,291 @@
+//! The policy set: compile once, evaluate many.
+//!
+//! [`PolicySet`] is here; `types` holds the data of its API, `compile` turns one
+//! ServingPolicy into its compiled form, `eval` evaluates one policy against one object (by the
+//! native evaluator or the interpreter) and `patch` applies a mutation's result.
+
+mod compile;
+mod eval;
+mod patch;
+mod types;
+
+use std::sync::Arc;
+
+use hearth_crds::servingpolicy::{FailurePolicy, ReinvocationPolicy, ServingPolicy};
+use kube_cel::cel::Context;
+use serde_json::Value;
+
+use crate::{guard, limits::Limits, matching};
+
+pub(crate) use eval::{ExprFailure, run, with_stack};
+pub use types::{
+    Denial, ErrorKind, EvalError, EvalInput, GroupVersionKind, GroupVersionResource, MutateError,
+    Mutated, Outcome, PolicyLoadError, PolicySettings, RequestInfo, UserInfo,
+};
+
+use compile::{CompiledPolicy, compile_policy};
+use eval::{CelEval, EMPTY_SETTINGS, Fixed, NativeEval, PolicyRun, merge, request_context};
+use patch::mutate_passes;
+
+struct Inner {
+    policies: Vec<CompiledPolicy>,
+    limits: Limits,
+}
+
+/// A compiled, immutable set of ServingPolicies. Cloning is an `Arc` bump, so a reloaded set
+/// can be swapped in atomically (for example behind an `ArcSwap` or `RwLock<PolicySet>`) while
+/// requests keep evaluating the old one. `Send + Sync`.
+#[derive(Clone)]
+pub struct PolicySet {
+    inner: Arc<Inner>,
+    /// Whether native-capable policies run natively (see [`crate::native`]).
+    native: bool,
+}
+
+impl std::fmt::Debug for PolicySet {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PolicySet")
+            .field("policies", &self.names())
+            .finish()
+    }
+}
+
+impl PolicySet {
+    /// Compiles `policies` with [`Limits::default`]. Policies with a bad expression are left
+    /// out and reported; the rest form the set.
+    pub fn compile(policies: &[ServingPolicy]) -> (PolicySet, Vec<PolicyLoadError>) {
+        Self::compile_with_limits(policies, Limits::default())
+    }
+
+    /// Compiles `policies` under `limits`.
+    pub fn compile_with_limits(
+        policies: &[ServingPolicy],
+        limits: Limits,
+    ) -> (PolicySet, Vec<PolicyLoadError>) {
+        let mut ok = Vec::new();
+        let mut errors = Vec::new();
+        for p in policies {
+            match compile_policy(p, &limits) {
+                Ok(c) => ok.push(c),
+                Err(e) => errors.push(e),
+            }
+        }
+        (
+            PolicySet {
+                inner: Arc::new(Inner {
+                    policies: ok,
+                    limits,
+                }),
+                native: true,
+            },
+            errors,
+        )
+    }
+
+    /// The same set evaluated by the `cel` interpreter only, without the native evaluator.
+    /// Outcomes are the same (the differential tests compare them); for comparisons and
+    /// benchmarks.
+    pub fn interpreted(&self) -> PolicySet {
+        PolicySet {
+            inner: self.inner.clone(),
+            native: false,
+        }
+    }
+
+    /// Names of the compiled policies, in evaluation order.
+    pub fn names(&self) -> Vec<&str> {
+        self.inner
+            .policies
+            .iter()
+            .map(|p| p.name.as_str())
+            .collect()
+    }
+
+    /// Names of the policies the native evaluator runs (the rest use the interpreter
+    /// throughout, see [`crate::native`]).
+    pub fn native_policies(&self) -> Vec<&str> {
+        self.inner
+            .policies
+            .iter()
+            .filter(|p| p.native)
+            .map(|p| p.name.as_str())
+            .collect()
+    }
+
+    /// How many times, on this thread, a policy the native evaluator runs was handed to the
+    /// interpreter instead (an evaluation error, or a value it does not handle). For tests and
+    /// benchmarks: well-formed workloads under the shipped policies cause none.
+    pub fn native_fallbacks() -> u64 {
+        crate::fallback::on_thread()
+    }
+
+    /// The limits this set enforces.
+    pub fn limits(&self) -> &Limits {
+        &self.inner.limits
+    }
+
+    /// Evaluates an admission request: mutations first (in policy order, with reinvocation),
+    /// then validations and audit annotations against the mutated object.
+    pub fn evaluate(&self, input: &EvalInput) -> Outcome {
+        let _budget = guard::Budget::enter(&self.inner.limits);
+        with_stack(|| guard::with_base(|base| self.evaluate_in(base, input, true)))
+    }
+
+    /// The controller's render path: runs only the mutations over `input.object` and returns
+    /// the mutated object. Idempotent for the built-in policies: a second pass yields an empty
+    /// patch. Errors when a `Fail` policy cannot be evaluated.
+    pub fn mutate(&self, input: &EvalInput) -> Result<Mutated, MutateError> {
+        let _budget = guard::Budget::enter(&self.inner.limits);
+        let out = with_stack(|| guard::with_base(|base| self.evaluate_in(base, input, false)));
+        let (fail, ignored): (Vec<_>, Vec<_>) = out
+            .errors
+            .into_iter()
+            .partition(|e| e.failure_policy == FailurePolicy::Fail);
+        if !fail.is_empty() {
+            return Err(MutateError(fail));
+        }
+        Ok(Mutated {
+            object: out.patched_object.unwrap_or(Value::Null),
+            patch: out.patch,
+            ignored,
+        })
+    }
+
+    fn evaluate_in(&self, base: &Context<'static>, input: &EvalInput, validate: bool) -> Outcome {
+        let mut out = Outcome::default();
+        let fixed = Fixed {
+            old_object: input.old_object.as_ref(),
+            request_info: &input.request,
+            request: std::cell::OnceCell::new(),
+            namespace_object: input.namespace_object.as_ref(),
+            params: input.params.as_ref(),
+            service: input.service.as_ref(),
+            settings: input.settings.as_ref().unwrap_or(&EMPTY_SETTINGS),
+        };
+        // The interpreter's request context, built only when a policy needs it.
+        let cel = std::cell::OnceCell::new();
+        let rctx = || cel.get_or_init(|| request_context(base, &fixed));
+        let mut object = input.object.clone();
+        let matched: Vec<&CompiledPolicy> = self
+            .inner
+            .policies
+            .iter()
+            .filter(|p| {
+                matching::matches(
+                    p.match_constraints.as_ref(),
+                    &input.request,
+                    input.object.as_ref(),
+                    input.old_object.as_ref(),
+                    input.namespace_object.as_ref(),
+                )
+            })
+            .collect();
+        out.matched = matched.iter().map(|p| p.name.clone()).collect();
+
+        // Mutations, then one reinvocation round for IfNeeded policies whose output a later
+        // policy changed (MutatingAdmissionPolicy semantics).
+        let mut changed = false;
+        if let Some(obj) = object.as_mut() {
+            let mut after: Vec<Option<Value>> = vec![None; matched.len()];
+            for (i, p) in matched.iter().enumerate() {
+                if p.mutations.is_empty() {
+                    continue;
+                }
+                changed |= self.mutate_policy(&rctx, &fixed, p, obj, &mut out);
+                if p.reinvocation == ReinvocationPolicy::IfNeeded {
+                    after[i] = Some(obj.clone());
+                }
+            }
+            for (i, p) in matched.iter().enumerate() {
+                if p.reinvocation == ReinvocationPolicy::IfNeeded
+                    && after[i].as_ref().is_some_and(|a| a != obj)
+                {
+                    changed |= self.mutate_policy(&rctx, &fixed, p, obj, &mut out);
+                }
+            }
+        }
+
+        if validate {
+            let mut interpreted: Option<CelEval> = None;
+            for p in &matched {
+                if p.validations.is_empty() && p.audit_annotations.is_empty() {
+                    continue;
+                }
+                let mut local = Outcome::default();
+                let budget = guard::request_left();
+                let native = self.native && p.native && {
+                    let mut ev = NativeEval {
+                        env: fixed.native_env(p, object.as_ref()),
+                    };
+                    match PolicyRun::new(p).validate(&mut ev, &mut local) {
+                        Ok(()) => true,
+                        Err(fallback) => {
+                            fallback.record(&p.name);
+                            guard::refund_request(budget);
+                            false
+                        }
+                    }
+                };
+                if !native {
+                    local = Outcome::default();
+                    let ev =
+                        interpreted.get_or_insert_with(|| CelEval::new(rctx(), object.as_ref()));
+                    // Each policy's variables in a scope of their own.
+                    let mut scoped = ev.scope();
+                    let _ = PolicyRun::new(p).validate(&mut scoped, &mut local);
+                }
+                merge(&mut out, local);
+            }
+        }
+        if changed && let (Some(orig), Some(new)) = (&input.object, &object) {
+            out.patch = json_patch::diff(orig, new);
+        }
+        out.patched_object = object;
+        out
+    }
+
+    /// Runs one policy's mutations over `object`, natively when it can, else with the
+    /// interpreter from the same starting object. Returns whether the object changed.
+    fn mutate_policy<'c>(
+        &self,
+        rctx: &impl Fn() -> &'c Context<'c>,
+        fixed: &Fixed,
+        p: &CompiledPolicy,
+        object: &mut Value,
+        out: &mut Outcome,
+    ) -> bool {
+        if self.native && p.native {
+            // A fallback after an applied mutation restarts from the original object; with one
+            // mutation nothing is applied before the last evaluation, so no copy is needed.
+            let backup = (p.mutations.len() > 1).then(|| object.clone());
+            let budget = guard::request_left();
+            let result = mutate_passes(p, object, |run, current, next, first| {
+                let mut ev = NativeEval {
+                    env: fixed.native_env(p, Some(current)),
+                };
+                run.mutation_pass(&mut ev, next, first)
+            });
+            match result {
+                Ok((changed, error)) => {
+                    out.errors.extend(error);
+                    return changed;
+                }
+                Err(fallback) => {
+                    fallback.record(&p.name);
+                    guard::refund_request(budget);
+                    if let Some(b) = backup {
+                        *object = b;
+                    }
+                }
+            }
+        }
+        let request = rctx();
+        let (changed, error) = mutate_passes(p, object, |run, current, next, first| {
+            let mut ev = CelEval::new(request, Some(current));
+            run.mutation_pass(&mut ev, next, first)
+        })
+        .unwrap_or((false, None));
+        out.errors.extend(error);
+        changed
+    }
+}
