@@ -1216,15 +1216,15 @@ impl Drop for InstalledRbac {
 }
 
 /// The rules of the gateway Role the controller renders, read from `fn gateway_role` in
-/// controller/src/render.rs: its string literals must be exactly one EndpointSlice read rule, so
+/// controller/src/render/gateway.rs: its string literals must be exactly one EndpointSlice read rule, so
 /// a change there fails here (and the controller's ClusterRole must then hold the new rights).
 fn gateway_role_rules() -> Result<Value> {
-    let src = std::fs::read_to_string(repo().join("controller/src/render.rs"))?;
+    let src = std::fs::read_to_string(repo().join("controller/src/render/gateway.rs"))?;
     let body = src
         .split_once("fn gateway_role(")
         .and_then(|(_, rest)| rest.split_once("\n}\n"))
         .map(|(body, _)| body)
-        .context("controller/src/render.rs has no fn gateway_role")?;
+        .context("controller/src/render/gateway.rs has no fn gateway_role")?;
     let literals: BTreeSet<&str> = body.split('"').skip(1).step_by(2).collect();
     let want = BTreeSet::from(["discovery.k8s.io", "endpointslices", "get", "list", "watch"]);
     ensure!(
@@ -1951,7 +1951,7 @@ async fn rbac_matrix_each_account_can_do_what_it_needs_and_nothing_more() -> Res
     }
 
     // Escalation prevention is checked on writes, not by can-i: the controller must be able
-    // to grant each gateway its Role (the rules of controller/src/render.rs) ...
+    // to grant each gateway its Role (the rules of controller/src/render/gateway.rs) ...
     let team = cluster.namespace("chart-rbac-team").await?;
     let controller_as = format!("--as=system:serviceaccount:{}:hearth-controller", ns.name());
     let gateway = "stub-svc-gateway";

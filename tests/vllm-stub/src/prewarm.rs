@@ -1,7 +1,7 @@
 //! The stub as `python3`: the prewarm step Hearth's controller renders.
 //!
 //! The controller's prewarm Job runs, in the runtime's image, the hub library vLLM itself uses
-//! (controller/src/render.rs, `prewarm_program`):
+//! (controller/src/render/cache.rs, `prewarm_program`):
 //!
 //! ```text
 //! python3 -c 'from huggingface_hub import snapshot_download
@@ -328,7 +328,7 @@ mod tests {
 
     #[test]
     fn parses_what_the_controller_renders() {
-        // controller/src/render.rs, prewarm_program (Rust's {:?} quoting of the repository).
+        // controller/src/render/cache.rs, prewarm_program (Rust's {:?} quoting of the repository).
         let hf = format!(
             "from huggingface_hub import snapshot_download\nprint(snapshot_download(repo_id={:?}))\n",
             "hearth/stub-model"

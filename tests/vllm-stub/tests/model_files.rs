@@ -19,7 +19,7 @@ type HttpClient = Client<hyper_util::client::legacy::connect::HttpConnector, Ful
 
 const STUB: &str = env!("CARGO_BIN_EXE_vllm-stub");
 
-/// The program controller/src/render.rs renders for `hf://<repo>`.
+/// The program controller/src/render/cache.rs renders for `hf://<repo>`.
 fn prewarm_program(repo: &str) -> String {
     format!(
         "from huggingface_hub import snapshot_download\nprint(snapshot_download(repo_id={repo:?}))\n"
