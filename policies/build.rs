@@ -1,5 +1,9 @@
 //! Embeds the built-in ServingPolicies (`builtin/*.yaml`) into the library, so the webhook and
 //! the controller carry exactly the defaults they were built and tested with.
+#![allow(
+    clippy::expect_used,
+    reason = "a build script reports a failure by panicking"
+)]
 
 use std::fmt::Write as _;
 use std::path::PathBuf;

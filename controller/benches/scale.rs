@@ -8,6 +8,7 @@
 //!
 //! `cargo bench -p hearth-controller --bench scale` (sizes: `HEARTH_BENCH_SIZES`, default
 //! `50,500`).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::exit)]
 
 use std::{
     net::TcpListener,

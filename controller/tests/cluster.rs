@@ -2,6 +2,7 @@
 //! kube-apiserver, kube-controller-manager (garbage collector, Deployment and Job controllers),
 //! kube-scheduler, kwok nodes and KEDA. Each test runs its own controller in-process, scoped to
 //! its own namespace, so tests run in parallel without seeing each other's objects.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::{path::PathBuf, sync::Arc, time::Duration};
 

@@ -2,6 +2,7 @@
 //! examples (unchanged) and on our own inputs under `tests/golden/inputs`, compared byte for
 //! byte with `tests/golden/<case>.yaml`. `HEARTH_UPDATE_GOLDEN=1` rewrites the expected files
 //! (review the diff before committing).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::{
     path::{Path, PathBuf},

@@ -16,6 +16,7 @@
 //! `kubectl apply -f dir/`) do not fail, and the controller waits for it; a fraction on a
 //! sharing runtime is admitted and rendered by the platform's ServingPolicies, which only the
 //! controller's render can tell (here, with the built-ins only, none does).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use hearth_controller::{
     RenderConfig,

@@ -17,6 +17,7 @@
 //!
 //! `BENCH_QUICK=1` shrinks every sample count (for a smoke run); `BENCH_ONLY=warm|ready|push|held`
 //! runs one section.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::exit)]
 
 use std::{
     net::SocketAddr,

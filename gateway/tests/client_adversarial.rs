@@ -2,6 +2,7 @@
 //! can send, and what reaches the backend. Framing (RFC 9112), the fields a gateway owns
 //! (`Host`, `X-Forwarded-*`, `Via`, `Expect`), methods it must not forward, and request bodies
 //! that arrive slowly, in pieces or broken.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;
 

@@ -1,6 +1,7 @@
 //! Discovery against the local control plane of `tests/cluster/` (start it with
 //! `tests/cluster/up`, or run `tests/run-tests`): the real EndpointSlice watch feeding a real
 //! endpoint set, and the RBAC-forbidden fallback signal.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::{
     sync::{

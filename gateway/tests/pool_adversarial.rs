@@ -2,6 +2,7 @@
 //! answers to large uploads, informational responses, stray bytes on idle connections,
 //! restarts, and bodies dropped mid-stream. A connection is pooled only when it can take the
 //! next request at once.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;
 

@@ -1,5 +1,6 @@
 //! The `hearth-gateway` binary as a process: SIGTERM drain, and the backend `drain` command
 //! (once, and served to an `httpGet` preStop hook).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;
 

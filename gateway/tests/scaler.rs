@@ -1,5 +1,6 @@
 //! The KEDA ExternalScaler service through a real tonic client, and demand aggregation over
 //! gateway replicas.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;
 

@@ -1,5 +1,6 @@
 //! Adversarial tests of the gateway's backend connection handling: backends that close, reset,
 //! answer without bodies, send trailers; clients that leave, crowd, or trickle their headers.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;
 

@@ -4,6 +4,7 @@
 //! the interpreter) and the interpreter alone.
 //!
 //! `cargo run -p hearth-policies --example cel_conformance [-- --failures]`
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::exit)]
 
 #[path = "../tests/cel/mod.rs"]
 mod cel;

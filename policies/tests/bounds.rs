@@ -1,6 +1,7 @@
 //! Adversarial policies: every bound ends as a load error or an evaluation error handled by
 //! failurePolicy, and the set keeps serving afterwards. Each case runs in milliseconds; none
 //! asserts on time.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;
 

@@ -1,6 +1,7 @@
 //! The drain sidecar the built-in serving defaults inject (`settings.drainImage`): it takes a
 //! port and a name no other container of the pod uses, stays off hostNetwork pods, passes the
 //! drain timeout on as written, and a second pass leaves it alone. Also the `settings` root.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;
 

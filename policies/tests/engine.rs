@@ -1,4 +1,5 @@
 //! Semantics of validation, variables, match constraints, mutations and load errors.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;
 

@@ -1,4 +1,5 @@
 //! `hearth-policy test` over `policies/builtin` and `examples/`, so `cargo test` covers them.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::path::Path;
 

@@ -6,6 +6,7 @@
 //! Each case is measured twice in the same run: `handle()` called in a loop (no HTTP, no TLS),
 //! and the same bodies over HTTPS with keep-alive connections. The table prints both and their
 //! ratio, so the cost of the transport is read off the same machine at the same moment.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::exit)]
 
 #[path = "../tests/common/mod.rs"]
 mod common;

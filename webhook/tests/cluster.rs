@@ -6,6 +6,7 @@
 //! namespace (and, for cluster-scoped InferenceRuntimes, to objects labelled with it), so tests
 //! running beside it in the same cluster never reach this webhook. The configurations are
 //! deleted when the test ends, also when it fails.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;

@@ -1,5 +1,6 @@
 //! The HTTPS server on loopback: reviews over TLS, certificate rotation and file reload under a
 //! loop of requests (none may fail), clients that stall, and the drain on shutdown.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;
 
