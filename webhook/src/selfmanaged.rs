@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use k8s_openapi::ByteString;
 use k8s_openapi::api::admissionregistration::v1::{
-    MutatingWebhookConfiguration, ValidatingWebhookConfiguration,
+    MutatingWebhookConfiguration, ValidatingWebhookConfiguration, WebhookClientConfig,
 };
 use k8s_openapi::api::core::v1::Secret;
 use kube::api::{ObjectMeta, PostParams};
@@ -382,60 +382,23 @@ impl SelfManaged {
         let name = &self.cfg.webhook_configuration;
         let bundle = ByteString(ca_bundle.as_bytes().to_vec());
         let mwc: Api<MutatingWebhookConfiguration> = Api::all(self.client.clone());
+        set_ca_bundle(&mwc, name, &bundle, "MutatingWebhookConfiguration", |m| {
+            m.webhooks
+                .iter_mut()
+                .flatten()
+                .map(|w| &mut w.client_config)
+                .collect()
+        })
+        .await?;
         let vwc: Api<ValidatingWebhookConfiguration> = Api::all(self.client.clone());
-        let err = |what: &str| {
-            let action = format!("patching caBundle of {what} {name}");
-            move |source| SelfManagedError::Kube { action, source }
-        };
-        for _ in 0..5 {
-            let Some(mut m) = mwc
-                .get_opt(name)
-                .await
-                .map_err(err("MutatingWebhookConfiguration"))?
-            else {
-                break;
-            };
-            let mut changed = false;
-            for w in m.webhooks.iter_mut().flatten() {
-                if w.client_config.ca_bundle.as_ref() != Some(&bundle) {
-                    w.client_config.ca_bundle = Some(bundle.clone());
-                    changed = true;
-                }
-            }
-            if !changed {
-                break;
-            }
-            match mwc.replace(name, &PostParams::default(), &m).await {
-                Ok(_) => break,
-                Err(kube::Error::Api(e)) if e.code == 409 => continue,
-                Err(e) => return Err(err("MutatingWebhookConfiguration")(e)),
-            }
-        }
-        for _ in 0..5 {
-            let Some(mut v) = vwc
-                .get_opt(name)
-                .await
-                .map_err(err("ValidatingWebhookConfiguration"))?
-            else {
-                break;
-            };
-            let mut changed = false;
-            for w in v.webhooks.iter_mut().flatten() {
-                if w.client_config.ca_bundle.as_ref() != Some(&bundle) {
-                    w.client_config.ca_bundle = Some(bundle.clone());
-                    changed = true;
-                }
-            }
-            if !changed {
-                break;
-            }
-            match vwc.replace(name, &PostParams::default(), &v).await {
-                Ok(_) => break,
-                Err(kube::Error::Api(e)) if e.code == 409 => continue,
-                Err(e) => return Err(err("ValidatingWebhookConfiguration")(e)),
-            }
-        }
-        Ok(())
+        set_ca_bundle(&vwc, name, &bundle, "ValidatingWebhookConfiguration", |v| {
+            v.webhooks
+                .iter_mut()
+                .flatten()
+                .map(|w| &mut w.client_config)
+                .collect()
+        })
+        .await
     }
 
     /// Start-up: ensures the Secret, publishes the CA bundle and returns a store serving the
@@ -509,6 +472,46 @@ impl SelfManaged {
 
 /// Annotation recording the SANs the serving certificate was issued for.
 pub const SANS_ANNOTATION: &str = "serving.hearth.dev/cert-sans";
+
+/// Sets `bundle` as the caBundle of every webhook (`client_configs` lists them) in the
+/// configuration `name` of `kind`: skipped when the configuration does not exist or already
+/// carries it; a conflicting write is retried, at most five times in all.
+async fn set_ca_bundle<K>(
+    api: &Api<K>,
+    name: &str,
+    bundle: &ByteString,
+    kind: &str,
+    client_configs: impl Fn(&mut K) -> Vec<&mut WebhookClientConfig>,
+) -> Result<(), SelfManagedError>
+where
+    K: kube::Resource + Clone + std::fmt::Debug + serde::de::DeserializeOwned + serde::Serialize,
+{
+    let err = |source| SelfManagedError::Kube {
+        action: format!("patching caBundle of {kind} {name}"),
+        source,
+    };
+    for _ in 0..5 {
+        let Some(mut config) = api.get_opt(name).await.map_err(err)? else {
+            return Ok(());
+        };
+        let mut changed = false;
+        for c in client_configs(&mut config) {
+            if c.ca_bundle.as_ref() != Some(bundle) {
+                c.ca_bundle = Some(bundle.clone());
+                changed = true;
+            }
+        }
+        if !changed {
+            return Ok(());
+        }
+        match api.replace(name, &PostParams::default(), &config).await {
+            Ok(_) => return Ok(()),
+            Err(kube::Error::Api(e)) if e.code == 409 => continue,
+            Err(e) => return Err(err(e)),
+        }
+    }
+    Ok(())
+}
 
 #[cfg(test)]
 mod tests {

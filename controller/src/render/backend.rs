@@ -9,8 +9,7 @@ use k8s_openapi::{
         apps::v1::{Deployment, DeploymentSpec, DeploymentStrategy, RollingUpdateDeployment},
         core::v1::{
             Capabilities, Container, ContainerPort, PodSpec, PodTemplateSpec, ResourceRequirements,
-            SeccompProfile, SecurityContext, Service, ServicePort, ServiceSpec, Volume,
-            VolumeMount,
+            SeccompProfile, SecurityContext, Service, Volume, VolumeMount,
         },
     },
     apimachinery::pkg::{
@@ -172,24 +171,15 @@ pub(super) fn backend_skeleton(
 pub const BACKEND_SERVICE_PORT: i32 = 80;
 
 pub(super) fn backend_service(ctx: &Ctx<'_>) -> Service {
-    let port = &ctx.rt.spec.container.port;
-    Service {
-        metadata: ctx.meta(names::backend_service(&ctx.name), Component::Backend),
-        spec: Some(ServiceSpec {
-            selector: Some(labels::selector(&ctx.name, Component::Backend)),
-            ports: Some(vec![ServicePort {
-                name: Some(port.name.clone()),
-                // Port 80 as upstream Hearth (clients of http://N-backend keep working); the
-                // gateway reads the pods' own port from the EndpointSlices.
-                port: BACKEND_SERVICE_PORT,
-                target_port: Some(IntOrString::String(port.name.clone())),
-                protocol: Some("TCP".to_owned()),
-                ..Default::default()
-            }]),
-            ..Default::default()
-        }),
-        ..Default::default()
-    }
+    // Port 80 as upstream Hearth (clients of http://N-backend keep working); the gateway reads
+    // the pods' own port from the EndpointSlices.
+    let port = &ctx.rt.spec.container.port.name;
+    ctx.service(
+        names::backend_service(&ctx.name),
+        Component::Backend,
+        port,
+        BACKEND_SERVICE_PORT,
+    )
 }
 
 /// The serving container's default security context: as much of Pod Security `restricted` as

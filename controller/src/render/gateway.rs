@@ -16,8 +16,7 @@ use k8s_openapi::{
             Capabilities, Container, ContainerPort, EnvVar, EnvVarSource, HTTPGetAction, KeyToPath,
             Lifecycle, LifecycleHandler, ObjectFieldSelector, PodSecurityContext, PodSpec,
             PodTemplateSpec, Probe, ResourceRequirements, SeccompProfile, SecretVolumeSource,
-            SecurityContext, Service, ServicePort, ServiceSpec, SleepAction,
-            TopologySpreadConstraint, Volume, VolumeMount,
+            SecurityContext, Service, SleepAction, TopologySpreadConstraint, Volume, VolumeMount,
         },
         policy::v1::{PodDisruptionBudget, PodDisruptionBudgetSpec},
         rbac::v1::{PolicyRule, Role, RoleBinding, RoleRef, Subject},
@@ -120,40 +119,17 @@ pub fn parse_gateway_resources(json: &str) -> Result<ResourceRequirements, Strin
 }
 
 pub(super) fn gateway_service(ctx: &Ctx<'_>) -> Service {
-    Service {
-        metadata: ctx.meta(names::gateway_service(&ctx.name), Component::Gateway),
-        spec: Some(ServiceSpec {
-            selector: Some(labels::selector(&ctx.name, Component::Gateway)),
-            ports: Some(vec![ServicePort {
-                name: Some("http".to_owned()),
-                port: 80,
-                target_port: Some(IntOrString::String("http".to_owned())),
-                protocol: Some("TCP".to_owned()),
-                ..Default::default()
-            }]),
-            ..Default::default()
-        }),
-        ..Default::default()
-    }
+    let name = names::gateway_service(&ctx.name);
+    ctx.service(name, Component::Gateway, "http", 80)
 }
 
 pub(super) fn scaler_service(ctx: &Ctx<'_>) -> Service {
-    Service {
-        metadata: ctx.meta(names::scaler_service(&ctx.name), Component::Gateway),
-        spec: Some(ServiceSpec {
-            type_: Some("ClusterIP".to_owned()),
-            selector: Some(labels::selector(&ctx.name, Component::Gateway)),
-            ports: Some(vec![ServicePort {
-                name: Some("grpc-scaler".to_owned()),
-                port: ctx.cfg.scaler_port,
-                target_port: Some(IntOrString::String("grpc-scaler".to_owned())),
-                protocol: Some("TCP".to_owned()),
-                ..Default::default()
-            }]),
-            ..Default::default()
-        }),
-        ..Default::default()
+    let name = names::scaler_service(&ctx.name);
+    let mut service = ctx.service(name, Component::Gateway, "grpc-scaler", ctx.cfg.scaler_port);
+    if let Some(spec) = service.spec.as_mut() {
+        spec.type_ = Some("ClusterIP".to_owned());
     }
+    service
 }
 
 pub(super) fn gateway_role(ctx: &Ctx<'_>) -> Role {

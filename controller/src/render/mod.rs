@@ -23,12 +23,15 @@ use k8s_openapi::{
         batch::v1::Job,
         core::v1::{
             EnvFromSource, PersistentVolumeClaim, ResourceRequirements, SecretEnvSource, Service,
-            ServiceAccount,
+            ServiceAccount, ServicePort, ServiceSpec,
         },
         policy::v1::PodDisruptionBudget,
         rbac::v1::{Role, RoleBinding},
     },
-    apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference},
+    apimachinery::pkg::{
+        apis::meta::v1::{ObjectMeta, OwnerReference},
+        util::intstr::IntOrString,
+    },
 };
 use kube::{
     Resource, ResourceExt,
@@ -281,6 +284,26 @@ struct Ctx<'a> {
 }
 
 impl Ctx<'_> {
+    /// A Service `name` in front of `component`'s pods of this LLMService: one TCP `port`
+    /// forwarding to the pods' port named `port_name`.
+    fn service(&self, name: String, component: Component, port_name: &str, port: i32) -> Service {
+        Service {
+            metadata: self.meta(name, component),
+            spec: Some(ServiceSpec {
+                selector: Some(labels::selector(&self.name, component)),
+                ports: Some(vec![ServicePort {
+                    name: Some(port_name.to_owned()),
+                    port,
+                    target_port: Some(IntOrString::String(port_name.to_owned())),
+                    protocol: Some("TCP".to_owned()),
+                    ..Default::default()
+                }]),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
     fn meta(&self, name: String, component: Component) -> ObjectMeta {
         ObjectMeta {
             name: Some(name),
