@@ -564,6 +564,13 @@ const EXPRESSIONS: &[&str] = &[
     "timestamp('9999-12-31T23:59:59Z') - timestamp('0001-01-01T00:00:00Z')",
     "duration('320000000000s')",
     "duration('1.5s').getMilliseconds() + timestamp('2024-01-02T03:04:05.678Z').getMilliseconds()",
+    // timestamp getters in UTC, a named time zone or a fixed offset
+    "timestamp('2009-02-13T23:31:30Z').getHours('America/Los_Angeles') + timestamp('2009-02-13T23:31:30Z').getDate('Australia/Sydney')",
+    "timestamp('2009-02-13T02:00:00Z').getDayOfMonth('-02:30') * 100 + timestamp('2009-02-13T23:31:30Z').getHours('02:00')",
+    "[timestamp('2024-07-01T12:00:00Z').getHours('Europe/Paris'), timestamp('2009-02-14T00:31:30+01:00').getDayOfWeek(), duration('25h').getHours()]",
+    "timestamp('2009-02-13T23:31:30Z').getMinutes('Mars/Olympus')",
+    "timestamp('2009-02-13T23:31:30Z').getMinutes('+x:00')",
+    "duration('25h').getHours('UTC')",
     "type(ip('10.0.0.1')) == net.IP && type(optional.none()) == optional_type",
     "3 - 1 + 2.5 - 0.5",
 ];

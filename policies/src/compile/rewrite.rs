@@ -249,12 +249,6 @@ pub(super) fn rewrite_in(e: &mut IdedExpr, shadowed: bool) {
                     c.func_name = guard::SUB.to_owned();
                 }
             }
-            if c.func_name == "getMilliseconds"
-                && let Some(target) = c.target.take()
-            {
-                c.args.insert(0, *target);
-                c.func_name = guard::MILLIS.to_owned();
-            }
             // `format` with cel-go's renderings (see `guard::FORMAT`).
             if c.func_name == "format"
                 && c.args.len() == 1

@@ -37,7 +37,11 @@ use library::{
     all, bind, bit_and, bit_not, bit_or, bit_shift_left, bit_shift_right, bit_xor, entries, exists,
     format_named, map_literal, matches, neg, put,
 };
-use time::{add, bytes_of, duration_of, int_of, millis, string_of, sub, timestamp_of};
+use time::{
+    add, bytes_of, duration_of, get_date, get_day_of_month, get_day_of_week, get_day_of_year,
+    get_full_year, get_hours, get_milliseconds, get_minutes, get_month, get_seconds, int_of,
+    string_of, sub, timestamp_of,
+};
 
 /// Guard that charges one unit per comprehension iteration (wraps `loop_cond`).
 pub(crate) const TICK: &str = "__hearth_tick";
@@ -96,8 +100,6 @@ pub(crate) const FORMAT: &str = "__hearth_format";
 /// interpreter's own operators.
 pub(crate) const ADD: &str = "__hearth_add";
 pub(crate) const SUB: &str = "__hearth_sub";
-/// `getMilliseconds()` of a duration: its milliseconds part, as cel-go.
-pub(crate) const MILLIS: &str = "__hearth_millis";
 /// `cel.bind(v, init, body)` on the interpreter: `body` in a scope where `v` is `init`.
 pub(crate) const BIND: &str = "__hearth_bind";
 /// A map literal with `n` entries, checked for a repeated key.
@@ -296,7 +298,6 @@ fn base_context() -> Context<'static> {
     ctx.add_function(STRING_METHOD, string_method);
     ctx.add_function(ADD, add);
     ctx.add_function(SUB, sub);
-    ctx.add_function(MILLIS, millis);
     ctx.add_function(FORMAT, format);
     ctx.add_function(EXISTS, exists);
     ctx.add_function(NEG, neg);
@@ -304,6 +305,18 @@ fn base_context() -> Context<'static> {
     ctx.add_function(DURATION, duration_of);
     ctx.add_function(BYTES, bytes_of);
     ctx.add_function(INT, int_of);
+    // The timestamp and duration getters as cel-go: in UTC or a named or fixed time zone (the
+    // library's ignore the zone and read a timestamp in the offset it was written with).
+    ctx.add_function("getFullYear", get_full_year);
+    ctx.add_function("getMonth", get_month);
+    ctx.add_function("getDayOfYear", get_day_of_year);
+    ctx.add_function("getDayOfMonth", get_day_of_month);
+    ctx.add_function("getDate", get_date);
+    ctx.add_function("getDayOfWeek", get_day_of_week);
+    ctx.add_function("getHours", get_hours);
+    ctx.add_function("getMinutes", get_minutes);
+    ctx.add_function("getSeconds", get_seconds);
+    ctx.add_function("getMilliseconds", get_milliseconds);
     ctx.add_function("format.named", format_named);
     ctx.add_function("math.bitAnd", bit_and);
     ctx.add_function("math.bitOr", bit_or);
