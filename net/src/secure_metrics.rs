@@ -425,8 +425,9 @@ fn config(cert_pem: &[u8], key_pem: &[u8]) -> Result<Arc<ServerConfig>, CertErro
 }
 
 /// Serves `app` over TLS on `listener` until the process ends, with
-/// [`crate::tls_server::serve`]'s default bounds: a TLS handshake and a request's headers must
-/// each arrive within 10 s; at most 256 connections are served at once.
+/// [`crate::tls_server::serve`]'s default bounds: a TLS handshake must finish within 10 s, an idle
+/// scraper connection is kept 6 minutes (longer than Prometheus keeps it), and at most 256
+/// connections are served at once.
 pub async fn serve_tls(listener: tokio::net::TcpListener, tls: Arc<ServerConfig>, app: Router) {
     let limits = crate::tls_server::ServeLimits::default();
     crate::tls_server::serve(listener, tls, app, limits, std::future::pending()).await;

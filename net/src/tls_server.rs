@@ -40,7 +40,9 @@ pub struct ServeLimits {
     /// Time allowed for a TLS handshake.
     pub handshake_timeout: Duration,
     /// Time allowed for HTTP/1 request headers, also between requests on a kept-alive
-    /// connection (hyper's `header_read_timeout`).
+    /// connection (hyper's `header_read_timeout`): it is how long an idle pooled connection
+    /// stays open, so it must outlast the clients' own idle timeout (client-go's 90 s,
+    /// Prometheus' 5 min) or a client's request can meet the close.
     pub header_timeout: Duration,
     /// On shutdown, how long open connections are closed after their next answer before the
     /// rest are closed.
@@ -50,13 +52,13 @@ pub struct ServeLimits {
 }
 
 impl Default for ServeLimits {
-    /// 256 connections, 10 s for a handshake and for headers, a 10 s drain, 15 s for the last
-    /// requests.
+    /// 256 connections, 10 s for a handshake, 360 s for headers (idle connections included),
+    /// a 10 s drain, 15 s for the last requests.
     fn default() -> Self {
         Self {
             max_connections: 256,
             handshake_timeout: Duration::from_secs(10),
-            header_timeout: Duration::from_secs(10),
+            header_timeout: Duration::from_secs(360),
             drain_timeout: Duration::from_secs(10),
             last_request_timeout: Duration::from_secs(15),
         }
@@ -160,4 +162,15 @@ pub async fn serve(
     }
     // Close what is left once its request in flight is answered, bounded.
     let _ = tokio::time::timeout(limits.last_request_timeout, graceful.shutdown()).await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn idle_connections_outlive_client_go_and_prometheus_pools() {
+        // client-go's IdleConnTimeout (90 s) and Prometheus' scrape client (5 min).
+        assert!(ServeLimits::default().header_timeout > Duration::from_secs(300));
+    }
 }

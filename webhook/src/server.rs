@@ -51,7 +51,9 @@ pub struct Limits {
     pub body_timeout: Duration,
     /// Time allowed for a TLS handshake.
     pub handshake_timeout: Duration,
-    /// Time allowed for HTTP/1 request headers.
+    /// Time allowed for HTTP/1 request headers, counted from the end of the previous answer on
+    /// a kept-alive connection (hyper starts it when it waits for a request head), so it is
+    /// also how long an idle pooled connection stays open.
     pub header_timeout: Duration,
     /// Connections served at once.
     pub max_connections: usize,
@@ -70,7 +72,11 @@ impl Default for Limits {
             // The apiserver's webhook timeout is at most 30 s and ours 10 s.
             body_timeout: Duration::from_secs(10),
             handshake_timeout: Duration::from_secs(10),
-            header_timeout: Duration::from_secs(10),
+            // Longer than the apiserver's idle pooled connections live (client-go's
+            // IdleConnTimeout, 90 s): the apiserver then always closes an idle connection
+            // first. Closing it from this side races the apiserver's next review on it, and
+            // a POST that was written is not retried (Go's transport): the admission fails.
+            header_timeout: Duration::from_secs(120),
             max_connections: 1024,
             // The chart's terminationGracePeriodSeconds (30) covers the preStop sleep (5), this
             // and the last requests' body timeout.
@@ -327,4 +333,18 @@ pub async fn serve(
         }
     };
     tls_server::serve(listener, tls, app, bounds, stop).await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// client-go's `IdleConnTimeout` for the apiserver's webhook client: the apiserver must close
+    /// an idle pooled connection before this server does.
+    const APISERVER_IDLE_CONN_TIMEOUT: Duration = Duration::from_secs(90);
+
+    #[test]
+    fn idle_connections_outlive_the_apiservers_pool() {
+        assert!(Limits::default().header_timeout > APISERVER_IDLE_CONN_TIMEOUT);
+    }
 }
