@@ -12,7 +12,8 @@
 //!   with demand aggregated over gateway replicas ([`peers`]);
 //! - drain on SIGTERM, and the backend `preStop` drain command ([`drain`]);
 //! - request bodies bounded in size, read time and total memory ([`proxy`], [`budget`]);
-//! - optional API keys ([`apikeys`]) and Prometheus metrics ([`metrics`]).
+//! - optional API keys ([`apikeys`]) and Prometheus metrics ([`metrics`]);
+//! - every refusal one typed [`reject::Rejection`], answered as an OpenAI error.
 //!
 //! `docs/gateway.md` describes the flags and the behaviour.
 
@@ -29,6 +30,7 @@ pub mod metrics;
 pub mod openai;
 pub mod peers;
 pub mod proxy;
+pub mod reject;
 pub mod scaler;
 pub mod timer;
 pub mod upstream;
