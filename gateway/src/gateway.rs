@@ -90,6 +90,14 @@ pub struct Gateway {
     shared: Arc<Shared>,
 }
 
+#[cfg(test)]
+impl Gateway {
+    /// The replica's state, for the request path's unit tests.
+    pub(crate) fn shared(&self) -> &Arc<Shared> {
+        &self.shared
+    }
+}
+
 impl Gateway {
     /// A replica forwarding to `backends`, checking `keys`. Background work (the activation
     /// lease, key reloads) starts with [`Gateway::spawn_background`].

@@ -1,0 +1,349 @@
+//! Forwarding: the request as it is sent to a backend ([`Outgoing`]), the wait for a ready
+//! endpoint, and the send with its retries while no connection can be established.
+
+use std::time::{Duration, Instant};
+
+use axum::http::{HeaderMap, HeaderName, HeaderValue, Method, Uri, header};
+use bytes::Bytes;
+use http_body_util::Full;
+
+use super::headers::{Via, forward_headers};
+use crate::{
+    endpoints::EndpointGuard,
+    gateway::Shared,
+    upstream::{UpstreamBody, UpstreamPool},
+};
+
+thread_local! {
+    /// The backend connection pool of an HTTP worker thread
+    /// ([`crate::Gateway::serve_http_workers`]): each worker keeps its own, so a request and its
+    /// backend connection are served by the same thread, without cross-thread wake-ups.
+    static WORKER_POOL: std::cell::RefCell<Option<UpstreamPool>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Gives the current thread its own backend connection pool (see [`WORKER_POOL`]).
+pub(crate) fn install_worker_pool(pool: UpstreamPool) {
+    WORKER_POOL.with(|c| *c.borrow_mut() = Some(pool));
+}
+
+impl Shared {
+    /// The current worker thread's backend connection pool, or the shared one.
+    fn upstream(&self) -> UpstreamPool {
+        WORKER_POOL
+            .with(|c| c.borrow().clone())
+            .unwrap_or_else(|| self.pool.clone())
+    }
+}
+
+/// What a forwarded request holds on the backend until its response ends: the endpoint's
+/// outstanding-request count.
+pub(super) struct BackendUse {
+    _ep: EndpointGuard,
+}
+
+/// Whether the request got past the hold, and how.
+pub(super) enum HoldError {
+    /// No endpoint became ready before the activation deadline.
+    Timeout,
+    /// The backend could not be reached or failed before answering.
+    Upstream(String),
+}
+
+/// The parts of a request to re-send on each attempt.
+pub(super) struct Outgoing {
+    method: Method,
+    path_and_query: String,
+    headers: HeaderMap,
+    body: Bytes,
+    /// The body's bytes in the replica's [`crate::budget::BodyBudget`], until the request is
+    /// done with.
+    _held: crate::budget::Reservation,
+}
+
+impl Outgoing {
+    /// The request to send for the client's `parts` and its read `body` (its bytes `held` in
+    /// the body budget): method and target unchanged, the headers as [`forward_headers`] makes
+    /// them, with this replica's `via` and the client's address `peer_ip`. The header map is
+    /// taken out of `parts`.
+    pub(super) fn new(
+        parts: &mut http::request::Parts,
+        body: Bytes,
+        held: crate::budget::Reservation,
+        via: &Via,
+        peer_ip: Option<&HeaderValue>,
+    ) -> Self {
+        let target_host = match parts.uri.authority() {
+            Some(a) => HeaderValue::from_str(a.as_str()).ok(),
+            None => parts
+                .headers
+                .get(header::HOST)
+                .filter(|h| !h.is_empty())
+                .cloned(),
+        };
+        Self {
+            method: parts.method.clone(),
+            path_and_query: parts
+                .uri
+                .path_and_query()
+                .map_or_else(|| "/".to_owned(), |p| p.as_str().to_owned()),
+            headers: forward_headers(
+                std::mem::take(&mut parts.headers),
+                via.value(parts.version),
+                target_host,
+                peer_ip,
+            ),
+            body,
+            _held: held,
+        }
+    }
+
+    /// Copies the body and the header values out of hyper's read buffer. hyper hands them out
+    /// as slices of its 8 KiB per-connection buffer, so a held request would otherwise keep
+    /// that buffer alive and make hyper allocate a second one for the same connection.
+    ///
+    /// The header map is rebuilt at its exact size on the way: a held request keeps it for as
+    /// long as the hold lasts, and the warm path leaves room in it for the added fields.
+    pub(super) fn detach(&mut self) {
+        self.body = Bytes::copy_from_slice(&self.body);
+        let headers = std::mem::take(&mut self.headers);
+        let mut compact = HeaderMap::with_capacity(headers.len());
+        let mut name: Option<HeaderName> = None;
+        // A name is given with its first value only; the values after it share it.
+        for (next, value) in headers {
+            if next.is_some() {
+                name = next;
+            }
+            let Some(name) = &name else { continue };
+            let mut owned =
+                HeaderValue::from_bytes(value.as_bytes()).unwrap_or_else(|_| value.clone());
+            owned.set_sensitive(value.is_sensitive());
+            compact.append(name.clone(), owned);
+        }
+        self.headers = compact;
+    }
+}
+
+impl Shared {
+    fn build_upstream(
+        &self,
+        out: &Outgoing,
+        ep: &EndpointGuard,
+    ) -> Result<hyper::Request<Full<Bytes>>, String> {
+        let authority = ep.endpoint().authority();
+        let uri = Uri::try_from(out.path_and_query.as_str())
+            .map_err(|e| format!("building the backend request target: {e}"))?;
+        let host = HeaderValue::from_str(authority.as_str())
+            .map_err(|e| format!("building the backend Host field: {e}"))?;
+        let mut req = hyper::Request::new(Full::new(out.body.clone()));
+        *req.method_mut() = out.method.clone();
+        *req.uri_mut() = uri;
+        *req.headers_mut() = out.headers.clone();
+        req.headers_mut().insert(header::HOST, host);
+        if out.body.is_empty() && matches!(out.method, Method::POST | Method::PUT | Method::PATCH) {
+            // hyper leaves it out for an empty body; a server may then answer 411 (RFC 9110 §8.6).
+            req.headers_mut()
+                .insert(header::CONTENT_LENGTH, HeaderValue::from_static("0"));
+        }
+        Ok(req)
+    }
+
+    /// Sends `out` to a ready endpoint, waiting for one until `deadline` and retrying when a
+    /// connection cannot be established (the request was not sent, so it is safe to resend).
+    pub(super) async fn forward(
+        &self,
+        out: &Outgoing,
+        deadline: Instant,
+        arrival: Instant,
+        cold: bool,
+    ) -> Result<(hyper::Response<UpstreamBody>, BackendUse), HoldError> {
+        let mut backoff = Duration::from_millis(20);
+        loop {
+            let ep = self
+                .acquire_endpoint(deadline)
+                .await
+                .ok_or(HoldError::Timeout)?;
+            let req = self.build_upstream(out, &ep).map_err(HoldError::Upstream)?;
+            let sent = Instant::now();
+            match self.upstream().send(ep.endpoint().authority(), req).await {
+                Ok(resp) => {
+                    self.metrics
+                        .upstream_latency
+                        .observe(sent.elapsed().as_secs_f64());
+                    if cold {
+                        self.metrics
+                            .activation_wait
+                            .observe(sent.duration_since(arrival).as_secs_f64());
+                        self.lease.ready_seen();
+                    }
+                    return Ok((resp, BackendUse { _ep: ep }));
+                }
+                Err(e) if e.is_connect() => {
+                    self.metrics.upstream_error("connect");
+                    tracing::debug!(endpoint = %ep.endpoint().authority(), error = %e, "backend refused the connection; retrying");
+                    drop(ep);
+                    let now = Instant::now();
+                    if now >= deadline {
+                        return Err(HoldError::Timeout);
+                    }
+                    tokio::time::sleep(backoff.min(deadline - now)).await;
+                    backoff = (backoff * 2).min(Duration::from_millis(500));
+                }
+                Err(e) => {
+                    self.metrics.upstream_error("request");
+                    // The backend's address is for the logs, not for clients.
+                    tracing::warn!(endpoint = %ep.endpoint().authority(), error = %e, "backend request failed");
+                    return Err(HoldError::Upstream(format!("the backend failed: {e}")));
+                }
+            }
+        }
+    }
+
+    /// The least-loaded ready endpoint, waiting for the set to change until `deadline`.
+    async fn acquire_endpoint(&self, deadline: Instant) -> Option<EndpointGuard> {
+        // The warm path: no watch receiver to make and drop (dropping the last one wakes the
+        // sender's waiters).
+        if let Some(ep) = self.backends.pick() {
+            return Some(ep);
+        }
+        // Subscribed before looking again, so a change in between is not missed.
+        let mut rx = self.backends.subscribe();
+        loop {
+            rx.borrow_and_update();
+            if let Some(ep) = self.backends.pick() {
+                return Some(ep);
+            }
+            tokio::select! {
+                r = rx.changed() => r.ok()?,
+                _ = tokio::time::sleep_until(deadline.into()) => return None,
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn detach_keeps_every_field_value_in_order_and_sensitivity() {
+        let mut h = HeaderMap::with_capacity(64);
+        h.append("x-a", HeaderValue::from_static("1"));
+        h.append("x-b", HeaderValue::from_static("2"));
+        h.append("x-a", HeaderValue::from_static("3"));
+        let mut auth = HeaderValue::from_static("Bearer k");
+        auth.set_sensitive(true);
+        h.insert(header::AUTHORIZATION, auth);
+        let mut out = Outgoing {
+            method: Method::POST,
+            path_and_query: "/v1/completions".into(),
+            headers: h,
+            body: Bytes::from_static(b"{}"),
+            _held: crate::budget::BodyBudget::new(1).reservation(),
+        };
+        out.detach();
+        let a: Vec<_> = out.headers.get_all("x-a").iter().collect();
+        assert_eq!(a, ["1", "3"]);
+        assert_eq!(out.headers["x-b"], "2");
+        assert!(out.headers[header::AUTHORIZATION].is_sensitive());
+        assert_eq!(out.headers.len(), 4);
+        assert!(out.headers.capacity() < 64, "rebuilt at its size");
+        assert_eq!(out.body, "{}");
+    }
+
+    fn request(uri: &str) -> http::request::Parts {
+        let (parts, ()) = http::Request::builder()
+            .method(Method::POST)
+            .uri(uri)
+            .header(header::HOST, "gw:8000")
+            .header(header::CONTENT_LENGTH, "0")
+            .body(())
+            .unwrap()
+            .into_parts();
+        parts
+    }
+
+    #[test]
+    fn the_outgoing_request_keeps_method_and_target() {
+        let budget = crate::budget::BodyBudget::new(1);
+        let via = Via::new(1);
+        let mut parts = request("/v1/completions?x=1");
+        let ip = HeaderValue::from_static("10.0.0.7");
+        let out = Outgoing::new(
+            &mut parts,
+            Bytes::new(),
+            budget.reservation(),
+            &via,
+            Some(&ip),
+        );
+        assert_eq!(out.method, Method::POST);
+        assert_eq!(out.path_and_query, "/v1/completions?x=1");
+        assert_eq!(out.headers["x-forwarded-host"], "gw:8000");
+        assert_eq!(out.headers["x-forwarded-for"], "10.0.0.7");
+        assert!(parts.headers.is_empty(), "the headers were taken");
+        // An absolute-form target names the host the client asked for.
+        let mut parts = request("http://model.example:8000");
+        let out = Outgoing::new(&mut parts, Bytes::new(), budget.reservation(), &via, None);
+        assert_eq!(out.path_and_query, "/");
+        assert_eq!(out.headers["x-forwarded-host"], "model.example:8000");
+    }
+
+    #[tokio::test]
+    async fn the_backend_request_names_the_endpoint_and_an_empty_posts_length() {
+        let authority: http::uri::Authority = "10.1.2.3:8000".parse().unwrap();
+        let shared = super::super::test_shared(
+            crate::GatewayConfig::default(),
+            crate::EndpointSet::fixed([authority]),
+        );
+        let via = Via::new(1);
+        let mut parts = request("/v1/completions");
+        let out = Outgoing::new(
+            &mut parts,
+            Bytes::new(),
+            shared.budget.reservation(),
+            &via,
+            None,
+        );
+        let ep = shared.acquire_endpoint(Instant::now()).await.unwrap();
+        let req = shared.build_upstream(&out, &ep).unwrap();
+        assert_eq!(req.uri(), "/v1/completions");
+        assert_eq!(req.headers()[header::HOST], "10.1.2.3:8000");
+        assert_eq!(req.headers()[header::CONTENT_LENGTH], "0");
+    }
+
+    #[tokio::test]
+    async fn without_a_ready_endpoint_forwarding_ends_at_the_deadline() {
+        let shared =
+            super::super::test_shared(crate::GatewayConfig::default(), crate::EndpointSet::new());
+        let via = Via::new(1);
+        let mut parts = request("/v1/completions");
+        let out = Outgoing::new(
+            &mut parts,
+            Bytes::new(),
+            shared.budget.reservation(),
+            &via,
+            None,
+        );
+        let start = Instant::now();
+        let result = shared
+            .forward(&out, start + Duration::from_millis(50), start, true)
+            .await;
+        assert!(matches!(result, Err(HoldError::Timeout)));
+        assert!(start.elapsed() >= Duration::from_millis(50));
+    }
+
+    #[tokio::test]
+    async fn a_waiting_request_takes_the_endpoint_that_turns_ready() {
+        let backends = crate::EndpointSet::new();
+        let shared = super::super::test_shared(crate::GatewayConfig::default(), backends.clone());
+        let later = backends.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            later.replace(["10.1.2.3:8000".parse().unwrap()]);
+        });
+        let ep = shared
+            .acquire_endpoint(Instant::now() + Duration::from_secs(5))
+            .await
+            .unwrap();
+        assert_eq!(ep.endpoint().authority(), "10.1.2.3:8000");
+    }
+}
