@@ -394,6 +394,19 @@ impl SelfManaged {
         Ok((store, m))
     }
 
+    /// [`Self::bootstrap`], then [`Self::run`] spawned on the Tokio runtime: returns the store
+    /// serving the current certificate, kept fresh in the background until `shutdown`.
+    pub async fn start(
+        self,
+        recheck: Duration,
+        metrics: Arc<Metrics>,
+        shutdown: watch::Receiver<bool>,
+    ) -> Result<Arc<CertStore>, SelfManagedError> {
+        let (store, material) = self.bootstrap().await?;
+        tokio::spawn(self.run(store.clone(), material, recheck, metrics, shutdown));
+        Ok(store)
+    }
+
     /// Keeps the served certificate fresh until `shutdown`: sleeps until the renewal point (at
     /// most `recheck`, to notice a rotation by another replica), renews through [`Self::ensure`],
     /// publishes the bundle, and swaps the store. Errors are logged and retried after

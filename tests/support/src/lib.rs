@@ -11,6 +11,7 @@
 //!   `metrics-api` trigger.
 //! - [`RealNode`] and [`EventSink`]: pods on the cluster's real node, and what their containers
 //!   report from inside.
+//! - [`run_detached`] runs the async cleanup of a `Drop` to completion.
 
 mod images;
 mod metric_server;
@@ -282,31 +283,40 @@ impl Drop for TestNamespace {
             );
             return;
         }
-        // Drop cannot await, and the test's runtime may be the single thread running this
-        // drop, so the delete runs on its own thread and runtime with a client of its own.
         let name = self.name.clone();
         let config = self.config.clone();
-        let outcome = std::thread::spawn(move || -> Result<()> {
-            let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()?;
-            runtime.block_on(async {
-                let client = Client::try_from(config)?;
-                let namespaces: Api<Namespace> = Api::all(client);
-                match namespaces.delete(&name, &DeleteParams::background()).await {
-                    Ok(_) => Ok(()),
-                    Err(kube::Error::Api(e)) if e.code == 404 => Ok(()),
-                    Err(e) => Err(e.into()),
-                }
-            })
+        let outcome = run_detached(async move {
+            let client = Client::try_from(config)?;
+            let namespaces: Api<Namespace> = Api::all(client);
+            match namespaces.delete(&name, &DeleteParams::background()).await {
+                Ok(_) => Ok(()),
+                Err(kube::Error::Api(e)) if e.code == 404 => Ok(()),
+                Err(e) => Err(e.into()),
+            }
         })
-        .join();
-        match outcome {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => eprintln!("warning: deleting test namespace {}: {e:#}", self.name),
-            Err(_) => eprintln!("warning: deleting test namespace {} panicked", self.name),
+        .and_then(|deleted| deleted);
+        if let Err(e) = outcome {
+            eprintln!("warning: deleting test namespace {}: {e:#}", self.name);
         }
     }
+}
+
+/// Runs `task` to completion on a thread and a current-thread runtime of its own, for the
+/// cleanup in a `Drop`: Drop cannot await, and the test's runtime may be the single thread
+/// running the drop. Fails when the runtime cannot be built or `task` panics.
+pub fn run_detached<F>(task: F) -> Result<F::Output>
+where
+    F: std::future::Future + Send + 'static,
+    F::Output: Send + 'static,
+{
+    std::thread::spawn(move || -> Result<F::Output> {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        Ok(runtime.block_on(task))
+    })
+    .join()
+    .map_err(|_| anyhow::anyhow!("the cleanup panicked"))?
 }
 
 /// Whether the pod's condition `type_` has status `status` ("True", "False").
