@@ -681,17 +681,13 @@ fn runtime_named(name: &str, vendor: &str, priority: i32, image: &str) -> Result
 /// An LLMService `name` of the model hf://org/model without a cache, `spec` merged into its
 /// spec.
 fn uncached_service(name: &str, spec: Value) -> Result<LLMService> {
-    let mut svc = json!({
-        "apiVersion": "serving.hearth.dev/v1alpha1",
-        "kind": "LLMService",
-        "metadata": {"name": name},
-        "spec": {
-            "model": {"source": {"uri": "hf://org/model"}},
-            "cache": {"strategy": "None"}
-        }
+    let defaults = json!({
+        "model": {"source": {"uri": "hf://org/model"}},
+        "cache": {"strategy": "None"}
     });
-    hearth_test_support::merge_json(&mut svc["spec"], spec);
-    Ok(serde_json::from_value(svc)?)
+    Ok(serde_json::from_value(hearth_test_support::llmservice(
+        name, defaults, spec,
+    ))?)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -216,18 +216,12 @@ fn dry_run() -> PostParams {
 }
 
 fn llmservice(name: &str, spec: Value) -> Value {
-    let mut v = json!({
-        "apiVersion": "serving.hearth.dev/v1alpha1",
-        "kind": "LLMService",
-        "metadata": {"name": name},
-        "spec": {
-            "model": {"source": {"uri": "hf://Qwen/Qwen2.5-0.5B-Instruct"}},
-            "runtime": {"name": "vllm-nvidia-a10"},
-            "cache": {"size": "30Gi"},
-        }
+    let defaults = json!({
+        "model": {"source": {"uri": "hf://Qwen/Qwen2.5-0.5B-Instruct"}},
+        "runtime": {"name": "vllm-nvidia-a10"},
+        "cache": {"size": "30Gi"},
     });
-    hearth_test_support::merge_json(&mut v["spec"], spec);
-    v
+    hearth_test_support::llmservice(name, defaults, spec)
 }
 
 async fn setup(prefix: &str, cert_validity: Duration) -> Result<(TestNamespace, Webhook)> {

@@ -25,6 +25,23 @@ pub use node::{Event, EventSink, RealNode};
 pub use upstream::{UPSTREAM_EXAMPLES_ENV, upstream_dir, upstream_examples, upstream_file};
 pub use wait::{Observed, wait_until};
 
+/// An LLMService manifest (`serving.hearth.dev/v1alpha1`) named `name`: `defaults` as its spec,
+/// with `spec` deep-merged over them ([`merge_json`]).
+pub fn llmservice(
+    name: &str,
+    defaults: serde_json::Value,
+    spec: serde_json::Value,
+) -> serde_json::Value {
+    let mut svc = serde_json::json!({
+        "apiVersion": "serving.hearth.dev/v1alpha1",
+        "kind": "LLMService",
+        "metadata": {"name": name},
+        "spec": defaults,
+    });
+    merge_json(&mut svc["spec"], spec);
+    svc
+}
+
 /// Deep-merges `patch` into `base`: objects key by key, anything else (`null` included) replaces
 /// the value, so a test can set a field to `null` to drop it from a typed object.
 pub fn merge_json(base: &mut serde_json::Value, patch: serde_json::Value) {
