@@ -445,25 +445,15 @@ mod tests {
 
     #[test]
     fn transition_time_moves_only_on_status_change() {
-        let first = merge_conditions(
-            &[],
-            &[Cond::new(READY, Some(false), "Creating", "x")],
-            Some(1),
-            &t(10),
-        );
-        let same = merge_conditions(
-            &first,
-            &[Cond::new(READY, Some(false), "BackendLoading", "y")],
-            Some(1),
-            &t(20),
-        );
+        // Ready set to `ready` (with `reason` and `message`) at `secs`, over `previous`.
+        let ready_at = |previous: &[Condition], ready, reason, message, secs| {
+            let cond = Cond::new(READY, Some(ready), reason, message);
+            merge_conditions(previous, &[cond], Some(1), &t(secs))
+        };
+        let first = ready_at(&[], false, "Creating", "x", 10);
+        let same = ready_at(&first, false, "BackendLoading", "y", 20);
         assert_eq!(same[0].last_transition_time, t(10));
-        let flipped = merge_conditions(
-            &same,
-            &[Cond::new(READY, Some(true), "BackendReady", "z")],
-            Some(1),
-            &t(30),
-        );
+        let flipped = ready_at(&same, true, "BackendReady", "z", 30);
         assert_eq!(flipped[0].last_transition_time, t(30));
     }
 

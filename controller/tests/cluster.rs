@@ -103,6 +103,16 @@ fn start(client: Client, namespace: &str, render: RenderConfig, requeue: Duratio
     }
 }
 
+/// [`start`] with the test render config and a five-minute resync.
+fn start_default(client: &Client, ns: &TestNamespace) -> Running {
+    start(
+        client.clone(),
+        ns.name(),
+        test_render_config(),
+        Duration::from_secs(300),
+    )
+}
+
 /// The gateway image `build/images` built and `tests/cluster/up` imported into the real node,
 /// so gateway pods and drain sidecars run for real.
 fn test_render_config() -> RenderConfig {
@@ -113,6 +123,23 @@ fn test_render_config() -> RenderConfig {
         drain_image: Some(gateway),
         ..RenderConfig::builtin().expect("the built-in ServingPolicies compile")
     }
+}
+
+/// Connects ([`connect`]), installs the CRDs and makes the test's namespace `<prefix>-<suffix>`.
+async fn setup(prefix: &str) -> Result<(Client, TestNamespace)> {
+    let cluster = connect().await?;
+    let client = cluster.client();
+    install_crds(&client).await?;
+    let ns = cluster.namespace(prefix).await?;
+    Ok((client, ns))
+}
+
+/// Applies the upstream stub InferenceRuntime (cluster-scoped, shared by the tests) and returns
+/// it.
+async fn apply_stub_runtime(client: &Client) -> Result<InferenceRuntime> {
+    let rt: InferenceRuntime = read_yaml(&upstream("stub-inferenceruntime.yaml"))?;
+    apply_runtime(client, &rt).await?;
+    Ok(rt)
 }
 
 /// Installs Hearth's CRDs (idempotent server-side apply) and waits until they are served.
@@ -324,10 +351,7 @@ async fn scale_backend(ns: &TestNamespace, service: &str, replicas: i32) -> Resu
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn upstream_examples_reconcile_to_expected_children() -> Result<()> {
-    let cluster = connect().await?;
-    let client = cluster.client();
-    install_crds(&client).await?;
-    let ns = cluster.namespace("ctrl-upstream").await?;
+    let (client, ns) = setup("ctrl-upstream").await?;
     let pairs = [
         (
             "nvidia-a10-llmservice.yaml",
@@ -345,12 +369,7 @@ async fn upstream_examples_reconcile_to_expected_children() -> Result<()> {
         apply_runtime(&client, &rt).await?;
         runtimes.push(rt);
     }
-    let running = start(
-        client.clone(),
-        ns.name(),
-        test_render_config(),
-        Duration::from_secs(300),
-    );
+    let running = start_default(&client, &ns);
     let keda_installed = Api::<CustomResourceDefinition>::all(client.clone())
         .get_opt("scaledobjects.keda.sh")
         .await?
@@ -423,18 +442,9 @@ async fn upstream_examples_reconcile_to_expected_children() -> Result<()> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn phases_follow_the_backend_and_replicas_belong_to_the_scaler() -> Result<()> {
-    let cluster = connect().await?;
-    let client = cluster.client();
-    install_crds(&client).await?;
-    let ns = cluster.namespace("ctrl-phase").await?;
-    let rt: InferenceRuntime = read_yaml(&upstream("stub-inferenceruntime.yaml"))?;
-    apply_runtime(&client, &rt).await?;
-    let running = start(
-        client.clone(),
-        ns.name(),
-        test_render_config(),
-        Duration::from_secs(300),
-    );
+    let (client, ns) = setup("ctrl-phase").await?;
+    apply_stub_runtime(&client).await?;
+    let running = start_default(&client, &ns);
     create_service(&ns, read_yaml(&upstream("stub-llmservice.yaml"))?).await?;
     wait_service(&ns, "stub-svc", "ScaledToZero", |s| {
         phase(s) == Some(LLMServicePhase::ScaledToZero)
@@ -576,18 +586,14 @@ fn fake_keda_crd(group: &str) -> Result<CustomResourceDefinition> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn keda_absent_is_a_condition_and_its_arrival_is_picked_up() -> Result<()> {
-    let cluster = connect().await?;
-    let client = cluster.client();
-    install_crds(&client).await?;
-    let ns = cluster.namespace("ctrl-keda").await?;
+    let (client, ns) = setup("ctrl-keda").await?;
     let group = format!("{}.tests.hearth.dev", ns.name());
     let keda_api = ApiResource {
         group: group.clone(),
         api_version: format!("{group}/v1alpha1"),
         ..scaled_object_resource()
     };
-    let rt: InferenceRuntime = read_yaml(&upstream("stub-inferenceruntime.yaml"))?;
-    apply_runtime(&client, &rt).await?;
+    apply_stub_runtime(&client).await?;
     let render = RenderConfig {
         keda_api: keda_api.clone(),
         ..test_render_config()
@@ -672,12 +678,21 @@ fn runtime_named(name: &str, vendor: &str, priority: i32, image: &str) -> Result
     }))?)
 }
 
+/// An LLMService `name` of the model hf://org/model without a cache, `spec` merged into its
+/// spec.
+fn uncached_service(name: &str, spec: Value) -> Result<LLMService> {
+    let defaults = json!({
+        "model": {"source": {"uri": "hf://org/model"}},
+        "cache": {"strategy": "None"}
+    });
+    Ok(serde_json::from_value(hearth_test_support::llmservice(
+        name, defaults, spec,
+    ))?)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_runtime_change_re_renders_its_services() -> Result<()> {
-    let cluster = connect().await?;
-    let client = cluster.client();
-    install_crds(&client).await?;
-    let ns = cluster.namespace("ctrl-switch").await?;
+    let (client, ns) = setup("ctrl-switch").await?;
     // Cluster-scoped runtimes with a vendor unique to this test.
     let vendor = ns.name().to_owned();
     let (a, b) = (format!("{vendor}-a"), format!("{vendor}-b"));
@@ -691,22 +706,11 @@ async fn a_runtime_change_re_renders_its_services() -> Result<()> {
         &runtime_named(&b, &vendor, 5, "example.com/engine:b")?,
     )
     .await?;
-    let running = start(
-        client.clone(),
-        ns.name(),
-        test_render_config(),
-        Duration::from_secs(300),
-    );
-    let svc: LLMService = serde_json::from_value(json!({
-        "apiVersion": "serving.hearth.dev/v1alpha1",
-        "kind": "LLMService",
-        "metadata": {"name": "switch"},
-        "spec": {
-            "model": {"source": {"uri": "hf://org/model"}},
-            "runtime": {"selector": {"vendor": ["nobody", vendor]}},
-            "cache": {"strategy": "None"}
-        }
-    }))?;
+    let running = start_default(&client, &ns);
+    let svc = uncached_service(
+        "switch",
+        json!({"runtime": {"selector": {"vendor": ["nobody", vendor]}}}),
+    )?;
     create_service(&ns, svc).await?;
     let image = |ns: &TestNamespace| {
         let api: Api<Deployment> = ns.api();
@@ -794,10 +798,7 @@ fn scoped_fraction_policy(name: &str, namespace: &str) -> Result<hearth_crds::Se
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_platform_policy_in_the_cluster_renders_fractions() -> Result<()> {
-    let cluster = connect().await?;
-    let client = cluster.client();
-    install_crds(&client).await?;
-    let ns = cluster.namespace("ctrl-policy").await?;
+    let (client, ns) = setup("ctrl-policy").await?;
     let rt_name = format!("{}-hami", ns.name());
     let mut rt: InferenceRuntime = read_yaml(
         &PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../examples/hami/runtime.yaml"),
@@ -806,23 +807,14 @@ async fn a_platform_policy_in_the_cluster_renders_fractions() -> Result<()> {
     apply_runtime(&client, &rt).await?;
     let policies: Api<hearth_crds::ServingPolicy> = Api::all(client.clone());
     let policy_name = format!("{}-fraction", ns.name());
-    let running = start(
-        client.clone(),
-        ns.name(),
-        test_render_config(),
-        Duration::from_secs(300),
-    );
-    let svc: LLMService = serde_json::from_value(json!({
-        "apiVersion": "serving.hearth.dev/v1alpha1",
-        "kind": "LLMService",
-        "metadata": {"name": "slice"},
-        "spec": {
-            "model": {"source": {"uri": "hf://org/model"}},
+    let running = start_default(&client, &ns);
+    let svc = uncached_service(
+        "slice",
+        json!({
             "runtime": {"name": rt_name},
             "resources": {"accelerators": 1, "fraction": {"memory": "8Gi", "cores": 30}},
-            "cache": {"strategy": "None"}
-        }
-    }))?;
+        }),
+    )?;
     create_service(&ns, svc).await?;
     let limits = |ns: &TestNamespace| {
         let api: Api<Deployment> = ns.api();
@@ -893,14 +885,28 @@ async fn a_platform_policy_in_the_cluster_renders_fractions() -> Result<()> {
     result
 }
 
+/// Someone else (another field manager, forcing) applies `pod` as the pod template spec of the
+/// Deployment `name`.
+async fn edit_pod_template(ns: &TestNamespace, name: &str, pod: Value) -> Result<()> {
+    let edit = json!({
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": {"name": name},
+        "spec": {"template": {"spec": pod}}
+    });
+    ns.api::<Deployment>()
+        .patch(
+            name,
+            &PatchParams::apply("someone-else").force(),
+            &Patch::Apply(&edit),
+        )
+        .await?;
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn drift_is_repaired_and_idle_makes_no_writes() -> Result<()> {
-    let cluster = connect().await?;
-    let client = cluster.client();
-    install_crds(&client).await?;
-    let ns = cluster.namespace("ctrl-drift").await?;
-    let rt: InferenceRuntime = read_yaml(&upstream("stub-inferenceruntime.yaml"))?;
-    apply_runtime(&client, &rt).await?;
+    let (client, ns) = setup("ctrl-drift").await?;
+    let rt = apply_stub_runtime(&client).await?;
     // A short resync, so idling means many reconciles.
     let running = start(
         client.clone(),
@@ -929,18 +935,12 @@ async fn drift_is_repaired_and_idle_makes_no_writes() -> Result<()> {
     .await?;
     // An edited field the controller owns is set back.
     let gateways: Api<Deployment> = ns.api();
-    let mut edited: Value = json!({
-        "apiVersion": "apps/v1", "kind": "Deployment",
-        "metadata": {"name": "stub-svc-gateway"},
-        "spec": {"template": {"spec": {"containers": [{"name": "gateway", "image": "evil.example.com/gw:1"}]}}}
-    });
-    gateways
-        .patch(
-            "stub-svc-gateway",
-            &PatchParams::apply("someone-else").force(),
-            &Patch::Apply(&mut edited),
-        )
-        .await?;
+    edit_pod_template(
+        &ns,
+        "stub-svc-gateway",
+        json!({"containers": [{"name": "gateway", "image": "evil.example.com/gw:1"}]}),
+    )
+    .await?;
     let want = test_render_config().gateway_image;
     wait_until("gateway image repaired", WAIT, || async {
         let d = gateways.get("stub-svc-gateway").await?;
@@ -1055,12 +1055,8 @@ async fn wait_drain_image(ns: &TestNamespace, service: &str, image: &str) -> Res
 /// else set is repaired, not kept.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_upgrade_restarts_no_running_backend() -> Result<()> {
-    let cluster = connect().await?;
-    let client = cluster.client();
-    install_crds(&client).await?;
-    let ns = cluster.namespace("ctrl-upgrade").await?;
-    let rt: InferenceRuntime = read_yaml(&upstream("stub-inferenceruntime.yaml"))?;
-    apply_runtime(&client, &rt).await?;
+    let (client, ns) = setup("ctrl-upgrade").await?;
+    apply_stub_runtime(&client).await?;
     let release = |tag: &str| RenderConfig {
         drain_image: Some(format!("hearth.dev/hearth-gateway:{tag}")),
         ..test_render_config()
@@ -1115,21 +1111,12 @@ async fn an_upgrade_restarts_no_running_backend() -> Result<()> {
     );
 
     // Someone else's image is not Hearth's to keep: the sidecar is set back, to the new image.
-    let deployments: Api<Deployment> = ns.api();
-    let mut edit = json!({
-        "apiVersion": "apps/v1", "kind": "Deployment",
-        "metadata": {"name": "edited-svc"},
-        "spec": {"template": {"spec": {"initContainers": [
-            {"name": "hearth-drain", "image": "evil.example.com/drain:1"}
-        ]}}}
-    });
-    deployments
-        .patch(
-            "edited-svc",
-            &PatchParams::apply("someone-else").force(),
-            &Patch::Apply(&mut edit),
-        )
-        .await?;
+    edit_pod_template(
+        &ns,
+        "edited-svc",
+        json!({"initContainers": [{"name": "hearth-drain", "image": "evil.example.com/drain:1"}]}),
+    )
+    .await?;
     wait_drain_image(&ns, "edited-svc", v2).await?;
 
     // Another change rolls the pods anyway: the new image comes along.
@@ -1149,18 +1136,9 @@ async fn an_upgrade_restarts_no_running_backend() -> Result<()> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deleting_the_service_removes_every_child() -> Result<()> {
-    let cluster = connect().await?;
-    let client = cluster.client();
-    install_crds(&client).await?;
-    let ns = cluster.namespace("ctrl-delete").await?;
-    let rt: InferenceRuntime = read_yaml(&upstream("stub-inferenceruntime.yaml"))?;
-    apply_runtime(&client, &rt).await?;
-    let running = start(
-        client.clone(),
-        ns.name(),
-        test_render_config(),
-        Duration::from_secs(300),
-    );
+    let (client, ns) = setup("ctrl-delete").await?;
+    let rt = apply_stub_runtime(&client).await?;
+    let running = start_default(&client, &ns);
     let mut svc: LLMService = read_yaml(&upstream("stub-llmservice.yaml"))?;
     // Push mode adds the scaler Service; a HostPath cache with prewarm adds the Job.
     svc.metadata.annotations =

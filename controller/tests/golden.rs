@@ -145,18 +145,30 @@ fn hami_fraction_rendered_by_the_platform_policy() {
     );
 }
 
-#[test]
-fn a_fraction_no_policy_renders_is_refused() {
-    let out = render(
-        &input("hami-fraction-llmservice.yaml"),
-        &example("hami/runtime.yaml"),
-        &[],
-    );
+/// Renders and checks that the render fails with `message` on stderr: a clear error, not a
+/// panic.
+fn assert_refused(service: &Path, runtime: &Path, message: &str) {
+    let out = render(service, runtime, &[]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
-    assert!(
-        stderr.contains("spec.resources.fraction: no ServingPolicy renders fractional devices"),
-        "{stderr}"
+    assert!(stderr.contains(message), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}
+
+/// A copy of the upstream example `file` in `dir`, with `from` replaced by `to`.
+fn edited_upstream(dir: &Path, file: &str, from: &str, to: &str) -> PathBuf {
+    let path = dir.join(file);
+    let original = std::fs::read_to_string(upstream(file)).unwrap();
+    std::fs::write(&path, original.replace(from, to)).unwrap();
+    path
+}
+
+#[test]
+fn a_fraction_no_policy_renders_is_refused() {
+    assert_refused(
+        &input("hami-fraction-llmservice.yaml"),
+        &example("hami/runtime.yaml"),
+        "spec.resources.fraction: no ServingPolicy renders fractional devices",
     );
 }
 
@@ -164,35 +176,27 @@ fn a_fraction_no_policy_renders_is_refused() {
 fn bad_input_is_a_clear_error_not_a_panic() {
     let dir = std::env::temp_dir().join(format!("hearth-golden-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let runtime = dir.join("runtime.yaml");
-    let original = std::fs::read_to_string(upstream("stub-inferenceruntime.yaml")).unwrap();
-    std::fs::write(
-        &runtime,
-        original.replace("{{ .Model.Path }}", "{{ .Model.Name }}"),
-    )
-    .unwrap();
-    let out = render(&upstream("stub-llmservice.yaml"), &runtime, &[]);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success());
-    assert!(
-        stderr.contains("spec.container.args[0]: unknown template reference {{ .Model.Name }}"),
-        "{stderr}"
+    let runtime = edited_upstream(
+        &dir,
+        "stub-inferenceruntime.yaml",
+        "{{ .Model.Path }}",
+        "{{ .Model.Name }}",
     );
-    assert!(!stderr.contains("panicked"), "{stderr}");
-
-    let service = dir.join("service.yaml");
-    let original = std::fs::read_to_string(upstream("stub-llmservice.yaml")).unwrap();
-    std::fs::write(
+    assert_refused(
+        &upstream("stub-llmservice.yaml"),
+        &runtime,
+        "spec.container.args[0]: unknown template reference {{ .Model.Name }}",
+    );
+    let service = edited_upstream(
+        &dir,
+        "stub-llmservice.yaml",
+        "strategy: None",
+        "strategy: SharedPVC",
+    );
+    assert_refused(
         &service,
-        original.replace("strategy: None", "strategy: SharedPVC"),
-    )
-    .unwrap();
-    let out = render(&service, &upstream("stub-inferenceruntime.yaml"), &[]);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success());
-    assert!(
-        stderr.contains("spec.cache.strategy: SharedPVC is reserved and not implemented"),
-        "{stderr}"
+        &upstream("stub-inferenceruntime.yaml"),
+        "spec.cache.strategy: SharedPVC is reserved and not implemented",
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }

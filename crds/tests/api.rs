@@ -133,24 +133,25 @@ fn printer_columns_match_upstream() {
     );
 }
 
-#[test]
-fn upstream_llmservices_round_trip() {
-    for (file, input) in upstream("LLMService") {
-        let svc: LLMService = serde_json::from_value(input.clone())
+/// Every upstream example of `kind` deserializes as `K` and serializes back to a superset of
+/// itself.
+fn assert_upstream_round_trips<K: serde::de::DeserializeOwned + serde::Serialize>(kind: &str) {
+    for (file, input) in upstream(kind) {
+        let typed: K = serde_json::from_value(input.clone())
             .unwrap_or_else(|e| panic!("{file} does not deserialize: {e}"));
-        let output = serde_json::to_value(&svc).unwrap();
+        let output = serde_json::to_value(&typed).unwrap();
         assert_superset(&input, &output, &file);
     }
 }
 
 #[test]
+fn upstream_llmservices_round_trip() {
+    assert_upstream_round_trips::<LLMService>("LLMService");
+}
+
+#[test]
 fn upstream_runtimes_round_trip() {
-    for (file, input) in upstream("InferenceRuntime") {
-        let rt: InferenceRuntime = serde_json::from_value(input.clone())
-            .unwrap_or_else(|e| panic!("{file} does not deserialize: {e}"));
-        let output = serde_json::to_value(&rt).unwrap();
-        assert_superset(&input, &output, &file);
-    }
+    assert_upstream_round_trips::<InferenceRuntime>("InferenceRuntime");
 }
 
 #[test]

@@ -90,12 +90,7 @@ fn main() {
         policies: platform.policies[..1].to_vec(),
         ..Default::default()
     };
-    let all: Vec<_> = builtin
-        .policies
-        .iter()
-        .chain(&platform.policies)
-        .cloned()
-        .collect();
+    let all = [&builtin.policies[..], &platform.policies[..]].concat();
     let sets = [
         ("baseline: 1 validation", baseline.policies.clone()),
         ("built-ins", builtin.policies.clone()),

@@ -168,6 +168,11 @@ mod tests {
         .unwrap()
     }
 
+    /// A selection by vendor, in order of preference.
+    fn vendors(names: &[&str]) -> Selection {
+        Selection::Vendors(names.iter().map(|v| (*v).to_owned()).collect())
+    }
+
     fn pick(rts: &[InferenceRuntime], sel: Selection) -> Result<String, ResolveError> {
         resolve_runtime(rts, &sel).map(|r| r.metadata.name.clone().unwrap())
     }
@@ -190,22 +195,8 @@ mod tests {
     #[test]
     fn vendor_order_beats_priority() {
         let rts = [rt("n", "nvidia", 1000), rt("a", "ascend", 1)];
-        assert_eq!(
-            pick(
-                &rts,
-                Selection::Vendors(vec!["ascend".into(), "nvidia".into()])
-            )
-            .unwrap(),
-            "a"
-        );
-        assert_eq!(
-            pick(
-                &rts,
-                Selection::Vendors(vec!["nvidia".into(), "ascend".into()])
-            )
-            .unwrap(),
-            "n"
-        );
+        assert_eq!(pick(&rts, vendors(&["ascend", "nvidia"])).unwrap(), "a");
+        assert_eq!(pick(&rts, vendors(&["nvidia", "ascend"])).unwrap(), "n");
     }
 
     #[test]
@@ -215,16 +206,13 @@ mod tests {
             rt("b", "nvidia", 10),
             rt("a", "ascend", 1),
         ];
-        assert_eq!(
-            pick(&rts, Selection::Vendors(vec!["nvidia".into()])).unwrap(),
-            "b"
-        );
+        assert_eq!(pick(&rts, vendors(&["nvidia"])).unwrap(), "b");
         let rts = [
             rt("z", "nvidia", 5),
             rt("b", "nvidia", 10),
             rt("a", "nvidia", 10),
         ];
-        let err = pick(&rts, Selection::Vendors(vec!["nvidia".into()])).unwrap_err();
+        let err = pick(&rts, vendors(&["nvidia"])).unwrap_err();
         assert_eq!(
             err,
             ResolveError::Ambiguous {
@@ -234,21 +222,14 @@ mod tests {
             }
         );
         assert!(err.to_string().contains("pin one by name"), "{err}");
-        assert!(pick(&rts, Selection::Vendors(vec![])).is_err());
+        assert!(pick(&rts, vendors(&[])).is_err());
         // A runtime earlier in the preference list is not a tie, whatever its priority.
         let rts = [
             rt("n1", "nvidia", 1),
             rt("n2", "nvidia", 1),
             rt("a", "ascend", 1),
         ];
-        assert_eq!(
-            pick(
-                &rts,
-                Selection::Vendors(vec!["ascend".into(), "nvidia".into()])
-            )
-            .unwrap(),
-            "a"
-        );
+        assert_eq!(pick(&rts, vendors(&["ascend", "nvidia"])).unwrap(), "a");
         // Pinning resolves the tie.
         assert_eq!(pick(&rts, Selection::Pinned("n2".into())).unwrap(), "n2");
     }
@@ -256,7 +237,7 @@ mod tests {
     #[test]
     fn no_vendor_match_names_what_exists() {
         let rts = [rt("n", "nvidia", 1), rt("m", "nvidia", 2)];
-        let err = pick(&rts, Selection::Vendors(vec!["cambricon".into()])).unwrap_err();
+        let err = pick(&rts, vendors(&["cambricon"])).unwrap_err();
         assert_eq!(
             err,
             ResolveError::NoVendorMatch {
@@ -264,7 +245,7 @@ mod tests {
                 available: vec!["nvidia".into()]
             }
         );
-        assert!(pick(&[], Selection::Vendors(vec![])).is_err());
+        assert!(pick(&[], vendors(&[])).is_err());
     }
 
     #[test]

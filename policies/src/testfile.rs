@@ -223,18 +223,8 @@ pub fn run_test_file(path: &Path) -> Result<Vec<Row>, TestError> {
     for p in &tf.manifests {
         manifest::read_path(&base.join(p), &mut extra)?;
     }
-    let runtimes: Vec<_> = bundle
-        .runtimes
-        .iter()
-        .chain(&extra.runtimes)
-        .cloned()
-        .collect();
-    let services: Vec<_> = bundle
-        .services
-        .iter()
-        .chain(&extra.services)
-        .cloned()
-        .collect();
+    let runtimes = [&bundle.runtimes[..], &extra.runtimes[..]].concat();
+    let services = [&bundle.services[..], &extra.services[..]].concat();
     let (set, load_errors) = PolicySet::compile(&bundle.policies);
     if !load_errors.is_empty() {
         return Err(invalid(format!(

@@ -62,6 +62,11 @@ fn deployment(pod: Value, annotations: Value) -> Value {
     })
 }
 
+/// A Deployment of one plain vLLM container, with the Deployment's `annotations`.
+fn plain_deployment(annotations: Value) -> Value {
+    deployment(json!({"containers": [vllm(json!({}))]}), annotations)
+}
+
 /// A vLLM container with port 8000, `extra` fields merged in.
 fn vllm(extra: Value) -> Value {
     let mut c = json!({"name": "vllm", "image": "vllm/vllm-openai:v0.25.1",
@@ -148,20 +153,14 @@ fn sidecar_port_avoids_a_port_another_container_declares() {
 fn drain_timeout_annotation_reaches_the_sidecar_as_written() {
     let set = builtin();
     let neg = set.evaluate(&input(
-        deployment(
-            json!({"containers": [vllm(json!({}))]}),
-            json!({"serving.hearth.dev/drain-timeout": "-5s"}),
-        ),
+        plain_deployment(json!({"serving.hearth.dev/drain-timeout": "-5s"})),
         with_image(),
     ));
     assert!(!neg.allowed(), "negative drain timeout admitted");
     for text in ["500ms", "0s"] {
         let out = eval_on(
             &set,
-            deployment(
-                json!({"containers": [vllm(json!({}))]}),
-                json!({"serving.hearth.dev/drain-timeout": text}),
-            ),
+            plain_deployment(json!({"serving.hearth.dev/drain-timeout": text})),
             with_image(),
         );
         let args = sidecar_args(pod_spec(&patched(&out)));
@@ -326,7 +325,7 @@ fn settings_values() {
     let set = builtin();
     let out = eval_on(
         &set,
-        deployment(json!({"containers": [vllm(json!({}))]}), json!({})),
+        plain_deployment(json!({})),
         Some(json!({"drainImage": ""})),
     );
     let obj = patched(&out);
@@ -344,10 +343,7 @@ fn zero_drain_timeout_without_a_drain_image_adds_no_hook() {
     let set = builtin();
     let out = eval_on(
         &set,
-        deployment(
-            json!({"containers": [vllm(json!({}))]}),
-            json!({"serving.hearth.dev/drain-timeout": "0s"}),
-        ),
+        plain_deployment(json!({"serving.hearth.dev/drain-timeout": "0s"})),
         None,
     );
     let obj = patched(&out);
@@ -360,11 +356,7 @@ fn zero_drain_timeout_without_a_drain_image_adds_no_hook() {
 #[test]
 fn the_runtimes_metric_names_reach_the_sidecar() {
     let set = builtin();
-    let out = eval_on(
-        &set,
-        deployment(json!({"containers": [vllm(json!({}))]}), json!({})),
-        with_image(),
-    );
+    let out = eval_on(&set, plain_deployment(json!({})), with_image());
     let args = sidecar_args(pod_spec(&patched(&out)));
     let running = params()["spec"]["metrics"]["running"]
         .as_str()

@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use common::HttpsClient;
+use common::review::admission_review;
 use hearth_crds::{InferenceRuntime, ServingPolicy};
 use hearth_webhook::selfmanaged::{generate_ca, issue};
 use hearth_webhook::tls::{CertStore, certified_key};
@@ -26,25 +27,10 @@ fn upstream(kind: &str) -> Vec<Value> {
     hearth_test_support::upstream_examples(kind)
 }
 
-fn review(group: &str, version: &str, kind: &str, resource: &str, object: Value) -> Bytes {
-    Bytes::from(
-        json!({
-            "apiVersion": "admission.k8s.io/v1",
-            "kind": "AdmissionReview",
-            "request": {
-                "uid": "705ab4f5-6393-11e8-b7cc-42010a800002",
-                "kind": {"group": group, "version": version, "kind": kind},
-                "resource": {"group": group, "version": version, "resource": resource},
-                "name": object["metadata"]["name"],
-                "namespace": "team-a",
-                "operation": "CREATE",
-                "userInfo": {"username": "alice", "groups": ["system:authenticated"]},
-                "object": object,
-                "dryRun": false,
-            }
-        })
-        .to_string(),
-    )
+/// The body of a CREATE review of `object`.
+fn review(object: Value) -> Bytes {
+    let kind = object["kind"].as_str().unwrap().to_owned();
+    Bytes::from(admission_review(&kind, object, "CREATE").to_string())
 }
 
 struct Case {
@@ -72,29 +58,17 @@ fn cases() -> Vec<Case> {
         Case {
             name: "validate LLMService",
             endpoint: Endpoint::Validate,
-            body: review(
-                "serving.hearth.dev",
-                "v1alpha1",
-                "LLMService",
-                "llmservices",
-                svc,
-            ),
+            body: review(svc),
         },
         Case {
             name: "mutate Deployment",
             endpoint: Endpoint::Mutate,
-            body: review(
-                "apps",
-                "v1",
-                "Deployment",
-                "deployments",
-                deployment.clone(),
-            ),
+            body: review(deployment.clone()),
         },
         Case {
             name: "validate Deployment",
             endpoint: Endpoint::Validate,
-            body: review("apps", "v1", "Deployment", "deployments", deployment),
+            body: review(deployment),
         },
     ]
 }

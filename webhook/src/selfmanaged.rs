@@ -381,24 +381,8 @@ impl SelfManaged {
     pub async fn publish_ca_bundle(&self, ca_bundle: &str) -> Result<(), SelfManagedError> {
         let name = &self.cfg.webhook_configuration;
         let bundle = ByteString(ca_bundle.as_bytes().to_vec());
-        let mwc: Api<MutatingWebhookConfiguration> = Api::all(self.client.clone());
-        set_ca_bundle(&mwc, name, &bundle, "MutatingWebhookConfiguration", |m| {
-            m.webhooks
-                .iter_mut()
-                .flatten()
-                .map(|w| &mut w.client_config)
-                .collect()
-        })
-        .await?;
-        let vwc: Api<ValidatingWebhookConfiguration> = Api::all(self.client.clone());
-        set_ca_bundle(&vwc, name, &bundle, "ValidatingWebhookConfiguration", |v| {
-            v.webhooks
-                .iter_mut()
-                .flatten()
-                .map(|w| &mut w.client_config)
-                .collect()
-        })
-        .await
+        set_ca_bundle::<MutatingWebhookConfiguration>(&self.client, name, &bundle).await?;
+        set_ca_bundle::<ValidatingWebhookConfiguration>(&self.client, name, &bundle).await
     }
 
     /// Start-up: ensures the Secret, publishes the CA bundle and returns a store serving the
@@ -408,6 +392,19 @@ impl SelfManaged {
         self.publish_ca_bundle(&m.ca_bundle).await?;
         let store = CertStore::new(certified_key(m.cert.as_bytes(), m.key.as_bytes())?);
         Ok((store, m))
+    }
+
+    /// [`Self::bootstrap`], then [`Self::run`] spawned on the Tokio runtime: returns the store
+    /// serving the current certificate, kept fresh in the background until `shutdown`.
+    pub async fn start(
+        self,
+        recheck: Duration,
+        metrics: Arc<Metrics>,
+        shutdown: watch::Receiver<bool>,
+    ) -> Result<Arc<CertStore>, SelfManagedError> {
+        let (store, material) = self.bootstrap().await?;
+        tokio::spawn(self.run(store.clone(), material, recheck, metrics, shutdown));
+        Ok(store)
     }
 
     /// Keeps the served certificate fresh until `shutdown`: sleeps until the renewal point (at
@@ -473,21 +470,47 @@ impl SelfManaged {
 /// Annotation recording the SANs the serving certificate was issued for.
 pub const SANS_ANNOTATION: &str = "serving.hearth.dev/cert-sans";
 
-/// Sets `bundle` as the caBundle of every webhook (`client_configs` lists them) in the
-/// configuration `name` of `kind`: skipped when the configuration does not exist or already
-/// carries it; a conflicting write is retried, at most five times in all.
-async fn set_ca_bundle<K>(
-    api: &Api<K>,
+/// A webhook configuration kind: its webhooks each carry a `clientConfig`.
+trait WebhookConfiguration:
+    kube::Resource<DynamicType = ()>
+    + Clone
+    + std::fmt::Debug
+    + serde::de::DeserializeOwned
+    + serde::Serialize
+{
+    /// The `clientConfig` of every webhook, in order.
+    fn client_configs(&mut self) -> Vec<&mut WebhookClientConfig>;
+}
+
+/// The Mutating and the Validating kind have the same `webhooks[*].clientConfig` shape but no
+/// common trait in k8s-openapi: one body serves both.
+macro_rules! webhook_configuration {
+    ($($kind:ty),+) => {$(
+        impl WebhookConfiguration for $kind {
+            fn client_configs(&mut self) -> Vec<&mut WebhookClientConfig> {
+                self.webhooks
+                    .iter_mut()
+                    .flatten()
+                    .map(|w| &mut w.client_config)
+                    .collect()
+            }
+        }
+    )+};
+}
+
+webhook_configuration!(MutatingWebhookConfiguration, ValidatingWebhookConfiguration);
+
+/// Sets `bundle` as the caBundle of every webhook in the configuration `name` of kind `K`:
+/// skipped when the configuration does not exist or already carries it; a conflicting write is
+/// retried, at most five times in all.
+async fn set_ca_bundle<K: WebhookConfiguration>(
+    client: &Client,
     name: &str,
     bundle: &ByteString,
-    kind: &str,
-    client_configs: impl Fn(&mut K) -> Vec<&mut WebhookClientConfig>,
-) -> Result<(), SelfManagedError>
-where
-    K: kube::Resource + Clone + std::fmt::Debug + serde::de::DeserializeOwned + serde::Serialize,
-{
+) -> Result<(), SelfManagedError> {
+    let api: Api<K> = Api::all(client.clone());
     let err = |source| SelfManagedError::Kube {
-        action: format!("patching caBundle of {kind} {name}"),
+        action: format!("patching caBundle of {} {name}", K::kind(&())),
         source,
     };
     for _ in 0..5 {
@@ -495,7 +518,7 @@ where
             return Ok(());
         };
         let mut changed = false;
-        for c in client_configs(&mut config) {
+        for c in config.client_configs() {
             if c.ca_bundle.as_ref() != Some(bundle) {
                 c.ca_bundle = Some(bundle.clone());
                 changed = true;
@@ -530,6 +553,29 @@ mod tests {
             webhook_configuration: "hearth".into(),
             ca_propagation: Duration::ZERO,
         }
+    }
+
+    #[test]
+    fn client_configs_reach_every_webhook_of_both_kinds() {
+        let reg = crate::registration::Registration::in_cluster("hearth-system");
+        let (mut v, mut m) = (reg.validating(), reg.mutating());
+        let bundle = ByteString(b"CA".to_vec());
+        let configs: Vec<_> = v
+            .client_configs()
+            .into_iter()
+            .chain(m.client_configs())
+            .collect();
+        assert_eq!(configs.len(), 3 + 1);
+        for c in configs {
+            c.ca_bundle = Some(bundle.clone());
+        }
+        let written = v.webhooks.iter().flatten().map(|w| &w.client_config);
+        let written = written.chain(m.webhooks.iter().flatten().map(|w| &w.client_config));
+        assert!(
+            written
+                .map(|c| c.ca_bundle.as_ref())
+                .all(|b| b == Some(&bundle))
+        );
     }
 
     #[test]

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use hearth_crds::{InferenceRuntime, LLMService, ServingPolicy};
-use hearth_test_support::{Cluster, Observed, TestNamespace, wait_until};
+use hearth_test_support::{Cluster, Observed, TestNamespace, run_detached, wait_until};
 use hearth_webhook::registration::{Registration, Target};
 use hearth_webhook::selfmanaged::{SelfManaged, SelfManagedConfig};
 use hearth_webhook::{AppState, Limits, Snapshot, router, serve, watch};
@@ -43,20 +43,12 @@ impl Drop for PolicyGuard {
     fn drop(&mut self) {
         let client = self.client.clone();
         let names = std::mem::take(&mut self.names);
-        let _ = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .ok()?;
-            rt.block_on(async {
-                let api: Api<ServingPolicy> = Api::all(client);
-                for n in names {
-                    let _ = api.delete(&n, &DeleteParams::default()).await;
-                }
-            });
-            Some(())
-        })
-        .join();
+        let _ = run_detached(async move {
+            let api: Api<ServingPolicy> = Api::all(client);
+            for n in names {
+                let _ = api.delete(&n, &DeleteParams::default()).await;
+            }
+        });
     }
 }
 
@@ -123,14 +115,13 @@ impl Webhook {
                 ca_propagation: Duration::from_secs(1),
             },
         );
-        let (store, material) = tls.bootstrap().await?;
-        tokio::spawn(tls.run(
-            store.clone(),
-            material,
-            Duration::from_secs(1),
-            hook.state.metrics.clone(),
-            shutdown_rx.clone(),
-        ));
+        let store = tls
+            .start(
+                Duration::from_secs(1),
+                hook.state.metrics.clone(),
+                shutdown_rx.clone(),
+            )
+            .await?;
         tokio::spawn(watch::run(
             client.clone(),
             hook.state.clone(),
@@ -202,27 +193,18 @@ impl Webhook {
 impl Drop for Webhook {
     fn drop(&mut self) {
         let _ = self.shutdown.send(true);
-        // Remove the registrations even when the test failed; Drop cannot await, so use a
-        // runtime of its own on its own thread.
+        // Remove the registrations even when the test failed.
         let client = self.client.clone();
         let name = self.config.clone();
-        let _ = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .ok()?;
-            rt.block_on(async {
-                let dp = DeleteParams::default();
-                let _ = Api::<MutatingWebhookConfiguration>::all(client.clone())
-                    .delete(&name, &dp)
-                    .await;
-                let _ = Api::<ValidatingWebhookConfiguration>::all(client)
-                    .delete(&name, &dp)
-                    .await;
-            });
-            Some(())
-        })
-        .join();
+        let _ = run_detached(async move {
+            let dp = DeleteParams::default();
+            let _ = Api::<MutatingWebhookConfiguration>::all(client.clone())
+                .delete(&name, &dp)
+                .await;
+            let _ = Api::<ValidatingWebhookConfiguration>::all(client)
+                .delete(&name, &dp)
+                .await;
+        });
     }
 }
 
@@ -234,18 +216,12 @@ fn dry_run() -> PostParams {
 }
 
 fn llmservice(name: &str, spec: Value) -> Value {
-    let mut v = json!({
-        "apiVersion": "serving.hearth.dev/v1alpha1",
-        "kind": "LLMService",
-        "metadata": {"name": name},
-        "spec": {
-            "model": {"source": {"uri": "hf://Qwen/Qwen2.5-0.5B-Instruct"}},
-            "runtime": {"name": "vllm-nvidia-a10"},
-            "cache": {"size": "30Gi"},
-        }
+    let defaults = json!({
+        "model": {"source": {"uri": "hf://Qwen/Qwen2.5-0.5B-Instruct"}},
+        "runtime": {"name": "vllm-nvidia-a10"},
+        "cache": {"size": "30Gi"},
     });
-    hearth_test_support::merge_json(&mut v["spec"], spec);
-    v
+    hearth_test_support::llmservice(name, defaults, spec)
 }
 
 async fn setup(prefix: &str, cert_validity: Duration) -> Result<(TestNamespace, Webhook)> {
@@ -461,6 +437,22 @@ async fn ready_condition(api: &Api<ServingPolicy>, name: &str) -> Result<Option<
         .map(|c| (c.status, c.message)))
 }
 
+/// Waits (30 s at most, as `what`) until the ServingPolicy `name` reports Ready=False, and
+/// returns that condition's status and message.
+async fn wait_ready_false(
+    api: &Api<ServingPolicy>,
+    name: &str,
+    what: &str,
+) -> Result<(String, String)> {
+    wait_until(what, Duration::from_secs(30), || async move {
+        Ok(match ready_condition(api, name).await? {
+            Some((s, m)) if s == "False" => Observed::Ready((s, m)),
+            other => Observed::NotYet(format!("{other:?}")),
+        })
+    })
+    .await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn annotated_deployment_is_mutated_and_policy_changes_take_effect() -> Result<()> {
     let (ns, hook) = setup("webhook-mutate", Duration::from_secs(3600)).await?;
@@ -602,23 +594,8 @@ async fn annotated_deployment_is_mutated_and_policy_changes_take_effect() -> Res
             &scoped_policy(&broken_name, ns.name(), label_policy("Object{metadata: "))?,
         )
         .await?;
-    let api = policies.clone();
-    let name = broken_name.clone();
-    let (status, message) = wait_until(
-        "Ready=False on the broken policy",
-        Duration::from_secs(30),
-        || {
-            let api = api.clone();
-            let name = name.clone();
-            async move {
-                Ok(match ready_condition(&api, &name).await? {
-                    Some((s, m)) if s == "False" => Observed::Ready((s, m)),
-                    other => Observed::NotYet(format!("{other:?}")),
-                })
-            }
-        },
-    )
-    .await?;
+    let (status, message) =
+        wait_ready_false(&policies, &broken_name, "Ready=False on the broken policy").await?;
     assert_eq!(status, "False");
     assert!(
         message.contains("spec.mutations[0].applyConfiguration.expression"),
@@ -648,23 +625,7 @@ async fn annotated_deployment_is_mutated_and_policy_changes_take_effect() -> Res
     policies
         .replace(&label_name, &PostParams::default(), &edited)
         .await?;
-    let api = policies.clone();
-    let name = label_name.clone();
-    wait_until(
-        "Ready=False on the edited policy",
-        Duration::from_secs(30),
-        || {
-            let api = api.clone();
-            let name = name.clone();
-            async move {
-                Ok(match ready_condition(&api, &name).await? {
-                    Some((s, _)) if s == "False" => Observed::Ready(()),
-                    other => Observed::NotYet(format!("{other:?}")),
-                })
-            }
-        },
-    )
-    .await?;
+    wait_ready_false(&policies, &label_name, "Ready=False on the edited policy").await?;
     let out = deployments.create(&dry_run(), &serde_json::from_value::<Deployment>(json!({
         "apiVersion": "apps/v1", "kind": "Deployment",
         "metadata": {"name": "qwen-2", "annotations": {"serving.hearth.dev/runtime": "vllm-nvidia-a10"}},

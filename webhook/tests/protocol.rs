@@ -2,13 +2,15 @@
 //! in-process (no TLS, no cluster): table-driven, one review per case.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+mod common;
+
 use std::time::Duration;
 
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
+use common::review::{admission_review, post_raw, post_review};
 use hearth_crds::InferenceRuntime;
 use hearth_webhook::{AppState, Limits, Snapshot, router};
-use http_body_util::BodyExt;
 use rstest::rstest;
 use serde_json::{Value, json};
 use tower::ServiceExt;
@@ -34,59 +36,11 @@ fn app() -> axum::Router {
 }
 
 fn review(kind: &str, object: Value) -> Value {
-    let (group, version, resource) = match kind {
-        "LLMService" => ("serving.hearth.dev", "v1alpha1", "llmservices"),
-        "InferenceRuntime" => ("serving.hearth.dev", "v1alpha1", "inferenceruntimes"),
-        "Deployment" => ("apps", "v1", "deployments"),
-        "Pod" => ("", "v1", "pods"),
-        "Secret" => ("", "v1", "secrets"),
-        other => panic!("no resource for {other}"),
-    };
-    json!({
-        "apiVersion": "admission.k8s.io/v1",
-        "kind": "AdmissionReview",
-        "request": {
-            "uid": "705ab4f5-6393-11e8-b7cc-42010a800002",
-            "kind": {"group": group, "version": version, "kind": kind},
-            "resource": {"group": group, "version": version, "resource": resource},
-            "name": object["metadata"]["name"].as_str().unwrap_or("x"),
-            "namespace": "team-a",
-            "operation": "CREATE",
-            "userInfo": {"username": "alice", "groups": ["system:authenticated"]},
-            "object": object,
-            "oldObject": null,
-            "dryRun": false,
-        }
-    })
-}
-
-async fn post_raw(app: axum::Router, path: &str, body: Body) -> (StatusCode, Value) {
-    let req = Request::post(path)
-        .header("content-type", "application/json")
-        .body(body)
-        .unwrap();
-    let resp = app.oneshot(req).await.unwrap();
-    let status = resp.status();
-    let bytes = resp.into_body().collect().await.unwrap().to_bytes();
-    let v = serde_json::from_slice(&bytes)
-        .unwrap_or_else(|e| panic!("response is not JSON ({e}): {bytes:?}"));
-    (status, v)
+    admission_review(kind, object, "CREATE")
 }
 
 async fn post(path: &str, review: &Value) -> Value {
-    let (status, v) = post_raw(app(), path, Body::from(review.to_string())).await;
-    assert_eq!(status, StatusCode::OK, "{v}");
-    // Protocol invariants on every answer.
-    assert_eq!(v["apiVersion"], "admission.k8s.io/v1");
-    assert_eq!(v["kind"], "AdmissionReview");
-    assert_eq!(v["response"]["uid"], review["request"]["uid"]);
-    let r = &v["response"];
-    assert_eq!(
-        r.get("patchType").is_some(),
-        r.get("patch").is_some(),
-        "patchType only with a patch: {r}"
-    );
-    v
+    post_review(app(), path, review).await
 }
 
 fn llmservice(spec: Value) -> Value {
@@ -102,6 +56,18 @@ fn llmservice(spec: Value) -> Value {
     });
     hearth_test_support::merge_json(&mut base["spec"], spec);
     base
+}
+
+/// Validates `object` of `kind` and checks it is denied with a message naming `field` (as
+/// `field: `) and containing `message`; returns the answer.
+async fn assert_denied(kind: &str, object: Value, field: &str, message: &str) -> Value {
+    let v = post("/validate", &review(kind, object)).await;
+    let r = &v["response"];
+    assert_eq!(r["allowed"], false, "{v}");
+    let msg = r["status"]["message"].as_str().unwrap();
+    assert!(msg.contains(&format!("{field}: ")), "{field} in {msg}");
+    assert!(msg.contains(message), "{message:?} in {msg}");
+    v
 }
 
 #[tokio::test]
@@ -146,16 +112,9 @@ async fn invalid_llmservices_are_denied(
     #[case] field: &str,
     #[case] message: &str,
 ) {
-    let v = post("/validate", &review("LLMService", llmservice(spec))).await;
+    let v = assert_denied("LLMService", llmservice(spec), field, message).await;
     let r = &v["response"];
-    assert_eq!(r["allowed"], false, "{v}");
     assert_eq!(r["status"]["code"], 422);
-    let msg = r["status"]["message"].as_str().unwrap();
-    assert!(
-        msg.contains(&format!("{field}: ")),
-        "field {field} in {msg}"
-    );
-    assert!(msg.contains(message), "{message:?} in {msg}");
     let causes = r["status"]["details"]["causes"].as_array().unwrap();
     assert!(causes.iter().any(|c| c["field"] == field), "{causes:?}");
 }
@@ -225,12 +184,7 @@ async fn invalid_runtimes_are_denied(
     #[case] field: &str,
     #[case] message: &str,
 ) {
-    let v = post("/validate", &review("InferenceRuntime", runtime(patch))).await;
-    let r = &v["response"];
-    assert_eq!(r["allowed"], false, "{v}");
-    let msg = r["status"]["message"].as_str().unwrap();
-    assert!(msg.contains(&format!("{field}: ")), "{field} in {msg}");
-    assert!(msg.contains(message), "{message:?} in {msg}");
+    assert_denied("InferenceRuntime", runtime(patch), field, message).await;
 }
 
 #[tokio::test]

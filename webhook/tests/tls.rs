@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use common::HttpsClient;
+use common::review::admission_review;
 use hearth_webhook::selfmanaged::{generate_ca, issue};
 use hearth_webhook::tls::{CertFiles, CertStore, certified_key};
 use hearth_webhook::{AppState, Limits, Snapshot, router, serve};
@@ -76,21 +77,10 @@ async fn start(ca: &Ca, limits: Limits) -> Server {
 }
 
 fn review_body(uid: &str) -> Bytes {
-    Bytes::from(
-        json!({
-            "apiVersion": "admission.k8s.io/v1",
-            "kind": "AdmissionReview",
-            "request": {
-                "uid": uid,
-                "kind": {"group": "", "version": "v1", "kind": "ConfigMap"},
-                "resource": {"group": "", "version": "v1", "resource": "configmaps"},
-                "name": "c", "namespace": "default", "operation": "CREATE",
-                "userInfo": {"username": "alice"},
-                "object": {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "c"}},
-            }
-        })
-        .to_string(),
-    )
+    let object = json!({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "c"}});
+    let mut review = admission_review("ConfigMap", object, "CREATE");
+    review["request"]["uid"] = json!(uid);
+    Bytes::from(review.to_string())
 }
 
 /// Runs `n` reviews, each on a fresh connection (a fresh handshake), and returns the number of

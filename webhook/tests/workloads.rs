@@ -3,15 +3,14 @@
 //! empty), denials, warnings and audit annotations.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+mod common;
+
 use std::path::PathBuf;
 
-use axum::body::Body;
-use axum::http::{Request, StatusCode};
+use common::review::{admission_review, post_review};
 use hearth_crds::{InferenceRuntime, ServingPolicy};
 use hearth_webhook::{AppState, Limits, Snapshot, router};
-use http_body_util::BodyExt;
 use serde_json::{Value, json};
-use tower::ServiceExt;
 
 fn upstream_runtimes() -> Vec<InferenceRuntime> {
     let dir = std::env::var_os("HEARTH_UPSTREAM_EXAMPLES")
@@ -95,52 +94,11 @@ fn deployment(annotations: Value, image: &str, replicas: i64) -> Value {
 }
 
 fn review(object: &Value, operation: &str) -> Value {
-    let kind = object["kind"].as_str().unwrap();
-    let (group, resource) = match kind {
-        "Deployment" => ("apps", "deployments"),
-        "StatefulSet" => ("apps", "statefulsets"),
-        _ => ("", "pods"),
-    };
-    let version = "v1";
-    json!({
-        "apiVersion": "admission.k8s.io/v1",
-        "kind": "AdmissionReview",
-        "request": {
-            "uid": "3f7c4a1e-0000-4000-8000-000000000001",
-            "kind": {"group": group, "version": version, "kind": kind},
-            "resource": {"group": group, "version": version, "resource": resource},
-            "name": object["metadata"]["name"],
-            "namespace": "team-a",
-            "operation": operation,
-            "userInfo": {"username": "alice"},
-            "object": object,
-            "oldObject": if operation == "UPDATE" { object.clone() } else { Value::Null },
-            "dryRun": false,
-        }
-    })
+    admission_review(object["kind"].as_str().unwrap(), object.clone(), operation)
 }
 
 async fn post(path: &str, review: &Value) -> Value {
-    post_to(app(), path, review).await
-}
-
-async fn post_to(app: axum::Router, path: &str, review: &Value) -> Value {
-    let req = Request::post(path)
-        .header("content-type", "application/json")
-        .body(Body::from(review.to_string()))
-        .unwrap();
-    let resp = app.oneshot(req).await.unwrap();
-    assert_eq!(resp.status(), StatusCode::OK);
-    let v: Value =
-        serde_json::from_slice(&resp.into_body().collect().await.unwrap().to_bytes()).unwrap();
-    assert_eq!(v["response"]["uid"], review["request"]["uid"]);
-    let r = &v["response"];
-    assert_eq!(
-        r.get("patchType").is_some(),
-        r.get("patch").is_some(),
-        "{r}"
-    );
-    v
+    post_review(app(), path, review).await
 }
 
 /// Applies the response's patch to `object`; `None` when the response has no patch.
@@ -155,6 +113,26 @@ fn apply(object: &Value, response: &Value) -> Option<Value> {
     let mut out = object.clone();
     json_patch::patch(&mut out, &patch).unwrap();
     Some(out)
+}
+
+/// `object` as `app` mutates it: a CREATE on /mutate, which must be allowed with a patch.
+async fn mutate(app: axum::Router, object: &Value) -> Value {
+    let v = post_review(app, "/mutate", &review(object, "CREATE")).await;
+    assert_eq!(v["response"]["allowed"], true, "{v}");
+    apply(object, &v).expect("a patch")
+}
+
+/// Reinvocation and re-apply: `mutated`, reviewed again on a fresh `app()` as a CREATE and as
+/// an UPDATE, is allowed with no patch (it needs nothing more).
+async fn assert_second_pass_changes_nothing(app: impl Fn() -> axum::Router, mutated: &Value) {
+    for op in ["CREATE", "UPDATE"] {
+        let again = post_review(app(), "/mutate", &review(mutated, op)).await;
+        assert_eq!(again["response"]["allowed"], true);
+        assert!(
+            apply(mutated, &again).is_none(),
+            "{op}: second patch {again}"
+        );
+    }
 }
 
 /// What the built-ins give a Deployment on `vllm-nvidia-a10`: the accelerator request,
@@ -198,23 +176,13 @@ async fn annotated_deployment_is_mutated_and_a_second_pass_changes_nothing() {
     );
     for annotations in [json!({"serving.hearth.dev/runtime": "vllm-nvidia-a10"})] {
         let dep = deployment(annotations.clone(), "vllm/vllm-openai:v0.25.1", 1);
-        let v = post("/mutate", &review(&dep, "CREATE")).await;
-        assert_eq!(v["response"]["allowed"], true, "{v}");
-        let mutated = apply(&dep, &v).expect("a patch");
+        let mutated = mutate(app(), &dep).await;
         assert_builtins_applied(&mutated);
         assert_eq!(
             mutated["metadata"]["labels"]["platform.example.com/vendor"], "nvidia",
             "{annotations}: {mutated}"
         );
-        // Reinvocation and re-apply: the mutated object needs nothing more.
-        for op in ["CREATE", "UPDATE"] {
-            let again = post("/mutate", &review(&mutated, op)).await;
-            assert_eq!(again["response"]["allowed"], true);
-            assert!(
-                apply(&mutated, &again).is_none(),
-                "{op}: second patch {again}"
-            );
-        }
+        assert_second_pass_changes_nothing(app, &mutated).await;
     }
 }
 
@@ -237,9 +205,7 @@ async fn with_a_drain_image_the_drain_is_a_sidecar_and_a_second_pass_changes_not
         "vllm/vllm-openai:v0.25.1",
         1,
     );
-    let v = post_to(app(), "/mutate", &review(&dep, "CREATE")).await;
-    assert_eq!(v["response"]["allowed"], true, "{v}");
-    let mutated = apply(&dep, &v).expect("a patch");
+    let mutated = mutate(app(), &dep).await;
     assert_builtins_applied(&mutated);
     let pod = &mutated["spec"]["template"]["spec"];
     assert_eq!(
@@ -262,14 +228,7 @@ async fn with_a_drain_image_the_drain_is_a_sidecar_and_a_second_pass_changes_not
             "--waiting-metric=vllm:num_requests_waiting"
         ])
     );
-    for op in ["CREATE", "UPDATE"] {
-        let again = post_to(app(), "/mutate", &review(&mutated, op)).await;
-        assert_eq!(again["response"]["allowed"], true);
-        assert!(
-            apply(&mutated, &again).is_none(),
-            "{op}: second patch {again}"
-        );
-    }
+    assert_second_pass_changes_nothing(app, &mutated).await;
 }
 
 #[tokio::test]
@@ -395,7 +354,7 @@ async fn an_expensive_policy_does_not_delay_a_concurrent_cheap_admission() {
     let (cheap, expensive) = (review(&cheap, "CREATE"), review(&expensive, "CREATE"));
     let timed = |app: axum::Router, r: Value| async move {
         let t = Instant::now();
-        post_to(app, "/validate", &r).await;
+        post_review(app, "/validate", &r).await;
         t.elapsed()
     };
     // Requests run as tasks, on the runtime's only worker (the test body itself runs on the

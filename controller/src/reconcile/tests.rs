@@ -1,5 +1,6 @@
 use k8s_openapi::api::apps::v1::{Deployment, DeploymentStatus};
 use kube::{core::Status, runtime::watcher::Event};
+use rstest::rstest;
 
 use super::{
     CONFLICT_RETRY, ERROR_RETRY, Error,
@@ -56,54 +57,51 @@ fn deployment(name: &str, ready: i32, resource_version: &str) -> Deployment {
     d
 }
 
-fn names(events: Vec<Event<Deployment>>, churn: &mut Churn<Deployment>) -> Vec<Option<String>> {
-    events
+/// What reconcilers read of a Deployment: its ready replicas.
+const READY: fn(&Deployment) -> u64 =
+    |d| relevant(d, &d.status.as_ref().and_then(|s| s.ready_replicas));
+
+/// Each event through a churn filter on `relevant`, after the initial list of Deployment `a`
+/// (which passes `a` once): the name of the Deployment it passes, `None` where it passes
+/// nothing.
+#[rstest]
+#[case::passes_what_the_reconciler_reads_and_every_deletion(
+    Some(READY),
+    vec![
+        // Only the resourceVersion changed (another status field): dropped.
+        Event::Apply(deployment("a", 0, "2")),
+        Event::Apply(deployment("a", 1, "3")),
+        Event::Apply(deployment("b", 1, "4")),
+        Event::Delete(deployment("a", 1, "5")),
+        // Seen again after its deletion: passes.
+        Event::Apply(deployment("a", 1, "6")),
+    ],
+    &[None, Some("a"), Some("b"), Some("a"), Some("a")],
+)]
+#[case::without_a_relevant_function_every_change_passes(
+    None,
+    vec![
+        Event::Apply(deployment("a", 0, "1")),
+        Event::Delete(deployment("a", 0, "1")),
+    ],
+    &[Some("a"), Some("a")],
+)]
+fn the_churn_filter(
+    #[case] relevant: Option<fn(&Deployment) -> u64>,
+    #[case] events: Vec<Event<Deployment>>,
+    #[case] want: &[Option<&str>],
+) {
+    let mut churn = Churn::new(relevant);
+    let initial_list = [
+        Event::Init,
+        Event::InitApply(deployment("a", 0, "1")),
+        Event::InitDone,
+    ];
+    let got: Vec<Option<String>> = initial_list
         .into_iter()
+        .chain(events)
         .map(|e| churn.pass(e).and_then(|d| d.metadata.name))
-        .collect()
-}
-
-#[test]
-fn the_churn_filter_passes_what_the_reconciler_reads_and_every_deletion() {
-    let ready: fn(&Deployment) -> u64 =
-        |d| relevant(d, &d.status.as_ref().and_then(|s| s.ready_replicas));
-    let mut churn = Churn::new(Some(ready));
-    let got = names(
-        vec![
-            Event::Init,
-            Event::InitApply(deployment("a", 0, "1")),
-            Event::InitDone,
-            // Only the resourceVersion changed (another status field): dropped.
-            Event::Apply(deployment("a", 0, "2")),
-            Event::Apply(deployment("a", 1, "3")),
-            Event::Apply(deployment("b", 1, "4")),
-            Event::Delete(deployment("a", 1, "5")),
-            // Seen again after its deletion: passes.
-            Event::Apply(deployment("a", 1, "6")),
-        ],
-        &mut churn,
-    );
-    let a = Some("a".to_owned());
-    let b = Some("b".to_owned());
-    assert_eq!(
-        got,
-        [None, a.clone(), None, None, a.clone(), b, a.clone(), a]
-    );
-}
-
-#[test]
-fn without_a_relevant_function_every_change_passes() {
-    let mut churn = Churn::<Deployment>::new(None);
-    let got = names(
-        vec![
-            Event::Init,
-            Event::InitApply(deployment("a", 0, "1")),
-            Event::InitDone,
-            Event::Apply(deployment("a", 0, "1")),
-            Event::Delete(deployment("a", 0, "1")),
-        ],
-        &mut churn,
-    );
-    let a = Some("a".to_owned());
-    assert_eq!(got, [None, a.clone(), None, a.clone(), a]);
+        .collect();
+    let want = [None, Some("a"), None].iter().chain(want);
+    assert_eq!(got, want.map(|n| n.map(str::to_owned)).collect::<Vec<_>>());
 }

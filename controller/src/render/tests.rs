@@ -174,26 +174,20 @@ fn api_keys_are_a_mounted_file_never_a_value() {
 fn the_runtime_security_context_replaces_the_backend_default() {
     let (svc, mut rt) = service_and_runtime(json!({}));
     let cfg = RenderConfig::builtin().unwrap();
-    let backend = render(&svc, &rt, &cfg, true).unwrap().backend;
-    let c = pod(&backend)
-        .containers
-        .iter()
-        .find(|c| c.name == "vllm")
-        .unwrap();
-    assert_eq!(c.security_context, Some(default_backend_security_context()));
+    // The security context of the rendered vllm container.
+    let rendered = |rt: &InferenceRuntime| {
+        let backend = render(&svc, rt, &cfg, true).unwrap().backend;
+        let c = pod(&backend).containers.iter().find(|c| c.name == "vllm");
+        c.unwrap().security_context.clone()
+    };
+    assert_eq!(rendered(&rt), Some(default_backend_security_context()));
     let hardened = SecurityContext {
         run_as_non_root: Some(true),
         read_only_root_filesystem: Some(true),
         ..default_backend_security_context()
     };
     rt.spec.container.security_context = Some(hardened.clone());
-    let backend = render(&svc, &rt, &cfg, true).unwrap().backend;
-    let c = pod(&backend)
-        .containers
-        .iter()
-        .find(|c| c.name == "vllm")
-        .unwrap();
-    assert_eq!(c.security_context, Some(hardened));
+    assert_eq!(rendered(&rt), Some(hardened));
 }
 
 #[test]

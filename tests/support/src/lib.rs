@@ -11,6 +11,7 @@
 //!   `metrics-api` trigger.
 //! - [`RealNode`] and [`EventSink`]: pods on the cluster's real node, and what their containers
 //!   report from inside.
+//! - [`run_detached`] runs the async cleanup of a `Drop` to completion.
 
 mod images;
 mod metric_server;
@@ -23,6 +24,23 @@ pub use metric_server::MetricServer;
 pub use node::{Event, EventSink, RealNode};
 pub use upstream::{UPSTREAM_EXAMPLES_ENV, upstream_dir, upstream_examples, upstream_file};
 pub use wait::{Observed, wait_until};
+
+/// An LLMService manifest (`serving.hearth.dev/v1alpha1`) named `name`: `defaults` as its spec,
+/// with `spec` deep-merged over them ([`merge_json`]).
+pub fn llmservice(
+    name: &str,
+    defaults: serde_json::Value,
+    spec: serde_json::Value,
+) -> serde_json::Value {
+    let mut svc = serde_json::json!({
+        "apiVersion": "serving.hearth.dev/v1alpha1",
+        "kind": "LLMService",
+        "metadata": {"name": name},
+        "spec": defaults,
+    });
+    merge_json(&mut svc["spec"], spec);
+    svc
+}
 
 /// Deep-merges `patch` into `base`: objects key by key, anything else (`null` included) replaces
 /// the value, so a test can set a field to `null` to drop it from a typed object.
@@ -282,31 +300,40 @@ impl Drop for TestNamespace {
             );
             return;
         }
-        // Drop cannot await, and the test's runtime may be the single thread running this
-        // drop, so the delete runs on its own thread and runtime with a client of its own.
         let name = self.name.clone();
         let config = self.config.clone();
-        let outcome = std::thread::spawn(move || -> Result<()> {
-            let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()?;
-            runtime.block_on(async {
-                let client = Client::try_from(config)?;
-                let namespaces: Api<Namespace> = Api::all(client);
-                match namespaces.delete(&name, &DeleteParams::background()).await {
-                    Ok(_) => Ok(()),
-                    Err(kube::Error::Api(e)) if e.code == 404 => Ok(()),
-                    Err(e) => Err(e.into()),
-                }
-            })
+        let outcome = run_detached(async move {
+            let client = Client::try_from(config)?;
+            let namespaces: Api<Namespace> = Api::all(client);
+            match namespaces.delete(&name, &DeleteParams::background()).await {
+                Ok(_) => Ok(()),
+                Err(kube::Error::Api(e)) if e.code == 404 => Ok(()),
+                Err(e) => Err(e.into()),
+            }
         })
-        .join();
-        match outcome {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => eprintln!("warning: deleting test namespace {}: {e:#}", self.name),
-            Err(_) => eprintln!("warning: deleting test namespace {} panicked", self.name),
+        .and_then(|deleted| deleted);
+        if let Err(e) = outcome {
+            eprintln!("warning: deleting test namespace {}: {e:#}", self.name);
         }
     }
+}
+
+/// Runs `task` to completion on a thread and a current-thread runtime of its own, for the
+/// cleanup in a `Drop`: Drop cannot await, and the test's runtime may be the single thread
+/// running the drop. Fails when the runtime cannot be built or `task` panics.
+pub fn run_detached<F>(task: F) -> Result<F::Output>
+where
+    F: std::future::Future + Send + 'static,
+    F::Output: Send + 'static,
+{
+    std::thread::spawn(move || -> Result<F::Output> {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        Ok(runtime.block_on(task))
+    })
+    .join()
+    .map_err(|_| anyhow::anyhow!("the cleanup panicked"))?
 }
 
 /// Whether the pod's condition `type_` has status `status` ("True", "False").

@@ -1,6 +1,9 @@
-//! An HTTPS client for the webhook on loopback, shared by the TLS tests and the benchmark.
+//! Shared by the webhook's tests and the benchmark: an HTTPS client for the webhook on loopback,
+//! and AdmissionReviews posted to the router in-process ([`review`]).
 
 #![allow(dead_code)]
+
+pub mod review;
 
 use std::net::SocketAddr;
 use std::sync::Arc;

@@ -223,20 +223,31 @@ fn a_new_backend_is_created_with_replicas_and_an_existing_one_applied_without() 
     assert_eq!(d.spec.as_ref().unwrap().replicas, None);
 }
 
-#[test]
-fn replace_required_when_the_claims_storage_class_changed() {
-    let svc = service(json!({"spec": {"cache": {"storageClassName": "fast"}}}));
+/// The plan for `service(patch)` when `edit` makes a live child's template differ from the
+/// desired one: nothing is written, and the condition `type_` is False with ReplaceRequired and
+/// a message holding every part of `message`.
+fn replace_required(patch: Value, edit: fn(&mut View), type_: &str, message: &[&str]) -> Plan {
+    let svc = service(patch);
     let mut view = steady(&svc);
-    view.claim = other_template(&view.claim);
+    edit(&mut view);
     let plan = planned(&svc, &view);
     assert_eq!(writes(&plan), Vec::<String>::new());
-    let c = cond(&plan, status::CACHE_READY);
+    let c = cond(&plan, type_);
     assert_eq!((c.status, c.reason.as_str()), ("False", "ReplaceRequired"));
-    assert!(
-        c.message.contains("storageClassName changed")
-            && c.message
-                .contains("delete PersistentVolumeClaim chat-cache"),
-        "{c:?}"
+    assert!(message.iter().all(|m| c.message.contains(m)), "{c:?}");
+    plan
+}
+
+#[test]
+fn replace_required_when_the_claims_storage_class_changed() {
+    replace_required(
+        json!({"spec": {"cache": {"storageClassName": "fast"}}}),
+        |v| v.claim = other_template(&v.claim),
+        status::CACHE_READY,
+        &[
+            "storageClassName changed",
+            "delete PersistentVolumeClaim chat-cache",
+        ],
     );
 }
 
@@ -274,14 +285,12 @@ fn replace_required_when_the_apiserver_refuses_a_smaller_claim() {
 
 #[test]
 fn replace_required_when_the_prewarm_template_changed() {
-    let svc = service(json!({"spec": {"cache": {"prewarm": true}}}));
-    let mut view = steady(&svc);
-    view.job = other_template(&view.job);
-    let plan = planned(&svc, &view);
-    assert_eq!(writes(&plan), Vec::<String>::new());
-    let c = cond(&plan, status::PREWARMED);
-    assert_eq!((c.status, c.reason.as_str()), ("False", "ReplaceRequired"));
-    assert!(c.message.contains("delete Job chat-prewarm"), "{c:?}");
+    let plan = replace_required(
+        json!({"spec": {"cache": {"prewarm": true}}}),
+        |v| v.job = other_template(&v.job),
+        status::PREWARMED,
+        &["delete Job chat-prewarm"],
+    );
     // Not a Ready=False of its own: the backend does not wait for a prewarm.
     assert_ne!(cond(&plan, status::READY).reason, "ReplaceRequired");
 }
