@@ -165,3 +165,103 @@ fn entry(e: new::IdedEntryExpr) -> Result<old::IdedEntryExpr, ExprError> {
     };
     Ok(old::IdedEntryExpr { id: e.id, expr })
 }
+
+#[cfg(test)]
+mod tests {
+    use kube_cel::cel::common::ast::{Expr, LiteralValue};
+    use kube_cel::cel::parser::Parser as OldParser;
+
+    use super::parse;
+
+    /// Where the 0.13 parser reads an expression right, the converted tree is the one it
+    /// builds: same ids, macros expanded into the same comprehensions, same optional markers.
+    #[test]
+    fn converted_trees_equal_the_old_parsers() {
+        for source in [
+            "object.spec.replicas > 1 && has(object.metadata.labels)",
+            "object.items.all(i, i.x > 0) || [1, 2].exists(x, x == 2)",
+            "[1, 2, 3].exists_one(x, x > 2) && [1].existsOne(y, y == 1)",
+            "[1, 2].map(x, x * 2) == [1, 2].map(x, x > 1, x + 1).filter(y, y != 0)",
+            "{'a': 1, ?'b': optional.none()}.?a.orValue(0) + [?optional.of(1), 2][0]",
+            "m.all(k, v, v > 0) && m.exists(k, v, k == 'a')",
+            "cel.bind(x, 1u, x + 2u) == 3u && 1.5e3 != -2.0 && b'ab' != bytes('') && null == null",
+            "a ? b.c[d] : !e",
+        ] {
+            let old = OldParser::new()
+                .enable_optional_syntax(true)
+                .parse(source)
+                .unwrap_or_else(|e| panic!("{source}: {e}"));
+            let new = parse(source, 96).unwrap_or_else(|e| panic!("{source}: {e}"));
+            assert_eq!(new, old, "{source}");
+        }
+    }
+
+    fn literal(source: &str) -> LiteralValue {
+        match parse(source, 96).map(|e| e.expr) {
+            Ok(Expr::Literal(v)) => v,
+            other => panic!("{source}: {other:?}"),
+        }
+    }
+
+    /// The literals the 0.13 parser read wrong.
+    #[test]
+    fn literals_are_read_as_cel_spec_defines_them() {
+        let s = |v: &str| LiteralValue::String(v.into());
+        let b = |v: &[u8]| LiteralValue::Bytes(v.to_vec().into());
+        assert_eq!(literal(r#""\'\"\?\a\x41\101\u00e9""#), s("'\"?\x07AAé"));
+        assert_eq!(literal(r"'\`\\\n'"), s("`\\\n"));
+        assert_eq!(literal(r#"'''a'b'''"#), s("a'b"));
+        assert_eq!(literal(r#"r'\n'"#), s("\\n"));
+        assert_eq!(literal(r#"b"\n\a\\\xff\377""#), b(b"\n\x07\\\xff\xff"));
+        assert_eq!(literal(r#"b'''x"y'''"#), b(b"x\"y"));
+        assert_eq!(literal("-0x55"), LiteralValue::Int((-0x55).into()));
+        assert_eq!(literal("0xFFu"), LiteralValue::UInt(255u64.into()));
+        assert_eq!(
+            literal("-9223372036854775808"),
+            LiteralValue::Int(i64::MIN.into())
+        );
+        assert_eq!(literal("true"), LiteralValue::Boolean(true.into()));
+    }
+
+    /// As in cel-go, an even run of `!` or `-` cancels out and an odd one is a single call.
+    #[test]
+    fn repeated_unary_operators_cancel_in_pairs() {
+        assert_eq!(literal("!!!!true"), LiteralValue::Boolean(true.into()));
+        assert_eq!(literal("----19"), LiteralValue::Int(19.into()));
+        for (source, op) in [("!!!true", "!_"), ("---x", "-_")] {
+            match parse(source, 96).map(|e| e.expr) {
+                Ok(Expr::Call(c)) => {
+                    assert_eq!(c.func_name, op, "{source}");
+                    assert!(
+                        matches!(c.args.as_slice(), [a] if !matches!(a.expr, Expr::Call(_))),
+                        "{source}: {:?}",
+                        c.args
+                    );
+                }
+                other => panic!("{source}: {other:?}"),
+            }
+        }
+    }
+
+    /// Syntax errors keep the position the 0.13 parser reported for the same mistake.
+    #[test]
+    fn syntax_errors_name_the_line_and_column() {
+        for source in ["1 +\n  * 2", "a.b(", "{'a': }", "x[?1"] {
+            let old = OldParser::new()
+                .enable_optional_syntax(true)
+                .parse(source)
+                .err()
+                .and_then(|e| e.errors.first().map(|e| e.pos))
+                .map(|(l, c)| (l as usize, c.max(0) as usize + 1));
+            let err = parse(source, 96)
+                .err()
+                .unwrap_or_else(|| panic!("{source} parsed"));
+            assert!(err.message.starts_with("syntax error: "), "{err:?}");
+            assert!(err.position.is_some(), "{source}: {err:?}");
+            assert_eq!(err.position, old, "{source}: {err:?}");
+        }
+        let deep = format!("{}1{}", "(".repeat(200), ")".repeat(200));
+        // As in `compile_expr`, the parser recurses per grammar rule: parse on a large stack.
+        assert!(stacker::grow(64 << 20, || parse(&deep, 96)).is_err());
+    }
+}
