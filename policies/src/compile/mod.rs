@@ -1,17 +1,18 @@
 //! Compiling one CEL expression: text bounds, parsing, checks for what this engine cannot
 //! evaluate, and the rewrite that splices in the run-time guards of [`crate::guard`].
 //!
-//! The steps live in submodules: `names` (what an expression may call), `check`, `desugar`
-//! and `rewrite`; [`compile_expr`] runs them in that order.
+//! The steps live in submodules: `parse`, `names` (what an expression may call), `check`,
+//! `desugar` and `rewrite`; [`compile_expr`] runs them in that order.
 
 mod check;
 mod desugar;
 mod names;
+mod parse;
 mod rewrite;
 
 use std::{collections::BTreeSet, sync::Arc};
 
-use kube_cel::cel::{common::ast::IdedExpr, parser::Parser};
+use kube_cel::cel::common::ast::IdedExpr;
 
 use crate::{limits::Limits, native};
 
@@ -158,27 +159,7 @@ pub(crate) fn compile_with_bindings(
     // Parsing recurses per grammar rule; a long operator chain is deep even without brackets,
     // so parse on a stack sized for the longest allowed source.
     let depth_budget = (limits.max_nesting * 12).min(u16::MAX as usize - 1) as u16;
-    let parsed = stacker::grow(64 << 20, || {
-        Parser::new()
-            .enable_optional_syntax(true)
-            .max_recursion_depth(depth_budget)
-            .parse(source)
-    });
-    let mut expr = match parsed {
-        Ok(e) => e,
-        Err(errs) => {
-            let first = errs.errors.first();
-            let position = first.and_then(|e| {
-                let (l, c) = e.pos;
-                (l > 0).then_some((l as usize, c.max(0) as usize + 1))
-            });
-            let message = first.map_or_else(|| errs.to_string(), |e| e.msg.clone());
-            return Err(ExprError {
-                message: format!("syntax error: {message}"),
-                position,
-            });
-        }
-    };
+    let mut expr = stacker::grow(64 << 20, || parse::parse(source, depth_budget))?;
     stacker::grow(16 << 20, || {
         desugar(&mut expr, &mut bindings.to_vec(), limits.max_ast_depth + 1)
     })
