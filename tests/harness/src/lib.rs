@@ -5,5 +5,6 @@
 //! a Deployment's replicas and of its pods. See docs/e2e.md.
 
 pub mod client;
+pub mod faults;
 pub mod stack;
 pub mod timeline;

@@ -1,0 +1,965 @@
+//! The fault suite: a steady mixed load (streaming and non-streaming chat completions through
+//! the stub service's gateway, admissions of opted-in and unrelated Deployments, edits of the
+//! LLMService) against the chart-installed Hearth, one fault at a time, each with its expected
+//! outcome asserted and a report row (admitted / completed / failed by status / lost / admissions
+//! refused / recovery seconds) printed as a table. Every operation ends in exactly one outcome
+//! (`hearth_e2e_harness::faults`); lost means no answer within a generous deadline, and must be
+//! 0 in every row. Recovery windows and what sets them: docs/operations.md.
+//!
+//! The faults act on shared parts of the cluster (the release's controller and webhook, KEDA),
+//! so the tests take one lock and run one after another. They are `#[ignore]`d: each takes
+//! minutes and they do not belong in `make test`; run them with
+//! `tests/run-tests -p hearth-e2e --test faults -- --ignored --nocapture`
+//! (or `cargo test -p hearth-e2e --test faults -- --ignored --nocapture` on a running cluster).
+//!
+//! Not yet here (see docs/operations.md): kubelet and containerd restarts, kube-apiserver and
+//! etcd restarts, a backend OOM-killed mid-stream.
+
+mod stack;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail, ensure};
+use hearth_e2e_harness::client;
+use hearth_e2e_harness::faults::{self, Kind, Ledger, Load, LoadConfig, Outcome, Record, Row};
+use hearth_e2e_harness::stack::{RELEASE_NAMESPACE, ScalerMode};
+use hearth_test_support::{Observed, wait_until};
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::{Pod, Service};
+use kube::api::{DeleteParams, ListParams, Patch, PatchParams};
+use kube::{Api, Client, ResourceExt};
+use serde_json::{Value, json};
+
+use stack::SERVICE;
+
+/// One fault at a time across the file's tests (they share the release and KEDA).
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// An operation unanswered this long is lost (the longest stream is 80 tokens, 12 s).
+const DEADLINE: Duration = Duration::from_secs(120);
+/// Tokens of each load request (150 ms each in the stub runtime).
+const LOAD_TOKENS: u32 = 4;
+/// Tokens of a stream pinned to one gateway replica: 12 s, long enough to span the fault.
+const PINNED_TOKENS: u32 = 80;
+
+fn print_rows(title: &str, rows: &[Row]) {
+    eprintln!("\n{title}\n{}", faults::table(rows));
+}
+
+fn failures(records: &[Record]) -> String {
+    records
+        .iter()
+        .filter(|r| r.outcome != Outcome::Completed)
+        .take(8)
+        .map(|r| format!("{:?} {} {:?}: {}", r.kind, r.tag, r.outcome, r.detail))
+        .collect::<Vec<_>>()
+        .join("\n  ")
+}
+
+/// The Ready gateway pods of the namespace, not terminating, with an IP: (name, IP, pod).
+async fn ready_gateways(api: &Api<Pod>) -> Result<Vec<(String, String, Pod)>> {
+    Ok(api
+        .list(&ListParams::default().labels("app.kubernetes.io/component=gateway"))
+        .await?
+        .items
+        .into_iter()
+        .filter(|p| p.metadata.deletion_timestamp.is_none() && hearth_test_support::pod_ready(p))
+        .filter_map(|p| {
+            let ip = p.status.as_ref()?.pod_ip.clone()?;
+            Some((p.name_any(), ip, p))
+        })
+        .collect())
+}
+
+async fn wait_gateways(api: &Api<Pod>, n: usize) -> Result<Vec<(String, String, Pod)>> {
+    wait_until(
+        format!("{n} Ready gateway replicas"),
+        Duration::from_secs(120),
+        || async {
+            let pods = ready_gateways(api).await?;
+            Ok(if pods.len() == n {
+                Observed::Ready(pods)
+            } else {
+                Observed::NotYet(format!(
+                    "{:?}",
+                    pods.iter().map(|p| &p.0).collect::<Vec<_>>()
+                ))
+            })
+        },
+    )
+    .await
+}
+
+fn pod_url(ip: &str) -> String {
+    if ip.contains(':') {
+        format!("http://[{ip}]:8080")
+    } else {
+        format!("http://{ip}:8080")
+    }
+}
+
+/// `/hearth/queue` of one replica: `Some(total)`, or None while the total is unknown (503) or
+/// the replica does not answer.
+async fn queue_total(ip: &str, scope: &str) -> Option<i64> {
+    let (status, body) = client::get(
+        &format!("{}/hearth/queue{scope}", pod_url(ip)),
+        Duration::from_secs(3),
+    )
+    .await
+    .ok()?;
+    if status != 200 {
+        return None;
+    }
+    serde_json::from_str::<Value>(&body).ok()?["pending"].as_i64()
+}
+
+/// KEDA's external metric of the service through the apiserver (the HPA's view), or None.
+async fn keda_metric(client: &Client, ns: &str, metric: &str) -> Option<i64> {
+    let path = format!(
+        "/apis/external.metrics.k8s.io/v1beta1/namespaces/{ns}/{metric}?labelSelector=scaledobject.keda.sh%2Fname%3D{SERVICE}"
+    );
+    let req = http::Request::get(path.as_str()).body(Vec::new()).ok()?;
+    let body = tokio::time::timeout(Duration::from_secs(5), client.request_text(req))
+        .await
+        .ok()?
+        .ok()?;
+    let v: Value = serde_json::from_str(&body).ok()?;
+    v["items"][0]["value"].as_str()?.parse().ok()
+}
+
+async fn scaled_object_metric(d: &stack::Deployed) -> Result<String> {
+    let api =
+        d.ns.dynamic_api("keda.sh", "v1alpha1", "ScaledObject", "scaledobjects");
+    wait_until(
+        "the ScaledObject's status.externalMetricNames",
+        Duration::from_secs(60),
+        || async {
+            let so = api.get(SERVICE).await?;
+            Ok(match so.data["status"]["externalMetricNames"][0].as_str() {
+                Some(m) => Observed::Ready(m.to_owned()),
+                None => Observed::NotYet(format!("status {}", so.data["status"])),
+            })
+        },
+    )
+    .await
+}
+
+/// One request through the Service that must complete (wakes the backend, proves recovery).
+async fn served(ledger: &Ledger, url: &str, timeout: Duration) -> Result<Instant> {
+    let start = Instant::now();
+    loop {
+        let o = faults::chat_once(ledger, url, SERVICE, true, LOAD_TOKENS, DEADLINE, "probe").await;
+        if o == Outcome::Completed {
+            return Ok(Instant::now());
+        }
+        if start.elapsed() > timeout {
+            bail!("no request through {url} completed within {timeout:?}: last {o:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+fn load_config(d: &stack::Deployed, chat_workers: usize, admissions: bool) -> LoadConfig {
+    LoadConfig {
+        url: Some(d.url.clone()),
+        model: SERVICE.to_owned(),
+        chat_workers,
+        tokens: LOAD_TOKENS,
+        deadline: DEADLINE,
+        admissions: admissions.then(|| (d.cluster.client(), d.ns.name().to_owned())),
+        edit: admissions.then(|| SERVICE.to_owned()),
+        runtime: "vllm-stub".to_owned(),
+    }
+}
+
+// --- (a) a gateway replica deleted, then SIGKILLed, mid-stream -----------------------------
+
+/// A sample of the demand signal while streams are pinned to the surviving replica: the value
+/// (None: unknown) and how many pinned streams were in flight on the survivor the whole time.
+#[derive(Debug)]
+struct DemandSample {
+    at: f64,
+    source: &'static str,
+    value: Option<i64>,
+    floor: usize,
+}
+
+async fn gateway_fault(
+    d: &stack::Deployed,
+    kill: bool,
+    load: &Ledger,
+    metric: &str,
+) -> Result<(Row, Vec<DemandSample>)> {
+    let fault = if kill {
+        "gateway container SIGKILLed mid-stream (1 of 2)"
+    } else {
+        "gateway pod deleted mid-stream (1 of 2)"
+    };
+    let pods_api = d.ns.api::<Pod>();
+    let pods = wait_gateways(&pods_api, 2).await?;
+    let (victim, survivor) = (&pods[0], &pods[1]);
+    let start = Instant::now();
+    let pinned = Ledger::default();
+    let on_survivor = Arc::new(AtomicUsize::new(0));
+    let mut streams = Vec::new();
+    for (tag, ip) in [
+        ("victim", &victim.1),
+        ("victim", &victim.1),
+        ("survivor", &survivor.1),
+        ("survivor", &survivor.1),
+    ] {
+        let (ledger, base, count) = (pinned.clone(), pod_url(ip), on_survivor.clone());
+        if tag == "survivor" {
+            count.fetch_add(1, Ordering::SeqCst);
+        }
+        streams.push(tokio::spawn(async move {
+            let o = faults::chat_once(&ledger, &base, SERVICE, true, PINNED_TOKENS, DEADLINE, tag)
+                .await;
+            if tag == "survivor" {
+                count.fetch_sub(1, Ordering::SeqCst);
+            }
+            o
+        }));
+    }
+    // Every pinned stream admitted: each replica counts its two locally.
+    wait_until(
+        "two pinned streams in flight on each replica",
+        Duration::from_secs(30),
+        || async {
+            let v = queue_total(&victim.1, "?scope=local").await;
+            let s = queue_total(&survivor.1, "?scope=local").await;
+            Ok(if v >= Some(2) && s >= Some(2) {
+                Observed::Ready(())
+            } else {
+                Observed::NotYet(format!("local demand: victim {v:?}, survivor {s:?}"))
+            })
+        },
+    )
+    .await?;
+    // The demand signal, sampled until recovery: the survivor's /hearth/queue (poll's view)
+    // and KEDA's external metric (the push stream, through the apiserver).
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let sampler = {
+        let (ip, count, client, ns, metric) = (
+            survivor.1.clone(),
+            on_survivor.clone(),
+            d.cluster.client(),
+            d.ns.name().to_owned(),
+            metric.to_owned(),
+        );
+        tokio::spawn(async move {
+            let mut samples = Vec::new();
+            while !*stop_rx.borrow() {
+                let value = queue_total(&ip, "").await;
+                samples.push(DemandSample {
+                    at: start.elapsed().as_secs_f64(),
+                    source: "survivor /hearth/queue",
+                    value,
+                    floor: count.load(Ordering::SeqCst),
+                });
+                let value = keda_metric(&client, &ns, &metric).await;
+                samples.push(DemandSample {
+                    at: start.elapsed().as_secs_f64(),
+                    source: "KEDA external metric",
+                    value,
+                    floor: count.load(Ordering::SeqCst),
+                });
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            samples
+        })
+    };
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let fault_at = Instant::now();
+    if kill {
+        let pids = faults::kill_container(&victim.2, "gateway")?;
+        eprintln!("SIGKILLed gateway {} (PIDs {pids:?})", victim.0);
+    } else {
+        pods_api.delete(&victim.0, &DeleteParams::default()).await?;
+        eprintln!("deleted gateway pod {}", victim.0);
+    }
+    let mut outcomes = Vec::new();
+    for s in streams {
+        outcomes.push(s.await?);
+    }
+    let pinned_records = pinned.records();
+    // Recovered: two Ready replicas again and a request through the Service served.
+    wait_gateways(&pods_api, 2).await?;
+    let recovered_at = served(load, &d.url, Duration::from_secs(60)).await?;
+    let _ = stop_tx.send(true);
+    let samples = sampler.await?;
+
+    for r in &pinned_records {
+        ensure!(
+            r.outcome != Outcome::Lost,
+            "{fault}: a {} stream was never answered",
+            r.tag
+        );
+        if r.tag == "survivor" || !kill {
+            ensure!(
+                r.outcome == Outcome::Completed,
+                "{fault}: a stream on the {} replica did not finish: {:?} {}",
+                r.tag,
+                r.outcome,
+                r.detail
+            );
+        } else {
+            // Killed: fails fast with an error, never hangs.
+            ensure!(
+                matches!(r.outcome, Outcome::Failed(_)),
+                "{fault}: a stream on the killed replica ended {:?} (the kill came after it?)",
+                r.outcome
+            );
+            let after = r.ended.saturating_duration_since(fault_at);
+            ensure!(
+                after < Duration::from_secs(10),
+                "{fault}: a stream on the killed replica took {after:?} to fail"
+            );
+        }
+    }
+    // Never silently low: a known total is at least the pinned streams still on the survivor.
+    let low: Vec<&DemandSample> = samples
+        .iter()
+        .filter(|s| s.value.is_some_and(|v| v < s.floor as i64))
+        .collect();
+    ensure!(
+        low.is_empty(),
+        "{fault}: the demand signal read lower than the streams in flight: {low:?}"
+    );
+    let mut records = pinned_records;
+    records.extend(
+        load.records()
+            .into_iter()
+            .filter(|r| r.sent >= start && r.sent < recovered_at),
+    );
+    let lost: Vec<&Record> = records
+        .iter()
+        .filter(|r| r.outcome == Outcome::Lost)
+        .collect();
+    ensure!(lost.is_empty(), "{fault}: lost {lost:?}");
+    for r in records
+        .iter()
+        .filter(|r| r.tag == "load" || r.tag == "probe")
+    {
+        if let Outcome::Failed(class) = &r.outcome {
+            ensure!(
+                kill,
+                "{fault}: a load request failed ({class}) although the pod was deleted gracefully: {}",
+                r.detail
+            );
+            let from = r.sent.max(fault_at);
+            ensure!(
+                r.ended.saturating_duration_since(from) < Duration::from_secs(10),
+                "{fault}: a load request failed only after {:?}: {class} {}",
+                r.ended.saturating_duration_since(from),
+                r.detail
+            );
+        }
+    }
+    let row = Row::from_records(fault, &records, Some(recovered_at - fault_at));
+    Ok((row, samples))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "fault suite: tests/run-tests -p hearth-e2e --test faults -- --ignored"]
+async fn gateway_replica_deleted_then_killed_mid_stream() -> Result<()> {
+    let _serial = SERIAL.lock().await;
+    let d = stack::deploy("e2e-fault-gw", ScalerMode::Push, |svc| {
+        svc["spec"]["endpoint"]["replicas"] = json!(2);
+        svc["spec"]["scaling"]["max"] = json!(1);
+    })
+    .await?;
+    let warm = Ledger::default();
+    served(&warm, &d.url, Duration::from_secs(150)).await?;
+    let metric = scaled_object_metric(&d).await?;
+    let load = Load::start(load_config(&d, 2, false));
+    let mut rows = Vec::new();
+    let mut notes = Vec::new();
+    for kill in [false, true] {
+        let (row, samples) = gateway_fault(&d, kill, &load.ledger, &metric).await?;
+        let unknown: Vec<String> = samples
+            .iter()
+            .filter(|s| s.value.is_none())
+            .map(|s| format!("{} at {:.1}s", s.source, s.at))
+            .collect();
+        notes.push(format!(
+            "{}: {} demand samples, none below the streams in flight; {} unknown (503 or no answer): {}",
+            row.fault,
+            samples.len(),
+            unknown.len(),
+            unknown.join(", ")
+        ));
+        rows.push(row);
+    }
+    let ledger = load.stop().await;
+    let all = ledger.records();
+    rows.push(Row::from_records("the whole run (load only)", &all, None));
+    print_rows("faults: gateway replicas", &rows);
+    eprintln!("{}", notes.join("\n"));
+    ensure!(
+        all.iter().all(|r| r.outcome != Outcome::Lost),
+        "lost requests:\n  {}",
+        failures(&all)
+    );
+    Ok(())
+}
+
+// --- (b) the active controller deleted (two replicas) ----------------------------------------
+
+/// Sets the controller Deployment's replicas; `Drop` puts back the chart's (1) with kubectl
+/// when a test fails before it did.
+struct ControllerReplicas {
+    cluster: hearth_test_support::Cluster,
+    restored: bool,
+}
+
+impl ControllerReplicas {
+    async fn set(&self, n: i32) -> Result<()> {
+        let api: Api<Deployment> = Api::namespaced(self.cluster.client(), RELEASE_NAMESPACE);
+        api.patch(
+            "hearth-controller",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"replicas": n}})),
+        )
+        .await?;
+        Ok(())
+    }
+}
+
+impl Drop for ControllerReplicas {
+    fn drop(&mut self) {
+        if self.restored {
+            return;
+        }
+        if let Ok(mut cmd) = self.cluster.kubectl() {
+            let _ = cmd
+                .args([
+                    "-n",
+                    RELEASE_NAMESPACE,
+                    "scale",
+                    "deployment/hearth-controller",
+                    "--replicas=1",
+                ])
+                .status();
+        }
+    }
+}
+
+async fn controller_pods(client: &Client) -> Result<Vec<Pod>> {
+    Ok(Api::<Pod>::namespaced(client.clone(), RELEASE_NAMESPACE)
+        .list(&ListParams::default().labels("app.kubernetes.io/component=controller"))
+        .await?
+        .items
+        .into_iter()
+        .filter(|p| p.metadata.deletion_timestamp.is_none())
+        .collect())
+}
+
+async fn lease_holder(client: &Client) -> Result<String> {
+    let lease = Api::<Lease>::namespaced(client.clone(), RELEASE_NAMESPACE)
+        .get("hearth-controller")
+        .await?;
+    Ok(lease
+        .spec
+        .and_then(|s| s.holder_identity)
+        .unwrap_or_default())
+}
+
+/// The service's children by kind and name, with their UIDs (the load's Deployments left out).
+async fn children(d: &stack::Deployed) -> Result<Vec<(String, String)>> {
+    let mut out = Vec::new();
+    for dep in
+        d.ns.api::<Deployment>()
+            .list(&ListParams::default())
+            .await?
+            .items
+    {
+        let name = dep.name_any();
+        if !name.starts_with("opted-") && !name.starts_with("plain-") {
+            out.push((format!("Deployment/{name}"), dep.uid().unwrap_or_default()));
+        }
+    }
+    for svc in
+        d.ns.api::<Service>()
+            .list(&ListParams::default())
+            .await?
+            .items
+    {
+        out.push((
+            format!("Service/{}", svc.name_any()),
+            svc.uid().unwrap_or_default(),
+        ));
+    }
+    let so =
+        d.ns.dynamic_api("keda.sh", "v1alpha1", "ScaledObject", "scaledobjects");
+    for o in so.list(&ListParams::default()).await?.items {
+        out.push((
+            format!("ScaledObject/{}", o.name_any()),
+            o.uid().unwrap_or_default(),
+        ));
+    }
+    out.sort();
+    Ok(out)
+}
+
+/// Backend pods: (name, uid, restarts).
+async fn backend_state(d: &stack::Deployed) -> Result<Vec<(String, String, i32)>> {
+    let mut v: Vec<_> = d
+        .backend_pods()
+        .await?
+        .into_iter()
+        .filter(|p| p.metadata.deletion_timestamp.is_none())
+        .map(|p| {
+            let restarts = p
+                .status
+                .as_ref()
+                .and_then(|s| s.container_statuses.as_ref())
+                .map(|cs| cs.iter().map(|c| c.restart_count).sum())
+                .unwrap_or(0);
+            (p.name_any(), p.uid().unwrap_or_default(), restarts)
+        })
+        .collect();
+    v.sort();
+    Ok(v)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "fault suite: tests/run-tests -p hearth-e2e --test faults -- --ignored"]
+async fn active_controller_deleted_standby_takes_over() -> Result<()> {
+    let _serial = SERIAL.lock().await;
+    let d = stack::deploy("e2e-fault-ctl", ScalerMode::Poll, |svc| {
+        svc["spec"]["scaling"]["max"] = json!(1);
+    })
+    .await?;
+    let client = d.cluster.client();
+    let mut replicas = ControllerReplicas {
+        cluster: d.cluster.clone(),
+        restored: false,
+    };
+    replicas.set(2).await?;
+    let ready_two = || async {
+        let pods = controller_pods(&client).await?;
+        let ready = pods
+            .iter()
+            .filter(|p| hearth_test_support::pod_ready(p))
+            .count();
+        Ok(if pods.len() == 2 && ready == 2 {
+            Observed::Ready(pods)
+        } else {
+            Observed::NotYet(hearth_test_support::describe_pods(&pods))
+        })
+    };
+    wait_until(
+        "two Ready controller replicas",
+        Duration::from_secs(120),
+        ready_two,
+    )
+    .await?;
+    let warm = Ledger::default();
+    served(&warm, &d.url, Duration::from_secs(150)).await?;
+    let load = Load::start(load_config(&d, 2, true));
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let before_children = children(&d).await?;
+    let before_backend = backend_state(&d).await?;
+    ensure!(!before_backend.is_empty(), "the backend is not running");
+    let holder = lease_holder(&client).await?;
+    let pods = controller_pods(&client).await?;
+    let active = pods
+        .iter()
+        .map(|p| p.name_any())
+        .find(|n| holder.starts_with(&format!("{n}-")))
+        .with_context(|| format!("no controller pod holds the lease ({holder})"))?;
+
+    let start = Instant::now();
+    let fault_at = Instant::now();
+    Api::<Pod>::namespaced(client.clone(), RELEASE_NAMESPACE)
+        .delete(&active, &DeleteParams::default())
+        .await?;
+    // An edit only a working controller carries out: the ScaledObject's cooldown follows
+    // spec.scaling.scaleDownStabilization.
+    d.ns.dynamic_api(
+        "serving.hearth.dev",
+        "v1alpha1",
+        "LLMService",
+        "llmservices",
+    )
+    .patch(
+        SERVICE,
+        &PatchParams::default(),
+        &Patch::Merge(json!({"spec": {"scaling": {"scaleDownStabilization": "16s"}}})),
+    )
+    .await?;
+    let new_holder = wait_until(
+        "another controller replica holding the lease",
+        Duration::from_secs(60),
+        || async {
+            let h = lease_holder(&client).await?;
+            Ok(if h != holder && !h.is_empty() {
+                Observed::Ready(h)
+            } else {
+                Observed::NotYet(h)
+            })
+        },
+    )
+    .await?;
+    let takeover = fault_at.elapsed();
+    let so =
+        d.ns.dynamic_api("keda.sh", "v1alpha1", "ScaledObject", "scaledobjects");
+    wait_until(
+        "the edit carried out (ScaledObject cooldownPeriod 16)",
+        Duration::from_secs(60),
+        || async {
+            let o = so.get(SERVICE).await?;
+            Ok(if o.data["spec"]["cooldownPeriod"] == 16 {
+                Observed::Ready(())
+            } else {
+                Observed::NotYet(format!(
+                    "cooldownPeriod {}",
+                    o.data["spec"]["cooldownPeriod"]
+                ))
+            })
+        },
+    )
+    .await?;
+    let recovery = fault_at.elapsed();
+    // Let the new leader's first full reconcile pass settle before comparing.
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let ledger = load.stop().await;
+    let after_children = children(&d).await?;
+    let after_backend = backend_state(&d).await?;
+    wait_until(
+        "two Ready controller replicas again",
+        Duration::from_secs(120),
+        ready_two,
+    )
+    .await?;
+    replicas.set(1).await?;
+    replicas.restored = true;
+
+    let records: Vec<Record> = ledger
+        .records()
+        .into_iter()
+        .filter(|r| r.sent >= start)
+        .collect();
+    let row = Row::from_records(
+        "active controller pod deleted (1 of 2)",
+        &records,
+        Some(recovery),
+    );
+    print_rows("faults: controller", std::slice::from_ref(&row));
+    eprintln!(
+        "lease {holder} → {new_holder} after {:.1}s; edit carried out after {:.1}s",
+        takeover.as_secs_f64(),
+        recovery.as_secs_f64()
+    );
+    ensure!(
+        takeover <= Duration::from_secs(25),
+        "takeover took {takeover:?}: more than the lease (15 s) and a renew period (2 s) with slack"
+    );
+    ensure!(
+        before_children == after_children,
+        "children changed across the takeover:\n before {before_children:?}\n after  {after_children:?}"
+    );
+    ensure!(
+        before_backend == after_backend,
+        "backend pods touched across the takeover:\n before {before_backend:?}\n after  {after_backend:?}"
+    );
+    ensure!(
+        records.iter().all(|r| r.outcome == Outcome::Completed),
+        "operations failed while the controller changed hands:\n  {}",
+        failures(&records)
+    );
+    Ok(())
+}
+
+// --- (c) the webhook pods killed while Deployments are created --------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "fault suite: tests/run-tests -p hearth-e2e --test faults -- --ignored"]
+async fn webhook_pods_killed_only_opted_in_admissions_refused_until_back() -> Result<()> {
+    let _serial = SERIAL.lock().await;
+    let d = stack::deploy("e2e-fault-wh", ScalerMode::Poll, |svc| {
+        svc["spec"]["scaling"]["max"] = json!(1);
+    })
+    .await?;
+    let client = d.cluster.client();
+    let pods_api = Api::<Pod>::namespaced(client.clone(), RELEASE_NAMESPACE);
+    let lp = ListParams::default().labels("app.kubernetes.io/component=webhook");
+    let load = Load::start(load_config(&d, 1, true));
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let start = Instant::now();
+    let before: Vec<String> = pods_api
+        .list(&lp)
+        .await?
+        .items
+        .iter()
+        .map(|p| p.name_any())
+        .collect();
+    ensure!(!before.is_empty(), "no webhook pod");
+    let fault_at = Instant::now();
+    for name in &before {
+        pods_api
+            .delete(
+                name,
+                &DeleteParams {
+                    grace_period_seconds: Some(0),
+                    ..DeleteParams::default()
+                },
+            )
+            .await?;
+    }
+    eprintln!("deleted webhook pods {before:?} with grace period 0");
+    wait_until(
+        "a new webhook pod Ready",
+        Duration::from_secs(120),
+        || async {
+            let pods = pods_api.list(&lp).await?.items;
+            Ok(
+                if pods
+                    .iter()
+                    .any(|p| !before.contains(&p.name_any()) && hearth_test_support::pod_ready(p))
+                {
+                    Observed::Ready(())
+                } else {
+                    Observed::NotYet(hearth_test_support::describe_pods(&pods))
+                },
+            )
+        },
+    )
+    .await?;
+    let ready_at = Instant::now();
+    // Admissions succeed again: an opted-in Deployment and an LLMService edit after the replica
+    // came back (the apiserver reaches it once kube-proxy has its endpoint).
+    wait_until(
+        "opted-in admissions and LLMService edits served again",
+        Duration::from_secs(60),
+        || async {
+            let ok = |k: Kind| {
+                load.ledger
+                    .sent_between(k, ready_at, Instant::now())
+                    .iter()
+                    .any(|r| r.outcome == Outcome::Completed)
+            };
+            Ok(if ok(Kind::OptedIn) && ok(Kind::Edit) {
+                Observed::Ready(())
+            } else {
+                Observed::NotYet("not yet".into())
+            })
+        },
+    )
+    .await?;
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let ledger = load.stop().await;
+    let records: Vec<Record> = ledger
+        .records()
+        .into_iter()
+        .filter(|r| r.sent >= start)
+        .collect();
+    let last_refusal = records
+        .iter()
+        .filter(|r| !r.kind.is_request() && r.outcome != Outcome::Completed)
+        .map(|r| r.ended)
+        .max();
+    let recovery = last_refusal.map_or(Duration::ZERO, |t| t.saturating_duration_since(fault_at));
+    let row = Row::from_records(
+        "webhook pods deleted (2 of 2, grace 0)",
+        &records,
+        Some(recovery),
+    );
+    print_rows("faults: webhook", std::slice::from_ref(&row));
+    eprintln!(
+        "a new webhook replica Ready {:.1}s after the deletion; last refusal {:.1}s after it",
+        (ready_at - fault_at).as_secs_f64(),
+        recovery.as_secs_f64()
+    );
+    for r in &records {
+        match (r.kind, &r.outcome) {
+            (_, Outcome::Completed) => {}
+            (_, Outcome::Lost) => bail!("{:?} {} lost", r.kind, r.tag),
+            (Kind::Unrelated, o) => {
+                bail!(
+                    "an unrelated Deployment {} was refused: {o:?} {}",
+                    r.tag,
+                    r.detail
+                )
+            }
+            (Kind::Stream | Kind::Chat, o) => {
+                bail!("a chat request failed: {o:?} {}", r.detail)
+            }
+            (Kind::OptedIn | Kind::Edit, Outcome::Failed(class)) => {
+                ensure!(
+                    class == "webhook refused",
+                    "{:?} {} refused for another reason: {class} {}",
+                    r.kind,
+                    r.tag,
+                    r.detail
+                );
+                ensure!(
+                    r.ended >= fault_at && r.sent <= ready_at + Duration::from_secs(15),
+                    "{:?} {} refused {:.1}s after the deletion, the webhook Ready after {:.1}s: {}",
+                    r.kind,
+                    r.tag,
+                    (r.sent - fault_at).as_secs_f64(),
+                    (ready_at - fault_at).as_secs_f64(),
+                    r.detail
+                );
+            }
+        }
+    }
+    let unrelated = records.iter().filter(|r| r.kind == Kind::Unrelated).count();
+    ensure!(
+        unrelated > 0,
+        "no unrelated Deployment was created during the fault"
+    );
+    Ok(())
+}
+
+// --- (d) KEDA's operator down while a cold request arrives ------------------------------------
+
+/// Scales KEDA's operator; `Drop` puts the original replicas back with kubectl when a test
+/// fails before it did.
+struct KedaOperator {
+    cluster: hearth_test_support::Cluster,
+    replicas: i32,
+    restored: bool,
+}
+
+impl KedaOperator {
+    async fn set(&self, n: i32) -> Result<()> {
+        let api: Api<Deployment> = Api::namespaced(self.cluster.client(), "keda");
+        api.patch(
+            "keda-operator",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"replicas": n}})),
+        )
+        .await?;
+        Ok(())
+    }
+}
+
+impl Drop for KedaOperator {
+    fn drop(&mut self) {
+        if self.restored {
+            return;
+        }
+        if let Ok(mut cmd) = self.cluster.kubectl() {
+            let _ = cmd
+                .args([
+                    "-n",
+                    "keda",
+                    "scale",
+                    "deployment/keda-operator",
+                    &format!("--replicas={}", self.replicas),
+                ])
+                .status();
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "fault suite: tests/run-tests -p hearth-e2e --test faults -- --ignored"]
+async fn keda_operator_down_while_a_cold_request_arrives() -> Result<()> {
+    const DOWN: Duration = Duration::from_secs(20);
+    let _serial = SERIAL.lock().await;
+    let d = stack::deploy("e2e-fault-keda", ScalerMode::Poll, |svc| {
+        svc["spec"]["scaling"]["max"] = json!(1);
+    })
+    .await?;
+    let client = d.cluster.client();
+    let deployments: Api<Deployment> = Api::namespaced(client.clone(), "keda");
+    let keda = deployments.get("keda-operator").await?;
+    let mut op = KedaOperator {
+        cluster: d.cluster.clone(),
+        replicas: keda.spec.as_ref().and_then(|s| s.replicas).unwrap_or(1),
+        restored: false,
+    };
+    let selector = keda
+        .spec
+        .as_ref()
+        .and_then(|s| s.selector.match_labels.clone())
+        .unwrap_or_default()
+        .iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect::<Vec<_>>()
+        .join(",");
+    let keda_pods = Api::<Pod>::namespaced(client.clone(), "keda");
+    op.set(0).await?;
+    let down_at = Instant::now();
+    wait_until("no KEDA operator pod", Duration::from_secs(90), || async {
+        let pods = keda_pods
+            .list(&ListParams::default().labels(&selector))
+            .await?
+            .items;
+        Ok(if pods.is_empty() {
+            Observed::Ready(())
+        } else {
+            Observed::NotYet(hearth_test_support::describe_pods(&pods))
+        })
+    })
+    .await?;
+    // Cold requests, streaming and not, while nothing can scale the backend.
+    let ledger = Ledger::default();
+    let t0 = Instant::now();
+    let mut requests = Vec::new();
+    for stream in [true, false] {
+        let (ledger, url) = (ledger.clone(), d.url.clone());
+        requests.push(tokio::spawn(async move {
+            faults::chat_once(
+                &ledger,
+                &url,
+                SERVICE,
+                stream,
+                LOAD_TOKENS,
+                Duration::from_secs(240),
+                "cold",
+            )
+            .await
+        }));
+    }
+    tokio::time::sleep(DOWN).await;
+    ensure!(
+        requests.iter().all(|r| !r.is_finished()),
+        "a cold request ended while KEDA was down: {:?}",
+        ledger.records()
+    );
+    ensure!(
+        d.timeline.max_desired() == 0,
+        "the backend scaled while KEDA's operator was down ({})",
+        d.timeline_text(t0)
+    );
+    op.set(op.replicas).await?;
+    op.restored = true;
+    let back_at = Instant::now();
+    for r in requests {
+        r.await?;
+    }
+    let records = ledger.records();
+    let answered = records.iter().map(|r| r.ended).max().unwrap_or(back_at);
+    let recovery = answered.saturating_duration_since(back_at);
+    let row = Row::from_records(
+        "KEDA operator down while cold requests arrive",
+        &records,
+        Some(recovery),
+    );
+    print_rows("faults: KEDA", std::slice::from_ref(&row));
+    eprintln!(
+        "KEDA operator down {:.1}s (cold requests held {:.1}s of it); answered {:.1}s after KEDA was scaled back; timeline: {}",
+        (back_at - down_at).as_secs_f64(),
+        (back_at - t0).as_secs_f64(),
+        recovery.as_secs_f64(),
+        d.timeline_text(t0)
+    );
+    ensure!(
+        records.iter().all(|r| r.outcome == Outcome::Completed),
+        "cold requests not served once KEDA was back (activationTimeout 2m):\n  {}",
+        failures(&records)
+    );
+    ensure!(
+        recovery <= Duration::from_secs(90),
+        "held requests answered {recovery:?} after KEDA came back"
+    );
+    Ok(())
+}
