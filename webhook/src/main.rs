@@ -206,15 +206,12 @@ async fn run(args: ServeArgs) -> Result<()> {
                     ca_propagation: Duration::from_secs(10),
                 },
             );
-            let (store, material) = sm.bootstrap().await?;
-            tokio::spawn(sm.run(
-                store.clone(),
-                material,
+            sm.start(
                 Duration::from_secs(60),
                 state.metrics.clone(),
                 shutdown.clone(),
-            ));
-            store
+            )
+            .await?
         }
         _ => bail!("choose one TLS mode: --tls-cert-file with --tls-key-file, or --self-managed"),
     };
