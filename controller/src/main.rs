@@ -24,6 +24,12 @@ use hearth_crds::{InferenceRuntime, LLMService};
 use hearth_net::process::{self, LogFormat, Setup, Signals};
 use kube::{Client, Config, client::ClientBuilder};
 
+/// `leaseDurationSeconds` of the leader-election Lease: how long a holder that stopped without
+/// releasing it (killed, partitioned) keeps it. client-go's default.
+const LEASE_DURATION: Duration = Duration::from_secs(15);
+/// How often the holder renews the Lease and a standby tries to take it.
+const LEASE_RENEW_INTERVAL: Duration = Duration::from_secs(2);
+
 #[derive(Parser)]
 #[command(
     name = "hearth-controller",
@@ -250,26 +256,33 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         std::process::id()
     );
     let (lost_tx, lost_rx) = tokio::sync::oneshot::channel::<()>();
-    if args.leader_elect {
-        let mut leading = leader::acquire(
+    let leadership = if args.leader_elect {
+        let campaign = leader::acquire(
             client.clone(),
             LeaseConfig {
                 name: args.leader_election_name.clone(),
                 namespace: args.leader_election_namespace.clone(),
                 identity: identity.clone(),
-                lease_duration: Duration::from_secs(15),
-                renew_interval: Duration::from_secs(2),
+                lease_duration: LEASE_DURATION,
+                renew_interval: LEASE_RENEW_INTERVAL,
             },
-        )
-        .await?;
+        );
+        // A standby stops at once on SIGTERM: it holds nothing.
+        let leadership = tokio::select! {
+            l = campaign => l?,
+            _ = signals.recv() => return Ok(()),
+        };
+        let mut holding = leadership.holding();
         tokio::spawn(async move {
-            while leading.changed().await.is_ok() && *leading.borrow() {}
+            while holding.changed().await.is_ok() && *holding.borrow() {}
             let _ = lost_tx.send(());
         });
+        Some(leadership)
     } else {
         // Never lost: keep the sender alive for the life of the process.
         std::mem::forget(lost_tx);
-    }
+        None
+    };
     let lost = Arc::new(AtomicBool::new(false));
     let shutdown = {
         let lost = lost.clone();
@@ -288,10 +301,23 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         instance: identity,
         cluster_policies: args.cluster_policies,
     };
-    hearth_controller::run(client, cfg, metrics, shutdown).await?;
+    let ran = hearth_controller::run(client, cfg, metrics, shutdown).await;
     if lost.load(Ordering::SeqCst) {
         bail!("lost the leader-election lease; exiting so a restart campaigns again");
     }
+    // Reconciles have stopped: hand the Lease over now instead of letting a standby wait out
+    // LEASE_DURATION.
+    if let Some(leadership) = leadership {
+        match tokio::time::timeout(LEASE_RENEW_INTERVAL, leadership.release()).await {
+            Ok(Ok(true)) => tracing::info!("released the leader-election lease"),
+            Ok(Ok(false)) => {}
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "could not release the lease; it expires on its own")
+            }
+            Err(_) => tracing::warn!("releasing the lease timed out; it expires on its own"),
+        }
+    }
+    ran?;
     Ok(())
 }
 

@@ -1227,3 +1227,49 @@ async fn one_leader_at_a_time_and_takeover_after_expiry() -> Result<()> {
     assert!(!try_acquire(&api, &cfg("a")).await?);
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn released_lease_is_taken_at_once_and_renewal_stops() -> Result<()> {
+    use hearth_controller::leader::{LeaseConfig, acquire, release, try_acquire};
+    let cluster = connect().await?;
+    let ns = cluster.namespace("ctrl-release").await?;
+    let api: Api<k8s_openapi::api::coordination::v1::Lease> = ns.api();
+    // A lease far longer than the test: only a release lets b in.
+    let cfg = |id: &str| LeaseConfig {
+        name: FIELD_MANAGER.to_owned(),
+        namespace: ns.name().to_owned(),
+        identity: id.to_owned(),
+        lease_duration: Duration::from_secs(300),
+        renew_interval: Duration::from_millis(200),
+    };
+    let a = acquire(cluster.client(), cfg("a")).await?;
+    assert!(*a.holding().borrow());
+    assert!(
+        !try_acquire(&api, &cfg("b")).await?,
+        "b took a lease a holds"
+    );
+    assert!(
+        !release(&api, &cfg("b")).await?,
+        "b released a lease it does not hold"
+    );
+    let spec = api.get(FIELD_MANAGER).await?.spec.unwrap_or_default();
+    assert_eq!(
+        spec.holder_identity.as_deref(),
+        Some("a"),
+        "b's release wrote"
+    );
+    assert!(a.release().await?, "a could not release its lease");
+    let spec = api.get(FIELD_MANAGER).await?.spec.unwrap_or_default();
+    assert_eq!(spec.holder_identity.as_deref(), Some(""));
+    assert_eq!(spec.lease_duration_seconds, Some(1));
+    assert!(
+        try_acquire(&api, &cfg("b")).await?,
+        "b could not take the released lease"
+    );
+    // a's renewal stopped with the release: it does not take the lease back.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let spec = api.get(FIELD_MANAGER).await?.spec.unwrap_or_default();
+    assert_eq!(spec.holder_identity.as_deref(), Some("b"));
+    assert_eq!(spec.lease_transitions, Some(1));
+    Ok(())
+}

@@ -5,21 +5,44 @@
 //! either pick an endpoint now ([`EndpointSet::pick`]) or wait for the set to change
 //! ([`EndpointSet::subscribe`]), which is how a held request is forwarded the moment a backend
 //! turns ready: no polling loop.
+//!
+//! Passive health checking: an endpoint that refused a connection or failed a request is
+//! ejected ([`EndpointGuard::eject`]) and skipped by picks for [`EJECTION`], while another
+//! endpoint is ready. That covers the seconds between a backend dying (OOM kill, crash) and
+//! its EndpointSlice turning it not-ready, like Envoy's outlier detection on
+//! consecutive connect failures.
 
-use std::sync::{
-    Arc,
-    atomic::{AtomicUsize, Ordering},
+use std::{
+    sync::{
+        Arc, OnceLock,
+        atomic::{AtomicU64, AtomicUsize, Ordering},
+    },
+    time::{Duration, Instant},
 };
 
 use http::uri::Authority;
 use tokio::sync::watch;
 
-/// One backend endpoint: its `host:port` and the requests outstanding on it through this
-/// gateway replica.
+/// How long an endpoint that failed a connection or a request is skipped by picks (while
+/// another endpoint is ready): about one readiness-probe period, after which the EndpointSlice
+/// says whether it is really gone.
+pub const EJECTION: Duration = Duration::from_secs(5);
+
+/// Milliseconds since the first call in this process (the clock of ejections).
+fn now_ms() -> u64 {
+    static EPOCH: OnceLock<Instant> = OnceLock::new();
+    let ms = EPOCH.get_or_init(Instant::now).elapsed().as_millis();
+    u64::try_from(ms).unwrap_or(u64::MAX)
+}
+
+/// One backend endpoint: its `host:port`, the requests outstanding on it through this
+/// gateway replica, and until when it is ejected.
 #[derive(Debug)]
 pub struct Endpoint {
     authority: Authority,
     outstanding: AtomicUsize,
+    /// [`now_ms`] until which picks skip it; 0 when never ejected.
+    ejected_until: AtomicU64,
 }
 
 impl Endpoint {
@@ -31,6 +54,11 @@ impl Endpoint {
     /// Requests sent to this endpoint whose responses have not finished.
     pub fn outstanding(&self) -> usize {
         self.outstanding.load(Ordering::Relaxed)
+    }
+
+    /// Whether it is ejected now (see [`EndpointGuard::eject`]).
+    pub fn is_ejected(&self) -> bool {
+        self.ejected_until.load(Ordering::Relaxed) > now_ms()
     }
 }
 
@@ -87,6 +115,7 @@ impl EndpointSet {
                             Arc::new(Endpoint {
                                 authority: a.clone(),
                                 outstanding: AtomicUsize::new(0),
+                                ejected_until: AtomicU64::new(0),
                             })
                         })
                 })
@@ -111,8 +140,9 @@ impl EndpointSet {
         self.tx.subscribe()
     }
 
-    /// The ready endpoint with the fewest outstanding requests (ties rotate), counted as
-    /// outstanding until the returned guard drops; `None` when no endpoint is ready.
+    /// The ready endpoint with the fewest outstanding requests (ties rotate), skipping ejected
+    /// ones unless every endpoint is ejected, counted as outstanding until the returned guard
+    /// drops; `None` when no endpoint is ready.
     pub fn pick(&self) -> Option<EndpointGuard> {
         let snap = self.tx.borrow().clone();
         pick_from(&snap, &self.rotor)
@@ -120,21 +150,29 @@ impl EndpointSet {
 }
 
 /// Least outstanding requests over `snap`, starting the scan at a rotating offset so equal
-/// endpoints share load.
+/// endpoints share load; ejected endpoints only when no other is left.
 fn pick_from(snap: &Endpoints, rotor: &AtomicUsize) -> Option<EndpointGuard> {
     let n = snap.len();
     if n == 0 {
         return None;
     }
     let start = rotor.fetch_add(1, Ordering::Relaxed) % n;
+    let now = now_ms();
+    // (ejected, outstanding): a healthy endpoint beats any ejected one.
+    let rank = |e: &Endpoint| {
+        (
+            e.ejected_until.load(Ordering::Relaxed) > now,
+            e.outstanding(),
+        )
+    };
     let mut best = &snap[start];
-    let mut best_load = best.outstanding();
+    let mut best_rank = rank(best);
     for i in 1..n {
         let e = &snap[(start + i) % n];
-        let load = e.outstanding();
-        if load < best_load {
+        let r = rank(e);
+        if r < best_rank {
             best = e;
-            best_load = load;
+            best_rank = r;
         }
     }
     best.outstanding.fetch_add(1, Ordering::Relaxed);
@@ -153,6 +191,15 @@ impl EndpointGuard {
     /// The endpoint picked.
     pub fn endpoint(&self) -> &Endpoint {
         &self.endpoint
+    }
+
+    /// Takes the endpoint out of picks for [`EJECTION`] (while another is ready): it refused a
+    /// connection or failed a request.
+    pub fn eject(&self) {
+        let until = now_ms().saturating_add(u64::try_from(EJECTION.as_millis()).unwrap_or(0));
+        self.endpoint
+            .ejected_until
+            .fetch_max(until, Ordering::Relaxed);
     }
 }
 
@@ -210,5 +257,34 @@ mod tests {
         assert_eq!(kept.outstanding(), 0);
         set.replace(Vec::new());
         assert!(!set.is_ready());
+    }
+
+    #[test]
+    fn ejected_endpoint_is_skipped_while_another_is_ready() {
+        let set = EndpointSet::fixed([a("10.0.0.1:8000"), a("10.0.0.2:8000")]);
+        let bad = set.pick().unwrap();
+        let dead = bad.endpoint().authority().clone();
+        bad.eject();
+        drop(bad);
+        // The ejected endpoint has no outstanding request, yet every pick goes elsewhere,
+        // however many are outstanding there.
+        let held: Vec<_> = (0..6).map(|_| set.pick().unwrap()).collect();
+        assert!(held.iter().all(|g| g.endpoint().authority() != &dead));
+        assert!(
+            set.snapshot()
+                .iter()
+                .any(|e| e.authority() == &dead && e.is_ejected())
+        );
+        // The EndpointSlice still lists it: a replace keeps the ejection.
+        set.replace([a("10.0.0.2:8000"), a("10.0.0.1:8000")]);
+        assert_ne!(set.pick().unwrap().endpoint().authority(), &dead);
+    }
+
+    #[test]
+    fn an_ejected_endpoint_is_still_picked_when_it_is_the_only_one() {
+        let set = EndpointSet::fixed([a("10.0.0.1:8000")]);
+        set.pick().unwrap().eject();
+        let g = set.pick().expect("the only endpoint, ejected or not");
+        assert!(g.endpoint().is_ejected());
     }
 }

@@ -436,6 +436,65 @@ async fn cold_stream_carries_a_backend_error_as_an_error_event() {
 }
 
 #[tokio::test]
+async fn a_backend_dying_mid_stream_ends_a_warm_stream_with_an_error_event() {
+    let stub = stub().await;
+    let gw = gateway(config(), EndpointSet::fixed([authority(&stub)])).await;
+    let c = client();
+    let mut body = chat(true);
+    body["max_tokens"] = 10.into();
+    let (status, _, body) = send_full(
+        &c,
+        post_req(
+            &format!("{}/v1/chat/completions", gw.url()),
+            &body,
+            &[("x-stub-abort-after", "3")],
+        ),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    let events = sse_events(&body);
+    // Tokens that came (the stub's last write before it cut the connection may not have been
+    // flushed), then the error that ends the stream, and no [DONE].
+    assert!((2..=4).contains(&events.len()), "{events:?}");
+    assert!(!events.iter().any(|e| e.contains("[DONE]")), "{events:?}");
+    let last = events.last().unwrap();
+    assert!(last.starts_with("event: error\n"), "{events:?}");
+    assert!(last.contains("bad_gateway"), "{last}");
+    let m = gateway_metrics(&c, &gw).await;
+    assert_eq!(
+        metric(&m, "hearth_gateway_upstream_errors_total{kind=\"stream\"}"),
+        Some(1.0),
+        "{m}"
+    );
+}
+
+#[tokio::test]
+async fn an_endpoint_that_refused_a_connection_is_skipped_while_another_is_ready() {
+    let stub = stub().await;
+    let dead: http::uri::Authority = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().to_string().parse().unwrap()
+    };
+    let gw = gateway(
+        config(),
+        EndpointSet::fixed([dead.clone(), authority(&stub)]),
+    )
+    .await;
+    let c = client();
+    for _ in 0..8 {
+        let (status, _, _) = send_full(&c, chat_req(&gw.url(), &chat(false))).await;
+        assert_eq!(status, StatusCode::OK);
+    }
+    // One refusal ejects the dead endpoint; the other requests never try it.
+    let m = gateway_metrics(&c, &gw).await;
+    assert_eq!(
+        metric(&m, "hearth_gateway_upstream_errors_total{kind=\"connect\"}"),
+        Some(1.0),
+        "{m}"
+    );
+}
+
+#[tokio::test]
 async fn api_keys_are_checked_and_passed_through() {
     let stub = stub().await;
     let dir = std::env::temp_dir().join(format!("hearth-gw-keys-{}", std::process::id()));

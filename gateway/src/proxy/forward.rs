@@ -149,6 +149,8 @@ impl Shared {
 
     /// Sends `out` to a ready endpoint, waiting for one until `deadline` and retrying when a
     /// connection cannot be established (the request was not sent, so it is safe to resend).
+    /// An endpoint that refused the connection or failed the request is ejected
+    /// ([`EndpointGuard::eject`]): the retry and the next requests go to another ready one.
     pub(super) async fn forward(
         &self,
         out: &Outgoing,
@@ -180,6 +182,8 @@ impl Shared {
                 Err(e) if e.is_connect() => {
                     self.metrics.upstream_error("connect");
                     tracing::debug!(endpoint = %ep.endpoint().authority(), error = %e, "backend refused the connection; retrying");
+                    // Another ready endpoint, if any, gets the retry (and the next requests).
+                    ep.eject();
                     drop(ep);
                     let now = Instant::now();
                     if now >= deadline {
@@ -190,6 +194,7 @@ impl Shared {
                 }
                 Err(e) => {
                     self.metrics.upstream_error("request");
+                    ep.eject();
                     // The backend's address is for the logs, not for clients.
                     tracing::warn!(endpoint = %ep.endpoint().authority(), error = %e, "backend request failed");
                     return Err(HoldError::Upstream(format!("the backend failed: {e}")));

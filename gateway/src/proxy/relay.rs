@@ -36,6 +36,9 @@ pub(super) fn relay(
         .headers
         .get(header::CONTENT_TYPE)
         .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
+    // A `200` event stream is committed once its head is sent: a backend that dies mid-stream
+    // ends it with an SSE `error` event the client's SDK raises, not a cut connection.
+    let committed = stream && parts.status == axum::http::StatusCode::OK;
     let relay = Relay::new(
         shared,
         body,
@@ -43,7 +46,7 @@ pub(super) fn relay(
         parts.status.as_u16(),
         (slot, backend),
         stream.then_some(arrival),
-        false,
+        committed,
     );
     Response::from_parts(parts, Body::new(relay))
 }
@@ -71,8 +74,9 @@ pub(super) struct Relay {
     acc: Acc,
     /// A non-data outcome of `inner` that came after `acc`'s data, returned next.
     stash: Option<Option<Result<Frame<Bytes>, hyper::Error>>>,
-    /// The `200` of a held stream is already committed: a backend failure becomes an SSE
-    /// `error` event and the end of the stream, trailers are dropped.
+    /// The `200` of an event stream is committed (a held one's from its first heartbeat, a
+    /// relayed one's with the backend's head): a backend failure becomes an SSE `error` event
+    /// and the end of the stream, trailers are dropped.
     committed: bool,
 }
 

@@ -243,7 +243,21 @@ pub async fn get_with_headers(
     headers: &[(&str, &str)],
     timeout: Duration,
 ) -> Result<(u16, String), ChatError> {
-    let mut req = http::Request::get(url);
+    send(http::Method::GET, url, headers, timeout).await
+}
+
+/// POSTs an empty body to `url` and returns the status and body (the stub's `/stub/oom`).
+pub async fn post(url: &str, timeout: Duration) -> Result<(u16, String), ChatError> {
+    send(http::Method::POST, url, &[], timeout).await
+}
+
+async fn send(
+    method: http::Method,
+    url: &str,
+    headers: &[(&str, &str)],
+    timeout: Duration,
+) -> Result<(u16, String), ChatError> {
+    let mut req = http::Request::builder().method(method).uri(url);
     for (k, v) in headers {
         req = req.header(*k, *v);
     }

@@ -5,7 +5,8 @@
 //! status, lost (no answer within the deadline), admissions refused, recovery seconds.
 //!
 //! Also the blunt instruments the faults need that the API does not offer: SIGKILL of a
-//! container's processes on the real node (through its cgroup).
+//! container's processes on the real node (through its cgroup), and restarts of the cluster's
+//! own processes (kubelet, containerd, kube-apiserver, etcd) with `tests/cluster/restart`.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -558,6 +559,129 @@ pub fn kill_container(pod: &Pod, container: &str) -> Result<Vec<i32>, KillError>
         }
     }
     Ok(pids)
+}
+
+/// A Deployment scaled for a fault (the controller to 2, KEDA's operator to 0).
+/// [`ScaledDeployment::restore`] puts its replicas back; when a test fails before that, `Drop`
+/// does it with kubectl, so a failed fault does not leave the shared cluster changed.
+pub struct ScaledDeployment {
+    cluster: hearth_test_support::Cluster,
+    namespace: String,
+    name: String,
+    /// Its replicas before the fault.
+    pub original: i32,
+    restored: bool,
+}
+
+impl ScaledDeployment {
+    /// Reads the Deployment's replicas, then scales it to `replicas`.
+    pub async fn scale(
+        cluster: &hearth_test_support::Cluster,
+        namespace: &str,
+        name: &str,
+        replicas: i32,
+    ) -> Result<Self, kube::Error> {
+        let api: Api<Deployment> = Api::namespaced(cluster.client(), namespace);
+        let original = api
+            .get(name)
+            .await?
+            .spec
+            .and_then(|s| s.replicas)
+            .unwrap_or(1);
+        let scaled = Self {
+            cluster: cluster.clone(),
+            namespace: namespace.to_owned(),
+            name: name.to_owned(),
+            original,
+            restored: false,
+        };
+        scaled.set(replicas).await?;
+        Ok(scaled)
+    }
+
+    async fn set(&self, replicas: i32) -> Result<(), kube::Error> {
+        let api: Api<Deployment> = Api::namespaced(self.cluster.client(), &self.namespace);
+        api.patch(
+            &self.name,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"replicas": replicas}})),
+        )
+        .await?;
+        Ok(())
+    }
+
+    /// Puts the replicas back to [`Self::original`].
+    pub async fn restore(mut self) -> Result<(), kube::Error> {
+        self.set(self.original).await?;
+        self.restored = true;
+        Ok(())
+    }
+}
+
+impl Drop for ScaledDeployment {
+    fn drop(&mut self) {
+        if self.restored {
+            return;
+        }
+        if let Ok(mut cmd) = self.cluster.kubectl() {
+            let _ = cmd
+                .args(["-n", &self.namespace, "scale"])
+                .arg(format!("deployment/{}", self.name))
+                .arg(format!("--replicas={}", self.original))
+                .status();
+        }
+    }
+}
+
+/// Errors of [`restart_components`].
+#[derive(Debug, thiserror::Error)]
+pub enum RestartError {
+    #[error("running {0}: {1}")]
+    Spawn(String, std::io::Error),
+    #[error("tests/cluster/restart {components} failed ({status}):\n{log}")]
+    Failed {
+        components: String,
+        status: std::process::ExitStatus,
+        log: String,
+    },
+}
+
+/// The state dir of the running cluster: the kubeconfig's directory when it is a state dir
+/// (it has `pids/`), else [`hearth_test_support::state_dir`].
+fn cluster_state() -> PathBuf {
+    let from_kubeconfig = hearth_test_support::kubeconfig_path()
+        .parent()
+        .map(Path::to_path_buf)
+        .filter(|d| d.join("pids").is_dir());
+    from_kubeconfig.unwrap_or_else(hearth_test_support::state_dir)
+}
+
+/// Restarts components of the local cluster in place with `tests/cluster/restart` (SIGTERM,
+/// or SIGKILL when `kill`), in start order, and returns once each serves again (its log lines:
+/// old and new PIDs, seconds per step). Components are the script's names: `etcd`,
+/// `kube-apiserver`, `containerd`, `kubelet`, ...
+pub async fn restart_components(components: &[&str], kill: bool) -> Result<String, RestartError> {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../cluster/restart");
+    let mut cmd = tokio::process::Command::new(&script);
+    if kill {
+        cmd.arg("--kill");
+    }
+    let out = cmd
+        .args(components)
+        .env("HEARTH_CLUSTER_STATE", cluster_state())
+        .stdin(std::process::Stdio::null())
+        .output()
+        .await
+        .map_err(|e| RestartError::Spawn(script.display().to_string(), e))?;
+    let log = String::from_utf8_lossy(&out.stderr).into_owned();
+    if !out.status.success() {
+        return Err(RestartError::Failed {
+            components: components.join(" "),
+            status: out.status,
+            log,
+        });
+    }
+    Ok(log)
 }
 
 #[cfg(test)]

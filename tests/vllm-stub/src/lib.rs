@@ -12,13 +12,16 @@
 //! | `POST /v1/completions` | `text_completion`, streaming likewise |
 //! | `GET /metrics` | Prometheus text: `vllm:num_requests_running`, `vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc` |
 //! | any method `/stub/echo` | test aid: the request's method, URI, headers and body size as JSON |
+//! | `POST /stub/oom` | fault injection: allocates memory until the kernel's OOM killer ends the process (the container's memory limit), at most `?max=<MiB>` (default 1024); `500` if it is still alive then |
 //!
 //! Per-request overrides (documented in `docs/gateway.md`, section "The vLLM stand-in"):
 //! - `max_tokens` (or `max_completion_tokens` for chat) sets how many tokens are generated;
 //! - the header `x-stub-token-delay` or the body field `stub_token_delay` (a Go-style duration,
 //!   `"10ms"`) sets the delay before each token;
 //! - the header `x-stub-status` (an HTTP status code, 400..=599) makes the request fail with that
-//!   status and an OpenAI-style error body.
+//!   status and an OpenAI-style error body;
+//! - the header `x-stub-abort-after` (a token count) cuts a stream after that many token
+//!   events, without its end (as a server that died mid-stream).
 //!
 //! At most `max_num_seqs` requests generate at once (vLLM's `--max-num-seqs`); the others wait,
 //! and are counted by `vllm:num_requests_waiting`.
@@ -34,7 +37,6 @@ pub mod prewarm;
 pub mod sha256;
 
 use std::{
-    convert::Infallible,
     future::Future,
     net::SocketAddr,
     sync::{
@@ -205,6 +207,7 @@ pub fn router(state: Arc<StubState>) -> Router {
         .route("/v1/completions", post(completions))
         .route("/metrics", get(metrics))
         .route("/stub/echo", any(echo))
+        .route("/stub/oom", post(oom))
         .with_state(state)
 }
 
@@ -555,6 +558,17 @@ async fn generate(state: Arc<StubState>, kind: Kind, headers: HeaderMap, body: B
             }
         },
     };
+    let abort_after = match headers.get("x-stub-abort-after").map(|v| v.to_str()) {
+        None => None,
+        Some(Ok(v)) if v.parse::<u32>().is_ok() => v.parse::<u32>().ok(),
+        Some(_) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                "header x-stub-abort-after must be a token count (an unsigned integer)",
+                "BadRequestError",
+            );
+        }
+    };
     let limit = match kind {
         Kind::Chat => req.max_completion_tokens.or(req.max_tokens),
         Kind::Completion => req.max_tokens,
@@ -602,7 +616,7 @@ async fn generate(state: Arc<StubState>, kind: Kind, headers: HeaderMap, body: B
 
     if req.stream {
         let include_usage = req.stream_options.is_some_and(|o| o.include_usage);
-        let stream = sse_stream(generation, token_delay, include_usage, slot);
+        let stream = sse_stream(generation, token_delay, include_usage, abort_after, slot);
         let mut resp = Response::new(Body::from_stream(stream));
         resp.headers_mut().insert(
             header::CONTENT_TYPE,
@@ -756,19 +770,28 @@ fn event(v: &Value) -> Bytes {
 }
 
 /// The SSE body: one `data:` event per token after `delay`, a final chunk with
-/// `finish_reason`, an optional usage chunk, then `data: [DONE]`. `slot` is held until the
-/// stream ends or is dropped (client gone), keeping `vllm:num_requests_running` exact.
+/// `finish_reason`, an optional usage chunk, then `data: [DONE]`; with `abort_after`, an error
+/// after that many token events instead (the server cuts the connection without the body's
+/// end). `slot` is held until the stream ends or is dropped (client gone), keeping
+/// `vllm:num_requests_running` exact.
 fn sse_stream(
     generation: Generation,
     delay: Duration,
     include_usage: bool,
+    abort_after: Option<u32>,
     slot: Running,
-) -> impl futures::Stream<Item = Result<Bytes, Infallible>> + Send + 'static {
+) -> impl futures::Stream<Item = Result<Bytes, std::io::Error>> + Send + 'static {
     let total = generation.tokens;
     futures::stream::unfold(
         (generation, 0u32, Some(slot)),
         move |(generation, i, mut slot)| async move {
             slot.as_ref()?;
+            if abort_after.is_some_and(|n| i >= n.min(total)) {
+                return Some((
+                    Err(std::io::Error::other("aborted as x-stub-abort-after asked")),
+                    (generation, i + 1, None),
+                ));
+            }
             let out = if i < total {
                 token_pause(delay).await;
                 event(&generation.chunk(i))
@@ -784,4 +807,48 @@ fn sse_stream(
         },
     )
     .fuse()
+}
+
+/// `POST /stub/oom[?max=<MiB>]`: touches memory in 8 MiB blocks until the kernel's OOM killer
+/// ends the process at the container's memory limit, as an engine that runs out of memory
+/// mid-generation. Bounded by `max` (MiB, default 1024, at most 4096): a process still alive
+/// then frees it all and answers `500` (no memory limit at or below it).
+async fn oom(axum::extract::RawQuery(query): axum::extract::RawQuery) -> Response {
+    const BLOCK: usize = 8 << 20;
+    let max_mib = match query.as_deref().and_then(|q| q.strip_prefix("max=")) {
+        None => 1024,
+        Some(v) => match v.parse::<usize>() {
+            Ok(n) if (1..=4096).contains(&n) => n,
+            _ => {
+                return error(
+                    StatusCode::BAD_REQUEST,
+                    "query max must be a size in MiB from 1 to 4096",
+                    "BadRequestError",
+                );
+            }
+        },
+    };
+    tracing::warn!(
+        max_mib,
+        "allocating memory until OOM-killed (POST /stub/oom)"
+    );
+    let blocks = tokio::task::spawn_blocking(move || {
+        let mut held: Vec<Vec<u8>> = Vec::new();
+        while held.len() * BLOCK < max_mib << 20 {
+            // Non-zero bytes: every page is really touched (no zero-page sharing).
+            held.push(vec![0x5a; BLOCK]);
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        held.len()
+    })
+    .await
+    .unwrap_or(0);
+    error(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        &format!(
+            "still alive after allocating {} MiB: the container has no memory limit at or below it",
+            blocks * (BLOCK >> 20)
+        ),
+        "StubError",
+    )
 }
