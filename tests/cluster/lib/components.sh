@@ -93,7 +93,7 @@ start() {
   shift
   bin="$(component_binary "$name")"
   # setsid: its own session, so a terminal's Ctrl-C or hang-up after `up` does not reach it.
-  env "${envs[@]}" setsid "$bin" "$@" >"$LOGS/$name.log" 2>&1 </dev/null &
+  env "${envs[@]}" setsid "$bin" "$@" >>"$LOGS/$name.log" 2>&1 </dev/null &
   record_started "$name" "$!"
 }
 

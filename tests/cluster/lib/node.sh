@@ -143,7 +143,7 @@ start_in_node() {
     for f in $1; do echo $$ >"$f" || exit 1; done
     ns="$2"; shift 2
     exec nsenter --net="$ns/net/ns" --mount="$ns/mnt/ns" -- "$@"' \
-    sh "$procs" "$NS_DIR" "$bin" "$@" >"$LOGS/$name.log" 2>&1 </dev/null &
+    sh "$procs" "$NS_DIR" "$bin" "$@" >>"$LOGS/$name.log" 2>&1 </dev/null &
   record_started "$name" "$!"
 }
 

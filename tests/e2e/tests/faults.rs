@@ -945,10 +945,12 @@ async fn kubelet_and_containerd_restarted_running_pods_keep_serving() -> Result<
     let log = faults::restart_components(&["containerd", "kubelet"], false).await?;
     let restarted = start.elapsed();
     eprintln!("{}", log.trim_end());
+    // Recovered: the daemons serve again (the script waited for that) and a request is served
+    // while the long streams still run.
+    let recovered_at = served(&load.ledger, &d.url, Duration::from_secs(60)).await?;
     for s in streams {
         s.await?;
     }
-    let recovered_at = served(&load.ledger, &d.url, Duration::from_secs(60)).await?;
     // A while of load with the new kubelet: its probes and status sync run again.
     tokio::time::sleep(Duration::from_secs(10)).await;
     let ledger = load.stop().await;
@@ -993,6 +995,7 @@ async fn apiserver_and_etcd_restarted_controller_and_gateways_reconverge() -> Re
         svc["spec"]["scaling"]["max"] = json!(1);
     })
     .await?;
+    let client = warm_svc.cluster.client();
     let warm = Ledger::default();
     served(&warm, &warm_svc.url, Duration::from_secs(150)).await?;
     let load = Load::start(load_config(&warm_svc, 2, true));
@@ -1096,14 +1099,27 @@ async fn apiserver_and_etcd_restarted_controller_and_gateways_reconverge() -> Re
         Some(converged_at - start),
     );
     print_rows("faults: control plane", std::slice::from_ref(&row));
+    let keda_restarts: i32 = Api::<Pod>::namespaced(client.clone(), "keda")
+        .list(&ListParams::default())
+        .await?
+        .items
+        .iter()
+        .flat_map(|p| {
+            p.status
+                .iter()
+                .flat_map(|s| s.container_statuses.iter().flatten())
+        })
+        .map(|c| c.restart_count)
+        .sum();
     eprintln!(
-        "apiserver unready {:.1}s after the restart began, serving again after {:.1}s; cold requests answered {:.1}s after it was back; an edit carried out {:.1}s after it was back",
+        "apiserver unready {:.1}s after the restart began, serving again after {:.1}s; cold requests answered {:.1}s after it was back; an edit carried out {:.1}s after it was back; KEDA's containers have restarted {keda_restarts} times in all; the cold service's timeline: {}",
         (down_at - start).as_secs_f64(),
         (back_at - start).as_secs_f64(),
         cold_answered
             .saturating_duration_since(back_at)
             .as_secs_f64(),
-        (converged_at - back_at).as_secs_f64()
+        (converged_at - back_at).as_secs_f64(),
+        cold_svc.timeline_text(start)
     );
     for r in &records {
         match (&r.outcome, r.kind.is_request()) {
