@@ -134,6 +134,17 @@ fn example(file: &str) -> PathBuf {
     here().join("../examples").join(file)
 }
 
+/// Warm windows: one KEDA `cron` trigger per window, after the demand trigger.
+#[test]
+fn warm_windows_example() {
+    check(
+        "warm-windows",
+        example("warm-windows/llmservice.yaml"),
+        example("quickstart/runtime.yaml"),
+        &[],
+    );
+}
+
 #[test]
 fn hami_fraction_rendered_by_the_platform_policy() {
     let policy = example("hami/fraction-policy.yaml");

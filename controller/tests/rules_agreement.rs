@@ -233,6 +233,7 @@ const SCALER: &str = "serving.hearth.dev/scaler";
 // No cache size: upstream's 50Gi default.
 #[case::cache_size_default(json!({"spec": {"cache": {"size": null}}}), Rendered)]
 #[case::args_override_template(json!({"spec": {"runtime": {"argsOverride": ["--tag={{ .Service.Name }}"]}}}), Rendered)]
+#[case::warm_window(json!({"spec": {"scaling": {"max": 2, "warmWindows": [{"timezone": "Europe/Berlin", "start": "0 8 * * MON-FRI", "end": "0 18 * * MON-FRI", "replicas": 2}]}}}), Rendered)]
 // Rendered, with a warning.
 #[case::size_ignored(json!({"spec": {"cache": {"strategy": "HostPath"}}}), Warned("spec.cache.size"))]
 #[case::prewarm_ignored(json!({"spec": {"cache": {"strategy": "None", "size": null, "prewarm": true}}}), Warned("spec.cache.prewarm"))]
@@ -240,6 +241,7 @@ const SCALER: &str = "serving.hearth.dev/scaler";
 #[case::selector_ignored(json!({"spec": {"runtime": {"selector": {"vendor": ["nvidia"]}}}}), Warned("spec.runtime.selector"))]
 #[case::duplicate_vendor(json!({"spec": {"runtime": {"name": null, "selector": {"vendor": ["nvidia", "nvidia"]}}}}), Warned("spec.runtime.selector.vendor[1]"))]
 #[case::openai(json!({"spec": {"endpoint": {"openAICompatible": false}}}), Warned("spec.endpoint.openAICompatible"))]
+#[case::warm_window_at_min(json!({"spec": {"scaling": {"min": 1, "warmWindows": [{"timezone": "UTC", "start": "0 8 * * *", "end": "0 18 * * *", "replicas": 1}]}}}), Warned("spec.scaling.warmWindows[0].replicas"))]
 // Refused by both.
 #[case::shared_pvc(json!({"spec": {"cache": {"strategy": "SharedPVC"}}}), Refused("spec.cache.strategy", "CacheReady", "StrategyNotImplemented"))]
 #[case::baked_image_with_pvc_model(json!({"spec": {"model": {"source": {"uri": "pvc://weights"}}, "cache": {"strategy": "BakedImage"}}}), Refused("spec.cache.strategy", "CacheReady", "StrategyNotImplemented"))]
@@ -256,6 +258,9 @@ const SCALER: &str = "serving.hearth.dev/scaler";
 #[case::cpu(json!({"spec": {"resources": {"cpu": "lots"}}}), Refused("spec.resources.cpu", "Ready", "InvalidSpec"))]
 #[case::negative_memory(json!({"spec": {"resources": {"memory": "-1Gi"}}}), Refused("spec.resources.memory", "Ready", "InvalidSpec"))]
 #[case::duration(json!({"spec": {"scaling": {"drainTimeout": "2 minutes"}}}), Refused("spec.scaling.drainTimeout", "Ready", "InvalidSpec"))]
+#[case::warm_window_zone(json!({"spec": {"scaling": {"warmWindows": [{"timezone": "Berlin", "start": "0 8 * * *", "end": "0 18 * * *", "replicas": 1}]}}}), Refused("spec.scaling.warmWindows[0].timezone", "Ready", "InvalidSpec"))]
+#[case::warm_window_cron(json!({"spec": {"scaling": {"warmWindows": [{"timezone": "UTC", "start": "0 0 8 * * *", "end": "0 18 * * *", "replicas": 1}]}}}), Refused("spec.scaling.warmWindows[0].start", "Ready", "InvalidSpec"))]
+#[case::warm_window_above_max(json!({"spec": {"scaling": {"max": 1, "warmWindows": [{"timezone": "UTC", "start": "0 8 * * *", "end": "0 18 * * *", "replicas": 2}]}}}), Refused("spec.scaling.warmWindows[0].replicas", "Ready", "InvalidSpec"))]
 #[case::vendor_name(json!({"spec": {"runtime": {"name": null, "selector": {"vendor": ["NVIDIA", "nvidia"]}}}}), Refused("spec.runtime.selector.vendor[0]", "Ready", "InvalidSpec"))]
 #[case::pull_secret(json!({"spec": {"imagePullSecrets": [{"name": "Bad_Name"}]}}), Refused("spec.imagePullSecrets[0].name", "Ready", "InvalidSpec"))]
 #[case::scaler(json!({"metadata": {"annotations": {SCALER: "sideways"}}}), Refused("metadata.annotations[\"serving.hearth.dev/scaler\"]", "Ready", "InvalidSpec"))]

@@ -3,7 +3,9 @@
 //! Field for field compatible with the public Hearth `serving.hearth.dev/v1alpha1` API
 //! (`api/v1alpha1/llmservice_types.go`): same JSON names, enums, defaults and minimums. Hearth
 //! adds `status.observedGeneration` and CEL rules (`x-kubernetes-validations`) so that the
-//! apiserver rejects contradictory scaling settings before any webhook runs.
+//! apiserver rejects contradictory scaling settings before any webhook runs, and a few
+//! extensions, each marked "A Hearth extension of the public API" (`scaling.warmWindows`,
+//! `endpoint.replicas`, `endpoint.apiKeySecretRef`).
 
 use k8s_openapi::{
     api::core::v1::LocalObjectReference,
@@ -190,12 +192,20 @@ pub struct AcceleratorFraction {
 /// are not offered.
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
-#[schemars(extend("x-kubernetes-validations" = [{
-    "rule": "(has(self.min) ? self.min : 0) <= (has(self.max) ? self.max : 1)",
-    "message": "scaling.min must not exceed scaling.max: lower min or raise max",
-    "fieldPath": ".min",
-    "reason": "FieldValueInvalid"
-}]))]
+#[schemars(extend("x-kubernetes-validations" = [
+    {
+        "rule": "(has(self.min) ? self.min : 0) <= (has(self.max) ? self.max : 1)",
+        "message": "scaling.min must not exceed scaling.max: lower min or raise max",
+        "fieldPath": ".min",
+        "reason": "FieldValueInvalid"
+    },
+    {
+        "rule": "!has(self.warmWindows) || self.warmWindows.all(w, w.replicas <= (has(self.max) ? self.max : 1))",
+        "message": "scaling.warmWindows[].replicas must not exceed scaling.max: lower the window's replicas or raise max",
+        "fieldPath": ".warmWindows",
+        "reason": "FieldValueInvalid"
+    }
+]))]
 pub struct ScalingSpec {
     /// min is the minimum number of backend replicas; 0 enables scale-to-zero.
     #[serde(default)]
@@ -240,6 +250,49 @@ pub struct ScalingSpec {
     /// termination grace period when the drain needs more room.
     #[serde(default = "default_drain_timeout")]
     pub drain_timeout: Duration,
+
+    /// warmWindows keep at least `replicas` backend replicas during recurring time windows
+    /// (business hours, say) and let the service scale to zero outside them; demand still
+    /// scales it above a window's minimum. Each window is one KEDA `cron` trigger. At most 10
+    /// (`rules::MAX_WARM_WINDOWS`). A Hearth extension of the public API.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 10))]
+    pub warm_windows: Vec<WarmWindow>,
+}
+
+/// A recurring window with a minimum number of backend replicas: KEDA's `cron` scaler
+/// (<https://keda.sh/docs/latest/scalers/cron/>) asks for `replicas` from each time `start`
+/// matches until the next time `end` matches, read in `timezone`, and for nothing outside.
+/// Checked by `hearth_crds::rules` (webhook and controller). A Hearth extension of the public
+/// API.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [{
+    "rule": "self.start != self.end",
+    "message": "a warm window's start and end must differ: the window opens when start matches and closes when end matches",
+    "fieldPath": ".end",
+    "reason": "FieldValueInvalid"
+}]))]
+pub struct WarmWindow {
+    /// timezone is the IANA time zone `start` and `end` are read in, such as `Europe/Berlin`,
+    /// `America/New_York` or `UTC` (daylight saving time included).
+    #[schemars(length(min = 1, max = 64))]
+    pub timezone: String,
+
+    /// start is a five-field cron expression (minute hour day-of-month month day-of-week, such
+    /// as `0 8 * * MON-FRI`) for when the window opens.
+    #[schemars(length(min = 1, max = 128))]
+    pub start: String,
+
+    /// end is a five-field cron expression for when the window closes (such as
+    /// `0 18 * * MON-FRI`).
+    #[schemars(length(min = 1, max = 128))]
+    pub end: String,
+
+    /// replicas is the minimum number of backend replicas while the window is open: at least
+    /// 1, at most `scaling.max`.
+    #[schemars(range(min = 1))]
+    pub replicas: i32,
 }
 
 impl Default for ScalingSpec {
@@ -252,6 +305,7 @@ impl Default for ScalingSpec {
             activation_timeout: default_activation_timeout(),
             scale_down_stabilization: default_scale_down_stabilization(),
             drain_timeout: default_drain_timeout(),
+            warm_windows: Vec::new(),
         }
     }
 }

@@ -21,8 +21,8 @@ use std::fmt;
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 
 use crate::{
-    InferenceRuntime, LLMService,
-    llmservice::{CacheSpec, CacheStrategy, ScalingMetric},
+    InferenceRuntime, LLMService, cron,
+    llmservice::{CacheSpec, CacheStrategy, ScalingMetric, ScalingSpec},
     model_uri::{ModelUri, parse_model_uri},
     naming::{is_dns1035_label, is_dns1123_label, is_dns1123_subdomain},
     quantity::{is_negative, is_quantity},
@@ -33,6 +33,10 @@ use crate::{
 /// Longest `LLMService` name whose children all get valid names: Service names are RFC 1035
 /// labels (at most 63 characters) and the longest Service suffix is `-backend`.
 pub const MAX_NAME_LEN: usize = 63 - "-backend".len();
+
+/// Most `spec.scaling.warmWindows` of one service (the CRD's `maxItems`): each is one KEDA
+/// trigger, polled every `pollingInterval`.
+pub const MAX_WARM_WINDOWS: usize = 10;
 
 /// Whether a finding blocks rendering.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -408,6 +412,8 @@ pub fn check_llmservice(svc: &LLMService, runtime: Option<&InferenceRuntime>) ->
         }
     }
 
+    warm_windows(&mut f, &spec.scaling);
+
     // Cache.
     let cache = &spec.cache;
     match cache.strategy {
@@ -498,6 +504,93 @@ pub fn check_llmservice(svc: &LLMService, runtime: Option<&InferenceRuntime>) ->
     f
 }
 
+/// `spec.scaling.warmWindows`: what KEDA's `cron` scaler needs to run each window as written
+/// (a time zone it can load, five-field cron expressions its parser accepts, start and end
+/// apart, `desiredReplicas` of at least 1), and a minimum within `scaling.max`. A window at or
+/// below `scaling.min` is a warning: it changes nothing.
+fn warm_windows(f: &mut Findings, s: &ScalingSpec) {
+    if s.warm_windows.len() > MAX_WARM_WINDOWS {
+        f.error(
+            Reason::InvalidSpec,
+            "spec.scaling.warmWindows",
+            format!(
+                "has {} windows, at most {MAX_WARM_WINDOWS} are allowed; merge windows (a cron \
+                 field takes lists and ranges, such as MON-FRI or 8,13)",
+                s.warm_windows.len()
+            ),
+        );
+    }
+    for (i, w) in s.warm_windows.iter().enumerate() {
+        let field = |name: &str| format!("spec.scaling.warmWindows[{i}].{name}");
+        if w.timezone.parse::<chrono_tz::Tz>().is_err() {
+            f.error(
+                Reason::InvalidSpec,
+                field("timezone"),
+                format!(
+                    "{:?} is not an IANA time zone name; write one such as Europe/Berlin, \
+                     America/New_York or UTC (names are case-sensitive)",
+                    w.timezone
+                ),
+            );
+        }
+        let mut schedule = |name: &str, expr: &str| match cron::parse(expr) {
+            Ok(s) => Some(s),
+            Err(e) => {
+                f.error(
+                    Reason::InvalidSpec,
+                    field(name),
+                    format!("{expr:?} is not a schedule KEDA's cron scaler runs: {e}"),
+                );
+                None
+            }
+        };
+        let start = schedule("start", &w.start);
+        let end = schedule("end", &w.end);
+        if start.is_some() && start == end {
+            f.error(
+                Reason::InvalidSpec,
+                field("end"),
+                format!(
+                    "{:?} is the same schedule as start {:?}, so the window would never close \
+                     (KEDA refuses identical expressions and keeps equivalent ones open all the \
+                     time); set end to when the window closes",
+                    w.end, w.start
+                ),
+            );
+        }
+        if w.replicas < 1 {
+            f.error(
+                Reason::InvalidSpec,
+                field("replicas"),
+                format!(
+                    "{} keeps nothing warm; set 1 or more (a window is the minimum while it is \
+                     open), or remove the window",
+                    w.replicas
+                ),
+            );
+        } else if w.replicas > s.max {
+            f.error(
+                Reason::InvalidSpec,
+                field("replicas"),
+                format!(
+                    "{} exceeds scaling.max ({}); lower replicas or raise max",
+                    w.replicas, s.max
+                ),
+            );
+        } else if w.replicas <= s.min {
+            f.warn(
+                Reason::FieldIgnored,
+                field("replicas"),
+                format!(
+                    "{} is not above scaling.min ({}), so the window changes nothing; raise \
+                     replicas or remove the window",
+                    w.replicas, s.min
+                ),
+            );
+        }
+    }
+}
+
 fn object_name(f: &mut Findings, field: &str, name: &str) {
     if !is_dns1123_subdomain(name) {
         f.error(
@@ -583,6 +676,126 @@ mod tests {
                 Some([(SCALER_ANNOTATION.to_owned(), value.to_owned())].into());
             assert_eq!(scaler_mode(&svc).ok(), want, "{value:?}");
         }
+    }
+
+    fn windows(windows: serde_json::Value) -> LLMService {
+        service(serde_json::json!({"scaling": {"min": 0, "max": 3, "warmWindows": windows}}))
+    }
+
+    fn window(tz: &str, start: &str, end: &str, replicas: i32) -> serde_json::Value {
+        serde_json::json!({"timezone": tz, "start": start, "end": end, "replicas": replicas})
+    }
+
+    #[rstest::rstest]
+    #[case::business_hours(window("Europe/Berlin", "0 8 * * MON-FRI", "0 18 * * MON-FRI", 1))]
+    #[case::over_midnight(window("Asia/Shanghai", "30 22 * * *", "0 6 * * *", 3))]
+    #[case::utc(window("UTC", "0 9 * * 1-5", "0 17 * * 1-5", 2))]
+    #[case::legacy_zone_name(window("US/Eastern", "0 9 * * *", "0 17 * * *", 1))]
+    fn good_warm_windows_have_no_finding(#[case] w: serde_json::Value) {
+        let f = check_llmservice(&windows(serde_json::json!([w])), None);
+        assert!(f.is_empty(), "{f}");
+    }
+
+    #[rstest::rstest]
+    #[case::unknown_zone(
+        window("Mars/Olympus", "0 8 * * *", "0 18 * * *", 1),
+        "timezone",
+        "is not an IANA time zone name"
+    )]
+    #[case::zone_case(
+        window("europe/berlin", "0 8 * * *", "0 18 * * *", 1),
+        "timezone",
+        "case-sensitive"
+    )]
+    #[case::go_local(
+        window("Local", "0 8 * * *", "0 18 * * *", 1),
+        "timezone",
+        "is not an IANA time zone name"
+    )]
+    #[case::empty_zone(
+        window("", "0 8 * * *", "0 18 * * *", 1),
+        "timezone",
+        "is not an IANA time zone name"
+    )]
+    #[case::seconds_field(
+        window("UTC", "0 0 8 * * *", "0 18 * * *", 1),
+        "start",
+        "it has 6 fields"
+    )]
+    #[case::descriptor(window("UTC", "0 8 * * *", "@midnight", 1), "end", "descriptors")]
+    #[case::tz_prefix(
+        window("UTC", "CRON_TZ=UTC 0 8 * * *", "0 18 * * *", 1),
+        "start",
+        "TZ= or CRON_TZ="
+    )]
+    #[case::sunday_seven(window("UTC", "0 8 * * 1-7", "0 18 * * *", 1), "start", "Sunday is 0")]
+    #[case::same_text(
+        window("UTC", "0 8 * * *", "0 8 * * *", 1),
+        "end",
+        "is the same schedule as start"
+    )]
+    #[case::same_schedule(
+        window("UTC", "0 8 * * 1-5", "00 08 * * MON-FRI", 1),
+        "end",
+        "never close"
+    )]
+    #[case::zero_replicas(
+        window("UTC", "0 8 * * *", "0 18 * * *", 0),
+        "replicas",
+        "keeps nothing warm"
+    )]
+    #[case::above_max(
+        window("UTC", "0 8 * * *", "0 18 * * *", 4),
+        "replicas",
+        "exceeds scaling.max (3)"
+    )]
+    fn bad_warm_windows_are_errors_naming_the_field(
+        #[case] w: serde_json::Value,
+        #[case] field: &str,
+        #[case] message: &str,
+    ) {
+        let ok = window("UTC", "0 8 * * *", "0 18 * * *", 1);
+        let f = check_llmservice(&windows(serde_json::json!([ok, w])), None);
+        let e = f.first_error().unwrap_or_else(|| panic!("no error: {f}"));
+        assert_eq!(
+            e.field,
+            format!("spec.scaling.warmWindows[1].{field}"),
+            "{f}"
+        );
+        assert_eq!(e.reason, Reason::InvalidSpec);
+        assert!(e.message.contains(message), "{f}");
+        assert_eq!(f.errors().count(), 1, "{f}");
+    }
+
+    #[test]
+    fn a_window_at_or_below_min_is_a_warning() {
+        let mut svc = windows(serde_json::json!([window(
+            "UTC",
+            "0 8 * * *",
+            "0 18 * * *",
+            2
+        )]));
+        svc.spec.scaling.min = 2;
+        let f = check_llmservice(&svc, None);
+        assert!(!f.blocks_rendering(), "{f}");
+        let w = f.warnings().next().unwrap();
+        assert_eq!(
+            (w.field.as_str(), w.reason),
+            ("spec.scaling.warmWindows[0].replicas", Reason::FieldIgnored)
+        );
+    }
+
+    #[test]
+    fn at_most_ten_windows() {
+        let w = window("UTC", "0 8 * * *", "0 18 * * *", 1);
+        let f = check_llmservice(
+            &windows(serde_json::Value::Array(vec![w; MAX_WARM_WINDOWS + 1])),
+            None,
+        );
+        assert_eq!(
+            f.first_error().map(|e| e.field.as_str()),
+            Some("spec.scaling.warmWindows")
+        );
     }
 
     #[test]

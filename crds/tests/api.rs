@@ -265,6 +265,12 @@ fn service_with(scaling: Value) -> Value {
 #[case(serde_json::json!({"scaleDownStabilization": "2h"}), "scaleDownStabilization must be at most 1h")]
 #[case(serde_json::json!({"scaleDownStabilization": "1.5s"}), "scaleDownStabilization must be whole seconds")]
 #[case(serde_json::json!({"scaleDownStabilization": "1500ms"}), "scaleDownStabilization must be whole seconds")]
+#[case(serde_json::json!({"max": 2, "warmWindows": [
+    {"timezone": "UTC", "start": "0 8 * * *", "end": "0 18 * * *", "replicas": 1},
+    {"timezone": "UTC", "start": "0 9 * * *", "end": "0 17 * * *", "replicas": 3}
+]}), "scaling.warmWindows[].replicas must not exceed scaling.max")]
+#[case(serde_json::json!({"warmWindows": [{"timezone": "UTC", "start": "0 8 * * *", "end": "0 18 * * *", "replicas": 2}]}), "scaling.warmWindows[].replicas must not exceed scaling.max")]
+#[case(serde_json::json!({"warmWindows": [{"timezone": "UTC", "start": "0 8 * * *", "end": "0 8 * * *", "replicas": 1}]}), "start and end must differ")]
 fn bad_scaling_is_rejected_with_the_rules_message(#[case] scaling: Value, #[case] message: &str) {
     let errors = cel_errors(&LLMService::crd(), &service_with(scaling));
     assert!(
@@ -278,6 +284,11 @@ fn bad_scaling_is_rejected_with_the_rules_message(#[case] scaling: Value, #[case
 #[case(serde_json::json!({"min": 0, "max": 4, "scaleDownStabilization": "1h"}))]
 #[case(serde_json::json!({"scaleDownStabilization": "90s"}))]
 #[case(serde_json::json!({}))]
+#[case(serde_json::json!({"max": 3, "warmWindows": [
+    {"timezone": "Europe/Berlin", "start": "0 8 * * MON-FRI", "end": "0 18 * * MON-FRI", "replicas": 3},
+    {"timezone": "UTC", "start": "0 22 * * *", "end": "0 6 * * *", "replicas": 1}
+]}))]
+#[case(serde_json::json!({"warmWindows": []}))]
 fn good_scaling_is_accepted(#[case] scaling: Value) {
     assert_eq!(
         cel_errors(&LLMService::crd(), &service_with(scaling)),
@@ -373,7 +384,23 @@ fn rule_inputs_are_bounded() {
         walk(&schema_of(&crd), file, &mut rules_seen);
     }
     assert!(
-        rules_seen >= 7,
+        rules_seen >= 9,
         "expected the CRDs' CEL rules, found {rules_seen}"
+    );
+}
+
+/// The schema's bound on `warmWindows` is the one the rules apply.
+#[test]
+fn warm_windows_bound_matches_the_rules() {
+    let schema = schema_of(&LLMService::crd());
+    let windows =
+        &schema["properties"]["spec"]["properties"]["scaling"]["properties"]["warmWindows"];
+    assert_eq!(
+        windows["maxItems"].as_u64(),
+        Some(hearth_crds::rules::MAX_WARM_WINDOWS as u64)
+    );
+    assert_eq!(
+        windows["items"]["required"],
+        serde_json::json!(["end", "replicas", "start", "timezone"])
     );
 }

@@ -1,5 +1,7 @@
-//! The KEDA `ScaledObject` that scales the backend Deployment on the gateway's demand.
+//! The KEDA `ScaledObject` that scales the backend Deployment on the gateway's demand, and keeps
+//! a minimum during the service's warm windows.
 
+use hearth_crds::llmservice::WarmWindow;
 use kube::api::{ApiResource, DynamicObject};
 use serde_json::json;
 
@@ -59,6 +61,11 @@ pub(super) fn scaled_object(ctx: &Ctx<'_>) -> Result<DynamicObject, RenderError>
             }
         }),
     };
+    // The demand trigger stays first: KEDA names each trigger's metric after its index
+    // (`s0-...`), so a warm window added or removed never renames the demand metric.
+    let triggers: Vec<_> = std::iter::once(trigger)
+        .chain(s.warm_windows.iter().map(warm_window_trigger))
+        .collect();
     let mut obj = DynamicObject::new(&names::scaled_object(&ctx.name), &ctx.cfg.keda_api);
     obj.metadata = ctx.meta(names::scaled_object(&ctx.name), Component::Autoscaler);
     obj.data = json!({
@@ -83,8 +90,25 @@ pub(super) fn scaled_object(ctx: &Ctx<'_>) -> Result<DynamicObject, RenderError>
                     }
                 }
             },
-            "triggers": [trigger],
+            "triggers": triggers,
         }
     });
     Ok(obj)
+}
+
+/// A warm window as KEDA's `cron` trigger: while the window is open it reports `replicas` as
+/// its metric (target 1 per replica, so the HPA asks for that many) and is active, which wakes
+/// a service at zero; closed, it reports 0 and is inactive, so the service may go back to zero
+/// after `cooldownPeriod`. The HPA takes the largest of the triggers' counts, so demand still
+/// scales above the window's minimum. `minReplicaCount` stays `scaling.min`.
+fn warm_window_trigger(w: &WarmWindow) -> serde_json::Value {
+    json!({
+        "type": "cron",
+        "metadata": {
+            "timezone": w.timezone,
+            "start": w.start,
+            "end": w.end,
+            "desiredReplicas": w.replicas.to_string(),
+        }
+    })
 }

@@ -198,3 +198,73 @@ fn the_default_gateway_resources_parse_back() {
         default_gateway_resources()
     );
 }
+
+/// The ScaledObject of the test service with `scaling` and, for push, the scaler annotation.
+fn scaled_object_with(scaling: serde_json::Value, push: bool) -> serde_json::Value {
+    let (mut svc, rt) = service_and_runtime(json!({}));
+    svc.spec.scaling = serde_json::from_value(scaling).unwrap();
+    if push {
+        svc.metadata.annotations = Some(
+            [(
+                hearth_crds::wellknown::SCALER_ANNOTATION.to_owned(),
+                "push".to_owned(),
+            )]
+            .into(),
+        );
+    }
+    let cfg = RenderConfig::builtin().unwrap();
+    render(&svc, &rt, &cfg, true).unwrap().scaled_object.data
+}
+
+#[rstest::rstest]
+#[case::none(json!({"min": 0, "max": 2}), false, json!([]))]
+#[case::poll_one(
+    json!({"min": 0, "max": 2, "warmWindows": [
+        {"timezone": "Europe/Berlin", "start": "0 8 * * MON-FRI", "end": "0 18 * * MON-FRI", "replicas": 1}
+    ]}),
+    false,
+    json!([{"type": "cron", "metadata": {"timezone": "Europe/Berlin", "start": "0 8 * * MON-FRI", "end": "0 18 * * MON-FRI", "desiredReplicas": "1"}}])
+)]
+#[case::push_two_in_order(
+    json!({"min": 1, "max": 4, "warmWindows": [
+        {"timezone": "UTC", "start": "0 9 * * *", "end": "0 17 * * *", "replicas": 4},
+        {"timezone": "Asia/Shanghai", "start": "30 22 * * *", "end": "0 6 * * *", "replicas": 2}
+    ]}),
+    true,
+    json!([
+        {"type": "cron", "metadata": {"timezone": "UTC", "start": "0 9 * * *", "end": "0 17 * * *", "desiredReplicas": "4"}},
+        {"type": "cron", "metadata": {"timezone": "Asia/Shanghai", "start": "30 22 * * *", "end": "0 6 * * *", "desiredReplicas": "2"}}
+    ])
+)]
+fn warm_windows_are_cron_triggers_after_the_demand_trigger(
+    #[case] scaling: serde_json::Value,
+    #[case] push: bool,
+    #[case] windows: serde_json::Value,
+) {
+    let so = scaled_object_with(scaling.clone(), push);
+    let spec = &so["spec"];
+    let triggers = spec["triggers"].as_array().unwrap();
+    // The demand trigger first, whatever the windows (KEDA names metrics by trigger index).
+    assert_eq!(
+        triggers[0]["type"],
+        if push { "external-push" } else { "metrics-api" }
+    );
+    assert_eq!(json!(triggers[1..]), windows);
+    // A window sets no floor of its own: outside it the service may still go to zero.
+    assert_eq!(spec["minReplicaCount"], scaling["min"]);
+    assert_eq!(spec["maxReplicaCount"], scaling["max"]);
+    assert!(spec.get("idleReplicaCount").is_none());
+}
+
+#[test]
+fn warm_windows_leave_the_rest_of_the_scaled_object_unchanged() {
+    let without = scaled_object_with(json!({"min": 0, "max": 2}), false);
+    let mut with = scaled_object_with(
+        json!({"min": 0, "max": 2, "warmWindows": [
+            {"timezone": "UTC", "start": "0 8 * * *", "end": "0 18 * * *", "replicas": 2}
+        ]}),
+        false,
+    );
+    with["spec"]["triggers"].as_array_mut().unwrap().truncate(1);
+    assert_eq!(with, without);
+}
