@@ -24,8 +24,7 @@
 
 use std::fmt;
 
-/// A parsed schedule: the set of values each field matches. Two schedules are equal when they
-/// match the same times (up to how the day fields combine, see the module docs).
+/// A parsed schedule: the set of values each field matches.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Schedule {
     minute: u64,
@@ -186,7 +185,157 @@ pub fn parse(expr: &str) -> Result<Schedule, CronError> {
     Ok(schedule)
 }
 
+/// How a window of two schedules misbehaves under KEDA's rule (`pkg/scalers/cron_scaler.go`:
+/// a window is open while its next `end` is not after its next `start`), found by
+/// [`window_problem`]. Each names a time (UTC-free: the window's own zone) where it shows.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum WindowProblem {
+    /// Both fire at this time: KEDA treats the window as open whenever that is the next time
+    /// of both, so a window whose every start is also an end never closes.
+    Together(String),
+    /// `end` fires at the first time and again at the second with no `start` in between: KEDA
+    /// keeps the window open from the first to the second.
+    EndTwice(String, String),
+    /// `start` fires at the first time and again at the second with no `end` in between: KEDA
+    /// opens the window only at the second.
+    StartTwice(String, String),
+}
+
+impl fmt::Display for WindowProblem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            WindowProblem::Together(at) => write!(
+                f,
+                "start and end both fire at {at}, and KEDA keeps a window open while its next \
+                 end is not after its next start, so it would not close then"
+            ),
+            WindowProblem::EndTwice(a, b) => write!(
+                f,
+                "end fires at {a} and again at {b} with no start in between, and KEDA keeps a \
+                 window open while its next end is not after its next start, so it would be open \
+                 from {a} to {b}; give start and end the same day fields (for example both \
+                 MON-FRI)"
+            ),
+            WindowProblem::StartTwice(a, b) => write!(
+                f,
+                "start fires at {a} and again at {b} with no end in between, and KEDA opens a \
+                 window only at the last start before its end, so it would open at {b}, not \
+                 {a}; give start and end the same day fields and one time each"
+            ),
+        }
+    }
+}
+
+/// Days walked by [`window_problem`]: 28 years from 2000-01-01 (a Saturday), the cycle after
+/// which dates fall on the same weekdays again (every year of it leap-correct up to 2099).
+const WALK_DAYS: u32 = 10_227;
+
+/// Whether `start` and `end`, as KEDA's cron scaler runs them, open the window at each start
+/// and close it at the next end: their fire times must alternate (start, end, start, ...) and
+/// never coincide. Walks 28 years of dates minute by minute of the fire times (at most 1440 a
+/// day) and returns the first problem. Daylight-saving gaps are not modelled: the walk is in
+/// the window's wall-clock time.
+pub fn window_problem(start: &Schedule, end: &Schedule) -> Option<WindowProblem> {
+    let start_minutes = start.minutes_of_day();
+    let end_minutes = end.minutes_of_day();
+    // (what fired, at) of the last fire time seen; true is start.
+    let mut last: Option<(bool, String)> = None;
+    let (mut year, mut month, mut day, mut dow) = (2000u32, 1u32, 1u32, 6u32);
+    for _ in 0..WALK_DAYS {
+        let s = start.matches_day(month, day, dow);
+        let e = end.matches_day(month, day, dow);
+        if s || e {
+            let (mut i, mut j) = (0, 0);
+            let none: &[u32] = &[];
+            let (sm, em) = (
+                if s { &start_minutes[..] } else { none },
+                if e { &end_minutes[..] } else { none },
+            );
+            while i < sm.len() || j < em.len() {
+                let (is_start, minute) = match (sm.get(i), em.get(j)) {
+                    (Some(a), Some(b)) if a == b => {
+                        return Some(WindowProblem::Together(stamp(year, month, day, dow, *a)));
+                    }
+                    (Some(a), Some(b)) if a < b => (true, *a),
+                    (Some(a), None) => (true, *a),
+                    (_, Some(b)) => (false, *b),
+                    (None, None) => break,
+                };
+                if is_start {
+                    i += 1;
+                } else {
+                    j += 1;
+                }
+                let at = stamp(year, month, day, dow, minute);
+                if let Some((was_start, prev)) = last.take() {
+                    match (was_start, is_start) {
+                        (true, true) => return Some(WindowProblem::StartTwice(prev, at)),
+                        (false, false) => return Some(WindowProblem::EndTwice(prev, at)),
+                        _ => {}
+                    }
+                }
+                last = Some((is_start, at));
+            }
+        }
+        (year, month, day) = next_date(year, month, day);
+        dow = (dow + 1) % 7;
+    }
+    None
+}
+
+/// `Sat 2000-01-08 18:00`.
+fn stamp(year: u32, month: u32, day: u32, dow: u32, minute: u32) -> String {
+    const DAYS: [&str; 7] = ["Sun", "Mon", "Tue", "Wed", "Thu", "Fri", "Sat"];
+    format!(
+        "{} {year}-{month:02}-{day:02} {:02}:{:02}",
+        DAYS[dow as usize % 7],
+        minute / 60,
+        minute % 60
+    )
+}
+
+fn next_date(year: u32, month: u32, day: u32) -> (u32, u32, u32) {
+    let leap = year % 4 == 0 && (year % 100 != 0 || year % 400 == 0);
+    let last = if month == 2 && !leap {
+        28
+    } else {
+        DAYS_IN_MONTH[(month - 1) as usize]
+    };
+    match (day < last, month < 12) {
+        (true, _) => (year, month, day + 1),
+        (false, true) => (year, month + 1, 1),
+        (false, false) => (year + 1, 1, 1),
+    }
+}
+
 impl Schedule {
+    /// Whether the schedule fires on this date (robfig/cron's day rule: when day of month or
+    /// day of week is `*`, both must match, otherwise either). `dow`: Sunday is 0.
+    pub fn matches_day(&self, month: u32, day: u32, dow: u32) -> bool {
+        if self.month & (1 << month) == 0 {
+            return false;
+        }
+        let dom = self.dom & (1 << day) != 0;
+        let dow = self.dow & (1 << dow) != 0;
+        if self.dom_star || self.dow_star {
+            dom && dow
+        } else {
+            dom || dow
+        }
+    }
+
+    /// The minutes of a day (hour × 60 + minute) it fires at, ascending.
+    pub fn minutes_of_day(&self) -> Vec<u32> {
+        (HOUR.min..=HOUR.max)
+            .filter(|h| self.hour & (1 << h) != 0)
+            .flat_map(|h| {
+                (MINUTE.min..=MINUTE.max)
+                    .filter(|m| self.minute & (1 << m) != 0)
+                    .map(move |m| h * 60 + m)
+            })
+            .collect()
+    }
+
     /// Whether no date matches: the day of month alone decides (day of week is `*`) and none of
     /// its days exists in any of its months.
     fn matches_no_date(&self) -> bool {

@@ -381,6 +381,16 @@ pub fn check_llmservice(svc: &LLMService, runtime: Option<&InferenceRuntime>) ->
     }
 
     // Scaling.
+    if spec.scaling.min > spec.scaling.max {
+        f.error(
+            Reason::InvalidSpec,
+            "spec.scaling.min",
+            format!(
+                "{} exceeds scaling.max ({}); lower min or raise max",
+                spec.scaling.min, spec.scaling.max
+            ),
+        );
+    }
     if spec.scaling.metric == ScalingMetric::KvCacheUtil {
         f.error(
             Reason::MetricNotImplemented,
@@ -546,15 +556,15 @@ fn warm_windows(f: &mut Findings, s: &ScalingSpec) {
         };
         let start = schedule("start", &w.start);
         let end = schedule("end", &w.end);
-        if start.is_some() && start == end {
+        if let (Some(start), Some(end)) = (start, end)
+            && let Some(problem) = cron::window_problem(&start, &end)
+        {
             f.error(
                 Reason::InvalidSpec,
                 field("end"),
                 format!(
-                    "{:?} is the same schedule as start {:?}, so the window would never close \
-                     (KEDA refuses identical expressions and keeps equivalent ones open all the \
-                     time); set end to when the window closes",
-                    w.end, w.start
+                    "start {:?} and end {:?} do not make a window KEDA runs as written: {problem}",
+                    w.start, w.end
                 ),
             );
         }
@@ -686,11 +696,25 @@ mod tests {
         serde_json::json!({"timezone": tz, "start": start, "end": end, "replicas": replicas})
     }
 
+    #[test]
+    fn min_above_max_is_an_error_naming_min() {
+        let svc = service(serde_json::json!({"scaling": {"min": 3, "max": 2}}));
+        let f = check_llmservice(&svc, None);
+        assert!(
+            f.to_string().contains("spec.scaling.min")
+                && f.to_string().contains("exceeds scaling.max (2)"),
+            "{f}"
+        );
+    }
+
     #[rstest::rstest]
     #[case::business_hours(window("Europe/Berlin", "0 8 * * MON-FRI", "0 18 * * MON-FRI", 1))]
     #[case::over_midnight(window("Asia/Shanghai", "30 22 * * *", "0 6 * * *", 3))]
     #[case::utc(window("UTC", "0 9 * * 1-5", "0 17 * * 1-5", 2))]
     #[case::legacy_zone_name(window("US/Eastern", "0 9 * * *", "0 17 * * *", 1))]
+    #[case::two_a_day(window("UTC", "0 8,13 * * *", "0 12,18 * * *", 1))]
+    #[case::weeknights(window("UTC", "0 22 * * MON-FRI", "0 6 * * TUE-SAT", 1))]
+    #[case::month_end(window("UTC", "0 0 1 * *", "0 0 2 * *", 1))]
     fn good_warm_windows_have_no_finding(#[case] w: serde_json::Value) {
         let f = check_llmservice(&windows(serde_json::json!([w])), None);
         assert!(f.is_empty(), "{f}");
@@ -732,12 +756,32 @@ mod tests {
     #[case::same_text(
         window("UTC", "0 8 * * *", "0 8 * * *", 1),
         "end",
-        "is the same schedule as start"
+        "both fire at Sat 2000-01-01 08:00"
     )]
     #[case::same_schedule(
         window("UTC", "0 8 * * 1-5", "00 08 * * MON-FRI", 1),
         "end",
-        "never close"
+        "both fire at"
+    )]
+    #[case::every_day_is_every_weekday(
+        window("UTC", "0 8 * * *", "0 8 * * 0-6", 1),
+        "end",
+        "both fire at"
+    )]
+    #[case::weekday_start_daily_end(
+        window("UTC", "0 8 * * MON-FRI", "0 18 * * *", 1),
+        "end",
+        "end fires at Sat 2000-01-01 18:00 and again at Sun 2000-01-02 18:00"
+    )]
+    #[case::two_starts_one_end(
+        window("UTC", "0 8,9 * * *", "0 18 * * *", 1),
+        "end",
+        "start fires at Sat 2000-01-01 08:00 and again at Sat 2000-01-01 09:00"
+    )]
+    #[case::monthly_start_daily_end(
+        window("UTC", "0 8 1 * *", "0 18 * * *", 1),
+        "end",
+        "end fires at"
     )]
     #[case::zero_replicas(
         window("UTC", "0 8 * * *", "0 18 * * *", 0),

@@ -160,6 +160,85 @@ async fn served(ledger: &Ledger, url: &str, timeout: Duration) -> Result<Instant
     }
 }
 
+/// The stub service with one backend at most (`spec.scaling.max: 1`).
+fn max_one(svc: &mut Value) {
+    svc["spec"]["scaling"]["max"] = json!(1);
+}
+
+/// A held cold request is lost after this long (`activationTimeout` 2m, plus slack).
+const COLD_DEADLINE: Duration = Duration::from_secs(240);
+
+/// Sends one chat completion per entry of `streams` (streaming or not) through `url` at once,
+/// each recorded in `ledger` with `tag`; the handles give their outcomes.
+fn spawn_chats(
+    ledger: &Ledger,
+    url: &str,
+    streams: &[bool],
+    tokens: u32,
+    deadline: Duration,
+    tag: &'static str,
+) -> Vec<tokio::task::JoinHandle<Outcome>> {
+    streams
+        .iter()
+        .map(|&stream| {
+            let (ledger, url) = (ledger.clone(), url.to_owned());
+            tokio::spawn(async move {
+                faults::chat_once(&ledger, &url, SERVICE, stream, tokens, deadline, tag).await
+            })
+        })
+        .collect()
+}
+
+/// Merge-patches the service's LLMService spec.
+async fn patch_service(d: &stack::Deployed, spec: Value) -> Result<()> {
+    d.ns.dynamic_api(
+        "serving.hearth.dev",
+        "v1alpha1",
+        "LLMService",
+        "llmservices",
+    )
+    .patch(
+        SERVICE,
+        &PatchParams::default(),
+        &Patch::Merge(json!({ "spec": spec })),
+    )
+    .await?;
+    Ok(())
+}
+
+/// An edit only a working controller carries out: `spec.scaling.scaleDownStabilization` set to
+/// `secs`, whose ScaledObject's `cooldownPeriod` follows; [`wait_cooldown`] sees it done.
+async fn edit_stabilization(d: &stack::Deployed, secs: u32) -> Result<()> {
+    patch_service(
+        d,
+        json!({"scaling": {"scaleDownStabilization": format!("{secs}s")}}),
+    )
+    .await
+}
+
+/// Waits until the service's ScaledObject has `cooldownPeriod: secs` (the controller carried
+/// out [`edit_stabilization`]).
+async fn wait_cooldown(d: &stack::Deployed, secs: u32, timeout: Duration) -> Result<()> {
+    let so =
+        d.ns.dynamic_api("keda.sh", "v1alpha1", "ScaledObject", "scaledobjects");
+    wait_until(
+        format!("the edit carried out (ScaledObject cooldownPeriod {secs})"),
+        timeout,
+        || async {
+            let o = so.get(SERVICE).await?;
+            Ok(if o.data["spec"]["cooldownPeriod"] == secs {
+                Observed::Ready(())
+            } else {
+                Observed::NotYet(format!(
+                    "cooldownPeriod {}",
+                    o.data["spec"]["cooldownPeriod"]
+                ))
+            })
+        },
+    )
+    .await
+}
+
 fn load_config(d: &stack::Deployed, chat_workers: usize, admissions: bool) -> LoadConfig {
     LoadConfig {
         url: Some(d.url.clone()),
@@ -489,10 +568,7 @@ async fn backend_state(d: &stack::Deployed) -> Result<Vec<(String, String, i32)>
 #[ignore = "fault suite: disrupts the shared cluster; tests/run-tests runs it last, alone"]
 async fn active_controller_deleted_standby_takes_over() -> Result<()> {
     let _serial = SERIAL.lock().await;
-    let d = stack::deploy("e2e-fault-ctl", ScalerMode::Poll, |svc| {
-        svc["spec"]["scaling"]["max"] = json!(1);
-    })
-    .await?;
+    let d = stack::deploy("e2e-fault-ctl", ScalerMode::Poll, max_one).await?;
     let client = d.cluster.client();
     let replicas =
         faults::ScaledDeployment::scale(&d.cluster, RELEASE_NAMESPACE, "hearth-controller", 2)
@@ -535,20 +611,7 @@ async fn active_controller_deleted_standby_takes_over() -> Result<()> {
     Api::<Pod>::namespaced(client.clone(), RELEASE_NAMESPACE)
         .delete(&active, &DeleteParams::default())
         .await?;
-    // An edit only a working controller carries out: the ScaledObject's cooldown follows
-    // spec.scaling.scaleDownStabilization.
-    d.ns.dynamic_api(
-        "serving.hearth.dev",
-        "v1alpha1",
-        "LLMService",
-        "llmservices",
-    )
-    .patch(
-        SERVICE,
-        &PatchParams::default(),
-        &Patch::Merge(json!({"spec": {"scaling": {"scaleDownStabilization": "16s"}}})),
-    )
-    .await?;
+    edit_stabilization(&d, 16).await?;
     let new_holder = wait_until(
         "another controller replica holding the lease",
         Duration::from_secs(60),
@@ -563,24 +626,7 @@ async fn active_controller_deleted_standby_takes_over() -> Result<()> {
     )
     .await?;
     let takeover = fault_at.elapsed();
-    let so =
-        d.ns.dynamic_api("keda.sh", "v1alpha1", "ScaledObject", "scaledobjects");
-    wait_until(
-        "the edit carried out (ScaledObject cooldownPeriod 16)",
-        Duration::from_secs(60),
-        || async {
-            let o = so.get(SERVICE).await?;
-            Ok(if o.data["spec"]["cooldownPeriod"] == 16 {
-                Observed::Ready(())
-            } else {
-                Observed::NotYet(format!(
-                    "cooldownPeriod {}",
-                    o.data["spec"]["cooldownPeriod"]
-                ))
-            })
-        },
-    )
-    .await?;
+    wait_cooldown(&d, 16, Duration::from_secs(60)).await?;
     let recovery = fault_at.elapsed();
     // Let the new leader's first full reconcile pass settle before comparing.
     tokio::time::sleep(Duration::from_secs(10)).await;
@@ -639,10 +685,7 @@ async fn active_controller_deleted_standby_takes_over() -> Result<()> {
 #[ignore = "fault suite: disrupts the shared cluster; tests/run-tests runs it last, alone"]
 async fn webhook_pods_killed_only_opted_in_admissions_refused_until_back() -> Result<()> {
     let _serial = SERIAL.lock().await;
-    let d = stack::deploy("e2e-fault-wh", ScalerMode::Poll, |svc| {
-        svc["spec"]["scaling"]["max"] = json!(1);
-    })
-    .await?;
+    let d = stack::deploy("e2e-fault-wh", ScalerMode::Poll, max_one).await?;
     let client = d.cluster.client();
     let pods_api = Api::<Pod>::namespaced(client.clone(), RELEASE_NAMESPACE);
     let lp = ListParams::default().labels("app.kubernetes.io/component=webhook");
@@ -782,10 +825,7 @@ async fn webhook_pods_killed_only_opted_in_admissions_refused_until_back() -> Re
 async fn keda_operator_down_while_a_cold_request_arrives() -> Result<()> {
     const DOWN: Duration = Duration::from_secs(20);
     let _serial = SERIAL.lock().await;
-    let d = stack::deploy("e2e-fault-keda", ScalerMode::Poll, |svc| {
-        svc["spec"]["scaling"]["max"] = json!(1);
-    })
-    .await?;
+    let d = stack::deploy("e2e-fault-keda", ScalerMode::Poll, max_one).await?;
     let client = d.cluster.client();
     let deployments: Api<Deployment> = Api::namespaced(client.clone(), "keda");
     let keda = deployments.get("keda-operator").await?;
@@ -816,22 +856,14 @@ async fn keda_operator_down_while_a_cold_request_arrives() -> Result<()> {
     // Cold requests, streaming and not, while nothing can scale the backend.
     let ledger = Ledger::default();
     let t0 = Instant::now();
-    let mut requests = Vec::new();
-    for stream in [true, false] {
-        let (ledger, url) = (ledger.clone(), d.url.clone());
-        requests.push(tokio::spawn(async move {
-            faults::chat_once(
-                &ledger,
-                &url,
-                SERVICE,
-                stream,
-                LOAD_TOKENS,
-                Duration::from_secs(240),
-                "cold",
-            )
-            .await
-        }));
-    }
+    let requests = spawn_chats(
+        &ledger,
+        &d.url,
+        &[true, false],
+        LOAD_TOKENS,
+        COLD_DEADLINE,
+        "cold",
+    );
     tokio::time::sleep(DOWN).await;
     ensure!(
         requests.iter().all(|r| !r.is_finished()),
@@ -911,10 +943,7 @@ async fn pod_states(client: &Client, namespaces: &[&str]) -> Result<Vec<(String,
 #[ignore = "fault suite: disrupts the shared cluster; tests/run-tests runs it last, alone"]
 async fn kubelet_and_containerd_restarted_running_pods_keep_serving() -> Result<()> {
     let _serial = SERIAL.lock().await;
-    let d = stack::deploy("e2e-fault-node", ScalerMode::Poll, |svc| {
-        svc["spec"]["scaling"]["max"] = json!(1);
-    })
-    .await?;
+    let d = stack::deploy("e2e-fault-node", ScalerMode::Poll, max_one).await?;
     let client = d.cluster.client();
     let warm = Ledger::default();
     served(&warm, &d.url, Duration::from_secs(150)).await?;
@@ -924,22 +953,14 @@ async fn kubelet_and_containerd_restarted_running_pods_keep_serving() -> Result<
     let before = pod_states(&client, &namespaces).await?;
     // Two long streams that span the restart.
     let pinned = Ledger::default();
-    let mut streams = Vec::new();
-    for _ in 0..2 {
-        let (ledger, url) = (pinned.clone(), d.url.clone());
-        streams.push(tokio::spawn(async move {
-            faults::chat_once(
-                &ledger,
-                &url,
-                SERVICE,
-                true,
-                PINNED_TOKENS,
-                DEADLINE,
-                "pinned",
-            )
-            .await
-        }));
-    }
+    let streams = spawn_chats(
+        &pinned,
+        &d.url,
+        &[true; 2],
+        PINNED_TOKENS,
+        DEADLINE,
+        "pinned",
+    );
     tokio::time::sleep(Duration::from_secs(1)).await;
     let start = Instant::now();
     let log = faults::restart_components(&["containerd", "kubelet"], false).await?;
@@ -987,14 +1008,8 @@ async fn kubelet_and_containerd_restarted_running_pods_keep_serving() -> Result<
 async fn apiserver_and_etcd_restarted_controller_and_gateways_reconverge() -> Result<()> {
     let _serial = SERIAL.lock().await;
     // A warm service under load, and a cold one that gets requests while the apiserver is gone.
-    let warm_svc = stack::deploy("e2e-fault-cp-warm", ScalerMode::Poll, |svc| {
-        svc["spec"]["scaling"]["max"] = json!(1);
-    })
-    .await?;
-    let cold_svc = stack::deploy("e2e-fault-cp-cold", ScalerMode::Push, |svc| {
-        svc["spec"]["scaling"]["max"] = json!(1);
-    })
-    .await?;
+    let warm_svc = stack::deploy("e2e-fault-cp-warm", ScalerMode::Poll, max_one).await?;
+    let cold_svc = stack::deploy("e2e-fault-cp-cold", ScalerMode::Push, max_one).await?;
     let client = warm_svc.cluster.client();
     let warm = Ledger::default();
     served(&warm, &warm_svc.url, Duration::from_secs(150)).await?;
@@ -1024,22 +1039,14 @@ async fn apiserver_and_etcd_restarted_controller_and_gateways_reconverge() -> Re
     .await?;
     let down_at = Instant::now();
     let cold = Ledger::default();
-    let mut requests = Vec::new();
-    for stream in [true, false] {
-        let (ledger, url) = (cold.clone(), cold_svc.url.clone());
-        requests.push(tokio::spawn(async move {
-            faults::chat_once(
-                &ledger,
-                &url,
-                SERVICE,
-                stream,
-                LOAD_TOKENS,
-                Duration::from_secs(240),
-                "cold",
-            )
-            .await
-        }));
-    }
+    let requests = spawn_chats(
+        &cold,
+        &cold_svc.url,
+        &[true, false],
+        LOAD_TOKENS,
+        COLD_DEADLINE,
+        "cold",
+    );
     let log = restart.await??;
     let back_at = Instant::now();
     eprintln!("{}", log.trim_end());
@@ -1054,39 +1061,8 @@ async fn apiserver_and_etcd_restarted_controller_and_gateways_reconverge() -> Re
         .unwrap_or(back_at);
     // The controller converges: an edit made now is carried out (by the same leader, or by the
     // restarted one if it gave up its lease while the apiserver was gone).
-    cold_svc
-        .ns
-        .dynamic_api(
-            "serving.hearth.dev",
-            "v1alpha1",
-            "LLMService",
-            "llmservices",
-        )
-        .patch(
-            SERVICE,
-            &PatchParams::default(),
-            &Patch::Merge(json!({"spec": {"scaling": {"scaleDownStabilization": "17s"}}})),
-        )
-        .await?;
-    let so = cold_svc
-        .ns
-        .dynamic_api("keda.sh", "v1alpha1", "ScaledObject", "scaledobjects");
-    wait_until(
-        "the edit carried out after the restart (ScaledObject cooldownPeriod 17)",
-        Duration::from_secs(90),
-        || async {
-            let o = so.get(SERVICE).await?;
-            Ok(if o.data["spec"]["cooldownPeriod"] == 17 {
-                Observed::Ready(())
-            } else {
-                Observed::NotYet(format!(
-                    "cooldownPeriod {}",
-                    o.data["spec"]["cooldownPeriod"]
-                ))
-            })
-        },
-    )
-    .await?;
+    edit_stabilization(&cold_svc, 17).await?;
+    wait_cooldown(&cold_svc, 17, Duration::from_secs(90)).await?;
     let converged_at = Instant::now();
     tokio::time::sleep(Duration::from_secs(5)).await;
     let ledger = load.stop().await;
@@ -1194,18 +1170,7 @@ async fn backend_oom_killed_mid_stream_error_event_and_rerouted() -> Result<()> 
     // manifest's `resources.memory: 128Mi` is the container's limit.
     let d = stack::deploy("e2e-fault-oom", ScalerMode::Poll, |_| {}).await?;
     // Raised after the deploy, which waits for ScaledToZero.
-    d.ns.dynamic_api(
-        "serving.hearth.dev",
-        "v1alpha1",
-        "LLMService",
-        "llmservices",
-    )
-    .patch(
-        SERVICE,
-        &PatchParams::default(),
-        &Patch::Merge(json!({"spec": {"scaling": {"min": 2, "max": 2}}})),
-    )
-    .await?;
+    patch_service(&d, json!({"scaling": {"min": 2, "max": 2}})).await?;
     let pods_api = d.ns.api::<Pod>();
     let ready_backends = || async {
         let pods: Vec<Pod> = d
@@ -1235,22 +1200,7 @@ async fn backend_oom_killed_mid_stream_error_event_and_rerouted() -> Result<()> 
     let load = Load::start(load_config(&d, 2, false));
     // Long streams through the gateway: least-outstanding balancing spreads them over both.
     let pinned = Ledger::default();
-    let mut streams = Vec::new();
-    for _ in 0..4 {
-        let (ledger, url) = (pinned.clone(), d.url.clone());
-        streams.push(tokio::spawn(async move {
-            faults::chat_once(
-                &ledger,
-                &url,
-                SERVICE,
-                true,
-                PINNED_TOKENS,
-                DEADLINE,
-                "long",
-            )
-            .await
-        }));
-    }
+    let streams = spawn_chats(&pinned, &d.url, &[true; 4], PINNED_TOKENS, DEADLINE, "long");
     let victim = backends[0].clone();
     let victim_ip = victim
         .status
