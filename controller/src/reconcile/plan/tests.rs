@@ -196,7 +196,7 @@ fn writes_per_case(#[case] patch: Value, #[case] edit: fn(&mut View), #[case] wa
 
 #[test]
 fn a_new_backend_is_created_with_replicas_and_an_existing_one_applied_without() {
-    let svc = service(json!({"spec": {"scaling": {"min": 2}}}));
+    let svc = service(json!({"spec": {"scaling": {"min": 2, "max": 2}}}));
     let plan = planned(&svc, &View::default());
     let created = plan.writes.iter().find_map(|w| match w {
         Write::Create(d) => Some(d),
