@@ -148,7 +148,7 @@ pub async fn watch_endpoints(
     mut on_change: impl FnMut(Vec<Authority>) + Send,
 ) -> DiscoveryError {
     let api: Api<EndpointSlice> = Api::namespaced(client, &source.namespace);
-    let cfg = hearth_net::watch::config()
+    let cfg = watcher::Config::default()
         .labels(&format!("kubernetes.io/service-name={}", source.service));
     let stream = watcher(api, cfg).default_backoff();
     futures::pin_mut!(stream);

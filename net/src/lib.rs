@@ -27,8 +27,6 @@ pub mod process;
 pub mod secure_metrics;
 #[cfg(feature = "tls-server")]
 pub mod tls_server;
-#[cfg(feature = "watch")]
-pub mod watch;
 
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener};

@@ -104,7 +104,7 @@ where
 {
     let api: Api<K> = Api::all(client);
     let (reader, writer) = reflector::store();
-    let stream = watcher(api, hearth_net::watch::config())
+    let stream = watcher(api, watcher::Config::default())
         .default_backoff()
         .reflect(writer)
         .touched_objects();

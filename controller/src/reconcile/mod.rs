@@ -441,12 +441,12 @@ pub async fn run(
     shutdown: impl Future<Output = ()> + Send + Sync + 'static,
 ) -> Result<(), Error> {
     let ns = cfg.namespace.as_deref();
-    let managed = hearth_net::watch::config().labels(&labels::managed_selector());
+    let managed = watcher::Config::default().labels(&labels::managed_selector());
 
     let (runtimes, runtime_writer) = reflector::store::<InferenceRuntime>();
     let runtime_stream = watcher(
         Api::<InferenceRuntime>::all(client.clone()),
-        hearth_net::watch::config(),
+        watcher::Config::default(),
     )
     .default_backoff()
     .modify(|r| r.metadata.managed_fields = None)
@@ -551,7 +551,7 @@ pub async fn run(
     let (service_store, service_writer) = reflector::store::<LLMService>();
     let service_stream = watcher(
         scoped::<LLMService>(&client, ns),
-        hearth_net::watch::config(),
+        watcher::Config::default(),
     )
     .default_backoff()
     .modify(|s| s.metadata.managed_fields = None)

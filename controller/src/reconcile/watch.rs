@@ -56,7 +56,7 @@ pub(super) async fn watch_policies(
     let notify = changed.clone();
     let stream = watcher(
         Api::<ServingPolicy>::all(client),
-        hearth_net::watch::config(),
+        watcher::Config::default(),
     )
     .default_backoff()
     .modify(|p| p.metadata.managed_fields = None)
@@ -215,7 +215,7 @@ pub(super) async fn watch_keda(
     one_tx: mpsc::UnboundedSender<ObjectRef<LLMService>>,
 ) {
     let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
-    let cfg = hearth_net::watch::config().fields(&format!("metadata.name={}", crd_name(&keda.api)));
+    let cfg = watcher::Config::default().fields(&format!("metadata.name={}", crd_name(&keda.api)));
     let mut events = watcher(crds, cfg).default_backoff().boxed();
     let mut cache_started = false;
     while let Some(event) = events.next().await {
@@ -243,7 +243,7 @@ pub(super) async fn watch_keda(
                 None => Api::all_with(client.clone(), &ar),
             };
             let tx = one_tx.clone();
-            let managed = hearth_net::watch::config().labels(&labels::managed_selector());
+            let managed = watcher::Config::default().labels(&labels::managed_selector());
             tokio::spawn(async move {
                 let mut stream = watcher(api, managed)
                     .default_backoff()
