@@ -295,7 +295,7 @@ fn stamp(year: u32, month: u32, day: u32, dow: u32, minute: u32) -> String {
 }
 
 fn next_date(year: u32, month: u32, day: u32) -> (u32, u32, u32) {
-    let leap = year % 4 == 0 && (year % 100 != 0 || year % 400 == 0);
+    let leap = year.is_multiple_of(4) && (!year.is_multiple_of(100) || year.is_multiple_of(400));
     let last = if month == 2 && !leap {
         28
     } else {
