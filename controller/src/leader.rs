@@ -207,7 +207,14 @@ pub async fn acquire(client: Client, cfg: LeaseConfig) -> Result<Leadership, Lea
             let mut last_ok = tokio::time::Instant::now();
             loop {
                 tokio::time::sleep(cfg.renew_interval).await;
-                match try_acquire(&api, &cfg).await {
+                // A renewal may not outlive the Lease: an answer that never comes (a connection
+                // an apiserver restart left hanging) must end in "lost", not in two leaders.
+                let left = cfg.lease_duration.saturating_sub(last_ok.elapsed());
+                let renewed = match tokio::time::timeout(left, try_acquire(&api, &cfg)).await {
+                    Ok(r) => r.map_err(|e| e.to_string()),
+                    Err(_) => Err(format!("no answer within {left:?}")),
+                };
+                match renewed {
                     Ok(true) => last_ok = tokio::time::Instant::now(),
                     Ok(false) => {
                         tracing::warn!(lease = %cfg.name, "another candidate holds the lease");

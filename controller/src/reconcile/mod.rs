@@ -76,6 +76,7 @@ pub use write::{Kind, Object, Target, Write};
 
 use watch::{
     cached_watch, established, relevant, scoped, uses_runtime, watch_keda, watch_policies,
+    without_errors,
 };
 
 /// The name of the CRD of `api`, whose presence means KEDA is installed
@@ -444,14 +445,17 @@ pub async fn run(
     let managed = watcher::Config::default().labels(&labels::managed_selector());
 
     let (runtimes, runtime_writer) = reflector::store::<InferenceRuntime>();
-    let runtime_stream = watcher(
-        Api::<InferenceRuntime>::all(client.clone()),
-        watcher::Config::default(),
-    )
-    .default_backoff()
-    .modify(|r| r.metadata.managed_fields = None)
-    .reflect(runtime_writer)
-    .touched_objects();
+    let runtime_stream = without_errors(
+        "InferenceRuntime",
+        watcher(
+            Api::<InferenceRuntime>::all(client.clone()),
+            watcher::Config::default(),
+        )
+        .default_backoff()
+        .modify(|r| r.metadata.managed_fields = None)
+        .reflect(runtime_writer)
+        .touched_objects(),
+    );
     // Children whose status feeds ours trigger a reconcile only when what we read changes
     // (see `relevant`): KEDA, kwok and the Deployment controller update status often.
     let (deployments, dep_stream) = cached_watch::<Deployment>(
@@ -549,14 +553,17 @@ pub async fn run(
 
     // The services' own cache, without managedFields (most of each object's size).
     let (service_store, service_writer) = reflector::store::<LLMService>();
-    let service_stream = watcher(
-        scoped::<LLMService>(&client, ns),
-        watcher::Config::default(),
-    )
-    .default_backoff()
-    .modify(|s| s.metadata.managed_fields = None)
-    .reflect(service_writer)
-    .applied_objects();
+    let service_stream = without_errors(
+        "LLMService",
+        watcher(
+            scoped::<LLMService>(&client, ns),
+            watcher::Config::default(),
+        )
+        .default_backoff()
+        .modify(|s| s.metadata.managed_fields = None)
+        .reflect(service_writer)
+        .applied_objects(),
+    );
     // No debounce: kube-runtime's is trailing-edge (each new trigger restarts the wait), so an
     // LLMService edited, or with a child changing, more often than the debounce period was
     // never reconciled while that went on (a gateway kept its old image through a Hearth

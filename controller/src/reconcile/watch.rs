@@ -136,7 +136,36 @@ where
         .modify(|o: &mut K| o.meta_mut().managed_fields = None)
         .reflect(writer)
         .filter_map(move |event| futures::future::ready(event.map(|e| churn.pass(e)).transpose()));
-    (store, stream)
+    (store, without_errors(K::kind(&()), stream))
+}
+
+/// A trigger watch for the `Controller` with its errors logged (as warnings naming `kind`) and
+/// dropped, so that none reaches the Controller.
+///
+/// kube-runtime's `Controller` merges every trigger stream (the services' own watch and each
+/// `owns_stream`/`watches_stream`) into one behind a single backoff (`trigger_backoff`: 0.8 s
+/// doubling to 30 s, reset only after 120 s without an error), and while it sleeps no watch is
+/// polled. An apiserver restart fails a dozen watches at once: the merged stream then slept for
+/// minutes, no watch re-opened and LLMService edits went unreconciled (docs/operations.md, the
+/// control-plane restart). Each watch here already retries with a backoff of its own
+/// (`default_backoff`), so its errors need only be seen in the log.
+pub(super) fn without_errors<K, S>(
+    kind: impl std::fmt::Display + Send + 'static,
+    stream: S,
+) -> impl futures::Stream<Item = Result<K, watcher::Error>> + Send + 'static
+where
+    K: Send + 'static,
+    S: futures::Stream<Item = Result<K, watcher::Error>> + Send + 'static,
+{
+    stream.filter_map(move |item| {
+        futures::future::ready(match item {
+            Ok(obj) => Some(Ok(obj)),
+            Err(e) => {
+                tracing::warn!(%kind, error = %e, "watch failed; retrying with backoff");
+                None
+            }
+        })
+    })
 }
 
 /// The churn filter of a watch: which events trigger a reconcile. Deletions always do (a
