@@ -10,7 +10,10 @@
 //! | `GET /v1/models` | the served model names, OpenAI `list` of `model` objects |
 //! | `POST /v1/chat/completions` | `chat.completion`, or SSE `chat.completion.chunk` events ending with `data: [DONE]` when `"stream": true` |
 //! | `POST /v1/completions` | `text_completion`, streaming likewise |
-//! | `GET /metrics` | Prometheus text: `vllm:num_requests_running`, `vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc` |
+//! | `GET /metrics` | Prometheus text: `vllm:num_requests_running`, `vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc`, `vllm:engine_sleep_state` |
+//! | `POST /sleep[?level=N]` | sleep mode only (below): level `1` (default) offloads the weights and drops the KV cache, `2` drops both; answers `200` once asleep, after `sleep_delay`; another level is a `400` naming `level` |
+//! | `POST /wake_up` | sleep mode only: `200` once awake, after `wake_delay` (level 1) or `startup_delay` + `wake_delay` (level 2: the weights are loaded again); at once when awake |
+//! | `GET /is_sleeping` | sleep mode only: `{"is_sleeping": bool}`, `true` from the start of falling asleep until woken |
 //! | any method `/stub/echo` | test aid: the request's method, URI, headers and body size as JSON |
 //! | `POST /stub/oom` | fault injection: allocates memory until the kernel's OOM killer ends the process (the container's memory limit), at most `?max=<MiB>` (default 1024); `500` if it is still alive then |
 //!
@@ -26,6 +29,12 @@
 //! At most `max_num_seqs` requests generate at once (vLLM's `--max-num-seqs`); the others wait,
 //! and are counted by `vllm:num_requests_waiting`.
 //!
+//! Sleep mode ([`sleep`]): the three sleep routes exist only when the stub runs with
+//! `--enable-sleep-mode` and `VLLM_SERVER_DEV_MODE=1` ([`StubConfig::sleep_endpoints`]);
+//! otherwise they are `404`. From the start of falling asleep until woken, completions are
+//! refused with `503` ("the engine is sleeping"), while `/health`, `/v1/models` and `/metrics`
+//! keep answering.
+//!
 //! The binary reads its model from disk when `--model` names one ([`model`]: a directory, or a
 //! repository in the Hugging Face or ModelScope cache the environment names) and is not ready
 //! before it has ([`StubConfig::await_model`], [`StubState::model_loaded`]); invoked as
@@ -35,6 +44,9 @@ pub mod hub;
 pub mod model;
 pub mod prewarm;
 pub mod sha256;
+pub mod sleep;
+
+pub use sleep::{SleepLevel, SleepState, parse_dev_mode};
 
 use std::{
     future::Future,
@@ -88,6 +100,16 @@ pub struct StubConfig {
     /// Whether the stub waits for [`StubState::model_loaded`] before it is ready (the startup
     /// delay then counts from the load); otherwise the model counts as loaded at start.
     pub await_model: bool,
+    /// vLLM's `--enable-sleep-mode`: the engine may be put to sleep.
+    pub enable_sleep_mode: bool,
+    /// vLLM's `VLLM_SERVER_DEV_MODE=1`: the development endpoints (here the sleep routes) are
+    /// served.
+    pub dev_mode: bool,
+    /// How long falling asleep takes (`STUB_SLEEP_DELAY`).
+    pub sleep_delay: Duration,
+    /// How long waking up takes, after sleep level 2 on top of `startup_delay`
+    /// (`STUB_WAKE_DELAY`).
+    pub wake_delay: Duration,
 }
 
 impl Default for StubConfig {
@@ -100,6 +122,10 @@ impl Default for StubConfig {
             token_delay: DEFAULT_TOKEN_DELAY,
             max_num_seqs: DEFAULT_MAX_NUM_SEQS,
             await_model: false,
+            enable_sleep_mode: false,
+            dev_mode: false,
+            sleep_delay: Duration::ZERO,
+            wake_delay: Duration::ZERO,
         }
     }
 }
@@ -111,6 +137,21 @@ impl StubConfig {
             vec![self.model.clone()]
         } else {
             self.served_model_names.clone()
+        }
+    }
+
+    /// Whether `POST /sleep`, `POST /wake_up` and `GET /is_sleeping` are served: with
+    /// `enable_sleep_mode` and `dev_mode` both, as vLLM needs both for a sleep over HTTP.
+    pub fn sleep_endpoints(&self) -> bool {
+        self.enable_sleep_mode && self.dev_mode
+    }
+
+    /// How long waking from sleep at `level` takes: `wake_delay`, and after level 2, whose
+    /// weights were dropped, also `startup_delay`, the stub's model load time.
+    pub fn wake_delay(&self, level: SleepLevel) -> Duration {
+        match level {
+            SleepLevel::Offload => self.wake_delay,
+            SleepLevel::Discard => self.startup_delay.saturating_add(self.wake_delay),
         }
     }
 }
@@ -128,6 +169,11 @@ pub struct StubState {
     next_id: AtomicU64,
     seqs: Arc<Semaphore>,
     received_tx: tokio::sync::watch::Sender<u64>,
+    /// Where the engine is in sleep mode ([`sleep`]).
+    sleep: tokio::sync::watch::Sender<SleepState>,
+    /// Held by the sleep or wake-up under way: they run one after the other.
+    transitions: tokio::sync::Mutex<()>,
+    wake_ups: AtomicU64,
 }
 
 impl StubState {
@@ -152,6 +198,9 @@ impl StubState {
             next_id: AtomicU64::new(1),
             seqs,
             received_tx: tokio::sync::watch::channel(0).0,
+            sleep: tokio::sync::watch::channel(SleepState::Awake).0,
+            transitions: tokio::sync::Mutex::new(()),
+            wake_ups: AtomicU64::new(0),
         })
     }
 
@@ -200,15 +249,21 @@ impl StubState {
 
 /// The stub's routes over `state`.
 pub fn router(state: Arc<StubState>) -> Router {
-    Router::new()
+    let mut router = Router::new()
         .route("/health", get(health))
         .route("/v1/models", get(models))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
         .route("/metrics", get(metrics))
         .route("/stub/echo", any(echo))
-        .route("/stub/oom", post(oom))
-        .with_state(state)
+        .route("/stub/oom", post(oom));
+    if state.config.sleep_endpoints() {
+        router = router
+            .route("/sleep", post(sleep::sleep))
+            .route("/wake_up", post(sleep::wake_up))
+            .route("/is_sleeping", get(sleep::is_sleeping));
+    }
+    router.with_state(state)
 }
 
 /// A stub serving on a bound listener; dropping it does not stop the server, call
@@ -318,6 +373,11 @@ async fn metrics(State(state): State<Arc<StubState>>) -> Response {
     // One engine serves every name; vLLM labels its gauges with the first served name.
     let name = state.config.names().into_iter().next().unwrap_or_default();
     let labels = format!("engine=\"0\",model_name=\"{}\"", escape_label(&name));
+    let sleep = state.sleep_state();
+    let gauge = |on: bool| if on { "1.0" } else { "0.0" };
+    let awake = gauge(!sleep.is_sleeping());
+    let offloaded = gauge(sleep.level() == Some(SleepLevel::Offload));
+    let discarded = gauge(sleep.level() == Some(SleepLevel::Discard));
     let out = format!(
         "# HELP vllm:num_requests_running Number of requests in model execution batches.\n\
          # TYPE vllm:num_requests_running gauge\n\
@@ -327,7 +387,14 @@ async fn metrics(State(state): State<Arc<StubState>>) -> Response {
          vllm:num_requests_waiting{{{labels}}} {waiting}.0\n\
          # HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.\n\
          # TYPE vllm:kv_cache_usage_perc gauge\n\
-         vllm:kv_cache_usage_perc{{{labels}}} {usage}\n"
+         vllm:kv_cache_usage_perc{{{labels}}} {usage}\n\
+         # HELP vllm:engine_sleep_state Engine sleep state; awake = 0 means engine is sleeping; \
+         awake = 1 means engine is awake; weights_offloaded = 1 means sleep level 1; \
+         discard_all = 1 means sleep level 2.\n\
+         # TYPE vllm:engine_sleep_state gauge\n\
+         vllm:engine_sleep_state{{{labels},sleep_state=\"awake\"}} {awake}\n\
+         vllm:engine_sleep_state{{{labels},sleep_state=\"weights_offloaded\"}} {offloaded}\n\
+         vllm:engine_sleep_state{{{labels},sleep_state=\"discard_all\"}} {discarded}\n"
     );
     (
         [(
@@ -375,13 +442,18 @@ async fn echo(req: Request) -> Response {
 
 /// An OpenAI-style error response: `{"error": {"message", "type", "param", "code"}}`.
 fn error(status: StatusCode, message: &str, kind: &str) -> Response {
+    error_in(status, message, kind, None)
+}
+
+/// [`error`] about the request parameter `param`.
+fn error_in(status: StatusCode, message: &str, kind: &str, param: Option<&str>) -> Response {
     (
         status,
         Json(json!({
             "error": {
                 "message": message,
                 "type": kind,
-                "param": null,
+                "param": param,
                 "code": status.as_u16(),
             }
         })),
@@ -474,6 +546,9 @@ async fn generate(state: Arc<StubState>, kind: Kind, headers: HeaderMap, body: B
     state.received_tx.send_modify(|n| *n += 1);
     if !state.is_ready() {
         return not_ready();
+    }
+    if let Some(refused) = sleep::refuse_while_sleeping(&state) {
+        return refused;
     }
     if let Some(v) = headers.get("x-stub-status") {
         let code = v
@@ -591,6 +666,10 @@ async fn generate(state: Arc<StubState>, kind: Kind, headers: HeaderMap, body: B
             }
         }
     };
+    // The engine may have fallen asleep while the request waited for its slot.
+    if let Some(refused) = sleep::refuse_while_sleeping(&state) {
+        return refused;
+    }
     state.running.fetch_add(1, Ordering::SeqCst);
     let slot = Running {
         state: state.clone(),

@@ -2,8 +2,10 @@
 //!
 //! Invoked like `vllm serve` is by the upstream stub runtime:
 //! `vllm-stub --model=<path> --served-model-name=<name> [--host H] [--port 8000]`, timing from
-//! `STUB_STARTUP_DELAY`, `STUB_TOKEN_COUNT`, `STUB_TOKEN_DELAY`. See `docs/gateway.md`,
-//! section "The vLLM stand-in", and `tests/vllm-stub/README.md`.
+//! `STUB_STARTUP_DELAY`, `STUB_TOKEN_COUNT`, `STUB_TOKEN_DELAY`. With `--enable-sleep-mode` and
+//! `VLLM_SERVER_DEV_MODE=1` it serves vLLM's sleep mode (`/sleep`, `/wake_up`, `/is_sleeping`),
+//! timed by `STUB_SLEEP_DELAY` and `STUB_WAKE_DELAY`. See `docs/gateway.md`, section "The vLLM
+//! stand-in", and `tests/vllm-stub/README.md`.
 //!
 //! When `--model` names files (a model directory, or a repository in the hub cache that
 //! `HF_HOME` / `MODELSCOPE_CACHE` names), the stub reads and checks them before it is ready:
@@ -48,6 +50,17 @@ struct Args {
     /// Delay before each token, Go duration ("150ms").
     #[arg(long, env = "STUB_TOKEN_DELAY", default_value = "20ms", value_parser = duration)]
     token_delay: Duration,
+    /// Allow the engine to sleep (vLLM's `--enable-sleep-mode`); with `VLLM_SERVER_DEV_MODE=1`
+    /// the stub then serves `POST /sleep`, `POST /wake_up` and `GET /is_sleeping`.
+    #[arg(long = "enable-sleep-mode")]
+    enable_sleep_mode: bool,
+    /// How long falling asleep takes (`POST /sleep`), Go duration ("500ms").
+    #[arg(long, env = "STUB_SLEEP_DELAY", default_value = "0s", value_parser = duration)]
+    sleep_delay: Duration,
+    /// How long waking up takes (`POST /wake_up`), Go duration ("2s"); after sleep level 2 the
+    /// startup delay (the model load) comes on top.
+    #[arg(long, env = "STUB_WAKE_DELAY", default_value = "0s", value_parser = duration)]
+    wake_delay: Duration,
     /// After SIGTERM, how long in-flight requests may run before the stub exits anyway.
     #[arg(long, env = "STUB_SHUTDOWN_TIMEOUT", default_value = "30s", value_parser = duration)]
     shutdown_timeout: Duration,
@@ -159,6 +172,8 @@ async fn serve() -> anyhow::Result<()> {
         )
         .init();
     let args = Args::parse();
+    let dev_mode = vllm_stub::parse_dev_mode(std::env::var("VLLM_SERVER_DEV_MODE").ok().as_deref())
+        .map_err(anyhow::Error::msg)?;
     let location = model::locate(
         &args.model,
         &|k| std::env::var(k).ok(),
@@ -172,7 +187,22 @@ async fn serve() -> anyhow::Result<()> {
         token_delay: args.token_delay,
         max_num_seqs: args.max_num_seqs,
         await_model: location.reads_files(),
+        enable_sleep_mode: args.enable_sleep_mode,
+        dev_mode,
+        sleep_delay: args.sleep_delay,
+        wake_delay: args.wake_delay,
     };
+    if config.sleep_endpoints() {
+        tracing::warn!(
+            sleep_delay_ms = config.sleep_delay.as_millis() as u64,
+            wake_delay_ms = config.wake_delay.as_millis() as u64,
+            "development endpoints enabled (VLLM_SERVER_DEV_MODE=1): POST /sleep, POST /wake_up, GET /is_sleeping"
+        );
+    } else if config.enable_sleep_mode {
+        tracing::info!(
+            "--enable-sleep-mode without VLLM_SERVER_DEV_MODE=1: the sleep routes are not served"
+        );
+    }
     let addr = SocketAddr::new(args.host, args.port);
     let listener = tokio::net::TcpListener::bind(addr)
         .await
