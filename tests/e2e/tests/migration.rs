@@ -398,7 +398,8 @@ async fn adopt_upstream_backend(
         all.iter().map(|d| d.name_any()).collect::<Vec<_>>()
     );
     // The model answers through Hearth's gateway.
-    let url = hstack::service_url(client, n, "legacy").await?;
+    // The same reconcile applies the gateway Service after the adopted Deployment.
+    let url = stack::wait_service_url(client, n, "legacy").await?;
     ensure!(
         hstack::wait_reachable(&url, Duration::from_secs(90)).await,
         "{url} never accepted a connection"

@@ -69,7 +69,7 @@ pub async fn deploy_with(
     edit(&mut obj);
     stack::apply(&client, obj, None).await?;
     let timeline = Timeline::start(client.clone(), ns.name(), BACKEND);
-    let url = wait_service_url(&client, ns.name()).await?;
+    let url = wait_service_url(&client, ns.name(), SERVICE).await?;
     let d = Deployed {
         timeline,
         url,
@@ -89,13 +89,13 @@ pub async fn deploy_with(
     Ok(d)
 }
 
-/// The gateway Service's URL, once the controller has made the Service.
-async fn wait_service_url(client: &kube::Client, ns: &str) -> Result<String> {
+/// The URL of the gateway Service of LLMService `name`, once the controller has made it.
+pub async fn wait_service_url(client: &kube::Client, ns: &str, name: &str) -> Result<String> {
     wait_until(
-        format!("Service {ns}/{SERVICE} with a ClusterIP"),
+        format!("Service {ns}/{name} with a ClusterIP"),
         Duration::from_secs(60),
         || async {
-            Ok(match stack::service_url(client, ns, SERVICE).await {
+            Ok(match stack::service_url(client, ns, name).await {
                 Ok(url) => Observed::Ready(url),
                 Err(e) => Observed::NotYet(e.to_string()),
             })
