@@ -1109,6 +1109,30 @@ async fn apiserver_and_etcd_restarted_controller_and_gateways_reconverge() -> Re
     let controllers_after = controller_restarts().await?;
     tokio::time::sleep(Duration::from_secs(3)).await;
     let ledger = load.stop().await;
+    // kube-controller-manager re-watches on client-go's backoff (up to 30 s, plus as much again
+    // of jitter) and meanwhile serves nothing new: a namespace created right after the restart
+    // got no default ServiceAccount for over 30 s. The next test needs a whole cluster, so wait
+    // for it here: a new namespace with its ServiceAccount (each try waits 30 s).
+    let mut tries = 0;
+    let controllers_back = loop {
+        match warm_svc.cluster.namespace("e2e-fault-cp-after").await {
+            Ok(ns) => break ns,
+            Err(e) if tries < 3 => {
+                tries += 1;
+                eprintln!("{e:#}; trying again");
+            }
+            Err(e) => {
+                return Err(e.context(
+                    "kube-controller-manager made no ServiceAccount for 2 minutes after the control-plane restart",
+                ));
+            }
+        }
+    };
+    eprintln!(
+        "kube-controller-manager made a new namespace's ServiceAccount {:.1}s after the apiserver was back from the kill",
+        kill_back.elapsed().as_secs_f64()
+    );
+    drop(controllers_back);
 
     let mut records = cold.records();
     records.extend(
