@@ -7,7 +7,10 @@ use clap::{Args, Parser, Subcommand};
 use hearth_crds::duration::parse_duration;
 use http::uri::Authority;
 
-use crate::config::{ColdStartMode, GatewayConfig};
+use crate::{
+    config::{ColdStartMode, GatewayConfig},
+    sleep::{EngineCall, SleepConfig},
+};
 
 /// A flag value that makes no sense; the message names the flag and says what to write.
 #[derive(Debug, thiserror::Error)]
@@ -267,6 +270,23 @@ pub struct ServeArgs {
     /// the connection (a KEDA connection that died without closing).
     #[arg(long, env = "HEARTH_SCALER_KEEPALIVE", default_value = "30s", value_parser = duration)]
     pub scaler_keepalive: Duration,
+    /// Turns the sleeping tier on: once the demand summed over every gateway replica has been
+    /// 0 this long, the backend engines are put to sleep; demand wakes them (absent: never).
+    #[arg(long, env = "HEARTH_SLEEP_AFTER", value_parser = duration)]
+    pub sleep_after: Option<Duration>,
+    /// Sleep level sent to the engine: 1 (weights offloaded to CPU memory) or 2 (dropped).
+    #[arg(long, env = "HEARTH_SLEEP_LEVEL", default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..=2))]
+    pub sleep_level: u8,
+    /// The engine's sleep call: POST <path>?level=<level>.
+    #[arg(long, env = "HEARTH_SLEEP_PATH", default_value = "/sleep")]
+    pub sleep_path: String,
+    /// The engine's sleep state: GET <path> answers {"is_sleeping": bool}.
+    #[arg(long, env = "HEARTH_IS_SLEEPING_PATH", default_value = "/is_sleeping")]
+    pub is_sleeping_path: String,
+    /// One call of the wake-up, in order, repeated: `PATH` (POST without a body) or
+    /// `PATH JSON` (POST with that JSON body). Default: /wake_up.
+    #[arg(long = "wake-up-call", value_name = "PATH [JSON]")]
+    pub wake_up_calls: Vec<String>,
 }
 
 impl ServeArgs {
@@ -385,6 +405,7 @@ impl ServeArgs {
             ));
         }
         self.fallback_authority()?;
+        let sleep = self.sleep_config()?;
         Ok(GatewayConfig {
             served_model_names: self.served_model_name.clone(),
             max_queue: self.max_queue,
@@ -404,7 +425,50 @@ impl ServeArgs {
             body_read_timeout: self.body_read_timeout,
             backend_idle_timeout: self.backend_idle_timeout,
             scaler_keepalive: self.scaler_keepalive,
+            sleep,
         })
+    }
+
+    /// The sleeping tier's settings, when `--sleep-after` is set.
+    fn sleep_config(&self) -> Result<Option<SleepConfig>, CliError> {
+        let Some(after) = self.sleep_after else {
+            return Ok(None);
+        };
+        if after.is_zero() {
+            return Err(err("--sleep-after", "must be positive, like \"5m\""));
+        }
+        for (flag, path) in [
+            ("--sleep-path", &self.sleep_path),
+            ("--is-sleeping-path", &self.is_sleeping_path),
+        ] {
+            if !path.starts_with('/') || path.parse::<http::uri::PathAndQuery>().is_err() {
+                return Err(err(
+                    flag,
+                    format!("{path:?} must be an absolute path, like \"/sleep\""),
+                ));
+            }
+        }
+        let calls: &[String] = if self.wake_up_calls.is_empty() {
+            &[String::from("/wake_up")]
+        } else {
+            &self.wake_up_calls
+        };
+        let wake_up = calls
+            .iter()
+            .map(|c| {
+                c.parse::<EngineCall>()
+                    .map_err(|e| err("--wake-up-call", e))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Some(SleepConfig {
+            level: self.sleep_level,
+            after,
+            sleep_path: self.sleep_path.clone(),
+            is_sleeping_path: self.is_sleeping_path.clone(),
+            wake_up,
+            // A wake-up may reload the weights; a held request waits no longer than this.
+            call_timeout: self.activation_timeout,
+        }))
     }
 
     /// `host:port` of the fallback backend: `--backend-url`, else the backend Service's DNS name.

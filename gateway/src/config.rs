@@ -67,6 +67,9 @@ pub struct GatewayConfig {
     /// unanswered before the connection is closed: a KEDA connection that died without closing
     /// (its node lost, say) releases its push stream instead of holding it until TCP gives up.
     pub scaler_keepalive: Duration,
+    /// The sleeping tier (see [`crate::sleep`]): idle engines are put to sleep and woken on
+    /// demand. `None`: engines are never put to sleep.
+    pub sleep: Option<crate::sleep::SleepConfig>,
 }
 
 impl Default for GatewayConfig {
@@ -90,6 +93,7 @@ impl Default for GatewayConfig {
             body_read_timeout: Duration::from_secs(60),
             backend_idle_timeout: Duration::from_secs(4),
             scaler_keepalive: Duration::from_secs(30),
+            sleep: None,
         }
     }
 }

@@ -66,6 +66,10 @@ pub struct Shared {
     pub(crate) metrics: Arc<Metrics>,
     pub(crate) keys: ApiKeys,
     pub(crate) pool: UpstreamPool,
+    /// The sleeping tier's handle, when it is on.
+    pub(crate) sleep: Option<crate::sleep::SleepTier>,
+    /// The sleeping tier's task, until [`Gateway::spawn_background`] starts it.
+    sleep_task: std::sync::Mutex<Option<crate::sleep::SleepTask>>,
     /// Request-body bytes held (see [`crate::budget`]).
     pub(crate) budget: crate::budget::BodyBudget,
     /// The `Via` this replica adds (see [`proxy::Via`]).
@@ -99,7 +103,8 @@ impl Gateway {
 }
 
 impl Gateway {
-    /// A replica forwarding to `backends`, checking `keys`. Background work (the activation
+    /// A replica forwarding to `backends` (with the sleeping tier on, to the awake engines among
+    /// them), checking `keys`. Background work (the activation
     /// lease, key reloads) starts with [`Gateway::spawn_background`].
     ///
     /// # Errors
@@ -113,6 +118,22 @@ impl Gateway {
         let timer = CoarseTimer::new()?;
         let budget = crate::budget::BodyBudget::new(cfg.body_memory_limit);
         let via = proxy::Via::new(demand.instance());
+        // With the sleeping tier, requests go to the awake engines among those discovered.
+        let (backends, sleep, sleep_task) = match cfg.sleep.clone() {
+            Some(sleep_cfg) => {
+                let serving = EndpointSet::new();
+                let (task, tier) = crate::sleep::SleepTask::new(
+                    sleep_cfg,
+                    pool.clone(),
+                    backends,
+                    serving.clone(),
+                    demand.clone(),
+                    metrics.clone(),
+                );
+                (serving, Some(tier), Some(task))
+            }
+            None => (backends, None, None),
+        };
         Ok(Self {
             shared: Arc::new(Shared {
                 cfg,
@@ -125,6 +146,8 @@ impl Gateway {
                 budget,
                 via,
                 pool,
+                sleep,
+                sleep_task: std::sync::Mutex::new(sleep_task),
                 timer,
                 draining: AtomicBool::new(false),
                 stop_tx: watch::channel(false).0,
@@ -137,7 +160,7 @@ impl Gateway {
         &self.shared.cfg
     }
 
-    /// The backend endpoints.
+    /// The backend endpoints requests go to (with the sleeping tier on, the awake engines).
     pub fn backends(&self) -> &EndpointSet {
         &self.shared.backends
     }
@@ -152,9 +175,19 @@ impl Gateway {
         &self.shared.metrics
     }
 
-    /// Starts the lease expiry and API key reloads; they stop when the runtime does.
+    /// Starts the lease expiry, the sleeping tier (when on) and API key reloads; they stop when
+    /// the runtime does.
     pub fn spawn_background(&self, key_reload_interval: Duration) {
         tokio::spawn(self.shared.lease.clone().run(self.shared.backends.clone()));
+        let sleep_task = self
+            .shared
+            .sleep_task
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        if let Some(task) = sleep_task {
+            tokio::spawn(task.run());
+        }
         let shared = Arc::downgrade(&self.shared);
         tokio::spawn(async move {
             // Idle backend connections of every pool are closed from here, so the HTTP workers

@@ -32,6 +32,7 @@ pub mod peers;
 pub mod proxy;
 pub mod reject;
 pub mod scaler;
+pub mod sleep;
 pub mod timer;
 pub mod upstream;
 

@@ -16,6 +16,9 @@
 //! | `hearth_gateway_activation_events_total` | counter | rises of this replica's demand from 0 (upstream Hearth's "inactive-to-active transitions") |
 //! | `hearth_gateway_backend_endpoints` | gauge | ready backend endpoints known |
 //! | `hearth_gateway_request_body_bytes` | gauge | request body bytes held: being read, or kept to forward (bounded by `--body-memory-limit`) |
+//! | `hearth_gateway_backends_sleeping` | gauge | sleeping tier: backend engines asleep, falling asleep or waking up, as this replica knows them |
+//! | `hearth_gateway_engine_calls_total{call,result}` | counter | sleeping tier: calls to the engine's sleep API (`call`: `sleep`, `wake_up`, `is_sleeping`; `result`: `ok`, `error`) |
+//! | `hearth_activation_phase_seconds{phase}` | histogram | activation phases seen by the gateway: `wake_up` (the wake-up calls of a sleeping engine, sent until answered) |
 //!
 //! The gateway names no namespace, pod or service in its series: Prometheus adds `namespace` and
 //! `pod` (the chart's `hearth-gateways` PodMonitor also `llmservice`); the dashboard groups by
@@ -55,6 +58,27 @@ pub struct KindLabel {
     pub kind: &'static str,
 }
 
+/// `call` and `result` labels of the sleeping tier's engine calls.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct EngineCallLabel {
+    /// `sleep`, `wake_up` or `is_sleeping`.
+    pub call: &'static str,
+    /// `ok` or `error`.
+    pub result: &'static str,
+}
+
+/// `phase` label of `hearth_activation_phase_seconds`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PhaseLabel {
+    /// The phase, in `snake_case`.
+    pub phase: &'static str,
+}
+
+/// Histogram of one activation phase: 1 ms .. ~17 min.
+fn phase_histogram() -> Histogram {
+    Histogram::new(exponential_buckets(0.001, 2.0, 21))
+}
+
 /// All gateway metrics and their registry.
 #[derive(Debug)]
 pub struct Metrics {
@@ -87,6 +111,12 @@ pub struct Metrics {
     pub backend_endpoints: Gauge,
     /// `hearth_gateway_request_body_bytes`.
     pub request_body_bytes: Gauge,
+    /// `hearth_gateway_backends_sleeping`.
+    pub backends_sleeping: Gauge,
+    /// `hearth_gateway_engine_calls_total{call,result}`.
+    pub engine_calls: Family<EngineCallLabel, Counter>,
+    /// `hearth_activation_phase_seconds{phase}`.
+    pub activation_phases: Family<PhaseLabel, Histogram, fn() -> Histogram>,
     /// Makes [`Metrics::encode_with_total`] one step for concurrent scrapes.
     scrape: Mutex<()>,
 }
@@ -117,6 +147,10 @@ impl Metrics {
         let activation_events = Counter::default();
         let backend_endpoints = Gauge::default();
         let request_body_bytes = Gauge::default();
+        let backends_sleeping = Gauge::default();
+        let engine_calls = Family::default();
+        let activation_phases: Family<PhaseLabel, Histogram, fn() -> Histogram> =
+            Family::new_with_constructor(phase_histogram);
         registry.register(
             "hearth_gateway_pending",
             "Requests admitted by this replica and not finished",
@@ -187,6 +221,21 @@ impl Metrics {
             "Request body bytes held: being read, or kept to forward (bounded by --body-memory-limit)",
             request_body_bytes.clone(),
         );
+        registry.register(
+            "hearth_gateway_backends_sleeping",
+            "Sleeping tier: backend engines asleep, falling asleep or waking up",
+            backends_sleeping.clone(),
+        );
+        registry.register(
+            "hearth_gateway_engine_calls",
+            "Sleeping tier: calls to the engine's sleep API, by call and result",
+            engine_calls.clone(),
+        );
+        registry.register(
+            "hearth_activation_phase_seconds",
+            "Activation phases seen by the gateway (wake_up: a sleeping engine's wake-up calls)",
+            activation_phases.clone(),
+        );
         Self {
             registry,
             pending,
@@ -203,6 +252,9 @@ impl Metrics {
             activation_events,
             backend_endpoints,
             request_body_bytes,
+            backends_sleeping,
+            engine_calls,
+            activation_phases,
             scrape: Mutex::new(()),
         }
     }
@@ -222,6 +274,21 @@ impl Metrics {
         self.upstream_errors
             .get_or_create(&KindLabel { kind })
             .inc();
+    }
+
+    /// Counts a call to the engine's sleep API.
+    pub fn engine_call(&self, call: &'static str, ok: bool) {
+        let result = if ok { "ok" } else { "error" };
+        self.engine_calls
+            .get_or_create(&EngineCallLabel { call, result })
+            .inc();
+    }
+
+    /// Records that activation phase `phase` took `seconds`.
+    pub fn observe_phase(&self, phase: &'static str, seconds: f64) {
+        self.activation_phases
+            .get_or_create(&PhaseLabel { phase })
+            .observe(seconds);
     }
 
     /// Sets `hearth_gateway_demand_total` to `total` (absent when `None`) and encodes, as one

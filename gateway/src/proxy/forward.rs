@@ -3,7 +3,7 @@
 
 use std::time::{Duration, Instant};
 
-use axum::http::{HeaderMap, HeaderName, HeaderValue, Method, Uri, header};
+use axum::http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode, Uri, header};
 use bytes::Bytes;
 use http_body_util::Full;
 
@@ -151,12 +151,14 @@ impl Shared {
     /// connection cannot be established (the request was not sent, so it is safe to resend).
     /// An endpoint that refused the connection or failed the request is ejected
     /// ([`EndpointGuard::eject`]): the retry and the next requests go to another ready one.
+    /// With the sleeping tier, a `503` from an engine that says it is asleep is not relayed:
+    /// the request waits, as a cold one, for an awake engine (see [`crate::sleep`]).
     pub(super) async fn forward(
         &self,
         out: &Outgoing,
         deadline: Instant,
         arrival: Instant,
-        cold: bool,
+        mut cold: bool,
     ) -> Result<(hyper::Response<UpstreamBody>, BackendUse), HoldError> {
         let mut backoff = Duration::from_millis(20);
         loop {
@@ -167,6 +169,23 @@ impl Shared {
             let req = self.build_upstream(out, &ep).map_err(HoldError::Upstream)?;
             let sent = Instant::now();
             match self.upstream().send(ep.endpoint().authority(), req).await {
+                Ok(resp)
+                    if resp.status() == StatusCode::SERVICE_UNAVAILABLE
+                        && self.found_asleep(&ep).await =>
+                {
+                    // Put to sleep by another gateway replica: held like a cold request until
+                    // the sleeping tier has woken an engine.
+                    tracing::debug!(endpoint = %ep.endpoint().authority(), "backend asleep; holding the request until it is woken");
+                    drop((resp, ep));
+                    cold = true;
+                    self.lease.raise();
+                    let now = Instant::now();
+                    if now >= deadline {
+                        return Err(HoldError::Timeout);
+                    }
+                    tokio::time::sleep(backoff.min(deadline - now)).await;
+                    backoff = (backoff * 2).min(Duration::from_millis(500));
+                }
                 Ok(resp) => {
                     self.metrics
                         .upstream_latency
@@ -200,6 +219,14 @@ impl Shared {
                     return Err(HoldError::Upstream(format!("the backend failed: {e}")));
                 }
             }
+        }
+    }
+
+    /// Whether `ep`, which answered `503`, is an engine asleep (sleeping tier only).
+    async fn found_asleep(&self, ep: &EndpointGuard) -> bool {
+        match &self.sleep {
+            Some(tier) => tier.confirm_asleep(ep.endpoint().authority()).await,
+            None => false,
         }
     }
 
