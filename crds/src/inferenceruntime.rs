@@ -69,6 +69,87 @@ pub struct InferenceRuntimeSpec {
     /// gateway's queue, so these fields are informational for external integrations.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub metrics: Option<RuntimeMetrics>,
+
+    /// sleepMode says that the engine can sleep: free its accelerator memory while the pod
+    /// keeps running, and wake in seconds (vLLM's sleep mode). LLMServices using this runtime
+    /// may then set `spec.scaling.sleep`; without it they scale to zero without sleeping. A
+    /// Hearth extension of the public API.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sleep_mode: Option<RuntimeSleepMode>,
+}
+
+/// How an engine sleeps and wakes, over HTTP on its serving port (vLLM:
+/// <https://docs.vllm.ai/en/latest/features/sleep_mode.html>). The gateway calls it: `POST
+/// <sleepPath>?level=<n>` to sleep, each `wakeUp` call of the level in order to wake, `GET
+/// <isSleepingPath>` (answering `{"is_sleeping": bool}`) to learn the state. A Hearth
+/// extension of the public API.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RuntimeSleepMode {
+    /// levels are the sleep levels the engine supports (vLLM: 1 offloads the weights to CPU
+    /// memory, 2 drops them), each with its wake-up.
+    #[schemars(length(min = 1, max = 2))]
+    pub levels: Vec<RuntimeSleepLevel>,
+
+    /// args are added to the engine's arguments when a service sleeps (vLLM:
+    /// `--enable-sleep-mode`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub args: Vec<String>,
+
+    /// env is added to the engine's environment when a service sleeps (vLLM serves the sleep
+    /// endpoints only with `VLLM_SERVER_DEV_MODE=1`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub env: Vec<EnvVar>,
+
+    /// sleepPath is the path of the sleep call, `POST <sleepPath>?level=<n>`.
+    #[serde(default = "default_sleep_path")]
+    #[schemars(length(min = 1, max = 256), regex(pattern = r"^/[^?#\s]*$"))]
+    pub sleep_path: String,
+
+    /// isSleepingPath is the path of the state call, `GET <isSleepingPath>`, answering
+    /// `{"is_sleeping": true|false}`.
+    #[serde(default = "default_is_sleeping_path")]
+    #[schemars(length(min = 1, max = 256), regex(pattern = r"^/[^?#\s]*$"))]
+    pub is_sleeping_path: String,
+}
+
+/// One sleep level and how the engine wakes from it.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RuntimeSleepLevel {
+    /// level is the engine's sleep level, 1 or 2.
+    #[schemars(range(min = 1, max = 2))]
+    pub level: i32,
+
+    /// wakeUp are the calls that wake the engine from this level, in order, each `POST`;
+    /// empty means one `POST /wake_up`. vLLM's level 2 reloads the weights: `/wake_up?tags=weights`,
+    /// `/collective_rpc` with body `{"method":"reload_weights"}`, `/wake_up?tags=kv_cache`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 8))]
+    pub wake_up: Vec<RuntimeEngineCall>,
+}
+
+/// One HTTP call to the engine.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RuntimeEngineCall {
+    /// path is the call's path and optional query, such as `/wake_up?tags=weights`.
+    #[schemars(length(min = 1, max = 256), regex(pattern = r"^/[^#\s]*$"))]
+    pub path: String,
+
+    /// body is a JSON document sent with `Content-Type: application/json`; absent, the call
+    /// has no body.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 4096))]
+    pub body: Option<String>,
+}
+
+fn default_sleep_path() -> String {
+    "/sleep".to_owned()
+}
+
+fn default_is_sleeping_path() -> String {
+    "/is_sleeping".to_owned()
 }
 
 /// The serving engine family.

@@ -258,6 +258,34 @@ pub struct ScalingSpec {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = 10))]
     pub warm_windows: Vec<WarmWindow>,
+
+    /// sleep puts the backend engines to sleep once the service has been idle for `after`,
+    /// before (or, with `min` above 0, instead of) scaling to zero: the pods keep running with
+    /// their accelerator memory freed, and the gateway wakes them on demand in seconds. Needs a
+    /// runtime with `spec.sleepMode` supporting `level`; with any other runtime it has no
+    /// effect (a warning). A Hearth extension of the public API.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sleep: Option<SleepSpec>,
+}
+
+/// The sleeping tier of a service (see `ScalingSpec::sleep`). Checked by `hearth_crds::rules`.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct SleepSpec {
+    /// after is how long the service must have had no request (at any gateway replica) before
+    /// its engines are put to sleep. Shorter than `scaleDownStabilization` when `min` is 0, or
+    /// the service is at zero first.
+    pub after: Duration,
+
+    /// level is the engine's sleep level: 1 (vLLM: weights offloaded to CPU memory, wakes in
+    /// about a second) or 2 (weights dropped and reloaded on wake-up).
+    #[serde(default = "default_sleep_level")]
+    #[schemars(range(min = 1, max = 2))]
+    pub level: i32,
+}
+
+fn default_sleep_level() -> i32 {
+    1
 }
 
 /// A recurring window with a minimum number of backend replicas: KEDA's `cron` scaler
@@ -306,6 +334,7 @@ impl Default for ScalingSpec {
             scale_down_stabilization: default_scale_down_stabilization(),
             drain_timeout: default_drain_timeout(),
             warm_windows: Vec::new(),
+            sleep: None,
         }
     }
 }

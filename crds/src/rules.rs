@@ -22,6 +22,7 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 
 use crate::{
     InferenceRuntime, LLMService, cron,
+    inferenceruntime::{RuntimeEngineCall, RuntimeSleepMode},
     llmservice::{CacheSpec, CacheStrategy, ScalingMetric, ScalingSpec},
     model_uri::{ModelUri, parse_model_uri},
     naming::{is_dns1035_label, is_dns1123_label, is_dns1123_subdomain},
@@ -423,6 +424,9 @@ pub fn check_llmservice(svc: &LLMService, runtime: Option<&InferenceRuntime>) ->
     }
 
     warm_windows(&mut f, &spec.scaling);
+    if let Err(finding) = sleep_tier(svc, runtime) {
+        f.0.push(finding);
+    }
 
     // Cache.
     let cache = &spec.cache;
@@ -512,6 +516,118 @@ pub fn check_llmservice(svc: &LLMService, runtime: Option<&InferenceRuntime>) ->
         }
     }
     f
+}
+
+/// The sleeping tier a service runs: `spec.scaling.sleep` on a runtime whose `spec.sleepMode`
+/// supports its level.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SleepTier<'a> {
+    /// Idle time before the engines are put to sleep.
+    pub after: std::time::Duration,
+    /// The engine's sleep level, 1 or 2.
+    pub level: i32,
+    /// The runtime's sleep mode: the engine's extra args and env, the sleep and state paths.
+    pub mode: &'a RuntimeSleepMode,
+    /// The wake-up calls of `level`, in order (one `POST /wake_up` when the runtime lists none).
+    pub wake_up: Vec<RuntimeEngineCall>,
+}
+
+/// `spec.scaling.sleep` of `svc` with its runtime: `Ok(None)` when the service does not sleep,
+/// or sleeps with no effect (no runtime yet, or the runtime cannot sleep at that level: a
+/// [`Severity::Warning`] then). The webhook and the controller's checks and the render all
+/// take the tier from here.
+///
+/// # Errors
+/// A finding on `spec.scaling.sleep`: an error for an `after` that is not a positive duration,
+/// a warning ([`Reason::FieldIgnored`]) when the tier has no effect.
+pub fn sleep_tier<'a>(
+    svc: &LLMService,
+    runtime: Option<&'a InferenceRuntime>,
+) -> Result<Option<SleepTier<'a>>, Finding> {
+    let scaling = &svc.spec.scaling;
+    let Some(sleep) = &scaling.sleep else {
+        return Ok(None);
+    };
+    let ignored = |field: &str, message: String| {
+        Finding::new(Severity::Warning, Reason::FieldIgnored, field, message)
+    };
+    let after = match sleep.after.get() {
+        Ok(after) if !after.is_zero() => after,
+        Ok(_) => {
+            return Err(Finding::new(
+                Severity::Error,
+                Reason::InvalidSpec,
+                "spec.scaling.sleep.after",
+                "must be positive; write how long the service must be idle before its engines \
+                 sleep, such as 2m"
+                    .into(),
+            ));
+        }
+        Err(e) => {
+            return Err(Finding::new(
+                Severity::Error,
+                Reason::InvalidSpec,
+                "spec.scaling.sleep.after",
+                format!("{e}; write a duration such as 90s, 5m or 1h30m"),
+            ));
+        }
+    };
+    let Some(rt) = runtime else {
+        return Ok(None);
+    };
+    let rt_name = rt.metadata.name.as_deref().unwrap_or_default();
+    let Some(mode) = &rt.spec.sleep_mode else {
+        return Err(ignored(
+            "spec.scaling.sleep",
+            format!(
+                "has no effect: runtime {rt_name:?} declares no sleep mode (spec.sleepMode), so \
+                 the service scales to zero without sleeping; use a runtime whose engine can \
+                 sleep, or remove scaling.sleep"
+            ),
+        ));
+    };
+    let Some(level) = mode.levels.iter().find(|l| l.level == sleep.level) else {
+        let levels: Vec<String> = mode.levels.iter().map(|l| l.level.to_string()).collect();
+        return Err(ignored(
+            "spec.scaling.sleep.level",
+            format!(
+                "has no effect: runtime {rt_name:?} supports sleep level {} only \
+                 (spec.sleepMode.levels); set one of them",
+                levels.join(" and ")
+            ),
+        ));
+    };
+    let zero_first = scaling.min == 0
+        && scaling.warm_windows.is_empty()
+        && scaling
+            .scale_down_stabilization
+            .get()
+            .is_ok_and(|zero| after >= zero);
+    if zero_first {
+        return Err(ignored(
+            "spec.scaling.sleep.after",
+            format!(
+                "has no effect: the service scales to zero after scaleDownStabilization ({}), \
+                 before it would sleep; make after shorter, or raise min to keep sleeping \
+                 replicas",
+                scaling.scale_down_stabilization
+            ),
+        ));
+    }
+    let wake_up = if level.wake_up.is_empty() {
+        vec![RuntimeEngineCall {
+            path: "/wake_up".into(),
+            body: None,
+        }]
+    } else {
+        level.wake_up.clone()
+    };
+    Ok(Some(SleepTier {
+        after,
+        level: sleep.level,
+        mode,
+        wake_up,
+    }))
 }
 
 /// `spec.scaling.warmWindows`: what KEDA's `cron` scaler needs to run each window as written
@@ -859,5 +975,101 @@ mod tests {
                 "{name}"
             );
         }
+    }
+    fn sleepy_runtime(levels: serde_json::Value) -> InferenceRuntime {
+        serde_json::from_value(serde_json::json!({
+            "apiVersion": "serving.hearth.dev/v1alpha1",
+            "kind": "InferenceRuntime",
+            "metadata": {"name": "vllm"},
+            "spec": {
+                "vendor": "nvidia",
+                "container": {"image": "vllm/vllm-openai:v0.11.0"},
+                "accelerator": {"resourceName": "nvidia.com/gpu"},
+                "sleepMode": {"levels": levels, "args": ["--enable-sleep-mode"]}
+            }
+        }))
+        .unwrap()
+    }
+
+    fn sleeping(scaling: serde_json::Value) -> LLMService {
+        service(serde_json::json!({ "scaling": scaling }))
+    }
+
+    #[test]
+    fn a_supported_sleep_level_gives_the_tier_with_its_wake_up() {
+        let rt = sleepy_runtime(serde_json::json!([
+            {"level": 1},
+            {"level": 2, "wakeUp": [
+                {"path": "/wake_up?tags=weights"},
+                {"path": "/collective_rpc", "body": "{\"method\":\"reload_weights\"}"},
+                {"path": "/wake_up?tags=kv_cache"}
+            ]}
+        ]));
+        let svc = sleeping(serde_json::json!({"sleep": {"after": "2m"}}));
+        let tier = sleep_tier(&svc, Some(&rt)).unwrap().unwrap();
+        assert_eq!(tier.after, std::time::Duration::from_secs(120));
+        assert_eq!(tier.level, 1);
+        assert_eq!(tier.mode.sleep_path, "/sleep");
+        assert_eq!(tier.mode.is_sleeping_path, "/is_sleeping");
+        let paths: Vec<&str> = tier.wake_up.iter().map(|c| c.path.as_str()).collect();
+        assert_eq!(paths, ["/wake_up"]);
+        let svc = sleeping(serde_json::json!({"sleep": {"after": "2m", "level": 2}}));
+        let tier = sleep_tier(&svc, Some(&rt)).unwrap().unwrap();
+        assert_eq!(tier.wake_up.len(), 3);
+        assert!(check_llmservice(&svc, Some(&rt)).is_empty());
+        // No sleep asked, or no runtime yet: no tier, no finding.
+        assert_eq!(
+            sleep_tier(&service(serde_json::json!({})), Some(&rt)),
+            Ok(None)
+        );
+        assert_eq!(sleep_tier(&svc, None), Ok(None));
+    }
+
+    #[rstest::rstest]
+    #[case::zero(serde_json::json!({"sleep": {"after": "0s"}}), "spec.scaling.sleep.after", Severity::Error, "must be positive")]
+    #[case::not_a_duration(serde_json::json!({"sleep": {"after": "soon"}}), "spec.scaling.sleep.after", Severity::Error, "write a duration")]
+    #[case::level_unsupported(serde_json::json!({"sleep": {"after": "2m", "level": 2}}), "spec.scaling.sleep.level", Severity::Warning, "supports sleep level 1 only")]
+    #[case::zero_first(serde_json::json!({"sleep": {"after": "5m"}}), "spec.scaling.sleep.after", Severity::Warning, "scales to zero after scaleDownStabilization (5m)")]
+    #[case::zero_first_longer(serde_json::json!({"scaleDownStabilization": "60s", "sleep": {"after": "2m"}}), "spec.scaling.sleep.after", Severity::Warning, "before it would sleep")]
+    fn sleep_findings_name_the_field(
+        #[case] scaling: serde_json::Value,
+        #[case] field: &str,
+        #[case] severity: Severity,
+        #[case] message: &str,
+    ) {
+        let rt = sleepy_runtime(serde_json::json!([{"level": 1}]));
+        let svc = sleeping(scaling);
+        let finding = sleep_tier(&svc, Some(&rt)).unwrap_err();
+        assert_eq!(finding.field, field);
+        assert_eq!(finding.severity, severity);
+        assert!(finding.message.contains(message), "{finding}");
+        assert!(check_llmservice(&svc, Some(&rt)).0.contains(&finding));
+    }
+
+    #[test]
+    fn sleep_with_min_above_zero_or_warm_windows_is_kept() {
+        let rt = sleepy_runtime(serde_json::json!([{"level": 1}]));
+        let svc = sleeping(serde_json::json!({"min": 1, "max": 2, "sleep": {"after": "10m"}}));
+        assert!(sleep_tier(&svc, Some(&rt)).unwrap().is_some());
+        let svc = sleeping(
+            serde_json::json!({"min": 0, "max": 2, "sleep": {"after": "10m"},
+            "warmWindows": [{"timezone": "UTC", "start": "0 8 * * *", "end": "0 18 * * *", "replicas": 1}]}),
+        );
+        assert!(sleep_tier(&svc, Some(&rt)).unwrap().is_some());
+    }
+
+    #[test]
+    fn a_runtime_without_sleep_mode_makes_sleep_a_warning() {
+        let mut rt = sleepy_runtime(serde_json::json!([{"level": 1}]));
+        rt.spec.sleep_mode = None;
+        let svc = sleeping(serde_json::json!({"sleep": {"after": "2m"}}));
+        let finding = sleep_tier(&svc, Some(&rt)).unwrap_err();
+        assert_eq!(finding.field, "spec.scaling.sleep");
+        assert_eq!(finding.reason, Reason::FieldIgnored);
+        assert!(
+            finding.message.contains("declares no sleep mode"),
+            "{finding}"
+        );
+        assert!(!check_llmservice(&svc, Some(&rt)).blocks_rendering());
     }
 }

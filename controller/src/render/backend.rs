@@ -74,6 +74,16 @@ pub(super) fn backend_skeleton(
         );
     }
 
+    // The sleeping tier: the runtime's sleep-mode arguments and environment (once each).
+    let sleep = ctx.sleep_tier();
+    if let Some(tier) = &sleep {
+        for a in &tier.mode.args {
+            if !args.contains(a) {
+                args.push(a.clone());
+            }
+        }
+    }
+
     let cached = volume.is_some() && !matches!(ctx.source, ModelSource::Pvc { .. });
     let mut env = Vec::with_capacity(rt.container.env.len() + 2);
     for (i, e) in rt.container.env.iter().enumerate() {
@@ -86,7 +96,8 @@ pub(super) fn backend_skeleton(
         }
         env.push(e);
     }
-    for e in ctx.cache_env(cached) {
+    let sleep_env = sleep.iter().flat_map(|t| t.mode.env.iter().cloned());
+    for e in ctx.cache_env(cached).into_iter().chain(sleep_env) {
         if !env.iter().any(|x| x.name == e.name) {
             env.push(e);
         }

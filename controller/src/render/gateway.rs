@@ -223,12 +223,26 @@ pub(super) fn gateway_deployment(ctx: &Ctx<'_>) -> Result<Deployment, RenderErro
         protocol: Some("TCP".to_owned()),
         ..Default::default()
     }];
-    if ctx.scaler == ScalerMode::Push {
-        args.push(format!("--scaler-listen=[::]:{}", ctx.cfg.scaler_port));
+    if ctx.gateway_peers() {
         args.push(format!(
             "--peer-service={}",
             names::gateway_service(&ctx.name)
         ));
+    }
+    if let (Some(tier), Some(sleep)) = (ctx.sleep_tier(), &s.sleep) {
+        args.push(format!("--sleep-after={}", sleep.after));
+        args.push(format!("--sleep-level={}", tier.level));
+        args.push(format!("--sleep-path={}", tier.mode.sleep_path));
+        args.push(format!("--is-sleeping-path={}", tier.mode.is_sleeping_path));
+        for call in &tier.wake_up {
+            args.push(match &call.body {
+                Some(body) => format!("--wake-up-call={} {body}", call.path),
+                None => format!("--wake-up-call={}", call.path),
+            });
+        }
+    }
+    if ctx.scaler == ScalerMode::Push {
+        args.push(format!("--scaler-listen=[::]:{}", ctx.cfg.scaler_port));
         ports.push(ContainerPort {
             name: Some("grpc-scaler".to_owned()),
             container_port: ctx.cfg.scaler_port,
@@ -400,7 +414,7 @@ pub(super) fn gateway_extensions(ctx: &Ctx<'_>, mut d: Deployment) -> Deployment
     }
     if let Some(c) = pod.containers.first_mut() {
         let args = c.args.get_or_insert_with(Vec::new);
-        if ctx.scaler == ScalerMode::Push {
+        if ctx.gateway_peers() {
             args.push("--peer-port-name=http".to_owned());
         }
         if key_ref.is_some() {

@@ -33,11 +33,14 @@ pub(super) fn scaled_object(ctx: &Ctx<'_>) -> Result<DynamicObject, RenderError>
             "type": "metrics-api",
             "metricType": "AverageValue",
             "metadata": {
+                // KEDA sums over the replicas: each serves its own demand (with peers, the
+                // plain URL would serve the total, counted once per replica).
                 "url": format!(
-                    "http://{}.{}.svc:{}/hearth/queue",
+                    "http://{}.{}.svc:{}/hearth/queue{}",
                     names::gateway_service(&ctx.name),
                     ctx.namespace,
-                    ctx.cfg.gateway_port
+                    ctx.cfg.gateway_port,
+                    if ctx.gateway_peers() { "?scope=local" } else { "" }
                 ),
                 "format": "json",
                 "valueLocation": "pending",

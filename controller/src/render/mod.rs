@@ -283,6 +283,23 @@ struct Ctx<'a> {
     scaler: ScalerMode,
 }
 
+impl<'a> Ctx<'a> {
+    /// The sleeping tier this service runs, if any (`hearth_crds::rules::sleep_tier`: a tier
+    /// with no effect is a warning there, and renders nothing here).
+    fn sleep_tier(&self) -> Option<hearth_crds::rules::SleepTier<'a>> {
+        hearth_crds::rules::sleep_tier(self.svc, Some(self.rt))
+            .ok()
+            .flatten()
+    }
+
+    /// Whether the gateway replicas sum their demand over each other (`--peer-service`): in
+    /// push mode, where each replica serves KEDA the total, and with the sleeping tier, which
+    /// puts engines to sleep only when no replica has demand.
+    fn gateway_peers(&self) -> bool {
+        self.scaler == ScalerMode::Push || self.sleep_tier().is_some()
+    }
+}
+
 impl Ctx<'_> {
     /// A Service `name` in front of `component`'s pods of this LLMService: one TCP `port`
     /// forwarding to the pods' port named `port_name`.

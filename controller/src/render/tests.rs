@@ -268,3 +268,110 @@ fn warm_windows_leave_the_rest_of_the_scaled_object_unchanged() {
     with["spec"]["triggers"].as_array_mut().unwrap().truncate(1);
     assert_eq!(with, without);
 }
+
+/// The test service with `scaling`, on the test runtime with vLLM's sleep mode (levels 1 and 2).
+fn sleepy(scaling: serde_json::Value, push: bool) -> Children {
+    let (mut svc, mut rt) = service_and_runtime(json!({}));
+    svc.spec.scaling = serde_json::from_value(scaling).unwrap();
+    if push {
+        svc.metadata.annotations = Some(
+            [(
+                hearth_crds::wellknown::SCALER_ANNOTATION.to_owned(),
+                "push".to_owned(),
+            )]
+            .into(),
+        );
+    }
+    rt.spec.sleep_mode = Some(
+        serde_json::from_value(json!({
+            "args": ["--enable-sleep-mode"],
+            "env": [{"name": "VLLM_SERVER_DEV_MODE", "value": "1"}],
+            "levels": [
+                {"level": 1},
+                {"level": 2, "wakeUp": [
+                    {"path": "/wake_up?tags=weights"},
+                    {"path": "/collective_rpc", "body": "{\"method\":\"reload_weights\"}"},
+                    {"path": "/wake_up?tags=kv_cache"}
+                ]}
+            ]
+        }))
+        .unwrap(),
+    );
+    render(&svc, &rt, &RenderConfig::builtin().unwrap(), true).unwrap()
+}
+
+fn container_args(d: &Deployment) -> Vec<String> {
+    pod(d).containers[0].args.clone().unwrap_or_default()
+}
+
+#[rstest::rstest]
+#[case::poll(false)]
+#[case::push(true)]
+fn sleep_turns_on_the_engines_sleep_mode_and_the_gateways_tier(#[case] push: bool) {
+    let c = sleepy(json!({"min": 0, "max": 2, "sleep": {"after": "2m"}}), push);
+    let backend = &pod(&c.backend).containers[0];
+    assert!(container_args(&c.backend).contains(&"--enable-sleep-mode".to_owned()));
+    let env = backend.env.clone().unwrap_or_default();
+    assert!(
+        env.iter()
+            .any(|e| e.name == "VLLM_SERVER_DEV_MODE" && e.value.as_deref() == Some("1"))
+    );
+    let args = container_args(&c.gateway);
+    for want in [
+        "--sleep-after=2m",
+        "--sleep-level=1",
+        "--sleep-path=/sleep",
+        "--is-sleeping-path=/is_sleeping",
+        "--wake-up-call=/wake_up",
+        "--peer-service=chat",
+        "--peer-port-name=http",
+    ] {
+        assert!(args.contains(&want.to_owned()), "{want} not in {args:?}");
+    }
+    // Poll mode: with peers each replica must serve KEDA its own demand, which KEDA sums.
+    let url = &c.scaled_object.data["spec"]["triggers"][0]["metadata"]["url"];
+    if !push {
+        assert_eq!(url, "http://chat.team-a.svc:8080/hearth/queue?scope=local");
+    }
+}
+
+#[test]
+fn sleep_level_two_wakes_with_the_runtimes_calls_in_order() {
+    let c = sleepy(
+        json!({"min": 1, "max": 2, "sleep": {"after": "10m", "level": 2}}),
+        true,
+    );
+    let calls: Vec<String> = container_args(&c.gateway)
+        .into_iter()
+        .filter(|a| a.starts_with("--wake-up-call="))
+        .collect();
+    assert_eq!(
+        calls,
+        [
+            "--wake-up-call=/wake_up?tags=weights",
+            "--wake-up-call=/collective_rpc {\"method\":\"reload_weights\"}",
+            "--wake-up-call=/wake_up?tags=kv_cache",
+        ]
+    );
+    assert!(container_args(&c.gateway).contains(&"--sleep-level=2".to_owned()));
+}
+
+#[test]
+fn sleep_without_effect_renders_as_without_sleep() {
+    let plain = sleepy(json!({"min": 0, "max": 2}), false);
+    // Scales to zero (5m) before it would sleep (10m): a warning, and nothing rendered.
+    let late = sleepy(json!({"min": 0, "max": 2, "sleep": {"after": "10m"}}), false);
+    assert_eq!(late.gateway, plain.gateway);
+    assert_eq!(late.backend, plain.backend);
+    assert_eq!(late.scaled_object.data, plain.scaled_object.data);
+    assert!(!container_args(&plain.backend).contains(&"--enable-sleep-mode".to_owned()));
+    // A runtime without sleep mode: the same.
+    let (mut svc, rt) = service_and_runtime(json!({}));
+    svc.spec.scaling = serde_json::from_value(json!({"min": 0, "max": 2})).unwrap();
+    let without = render(&svc, &rt, &RenderConfig::builtin().unwrap(), true).unwrap();
+    svc.spec.scaling =
+        serde_json::from_value(json!({"min": 0, "max": 2, "sleep": {"after": "1m"}})).unwrap();
+    let with = render(&svc, &rt, &RenderConfig::builtin().unwrap(), true).unwrap();
+    assert_eq!(with.gateway, without.gateway);
+    assert_eq!(with.backend, without.backend);
+}
