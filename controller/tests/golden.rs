@@ -145,6 +145,18 @@ fn warm_windows_example() {
     );
 }
 
+/// The sleeping tier: the runtime's sleep-mode args and env on the engine, the tier's flags
+/// and peers on the gateway, the poll URL per replica.
+#[test]
+fn sleeping_tier_example() {
+    check(
+        "sleeping-tier",
+        example("sleeping-tier/llmservice.yaml"),
+        example("quickstart/runtime.yaml"),
+        &[],
+    );
+}
+
 #[test]
 fn hami_fraction_rendered_by_the_platform_policy() {
     let policy = example("hami/fraction-policy.yaml");

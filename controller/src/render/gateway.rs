@@ -223,6 +223,15 @@ pub(super) fn gateway_deployment(ctx: &Ctx<'_>) -> Result<Deployment, RenderErro
         protocol: Some("TCP".to_owned()),
         ..Default::default()
     }];
+    if ctx.scaler == ScalerMode::Push {
+        args.push(format!("--scaler-listen=[::]:{}", ctx.cfg.scaler_port));
+        ports.push(ContainerPort {
+            name: Some("grpc-scaler".to_owned()),
+            container_port: ctx.cfg.scaler_port,
+            protocol: Some("TCP".to_owned()),
+            ..Default::default()
+        });
+    }
     if ctx.gateway_peers() {
         args.push(format!(
             "--peer-service={}",
@@ -240,15 +249,6 @@ pub(super) fn gateway_deployment(ctx: &Ctx<'_>) -> Result<Deployment, RenderErro
                 None => format!("--wake-up-call={}", call.path),
             });
         }
-    }
-    if ctx.scaler == ScalerMode::Push {
-        args.push(format!("--scaler-listen=[::]:{}", ctx.cfg.scaler_port));
-        ports.push(ContainerPort {
-            name: Some("grpc-scaler".to_owned()),
-            container_port: ctx.cfg.scaler_port,
-            protocol: Some("TCP".to_owned()),
-            ..Default::default()
-        });
     }
     let field_env = |name: &str, path: &str| EnvVar {
         name: name.to_owned(),

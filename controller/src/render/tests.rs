@@ -360,7 +360,10 @@ fn sleep_level_two_wakes_with_the_runtimes_calls_in_order() {
 fn sleep_without_effect_renders_as_without_sleep() {
     let plain = sleepy(json!({"min": 0, "max": 2}), false);
     // Scales to zero (5m) before it would sleep (10m): a warning, and nothing rendered.
-    let late = sleepy(json!({"min": 0, "max": 2, "sleep": {"after": "10m"}}), false);
+    let late = sleepy(
+        json!({"min": 0, "max": 2, "sleep": {"after": "10m"}}),
+        false,
+    );
     assert_eq!(late.gateway, plain.gateway);
     assert_eq!(late.backend, plain.backend);
     assert_eq!(late.scaled_object.data, plain.scaled_object.data);

@@ -1,0 +1,195 @@
+//! The sleeping tier on the real node (`spec.scaling.sleep`), in both scaler modes: the upstream
+//! stub service on a copy of the stub runtime that declares vLLM's sleep mode. A cold request
+//! takes the backend 0 → 1; once idle for `sleep.after` the gateway puts the engine to sleep
+//! (the pod keeps running); a streaming request then gets heartbeats while the gateway wakes the
+//! same pod (no new pod, no restart, no 0 → 1) and its tokens once awake; idle again, the engine
+//! sleeps, and after `scaleDownStabilization` the service goes to zero as before. Prints the
+//! wake's timeline. See docs/e2e.md.
+
+mod stack;
+
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, ensure};
+use hearth_e2e_harness::client::{self, Event};
+use hearth_e2e_harness::stack::{self as harness, ScalerMode};
+use hearth_test_support::{Observed, wait_until};
+use k8s_openapi::api::core::v1::Pod;
+use serde_json::{Value, json};
+
+use stack::{SERVICE, TOKENS};
+
+/// The runtime this suite applies: the upstream stub runtime with `sleepMode`.
+const RUNTIME: &str = "vllm-stub-sleep";
+/// The stub's `STUB_WAKE_DELAY` in that runtime.
+const WAKE_DELAY: Duration = Duration::from_secs(1);
+/// `spec.scaling.sleep.after` of the service.
+const SLEEP_AFTER: &str = "5s";
+
+/// The upstream stub runtime, renamed, with vLLM's sleep mode (both levels) and the stub's
+/// sleep and wake-up delays. Priority 0, below the upstream runtime's, so that no other suite's
+/// service resolves to it; this suite's service names it.
+fn sleep_runtime() -> Result<Value> {
+    let mut rt = harness::first_manifest(&hearth_test_support::upstream_file(
+        "stub-inferenceruntime.yaml",
+    ))?;
+    rt["metadata"]["name"] = json!(RUNTIME);
+    rt["spec"]["priority"] = json!(0);
+    let env = rt["spec"]["container"]["env"]
+        .as_array_mut()
+        .context("the stub runtime has container.env")?;
+    env.push(json!({"name": "STUB_SLEEP_DELAY", "value": "200ms"}));
+    env.push(json!({"name": "STUB_WAKE_DELAY", "value": format!("{}ms", WAKE_DELAY.as_millis())}));
+    rt["spec"]["sleepMode"] = json!({
+        "args": ["--enable-sleep-mode"],
+        "env": [{"name": "VLLM_SERVER_DEV_MODE", "value": "1"}],
+        "levels": [{"level": 1}, {"level": 2}],
+    });
+    Ok(rt)
+}
+
+/// `GET http://<pod IP>:8000/is_sleeping` of the only backend pod, and that pod.
+async fn engine_sleeping(d: &stack::Deployed) -> Result<(bool, Pod)> {
+    let pods = d.backend_pods().await?;
+    let [pod] = pods.as_slice() else {
+        anyhow::bail!("{} backend pods, expected 1", pods.len());
+    };
+    let ip = pod
+        .status
+        .as_ref()
+        .and_then(|s| s.pod_ip.clone())
+        .context("the backend pod has no IP")?;
+    let (status, body) = client::get(
+        &format!("http://{ip}:8000/is_sleeping"),
+        Duration::from_secs(5),
+    )
+    .await?;
+    ensure!(status == 200, "GET /is_sleeping answered {status}: {body}");
+    let v: Value = serde_json::from_str(&body)?;
+    let sleeping = v["is_sleeping"]
+        .as_bool()
+        .with_context(|| format!("GET /is_sleeping answered {body}"))?;
+    Ok((sleeping, pod.clone()))
+}
+
+async fn wait_engine(d: &stack::Deployed, asleep: bool, timeout: Duration) -> Result<Pod> {
+    wait_until(
+        format!(
+            "the backend engine {}",
+            if asleep { "asleep" } else { "awake" }
+        ),
+        timeout,
+        || async {
+            Ok(match engine_sleeping(d).await {
+                Ok((s, pod)) if s == asleep => Observed::Ready(pod),
+                Ok((s, _)) => Observed::NotYet(format!("is_sleeping {s}")),
+                Err(e) => Observed::NotYet(e.to_string()),
+            })
+        },
+    )
+    .await
+}
+
+fn restarts(pod: &Pod) -> i32 {
+    pod.status
+        .as_ref()
+        .and_then(|s| s.container_statuses.as_ref())
+        .map_or(0, |cs| cs.iter().map(|c| c.restart_count).sum())
+}
+
+async fn sleep_then_wake(mode: ScalerMode) -> Result<()> {
+    let cluster = hearth_test_support::Cluster::connect().await?;
+    harness::apply(&cluster.client(), sleep_runtime()?, None).await?;
+    let d = stack::deploy(&format!("e2e-sleep-{}", mode.annotation()), mode, |svc| {
+        svc["spec"]["runtime"] = json!({"name": RUNTIME});
+        svc["spec"]["scaling"]["scaleDownStabilization"] = json!("60s");
+        svc["spec"]["scaling"]["sleep"] = json!({"after": SLEEP_AFTER, "level": 1});
+    })
+    .await?;
+
+    // 0 → 1 on a cold request, as without the tier.
+    let cold = client::chat(&d.url, SERVICE, false, Duration::from_secs(150)).await?;
+    ensure!(cold.status == 200, "cold request answered {}", cold.status);
+    let awake_pod = wait_engine(&d, false, Duration::from_secs(10)).await?;
+
+    // Idle for sleep.after: the engine sleeps, its pod stays.
+    let slept_pod = wait_engine(&d, true, Duration::from_secs(60)).await?;
+    let slept_at = Instant::now();
+    ensure!(
+        slept_pod.metadata.uid == awake_pod.metadata.uid,
+        "the backend pod was replaced instead of put to sleep"
+    );
+    let last = d.timeline.last().context("no backend sample")?;
+    ensure!(
+        last.desired == 1 && last.ready == 1,
+        "a sleeping engine keeps its replica: {last:?}"
+    );
+
+    // A streaming request wakes it: heartbeats, then the tokens, from the same pod.
+    let trace = client::chat(&d.url, SERVICE, true, Duration::from_secs(60)).await?;
+    let t0 = trace.sent;
+    ensure!(
+        trace.status == 200,
+        "the wake-up request answered {}",
+        trace.status
+    );
+    ensure!(
+        trace.complete() && trace.tokens(None) == TOKENS,
+        "the wake-up stream: {:?}",
+        trace.events
+    );
+    let first_token = trace.first_token().context("no token")?;
+    let heartbeats = trace
+        .events
+        .iter()
+        .take_while(|(_, e)| *e == Event::Heartbeat)
+        .count();
+    let woken_pod = wait_engine(&d, false, Duration::from_secs(5)).await?;
+    ensure!(
+        woken_pod.metadata.uid == awake_pod.metadata.uid && restarts(&woken_pod) == 0,
+        "the engine was not woken in place: pod {:?} with {} restarts",
+        woken_pod.metadata.name,
+        restarts(&woken_pod)
+    );
+    ensure!(
+        d.timeline
+            .first_after(slept_at, |s| s.desired == 0)
+            .is_none(),
+        "the backend went to zero while asleep, before scaleDownStabilization: {}",
+        d.timeline_text(slept_at)
+    );
+    let wake = first_token.saturating_duration_since(t0);
+    ensure!(
+        wake >= WAKE_DELAY,
+        "first token {wake:?} after the request, before the stub's {WAKE_DELAY:?} wake-up: was the engine asleep?"
+    );
+
+    // Idle again: asleep again, then at zero after scaleDownStabilization.
+    wait_engine(&d, true, Duration::from_secs(60)).await?;
+    d.wait_zero(Duration::from_secs(180)).await?;
+    let zero = Instant::now();
+    println!(
+        "[{}] sleep(1)→awake: request 0.00s, first token {:.2}s (stub wake delay {:.2}s, {} heartbeats before it), last token {:.2}s; same pod, 0 restarts; asleep again, then zero {:.0}s after the wake (scaleDownStabilization 60s)",
+        mode.annotation(),
+        wake.as_secs_f64(),
+        WAKE_DELAY.as_secs_f64(),
+        heartbeats,
+        trace
+            .last_token()
+            .unwrap_or(first_token)
+            .saturating_duration_since(t0)
+            .as_secs_f64(),
+        zero.saturating_duration_since(t0).as_secs_f64(),
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn poll_mode_idle_engine_sleeps_and_wakes_in_place() -> Result<()> {
+    sleep_then_wake(ScalerMode::Poll).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn push_mode_idle_engine_sleeps_and_wakes_in_place() -> Result<()> {
+    sleep_then_wake(ScalerMode::Push).await
+}
