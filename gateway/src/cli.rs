@@ -554,6 +554,65 @@ mod tests {
     }
 
     #[test]
+    fn sleep_flags_build_the_sleeping_tier() {
+        let off = parse(&["--backend-service=svc"]).serve.gateway_config().unwrap();
+        assert_eq!(off.sleep, None);
+        let cli = parse(&[
+            "--backend-service=svc",
+            "--activation-timeout=2m",
+            "--sleep-after=90s",
+            "--sleep-level=2",
+            "--wake-up-call=/wake_up?tags=weights",
+            r#"--wake-up-call=/collective_rpc {"method":"reload_weights"}"#,
+            "--wake-up-call=/wake_up?tags=kv_cache",
+        ]);
+        let sleep = cli.serve.gateway_config().unwrap().sleep.unwrap();
+        assert_eq!(sleep.after, Duration::from_secs(90));
+        assert_eq!(sleep.level, 2);
+        assert_eq!(sleep.sleep_path, "/sleep");
+        assert_eq!(sleep.is_sleeping_path, "/is_sleeping");
+        assert_eq!(sleep.call_timeout, Duration::from_secs(120));
+        let calls: Vec<String> = sleep.wake_up.iter().map(ToString::to_string).collect();
+        assert_eq!(
+            calls,
+            [
+                "/wake_up?tags=weights",
+                r#"/collective_rpc {"method":"reload_weights"}"#,
+                "/wake_up?tags=kv_cache"
+            ]
+        );
+        let default = parse(&["--backend-service=svc", "--sleep-after=1m"]);
+        let calls = default.serve.gateway_config().unwrap().sleep.unwrap().wake_up;
+        assert_eq!(calls.len(), 1);
+        assert_eq!(calls[0].path_and_query.as_str(), "/wake_up");
+    }
+
+    #[test]
+    fn bad_sleep_flags_name_the_flag() {
+        for (args, flag) in [
+            (&["--sleep-after=0s"][..], "--sleep-after"),
+            (&["--sleep-after=1m", "--sleep-path=sleep"][..], "--sleep-path"),
+            (
+                &["--sleep-after=1m", "--is-sleeping-path=is sleeping"][..],
+                "--is-sleeping-path",
+            ),
+            (
+                &["--sleep-after=1m", "--wake-up-call=/wake_up {oops"][..],
+                "--wake-up-call",
+            ),
+        ] {
+            let mut all = vec!["--backend-service=svc"];
+            all.extend_from_slice(args);
+            let e = parse(&all).serve.gateway_config().unwrap_err();
+            assert!(e.to_string().starts_with(flag), "{args:?}: {e}");
+        }
+        assert!(
+            Cli::try_parse_from(["hearth-gateway", "--sleep-level=3"]).is_err(),
+            "levels are 1 and 2"
+        );
+    }
+
+    #[test]
     fn drain_subcommand_parses() {
         let cli = parse(&[
             "drain",
