@@ -16,6 +16,7 @@
 //! | `hearth_gateway_activation_events_total` | counter | rises of this replica's demand from 0 (upstream Hearth's "inactive-to-active transitions") |
 //! | `hearth_gateway_backend_endpoints` | gauge | ready backend endpoints known |
 //! | `hearth_gateway_request_body_bytes` | gauge | request body bytes held: being read, or kept to forward (bounded by `--body-memory-limit`) |
+//! | `hearth_activation_phase_seconds{phase="demand_to_ready"}` | histogram | activation lease raised (a cold request, no lease held) until a ready backend was first seen; the controller observes the other phases under the same name |
 //!
 //! The gateway names no namespace, pod or service in its series: Prometheus adds `namespace` and
 //! `pod` (the chart's `hearth-gateways` PodMonitor also `llmservice`); the dashboard groups by
@@ -46,6 +47,13 @@ pub struct CodeLabel {
 pub struct ReasonLabel {
     /// Why, in `snake_case`.
     pub reason: &'static str,
+}
+
+/// `phase` label of `hearth_activation_phase_seconds`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PhaseLabel {
+    /// The phase, in `snake_case`: `demand_to_ready` here.
+    pub phase: &'static str,
 }
 
 /// `kind` label of upstream errors.
@@ -87,6 +95,8 @@ pub struct Metrics {
     pub backend_endpoints: Gauge,
     /// `hearth_gateway_request_body_bytes`.
     pub request_body_bytes: Gauge,
+    /// `hearth_activation_phase_seconds{phase}`: `demand_to_ready`, observed by the lease.
+    pub activation_phases: Family<PhaseLabel, Histogram>,
     /// Makes [`Metrics::encode_with_total`] one step for concurrent scrapes.
     scrape: Mutex<()>,
 }
@@ -117,6 +127,10 @@ impl Metrics {
         let activation_events = Counter::default();
         let backend_endpoints = Gauge::default();
         let request_body_bytes = Gauge::default();
+        // 1 ms .. ~35 min, as the controller's phases under the same name.
+        let activation_phases = Family::<PhaseLabel, Histogram>::new_with_constructor(
+            activation_histogram as fn() -> Histogram,
+        );
         registry.register(
             "hearth_gateway_pending",
             "Requests admitted by this replica and not finished",
@@ -187,6 +201,11 @@ impl Metrics {
             "Request body bytes held: being read, or kept to forward (bounded by --body-memory-limit)",
             request_body_bytes.clone(),
         );
+        registry.register(
+            "hearth_activation_phase_seconds",
+            "Phases of activations (0 to 1 backend replicas), in seconds",
+            activation_phases.clone(),
+        );
         Self {
             registry,
             pending,
@@ -203,8 +222,18 @@ impl Metrics {
             activation_events,
             backend_endpoints,
             request_body_bytes,
+            activation_phases,
             scrape: Mutex::new(()),
         }
+    }
+
+    /// The `demand_to_ready` series of `hearth_activation_phase_seconds`, for the lease.
+    pub fn demand_to_ready(&self) -> Histogram {
+        self.activation_phases
+            .get_or_create(&PhaseLabel {
+                phase: "demand_to_ready",
+            })
+            .clone()
     }
 
     /// Counts a finished request by status code.
@@ -244,4 +273,8 @@ impl Metrics {
         let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
         out
     }
+}
+
+fn activation_histogram() -> Histogram {
+    Histogram::new(exponential_buckets(0.001, 2.0, 22))
 }
