@@ -5,7 +5,7 @@
 //! adds `status.observedGeneration` and CEL rules (`x-kubernetes-validations`) so that the
 //! apiserver rejects contradictory scaling settings before any webhook runs, and a few
 //! extensions, each marked "A Hearth extension of the public API" (`scaling.warmWindows`,
-//! `endpoint.replicas`, `endpoint.apiKeySecretRef`).
+//! `endpoint.replicas`, `endpoint.apiKeySecretRef`, `status.lastActivation`).
 
 use k8s_openapi::{
     api::core::v1::LocalObjectReference,
