@@ -8,7 +8,8 @@
 //!    (apply, adopt, create, replace, delete-if-owned, or nothing), every condition and the
 //!    phase. Both steps are pure;
 //! 3. [`execute()`] (`execute.rs`): the writes as API calls, in order, and the API's answers as
-//!    conditions ([`recovery`]); then the status, when it differs.
+//!    conditions ([`recovery`]); then the status, when it differs, with a newly recorded
+//!    activation (`crate::activation`: a backend pod's 0→1, from the pod cache and its Events).
 //!
 //! `watch.rs` holds the watches that fill the caches and trigger reconciles.
 //!
