@@ -30,6 +30,16 @@ pub fn managed_selector() -> String {
     format!("{MANAGED_BY_LABEL} in ({MANAGED_BY},{FIELD_MANAGER})")
 }
 
+/// The label selector of the backend pods' watch: the pods of the backend Deployments this
+/// controller renders (`managed-by: hearth`, `component: backend`, with the service's name in
+/// `serving.hearth.dev/llmservice`); prewarm and gateway pods are left out.
+pub fn backend_pod_selector() -> String {
+    format!(
+        "{MANAGED_BY_LABEL}={MANAGED_BY},{COMPONENT_LABEL}={},{LLMSERVICE_LABEL}",
+        Component::Backend.as_str()
+    )
+}
+
 /// A child's role, the value of `app.kubernetes.io/component`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Component {

@@ -7,8 +7,11 @@
 //! - [`resolve`] picks the runtime (pinned name, or vendor preference, then priority, then name).
 //! - [`reconcile`] is the kube-runtime controller: server-side apply under one field manager,
 //!   status, Events, metrics.
+//! - [`activation`] is the timeline of a 0→1 (`status.lastActivation`, the `Activated` Event,
+//!   `hearth_activation_phase_seconds`).
 //! - [`leader`] is leader election on a `coordination.k8s.io` Lease.
 
+pub mod activation;
 pub mod adopt;
 pub mod diff;
 pub mod labels;

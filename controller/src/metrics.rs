@@ -8,7 +8,11 @@ use std::{
 
 use prometheus_client::{
     encoding::EncodeLabelSet,
-    metrics::{counter::Counter, family::Family, histogram::Histogram},
+    metrics::{
+        counter::Counter,
+        family::Family,
+        histogram::{Histogram, exponential_buckets},
+    },
     registry::Registry,
 };
 
@@ -17,6 +21,20 @@ use prometheus_client::{
 pub struct ErrorLabels {
     /// Short error class, e.g. `kube_api`, `render`.
     pub reason: String,
+}
+
+/// Label of `hearth_activation_phase_seconds`: the phase of an activation.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PhaseLabel {
+    /// `scale_decision`, `scheduled`, `image_pull`, `containers_started`, `model_ready`,
+    /// `total` (see [`crate::activation`]).
+    pub phase: &'static str,
+}
+
+/// Buckets of `hearth_activation_phase_seconds`: 1 ms doubling to about 35 min, for phases from
+/// a scheduling decision to a large model's load.
+pub fn activation_buckets() -> impl Iterator<Item = f64> {
+    exponential_buckets(0.001, 2.0, 22)
 }
 
 /// The controller's metrics.
@@ -32,9 +50,13 @@ pub struct Metrics {
     pub kube_requests: Counter,
     /// `hearth_controller_writes_total`: create/apply/status writes issued.
     pub writes: Counter,
+    /// `hearth_activation_phase_seconds{phase}`: one observation per phase of each recorded
+    /// activation (0→1), seconds.
+    pub activation_phases: Family<PhaseLabel, Histogram>,
     registry: Arc<Registry>,
-    /// Metrics of the libraries, under their own names (no `hearth_controller` prefix):
-    /// `hearth_policy_native_fallbacks_total{reason}` (see [`hearth_policies::fallback`]).
+    /// Metrics under their own names (no `hearth_controller` prefix): the libraries'
+    /// `hearth_policy_native_fallbacks_total{reason}` (see [`hearth_policies::fallback`]) and
+    /// `hearth_activation_phase_seconds`.
     libraries: Arc<Registry>,
 }
 
@@ -76,14 +98,24 @@ impl Metrics {
             "Create, apply and status writes sent to the apiserver",
             writes.clone(),
         );
+        let activation_phases = Family::<PhaseLabel, Histogram>::new_with_constructor(
+            new_activation_histogram as fn() -> Histogram,
+        );
         let mut libraries = Registry::default();
         libraries.register_collector(Box::new(hearth_policies::fallback::Collector));
+        // Shared with the gateway, which observes its own phases under the same name.
+        libraries.register(
+            "hearth_activation_phase_seconds",
+            "Phases of activations (0 to 1 backend replicas), in seconds",
+            activation_phases.clone(),
+        );
         Self {
             reconciles,
             errors,
             duration,
             kube_requests,
             writes,
+            activation_phases,
             registry: Arc::new(registry),
             libraries: Arc::new(libraries),
         }
@@ -98,6 +130,15 @@ impl Metrics {
                     reason: reason.to_owned(),
                 })
                 .inc();
+        }
+    }
+
+    /// Records the phases of one activation: `(phase, seconds)`.
+    pub fn activation(&self, phases: &[(&'static str, f64)]) {
+        for (phase, secs) in phases {
+            self.activation_phases
+                .get_or_create(&PhaseLabel { phase })
+                .observe(*secs);
         }
     }
 
@@ -116,6 +157,10 @@ impl Metrics {
     pub fn request_counter(&self) -> CountLayer {
         CountLayer(self.kube_requests.clone())
     }
+}
+
+fn new_activation_histogram() -> Histogram {
+    Histogram::new(activation_buckets())
 }
 
 /// Counts requests through a service (see [`Metrics::request_counter`]).
@@ -231,5 +276,28 @@ mod tests {
             assert!(text.contains(&line), "{text}");
         }
         assert!(text.ends_with("# EOF\n"), "{text}");
+    }
+
+    #[test]
+    fn activation_phases_are_one_histogram_by_phase_without_the_prefix() {
+        let m = Metrics::new();
+        m.activation(&[("scheduled", 0.5), ("total", 34.2)]);
+        let text = m.encode();
+        assert!(
+            text.contains("# TYPE hearth_activation_phase_seconds histogram"),
+            "{text}"
+        );
+        assert!(
+            text.contains("hearth_activation_phase_seconds_count{phase=\"total\"} 1"),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                "hearth_activation_phase_seconds_bucket{le=\"0.001\",phase=\"scheduled\"} 0"
+            ),
+            "{text}"
+        );
+        // The largest bucket is above 20 minutes.
+        assert!(super::activation_buckets().last().unwrap() > 1200.0);
     }
 }

@@ -481,6 +481,68 @@ async fn phases_follow_the_backend_and_replicas_belong_to_the_scaler() -> Result
         svc.status
     );
 
+    // The 0→1 is recorded from the real pod and its kubelet's Events: status.lastActivation,
+    // an `Activated` Event, the phase histogram.
+    let svc = wait_service(&ns, "stub-svc", "lastActivation recorded", |s| {
+        s.status
+            .as_ref()
+            .is_some_and(|st| st.last_activation.is_some())
+    })
+    .await?;
+    let first = svc
+        .status
+        .and_then(|s| s.last_activation)
+        .context("lastActivation")?;
+    let pods: Api<Pod> = ns.api();
+    let pod = pods.get(&first.pod).await?;
+    assert_eq!(pod.uid().as_deref(), Some(first.pod_uid.as_str()));
+    assert_eq!(
+        first.node,
+        pod.spec.as_ref().and_then(|s| s.node_name.clone())
+    );
+    assert_eq!(
+        first.phases.scale_decision, None,
+        "KEDA is paused on this ScaledObject: it made no scale decision"
+    );
+    assert!(
+        first.image_present.is_some() && first.phases.image_pull.is_some(),
+        "the kubelet's Pulled Event was read: {first:?}"
+    );
+    for d in [
+        &first.phases.scheduled,
+        &first.phases.containers_started,
+        &first.phases.model_ready,
+        &first.phases.total,
+    ] {
+        hearth_crds::parse_duration(d).with_context(|| format!("{first:?}"))?;
+    }
+    assert_eq!(
+        first.start_time.0,
+        pod.metadata
+            .creation_timestamp
+            .clone()
+            .context("created")?
+            .0
+    );
+    let events: Api<Event> = ns.api();
+    let note = wait_until("the Activated Event", WAIT, || async {
+        let list = events
+            .list(&ListParams::default().fields("involvedObject.name=stub-svc,reason=Activated"))
+            .await?;
+        Ok(match list.items.first() {
+            Some(e) => Observed::Ready(e.message.clone().unwrap_or_default()),
+            None => Observed::NotYet("no Activated Event".into()),
+        })
+    })
+    .await?;
+    assert!(
+        note.starts_with("0→1 in ") && note.contains(&format!("(pod {} on node ", first.pod)),
+        "{note}"
+    );
+    eprintln!("recorded: {note}\n{}", serde_json::to_string(&first)?);
+    let once = "hearth_activation_phase_seconds_count{phase=\"total\"} 1\n";
+    assert!(running.metrics.encode().contains(once));
+
     // Someone scales to 2; a following reconcile (spec change → new generation) keeps 2.
     // (Each replica takes one of the real node's 4 fake GPUs, shared with the other tests.)
     scale_backend(&ns, "stub-svc", 2).await?;
@@ -522,10 +584,16 @@ async fn phases_follow_the_backend_and_replicas_belong_to_the_scaler() -> Result
     )
     .await?;
     assert_eq!(backend_replicas(&ns, "stub-svc").await?, Some(2));
-    wait_service(&ns, "stub-svc", "2 ready replicas", |s| {
+    let svc = wait_service(&ns, "stub-svc", "2 ready replicas", |s| {
         s.status.as_ref().and_then(|st| st.replicas) == Some(2)
     })
     .await?;
+    // 1→2 is no activation: the record stays the first pod's, observed once.
+    assert_eq!(
+        svc.status.and_then(|s| s.last_activation).as_ref(),
+        Some(&first)
+    );
+    assert!(running.metrics.encode().contains(once));
 
     // Back to zero.
     scale_backend(&ns, "stub-svc", 0).await?;
@@ -535,7 +603,6 @@ async fn phases_follow_the_backend_and_replicas_belong_to_the_scaler() -> Result
     .await?;
 
     // Transitions were recorded as Events on the LLMService.
-    let events: Api<Event> = ns.api();
     let reasons: Vec<String> = wait_until("phase Events", WAIT, || async {
         let list = events
             .list(&ListParams::default().fields("involvedObject.name=stub-svc"))

@@ -21,7 +21,9 @@ pub mod wellknown;
 
 pub use duration::{Duration, DurationError, parse_duration};
 pub use inferenceruntime::{InferenceRuntime, InferenceRuntimeSpec, InferenceRuntimeStatus};
-pub use llmservice::{LLMService, LLMServicePhase, LLMServiceSpec, LLMServiceStatus};
+pub use llmservice::{
+    Activation, ActivationPhases, LLMService, LLMServicePhase, LLMServiceSpec, LLMServiceStatus,
+};
 pub use servingpolicy::{ServingPolicy, ServingPolicySpec, ServingPolicyStatus};
 
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;

@@ -5,11 +5,14 @@
 //! adds `status.observedGeneration` and CEL rules (`x-kubernetes-validations`) so that the
 //! apiserver rejects contradictory scaling settings before any webhook runs, and a few
 //! extensions, each marked "A Hearth extension of the public API" (`scaling.warmWindows`,
-//! `endpoint.replicas`, `endpoint.apiKeySecretRef`).
+//! `endpoint.replicas`, `endpoint.apiKeySecretRef`, `status.lastActivation`).
 
 use k8s_openapi::{
     api::core::v1::LocalObjectReference,
-    apimachinery::pkg::{api::resource::Quantity, apis::meta::v1::Condition},
+    apimachinery::pkg::{
+        api::resource::Quantity,
+        apis::meta::v1::{Condition, Time},
+    },
 };
 use kube::CustomResource;
 use schemars::JsonSchema;
@@ -34,6 +37,7 @@ use crate::duration::Duration;
     printcolumn = r#"{"name":"Runtime","type":"string","jsonPath":".status.resolvedRuntime"}"#,
     printcolumn = r#"{"name":"Replicas","type":"integer","jsonPath":".status.replicas"}"#,
     printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#,
+    printcolumn = r#"{"name":"Last Activation","type":"string","priority":1,"jsonPath":".status.lastActivation.phases.total","description":"How long the last 0->1 took"}"#,
     doc = "LLMService declaratively serves one model behind a scale-to-zero gateway."
 )]
 #[serde(rename_all = "camelCase")]
@@ -572,4 +576,82 @@ pub struct LLMServiceStatus {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
     pub conditions: Vec<Condition>,
+
+    /// lastActivation is the timeline of the last activation: a backend pod that turned Ready
+    /// while no other backend replica was ready (a 0->1). Written once per pod. A Hearth
+    /// extension of the public API.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_activation: Option<Activation>,
+}
+
+/// The timeline of one activation (`status.lastActivation`), measured from the backend pod,
+/// its kubelet Events and the KEDA ScaledObject. Durations are Go duration strings rounded to
+/// milliseconds (`"250ms"`, `"34.2s"`, `"1m2.5s"`); most sources have whole-second precision.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Activation {
+    /// startTime is when the activation started: when KEDA's scaler turned active, else the
+    /// pod's creation.
+    pub start_time: Time,
+
+    /// readyTime is when the pod turned Ready.
+    pub ready_time: Time,
+
+    /// pod is the backend pod's name.
+    #[schemars(length(max = 253))]
+    pub pod: String,
+
+    /// podUID identifies the pod: an activation is recorded once per pod.
+    #[serde(rename = "podUID")]
+    #[schemars(length(max = 64))]
+    pub pod_uid: String,
+
+    /// node is the node the pod ran on.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 253))]
+    pub node: Option<String>,
+
+    /// imagePresent is true when the kubelet found the model container's image on the node,
+    /// false when it pulled it; absent when its Events were not found.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image_present: Option<bool>,
+
+    /// phases splits the activation into its steps.
+    pub phases: ActivationPhases,
+}
+
+/// The steps of an activation, as Go duration strings (see [`Activation`]). Apart from
+/// `scaleDecision` they add up to the time from the pod's creation to its readiness, unless a
+/// step measured negative (clock skew between nodes and control plane) and was set to zero.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ActivationPhases {
+    /// scaleDecision: the ScaledObject's `Active` condition turning true until the pod was
+    /// created; absent when unknown (no KEDA, or the scaler did not turn active for this pod).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 32))]
+    pub scale_decision: Option<String>,
+
+    /// scheduled: pod created until `PodScheduled`.
+    #[schemars(length(max = 32))]
+    pub scheduled: String,
+
+    /// imagePull: the kubelet pulling the model container's image (0s when present); absent
+    /// when its Events were not found.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 32))]
+    pub image_pull: Option<String>,
+
+    /// containersStarted: scheduled and pulled until the model container started (sandbox,
+    /// volumes, init containers, sidecars).
+    #[schemars(length(max = 32))]
+    pub containers_started: String,
+
+    /// modelReady: the model container started until the pod turned Ready (loading the model).
+    #[schemars(length(max = 32))]
+    pub model_ready: String,
+
+    /// total: startTime until readyTime.
+    #[schemars(length(max = 32))]
+    pub total: String,
 }

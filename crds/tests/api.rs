@@ -120,6 +120,12 @@ fn printer_columns_match_upstream() {
             ("Runtime".into(), ".status.resolvedRuntime".into(), 0),
             ("Replicas".into(), ".status.replicas".into(), 0),
             ("Age".into(), ".metadata.creationTimestamp".into(), 0),
+            // A Hearth extension, shown by `kubectl get -o wide` only.
+            (
+                "Last Activation".into(),
+                ".status.lastActivation.phases.total".into(),
+                1
+            ),
         ]
     );
     assert_eq!(

@@ -555,7 +555,10 @@ mod tests {
 
     #[test]
     fn sleep_flags_build_the_sleeping_tier() {
-        let off = parse(&["--backend-service=svc"]).serve.gateway_config().unwrap();
+        let off = parse(&["--backend-service=svc"])
+            .serve
+            .gateway_config()
+            .unwrap();
         assert_eq!(off.sleep, None);
         let cli = parse(&[
             "--backend-service=svc",
@@ -582,7 +585,13 @@ mod tests {
             ]
         );
         let default = parse(&["--backend-service=svc", "--sleep-after=1m"]);
-        let calls = default.serve.gateway_config().unwrap().sleep.unwrap().wake_up;
+        let calls = default
+            .serve
+            .gateway_config()
+            .unwrap()
+            .sleep
+            .unwrap()
+            .wake_up;
         assert_eq!(calls.len(), 1);
         assert_eq!(calls[0].path_and_query.as_str(), "/wake_up");
     }
@@ -591,7 +600,10 @@ mod tests {
     fn bad_sleep_flags_name_the_flag() {
         for (args, flag) in [
             (&["--sleep-after=0s"][..], "--sleep-after"),
-            (&["--sleep-after=1m", "--sleep-path=sleep"][..], "--sleep-path"),
+            (
+                &["--sleep-after=1m", "--sleep-path=sleep"][..],
+                "--sleep-path",
+            ),
             (
                 &["--sleep-after=1m", "--is-sleeping-path=is sleeping"][..],
                 "--is-sleeping-path",

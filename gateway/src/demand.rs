@@ -22,6 +22,7 @@ use std::{
     time::Duration,
 };
 
+use prometheus_client::metrics::histogram::Histogram;
 use tokio::{
     sync::{Notify, watch},
     time::Instant,
@@ -130,6 +131,9 @@ pub struct DemandHub {
     /// Incremented on every rise of this replica's demand from 0
     /// (`hearth_gateway_activation_events_total`).
     activations: prometheus_client::metrics::counter::Counter,
+    /// Observes the lease's raise until a ready backend was seen, in seconds
+    /// (`hearth_activation_phase_seconds{phase="demand_to_ready"}`).
+    demand_to_ready: Histogram,
 }
 
 impl DemandHub {
@@ -146,7 +150,15 @@ impl DemandHub {
         Self {
             tx: Arc::new(watch::channel(state).0),
             activations: Default::default(),
+            demand_to_ready: Histogram::new(std::iter::empty()),
         }
+    }
+
+    /// Observes, on `histogram`, each activation lease's time from its raise until a ready
+    /// backend was seen (see [`Lease`]), in seconds.
+    pub fn with_demand_to_ready(mut self, histogram: Histogram) -> Self {
+        self.demand_to_ready = histogram;
+        self
     }
 
     /// Counts each rise of this replica's demand from 0 (a request arriving to an idle
@@ -282,6 +294,11 @@ impl Drop for Admission {
 
 /// The activation lease: raised by every cold request, held until the backend has been ready
 /// for `grace`, or until `activation_timeout` after the last cold request.
+///
+/// The time from its raise (with no lease held) until a ready backend is first seen (the
+/// endpoint watch, or a held request reaching one) is observed on the hub's
+/// [`DemandHub::with_demand_to_ready`] histogram, once per raise; a lease that expires without a
+/// ready backend observes nothing.
 #[derive(Debug, Clone)]
 pub struct Lease {
     inner: Arc<LeaseInner>,
@@ -293,6 +310,8 @@ struct LeaseInner {
     timeout: Duration,
     grace: Duration,
     deadline: Mutex<Option<Instant>>,
+    /// When the lease was raised, until a ready backend is seen or it expires.
+    raised_at: Mutex<Option<Instant>>,
     notify: Notify,
 }
 
@@ -306,6 +325,7 @@ impl Lease {
                 timeout: activation_timeout,
                 grace,
                 deadline: Mutex::new(None),
+                raised_at: Mutex::new(None),
                 notify: Notify::new(),
             }),
         }
@@ -314,7 +334,9 @@ impl Lease {
     /// A cold request arrived: raise demand now, until a backend is ready or the activation
     /// timeout passes.
     pub fn raise(&self) {
-        let until = Instant::now() + self.inner.timeout;
+        let now = Instant::now();
+        let until = now + self.inner.timeout;
+        self.raised_at().get_or_insert(now);
         {
             let mut d = self
                 .inner
@@ -330,6 +352,7 @@ impl Lease {
     /// A held request reached a backend: the lease ends `grace` from now at the latest. This
     /// catches a backend that was ready only briefly, which the endpoint watch may coalesce away.
     pub fn ready_seen(&self) {
+        self.observe_ready();
         let until = Instant::now() + self.inner.grace;
         let mut d = self
             .inner
@@ -342,6 +365,24 @@ impl Lease {
             *d = Some(until);
             drop(d);
             self.inner.notify.notify_one();
+        }
+    }
+
+    fn raised_at(&self) -> std::sync::MutexGuard<'_, Option<Instant>> {
+        self.inner
+            .raised_at
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A ready backend was seen: observes the time since the raise, once.
+    fn observe_ready(&self) {
+        let raised = self.raised_at().take();
+        if let Some(raised) = raised {
+            self.inner
+                .hub
+                .demand_to_ready
+                .observe(raised.elapsed().as_secs_f64());
         }
     }
 
@@ -362,6 +403,7 @@ impl Lease {
             .unwrap_or_else(|e| e.into_inner());
         if *d == Some(expected) {
             *d = None;
+            *self.raised_at() = None;
             self.inner.hub.set_lease(false);
             true
         } else {
@@ -386,6 +428,7 @@ impl Lease {
                     if !ok {
                         return;
                     }
+                    self.observe_ready();
                     // Ready: keep the lease for the grace period, then drop it unless a new
                     // cold request extended it meanwhile.
                     tokio::time::sleep(grace).await;
@@ -500,6 +543,75 @@ mod tests {
         let mut rx = hub.subscribe();
         rx.wait_for(|s| !s.lease()).await.unwrap();
         assert_eq!(start.elapsed(), Duration::from_secs(5));
+    }
+
+    fn demand_to_ready(hub: DemandHub) -> (DemandHub, Histogram) {
+        let h = Histogram::new([1.0, 10.0, 30.0, 120.0]);
+        (hub.with_demand_to_ready(h.clone()), h)
+    }
+
+    /// `(count, sum)` of a histogram, read from its text exposition.
+    fn count_and_sum(h: &Histogram) -> (u64, f64) {
+        let mut registry = prometheus_client::registry::Registry::default();
+        registry.register("h", "", h.clone());
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+        let value = |name: &str| {
+            text.lines()
+                .find_map(|l| l.strip_prefix(name))
+                .and_then(|v| v.trim().parse::<f64>().ok())
+                .unwrap()
+        };
+        (value("h_count ") as u64, value("h_sum "))
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn demand_to_ready_is_observed_once_per_raise_from_the_first_cold_request() {
+        let (hub, h) = demand_to_ready(DemandHub::new(8, false));
+        let endpoints = EndpointSet::new();
+        let lease = Lease::new(hub.clone(), Duration::from_secs(60), Duration::from_secs(5));
+        tokio::spawn(lease.clone().run(endpoints.clone()));
+        lease.raise();
+        tokio::time::sleep(Duration::from_secs(10)).await;
+        // A second cold request while the backend starts: the first raise still counts.
+        lease.raise();
+        tokio::time::sleep(Duration::from_secs(20)).await;
+        endpoints.replace(["127.0.0.1:1".parse().unwrap()]);
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        // The held requests reaching the backend observe nothing more.
+        lease.ready_seen();
+        lease.ready_seen();
+        let mut rx = hub.subscribe();
+        rx.wait_for(|s| !s.lease()).await.unwrap();
+        assert_eq!(count_and_sum(&h), (1, 30.0));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_held_request_reaching_a_backend_first_observes_demand_to_ready() {
+        let (hub, h) = demand_to_ready(DemandHub::new(8, false));
+        let lease = Lease::new(hub.clone(), Duration::from_secs(60), Duration::from_secs(5));
+        tokio::spawn(lease.clone().run(EndpointSet::new()));
+        lease.raise();
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        lease.ready_seen();
+        assert_eq!(count_and_sum(&h), (1, 3.0));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_lease_that_expires_without_a_backend_observes_nothing() {
+        let (hub, h) = demand_to_ready(DemandHub::new(8, false));
+        let endpoints = EndpointSet::new();
+        let lease = Lease::new(hub.clone(), Duration::from_secs(60), Duration::from_secs(5));
+        tokio::spawn(lease.clone().run(endpoints.clone()));
+        lease.raise();
+        let mut rx = hub.subscribe();
+        rx.wait_for(|s| !s.lease()).await.unwrap();
+        // The next raise starts its own measurement.
+        lease.raise();
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        endpoints.replace(["127.0.0.1:1".parse().unwrap()]);
+        rx.wait_for(|s| !s.lease()).await.unwrap();
+        assert_eq!(count_and_sum(&h), (1, 2.0));
     }
 
     #[test]

@@ -112,7 +112,8 @@ impl Gateway {
     pub fn new(cfg: GatewayConfig, backends: EndpointSet, keys: ApiKeys) -> std::io::Result<Self> {
         let metrics = Arc::new(Metrics::new());
         let demand = DemandHub::new(cfg.max_queue, cfg.aggregate_peers)
-            .with_activation_counter(metrics.activation_events.clone());
+            .with_activation_counter(metrics.activation_events.clone())
+            .with_demand_to_ready(metrics.demand_to_ready());
         let lease = Lease::new(demand.clone(), cfg.activation_timeout, cfg.activation_grace);
         let pool = UpstreamPool::new(cfg.connect_timeout, cfg.backend_idle_timeout);
         let timer = CoarseTimer::new()?;

@@ -18,7 +18,7 @@
 //! | `hearth_gateway_request_body_bytes` | gauge | request body bytes held: being read, or kept to forward (bounded by `--body-memory-limit`) |
 //! | `hearth_gateway_backends_sleeping` | gauge | sleeping tier: backend engines asleep, falling asleep or waking up, as this replica knows them |
 //! | `hearth_gateway_engine_calls_total{call,result}` | counter | sleeping tier: calls to the engine's sleep API (`call`: `sleep`, `wake_up`, `is_sleeping`; `result`: `ok`, `error`) |
-//! | `hearth_activation_phase_seconds{phase}` | histogram | activation phases seen by the gateway: `wake_up` (the wake-up calls of a sleeping engine, sent until answered) |
+//! | `hearth_activation_phase_seconds{phase}` | histogram | activation phases seen by the gateway: `demand_to_ready` (activation lease raised, a cold request with no lease held, until a ready backend was first seen) and `wake_up` (the wake-up calls of a sleeping engine, sent until answered); the controller observes the pod's phases under the same name |
 //!
 //! The gateway names no namespace, pod or service in its series: Prometheus adds `namespace` and
 //! `pod` (the chart's `hearth-gateways` PodMonitor also `llmservice`); the dashboard groups by
@@ -70,13 +70,8 @@ pub struct EngineCallLabel {
 /// `phase` label of `hearth_activation_phase_seconds`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct PhaseLabel {
-    /// The phase, in `snake_case`.
+    /// The phase, in `snake_case`: `demand_to_ready` or `wake_up` here.
     pub phase: &'static str,
-}
-
-/// Histogram of one activation phase: 1 ms .. ~17 min.
-fn phase_histogram() -> Histogram {
-    Histogram::new(exponential_buckets(0.001, 2.0, 21))
 }
 
 /// All gateway metrics and their registry.
@@ -150,7 +145,7 @@ impl Metrics {
         let backends_sleeping = Gauge::default();
         let engine_calls = Family::default();
         let activation_phases: Family<PhaseLabel, Histogram, fn() -> Histogram> =
-            Family::new_with_constructor(phase_histogram);
+            Family::new_with_constructor(activation_histogram);
         registry.register(
             "hearth_gateway_pending",
             "Requests admitted by this replica and not finished",
@@ -233,7 +228,7 @@ impl Metrics {
         );
         registry.register(
             "hearth_activation_phase_seconds",
-            "Activation phases seen by the gateway (wake_up: a sleeping engine's wake-up calls)",
+            "Phases of activations (0 to 1 backend replicas, and sleeping engines woken), in seconds",
             activation_phases.clone(),
         );
         Self {
@@ -257,6 +252,15 @@ impl Metrics {
             activation_phases,
             scrape: Mutex::new(()),
         }
+    }
+
+    /// The `demand_to_ready` series of `hearth_activation_phase_seconds`, for the lease.
+    pub fn demand_to_ready(&self) -> Histogram {
+        self.activation_phases
+            .get_or_create(&PhaseLabel {
+                phase: "demand_to_ready",
+            })
+            .clone()
     }
 
     /// Counts a finished request by status code.
@@ -311,4 +315,10 @@ impl Metrics {
         let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
         out
     }
+}
+
+/// Histogram of one activation phase: 1 ms .. ~35 min, as the controller's phases under the
+/// same name.
+fn activation_histogram() -> Histogram {
+    Histogram::new(exponential_buckets(0.001, 2.0, 22))
 }

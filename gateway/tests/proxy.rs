@@ -117,6 +117,15 @@ async fn cold_streaming_request_gets_heartbeats_then_the_stream() {
         Some(1.0),
         "{m}"
     );
+    // The lease raised by the cold request until the endpoint turned ready: once.
+    assert_eq!(
+        metric(
+            &m,
+            "hearth_activation_phase_seconds_count{phase=\"demand_to_ready\"}"
+        ),
+        Some(1.0),
+        "{m}"
+    );
 }
 
 #[tokio::test]

@@ -8,7 +8,8 @@
 //!    (apply, adopt, create, replace, delete-if-owned, or nothing), every condition and the
 //!    phase. Both steps are pure;
 //! 3. [`execute()`] (`execute.rs`): the writes as API calls, in order, and the API's answers as
-//!    conditions ([`recovery`]); then the status, when it differs.
+//!    conditions ([`recovery`]); then the status, when it differs, with a newly recorded
+//!    activation (`crate::activation`: a backend pod's 0→1, from the pod cache and its Events).
 //!
 //! `watch.rs` holds the watches that fill the caches and trigger reconciles.
 //!
@@ -33,12 +34,15 @@ use std::{
 };
 
 use futures::{StreamExt, channel::mpsc};
-use hearth_crds::{InferenceRuntime, LLMService, LLMServiceStatus, wellknown::FIELD_MANAGER};
+use hearth_crds::{
+    InferenceRuntime, LLMService, LLMServiceStatus,
+    wellknown::{FIELD_MANAGER, LLMSERVICE_LABEL},
+};
 use k8s_openapi::{
     api::{
         apps::v1::Deployment,
         batch::v1::Job,
-        core::v1::{PersistentVolumeClaim, Service, ServiceAccount},
+        core::v1::{Event as CoreEvent, PersistentVolumeClaim, Pod, Service, ServiceAccount},
         policy::v1::PodDisruptionBudget,
         rbac::v1::{Role, RoleBinding},
     },
@@ -47,7 +51,7 @@ use k8s_openapi::{
 };
 use kube::{
     Api, Client, Resource, ResourceExt,
-    api::DynamicObject,
+    api::{DynamicObject, ListParams},
     runtime::{
         Controller, WatchStreamExt,
         controller::{Action, Config as ControllerConfig},
@@ -59,7 +63,14 @@ use kube::{
 
 use tracing::{Instrument, info_span};
 
-use crate::{labels, metrics::Metrics, names, policy, render::RenderConfig, status};
+use crate::{
+    activation::{self, Timeline},
+    labels,
+    metrics::Metrics,
+    names, policy,
+    render::RenderConfig,
+    status,
+};
 
 mod desired;
 mod execute;
@@ -214,6 +225,8 @@ pub struct Context {
     roles: Store<Role>,
     role_bindings: Store<RoleBinding>,
     pdbs: Store<PodDisruptionBudget>,
+    /// Backend pods ([`labels::backend_pod_selector`]): activations are read from them.
+    pods: Store<Pod>,
     keda: Arc<KedaState>,
     recorder: Recorder,
     policies: Option<policy::ClusterEngine>,
@@ -240,6 +253,7 @@ impl Context {
             && synced(&self.roles)
             && synced(&self.role_bindings)
             && synced(&self.pdbs)
+            && synced(&self.pods)
     }
 
     /// The render settings with the policies as they are now.
@@ -358,13 +372,82 @@ async fn reconcile_inner(svc: &LLMService, ctx: &Context) -> Result<Action, Erro
     execute(ctx, &namespace, &mut plan).await?;
 
     let now = Time(k8s_openapi::jiff::Timestamp::now());
-    let status = plan.status(svc, &now);
+    let mut status = plan.status(svc, &now);
+    let activated = record_activation(ctx, svc, &namespace, &view).await;
+    if let Some(t) = &activated {
+        status.last_activation = Some(t.to_status());
+    }
     if status::differs(svc.status.as_ref(), &status) {
         execute::write_status(ctx, svc, &status).await?;
         let previous = svc.status.clone().unwrap_or_default();
         emit_transitions(ctx, svc, &previous, &status).await;
+        // Once written, the status is the record: the next reconcile finds this pod in it.
+        if let Some(t) = activated {
+            ctx.metrics.activation(&t.phases());
+            tracing::info!(pod = %t.pod, total = ?t.total, "activation recorded");
+            publish(ctx, svc, EventType::Normal, "Activated", t.note()).await;
+        }
     }
     Ok(Action::requeue(ctx.requeue))
+}
+
+/// The timeline of a backend pod of `svc` whose readiness is an activation not recorded yet
+/// (see [`activation::activated`]): the pod from the cache, its Events and KEDA's listed now
+/// (no Event watch). An Event list that fails leaves the phases it would give unknown.
+async fn record_activation(
+    ctx: &Context,
+    svc: &LLMService,
+    namespace: &str,
+    view: &View,
+) -> Option<Timeline> {
+    let previous = svc.status.as_ref();
+    let last = previous.and_then(|s| s.last_activation.as_ref());
+    let replicas_before = previous.and_then(|s| s.replicas).unwrap_or(0);
+    let name = svc.name_any();
+    let pods: Vec<Arc<Pod>> = ctx
+        .pods
+        .state()
+        .into_iter()
+        .filter(|p| {
+            p.namespace().as_deref() == Some(namespace)
+                && p.labels().get(LLMSERVICE_LABEL) == Some(&name)
+        })
+        .collect();
+    let pod = activation::activated(
+        pods.iter().map(AsRef::as_ref),
+        last,
+        replicas_before,
+        k8s_openapi::jiff::Timestamp::now(),
+    )?;
+    let uid = pod.metadata.uid.as_deref()?;
+    let events: Api<CoreEvent> = Api::namespaced(ctx.client.clone(), namespace);
+    let pod_events = list_events(&events, &format!("involvedObject.uid={uid}")).await;
+    let scaler_since = match view.scaled_object.as_ref().and_then(|so| so.uid()) {
+        Some(so_uid) => {
+            let keda_events = list_events(
+                &events,
+                &format!(
+                    "involvedObject.uid={so_uid},reason={}",
+                    activation::KEDA_ACTIVATED
+                ),
+            )
+            .await;
+            activation::scaler_activated_at(&keda_events, last.map(|l| l.ready_time.0))
+        }
+        None => None,
+    };
+    activation::timeline(pod, &pod_events, scaler_since)
+}
+
+/// The core/v1 Events matching `fields`; none (logged) when the list fails.
+async fn list_events(api: &Api<CoreEvent>, fields: &str) -> Vec<CoreEvent> {
+    match api.list(&ListParams::default().fields(fields)).await {
+        Ok(list) => list.items,
+        Err(e) => {
+            tracing::warn!(error = %e, fields, "listing Events for an activation timeline failed");
+            Vec::new()
+        }
+    }
 }
 
 /// Condition reasons that are the normal state of a service just created.
@@ -496,6 +579,15 @@ pub async fn run(
     let (rb_store, rb_stream) = cached_watch::<RoleBinding>(&client, ns, &managed, None);
     let (pdb_store, pdb_stream) =
         cached_watch::<PodDisruptionBudget>(&client, ns, &managed, Some(|p| relevant(p, &())));
+    // Backend pods trigger their service's reconcile when they turn Ready (or stop being so):
+    // that is when an activation is recorded.
+    let backend_pods = watcher::Config::default().labels(&labels::backend_pod_selector());
+    let (pods_store, pods_stream) = cached_watch::<Pod>(
+        &client,
+        ns,
+        &backend_pods,
+        Some(|p| relevant(p, &activation::ready_since(p))),
+    );
 
     let keda = Arc::new(KedaState {
         api: cfg.render.keda_api.clone(),
@@ -540,6 +632,7 @@ pub async fn run(
         roles: roles_store,
         role_bindings: rb_store,
         pdbs: pdb_store,
+        pods: pods_store,
         keda,
         policies,
         recorder: Recorder::new(
@@ -581,6 +674,10 @@ pub async fn run(
         .owns_stream(roles_stream)
         .owns_stream(rb_stream)
         .owns_stream(pdb_stream)
+        .watches_stream(pods_stream, |pod: Pod| {
+            let service = pod.labels().get(LLMSERVICE_LABEL)?.clone();
+            Some(ObjectRef::<LLMService>::new(&service).within(&pod.namespace()?))
+        })
         .watches_stream(runtime_stream, move |rt: InferenceRuntime| {
             let rt_name = rt.name_any();
             service_store

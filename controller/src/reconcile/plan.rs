@@ -155,6 +155,9 @@ impl Plan {
                 svc.metadata.generation,
                 now,
             ),
+            // The record of the last activation is kept until the reconciler records the next
+            // one (`crate::activation`).
+            last_activation: svc.status.as_ref().and_then(|s| s.last_activation.clone()),
         }
     }
 

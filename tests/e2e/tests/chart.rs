@@ -530,7 +530,12 @@ fn registered_metrics(file: &str) -> Result<BTreeSet<String>> {
             .strip_prefix('"')
             .and_then(|s| s.split('"').next())
         {
-            names.insert(format!("{prefix}{name}"));
+            // A name that is already whole (`hearth_...`) is registered without the prefix.
+            if name.starts_with("hearth_") {
+                names.insert(name.to_owned());
+            } else {
+                names.insert(format!("{prefix}{name}"));
+            }
         }
     }
     ensure!(!names.is_empty(), "{file} registers no metrics?");
@@ -1405,6 +1410,9 @@ fn matrix(release_ns: &str) -> Vec<Check> {
         team(),
         true,
     );
+    // Activations: backend pods turning Ready, their kubelet's Events and KEDA's.
+    add(c, &["list", "watch"], "pods", None, None, true);
+    add(c, &["list"], "events", None, team(), true);
     add(
         c,
         &["create"],
@@ -1436,6 +1444,8 @@ fn matrix(release_ns: &str) -> Vec<Check> {
         false,
     );
     add(c, &["create"], "pods", None, team(), false);
+    add(c, &["get", "delete"], "pods", None, team(), false);
+    add(c, &["create", "delete"], "events", None, team(), false);
     add(
         c,
         &["escalate", "bind"],
@@ -1897,6 +1907,8 @@ async fn rbac_matrix_each_account_can_do_what_it_needs_and_nothing_more() -> Res
         "endpointslices.discovery.k8s.io [] [get list watch]",
         "customresourcedefinitions.apiextensions.k8s.io [scaledobjects.keda.sh] [get list watch]",
         "events.events.k8s.io [] [create patch]",
+        "pods [] [list watch]",
+        "events [] [list]",
         "llmservices.serving.hearth.dev [] [list watch]",
         "inferenceruntimes.serving.hearth.dev [] [list watch]",
         "servingpolicies.serving.hearth.dev [] [get list watch]",
