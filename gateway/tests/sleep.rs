@@ -65,6 +65,28 @@ async fn wait_metric(c: &HttpClient, g: &RunningGateway, sample: &str, value: f6
     }
 }
 
+/// A sleepy stub and a gateway with the sleeping tier in front of it.
+async fn stub_and_gateway(after: Duration) -> (RunningStub, RunningGateway, HttpClient) {
+    let stub = sleepy_stub().await;
+    let g = gateway(sleep_config(after), EndpointSet::fixed([authority(&stub)])).await;
+    (stub, g, client())
+}
+
+/// Puts the stub to sleep at `level` directly, as another gateway replica would.
+async fn put_to_sleep(c: &HttpClient, stub: &RunningStub, level: u8) {
+    let url = format!("{}/sleep?level={level}", stub.url());
+    let (status, _, _) = send_full(c, post_req(&url, &serde_json::json!({}), &[])).await;
+    assert_eq!(status, StatusCode::OK);
+}
+
+/// `hearth_gateway_engine_calls_total{call,result}` in a metrics text.
+fn engine_calls(text: &str, call: &str, result: &str) -> Option<f64> {
+    metric(
+        text,
+        &format!(r#"hearth_gateway_engine_calls_total{{call="{call}",result="{result}"}}"#),
+    )
+}
+
 async fn chat_ok(c: &HttpClient, g: &RunningGateway) -> Duration {
     let started = Instant::now();
     let (status, _, body) = send_full(c, chat_req(&g.url(), &chat(false))).await;
@@ -74,13 +96,7 @@ async fn chat_ok(c: &HttpClient, g: &RunningGateway) -> Duration {
 
 #[tokio::test]
 async fn an_idle_engine_is_put_to_sleep_and_a_request_wakes_it() {
-    let stub = sleepy_stub().await;
-    let g = gateway(
-        sleep_config(Duration::from_millis(300)),
-        EndpointSet::fixed([authority(&stub)]),
-    )
-    .await;
-    let c = client();
+    let (stub, g, c) = stub_and_gateway(Duration::from_millis(300)).await;
     // Awake at first: served at once.
     assert!(chat_ok(&c, &g).await < WAKE_DELAY);
     wait_stub(&stub, |s| {
@@ -101,20 +117,8 @@ async fn an_idle_engine_is_put_to_sleep_and_a_request_wakes_it() {
     );
     assert!(!stub.state.is_sleeping());
     let text = gateway_metrics(&c, &g).await;
-    assert_eq!(
-        metric(
-            &text,
-            r#"hearth_gateway_engine_calls_total{call="wake_up",result="ok"}"#
-        ),
-        Some(1.0)
-    );
-    assert_eq!(
-        metric(
-            &text,
-            r#"hearth_gateway_engine_calls_total{call="sleep",result="ok"}"#
-        ),
-        Some(1.0)
-    );
+    assert_eq!(engine_calls(&text, "wake_up", "ok"), Some(1.0));
+    assert_eq!(engine_calls(&text, "sleep", "ok"), Some(1.0));
     let wake = metric(
         &text,
         r#"hearth_activation_phase_seconds_sum{phase="wake_up"}"#,
@@ -129,13 +133,7 @@ async fn an_idle_engine_is_put_to_sleep_and_a_request_wakes_it() {
 
 #[tokio::test]
 async fn a_stream_held_while_the_engine_wakes_gets_heartbeats_then_tokens() {
-    let stub = sleepy_stub().await;
-    let g = gateway(
-        sleep_config(Duration::from_millis(100)),
-        EndpointSet::fixed([authority(&stub)]),
-    )
-    .await;
-    let c = client();
+    let (stub, g, c) = stub_and_gateway(Duration::from_millis(100)).await;
     wait_stub(&stub, |s| {
         s == SleepState::Asleep(vllm_stub::SleepLevel::Offload)
     })
@@ -154,26 +152,11 @@ async fn a_stream_held_while_the_engine_wakes_gets_heartbeats_then_tokens() {
 
 #[tokio::test]
 async fn an_engine_put_to_sleep_by_another_replica_is_woken_not_relayed() {
-    let stub = sleepy_stub().await;
     // This replica would not put it to sleep for an hour.
-    let g = gateway(
-        sleep_config(Duration::from_secs(3600)),
-        EndpointSet::fixed([authority(&stub)]),
-    )
-    .await;
-    let c = client();
+    let (stub, g, c) = stub_and_gateway(Duration::from_secs(3600)).await;
     assert!(chat_ok(&c, &g).await < WAKE_DELAY);
     // Another replica (here: the test) puts it to sleep.
-    let (status, _, _) = send_full(
-        &c,
-        post_req(
-            &format!("{}/sleep?level=1", stub.url()),
-            &serde_json::json!({}),
-            &[],
-        ),
-    )
-    .await;
-    assert_eq!(status, StatusCode::OK);
+    put_to_sleep(&c, &stub, 1).await;
     // The engine's 503 is not relayed: the request waits for the wake-up.
     let took = chat_ok(&c, &g).await;
     assert!(took >= WAKE_DELAY, "answered after {took:?}");
@@ -184,16 +167,7 @@ async fn an_engine_put_to_sleep_by_another_replica_is_woken_not_relayed() {
 async fn a_gateway_started_while_the_engine_sleeps_wakes_it_first() {
     let stub = sleepy_stub().await;
     let c = client();
-    let (status, _, _) = send_full(
-        &c,
-        post_req(
-            &format!("{}/sleep?level=2", stub.url()),
-            &serde_json::json!({}),
-            &[],
-        ),
-    )
-    .await;
-    assert_eq!(status, StatusCode::OK);
+    put_to_sleep(&c, &stub, 2).await;
     let g = gateway(
         sleep_config(Duration::from_secs(3600)),
         EndpointSet::fixed([authority(&stub)]),
@@ -202,13 +176,7 @@ async fn a_gateway_started_while_the_engine_sleeps_wakes_it_first() {
     wait_metric(&c, &g, "hearth_gateway_backends_sleeping", 1.0).await;
     assert!(chat_ok(&c, &g).await >= WAKE_DELAY);
     let text = gateway_metrics(&c, &g).await;
-    assert_eq!(
-        metric(
-            &text,
-            r#"hearth_gateway_engine_calls_total{call="wake_up",result="ok"}"#
-        ),
-        Some(1.0)
-    );
+    assert_eq!(engine_calls(&text, "wake_up", "ok"), Some(1.0));
 }
 
 #[tokio::test]

@@ -199,18 +199,23 @@ fn the_default_gateway_resources_parse_back() {
     );
 }
 
+/// Sets the scaler annotation to `push`.
+fn annotate_push(svc: &mut LLMService) {
+    svc.metadata.annotations = Some(
+        [(
+            hearth_crds::wellknown::SCALER_ANNOTATION.to_owned(),
+            "push".to_owned(),
+        )]
+        .into(),
+    );
+}
+
 /// The ScaledObject of the test service with `scaling` and, for push, the scaler annotation.
 fn scaled_object_with(scaling: serde_json::Value, push: bool) -> serde_json::Value {
     let (mut svc, rt) = service_and_runtime(json!({}));
     svc.spec.scaling = serde_json::from_value(scaling).unwrap();
     if push {
-        svc.metadata.annotations = Some(
-            [(
-                hearth_crds::wellknown::SCALER_ANNOTATION.to_owned(),
-                "push".to_owned(),
-            )]
-            .into(),
-        );
+        annotate_push(&mut svc);
     }
     let cfg = RenderConfig::builtin().unwrap();
     render(&svc, &rt, &cfg, true).unwrap().scaled_object.data
@@ -274,13 +279,7 @@ fn sleepy(scaling: serde_json::Value, push: bool) -> Children {
     let (mut svc, mut rt) = service_and_runtime(json!({}));
     svc.spec.scaling = serde_json::from_value(scaling).unwrap();
     if push {
-        svc.metadata.annotations = Some(
-            [(
-                hearth_crds::wellknown::SCALER_ANNOTATION.to_owned(),
-                "push".to_owned(),
-            )]
-            .into(),
-        );
+        annotate_push(&mut svc);
     }
     rt.spec.sleep_mode = Some(
         serde_json::from_value(json!({

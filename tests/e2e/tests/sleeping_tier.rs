@@ -3,14 +3,18 @@
 //! takes the backend 0 → 1; once idle for `sleep.after` the gateway puts the engine to sleep
 //! (the pod keeps running); a streaming request then gets heartbeats while the gateway wakes the
 //! same pod (no new pod, no restart, no 0 → 1) and its tokens once awake; idle again, the engine
-//! sleeps, and after `scaleDownStabilization` the service goes to zero as before. Prints the
-//! wake's timeline. See docs/e2e.md.
+//! sleeps, and after `scaleDownStabilization` the service goes to zero as before; a second cold
+//! request then takes it 0 → 1 again on the same node. Prints the wake's timeline and both cold
+//! activations' phases as the controller recorded them (`status.lastActivation`). The stub's
+//! model load is `STUB_STARTUP_DELAY` 8s, about a 16 GiB model read from a local cache. See
+//! docs/e2e.md.
 
 mod stack;
 
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
+use hearth_crds::{LLMService, llmservice::Activation};
 use hearth_e2e_harness::client::{self, Event};
 use hearth_e2e_harness::stack::{self as harness, ScalerMode};
 use hearth_test_support::{Observed, wait_until};
@@ -38,6 +42,11 @@ fn sleep_runtime() -> Result<Value> {
     let env = rt["spec"]["container"]["env"]
         .as_array_mut()
         .context("the stub runtime has container.env")?;
+    for e in env.iter_mut() {
+        if e["name"] == "STUB_STARTUP_DELAY" {
+            e["value"] = json!("8s");
+        }
+    }
     env.push(json!({"name": "STUB_SLEEP_DELAY", "value": "200ms"}));
     env.push(json!({"name": "STUB_WAKE_DELAY", "value": format!("{}ms", WAKE_DELAY.as_millis())}));
     rt["spec"]["sleepMode"] = json!({
@@ -90,6 +99,46 @@ async fn wait_engine(d: &stack::Deployed, asleep: bool, timeout: Duration) -> Re
     .await
 }
 
+/// The controller's record of the last 0 → 1 (`status.lastActivation`) once it names `pod`.
+async fn activation(d: &stack::Deployed, pod: &str) -> Result<Activation> {
+    let api: kube::Api<LLMService> = kube::Api::namespaced(d.cluster.client(), d.ns.name());
+    wait_until(
+        format!("status.lastActivation of pod {pod}"),
+        Duration::from_secs(30),
+        || async {
+            let svc = api.get(SERVICE).await?;
+            Ok(match svc.status.and_then(|s| s.last_activation) {
+                Some(a) if a.pod == pod => Observed::Ready(a),
+                other => Observed::NotYet(format!("{:?}", other.map(|a| a.pod))),
+            })
+        },
+    )
+    .await
+}
+
+/// One line of an activation's phases.
+fn phases(a: &Activation) -> String {
+    let p = &a.phases;
+    format!(
+        "total {}: scale decision {}, scheduled {}, image {}, containers started {}, model ready {} (node {})",
+        p.total,
+        p.scale_decision.as_deref().unwrap_or("unknown"),
+        p.scheduled,
+        match (a.image_present, &p.image_pull) {
+            (Some(true), _) => "present".to_owned(),
+            (_, Some(pull)) => format!("pulled in {pull}"),
+            _ => "unknown".to_owned(),
+        },
+        p.containers_started,
+        p.model_ready,
+        a.node.as_deref().unwrap_or("?"),
+    )
+}
+
+fn pod_name(pod: &Pod) -> String {
+    pod.metadata.name.clone().unwrap_or_default()
+}
+
 fn restarts(pod: &Pod) -> i32 {
     pod.status
         .as_ref()
@@ -99,6 +148,8 @@ fn restarts(pod: &Pod) -> i32 {
 
 async fn sleep_then_wake(mode: ScalerMode) -> Result<()> {
     let cluster = hearth_test_support::Cluster::connect().await?;
+    // Hearth first: its CRDs define the runtime's sleepMode.
+    harness::ensure_hearth(&cluster.client(), cluster.kubeconfig()).await?;
     harness::apply(&cluster.client(), sleep_runtime()?, None).await?;
     let d = stack::deploy(&format!("e2e-sleep-{}", mode.annotation()), mode, |svc| {
         svc["spec"]["runtime"] = json!({"name": RUNTIME});
@@ -111,6 +162,7 @@ async fn sleep_then_wake(mode: ScalerMode) -> Result<()> {
     let cold = client::chat(&d.url, SERVICE, false, Duration::from_secs(150)).await?;
     ensure!(cold.status == 200, "cold request answered {}", cold.status);
     let awake_pod = wait_engine(&d, false, Duration::from_secs(10)).await?;
+    let first = activation(&d, &pod_name(&awake_pod)).await?;
 
     // Idle for sleep.after: the engine sleeps, its pod stays.
     let slept_pod = wait_engine(&d, true, Duration::from_secs(60)).await?;
@@ -168,6 +220,22 @@ async fn sleep_then_wake(mode: ScalerMode) -> Result<()> {
     wait_engine(&d, true, Duration::from_secs(60)).await?;
     d.wait_zero(Duration::from_secs(180)).await?;
     let zero = Instant::now();
+
+    // A second cold start on the same node: the image is there, the model "cache" warm.
+    let again = client::chat(&d.url, SERVICE, false, Duration::from_secs(150)).await?;
+    ensure!(
+        again.status == 200,
+        "second cold request answered {}",
+        again.status
+    );
+    let second_pod = wait_engine(&d, false, Duration::from_secs(10)).await?;
+    let second = activation(&d, &pod_name(&second_pod)).await?;
+    println!(
+        "[{}] first 0→1: {}; second 0→1: {}",
+        mode.annotation(),
+        phases(&first),
+        phases(&second)
+    );
     println!(
         "[{}] sleep(1)→awake: request 0.00s, first token {:.2}s (stub wake delay {:.2}s, {} heartbeats before it), last token {:.2}s; same pod, 0 restarts; asleep again, then zero {:.0}s after the wake (scaleDownStabilization 60s)",
         mode.annotation(),
