@@ -614,6 +614,30 @@ pub fn sleep_tier<'a>(
             ),
         ));
     }
+    for (i, call) in level.wake_up.iter().enumerate() {
+        let bad_path = call
+            .path
+            .contains(|c: char| c.is_ascii_control() || "<>`\"{}|\\^".contains(c));
+        let bad_body = call
+            .body
+            .as_deref()
+            .is_some_and(|b| serde_json::from_str::<serde_json::Value>(b).is_err());
+        if bad_path || bad_body {
+            let what = if bad_path { "path" } else { "body" };
+            return Err(ignored(
+                "spec.scaling.sleep.level",
+                format!(
+                    "has no effect: runtime {rt_name:?} has a wake-up call the gateway cannot \
+                     send (spec.sleepMode.levels[{}].wakeUp[{i}].{what}: a path without \
+                     spaces, quotes or <>`{{}}|\\^, a body that is JSON); fix the runtime",
+                    mode.levels
+                        .iter()
+                        .position(|l| l.level == sleep.level)
+                        .unwrap_or(0)
+                ),
+            ));
+        }
+    }
     let wake_up = if level.wake_up.is_empty() {
         vec![RuntimeEngineCall {
             path: "/wake_up".into(),
@@ -1071,5 +1095,19 @@ mod tests {
             "{finding}"
         );
         assert!(!check_llmservice(&svc, Some(&rt)).blocks_rendering());
+    }
+
+    #[test]
+    fn a_wake_up_the_gateway_cannot_send_makes_sleep_a_warning() {
+        for call in [
+            serde_json::json!({"path": "/collective_rpc", "body": "{method: reload_weights}"}),
+            serde_json::json!({"path": "/a<b>"}),
+        ] {
+            let rt = sleepy_runtime(serde_json::json!([{"level": 1, "wakeUp": [call]}]));
+            let svc = sleeping(serde_json::json!({"sleep": {"after": "2m"}}));
+            let finding = sleep_tier(&svc, Some(&rt)).unwrap_err();
+            assert_eq!(finding.reason, Reason::FieldIgnored);
+            assert!(finding.message.contains("wakeUp[0]"), "{finding}");
+        }
     }
 }

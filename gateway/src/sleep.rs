@@ -277,6 +277,18 @@ impl Tier {
         let Some(engine) = self.engines.get_mut(authority) else {
             return Vec::new();
         };
+        // Only the answer to the call under way counts: a late report (a request's "found
+        // asleep" while a wake-up runs, or a call to a replaced pod at the same address) is
+        // stale.
+        let expected = match outcome {
+            Outcome::Probed(..) => State::Probing,
+            Outcome::Slept(..) => State::FallingAsleep,
+            Outcome::Woke(..) => State::Waking,
+            Outcome::FoundAsleep(_) => State::Awake,
+        };
+        if engine.state != expected {
+            return Vec::new();
+        }
         engine.state = next;
         if failed {
             engine.failures = engine.failures.saturating_add(1);
@@ -324,18 +336,17 @@ impl Tier {
     /// When [`Tier::step`] may have something new to do without a new input: the end of the
     /// idle period while an engine is awake, or the next retry.
     pub fn next_deadline(&self) -> Option<Instant> {
-        let awake = self.engines.values().any(|e| e.state == State::Awake);
-        let idle_end = self
-            .idle_since
-            .filter(|_| awake)
-            .map(|since| since + self.after);
-        let retry = self
-            .engines
+        let idle_end = self.idle_since.map(|since| since + self.after);
+        self.engines
             .values()
-            .filter(|e| matches!(e.state, State::Awake | State::Asleep))
-            .filter_map(|e| e.retry_at)
-            .min();
-        idle_end.into_iter().chain(retry).min()
+            .filter_map(|e| match e.state {
+                // Put to sleep at the end of the idle period, or after its back-off.
+                State::Awake => idle_end.map(|end| e.retry_at.map_or(end, |r| r.max(end))),
+                // Woken on demand, which wakes the task; after a failure, at its retry.
+                State::Asleep => e.retry_at,
+                _ => None,
+            })
+            .min()
     }
 
     /// The engines that may serve: the awake ones.
@@ -709,18 +720,21 @@ mod tests {
         let t0 = Instant::now();
         let mut tier = Tier::new(Duration::from_secs(60), t0);
         let e = a("198.18.0.1:8000");
-        assert_eq!(tier.discovered(&[e.clone()]), [Action::Probe(e.clone())]);
+        assert_eq!(
+            tier.discovered(std::slice::from_ref(&e)),
+            [Action::Probe(e.clone())]
+        );
         assert!(tier.serving().is_empty());
         tier.outcome(&Outcome::Probed(e.clone(), Ok(false)), t0);
-        assert_eq!(tier.serving(), [e.clone()]);
+        assert_eq!(tier.serving(), std::slice::from_ref(&e));
         // Asleep when found: held until woken.
         let f = a("198.18.0.2:8000");
         tier.discovered(&[e.clone(), f.clone()]);
         tier.outcome(&Outcome::Probed(f.clone(), Ok(true)), t0);
-        assert_eq!(tier.serving(), [e.clone()]);
+        assert_eq!(tier.serving(), std::slice::from_ref(&e));
         assert_eq!(tier.sleeping(), 1);
         // Gone endpoints are forgotten.
-        tier.discovered(&[f.clone()]);
+        tier.discovered(std::slice::from_ref(&f));
         assert!(tier.serving().is_empty());
         assert_eq!(tier.state(&e), None);
     }
@@ -730,7 +744,7 @@ mod tests {
         let t0 = Instant::now();
         let mut tier = Tier::new(Duration::from_secs(60), t0);
         let e = a("198.18.0.1:8000");
-        tier.discovered(&[e.clone()]);
+        tier.discovered(std::slice::from_ref(&e));
         let err = EngineError::Unreachable {
             call: "GET /is_sleeping".into(),
             message: "refused".into(),
@@ -745,7 +759,7 @@ mod tests {
         let after = Duration::from_secs(60);
         let mut tier = Tier::new(after, t0);
         let e = a("198.18.0.1:8000");
-        tier.discovered(&[e.clone()]);
+        tier.discovered(std::slice::from_ref(&e));
         tier.outcome(&Outcome::Probed(e.clone(), Ok(false)), t0);
         assert!(tier.step(IDLE, t0).is_empty());
         assert_eq!(tier.next_deadline(), Some(t0 + after));
@@ -778,7 +792,7 @@ mod tests {
         let t0 = Instant::now();
         let mut tier = Tier::new(Duration::ZERO, t0);
         let e = a("198.18.0.1:8000");
-        tier.discovered(&[e.clone()]);
+        tier.discovered(std::slice::from_ref(&e));
         tier.outcome(&Outcome::Probed(e.clone(), Ok(false)), t0);
         assert_eq!(tier.step(IDLE, t0), [Action::Sleep(e.clone())]);
         assert!(tier.step(HERE, t0).is_empty());
@@ -796,7 +810,7 @@ mod tests {
             status: StatusCode::INTERNAL_SERVER_ERROR,
             body: "boom".into(),
         };
-        tier.discovered(&[e.clone()]);
+        tier.discovered(std::slice::from_ref(&e));
         tier.outcome(&Outcome::Probed(e.clone(), Ok(true)), t0);
         assert_eq!(tier.step(HERE, t0), [Action::WakeUp(e.clone())]);
         assert_eq!(
@@ -814,12 +828,12 @@ mod tests {
         assert_eq!(tier.next_deadline(), Some(t1 + Duration::from_secs(2)));
         // A failed sleep leaves an engine that says it is awake serving.
         let mut tier = Tier::new(Duration::ZERO, t0);
-        tier.discovered(&[e.clone()]);
+        tier.discovered(std::slice::from_ref(&e));
         tier.outcome(&Outcome::Probed(e.clone(), Ok(false)), t0);
         assert_eq!(tier.step(IDLE, t0), [Action::Sleep(e.clone())]);
         tier.outcome(&Outcome::Slept(e.clone(), Err(err())), t0);
         tier.outcome(&Outcome::Probed(e.clone(), Ok(false)), t0);
-        assert_eq!(tier.serving(), [e.clone()]);
+        assert_eq!(tier.serving(), std::slice::from_ref(&e));
         assert!(tier.step(IDLE, t0).is_empty(), "backs off");
         assert_eq!(
             tier.step(IDLE, t0 + Duration::from_secs(1)),
@@ -832,7 +846,7 @@ mod tests {
         let t0 = Instant::now();
         let mut tier = Tier::new(Duration::from_secs(60), t0);
         let e = a("198.18.0.1:8000");
-        tier.discovered(&[e.clone()]);
+        tier.discovered(std::slice::from_ref(&e));
         tier.outcome(&Outcome::Probed(e.clone(), Ok(false)), t0);
         tier.outcome(&Outcome::FoundAsleep(e.clone()), t0);
         assert!(tier.serving().is_empty());
@@ -849,5 +863,54 @@ mod tests {
         assert_eq!(Demand::of(&hub.state()), IDLE);
         hub.set_peer_discovery_error("forbidden".into());
         assert_eq!(Demand::of(&hub.state()), PEER);
+    }
+
+    #[test]
+    fn backing_off_after_a_failed_sleep_waits_for_the_retry() {
+        let t0 = Instant::now();
+        let mut tier = Tier::new(Duration::from_secs(60), t0);
+        let e = a("198.18.0.1:8000");
+        tier.discovered(std::slice::from_ref(&e));
+        tier.outcome(&Outcome::Probed(e.clone(), Ok(false)), t0);
+        let t1 = t0 + Duration::from_secs(60);
+        assert_eq!(tier.step(IDLE, t1), [Action::Sleep(e.clone())]);
+        let err = EngineError::Status {
+            call: "POST /sleep".into(),
+            status: StatusCode::NOT_FOUND,
+            body: String::new(),
+        };
+        tier.outcome(&Outcome::Slept(e.clone(), Err(err)), t1);
+        tier.outcome(&Outcome::Probed(e.clone(), Ok(false)), t1);
+        assert!(tier.step(IDLE, t1).is_empty());
+        // Not the idle period's end, long past: the loop would spin.
+        assert_eq!(tier.next_deadline(), Some(t1 + Duration::from_secs(1)));
+    }
+
+    #[test]
+    fn stale_outcomes_are_ignored() {
+        let t0 = Instant::now();
+        let mut tier = Tier::new(Duration::ZERO, t0);
+        let e = a("198.18.0.1:8000");
+        tier.discovered(std::slice::from_ref(&e));
+        tier.outcome(&Outcome::Probed(e.clone(), Ok(true)), t0);
+        assert_eq!(tier.step(HERE, t0), [Action::WakeUp(e.clone())]);
+        // A request's late "found asleep" while waking starts no second wake-up.
+        tier.outcome(&Outcome::FoundAsleep(e.clone()), t0);
+        assert_eq!(tier.state(&e), Some(State::Waking));
+        assert!(tier.step(HERE, t0).is_empty());
+        tier.outcome(
+            &Outcome::Woke(e.clone(), Ok(()), Duration::from_secs(1)),
+            t0,
+        );
+        // The old pod's sleep, answered after a new pod took the address, is not the new one's.
+        let mut tier = Tier::new(Duration::ZERO, t0);
+        tier.discovered(std::slice::from_ref(&e));
+        tier.outcome(&Outcome::Probed(e.clone(), Ok(false)), t0);
+        assert_eq!(tier.step(IDLE, t0), [Action::Sleep(e.clone())]);
+        tier.discovered(&[]);
+        tier.discovered(std::slice::from_ref(&e));
+        tier.outcome(&Outcome::Probed(e.clone(), Ok(false)), t0);
+        tier.outcome(&Outcome::Slept(e.clone(), Ok(())), t0);
+        assert_eq!(tier.serving(), std::slice::from_ref(&e));
     }
 }
