@@ -11,6 +11,8 @@
 #   HEARTH_NODE_NET       the /18 of the real node: its link to the host, pod and Service
 #                         addresses (default 198.19.0.0/18; any /18 of 198.19.0.0/16, part of
 #                         RFC 2544's benchmarking block, never a private range)
+# When neither is set and another cluster of this machine holds the defaults, `up` picks free
+# ones and records them in $STATE/addresses.env, which the other scripts read.
 
 set -euo pipefail
 
@@ -18,6 +20,17 @@ CLUSTER_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 CACHE="${HEARTH_CACHE:-${HOME:-/root}/.cache/hearth}"
 BIN="$CACHE/bin"
 STATE="${HEARTH_CLUSTER_STATE:-$CLUSTER_DIR/.state}"
+# The addresses a running cluster was started with (`up` writes them, and may have chosen free
+# ones itself: see there), so that down, status and restart find it without the environment.
+ADDRESSES_FILE="$STATE/addresses.env"
+ADDRESSES_FROM_ENV="${HEARTH_CLUSTER_NET:+cluster}${HEARTH_NODE_NET:+node}"
+if [[ -f "$ADDRESSES_FILE" ]]; then
+  while IFS='=' read -r key value; do
+    case "$key" in
+      HEARTH_CLUSTER_NET | HEARTH_NODE_NET) [[ -n "${!key:-}" ]] || printf -v "$key" '%s' "$value" ;;
+    esac
+  done <"$ADDRESSES_FILE"
+fi
 NET="${HEARTH_CLUSTER_NET:-127.100}"
 
 if ! [[ "$NET" =~ ^127\.([0-9]{1,3})$ ]] || ((BASH_REMATCH[1] > 255)); then
