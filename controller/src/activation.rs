@@ -15,8 +15,9 @@
 //! | `total` | the scale decision (else pod creation) | `Ready` |
 //!
 //! Clock skew: the timestamps come from the apiserver, the scheduler, KEDA and the node's
-//! kubelet. A phase that comes out negative is 0 (`scaleDecision` is left out instead), so the
-//! phases may then add up to more than `total`. Kubernetes timestamps have whole seconds; only
+//! kubelet. A phase that comes out negative is 0 (`scaleDecision` is 0 when KEDA's Event falls
+//! inside the pod's creation second, which the whole-second timestamp truncates, and left out
+//! when it is later), so the phases may then add up to more than `total`. Kubernetes timestamps have whole seconds; only
 //! the image pull (the duration the kubelet writes into its `Pulled` message) and KEDA's Event
 //! time (`eventTime`, microseconds) are finer.
 
@@ -70,6 +71,19 @@ pub struct Timeline {
 /// `to − from`, or `None` when negative.
 fn between(from: Timestamp, to: Timestamp) -> Option<Duration> {
     Duration::try_from(to.duration_since(from)).ok()
+}
+
+/// The `scaleDecision` phase: from KEDA's activation Event (`since`, microseconds) to the pod's
+/// creation (`created`, whole seconds, truncated). An Event inside the pod's creation second
+/// came before the pod as far as anyone can tell (the Deployment and ReplicaSet controllers
+/// take milliseconds): 0. One later than that is skewed or belongs to something else: `None`.
+fn scale_decision(since: Timestamp, created: Timestamp) -> Option<Duration> {
+    match between(since, created) {
+        Some(d) => Some(d),
+        None => between(created, since)
+            .filter(|ahead| *ahead < Duration::from_secs(1))
+            .map(|_| Duration::ZERO),
+    }
 }
 
 /// `to − from`, 0 when negative (clock skew).
@@ -209,10 +223,11 @@ pub fn timeline(
         .as_ref()?
         .0;
     let (image_present, image_pull) = image_pull(events, container);
-    let scale_decision = scaled_object_active_since.and_then(|since| between(since, created));
-    let start = match scale_decision {
-        Some(_) => scaled_object_active_since.unwrap_or(created),
-        None => created,
+    let scale_decision =
+        scaled_object_active_since.and_then(|since| scale_decision(since, created));
+    let start = match (scale_decision, scaled_object_active_since) {
+        (Some(_), Some(since)) => since.min(created),
+        _ => created,
     };
     Some(Timeline {
         pod: pod.metadata.name.clone().unwrap_or_default(),

@@ -18,7 +18,7 @@
 //! | `hearth_gateway_request_body_bytes` | gauge | request body bytes held: being read, or kept to forward (bounded by `--body-memory-limit`) |
 //! | `hearth_gateway_backends_sleeping` | gauge | sleeping tier: backend engines asleep, falling asleep or waking up, as this replica knows them |
 //! | `hearth_gateway_engine_calls_total{call,result}` | counter | sleeping tier: calls to the engine's sleep API (`call`: `sleep`, `wake_up`, `is_sleeping`; `result`: `ok`, `error`) |
-//! | `hearth_activation_phase_seconds{phase}` | histogram | activation phases seen by the gateway: `demand_to_ready` (activation lease raised, a cold request with no lease held, until a ready backend was first seen) and `wake_up` (the wake-up calls of a sleeping engine, sent until answered); the controller observes the pod's phases under the same name |
+//! | `hearth_activation_phase_seconds{phase}` | histogram | activation phases seen by the gateway: `demand_to_ready` (activation lease raised, a cold request with no lease held, until a ready backend was first seen) `wake_up` (the wake-up calls of a sleeping engine, sent until answered) and `first_byte` (a cold request, held for an activation or a wake-up, from its arrival until the first byte of the answer was forwarded); the controller observes the pod's phases under the same name |
 //!
 //! The gateway names no namespace, pod or service in its series: Prometheus adds `namespace` and
 //! `pod` (the chart's `hearth-gateways` PodMonitor also `llmservice`); the dashboard groups by
@@ -70,7 +70,7 @@ pub struct EngineCallLabel {
 /// `phase` label of `hearth_activation_phase_seconds`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct PhaseLabel {
-    /// The phase, in `snake_case`: `demand_to_ready` or `wake_up` here.
+    /// The phase, in `snake_case`: `demand_to_ready`, `wake_up` or `first_byte` here.
     pub phase: &'static str,
 }
 

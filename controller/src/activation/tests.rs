@@ -106,6 +106,11 @@ fn phases(t: &Timeline) -> Value {
     "containersStarted": "600ms", "modelReady": "30s", "total": "34s"}), Some(false))]
 #[case::no_kubelet_events(vec![], None, json!({
     "scheduled": "1s", "containersStarted": "3s", "modelReady": "30s", "total": "34s"}), None)]
+// KEDA's Event inside the pod's creation second (truncated to 0 s): the pod cannot have come
+// first, the decision took less than the timestamps show.
+#[case::scale_decision_in_the_creation_second(present(), Some(0.4), json!({
+    "scaleDecision": "0s", "scheduled": "1s", "imagePull": "0s",
+    "containersStarted": "3s", "modelReady": "30s", "total": "34s"}), Some(true))]
 // KEDA's clock ahead of the apiserver's: the scale decision is left out, not negative.
 #[case::scale_decision_after_creation(present(), Some(2.0), json!({
     "scheduled": "1s", "imagePull": "0s",

@@ -217,7 +217,8 @@ impl HttpBody for HeldStream {
                                     (slot, backend),
                                     Some(this.arrival),
                                     true,
-                                );
+                                )
+                                .first_byte_since(Some(this.arrival));
                                 this.state = HeldState::Streaming(Box::new(relay));
                             } else {
                                 // The 200 is committed: the backend's error goes inside the

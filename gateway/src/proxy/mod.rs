@@ -151,7 +151,7 @@ where
     }
 
     match shared.forward(&out, deadline, arrival, cold).await {
-        Ok((resp, backend)) => relay::relay(&shared, resp, backend, slot, tracker, arrival),
+        Ok((resp, backend)) => relay::relay(&shared, resp, backend, slot, tracker, arrival, cold),
         Err(forward::HoldError::Timeout) => {
             drop(slot);
             let timeout = shared.cfg.activation_timeout;

@@ -28,6 +28,7 @@ pub(super) fn relay(
     slot: Admission,
     tracker: Tracker,
     arrival: Instant,
+    cold: bool,
 ) -> Response {
     let (mut parts, body) = resp.into_parts();
     strip_hop_by_hop(&mut parts.headers);
@@ -47,7 +48,8 @@ pub(super) fn relay(
         (slot, backend),
         stream.then_some(arrival),
         committed,
-    );
+    )
+    .first_byte_since(cold.then_some(arrival));
     Response::from_parts(parts, Body::new(relay))
 }
 
@@ -69,6 +71,9 @@ pub(super) struct Relay {
     held: Option<(Admission, BackendUse)>,
     /// Arrival time of a streaming request whose first token is not yet counted.
     ttft: Option<Instant>,
+    /// Arrival time of a cold request (held for an activation or a wake-up) whose first
+    /// forwarded byte is not yet counted (`hearth_activation_phase_seconds{phase="first_byte"}`).
+    first_byte: Option<Instant>,
     metrics: Arc<Metrics>,
     /// Data taken from `inner` and not yet returned.
     acc: Acc,
@@ -138,6 +143,7 @@ impl Relay {
             code,
             held: Some(held),
             ttft,
+            first_byte: None,
             metrics: shared.metrics.clone(),
             acc: Acc::Empty,
             stash: None,
@@ -147,6 +153,13 @@ impl Relay {
             relay.complete();
         }
         relay
+    }
+
+    /// Counts the time from `arrival` (a cold request's) until the first byte of the answer is
+    /// forwarded, as the activation phase `first_byte`; `None` counts nothing.
+    pub(super) fn first_byte_since(mut self, arrival: Option<Instant>) -> Self {
+        self.first_byte = arrival;
+        self
     }
 
     /// Records the outcome and lets go of the slot and the endpoint. (The backend connection
@@ -220,6 +233,10 @@ impl HttpBody for Relay {
                     Ok(data) => {
                         if let Some(start) = this.ttft.take() {
                             this.metrics.ttft.observe(start.elapsed().as_secs_f64());
+                        }
+                        if let Some(start) = this.first_byte.take() {
+                            this.metrics
+                                .observe_phase("first_byte", start.elapsed().as_secs_f64());
                         }
                         if this.inner.is_end_stream() {
                             this.complete();
@@ -295,6 +312,11 @@ mod tests {
 
     /// The relay of the backend's answer to one `GET /`, and the replica.
     async fn relayed(response: &'static [u8]) -> (Response, Arc<Shared>) {
+        relayed_as(response, false).await
+    }
+
+    /// [`relayed`], for a request that arrived `cold` (held for an activation).
+    async fn relayed_as(response: &'static [u8], cold: bool) -> (Response, Arc<Shared>) {
         let authority = super::super::test_backend(response).await;
         let shared = super::super::test_shared(
             crate::GatewayConfig::default(),
@@ -321,9 +343,36 @@ mod tests {
         let slot = shared.demand.try_admit().unwrap();
         let tracker = Tracker::new(shared.metrics.clone());
         (
-            relay(&shared, resp, backend, slot, tracker, arrival),
+            relay(&shared, resp, backend, slot, tracker, arrival, cold),
             shared,
         )
+    }
+
+    /// The exposition after relaying one JSON answer to a request that arrived `cold` or not.
+    async fn metrics_after_answer(cold: bool) -> String {
+        let (resp, shared) = relayed_as(
+            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}",
+            cold,
+        )
+        .await;
+        let body = resp.into_body().collect().await.unwrap().to_bytes();
+        assert_eq!(body, "{}");
+        shared.metrics.encode()
+    }
+
+    #[tokio::test]
+    async fn a_cold_request_counts_its_first_forwarded_byte_as_an_activation_phase() {
+        let text = metrics_after_answer(true).await;
+        assert!(
+            text.contains("hearth_activation_phase_seconds_count{phase=\"first_byte\"} 1"),
+            "{text}"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_warm_request_counts_no_first_byte_phase() {
+        let text = metrics_after_answer(false).await;
+        assert!(!text.contains("phase=\"first_byte\""), "{text}");
     }
 
     fn count(shared: &Shared, code: u16) -> u64 {
