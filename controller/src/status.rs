@@ -257,7 +257,7 @@ pub fn autoscaling(keda_installed: bool, scaled_object: Option<&DynamicObject>) 
     }
 }
 
-/// `CacheReady` for a NodeLocalPVC claim.
+/// `CacheReady` for a NodeLocalPVC or SharedPVC claim.
 pub fn cache_claim(claim: Option<&PersistentVolumeClaim>, name: &str) -> Cond {
     match claim
         .and_then(|c| c.status.as_ref())

@@ -157,6 +157,18 @@ fn sleeping_tier_example() {
     );
 }
 
+/// A shared cache: a ReadWriteMany claim the prewarm Job writes and the backends mount
+/// read-only, reading the snapshot offline.
+#[test]
+fn shared_cache_example() {
+    check(
+        "shared-cache",
+        example("shared-cache/llmservice.yaml"),
+        example("quickstart/runtime.yaml"),
+        &[],
+    );
+}
+
 #[test]
 fn hami_fraction_rendered_by_the_platform_policy() {
     let policy = example("hami/fraction-policy.yaml");
@@ -214,12 +226,23 @@ fn bad_input_is_a_clear_error_not_a_panic() {
         &dir,
         "stub-llmservice.yaml",
         "strategy: None",
+        "strategy: BakedImage",
+    );
+    assert_refused(
+        &service,
+        &upstream("stub-inferenceruntime.yaml"),
+        "spec.cache.strategy: BakedImage is reserved and not implemented",
+    );
+    let service = edited_upstream(
+        &dir,
+        "stub-llmservice.yaml",
+        "strategy: None",
         "strategy: SharedPVC",
     );
     assert_refused(
         &service,
         &upstream("stub-inferenceruntime.yaml"),
-        "spec.cache.strategy: SharedPVC is reserved and not implemented",
+        "spec.cache.prewarm: must be true with strategy SharedPVC",
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -243,7 +243,9 @@ const SCALER: &str = "serving.hearth.dev/scaler";
 #[case::openai(json!({"spec": {"endpoint": {"openAICompatible": false}}}), Warned("spec.endpoint.openAICompatible"))]
 #[case::warm_window_at_min(json!({"spec": {"scaling": {"min": 1, "warmWindows": [{"timezone": "UTC", "start": "0 8 * * *", "end": "0 18 * * *", "replicas": 1}]}}}), Warned("spec.scaling.warmWindows[0].replicas"))]
 // Refused by both.
-#[case::shared_pvc(json!({"spec": {"cache": {"strategy": "SharedPVC"}}}), Refused("spec.cache.strategy", "CacheReady", "StrategyNotImplemented"))]
+#[case::baked_image(json!({"spec": {"cache": {"strategy": "BakedImage"}}}), Refused("spec.cache.strategy", "CacheReady", "StrategyNotImplemented"))]
+#[case::shared_pvc_without_prewarm(json!({"spec": {"cache": {"strategy": "SharedPVC"}}}), Refused("spec.cache.prewarm", "Ready", "InvalidSpec"))]
+#[case::shared_pvc_modelscope(json!({"spec": {"model": {"source": {"uri": "modelscope://Qwen/Qwen2.5-0.5B-Instruct"}}, "cache": {"strategy": "SharedPVC", "prewarm": true}}}), Refused("spec.cache.strategy", "Ready", "InvalidSpec"))]
 #[case::baked_image_with_pvc_model(json!({"spec": {"model": {"source": {"uri": "pvc://weights"}}, "cache": {"strategy": "BakedImage"}}}), Refused("spec.cache.strategy", "CacheReady", "StrategyNotImplemented"))]
 #[case::bad_args_override(json!({"spec": {"runtime": {"argsOverride": ["--tag={{ .Service.Uid }}"]}}}), Refused("spec.runtime.argsOverride[0]", "Ready", "InvalidSpec"))]
 #[case::bad_cache_size(json!({"spec": {"cache": {"size": "30GB"}}}), Refused("spec.cache.size", "Ready", "InvalidSpec"))]
@@ -266,7 +268,7 @@ const SCALER: &str = "serving.hearth.dev/scaler";
 #[case::scaler(json!({"metadata": {"annotations": {SCALER: "sideways"}}}), Refused("metadata.annotations[\"serving.hearth.dev/scaler\"]", "Ready", "InvalidSpec"))]
 #[case::runtime_template(json!({"spec": {"runtime": {"name": "broken"}}}), Refused("spec.runtime", "Ready", "InvalidRuntimeTemplate"))]
 // A spec error is reported without a runtime too.
-#[case::error_without_runtime(json!({"spec": {"runtime": {"name": "nowhere"}, "cache": {"strategy": "SharedPVC"}}}), Refused("spec.cache.strategy", "CacheReady", "StrategyNotImplemented"))]
+#[case::error_without_runtime(json!({"spec": {"runtime": {"name": "nowhere"}, "cache": {"strategy": "BakedImage"}}}), Refused("spec.cache.strategy", "CacheReady", "StrategyNotImplemented"))]
 #[case::fraction_without_runtime(json!({"spec": {"runtime": {"name": "nowhere"}, "resources": {"fraction": {"cores": 10}}}}), WaitsForRuntime("spec.runtime.name"))]
 // The documented difference: admitted with a warning, the controller waits.
 #[case::missing_runtime(json!({"spec": {"runtime": {"name": "nowhere"}}}), WaitsForRuntime("spec.runtime.name"))]

@@ -379,8 +379,8 @@ pub struct CacheSpec {
     #[serde(default)]
     pub strategy: CacheStrategy,
 
-    /// size is the requested NodeLocalPVC capacity; [`DEFAULT_CACHE_SIZE`] when unset (as
-    /// upstream Hearth).
+    /// size is the requested NodeLocalPVC or SharedPVC capacity; [`DEFAULT_CACHE_SIZE`] when
+    /// unset (as upstream Hearth).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub size: Option<Quantity>,
 
@@ -414,7 +414,8 @@ pub enum CacheStrategy {
     NodeLocalPVC,
     /// A directory on the node.
     HostPath,
-    /// A ReadWriteMany claim shared by replicas; reserved.
+    /// A ReadWriteMany claim per service, filled once by the prewarm Job and mounted read-only
+    /// by every replica on any node (`hf://` models, `prewarm: true`); reserved upstream.
     SharedPVC,
     /// Weights baked into the runtime image; reserved.
     BakedImage,

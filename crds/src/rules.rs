@@ -64,7 +64,7 @@ pub enum Reason {
     MetricNotImplemented,
     /// `spec.resources.fraction` with a runtime without device sharing.
     FractionNotSupported,
-    /// `spec.cache.strategy: SharedPVC` or `BakedImage` is reserved.
+    /// `spec.cache.strategy: BakedImage` is reserved.
     StrategyNotImplemented,
     /// A field that has no effect in this combination (a warning).
     FieldIgnored,
@@ -231,6 +231,27 @@ pub fn scaler_mode(svc: &LLMService) -> Result<ScalerMode, Finding> {
             format!("metadata.annotations[{SCALER_ANNOTATION:?}]"),
             format!("{other:?} is not a scaler mode; use poll or push (or remove the annotation)"),
         )),
+    }
+}
+
+/// `spec.cache.strategy: SharedPVC`: the backends mount the claim read-only and read the hub
+/// cache offline (`HF_HUB_OFFLINE=1`), so only the prewarm Job can fill it (`prewarm: true`),
+/// and only for `hf://` models: ModelScope's library has no offline mode and writes to its cache
+/// while resolving a model.
+fn shared_pvc(f: &mut Findings, cache: &CacheSpec, model: Option<&ModelUri>) {
+    if !cache.prewarm {
+        f.error(
+            Reason::InvalidSpec,
+            "spec.cache.prewarm",
+            "must be true with strategy SharedPVC: the claim is filled only by the prewarm Job and mounted read-only by the backends; set prewarm: true",
+        );
+    }
+    if matches!(model, Some(ModelUri::ModelScope { .. })) {
+        f.error(
+            Reason::InvalidSpec,
+            "spec.cache.strategy",
+            "SharedPVC serves hf:// models (read offline from a read-only claim); ModelScope writes to its cache while loading: use NodeLocalPVC or HostPath for modelscope:// models",
+        );
     }
 }
 
@@ -431,15 +452,18 @@ pub fn check_llmservice(svc: &LLMService, runtime: Option<&InferenceRuntime>) ->
     // Cache.
     let cache = &spec.cache;
     match cache.strategy {
-        CacheStrategy::SharedPVC | CacheStrategy::BakedImage => f.error(
+        CacheStrategy::BakedImage => f.error(
             Reason::StrategyNotImplemented,
             "spec.cache.strategy",
             format!(
-                "{:?} is reserved and not implemented; use NodeLocalPVC, HostPath or None",
+                "{:?} is reserved and not implemented; use NodeLocalPVC, SharedPVC, HostPath or None",
                 cache.strategy
             ),
         ),
-        CacheStrategy::NodeLocalPVC => {
+        CacheStrategy::NodeLocalPVC | CacheStrategy::SharedPVC => {
+            if cache.strategy == CacheStrategy::SharedPVC && !pvc_model {
+                shared_pvc(&mut f, cache, model.as_ref());
+            }
             if let Some(size) = &cache.size {
                 quantity(&mut f, "spec.cache.size", size, "30Gi");
             }
@@ -797,7 +821,7 @@ mod tests {
     fn errors_block_and_carry_their_condition() {
         let f = check_llmservice(
             &service(
-                serde_json::json!({"cache": {"strategy": "SharedPVC"}, "endpoint": {"openAICompatible": false}}),
+                serde_json::json!({"cache": {"strategy": "BakedImage"}, "endpoint": {"openAICompatible": false}}),
             ),
             None,
         );
@@ -808,9 +832,43 @@ mod tests {
         assert_eq!(f.warnings().count(), 1);
         assert!(
             f.to_string()
-                .starts_with("spec.cache.strategy: SharedPVC is reserved"),
+                .starts_with("spec.cache.strategy: BakedImage is reserved"),
             "{f}"
         );
+    }
+
+    #[test]
+    fn a_shared_pvc_needs_the_prewarm_and_an_hf_model() {
+        let ok = service(serde_json::json!({"cache": {"strategy": "SharedPVC", "prewarm": true}}));
+        assert!(check_llmservice(&ok, None).is_empty());
+        let f = check_llmservice(
+            &service(serde_json::json!({"cache": {"strategy": "SharedPVC"}})),
+            None,
+        );
+        assert!(
+            f.to_string()
+                .starts_with("spec.cache.prewarm: must be true with strategy SharedPVC"),
+            "{f}"
+        );
+        let f = check_llmservice(
+            &service(serde_json::json!({
+                "model": {"source": {"uri": "modelscope://Qwen/Qwen2.5-0.5B-Instruct"}},
+                "cache": {"strategy": "SharedPVC", "prewarm": true},
+            })),
+            None,
+        );
+        assert!(f.blocks_rendering());
+        assert!(
+            f.to_string()
+                .starts_with("spec.cache.strategy: SharedPVC serves hf:// models"),
+            "{f}"
+        );
+        // A pvc:// model brings its own claim: the cache is not used, as for NodeLocalPVC.
+        let pvc = service(serde_json::json!({
+            "model": {"source": {"uri": "pvc://weights/qwen"}},
+            "cache": {"strategy": "SharedPVC"},
+        }));
+        assert!(!check_llmservice(&pvc, None).blocks_rendering());
     }
 
     #[test]

@@ -306,7 +306,7 @@ async fn upstream_examples_are_accepted_and_invalid_llmservices_rejected() -> Re
         ),
         (
             json!({"cache": {"strategy": "SharedPVC"}}),
-            "spec.cache.strategy: SharedPVC is reserved",
+            "spec.cache.prewarm: must be true with strategy SharedPVC",
         ),
         (
             json!({"imagePullSecrets": [{"name": "Bad_Name"}]}),

@@ -101,7 +101,7 @@ async fn upstream_examples_are_accepted_without_warnings() {
 #[case::catalog(json!({"model": {"catalogRef": "qwen"}}), "spec.model.catalogRef", "not supported")]
 #[case::fraction(json!({"resources": {"fraction": {"cores": 50}}}), "spec.resources.fraction", "does not support fractional devices")]
 #[case::kv_metric(json!({"scaling": {"metric": "kvCacheUtil"}}), "spec.scaling.metric", "use queueDepth")]
-#[case::shared_pvc(json!({"cache": {"strategy": "SharedPVC"}}), "spec.cache.strategy", "reserved")]
+#[case::shared_pvc_without_prewarm(json!({"cache": {"strategy": "SharedPVC"}}), "spec.cache.prewarm", "must be true with strategy SharedPVC")]
 #[case::baked(json!({"cache": {"strategy": "BakedImage"}}), "spec.cache.strategy", "reserved")]
 #[case::vendor(json!({"runtime": {"name": null, "selector": {"vendor": ["NVIDIA"]}}}), "spec.runtime.selector.vendor[0]", "not a vendor name")]
 #[case::pull_secret(json!({"imagePullSecrets": [{"name": "Bad_Name"}]}), "spec.imagePullSecrets[0].name", "not a valid object name")]

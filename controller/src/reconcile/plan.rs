@@ -255,7 +255,7 @@ pub fn plan(svc: &LLMService, desired: Desired, view: &View, cfg: &RenderConfig)
                     Some(false),
                     "ReplaceRequired",
                     format!(
-                        "spec.cache.storageClassName changed, and a claim's storage class cannot change: delete PersistentVolumeClaim {claim_name} (after scaling the backend to zero) to recreate it"
+                        "spec.cache.storageClassName or the strategy's access mode changed, and a claim's storage class and access modes cannot change: delete PersistentVolumeClaim {claim_name} (after scaling the backend to zero) to recreate it"
                     ),
                 ));
             } else {
@@ -319,7 +319,7 @@ pub fn plan(svc: &LLMService, desired: Desired, view: &View, cfg: &RenderConfig)
                 (_, true, strategy) => (
                     "NoCache",
                     format!(
-                        "cache.prewarm needs a cache to fill, but cache.strategy is {strategy:?}: use NodeLocalPVC or HostPath"
+                        "cache.prewarm needs a cache to fill, but cache.strategy is {strategy:?}: use NodeLocalPVC, SharedPVC or HostPath"
                     ),
                 ),
             };

@@ -97,7 +97,12 @@ pub(super) fn backend_skeleton(
         env.push(e);
     }
     let sleep_env = sleep.iter().flat_map(|t| t.mode.env.iter().cloned());
-    for e in ctx.cache_env(cached).into_iter().chain(sleep_env) {
+    for e in ctx
+        .cache_env(cached)
+        .into_iter()
+        .chain(ctx.offline_env())
+        .chain(sleep_env)
+    {
         if !env.iter().any(|x| x.name == e.name) {
             env.push(e);
         }
@@ -116,7 +121,7 @@ pub(super) fn backend_skeleton(
     let mount = volume.as_ref().map(|v| VolumeMount {
         name: v.name.clone(),
         mount_path: CACHE_MOUNT_PATH.to_owned(),
-        read_only: matches!(ctx.source, ModelSource::Pvc { .. }).then_some(true),
+        read_only: ctx.cache_read_only().then_some(true),
         ..Default::default()
     });
 

@@ -1,5 +1,5 @@
-//! The model cache: the volume the engine and the prewarm Job mount, the NodeLocalPVC claim, and
-//! the prewarm Job. Claim and Job are create-once: each records a hash of its immutable part in
+//! The model cache: the volume the engine and the prewarm Job mount, the NodeLocalPVC or
+//! SharedPVC claim, and the prewarm Job. Claim and Job are create-once: each records a hash of its immutable part in
 //! [`TEMPLATE_HASH_ANNOTATION`], which the reconciler compares to report `ReplaceRequired`.
 
 use std::collections::BTreeMap;
@@ -37,14 +37,17 @@ impl Ctx<'_> {
             }));
         }
         match self.svc.spec.cache.strategy {
-            CacheStrategy::NodeLocalPVC => Ok(Some(Volume {
-                name: "model-cache".to_owned(),
-                persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
-                    claim_name: names::cache_claim(&self.name),
-                    read_only: None,
-                }),
-                ..Default::default()
-            })),
+            strategy @ (CacheStrategy::NodeLocalPVC | CacheStrategy::SharedPVC) => {
+                Ok(Some(Volume {
+                    name: "model-cache".to_owned(),
+                    persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
+                        claim_name: names::cache_claim(&self.name),
+                        // The backends only read a shared cache; the prewarm Job writes it.
+                        read_only: (strategy == CacheStrategy::SharedPVC).then_some(true),
+                    }),
+                    ..Default::default()
+                }))
+            }
             CacheStrategy::HostPath => Ok(Some(Volume {
                 name: "model-cache".to_owned(),
                 host_path: Some(HostPathVolumeSource {
@@ -56,6 +59,26 @@ impl Ctx<'_> {
             CacheStrategy::None => Ok(None),
             other => Err(RenderError::CacheNotImplemented(other)),
         }
+    }
+
+    /// Whether the backends mount the cache volume read-only: a `pvc://` model's claim, and a
+    /// SharedPVC cache (filled by the prewarm Job only).
+    pub(super) fn cache_read_only(&self) -> bool {
+        matches!(self.source, ModelSource::Pvc { .. })
+            || self.svc.spec.cache.strategy == CacheStrategy::SharedPVC
+    }
+
+    /// The engine's environment for a read-only cache: `HF_HUB_OFFLINE=1`, so the hub library
+    /// resolves the repository id from the prewarmed snapshot without contacting the hub or
+    /// writing lock files (`hearth_crds::rules` admits SharedPVC for `hf://` models only).
+    pub(super) fn offline_env(&self) -> Option<EnvVar> {
+        (self.svc.spec.cache.strategy == CacheStrategy::SharedPVC
+            && matches!(self.source, ModelSource::HuggingFace { .. }))
+        .then(|| EnvVar {
+            name: "HF_HUB_OFFLINE".to_owned(),
+            value: Some("1".to_owned()),
+            value_from: None,
+        })
     }
 
     /// `.Model.Path` (see the table in [`crate::model`]).
@@ -109,14 +132,17 @@ fn with_hash(mut meta: ObjectMeta, hash: String) -> ObjectMeta {
 
 pub(super) fn cache_claim(ctx: &Ctx<'_>) -> Option<PersistentVolumeClaim> {
     let cache = &ctx.svc.spec.cache;
-    if cache.strategy != CacheStrategy::NodeLocalPVC
-        || matches!(ctx.source, ModelSource::Pvc { .. })
-    {
+    let access_mode = match cache.strategy {
+        CacheStrategy::NodeLocalPVC => "ReadWriteOnce",
+        CacheStrategy::SharedPVC => "ReadWriteMany",
+        _ => return None,
+    };
+    if matches!(ctx.source, ModelSource::Pvc { .. }) {
         return None;
     }
     let size = rules::cache_claim_size(cache);
     let spec = PersistentVolumeClaimSpec {
-        access_modes: Some(vec!["ReadWriteOnce".to_owned()]),
+        access_modes: Some(vec![access_mode.to_owned()]),
         resources: Some(VolumeResourceRequirements {
             requests: Some(BTreeMap::from([("storage".to_owned(), size)])),
             ..Default::default()
@@ -124,8 +150,12 @@ pub(super) fn cache_claim(ctx: &Ctx<'_>) -> Option<PersistentVolumeClaim> {
         storage_class_name: cache.storage_class_name.clone(),
         ..Default::default()
     };
-    // Only the storage class is immutable; size may grow (volume expansion).
-    let hash = stable_hash(&cache.storage_class_name);
+    // Only the storage class and the access mode are immutable; size may grow (volume
+    // expansion). (A NodeLocalPVC claim's hash predates SharedPVC and stays the class alone.)
+    let hash = match cache.strategy {
+        CacheStrategy::SharedPVC => stable_hash(&(&cache.storage_class_name, access_mode)),
+        _ => stable_hash(&cache.storage_class_name),
+    };
     Some(PersistentVolumeClaim {
         metadata: with_hash(
             ctx.meta(names::cache_claim(&ctx.name), Component::Cache),
@@ -166,14 +196,18 @@ fn prewarm_env(ctx: &Ctx<'_>) -> Vec<EnvVar> {
 
 pub(super) fn prewarm_job(ctx: &Ctx<'_>, volume: Option<Volume>) -> Option<Job> {
     let cache = &ctx.svc.spec.cache;
-    let volume = volume?;
+    let mut volume = volume?;
     if !cache.prewarm
         || !matches!(
             cache.strategy,
-            CacheStrategy::NodeLocalPVC | CacheStrategy::HostPath
+            CacheStrategy::NodeLocalPVC | CacheStrategy::SharedPVC | CacheStrategy::HostPath
         )
     {
         return None;
+    }
+    // The Job is the one writer of a shared cache the backends mount read-only.
+    if let Some(claim) = volume.persistent_volume_claim.as_mut() {
+        claim.read_only = None;
     }
     let program = prewarm_program(&ctx.source)?;
     let acc = &ctx.rt.spec.accelerator;

@@ -8,7 +8,7 @@
 //!   [`crate::policy::apply`] lays the runtime specifics on it;
 //! - `gateway.rs`: the gateway Deployment, its Services, ServiceAccount, Role, RoleBinding and
 //!   PodDisruptionBudget, and the gateway container's resources;
-//! - `cache.rs`: the cache volume, the NodeLocalPVC claim and the prewarm Job (create-once, with
+//! - `cache.rs`: the cache volume, the NodeLocalPVC or SharedPVC claim and the prewarm Job (create-once, with
 //!   a [`TEMPLATE_HASH_ANNOTATION`]);
 //! - `keda.rs`: the KEDA ScaledObject.
 
@@ -142,7 +142,7 @@ pub struct Children {
     pub gateway_role: Role,
     /// Binds the Role to the ServiceAccount.
     pub gateway_role_binding: RoleBinding,
-    /// NodeLocalPVC cache claim (create-once).
+    /// NodeLocalPVC or SharedPVC cache claim (create-once).
     pub cache_claim: Option<PersistentVolumeClaim>,
     /// Prewarm Job (create-once).
     pub prewarm_job: Option<Job>,
@@ -236,7 +236,7 @@ pub enum RenderError {
     },
     /// A cache strategy reserved in the API but not implemented.
     #[error(
-        "spec.cache.strategy: {0:?} is not implemented yet; use NodeLocalPVC, HostPath or None"
+        "spec.cache.strategy: {0:?} is not implemented yet; use NodeLocalPVC, SharedPVC, HostPath or None"
     )]
     CacheNotImplemented(CacheStrategy),
     /// The object has no namespace (rendering needs one; `render` defaults it to `default`).
