@@ -13,6 +13,8 @@
 //!   `/var/lib` (a tmpfs inside the node's mount namespace, where the kubelet resolves local and
 //!   hostPath volumes) and given to the runtime's user (65532: the stub image runs as non-root,
 //!   and the controller sets no `fsGroup`, which local volumes would honour).
+//! - **SharedPVC** (`cache.prewarm: true`): the same, with a ReadWriteMany claim and volume;
+//!   the prewarm Job mounts it read-write, the backend read-only with `HF_HUB_OFFLINE=1`.
 //! - **HostPath** (`cache.prewarm: true`): the controller's `--host-path-root` (read from the
 //!   installed controller's args; the chart's `controller.hostPathRoot`, default
 //!   `/var/lib/hearth/models`). The kubelet would create a missing root as root-owned 0755, which
@@ -201,9 +203,9 @@ impl Fixture {
     }
 
     /// A StorageClass without a provisioner that binds at the first consumer, and one local
-    /// PersistentVolume of it on a fresh directory of the node, writable by the stub's user.
-    /// Returns the class's name.
-    async fn local_volume(&mut self) -> Result<String> {
+    /// PersistentVolume of it with `access_mode` on a fresh directory of the node, writable by
+    /// the stub's user. Returns the class's name.
+    async fn local_volume(&mut self, access_mode: &str) -> Result<String> {
         let name = self.id.clone();
         let client = self.cluster.client();
         self.scoped.will_make("storageclass", &name);
@@ -232,7 +234,7 @@ impl Fixture {
             "metadata": { "name": name },
             "spec": {
                 "capacity": { "storage": "1Gi" },
-                "accessModes": ["ReadWriteOnce"],
+                "accessModes": [access_mode],
                 "persistentVolumeReclaimPolicy": "Retain",
                 "storageClassName": name,
                 "volumeMode": "Filesystem",
@@ -523,12 +525,35 @@ fn secs(since: Instant) -> f64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn node_local_pvc_prewarmed_on_a_local_volume() -> Result<()> {
+    prewarmed_claim_served("NodeLocalPVC", "e2e-cache-local", "e2e-cache-pvc").await
+}
+
+/// SharedPVC: the same path with a ReadWriteMany claim, which the prewarm Job writes and the
+/// backend mounts read-only and reads offline. (One node here: the claim's volume is a local
+/// directory offered as ReadWriteMany; on a cluster its class would be a network file system,
+/// which the scheduler and the kubelet treat the same way.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shared_pvc_prewarmed_and_mounted_read_only() -> Result<()> {
+    prewarmed_claim_served("SharedPVC", "e2e-cache-shared", "e2e-cache-rwx").await
+}
+
+/// A claim cache (`strategy` NodeLocalPVC or SharedPVC) on a local volume: the prewarm Job
+/// fills it, the claim binds to the test's volume, and the backend serves a cold request from
+/// the prewarmed snapshot, mounting the claim read-write (NodeLocalPVC) or read-only with
+/// `HF_HUB_OFFLINE=1` (SharedPVC).
+async fn prewarmed_claim_served(strategy: &str, fixture_ns: &str, service_ns: &str) -> Result<()> {
+    let shared = strategy == "SharedPVC";
+    let access_mode = if shared {
+        "ReadWriteMany"
+    } else {
+        "ReadWriteOnce"
+    };
     let t0 = Instant::now();
-    let mut fx = Fixture::new("e2e-cache-local").await?;
-    let class = fx.local_volume().await?;
-    let d = stack::deploy("e2e-cache-pvc", ScalerMode::Push, |o| {
+    let mut fx = Fixture::new(fixture_ns).await?;
+    let class = fx.local_volume(access_mode).await?;
+    let d = stack::deploy(service_ns, ScalerMode::Push, |o| {
         o["spec"]["cache"] = json!({
-            "strategy": "NodeLocalPVC",
+            "strategy": strategy,
             "size": "512Mi",
             "storageClassName": class,
             "prewarm": true,
@@ -545,8 +570,8 @@ async fn node_local_pvc_prewarmed_on_a_local_volume() -> Result<()> {
         spec.volumes.iter().flatten().any(|v| v
             .persistent_volume_claim
             .as_ref()
-            .is_some_and(|c| c.claim_name == claim)),
-        "the prewarm does not mount claim {claim}: {:?}",
+            .is_some_and(|c| c.claim_name == claim && c.read_only != Some(true))),
+        "the prewarm does not mount claim {claim} read-write: {:?}",
         spec.volumes
     );
     let (snapshot, prewarm_log) = prewarm_snapshot(&d.ns, &pod).await?;
@@ -561,6 +586,11 @@ async fn node_local_pvc_prewarmed_on_a_local_volume() -> Result<()> {
         "claim {claim} is bound to {:?}, not the local volume {class}",
         pvc.spec.as_ref().and_then(|s| s.volume_name.clone())
     );
+    let modes = pvc.spec.as_ref().and_then(|s| s.access_modes.clone());
+    ensure!(
+        modes.as_deref() == Some(&[access_mode.to_owned()][..]),
+        "claim {claim} asks for {modes:?}, not [{access_mode}]"
+    );
     wait_condition(&d, "CacheReady", "Bound").await?;
     wait_condition(&d, "Prewarmed", "Downloaded").await?;
 
@@ -572,9 +602,21 @@ async fn node_local_pvc_prewarmed_on_a_local_volume() -> Result<()> {
         bspec.volumes.iter().flatten().any(|v| v
             .persistent_volume_claim
             .as_ref()
-            .is_some_and(|c| c.claim_name == claim && c.read_only != Some(true))),
-        "the backend does not mount claim {claim} read-write: {:?}",
+            .is_some_and(|c| c.claim_name == claim && (c.read_only == Some(true)) == shared)),
+        "the backend does not mount claim {claim} {}: {:?}",
+        if shared { "read-only" } else { "read-write" },
         bspec.volumes
+    );
+    let offline = bspec.containers.first().and_then(|c| {
+        c.env
+            .iter()
+            .flatten()
+            .find(|e| e.name == "HF_HUB_OFFLINE")
+            .and_then(|e| e.value.clone())
+    });
+    ensure!(
+        offline.as_deref() == shared.then_some("1"),
+        "the backend's HF_HUB_OFFLINE is {offline:?}"
     );
     let loaded = model_loaded(&d, &backend).await?;
     ensure!(
@@ -594,7 +636,7 @@ async fn node_local_pvc_prewarmed_on_a_local_volume() -> Result<()> {
         "the local volume's directory on the node holds:\n{files}"
     );
     println!(
-        "[NodeLocalPVC] applied {applied:.1}s, prewarm Job done {prewarmed:.1}s; cold request at {sent:.1}s: first token +{first_token:.2}s, [DONE] +{done:.2}s; backend read {snapshot} ({} blobs verified, {} weight bytes); prewarm said:\n{}",
+        "[{strategy}] applied {applied:.1}s, prewarm Job done {prewarmed:.1}s; cold request at {sent:.1}s: first token +{first_token:.2}s, [DONE] +{done:.2}s; backend read {snapshot} ({} blobs verified, {} weight bytes); prewarm said:\n{}",
         loaded["verified_blobs"],
         loaded["weight_bytes"],
         prewarm_log.trim_end()
@@ -748,7 +790,7 @@ fn safetensors(tensors: &[(&str, &str, &[u64], Vec<u8>)]) -> Vec<u8> {
 async fn pvc_source_is_mounted_read_only_and_served() -> Result<()> {
     let t0 = Instant::now();
     let mut fx = Fixture::new("e2e-cache-weights").await?;
-    let class = fx.local_volume().await?;
+    let class = fx.local_volume("ReadWriteOnce").await?;
     let d = stack::deploy("e2e-cache-src", ScalerMode::Push, |o| {
         o["spec"]["model"]["source"]["uri"] = json!("pvc://weights/qwen/7b");
     })
