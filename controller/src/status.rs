@@ -10,7 +10,11 @@ use hearth_crds::{
     rules::{Finding, Findings},
 };
 use k8s_openapi::{
-    api::{apps::v1::Deployment, batch::v1::Job, core::v1::PersistentVolumeClaim},
+    api::{
+        apps::v1::Deployment,
+        batch::v1::Job,
+        core::v1::{PersistentVolumeClaim, Pod},
+    },
     apimachinery::pkg::apis::meta::v1::{Condition, Time},
 };
 use kube::api::DynamicObject;
@@ -168,8 +172,8 @@ pub fn merge_conditions(
         .collect()
 }
 
-/// The backend's replica picture from its Deployment.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+/// The backend's replica picture from its Deployment (and its pods, [`BackendState::failing`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct BackendState {
     /// Whether the Deployment exists.
     pub exists: bool,
@@ -179,6 +183,55 @@ pub struct BackendState {
     pub ready: i32,
     /// `Progressing=False` (`ProgressDeadlineExceeded`): pods are not coming up.
     pub stuck: bool,
+    /// A backend pod's container that cannot start, from [`pod_failure`].
+    pub failing: Option<String>,
+}
+
+/// Waiting reasons of a container that will not start without a change (to the pod, the
+/// image, the node or the registry), as the kubelet reports them (`kubelet/container`'s
+/// `ErrCreateContainer`, `ErrImagePull`, ...). `ContainerCreating` and `PodInitializing` are
+/// progress, not failures.
+const FAILING_WAITING_REASONS: &[&str] = &[
+    "CreateContainerError",
+    "CreateContainerConfigError",
+    "RunContainerError",
+    "ErrImagePull",
+    "ImagePullBackOff",
+    "InvalidImageName",
+    "ErrImageNeverPull",
+    "CrashLoopBackOff",
+];
+
+/// Why `pod` cannot start, if one of its containers (init containers first) waits for a
+/// reason in [`FAILING_WAITING_REASONS`]: `pod P, container C: Reason: message`.
+pub fn pod_failure(pod: &Pod) -> Option<String> {
+    let status = pod.status.as_ref()?;
+    let statuses = status
+        .init_container_statuses
+        .iter()
+        .flatten()
+        .chain(status.container_statuses.iter().flatten());
+    for c in statuses {
+        let Some(waiting) = c.state.as_ref().and_then(|s| s.waiting.as_ref()) else {
+            continue;
+        };
+        let Some(reason) = waiting
+            .reason
+            .as_deref()
+            .filter(|r| FAILING_WAITING_REASONS.contains(r))
+        else {
+            continue;
+        };
+        let pod_name = pod.metadata.name.as_deref().unwrap_or_default();
+        let message = waiting.message.as_deref().unwrap_or_default();
+        // A kubelet message can be long (a whole runtime error chain): keep the start.
+        let message: String = message.chars().take(300).collect();
+        return Some(format!(
+            "pod {pod_name}, container {}: {reason}: {message}",
+            c.name
+        ));
+    }
+    None
 }
 
 impl BackendState {
@@ -198,7 +251,14 @@ impl BackendState {
                     cs.iter()
                         .any(|c| c.type_ == "Progressing" && c.status == "False")
                 }),
+            failing: None,
         }
+    }
+
+    /// Adds the first failure among the backend's `pods` ([`pod_failure`]).
+    pub fn with_pods<'a>(mut self, pods: impl IntoIterator<Item = &'a Pod>) -> Self {
+        self.failing = pods.into_iter().find_map(pod_failure);
+        self
     }
 }
 
@@ -393,6 +453,17 @@ pub fn phase_and_ready(
             ),
         );
     }
+    if let Some(why) = &backend.failing {
+        return (
+            LLMServicePhase::Degraded,
+            Cond::new(
+                READY,
+                Some(false),
+                "BackendFailing",
+                format!("{why} (kubectl describe pod shows the kubelet's Events)"),
+            ),
+        );
+    }
     if backend.desired == 0 {
         let ready = if gateway_ready == 0 {
             Cond::new(
@@ -466,13 +537,25 @@ mod tests {
         )]
     }
 
+    /// A backend pod whose model container waits with `reason`.
+    fn waiting_pod(reason: &str) -> Pod {
+        serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "m-0"},
+            "status": {"containerStatuses": [{
+                "name": "vllm", "image": "x", "imageID": "", "ready": false, "restartCount": 0,
+                "state": {"waiting": {"reason": reason, "message": "failed to mkdir \"\""}},
+            }]},
+        }))
+        .unwrap()
+    }
+
     #[test]
     fn phases() {
         let b = |exists, desired, ready| BackendState {
             exists,
             desired,
             ready,
-            stuck: false,
+            ..Default::default()
         };
         assert_eq!(
             phase_and_ready(b(false, 0, 0), 1, &[]).0,
@@ -496,8 +579,24 @@ mod tests {
             desired: 1,
             ready: 0,
             stuck: true,
+            failing: None,
         };
         assert_eq!(phase_and_ready(stuck, 1, &[]).0, LLMServicePhase::Degraded);
+        let failing = b(true, 1, 0).with_pods([&waiting_pod("CreateContainerError")]);
+        let (p, r) = phase_and_ready(failing, 1, &autoscaling_ok());
+        assert_eq!(
+            (p, r.reason.as_str(), r.message.as_str()),
+            (
+                LLMServicePhase::Degraded,
+                "BackendFailing",
+                "pod m-0, container vllm: CreateContainerError: failed to mkdir \"\" (kubectl describe pod shows the kubelet's Events)"
+            )
+        );
+        let creating = b(true, 1, 0).with_pods([&waiting_pod("ContainerCreating")]);
+        assert_eq!(
+            phase_and_ready(creating, 1, &[]).0,
+            LLMServicePhase::Loading
+        );
         let failed = [Cond::new(PREWARMED, Some(false), "PrewarmFailed", "")];
         assert_eq!(
             phase_and_ready(b(true, 0, 0), 1, &failed).0,

@@ -96,8 +96,10 @@ pub struct ModelSpec {
 #[serde(rename_all = "camelCase")]
 pub struct ModelSource {
     /// uri is the model location: `hf://<org>/<name>` (alias `huggingface://`),
-    /// `modelscope://<org>/<name>`, or
-    /// `pvc://<claim>[/<subpath>]` (pre-staged weights on an existing PVC, mounted read-only).
+    /// `modelscope://<org>/<name>`,
+    /// `pvc://<claim>[/<subpath>]` (pre-staged weights on an existing PVC, mounted read-only), or
+    /// `oci://<registry>/<repository>:<tag>` (weights packaged as an OCI image, mounted
+    /// read-only as a Kubernetes image volume; Hearth extension).
     #[schemars(length(min = 1, max = 2048))]
     pub uri: String,
 

@@ -326,7 +326,7 @@ pub fn check_llmservice(svc: &LLMService, runtime: Option<&InferenceRuntime>) ->
             }
         },
     };
-    let pvc_model = matches!(model, Some(ModelUri::Pvc { .. }));
+    let staged_model = model.as_ref().is_some_and(ModelUri::is_staged);
     if let Some(secret) = spec
         .model
         .source
@@ -461,7 +461,7 @@ pub fn check_llmservice(svc: &LLMService, runtime: Option<&InferenceRuntime>) ->
             ),
         ),
         CacheStrategy::NodeLocalPVC | CacheStrategy::SharedPVC => {
-            if cache.strategy == CacheStrategy::SharedPVC && !pvc_model {
+            if cache.strategy == CacheStrategy::SharedPVC && !staged_model {
                 shared_pvc(&mut f, cache, model.as_ref());
             }
             if let Some(size) = &cache.size {
@@ -495,11 +495,11 @@ pub fn check_llmservice(svc: &LLMService, runtime: Option<&InferenceRuntime>) ->
             "spec.cache.prewarm",
             "is ignored with strategy None (there is no cache to fill); remove it or pick a cache strategy",
         );
-    } else if cache.prewarm && pvc_model {
+    } else if cache.prewarm && staged_model {
         f.warn(
             Reason::FieldIgnored,
             "spec.cache.prewarm",
-            "is ignored for pvc:// models, whose weights are already staged; remove it",
+            "is ignored for pvc:// and oci:// models, whose weights are already staged; remove it",
         );
     }
 

@@ -288,6 +288,15 @@ impl Context {
             scaled_object: keda_installed
                 .then(|| self.keda.get(namespace, &names::scaled_object(name)))
                 .flatten(),
+            backend_pods: self
+                .pods
+                .state()
+                .into_iter()
+                .filter(|p| {
+                    p.namespace().as_deref() == Some(namespace)
+                        && p.labels().get(LLMSERVICE_LABEL).map(String::as_str) == Some(name)
+                })
+                .collect(),
         }
     }
 }
@@ -403,18 +412,8 @@ async fn record_activation(
     let previous = svc.status.as_ref();
     let last = previous.and_then(|s| s.last_activation.as_ref());
     let replicas_before = previous.and_then(|s| s.replicas).unwrap_or(0);
-    let name = svc.name_any();
-    let pods: Vec<Arc<Pod>> = ctx
-        .pods
-        .state()
-        .into_iter()
-        .filter(|p| {
-            p.namespace().as_deref() == Some(namespace)
-                && p.labels().get(LLMSERVICE_LABEL) == Some(&name)
-        })
-        .collect();
     let pod = activation::activated(
-        pods.iter().map(AsRef::as_ref),
+        view.backend_pods.iter().map(AsRef::as_ref),
         last,
         replicas_before,
         k8s_openapi::jiff::Timestamp::now(),
@@ -580,13 +579,14 @@ pub async fn run(
     let (pdb_store, pdb_stream) =
         cached_watch::<PodDisruptionBudget>(&client, ns, &managed, Some(|p| relevant(p, &())));
     // Backend pods trigger their service's reconcile when they turn Ready (or stop being so):
-    // that is when an activation is recorded.
+    // that is when an activation is recorded; and when a container starts or stops failing to
+    // start (`Ready=False` reason `BackendFailing`).
     let backend_pods = watcher::Config::default().labels(&labels::backend_pod_selector());
     let (pods_store, pods_stream) = cached_watch::<Pod>(
         &client,
         ns,
         &backend_pods,
-        Some(|p| relevant(p, &activation::ready_since(p))),
+        Some(|p| relevant(p, &(activation::ready_since(p), status::pod_failure(p)))),
     );
 
     let keda = Arc::new(KedaState {

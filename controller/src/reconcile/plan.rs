@@ -21,7 +21,7 @@ use k8s_openapi::{
     api::{
         apps::v1::Deployment,
         batch::v1::Job,
-        core::v1::{PersistentVolumeClaim, Service, ServiceAccount},
+        core::v1::{PersistentVolumeClaim, Pod, Service, ServiceAccount},
         policy::v1::PodDisruptionBudget,
         rbac::v1::{Role, RoleBinding},
     },
@@ -78,6 +78,8 @@ pub struct View {
     pub keda_installed: bool,
     /// ScaledObject `N` (read only when KEDA is installed).
     pub scaled_object: Option<Arc<DynamicObject>>,
+    /// The service's backend pods (label `serving.hearth.dev/llmservice`), from the pod cache.
+    pub backend_pods: Vec<Arc<Pod>>,
 }
 
 /// What one reconcile does: the writes, in order, and the status they lead to.
@@ -167,7 +169,7 @@ impl Plan {
         if let Some(r) = &self.readiness {
             self.conds.retain(|c| c.type_ != status::READY);
             let (phase, mut ready) =
-                status::phase_and_ready(r.backend, r.gateway_ready, &self.conds);
+                status::phase_and_ready(r.backend.clone(), r.gateway_ready, &self.conds);
             if ready.reason == "GatewayNotReady"
                 && let Some((key, secret)) = &r.api_key
             {
@@ -238,6 +240,14 @@ pub fn plan(svc: &LLMService, desired: Desired, view: &View, cfg: &RenderConfig)
             "PreStaged",
             format!("weights are read from PersistentVolumeClaim {claim}, mounted read-only"),
         )),
+        (Some(ModelSource::Oci { reference }), _) => conds.push(Cond::new(
+            status::CACHE_READY,
+            Some(true),
+            "ImageVolume",
+            format!(
+                "weights are read from image {reference}, which the kubelet pulls and mounts read-only as an image volume"
+            ),
+        )),
         (_, Some(claim)) => {
             let claim_name = names::cache_claim(&name);
             let mut existing = view.claim.as_deref();
@@ -255,7 +265,7 @@ pub fn plan(svc: &LLMService, desired: Desired, view: &View, cfg: &RenderConfig)
                     Some(false),
                     "ReplaceRequired",
                     format!(
-                        "spec.cache.storageClassName or the strategy's access mode changed, and a claim's storage class and access modes cannot change: delete PersistentVolumeClaim {claim_name} (after scaling the backend to zero) to recreate it"
+                        "spec.cache.storageClassName changed (or spec.cache.strategy, between NodeLocalPVC and SharedPVC, changed the access mode), and a claim's storage class and access modes cannot change: delete PersistentVolumeClaim {claim_name} (after scaling the backend to zero) to recreate it"
                     ),
                 ));
             } else {
@@ -315,6 +325,10 @@ pub fn plan(svc: &LLMService, desired: Desired, view: &View, cfg: &RenderConfig)
                 (Some(ModelSource::Pvc { .. }), true, _) => (
                     "NotApplicable",
                     "pvc:// weights are pre-staged; there is nothing to download".to_owned(),
+                ),
+                (Some(ModelSource::Oci { .. }), true, _) => (
+                    "NotApplicable",
+                    "oci:// weights come with their image; the kubelet pulls it".to_owned(),
                 ),
                 (_, true, strategy) => (
                     "NoCache",
@@ -400,13 +414,12 @@ pub fn plan(svc: &LLMService, desired: Desired, view: &View, cfg: &RenderConfig)
     });
 
     let backend = match BackendState::of(view.backend.as_deref()) {
-        b if b.exists => b,
+        b if b.exists => b.with_pods(view.backend_pods.iter().map(AsRef::as_ref)),
         // Created by this plan: what is created.
         _ => BackendState {
             exists: true,
             desired: svc.spec.scaling.min,
-            ready: 0,
-            stuck: false,
+            ..Default::default()
         },
     };
     plan.readiness = Some(Readiness {

@@ -22,7 +22,7 @@ use kube::ResourceExt;
 use super::{Ctx, RenderError};
 use crate::{
     labels::{self, Component},
-    model::{CACHE_MOUNT_PATH, ModelSource},
+    model::CACHE_MOUNT_PATH,
     names,
     template::{self, TemplateValues},
 };
@@ -84,7 +84,7 @@ pub(super) fn backend_skeleton(
         }
     }
 
-    let cached = volume.is_some() && !matches!(ctx.source, ModelSource::Pvc { .. });
+    let cached = volume.is_some() && !ctx.source.is_staged();
     let mut env = Vec::with_capacity(rt.container.env.len() + 2);
     for (i, e) in rt.container.env.iter().enumerate() {
         let mut e = e.clone();

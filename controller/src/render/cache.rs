@@ -8,9 +8,9 @@ use hearth_crds::{llmservice::CacheStrategy, rules};
 use k8s_openapi::api::{
     batch::v1::{Job, JobSpec},
     core::v1::{
-        Container, EnvVar, HostPathVolumeSource, PersistentVolumeClaim, PersistentVolumeClaimSpec,
-        PersistentVolumeClaimVolumeSource, PodSpec, PodTemplateSpec, Volume, VolumeMount,
-        VolumeResourceRequirements,
+        Container, EnvVar, HostPathVolumeSource, ImageVolumeSource, PersistentVolumeClaim,
+        PersistentVolumeClaimSpec, PersistentVolumeClaimVolumeSource, PodSpec, PodTemplateSpec,
+        Volume, VolumeMount, VolumeResourceRequirements,
     },
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
@@ -26,15 +26,30 @@ use crate::{
 impl Ctx<'_> {
     /// The cache volume and whether the prewarm/engine env should point into it.
     pub(super) fn cache_volume(&self) -> Result<Option<Volume>, RenderError> {
-        if let ModelSource::Pvc { claim, .. } = &self.source {
-            return Ok(Some(Volume {
-                name: "model".to_owned(),
-                persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
-                    claim_name: claim.clone(),
-                    read_only: Some(true),
-                }),
-                ..Default::default()
-            }));
+        match &self.source {
+            ModelSource::Pvc { claim, .. } => {
+                return Ok(Some(Volume {
+                    name: "model".to_owned(),
+                    persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
+                        claim_name: claim.clone(),
+                        read_only: Some(true),
+                    }),
+                    ..Default::default()
+                }));
+            }
+            // An image volume: the kubelet pulls the image (with the pod's pull secrets) and
+            // mounts its filesystem read-only (Kubernetes ImageVolume; docs/controller.md).
+            ModelSource::Oci { reference } => {
+                return Ok(Some(Volume {
+                    name: "model".to_owned(),
+                    image: Some(ImageVolumeSource {
+                        reference: Some(reference.clone()),
+                        pull_policy: Some("IfNotPresent".to_owned()),
+                    }),
+                    ..Default::default()
+                }));
+            }
+            ModelSource::HuggingFace { .. } | ModelSource::ModelScope { .. } => {}
         }
         match self.svc.spec.cache.strategy {
             strategy @ (CacheStrategy::NodeLocalPVC | CacheStrategy::SharedPVC) => {
@@ -61,11 +76,10 @@ impl Ctx<'_> {
         }
     }
 
-    /// Whether the backends mount the cache volume read-only: a `pvc://` model's claim, and a
-    /// SharedPVC cache (filled by the prewarm Job only).
+    /// Whether the backends mount the cache volume read-only: a `pvc://` model's claim, an
+    /// `oci://` model's image, and a SharedPVC cache (filled by the prewarm Job only).
     pub(super) fn cache_read_only(&self) -> bool {
-        matches!(self.source, ModelSource::Pvc { .. })
-            || self.svc.spec.cache.strategy == CacheStrategy::SharedPVC
+        self.source.is_staged() || self.svc.spec.cache.strategy == CacheStrategy::SharedPVC
     }
 
     /// The engine's environment for a read-only cache: `HF_HUB_OFFLINE=1`, so the hub library
@@ -85,7 +99,9 @@ impl Ctx<'_> {
     pub(super) fn model_path(&self) -> String {
         match &self.source {
             ModelSource::HuggingFace { repo } | ModelSource::ModelScope { repo } => repo.clone(),
-            ModelSource::Pvc { subpath: None, .. } => CACHE_MOUNT_PATH.to_owned(),
+            ModelSource::Pvc { subpath: None, .. } | ModelSource::Oci { .. } => {
+                CACHE_MOUNT_PATH.to_owned()
+            }
             ModelSource::Pvc {
                 subpath: Some(subpath),
                 ..
@@ -137,7 +153,7 @@ pub(super) fn cache_claim(ctx: &Ctx<'_>) -> Option<PersistentVolumeClaim> {
         CacheStrategy::SharedPVC => "ReadWriteMany",
         _ => return None,
     };
-    if matches!(ctx.source, ModelSource::Pvc { .. }) {
+    if ctx.source.is_staged() {
         return None;
     }
     let size = rules::cache_claim_size(cache);
@@ -176,7 +192,7 @@ fn prewarm_program(source: &ModelSource) -> Option<String> {
         ModelSource::ModelScope { repo } => Some(format!(
             "from modelscope import snapshot_download\nprint(snapshot_download({repo:?}))\n"
         )),
-        ModelSource::Pvc { .. } => None,
+        ModelSource::Pvc { .. } | ModelSource::Oci { .. } => None,
     }
 }
 

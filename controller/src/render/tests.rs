@@ -377,3 +377,51 @@ fn sleep_without_effect_renders_as_without_sleep() {
     assert_eq!(with.gateway, without.gateway);
     assert_eq!(with.backend, without.backend);
 }
+
+/// An `oci://` model: an image volume mounted read-only at `/models`, which is `.Model.Path`;
+/// no cache claim and no prewarm Job, whatever `cache` says.
+#[test]
+fn an_oci_model_is_an_image_volume_mounted_read_only() {
+    let (mut svc, rt) = service_and_runtime(json!({}));
+    svc.spec.model.source.as_mut().unwrap().uri =
+        "oci://registry.example.com/models/qwen2.5-7b:v1".to_owned();
+    svc.spec.cache =
+        serde_json::from_value(json!({"strategy": "NodeLocalPVC", "prewarm": true})).unwrap();
+    let c = render(&svc, &rt, &RenderConfig::builtin().unwrap(), true).unwrap();
+    assert!(c.cache_claim.is_none() && c.prewarm_job.is_none());
+    let spec = pod(&c.backend);
+    let volume = spec
+        .volumes
+        .iter()
+        .flatten()
+        .find(|v| v.name == "model")
+        .unwrap();
+    let image = volume.image.as_ref().unwrap();
+    assert_eq!(
+        (image.reference.as_deref(), image.pull_policy.as_deref()),
+        (
+            Some("registry.example.com/models/qwen2.5-7b:v1"),
+            Some("IfNotPresent")
+        )
+    );
+    let engine = &spec.containers[0];
+    let mount = engine
+        .volume_mounts
+        .iter()
+        .flatten()
+        .find(|m| m.name == "model")
+        .unwrap();
+    assert_eq!(
+        (mount.mount_path.as_str(), mount.read_only),
+        ("/models", Some(true))
+    );
+    assert!(
+        !engine
+            .env
+            .iter()
+            .flatten()
+            .any(|e| e.name == "HF_HOME" || e.name == "HF_HUB_OFFLINE"),
+        "no hub cache environment for an image: {:?}",
+        engine.env
+    );
+}

@@ -69,6 +69,7 @@ fn steady(svc: &LLMService) -> View {
         gateway_pdb: Some(Arc::new(c.gateway_pdb)),
         keda_installed: true,
         scaled_object: Some(Arc::new(c.scaled_object)),
+        backend_pods: Vec::new(),
     }
 }
 
