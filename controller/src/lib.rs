@@ -20,6 +20,7 @@ pub mod metrics;
 pub mod model;
 pub mod names;
 pub mod policy;
+pub mod prepull;
 pub mod reconcile;
 pub mod render;
 pub mod resolve;

@@ -14,9 +14,11 @@ use std::{
 
 use anyhow::{Context as _, bail};
 use clap::{Args, Parser, Subcommand};
+use futures::FutureExt as _;
 use hearth_controller::{
     leader::{self, LeaseConfig},
     metrics::{Metrics, Serving},
+    prepull::PrePullConfig,
     reconcile::RunConfig,
     render::{self, RenderConfig, default_gateway_image},
 };
@@ -149,6 +151,18 @@ struct RunArgs {
     /// evaluates them (needs list/watch on servingpolicies); false: the built-ins only.
     #[arg(long, env = "HEARTH_CLUSTER_POLICIES", default_value_t = true, action = clap::ArgAction::Set)]
     cluster_policies: bool,
+    /// Namespace of the DaemonSets that pre-pull the images of runtimes with `spec.prePull`
+    /// (the controller's own, which the chart sets); unset or empty: no pre-pull (and
+    /// `prePull` has no effect).
+    #[arg(long, env = "HEARTH_PRE_PULL_NAMESPACE")]
+    pre_pull_namespace: Option<String>,
+    /// Image of the container that holds each pre-pull pod once the runtime's image is pulled.
+    #[arg(
+        long,
+        env = "HEARTH_PAUSE_IMAGE",
+        default_value = "registry.k8s.io/pause:3.10"
+    )]
+    pause_image: String,
 }
 
 #[derive(Args)]
@@ -301,7 +315,28 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         instance: identity,
         cluster_policies: args.cluster_policies,
     };
+    // Both loops stop on the same signal (or lost lease).
+    let shutdown = shutdown.boxed().shared();
+    let pre_pull = args
+        .pre_pull_namespace
+        .filter(|n| !n.is_empty())
+        .map(|namespace| {
+            tokio::spawn(hearth_controller::prepull::run(
+                client.clone(),
+                PrePullConfig {
+                    namespace,
+                    pause_image: args.pause_image,
+                },
+                shutdown.clone(),
+            ))
+        });
     let ran = hearth_controller::run(client, cfg, metrics, shutdown).await;
+    if let Some(task) = pre_pull {
+        if ran.is_err() {
+            task.abort();
+        }
+        let _ = task.await;
+    }
     if lost.load(Ordering::SeqCst) {
         bail!("lost the leader-election lease; exiting so a restart campaigns again");
     }

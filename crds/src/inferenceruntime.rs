@@ -76,6 +76,14 @@ pub struct InferenceRuntimeSpec {
     /// Hearth extension of the public API.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sleep_mode: Option<RuntimeSleepMode>,
+
+    /// prePull keeps `container.image` pulled on every node this runtime can schedule to (its
+    /// `accelerator.nodeSelector` and `tolerations`), so a model's first start on a node does
+    /// not wait for a multi-gigabyte pull: the controller runs a DaemonSet whose init container
+    /// is the image (`python3 -c ''`, as the prewarm Job runs it) in its own namespace, and
+    /// reports progress in the `ImagePrePulled` condition. A Hearth extension of the public API.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub pre_pull: bool,
 }
 
 /// How an engine sleeps and wakes, over HTTP on its serving port (vLLM:

@@ -258,6 +258,14 @@ pub fn python_main(
         );
         1
     };
+    // A program of nothing but blank lines and comments does nothing, as in Python: the
+    // controller's image pre-pull runs `python3 -c ''` to start the image once.
+    if program
+        .lines()
+        .all(|l| l.trim().is_empty() || l.trim_start().starts_with('#'))
+    {
+        return 0;
+    }
     let call = match parse_program(&program) {
         Ok(c) => c,
         Err(e) => return fail(err, 1, &e),
@@ -407,5 +415,15 @@ mod tests {
         let none: Vec<OsString> = vec!["script.py".into()];
         assert_eq!(python_main(&none, &env, &mut out, &mut Vec::new()), 2);
         std::fs::remove_dir_all(&home).unwrap();
+    }
+
+    #[test]
+    fn an_empty_program_does_nothing_and_succeeds() {
+        for program in ["", "\n", "# nothing\n"] {
+            let args: Vec<OsString> = vec!["-c".into(), program.into()];
+            let (mut out, mut err) = (Vec::new(), Vec::new());
+            assert_eq!(python_main(&args, &|_| None, &mut out, &mut err), 0);
+            assert!(out.is_empty() && err.is_empty());
+        }
     }
 }
