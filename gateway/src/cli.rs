@@ -230,6 +230,13 @@ pub struct ServeArgs {
     /// Gateway Service whose EndpointSlices list the peer replicas; enables demand aggregation.
     #[arg(long, env = "HEARTH_PEER_SERVICE")]
     pub peer_service: Option<String>,
+    /// The LLMService this gateway serves (in --namespace): the sleeping tier reports engines
+    /// put to sleep and woken as Events on it (needs events.k8s.io create and patch).
+    #[arg(long, env = "HEARTH_LLMSERVICE")]
+    pub llmservice: Option<String>,
+    /// The LLMService's UID, which `kubectl describe` matches Events on.
+    #[arg(long, env = "HEARTH_LLMSERVICE_UID", requires = "llmservice")]
+    pub llmservice_uid: Option<String>,
     /// Name of the gateway Service's HTTP port in the EndpointSlices (default: the only port, or "http").
     #[arg(long, env = "HEARTH_PEER_PORT_NAME")]
     pub peer_port_name: Option<String>,

@@ -176,6 +176,20 @@ impl Gateway {
         &self.shared.metrics
     }
 
+    /// Reports the sleeping tier's engine sleeps and wake-ups as Events through `events` (no
+    /// effect without a tier, or once the background work started).
+    pub fn report_engine_events(&self, events: crate::sleep::EngineEvents) {
+        if let Some(task) = self
+            .shared
+            .sleep_task
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_mut()
+        {
+            task.report_events(events);
+        }
+    }
+
     /// Starts the lease expiry, the sleeping tier (when on) and API key reloads; they stop when
     /// the runtime does.
     pub fn spawn_background(&self, key_reload_interval: Duration) {

@@ -71,7 +71,9 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     };
     let fallback = args.fallback_authority()?;
     let backends = EndpointSet::new();
-    let needs_kube = args.backend_service.is_some() || args.peer_service.is_some();
+    let needs_kube = args.backend_service.is_some()
+        || args.peer_service.is_some()
+        || (args.llmservice.is_some() && args.sleep_after.is_some());
     let client = if needs_kube {
         Some(kube_client().await?)
     } else {
@@ -107,6 +109,15 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     }
 
     let gateway = Gateway::new(cfg, backends, keys).context("starting the gateway")?;
+    if let (Some(service), Some(client)) = (&args.llmservice, &client) {
+        gateway.report_engine_events(hearth_gateway::sleep::EngineEvents::new(
+            client.clone(),
+            &args.namespace,
+            service,
+            args.llmservice_uid.clone(),
+            std::env::var("POD_NAME").ok(),
+        ));
+    }
 
     if let (Some(service), Some(client)) = (&args.peer_service, &client) {
         let peers = PeerSet::new(gateway.demand().clone());

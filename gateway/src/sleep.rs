@@ -502,6 +502,75 @@ fn excerpt(body: &[u8]) -> String {
     String::from_utf8_lossy(body).chars().take(200).collect()
 }
 
+/// Where the tier reports an engine put to sleep or woken as Kubernetes Events: on the
+/// LLMService (`kubectl describe llmservice` lists them with the controller's `Activated`), by
+/// kube-runtime's Recorder (events.k8s.io, aggregated into series). Reasons: `EngineSlept`,
+/// `EngineWoken` (with the wake-up's seconds), `WakeUpFailed` (Warning).
+#[derive(Clone)]
+pub struct EngineEvents {
+    recorder: kube::runtime::events::Recorder,
+    regarding: k8s_openapi::api::core::v1::ObjectReference,
+}
+
+impl std::fmt::Debug for EngineEvents {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EngineEvents")
+            .field("regarding", &self.regarding)
+            .finish_non_exhaustive()
+    }
+}
+
+impl EngineEvents {
+    /// Events on the LLMService `service` (with `uid`, which `kubectl describe` matches on) in
+    /// `namespace`, reported as `hearth-gateway` from `instance` (the pod's name).
+    pub fn new(
+        client: kube::Client,
+        namespace: &str,
+        service: &str,
+        uid: Option<String>,
+        instance: Option<String>,
+    ) -> Self {
+        let reporter = kube::runtime::events::Reporter {
+            controller: "hearth-gateway".to_owned(),
+            instance,
+        };
+        Self {
+            recorder: kube::runtime::events::Recorder::new(client, reporter),
+            regarding: k8s_openapi::api::core::v1::ObjectReference {
+                api_version: Some("serving.hearth.dev/v1alpha1".to_owned()),
+                kind: Some("LLMService".to_owned()),
+                name: Some(service.to_owned()),
+                namespace: Some(namespace.to_owned()),
+                uid,
+                ..Default::default()
+            },
+        }
+    }
+
+    /// Publishes one Event in the background; a failure is logged at debug (an Event is a
+    /// courtesy, never a reason to stall the tier).
+    fn publish(&self, warning: bool, reason: &'static str, note: String) {
+        use kube::runtime::events::{Event, EventType};
+        let this = self.clone();
+        tokio::spawn(async move {
+            let event = Event {
+                type_: if warning {
+                    EventType::Warning
+                } else {
+                    EventType::Normal
+                },
+                reason: reason.to_owned(),
+                note: Some(note),
+                action: "SleepingTier".to_owned(),
+                secondary: None,
+            };
+            if let Err(e) = this.recorder.publish(&event, &this.regarding).await {
+                tracing::debug!(error = %e, reason, "publishing an engine Event failed");
+            }
+        });
+    }
+}
+
 /// The tier's task: created with the gateway, started by its background work.
 #[derive(Debug)]
 pub struct SleepTask {
@@ -512,6 +581,7 @@ pub struct SleepTask {
     serving: EndpointSet,
     demand: DemandHub,
     metrics: Arc<Metrics>,
+    events: Option<EngineEvents>,
 }
 
 impl SleepTask {
@@ -542,6 +612,7 @@ impl SleepTask {
                 serving,
                 demand,
                 metrics,
+                events: None,
             },
             tier,
         )
@@ -612,6 +683,15 @@ impl SleepTask {
             Outcome::Slept(a, Ok(())) => {
                 tracing::info!(endpoint = %a, "engine put to sleep");
                 m.engine_call("sleep", true);
+                let cfg = &self.engine.cfg;
+                self.event(
+                    false,
+                    "EngineSlept",
+                    format!(
+                        "engine {a} put to sleep (level {}) after {:?} without requests",
+                        cfg.level, cfg.after
+                    ),
+                );
             }
             Outcome::Slept(a, Err(e)) => {
                 tracing::warn!(endpoint = %a, error = %e, "putting the engine to sleep failed");
@@ -621,16 +701,41 @@ impl SleepTask {
                 tracing::info!(endpoint = %a, took_ms = took.as_millis() as u64, "engine woken up");
                 m.engine_call("wake_up", true);
                 m.observe_phase("wake_up", took.as_secs_f64());
+                self.event(
+                    false,
+                    "EngineWoken",
+                    format!(
+                        "sleep→awake: engine {a} woke from level {} in {:.2}s (wake-up calls)",
+                        self.engine.cfg.level,
+                        took.as_secs_f64()
+                    ),
+                );
             }
             Outcome::Woke(a, Err(e), _) => {
                 tracing::warn!(endpoint = %a, error = %e, "waking the engine failed");
                 m.engine_call("wake_up", false);
+                self.event(
+                    true,
+                    "WakeUpFailed",
+                    format!("waking engine {a} failed: {e}; retrying with backoff"),
+                );
             }
             Outcome::FoundAsleep(a) => {
                 if tier.state(a) == Some(State::Awake) {
                     tracing::info!(endpoint = %a, "engine found asleep (put to sleep by another gateway replica)");
                 }
             }
+        }
+    }
+
+    /// Reports Events on the LLMService through `events`.
+    pub fn report_events(&mut self, events: EngineEvents) {
+        self.events = Some(events);
+    }
+
+    fn event(&self, warning: bool, reason: &'static str, note: String) {
+        if let Some(events) = &self.events {
+            events.publish(warning, reason, note);
         }
     }
 

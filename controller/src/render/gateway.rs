@@ -133,14 +133,24 @@ pub(super) fn scaler_service(ctx: &Ctx<'_>) -> Service {
 }
 
 pub(super) fn gateway_role(ctx: &Ctx<'_>) -> Role {
+    let mut rules = vec![PolicyRule {
+        api_groups: Some(vec!["discovery.k8s.io".to_owned()]),
+        resources: Some(vec!["endpointslices".to_owned()]),
+        verbs: vec!["get".to_owned(), "list".to_owned(), "watch".to_owned()],
+        ..Default::default()
+    }];
+    // The sleeping tier reports engines put to sleep and woken as Events on the LLMService.
+    if ctx.sleep_tier().is_some() {
+        rules.push(PolicyRule {
+            api_groups: Some(vec!["events.k8s.io".to_owned()]),
+            resources: Some(vec!["events".to_owned()]),
+            verbs: vec!["create".to_owned(), "patch".to_owned()],
+            ..Default::default()
+        });
+    }
     Role {
         metadata: ctx.meta(names::gateway(&ctx.name), Component::Gateway),
-        rules: Some(vec![PolicyRule {
-            api_groups: Some(vec!["discovery.k8s.io".to_owned()]),
-            resources: Some(vec!["endpointslices".to_owned()]),
-            verbs: vec!["get".to_owned(), "list".to_owned(), "watch".to_owned()],
-            ..Default::default()
-        }]),
+        rules: Some(rules),
     }
 }
 
@@ -248,6 +258,10 @@ pub(super) fn gateway_deployment(ctx: &Ctx<'_>) -> Result<Deployment, RenderErro
                 Some(body) => format!("--wake-up-call={} {body}", call.path),
                 None => format!("--wake-up-call={}", call.path),
             });
+        }
+        args.push(format!("--llmservice={}", ctx.name));
+        if let Some(uid) = &ctx.svc.metadata.uid {
+            args.push(format!("--llmservice-uid={uid}"));
         }
     }
     let field_env = |name: &str, path: &str| EnvVar {
