@@ -183,6 +183,9 @@ pub enum Outcome {
     Slept(Authority, Result<(), EngineError>),
     /// The wake-up calls finished, after this long.
     Woke(Authority, Result<(), EngineError>, Duration),
+    /// Asked before waking, the engine said it was awake (another replica woke it): no
+    /// wake-up call was sent.
+    AlreadyAwake(Authority),
     /// Another replica put the engine to sleep (seen by the request path).
     FoundAsleep(Authority),
 }
@@ -271,7 +274,7 @@ impl Tier {
             // Unanswered: it passed its readiness probe, so it serves.
             Outcome::Probed(a, _) => (a, State::Awake, false),
             Outcome::Slept(a, Ok(())) => (a, State::Asleep, false),
-            Outcome::Woke(a, Ok(()), _) => (a, State::Awake, false),
+            Outcome::Woke(a, Ok(()), _) | Outcome::AlreadyAwake(a) => (a, State::Awake, false),
             Outcome::Slept(a, Err(_)) | Outcome::Woke(a, Err(_), _) => (a, State::Probing, true),
         };
         let Some(engine) = self.engines.get_mut(authority) else {
@@ -283,7 +286,7 @@ impl Tier {
         let expected = match outcome {
             Outcome::Probed(..) => State::Probing,
             Outcome::Slept(..) => State::FallingAsleep,
-            Outcome::Woke(..) => State::Waking,
+            Outcome::Woke(..) | Outcome::AlreadyAwake(_) => State::Waking,
             Outcome::FoundAsleep(_) => State::Awake,
         };
         if engine.state != expected {
@@ -295,7 +298,10 @@ impl Tier {
             engine.retry_at = Some(now + retry_delay(engine.failures));
             return vec![Action::Probe(authority.clone())];
         }
-        if matches!(outcome, Outcome::Slept(..) | Outcome::Woke(..)) {
+        if matches!(
+            outcome,
+            Outcome::Slept(..) | Outcome::Woke(..) | Outcome::AlreadyAwake(_)
+        ) {
             engine.failures = 0;
             engine.retry_at = None;
         }
@@ -720,6 +726,10 @@ impl SleepTask {
                     format!("waking engine {a} failed: {e}; retrying with backoff"),
                 );
             }
+            Outcome::AlreadyAwake(a) => {
+                tracing::info!(endpoint = %a, "engine already awake (woken by another gateway replica); no wake-up call sent");
+                m.engine_call("is_sleeping", true);
+            }
             Outcome::FoundAsleep(a) => {
                 if tier.state(a) == Some(State::Awake) {
                     tracing::info!(endpoint = %a, "engine found asleep (put to sleep by another gateway replica)");
@@ -754,9 +764,16 @@ impl SleepTask {
                     Outcome::Slept(a, r)
                 }
                 Action::WakeUp(a) => {
-                    let started = Instant::now();
-                    let r = engine.wake_up(&a).await;
-                    Outcome::Woke(a, r, started.elapsed())
+                    // Another replica may have woken it since this one saw it asleep: ask
+                    // first, so that a level-2 wake-up does not reload the weights twice. No
+                    // answer is no answer: wake it.
+                    if let Ok(false) = engine.is_sleeping(&a).await {
+                        Outcome::AlreadyAwake(a)
+                    } else {
+                        let started = Instant::now();
+                        let r = engine.wake_up(&a).await;
+                        Outcome::Woke(a, r, started.elapsed())
+                    }
                 }
             };
             let _ = tx.send(outcome);
@@ -792,6 +809,23 @@ mod tests {
         anywhere: true,
         here: false,
     };
+
+    #[test]
+    fn an_engine_another_replica_woke_serves_without_wake_up_calls() {
+        let t0 = Instant::now();
+        let mut tier = Tier::new(Duration::from_secs(60), t0);
+        let e = a("198.18.0.1:8000");
+        tier.discovered(std::slice::from_ref(&e));
+        tier.outcome(&Outcome::Probed(e.clone(), Ok(true)), t0);
+        assert!(tier.serving().is_empty());
+        // Stale: no wake-up under way.
+        tier.outcome(&Outcome::AlreadyAwake(e.clone()), t0);
+        assert!(tier.serving().is_empty());
+        assert_eq!(tier.step(HERE, t0), [Action::WakeUp(e.clone())]);
+        tier.outcome(&Outcome::AlreadyAwake(e.clone()), t0);
+        assert_eq!(tier.serving(), [e.clone()]);
+        assert_eq!(tier.state(&e), Some(State::Awake));
+    }
 
     #[test]
     fn engine_calls_parse_path_and_json_body() {

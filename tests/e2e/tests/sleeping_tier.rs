@@ -210,6 +210,9 @@ async fn sleep_then_wake(mode: ScalerMode) -> Result<()> {
         "the backend went to zero while asleep, before scaleDownStabilization: {}",
         d.timeline_text(slept_at)
     );
+    // The gateway that slept and woke the engine said so on the LLMService.
+    let slept_event = service_event(&d, "EngineSlept").await?;
+    let woken_event = service_event(&d, "EngineWoken").await?;
     let wake = first_token.saturating_duration_since(t0);
     ensure!(
         wake >= WAKE_DELAY,
@@ -249,7 +252,34 @@ async fn sleep_then_wake(mode: ScalerMode) -> Result<()> {
             .as_secs_f64(),
         zero.saturating_duration_since(t0).as_secs_f64(),
     );
+    println!(
+        "[{}] Events on the LLMService: EngineSlept \"{slept_event}\"; EngineWoken \"{woken_event}\"",
+        mode.annotation()
+    );
     Ok(())
+}
+
+/// The note of the Event with `reason` on the stub LLMService (core/v1 view of the gateway's
+/// events.k8s.io Events), once there is one.
+async fn service_event(d: &stack::Deployed, reason: &str) -> Result<String> {
+    let events: kube::Api<k8s_openapi::api::core::v1::Event> =
+        kube::Api::namespaced(d.cluster.client(), d.ns.name());
+    let fields =
+        format!("involvedObject.kind=LLMService,involvedObject.name={SERVICE},reason={reason}");
+    wait_until(
+        format!("a {reason} Event on LLMService {SERVICE}"),
+        Duration::from_secs(20),
+        || async {
+            let list = events
+                .list(&kube::api::ListParams::default().fields(&fields))
+                .await?;
+            Ok(match list.items.into_iter().next() {
+                Some(e) => Observed::Ready(e.message.unwrap_or_default()),
+                None => Observed::NotYet("none yet".to_owned()),
+            })
+        },
+    )
+    .await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
