@@ -1231,17 +1231,30 @@ fn gateway_role_rules() -> Result<Value> {
         .map(|(body, _)| body)
         .context("controller/src/render/gateway.rs has no fn gateway_role")?;
     let literals: BTreeSet<&str> = body.split('"').skip(1).step_by(2).collect();
-    let want = BTreeSet::from(["discovery.k8s.io", "endpointslices", "get", "list", "watch"]);
+    let want = BTreeSet::from([
+        "discovery.k8s.io",
+        "endpointslices",
+        "get",
+        "list",
+        "watch",
+        // With the sleeping tier: the gateway's Events on its LLMService.
+        "events.k8s.io",
+        "events",
+        "create",
+        "patch",
+    ]);
     ensure!(
         literals == want,
         "the controller's gateway Role changed (its literals: {literals:?}); update the \
          controller ClusterRole in charts/hearth/templates/controller-rbac.yaml so it holds what \
          it grants, then this check"
     );
-    Ok(
-        json!([{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
-                "verbs": ["get", "list", "watch"]}]),
-    )
+    // The largest Role it renders (a service with the sleeping tier).
+    Ok(json!([
+        {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+         "verbs": ["get", "list", "watch"]},
+        {"apiGroups": ["events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
+    ]))
 }
 
 /// One `kubectl auth can-i` question.
@@ -1913,12 +1926,15 @@ async fn rbac_matrix_each_account_can_do_what_it_needs_and_nothing_more() -> Res
         "inferenceruntimes.serving.hearth.dev [] [list watch]",
         "servingpolicies.serving.hearth.dev [] [get list watch]",
         "llmservices.serving.hearth.dev/status [] [patch]",
+        "inferenceruntimes.serving.hearth.dev/status [] [patch]",
         "tokenreviews.authentication.k8s.io [] [create]",
         "subjectaccessreviews.authorization.k8s.io [] [create]",
     ];
     let controller_own = [
         "leases.coordination.k8s.io [hearth-controller] [get update]",
         "leases.coordination.k8s.io [] [create]",
+        // The runtime image pre-pull DaemonSets, in the release namespace only.
+        "daemonsets.apps [] [create delete get list patch watch]",
     ];
     let webhook_cluster = [
         "inferenceruntimes.serving.hearth.dev [] [list watch]",
