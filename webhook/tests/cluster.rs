@@ -601,12 +601,22 @@ async fn annotated_deployment_is_mutated_and_policy_changes_take_effect() -> Res
         message.contains("spec.mutations[0].applyConfiguration.expression"),
         "{message}"
     );
-    assert!(
-        hook.state
-            .metrics
-            .encode()
-            .contains(&format!("policy=\"{broken_name}\""))
-    );
+    // The status may come from another test's webhook watching the same policy first; this
+    // one's metrics follow its own watch.
+    let label = format!("policy=\"{broken_name}\"");
+    wait_until(
+        "the broken policy in this webhook's metrics",
+        Duration::from_secs(30),
+        || async {
+            let text = hook.state.metrics.encode();
+            Ok(if text.contains(&label) {
+                Observed::Ready(())
+            } else {
+                Observed::NotYet("no series for it yet".to_owned())
+            })
+        },
+    )
+    .await?;
     assert_eq!(
         ready_condition(&policies, &label_name)
             .await?
