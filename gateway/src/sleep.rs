@@ -823,7 +823,7 @@ mod tests {
         assert!(tier.serving().is_empty());
         assert_eq!(tier.step(HERE, t0), [Action::WakeUp(e.clone())]);
         tier.outcome(&Outcome::AlreadyAwake(e.clone()), t0);
-        assert_eq!(tier.serving(), [e.clone()]);
+        assert_eq!(tier.serving(), std::slice::from_ref(&e));
         assert_eq!(tier.state(&e), Some(State::Awake));
     }
 
