@@ -53,3 +53,25 @@ pub fn prewarm_job(service: &str) -> String {
 pub fn scaled_object(service: &str) -> String {
     service.to_owned()
 }
+
+/// The image pre-pull DaemonSet of the InferenceRuntime `runtime` (in the controller's
+/// namespace): `hearth-pre-pull-<runtime>`, or `hearth-pre-pull-<hash>` when that would be
+/// longer than a label value (63), which a DaemonSet's name must fit.
+pub fn pre_pull(runtime: &str) -> String {
+    let full = format!("hearth-pre-pull-{runtime}");
+    if full.len() <= 63 {
+        return full;
+    }
+    format!("hearth-pre-pull-{:016x}", stable_hash(runtime.as_bytes()))
+}
+
+/// 64-bit FNV-1a of `bytes`: stable across builds and platforms (unlike `std`'s hasher), for
+/// names and the template hashes of create-once children.
+pub fn stable_hash(bytes: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in bytes {
+        h ^= u64::from(*b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    h
+}

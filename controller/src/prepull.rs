@@ -10,7 +10,8 @@
 //! how many of those nodes the image is present. Turning `prePull` off (or deleting the
 //! runtime: the DaemonSet's owner) removes the DaemonSet.
 //!
-//! Pure parts ([`daemon_set`], [`condition`]) are unit-tested; [`run`] is the loop.
+//! Pure parts ([`daemon_set`], [`condition`], and the name, [`crate::names::pre_pull`]) are
+//! unit-tested; [`run`] is the loop.
 
 use std::{collections::BTreeMap, sync::Arc, time::Duration};
 
@@ -44,7 +45,8 @@ use kube::{
 };
 
 use crate::labels::MANAGED_BY_LABEL;
-use crate::reconcile::Error;
+use crate::names;
+use crate::reconcile::{Error, kube_err};
 
 /// The runtime's condition type.
 pub const CONDITION: &str = "ImagePrePulled";
@@ -60,22 +62,6 @@ pub struct PrePullConfig {
     pub namespace: String,
     /// Image of the container that holds each pod after the pull (`registry.k8s.io/pause`).
     pub pause_image: String,
-}
-
-/// The DaemonSet of `rt`'s pre-pull: `hearth-pre-pull-<runtime>`, or `hearth-pre-pull-<hash>`
-/// for a runtime name too long for a label value.
-pub fn name(rt: &str) -> String {
-    let full = format!("hearth-pre-pull-{rt}");
-    if full.len() <= 63 {
-        return full;
-    }
-    // FNV-1a: stable across builds.
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in rt.bytes() {
-        h ^= u64::from(b);
-        h = h.wrapping_mul(0x0100_0000_01b3);
-    }
-    format!("hearth-pre-pull-{h:016x}")
 }
 
 /// The label value naming `rt` (a runtime name longer than a label value is cut at 63).
@@ -172,7 +158,7 @@ pub fn daemon_set(rt: &InferenceRuntime, cfg: &PrePullConfig) -> Option<DaemonSe
     };
     Some(DaemonSet {
         metadata: ObjectMeta {
-            name: Some(name(&rt_name)),
+            name: Some(names::pre_pull(&rt_name)),
             namespace: Some(cfg.namespace.clone()),
             labels: Some(labels),
             owner_references: rt.controller_owner_ref(&()).map(|o| vec![o]),
@@ -272,13 +258,9 @@ pub async fn run(
         .await;
 }
 
-fn kube_err(action: String) -> impl FnOnce(kube::Error) -> Error {
-    move |source| Error::Kube { action, source }
-}
-
 async fn reconcile(rt: Arc<InferenceRuntime>, ctx: Arc<Ctx>) -> Result<Action, Error> {
     let rt_name = rt.name_any();
-    let ds_name = name(&rt_name);
+    let ds_name = names::pre_pull(&rt_name);
     let api: Api<DaemonSet> = Api::namespaced(ctx.client.clone(), &ctx.cfg.namespace);
     let ns = &ctx.cfg.namespace;
     let Some(desired) = daemon_set(&rt, &ctx.cfg) else {

@@ -101,11 +101,11 @@ fn init_containers(ds: &DaemonSet) -> impl Iterator<Item = &Container> {
 #[test]
 fn long_runtime_names_get_a_hashed_daemon_set_name() {
     let long = "a".repeat(100);
-    let n = name(&long);
+    let n = names::pre_pull(&long);
     assert!(n.len() <= 63, "{n}");
-    assert_eq!(n, name(&long), "stable");
-    assert_ne!(n, name(&"b".repeat(100)));
-    assert_eq!(name("short"), "hearth-pre-pull-short");
+    assert_eq!(n, names::pre_pull(&long), "stable");
+    assert_ne!(n, names::pre_pull(&"b".repeat(100)));
+    assert_eq!(names::pre_pull("short"), "hearth-pre-pull-short");
 }
 
 fn with_status(

@@ -301,7 +301,8 @@ impl Context {
     }
 }
 
-fn kube_err(action: impl Into<String>) -> impl FnOnce(kube::Error) -> Error {
+/// Wraps a kube error with what was being done (`apply Deployment ns/x`).
+pub(crate) fn kube_err(action: impl Into<String>) -> impl FnOnce(kube::Error) -> Error {
     let action = action.into();
     move |source| Error::Kube { action, source }
 }

@@ -131,12 +131,7 @@ impl Ctx<'_> {
 /// FNV-1a over the JSON of the immutable part: stable across builds (unlike `std`'s hasher).
 fn stable_hash(value: &impl Serialize) -> String {
     let bytes = serde_json::to_vec(value).unwrap_or_default();
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in bytes {
-        h ^= u64::from(b);
-        h = h.wrapping_mul(0x0100_0000_01b3);
-    }
-    format!("{h:016x}")
+    format!("{:016x}", names::stable_hash(&bytes))
 }
 
 fn with_hash(mut meta: ObjectMeta, hash: String) -> ObjectMeta {
