@@ -763,6 +763,14 @@ async fn a_runtime_change_re_renders_its_services() -> Result<()> {
     // Cluster-scoped runtimes with a vendor unique to this test.
     let vendor = ns.name().to_owned();
     let (a, b) = (format!("{vendor}-a"), format!("{vendor}-b"));
+    // A runtime of another vendor, so that "no runtime of the vendor" is what the end of the
+    // test sees whatever runtimes other tests have (NoRuntimes when the cluster has none).
+    let other = format!("{vendor}-other");
+    apply_runtime(
+        &client,
+        &runtime_named(&other, &other, 1, "example.com/engine:other")?,
+    )
+    .await?;
     apply_runtime(
         &client,
         &runtime_named(&a, &vendor, 10, "example.com/engine:a")?,
@@ -840,7 +848,7 @@ async fn a_runtime_change_re_renders_its_services() -> Result<()> {
     .await;
     running.stop().await;
     let rts: Api<InferenceRuntime> = Api::all(client.clone());
-    for n in [&a, &b] {
+    for n in [&a, &b, &other] {
         let _ = rts.delete(n, &DeleteParams::default()).await;
     }
     result
