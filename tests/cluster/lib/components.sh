@@ -45,6 +45,10 @@ show_pods() {
   local ns="$1" selector="$2" pod
   printf -- '--- pods in %s with %s ---\n' "$ns" "$selector" >&2
   kubectl_ --namespace "$ns" get pods -l "$selector" -o wide >&2 || return 0
+  # A pod that cannot be scheduled usually means the real node is tainted: say by what.
+  printf -- '--- the real node %s: conditions and taints; free disk ---\n' "$NODE_NAME" >&2
+  kubectl_ get node "$NODE_NAME" -o 'jsonpath={range .status.conditions[*]}{.type}={.status} {.reason}: {.message}{"\n"}{end}{range .spec.taints[*]}taint {.key}:{.effect}{"\n"}{end}' >&2 || true
+  df -h "$STATE" >&2 || true
   for pod in $(kubectl_ --namespace "$ns" get pods -l "$selector" -o name); do
     printf -- '--- kubectl --namespace %s describe %s ---\n' "$ns" "$pod" >&2
     kubectl_ --namespace "$ns" describe "$pod" >&2 || true
@@ -73,6 +77,14 @@ keda_metrics_path_up() {
   local out
   out="$(kubectl_ get --raw "/apis/external.metrics.k8s.io/v1beta1/namespaces/keda/s0-probe?labelSelector=scaledobject.keda.sh%2Fname%3Dhearth-up-probe" 2>&1)"
   [[ "$out" == *'"hearth-up-probe" not found'* ]] || { echo "$out"; return 1; }
+}
+
+# The real node carries no taint (it registers with `not-ready`, which kube-controller-manager
+# removes once the node is Ready; the kubelet adds `disk-pressure` and the like); else prints them.
+node_untainted() {
+  local t
+  t="$(kubectl_ get node "$NODE_NAME" -o 'jsonpath={range .spec.taints[*]}{.key}:{.effect} {end}')" || return 1
+  [[ -z "$t" ]] || { echo "taints: $t"; return 1; }
 }
 
 # The real node advertises every fake device the device plugin registers.

@@ -58,6 +58,22 @@ node_require() {
     die "the real node expects cgroups v1 controllers under /sys/fs/cgroup (found none for memory)"
 }
 
+# require_free_disk <dir>: the node's filesystem has room for what `up` and the tests put there
+# (images imported into containerd, etcd, pod logs and volumes: 0.75 GiB after `up`, at most
+# 0.8 GiB in a full test run). Below 2 GiB free (what unprivileged writers may use, as the
+# kubelet counts it) `up` stops here with the figure, rather than later with a node tainted
+# `disk-pressure` and pods that never schedule; below 5 GiB it warns. HEARTH_MIN_FREE_MIB
+# overrides the 2 GiB.
+require_free_disk() {
+  local dir="$1" need="${HEARTH_MIN_FREE_MIB:-2048}" free
+  free="$(df -Pk "$dir" | awk 'NR == 2 { print int($4 / 1024) }')"
+  [[ "$free" =~ ^[0-9]+$ ]] || die "could not read the free space of $dir (df -Pk $dir)"
+  ((free >= need)) ||
+    die "$dir has ${free} MiB free; the real node needs at least ${need} MiB (HEARTH_MIN_FREE_MIB). Free some (cargo clean, go clean -cache) or point HEARTH_CLUSTER_STATE at a larger filesystem"
+  ((free >= 5120)) ||
+    log "warning: only ${free} MiB free on the filesystem of $dir; the kubelet evicts pods below 256 MiB (node/kubelet.yaml)"
+}
+
 # Creates the node's namespaces, its link to the host and its cgroup.
 node_network_up() {
   [[ -d "/sys/fs/cgroup/memory/$NODE_CGROUP" ]] &&
