@@ -231,7 +231,8 @@ pub struct ServeArgs {
     #[arg(long, env = "HEARTH_PEER_SERVICE")]
     pub peer_service: Option<String>,
     /// The LLMService this gateway serves (in --namespace): the sleeping tier reports engines
-    /// put to sleep and woken as Events on it (needs events.k8s.io create and patch).
+    /// put to sleep and woken as Events on it, and the last wake in its status.lastWake (needs
+    /// events.k8s.io create and patch, and patch on llmservices/status).
     #[arg(long, env = "HEARTH_LLMSERVICE")]
     pub llmservice: Option<String>,
     /// The LLMService's UID, which `kubectl describe` matches Events on.

@@ -176,9 +176,10 @@ impl Gateway {
         &self.shared.metrics
     }
 
-    /// Reports the sleeping tier's engine sleeps and wake-ups as Events through `events` (no
-    /// effect without a tier, or once the background work started).
-    pub fn report_engine_events(&self, events: crate::sleep::EngineEvents) {
+    /// Reports the sleeping tier's engine sleeps and wake-ups on the LLMService (Events and
+    /// `status.lastWake`) through `reporter` (no effect without a tier, or once the background
+    /// work started).
+    pub fn report_to(&self, reporter: crate::sleep::ServiceReporter) {
         if let Some(task) = self
             .shared
             .sleep_task
@@ -186,7 +187,7 @@ impl Gateway {
             .unwrap_or_else(|e| e.into_inner())
             .as_mut()
         {
-            task.report_events(events);
+            task.report_to(reporter);
         }
     }
 

@@ -110,7 +110,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
 
     let gateway = Gateway::new(cfg, backends, keys).context("starting the gateway")?;
     if let (Some(service), Some(client)) = (&args.llmservice, &client) {
-        gateway.report_engine_events(hearth_gateway::sleep::EngineEvents::new(
+        gateway.report_to(hearth_gateway::sleep::ServiceReporter::new(
             client.clone(),
             &args.namespace,
             service,

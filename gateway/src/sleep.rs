@@ -34,8 +34,10 @@ use std::{
 };
 
 use bytes::Bytes;
+use hearth_crds::wellknown::GATEWAY_FIELD_MANAGER;
 use http::{Method, Request, StatusCode, header, uri::Authority};
 use http_body_util::{BodyExt, Full, Limited};
+use k8s_openapi::{apimachinery::pkg::apis::meta::v1::Time, jiff};
 use tokio::sync::mpsc;
 
 use crate::{
@@ -181,13 +183,60 @@ pub enum Outcome {
     Probed(Authority, Result<bool, EngineError>),
     /// The sleep call finished.
     Slept(Authority, Result<(), EngineError>),
-    /// The wake-up calls finished, after this long.
-    Woke(Authority, Result<(), EngineError>, Duration),
+    /// The wake-up calls finished.
+    Woke(Authority, Result<(), EngineError>, WakeTiming),
     /// Asked before waking, the engine said it was awake (another replica woke it): no
     /// wake-up call was sent.
     AlreadyAwake(Authority),
     /// Another replica put the engine to sleep (seen by the request path).
     FoundAsleep(Authority),
+}
+
+/// When one wake-up's steps happened, on this replica's monotonic clock.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WakeTiming {
+    /// Demand reached this replica while the engine slept (its local demand turned non-zero).
+    pub demand: Instant,
+    /// The wake-up calls started (after the `is_sleeping` check).
+    pub calls: Instant,
+    /// The last wake-up call answered (or one failed).
+    pub done: Instant,
+}
+
+impl WakeTiming {
+    /// How long the wake-up calls took.
+    pub fn calls_took(&self) -> Duration {
+        self.done.saturating_duration_since(self.calls)
+    }
+
+    /// The record of this wake for `status.lastWake`, `now` being [`Instant::now`] at
+    /// `wall_now` (times in the status are wall-clock).
+    pub fn record(
+        &self,
+        endpoint: &Authority,
+        level: u8,
+        gateway: Option<String>,
+        now: Instant,
+        wall_now: jiff::Timestamp,
+    ) -> hearth_crds::Wake {
+        let wall = |at: Instant| {
+            let ago = now.saturating_duration_since(at);
+            Time(wall_now.checked_sub(ago).unwrap_or(wall_now))
+        };
+        let go = hearth_crds::go_duration;
+        hearth_crds::Wake {
+            start_time: wall(self.demand),
+            ready_time: wall(self.done),
+            endpoint: endpoint.to_string(),
+            level: i32::from(level),
+            gateway,
+            phases: hearth_crds::WakePhases {
+                wake_decision: go(self.calls.saturating_duration_since(self.demand)),
+                wake_up: go(self.calls_took()),
+                total: go(self.done.saturating_duration_since(self.demand)),
+            },
+        }
+    }
 }
 
 /// Delay before the next try after `failures` failed calls in a row: 1 s doubling to 30 s.
@@ -508,27 +557,32 @@ fn excerpt(body: &[u8]) -> String {
     String::from_utf8_lossy(body).chars().take(200).collect()
 }
 
-/// Where the tier reports an engine put to sleep or woken as Kubernetes Events: on the
-/// LLMService (`kubectl describe llmservice` lists them with the controller's `Activated`), by
-/// kube-runtime's Recorder (events.k8s.io, aggregated into series). Reasons: `EngineSlept`,
-/// `EngineWoken` (with the wake-up's seconds), `WakeUpFailed` (Warning).
+/// Where the tier reports on its LLMService: engines put to sleep and woken as Kubernetes
+/// Events (`kubectl describe llmservice` lists them with the controller's `Activated`), by
+/// kube-runtime's Recorder (events.k8s.io, aggregated into series), and the last wake in
+/// `status.lastWake`. Event reasons: `EngineSlept`, `EngineWoken` (with the wake-up's seconds),
+/// `WakeUpFailed` (Warning). Needs events.k8s.io `create` and `patch`, and `patch` on the
+/// service's `llmservices/status` (the controller's Role for the gateway grants them).
 #[derive(Clone)]
-pub struct EngineEvents {
+pub struct ServiceReporter {
     recorder: kube::runtime::events::Recorder,
     regarding: k8s_openapi::api::core::v1::ObjectReference,
+    status: kube::Api<kube::api::DynamicObject>,
+    instance: Option<String>,
 }
 
-impl std::fmt::Debug for EngineEvents {
+impl std::fmt::Debug for ServiceReporter {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("EngineEvents")
+        f.debug_struct("ServiceReporter")
             .field("regarding", &self.regarding)
+            .field("instance", &self.instance)
             .finish_non_exhaustive()
     }
 }
 
-impl EngineEvents {
-    /// Events on the LLMService `service` (with `uid`, which `kubectl describe` matches on) in
-    /// `namespace`, reported as `hearth-gateway` from `instance` (the pod's name).
+impl ServiceReporter {
+    /// Reports on the LLMService `service` (with `uid`, which `kubectl describe` matches Events
+    /// on) in `namespace`, as `hearth-gateway` from `instance` (the pod's name).
     pub fn new(
         client: kube::Client,
         namespace: &str,
@@ -536,20 +590,25 @@ impl EngineEvents {
         uid: Option<String>,
         instance: Option<String>,
     ) -> Self {
+        use hearth_crds::LLMService;
+        use kube::Resource;
         let reporter = kube::runtime::events::Reporter {
-            controller: "hearth-gateway".to_owned(),
-            instance,
+            controller: GATEWAY_FIELD_MANAGER.to_owned(),
+            instance: instance.clone(),
         };
+        let resource = kube::api::ApiResource::erase::<LLMService>(&());
         Self {
-            recorder: kube::runtime::events::Recorder::new(client, reporter),
+            recorder: kube::runtime::events::Recorder::new(client.clone(), reporter),
             regarding: k8s_openapi::api::core::v1::ObjectReference {
-                api_version: Some("serving.hearth.dev/v1alpha1".to_owned()),
-                kind: Some("LLMService".to_owned()),
+                api_version: Some(LLMService::api_version(&()).into_owned()),
+                kind: Some(LLMService::kind(&()).into_owned()),
                 name: Some(service.to_owned()),
                 namespace: Some(namespace.to_owned()),
                 uid,
                 ..Default::default()
             },
+            status: kube::Api::namespaced_with(client, namespace, &resource),
+            instance,
         }
     }
 
@@ -575,6 +634,34 @@ impl EngineEvents {
             }
         });
     }
+
+    /// Applies `wake` as `status.lastWake` in the background (server-side apply under
+    /// [`GATEWAY_FIELD_MANAGER`], forced: every gateway replica writes the same field). A failure is
+    /// logged as a warning and not retried: the next wake writes again.
+    fn record_wake(&self, wake: hearth_crds::Wake) {
+        let this = self.clone();
+        tokio::spawn(async move {
+            let Some(name) = this.regarding.name.as_deref() else {
+                return;
+            };
+            let patch = serde_json::json!({
+                "apiVersion": this.regarding.api_version,
+                "kind": this.regarding.kind,
+                "status": { "lastWake": wake },
+            });
+            let params = kube::api::PatchParams::apply(GATEWAY_FIELD_MANAGER).force();
+            match this
+                .status
+                .patch_status(name, &params, &kube::api::Patch::Apply(&patch))
+                .await
+            {
+                Ok(_) => tracing::debug!(endpoint = %wake.endpoint, "status.lastWake written"),
+                Err(e) => {
+                    tracing::warn!(error = %e, llmservice = name, "writing status.lastWake failed");
+                }
+            }
+        });
+    }
 }
 
 /// The tier's task: created with the gateway, started by its background work.
@@ -587,7 +674,9 @@ pub struct SleepTask {
     serving: EndpointSet,
     demand: DemandHub,
     metrics: Arc<Metrics>,
-    events: Option<EngineEvents>,
+    reporter: Option<ServiceReporter>,
+    /// Since when this replica has had demand; `None` while it has none.
+    demand_since: Option<Instant>,
 }
 
 impl SleepTask {
@@ -618,7 +707,8 @@ impl SleepTask {
                 serving,
                 demand,
                 metrics,
-                events: None,
+                reporter: None,
+                demand_since: None,
             },
             tier,
         )
@@ -650,7 +740,9 @@ impl SleepTask {
                 self.observe(&tier, &outcome);
                 actions.extend(tier.outcome(&outcome, now));
             }
-            actions.extend(tier.step(Demand::of(&demand.borrow_and_update()), now));
+            let wanted = Demand::of(&demand.borrow_and_update());
+            self.demand_since = wanted.here.then(|| self.demand_since.unwrap_or(now));
+            actions.extend(tier.step(wanted, now));
             for action in actions {
                 self.start(action);
             }
@@ -703,19 +795,29 @@ impl SleepTask {
                 tracing::warn!(endpoint = %a, error = %e, "putting the engine to sleep failed");
                 m.engine_call("sleep", false);
             }
-            Outcome::Woke(a, Ok(()), took) => {
+            Outcome::Woke(a, Ok(()), timing) => {
+                let took = timing.calls_took();
                 tracing::info!(endpoint = %a, took_ms = took.as_millis() as u64, "engine woken up");
                 m.engine_call("wake_up", true);
                 m.observe_phase("wake_up", took.as_secs_f64());
-                self.event(
-                    false,
-                    "EngineWoken",
-                    format!(
-                        "sleep→awake: engine {a} woke from level {} in {:.2}s (wake-up calls)",
-                        self.engine.cfg.level,
-                        took.as_secs_f64()
-                    ),
-                );
+                let level = self.engine.cfg.level;
+                if let Some(reporter) = &self.reporter {
+                    reporter.publish(
+                        false,
+                        "EngineWoken",
+                        format!(
+                            "sleep→awake: engine {a} woke from level {level} in {:.2}s (wake-up calls)",
+                            took.as_secs_f64()
+                        ),
+                    );
+                    reporter.record_wake(timing.record(
+                        a,
+                        level,
+                        reporter.instance.clone(),
+                        Instant::now(),
+                        jiff::Timestamp::now(),
+                    ));
+                }
             }
             Outcome::Woke(a, Err(e), _) => {
                 tracing::warn!(endpoint = %a, error = %e, "waking the engine failed");
@@ -738,14 +840,14 @@ impl SleepTask {
         }
     }
 
-    /// Reports Events on the LLMService through `events`.
-    pub fn report_events(&mut self, events: EngineEvents) {
-        self.events = Some(events);
+    /// Reports on the LLMService (Events, `status.lastWake`) through `reporter`.
+    pub fn report_to(&mut self, reporter: ServiceReporter) {
+        self.reporter = Some(reporter);
     }
 
     fn event(&self, warning: bool, reason: &'static str, note: String) {
-        if let Some(events) = &self.events {
-            events.publish(warning, reason, note);
+        if let Some(reporter) = &self.reporter {
+            reporter.publish(warning, reason, note);
         }
     }
 
@@ -753,6 +855,7 @@ impl SleepTask {
     fn start(&self, action: Action) {
         let engine = self.engine.clone();
         let tx = self.tx.clone();
+        let demand = self.demand_since.unwrap_or_else(Instant::now);
         tokio::spawn(async move {
             let outcome = match action {
                 Action::Probe(a) => {
@@ -770,9 +873,14 @@ impl SleepTask {
                     if let Ok(false) = engine.is_sleeping(&a).await {
                         Outcome::AlreadyAwake(a)
                     } else {
-                        let started = Instant::now();
+                        let calls = Instant::now();
                         let r = engine.wake_up(&a).await;
-                        Outcome::Woke(a, r, started.elapsed())
+                        let timing = WakeTiming {
+                            demand,
+                            calls,
+                            done: Instant::now(),
+                        };
+                        Outcome::Woke(a, r, timing)
                     }
                 }
             };
@@ -795,6 +903,44 @@ mod tests {
 
     fn a(s: &str) -> Authority {
         s.parse().unwrap()
+    }
+
+    /// A wake-up whose calls took 1 s, started 0.25 s after the demand at `t`.
+    fn woke(t: Instant) -> WakeTiming {
+        WakeTiming {
+            demand: t,
+            calls: t + Duration::from_millis(250),
+            done: t + Duration::from_millis(1250),
+        }
+    }
+
+    #[test]
+    fn a_wake_is_recorded_in_wall_clock_time_with_its_phases() {
+        let t = Instant::now();
+        let timing = woke(t);
+        let now = t + Duration::from_secs(2);
+        let wall_now: jiff::Timestamp = "2026-12-03T10:00:02Z".parse().unwrap();
+        let wake = timing.record(
+            &a("198.18.0.7:8000"),
+            1,
+            Some("gw-0".to_owned()),
+            now,
+            wall_now,
+        );
+        assert_eq!(timing.calls_took(), Duration::from_secs(1));
+        let at = |s: &str| Time(s.parse().unwrap());
+        assert_eq!(wake.start_time, at("2026-12-03T10:00:00Z"));
+        assert_eq!(wake.ready_time, at("2026-12-03T10:00:01.25Z"));
+        assert_eq!(wake.endpoint, "198.18.0.7:8000");
+        assert_eq!((wake.level, wake.gateway.as_deref()), (1, Some("gw-0")));
+        assert_eq!(
+            wake.phases,
+            hearth_crds::WakePhases {
+                wake_decision: "250ms".to_owned(),
+                wake_up: "1s".to_owned(),
+                total: "1.25s".to_owned(),
+            }
+        );
     }
 
     const IDLE: Demand = Demand {
@@ -918,10 +1064,7 @@ mod tests {
         assert_eq!(tier.step(HERE, t1), [Action::WakeUp(e.clone())]);
         assert!(tier.serving().is_empty());
         assert!(tier.step(HERE, t1).is_empty(), "woken once");
-        tier.outcome(
-            &Outcome::Woke(e.clone(), Ok(()), Duration::from_secs(1)),
-            t1,
-        );
+        tier.outcome(&Outcome::Woke(e.clone(), Ok(()), woke(t0)), t1);
         assert_eq!(tier.serving(), [e]);
         assert!(tier.step(HERE, t1).is_empty());
     }
@@ -953,7 +1096,7 @@ mod tests {
         tier.outcome(&Outcome::Probed(e.clone(), Ok(true)), t0);
         assert_eq!(tier.step(HERE, t0), [Action::WakeUp(e.clone())]);
         assert_eq!(
-            tier.outcome(&Outcome::Woke(e.clone(), Err(err()), Duration::ZERO), t0),
+            tier.outcome(&Outcome::Woke(e.clone(), Err(err()), woke(t0)), t0),
             [Action::Probe(e.clone())]
         );
         tier.outcome(&Outcome::Probed(e.clone(), Ok(true)), t0);
@@ -962,7 +1105,7 @@ mod tests {
         assert_eq!(tier.next_deadline(), Some(t0 + Duration::from_secs(1)));
         let t1 = t0 + Duration::from_secs(1);
         assert_eq!(tier.step(HERE, t1), [Action::WakeUp(e.clone())]);
-        tier.outcome(&Outcome::Woke(e.clone(), Err(err()), Duration::ZERO), t1);
+        tier.outcome(&Outcome::Woke(e.clone(), Err(err()), woke(t0)), t1);
         tier.outcome(&Outcome::Probed(e.clone(), Ok(true)), t1);
         assert_eq!(tier.next_deadline(), Some(t1 + Duration::from_secs(2)));
         // A failed sleep leaves an engine that says it is awake serving.
@@ -1037,10 +1180,7 @@ mod tests {
         tier.outcome(&Outcome::FoundAsleep(e.clone()), t0);
         assert_eq!(tier.state(&e), Some(State::Waking));
         assert!(tier.step(HERE, t0).is_empty());
-        tier.outcome(
-            &Outcome::Woke(e.clone(), Ok(()), Duration::from_secs(1)),
-            t0,
-        );
+        tier.outcome(&Outcome::Woke(e.clone(), Ok(()), woke(t0)), t0);
         // The old pod's sleep, answered after a new pod took the address, is not the new one's.
         let mut tier = Tier::new(Duration::ZERO, t0);
         tier.discovered(std::slice::from_ref(&e));

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use hearth_gateway::{
-    EndpointSet, GatewayConfig, RunningGateway,
+    ColdStartMode, EndpointSet, GatewayConfig, RunningGateway,
     sleep::{EngineCall, SleepConfig},
 };
 use hyper::StatusCode;
@@ -160,6 +160,92 @@ async fn an_engine_put_to_sleep_by_another_replica_is_woken_not_relayed() {
     // The engine's 503 is not relayed: the request waits for the wake-up.
     let took = chat_ok(&c, &g).await;
     assert!(took >= WAKE_DELAY, "answered after {took:?}");
+    assert!(!stub.state.is_sleeping());
+}
+
+#[tokio::test]
+async fn a_warm_stream_that_finds_the_engine_asleep_gets_heartbeats_while_it_wakes() {
+    // The wake-up takes 400 ms; heartbeats are every 50 ms.
+    let (stub, g, c) = stub_and_gateway(Duration::from_secs(3600)).await;
+    assert!(chat_ok(&c, &g).await < WAKE_DELAY);
+    put_to_sleep(&c, &stub, 1).await;
+    // This replica still takes the engine as awake: the stream is sent warm, meets the 503,
+    // and is held from there as a cold one.
+    assert!(g.gateway.backends().is_ready());
+    let (status, _, body) = send_full(&c, chat_req(&g.url(), &chat(true))).await;
+    assert_eq!(status, StatusCode::OK);
+    let text = String::from_utf8_lossy(&body);
+    assert!(
+        text.starts_with(':'),
+        "heartbeat comments while the engine wakes: {text}"
+    );
+    let events = sse_events(&body);
+    assert_eq!(
+        events.last().map(|e| e.trim()),
+        Some("data: [DONE]"),
+        "{text}"
+    );
+    assert!(!stub.state.is_sleeping());
+}
+
+#[tokio::test]
+async fn in_reject_mode_a_warm_request_that_finds_the_engine_asleep_is_rejected_and_wakes_it() {
+    let stub = sleepy_stub().await;
+    let cfg = GatewayConfig {
+        cold_start: ColdStartMode::Reject,
+        ..sleep_config(Duration::from_secs(3600))
+    };
+    let g = gateway(cfg, EndpointSet::fixed([authority(&stub)])).await;
+    let c = client();
+    assert!(chat_ok(&c, &g).await < WAKE_DELAY);
+    put_to_sleep(&c, &stub, 1).await;
+    let (status, headers, body) = send_full(&c, chat_req(&g.url(), &chat(false))).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(headers["retry-after"], "3");
+    let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(v["error"]["code"], "cold_reject", "{v}");
+    // The rejected request still woke the engine: the retry is served.
+    wait_stub(&stub, |s| !s.is_sleeping()).await;
+    wait_metric(&c, &g, "hearth_gateway_backends_sleeping", 0.0).await;
+    assert!(chat_ok(&c, &g).await < WAKE_DELAY);
+}
+
+#[tokio::test]
+async fn a_warm_request_for_another_model_that_finds_the_engine_asleep_is_refused_at_once() {
+    let stub = sleepy_stub().await;
+    let cfg = GatewayConfig {
+        served_model_names: vec!["stub-svc".into()],
+        ..sleep_config(Duration::from_secs(3600))
+    };
+    let g = gateway(cfg, EndpointSet::fixed([authority(&stub)])).await;
+    let c = client();
+    assert!(chat_ok(&c, &g).await < WAKE_DELAY);
+    put_to_sleep(&c, &stub, 1).await;
+    // Sent warm; the engine's 503 makes it cold, and a cold request's model is checked: it is
+    // not held through the wake-up for the engine to refuse it.
+    let mut other = chat(false);
+    other["model"] = "other".into();
+    let started = Instant::now();
+    let (status, _, body) = send_full(&c, chat_req(&g.url(), &other)).await;
+    let took = started.elapsed();
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    assert!(took < WAKE_DELAY, "answered after {took:?}");
+    let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(
+        v["error"]["message"], "The model `other` does not exist.",
+        "{v}"
+    );
+    let text = gateway_metrics(&c, &g).await;
+    assert_eq!(
+        metric(
+            &text,
+            r#"hearth_gateway_rejections_total{reason="unknown_model"}"#
+        ),
+        Some(1.0),
+        "{text}"
+    );
+    // The served model is served, once the engine is awake.
+    chat_ok(&c, &g).await;
     assert!(!stub.state.is_sleeping());
 }
 

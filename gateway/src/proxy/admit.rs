@@ -30,13 +30,7 @@ pub(super) fn admit(
     } else {
         RequestHints::default()
     };
-    let served = &shared.cfg.served_model_names;
-    if let Some(model) = hints.model
-        && !served.is_empty()
-        && !served.contains(&model)
-    {
-        return Err(Rejection::UnknownModel { model });
-    }
+    serves(shared, &hints)?;
     // Draining may have begun while the body arrived: nothing new is admitted after it.
     if shared.is_draining() {
         return Err(Rejection::Draining);
@@ -48,6 +42,21 @@ pub(super) fn admit(
         slot,
         stream: hints.stream,
     })
+}
+
+/// Whether the replica serves the model `hints` names (any, when it names none or the served
+/// model names are not configured); else [`Rejection::UnknownModel`], answered `404` as vLLM
+/// does. Checked for a request that is or turns cold: a ready engine checks it itself.
+pub(super) fn serves(shared: &Shared, hints: &RequestHints) -> Result<(), Rejection> {
+    let served = &shared.cfg.served_model_names;
+    match &hints.model {
+        Some(model) if !served.is_empty() && !served.contains(model) => {
+            Err(Rejection::UnknownModel {
+                model: model.clone(),
+            })
+        }
+        _ => Ok(()),
+    }
 }
 
 #[cfg(test)]

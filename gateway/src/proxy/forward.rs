@@ -41,12 +41,61 @@ pub(super) struct BackendUse {
     _ep: EndpointGuard,
 }
 
-/// Whether the request got past the hold, and how.
+/// Why a request was not answered.
 pub(super) enum HoldError {
     /// No endpoint became ready before the activation deadline.
     Timeout,
     /// The backend could not be reached or failed before answering.
     Upstream(String),
+}
+
+/// Why a request sent warm was not answered.
+pub(super) enum WarmError {
+    /// As for a cold request.
+    Hold(HoldError),
+    /// The engine it was sent to is asleep (sleeping tier: another gateway replica put it to
+    /// sleep). Nothing was relayed; the caller handles the request as a cold arrival from here,
+    /// so the service's cold-start mode applies (reject, or hold with heartbeats for a stream).
+    Asleep,
+}
+
+impl From<HoldError> for WarmError {
+    fn from(e: HoldError) -> Self {
+        Self::Hold(e)
+    }
+}
+
+/// How [`Shared::forward`] treats a request by how it arrived: [`Cold`] (no backend was ready;
+/// it waits through an engine's wake-up and its wait is an activation) or [`Warm`].
+pub(super) trait Arrival {
+    /// What forwarding fails with.
+    type Error: From<HoldError>;
+    /// Whether the request arrived cold.
+    const COLD: bool;
+    /// What a request that finds its engine asleep fails with; `None`: it waits for the wake-up.
+    fn asleep() -> Option<Self::Error>;
+}
+
+/// A request that arrived while no backend was ready ([`Arrival`]).
+pub(super) enum Cold {}
+
+/// A request that arrived while a backend was ready ([`Arrival`]).
+pub(super) enum Warm {}
+
+impl Arrival for Cold {
+    type Error = HoldError;
+    const COLD: bool = true;
+    fn asleep() -> Option<HoldError> {
+        None
+    }
+}
+
+impl Arrival for Warm {
+    type Error = WarmError;
+    const COLD: bool = false;
+    fn asleep() -> Option<WarmError> {
+        Some(WarmError::Asleep)
+    }
 }
 
 /// The parts of a request to re-send on each attempt.
@@ -95,6 +144,12 @@ impl Outgoing {
             body,
             _held: held,
         }
+    }
+
+    /// What the body says of the request (its `model`, whether it streams), read as a cold
+    /// arrival's is.
+    pub(super) fn hints(&self) -> crate::openai::RequestHints {
+        crate::openai::RequestHints::from_request(&self.method, &self.headers, &self.body)
     }
 
     /// Copies the body and the header values out of hyper's read buffer. hyper hands them out
@@ -152,14 +207,14 @@ impl Shared {
     /// An endpoint that refused the connection or failed the request is ejected
     /// ([`EndpointGuard::eject`]): the retry and the next requests go to another ready one.
     /// With the sleeping tier, a `503` from an engine that says it is asleep is not relayed:
-    /// the request waits, as a cold one, for an awake engine (see [`crate::sleep`]).
-    pub(super) async fn forward(
+    /// the tier wakes it on demand, and a [`Cold`] request waits for an awake engine (see
+    /// [`crate::sleep`]), while a [`Warm`] one fails with [`WarmError::Asleep`].
+    pub(super) async fn forward<A: Arrival>(
         &self,
         out: &Outgoing,
         deadline: Instant,
         arrival: Instant,
-        mut cold: bool,
-    ) -> Result<(hyper::Response<UpstreamBody>, BackendUse), HoldError> {
+    ) -> Result<(hyper::Response<UpstreamBody>, BackendUse), A::Error> {
         let mut backoff = Duration::from_millis(20);
         loop {
             let ep = self
@@ -173,15 +228,17 @@ impl Shared {
                     if resp.status() == StatusCode::SERVICE_UNAVAILABLE
                         && self.found_asleep(&ep).await =>
                 {
-                    // Put to sleep by another gateway replica: held like a cold request until
-                    // the sleeping tier has woken an engine.
-                    tracing::debug!(endpoint = %ep.endpoint().authority(), "backend asleep; holding the request until it is woken");
+                    // Put to sleep by another gateway replica: the demand wakes it (the
+                    // tier stops sending it requests); the request is a cold one from here.
+                    tracing::debug!(endpoint = %ep.endpoint().authority(), "backend asleep; the request waits for its wake-up");
                     drop((resp, ep));
-                    cold = true;
+                    if let Some(e) = A::asleep() {
+                        return Err(e);
+                    }
                     self.lease.raise();
                     let now = Instant::now();
                     if now >= deadline {
-                        return Err(HoldError::Timeout);
+                        return Err(HoldError::Timeout.into());
                     }
                     tokio::time::sleep(backoff.min(deadline - now)).await;
                     backoff = (backoff * 2).min(Duration::from_millis(500));
@@ -190,7 +247,7 @@ impl Shared {
                     self.metrics
                         .upstream_latency
                         .observe(sent.elapsed().as_secs_f64());
-                    if cold {
+                    if A::COLD {
                         self.metrics
                             .activation_wait
                             .observe(sent.duration_since(arrival).as_secs_f64());
@@ -206,7 +263,7 @@ impl Shared {
                     drop(ep);
                     let now = Instant::now();
                     if now >= deadline {
-                        return Err(HoldError::Timeout);
+                        return Err(HoldError::Timeout.into());
                     }
                     tokio::time::sleep(backoff.min(deadline - now)).await;
                     backoff = (backoff * 2).min(Duration::from_millis(500));
@@ -216,7 +273,7 @@ impl Shared {
                     ep.eject();
                     // The backend's address is for the logs, not for clients.
                     tracing::warn!(endpoint = %ep.endpoint().authority(), error = %e, "backend request failed");
-                    return Err(HoldError::Upstream(format!("the backend failed: {e}")));
+                    return Err(HoldError::Upstream(format!("the backend failed: {e}")).into());
                 }
             }
         }
@@ -357,7 +414,7 @@ mod tests {
         );
         let start = Instant::now();
         let result = shared
-            .forward(&out, start + Duration::from_millis(50), start, true)
+            .forward::<Cold>(&out, start + Duration::from_millis(50), start)
             .await;
         assert!(matches!(result, Err(HoldError::Timeout)));
         assert!(start.elapsed() >= Duration::from_millis(50));

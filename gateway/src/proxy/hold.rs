@@ -21,7 +21,7 @@ use http_body_util::{BodyExt, Limited};
 
 use super::{
     Tracker,
-    forward::{BackendUse, HoldError, Outgoing},
+    forward::{BackendUse, Cold, HoldError, Outgoing},
     relay::Relay,
 };
 use crate::{
@@ -166,7 +166,7 @@ impl HttpBody for HeldStream {
                         let (shared, arrival, deadline) =
                             (this.shared.clone(), this.arrival, this.deadline);
                         *forward = Some(Box::pin(async move {
-                            shared.forward(&out, deadline, arrival, true).await
+                            shared.forward::<Cold>(&out, deadline, arrival).await
                         }));
                     }
                     let polled = match forward {

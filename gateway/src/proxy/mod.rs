@@ -10,6 +10,7 @@
 //!    a `maxQueue` slot (429);
 //! 4. a ready endpoint? forward (`forward`) : cold start, which rejects (503), holds a
 //!    stream with heartbeats (`hold`), or waits silently until the activation timeout (503);
+//!    a warm request that finds the engine asleep (sleeping tier) is cold from there;
 //! 5. `relay`: the backend's answer passed through as it arrives.
 //!
 //! A cold request's body is checked for its model name before admission, so a misdirected
@@ -126,7 +127,7 @@ where
     };
 
     let cold = !shared.backends.is_ready();
-    let admit::Admitted { slot, stream } = match admit::admit(&shared, &parts, &body, cold) {
+    let admit::Admitted { slot, mut stream } = match admit::admit(&shared, &parts, &body, cold) {
         Ok(admitted) => admitted,
         Err(rejection) => return refuse(&shared, tracker, rejection),
     };
@@ -135,22 +136,49 @@ where
     drop(parts);
 
     let deadline = arrival + shared.cfg.activation_timeout;
-    if cold {
-        shared.lease.raise();
-        out.detach();
-        match shared.cfg.cold_start {
-            ColdStartMode::Reject => {
-                drop(slot);
-                return refuse(&shared, tracker, Rejection::ColdReject);
+    let mut cold = cold;
+    let sent = loop {
+        if cold {
+            shared.lease.raise();
+            out.detach();
+            match shared.cfg.cold_start {
+                ColdStartMode::Reject => {
+                    drop(slot);
+                    return refuse(&shared, tracker, Rejection::ColdReject);
+                }
+                ColdStartMode::Keepalive if stream => {
+                    return hold::hold_streaming(shared, out, slot, tracker, arrival, deadline);
+                }
+                ColdStartMode::Keepalive => {}
             }
-            ColdStartMode::Keepalive if stream => {
-                return hold::hold_streaming(shared, out, slot, tracker, arrival, deadline);
-            }
-            ColdStartMode::Keepalive => {}
         }
-    }
-
-    match shared.forward(&out, deadline, arrival, cold).await {
+        if cold {
+            break shared
+                .forward::<forward::Cold>(&out, deadline, arrival)
+                .await;
+        }
+        match shared
+            .forward::<forward::Warm>(&out, deadline, arrival)
+            .await
+        {
+            Ok(sent) => break Ok(sent),
+            Err(forward::WarmError::Hold(e)) => break Err(e),
+            // Sent warm to an engine another replica had put to sleep: cold from here, so the
+            // cold-start mode applies (a rejection, or a held stream's heartbeats).
+            Err(forward::WarmError::Asleep) => {
+                // A warm request's body was not parsed: it is now, as a cold arrival's is,
+                // for the served model and whether it streams (which decides its hold).
+                let hints = out.hints();
+                if let Err(rejection) = admit::serves(&shared, &hints) {
+                    drop(slot);
+                    return refuse(&shared, tracker, rejection);
+                }
+                stream = hints.stream;
+                cold = true;
+            }
+        }
+    };
+    match sent {
         Ok((resp, backend)) => relay::relay(&shared, resp, backend, slot, tracker, arrival, cold),
         Err(forward::HoldError::Timeout) => {
             drop(slot);

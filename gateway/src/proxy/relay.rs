@@ -293,7 +293,10 @@ mod tests {
 
     use http_body_util::BodyExt;
 
-    use super::{super::forward::Outgoing, *};
+    use super::{
+        super::forward::{Outgoing, Warm},
+        *,
+    };
 
     #[test]
     fn one_chunk_passes_on_uncopied_and_several_are_joined() {
@@ -337,7 +340,7 @@ mod tests {
         );
         let arrival = Instant::now();
         let deadline = arrival + Duration::from_secs(5);
-        let Ok((resp, backend)) = shared.forward(&out, deadline, arrival, false).await else {
+        let Ok((resp, backend)) = shared.forward::<Warm>(&out, deadline, arrival).await else {
             panic!("not forwarded")
         };
         let slot = shared.demand.try_admit().unwrap();
