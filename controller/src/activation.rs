@@ -23,7 +23,7 @@
 
 use std::time::Duration;
 
-use hearth_crds::{Activation, ActivationPhases};
+use hearth_crds::{Activation, ActivationPhases, go_duration};
 use k8s_openapi::{
     api::core::v1::{Event, Pod},
     apimachinery::pkg::apis::meta::v1::Time,
@@ -291,31 +291,6 @@ pub fn activated<'a>(
     }
     let recent = between(ready, now).is_none_or(|age| age < RECENT);
     (replicas_before == 0 || recent).then_some(pod)
-}
-
-/// A duration as Go's `time.Duration.String` writes it, rounded to milliseconds: `"0s"`,
-/// `"250ms"`, `"34.2s"`, `"1m2.5s"`, `"1h0m0s"` (so `hearth_crds::parse_duration` reads it).
-pub fn go_duration(d: Duration) -> String {
-    let ms = (d.as_nanos() + 500_000) / 1_000_000;
-    if ms == 0 {
-        return "0s".to_owned();
-    }
-    if ms < 1000 {
-        return format!("{ms}ms");
-    }
-    let (h, m) = (ms / 3_600_000, ms / 60_000 % 60);
-    let (s, frac) = (ms / 1000 % 60, ms % 1000);
-    let secs = if frac == 0 {
-        format!("{s}s")
-    } else {
-        let f = format!("{frac:03}");
-        format!("{s}.{}s", f.trim_end_matches('0'))
-    };
-    match (h, m) {
-        (0, 0) => secs,
-        (0, m) => format!("{m}m{secs}"),
-        (h, m) => format!("{h}h{m}m{secs}"),
-    }
 }
 
 /// Seconds with one decimal, for Event notes: `"34.2s"`.

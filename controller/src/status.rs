@@ -500,10 +500,18 @@ pub fn phase_and_ready(
     )
 }
 
-/// Whether two statuses differ in anything but timestamps of unchanged conditions (which
-/// [`merge_conditions`] already preserves): plain equality.
+/// Whether the controller's part of two statuses differs: everything but `lastWake`, which the
+/// gateway writes under its own field manager (timestamps of unchanged conditions are already
+/// preserved by [`merge_conditions`]).
 pub fn differs(current: Option<&LLMServiceStatus>, desired: &LLMServiceStatus) -> bool {
-    current != Some(desired)
+    let Some(current) = current else {
+        return true;
+    };
+    let ours = |s: &LLMServiceStatus| LLMServiceStatus {
+        last_wake: None,
+        ..s.clone()
+    };
+    ours(current) != ours(desired)
 }
 
 #[cfg(test)]
@@ -512,6 +520,32 @@ mod tests {
 
     fn t(secs: i64) -> Time {
         Time(k8s_openapi::jiff::Timestamp::from_second(secs).unwrap())
+    }
+
+    #[test]
+    fn the_gateways_last_wake_is_not_a_difference() {
+        let desired = LLMServiceStatus {
+            replicas: Some(1),
+            ..Default::default()
+        };
+        let current = LLMServiceStatus {
+            last_wake: Some(hearth_crds::Wake {
+                start_time: t(10),
+                ready_time: t(11),
+                endpoint: "198.18.0.7:8000".to_owned(),
+                level: 1,
+                gateway: None,
+                phases: Default::default(),
+            }),
+            ..desired.clone()
+        };
+        assert!(!differs(Some(&current), &desired));
+        assert!(differs(None, &desired));
+        let fewer = LLMServiceStatus {
+            replicas: Some(0),
+            ..current
+        };
+        assert!(differs(Some(&fewer), &desired));
     }
 
     #[test]

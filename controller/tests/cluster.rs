@@ -12,7 +12,10 @@ use hearth_controller::{
     reconcile::RunConfig,
     render::{RenderConfig, scaled_object_resource},
 };
-use hearth_crds::{InferenceRuntime, LLMService, LLMServicePhase, wellknown::FIELD_MANAGER};
+use hearth_crds::{
+    InferenceRuntime, LLMService, LLMServicePhase,
+    wellknown::{FIELD_MANAGER, GATEWAY_FIELD_MANAGER},
+};
 use hearth_test_support::{Cluster, Observed, TestNamespace, wait_until};
 use k8s_openapi::{
     api::{
@@ -1035,6 +1038,29 @@ async fn drift_is_repaired_and_idle_makes_no_writes() -> Result<()> {
     })
     .await?;
 
+    // status.lastWake is the gateway's, written under its own field manager as the gateway's
+    // sleeping tier does: the controller's status is unchanged by it (no write below while
+    // idle), and its later status writes keep it.
+    let svcs: Api<LLMService> = ns.api();
+    let wake = json!({
+        "apiVersion": "serving.hearth.dev/v1alpha1",
+        "kind": "LLMService",
+        "status": {"lastWake": {
+            "startTime": "2026-12-03T10:00:00Z",
+            "readyTime": "2026-12-03T10:00:01Z",
+            "endpoint": "198.18.0.7:8000",
+            "level": 1,
+            "gateway": "stub-svc-gateway-0",
+            "phases": {"wakeDecision": "3ms", "wakeUp": "1s", "total": "1.003s"},
+        }},
+    });
+    svcs.patch_status(
+        "stub-svc",
+        &PatchParams::apply(GATEWAY_FIELD_MANAGER).force(),
+        &Patch::Apply(&wake),
+    )
+    .await?;
+
     // Idle: record every resourceVersion, let at least 10 reconciles run, compare.
     let snapshot = || async {
         let mut rvs = Vec::new();
@@ -1090,6 +1116,36 @@ async fn drift_is_repaired_and_idle_makes_no_writes() -> Result<()> {
         stable,
         "writes or resourceVersion changes kept happening while idle: {before:?}"
     );
+
+    // An edit makes the controller write its status (observedGeneration): lastWake stays, and
+    // stays the gateway's alone.
+    svcs.patch(
+        "stub-svc",
+        &PatchParams::default(),
+        &Patch::Merge(json!({"spec": {"scaling": {"scaleDownStabilization": "45s"}}})),
+    )
+    .await?;
+    let svc = wait_service(&ns, "stub-svc", "the edit observed", observed_current).await?;
+    let kept = svc.status.as_ref().and_then(|s| s.last_wake.as_ref());
+    assert_eq!(
+        kept.map(|w| (w.endpoint.as_str(), w.phases.wake_up.as_str())),
+        Some(("198.18.0.7:8000", "1s")),
+        "{:?}",
+        svc.status
+    );
+    let owners: Vec<String> = svc
+        .metadata
+        .managed_fields
+        .iter()
+        .flatten()
+        .filter(|m| {
+            m.fields_v1
+                .as_ref()
+                .is_some_and(|f| f.0.to_string().contains("f:lastWake"))
+        })
+        .filter_map(|m| m.manager.clone())
+        .collect();
+    assert_eq!(owners, [GATEWAY_FIELD_MANAGER], "owners of status.lastWake");
     running.stop().await;
     Ok(())
 }

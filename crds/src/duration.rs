@@ -104,6 +104,32 @@ pub fn parse_duration(input: &str) -> Result<StdDuration, DurationError> {
     Ok(StdDuration::from_nanos(total as u64))
 }
 
+/// A duration as Go's `time.Duration.String` writes it, rounded to milliseconds: `"0s"`,
+/// `"250ms"`, `"34.2s"`, `"1m2.5s"`, `"1h0m0s"` (so [`parse_duration`] reads it). For measured
+/// durations in status (`status.lastActivation`, `status.lastWake`).
+pub fn go_duration(d: StdDuration) -> String {
+    let ms = (d.as_nanos() + 500_000) / 1_000_000;
+    if ms == 0 {
+        return "0s".to_owned();
+    }
+    if ms < 1000 {
+        return format!("{ms}ms");
+    }
+    let (h, m) = (ms / 3_600_000, ms / 60_000 % 60);
+    let (s, frac) = (ms / 1000 % 60, ms % 1000);
+    let secs = if frac == 0 {
+        format!("{s}s")
+    } else {
+        let f = format!("{frac:03}");
+        format!("{s}.{}s", f.trim_end_matches('0'))
+    };
+    match (h, m) {
+        (0, 0) => secs,
+        (0, m) => format!("{m}m{secs}"),
+        (h, m) => format!("{h}h{m}m{secs}"),
+    }
+}
+
 /// Formats a [`std::time::Duration`] the way Go's `Duration.String` does for whole units
 /// (`"1h30m0s"` becomes `"1h30m"` here: zero components are left out, `"0s"` for zero).
 pub fn format_duration(d: StdDuration) -> String {
@@ -208,6 +234,21 @@ mod tests {
     #[case("1h0m0s", 3_600_000_000_000)]
     fn parses_go_durations(#[case] input: &str, #[case] nanos: u64) {
         assert_eq!(parse_duration(input), Ok(StdDuration::from_nanos(nanos)));
+    }
+
+    #[rstest]
+    #[case(0, "0s")]
+    #[case(250, "250ms")]
+    #[case(1000, "1s")]
+    #[case(34_200, "34.2s")]
+    #[case(34_250, "34.25s")]
+    #[case(62_500, "1m2.5s")]
+    #[case(60_000, "1m0s")]
+    #[case(3_600_000, "1h0m0s")]
+    fn durations_are_written_as_go_does(#[case] ms: u64, #[case] want: &str) {
+        let s = go_duration(StdDuration::from_millis(ms));
+        assert_eq!(s, want);
+        assert_eq!(parse_duration(&s), Ok(StdDuration::from_millis(ms)));
     }
 
     #[rstest]

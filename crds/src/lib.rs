@@ -19,10 +19,11 @@ pub mod servingpolicy;
 pub mod template;
 pub mod wellknown;
 
-pub use duration::{Duration, DurationError, parse_duration};
+pub use duration::{Duration, DurationError, go_duration, parse_duration};
 pub use inferenceruntime::{InferenceRuntime, InferenceRuntimeSpec, InferenceRuntimeStatus};
 pub use llmservice::{
     Activation, ActivationPhases, LLMService, LLMServicePhase, LLMServiceSpec, LLMServiceStatus,
+    Wake, WakePhases,
 };
 pub use servingpolicy::{ServingPolicy, ServingPolicySpec, ServingPolicyStatus};
 

@@ -585,6 +585,13 @@ pub struct LLMServiceStatus {
     /// extension of the public API.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_activation: Option<Activation>,
+
+    /// lastWake is the last sleep->awake of one of the service's engines (the sleeping tier,
+    /// `spec.scaling.sleep`). Written by the gateway replica that woke it, under the field
+    /// manager `hearth-gateway`; the controller neither writes nor compares it. A Hearth
+    /// extension of the public API.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_wake: Option<Wake>,
 }
 
 /// The timeline of one activation (`status.lastActivation`), measured from the backend pod,
@@ -653,6 +660,54 @@ pub struct ActivationPhases {
     /// modelReady: the model container started until the pod turned Ready (loading the model).
     #[schemars(length(max = 32))]
     pub model_ready: String,
+
+    /// total: startTime until readyTime.
+    #[schemars(length(max = 32))]
+    pub total: String,
+}
+
+/// One sleep->awake (`status.lastWake`), measured by the gateway replica that woke the engine.
+/// Durations are Go duration strings rounded to milliseconds; times have whole seconds.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Wake {
+    /// startTime is when demand reached the gateway replica while the engine slept (its first
+    /// held request).
+    pub start_time: Time,
+
+    /// readyTime is when the engine served again: its wake-up calls all answered 2xx.
+    pub ready_time: Time,
+
+    /// endpoint is the engine's address, `host:port` as in the backend's EndpointSlices.
+    #[schemars(length(max = 261))]
+    pub endpoint: String,
+
+    /// level is the sleep level the engine woke from (vLLM's 1 or 2).
+    #[schemars(range(min = 1, max = 2))]
+    pub level: i32,
+
+    /// gateway is the gateway pod that woke the engine; absent when it does not know its name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 253))]
+    pub gateway: Option<String>,
+
+    /// phases splits the wake into its steps; they add up to `total`.
+    pub phases: WakePhases,
+}
+
+/// The steps of a sleep->awake (see [`Wake`]), as Go duration strings.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct WakePhases {
+    /// wakeDecision: demand raised until the wake-up calls started (the gateway noticing the
+    /// demand, and asking the engine `is_sleeping` in case another replica woke it).
+    #[schemars(length(max = 32))]
+    pub wake_decision: String,
+
+    /// wakeUp: the wake-up calls (`POST /wake_up`, and at level 2 the weights' reload), until
+    /// the last one answered.
+    #[schemars(length(max = 32))]
+    pub wake_up: String,
 
     /// total: startTime until readyTime.
     #[schemars(length(max = 32))]

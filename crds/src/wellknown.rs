@@ -26,6 +26,10 @@ pub const COMPONENT_LABEL: &str = "app.kubernetes.io/component";
 /// The field manager Hearth's controller uses for server-side apply.
 pub const FIELD_MANAGER: &str = "hearth-controller";
 
+/// The field manager of the gateway's one write, `status.lastWake` of its LLMService (server-side
+/// apply); also the `reportingController` of its Events.
+pub const GATEWAY_FIELD_MANAGER: &str = "hearth-gateway";
+
 /// Pod annotation carrying the Volcano queue (`accelerator.scheduler.queue`).
 pub const VOLCANO_QUEUE_ANNOTATION: &str = "scheduling.volcano.sh/queue-name";
 
@@ -55,3 +59,14 @@ pub const CONTAINER_ANNOTATION: &str = "serving.hearth.dev/container";
 /// Annotation on an annotated plain workload: how many whole accelerators the model container
 /// requests (default 1). An LLMService uses `spec.resources.accelerators` instead.
 pub const ACCELERATORS_ANNOTATION: &str = "serving.hearth.dev/accelerators";
+
+/// KEDA's annotation that pauses a ScaledObject at the target's current replica count
+/// (`"true"`), until it is removed. The controller sets it while a `SharedPVC` backend at zero
+/// waits for its prewarm Job.
+pub const KEDA_PAUSED_ANNOTATION: &str = "autoscaling.keda.sh/paused";
+
+/// Annotation on a ScaledObject the controller paused ([`KEDA_PAUSED_ANNOTATION`]) while its
+/// `SharedPVC` backend waits for the prewarm Job the value names: the controller's caches keep
+/// no managedFields, so this says the pause is the controller's to lift (a pause set by hand
+/// has no such annotation and is left alone).
+pub const PREWARM_WAIT_ANNOTATION: &str = "serving.hearth.dev/waiting-for-prewarm";

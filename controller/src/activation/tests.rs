@@ -183,24 +183,6 @@ fn pull_durations_are_read_from_the_kubelets_message(#[case] msg: &str, #[case] 
     assert_eq!(got, ms.map(u128::from));
 }
 
-#[rstest]
-#[case(0, "0s")]
-#[case(250, "250ms")]
-#[case(1000, "1s")]
-#[case(34_200, "34.2s")]
-#[case(34_250, "34.25s")]
-#[case(62_500, "1m2.5s")]
-#[case(60_000, "1m0s")]
-#[case(3_600_000, "1h0m0s")]
-fn durations_are_written_as_go_does(#[case] ms: u64, #[case] want: &str) {
-    let s = go_duration(Duration::from_millis(ms));
-    assert_eq!(s, want);
-    assert_eq!(
-        hearth_crds::parse_duration(&s).unwrap(),
-        Duration::from_millis(ms)
-    );
-}
-
 #[test]
 fn the_note_reads_like_the_timeline() {
     let t = timeline(

@@ -16,7 +16,11 @@
 
 use std::sync::Arc;
 
-use hearth_crds::{LLMService, LLMServicePhase, LLMServiceStatus, llmservice::CacheStrategy};
+use hearth_crds::{
+    LLMService, LLMServicePhase, LLMServiceStatus,
+    llmservice::CacheStrategy,
+    wellknown::{KEDA_PAUSED_ANNOTATION, PREWARM_WAIT_ANNOTATION},
+};
 use k8s_openapi::{
     api::{
         apps::v1::Deployment,
@@ -103,6 +107,8 @@ pub struct Plan {
 #[derive(Clone, Debug)]
 struct Readiness {
     backend: BackendState,
+    /// The prewarm Job a `SharedPVC` backend at zero waits for (see [`wait_for_prewarm`]).
+    waits_for: Option<String>,
     gateway_ready: i32,
     gateway: String,
     /// Key and Secret of `spec.endpoint.apiKeySecretRef`.
@@ -160,6 +166,8 @@ impl Plan {
             // The record of the last activation is kept until the reconciler records the next
             // one (`crate::activation`).
             last_activation: svc.status.as_ref().and_then(|s| s.last_activation.clone()),
+            // The gateway's, under its own field manager: never sent, so never taken over.
+            last_wake: None,
         }
     }
 
@@ -170,6 +178,21 @@ impl Plan {
             self.conds.retain(|c| c.type_ != status::READY);
             let (phase, mut ready) =
                 status::phase_and_ready(r.backend.clone(), r.gateway_ready, &self.conds);
+            // KEDA paused by the controller may report its ScaledObject not Ready: the wait is
+            // what the user needs to know (a gateway not ready is a fault of its own).
+            if phase == LLMServicePhase::ScaledToZero
+                && ready.reason != "GatewayNotReady"
+                && let Some(job) = &r.waits_for
+            {
+                ready = Cond::new(
+                    status::READY,
+                    Some(false),
+                    "WaitingForPrewarm",
+                    format!(
+                        "the backend stays at zero until prewarm Job {job} has filled the shared cache (cache.strategy SharedPVC, mounted read-only); requests are held meanwhile, up to spec.scaling.activationTimeout, and served once it has"
+                    ),
+                );
+            }
             if ready.reason == "GatewayNotReady"
                 && let Some((key, secret)) = &r.api_key
             {
@@ -341,6 +364,8 @@ pub fn plan(svc: &LLMService, desired: Desired, view: &View, cfg: &RenderConfig)
         }
     }
 
+    let waits_for = wait_for_prewarm(svc, &conds, view.backend.as_deref());
+
     // Backend.
     apply_cached(
         writes,
@@ -368,7 +393,13 @@ pub fn plan(svc: &LLMService, desired: Desired, view: &View, cfg: &RenderConfig)
                 view.legacy_backend.as_deref(),
                 svc,
             );
-            writes.push(Write::Create(Box::new(children.backend)));
+            let mut backend = children.backend;
+            if waits_for.is_some()
+                && let Some(spec) = backend.spec.as_mut()
+            {
+                spec.replicas = Some(0);
+            }
+            writes.push(Write::Create(Box::new(backend)));
         }
     }
 
@@ -406,8 +437,25 @@ pub fn plan(svc: &LLMService, desired: Desired, view: &View, cfg: &RenderConfig)
     // Autoscaling.
     conds.push(if view.keda_installed {
         let cached = view.scaled_object.as_deref();
+        let mut scaled_object = children.scaled_object;
+        if let Some(job) = &waits_for {
+            let annotations = scaled_object
+                .metadata
+                .annotations
+                .get_or_insert_with(Default::default);
+            annotations.insert(KEDA_PAUSED_ANNOTATION.to_owned(), "true".to_owned());
+            annotations.insert(PREWARM_WAIT_ANNOTATION.to_owned(), job.clone());
+        }
+        let paused_here = cached
+            .and_then(|c| c.metadata.annotations.as_ref())
+            .is_some_and(|a| a.contains_key(PREWARM_WAIT_ANNOTATION));
         // KEDA's CRD may go away before the apply: see `recovery`.
-        apply_cached(writes, children.scaled_object, cached);
+        if waits_for.is_none() && paused_here {
+            // The apply without them removes both annotations (the controller's own fields).
+            writes.push(Write::Apply(Object::from(scaled_object)));
+        } else {
+            apply_cached(writes, scaled_object, cached);
+        }
         status::autoscaling(true, cached)
     } else {
         status::autoscaling(false, None)
@@ -418,12 +466,17 @@ pub fn plan(svc: &LLMService, desired: Desired, view: &View, cfg: &RenderConfig)
         // Created by this plan: what is created.
         _ => BackendState {
             exists: true,
-            desired: svc.spec.scaling.min,
+            desired: if waits_for.is_some() {
+                0
+            } else {
+                svc.spec.scaling.min
+            },
             ..Default::default()
         },
     };
     plan.readiness = Some(Readiness {
         backend,
+        waits_for,
         gateway_ready: status::gateway_ready(view.gateway.as_deref()),
         gateway: names::gateway(&name),
         api_key: svc
@@ -475,6 +528,34 @@ fn delete_if_owned<K: Resource>(
     if owned {
         writes.push(Write::Delete(target));
     }
+}
+
+/// The prewarm Job a `SharedPVC` backend waits for, when it must: the backends mount the shared
+/// cache read-only and offline, so one started before the Job filled it fails (and is
+/// restarted with a growing back-off). While the Job has not succeeded (the `Prewarmed`
+/// condition in `conds` is not True) and the backend is at zero (or not created yet), the
+/// backend is created with 0 replicas and KEDA is paused on the ScaledObject
+/// ([`KEDA_PAUSED_ANNOTATION`], at the current count: a running backend is never scaled down
+/// by it), so requests are held, not sent to a failing engine. A backend with replicas is left
+/// alone (a Job deleted and run again must not take a serving model down).
+fn wait_for_prewarm(
+    svc: &LLMService,
+    conds: &[Cond],
+    backend: Option<&Deployment>,
+) -> Option<String> {
+    if svc.spec.cache.strategy != CacheStrategy::SharedPVC {
+        return None;
+    }
+    if conds
+        .iter()
+        .any(|c| c.type_ == status::PREWARMED && c.is_true())
+    {
+        return None;
+    }
+    if backend.is_some_and(has_pods) {
+        return None;
+    }
+    Some(names::prewarm_job(&svc.name_any()))
 }
 
 /// Whether a Deployment wants or still has pods: a template change would restart them. At

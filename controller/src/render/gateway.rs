@@ -139,12 +139,22 @@ pub(super) fn gateway_role(ctx: &Ctx<'_>) -> Role {
         verbs: vec!["get".to_owned(), "list".to_owned(), "watch".to_owned()],
         ..Default::default()
     }];
-    // The sleeping tier reports engines put to sleep and woken as Events on the LLMService.
+    // The sleeping tier reports engines put to sleep and woken as Events on the LLMService,
+    // and the last wake in its `status.lastWake` (server-side apply on this one object).
     if ctx.sleep_tier().is_some() {
         rules.push(PolicyRule {
             api_groups: Some(vec!["events.k8s.io".to_owned()]),
             resources: Some(vec!["events".to_owned()]),
             verbs: vec!["create".to_owned(), "patch".to_owned()],
+            ..Default::default()
+        });
+        rules.push(PolicyRule {
+            api_groups: Some(vec![
+                <LLMService as kube::Resource>::group(&()).into_owned(),
+            ]),
+            resources: Some(vec!["llmservices/status".to_owned()]),
+            resource_names: Some(vec![ctx.name.clone()]),
+            verbs: vec!["patch".to_owned()],
             ..Default::default()
         });
     }

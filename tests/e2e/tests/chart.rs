@@ -1221,8 +1221,9 @@ impl Drop for InstalledRbac {
 }
 
 /// The rules of the gateway Role the controller renders, read from `fn gateway_role` in
-/// controller/src/render/gateway.rs: its string literals must be exactly one EndpointSlice read rule, so
-/// a change there fails here (and the controller's ClusterRole must then hold the new rights).
+/// controller/src/render/gateway.rs: its string literals must be exactly those of its rules
+/// (EndpointSlices read; with the sleeping tier Events and its LLMService's status), so a change
+/// there fails here (and the controller's ClusterRole must then hold the new rights).
 fn gateway_role_rules() -> Result<Value> {
     let src = std::fs::read_to_string(repo().join("controller/src/render/gateway.rs"))?;
     let body = src
@@ -1237,11 +1238,13 @@ fn gateway_role_rules() -> Result<Value> {
         "get",
         "list",
         "watch",
-        // With the sleeping tier: the gateway's Events on its LLMService.
+        // With the sleeping tier: the gateway's Events on its LLMService, and its
+        // status.lastWake (the group is the LLMService's, not a literal).
         "events.k8s.io",
         "events",
         "create",
         "patch",
+        "llmservices/status",
     ]);
     ensure!(
         literals == want,
@@ -1254,6 +1257,8 @@ fn gateway_role_rules() -> Result<Value> {
         {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
          "verbs": ["get", "list", "watch"]},
         {"apiGroups": ["events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
+        {"apiGroups": ["serving.hearth.dev"], "resources": ["llmservices/status"],
+         "resourceNames": ["stub-svc"], "verbs": ["patch"]},
     ]))
 }
 

@@ -563,6 +563,31 @@ async fn prewarmed_claim_served(strategy: &str, fixture_ns: &str, service_ns: &s
     let applied = secs(t0);
     let job = format!("{SERVICE}-prewarm");
     let claim = format!("{SERVICE}-cache");
+    // SharedPVC: a cold request sent while the Job still fills the cache is held; the backend
+    // stays at zero (KEDA paused) until the Job is done.
+    let mut early = None;
+    if shared {
+        let client = d.cluster.client();
+        let prewarm = condition(&client, d.ns.name(), "Prewarmed").await?;
+        let running = prewarm.as_ref().is_none_or(|(s, _)| s != "True");
+        if running {
+            let ready = condition(&client, d.ns.name(), "Ready").await?;
+            ensure!(
+                ready
+                    .as_ref()
+                    .is_some_and(|(s, r)| s == "False" && r == "WaitingForPrewarm"),
+                "Ready while prewarm Job {job} runs: {ready:?} (Prewarmed {prewarm:?})"
+            );
+        }
+        let url = d.url.clone();
+        early = Some((
+            secs(t0),
+            running,
+            tokio::spawn(async move {
+                client::chat(&url, SERVICE, true, Duration::from_secs(240)).await
+            }),
+        ));
+    }
     let pod = wait_job(&d.ns, &job, Duration::from_secs(180)).await?;
     let prewarmed = secs(t0);
     let spec = check_prewarm_pod(&pod, &fx.node, UPSTREAM_REPO)?;
@@ -594,8 +619,51 @@ async fn prewarmed_claim_served(strategy: &str, fixture_ns: &str, service_ns: &s
     wait_condition(&d, "CacheReady", "Bound").await?;
     wait_condition(&d, "Prewarmed", "Downloaded").await?;
 
-    let sent = secs(t0);
-    let (first_token, done) = cold_chat(&d).await?;
+    let (sent, first_token, done) = match early {
+        None => {
+            let sent = secs(t0);
+            let (first_token, done) = cold_chat(&d).await?;
+            (sent, first_token, done)
+        }
+        Some((sent, before_prewarm, request)) => {
+            let trace = request.await??;
+            ensure!(
+                trace.status == 200 && trace.complete() && trace.tokens(None) == TOKENS,
+                "the request held for the prewarm: {} {:?}",
+                trace.status,
+                trace.events
+            );
+            // No backend pod before the Job was done (both times have whole seconds).
+            let completed =
+                d.ns.api::<Job>()
+                    .get(&job)
+                    .await?
+                    .status
+                    .and_then(|s| s.completion_time)
+                    .context("the Job's completionTime")?;
+            let created = backend_pod(&d)
+                .await?
+                .metadata
+                .creation_timestamp
+                .context("the backend pod's creationTimestamp")?;
+            ensure!(
+                created.0 >= completed.0,
+                "backend pod created at {created:?}, before prewarm Job {job} completed at {completed:?}"
+            );
+            println!(
+                "[{strategy}] request sent {} the Job was done: held, backend pod created at {} (Job completed at {})",
+                if before_prewarm { "before" } else { "after" },
+                created.0,
+                completed.0
+            );
+            let first = trace.first_token().context("no token")? - trace.sent;
+            (
+                sent,
+                first.as_secs_f64(),
+                (trace.end - trace.sent).as_secs_f64(),
+            )
+        }
+    };
     let backend = backend_pod(&d).await?;
     let bspec = backend.spec.clone().context("backend spec")?;
     ensure!(

@@ -5,7 +5,8 @@
 //! same pod (no new pod, no restart, no 0 → 1) and its tokens once awake; idle again, the engine
 //! sleeps, and after `scaleDownStabilization` the service goes to zero as before; a second cold
 //! request then takes it 0 → 1 again on the same node. Prints the wake's timeline and both cold
-//! activations' phases as the controller recorded them (`status.lastActivation`). The stub's
+//! activations' phases as the controller recorded them (`status.lastActivation`), and the wake as
+//! the gateway recorded it (`status.lastWake`, kept through the controller's writes). The stub's
 //! model load is `STUB_STARTUP_DELAY` 8s, about a 16 GiB model read from a local cache. See
 //! docs/e2e.md.
 
@@ -14,7 +15,7 @@ mod stack;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
-use hearth_crds::{LLMService, llmservice::Activation};
+use hearth_crds::{LLMService, Wake, llmservice::Activation};
 use hearth_e2e_harness::client::{self, Event};
 use hearth_e2e_harness::stack::{self as harness, ScalerMode};
 use hearth_test_support::{Observed, wait_until};
@@ -213,6 +214,13 @@ async fn sleep_then_wake(mode: ScalerMode) -> Result<()> {
     // The gateway that slept and woke the engine said so on the LLMService.
     let slept_event = service_event(&d, "EngineSlept").await?;
     let woken_event = service_event(&d, "EngineWoken").await?;
+    // ...and recorded the wake in status.lastWake.
+    let woken_ip = woken_pod
+        .status
+        .as_ref()
+        .and_then(|s| s.pod_ip.clone())
+        .context("the woken pod has no IP")?;
+    let last_wake = wake_record(&d, &woken_ip).await?;
     let wake = first_token.saturating_duration_since(t0);
     ensure!(
         wake >= WAKE_DELAY,
@@ -233,6 +241,14 @@ async fn sleep_then_wake(mode: ScalerMode) -> Result<()> {
     );
     let second_pod = wait_engine(&d, false, Duration::from_secs(10)).await?;
     let second = activation(&d, &pod_name(&second_pod)).await?;
+    // The controller's status writes since (phases, a second lastActivation) kept the
+    // gateway's record.
+    let api: kube::Api<LLMService> = kube::Api::namespaced(d.cluster.client(), d.ns.name());
+    let kept = api.get(SERVICE).await?.status.and_then(|s| s.last_wake);
+    ensure!(
+        kept.as_ref() == Some(&last_wake),
+        "status.lastWake changed without a wake: {kept:?}, was {last_wake:?}"
+    );
     println!(
         "[{}] first 0→1: {}; second 0→1: {}",
         mode.annotation(),
@@ -256,7 +272,60 @@ async fn sleep_then_wake(mode: ScalerMode) -> Result<()> {
         "[{}] Events on the LLMService: EngineSlept \"{slept_event}\"; EngineWoken \"{woken_event}\"",
         mode.annotation()
     );
+    let p = &last_wake.phases;
+    println!(
+        "[{}] status.lastWake: engine {} woke from level {} by {}: total {}: wake decision {}, wake-up calls {}",
+        mode.annotation(),
+        last_wake.endpoint,
+        last_wake.level,
+        last_wake.gateway.as_deref().unwrap_or("?"),
+        p.total,
+        p.wake_decision,
+        p.wake_up,
+    );
     Ok(())
+}
+
+/// The gateway's record of the last sleep→awake (`status.lastWake`) once it names the engine
+/// at `ip`, checked: level 1, woken by a gateway pod, the wake-up calls at least the stub's
+/// wake delay, the phases adding up to the total.
+async fn wake_record(d: &stack::Deployed, ip: &str) -> Result<Wake> {
+    let api: kube::Api<LLMService> = kube::Api::namespaced(d.cluster.client(), d.ns.name());
+    let wake = wait_until(
+        format!("status.lastWake of the engine at {ip}"),
+        Duration::from_secs(20),
+        || async {
+            let svc = api.get(SERVICE).await?;
+            Ok(match svc.status.and_then(|s| s.last_wake) {
+                Some(w) if w.endpoint.starts_with(&format!("{ip}:")) => Observed::Ready(w),
+                other => Observed::NotYet(format!("{:?}", other.map(|w| w.endpoint))),
+            })
+        },
+    )
+    .await?;
+    let secs = |d: &str| hearth_crds::parse_duration(d).with_context(|| format!("{wake:?}"));
+    let (decision, calls, total) = (
+        secs(&wake.phases.wake_decision)?,
+        secs(&wake.phases.wake_up)?,
+        secs(&wake.phases.total)?,
+    );
+    ensure!(
+        wake.level == 1 && calls >= WAKE_DELAY,
+        "a level-1 wake through the stub's {WAKE_DELAY:?} wake-up: {wake:?}"
+    );
+    ensure!(
+        (decision + calls).abs_diff(total) <= Duration::from_millis(2),
+        "the phases add up to the total: {wake:?}"
+    );
+    ensure!(
+        wake.start_time.0 <= wake.ready_time.0
+            && wake
+                .gateway
+                .as_deref()
+                .is_some_and(|g| g.starts_with(&format!("{SERVICE}-gateway-"))),
+        "{wake:?}"
+    );
+    Ok(wake)
 }
 
 /// The note of the Event with `reason` on the stub LLMService (core/v1 view of the gateway's

@@ -224,6 +224,114 @@ fn a_new_backend_is_created_with_replicas_and_an_existing_one_applied_without() 
     assert_eq!(d.spec.as_ref().unwrap().replicas, None);
 }
 
+/// The ScaledObject a plan applies, if any.
+fn applied_scaled_object(plan: &Plan) -> Option<&DynamicObject> {
+    plan.writes.iter().find_map(|w| match w {
+        Write::Apply(Object::ScaledObject(so)) => Some(&**so),
+        _ => None,
+    })
+}
+
+fn paused(so: &DynamicObject) -> Option<&str> {
+    so.metadata
+        .annotations
+        .as_ref()?
+        .get(KEDA_PAUSED_ANNOTATION)
+        .map(String::as_str)
+}
+
+fn job_succeeded(view: &mut View) {
+    let mut job = Job::clone(view.job.as_deref().unwrap());
+    job.status = Some(k8s_openapi::api::batch::v1::JobStatus {
+        succeeded: Some(1),
+        ..Default::default()
+    });
+    view.job = Some(Arc::new(job));
+}
+
+#[test]
+fn a_shared_cache_backend_waits_at_zero_for_its_prewarm() {
+    let svc = service(json!({"spec": {
+        "cache": {"strategy": "SharedPVC", "prewarm": true},
+        "scaling": {"min": 1, "max": 2},
+    }}));
+    // Just created: the backend is created at 0 (not min 1) and KEDA paused.
+    let fresh = View {
+        keda_installed: true,
+        ..View::default()
+    };
+    let plan = planned(&svc, &fresh);
+    let created = plan.writes.iter().find_map(|w| match w {
+        Write::Create(d) => Some(d),
+        _ => None,
+    });
+    assert_eq!(created.unwrap().spec.as_ref().unwrap().replicas, Some(0));
+    assert_eq!(paused(applied_scaled_object(&plan).unwrap()), Some("true"));
+
+    // At zero while the Job downloads: paused, Ready=False WaitingForPrewarm.
+    let mut view = steady(&svc);
+    view.backend = with_status(&view.backend, 0, 0);
+    view.gateway = with_status(&view.gateway, 1, 1);
+    // Whether or not KEDA calls the paused ScaledObject Ready.
+    let plan = planned(&svc, &view);
+    assert_eq!(cond(&plan, status::READY).reason, "WaitingForPrewarm");
+    scaled_object_ready(&mut view);
+    let plan = planned(&svc, &view);
+    assert_eq!(paused(applied_scaled_object(&plan).unwrap()), Some("true"));
+    assert_eq!(plan.phase, LLMServicePhase::ScaledToZero);
+    let ready = cond(&plan, status::READY);
+    assert_eq!(
+        (ready.status, ready.reason.as_str()),
+        ("False", "WaitingForPrewarm")
+    );
+    assert!(ready.message.contains("chat-prewarm"), "{}", ready.message);
+
+    // Once it succeeded: KEDA resumes (the annotation is no longer applied), Ready=True.
+    let mut done = view.clone();
+    job_succeeded(&mut done);
+    let mut paused_so = DynamicObject::clone(done.scaled_object.as_deref().unwrap());
+    let annotations = paused_so
+        .metadata
+        .annotations
+        .get_or_insert_with(BTreeMap::new);
+    annotations.insert(KEDA_PAUSED_ANNOTATION.to_owned(), "true".to_owned());
+    annotations.insert(
+        PREWARM_WAIT_ANNOTATION.to_owned(),
+        "chat-prewarm".to_owned(),
+    );
+    done.scaled_object = Some(Arc::new(paused_so));
+    let plan = planned(&svc, &done);
+    assert_eq!(applied_scaled_object(&plan).and_then(paused), None);
+    assert!(
+        applied_scaled_object(&plan).is_some(),
+        "{:?}",
+        writes(&plan)
+    );
+    assert!(cond(&plan, status::READY).is_true());
+    // A pause set by hand (no Hearth annotation) is another manager's: no write.
+    let mut by_hand = DynamicObject::clone(done.scaled_object.as_deref().unwrap());
+    by_hand
+        .metadata
+        .annotations
+        .as_mut()
+        .unwrap()
+        .remove(PREWARM_WAIT_ANNOTATION);
+    done.scaled_object = Some(Arc::new(by_hand));
+    assert!(applied_scaled_object(&planned(&svc, &done)).is_none());
+
+    // A backend with replicas is never paused, even while a Job runs again.
+    let mut running = view.clone();
+    running.backend = with_status(&view.backend, 1, 1);
+    let plan = planned(&svc, &running);
+    assert_eq!(applied_scaled_object(&plan).and_then(paused), None);
+    assert_eq!(plan.phase, LLMServicePhase::Ready);
+
+    // Other strategies never wait.
+    let svc = service(json!({"spec": {"cache": {"strategy": "NodeLocalPVC", "prewarm": true}}}));
+    let plan = planned(&svc, &fresh);
+    assert!(applied_scaled_object(&plan).is_some_and(|so| paused(so).is_none()));
+}
+
 /// The plan for `service(patch)` when `edit` makes a live child's template differ from the
 /// desired one: nothing is written, and the condition `type_` is False with ReplaceRequired and
 /// a message holding every part of `message`.
