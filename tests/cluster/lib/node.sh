@@ -4,8 +4,9 @@
 # one cgroup subtree. See README.md, "The real node".
 #
 # What `up` creates on the host, and nothing else (`node_teardown` removes all of it):
-# - $NS_DIR/net and $NS_DIR/mnt, each bind-mounted onto itself, holding the node's namespaces
-#   (bind mounts of nsfs files named `ns`);
+# - $NS_DIR/net, bind-mounted onto itself, holding the node's network namespace (a bind mount of
+#   its nsfs file `ns`); the node's mount namespace is held by a process, $NS_DIR/mnt.pid (see
+#   node_network_up for why it is not bind-mounted too);
 # - the veth end $NODE_HOST_IF with $NODE_HOST_IP/30, and one route: $NODE_NET via the node;
 # - the cgroup $NODE_CGROUP in every cgroup hierarchy;
 # - while the kubelet runs, the kernel settings it insists on (vm.overcommit_memory,
@@ -21,8 +22,25 @@ KUBELET_SYSCTLS=(vm.overcommit_memory vm.panic_on_oom kernel.panic kernel.panic_
 # Machine-wide: the settings are not per namespace, and several clusters may run at once.
 HOST_SYSCTLS_SAVED=/run/hearth-kubelet-sysctls
 
+# node_mnt_ns: prints the path of the node's mount namespace, /proc/<holder>/ns/mnt, where the
+# holder is the process whose PID is in $NS_DIR/mnt.pid and only while that process is in the
+# node's network namespace (so a reused PID is never taken for it); dies otherwise.
+node_mnt_ns() {
+  local pid=""
+  [[ -f "$NS_DIR/mnt.pid" ]] && pid="$(<"$NS_DIR/mnt.pid")"
+  if [[ "$pid" =~ ^[0-9]+$ && -e "$NS_DIR/net/ns" && "/proc/$pid/ns/net" -ef "$NS_DIR/net/ns" ]]; then
+    echo "/proc/$pid/ns/mnt"
+    return 0
+  fi
+  die "the real node's mount namespace is gone (no process ${pid:-?} from $NS_DIR/mnt.pid in the node's network namespace $NS_DIR/net/ns): the node was stopped or is broken; run tests/cluster/down, then tests/cluster/up"
+}
+
 # in_node <command...>: runs a command in the node's network and mount namespaces.
-in_node() { nsenter --net="$NS_DIR/net/ns" --mount="$NS_DIR/mnt/ns" -- "$@"; }
+in_node() {
+  local mnt
+  mnt="$(node_mnt_ns)" || return 1
+  nsenter --net="$NS_DIR/net/ns" --mount="$mnt" -- "$@"
+}
 
 # Mount points of the cgroup hierarchies (v1 controllers, name=systemd, the v2 "unified" one).
 cgroup_mounts() { findmnt -rn -t cgroup,cgroup2 -o TARGET; }
@@ -79,25 +97,61 @@ node_network_up() {
   [[ -d "/sys/fs/cgroup/memory/$NODE_CGROUP" ]] &&
     die "cgroup $NODE_CGROUP exists: a real node of another cluster uses $NODE_NET (or one crashed without down). Stop it with its own tests/cluster/down, or set HEARTH_NODE_NET (e.g. 198.19.64.0/18) for this one."
   echo "$NODE_NET $NODE_HOST_IF $NODE_CGROUP" >"$NODE_OWNER"
-  # A namespace is kept by bind-mounting its nsfs file. A mount namespace's file must sit on a
-  # private mount; a network namespace's on a shared one (as iproute2 keeps /run/netns), so that
-  # unmounting it also unmounts the copies that mount namespaces made later hold (the node of a
-  # second cluster), and the namespace really goes.
-  mkdir -p "$NS_DIR/net" "$NS_DIR/mnt"
-  mount --bind "$NS_DIR/mnt" "$NS_DIR/mnt"
-  mount --make-private "$NS_DIR/mnt"
+  # The node's cgroup first: the process that holds the node's namespaces starts in it, so
+  # that node_kill ends it with everything else of the node.
+  local d procs=""
+  for d in $(cgroup_mounts); do
+    mkdir -p "$d/$NODE_CGROUP/node"
+    # cpuset: a v1 cgroup starts with no CPUs or memory nodes; inherit the parent's.
+    if [[ -f "$d/cpuset.cpus" ]]; then
+      cat "$d/cpuset.cpus" >"$d/$NODE_CGROUP/cpuset.cpus"
+      cat "$d/cpuset.mems" >"$d/$NODE_CGROUP/cpuset.mems"
+      cat "$d/cpuset.cpus" >"$d/$NODE_CGROUP/node/cpuset.cpus"
+      cat "$d/cpuset.mems" >"$d/$NODE_CGROUP/node/cpuset.mems"
+    fi
+    procs+="$d/$NODE_CGROUP/node/cgroup.procs "
+  done
+  # The network namespace is kept by bind-mounting its nsfs file onto a file on a shared mount
+  # (as iproute2 keeps /run/netns), so that unmounting it also unmounts the copies that mount
+  # namespaces made later hold (the node of a second cluster), and the namespace really goes.
+  #
+  # The mount namespace is held by a process instead (`sleep infinity` in the node's cgroup,
+  # PID in $NS_DIR/mnt.pid), and entered through /proc/<pid>/ns/mnt. A bind mount of a mount
+  # namespace's file is refused with EINVAL whenever the new namespace's id is not above the
+  # id of the namespace of the process that binds it (the kernel's loop check, mnt_ns_loop).
+  # Since Linux 6.18 namespace ids come from per-CPU batches (gen_cookie_next), so a namespace
+  # made later can get a lower id: from the host's initial namespace (the lowest id) the bind
+  # always worked, but from inside another new mount namespace (`unshare -m`, a CI runner, a
+  # container) it failed about half the time, depending on the CPU each was made on.
+  mkdir -p "$NS_DIR/net"
   mount --bind "$NS_DIR/net" "$NS_DIR/net"
   mount --make-shared "$NS_DIR/net"
   : >"$NS_DIR/net/ns"
-  : >"$NS_DIR/mnt/ns"
+  rm -f "$NS_DIR/mnt.pid" "$NS_DIR/mnt.ready"
   # Slave propagation: the host's mounts stay visible, the node's never reach the host. The
   # tmpfs mounts catch what the node's programs write to their default paths (/run/containerd,
-  # /var/lib/cni, /var/log/pods, ...).
-  unshare --net="$NS_DIR/net/ns" --mount="$NS_DIR/mnt/ns" --propagation slave -- /bin/sh -ec '
-    mount -t tmpfs -o mode=0755,size=512m hearth-node-run /run
-    mount -t tmpfs -o mode=0755,size=1g hearth-node-var-lib /var/lib
-    mount -t tmpfs -o mode=0755,size=1g hearth-node-var-log /var/log
-    ip link set lo up'
+  # /var/lib/cni, /var/log/pods, ...). The state dir is not below them (node_require), so the
+  # ready file written from inside is the host's.
+  setsid /bin/sh -c '
+    for f in $1; do echo $$ >"$f" || exit 1; done
+    exec unshare --net="$2/net/ns" --mount --propagation slave -- /bin/sh -ec "
+      mount -t tmpfs -o mode=0755,size=512m hearth-node-run /run
+      mount -t tmpfs -o mode=0755,size=1g hearth-node-var-lib /var/lib
+      mount -t tmpfs -o mode=0755,size=1g hearth-node-var-log /var/log
+      ip link set lo up
+      : >\"\$0/mnt.ready\"
+      exec sleep infinity" "$2"' sh "$procs" "$NS_DIR" >>"$LOGS/node-namespaces.log" 2>&1 </dev/null &
+  local holder=$! i
+  echo "$holder" >"$NS_DIR/mnt.pid"
+  for ((i = 0; i < 100; i++)); do
+    [[ -f "$NS_DIR/mnt.ready" ]] && break
+    kill -0 "$holder" 2>/dev/null || break
+    sleep 0.05
+  done
+  if [[ ! -f "$NS_DIR/mnt.ready" ]]; then
+    tail -n 20 "$LOGS/node-namespaces.log" >&2 || true
+    die "creating the real node's namespaces failed (log: $LOGS/node-namespaces.log); tests/cluster/down removes what was made"
+  fi
   # The veth pair: eth0 in the node, $NODE_HOST_IF on the host (the netns of this script).
   in_node ip link add eth0 type veth peer name "$NODE_HOST_IF" netns "$$"
   ip addr add "$NODE_HOST_IP/30" dev "$NODE_HOST_IF"
@@ -111,17 +165,6 @@ node_network_up() {
   # kube-proxy's rules see pod-to-Service traffic on the same bridge.
   in_node sysctl -q -w net.ipv4.ip_forward=1 net.bridge.bridge-nf-call-iptables=1 ||
     die "setting net.ipv4.ip_forward and net.bridge.bridge-nf-call-iptables in the node's network namespace failed: the kernel needs bridge netfilter (br_netfilter); tests/cluster/down removes what was made"
-  local d
-  for d in $(cgroup_mounts); do
-    mkdir -p "$d/$NODE_CGROUP/node"
-    # cpuset: a v1 cgroup starts with no CPUs or memory nodes; inherit the parent's.
-    if [[ -f "$d/cpuset.cpus" ]]; then
-      cat "$d/cpuset.cpus" >"$d/$NODE_CGROUP/cpuset.cpus"
-      cat "$d/cpuset.mems" >"$d/$NODE_CGROUP/cpuset.mems"
-      cat "$d/cpuset.cpus" >"$d/$NODE_CGROUP/node/cpuset.cpus"
-      cat "$d/cpuset.mems" >"$d/$NODE_CGROUP/node/cpuset.mems"
-    fi
-  done
 }
 
 # Renders the node's configuration files from tests/cluster/node/*.
@@ -144,7 +187,7 @@ node_configure() {
 # start_in_node <component> [VAR=value ...] -- <args...>: like `start`, but the process runs in
 # the node's namespaces and in the node's cgroup, so `down` finds it and every child it forks.
 start_in_node() {
-  local name="$1" bin envs=() procs="" d
+  local name="$1" bin envs=() procs="" d mnt
   shift
   while [[ "$1" != "--" ]]; do
     envs+=("$1")
@@ -153,13 +196,14 @@ start_in_node() {
   shift
   bin="$(component_binary "$name")"
   for d in $(cgroup_mounts); do procs+="$d/$NODE_CGROUP/node/cgroup.procs "; done
+  mnt="$(node_mnt_ns)" || return 1
   # The shell joins the cgroup, then nsenter enters the namespaces and execs the component
   # (no fork: the PID stays the one recorded).
   env "${envs[@]}" setsid /bin/sh -c '
     for f in $1; do echo $$ >"$f" || exit 1; done
-    ns="$2"; shift 2
-    exec nsenter --net="$ns/net/ns" --mount="$ns/mnt/ns" -- "$@"' \
-    sh "$procs" "$NS_DIR" "$bin" "$@" >>"$LOGS/$name.log" 2>&1 </dev/null &
+    net="$2"; mnt="$3"; shift 3
+    exec nsenter --net="$net" --mount="$mnt" -- "$@"' \
+    sh "$procs" "$NS_DIR/net/ns" "$mnt" "$bin" "$@" >>"$LOGS/$name.log" 2>&1 </dev/null &
   record_started "$name" "$!"
 }
 
@@ -191,6 +235,23 @@ node_teardown() {
   node_remove
 }
 
+# node_leftovers: prints one line for each thing of the node that is still on the host (a
+# process in its cgroup, the host's end of its link, a cgroup, the namespace's bind mount);
+# nothing once node_teardown did its work.
+node_leftovers() {
+  local pids d
+  pids="$(node_pids | tr '\n' ' ')"
+  [[ -z "${pids// /}" ]] || echo "processes in cgroup $NODE_CGROUP: $pids"
+  ! ip link show "$NODE_HOST_IF" >/dev/null 2>&1 || echo "link $NODE_HOST_IF"
+  for d in $(cgroup_mounts); do
+    [[ ! -d "$d/$NODE_CGROUP" ]] || echo "cgroup $d/$NODE_CGROUP"
+  done
+  for d in "$NS_DIR/net" "$NS_DIR/mnt"; do
+    ! mountpoint -q "$d" 2>/dev/null || echo "mount $d"
+  done
+  return 0
+}
+
 # Whether this state dir made a real node (so `down` may remove it).
 node_owned() { [[ -f "$NODE_OWNER" ]]; }
 
@@ -215,9 +276,10 @@ node_kill() {
 # through the host's default route.
 node_remove() {
   local d i s
-  # Namespaces: with no process left in them, dropping the bind mounts frees them, and with
-  # them every mount, interface, route and iptables rule made inside. The veth pair goes with the
-  # node's end, and the host route with the link.
+  # Namespaces: with no process left in them (node_kill ended the mount namespace's holder),
+  # dropping the bind mount frees them, and with them every mount, interface, route and
+  # iptables rule made inside. The veth pair goes with the node's end, and the host route with
+  # the link. ($NS_DIR/mnt is a bind mount only in a state dir of an older `up`.)
   if [[ -d "$NS_DIR" ]]; then
     umount "$NS_DIR/mnt/ns" 2>/dev/null || true
     umount "$NS_DIR/net/ns" 2>/dev/null || true
@@ -251,5 +313,7 @@ node_remove() {
     done <"$HOST_SYSCTLS_SAVED"
     ((failed)) || rm -f "$HOST_SYSCTLS_SAVED"
   fi
-  rm -f "$NODE_OWNER"
+  # The owner file goes last, and only when nothing is left: a second `down` must still know
+  # that this node is its to remove.
+  [[ -n "$(node_leftovers)" ]] || rm -f "$NODE_OWNER"
 }
