@@ -13,6 +13,24 @@ require_go() {
   fi
 }
 
+# build_lock / build_unlock: hold $CACHE/build.lock (flock) while building, so that two builds
+# (CI's background one and `make test`'s, or two checkouts) never write the cache at once: the
+# second waits, then finds the binaries built. Unlock before starting long-lived processes, which
+# would otherwise inherit the lock's descriptor and hold it.
+build_lock() {
+  mkdir -p "$CACHE"
+  exec {BUILD_LOCK_FD}>"$CACHE/build.lock"
+  if ! flock -n "$BUILD_LOCK_FD"; then
+    log "waiting for another build of the cluster binaries to finish ($CACHE/build.lock)"
+    flock "$BUILD_LOCK_FD"
+  fi
+}
+build_unlock() {
+  [[ -n "${BUILD_LOCK_FD:-}" ]] || return 0
+  exec {BUILD_LOCK_FD}>&-
+  BUILD_LOCK_FD=""
+}
+
 # Reads `go build -v` output (one package per line) and prints a progress line every 5%.
 progress() { # <label> <total packages>
   awk -v label="$1" -v total="$2" -v start="$(date +%s)" '

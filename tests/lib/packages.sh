@@ -1,0 +1,34 @@
+# shellcheck shell=bash
+# The Debian packages that the local cluster, its real node and the image builds use, in one
+# list (`tests/run-tests` and `.ci/run` install them before any build starts, so that no two
+# builds run apt-get at once). Sourced, never executed.
+
+# require_packages: installs the missing ones with apt-get (checked by file, so an installed
+# package costs nothing); returns 2 with what to install when not root or without apt-get.
+require_packages() {
+  local missing=()
+  need() { [[ -e "$1" ]] || missing+=("$2"); }
+  need /usr/bin/openssl openssl
+  need /etc/ssl/certs/ca-certificates.crt ca-certificates
+  need /usr/share/zoneinfo/UTC tzdata
+  need /usr/bin/containerd containerd
+  need /usr/sbin/runc runc
+  need /usr/lib/cni/bridge containernetworking-plugins
+  need /usr/sbin/iptables iptables
+  need /usr/sbin/conntrack conntrack
+  need /usr/bin/buildah buildah
+  need /bin/busybox busybox-static
+  need /usr/bin/musl-gcc musl-tools
+  need /usr/bin/gcc gcc
+  need /usr/lib/x86_64-linux-gnu/libc.a libc6-dev
+  need /usr/bin/flock util-linux
+  ((${#missing[@]} > 0)) || return 0
+  if [[ "$(id -u)" != 0 ]] || ! command -v apt-get >/dev/null 2>&1; then
+    echo "error: install ${missing[*]} (Debian: apt-get install -y ${missing[*]})" >&2
+    return 2
+  fi
+  echo "installing ${missing[*]} with apt-get" >&2
+  export DEBIAN_FRONTEND=noninteractive
+  { apt-get update -qq && apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null; } >&2 ||
+    { echo "error: apt-get install ${missing[*]} failed" >&2; return 2; }
+}
