@@ -14,14 +14,23 @@ fn repo_root() -> PathBuf {
 }
 
 /// The shared upstream examples live beside the repository (`../shared/examples/upstream`);
-/// `HEARTH_UPSTREAM_EXAMPLES` points elsewhere.
+/// `HEARTH_UPSTREAM_EXAMPLES` points elsewhere. Panics when the directory is missing, naming
+/// where it looked and how to provide it.
 fn upstream_dir() -> PathBuf {
-    let dir = std::env::var_os("HEARTH_UPSTREAM_EXAMPLES")
+    let from_env = std::env::var_os("HEARTH_UPSTREAM_EXAMPLES");
+    let source = if from_env.is_some() {
+        "HEARTH_UPSTREAM_EXAMPLES names it"
+    } else {
+        "HEARTH_UPSTREAM_EXAMPLES is unset, so the default beside the checkout was used"
+    };
+    let dir = from_env
         .map(PathBuf::from)
         .unwrap_or_else(|| repo_root().join("../shared/examples/upstream"));
     assert!(
         dir.is_dir(),
-        "upstream examples not found at {}: check out shared/ beside the repository or set HEARTH_UPSTREAM_EXAMPLES",
+        "upstream examples not found at {} ({source}): put the public Hearth example manifests \
+         at ../shared/examples/upstream beside the checkout, or set HEARTH_UPSTREAM_EXAMPLES to \
+         a directory holding them",
         dir.display()
     );
     dir
@@ -45,7 +54,12 @@ fn upstream(kind: &str) -> Vec<(String, Value)> {
             ));
         }
     }
-    assert!(!out.is_empty(), "no upstream {kind} examples");
+    assert!(
+        !out.is_empty(),
+        "no upstream {kind} examples in {}: it must hold the public Hearth example manifests \
+         (../shared/examples/upstream beside the checkout, or HEARTH_UPSTREAM_EXAMPLES)",
+        upstream_dir().display()
+    );
     out
 }
 

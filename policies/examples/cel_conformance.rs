@@ -29,7 +29,10 @@ fn main() {
         return;
     }
     let failures = args.iter().any(|a| a == "--failures");
-    let spec = cel::spec_dir();
+    let spec = cel::require_spec_dir().unwrap_or_else(|e| {
+        eprintln!("{e}");
+        std::process::exit(2);
+    });
     let mut groups = match cel::load_spec(&spec) {
         Ok(g) => g,
         Err(e) => {

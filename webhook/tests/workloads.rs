@@ -5,28 +5,17 @@
 
 mod common;
 
-use std::path::PathBuf;
-
 use common::review::{admission_review, post_review};
 use hearth_crds::{InferenceRuntime, ServingPolicy};
 use hearth_webhook::{AppState, Limits, Snapshot, router};
 use serde_json::{Value, json};
 
+/// The upstream InferenceRuntime examples; fails naming where it looked and how to provide them
+/// when they are missing.
 fn upstream_runtimes() -> Vec<InferenceRuntime> {
-    let dir = std::env::var_os("HEARTH_UPSTREAM_EXAMPLES")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/examples/upstream")
-        });
-    let mut paths: Vec<_> = std::fs::read_dir(&dir)
-        .unwrap_or_else(|e| panic!("upstream examples at {}: {e}", dir.display()))
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.to_string_lossy().ends_with("inferenceruntime.yaml"))
-        .collect();
-    paths.sort();
-    paths
+    hearth_test_support::upstream_examples("InferenceRuntime")
         .into_iter()
-        .map(|p| serde_yaml::from_str(&std::fs::read_to_string(p).unwrap()).unwrap())
+        .map(|v| serde_json::from_value(v).unwrap())
         .collect()
 }
 

@@ -6,7 +6,8 @@
 //! passing) and `examples/cel_conformance.rs` (which prints the table).
 //!
 //! The cel-spec data is not part of the repository: it is read from
-//! `$HEARTH_CEL_SPEC_DIR`, else `../shared/conformance/cel-spec` next to the checkout.
+//! `$HEARTH_CEL_SPEC_DIR`, else `../shared/conformance/cel-spec` next to the checkout, and both
+//! the test and the example fail when it is not there ([`require_spec_dir`]).
 
 #![allow(dead_code)]
 
@@ -33,6 +34,47 @@ pub fn spec_dir() -> PathBuf {
         Some(d) => PathBuf::from(d),
         None => Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/conformance/cel-spec"),
     }
+}
+
+/// The cel-spec directory of [`spec_dir`] when it holds the conformance data (`proto/` and
+/// `testdata/*.textproto`); else an error that says what is missing, where it looked (and
+/// whether through `$HEARTH_CEL_SPEC_DIR`) and how to provide it.
+pub fn require_spec_dir() -> Result<PathBuf, String> {
+    let dir = spec_dir();
+    let source = if std::env::var_os(SPEC_DIR_VAR).is_some() {
+        format!("{SPEC_DIR_VAR} names it")
+    } else {
+        format!("{SPEC_DIR_VAR} is unset, so the default beside the checkout was used")
+    };
+    let fix = format!(
+        "put the public cel-spec conformance data (the cel-spec repository's `proto/` and \
+         `tests/simple/testdata/`, as `proto/` and `testdata/`) at \
+         ../shared/conformance/cel-spec beside the checkout, or set {SPEC_DIR_VAR} to a \
+         directory holding it"
+    );
+    let missing = if !dir.is_dir() {
+        "no such directory".to_owned()
+    } else if !dir.join("proto").is_dir() {
+        "it has no proto/ directory".to_owned()
+    } else {
+        match std::fs::read_dir(dir.join("testdata")) {
+            Err(e) => format!("its testdata/ directory cannot be read ({e})"),
+            Ok(entries) => {
+                let textprotos = entries
+                    .filter_map(|e| e.ok())
+                    .filter(|e| e.path().extension().is_some_and(|x| x == "textproto"))
+                    .count();
+                if textprotos > 0 {
+                    return Ok(dir);
+                }
+                "its testdata/ directory has no .textproto files".to_owned()
+            }
+        }
+    };
+    Err(format!(
+        "the cel-spec conformance data is missing at {} ({missing}; {source}): {fix}",
+        dir.display()
+    ))
 }
 
 /// The directory of this module's data (baseline, Kubernetes table).

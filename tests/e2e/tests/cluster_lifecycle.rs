@@ -83,18 +83,20 @@ impl HostView {
             .filter_map(|l| l.split_whitespace().nth(4))
             .map(str::to_string)
             .collect();
-        // Rules without their packet counters; no iptables on the host means no rule to leave.
-        let iptables = match Command::new("iptables-save").output() {
-            Ok(out) if out.status.success() => String::from_utf8_lossy(&out.stdout)
-                .lines()
-                .filter(|l| !l.starts_with('#'))
-                .map(|l| match l.split_once(" [") {
-                    Some((chain, _)) if l.starts_with(':') => chain.to_string(),
-                    _ => l.to_string(),
-                })
-                .collect(),
-            _ => BTreeSet::new(),
-        };
+        // Rules without their packet counters. Without iptables-save the rules a cluster left
+        // behind would go unseen, so its absence fails the test instead of passing this check.
+        let iptables = output("iptables-save", &[])
+            .context(
+                "reading the host's iptables rules needs iptables-save: install iptables \
+                 (Debian: apt-get install -y iptables; tests/run-tests installs it)",
+            )?
+            .lines()
+            .filter(|l| !l.starts_with('#'))
+            .map(|l| match l.split_once(" [") {
+                Some((chain, _)) if l.starts_with(':') => chain.to_string(),
+                _ => l.to_string(),
+            })
+            .collect();
         let sysctls = KUBELET_SYSCTLS
             .iter()
             .map(|s| {

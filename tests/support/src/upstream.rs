@@ -1,5 +1,7 @@
 //! The public Hearth example manifests every suite checks against, read from
-//! `../shared/examples/upstream` beside the repository (or `HEARTH_UPSTREAM_EXAMPLES`).
+//! `../shared/examples/upstream` beside the repository (or `HEARTH_UPSTREAM_EXAMPLES`). A test
+//! that asks for them fails, naming where it looked and how to provide them, when the directory,
+//! a named file or every example of a kind is missing: none passes without them.
 
 use std::path::PathBuf;
 
@@ -8,8 +10,22 @@ use serde_json::Value;
 /// Environment variable naming another directory of upstream examples.
 pub const UPSTREAM_EXAMPLES_ENV: &str = "HEARTH_UPSTREAM_EXAMPLES";
 
-/// The upstream examples directory. Panics with the fix when it is missing: every test that
-/// asks for it needs it.
+/// Where the directory was looked up, and how to provide it, as the end of a failure message:
+/// `(<where it came from>): <the fix>`.
+fn how_to_provide() -> String {
+    let source = if std::env::var_os(UPSTREAM_EXAMPLES_ENV).is_some() {
+        format!("{UPSTREAM_EXAMPLES_ENV} names it")
+    } else {
+        format!("{UPSTREAM_EXAMPLES_ENV} is unset, so the default beside the checkout was used")
+    };
+    format!(
+        "({source}): put the public Hearth example manifests at ../shared/examples/upstream \
+         beside the checkout, or set {UPSTREAM_EXAMPLES_ENV} to a directory holding them"
+    )
+}
+
+/// The upstream examples directory. Panics when it is missing, naming where it looked and how
+/// to provide it: every test that asks for it needs it.
 pub fn upstream_dir() -> PathBuf {
     let dir = std::env::var_os(UPSTREAM_EXAMPLES_ENV)
         .map(PathBuf::from)
@@ -18,18 +34,28 @@ pub fn upstream_dir() -> PathBuf {
         });
     assert!(
         dir.is_dir(),
-        "upstream examples not found at {}: check out shared/ beside the repository or set {UPSTREAM_EXAMPLES_ENV}",
-        dir.display()
+        "upstream examples not found at {} {}",
+        dir.display(),
+        how_to_provide()
     );
     dir
 }
 
-/// The path of one upstream example file, e.g. `stub-llmservice.yaml`.
+/// The path of one upstream example file, e.g. `stub-llmservice.yaml`. Panics when the file is
+/// not in the directory.
 pub fn upstream_file(name: &str) -> PathBuf {
-    upstream_dir().join(name)
+    let path = upstream_dir().join(name);
+    assert!(
+        path.is_file(),
+        "upstream example {name} not found at {} {}",
+        path.display(),
+        how_to_provide()
+    );
+    path
 }
 
-/// Every upstream example of `kind`, as JSON, in file-name order.
+/// Every upstream example of `kind`, as JSON, in file-name order. Panics when there is none, so
+/// that a test looping over them cannot pass without checking one.
 pub fn upstream_examples(kind: &str) -> Vec<Value> {
     let dir = upstream_dir();
     let mut paths: Vec<_> = std::fs::read_dir(&dir)
@@ -38,7 +64,7 @@ pub fn upstream_examples(kind: &str) -> Vec<Value> {
         .filter(|p| p.extension().is_some_and(|e| e == "yaml"))
         .collect();
     paths.sort();
-    paths
+    let examples: Vec<Value> = paths
         .into_iter()
         .map(|p| {
             let text = std::fs::read_to_string(&p)
@@ -47,5 +73,12 @@ pub fn upstream_examples(kind: &str) -> Vec<Value> {
                 .unwrap_or_else(|e| panic!("parsing {}: {e}", p.display()))
         })
         .filter(|v| v["kind"] == kind)
-        .collect()
+        .collect();
+    assert!(
+        !examples.is_empty(),
+        "no upstream {kind} examples in {} {}",
+        dir.display(),
+        how_to_provide()
+    );
+    examples
 }
