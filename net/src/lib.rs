@@ -34,8 +34,9 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener};
 use socket2::{Domain, Protocol, Socket, Type};
 
 /// The version the binaries print with `--version`: `HEARTH_VERSION` at compile time
-/// (`build/binaries` sets it to `git describe --tags --always --dirty`; the `build/Containerfile`
-/// build stage takes it as a build argument), else, when unset or empty, the package version
+/// (`build/binaries` sets it to what `build/version` prints: the last commit that changed the
+/// binaries' sources; the `build/Containerfile` build stage takes it as a build argument), else,
+/// when unset or empty, the package version
 /// (`CARGO_PKG_VERSION`, the workspace version).
 ///
 /// A macro, not a `const`: `option_env!` is then read by the crate that prints the version, so
