@@ -13,9 +13,7 @@ use anyhow::{Result, ensure};
 use hearth_e2e_harness::client::{self, Event};
 use hearth_e2e_harness::stack::{self as hstack, ScalerMode};
 use k8s_openapi::api::core::v1::Pod;
-use kube::Api;
-use kube::api::{ApiResource, DeleteParams, DynamicObject};
-use kube::core::GroupVersionKind;
+use kube::api::DeleteParams;
 use serde_json::Value;
 
 use stack::SERVICE;
@@ -86,14 +84,7 @@ async fn unschedulable_runtime_times_out_held_requests() -> Result<()> {
     rt["metadata"]["name"] = Value::from(name.clone());
     rt["spec"]["accelerator"]["resourceName"] = Value::from("hearth.dev/absent-accelerator");
     hstack::apply(&client, rt, None).await?;
-    let runtimes: Api<DynamicObject> = Api::all_with(
-        client.clone(),
-        &ApiResource::from_gvk(&GroupVersionKind::gvk(
-            "serving.hearth.dev",
-            "v1alpha1",
-            "InferenceRuntime",
-        )),
-    );
+    let runtimes = hstack::inference_runtimes(&client);
     let result = async {
         let d = stack::deploy("e2e-absent", ScalerMode::Poll, |o| {
             o["spec"]["runtime"]["name"] = Value::from(name.clone());

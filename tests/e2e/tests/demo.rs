@@ -17,8 +17,7 @@ use hearth_e2e_harness::stack::{self as hstack, ScalerMode};
 use hearth_e2e_harness::timeline::Sample;
 use hearth_test_support::{Cluster, KEEP_NAMESPACES_ENV, Observed, wait_until};
 use k8s_openapi::api::core::v1::{Namespace, Pod, Service};
-use kube::api::{ApiResource, DeleteParams, DynamicObject, ListParams};
-use kube::core::GroupVersionKind;
+use kube::api::{DeleteParams, DynamicObject, ListParams};
 use kube::{Api, Client};
 
 /// The demo's namespaces, one per scaler mode, as `make demo` uses them.
@@ -89,15 +88,7 @@ async fn check_mode(client: &Client, m: &ModeReport, tokens: usize, printed: &st
         m.url
     );
     // KEDA's trigger is the mode's.
-    let so: Api<DynamicObject> = Api::namespaced_with(
-        client.clone(),
-        ns,
-        &ApiResource::from_gvk(&GroupVersionKind::gvk(
-            "keda.sh",
-            "v1alpha1",
-            "ScaledObject",
-        )),
-    );
+    let so = hstack::scaled_objects(client, ns);
     let trigger = so.get(SERVICE).await?.data["spec"]["triggers"][0]["type"].clone();
     ensure!(
         trigger == m.mode.trigger(),
@@ -304,14 +295,7 @@ struct Found {
 }
 
 fn runtimes(client: &Client) -> Api<DynamicObject> {
-    Api::all_with(
-        client.clone(),
-        &ApiResource::from_gvk(&GroupVersionKind::gvk(
-            "serving.hearth.dev",
-            "v1alpha1",
-            "InferenceRuntime",
-        )),
-    )
+    hstack::inference_runtimes(client)
 }
 
 impl Found {

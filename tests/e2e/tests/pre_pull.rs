@@ -15,19 +15,11 @@ use hearth_test_support::{Cluster, Observed, RealNode, describe_pods, wait_until
 use k8s_openapi::api::apps::v1::DaemonSet;
 use k8s_openapi::api::core::v1::Pod;
 use kube::Api;
-use kube::api::{ApiResource, DeleteParams, DynamicObject, ListParams};
-use kube::core::GroupVersionKind;
+use kube::api::{DeleteParams, DynamicObject, ListParams};
 use serde_json::{Value, json};
 
 fn runtimes(client: &kube::Client) -> Api<DynamicObject> {
-    Api::all_with(
-        client.clone(),
-        &ApiResource::from_gvk(&GroupVersionKind::gvk(
-            "serving.hearth.dev",
-            "v1alpha1",
-            "InferenceRuntime",
-        )),
-    )
+    harness::inference_runtimes(client)
 }
 
 /// Deletes the test's runtime (and so, by its owner reference, the DaemonSet) when dropped.

@@ -12,8 +12,7 @@ use std::time::{Duration, Instant, SystemTime};
 use k8s_openapi::api::core::v1::{Namespace, Pod};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-use kube::api::{ApiResource, DynamicObject, ListParams, PostParams};
-use kube::core::GroupVersionKind;
+use kube::api::{ListParams, PostParams};
 use kube::{Api, Client};
 use serde_json::Value;
 
@@ -385,15 +384,7 @@ async fn ensure_namespace(client: &Client, name: &'static str) -> Result<(), Dem
 async fn wait_scaled_to_zero(client: &Client, mode: ScalerMode) -> Result<(), DemoError> {
     let ns = namespace(mode);
     let trigger = mode.trigger();
-    let so: Api<DynamicObject> = Api::namespaced_with(
-        client.clone(),
-        ns,
-        &ApiResource::from_gvk(&GroupVersionKind::gvk(
-            "keda.sh",
-            "v1alpha1",
-            "ScaledObject",
-        )),
-    );
+    let so = stack::scaled_objects(client, ns);
     log(format!(
         "[{}] waiting for phase ScaledToZero and the {trigger} trigger",
         mode.annotation()

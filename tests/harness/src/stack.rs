@@ -27,6 +27,29 @@ pub const HEARTH_DEPLOYMENTS: [&str; 2] = ["hearth-webhook", "hearth-controller"
 pub fn backend_pods(service: &str) -> String {
     format!("app.kubernetes.io/component=backend,serving.hearth.dev/llmservice={service}")
 }
+/// The cluster-scoped `InferenceRuntime` API (`serving.hearth.dev/v1alpha1`), untyped.
+pub fn inference_runtimes(client: &Client) -> Api<DynamicObject> {
+    Api::all_with(
+        client.clone(),
+        &ApiResource::from_gvk(&GroupVersionKind::gvk(
+            "serving.hearth.dev",
+            "v1alpha1",
+            "InferenceRuntime",
+        )),
+    )
+}
+/// KEDA's `ScaledObject` API (`keda.sh/v1alpha1`) in one namespace, untyped.
+pub fn scaled_objects(client: &Client, namespace: &str) -> Api<DynamicObject> {
+    Api::namespaced_with(
+        client.clone(),
+        namespace,
+        &ApiResource::from_gvk(&GroupVersionKind::gvk(
+            "keda.sh",
+            "v1alpha1",
+            "ScaledObject",
+        )),
+    )
+}
 /// Label selector of every gateway pod in a namespace.
 pub const GATEWAY_PODS: &str = "app.kubernetes.io/component=gateway";
 
