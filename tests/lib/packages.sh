@@ -8,6 +8,9 @@
 require_packages() {
   local missing=()
   need() { [[ -e "$1" ]] || missing+=("$2"); }
+  # By the package itself where a file could come from another one (busybox vs busybox-static),
+  # as the cluster's image build checks it.
+  need_package() { dpkg-query -W "$1" >/dev/null 2>&1 || missing+=("$1"); }
   need /usr/bin/openssl openssl
   need /etc/ssl/certs/ca-certificates.crt ca-certificates
   need /usr/share/zoneinfo/UTC tzdata
@@ -17,7 +20,7 @@ require_packages() {
   need /usr/sbin/iptables iptables
   need /usr/sbin/conntrack conntrack
   need /usr/bin/buildah buildah
-  need /bin/busybox busybox-static
+  need_package busybox-static
   need /usr/bin/musl-gcc musl-tools
   need /usr/bin/gcc gcc
   need /usr/lib/x86_64-linux-gnu/libc.a libc6-dev

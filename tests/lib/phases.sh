@@ -39,19 +39,22 @@ phase() {
 }
 
 # phases_from_cargo_log <prefix> <log>: one phase per test binary of a `cargo test` log, from its
-# `Running <target>` line and the `finished in <s>s` of the result that follows (binaries run one
-# after another, so their starts are summed from the first).
+# `Running <target>` line and the `finished in <s>s` of the result that follows, named after the
+# crate (cargo runs a package's unit tests first, then its integration tests, so the last crate
+# whose unit tests ran names the files after it). The binaries ran one after another inside the
+# phase that ran cargo, so these rows have no start of their own.
 phases_from_cargo_log() {
-  local prefix="$1" log="$2" start
+  local prefix="$1" log="$2"
   [[ -f "$log" ]] || return 0
-  start="$(stat -c %Y "$log")"
-  awk -v prefix="$prefix" -v start="$start" '
+  awk -v prefix="$prefix" '
     /^ *Running / {
       name = $2; sub(/^tests\//, "", name)
       if (name == "unittests") {
         # the crate: the binary in (target/debug/deps/<crate>-<hash>)
-        bin = $NF; sub(/\)$/, "", bin); sub(/.*\//, "", bin); sub(/-[0-9a-f]+$/, "", bin)
-        name = bin " (unit tests)"
+        crate = $NF; sub(/\)$/, "", crate); sub(/.*\//, "", crate); sub(/-[0-9a-f]+$/, "", crate)
+        name = crate " (unit tests)"
+      } else if (crate != "") {
+        name = crate ": " name
       }
       next
     }

@@ -127,7 +127,7 @@ HEARTH_IMAGES="$ROOT_DIR/target/images"
 
 KUBECONFIG_PATH="$STATE/kubeconfig"
 NODE_DIR="$STATE/node" # containerd, kubelet and CNI state of the real node
-NS_DIR="$STATE/ns"     # the node's persistent network and mount namespaces (bind mounts)
+NS_DIR="$STATE/ns"     # the node's network namespace (a bind mount) and its mount namespace's holder (mnt.pid)
 NODE_OWNER="$STATE/node-owner" # written before the node's first change to the host: `down`
                                # removes a node only when its state dir has this record
 PIDS="$STATE/pids"

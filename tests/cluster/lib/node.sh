@@ -23,12 +23,18 @@ KUBELET_SYSCTLS=(vm.overcommit_memory vm.panic_on_oom kernel.panic kernel.panic_
 HOST_SYSCTLS_SAVED=/run/hearth-kubelet-sysctls
 
 # node_mnt_ns: prints the path of the node's mount namespace, /proc/<holder>/ns/mnt, where the
-# holder is the process whose PID is in $NS_DIR/mnt.pid and only while that process is in the
-# node's network namespace (so a reused PID is never taken for it); dies otherwise.
+# holder is the process whose PID is in $NS_DIR/mnt.pid, and only while that PID is a `sleep` in
+# the node's cgroup and network namespace (a reused PID, even a host-network container's of this
+# node, is never taken for it); dies otherwise.
 node_mnt_ns() {
-  local pid=""
+  local pid="" exe=""
   [[ -f "$NS_DIR/mnt.pid" ]] && pid="$(<"$NS_DIR/mnt.pid")"
-  if [[ "$pid" =~ ^[0-9]+$ && -e "$NS_DIR/net/ns" && "/proc/$pid/ns/net" -ef "$NS_DIR/net/ns" ]]; then
+  if [[ "$pid" =~ ^[0-9]+$ ]]; then
+    exe="$(readlink "/proc/$pid/exe" 2>/dev/null)" || exe=""
+  fi
+  if [[ -n "$exe" && "$(basename "${exe% (deleted)}")" == sleep && -e "$NS_DIR/net/ns" &&
+    "/proc/$pid/ns/net" -ef "$NS_DIR/net/ns" ]] &&
+    grep -q ":/$NODE_CGROUP/node\$" "/proc/$pid/cgroup" 2>/dev/null; then
     echo "/proc/$pid/ns/mnt"
     return 0
   fi
