@@ -7,7 +7,7 @@
 use std::collections::BTreeMap;
 
 use hearth_crds::wellknown::{
-    COMPONENT_LABEL, FIELD_MANAGER, GATEWAY_LABEL, LLMSERVICE_LABEL, MANAGED_BY,
+    COMPONENT_LABEL, DEPLOYMENT_LABEL, FIELD_MANAGER, GATEWAY_LABEL, LLMSERVICE_LABEL, MANAGED_BY,
 };
 
 use crate::names;
@@ -22,6 +22,10 @@ pub const INSTANCE_LABEL: &str = "app.kubernetes.io/instance";
 pub const PART_OF_LABEL: &str = "app.kubernetes.io/part-of";
 /// `app.kubernetes.io/managed-by`: the controller's watches select on it.
 pub const MANAGED_BY_LABEL: &str = "app.kubernetes.io/managed-by";
+/// `serving.hearth.dev/llmendpoint`: on every child of an `LLMEndpoint` (its shared gateway's
+/// objects and pods, its routing table), naming the endpoint, beside the gateway labels a
+/// service of that name would carry.
+pub const ENDPOINT_LABEL: &str = "serving.hearth.dev/llmendpoint";
 
 /// The label selector of the controller's watches: every object it manages, an upstream Hearth
 /// installation's children (which it adopts), and those of earlier versions of this controller
@@ -39,6 +43,26 @@ pub fn backend_pod_selector() -> String {
         Component::Backend.as_str()
     )
 }
+
+/// The labels of the objects rendered for a plain Deployment `deployment` joined to an
+/// `LLMEndpoint` (see [`crate::names::member`]): `app.kubernetes.io/{name,instance}: <deployment>`,
+/// `managed-by: hearth` (the controller's watches select on it), `component: member`,
+/// `part-of: hearth` and `serving.hearth.dev/deployment: <deployment>`. Never
+/// `serving.hearth.dev/llmservice`: no LLMService owns them.
+pub fn member_labels(deployment: &str) -> BTreeMap<String, String> {
+    BTreeMap::from([
+        (NAME_LABEL.to_owned(), deployment.to_owned()),
+        (INSTANCE_LABEL.to_owned(), deployment.to_owned()),
+        (MANAGED_BY_LABEL.to_owned(), MANAGED_BY.to_owned()),
+        (COMPONENT_LABEL.to_owned(), MEMBER_COMPONENT.to_owned()),
+        (PART_OF_LABEL.to_owned(), "hearth".to_owned()),
+        (DEPLOYMENT_LABEL.to_owned(), deployment.to_owned()),
+    ])
+}
+
+/// `app.kubernetes.io/component` of the objects rendered for a Deployment joined to an
+/// endpoint.
+pub const MEMBER_COMPONENT: &str = "member";
 
 /// A child's role, the value of `app.kubernetes.io/component`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -1,7 +1,11 @@
 //! Hearth's controller: reconciles each `LLMService` into its children — backend Deployment and
 //! Service, gateway Deployment/Service/ServiceAccount/Role/RoleBinding, model cache, prewarm Job
-//! and KEDA `ScaledObject` — and reports status.
+//! and KEDA `ScaledObject` — and each `LLMEndpoint` into a shared gateway with a routing table
+//! for the services it accepts, and plain Deployments that join one (an annotation) into their
+//! Service, member RBAC and `ScaledObject`, and reports status.
 //!
+//! - [`attach`] decides which services (and annotated plain Deployments) an endpoint accepts
+//!   (Gateway API's attachment rules), one pure function every reconciler calls.
 //! - [`mod@render`] turns an `LLMService` and its resolved `InferenceRuntime` into children, offline
 //!   (`hearth-controller render` and the golden tests use it; the reconciler applies its output).
 //! - [`resolve`] picks the runtime (pinned name, or vendor preference, then priority, then name).
@@ -13,6 +17,7 @@
 
 pub mod activation;
 pub mod adopt;
+pub mod attach;
 pub mod diff;
 pub mod labels;
 pub mod leader;

@@ -75,3 +75,12 @@ pub fn stable_hash(bytes: &[u8]) -> u64 {
     }
     h
 }
+
+/// The objects rendered for a plain Deployment `deployment` that joins an `LLMEndpoint` (its
+/// `serving.hearth.dev/endpoint` annotation): the Service the endpoint's gateway finds its pods
+/// through, the Role and RoleBinding letting that gateway read its EndpointSlices, and the
+/// ScaledObject: `<name>-hearth`. A Deployment name of at most 56 characters
+/// (`hearth_crds::rules::MAX_MEMBER_NAME_LEN`) keeps the Service name within 63.
+pub fn member(deployment: &str) -> String {
+    format!("{deployment}-hearth")
+}

@@ -35,6 +35,9 @@ pub const PREWARMED: &str = "Prewarmed";
 /// service is rendered; the message lists the warnings); `False` with the first error's reason
 /// (nothing is rendered).
 pub const VALIDATED: &str = "Validated";
+/// `EndpointAccepted`: with `spec.endpoint.sharedEndpointRef`, whether the LLMEndpoint accepts
+/// the service (reasons: [`hearth_crds::llmendpoint::AttachReason`]).
+pub const ENDPOINT_ACCEPTED: &str = hearth_crds::llmendpoint::CONDITION_ENDPOINT_ACCEPTED;
 /// The `Validated=True` reason of a spec without findings.
 pub const VALID: &str = "Valid";
 

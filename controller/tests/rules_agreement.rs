@@ -11,6 +11,11 @@
 //! | `WaitsForRuntime(field)` | allowed, a warning naming `field` | nothing rendered, `RuntimeResolved=False`, phase `Pending` |
 //! | `WaitsForPolicy` | allowed, no warning | nothing rendered, `Ready=False` `PolicyFailed`, phase `Degraded` |
 //!
+//! A second table does the same for plain Deployments joining an `LLMEndpoint` (the
+//! `serving.hearth.dev/endpoint` annotation): the webhook's review of the Deployment against the
+//! controller's `attach` and `reconcile::decide_member` (joined, joined with a warning naming
+//! the field, or denied ⇔ `InvalidMember` with nothing rendered).
+//!
 //! `WaitsForRuntime` and `WaitsForPolicy` are the deliberate differences (docs/webhook.md): a
 //! runtime that does not exist yet is a warning at admission, so unordered applies (GitOps,
 //! `kubectl apply -f dir/`) do not fail, and the controller waits for it; a fraction on a
@@ -20,11 +25,14 @@
 
 use hearth_controller::{
     RenderConfig,
-    reconcile::{Desired, desired},
+    attach::{EndpointKey, attach},
+    reconcile::{Desired, MemberDecision, MemberOutcome, MemberView, decide_member, desired},
     status::{self, Cond},
 };
-use hearth_crds::{InferenceRuntime, LLMService, LLMServicePhase};
+use hearth_crds::{InferenceRuntime, LLMEndpoint, LLMService, LLMServicePhase};
 use hearth_webhook::{Endpoint, Snapshot, handle};
+use k8s_openapi::api::apps::v1::Deployment;
+use kube::ResourceExt;
 use rstest::rstest;
 use serde_json::{Value, json};
 
@@ -36,6 +44,7 @@ enum Verdict {
     WaitsForRuntime(&'static str),
     WaitsForPolicy,
 }
+use Joining::*;
 use Verdict::*;
 
 fn runtime(name: &str, vendor: &str, sharing: bool, args: Value) -> InferenceRuntime {
@@ -144,7 +153,7 @@ fn admit(svc: &Value) -> (bool, Vec<String>, Vec<String>) {
 fn reconcile_plan(svc: &Value) -> Desired {
     let svc: LLMService = serde_json::from_value(svc.clone()).expect("a decodable LLMService");
     let cfg = RenderConfig::builtin().expect("the built-in policies compile");
-    desired(&svc, &runtimes(), &cfg, true)
+    desired(&svc, &runtimes(), &cfg, true, None)
 }
 
 fn cond<'a>(plan: &'a Desired, type_: &str) -> &'a Cond {
@@ -311,4 +320,194 @@ fn the_name_limit_is_the_child_names_limit() {
         hearth_crds::rules::MAX_NAME_LEN,
         hearth_controller::names::MAX_SERVICE_NAME_LEN
     );
+}
+
+// Plain Deployments joining an endpoint: the webhook's review of the Deployment (the workload
+// path) and the controller's decision (`attach`, then `reconcile::decide_member`) agree.
+
+/// How a Deployment with the endpoint annotation fares on both paths.
+#[derive(Debug, Clone, Copy)]
+enum Joining {
+    /// Admitted without a warning; accepted and its objects rendered.
+    Joins,
+    /// Admitted with a warning naming the field; accepted, rendered, the warning in its Event.
+    JoinsWarned(&'static str),
+    /// Denied with a cause on the field; `InvalidMember`, nothing rendered, the note naming the
+    /// field.
+    NotJoined(&'static str),
+}
+
+fn member_deployment(name: &str, patch: Value) -> Value {
+    let mut d = json!({
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {
+            "name": name, "namespace": "team-a", "uid": "dep-uid",
+            "annotations": {
+                "serving.hearth.dev/runtime": "gpu",
+                "serving.hearth.dev/endpoint": "shared",
+                "serving.hearth.dev/model": "qwen",
+            },
+        },
+        "spec": {
+            "selector": {"matchLabels": {"app": "qwen"}},
+            "template": {
+                "metadata": {"labels": {"app": "qwen"}},
+                "spec": {"containers": [{"name": "vllm", "image": "vllm/vllm-openai:v0.8.5",
+                    "args": ["--served-model-name=qwen"],
+                    "ports": [{"name": "http", "containerPort": 8000}]}]},
+            },
+        },
+    });
+    hearth_test_support::merge_json(&mut d, patch);
+    if let Some(a) = d["metadata"]["annotations"].as_object_mut() {
+        a.retain(|_, v| !v.is_null());
+    }
+    d
+}
+
+fn admit_deployment(d: &Value) -> (bool, Vec<String>, Vec<String>) {
+    let review = json!({
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": {
+            "uid": "705ab4f5-6393-11e8-b7cc-42010a800003",
+            "kind": {"group": "apps", "version": "v1", "kind": "Deployment"},
+            "resource": {"group": "apps", "version": "v1", "resource": "deployments"},
+            "name": d["metadata"]["name"],
+            "namespace": "team-a",
+            "operation": "CREATE",
+            "userInfo": {"username": "alice"},
+            "object": d,
+            "oldObject": null,
+        }
+    });
+    let snapshot = Snapshot::with_runtimes(runtimes());
+    let answer = handle(Endpoint::Validate, review.to_string().as_bytes(), &snapshot)
+        .expect("an AdmissionReview answer");
+    let v = serde_json::to_value(&answer.review).unwrap();
+    let r = &v["response"];
+    let warnings = r["warnings"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|s| s.as_str().map(str::to_owned))
+        .collect();
+    let causes = r["status"]["details"]["causes"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|c| c["field"].as_str().map(str::to_owned))
+        .collect();
+    (r["allowed"] == true, warnings, causes)
+}
+
+fn decide(d: &Value) -> MemberOutcome {
+    let d: Deployment = serde_json::from_value(d.clone()).expect("a decodable Deployment");
+    let ep: LLMEndpoint = serde_json::from_value(json!({
+        "apiVersion": "serving.hearth.dev/v1alpha1",
+        "kind": "LLMEndpoint",
+        "metadata": {"name": "shared", "namespace": "team-a", "uid": "ep-uid"},
+        "spec": {},
+    }))
+    .unwrap();
+    let key = EndpointKey::of(&ep);
+    let a = attach(
+        &key,
+        Some(&ep),
+        std::iter::empty(),
+        [&d],
+        &Default::default(),
+    );
+    let verdict = a.deployment_verdict("team-a", &d.name_any());
+    let view = MemberView {
+        keda_installed: true,
+        ..Default::default()
+    };
+    let cfg = RenderConfig::builtin().expect("the built-in policies compile");
+    decide_member(&d, verdict, Some(&ep), &runtimes(), &view, &cfg)
+}
+
+#[rstest]
+#[case::plain(json!({}), Joins)]
+#[case::every_annotation(json!({"metadata": {"annotations": {
+    "serving.hearth.dev/min-replicas": "1", "serving.hearth.dev/max-replicas": "3",
+    "serving.hearth.dev/target": "5", "serving.hearth.dev/activation-timeout": "90s",
+    "serving.hearth.dev/cold-start": "reject", "serving.hearth.dev/scaler": "push",
+}}}), Joins)]
+#[case::no_model(json!({"metadata": {"annotations": {"serving.hearth.dev/model": null}}}), NotJoined("metadata.annotations[\"serving.hearth.dev/model\"]"))]
+#[case::bad_endpoint(json!({"metadata": {"annotations": {"serving.hearth.dev/endpoint": "Shared"}}}), NotJoined("metadata.annotations[\"serving.hearth.dev/endpoint\"]"))]
+#[case::bad_min(json!({"metadata": {"annotations": {"serving.hearth.dev/min-replicas": "x"}}}), NotJoined("metadata.annotations[\"serving.hearth.dev/min-replicas\"]"))]
+#[case::min_above_max(json!({"metadata": {"annotations": {"serving.hearth.dev/min-replicas": "2"}}}), NotJoined("metadata.annotations[\"serving.hearth.dev/min-replicas\"]"))]
+#[case::bad_target(json!({"metadata": {"annotations": {"serving.hearth.dev/target": "0"}}}), NotJoined("metadata.annotations[\"serving.hearth.dev/target\"]"))]
+#[case::bad_timeout(json!({"metadata": {"annotations": {"serving.hearth.dev/activation-timeout": "-5m"}}}), NotJoined("metadata.annotations[\"serving.hearth.dev/activation-timeout\"]"))]
+#[case::bad_cold_start(json!({"metadata": {"annotations": {"serving.hearth.dev/cold-start": "Reject"}}}), NotJoined("metadata.annotations[\"serving.hearth.dev/cold-start\"]"))]
+#[case::bad_scaler(json!({"metadata": {"annotations": {"serving.hearth.dev/scaler": "both"}}}), NotJoined("metadata.annotations[\"serving.hearth.dev/scaler\"]"))]
+#[case::no_match_labels(json!({"spec": {"selector": {"matchLabels": null, "matchExpressions": [{"key": "app", "operator": "Exists"}]}}}), NotJoined("spec.selector.matchLabels"))]
+#[case::an_unknown_container(json!({"metadata": {"annotations": {"serving.hearth.dev/container": "engine"}}}), NotJoined("metadata.annotations[\"serving.hearth.dev/container\"]"))]
+#[case::an_llmservices_backend(json!({"metadata": {"ownerReferences": [{"apiVersion": "serving.hearth.dev/v1alpha1", "kind": "LLMService", "name": "qwen", "uid": "u", "controller": true}]}}), NotJoined("metadata.annotations[\"serving.hearth.dev/endpoint\"]"))]
+#[case::served_under_another_name(json!({"spec": {"template": {"spec": {"containers": [{"name": "vllm", "image": "vllm/vllm-openai:v0.8.5", "args": ["--served-model-name=other"], "ports": [{"name": "http", "containerPort": 8000}]}]}}}}), JoinsWarned("metadata.annotations[\"serving.hearth.dev/model\"]"))]
+#[case::expressions_beside_labels(json!({"spec": {"selector": {"matchExpressions": [{"key": "tier", "operator": "Exists"}]}}}), JoinsWarned("spec.selector.matchExpressions"))]
+// No port declared: the runtime's (the built-in serving defaults add it at admission).
+#[case::no_port_the_runtimes(json!({"spec": {"template": {"spec": {"containers": [{"name": "vllm", "image": "vllm/vllm-openai:v0.8.5", "args": ["--served-model-name=qwen"]}]}}}}), Joins)]
+fn deployments_joining_agree(#[case] patch: Value, #[case] joining: Joining) {
+    check_joining(member_deployment("vllm-qwen", patch), joining);
+}
+
+#[rstest]
+#[case::longest("a".repeat(56), Joins)]
+#[case::too_long("a".repeat(57), NotJoined("metadata.name"))]
+#[case::dotted("vllm.qwen".to_owned(), NotJoined("metadata.name"))]
+#[case::digit_first("7b".to_owned(), NotJoined("metadata.name"))]
+fn deployment_names_agree(#[case] name: String, #[case] joining: Joining) {
+    check_joining(member_deployment(&name, json!({})), joining);
+}
+
+fn check_joining(d: Value, joining: Joining) {
+    let (allowed, warnings, denied) = admit_deployment(&d);
+    let out = decide(&d);
+    let joined = matches!(out.decision, MemberDecision::Join(_));
+    match joining {
+        Joins => {
+            assert!(
+                allowed && warnings.is_empty(),
+                "webhook: {warnings:?} {denied:?}"
+            );
+            assert!(
+                joined && out.state.warnings.is_empty(),
+                "controller: {:?}",
+                out.state
+            );
+            assert_eq!(out.state.reason, "Accepted");
+        }
+        JoinsWarned(field) => {
+            assert!(allowed, "webhook denied {denied:?}");
+            assert!(
+                warnings
+                    .iter()
+                    .any(|w| w.starts_with(&format!("{field}: "))),
+                "webhook warnings {warnings:?}"
+            );
+            assert!(joined, "controller: {:?}", out.state);
+            assert!(
+                out.state
+                    .warnings
+                    .iter()
+                    .any(|w| w.starts_with(&format!("{field}: "))),
+                "controller warnings {:?}",
+                out.state.warnings
+            );
+        }
+        NotJoined(field) => {
+            assert!(!allowed, "webhook allowed, warnings {warnings:?}");
+            assert_eq!(
+                denied.first().map(String::as_str),
+                Some(field),
+                "{denied:?}"
+            );
+            assert!(!joined, "controller joined");
+            assert_eq!(out.state.reason, "InvalidMember", "{:?}", out.state);
+            assert!(out.state.note.contains(field), "{}", out.state.note);
+        }
+    }
 }

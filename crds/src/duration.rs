@@ -91,7 +91,9 @@ pub fn parse_duration(input: &str) -> Result<StdDuration, DurationError> {
             if scale == 0 {
                 break;
             }
-            value += u128::from(digit - b'0') * scale;
+            value = value
+                .checked_add(u128::from(digit - b'0') * scale)
+                .ok_or_else(|| DurationError::Overflow(input.to_owned()))?;
         }
         total = total
             .checked_add(value)
@@ -266,10 +268,14 @@ mod tests {
         assert!(!err.to_string().is_empty());
     }
 
-    #[test]
-    fn rejects_overflow() {
+    #[rstest]
+    #[case("9999999999999999h")]
+    // The whole hours fit in u128 nanoseconds, their fraction does not: an overflow, not a
+    // panic (debug) or a value wrapped around to half an hour (release).
+    #[case("94522879700260684295381835.9h")]
+    fn rejects_overflow(#[case] input: &str) {
         assert!(matches!(
-            parse_duration("9999999999999999h"),
+            parse_duration(input),
             Err(DurationError::Overflow(_))
         ));
     }

@@ -3,6 +3,7 @@
 //! - [`LLMService`] (namespaced): what model to serve and how to scale it.
 //! - [`InferenceRuntime`] (cluster-scoped): a backend driver as data.
 //! - [`ServingPolicy`] (cluster-scoped): a platform team's CEL policy.
+//! - [`LLMEndpoint`] (namespaced): one OpenAI base URL for many services, routed by `model`.
 //!
 //! The CRD manifests under `crds/` are generated from these types by
 //! `cargo run -p hearth-crds --example crdgen` and checked fresh by this crate's tests.
@@ -10,6 +11,7 @@
 pub mod cron;
 pub mod duration;
 pub mod inferenceruntime;
+pub mod llmendpoint;
 pub mod llmservice;
 pub mod model_uri;
 pub mod naming;
@@ -21,6 +23,7 @@ pub mod wellknown;
 
 pub use duration::{Duration, DurationError, go_duration, parse_duration};
 pub use inferenceruntime::{InferenceRuntime, InferenceRuntimeSpec, InferenceRuntimeStatus};
+pub use llmendpoint::{LLMEndpoint, LLMEndpointSpec, LLMEndpointStatus};
 pub use llmservice::{
     Activation, ActivationPhases, LLMService, LLMServicePhase, LLMServiceSpec, LLMServiceStatus,
     Wake, WakePhases,
@@ -41,6 +44,7 @@ pub fn crds() -> Vec<(&'static str, CustomResourceDefinition)> {
         ("llmservices.yaml", LLMService::crd()),
         ("inferenceruntimes.yaml", InferenceRuntime::crd()),
         ("servingpolicies.yaml", ServingPolicy::crd()),
+        ("llmendpoints.yaml", LLMEndpoint::crd()),
     ]
 }
 

@@ -450,6 +450,15 @@ pub struct EndpointSpec {
     /// public API.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub api_key_secret_ref: Option<ApiKeySecretRef>,
+
+    /// sharedEndpointRef joins an LLMEndpoint: clients reach the model at the endpoint's URL
+    /// under the service's name, and the service renders no gateway of its own. Where the
+    /// endpoint does not accept it (missing, namespace not allowed, model name taken) the
+    /// service keeps its own gateway and its `EndpointAccepted` condition says why. While
+    /// attached, `replicas` and `apiKeySecretRef` here do not apply (the endpoint's do). A
+    /// Hearth extension of the public API.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shared_endpoint_ref: Option<crate::llmendpoint::EndpointReference>,
 }
 
 impl Default for EndpointSpec {
@@ -459,6 +468,7 @@ impl Default for EndpointSpec {
             cold_start: ColdStartSpec::default(),
             replicas: None,
             api_key_secret_ref: None,
+            shared_endpoint_ref: None,
         }
     }
 }

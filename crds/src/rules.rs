@@ -2,6 +2,10 @@
 //! admission webhook and the controller apply, so a service the webhook admits is one the
 //! controller renders, and one it denies is one the controller refuses.
 //!
+//! [`check_llmendpoint`] is the same for an `LLMEndpoint` (a shared gateway for many services),
+//! and [`check_deployment`] (with [`check_member_serving`]) for a plain `Deployment` that joins
+//! one with the `serving.hearth.dev/endpoint` annotation.
+//!
 //! [`check_llmservice`] returns typed [`Finding`]s: the field, a message that names the fix, a
 //! [`Severity`] and a [`Reason`].
 //!
@@ -16,19 +20,41 @@
 //! purpose (a warning at admission, `RuntimeResolved=False` in the controller; see
 //! docs/webhook.md). With `runtime: None` the checks that need the runtime are skipped.
 
-use std::fmt;
+use std::{collections::BTreeMap, fmt};
 
-use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::{
+    api::{
+        apps::v1::Deployment,
+        core::v1::{Container, ContainerPort},
+    },
+    apimachinery::pkg::{
+        api::resource::Quantity,
+        apis::meta::v1::{LabelSelector, ObjectMeta},
+        util::intstr::IntOrString,
+    },
+};
 
 use crate::{
-    InferenceRuntime, LLMService, cron,
+    InferenceRuntime, LLMEndpoint, LLMService, cron,
+    duration::Duration,
     inferenceruntime::{RuntimeEngineCall, RuntimeSleepMode},
-    llmservice::{CacheSpec, CacheStrategy, ScalingMetric, ScalingSpec},
+    llmendpoint::{EndpointReference, FromNamespaces},
+    llmservice::{
+        CacheSpec, CacheStrategy, ColdStartMode, ColdStartSpec, ScalingMetric, ScalingSpec,
+    },
     model_uri::{ModelUri, parse_model_uri},
-    naming::{is_dns1035_label, is_dns1123_label, is_dns1123_subdomain},
+    naming::{
+        check_qualified_name, is_dns1035_label, is_dns1123_label, is_dns1123_subdomain,
+        is_label_value,
+    },
     quantity::{is_negative, is_quantity},
     template,
-    wellknown::SCALER_ANNOTATION,
+    wellknown::{
+        ACTIVATION_TIMEOUT_ANNOTATION, COLD_START_ANNOTATION, CONTAINER_ANNOTATION,
+        DEFAULT_MEMBER_MAX_REPLICAS, DEFAULT_MEMBER_MIN_REPLICAS, ENDPOINT_ANNOTATION,
+        MAX_REPLICAS_ANNOTATION, MIN_REPLICAS_ANNOTATION, MODEL_ANNOTATION, RUNTIME_ANNOTATION,
+        SCALER_ANNOTATION, TARGET_ANNOTATION,
+    },
 };
 
 /// Longest `LLMService` name whose children all get valid names: Service names are RFC 1035
@@ -216,8 +242,13 @@ pub enum ScalerMode {
 
 /// The scaler mode of `svc`: its [`SCALER_ANNOTATION`], `poll` when absent or empty.
 pub fn scaler_mode(svc: &LLMService) -> Result<ScalerMode, Finding> {
-    match svc
-        .metadata
+    scaler_mode_of(&svc.metadata)
+}
+
+/// The scaler mode an object's metadata asks for with [`SCALER_ANNOTATION`] (an `LLMService`,
+/// or an `LLMEndpoint`, whose mode its attached services follow), `poll` when absent or empty.
+pub fn scaler_mode_of(metadata: &ObjectMeta) -> Result<ScalerMode, Finding> {
+    match metadata
         .annotations
         .as_ref()
         .and_then(|a| a.get(SCALER_ANNOTATION))
@@ -514,6 +545,9 @@ pub fn check_llmservice(svc: &LLMService, runtime: Option<&InferenceRuntime>) ->
     for (i, s) in spec.image_pull_secrets.iter().enumerate() {
         object_name(&mut f, &format!("spec.imagePullSecrets[{i}].name"), &s.name);
     }
+    if let Some(r) = &spec.endpoint.shared_endpoint_ref {
+        shared_endpoint_ref(&mut f, r, &spec.endpoint);
+    }
 
     // argsOverride entries are rendered as templates too (as upstream).
     for (i, arg) in spec.runtime.args_override.iter().enumerate() {
@@ -763,6 +797,759 @@ fn warm_windows(f: &mut Findings, s: &ScalingSpec) {
             );
         }
     }
+}
+
+/// `spec.endpoint.sharedEndpointRef`: a reference the CRD's patterns admit (checked here too,
+/// so the rules and the schema agree), and the gateway fields that apply only while the
+/// service has a gateway of its own.
+fn shared_endpoint_ref(
+    f: &mut Findings,
+    r: &crate::llmendpoint::EndpointReference,
+    endpoint: &crate::llmservice::EndpointSpec,
+) {
+    if r.name.len() > 63 || !is_dns1035_label(&r.name) {
+        f.error(
+            Reason::InvalidSpec,
+            "spec.endpoint.sharedEndpointRef.name",
+            format!(
+                "{:?} is not an LLMEndpoint name (lowercase letters, digits and '-', starting \
+                 with a letter, at most 63)",
+                r.name
+            ),
+        );
+    }
+    if let Some(ns) = &r.namespace
+        && !is_dns1123_label(ns)
+    {
+        f.error(
+            Reason::InvalidSpec,
+            "spec.endpoint.sharedEndpointRef.namespace",
+            format!(
+                "{ns:?} is not a namespace name (lowercase letters, digits and '-', at most 63); \
+                 remove it to use the service's own namespace"
+            ),
+        );
+    }
+    for (field, set) in [
+        ("spec.endpoint.replicas", endpoint.replicas.is_some()),
+        (
+            "spec.endpoint.apiKeySecretRef",
+            endpoint.api_key_secret_ref.is_some(),
+        ),
+    ] {
+        if set {
+            f.warn(
+                Reason::FieldIgnored,
+                field,
+                "applies only while the service has its own gateway: once the LLMEndpoint \
+                 named by spec.endpoint.sharedEndpointRef accepts the service, the endpoint's \
+                 spec.replicas and spec.apiKeySecretRef apply instead; remove it, or keep it for \
+                 when the service is not accepted",
+            );
+        }
+    }
+}
+
+/// Most gateway replicas of an `LLMEndpoint` (and of a service's own gateway): the CRD's
+/// `maximum`.
+pub const MAX_GATEWAY_REPLICAS: i32 = 20;
+
+/// Longest `LLMEndpoint` name whose children all get valid names: the client Service takes the
+/// name itself (an RFC 1035 label), the Deployment's pods carry `<name>-gateway` as a label
+/// value (at most 63).
+pub const MAX_ENDPOINT_NAME_LEN: usize = 63 - "-gateway".len();
+
+/// Checks whether `ep` can be rendered: the one function the admission webhook and the
+/// controller apply to an `LLMEndpoint` (errors deny it at admission, and in the controller
+/// make its `Accepted` condition False with nothing rendered). The CRD's own checks
+/// (`allowedServices.namespaces`: a selector exactly with `from: Selector`; `replicas` 1–20) are
+/// repeated here so both agree; what the schema cannot say (a label selector's shape, the name
+/// of the objects it renders, the scaler annotation) is only here.
+pub fn check_llmendpoint(ep: &LLMEndpoint) -> Findings {
+    let mut f = Findings::default();
+    if let Some(name) = ep.metadata.name.as_deref().filter(|n| !n.is_empty()) {
+        if name.len() > MAX_ENDPOINT_NAME_LEN {
+            f.error(
+                Reason::InvalidSpec,
+                "metadata.name",
+                format!(
+                    "{name:?} is longer than {MAX_ENDPOINT_NAME_LEN} characters; the gateway's \
+                     pods carry <name>-gateway as a label value, which must fit 63; choose a \
+                     shorter name"
+                ),
+            );
+        } else if !is_dns1035_label(name) {
+            f.error(
+                Reason::InvalidSpec,
+                "metadata.name",
+                format!(
+                    "{name:?} cannot name the endpoint's children: its client Service takes this \
+                     name, and Service names are lowercase letters, digits and '-', starting with \
+                     a letter and ending alphanumeric (no '.'); rename the LLMEndpoint"
+                ),
+            );
+        }
+    }
+    if let Err(e) = scaler_mode_of(&ep.metadata) {
+        f.0.push(e);
+    }
+    if let Some(r) = ep.spec.replicas
+        && !(1..=MAX_GATEWAY_REPLICAS).contains(&r)
+    {
+        f.error(
+            Reason::InvalidSpec,
+            "spec.replicas",
+            format!("{r} is not between 1 and {MAX_GATEWAY_REPLICAS}; set the number of gateway replicas in that range"),
+        );
+    }
+    let ns = &ep.spec.allowed_services.namespaces;
+    let field = "spec.allowedServices.namespaces.selector";
+    match (ns.from, &ns.selector) {
+        (FromNamespaces::Selector, None) => f.error(
+            Reason::InvalidSpec,
+            field,
+            "is required with from: Selector; set a label selector of the namespaces whose \
+             services may join (for example matchLabels: {hearth.dev/shared-endpoint: \"true\"})",
+        ),
+        (FromNamespaces::Selector, Some(sel)) => label_selector(&mut f, field, sel),
+        (from, Some(_)) => f.error(
+            Reason::InvalidSpec,
+            field,
+            format!(
+                "is only used with from: Selector, and from is {from:?}; remove the selector or \
+                 set from: Selector"
+            ),
+        ),
+        (_, None) => {}
+    }
+    f
+}
+
+/// A `metav1.LabelSelector` the apiserver's `LabelSelectorAsSelector` accepts: qualified label
+/// keys, label values, the four operators, values exactly with `In` and `NotIn`.
+fn label_selector(f: &mut Findings, field: &str, sel: &LabelSelector) {
+    for (k, v) in sel.match_labels.iter().flatten() {
+        let at = format!("{field}.matchLabels[{k:?}]");
+        if let Err(why) = check_qualified_name(k) {
+            f.error(Reason::InvalidSpec, &at, format!("the key {why}"));
+        }
+        if !is_label_value(v) {
+            f.error(
+                Reason::InvalidSpec,
+                at,
+                format!(
+                    "the value {v:?} is not a label value: at most 63 letters, digits, '-', '_' \
+                     and '.', starting and ending alphanumeric"
+                ),
+            );
+        }
+    }
+    for (i, e) in sel.match_expressions.iter().flatten().enumerate() {
+        let at = |name: &str| format!("{field}.matchExpressions[{i}].{name}");
+        if let Err(why) = check_qualified_name(&e.key) {
+            f.error(
+                Reason::InvalidSpec,
+                at("key"),
+                format!("{:?}: the key {why}", e.key),
+            );
+        }
+        let values = e.values.as_deref().unwrap_or_default();
+        match e.operator.as_str() {
+            "In" | "NotIn" if values.is_empty() => f.error(
+                Reason::InvalidSpec,
+                at("values"),
+                format!(
+                    "must not be empty with operator {}; list the label values",
+                    e.operator
+                ),
+            ),
+            "In" | "NotIn" => {
+                for (j, v) in values.iter().enumerate() {
+                    if !is_label_value(v) {
+                        f.error(
+                            Reason::InvalidSpec,
+                            format!("{field}.matchExpressions[{i}].values[{j}]"),
+                            format!("{v:?} is not a label value"),
+                        );
+                    }
+                }
+            }
+            "Exists" | "DoesNotExist" if !values.is_empty() => f.error(
+                Reason::InvalidSpec,
+                at("values"),
+                format!("must be empty with operator {}; remove them", e.operator),
+            ),
+            "Exists" | "DoesNotExist" => {}
+            other => f.error(
+                Reason::InvalidSpec,
+                at("operator"),
+                format!("{other:?} is not an operator; use In, NotIn, Exists or DoesNotExist"),
+            ),
+        }
+    }
+}
+
+/// Longest name of a Deployment that joins an endpoint: its Service `<name>-hearth` (the
+/// gateway finds the engines through its EndpointSlices) must be an RFC 1035 label of at most
+/// 63 characters.
+pub const MAX_MEMBER_NAME_LEN: usize = 63 - "-hearth".len();
+
+/// Longest model name of [`MODEL_ANNOTATION`].
+pub const MAX_MODEL_NAME_LEN: usize = 256;
+
+/// The annotations of a Deployment that joins an endpoint, besides [`ENDPOINT_ANNOTATION`] (and
+/// the scaler annotation, which LLMServices read too): without the endpoint annotation each is
+/// ignored (a warning).
+pub const MEMBER_ANNOTATIONS: [&str; 6] = [
+    MODEL_ANNOTATION,
+    MIN_REPLICAS_ANNOTATION,
+    MAX_REPLICAS_ANNOTATION,
+    TARGET_ANNOTATION,
+    ACTIVATION_TIMEOUT_ANNOTATION,
+    COLD_START_ANNOTATION,
+];
+
+/// What a Deployment with [`ENDPOINT_ANNOTATION`] asks for, from its annotations, defaults
+/// filled in (an LLMService's defaults, see [`crate::wellknown`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct DeploymentMember {
+    /// The endpoint, its namespace `None` for the Deployment's own.
+    pub endpoint: EndpointReference,
+    /// The model name clients send ([`MODEL_ANNOTATION`]).
+    pub model: String,
+    /// How KEDA reads the demand ([`SCALER_ANNOTATION`]).
+    pub scaler: ScalerMode,
+    /// [`MIN_REPLICAS_ANNOTATION`].
+    pub min_replicas: i32,
+    /// [`MAX_REPLICAS_ANNOTATION`].
+    pub max_replicas: i32,
+    /// [`TARGET_ANNOTATION`].
+    pub target: i32,
+    /// [`ACTIVATION_TIMEOUT_ANNOTATION`].
+    pub activation_timeout: Duration,
+    /// [`COLD_START_ANNOTATION`].
+    pub cold_start: ColdStartMode,
+}
+
+impl DeploymentMember {
+    /// The scaling an LLMService with these settings has: `min`, `max`, `target` and
+    /// `activationTimeout` from the annotations, the rest (`scaleDownStabilization`, ...) the
+    /// LLMService defaults.
+    pub fn scaling(&self) -> ScalingSpec {
+        ScalingSpec {
+            min: self.min_replicas,
+            max: self.max_replicas,
+            target: self.target,
+            activation_timeout: self.activation_timeout.clone(),
+            ..ScalingSpec::default()
+        }
+    }
+
+    /// The cold-start settings: the mode from [`COLD_START_ANNOTATION`], the heartbeat interval
+    /// the LLMService default.
+    pub fn cold_start(&self) -> ColdStartSpec {
+        ColdStartSpec {
+            mode: self.cold_start,
+            ..ColdStartSpec::default()
+        }
+    }
+}
+
+/// The outcome of [`check_deployment`].
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct MemberCheck {
+    /// What the Deployment asks for, when it joins an endpoint and no finding is an error.
+    pub member: Option<DeploymentMember>,
+    /// Every finding, in field order; fields are paths in the Deployment
+    /// (`metadata.annotations["serving.hearth.dev/model"]`).
+    pub findings: Findings,
+}
+
+fn annotation_field(key: &str) -> String {
+    format!("metadata.annotations[{key:?}]")
+}
+
+fn annotation<'a>(meta: &'a ObjectMeta, key: &str) -> Option<&'a str> {
+    meta.annotations
+        .as_ref()
+        .and_then(|a| a.get(key))
+        .map(String::as_str)
+}
+
+/// The endpoint a Deployment joins ([`ENDPOINT_ANNOTATION`]: `<name>` or `<namespace>/<name>`);
+/// `None` without the annotation, the finding when it is not a reference.
+pub fn deployment_endpoint(meta: &ObjectMeta) -> Option<Result<EndpointReference, Finding>> {
+    let value = annotation(meta, ENDPOINT_ANNOTATION)?;
+    let bad = |why: String| {
+        Some(Err(Finding::new(
+            Severity::Error,
+            Reason::InvalidSpec,
+            annotation_field(ENDPOINT_ANNOTATION),
+            format!(
+                "{value:?} {why}; write <name> (an LLMEndpoint of the Deployment's namespace) or \
+                 <namespace>/<name>, or remove the annotation to leave the endpoint"
+            ),
+        )))
+    };
+    let (namespace, name) = match value.split_once('/') {
+        Some((ns, name)) => (Some(ns), name),
+        None => (None, value),
+    };
+    if name.len() > 63 || !is_dns1035_label(name) {
+        return bad(
+            "does not name an LLMEndpoint (lowercase letters, digits and '-', starting with a \
+             letter, at most 63)"
+                .to_owned(),
+        );
+    }
+    if let Some(ns) = namespace
+        && !is_dns1123_label(ns)
+    {
+        return bad(format!(
+            "names the namespace {ns:?}, which is not a namespace name (lowercase letters, \
+             digits and '-', at most 63)"
+        ));
+    }
+    Some(Ok(EndpointReference {
+        name: name.to_owned(),
+        namespace: namespace.map(str::to_owned),
+    }))
+}
+
+/// A whole number of an annotation, at least `min`; `default` when absent.
+fn int_annotation(f: &mut Findings, meta: &ObjectMeta, key: &str, min: i32, default: i32) -> i32 {
+    let Some(v) = annotation(meta, key) else {
+        return default;
+    };
+    match v.trim().parse::<i32>() {
+        Ok(n) if n >= min => n,
+        _ => {
+            f.error(
+                Reason::InvalidSpec,
+                annotation_field(key),
+                format!(
+                    "{v:?} is not a whole number of at least {min}; write one like \"{}\", or \
+                     remove the annotation for the default ({default})",
+                    default.max(min)
+                ),
+            );
+            default
+        }
+    }
+}
+
+/// Checks whether a Deployment can join the endpoint its [`ENDPOINT_ANNOTATION`] names: the one
+/// function the admission webhook (errors deny the Deployment, warnings are admission
+/// warnings) and the controller (errors keep it off the endpoint: `InvalidMember` in the
+/// endpoint's `status.conflicts`, and an Event on the Deployment) apply. Without the annotation
+/// the Deployment joins nothing, and the other member annotations are warnings.
+///
+/// What needs the Deployment's runtime (which container and port serve the model) is
+/// [`check_member_serving`].
+pub fn check_deployment(d: &Deployment) -> MemberCheck {
+    let mut f = Findings::default();
+    let meta = &d.metadata;
+    let Some(endpoint) = deployment_endpoint(meta) else {
+        for key in MEMBER_ANNOTATIONS {
+            if annotation(meta, key).is_some() {
+                f.warn(
+                    Reason::FieldIgnored,
+                    annotation_field(key),
+                    format!(
+                        "has no effect without {ENDPOINT_ANNOTATION}: add it to join an \
+                         LLMEndpoint, or remove this annotation"
+                    ),
+                );
+            }
+        }
+        return MemberCheck {
+            member: None,
+            findings: f,
+        };
+    };
+    let endpoint = endpoint.map_err(|e| f.0.push(e)).ok();
+
+    if let Some(name) = meta.name.as_deref().filter(|n| !n.is_empty())
+        && (name.len() > MAX_MEMBER_NAME_LEN || !is_dns1035_label(name))
+    {
+        f.error(
+            Reason::InvalidSpec,
+            "metadata.name",
+            format!(
+                "{name:?} cannot join an endpoint: the Service <name>-hearth that the endpoint's \
+                 gateway finds its pods through must be an RFC 1035 label (lowercase letters, \
+                 digits and '-', starting with a letter, no '.'), so the name must be one of at \
+                 most {MAX_MEMBER_NAME_LEN} characters; rename the Deployment, or remove \
+                 {ENDPOINT_ANNOTATION}"
+            ),
+        );
+    }
+    if let Some(owner) = meta.owner_references.iter().flatten().find(|o| {
+        o.controller == Some(true)
+            && o.kind == "LLMService"
+            && o.api_version.starts_with(crate::GROUP)
+    }) {
+        f.error(
+            Reason::InvalidSpec,
+            annotation_field(ENDPOINT_ANNOTATION),
+            format!(
+                "this Deployment is the backend of LLMService {:?}, which joins an endpoint \
+                 with its spec.endpoint.sharedEndpointRef; remove the annotation here",
+                owner.name
+            ),
+        );
+    }
+
+    let model = match annotation(meta, MODEL_ANNOTATION) {
+        None => {
+            f.error(
+                Reason::InvalidSpec,
+                annotation_field(MODEL_ANNOTATION),
+                format!(
+                    "is required with {ENDPOINT_ANNOTATION}: set it to the name the engine \
+                     serves the model under (vLLM's --served-model-name), which clients send as \
+                     \"model\"; the gateway forwards requests unchanged"
+                ),
+            );
+            None
+        }
+        Some(m)
+            if m.is_empty()
+                || m.len() > MAX_MODEL_NAME_LEN
+                || m.trim() != m
+                || m.chars().any(|c| c.is_whitespace() || c.is_control()) =>
+        {
+            f.error(
+                Reason::InvalidSpec,
+                annotation_field(MODEL_ANNOTATION),
+                format!(
+                    "{m:?} is not a model name: write the engine's --served-model-name, 1 to \
+                     {MAX_MODEL_NAME_LEN} characters without white space or control characters"
+                ),
+            );
+            None
+        }
+        Some(m) => Some(m.to_owned()),
+    };
+    let scaler = scaler_mode_of(meta).unwrap_or_else(|e| {
+        f.0.push(e);
+        ScalerMode::Poll
+    });
+    let min = int_annotation(
+        &mut f,
+        meta,
+        MIN_REPLICAS_ANNOTATION,
+        0,
+        DEFAULT_MEMBER_MIN_REPLICAS,
+    );
+    let max = int_annotation(
+        &mut f,
+        meta,
+        MAX_REPLICAS_ANNOTATION,
+        1,
+        DEFAULT_MEMBER_MAX_REPLICAS,
+    );
+    if min > max {
+        f.error(
+            Reason::InvalidSpec,
+            annotation_field(MIN_REPLICAS_ANNOTATION),
+            format!(
+                "{min} is above the most replicas ({MAX_REPLICAS_ANNOTATION}: {max}); lower it \
+                 or raise {MAX_REPLICAS_ANNOTATION}"
+            ),
+        );
+    }
+    let defaults = ScalingSpec::default();
+    let target = int_annotation(&mut f, meta, TARGET_ANNOTATION, 1, defaults.target);
+    let activation_timeout = match annotation(meta, ACTIVATION_TIMEOUT_ANNOTATION) {
+        None => defaults.activation_timeout,
+        Some(v) => match Duration::new(v.trim()).get() {
+            Ok(d) if !d.is_zero() => Duration::new(v.trim()),
+            Ok(_) => {
+                f.error(
+                    Reason::InvalidSpec,
+                    annotation_field(ACTIVATION_TIMEOUT_ANNOTATION),
+                    format!("{v:?} must be positive; write a duration like \"5m\" or \"90s\""),
+                );
+                defaults.activation_timeout
+            }
+            Err(e) => {
+                f.error(
+                    Reason::InvalidSpec,
+                    annotation_field(ACTIVATION_TIMEOUT_ANNOTATION),
+                    format!("{e}; write a duration like \"5m\" or \"90s\""),
+                );
+                defaults.activation_timeout
+            }
+        },
+    };
+    let cold_start = match annotation(meta, COLD_START_ANNOTATION).map(str::trim) {
+        None => ColdStartMode::default(),
+        Some("keepalive") => ColdStartMode::Keepalive,
+        Some("reject") => ColdStartMode::Reject,
+        Some(other) => {
+            f.error(
+                Reason::InvalidSpec,
+                annotation_field(COLD_START_ANNOTATION),
+                format!(
+                    "{other:?} is not a cold-start mode; use keepalive (hold the request while \
+                     the model starts) or reject (503 with Retry-After), or remove the \
+                     annotation for keepalive"
+                ),
+            );
+            ColdStartMode::default()
+        }
+    };
+
+    let selector = d.spec.as_ref().map(|s| &s.selector);
+    if selector
+        .and_then(|s| s.match_labels.as_ref())
+        .is_none_or(BTreeMap::is_empty)
+    {
+        f.error(
+            Reason::InvalidSpec,
+            "spec.selector.matchLabels",
+            "is empty: the Service <name>-hearth that the endpoint's gateway finds the pods \
+             through selects them by labels; select the Deployment's pods with matchLabels",
+        );
+    } else if selector
+        .and_then(|s| s.match_expressions.as_ref())
+        .is_some_and(|e| !e.is_empty())
+    {
+        f.warn(
+            Reason::FieldIgnored,
+            "spec.selector.matchExpressions",
+            "the Service <name>-hearth selects pods by spec.selector.matchLabels only: pods of \
+             other workloads with those labels would receive this model's requests too; make \
+             matchLabels select only this Deployment's pods",
+        );
+    }
+
+    let member = match (endpoint, model) {
+        (Some(endpoint), Some(model)) if !f.blocks_rendering() => Some(DeploymentMember {
+            endpoint,
+            model,
+            scaler,
+            min_replicas: min,
+            max_replicas: max,
+            target,
+            activation_timeout,
+            cold_start,
+        }),
+        _ => None,
+    };
+    MemberCheck {
+        member,
+        findings: f,
+    }
+}
+
+/// The port of a Deployment's engine that the Service `<name>-hearth` forwards to.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MemberPort {
+    /// The model container's name.
+    pub container: String,
+    /// The Service port's name, which the gateway finds the engines' port by in the
+    /// EndpointSlices: the container port's name, else the runtime's port name, else `http`.
+    pub name: String,
+    /// The container port: by name when it has one, else by number.
+    pub target: IntOrString,
+}
+
+/// Which container of `d` serves the model, as the built-in policy `hearth-model-container`
+/// chooses it: the one named by [`CONTAINER_ANNOTATION`], else the one named like the runtime's
+/// family, else the one exposing the runtime's port, else the only one.
+fn model_container<'a>(
+    d: &'a Deployment,
+    runtime: Option<&InferenceRuntime>,
+) -> Result<&'a Container, Finding> {
+    let containers: &[Container] = d
+        .spec
+        .as_ref()
+        .and_then(|s| s.template.spec.as_ref())
+        .map(|p| p.containers.as_slice())
+        .unwrap_or_default();
+    let names = || {
+        containers
+            .iter()
+            .map(|c| c.name.as_str())
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    if let Some(named) = annotation(&d.metadata, CONTAINER_ANNOTATION) {
+        return containers.iter().find(|c| c.name == named).ok_or_else(|| {
+            Finding::new(
+                Severity::Error,
+                Reason::InvalidSpec,
+                annotation_field(CONTAINER_ANNOTATION),
+                format!(
+                    "names {named:?}, which is not one of the containers [{}]; name the \
+                     container that serves the model",
+                    names()
+                ),
+            )
+        });
+    }
+    if let Some(rt) = runtime {
+        let family = serde_json::to_value(rt.spec.family)
+            .ok()
+            .and_then(|v| v.as_str().map(str::to_owned))
+            .unwrap_or_default();
+        let port = rt.spec.container.port.container_port;
+        if let Some(c) = containers.iter().find(|c| c.name == family).or_else(|| {
+            containers
+                .iter()
+                .find(|c| c.ports.iter().flatten().any(|p| p.container_port == port))
+        }) {
+            return Ok(c);
+        }
+    }
+    match containers {
+        [only] => Ok(only),
+        _ => Err(Finding::new(
+            Severity::Error,
+            Reason::InvalidSpec,
+            annotation_field(CONTAINER_ANNOTATION),
+            format!(
+                "cannot tell which of the containers [{}] serves the model: annotate the \
+                 Deployment with {CONTAINER_ANNOTATION}: <name>",
+                names()
+            ),
+        )),
+    }
+}
+
+/// The names a container's engine serves the model under, when its command line says:
+/// `--served-model-name` (`=value` or the values that follow it), else `--model`.
+fn served_model_names(c: &Container) -> Option<Vec<String>> {
+    let words: Vec<&str> = c
+        .command
+        .iter()
+        .flatten()
+        .chain(c.args.iter().flatten())
+        .flat_map(|w| w.split_whitespace())
+        .collect();
+    for flag in ["--served-model-name", "--model"] {
+        for (i, w) in words.iter().enumerate() {
+            if let Some(v) = w.strip_prefix(flag).and_then(|r| r.strip_prefix('=')) {
+                return Some(vec![v.to_owned()]);
+            }
+            if *w == flag {
+                let values: Vec<String> = words[i + 1..]
+                    .iter()
+                    .take_while(|v| !v.starts_with("--"))
+                    .map(|v| (*v).to_owned())
+                    .collect();
+                if !values.is_empty() {
+                    // vLLM's --model takes one value; --served-model-name one or more.
+                    let n = if flag == "--model" { 1 } else { values.len() };
+                    return Some(values.into_iter().take(n).collect());
+                }
+            }
+        }
+    }
+    None
+}
+
+/// What needs the runtime of a Deployment that joins an endpoint (`member`, from
+/// [`check_deployment`]; `runtime`, the one its `serving.hearth.dev/runtime` or `vendor`
+/// resolves to, `None` when it names none): the container and port that serve the model (an
+/// error when there is none), and a warning when the container's command line serves the model
+/// under another name than [`MODEL_ANNOTATION`].
+pub fn check_member_serving(
+    d: &Deployment,
+    member: &DeploymentMember,
+    runtime: Option<&InferenceRuntime>,
+) -> (Option<MemberPort>, Findings) {
+    let mut f = Findings::default();
+    let container = match model_container(d, runtime) {
+        Ok(c) => c,
+        Err(e) => {
+            f.0.push(e);
+            return (None, f);
+        }
+    };
+    let ports: &[ContainerPort] = container.ports.as_deref().unwrap_or_default();
+    let by_runtime = runtime.and_then(|rt| {
+        let want = &rt.spec.container.port;
+        ports
+            .iter()
+            .find(|p| p.name.as_deref() == Some(want.name.as_str()))
+            .or_else(|| {
+                ports
+                    .iter()
+                    .find(|p| p.container_port == want.container_port)
+            })
+    });
+    let port = by_runtime
+        .or(ports.first())
+        .map(|p| MemberPort {
+            container: container.name.clone(),
+            name: p
+                .name
+                .clone()
+                .or_else(|| runtime.map(|rt| rt.spec.container.port.name.clone()))
+                .unwrap_or_else(|| "http".to_owned()),
+            target: match &p.name {
+                Some(n) => IntOrString::String(n.clone()),
+                None => IntOrString::Int(p.container_port),
+            },
+        })
+        // No port yet: the built-in policy `hearth-serving-defaults` adds the runtime's to the
+        // model container at admission.
+        .or_else(|| {
+            runtime.map(|rt| MemberPort {
+                container: container.name.clone(),
+                name: rt.spec.container.port.name.clone(),
+                target: IntOrString::String(rt.spec.container.port.name.clone()),
+            })
+        });
+    if port.is_none() {
+        f.error(
+            Reason::InvalidSpec,
+            format!("spec.template.spec.containers[{:?}].ports", container.name),
+            format!(
+                "container {:?} serves the model but declares no port: the endpoint's gateway \
+                 finds the engines by the port of the Service <name>-hearth; add the engine's \
+                 port (name: http, containerPort: 8000), or name an InferenceRuntime with \
+                 {RUNTIME_ANNOTATION}",
+                container.name
+            ),
+        );
+    }
+    if let Some(served) = served_model_names(container)
+        && !served.contains(&member.model)
+    {
+        f.warn(
+            Reason::FieldIgnored,
+            annotation_field(MODEL_ANNOTATION),
+            format!(
+                "is {:?}, but container {:?} serves the model as {:?} (its command line): \
+                 clients send the annotation's name and the gateway forwards it unchanged, so \
+                 the engine would answer 404; make them equal (--served-model-name)",
+                member.model,
+                container.name,
+                served.join(" ")
+            ),
+        );
+    }
+    (port, f)
+}
+
+/// A warning for a workload other than a Deployment (a StatefulSet, a Pod) carrying
+/// [`ENDPOINT_ANNOTATION`]: only Deployments join endpoints.
+pub fn endpoint_annotation_ignored(kind: &str, meta: &ObjectMeta) -> Option<Finding> {
+    (kind != "Deployment" && annotation(meta, ENDPOINT_ANNOTATION).is_some()).then(|| {
+        Finding::new(
+            Severity::Warning,
+            Reason::FieldIgnored,
+            annotation_field(ENDPOINT_ANNOTATION),
+            format!(
+                "has no effect on a {kind}: only Deployments join an LLMEndpoint (KEDA scales \
+                 them to zero); remove it, or serve the model from a Deployment"
+            ),
+        )
+    })
 }
 
 fn object_name(f: &mut Findings, field: &str, name: &str) {
@@ -1166,6 +1953,429 @@ mod tests {
             let finding = sleep_tier(&svc, Some(&rt)).unwrap_err();
             assert_eq!(finding.reason, Reason::FieldIgnored);
             assert!(finding.message.contains("wakeUp[0]"), "{finding}");
+        }
+    }
+
+    fn endpoint(patch: serde_json::Value) -> LLMEndpoint {
+        let mut v = serde_json::json!({
+            "apiVersion": "serving.hearth.dev/v1alpha1",
+            "kind": "LLMEndpoint",
+            "metadata": {"name": "shared", "namespace": "ml"},
+            "spec": {}
+        });
+        if let (Some(spec), serde_json::Value::Object(p)) = (v["spec"].as_object_mut(), patch) {
+            spec.extend(p);
+        }
+        serde_json::from_value(v).unwrap()
+    }
+
+    #[rstest::rstest]
+    #[case::defaults(serde_json::json!({}))]
+    #[case::all(serde_json::json!({"allowedServices": {"namespaces": {"from": "All"}}, "replicas": 3}))]
+    #[case::selector(serde_json::json!({"allowedServices": {"namespaces": {"from": "Selector", "selector": {
+        "matchLabels": {"team": "ml"},
+        "matchExpressions": [
+            {"key": "env", "operator": "In", "values": ["prod", "staging"]},
+            {"key": "example.com/tier", "operator": "NotIn", "values": ["test"]},
+            {"key": "hearth", "operator": "Exists"},
+            {"key": "legacy", "operator": "DoesNotExist", "values": []},
+        ]}}}}))]
+    #[case::empty_selector_selects_all(serde_json::json!({"allowedServices": {"namespaces": {"from": "Selector", "selector": {}}}}))]
+    fn good_endpoints_have_no_finding(#[case] spec: serde_json::Value) {
+        let f = check_llmendpoint(&endpoint(spec));
+        assert!(f.is_empty(), "{f}");
+    }
+
+    #[rstest::rstest]
+    #[case::selector_missing(serde_json::json!({"allowedServices": {"namespaces": {"from": "Selector"}}}), "spec.allowedServices.namespaces.selector", "is required with from: Selector")]
+    #[case::selector_without_from(serde_json::json!({"allowedServices": {"namespaces": {"selector": {"matchLabels": {"a": "b"}}}}}), "spec.allowedServices.namespaces.selector", "only used with from: Selector, and from is Same")]
+    #[case::bad_operator(serde_json::json!({"allowedServices": {"namespaces": {"from": "Selector", "selector": {"matchExpressions": [{"key": "a", "operator": "Equals", "values": ["b"]}]}}}}), "spec.allowedServices.namespaces.selector.matchExpressions[0].operator", "use In, NotIn, Exists or DoesNotExist")]
+    #[case::in_without_values(serde_json::json!({"allowedServices": {"namespaces": {"from": "Selector", "selector": {"matchExpressions": [{"key": "a", "operator": "In"}]}}}}), "spec.allowedServices.namespaces.selector.matchExpressions[0].values", "must not be empty with operator In")]
+    #[case::exists_with_values(serde_json::json!({"allowedServices": {"namespaces": {"from": "Selector", "selector": {"matchExpressions": [{"key": "a", "operator": "Exists", "values": ["b"]}]}}}}), "spec.allowedServices.namespaces.selector.matchExpressions[0].values", "must be empty with operator Exists")]
+    #[case::bad_key(serde_json::json!({"allowedServices": {"namespaces": {"from": "Selector", "selector": {"matchLabels": {"bad key": "b"}}}}}), "spec.allowedServices.namespaces.selector.matchLabels[\"bad key\"]", "the key")]
+    #[case::bad_value(serde_json::json!({"allowedServices": {"namespaces": {"from": "Selector", "selector": {"matchExpressions": [{"key": "a", "operator": "NotIn", "values": ["no spaces"]}]}}}}), "spec.allowedServices.namespaces.selector.matchExpressions[0].values[0]", "is not a label value")]
+    #[case::replicas_zero(serde_json::json!({"replicas": 0}), "spec.replicas", "between 1 and 20")]
+    #[case::replicas_many(serde_json::json!({"replicas": 21}), "spec.replicas", "between 1 and 20")]
+    fn bad_endpoints_are_errors_naming_the_field(
+        #[case] spec: serde_json::Value,
+        #[case] field: &str,
+        #[case] message: &str,
+    ) {
+        let f = check_llmendpoint(&endpoint(spec));
+        let e = f.first_error().unwrap_or_else(|| panic!("no error: {f}"));
+        assert_eq!(e.field, field, "{f}");
+        assert!(e.message.contains(message), "{f}");
+        assert_eq!(f.errors().count(), 1, "{f}");
+    }
+
+    #[test]
+    fn endpoint_names_and_scaler_annotation() {
+        let mut ep = endpoint(serde_json::json!({}));
+        ep.metadata.name = Some("a".repeat(MAX_ENDPOINT_NAME_LEN + 1));
+        let f = check_llmendpoint(&ep);
+        assert_eq!(
+            f.first_error().map(|e| e.field.as_str()),
+            Some("metadata.name")
+        );
+        ep.metadata.name = Some("1st".to_owned());
+        assert!(check_llmendpoint(&ep).to_string().contains("cannot name"));
+        ep.metadata.name = Some("a".repeat(MAX_ENDPOINT_NAME_LEN));
+        assert!(check_llmendpoint(&ep).is_empty());
+        ep.metadata.annotations = Some([(SCALER_ANNOTATION.to_owned(), "Push".to_owned())].into());
+        assert!(check_llmendpoint(&ep).blocks_rendering());
+        ep.metadata.annotations = Some([(SCALER_ANNOTATION.to_owned(), "push".to_owned())].into());
+        assert_eq!(scaler_mode_of(&ep.metadata), Ok(ScalerMode::Push));
+    }
+
+    #[test]
+    fn a_shared_endpoint_ref_warns_about_own_gateway_fields() {
+        let svc =
+            service(serde_json::json!({"endpoint": {"sharedEndpointRef": {"name": "shared"}}}));
+        assert!(check_llmservice(&svc, None).is_empty());
+        let svc = service(serde_json::json!({"endpoint": {
+            "sharedEndpointRef": {"name": "shared", "namespace": "platform"},
+            "replicas": 2,
+            "apiKeySecretRef": {"name": "keys"},
+        }}));
+        let f = check_llmservice(&svc, None);
+        assert!(!f.blocks_rendering(), "{f}");
+        let fields: Vec<_> = f.warnings().map(|w| (w.field.as_str(), w.reason)).collect();
+        assert_eq!(
+            fields,
+            [
+                ("spec.endpoint.replicas", Reason::FieldIgnored),
+                ("spec.endpoint.apiKeySecretRef", Reason::FieldIgnored)
+            ]
+        );
+        assert!(
+            f.warnings().all(|w| w
+                .message
+                .starts_with("applies only while the service has its own gateway")),
+            "{f}"
+        );
+        // Without a reference they are the service's own gateway's: no warning.
+        let svc = service(serde_json::json!({"endpoint": {"replicas": 2}}));
+        assert!(check_llmservice(&svc, None).is_empty());
+        let svc = service(
+            serde_json::json!({"endpoint": {"sharedEndpointRef": {"name": "Shared", "namespace": "-x"}}}),
+        );
+        let errors: Vec<_> = check_llmservice(&svc, None)
+            .errors()
+            .map(|e| e.field.clone())
+            .collect();
+        assert_eq!(
+            errors,
+            [
+                "spec.endpoint.sharedEndpointRef.name",
+                "spec.endpoint.sharedEndpointRef.namespace"
+            ]
+        );
+    }
+
+    /// A Deployment `team-a/vllm-qwen` with `annotations` and one container `vllm` serving on
+    /// port `http` 8000 under `--served-model-name qwen`, with `patch` merged.
+    fn deployment(annotations: serde_json::Value, patch: serde_json::Value) -> Deployment {
+        let mut d = serde_json::json!({
+            "apiVersion": "apps/v1", "kind": "Deployment",
+            "metadata": {"name": "vllm-qwen", "namespace": "team-a", "annotations": annotations},
+            "spec": {
+                "selector": {"matchLabels": {"app": "qwen"}},
+                "template": {
+                    "metadata": {"labels": {"app": "qwen"}},
+                    "spec": {"containers": [{"name": "vllm", "image": "vllm/vllm-openai:v0.8.5",
+                        "args": ["--model", "Qwen/Qwen2.5-7B-Instruct", "--served-model-name", "qwen"],
+                        "ports": [{"name": "http", "containerPort": 8000}]}]},
+                },
+            },
+        });
+        merge(&mut d, patch);
+        serde_json::from_value(d).unwrap()
+    }
+
+    fn merge(a: &mut serde_json::Value, b: serde_json::Value) {
+        match (a, b) {
+            (serde_json::Value::Object(a), serde_json::Value::Object(b)) => {
+                for (k, v) in b {
+                    if v.is_null() {
+                        a.remove(&k);
+                    } else {
+                        merge(a.entry(k).or_insert(serde_json::Value::Null), v);
+                    }
+                }
+            }
+            (a, b) => *a = b,
+        }
+    }
+
+    fn joining(extra: serde_json::Value) -> serde_json::Value {
+        let mut a = serde_json::json!({
+            "serving.hearth.dev/endpoint": "platform/shared",
+            "serving.hearth.dev/model": "qwen",
+        });
+        merge(&mut a, extra);
+        a
+    }
+
+    #[test]
+    fn a_joining_deployment_gets_the_llmservice_defaults() {
+        let c = check_deployment(&deployment(
+            joining(serde_json::json!({})),
+            serde_json::json!({}),
+        ));
+        assert!(c.findings.is_empty(), "{}", c.findings);
+        let m = c.member.unwrap();
+        assert_eq!(
+            m,
+            DeploymentMember {
+                endpoint: EndpointReference {
+                    name: "shared".into(),
+                    namespace: Some("platform".into())
+                },
+                model: "qwen".into(),
+                scaler: ScalerMode::Poll,
+                min_replicas: 0,
+                max_replicas: 1,
+                target: 10,
+                activation_timeout: Duration::new("5m"),
+                cold_start: ColdStartMode::Keepalive,
+            }
+        );
+        let s = m.scaling();
+        let d = ScalingSpec::default();
+        assert_eq!(
+            (
+                s.min,
+                s.max,
+                s.target,
+                &s.activation_timeout,
+                &s.scale_down_stabilization
+            ),
+            (
+                d.min,
+                d.max,
+                d.target,
+                &d.activation_timeout,
+                &d.scale_down_stabilization
+            )
+        );
+        assert_eq!(m.cold_start(), ColdStartSpec::default());
+        // Every annotation set.
+        let c = check_deployment(&deployment(
+            serde_json::json!({
+                "serving.hearth.dev/endpoint": "shared",
+                "serving.hearth.dev/model": "Qwen/Qwen2.5-7B-Instruct",
+                "serving.hearth.dev/scaler": "push",
+                "serving.hearth.dev/min-replicas": "1",
+                "serving.hearth.dev/max-replicas": "3",
+                "serving.hearth.dev/target": "4",
+                "serving.hearth.dev/activation-timeout": "90s",
+                "serving.hearth.dev/cold-start": "reject",
+            }),
+            serde_json::json!({}),
+        ));
+        let m = c.member.unwrap();
+        assert_eq!(m.endpoint.namespace, None);
+        assert_eq!(
+            (
+                m.scaler,
+                m.min_replicas,
+                m.max_replicas,
+                m.target,
+                m.activation_timeout.as_str(),
+                m.cold_start
+            ),
+            (ScalerMode::Push, 1, 3, 4, "90s", ColdStartMode::Reject)
+        );
+    }
+
+    #[rstest::rstest]
+    #[case::no_model(serde_json::json!({"serving.hearth.dev/model": null}), serde_json::json!({}), "metadata.annotations[\"serving.hearth.dev/model\"]", "is required with serving.hearth.dev/endpoint: set it to the name the engine serves the model under")]
+    #[case::empty_model(serde_json::json!({"serving.hearth.dev/model": ""}), serde_json::json!({}), "metadata.annotations[\"serving.hearth.dev/model\"]", "\"\" is not a model name")]
+    #[case::spaced_model(serde_json::json!({"serving.hearth.dev/model": "qwen 7b"}), serde_json::json!({}), "metadata.annotations[\"serving.hearth.dev/model\"]", "\"qwen 7b\" is not a model name")]
+    #[case::bad_endpoint(serde_json::json!({"serving.hearth.dev/endpoint": "Platform/shared"}), serde_json::json!({}), "metadata.annotations[\"serving.hearth.dev/endpoint\"]", "\"Platform/shared\" names the namespace \"Platform\", which is not a namespace name")]
+    #[case::endpoint_name(serde_json::json!({"serving.hearth.dev/endpoint": "9shared"}), serde_json::json!({}), "metadata.annotations[\"serving.hearth.dev/endpoint\"]", "\"9shared\" does not name an LLMEndpoint")]
+    #[case::negative_min(serde_json::json!({"serving.hearth.dev/min-replicas": "-1"}), serde_json::json!({}), "metadata.annotations[\"serving.hearth.dev/min-replicas\"]", "\"-1\" is not a whole number of at least 0; write one like \"0\", or remove the annotation for the default (0)")]
+    #[case::zero_max(serde_json::json!({"serving.hearth.dev/max-replicas": "0"}), serde_json::json!({}), "metadata.annotations[\"serving.hearth.dev/max-replicas\"]", "\"0\" is not a whole number of at least 1")]
+    #[case::min_above_max(serde_json::json!({"serving.hearth.dev/min-replicas": "2"}), serde_json::json!({}), "metadata.annotations[\"serving.hearth.dev/min-replicas\"]", "2 is above the most replicas (serving.hearth.dev/max-replicas: 1); lower it or raise serving.hearth.dev/max-replicas")]
+    #[case::target(serde_json::json!({"serving.hearth.dev/target": "ten"}), serde_json::json!({}), "metadata.annotations[\"serving.hearth.dev/target\"]", "\"ten\" is not a whole number of at least 1")]
+    #[case::timeout(serde_json::json!({"serving.hearth.dev/activation-timeout": "5 minutes"}), serde_json::json!({}), "metadata.annotations[\"serving.hearth.dev/activation-timeout\"]", "write a duration like \"5m\" or \"90s\"")]
+    #[case::zero_timeout(serde_json::json!({"serving.hearth.dev/activation-timeout": "0s"}), serde_json::json!({}), "metadata.annotations[\"serving.hearth.dev/activation-timeout\"]", "\"0s\" must be positive")]
+    #[case::cold_start(serde_json::json!({"serving.hearth.dev/cold-start": "Hold"}), serde_json::json!({}), "metadata.annotations[\"serving.hearth.dev/cold-start\"]", "\"Hold\" is not a cold-start mode; use keepalive")]
+    #[case::scaler(serde_json::json!({"serving.hearth.dev/scaler": "pull"}), serde_json::json!({}), "metadata.annotations[\"serving.hearth.dev/scaler\"]", "\"pull\" is not a scaler mode")]
+    #[case::name(serde_json::json!({}), serde_json::json!({"metadata": {"name": "vllm.qwen"}}), "metadata.name", "\"vllm.qwen\" cannot join an endpoint: the Service <name>-hearth")]
+    #[case::long_name(serde_json::json!({}), serde_json::json!({"metadata": {"name": "a".repeat(57)}}), "metadata.name", "must be one of at most 56 characters")]
+    #[case::no_match_labels(serde_json::json!({}), serde_json::json!({"spec": {"selector": {"matchLabels": null, "matchExpressions": [{"key": "app", "operator": "Exists"}]}}}), "spec.selector.matchLabels", "is empty")]
+    #[case::an_llmservices_backend(serde_json::json!({}), serde_json::json!({"metadata": {"ownerReferences": [{"apiVersion": "serving.hearth.dev/v1alpha1", "kind": "LLMService", "name": "qwen", "uid": "u", "controller": true}]}}), "metadata.annotations[\"serving.hearth.dev/endpoint\"]", "this Deployment is the backend of LLMService \"qwen\", which joins an endpoint with its spec.endpoint.sharedEndpointRef")]
+    fn a_bad_value_names_the_annotation_and_the_fix(
+        #[case] annotations: serde_json::Value,
+        #[case] patch: serde_json::Value,
+        #[case] field: &str,
+        #[case] message: &str,
+    ) {
+        let c = check_deployment(&deployment(joining(annotations), patch));
+        assert!(c.member.is_none());
+        let e = c.findings.first_error().unwrap();
+        assert_eq!(
+            (e.field.as_str(), e.reason),
+            (field, Reason::InvalidSpec),
+            "{}",
+            c.findings
+        );
+        assert!(e.message.contains(message), "{}", e.message);
+        assert_eq!(c.findings.errors().count(), 1, "{}", c.findings);
+    }
+
+    #[test]
+    fn member_annotations_without_the_endpoint_and_loose_selectors_are_warnings() {
+        let c = check_deployment(&deployment(
+            serde_json::json!({"serving.hearth.dev/model": "qwen", "serving.hearth.dev/max-replicas": "2"}),
+            serde_json::json!({}),
+        ));
+        assert!(c.member.is_none());
+        let w: Vec<&str> = c.findings.warnings().map(|f| f.field.as_str()).collect();
+        assert_eq!(
+            w,
+            [
+                "metadata.annotations[\"serving.hearth.dev/model\"]",
+                "metadata.annotations[\"serving.hearth.dev/max-replicas\"]"
+            ]
+        );
+        assert!(!c.findings.blocks_rendering());
+        // Nothing Hearth reads: nothing said.
+        let c = check_deployment(&deployment(serde_json::json!({}), serde_json::json!({})));
+        assert_eq!(c, MemberCheck::default());
+        // matchExpressions next to matchLabels: the Service selects by the labels only.
+        let c = check_deployment(&deployment(
+            joining(serde_json::json!({})),
+            serde_json::json!({"spec": {"selector": {"matchExpressions": [{"key": "tier", "operator": "Exists"}]}}}),
+        ));
+        assert!(c.member.is_some());
+        let w: Vec<&str> = c.findings.warnings().map(|f| f.field.as_str()).collect();
+        assert_eq!(w, ["spec.selector.matchExpressions"]);
+        // Only Deployments join.
+        let meta: ObjectMeta = serde_json::from_value(
+            serde_json::json!({"annotations": {"serving.hearth.dev/endpoint": "shared"}}),
+        )
+        .unwrap();
+        assert!(endpoint_annotation_ignored("Deployment", &meta).is_none());
+        let w = endpoint_annotation_ignored("StatefulSet", &meta).unwrap();
+        assert!(
+            w.message
+                .starts_with("has no effect on a StatefulSet: only Deployments join"),
+            "{w}"
+        );
+    }
+
+    fn runtime(port_name: &str, port: i32) -> InferenceRuntime {
+        serde_json::from_value(serde_json::json!({
+            "apiVersion": "serving.hearth.dev/v1alpha1",
+            "kind": "InferenceRuntime",
+            "metadata": {"name": "rt"},
+            "spec": {"vendor": "nvidia",
+                     "container": {"image": "vllm", "port": {"name": port_name, "containerPort": port}},
+                     "accelerator": {"resourceName": "nvidia.com/gpu"}},
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn the_serving_container_port_and_name_are_checked() {
+        let member = |d: &Deployment| check_deployment(d).member.unwrap();
+        let plain = deployment(joining(serde_json::json!({})), serde_json::json!({}));
+        let (port, f) = check_member_serving(&plain, &member(&plain), None);
+        assert!(f.is_empty(), "{f}");
+        assert_eq!(
+            port.unwrap(),
+            MemberPort {
+                container: "vllm".into(),
+                name: "http".into(),
+                target: IntOrString::String("http".into())
+            }
+        );
+        // The runtime's port by name, else by number (named as the container names it).
+        let two_ports = deployment(
+            joining(serde_json::json!({})),
+            serde_json::json!({"spec": {"template": {"spec": {"containers": [{"name": "vllm", "image": "vllm",
+                "ports": [{"name": "metrics", "containerPort": 9100}, {"containerPort": 8000}]}]}}}}),
+        );
+        let (port, _) =
+            check_member_serving(&two_ports, &member(&two_ports), Some(&runtime("api", 8000)));
+        assert_eq!(
+            port.unwrap(),
+            MemberPort {
+                container: "vllm".into(),
+                name: "api".into(),
+                target: IntOrString::Int(8000)
+            }
+        );
+        let (port, _) = check_member_serving(&two_ports, &member(&two_ports), None);
+        assert_eq!(port.unwrap().name, "metrics");
+        // No port: an error naming the container and the port to add.
+        let none = deployment(
+            joining(serde_json::json!({})),
+            serde_json::json!({"spec": {"template": {"spec": {"containers": [{"name": "vllm", "image": "vllm", "ports": null}]}}}}),
+        );
+        let (port, f) = check_member_serving(&none, &member(&none), None);
+        assert!(port.is_none());
+        assert_eq!(
+            f.first_error().unwrap().to_string(),
+            "spec.template.spec.containers[\"vllm\"].ports: container \"vllm\" serves the model but declares no port: the endpoint's gateway finds the engines by the port of the Service <name>-hearth; add the engine's port (name: http, containerPort: 8000), or name an InferenceRuntime with serving.hearth.dev/runtime"
+        );
+        // With a runtime, its port: the built-in serving defaults add it at admission.
+        let (port, f) = check_member_serving(&none, &member(&none), Some(&runtime("api", 8000)));
+        assert!(f.is_empty(), "{f}");
+        assert_eq!(
+            port.unwrap(),
+            MemberPort {
+                container: "vllm".into(),
+                name: "api".into(),
+                target: IntOrString::String("api".into())
+            }
+        );
+        // The container annotation names one that is not there.
+        let named = deployment(
+            joining(serde_json::json!({"serving.hearth.dev/container": "engine"})),
+            serde_json::json!({}),
+        );
+        let (_, f) = check_member_serving(&named, &member(&named), None);
+        assert_eq!(
+            f.first_error().unwrap().field,
+            "metadata.annotations[\"serving.hearth.dev/container\"]"
+        );
+        // Served under another name: a warning naming both.
+        for (args, warns) in [
+            (
+                serde_json::json!(["--served-model-name", "qwen", "qwen-chat"]),
+                false,
+            ),
+            (serde_json::json!(["--served-model-name=qwen"]), false),
+            (serde_json::json!(["--served-model-name=other"]), true),
+            (serde_json::json!(["--model", "qwen"]), false),
+            (
+                serde_json::json!(["--model=Qwen/Qwen2.5-7B-Instruct"]),
+                true,
+            ),
+            (serde_json::json!(["Qwen/Qwen2.5-7B-Instruct"]), false),
+        ] {
+            let d = deployment(
+                joining(serde_json::json!({})),
+                serde_json::json!({"spec": {"template": {"spec": {"containers": [{"name": "vllm", "image": "vllm",
+                    "args": args, "ports": [{"name": "http", "containerPort": 8000}]}]}}}}),
+            );
+            let (port, f) = check_member_serving(&d, &member(&d), None);
+            assert!(port.is_some());
+            assert_eq!(f.warnings().count(), usize::from(warns), "{args}: {f}");
+            if warns {
+                let w = f.warnings().next().unwrap();
+                assert_eq!(
+                    w.field,
+                    "metadata.annotations[\"serving.hearth.dev/model\"]"
+                );
+                assert!(
+                    w.message.contains("make them equal (--served-model-name)"),
+                    "{w}"
+                );
+            }
         }
     }
 }

@@ -70,3 +70,51 @@ pub const KEDA_PAUSED_ANNOTATION: &str = "autoscaling.keda.sh/paused";
 /// no managedFields, so this says the pause is the controller's to lift (a pause set by hand
 /// has no such annotation and is left alone).
 pub const PREWARM_WAIT_ANNOTATION: &str = "serving.hearth.dev/waiting-for-prewarm";
+
+/// Annotation on a plain Deployment joining a shared `LLMEndpoint`: `<name>` (an endpoint of the
+/// Deployment's namespace) or `<namespace>/<name>`. With it (and [`MODEL_ANNOTATION`]) the
+/// endpoint's gateway routes the model to the Deployment's pods and KEDA scales the Deployment
+/// on the gateway's demand, to zero when idle; removing it gives the Deployment back with the
+/// replica count it had. Checked by `rules::check_deployment`.
+pub const ENDPOINT_ANNOTATION: &str = "serving.hearth.dev/endpoint";
+
+/// Annotation on a Deployment with [`ENDPOINT_ANNOTATION`]: the model name clients send in the
+/// OpenAI `model` field. Required (no default): the gateway forwards the request body
+/// unchanged, so it must be a name the engine serves (vLLM's `--served-model-name`), which the
+/// Deployment's name is not in general.
+pub const MODEL_ANNOTATION: &str = "serving.hearth.dev/model";
+
+/// Annotation on a Deployment with [`ENDPOINT_ANNOTATION`]: the fewest replicas KEDA keeps,
+/// a whole number, [`DEFAULT_MEMBER_MIN_REPLICAS`] (scale to zero) when absent.
+pub const MIN_REPLICAS_ANNOTATION: &str = "serving.hearth.dev/min-replicas";
+
+/// Annotation on a Deployment with [`ENDPOINT_ANNOTATION`]: the most replicas KEDA scales to,
+/// a whole number of at least 1, [`DEFAULT_MEMBER_MAX_REPLICAS`] when absent.
+pub const MAX_REPLICAS_ANNOTATION: &str = "serving.hearth.dev/max-replicas";
+
+/// Annotation on a Deployment with [`ENDPOINT_ANNOTATION`]: the demand (requests held or in
+/// flight) per replica KEDA scales for, a whole number of at least 1; an LLMService's default
+/// `spec.scaling.target` (10) when absent.
+pub const TARGET_ANNOTATION: &str = "serving.hearth.dev/target";
+
+/// Annotation on a Deployment with [`ENDPOINT_ANNOTATION`]: how long the gateway holds a request
+/// while the model starts, a positive duration (`"90s"`, `"10m"`); an LLMService's default
+/// `spec.scaling.activationTimeout` (`5m`) when absent.
+pub const ACTIVATION_TIMEOUT_ANNOTATION: &str = "serving.hearth.dev/activation-timeout";
+
+/// Annotation on a Deployment with [`ENDPOINT_ANNOTATION`]: what a request that finds no ready
+/// engine gets, `keepalive` (held, SSE heartbeats) or `reject` (`503` with `Retry-After`); an
+/// LLMService's default `spec.endpoint.coldStart.mode` (`keepalive`) when absent.
+pub const COLD_START_ANNOTATION: &str = "serving.hearth.dev/cold-start";
+
+/// The replicas KEDA keeps at least of a Deployment joined to an endpoint without
+/// [`MIN_REPLICAS_ANNOTATION`]: zero, as an LLMService's `spec.scaling.min`.
+pub const DEFAULT_MEMBER_MIN_REPLICAS: i32 = 0;
+
+/// The replicas KEDA scales a Deployment joined to an endpoint to at most, without
+/// [`MAX_REPLICAS_ANNOTATION`]: one, as an LLMService's `spec.scaling.max`.
+pub const DEFAULT_MEMBER_MAX_REPLICAS: i32 = 1;
+
+/// Label on the objects the controller renders for a Deployment joined to an endpoint (its
+/// Service `<name>-hearth`, Role, RoleBinding and ScaledObject), naming the Deployment.
+pub const DEPLOYMENT_LABEL: &str = "serving.hearth.dev/deployment";

@@ -424,3 +424,66 @@ fn warm_windows_bound_matches_the_rules() {
         serde_json::json!(["end", "replicas", "start", "timezone"])
     );
 }
+
+fn endpoint_with(spec: Value) -> Value {
+    serde_json::json!({
+        "apiVersion": "serving.hearth.dev/v1alpha1",
+        "kind": "LLMEndpoint",
+        "metadata": {"name": "shared", "namespace": "default"},
+        "spec": spec
+    })
+}
+
+/// The CRD's CEL rule on `allowedServices.namespaces` and `hearth_crds::rules::check_llmendpoint`
+/// (which the webhook and the controller apply) accept and refuse the same endpoints.
+#[rstest::rstest]
+#[case(serde_json::json!({}), true)]
+#[case(serde_json::json!({"allowedServices": {"namespaces": {"from": "Same"}}}), true)]
+#[case(serde_json::json!({"allowedServices": {"namespaces": {"from": "All"}}}), true)]
+#[case(serde_json::json!({"allowedServices": {"namespaces": {"from": "Selector", "selector": {"matchLabels": {"team": "ml"}}}}}), true)]
+#[case(serde_json::json!({"allowedServices": {"namespaces": {"from": "Selector", "selector": {}}}}), true)]
+#[case(serde_json::json!({"allowedServices": {"namespaces": {"from": "Selector"}}}), false)]
+#[case(serde_json::json!({"allowedServices": {"namespaces": {"selector": {"matchLabels": {"team": "ml"}}}}}), false)]
+#[case(serde_json::json!({"allowedServices": {"namespaces": {"from": "All", "selector": {}}}}), false)]
+fn endpoint_namespaces_rule_agrees_with_the_rules_module(#[case] spec: Value, #[case] ok: bool) {
+    use hearth_crds::LLMEndpoint;
+    let object = endpoint_with(spec);
+    let cel = cel_errors(&LLMEndpoint::crd(), &object);
+    let typed: LLMEndpoint = serde_json::from_value(object.clone()).unwrap();
+    let findings = hearth_crds::rules::check_llmendpoint(&typed);
+    assert_eq!(cel.is_empty(), ok, "CRD: {cel:?} for {object}");
+    assert_eq!(
+        !findings.blocks_rendering(),
+        ok,
+        "rules: {findings} for {object}"
+    );
+    if !ok {
+        assert!(
+            cel.iter().any(|e| e.contains("namespaces.selector exactly when namespaces.from is Selector")),
+            "{cel:?}"
+        );
+        assert!(
+            findings
+                .errors()
+                .all(|e| e.field == "spec.allowedServices.namespaces.selector"),
+            "{findings}"
+        );
+    }
+}
+
+/// The schema's bounds on an endpoint's replicas are the ones the rules apply.
+#[test]
+fn endpoint_replicas_bounds_match_the_rules() {
+    use hearth_crds::LLMEndpoint;
+    let schema = schema_of(&LLMEndpoint::crd());
+    let replicas = &schema["properties"]["spec"]["properties"]["replicas"];
+    assert_eq!(replicas["minimum"].as_f64(), Some(1.0));
+    assert_eq!(
+        replicas["maximum"].as_f64(),
+        Some(f64::from(hearth_crds::rules::MAX_GATEWAY_REPLICAS))
+    );
+    let r#ref = &schema_of(&LLMService::crd())["properties"]["spec"]["properties"]["endpoint"]["properties"]
+        ["sharedEndpointRef"]["properties"];
+    assert_eq!(r#ref["name"]["maxLength"].as_u64(), Some(63));
+    assert_eq!(r#ref["namespace"]["maxLength"].as_u64(), Some(63));
+}

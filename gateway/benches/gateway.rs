@@ -14,9 +14,15 @@
 //!    runs only the gateway.
 //! 4. Push activation: first cold request written → `StreamIsActive(true)` received by a tonic
 //!    client.
+//! 5. Shared endpoint: a shared gateway with 100 models (its route table built in code, every
+//!    model's backend the stub) against a per-service gateway, both the library serving with 2
+//!    HTTP workers in a child process of their own: added latency and throughput as in 1,
+//!    `GET /v1/models` with 100 models, and the idle RSS of each (the shared gateway's per
+//!    model, and against 100 per-service gateways).
 //!
-//! `BENCH_QUICK=1` shrinks every sample count (for a smoke run); `BENCH_ONLY=warm|ready|push|held`
-//! runs one section.
+//! `BENCH_QUICK=1` shrinks every sample count (for a smoke run);
+//! `BENCH_ONLY=warm|ready|push|held|shared` runs one section; `BENCH_BASELINE_GATEWAY=<path>`
+//! adds another build of the binary (say, of the last commit) to the warm rows.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::exit)]
 
 use std::{
@@ -61,9 +67,10 @@ fn quick() -> bool {
 fn main() {
     // A child role: the bench re-executes itself to run only a cold gateway, so its RSS and CPU
     // are the gateway's alone.
-    if std::env::var(ROLE_ENV).as_deref() == Ok("cold-gateway") {
-        cold_gateway_child();
-        return;
+    match std::env::var(ROLE_ENV).as_deref() {
+        Ok("cold-gateway") => return cold_gateway_child(),
+        Ok(role @ ("single-gateway" | "shared-gateway")) => return gateway_child(role),
+        _ => {}
     }
     // `cargo bench` passes `--bench`; ignore arguments.
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -83,7 +90,7 @@ async fn run() {
         "# hearth-gateway benchmarks\n\nmachine: {} cores, {host}; all processes on loopback\n",
         std::thread::available_parallelism().map_or(0, |n| n.get())
     );
-    // `BENCH_ONLY=warm|ready|push|held` runs one section.
+    // `BENCH_ONLY=warm|ready|push|held|shared` runs one section.
     let only = std::env::var("BENCH_ONLY").ok();
     let run = |name: &str| only.as_deref().is_none_or(|o| o == name);
     if run("warm") {
@@ -97,6 +104,9 @@ async fn run() {
     }
     if run("held") {
         held_connections().await;
+    }
+    if run("shared") {
+        shared_endpoint().await;
     }
 }
 
@@ -320,12 +330,79 @@ async fn throughput(c: &HttpClient, url: &str, body: &Bytes, conc: usize, dur: D
     n as f64 / el.as_secs_f64()
 }
 
+/// Latency and throughput of one path.
+struct PathResult {
+    p50: Duration,
+    p99: Duration,
+    /// Requests per second at concurrency 32.
+    tp: f64,
+}
+
+/// Latency of `urls` at concurrency 1 (`warmup` requests each first, then `rounds` rounds of
+/// `per_round` requests per URL, interleaved), then throughput at concurrency 32 for
+/// `tp_dur` each.
+async fn measure_paths(
+    c: &HttpClient,
+    urls: &[String],
+    body: &Bytes,
+    per_round: usize,
+    warmup: usize,
+    rounds: usize,
+    tp_dur: Duration,
+) -> Vec<PathResult> {
+    for u in urls {
+        for _ in 0..warmup {
+            one(c, u, body).await;
+        }
+    }
+    let mut samples: Vec<Vec<Duration>> = vec![Vec::new(); urls.len()];
+    for _ in 0..rounds {
+        for (i, u) in urls.iter().enumerate() {
+            for _ in 0..per_round {
+                let t = Instant::now();
+                one(c, u, body).await;
+                samples[i].push(t.elapsed());
+            }
+        }
+    }
+    let mut tps = Vec::new();
+    for u in urls {
+        tps.push(throughput(c, u, body, 32, tp_dur).await);
+    }
+    samples
+        .iter_mut()
+        .zip(tps)
+        .map(|(s, tp)| {
+            s.sort();
+            PathResult {
+                p50: pct(s, 0.5),
+                p99: pct(s, 0.99),
+                tp,
+            }
+        })
+        .collect()
+}
+
+/// `a - b` in µs with its sign, or `—` for the baseline row (`i == 0`).
+fn added(i: usize, a: Duration, b: Duration) -> String {
+    if i == 0 {
+        "—".to_owned()
+    } else {
+        format!("{:+.0}", (a.as_secs_f64() - b.as_secs_f64()) * 1e6)
+    }
+}
+
 /// The release gateway binary as a child process forwarding to `backend`; returns it with its
 /// HTTP and ExternalScaler ports.
 fn start_gateway(backend: &str) -> (Proc, u16, u16) {
+    start_gateway_bin(env!("CARGO_BIN_EXE_hearth-gateway"), backend)
+}
+
+/// [`start_gateway`] for the gateway binary at `bin`.
+fn start_gateway_bin(bin: &str, backend: &str) -> (Proc, u16, u16) {
     let (http, grpc) = (free_port(), free_port());
     let proc = Proc(
-        Command::new(env!("CARGO_BIN_EXE_hearth-gateway"))
+        Command::new(bin)
             .args([
                 &format!("--listen=127.0.0.1:{http}"),
                 &format!("--scaler-listen=127.0.0.1:{grpc}"),
@@ -389,6 +466,19 @@ async fn warm_overhead() {
             format!("http://127.0.0.1:{push_port}"),
         ),
     ];
+    // Another build of the binary (`BENCH_BASELINE_GATEWAY=<path>`, say the last release's),
+    // side by side with this one: a change's cost on the warm path within one run.
+    let baseline = std::env::var("BENCH_BASELINE_GATEWAY").ok().map(|bin| {
+        let (proc, port, _) = start_gateway_bin(&bin, &stub.url());
+        (proc, port)
+    });
+    if let Some((_, port)) = &baseline {
+        wait_http(&c, &format!("http://127.0.0.1:{port}/readyz")).await;
+        paths.push((
+            "hearth-gateway, baseline build",
+            format!("http://127.0.0.1:{port}"),
+        ));
+    }
     if nginx.is_some() {
         wait_http(&c, &format!("http://127.0.0.1:{nginx_port}/health")).await;
         wait_http(&c, &format!("http://127.0.0.1:{nginx_fields_port}/health")).await;
@@ -440,46 +530,17 @@ async fn warm_overhead() {
             .iter()
             .map(|(_, base)| format!("{base}/v1/chat/completions"))
             .collect();
-        for u in &urls {
-            for _ in 0..warmup {
-                one(&c, u, &body).await;
-            }
-        }
-        let mut samples: Vec<Vec<Duration>> = vec![Vec::new(); urls.len()];
-        for _ in 0..rounds {
-            for (i, u) in urls.iter().enumerate() {
-                for _ in 0..per_round {
-                    let t = Instant::now();
-                    one(&c, u, &body).await;
-                    samples[i].push(t.elapsed());
-                }
-            }
-        }
-        let mut tps = Vec::new();
-        for u in &urls {
-            tps.push(throughput(&c, u, &body, 32, tp_dur).await);
-        }
-        for s in &mut samples {
-            s.sort();
-        }
-        let (d50, d99, dtp) = (pct(&samples[0], 0.5), pct(&samples[0], 0.99), tps[0]);
-        for (i, (pname, _)) in paths.iter().enumerate() {
-            let (p50, p99) = (pct(&samples[i], 0.5), pct(&samples[i], 0.99));
-            let added = |a: Duration, b: Duration| {
-                if i == 0 {
-                    "—".to_owned()
-                } else {
-                    format!("{:+.0}", (a.as_secs_f64() - b.as_secs_f64()) * 1e6)
-                }
-            };
+        let results = measure_paths(&c, &urls, &body, per_round, warmup, rounds, tp_dur).await;
+        let direct = &results[0];
+        for (i, ((pname, _), r)) in paths.iter().zip(&results).enumerate() {
             println!(
                 "| {wname} | {pname} | {} | {} | {} | {} | {:.0} | {:.0}% |",
-                us(p50),
-                us(p99),
-                added(p50, d50),
-                added(p99, d99),
-                tps[i],
-                100.0 * tps[i] / dtp
+                us(r.p50),
+                us(r.p99),
+                added(i, r.p50, direct.p50),
+                added(i, r.p99, direct.p99),
+                r.tp,
+                100.0 * r.tp / direct.tp
             );
         }
     }
@@ -802,4 +863,281 @@ async fn held_connections() {
     }
     drop(child.stdin.take());
     let _ = child.wait();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Shared endpoint
+
+/// Models of the bench's shared gateway.
+const SHARED_MODELS: usize = 100;
+
+/// The name of model `i` of the shared gateway (the stub serves them all).
+fn shared_model(i: usize) -> String {
+    format!("m{i:03}")
+}
+
+/// The child roles `single-gateway` and `shared-gateway`: the library serving on
+/// `HEARTH_BENCH_PORT` with 2 HTTP workers (as the binary on 2 cores), forwarding to the stub
+/// at `HEARTH_BENCH_STUB`: one service, or [`SHARED_MODELS`] models all on the stub. Prints
+/// `ready`, runs until stdin closes.
+fn gateway_child(role: &str) {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let stub: http::uri::Authority =
+            std::env::var("HEARTH_BENCH_STUB").unwrap().parse().unwrap();
+        let port: u16 = std::env::var("HEARTH_BENCH_PORT").unwrap().parse().unwrap();
+        let cfg = GatewayConfig {
+            max_queue: 100_000,
+            ..GatewayConfig::default()
+        };
+        let gw = if role == "single-gateway" {
+            Gateway::new(cfg, EndpointSet::fixed([stub]), ApiKeys::disabled()).unwrap()
+        } else {
+            let gw = Gateway::new_shared(
+                cfg,
+                ApiKeys::disabled(),
+                Arc::new(
+                    move |_: &hearth_crds::llmendpoint::ModelRoute, eps: &EndpointSet| {
+                        eps.replace([stub.clone()]);
+                    },
+                ),
+            )
+            .unwrap();
+            let models = (0..SHARED_MODELS)
+                .map(|i| hearth_crds::llmendpoint::ModelRoute {
+                    max_queue: 100_000,
+                    ..hearth_gateway::routes::default_route(
+                        "bench",
+                        &shared_model(i),
+                        &shared_model(i),
+                    )
+                })
+                .collect();
+            gw.apply_routes(&hearth_crds::llmendpoint::RouteTable { models })
+                .unwrap();
+            gw
+        };
+        gw.spawn_background(Duration::from_secs(10));
+        let _workers = gw
+            .serve_http_workers(SocketAddr::from(([127, 0, 0, 1], port)), 2)
+            .unwrap();
+        println!("ready");
+        let _ = tokio::task::spawn_blocking(|| {
+            let mut buf = [0u8; 16];
+            while matches!(std::io::Read::read(&mut std::io::stdin(), &mut buf), Ok(n) if n > 0) {}
+        })
+        .await;
+    });
+}
+
+/// A gateway child of `role` (see [`gateway_child`]) forwarding to `stub`: the process and its
+/// HTTP port, once it serves.
+fn start_child(role: &str, stub: SocketAddr) -> (Child, u16) {
+    let port = free_port();
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .env(ROLE_ENV, role)
+        .env("HEARTH_BENCH_STUB", stub.to_string())
+        .env("HEARTH_BENCH_PORT", port.to_string())
+        .env("RUST_LOG", "warn")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    std::io::BufRead::read_line(&mut out, &mut line).unwrap();
+    assert_eq!(line.trim(), "ready", "the {role} child did not start");
+    (child, port)
+}
+
+/// A JSON completion request body for `model` (as [`small_json`]).
+fn small_json_for(model: &str) -> Bytes {
+    Bytes::from(
+        serde_json::json!({"model": model, "max_tokens": 1, "stub_token_delay": "0s",
+            "messages": [{"role": "user", "content": "ping"}]})
+        .to_string(),
+    )
+}
+
+/// A 64-token stream request body for `model` (as [`sse_64`]).
+fn sse_64_for(model: &str) -> Bytes {
+    Bytes::from(
+        serde_json::json!({"model": model, "max_tokens": 64, "stub_token_delay": "0s",
+            "stream": true, "messages": [{"role": "user", "content": "ping"}]})
+        .to_string(),
+    )
+}
+
+/// GET `url` `n` times at concurrency 1 (after 50 warm-up requests): sorted latencies.
+async fn get_latencies(c: &HttpClient, url: &str, n: usize) -> Vec<Duration> {
+    let get = || async {
+        let resp = c
+            .request(Request::get(url).body(Full::new(Bytes::new())).unwrap())
+            .await
+            .unwrap();
+        assert!(resp.status().is_success(), "{url}: {}", resp.status());
+        resp.into_body().collect().await.unwrap().to_bytes().len()
+    };
+    for _ in 0..50 {
+        get().await;
+    }
+    let mut samples = Vec::with_capacity(n);
+    for _ in 0..n {
+        let t = Instant::now();
+        get().await;
+        samples.push(t.elapsed());
+    }
+    samples.sort();
+    samples
+}
+
+async fn shared_endpoint() {
+    let mut names: Vec<String> = (0..SHARED_MODELS).map(shared_model).collect();
+    names.push("stub-svc".into());
+    let stub = vllm_stub::spawn(
+        StubConfig {
+            served_model_names: names,
+            max_num_seqs: 4096,
+            ..StubConfig::default()
+        },
+        "127.0.0.1:0".parse().unwrap(),
+    )
+    .await
+    .unwrap();
+    let c: HttpClient = Client::builder(TokioExecutor::new())
+        .pool_max_idle_per_host(256)
+        .build_http();
+    let (mut single, single_port) = start_child("single-gateway", stub.addr);
+    let (mut shared, shared_port) = start_child("shared-gateway", stub.addr);
+    wait_http(&c, &format!("http://127.0.0.1:{single_port}/readyz")).await;
+    wait_http(&c, &format!("http://127.0.0.1:{shared_port}/readyz")).await;
+    // Idle, before any proxied request.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let (rss_single, rss_shared) = (proc_rss_kib(single.id()), proc_rss_kib(shared.id()));
+
+    let (rounds, per_round, tp_dur, list_n) = if quick() {
+        (2, 50, Duration::from_millis(500), 200)
+    } else {
+        (10, 300, Duration::from_secs(4), 3000)
+    };
+    let paths = [
+        ("direct", stub.url()),
+        (
+            "per-service gateway",
+            format!("http://127.0.0.1:{single_port}"),
+        ),
+        (
+            "shared gateway, 100 models",
+            format!("http://127.0.0.1:{shared_port}"),
+        ),
+    ];
+    println!("## Shared endpoint\n");
+    println!(
+        "A shared gateway with {SHARED_MODELS} models (route table built in code, every model's \
+         backend the stub) against a per-service gateway, each the library serving with 2 HTTP \
+         workers in a child process of its own; requests name model {}. Latency: concurrency 1, \
+         {} requests per path, interleaved in {rounds} rounds after warm-up. Throughput: \
+         concurrency 32 for {tp_dur:?} per path. Stub token delay 0.\n",
+        shared_model(42),
+        rounds * per_round,
+    );
+    println!(
+        "| workload | path | p50 µs | p99 µs | added p50 µs | added p99 µs | req/s | vs direct | vs per-service |"
+    );
+    println!("|---|---|---:|---:|---:|---:|---:|---:|---:|");
+    let model = shared_model(42);
+    for (wname, body) in [
+        ("small JSON", small_json_for(&model)),
+        ("SSE 64 tokens", sse_64_for(&model)),
+    ] {
+        let urls: Vec<String> = paths
+            .iter()
+            .map(|(_, base)| format!("{base}/v1/chat/completions"))
+            .collect();
+        let results = measure_paths(&c, &urls, &body, per_round, 100, rounds, tp_dur).await;
+        let (direct, per_service) = (&results[0], &results[1]);
+        for (i, ((pname, _), r)) in paths.iter().zip(&results).enumerate() {
+            let vs_service = if i == 0 {
+                "—".to_owned()
+            } else {
+                format!("{:.0}%", 100.0 * r.tp / per_service.tp)
+            };
+            println!(
+                "| {wname} | {pname} | {} | {} | {} | {} | {:.0} | {:.0}% | {vs_service} |",
+                us(r.p50),
+                us(r.p99),
+                added(i, r.p50, direct.p50),
+                added(i, r.p99, direct.p99),
+                r.tp,
+                100.0 * r.tp / direct.tp,
+            );
+        }
+    }
+
+    let list_url = format!("http://127.0.0.1:{shared_port}/v1/models");
+    let (status, list) = {
+        let resp = c
+            .request(
+                Request::get(&list_url)
+                    .body(Full::new(Bytes::new()))
+                    .unwrap(),
+            )
+            .await
+            .unwrap();
+        (
+            resp.status(),
+            resp.into_body().collect().await.unwrap().to_bytes(),
+        )
+    };
+    let list: serde_json::Value = serde_json::from_slice(&list).unwrap();
+    assert!(status.is_success(), "{status}: {list}");
+    assert_eq!(list["data"].as_array().map(Vec::len), Some(SHARED_MODELS));
+    let models = get_latencies(&c, &list_url, list_n).await;
+    let healthz = get_latencies(
+        &c,
+        &format!("http://127.0.0.1:{shared_port}/healthz"),
+        list_n,
+    )
+    .await;
+    println!(
+        "\n`GET /v1/models` of the shared gateway ({SHARED_MODELS} models: state, ready replicas \
+         and expected wait of each), concurrency 1, {list_n} requests; `GET /healthz` of the same \
+         gateway as the baseline. Goal: p99 under 5 ms.\n"
+    );
+    println!("| request | p50 µs | p99 µs | max µs |");
+    println!("|---|---:|---:|---:|");
+    for (name, s) in [("GET /v1/models", &models), ("GET /healthz", &healthz)] {
+        println!(
+            "| {name} | {} | {} | {} |",
+            us(pct(s, 0.5)),
+            us(pct(s, 0.99)),
+            us(*s.last().unwrap())
+        );
+    }
+
+    println!("\nIdle RSS (after start, before any proxied request) of each child process.\n");
+    println!(
+        "| gateway | RSS MiB | per model KiB | vs one per-service gateway | vs 100 per-service gateways |"
+    );
+    println!("|---|---:|---:|---:|---:|");
+    println!(
+        "| per-service | {:.1} | — | 1.00× | — |",
+        rss_single as f64 / 1024.0
+    );
+    println!(
+        "| shared, {SHARED_MODELS} idle models | {:.1} | {:.1} | {:.2}× | {:.1}% |\n",
+        rss_shared as f64 / 1024.0,
+        rss_shared.saturating_sub(rss_single) as f64 / SHARED_MODELS as f64,
+        rss_shared as f64 / rss_single as f64,
+        100.0 * rss_shared as f64 / (SHARED_MODELS as f64 * rss_single as f64),
+    );
+    for child in [&mut single, &mut shared] {
+        drop(child.stdin.take());
+        let _ = child.wait();
+    }
+    let _ = stub.shutdown().await;
 }

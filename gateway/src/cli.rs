@@ -73,6 +73,16 @@ pub fn byte_size(s: &str) -> Result<usize, String> {
         .ok_or_else(|| format!("size {s:?} is too large"))
 }
 
+/// Whether `name` is a Kubernetes object name (a DNS-1123 subdomain, as a ConfigMap's is).
+fn is_object_name(name: &str) -> bool {
+    let ok = |c: u8| c.is_ascii_lowercase() || c.is_ascii_digit();
+    let bytes = name.as_bytes();
+    (1..=253).contains(&bytes.len())
+        && bytes.first().copied().is_some_and(ok)
+        && bytes.last().copied().is_some_and(ok)
+        && bytes.iter().all(|&c| ok(c) || c == b'-' || c == b'.')
+}
+
 /// Hearth's gateway: an OpenAI-compatible scale-to-zero proxy in front of a model backend, and
 /// a KEDA external scaler.
 #[derive(Debug, Parser)]
@@ -164,9 +174,30 @@ pub struct ServeArgs {
         value_parser = hearth_net::parse_listen
     )]
     pub scaler_listen: SocketAddr,
-    /// Namespace of the backend and gateway Services.
+    /// Namespace of the backend and gateway Services (and of the routes ConfigMap).
     #[arg(long, env = "POD_NAMESPACE", default_value = "default")]
     pub namespace: String,
+    /// Shared mode: serve every model of the route table in this ConfigMap (in --namespace,
+    /// key routes.json, written by the controller for an LLMEndpoint), routed by the request's
+    /// `model`. Each model's queue bound, cold start, timeouts, metric target and sleeping tier
+    /// come from its route, so the per-service flags are refused with it.
+    #[arg(
+        long,
+        env = "HEARTH_ROUTES_CONFIGMAP",
+        value_name = "NAME",
+        conflicts_with_all = [
+            "backend_service", "backend_url", "served_model_name", "backend_port",
+            "backend_port_name", "max_queue", "cold_start", "heartbeat_interval",
+            "activation_timeout", "metric_target", "sleep_after", "sleep_level", "sleep_path",
+            "is_sleeping_path", "wake_up_calls", "llmservice", "llmservice_uid", "service_key",
+        ]
+    )]
+    pub routes_configmap: Option<String>,
+    /// The served LLMService as NAMESPACE/NAME: the `service` label of the metrics, and the
+    /// service KEDA's `service` parameter must name when it gives one (default: --namespace
+    /// and --llmservice, joined by a slash, when --llmservice is set).
+    #[arg(long, env = "HEARTH_SERVICE_KEY", value_name = "NAMESPACE/NAME")]
+    pub service_key: Option<String>,
     /// Backend Service whose EndpointSlices list the ready backend pods.
     #[arg(long, env = "HEARTH_BACKEND_SERVICE")]
     pub backend_service: Option<String>,
@@ -406,15 +437,27 @@ impl ServeArgs {
                 "required with --peer-service so the replica leaves itself out of its peers (set env POD_IPS from the downward API status.podIPs)",
             ));
         }
-        if self.backend_service.is_none() && self.backend_url.is_none() {
+        if let Some(name) = &self.routes_configmap
+            && !is_object_name(name)
+        {
+            return Err(err(
+                "--routes-configmap",
+                format!("{name:?} is not a ConfigMap name, like \"models-routes\""),
+            ));
+        }
+        if self.routes_configmap.is_none()
+            && self.backend_service.is_none()
+            && self.backend_url.is_none()
+        {
             return Err(err(
                 "--backend-service",
-                "set --backend-service (EndpointSlice discovery) or --backend-url (a fixed backend)",
+                "set --backend-service (EndpointSlice discovery) or --backend-url (a fixed backend), or --routes-configmap (a shared gateway)",
             ));
         }
         self.fallback_authority()?;
         let sleep = self.sleep_config()?;
         Ok(GatewayConfig {
+            service_key: self.service_key()?,
             served_model_names: self.served_model_name.clone(),
             max_queue: self.max_queue,
             cold_start: self.cold_start,
@@ -435,6 +478,26 @@ impl ServeArgs {
             scaler_keepalive: self.scaler_keepalive,
             sleep,
         })
+    }
+
+    /// The single-service gateway's key: `--service-key`, else `<--namespace>/<--llmservice>`.
+    fn service_key(&self) -> Result<Option<String>, CliError> {
+        let key = match (&self.service_key, &self.llmservice) {
+            (Some(key), _) => key.clone(),
+            (None, Some(service)) => format!("{}/{service}", self.namespace),
+            (None, None) => return Ok(None),
+        };
+        match key.split_once('/') {
+            Some((ns, name)) if !ns.is_empty() && !name.is_empty() && !name.contains('/') => {
+                Ok(Some(key))
+            }
+            _ => Err(err(
+                "--service-key",
+                format!(
+                    "{key:?} must be <namespace>/<name> of the LLMService, like \"team-a/qwen-chat\""
+                ),
+            )),
+        }
     }
 
     /// The sleeping tier's settings, when `--sleep-after` is set.
@@ -707,6 +770,60 @@ mod tests {
         assert_eq!(cli.serve.pod_ips, want);
         let e = Cli::try_parse_from(["hearth-gateway", "--pod-ip=10.0.0.7,pod-a"]).unwrap_err();
         assert!(e.to_string().contains("--pod-ip"), "{e}");
+    }
+
+    #[test]
+    fn the_routes_configmap_makes_a_shared_gateway_and_refuses_per_service_flags() {
+        let cli = parse(&["--routes-configmap=models-routes", "--namespace=ai"]);
+        assert_eq!(cli.serve.routes_configmap.as_deref(), Some("models-routes"));
+        let cfg = cli.serve.gateway_config().unwrap();
+        assert_eq!(cfg.service_key, None);
+        for flag in [
+            "--backend-service=svc",
+            "--backend-url=http://x:1",
+            "--served-model-name=m",
+            "--max-queue=5",
+            "--cold-start=reject",
+            "--activation-timeout=1m",
+            "--sleep-after=5m",
+            "--service-key=ns/a",
+        ] {
+            let e = Cli::try_parse_from(["hearth-gateway", "--routes-configmap=r", flag])
+                .unwrap_err()
+                .to_string();
+            let name = flag.split('=').next().unwrap();
+            assert!(
+                e.contains("--routes-configmap") && e.contains(name),
+                "{flag}: {e}"
+            );
+        }
+        let e = parse(&["--routes-configmap=a/b"])
+            .serve
+            .gateway_config()
+            .unwrap_err();
+        assert_eq!(e.flag, "--routes-configmap");
+    }
+
+    #[test]
+    fn the_service_key_is_given_or_derived_from_the_llmservice() {
+        let key = |args: &[&str]| {
+            let mut all = vec!["--backend-url=http://x:1"];
+            all.extend_from_slice(args);
+            parse(&all).serve.gateway_config().map(|c| c.service_key)
+        };
+        assert_eq!(key(&[]).unwrap(), None);
+        assert_eq!(
+            key(&["--namespace=team-a", "--llmservice=qwen"]).unwrap(),
+            Some("team-a/qwen".to_owned())
+        );
+        assert_eq!(
+            key(&["--service-key=team-b/phi", "--llmservice=qwen"]).unwrap(),
+            Some("team-b/phi".to_owned())
+        );
+        for bad in ["phi", "/phi", "a/", "a/b/c"] {
+            let e = key(&[&format!("--service-key={bad}")]).unwrap_err();
+            assert_eq!(e.flag, "--service-key", "{bad}");
+        }
     }
 
     #[test]

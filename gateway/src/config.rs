@@ -15,8 +15,19 @@ pub enum ColdStartMode {
 }
 
 /// Settings of one gateway replica.
+///
+/// The replica-wide settings apply in both modes. The per-model ones (`served_model_names`,
+/// `max_queue`, `cold_start`, `heartbeat_interval`, `activation_timeout`, `metric_target`,
+/// `sleep`, `service_key`) describe the one model of a single-service gateway
+/// ([`crate::Gateway::new`], see [`ModelConfig::single`]); a shared gateway
+/// ([`crate::Gateway::new_shared`]) takes them from each model's route instead and ignores
+/// these.
 #[derive(Debug, Clone)]
 pub struct GatewayConfig {
+    /// The single-service gateway's `service` label and KEDA key, `<namespace>/<name>` of its
+    /// LLMService (`--service-key`); `None`: unknown (series without `service`, and KEDA's
+    /// `service` parameter, when given, is not checked).
+    pub service_key: Option<String>,
     /// Model names clients may use (`--served-model-name`). When non-empty, `GET /v1/models`
     /// is answered by the gateway while no backend is ready, and a request naming another
     /// model gets 404 without waking a backend. Empty: every request is forwarded.
@@ -75,6 +86,7 @@ pub struct GatewayConfig {
 impl Default for GatewayConfig {
     fn default() -> Self {
         Self {
+            service_key: None,
             served_model_names: Vec::new(),
             max_queue: 1000,
             cold_start: ColdStartMode::Keepalive,
@@ -94,6 +106,52 @@ impl Default for GatewayConfig {
             backend_idle_timeout: Duration::from_secs(4),
             scaler_keepalive: Duration::from_secs(30),
             sleep: None,
+        }
+    }
+}
+
+/// The settings of one model: a single-service gateway's flags, or one entry of a shared
+/// gateway's route table.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelConfig {
+    /// `<namespace>/<name>` of the LLMService: the `service` label and the KEDA key; empty when
+    /// unknown (a single-service gateway without `--service-key`).
+    pub key: String,
+    /// Names clients send in `model`. A shared gateway routes by the first (its route's
+    /// `model`); a single-service gateway checks a cold request's `model` against them (empty:
+    /// not checked).
+    pub served_model_names: Vec<String>,
+    /// Requests admitted at once (held + in flight); beyond it, 429 with `Retry-After`.
+    pub max_queue: u64,
+    /// Cold-start behaviour.
+    pub cold_start: ColdStartMode,
+    /// Interval between SSE comment lines while a streaming request is held.
+    pub heartbeat_interval: Duration,
+    /// How long a request may wait for a ready backend.
+    pub activation_timeout: Duration,
+    /// Target demand per backend replica (KEDA's `targetSizeFloat`), unless the ScaledObject
+    /// trigger metadata sets `targetSize`.
+    pub metric_target: f64,
+    /// The last activation's duration known from outside the gateway (the LLMService's
+    /// `status.lastActivation`), shown in `/v1/models` until the gateway measured one.
+    pub last_activation: Option<Duration>,
+    /// The sleeping tier, when on.
+    pub sleep: Option<crate::sleep::SleepConfig>,
+}
+
+impl ModelConfig {
+    /// The one model of a single-service gateway configured by `cfg`.
+    pub fn single(cfg: &GatewayConfig) -> Self {
+        Self {
+            key: cfg.service_key.clone().unwrap_or_default(),
+            served_model_names: cfg.served_model_names.clone(),
+            max_queue: cfg.max_queue,
+            cold_start: cfg.cold_start,
+            heartbeat_interval: cfg.heartbeat_interval,
+            activation_timeout: cfg.activation_timeout,
+            metric_target: cfg.metric_target,
+            last_activation: None,
+            sleep: cfg.sleep.clone(),
         }
     }
 }

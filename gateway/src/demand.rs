@@ -75,6 +75,11 @@ impl DemandState {
         self.pending
     }
 
+    /// Requests admitted at once at most (the model's `maxQueue`).
+    pub fn max_queue(&self) -> u64 {
+        self.max_queue
+    }
+
     /// Whether the activation lease is held.
     pub fn lease(&self) -> bool {
         self.lease
@@ -134,14 +139,22 @@ pub struct DemandHub {
     /// Observes the lease's raise until a ready backend was seen, in seconds
     /// (`hearth_activation_phase_seconds{phase="demand_to_ready"}`).
     demand_to_ready: Histogram,
+    /// Bumped on every rise of this hub's demand from 0 (see [`DemandHub::with_rises`]).
+    rises: Option<Arc<watch::Sender<u64>>>,
 }
 
 impl DemandHub {
     /// A hub admitting at most `max_queue` requests at once; `aggregate` turns on peer
     /// aggregation (total unknown until the peer list is set).
     pub fn new(max_queue: u64, aggregate: bool) -> Self {
+        Self::with_instance(random_instance(), max_queue, aggregate)
+    }
+
+    /// [`DemandHub::new`] for the replica `instance` (every model of a shared gateway has a hub
+    /// of its own, all naming the replica's instance).
+    pub fn with_instance(instance: u64, max_queue: u64, aggregate: bool) -> Self {
         let state = DemandState {
-            instance: random_instance(),
+            instance,
             pending: 0,
             max_queue,
             lease: false,
@@ -151,6 +164,32 @@ impl DemandHub {
             tx: Arc::new(watch::channel(state).0),
             activations: Default::default(),
             demand_to_ready: Histogram::new(std::iter::empty()),
+            rises: None,
+        }
+    }
+
+    /// Bumps `rises` on every rise of this hub's demand from 0: a shared gateway's demand
+    /// stream to its peers wakes on any model's rise at once without following every hub.
+    pub fn with_rises(mut self, rises: Arc<watch::Sender<u64>>) -> Self {
+        self.rises = Some(rises);
+        self
+    }
+
+    /// Changes how many requests may be admitted at once (a route table that changed the
+    /// model's `maxQueue`); requests already admitted stay.
+    pub fn set_max_queue(&self, max_queue: u64) {
+        self.tx.send_if_modified(|s| {
+            let changed = s.max_queue != max_queue;
+            s.max_queue = max_queue;
+            changed
+        });
+    }
+
+    /// A rise from 0: counted, and announced to [`DemandHub::with_rises`].
+    fn rose(&self) {
+        self.activations.inc();
+        if let Some(rises) = &self.rises {
+            rises.send_modify(|n| *n = n.wrapping_add(1));
         }
     }
 
@@ -184,7 +223,7 @@ impl DemandHub {
             admitted
         });
         if rose {
-            self.activations.inc();
+            self.rose();
         }
         admitted.then(|| Admission { hub: self.clone() })
     }
@@ -199,13 +238,18 @@ impl DemandHub {
             changed
         });
         if rose {
-            self.activations.inc();
+            self.rose();
         }
     }
 
     /// This replica's random identifier (see [`DemandState::instance`]).
     pub fn instance(&self) -> u64 {
         self.tx.borrow().instance
+    }
+
+    /// This replica's demand now (see [`DemandState::local`]), without copying the state.
+    pub fn local(&self) -> u64 {
+        self.tx.borrow().local()
     }
 
     /// The current state.
@@ -270,12 +314,18 @@ impl DemandHub {
     }
 }
 
-/// A random `u64`: std's `RandomState` is seeded from the OS and differs on every call.
-fn random_instance() -> u64 {
+/// A random replica instance (see [`DemandState::instance`]): std's `RandomState` is seeded
+/// from the OS and differs on every call.
+pub(crate) fn random_instance() -> u64 {
     use std::hash::{BuildHasher, Hasher};
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
     h.write_u32(std::process::id());
     h.finish()
+}
+
+/// Locks `m`, taking over a lock whose holder panicked (the values stay consistent).
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// One admitted request; dropping it frees the slot and lowers demand.
@@ -307,11 +357,13 @@ pub struct Lease {
 #[derive(Debug)]
 struct LeaseInner {
     hub: DemandHub,
-    timeout: Duration,
+    timeout: Mutex<Duration>,
     grace: Duration,
     deadline: Mutex<Option<Instant>>,
     /// When the lease was raised, until a ready backend is seen or it expires.
     raised_at: Mutex<Option<Instant>>,
+    /// The last raise-to-ready time observed.
+    last_activation: Mutex<Option<Duration>>,
     notify: Notify,
 }
 
@@ -322,10 +374,11 @@ impl Lease {
         Self {
             inner: Arc::new(LeaseInner {
                 hub,
-                timeout: activation_timeout,
+                timeout: Mutex::new(activation_timeout),
                 grace,
                 deadline: Mutex::new(None),
                 raised_at: Mutex::new(None),
+                last_activation: Mutex::new(None),
                 notify: Notify::new(),
             }),
         }
@@ -335,7 +388,7 @@ impl Lease {
     /// timeout passes.
     pub fn raise(&self) {
         let now = Instant::now();
-        let until = now + self.inner.timeout;
+        let until = now + *lock(&self.inner.timeout);
         self.raised_at().get_or_insert(now);
         {
             let mut d = self
@@ -379,11 +432,22 @@ impl Lease {
     fn observe_ready(&self) {
         let raised = self.raised_at().take();
         if let Some(raised) = raised {
-            self.inner
-                .hub
-                .demand_to_ready
-                .observe(raised.elapsed().as_secs_f64());
+            let took = raised.elapsed();
+            self.inner.hub.demand_to_ready.observe(took.as_secs_f64());
+            *lock(&self.inner.last_activation) = Some(took);
         }
+    }
+
+    /// The last activation this lease saw: from its raise until a ready backend was seen;
+    /// `None` before the first.
+    pub fn last_activation(&self) -> Option<Duration> {
+        *lock(&self.inner.last_activation)
+    }
+
+    /// Changes the activation timeout of later raises (a route table that changed the model's
+    /// `activationTimeout`).
+    pub fn set_timeout(&self, activation_timeout: Duration) {
+        *lock(&self.inner.timeout) = activation_timeout;
     }
 
     fn deadline(&self) -> Option<Instant> {

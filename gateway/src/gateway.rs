@@ -6,9 +6,17 @@
 //! |---|---|
 //! | `GET /healthz` | `200` while the process runs (liveness) |
 //! | `GET /readyz` | `200`, or `503` once draining (readiness) |
-//! | `GET /hearth/queue` | `{"pending": N}`: total demand over all replicas (KEDA `metrics-api`); `?scope=local` for this replica only (with KEDA's `aggregateFromKubeServiceEndpoints`); `503` with an error while the total is unknown |
-//! | `GET /hearth/local-demand` | internal: newline-delimited `{"demand": N}` on every change of this replica's demand, for peer replicas |
+//! | `GET /hearth/queue` | `{"pending": N}`: total demand over all replicas (KEDA `metrics-api`); `503` with an error while the total is unknown |
+//! | `GET /hearth/queue/local` | this replica's demand only (what KEDA's `aggregateFromKubeServiceEndpoints` sums; KEDA drops a URL's query there, so the path says it) |
+//! | `GET /hearth/queue/<namespace>/<name>[/local]` | the same for one model of a shared gateway (required there: `/hearth/queue` is `400`; `404` for a service not in the table) |
+//! | `GET /hearth/queue?scope=local&service=<namespace>/<name>` | the query forms of the above, for clients that keep the query |
+//! | `GET /hearth/local-demand` | internal: newline-delimited `{"demand": N}` (a shared gateway: `{"demand": {"<namespace>/<name>": N, ...}}`) on every change of this replica's demand, for peer replicas |
 //! | `GET /metrics` | Prometheus text |
+//!
+//! A replica serves one model ([`Gateway::new`]: a single-service gateway) or the models of a
+//! route table ([`Gateway::new_shared`], [`Gateway::apply_routes`]: a shared gateway, which
+//! also answers `GET /v1/models` itself); either way each model has the state of
+//! [`crate::model`], and what is shared by all lives here.
 
 use std::{
     convert::Infallible,
@@ -23,7 +31,7 @@ use std::{
 
 use axum::{
     Router,
-    extract::{Query, State},
+    extract::{Path, Query, State},
     http::{HeaderValue, StatusCode, header},
     response::{IntoResponse, Response},
     routing::get,
@@ -34,14 +42,18 @@ use serde::Deserialize;
 use tokio::{net::TcpListener, sync::watch};
 use tower_service::Service;
 
+use hearth_crds::llmendpoint::RouteTable;
+
 use crate::{
     apikeys::ApiKeys,
-    config::GatewayConfig,
-    demand::{DemandHub, Lease},
+    config::{GatewayConfig, ModelConfig},
+    demand::DemandHub,
     endpoints::EndpointSet,
-    metrics::Metrics,
+    metrics::{Metrics, ModelMetrics, ScrapeModel},
+    model::{Model, ModelState, StateParts},
     peers,
     proxy::{self, ClientAddr},
+    routes::{BackendSource, Routes, RoutesApplied, RoutesError, SelectError},
     scaler::Scaler,
     timer::CoarseTimer,
     upstream::UpstreamPool,
@@ -56,20 +68,34 @@ pub const OWN_PATHS: [&str; 5] = [
     "/metrics",
 ];
 
+/// `/hearth/queue/local`: this replica's demand only (one model's:
+/// `/hearth/queue/<namespace>/<name>/local`). In the path, not the query, because KEDA's
+/// `metrics-api` with `aggregateFromKubeServiceEndpoints` asks each endpoint for the URL's path
+/// and drops its query.
+pub const QUEUE_LOCAL_PATH: &str = "/hearth/queue/local";
+
+/// Whether the gateway answers `path` itself: [`OWN_PATHS`] and the `/hearth/queue/...` forms.
+pub fn is_own_path(path: &str) -> bool {
+    OWN_PATHS.contains(&path) || path.starts_with("/hearth/queue/")
+}
+
 /// State shared by all handlers of one replica.
 #[derive(Debug)]
 pub struct Shared {
     pub(crate) cfg: GatewayConfig,
-    pub(crate) backends: EndpointSet,
-    pub(crate) demand: DemandHub,
-    pub(crate) lease: Lease,
+    /// The models: one (single-service), or the route table's (shared).
+    pub(crate) routes: Arc<Routes>,
+    /// The model of a single-service gateway; `None` in shared mode.
+    pub(crate) single: Option<Arc<Model>>,
+    /// Every request this replica admitted (single-service: the model's own hub; shared: one
+    /// counting the requests of every model), for drain.
+    pub(crate) admitted: DemandHub,
+    /// The series requests count in until routed to a model (single-service: the model's;
+    /// shared: the unlabelled ones).
+    pub(crate) unrouted: Arc<ModelMetrics>,
     pub(crate) metrics: Arc<Metrics>,
     pub(crate) keys: ApiKeys,
     pub(crate) pool: UpstreamPool,
-    /// The sleeping tier's handle, when it is on.
-    pub(crate) sleep: Option<crate::sleep::SleepTier>,
-    /// The sleeping tier's task, until [`Gateway::spawn_background`] starts it.
-    sleep_task: std::sync::Mutex<Option<crate::sleep::SleepTask>>,
     /// Request-body bytes held (see [`crate::budget`]).
     pub(crate) budget: crate::budget::BodyBudget,
     /// The `Via` this replica adds (see [`proxy::Via`]).
@@ -78,6 +104,8 @@ pub struct Shared {
     pools: std::sync::Mutex<Vec<UpstreamPool>>,
     /// hyper's connection timeouts (see [`CoarseTimer`]).
     pub(crate) timer: CoarseTimer,
+    /// What [`Gateway::backends`] returns in shared mode.
+    no_backends: EndpointSet,
     draining: AtomicBool,
     stop_tx: watch::Sender<bool>,
 }
@@ -102,58 +130,180 @@ impl Gateway {
     }
 }
 
+/// What every model's state is made with, and the replica-wide parts.
+struct Parts {
+    state: StateParts,
+    pool: UpstreamPool,
+    timer: CoarseTimer,
+    budget: crate::budget::BodyBudget,
+    via: proxy::Via,
+}
+
+impl Parts {
+    fn new(cfg: &GatewayConfig, instance: u64, shared: bool) -> std::io::Result<Self> {
+        let metrics = Arc::new(Metrics::new());
+        let pool = UpstreamPool::new(cfg.connect_timeout, cfg.backend_idle_timeout);
+        Ok(Self {
+            state: StateParts {
+                instance,
+                aggregate: cfg.aggregate_peers,
+                grace: cfg.activation_grace,
+                metrics,
+                pool: pool.clone(),
+                rises: shared.then(|| Arc::new(watch::channel(0).0)),
+            },
+            pool,
+            timer: CoarseTimer::new()?,
+            budget: crate::budget::BodyBudget::new(cfg.body_memory_limit),
+            via: proxy::Via::new(instance),
+        })
+    }
+}
+
 impl Gateway {
-    /// A replica forwarding to `backends` (with the sleeping tier on, to the awake engines among
-    /// them), checking `keys`. Background work (the activation
-    /// lease, key reloads) starts with [`Gateway::spawn_background`].
+    /// A single-service replica: one model, configured by `cfg`'s per-model settings
+    /// ([`ModelConfig::single`]), forwarding to `backends` (with the sleeping tier on, to the
+    /// awake engines among them), checking `keys`. Background work (the activation lease, key
+    /// reloads) starts with [`Gateway::spawn_background`].
     ///
     /// # Errors
     /// The thread of the header-read timer could not start.
     pub fn new(cfg: GatewayConfig, backends: EndpointSet, keys: ApiKeys) -> std::io::Result<Self> {
-        let metrics = Arc::new(Metrics::new());
-        let demand = DemandHub::new(cfg.max_queue, cfg.aggregate_peers)
-            .with_activation_counter(metrics.activation_events.clone())
-            .with_demand_to_ready(metrics.demand_to_ready());
-        let lease = Lease::new(demand.clone(), cfg.activation_timeout, cfg.activation_grace);
-        let pool = UpstreamPool::new(cfg.connect_timeout, cfg.backend_idle_timeout);
-        let timer = CoarseTimer::new()?;
-        let budget = crate::budget::BodyBudget::new(cfg.body_memory_limit);
-        let via = proxy::Via::new(demand.instance());
-        // With the sleeping tier, requests go to the awake engines among those discovered.
-        let (backends, sleep, sleep_task) = match cfg.sleep.clone() {
-            Some(sleep_cfg) => {
-                let serving = EndpointSet::new();
-                let (task, tier) = crate::sleep::SleepTask::new(
-                    sleep_cfg,
-                    pool.clone(),
-                    backends,
-                    serving.clone(),
-                    demand.clone(),
-                    metrics.clone(),
-                );
-                (serving, Some(tier), Some(task))
-            }
-            None => (backends, None, None),
-        };
-        Ok(Self {
+        let model_cfg = ModelConfig::single(&cfg);
+        let instance = crate::demand::random_instance();
+        let parts = Parts::new(&cfg, instance, false)?;
+        let state = ModelState::new(&model_cfg, backends, &parts.state);
+        let model = Arc::new(Model {
+            cfg: Arc::new(model_cfg),
+            state: Arc::new(state),
+            route: None,
+        });
+        let routes = Arc::new(Routes::single(model.clone(), parts.state.clone()));
+        let admitted = model.state.demand.clone();
+        let unrouted = model.state.metrics.clone();
+        Ok(Self::assemble(
+            cfg,
+            keys,
+            parts,
+            routes,
+            Some(model),
+            admitted,
+            unrouted,
+        ))
+    }
+
+    /// A shared replica: no model until [`Gateway::apply_routes`] gives it a route table;
+    /// each model's backends come from `source` ([`crate::routes::KubeBackends`] in a cluster;
+    /// a function filling each model's [`EndpointSet`] in tests and benchmarks). The per-model
+    /// settings of `cfg` are not used: each model's come from its route.
+    ///
+    /// # Errors
+    /// The thread of the header-read timer could not start.
+    pub fn new_shared(
+        cfg: GatewayConfig,
+        keys: ApiKeys,
+        source: Arc<dyn BackendSource>,
+    ) -> std::io::Result<Self> {
+        let admitted = DemandHub::new(u64::MAX, false);
+        let parts = Parts::new(&cfg, admitted.instance(), true)?;
+        let routes = Arc::new(Routes::shared(source, parts.state.clone()));
+        let unrouted = Arc::new(ModelMetrics::unrouted(parts.state.metrics.clone()));
+        Ok(Self::assemble(
+            cfg, keys, parts, routes, None, admitted, unrouted,
+        ))
+    }
+
+    fn assemble(
+        cfg: GatewayConfig,
+        keys: ApiKeys,
+        parts: Parts,
+        routes: Arc<Routes>,
+        single: Option<Arc<Model>>,
+        admitted: DemandHub,
+        unrouted: Arc<ModelMetrics>,
+    ) -> Self {
+        Self {
             shared: Arc::new(Shared {
                 cfg,
-                backends,
-                demand,
-                lease,
-                metrics,
+                routes,
+                single,
+                admitted,
+                unrouted,
+                metrics: parts.state.metrics.clone(),
                 keys,
-                pools: std::sync::Mutex::new(vec![pool.clone()]),
-                budget,
-                via,
-                pool,
-                sleep,
-                sleep_task: std::sync::Mutex::new(sleep_task),
-                timer,
+                pools: std::sync::Mutex::new(vec![parts.pool.clone()]),
+                budget: parts.budget,
+                via: parts.via,
+                pool: parts.pool,
+                timer: parts.timer,
+                no_backends: EndpointSet::new(),
                 draining: AtomicBool::new(false),
                 stop_tx: watch::channel(false).0,
             }),
-        })
+        }
+    }
+
+    /// Applies a route table (shared mode; see [`crate::routes`]): models enter, change and
+    /// leave as it says; requests already admitted for a model that left finish.
+    ///
+    /// # Errors
+    /// A [`RoutesError`] naming the field at fault (the table in force stays, and the refusal
+    /// is counted in `hearth_gateway_route_table_errors_total`), or
+    /// [`RoutesError::SingleService`] on a single-service gateway.
+    pub fn apply_routes(&self, table: &RouteTable) -> Result<RoutesApplied, RoutesError> {
+        let applied = self.shared.routes.apply(table);
+        if applied.is_err() && self.shared.routes.shared {
+            self.shared.metrics.route_table_errors.inc();
+        }
+        applied
+    }
+
+    /// Parses `json` (a [`RouteTable`], as the routes ConfigMap holds it) and applies it.
+    ///
+    /// # Errors
+    /// As [`Gateway::apply_routes`], and [`RoutesError::Json`] with the path of the value that
+    /// does not parse.
+    pub fn apply_routes_json(&self, json: &str) -> Result<RoutesApplied, RoutesError> {
+        match crate::routes::parse_route_table(json) {
+            Ok(table) => self.apply_routes(&table),
+            Err(e) => {
+                self.shared.metrics.route_table_errors.inc();
+                Err(e)
+            }
+        }
+    }
+
+    /// Whether this replica is a shared gateway (routes by `model`).
+    pub fn is_shared(&self) -> bool {
+        self.shared.routes.shared
+    }
+
+    /// The model of service `key` (`<namespace>/<name>`); a single-service gateway's for its
+    /// own key (or any, when it does not know it).
+    pub fn model(&self, key: &str) -> Option<Arc<Model>> {
+        self.shared.routes.select(Some(key)).ok()
+    }
+
+    /// The model clients call `name` (shared mode), or the single-service gateway's model.
+    pub fn model_named(&self, name: &str) -> Option<Arc<Model>> {
+        match &self.shared.single {
+            Some(m) => Some(m.clone()),
+            None => self.shared.routes.load().by_name(name).cloned(),
+        }
+    }
+
+    /// Every model, sorted by name.
+    pub fn models(&self) -> Vec<Arc<Model>> {
+        self.shared.routes.load().models().to_vec()
+    }
+
+    /// Where peer replicas' demand goes ([`crate::peers::PeerSet::new`]): the model's hub of a
+    /// single-service gateway, the route table of a shared one.
+    pub fn peer_sink(&self) -> Arc<dyn crate::peers::PeerSink> {
+        match &self.shared.single {
+            Some(m) => Arc::new(m.state.demand.clone()),
+            None => self.shared.routes.clone(),
+        }
     }
 
     /// The settings.
@@ -161,14 +311,20 @@ impl Gateway {
         &self.shared.cfg
     }
 
-    /// The backend endpoints requests go to (with the sleeping tier on, the awake engines).
+    /// The backend endpoints requests go to (with the sleeping tier on, the awake engines) of
+    /// a single-service gateway; an empty set for a shared one (see [`Gateway::model`]).
     pub fn backends(&self) -> &EndpointSet {
-        &self.shared.backends
+        match &self.shared.single {
+            Some(m) => &m.state.backends,
+            None => &self.shared.no_backends,
+        }
     }
 
-    /// The demand counters.
+    /// The demand counters of a single-service gateway's model. For a shared gateway, a hub
+    /// counting every request admitted for any model (no lease, no peers; each model's own is
+    /// [`Model::demand`]).
     pub fn demand(&self) -> &DemandHub {
-        &self.shared.demand
+        &self.shared.admitted
     }
 
     /// The metrics.
@@ -177,33 +333,20 @@ impl Gateway {
     }
 
     /// Reports the sleeping tier's engine sleeps and wake-ups on the LLMService (Events and
-    /// `status.lastWake`) through `reporter` (no effect without a tier, or once the background
-    /// work started).
+    /// `status.lastWake`) through `reporter` (single-service; no effect without a tier, or
+    /// once the background work started). A shared gateway's models report through their
+    /// [`BackendSource`].
     pub fn report_to(&self, reporter: crate::sleep::ServiceReporter) {
-        if let Some(task) = self
-            .shared
-            .sleep_task
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .as_mut()
-        {
-            task.report_to(reporter);
+        if let Some(m) = &self.shared.single {
+            m.state.report_to(reporter);
         }
     }
 
-    /// Starts the lease expiry, the sleeping tier (when on) and API key reloads; they stop when
-    /// the runtime does.
+    /// Starts every model's background work (the lease expiry, the sleeping tier when on, a
+    /// shared gateway's backend discovery), the idle connection eviction and API key reloads;
+    /// they stop when the runtime does. Models added later start as they are added.
     pub fn spawn_background(&self, key_reload_interval: Duration) {
-        tokio::spawn(self.shared.lease.clone().run(self.shared.backends.clone()));
-        let sleep_task = self
-            .shared
-            .sleep_task
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take();
-        if let Some(task) = sleep_task {
-            tokio::spawn(task.run());
-        }
+        self.shared.routes.start();
         let shared = Arc::downgrade(&self.shared);
         tokio::spawn(async move {
             // Idle backend connections of every pool are closed from here, so the HTTP workers
@@ -242,6 +385,12 @@ impl Gateway {
             .route(healthz, get(|| async { "ok" }))
             .route(readyz_path, get(readyz))
             .route(queue_path, get(queue))
+            .route(QUEUE_LOCAL_PATH, get(queue_local))
+            .route("/hearth/queue/{namespace}/{service}", get(queue_service))
+            .route(
+                "/hearth/queue/{namespace}/{service}/local",
+                get(queue_service_local),
+            )
             .route(local_demand_path, get(local_demand))
             .route(metrics_path, get(metrics))
             // The gateway's own endpoints are read-only; axum's 405 would have an empty body.
@@ -271,10 +420,9 @@ impl Gateway {
     /// The KEDA ExternalScaler gRPC service of this replica.
     pub fn scaler(&self) -> Scaler {
         Scaler::new(
-            self.shared.demand.clone(),
+            self.shared.routes.clone(),
             self.shared.metrics.clone(),
             self.shared.cfg.metric_name.clone(),
-            self.shared.cfg.metric_target,
         )
     }
 
@@ -294,7 +442,7 @@ impl Gateway {
         self.start_drain();
         let left = self
             .shared
-            .demand
+            .admitted
             .wait_idle(self.shared.cfg.drain_timeout)
             .await;
         self.shared.stop_tx.send_replace(true);
@@ -349,7 +497,7 @@ impl Gateway {
             // boxing and route matching) serves only the gateway's own endpoints.
             let svc =
                 hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
-                    if OWN_PATHS.contains(&req.uri().path()) {
+                    if is_own_path(req.uri().path()) {
                         let mut r = router.clone();
                         Either::Left(r.call(req))
                     } else {
@@ -531,48 +679,116 @@ async fn readyz(State(shared): State<Arc<Shared>>) -> Response {
 struct QueueQuery {
     #[serde(default)]
     scope: Option<String>,
+    #[serde(default)]
+    service: Option<String>,
+}
+
+/// A `/hearth/queue` error: `status` and `{"error": message}`.
+fn queue_error(status: StatusCode, message: String) -> Response {
+    (status, axum::Json(serde_json::json!({ "error": message }))).into_response()
 }
 
 async fn queue(State(shared): State<Arc<Shared>>, Query(q): Query<QueueQuery>) -> Response {
-    let state = shared.demand.state();
-    let value = match q.scope.as_deref() {
+    queue_answer(&shared, q.service.as_deref(), q.scope.as_deref())
+}
+
+async fn queue_local(State(shared): State<Arc<Shared>>, Query(q): Query<QueueQuery>) -> Response {
+    queue_answer(&shared, q.service.as_deref(), Some("local"))
+}
+
+async fn queue_service(
+    State(shared): State<Arc<Shared>>,
+    Path((namespace, service)): Path<(String, String)>,
+    Query(q): Query<QueueQuery>,
+) -> Response {
+    queue_answer(
+        &shared,
+        Some(&format!("{namespace}/{service}")),
+        q.scope.as_deref(),
+    )
+}
+
+async fn queue_service_local(
+    State(shared): State<Arc<Shared>>,
+    Path((namespace, service)): Path<(String, String)>,
+) -> Response {
+    queue_answer(
+        &shared,
+        Some(&format!("{namespace}/{service}")),
+        Some("local"),
+    )
+}
+
+/// `{"pending": N}` of model `service` (`<namespace>/<name>`; `None`: the only one of a
+/// single-service gateway) in `scope` (`total`, the default, or `local`).
+fn queue_answer(shared: &Shared, service: Option<&str>, scope: Option<&str>) -> Response {
+    let model = match shared.routes.select(service) {
+        Ok(m) => m,
+        Err(SelectError::Missing) => {
+            return queue_error(
+                StatusCode::BAD_REQUEST,
+                "missing service: this gateway serves several models; ask for one with /hearth/queue/<namespace>/<name> of its LLMService".to_owned(),
+            );
+        }
+        Err(SelectError::Unknown(service)) => {
+            return queue_error(
+                StatusCode::NOT_FOUND,
+                format!(
+                    "service {service:?} is not served by this gateway (not in its route table)"
+                ),
+            );
+        }
+    };
+    let state = model.demand_state();
+    let value = match scope {
         None | Some("total") => state.total(),
         Some("local") => Ok(state.local()),
         Some(other) => {
-            let body = serde_json::json!({"error": format!("unknown scope {other:?}: use scope=total (default) or scope=local")});
-            return (StatusCode::BAD_REQUEST, axum::Json(body)).into_response();
+            return queue_error(
+                StatusCode::BAD_REQUEST,
+                format!("unknown scope {other:?}: use scope=total (default) or scope=local"),
+            );
         }
     };
     match value {
         Ok(n) => axum::Json(serde_json::json!({"pending": n})).into_response(),
-        Err(e) => (
-            StatusCode::SERVICE_UNAVAILABLE,
-            axum::Json(serde_json::json!({"error": e.to_string()})),
-        )
-            .into_response(),
+        Err(e) => queue_error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
     }
 }
 
 async fn local_demand(State(shared): State<Arc<Shared>>) -> Response {
     let stop = shared.stop_tx.subscribe();
-    peers::local_demand_stream(shared.demand.subscribe(), stop)
+    match &shared.single {
+        Some(model) => peers::local_demand_stream(model.state.demand.subscribe(), stop),
+        None => peers::demand_stream(
+            crate::routes::TableFeed::new(shared.routes.clone()),
+            shared.admitted.instance(),
+            stop,
+        ),
+    }
 }
 
 async fn metrics(State(shared): State<Arc<Shared>>) -> Response {
-    let state = shared.demand.state();
+    let models: Vec<ScrapeModel> = shared
+        .routes
+        .load()
+        .models()
+        .iter()
+        .map(|m| {
+            let state = m.demand_state();
+            ScrapeModel {
+                service: m.state.metrics.service().clone(),
+                pending: state.pending(),
+                local: state.local(),
+                total: state.total().ok(),
+                endpoints: m.backends().snapshot().len(),
+            }
+        })
+        .collect();
     let m = &shared.metrics;
-    m.pending.set(state.pending() as i64);
-    m.demand.set(state.local() as i64);
-    m.backend_endpoints
-        .set(shared.backends.snapshot().len() as i64);
     m.request_body_bytes
         .set(i64::try_from(shared.budget.held()).unwrap_or(i64::MAX));
-    // The total is capped at i64::MAX (see `demand`).
-    let total = state
-        .total()
-        .ok()
-        .map(|t| i64::try_from(t).unwrap_or(i64::MAX));
-    let mut resp = m.encode_with_total(total).into_response();
+    let mut resp = m.encode_scrape(&models).into_response();
     resp.headers_mut().insert(
         header::CONTENT_TYPE,
         HeaderValue::from_static("application/openmetrics-text; version=1.0.0; charset=utf-8"),

@@ -13,7 +13,10 @@
 //! - drain on SIGTERM, and the backend `preStop` drain command ([`drain`]);
 //! - request bodies bounded in size, read time and total memory ([`proxy`], [`budget`]);
 //! - optional API keys ([`apikeys`]) and Prometheus metrics ([`metrics`]);
-//! - every refusal one typed [`reject::Rejection`], answered as an OpenAI error.
+//! - every refusal one typed [`reject::Rejection`], answered as an OpenAI error;
+//! - one model per replica (a single-service gateway), or many behind one endpoint (a shared
+//!   gateway, routed by the request's `model`): each model's state is a [`model::Model`], the
+//!   shared gateway's table of them the [`routes`] module's.
 //!
 //! `docs/gateway.md` describes the flags and the behaviour.
 
@@ -27,15 +30,19 @@ pub mod drain;
 pub mod endpoints;
 pub mod gateway;
 pub mod metrics;
+pub mod model;
 pub mod openai;
 pub mod peers;
 pub mod proxy;
 pub mod reject;
+pub mod routes;
 pub mod scaler;
 pub mod sleep;
 pub mod timer;
 pub mod upstream;
 
-pub use config::{ColdStartMode, GatewayConfig};
+pub use config::{ColdStartMode, GatewayConfig, ModelConfig};
 pub use endpoints::EndpointSet;
 pub use gateway::{Gateway, RunningGateway, spawn};
+pub use model::{Model, ModelStatus};
+pub use routes::{BackendSource, KubeBackends, RoutesApplied, RoutesError};

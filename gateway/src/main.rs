@@ -5,18 +5,20 @@
 //! and environment variables: `--help` and `docs/gateway.md`.
 
 use std::process::ExitCode;
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
 use clap::Parser;
 use hearth_gateway::{
-    Gateway,
+    Gateway, GatewayConfig, KubeBackends,
     apikeys::ApiKeys,
     cli::{Cli, Command, DrainArgs, ServeArgs},
     discovery::{SliceSource, watch_endpoints},
     drain::{serve_drain, wait_backend_idle},
     endpoints::EndpointSet,
     peers::{PeerSet, other_replicas},
+    routes::watch_routes,
 };
 use hearth_net::ListenOptions;
 use hearth_net::process::{self, LogFormat, Setup, Signals};
@@ -69,9 +71,8 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         Some(path) => ApiKeys::load(path)?,
         None => ApiKeys::disabled(),
     };
-    let fallback = args.fallback_authority()?;
-    let backends = EndpointSet::new();
-    let needs_kube = args.backend_service.is_some()
+    let needs_kube = args.routes_configmap.is_some()
+        || args.backend_service.is_some()
         || args.peer_service.is_some()
         || (args.llmservice.is_some() && args.sleep_after.is_some());
     let client = if needs_kube {
@@ -79,55 +80,21 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     } else {
         None
     };
-
-    match (&args.backend_service, &client) {
-        (Some(service), Some(client)) => {
-            let source = SliceSource {
-                namespace: args.namespace.clone(),
-                service: service.clone(),
-                port_name: args.backend_port_name.clone(),
-            };
-            let set = backends.clone();
-            let client = client.clone();
-            tokio::spawn(async move {
-                let feed = set.clone();
-                let e = watch_endpoints(client, source, move |eps| feed.replace(eps)).await;
-                match fallback {
-                    Some(auth) => {
-                        tracing::warn!(error = %e, fallback = %auth, "backend discovery stopped; forwarding to the Service URL");
-                        set.replace([auth]);
-                    }
-                    None => tracing::error!(error = %e, "backend discovery stopped"),
-                }
-            });
+    let gateway = match (&args.routes_configmap, &client) {
+        (Some(configmap), Some(client)) => {
+            shared_gateway(&args, cfg, keys, client.clone(), configmap)?
         }
-        _ => {
-            let auth = fallback.context("no backend: set --backend-service or --backend-url")?;
-            tracing::info!(backend = %auth, "fixed backend (no discovery)");
-            backends.replace([auth]);
-        }
-    }
+        _ => single_gateway(&args, cfg, keys, client.as_ref())?,
+    };
 
-    let gateway = Gateway::new(cfg, backends, keys).context("starting the gateway")?;
-    if let (Some(service), Some(client)) = (&args.llmservice, &client) {
-        gateway.report_to(hearth_gateway::sleep::ServiceReporter::new(
-            client.clone(),
-            &args.namespace,
-            service,
-            args.llmservice_uid.clone(),
-            std::env::var("POD_NAME").ok(),
-        ));
-    }
-
-    if let (Some(service), Some(client)) = (&args.peer_service, &client) {
-        let peers = PeerSet::new(gateway.demand().clone());
+    if let (Some(service), Some(client)) = (&args.peer_service, client) {
+        let peers = PeerSet::new(gateway.peer_sink());
         let source = SliceSource {
             namespace: args.namespace.clone(),
             service: service.clone(),
             port_name: args.peer_port_name.clone(),
         };
         let me = args.pod_ips.clone();
-        let client = client.clone();
         tokio::spawn(async move {
             let feed = peers.clone();
             let e = watch_endpoints(client, source, move |eps| {
@@ -154,6 +121,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         scaler = %args.scaler_listen,
         workers,
         body_memory_limit,
+        shared = gateway.is_shared(),
         "hearth-gateway serving"
     );
     let g = gateway.clone();
@@ -188,4 +156,79 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     })
     .await;
     Ok(())
+}
+
+/// A shared gateway: the models of the route table in ConfigMap `configmap`, which it
+/// follows from now on.
+fn shared_gateway(
+    args: &ServeArgs,
+    cfg: GatewayConfig,
+    keys: ApiKeys,
+    client: kube::Client,
+    configmap: &str,
+) -> anyhow::Result<Gateway> {
+    let source = Arc::new(KubeBackends::new(
+        client.clone(),
+        std::env::var("POD_NAME").ok(),
+    ));
+    let gateway = Gateway::new_shared(cfg, keys, source).context("starting the gateway")?;
+    tracing::info!(namespace = %args.namespace, configmap, key = hearth_crds::llmendpoint::ROUTES_KEY, "shared gateway: following the route table");
+    tokio::spawn(watch_routes(
+        client,
+        args.namespace.clone(),
+        configmap.to_owned(),
+        gateway.clone(),
+    ));
+    Ok(gateway)
+}
+
+/// A single-service gateway: its backends discovered from --backend-service, or
+/// --backend-url.
+fn single_gateway(
+    args: &ServeArgs,
+    cfg: GatewayConfig,
+    keys: ApiKeys,
+    client: Option<&kube::Client>,
+) -> anyhow::Result<Gateway> {
+    let fallback = args.fallback_authority()?;
+    let backends = EndpointSet::new();
+    match (&args.backend_service, client) {
+        (Some(service), Some(client)) => {
+            let source = SliceSource {
+                namespace: args.namespace.clone(),
+                service: service.clone(),
+                port_name: args.backend_port_name.clone(),
+            };
+            let set = backends.clone();
+            let client = client.clone();
+            tokio::spawn(async move {
+                let feed = set.clone();
+                let e = watch_endpoints(client, source, move |eps| feed.replace(eps)).await;
+                match fallback {
+                    Some(auth) => {
+                        tracing::warn!(error = %e, fallback = %auth, "backend discovery stopped; forwarding to the Service URL");
+                        set.replace([auth]);
+                    }
+                    None => tracing::error!(error = %e, "backend discovery stopped"),
+                }
+            });
+        }
+        _ => {
+            let auth = fallback.context("no backend: set --backend-service or --backend-url")?;
+            tracing::info!(backend = %auth, "fixed backend (no discovery)");
+            backends.replace([auth]);
+        }
+    }
+
+    let gateway = Gateway::new(cfg, backends, keys).context("starting the gateway")?;
+    if let (Some(service), Some(client)) = (&args.llmservice, client) {
+        gateway.report_to(hearth_gateway::sleep::ServiceReporter::new(
+            client.clone(),
+            &args.namespace,
+            service,
+            args.llmservice_uid.clone(),
+            std::env::var("POD_NAME").ok(),
+        ));
+    }
+    Ok(gateway)
 }

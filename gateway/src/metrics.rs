@@ -7,7 +7,7 @@
 //! | `hearth_gateway_demand_total` | gauge | demand summed over all gateway replicas; absent while unknown |
 //! | `hearth_gateway_requests_total{code}` | counter | finished requests by HTTP status code sent |
 //! | `hearth_gateway_requests_canceled_total` | counter | requests whose client left before the response finished |
-//! | `hearth_gateway_rejections_total{reason}` | counter | requests refused by the gateway itself (`queue_full`, `cold_reject`, `activation_timeout`, `body_too_large`, `body_timeout`, `body_memory`, `loop_detected`, `bad_request`, `method_not_allowed`, `unsupported_transfer_coding`, `unauthorized`, `draining`, `unknown_model`) |
+//! | `hearth_gateway_rejections_total{reason}` | counter | requests refused by the gateway itself (`queue_full`, `cold_reject`, `activation_timeout`, `body_too_large`, `body_timeout`, `body_memory`, `loop_detected`, `bad_request`, `method_not_allowed`, `unsupported_transfer_coding`, `unauthorized`, `draining`, `model_required`, `unknown_model`) |
 //! | `hearth_gateway_activation_wait_seconds` | histogram | cold requests: arrival until forwarded to a ready backend |
 //! | `hearth_gateway_upstream_latency_seconds` | histogram | request sent to the backend until its response headers |
 //! | `hearth_gateway_time_to_first_token_seconds` | histogram | streaming requests: arrival until the first body chunk from the backend |
@@ -19,15 +19,28 @@
 //! | `hearth_gateway_backends_sleeping` | gauge | sleeping tier: backend engines asleep, falling asleep or waking up, as this replica knows them |
 //! | `hearth_gateway_engine_calls_total{call,result}` | counter | sleeping tier: calls to the engine's sleep API (`call`: `sleep`, `wake_up`, `is_sleeping`; `result`: `ok`, `error`) |
 //! | `hearth_activation_phase_seconds{phase}` | histogram | activation phases seen by the gateway: `demand_to_ready` (activation lease raised, a cold request with no lease held, until a ready backend was first seen) `wake_up` (the wake-up calls of a sleeping engine, sent until answered) and `first_byte` (a cold request, held for an activation or a wake-up, from its arrival until the first byte of the answer was forwarded); the controller observes the pod's phases under the same name |
+//! | `hearth_gateway_route_table_models` | gauge | shared mode: models in the route table applied last |
+//! | `hearth_gateway_route_table_errors_total` | counter | shared mode: route tables refused (not JSON, a field missing or out of range); the last good table stays |
 //!
-//! The gateway names no namespace, pod or service in its series: Prometheus adds `namespace` and
-//! `pod` (the chart's `hearth-gateways` PodMonitor also `llmservice`); the dashboard groups by
-//! them.
+//! **The `service` label.** Every per-model series (all of the above but
+//! `hearth_gateway_scaler_streams`, `hearth_gateway_request_body_bytes` and the route table's)
+//! carries `service="<namespace>/<name>"`, the LLMService the series is about: in shared mode
+//! each model of the route table has its own series; a single-service gateway labels its series
+//! with `--service-key` (by default `<--namespace>/<--llmservice>`). The label is left out when
+//! empty: a single-service gateway that does not know its service, and, in shared mode, the
+//! requests refused before a model was chosen (draining, framing, API key, body, and an unknown
+//! or missing `model`). A model's counters and histograms are removed once it has left the
+//! table and its last request finished; its gauges follow the table at every scrape.
+//! Prometheus adds `namespace` and `pod` (the chart's `hearth-gateways` PodMonitor also
+//! `llmservice`).
 
-use std::sync::{Mutex, atomic::AtomicI64};
+use std::{
+    collections::HashMap,
+    sync::{Arc, Mutex},
+};
 
 use prometheus_client::{
-    encoding::EncodeLabelSet,
+    encoding::{EncodeLabel, EncodeLabelSet, LabelSetEncoder},
     metrics::{
         counter::Counter,
         family::Family,
@@ -37,82 +50,156 @@ use prometheus_client::{
     registry::Registry,
 };
 
-/// `code` label: an HTTP status code.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct CodeLabel {
-    /// The status code, e.g. `200`.
-    pub code: u16,
+use crate::reject::RejectionKind;
+
+/// Encodes `service="<service>"`, or nothing when `service` is empty.
+fn encode_service(service: &str, encoder: &mut LabelSetEncoder) -> Result<(), std::fmt::Error> {
+    if service.is_empty() {
+        return Ok(());
+    }
+    ("service", service).encode(encoder.encode_label())
 }
 
-/// `reason` or `kind` label.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct ReasonLabel {
-    /// Why, in `snake_case`.
-    pub reason: &'static str,
+/// Declares a label set that starts with `service` (left out when empty) and the given fields.
+macro_rules! service_labels {
+    ($(#[doc = $doc:literal])* $name:ident { $($(#[doc = $fdoc:literal])* $field:ident: $ty:ty,)* }) => {
+        $(#[doc = $doc])*
+        #[derive(Clone, Debug, Hash, PartialEq, Eq)]
+        pub struct $name {
+            /// `<namespace>/<name>` of the LLMService; empty: left out.
+            pub service: Arc<str>,
+            $($(#[doc = $fdoc])* pub $field: $ty,)*
+        }
+
+        impl EncodeLabelSet for $name {
+            fn encode(&self, encoder: &mut LabelSetEncoder) -> Result<(), std::fmt::Error> {
+                encode_service(&self.service, encoder)?;
+                $((stringify!($field), self.$field).encode(encoder.encode_label())?;)*
+                Ok(())
+            }
+        }
+    };
 }
 
-/// `kind` label of upstream errors.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct KindLabel {
-    /// What failed, in `snake_case`.
-    pub kind: &'static str,
+service_labels! {
+    /// `service` alone.
+    ServiceLabel {}
 }
 
-/// `call` and `result` labels of the sleeping tier's engine calls.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct EngineCallLabel {
-    /// `sleep`, `wake_up` or `is_sleeping`.
-    pub call: &'static str,
-    /// `ok` or `error`.
-    pub result: &'static str,
+service_labels! {
+    /// `service` and `code`: an HTTP status code.
+    CodeLabel {
+        /// The status code, e.g. `200`.
+        code: u16,
+    }
 }
 
-/// `phase` label of `hearth_activation_phase_seconds`.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct PhaseLabel {
-    /// The phase, in `snake_case`: `demand_to_ready`, `wake_up` or `first_byte` here.
-    pub phase: &'static str,
+service_labels! {
+    /// `service` and `reason`.
+    ReasonLabel {
+        /// Why, in `snake_case`.
+        reason: &'static str,
+    }
 }
 
-/// All gateway metrics and their registry.
+service_labels! {
+    /// `service` and `kind` of upstream errors.
+    KindLabel {
+        /// What failed, in `snake_case`.
+        kind: &'static str,
+    }
+}
+
+service_labels! {
+    /// `service`, `call` and `result` of the sleeping tier's engine calls.
+    EngineCallLabel {
+        /// `sleep`, `wake_up` or `is_sleeping`.
+        call: &'static str,
+        /// `ok` or `error`.
+        result: &'static str,
+    }
+}
+
+service_labels! {
+    /// `service` and `phase` of `hearth_activation_phase_seconds`.
+    PhaseLabel {
+        /// The phase, in `snake_case`: `demand_to_ready`, `wake_up` or `first_byte` here.
+        phase: &'static str,
+    }
+}
+
+/// The values of `kind` in `hearth_gateway_upstream_errors_total`.
+const UPSTREAM_ERROR_KINDS: [&str; 3] = ["connect", "request", "stream"];
+/// The values of `call` in `hearth_gateway_engine_calls_total`.
+const ENGINE_CALLS: [&str; 3] = ["sleep", "wake_up", "is_sleeping"];
+/// The values of `phase` the gateway observes.
+const PHASES: [&str; 3] = ["demand_to_ready", "wake_up", "first_byte"];
+
+type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
+
+/// One model's demand and endpoints at a scrape (the gauges computed then).
+#[derive(Debug, Clone)]
+pub struct ScrapeModel {
+    /// The model's `service` label.
+    pub service: Arc<str>,
+    /// Requests admitted by this replica and not finished.
+    pub pending: u64,
+    /// This replica's demand.
+    pub local: u64,
+    /// Demand over all replicas; `None` while unknown (the series is left out).
+    pub total: Option<u64>,
+    /// Ready (with the sleeping tier: awake) backend endpoints.
+    pub endpoints: usize,
+}
+
+/// All gateway metrics and their registry. Per-model series are written through a
+/// [`ModelMetrics`]; the gauges of demand and endpoints are computed at each scrape
+/// ([`Metrics::encode_scrape`]).
 #[derive(Debug)]
 pub struct Metrics {
     registry: Registry,
-    /// `hearth_gateway_pending`.
-    pub pending: Gauge,
-    /// `hearth_gateway_demand`.
-    pub demand: Gauge,
-    /// `hearth_gateway_demand_total`, set at scrape time.
-    pub demand_total: Family<Vec<(String, String)>, Gauge<i64, AtomicI64>>,
-    /// `hearth_gateway_requests_total{code}`.
+    /// `hearth_gateway_pending{service}`, set at scrape time.
+    pub pending: Family<ServiceLabel, Gauge>,
+    /// `hearth_gateway_demand{service}`, set at scrape time.
+    pub demand: Family<ServiceLabel, Gauge>,
+    /// `hearth_gateway_demand_total{service}`, set at scrape time.
+    pub demand_total: Family<ServiceLabel, Gauge>,
+    /// `hearth_gateway_backend_endpoints{service}`, set at scrape time.
+    pub backend_endpoints: Family<ServiceLabel, Gauge>,
+    /// `hearth_gateway_requests_total{service,code}`.
     pub requests: Family<CodeLabel, Counter>,
-    /// `hearth_gateway_requests_canceled_total`.
-    pub canceled: Counter,
-    /// `hearth_gateway_rejections_total{reason}`.
+    /// `hearth_gateway_requests_canceled_total{service}`.
+    pub canceled: Family<ServiceLabel, Counter>,
+    /// `hearth_gateway_rejections_total{service,reason}`.
     pub rejections: Family<ReasonLabel, Counter>,
-    /// `hearth_gateway_activation_wait_seconds`.
-    pub activation_wait: Histogram,
-    /// `hearth_gateway_upstream_latency_seconds`.
-    pub upstream_latency: Histogram,
-    /// `hearth_gateway_time_to_first_token_seconds`.
-    pub ttft: Histogram,
-    /// `hearth_gateway_upstream_errors_total{kind}`.
+    /// `hearth_gateway_activation_wait_seconds{service}`.
+    pub activation_wait: HistogramFamily<ServiceLabel>,
+    /// `hearth_gateway_upstream_latency_seconds{service}`.
+    pub upstream_latency: HistogramFamily<ServiceLabel>,
+    /// `hearth_gateway_time_to_first_token_seconds{service}`.
+    pub ttft: HistogramFamily<ServiceLabel>,
+    /// `hearth_gateway_upstream_errors_total{service,kind}`.
     pub upstream_errors: Family<KindLabel, Counter>,
     /// `hearth_gateway_scaler_streams`.
     pub scaler_streams: Gauge,
-    /// `hearth_gateway_activation_events_total`.
-    pub activation_events: Counter,
-    /// `hearth_gateway_backend_endpoints`.
-    pub backend_endpoints: Gauge,
+    /// `hearth_gateway_activation_events_total{service}`.
+    pub activation_events: Family<ServiceLabel, Counter>,
     /// `hearth_gateway_request_body_bytes`.
     pub request_body_bytes: Gauge,
-    /// `hearth_gateway_backends_sleeping`.
-    pub backends_sleeping: Gauge,
-    /// `hearth_gateway_engine_calls_total{call,result}`.
+    /// `hearth_gateway_backends_sleeping{service}`.
+    pub backends_sleeping: Family<ServiceLabel, Gauge>,
+    /// `hearth_gateway_engine_calls_total{service,call,result}`.
     pub engine_calls: Family<EngineCallLabel, Counter>,
-    /// `hearth_activation_phase_seconds{phase}`.
-    pub activation_phases: Family<PhaseLabel, Histogram, fn() -> Histogram>,
-    /// Makes [`Metrics::encode_with_total`] one step for concurrent scrapes.
+    /// `hearth_activation_phase_seconds{service,phase}`.
+    pub activation_phases: HistogramFamily<PhaseLabel>,
+    /// `hearth_gateway_route_table_models`.
+    pub route_table_models: Gauge,
+    /// `hearth_gateway_route_table_errors_total`.
+    pub route_table_errors: Counter,
+    /// How many [`ModelMetrics`] are alive per `service`: a model's series are removed when
+    /// its last one drops.
+    live: Mutex<HashMap<Arc<str>, usize>>,
+    /// Makes [`Metrics::encode_scrape`] one step for concurrent scrapes.
     scrape: Mutex<()>,
 }
 
@@ -126,26 +213,31 @@ impl Metrics {
     /// Creates and registers every metric.
     pub fn new() -> Self {
         let mut registry = Registry::default();
-        let pending = Gauge::default();
-        let demand = Gauge::default();
+        let pending = Family::default();
+        let demand = Family::default();
         let demand_total = Family::default();
+        let backend_endpoints = Family::default();
         let requests = Family::default();
-        let canceled = Counter::default();
+        let canceled = Family::default();
         let rejections = Family::default();
         // 1 ms .. ~9 min.
-        let activation_wait = Histogram::new(exponential_buckets(0.001, 2.0, 20));
+        let activation_wait: HistogramFamily<ServiceLabel> =
+            Family::new_with_constructor(|| Histogram::new(exponential_buckets(0.001, 2.0, 20)));
         // 0.1 ms .. ~52 s.
-        let upstream_latency = Histogram::new(exponential_buckets(0.0001, 2.0, 20));
-        let ttft = Histogram::new(exponential_buckets(0.001, 2.0, 20));
+        let upstream_latency: HistogramFamily<ServiceLabel> =
+            Family::new_with_constructor(|| Histogram::new(exponential_buckets(0.0001, 2.0, 20)));
+        let ttft: HistogramFamily<ServiceLabel> =
+            Family::new_with_constructor(|| Histogram::new(exponential_buckets(0.001, 2.0, 20)));
         let upstream_errors = Family::default();
         let scaler_streams = Gauge::default();
-        let activation_events = Counter::default();
-        let backend_endpoints = Gauge::default();
+        let activation_events = Family::default();
         let request_body_bytes = Gauge::default();
-        let backends_sleeping = Gauge::default();
+        let backends_sleeping = Family::default();
         let engine_calls = Family::default();
-        let activation_phases: Family<PhaseLabel, Histogram, fn() -> Histogram> =
+        let activation_phases: HistogramFamily<PhaseLabel> =
             Family::new_with_constructor(activation_histogram);
+        let route_table_models = Gauge::default();
+        let route_table_errors = Counter::default();
         registry.register(
             "hearth_gateway_pending",
             "Requests admitted by this replica and not finished",
@@ -231,11 +323,22 @@ impl Metrics {
             "Phases of activations (0 to 1 backend replicas, and sleeping engines woken), in seconds",
             activation_phases.clone(),
         );
+        registry.register(
+            "hearth_gateway_route_table_models",
+            "Shared mode: models in the route table applied last",
+            route_table_models.clone(),
+        );
+        registry.register(
+            "hearth_gateway_route_table_errors",
+            "Shared mode: route tables refused (the last good table stays)",
+            route_table_errors.clone(),
+        );
         Self {
             registry,
             pending,
             demand,
             demand_total,
+            backend_endpoints,
             requests,
             canceled,
             rejections,
@@ -245,66 +348,59 @@ impl Metrics {
             upstream_errors,
             scaler_streams,
             activation_events,
-            backend_endpoints,
             request_body_bytes,
             backends_sleeping,
             engine_calls,
             activation_phases,
+            route_table_models,
+            route_table_errors,
+            live: Mutex::new(HashMap::new()),
             scrape: Mutex::new(()),
         }
     }
 
-    /// The `demand_to_ready` series of `hearth_activation_phase_seconds`, for the lease.
-    pub fn demand_to_ready(&self) -> Histogram {
-        self.activation_phases
-            .get_or_create(&PhaseLabel {
-                phase: "demand_to_ready",
-            })
-            .clone()
-    }
-
-    /// Counts a finished request by status code.
-    pub fn finished(&self, code: u16) {
-        self.requests.get_or_create(&CodeLabel { code }).inc();
-    }
-
-    /// Counts a refusal by the gateway.
-    pub fn rejected(&self, reason: &'static str) {
-        self.rejections.get_or_create(&ReasonLabel { reason }).inc();
-    }
-
-    /// Counts a backend failure.
-    pub fn upstream_error(&self, kind: &'static str) {
-        self.upstream_errors
-            .get_or_create(&KindLabel { kind })
-            .inc();
-    }
-
-    /// Counts a call to the engine's sleep API.
-    pub fn engine_call(&self, call: &'static str, ok: bool) {
-        let result = if ok { "ok" } else { "error" };
-        self.engine_calls
-            .get_or_create(&EngineCallLabel { call, result })
-            .inc();
-    }
-
-    /// Records that activation phase `phase` took `seconds`.
-    pub fn observe_phase(&self, phase: &'static str, seconds: f64) {
-        self.activation_phases
-            .get_or_create(&PhaseLabel { phase })
-            .observe(seconds);
-    }
-
-    /// Sets `hearth_gateway_demand_total` to `total` (absent when `None`) and encodes, as one
-    /// step. Clearing and setting the shared family around [`Metrics::encode`] instead lets a
-    /// concurrent scrape encode between another's clear and set, and miss a known total.
-    pub fn encode_with_total(&self, total: Option<i64>) -> String {
+    /// Sets the gauges of demand and endpoints to `models` (the models of the route table now;
+    /// series of other models are dropped; `total: None` leaves `hearth_gateway_demand_total`
+    /// out) and encodes, as one step. Clearing and setting the shared families around
+    /// [`Metrics::encode`] instead lets a concurrent scrape encode between another's clear and
+    /// set, and miss a value.
+    pub fn encode_scrape(&self, models: &[ScrapeModel]) -> String {
         let _one_at_a_time = self.scrape.lock().unwrap_or_else(|e| e.into_inner());
-        self.demand_total.clear();
-        if let Some(t) = total {
-            self.demand_total.get_or_create(&Vec::new()).set(t);
+        for family in [
+            &self.pending,
+            &self.demand,
+            &self.demand_total,
+            &self.backend_endpoints,
+        ] {
+            family.clear();
+        }
+        let gauge = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+        for m in models {
+            let label = ServiceLabel {
+                service: m.service.clone(),
+            };
+            self.pending.get_or_create(&label).set(gauge(m.pending));
+            self.demand.get_or_create(&label).set(gauge(m.local));
+            if let Some(t) = m.total {
+                self.demand_total.get_or_create(&label).set(gauge(t));
+            }
+            self.backend_endpoints
+                .get_or_create(&label)
+                .set(i64::try_from(m.endpoints).unwrap_or(i64::MAX));
         }
         self.encode()
+    }
+
+    /// [`Metrics::encode_scrape`] for one model without a `service` label and with nothing
+    /// pending: `hearth_gateway_demand_total` is `total`, absent when `None`.
+    pub fn encode_with_total(&self, total: Option<i64>) -> String {
+        self.encode_scrape(&[ScrapeModel {
+            service: Arc::from(""),
+            pending: 0,
+            local: 0,
+            total: total.map(|t| u64::try_from(t).unwrap_or(0)),
+            endpoints: 0,
+        }])
     }
 
     /// The text exposition format (Prometheus `text/plain; version=0.0.4` compatible
@@ -315,10 +411,357 @@ impl Metrics {
         let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
         out
     }
+
+    /// Counts one more [`ModelMetrics`] of `service`.
+    fn hold(&self, service: &Arc<str>) {
+        *self
+            .live
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(service.clone())
+            .or_default() += 1;
+    }
+
+    /// One [`ModelMetrics`] of `service` dropped; the last one removes the service's series.
+    fn release(&self, service: &Arc<str>) {
+        let mut live = self.live.lock().unwrap_or_else(|e| e.into_inner());
+        let last = match live.get_mut(service) {
+            Some(n) if *n > 1 => {
+                *n -= 1;
+                false
+            }
+            _ => true,
+        };
+        if !last {
+            return;
+        }
+        live.remove(service);
+        drop(live);
+        self.remove_series(service);
+    }
+
+    /// Removes every counter, histogram and gauge series of `service`.
+    fn remove_series(&self, service: &Arc<str>) {
+        let s = || service.clone();
+        let label = ServiceLabel { service: s() };
+        self.canceled.remove(&label);
+        self.activation_wait.remove(&label);
+        self.upstream_latency.remove(&label);
+        self.ttft.remove(&label);
+        self.activation_events.remove(&label);
+        self.backends_sleeping.remove(&label);
+        // Status codes are 100..=999 (`http::StatusCode`).
+        for code in 100..=999 {
+            self.requests.remove(&CodeLabel { service: s(), code });
+        }
+        for kind in RejectionKind::ALL {
+            self.rejections.remove(&ReasonLabel {
+                service: s(),
+                reason: kind.label(),
+            });
+        }
+        for kind in UPSTREAM_ERROR_KINDS {
+            self.upstream_errors
+                .remove(&KindLabel { service: s(), kind });
+        }
+        for call in ENGINE_CALLS {
+            for result in ["ok", "error"] {
+                self.engine_calls.remove(&EngineCallLabel {
+                    service: s(),
+                    call,
+                    result,
+                });
+            }
+        }
+        for phase in PHASES {
+            self.activation_phases.remove(&PhaseLabel {
+                service: s(),
+                phase,
+            });
+        }
+    }
+}
+
+/// The series of one model (one `service` label value), written by its requests, its lease
+/// and its sleeping tier. The series that exist from the start (counters at 0, empty
+/// histograms) are resolved once here, so the request path looks up only the ones with a
+/// second label. Dropping the last one of a `service` removes its series.
+#[derive(Debug)]
+pub struct ModelMetrics {
+    metrics: Arc<Metrics>,
+    service: Arc<str>,
+    canceled: Counter,
+    activation_wait: Histogram,
+    upstream_latency: Histogram,
+    ttft: Histogram,
+    activation_events: Counter,
+    backends_sleeping: Gauge,
+}
+
+impl ModelMetrics {
+    /// The series of `service` (`<namespace>/<name>`; empty: no `service` label) in `metrics`.
+    pub fn new(metrics: Arc<Metrics>, service: &str) -> Self {
+        let service: Arc<str> = Arc::from(service);
+        metrics.hold(&service);
+        let label = ServiceLabel {
+            service: service.clone(),
+        };
+        let canceled = metrics.canceled.get_or_create_owned(&label);
+        let activation_wait = metrics.activation_wait.get_or_create_owned(&label);
+        let upstream_latency = metrics.upstream_latency.get_or_create_owned(&label);
+        let ttft = metrics.ttft.get_or_create_owned(&label);
+        let activation_events = metrics.activation_events.get_or_create_owned(&label);
+        let backends_sleeping = metrics.backends_sleeping.get_or_create_owned(&label);
+        Self {
+            metrics,
+            service,
+            canceled,
+            activation_wait,
+            upstream_latency,
+            ttft,
+            activation_events,
+            backends_sleeping,
+        }
+    }
+
+    /// The series of requests a shared gateway refuses before they have a model: counted
+    /// without a `service` label. Only their outcomes (`requests_total`, `rejections_total`,
+    /// `requests_canceled_total`) are exported; nothing else is about them.
+    pub fn unrouted(metrics: Arc<Metrics>) -> Self {
+        let service: Arc<str> = Arc::from("");
+        metrics.hold(&service);
+        let canceled = metrics.canceled.get_or_create_owned(&ServiceLabel {
+            service: service.clone(),
+        });
+        let detached = || Histogram::new(std::iter::empty());
+        Self {
+            metrics,
+            service,
+            canceled,
+            activation_wait: detached(),
+            upstream_latency: detached(),
+            ttft: detached(),
+            activation_events: Counter::default(),
+            backends_sleeping: Gauge::default(),
+        }
+    }
+
+    /// The `service` label value.
+    pub fn service(&self) -> &Arc<str> {
+        &self.service
+    }
+
+    /// The replica's metrics.
+    pub fn replica(&self) -> &Arc<Metrics> {
+        &self.metrics
+    }
+
+    /// Counts a finished request by status code.
+    pub fn finished(&self, code: u16) {
+        self.metrics
+            .requests
+            .get_or_create(&CodeLabel {
+                service: self.service.clone(),
+                code,
+            })
+            .inc();
+    }
+
+    /// Counts a request whose client left first.
+    pub fn canceled(&self) {
+        self.canceled.inc();
+    }
+
+    /// Requests canceled so far.
+    pub fn canceled_count(&self) -> u64 {
+        self.canceled.get()
+    }
+
+    /// Counts a refusal by the gateway.
+    pub fn rejected(&self, reason: &'static str) {
+        self.metrics
+            .rejections
+            .get_or_create(&ReasonLabel {
+                service: self.service.clone(),
+                reason,
+            })
+            .inc();
+    }
+
+    /// Refusals for `reason` so far.
+    pub fn rejected_count(&self, reason: &'static str) -> u64 {
+        self.metrics
+            .rejections
+            .get(&ReasonLabel {
+                service: self.service.clone(),
+                reason,
+            })
+            .map_or(0, |c| c.get())
+    }
+
+    /// Requests finished with `code` so far.
+    pub fn finished_count(&self, code: u16) -> u64 {
+        self.metrics
+            .requests
+            .get(&CodeLabel {
+                service: self.service.clone(),
+                code,
+            })
+            .map_or(0, |c| c.get())
+    }
+
+    /// Counts a backend failure.
+    pub fn upstream_error(&self, kind: &'static str) {
+        self.metrics
+            .upstream_errors
+            .get_or_create(&KindLabel {
+                service: self.service.clone(),
+                kind,
+            })
+            .inc();
+    }
+
+    /// Observes a cold request's wait from arrival until sent to a ready backend, in seconds.
+    pub fn activation_wait(&self, seconds: f64) {
+        self.activation_wait.observe(seconds);
+    }
+
+    /// Observes the time from sending a request to the backend's response head, in seconds.
+    pub fn upstream_latency(&self, seconds: f64) {
+        self.upstream_latency.observe(seconds);
+    }
+
+    /// Observes a stream's time to its first token, in seconds.
+    pub fn ttft(&self, seconds: f64) {
+        self.ttft.observe(seconds);
+    }
+
+    /// The counter of rises of the model's demand from 0, for its demand hub.
+    pub fn activation_events(&self) -> Counter {
+        self.activation_events.clone()
+    }
+
+    /// Sets how many engines are not awake (sleeping tier).
+    pub fn set_backends_sleeping(&self, n: usize) {
+        self.backends_sleeping
+            .set(i64::try_from(n).unwrap_or(i64::MAX));
+    }
+
+    /// Counts a call to the engine's sleep API.
+    pub fn engine_call(&self, call: &'static str, ok: bool) {
+        let result = if ok { "ok" } else { "error" };
+        self.metrics
+            .engine_calls
+            .get_or_create(&EngineCallLabel {
+                service: self.service.clone(),
+                call,
+                result,
+            })
+            .inc();
+    }
+
+    /// The `demand_to_ready` series of `hearth_activation_phase_seconds`, for the lease.
+    pub fn demand_to_ready(&self) -> Histogram {
+        self.phase("demand_to_ready")
+    }
+
+    fn phase(&self, phase: &'static str) -> Histogram {
+        self.metrics
+            .activation_phases
+            .get_or_create_owned(&PhaseLabel {
+                service: self.service.clone(),
+                phase,
+            })
+    }
+
+    /// Records that activation phase `phase` took `seconds`.
+    pub fn observe_phase(&self, phase: &'static str, seconds: f64) {
+        self.metrics
+            .activation_phases
+            .get_or_create(&PhaseLabel {
+                service: self.service.clone(),
+                phase,
+            })
+            .observe(seconds);
+    }
+}
+
+impl Drop for ModelMetrics {
+    fn drop(&mut self) {
+        self.metrics.release(&self.service);
+    }
 }
 
 /// Histogram of one activation phase: 1 ms .. ~35 min, as the controller's phases under the
 /// same name.
 fn activation_histogram() -> Histogram {
     Histogram::new(exponential_buckets(0.001, 2.0, 22))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn series_carry_the_service_unless_it_is_empty() {
+        let m = Arc::new(Metrics::new());
+        let a = ModelMetrics::new(m.clone(), "ns/a");
+        let unlabelled = ModelMetrics::new(m.clone(), "");
+        a.finished(200);
+        a.rejected("queue_full");
+        a.engine_call("sleep", true);
+        unlabelled.finished(404);
+        let text = m.encode_scrape(&[
+            ScrapeModel {
+                service: Arc::from("ns/a"),
+                pending: 3,
+                local: 3,
+                total: Some(5),
+                endpoints: 1,
+            },
+            ScrapeModel {
+                service: Arc::from("ns/b"),
+                pending: 0,
+                local: 0,
+                total: None,
+                endpoints: 0,
+            },
+        ]);
+        for line in [
+            "hearth_gateway_requests_total{service=\"ns/a\",code=\"200\"} 1",
+            "hearth_gateway_requests_total{code=\"404\"} 1",
+            "hearth_gateway_rejections_total{service=\"ns/a\",reason=\"queue_full\"} 1",
+            "hearth_gateway_engine_calls_total{service=\"ns/a\",call=\"sleep\",result=\"ok\"} 1",
+            "hearth_gateway_pending{service=\"ns/a\"} 3",
+            "hearth_gateway_demand_total{service=\"ns/a\"} 5",
+            "hearth_gateway_backend_endpoints{service=\"ns/b\"} 0",
+            "hearth_gateway_requests_canceled_total{service=\"ns/a\"} 0",
+            "hearth_gateway_requests_canceled_total 0",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line} not in\n{text}");
+        }
+        assert!(
+            !text.contains("hearth_gateway_demand_total{service=\"ns/b\"}"),
+            "an unknown total is left out"
+        );
+        // The next scrape's models replace these gauges.
+        let text = m.encode_scrape(&[]);
+        assert!(!text.contains("hearth_gateway_pending{"), "{text}");
+    }
+
+    #[test]
+    fn the_last_series_holder_of_a_service_removes_its_series() {
+        let m = Arc::new(Metrics::new());
+        let first = ModelMetrics::new(m.clone(), "ns/a");
+        let second = ModelMetrics::new(m.clone(), "ns/a");
+        first.finished(200);
+        first.observe_phase("first_byte", 0.5);
+        drop(first);
+        let has = |text: &str| text.contains("service=\"ns/a\"");
+        assert!(has(&m.encode()), "another holder is alive");
+        second.finished(503);
+        drop(second);
+        let text = m.encode();
+        assert!(!has(&text), "{text}");
+    }
 }

@@ -11,22 +11,43 @@ use axum::{
 use bytes::Bytes;
 use serde_json::json;
 
-/// The JSON bytes of an OpenAI error object.
+/// The JSON bytes of an OpenAI error object (`param: null`).
 pub fn error_json(message: &str, kind: &str, code: Option<&str>) -> Bytes {
+    error_json_param(message, kind, None, code)
+}
+
+/// The JSON bytes of an OpenAI error object naming the request field at fault in `param`.
+pub fn error_json_param(
+    message: &str,
+    kind: &str,
+    param: Option<&str>,
+    code: Option<&str>,
+) -> Bytes {
     Bytes::from(
-        json!({"error": {"message": message, "type": kind, "param": null, "code": code}})
+        json!({"error": {"message": message, "type": kind, "param": param, "code": code}})
             .to_string(),
     )
 }
 
-/// A complete error response with an OpenAI error body.
+/// A complete error response with an OpenAI error body (`param: null`).
 pub fn error_response(
     status: StatusCode,
     message: &str,
     kind: &str,
     code: Option<&str>,
 ) -> Response {
-    let mut resp = Response::new(Body::from(error_json(message, kind, code)));
+    error_response_param(status, message, kind, None, code)
+}
+
+/// A complete error response with an OpenAI error body naming the field at fault in `param`.
+pub fn error_response_param(
+    status: StatusCode,
+    message: &str,
+    kind: &str,
+    param: Option<&str>,
+    code: Option<&str>,
+) -> Response {
+    let mut resp = Response::new(Body::from(error_json_param(message, kind, param, code)));
     *resp.status_mut() = status;
     resp.headers_mut().insert(
         header::CONTENT_TYPE,
@@ -47,7 +68,17 @@ pub fn with_retry_after(mut resp: Response, after: std::time::Duration) -> Respo
 /// `event: error` and a `data:` line holding an OpenAI error object (OpenAI SDKs raise an
 /// `APIError` for either form).
 pub fn sse_error_event(message: &str, kind: &str, code: Option<&str>) -> Bytes {
-    let body = error_json(message, kind, code);
+    sse_error_event_param(message, kind, None, code)
+}
+
+/// [`sse_error_event`] naming the request field at fault in `param`.
+pub fn sse_error_event_param(
+    message: &str,
+    kind: &str,
+    param: Option<&str>,
+    code: Option<&str>,
+) -> Bytes {
+    let body = error_json_param(message, kind, param, code);
     let mut out = Vec::with_capacity(body.len() + 24);
     out.extend_from_slice(b"event: error\ndata: ");
     out.extend_from_slice(&body);

@@ -14,6 +14,15 @@
 //! Each stream names the replica serving it in the [`INSTANCE_HEADER`] response header, so a
 //! replica that finds itself in its own peer list (a missing or wrong `--pod-ip`) counts that
 //! peer as 0 instead of counting its own demand twice.
+//!
+//! **Shared gateways.** A replica of a shared gateway serves every model's local demand in one
+//! line, `{"demand": {"<namespace>/<name>": N, ...}}`, one entry per model of its route table,
+//! and a subscriber adds each entry to its own model of that key (a model a peer does not list
+//! counts 0 for that peer: the peer has no route to it, so no demand). A single-service gateway
+//! keeps the line `{"demand": N}`, so replicas of different versions agree during a rollout;
+//! both ends are this binary, and each refuses the other's shape with an error naming it (the
+//! peer is then unknown, as for any bad line). Lines of a shared gateway may be up to
+//! [`MAX_SHARED_LINE`] bytes.
 
 use std::{
     collections::HashMap,
@@ -41,6 +50,9 @@ pub const PEER_SILENCE: Duration = Duration::from_secs(15);
 /// Longest demand line accepted from a peer (a real one is about 15 bytes); a peer that sends
 /// more without a newline is cut off instead of being buffered without bound.
 pub const MAX_LINE: usize = 4096;
+/// Longest demand line accepted from a shared gateway's peer (one entry per model: about
+/// 40 bytes each).
+pub const MAX_SHARED_LINE: usize = 4 << 20;
 /// Response header of `/hearth/local-demand` naming the replica serving it (see
 /// [`DemandHub::instance`]).
 pub const INSTANCE_HEADER: &str = "x-hearth-instance";
@@ -49,47 +61,138 @@ fn instance_value(instance: u64) -> String {
     format!("{instance:016x}")
 }
 
-fn line(v: u64) -> Bytes {
-    Bytes::from(format!("{{\"demand\":{v}}}\n"))
+/// A replica's local demand, as a demand line carries it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PeerDemand {
+    /// A single-service gateway's: `{"demand": N}`.
+    One(u64),
+    /// A shared gateway's, per model key (`<namespace>/<name>`): `{"demand": {"ns/a": N}}`.
+    PerService(Arc<HashMap<String, u64>>),
+    /// Nothing to add: the peer is this replica itself.
+    Zero,
 }
 
-/// The `/hearth/local-demand` response: local demand now, on every change, and every
-/// [`KEEPALIVE`]; ends when `stop` turns true.
+impl PeerDemand {
+    /// The line for this demand (`Zero` is never sent).
+    fn line(&self) -> Bytes {
+        match self {
+            PeerDemand::One(v) => Bytes::from(format!("{{\"demand\":{v}}}\n")),
+            PeerDemand::PerService(m) => {
+                #[derive(serde::Serialize)]
+                struct Line<'a> {
+                    demand: &'a HashMap<String, u64>,
+                }
+                let mut out = serde_json::to_vec(&Line { demand: m }).unwrap_or_default();
+                out.push(b'\n');
+                Bytes::from(out)
+            }
+            PeerDemand::Zero => Bytes::from_static(b"{\"demand\":0}\n"),
+        }
+    }
+
+    /// Whether any demand is positive.
+    fn busy(&self) -> bool {
+        match self {
+            PeerDemand::One(v) => *v > 0,
+            PeerDemand::PerService(m) => m.values().any(|v| *v > 0),
+            PeerDemand::Zero => false,
+        }
+    }
+}
+
+/// What a replica serves at `/hearth/local-demand`: its local demand now, and what wakes the
+/// stream to look again.
+pub(crate) trait DemandFeed: Send + 'static {
+    /// The local demand now (marking what was seen).
+    fn current(&mut self) -> PeerDemand;
+    /// Resolves on a change that may matter while no demand is sent; `false` once the demand
+    /// can no longer change (the replica is going away).
+    fn changed(&mut self) -> impl Future<Output = bool> + Send + '_;
+    /// Resolves on a change that must be sent at once even while demand is being sent (a
+    /// shared gateway's model rising from 0); `false` as for [`DemandFeed::changed`].
+    fn rose(&mut self) -> impl Future<Output = bool> + Send + '_;
+    /// Whether the demand can no longer change.
+    fn closed(&self) -> bool;
+}
+
+/// A single-service replica's demand: its one hub.
+impl DemandFeed for watch::Receiver<DemandState> {
+    fn current(&mut self) -> PeerDemand {
+        PeerDemand::One(self.borrow_and_update().local())
+    }
+
+    async fn changed(&mut self) -> bool {
+        watch::Receiver::changed(self).await.is_ok()
+    }
+
+    fn rose(&mut self) -> impl Future<Output = bool> + Send + '_ {
+        // Demand is being sent already: nothing rises from 0.
+        std::future::pending()
+    }
+
+    fn closed(&self) -> bool {
+        self.has_changed().is_err()
+    }
+}
+
+/// The `/hearth/local-demand` response of a single-service replica: local demand now, on every
+/// change, and every [`KEEPALIVE`]; ends when `stop` turns true.
 pub fn local_demand_stream(
     rx: watch::Receiver<DemandState>,
     stop: watch::Receiver<bool>,
 ) -> Response {
-    let instance = instance_value(rx.borrow().instance());
+    let instance = rx.borrow().instance();
+    demand_stream(rx, instance, stop)
+}
+
+/// The `/hearth/local-demand` response over `feed`, for replica `instance`: the demand now,
+/// on every change (a rise from 0 at once, later changes within [`BUSY_RECHECK`]), and every
+/// [`KEEPALIVE`]; ends when `stop` turns true.
+pub(crate) fn demand_stream<F: DemandFeed>(
+    feed: F,
+    instance: u64,
+    stop: watch::Receiver<bool>,
+) -> Response {
+    let instance = instance_value(instance);
     // The keepalive is due KEEPALIVE after the last line sent, not after the last wake-up:
     // changes that leave local demand as it is (a peer's value, say) must not postpone it, or
     // a busy cluster would starve an idle replica's liveness signal and make it unknown.
     let stream = futures::stream::unfold(
-        (rx, stop, None::<u64>, tokio::time::Instant::now()),
-        |(mut rx, mut stop, last, due)| async move {
+        (feed, stop, None::<PeerDemand>, tokio::time::Instant::now()),
+        |(mut feed, mut stop, last, due)| async move {
             loop {
                 if *stop.borrow() {
                     return None;
                 }
-                let v = rx.borrow_and_update().local();
+                let v = feed.current();
                 let next = tokio::time::Instant::now() + KEEPALIVE;
-                if last != Some(v) {
+                if last.as_ref() != Some(&v) {
+                    let line = v.line();
                     return Some((
-                        Ok::<_, std::convert::Infallible>(line(v)),
-                        (rx, stop, Some(v), next),
+                        Ok::<_, std::convert::Infallible>(line),
+                        (feed, stop, Some(v), next),
                     ));
                 }
                 // With demand sent, look again every BUSY_RECHECK instead of waking on each
                 // change (every request); the rise from 0 is sent at once.
-                let busy = v > 0;
+                let busy = v.busy();
+                let woken = async {
+                    if busy {
+                        feed.rose().await
+                    } else {
+                        feed.changed().await
+                    }
+                };
                 tokio::select! {
-                    r = rx.changed(), if !busy => if r.is_err() { return None },
+                    ok = woken => if !ok { return None },
                     _ = tokio::time::sleep(BUSY_RECHECK), if busy => {
-                        if rx.has_changed().is_err() { return None }
+                        if feed.closed() { return None }
                     }
                     // A dropped sender would make `changed` ready forever.
                     r = stop.changed() => if r.is_err() { return None },
                     _ = tokio::time::sleep_until(due) => {
-                        return Some((Ok(line(v)), (rx, stop, Some(v), next)));
+                        let line = v.line();
+                        return Some((Ok(line), (feed, stop, Some(v), next)));
                     }
                 }
             }
@@ -127,30 +230,79 @@ pub fn other_replicas(
         .collect()
 }
 
+/// Where the peers' demand goes: a single-service replica's hub, or a shared replica's route
+/// table (each entry to its model's hub).
+pub trait PeerSink: Send + Sync + std::fmt::Debug + 'static {
+    /// This replica's instance (see [`INSTANCE_HEADER`]).
+    fn instance(&self) -> u64;
+    /// Replaces the peer list (peers keep their last values; new ones start unknown) and marks
+    /// discovery as working.
+    fn set_peers(&self, peers: &[String]);
+    /// Records a peer's local demand (`None`: unknown now); an error when its shape is not this
+    /// replica's (a single-service peer of a shared replica, or the other way round).
+    fn set_peer_value(&self, peer: &str, value: Option<PeerDemand>) -> Result<(), String>;
+    /// Records that peer discovery fails, making the totals unknown until it works again.
+    fn set_peer_discovery_error(&self, error: String);
+    /// The longest line accepted from a peer.
+    fn max_line(&self) -> usize {
+        MAX_LINE
+    }
+}
+
+impl PeerSink for DemandHub {
+    fn instance(&self) -> u64 {
+        DemandHub::instance(self)
+    }
+
+    fn set_peers(&self, peers: &[String]) {
+        DemandHub::set_peers(self, peers.iter().cloned());
+    }
+
+    fn set_peer_value(&self, peer: &str, value: Option<PeerDemand>) -> Result<(), String> {
+        let v = match value {
+            None => None,
+            Some(PeerDemand::One(n)) => Some(n),
+            Some(PeerDemand::Zero) => Some(0),
+            Some(PeerDemand::PerService(_)) => {
+                return Err(
+                    "the peer sends per-service demand: it is a shared gateway, not a replica of this single-service one (check --peer-service)".to_owned(),
+                );
+            }
+        };
+        DemandHub::set_peer_value(self, peer, v);
+        Ok(())
+    }
+
+    fn set_peer_discovery_error(&self, error: String) {
+        DemandHub::set_peer_discovery_error(self, error);
+    }
+}
+
 /// Subscriptions to the peer replicas' demand streams.
 #[derive(Debug, Clone)]
 pub struct PeerSet {
-    demand: DemandHub,
+    demand: Arc<dyn PeerSink>,
     client: Client<HttpConnector, Empty<Bytes>>,
     tasks: Arc<Mutex<HashMap<String, JoinHandle<()>>>>,
     silence: Duration,
 }
 
 impl PeerSet {
-    /// Peers feeding `demand` (which must have been created with aggregation on).
-    pub fn new(demand: DemandHub) -> Self {
+    /// Peers feeding `demand`: a [`DemandHub`] created with aggregation on, or a gateway's
+    /// [`crate::Gateway::peer_sink`].
+    pub fn new(demand: impl Into<Arc<dyn PeerSink>>) -> Self {
         Self::with_silence(demand, PEER_SILENCE)
     }
 
     /// Like [`PeerSet::new`], with a peer unknown after `silence` without a complete demand
     /// line instead of [`PEER_SILENCE`] (keep it above [`KEEPALIVE`] for real replicas).
-    pub fn with_silence(demand: DemandHub, silence: Duration) -> Self {
+    pub fn with_silence(demand: impl Into<Arc<dyn PeerSink>>, silence: Duration) -> Self {
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
         connector.set_connect_timeout(Some(Duration::from_secs(2)));
         let client = Client::builder(hyper_util::rt::TokioExecutor::new()).build(connector);
         Self {
-            demand,
+            demand: demand.into(),
             client,
             tasks: Arc::new(Mutex::new(HashMap::new())),
             silence,
@@ -163,7 +315,7 @@ impl PeerSet {
         let mut tasks = self.tasks.lock().unwrap_or_else(|e| e.into_inner());
         // Under the lock, so concurrent updates cannot leave the demand's peer list and the
         // subscriptions describing different lists.
-        self.demand.set_peers(peers.clone());
+        self.demand.set_peers(&peers);
         tasks.retain(|peer, task| {
             let keep = peers.contains(peer);
             if !keep {
@@ -189,6 +341,12 @@ impl PeerSet {
     }
 }
 
+impl From<DemandHub> for Arc<dyn PeerSink> {
+    fn from(hub: DemandHub) -> Self {
+        Arc::new(hub)
+    }
+}
+
 impl Drop for PeerSet {
     fn drop(&mut self) {
         if Arc::strong_count(&self.tasks) == 1 {
@@ -211,47 +369,55 @@ enum Ended {
 /// unknown whenever the stream is down or silent.
 async fn subscribe(
     client: Client<HttpConnector, Empty<Bytes>>,
-    demand: DemandHub,
+    demand: Arc<dyn PeerSink>,
     peer: String,
     silence: Duration,
 ) {
     let mut backoff = Duration::from_millis(50);
     loop {
-        match follow(&client, &demand, &peer, silence).await {
+        match follow(&client, &*demand, &peer, silence).await {
             Ok(Ended::Itself) => {
                 tracing::warn!(%peer, "peer list holds this replica itself (check that --pod-ip, env POD_IPS, lists every address of the pod: downward API status.podIPs); counting it as 0");
-                demand.set_peer_value(&peer, Some(0));
+                let _ = demand.set_peer_value(&peer, Some(PeerDemand::Zero));
                 // Nothing more to learn from it; ends when the peer leaves the list.
                 std::future::pending::<()>().await;
             }
             Ok(Ended::Closed) => tracing::debug!(%peer, "peer demand stream ended"),
             Err(e) => tracing::warn!(%peer, error = %e, "peer demand stream failed"),
         }
-        demand.set_peer_value(&peer, None);
+        let _ = demand.set_peer_value(&peer, None);
         tokio::time::sleep(backoff).await;
         backoff = (backoff * 2).min(Duration::from_secs(2));
     }
 }
 
-/// Parses one `{"demand": N}` line; `N` must be a count a replica can hold.
-fn parse_line(line: &[u8]) -> Result<u64, String> {
+/// Parses one demand line: `{"demand": N}` or `{"demand": {"<namespace>/<name>": N, ...}}`;
+/// each `N` must be a count a replica can hold.
+fn parse_line(line: &[u8]) -> Result<PeerDemand, String> {
+    let count = |v: &serde_json::Value| v.as_u64().filter(|n| i64::try_from(*n).is_ok());
+    let wrong = || {
+        format!(
+            "demand line without a \"demand\" count in 0..={} (or an object of such counts): {}",
+            i64::MAX,
+            String::from_utf8_lossy(&line[..line.len().min(64)])
+        )
+    };
     let v: serde_json::Value =
         serde_json::from_slice(line).map_err(|e| format!("bad demand line: {e}"))?;
-    v["demand"]
-        .as_u64()
-        .filter(|n| i64::try_from(*n).is_ok())
-        .ok_or_else(|| {
-            format!(
-                "demand line without a \"demand\" count in 0..={}: {}",
-                i64::MAX,
-                String::from_utf8_lossy(&line[..line.len().min(64)])
-            )
-        })
+    match &v["demand"] {
+        serde_json::Value::Object(m) => m
+            .iter()
+            .map(|(k, v)| Some((k.clone(), count(v)?)))
+            .collect::<Option<HashMap<_, _>>>()
+            .map(|m| PeerDemand::PerService(Arc::new(m)))
+            .ok_or_else(wrong),
+        n => count(n).map(PeerDemand::One).ok_or_else(wrong),
+    }
 }
 
 async fn follow(
     client: &Client<HttpConnector, Empty<Bytes>>,
-    demand: &DemandHub,
+    demand: &dyn PeerSink,
     peer: &str,
     silence: Duration,
 ) -> Result<Ended, String> {
@@ -305,13 +471,14 @@ async fn follow(
             from = start;
         }
         buf.drain(..start);
-        if buf.len() > MAX_LINE {
+        let max_line = demand.max_line();
+        if buf.len() > max_line {
             return Err(format!(
-                "demand line longer than {MAX_LINE} bytes; not a gateway replica?"
+                "demand line longer than {max_line} bytes; not a gateway replica?"
             ));
         }
         if let Some(n) = last {
-            demand.set_peer_value(peer, Some(n));
+            demand.set_peer_value(peer, Some(n))?;
             deadline = tokio::time::Instant::now() + silence;
         }
     }
@@ -351,5 +518,42 @@ mod tests {
     fn names_are_kept_and_no_own_address_keeps_all() {
         let eps = auths(&["gw-0.gw:8080", "10.0.0.7:8080"]);
         assert_eq!(other_replicas(eps, &[]), ["gw-0.gw:8080", "10.0.0.7:8080"]);
+    }
+
+    #[test]
+    fn demand_lines_are_one_count_or_one_per_service() {
+        assert_eq!(parse_line(br#"{"demand":3}"#), Ok(PeerDemand::One(3)));
+        let per = PeerDemand::PerService(Arc::new(HashMap::from([
+            ("ns/a".to_owned(), 1),
+            ("ns/b".to_owned(), 0),
+        ])));
+        let line = per.line();
+        assert!(line.ends_with(b"\n"));
+        assert_eq!(parse_line(line.trim_ascii()), Ok(per));
+        assert_eq!(
+            parse_line(PeerDemand::One(7).line().trim_ascii()),
+            Ok(PeerDemand::One(7))
+        );
+        for bad in [
+            &br#"{"demand":-1}"#[..],
+            br#"{"demand":9223372036854775808}"#,
+            br#"{"demand":{"ns/a":-1}}"#,
+            br#"{"demand":{"ns/a":"1"}}"#,
+            br#"{"demand":[1]}"#,
+            br#"{"other":1}"#,
+        ] {
+            assert!(parse_line(bad).is_err(), "{}", String::from_utf8_lossy(bad));
+        }
+    }
+
+    #[test]
+    fn a_single_service_hub_refuses_per_service_demand() {
+        let hub = DemandHub::new(8, true);
+        PeerSink::set_peers(&hub, &["p:1".to_owned()]);
+        let per = PeerDemand::PerService(Arc::new(HashMap::new()));
+        assert!(PeerSink::set_peer_value(&hub, "p:1", Some(per)).is_err());
+        PeerSink::set_peer_value(&hub, "p:1", Some(PeerDemand::One(2))).unwrap();
+        assert_eq!(hub.state().total(), Ok(2));
+        assert_eq!(PeerSink::max_line(&hub), MAX_LINE);
     }
 }

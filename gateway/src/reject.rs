@@ -19,7 +19,9 @@ use axum::{
 };
 use bytes::Bytes;
 
-use crate::openai::{error_response, sse_error_event, with_retry_after};
+use crate::openai::{
+    error_response, error_response_param, sse_error_event, sse_error_event_param, with_retry_after,
+};
 
 /// Methods the gateway forwards, for `Allow` (RFC 9110 §10.2.1).
 pub const ALLOWED_METHODS: &str = "GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS";
@@ -70,7 +72,10 @@ kinds! {
     BodyTimeout => "body_timeout",
     /// The body's framing is broken (a bad chunk, say).
     MalformedBody => "bad_request",
-    /// A cold request names a model that is not served.
+    /// Shared mode: the request names no `model` to route it by.
+    ModelRequired => "model_required",
+    /// The request names a model that is not served (a single-service gateway checks a cold
+    /// request only; a shared one every request).
     UnknownModel => "unknown_model",
     /// `--max-queue` requests are admitted already.
     QueueFull => "queue_full",
@@ -88,7 +93,7 @@ impl RejectionKind {
                 StatusCode::SERVICE_UNAVAILABLE
             }
             Self::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
-            Self::BadRequest | Self::MalformedBody => StatusCode::BAD_REQUEST,
+            Self::BadRequest | Self::MalformedBody | Self::ModelRequired => StatusCode::BAD_REQUEST,
             Self::UnsupportedTransferCoding => StatusCode::NOT_IMPLEMENTED,
             Self::LoopDetected => StatusCode::LOOP_DETECTED,
             Self::Unauthorized => StatusCode::UNAUTHORIZED,
@@ -117,15 +122,27 @@ impl RejectionKind {
             | Self::BodyTooLarge
             | Self::BodyTimeout
             | Self::MalformedBody
+            | Self::ModelRequired
             | Self::UnknownModel => "invalid_request_error",
         }
     }
 
-    /// The OpenAI error `code`: the metric label, except OpenAI's own `invalid_api_key`.
+    /// The OpenAI error `code`: the metric label, except OpenAI's own `invalid_api_key` and
+    /// `model_not_found`.
     pub const fn code(self) -> &'static str {
         match self {
             Self::Unauthorized => "invalid_api_key",
+            Self::UnknownModel => "model_not_found",
             other => other.label(),
+        }
+    }
+
+    /// The OpenAI error `param`: the request field at fault, `model` for the two kinds about
+    /// it, else none (`null`).
+    pub const fn param(self) -> Option<&'static str> {
+        match self {
+            Self::ModelRequired | Self::UnknownModel => Some("model"),
+            _ => None,
         }
     }
 
@@ -251,6 +268,8 @@ pub enum Rejection {
         /// What hyper found wrong.
         error: String,
     },
+    /// See [`RejectionKind::ModelRequired`].
+    ModelRequired,
     /// See [`RejectionKind::UnknownModel`].
     UnknownModel {
         /// The request's `model`.
@@ -284,6 +303,7 @@ impl Rejection {
             Self::BodyMemory { .. } => RejectionKind::BodyMemory,
             Self::BodyTimeout { .. } => RejectionKind::BodyTimeout,
             Self::MalformedBody { .. } => RejectionKind::MalformedBody,
+            Self::ModelRequired => RejectionKind::ModelRequired,
             Self::UnknownModel { .. } => RejectionKind::UnknownModel,
             Self::QueueFull { .. } => RejectionKind::QueueFull,
             Self::ColdReject => RejectionKind::ColdReject,
@@ -316,6 +336,7 @@ impl Rejection {
                 "the request body did not arrive within {timeout:?} (--body-read-timeout)"
             ),
             Self::MalformedBody { error } => format!("the request body could not be read: {error}"),
+            Self::ModelRequired => "the request names no `model`: this endpoint serves several models and routes each request by the `model` field of its JSON body (GET /v1/models lists them)".to_owned(),
             Self::UnknownModel { model } => format!("The model `{model}` does not exist."),
             Self::QueueFull { max_queue } => format!(
                 "the gateway already holds {max_queue} requests (maxQueue); retry later"
@@ -332,10 +353,11 @@ impl Rejection {
     /// `--retry-after`, sent (rounded up to whole seconds) when the kind [retries](RejectionKind::retries).
     pub fn into_response(self, retry_after: Duration) -> Response {
         let kind = self.kind();
-        let resp = error_response(
+        let resp = error_response_param(
             kind.status(),
             &self.message(),
             kind.error_type(),
+            kind.param(),
             Some(kind.code()),
         );
         let mut resp = if kind.retries() {
@@ -357,7 +379,12 @@ impl Rejection {
     /// (see [`sse_error_event`]).
     pub fn sse_event(&self) -> Bytes {
         let kind = self.kind();
-        sse_error_event(&self.message(), kind.error_type(), Some(kind.code()))
+        sse_error_event_param(
+            &self.message(),
+            kind.error_type(),
+            kind.param(),
+            Some(kind.code()),
+        )
     }
 }
 

@@ -43,7 +43,7 @@ use tokio::sync::mpsc;
 use crate::{
     demand::{DemandHub, DemandState},
     endpoints::EndpointSet,
-    metrics::Metrics,
+    metrics::ModelMetrics,
     upstream::UpstreamPool,
 };
 
@@ -673,7 +673,7 @@ pub struct SleepTask {
     discovered: EndpointSet,
     serving: EndpointSet,
     demand: DemandHub,
-    metrics: Arc<Metrics>,
+    metrics: Arc<ModelMetrics>,
     reporter: Option<ServiceReporter>,
     /// Since when this replica has had demand; `None` while it has none.
     demand_since: Option<Instant>,
@@ -687,7 +687,7 @@ impl SleepTask {
         discovered: EndpointSet,
         serving: EndpointSet,
         demand: DemandHub,
-        metrics: Arc<Metrics>,
+        metrics: Arc<ModelMetrics>,
     ) -> (Self, SleepTier) {
         let engine = EngineClient {
             cfg: Arc::new(cfg),
@@ -747,9 +747,7 @@ impl SleepTask {
                 self.start(action);
             }
             self.serving.replace(tier.serving());
-            self.metrics
-                .backends_sleeping
-                .set(i64::try_from(tier.sleeping()).unwrap_or(i64::MAX));
+            self.metrics.set_backends_sleeping(tier.sleeping());
 
             let deadline = tier.next_deadline();
             tokio::select! {

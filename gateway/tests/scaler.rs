@@ -172,6 +172,9 @@ async fn demand_is_aggregated_over_replicas_and_unknown_when_a_peer_is_lost() {
     assert_eq!(v["pending"], 1);
     let (_, v) = json(&c, &format!("{}/hearth/queue?scope=local", a.url())).await;
     assert_eq!(v["pending"], 0);
+    // The path form the controller renders (KEDA's endpoint aggregation drops a query).
+    let (_, v) = json(&c, &format!("{}/hearth/queue/local", a.url())).await;
+    assert_eq!(v["pending"], 0);
     let (_, v) = json(&c, &format!("{}/hearth/queue", b.url())).await;
     assert_eq!(v["pending"], 1);
 

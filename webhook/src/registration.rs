@@ -142,8 +142,8 @@ impl Registration {
         }
     }
 
-    /// Validating webhooks: LLMServices (namespaced), InferenceRuntimes (cluster-scoped; the
-    /// namespace selector does not apply to them) and annotated workloads.
+    /// Validating webhooks: LLMServices and LLMEndpoints (namespaced), InferenceRuntimes
+    /// (cluster-scoped; the namespace selector does not apply to them) and annotated workloads.
     pub fn validating(&self) -> ValidatingWebhookConfiguration {
         let hook = |name: &str,
                     rules: Vec<RuleWithOperations>,
@@ -167,6 +167,12 @@ impl Registration {
                 hook(
                     "llmservices.validate",
                     vec![rule(GROUP, VERSION, "llmservices", "Namespaced")],
+                    None,
+                    None,
+                ),
+                hook(
+                    "llmendpoints.validate",
+                    vec![rule(GROUP, VERSION, "llmendpoints", "Namespaced")],
                     None,
                     None,
                 ),
@@ -265,7 +271,7 @@ mod tests {
         let m = r.mutating();
         let vh = v.webhooks.unwrap();
         let mh = m.webhooks.unwrap();
-        assert_eq!(vh.len(), 3);
+        assert_eq!(vh.len(), 4);
         assert_eq!(mh.len(), 1);
         let common = vh
             .iter()
@@ -300,7 +306,8 @@ mod tests {
         }
         // Only workloads carry matchConditions; Hearth's kinds always reach the webhook.
         assert!(vh[0].match_conditions.is_none());
-        assert!(vh[2].match_conditions.is_some());
+        assert!(vh[1].match_conditions.is_none());
+        assert!(vh[3].match_conditions.is_some());
         assert!(mh[0].match_conditions.is_some());
     }
 

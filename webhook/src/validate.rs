@@ -1,8 +1,10 @@
-//! Validation of `LLMService` and `InferenceRuntime` beyond the CRD schema: the checks that need
-//! the cluster's runtimes or are too awkward for CEL (URI safety, templates, name grammars).
+//! Validation of `LLMService`, `LLMEndpoint` and `InferenceRuntime` beyond the CRD schema: the
+//! checks that need the cluster's runtimes or are too awkward for CEL (URI safety, templates,
+//! name grammars, label selectors).
 //!
 //! An `LLMService` goes through `hearth_crds::rules::check_llmservice`, the rules the controller
-//! renders by, so what is admitted is rendered and what the controller would refuse is denied.
+//! renders by, so what is admitted is rendered and what the controller would refuse is denied;
+//! an `LLMEndpoint` through `hearth_crds::rules::check_llmendpoint`, likewise.
 //! Runtime templates are checked with the parser the controller renders with
 //! (`hearth_crds::template`), names with `hearth_crds::naming`.
 //!
@@ -20,6 +22,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use hearth_crds::inferenceruntime::InferenceRuntime;
+use hearth_crds::llmendpoint::LLMEndpoint;
 use hearth_crds::llmservice::LLMService;
 use hearth_crds::naming::{
     check_extended_resource, check_qualified_name, is_iana_svc_name, is_label_value,
@@ -94,6 +97,19 @@ pub fn llmservice(svc: &LLMService, runtimes: &[InferenceRuntime]) -> Findings {
         );
     }
     for finding in rules::check_llmservice(svc, resolution.ok()) {
+        match finding.severity {
+            Severity::Error => f.deny(finding.field, finding.message),
+            Severity::Warning => f.warn(finding.field, finding.message),
+        }
+    }
+    f
+}
+
+/// Validates an `LLMEndpoint`: the rules the controller renders its shared gateway by
+/// (`hearth_crds::rules::check_llmendpoint`): errors are denials, warnings admission warnings.
+pub fn llmendpoint(ep: &LLMEndpoint) -> Findings {
+    let mut f = Findings::default();
+    for finding in rules::check_llmendpoint(ep) {
         match finding.severity {
             Severity::Error => f.deny(finding.field, finding.message),
             Severity::Warning => f.warn(finding.field, finding.message),

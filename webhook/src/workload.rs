@@ -9,24 +9,31 @@
 //! - `/validate` re-runs the validations on the object as it will be stored (after every
 //!   mutating webhook) and returns warnings (`Warn`) and audit annotations (`Audit`,
 //!   `auditAnnotations`).
+//!
+//! A Deployment that joins an `LLMEndpoint` (`serving.hearth.dev/endpoint`) also goes through
+//! `hearth_crds::rules::check_deployment` and `check_member_serving`, the rules the controller
+//! joins it by ([`member_findings`]): errors are denied on both paths, warnings returned on
+//! `/validate`.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
+use hearth_crds::rules::{self, Severity};
 use hearth_crds::servingpolicy::{Operation as PolicyOperation, StatusReason};
-use hearth_crds::wellknown::{RUNTIME_ANNOTATION, VENDOR_ANNOTATION};
+use hearth_crds::wellknown::{ENDPOINT_ANNOTATION, RUNTIME_ANNOTATION, VENDOR_ANNOTATION};
 use hearth_crds::{InferenceRuntime, ServingPolicy};
 use hearth_policies::{
     EvalInput, GroupVersionKind, GroupVersionResource, PolicySet, PolicySettings, RequestInfo,
     Selection, UserInfo, resolve_runtime,
 };
+use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::Namespace;
 use kube::core::admission::{AdmissionRequest, AdmissionResponse, Operation};
 use kube::core::{DynamicObject, Status};
 use kube::runtime::reflector::{ObjectRef, Store};
 
 use crate::admission::{Endpoint, Outcome, deny, with_warnings};
-use crate::validate::{Finding, Runtimes};
+use crate::validate::{Finding, Findings, Runtimes};
 
 pub use hearth_policies::cluster::Compiled;
 
@@ -201,6 +208,13 @@ pub(crate) fn review(
             return (deny(base, vec![f]), Outcome::Denied);
         }
     };
+    // Joining an LLMEndpoint (`serving.hearth.dev/endpoint`): the rules the controller joins
+    // the Deployment by; an error denies it here (the controller would keep it off the
+    // endpoint), a warning is an admission warning.
+    let member = member_findings(&object_json, runtime);
+    if !member.denials.is_empty() {
+        return (deny(base, member.denials), Outcome::Denied);
+    }
     let namespace_object = match (&snapshot.namespaces, &req.namespace) {
         (Some(store), Some(ns)) => store
             .get(&ObjectRef::new(ns))
@@ -251,11 +265,60 @@ pub(crate) fn review(
             if let Some(o) = &input.object {
                 warnings.extend(device_access_warnings(o));
             }
+            warnings.extend(member.warnings.iter().map(ToString::to_string));
             let mut resp = with_warnings(base, warnings);
             resp.audit_annotations.extend(out.audit_annotations);
             (resp, Outcome::Allowed)
         }
     }
+}
+
+/// The findings of `hearth_crds::rules` about a workload joining an `LLMEndpoint` with the
+/// `serving.hearth.dev/endpoint` annotation: for a Deployment, `check_deployment` and, when it
+/// joins, `check_member_serving` with its resolved `runtime` (which container and port serve the
+/// model); for another kind a warning that only Deployments join.
+pub fn member_findings(object: &serde_json::Value, runtime: &InferenceRuntime) -> Findings {
+    let mut out = Findings::default();
+    // Most workloads carry none of these: nothing to decode.
+    let annotations = &object["metadata"]["annotations"];
+    if !std::iter::once(ENDPOINT_ANNOTATION)
+        .chain(rules::MEMBER_ANNOTATIONS)
+        .any(|k| annotations.get(k).is_some())
+    {
+        return out;
+    }
+    let findings = if object["kind"] == "Deployment" {
+        let Ok(d) = serde_json::from_value::<Deployment>(object.clone()) else {
+            return out;
+        };
+        let check = rules::check_deployment(&d);
+        let mut findings = check.findings;
+        if let Some(member) = &check.member {
+            findings
+                .0
+                .extend(rules::check_member_serving(&d, member, Some(runtime)).1);
+        }
+        findings
+    } else {
+        let meta = serde_json::from_value(object["metadata"].clone()).unwrap_or_default();
+        let kind = object["kind"].as_str().unwrap_or_default();
+        rules::Findings(
+            rules::endpoint_annotation_ignored(kind, &meta)
+                .into_iter()
+                .collect(),
+        )
+    };
+    for f in findings {
+        let finding = Finding {
+            field: f.field,
+            message: f.message,
+        };
+        match f.severity {
+            Severity::Error => out.denials.push(finding),
+            Severity::Warning => out.warnings.push(finding),
+        }
+    }
+    out
 }
 
 /// Whether a hostPath gives access to the node's devices: `/dev`, anything below it, or an

@@ -1,4 +1,4 @@
-//! The admission protocol and the LLMService/InferenceRuntime checks, through the axum router
+//! The admission protocol and the LLMService/LLMEndpoint/InferenceRuntime checks, through the axum router
 //! in-process (no TLS, no cluster): table-driven, one review per case.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
@@ -140,6 +140,75 @@ async fn questionable_llmservices_are_allowed_with_warnings(
             .any(|w| w.as_str().unwrap().contains(warning)),
         "{warning:?} in {warnings:?}"
     );
+}
+
+fn llmendpoint(spec: Value) -> Value {
+    json!({
+        "apiVersion": "serving.hearth.dev/v1alpha1",
+        "kind": "LLMEndpoint",
+        "metadata": {"name": "shared", "namespace": "team-a"},
+        "spec": spec,
+    })
+}
+
+#[rstest]
+#[case::same(json!({}))]
+#[case::all(json!({"allowedServices": {"namespaces": {"from": "All"}}, "replicas": 2, "apiKeySecretRef": {"name": "keys"}}))]
+#[case::selector(json!({"allowedServices": {"namespaces": {"from": "Selector", "selector": {"matchExpressions": [{"key": "team", "operator": "In", "values": ["ml"]}]}}}}))]
+#[tokio::test]
+async fn valid_llmendpoints_are_allowed(#[case] spec: Value) {
+    let v = post("/validate", &review("LLMEndpoint", llmendpoint(spec))).await;
+    assert_eq!(v["response"]["allowed"], true, "{v}");
+    assert!(v["response"].get("warnings").is_none(), "{v}");
+}
+
+#[rstest]
+#[case::selector_missing(json!({"allowedServices": {"namespaces": {"from": "Selector"}}}), "spec.allowedServices.namespaces.selector", "is required with from: Selector")]
+#[case::selector_ignored(json!({"allowedServices": {"namespaces": {"from": "All", "selector": {}}}}), "spec.allowedServices.namespaces.selector", "only used with from: Selector")]
+#[case::operator(json!({"allowedServices": {"namespaces": {"from": "Selector", "selector": {"matchExpressions": [{"key": "team", "operator": "in", "values": ["ml"]}]}}}}), "spec.allowedServices.namespaces.selector.matchExpressions[0].operator", "use In, NotIn, Exists or DoesNotExist")]
+#[case::values(json!({"allowedServices": {"namespaces": {"from": "Selector", "selector": {"matchExpressions": [{"key": "team", "operator": "NotIn"}]}}}}), "spec.allowedServices.namespaces.selector.matchExpressions[0].values", "must not be empty")]
+#[case::replicas(json!({"replicas": 0}), "spec.replicas", "between 1 and 20")]
+#[case::shape(json!({"allowedServices": {"namespaces": {"from": "Everyone"}}}), "spec.allowedServices.namespaces.from", "unknown variant")]
+#[tokio::test]
+async fn invalid_llmendpoints_are_denied(
+    #[case] spec: Value,
+    #[case] field: &str,
+    #[case] message: &str,
+) {
+    let v = assert_denied("LLMEndpoint", llmendpoint(spec), field, message).await;
+    let causes = v["response"]["status"]["details"]["causes"]
+        .as_array()
+        .unwrap();
+    assert!(causes.iter().any(|c| c["field"] == field), "{causes:?}");
+}
+
+#[rstest]
+#[case::replicas(json!({"replicas": 2}), "spec.endpoint.replicas: applies only while the service has its own gateway")]
+#[case::api_keys(json!({"apiKeySecretRef": {"name": "keys"}}), "spec.endpoint.apiKeySecretRef: applies only while the service has its own gateway")]
+#[tokio::test]
+async fn own_gateway_fields_next_to_a_shared_endpoint_are_warnings(
+    #[case] endpoint: Value,
+    #[case] warning: &str,
+) {
+    let mut spec = json!({"endpoint": {"sharedEndpointRef": {"name": "shared"}}});
+    hearth_test_support::merge_json(&mut spec["endpoint"], endpoint);
+    let v = post("/validate", &review("LLMService", llmservice(spec))).await;
+    let r = &v["response"];
+    assert_eq!(r["allowed"], true, "{v}");
+    let warnings = r["warnings"].as_array().expect("warnings");
+    assert!(
+        warnings
+            .iter()
+            .any(|w| w.as_str().unwrap().starts_with(warning)),
+        "{warning:?} in {warnings:?}"
+    );
+    // A reference alone is no finding.
+    let plain = llmservice(
+        json!({"endpoint": {"sharedEndpointRef": {"name": "shared", "namespace": "platform"}}}),
+    );
+    let v = post("/validate", &review("LLMService", plain)).await;
+    assert_eq!(v["response"]["allowed"], true, "{v}");
+    assert!(v["response"].get("warnings").is_none(), "{v}");
 }
 
 #[tokio::test]

@@ -375,3 +375,158 @@ async fn an_expensive_policy_does_not_delay_a_concurrent_cheap_admission() {
         "the cheap admission ({cheap_concurrent:?}) waited for the expensive one ({slow_took:?})"
     );
 }
+
+/// A Deployment pinned to `vllm-nvidia-a10` joining the endpoint `platform/shared` with model
+/// `qwen` and the extra `annotations`.
+fn joining(annotations: Value) -> Value {
+    let mut a = json!({
+        "serving.hearth.dev/runtime": "vllm-nvidia-a10",
+        "serving.hearth.dev/endpoint": "platform/shared",
+        "serving.hearth.dev/model": "Qwen/Qwen2.5-7B-Instruct",
+    });
+    hearth_test_support::merge_json(&mut a, annotations);
+    // `null`: without that annotation.
+    a.as_object_mut().unwrap().retain(|_, v| !v.is_null());
+    deployment(a, "vllm/vllm-openai:v0.25.1", 1)
+}
+
+#[tokio::test]
+async fn a_deployment_joining_an_endpoint_is_mutated_as_any_and_replicas_are_left_to_keda() {
+    let dep = joining(json!({}));
+    let v = post("/mutate", &review(&dep, "CREATE")).await;
+    assert_eq!(v["response"]["allowed"], true, "{v}");
+    // KEDA owns spec.replicas once the Deployment joins: no mutation touches it.
+    let bytes: Vec<u8> = v["response"]["patch"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|b| b.as_u64().unwrap() as u8)
+        .collect();
+    let patch: Value = serde_json::from_slice(&bytes).unwrap();
+    assert!(
+        patch
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|op| !op["path"].as_str().unwrap().starts_with("/spec/replicas")),
+        "{patch}"
+    );
+    let mutated = mutate(app(), &dep).await;
+    assert_builtins_applied(&mutated);
+    assert_eq!(mutated["spec"]["replicas"], 1);
+    assert_second_pass_changes_nothing(app, &mutated).await;
+    // The stored object: no warning of Hearth's own (the container serves under its model path
+    // positionally, which the rules do not guess at).
+    let v = post("/validate", &review(&mutated, "CREATE")).await;
+    assert_eq!(v["response"]["allowed"], true, "{v}");
+    let warnings = v["response"]["warnings"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    assert!(
+        warnings
+            .iter()
+            .all(|w| !w.as_str().unwrap().contains("serving.hearth.dev/")),
+        "{warnings:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_bad_member_annotation_is_denied_naming_it_and_the_fix() {
+    for (annotations, field, fix) in [
+        (
+            json!({"serving.hearth.dev/model": null}),
+            "metadata.annotations[\"serving.hearth.dev/model\"]",
+            "is required with serving.hearth.dev/endpoint: set it to the name the engine serves the model under",
+        ),
+        (
+            json!({"serving.hearth.dev/max-replicas": "many"}),
+            "metadata.annotations[\"serving.hearth.dev/max-replicas\"]",
+            "\"many\" is not a whole number of at least 1",
+        ),
+        (
+            json!({"serving.hearth.dev/endpoint": "team/a/b"}),
+            "metadata.annotations[\"serving.hearth.dev/endpoint\"]",
+            "write <name> (an LLMEndpoint of the Deployment's namespace) or <namespace>/<name>",
+        ),
+        (
+            json!({"serving.hearth.dev/cold-start": "wait"}),
+            "metadata.annotations[\"serving.hearth.dev/cold-start\"]",
+            "use keepalive (hold the request while the model starts) or reject",
+        ),
+    ] {
+        let dep = joining(annotations.clone());
+        for path in ["/mutate", "/validate"] {
+            for op in ["CREATE", "UPDATE"] {
+                let v = post(path, &review(&dep, op)).await;
+                assert_eq!(
+                    v["response"]["allowed"], false,
+                    "{path} {op} {annotations}: {v}"
+                );
+                assert_eq!(v["response"]["status"]["code"], 422, "{v}");
+                let causes = v["response"]["status"]["details"]["causes"]
+                    .as_array()
+                    .unwrap();
+                assert_eq!(causes[0]["field"], field, "{v}");
+                assert!(
+                    causes[0]["message"].as_str().unwrap().contains(fix),
+                    "{annotations}: {v}"
+                );
+            }
+        }
+    }
+}
+
+#[tokio::test]
+async fn member_warnings_are_admission_warnings() {
+    // Served under another name than the model annotation says.
+    let mut dep = joining(json!({"serving.hearth.dev/model": "qwen"}));
+    dep["spec"]["template"]["spec"]["containers"][0]["args"] = json!([
+        "--model=Qwen/Qwen2.5-7B-Instruct",
+        "--served-model-name=qwen-7b"
+    ]);
+    let v = post("/validate", &review(&dep, "CREATE")).await;
+    assert_eq!(v["response"]["allowed"], true, "{v}");
+    let warnings: Vec<String> = v["response"]["warnings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|w| w.as_str().unwrap().to_owned())
+        .collect();
+    assert!(
+        warnings.iter().any(|w| w.starts_with(
+            "metadata.annotations[\"serving.hearth.dev/model\"]: is \"qwen\", but container \"vllm\" serves the model as \"qwen-7b\""
+        )),
+        "{warnings:?}"
+    );
+    // Member annotations without the endpoint do nothing.
+    let dep = deployment(
+        json!({"serving.hearth.dev/runtime": "vllm-nvidia-a10", "serving.hearth.dev/min-replicas": "1"}),
+        "vllm/vllm-openai:v0.25.1",
+        1,
+    );
+    let v = post("/validate", &review(&dep, "CREATE")).await;
+    assert!(
+        v["response"]["warnings"].as_array().unwrap().iter().any(|w| w
+            .as_str()
+            .unwrap()
+            .starts_with("metadata.annotations[\"serving.hearth.dev/min-replicas\"]: has no effect without serving.hearth.dev/endpoint")),
+        "{v}"
+    );
+    // Only Deployments join.
+    let mut sts = joining(json!({}));
+    sts["kind"] = json!("StatefulSet");
+    let v = post("/validate", &review(&sts, "CREATE")).await;
+    assert_eq!(v["response"]["allowed"], true, "{v}");
+    assert!(
+        v["response"]["warnings"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|w| w
+                .as_str()
+                .unwrap()
+                .contains("has no effect on a StatefulSet: only Deployments join an LLMEndpoint")),
+        "{v}"
+    );
+}

@@ -7,10 +7,40 @@ use hearth_crds::{InferenceRuntime, LLMService, LLMServicePhase, rules};
 use kube::ResourceExt;
 
 use crate::{
-    render::{self, Children, RenderConfig},
+    attach::Verdict,
+    render::{self, Children, Placement, RenderConfig, SharedGateway},
     resolve::{ResolveError, resolve_runtime},
     status::{self, Cond},
 };
+
+/// What the LLMEndpoint a service references decided about it (see [`crate::attach`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Membership {
+    /// Accepted or why not: the service's `EndpointAccepted` condition.
+    pub verdict: Verdict,
+    /// The endpoint's shared gateway, when accepted: then the service renders none of its own.
+    pub gateway: Option<SharedGateway>,
+}
+
+impl Membership {
+    /// Where the service's gateway is.
+    pub fn placement(membership: Option<&Membership>) -> Placement {
+        match membership.and_then(|m| m.gateway.clone()) {
+            Some(g) => Placement::Shared(g),
+            None => Placement::Own,
+        }
+    }
+
+    /// The service's `EndpointAccepted` condition.
+    pub fn condition(&self) -> Cond {
+        Cond::new(
+            status::ENDPOINT_ACCEPTED,
+            Some(self.gateway.is_some()),
+            self.verdict.reason.as_str(),
+            self.verdict.message.clone(),
+        )
+    }
+}
 
 /// What the spec asks for: the conditions the rules and runtime resolution decide, and the
 /// rendered children (none when the service cannot be rendered). [`super::plan()`] turns it into
@@ -27,15 +57,19 @@ pub struct Desired {
     pub conds: Vec<Cond>,
     /// The children to apply; `None` when the service cannot be rendered.
     pub children: Option<Children>,
+    /// Where the service's gateway is: its own, or its endpoint's.
+    pub placement: Placement,
 }
 
-/// Decides what `svc` asks for given the cluster's `runtimes`; `create_backend` as for
-/// [`render::render`].
+/// Decides what `svc` asks for given the cluster's `runtimes` and, with a
+/// `sharedEndpointRef`, what its endpoint decided (`membership`: `None` without a reference);
+/// `create_backend` as for [`render::render`].
 pub fn desired<'a>(
     svc: &LLMService,
     runtimes: impl IntoIterator<Item = &'a InferenceRuntime>,
     cfg: &RenderConfig,
     create_backend: bool,
+    membership: Option<&Membership>,
 ) -> Desired {
     let resolved = resolve_runtime(svc, runtimes);
     let findings = rules::check_llmservice(svc, resolved.as_ref().ok().map(|r| r.runtime));
@@ -44,7 +78,11 @@ pub fn desired<'a>(
         resolved_runtime: None,
         conds: vec![status::validated(&findings)],
         children: None,
+        placement: Membership::placement(membership),
     };
+    if let Some(m) = membership {
+        out.conds.push(m.condition());
+    }
     let resolved = match resolved {
         Err(e) => {
             out.conds.push(Cond::new(
@@ -79,7 +117,7 @@ pub fn desired<'a>(
     let Some(resolved) = resolved else {
         return out;
     };
-    match render::render(svc, resolved.runtime, cfg, create_backend) {
+    match render::render_placed(svc, resolved.runtime, cfg, create_backend, &out.placement) {
         Err(e) => {
             let (type_, reason) = e.condition();
             out.phase = LLMServicePhase::Degraded;

@@ -2,11 +2,11 @@
 //! conditions ([`plan::recovery`] decides how). Each write is one request (an adoption one or
 //! two, see [`adopt::adopt`]) and counts once in `hearth_controller_writes_total`.
 
-use hearth_crds::{LLMService, LLMServiceStatus, wellknown::FIELD_MANAGER};
+use hearth_crds::wellknown::FIELD_MANAGER;
 use k8s_openapi::api::{
     apps::v1::Deployment,
     batch::v1::Job,
-    core::v1::{PersistentVolumeClaim, Service, ServiceAccount},
+    core::v1::{ConfigMap, PersistentVolumeClaim, Service, ServiceAccount},
     policy::v1::PodDisruptionBudget,
     rbac::v1::{Role, RoleBinding},
 };
@@ -56,7 +56,7 @@ pub async fn execute(ctx: &Context, namespace: &str, plan: &mut Plan) -> Result<
 }
 
 /// One write as one API call (an adoption: a GET and, when something moves, a PATCH).
-async fn send(ctx: &Context, namespace: &str, write: &Write) -> Result<(), kube::Error> {
+pub(super) async fn send(ctx: &Context, namespace: &str, write: &Write) -> Result<(), kube::Error> {
     ctx.metrics.writes.inc();
     match write {
         Write::Apply(object) => {
@@ -90,20 +90,29 @@ async fn send(ctx: &Context, namespace: &str, write: &Write) -> Result<(), kube:
     Ok(())
 }
 
-/// Applies `status` to `svc` (the status subresource, server-side apply under the controller's
-/// field manager).
-pub async fn write_status(
+/// Applies `status` to `obj` (the status subresource, server-side apply under the controller's
+/// field manager): an LLMService's or an LLMEndpoint's.
+///
+/// # Errors
+/// The API call's, naming the kind and object.
+pub async fn write_status<K>(
     ctx: &Context,
-    svc: &LLMService,
-    status: &LLMServiceStatus,
-) -> Result<(), Error> {
+    obj: &K,
+    status: &impl serde::Serialize,
+) -> Result<(), Error>
+where
+    K: kube::Resource<DynamicType = (), Scope = k8s_openapi::NamespaceResourceScope>
+        + Clone
+        + serde::de::DeserializeOwned
+        + std::fmt::Debug,
+{
     use kube::ResourceExt;
-    let name = svc.name_any();
-    let namespace = svc.namespace().unwrap_or_default();
-    let api: Api<LLMService> = Api::namespaced(ctx.client.clone(), &namespace);
+    let name = obj.name_any();
+    let namespace = obj.namespace().unwrap_or_default();
+    let api: Api<K> = Api::namespaced(ctx.client.clone(), &namespace);
     let patch = serde_json::json!({
-        "apiVersion": "serving.hearth.dev/v1alpha1",
-        "kind": "LLMService",
+        "apiVersion": K::api_version(&()),
+        "kind": K::kind(&()),
         "status": status,
     });
     ctx.metrics.writes.inc();
@@ -114,7 +123,8 @@ pub async fn write_status(
     )
     .await
     .map_err(kube_err(format!(
-        "apply status of LLMService {namespace}/{name}"
+        "apply status of {} {namespace}/{name}",
+        K::kind(&())
     )))?;
     Ok(())
 }
@@ -139,5 +149,6 @@ fn resource(kind: Kind, keda: &ApiResource) -> ApiResource {
         Kind::Deployment => ApiResource::erase::<Deployment>(&()),
         Kind::PodDisruptionBudget => ApiResource::erase::<PodDisruptionBudget>(&()),
         Kind::ScaledObject => keda.clone(),
+        Kind::ConfigMap => ApiResource::erase::<ConfigMap>(&()),
     }
 }

@@ -13,6 +13,12 @@
 //!
 //! `watch.rs` holds the watches that fill the caches and trigger reconciles.
 //!
+//! A second controller in the same process reconciles `LLMEndpoint`s (`endpoint.rs`): their
+//! shared gateways and routing tables; a third, plain Deployments that join one with the
+//! `serving.hearth.dev/endpoint` annotation (`member.rs`): their Service, member RBAC and
+//! ScaledObject. All decide attachment with the same pure function over the same caches
+//! ([`crate::attach`]); the watch mapping between them is in [`run`].
+//!
 //! Rules that keep it boring:
 //! - The backend Deployment is created once with `spec.replicas = scaling.min` (a plain create,
 //!   so that field stays with the create entry of `managedFields`); every later apply leaves
@@ -25,6 +31,7 @@
 //!   service is reconciled when it appears.
 
 use std::{
+    collections::{BTreeMap, HashMap},
     future::Future,
     sync::{
         Arc, RwLock,
@@ -35,14 +42,18 @@ use std::{
 
 use futures::{StreamExt, channel::mpsc};
 use hearth_crds::{
-    InferenceRuntime, LLMService, LLMServiceStatus,
+    InferenceRuntime, LLMEndpoint, LLMService, LLMServiceStatus,
+    llmendpoint::{FromNamespaces, MemberKind, routes_config_map},
     wellknown::{FIELD_MANAGER, LLMSERVICE_LABEL},
 };
 use k8s_openapi::{
     api::{
         apps::v1::Deployment,
         batch::v1::Job,
-        core::v1::{Event as CoreEvent, PersistentVolumeClaim, Pod, Service, ServiceAccount},
+        core::v1::{
+            ConfigMap, Event as CoreEvent, Namespace, PersistentVolumeClaim, Pod, Service,
+            ServiceAccount,
+        },
         policy::v1::PodDisruptionBudget,
         rbac::v1::{Role, RoleBinding},
     },
@@ -51,7 +62,7 @@ use k8s_openapi::{
 };
 use kube::{
     Api, Client, Resource, ResourceExt,
-    api::{DynamicObject, ListParams},
+    api::{DynamicObject, ListParams, PartialObjectMeta},
     runtime::{
         Controller, WatchStreamExt,
         controller::{Action, Config as ControllerConfig},
@@ -65,29 +76,39 @@ use tracing::{Instrument, info_span};
 
 use crate::{
     activation::{self, Timeline},
+    attach::{Attachment, EndpointKey, attach, deployment_endpoint_key, endpoint_key},
     labels,
     metrics::Metrics,
     names, policy,
-    render::RenderConfig,
+    render::{Placement, RenderConfig, SharedGateway},
     status,
 };
 
 mod desired;
+mod endpoint;
 mod execute;
+mod member;
 mod plan;
 #[cfg(test)]
 mod tests;
 mod watch;
 mod write;
 
-pub use desired::{Desired, desired};
+pub use desired::{Desired, Membership, desired};
+pub use endpoint::{
+    ACCEPTED, EndpointPlan, EndpointView, HOLD_RETRY, held_routes, plan_endpoint, route_table,
+};
 pub use execute::execute;
+pub use member::{
+    MemberDecision, MemberOutcome, MemberState, MemberView, decide_member, member_runtime,
+    member_serving, plan_member,
+};
 pub use plan::{CONDITION_ORDER, Plan, Recovery, View, after_conflict, plan, recovery};
 pub use write::{Kind, Object, Target, Write};
 
 use watch::{
-    cached_watch, established, relevant, scoped, uses_runtime, watch_keda, watch_policies,
-    without_errors,
+    cached_watch, established, relevant, scoped, tap_endpoint_owners, tap_member_owners,
+    uses_runtime, watch_keda, watch_policies, without_errors,
 };
 
 /// The name of the CRD of `api`, whose presence means KEDA is installed
@@ -227,6 +248,26 @@ pub struct Context {
     pdbs: Store<PodDisruptionBudget>,
     /// Backend pods ([`labels::backend_pod_selector`]): activations are read from them.
     pods: Store<Pod>,
+    /// Endpoints' routing tables.
+    config_maps: Store<ConfigMap>,
+    /// The LLMEndpoints.
+    endpoints: Store<LLMEndpoint>,
+    /// The LLMServices (the services' controller's own cache).
+    llmservices: Store<LLMService>,
+    /// The namespaces' labels (an endpoint's `allowedServices` selector reads them).
+    namespaces: Store<PartialObjectMeta<Namespace>>,
+    /// Reconciles a service now (its endpoint decided something its status does not say yet).
+    service_tx: mpsc::UnboundedSender<ObjectRef<LLMService>>,
+    /// The Deployments that join an endpoint (the `serving.hearth.dev/endpoint` annotation),
+    /// lean ([`watch::lean_member`]); no other Deployment of the cluster is kept.
+    members: Store<Deployment>,
+    /// Reconciles a member Deployment now.
+    member_tx: mpsc::UnboundedSender<ObjectRef<Deployment>>,
+    /// Removes the objects of a Deployment that left ([`member::sweep`]).
+    sweep_tx: mpsc::UnboundedSender<member::Sweep>,
+    /// What each member's last reconcile acted on (its Events are sent on changes), by
+    /// namespace and name.
+    member_states: std::sync::Mutex<HashMap<(String, String), MemberState>>,
     keda: Arc<KedaState>,
     recorder: Recorder,
     policies: Option<policy::ClusterEngine>,
@@ -254,6 +295,11 @@ impl Context {
             && synced(&self.role_bindings)
             && synced(&self.pdbs)
             && synced(&self.pods)
+            && synced(&self.config_maps)
+            && synced(&self.endpoints)
+            && synced(&self.llmservices)
+            && synced(&self.namespaces)
+            && synced(&self.members)
     }
 
     /// The render settings with the policies as they are now.
@@ -268,10 +314,189 @@ impl Context {
         }
     }
 
-    /// What the caches hold of the children of the service `name` in `namespace`.
-    fn view(&self, namespace: &str, name: &str) -> View {
+    /// Which services and Deployments the endpoint `key` accepts (and those that reference
+    /// it), from the caches; `current`, the service being reconciled, in place of its cached
+    /// version.
+    fn attachment(
+        &self,
+        key: &EndpointKey,
+        current: Option<&LLMService>,
+    ) -> (Attachment, Vec<Arc<LLMService>>, Vec<Arc<Deployment>>) {
+        let ep = get_in(&self.endpoints, &key.namespace, &key.name);
+        let same = |s: &LLMService, c: &LLMService| {
+            s.namespace() == c.namespace() && s.name_any() == c.name_any()
+        };
+        let mut members: Vec<Arc<LLMService>> = self
+            .llmservices
+            .state()
+            .into_iter()
+            .filter(|s| endpoint_key(s).as_ref() == Some(key))
+            .filter(|s| current.is_none_or(|c| !same(s, c)))
+            .collect();
+        if let Some(c) = current
+            && endpoint_key(c).as_ref() == Some(key)
+        {
+            members.push(Arc::new(c.clone()));
+        }
+        let deployments: Vec<Arc<Deployment>> = self
+            .members
+            .state()
+            .into_iter()
+            .filter(|d| deployment_endpoint_key(d).as_ref() == Some(key))
+            .collect();
+        let labels: BTreeMap<String, BTreeMap<String, String>> = members
+            .iter()
+            .filter_map(|s| s.namespace())
+            .chain(deployments.iter().filter_map(|d| d.namespace()))
+            .filter_map(|ns| {
+                let n = self.namespaces.get(&ObjectRef::new(&ns))?;
+                Some((ns, n.metadata.labels.clone().unwrap_or_default()))
+            })
+            .collect();
+        let a = attach(
+            key,
+            ep.as_deref(),
+            members.iter().map(AsRef::as_ref),
+            deployments.iter().map(AsRef::as_ref),
+            &labels,
+        );
+        (a, members, deployments)
+    }
+
+    /// The endpoint `key`, from the cache.
+    fn endpoint(&self, key: &EndpointKey) -> Option<Arc<LLMEndpoint>> {
+        get_in(&self.endpoints, &key.namespace, &key.name)
+    }
+
+    /// What the caches hold of the objects of the member Deployment `name`.
+    fn member_view(&self, namespace: &str, name: &str) -> member::MemberView {
+        let child = names::member(name);
+        let keda_installed = self.keda.installed();
+        member::MemberView {
+            service: get_in(&self.services, namespace, &child),
+            role: get_in(&self.roles, namespace, &child),
+            role_binding: get_in(&self.role_bindings, namespace, &child),
+            keda_installed,
+            scaled_object: keda_installed
+                .then(|| self.keda.get(namespace, &child))
+                .flatten(),
+        }
+    }
+
+    /// Records what the member `namespace/name` acted on, and sends its Events when it changed.
+    async fn set_member_state(
+        &self,
+        namespace: &str,
+        name: &str,
+        state: MemberState,
+        reference: &k8s_openapi::api::core::v1::ObjectReference,
+    ) {
+        let events = {
+            let Ok(mut states) = self.member_states.lock() else {
+                return;
+            };
+            let key = (namespace.to_owned(), name.to_owned());
+            let events = member::events(states.get(&key), &state);
+            states.insert(key, state);
+            events
+        };
+        for (type_, reason, note) in events {
+            member::publish(self, reference, type_, &reason, note).await;
+        }
+    }
+
+    /// Forgets the member `namespace/name` (it left).
+    fn forget_member(&self, namespace: &str, name: &str) {
+        if let Ok(mut states) = self.member_states.lock() {
+            states.remove(&(namespace.to_owned(), name.to_owned()));
+        }
+    }
+
+    /// Whether the member `namespace/name`'s last reconcile acted on something else than
+    /// `verdict` (and, accepted, `gateway`): its reconcile has not seen the change yet.
+    fn member_stale(
+        &self,
+        namespace: &str,
+        name: &str,
+        verdict: &crate::attach::Verdict,
+        gateway: Option<&SharedGateway>,
+    ) -> bool {
+        self.member_states.lock().is_ok_and(|states| {
+            !states
+                .get(&(namespace.to_owned(), name.to_owned()))
+                .is_some_and(|s| s.agrees(verdict, gateway))
+        })
+    }
+
+    /// Reconciles the member Deployments `deployments` now.
+    fn reconcile_members<'a>(&self, deployments: impl IntoIterator<Item = &'a Arc<Deployment>>) {
+        for d in deployments {
+            let _ = self
+                .member_tx
+                .unbounded_send(ObjectRef::from_obj(d.as_ref()));
+        }
+    }
+
+    /// What the endpoint `svc` references decided about it; `None` without a reference.
+    fn membership(&self, svc: &LLMService) -> Option<Membership> {
+        let key = endpoint_key(svc)?;
+        let (attachment, _, _) = self.attachment(&key, Some(svc));
+        let verdict = attachment
+            .verdict(&svc.namespace().unwrap_or_default(), &svc.name_any())?
+            .clone();
+        let gateway = if verdict.accepted() {
+            get_in(&self.endpoints, &key.namespace, &key.name).map(|ep| SharedGateway::of(&ep))
+        } else {
+            None
+        };
+        Some(Membership { verdict, gateway })
+    }
+
+    /// Reconciles `services` now (through the services' controller).
+    fn reconcile_services<'a>(&self, services: impl IntoIterator<Item = &'a Arc<LLMService>>) {
+        for s in services {
+            let _ = self
+                .service_tx
+                .unbounded_send(ObjectRef::from_obj(s.as_ref()));
+        }
+    }
+
+    fn deployment(&self, namespace: &str, name: &str) -> Option<Arc<Deployment>> {
+        get_in(&self.deployments, namespace, name)
+    }
+
+    fn llmservice(&self, namespace: &str, name: &str) -> Option<Arc<LLMService>> {
+        get_in(&self.llmservices, namespace, name)
+    }
+
+    /// What the caches hold of the children of the endpoint `key`.
+    fn endpoint_view(&self, key: &EndpointKey) -> EndpointView {
+        let (ns, name) = (key.namespace.as_str(), key.name.as_str());
+        EndpointView {
+            service_account: get_in(&self.service_accounts, ns, &names::gateway(name)),
+            role: get_in(&self.roles, ns, &names::gateway(name)),
+            role_binding: get_in(&self.role_bindings, ns, &names::gateway(name)),
+            routes: get_in(&self.config_maps, ns, &routes_config_map(name)),
+            gateway_service: get_in(&self.services, ns, &names::gateway_service(name)),
+            scaler_service: get_in(&self.services, ns, &names::scaler_service(name)),
+            gateway: get_in(&self.deployments, ns, &names::gateway(name)),
+            gateway_pdb: get_in(&self.pdbs, ns, &names::gateway(name)),
+        }
+    }
+
+    /// What the caches hold of the children of the service `name` in `namespace` (and, when it
+    /// is attached, of its endpoint's gateway).
+    fn view(&self, namespace: &str, name: &str, placement: &Placement) -> View {
         let keda_installed = self.keda.installed();
         View {
+            endpoint_gateway: match placement {
+                Placement::Own => None,
+                Placement::Shared(g) => get_in(
+                    &self.deployments,
+                    &g.namespace,
+                    &names::gateway(&g.endpoint),
+                ),
+            },
             service_account: get_in(&self.service_accounts, namespace, &names::gateway(name)),
             role: get_in(&self.roles, namespace, &names::gateway(name)),
             role_binding: get_in(&self.role_bindings, namespace, &names::gateway(name)),
@@ -315,7 +540,7 @@ where
 }
 
 /// How soon a reconcile that found the caches still listing runs again.
-const CACHE_SYNC_RETRY: Duration = Duration::from_millis(500);
+pub(crate) const CACHE_SYNC_RETRY: Duration = Duration::from_millis(500);
 
 /// Reconciles one `LLMService`.
 pub async fn reconcile(svc: Arc<LLMService>, ctx: Arc<Context>) -> Result<Action, Error> {
@@ -370,13 +595,16 @@ async fn reconcile_inner(svc: &LLMService, ctx: &Context) -> Result<Action, Erro
         return Ok(Action::requeue(CACHE_SYNC_RETRY));
     }
     let namespace = svc.namespace().unwrap_or_default();
-    let view = ctx.view(&namespace, &svc.name_any());
+    let membership = ctx.membership(svc);
+    let placement = Membership::placement(membership.as_ref());
+    let view = ctx.view(&namespace, &svc.name_any(), &placement);
     let runtimes = ctx.runtimes.state();
     let desired = desired(
         svc,
         runtimes.iter().map(|r| r.as_ref()),
         &ctx.render_config(),
         view.backend.is_none(),
+        membership.as_ref(),
     );
     let mut plan = plan(svc, desired, &view, &ctx.render);
     execute(ctx, &namespace, &mut plan).await?;
@@ -517,7 +745,7 @@ async fn emit_transitions(
     }
 }
 
-/// Runs the controller until `shutdown` resolves.
+/// Runs the controllers (LLMServices and LLMEndpoints) until `shutdown` resolves.
 pub async fn run(
     client: Client,
     cfg: RunConfig,
@@ -539,6 +767,21 @@ pub async fn run(
         .reflect(runtime_writer)
         .touched_objects(),
     );
+    // Endpoints are reconciled when one of their children changes: the child watches are the
+    // services' (`owns_stream`), and report endpoint-owned children here.
+    let (endpoint_tx, endpoint_rx) = mpsc::unbounded::<ObjectRef<LLMEndpoint>>();
+    // Deployments joined to an endpoint: their cache (members only), the channel that
+    // reconciles one, and the sweeper's, which removes the objects of one that left. The child
+    // watches report the objects rendered for them.
+    let (member_store, member_writer) = reflector::store::<Deployment>();
+    let (member_tx, member_rx) = mpsc::unbounded::<ObjectRef<Deployment>>();
+    let (sweep_tx, sweep_rx) = mpsc::unbounded::<member::Sweep>();
+    let member_channels = watch::MemberChannels {
+        store: member_store.clone(),
+        member_tx: member_tx.clone(),
+        sweep_tx: sweep_tx.clone(),
+    };
+
     // Children whose status feeds ours trigger a reconcile only when what we read changes
     // (see `relevant`): KEDA, kwok and the Deployment controller update status often.
     let (deployments, dep_stream) = cached_watch::<Deployment>(
@@ -547,9 +790,18 @@ pub async fn run(
         &managed,
         Some(|d| {
             let b = status::BackendState::of(Some(d));
-            relevant(d, &(b.desired, b.ready, b.stuck))
+            relevant(
+                d,
+                &(
+                    b.desired,
+                    b.ready,
+                    b.stuck,
+                    d.status.as_ref().and_then(|s| s.available_replicas),
+                ),
+            )
         }),
     );
+    let dep_stream = tap_endpoint_owners(dep_stream, endpoint_tx.clone());
     let (claims, claim_stream) = cached_watch::<PersistentVolumeClaim>(
         &client,
         ns,
@@ -574,11 +826,32 @@ pub async fn run(
         Some(|j| relevant(j, &status::prewarm(Some(j), "").reason)),
     );
     let (services_store, services_stream) = cached_watch::<Service>(&client, ns, &managed, None);
+    let services_stream = tap_member_owners(
+        tap_endpoint_owners(services_stream, endpoint_tx.clone()),
+        member_store.clone(),
+        member_tx.clone(),
+        sweep_tx.clone(),
+    );
     let (sa_store, sa_stream) = cached_watch::<ServiceAccount>(&client, ns, &managed, None);
+    let sa_stream = tap_endpoint_owners(sa_stream, endpoint_tx.clone());
     let (roles_store, roles_stream) = cached_watch::<Role>(&client, ns, &managed, None);
+    let roles_stream = tap_member_owners(
+        tap_endpoint_owners(roles_stream, endpoint_tx.clone()),
+        member_store.clone(),
+        member_tx.clone(),
+        sweep_tx.clone(),
+    );
     let (rb_store, rb_stream) = cached_watch::<RoleBinding>(&client, ns, &managed, None);
+    let rb_stream = tap_member_owners(
+        tap_endpoint_owners(rb_stream, endpoint_tx.clone()),
+        member_store.clone(),
+        member_tx.clone(),
+        sweep_tx.clone(),
+    );
     let (pdb_store, pdb_stream) =
         cached_watch::<PodDisruptionBudget>(&client, ns, &managed, Some(|p| relevant(p, &())));
+    let pdb_stream = tap_endpoint_owners(pdb_stream, endpoint_tx.clone());
+    let (cm_store, cm_stream) = cached_watch::<ConfigMap>(&client, ns, &managed, None);
     // Backend pods trigger their service's reconcile when they turn Ready (or stop being so):
     // that is when an activation is recorded; and when a container starts or stops failing to
     // start (`Ready=False` reason `BackendFailing`).
@@ -611,6 +884,7 @@ pub async fn run(
         keda.clone(),
         all_tx.clone(),
         one_tx,
+        member_channels,
     ));
 
     let policies = if cfg.cluster_policies {
@@ -618,6 +892,13 @@ pub async fn run(
     } else {
         None
     };
+
+    // The services' and the endpoints' own caches, without managedFields (most of each
+    // object's size), and the namespaces' labels (metadata only).
+    let (service_store, service_writer) = reflector::store::<LLMService>();
+    let (endpoint_store, endpoint_writer) = reflector::store::<LLMEndpoint>();
+    let (namespace_store, namespace_writer) = reflector::store::<PartialObjectMeta<Namespace>>();
+    let (service_tx, service_rx) = mpsc::unbounded::<ObjectRef<LLMService>>();
 
     let ctx = Arc::new(Context {
         client: client.clone(),
@@ -634,6 +915,15 @@ pub async fn run(
         role_bindings: rb_store,
         pdbs: pdb_store,
         pods: pods_store,
+        config_maps: cm_store,
+        endpoints: endpoint_store.clone(),
+        llmservices: service_store.clone(),
+        namespaces: namespace_store,
+        service_tx: service_tx.clone(),
+        members: member_store.clone(),
+        member_tx: member_tx.clone(),
+        sweep_tx: sweep_tx.clone(),
+        member_states: std::sync::Mutex::new(HashMap::new()),
         keda,
         policies,
         recorder: Recorder::new(
@@ -645,19 +935,154 @@ pub async fn run(
         ),
     });
 
-    // The services' own cache, without managedFields (most of each object's size).
-    let (service_store, service_writer) = reflector::store::<LLMService>();
-    let service_stream = without_errors(
-        "LLMService",
-        watcher(
-            scoped::<LLMService>(&client, ns),
-            watcher::Config::default(),
+    // A service's change (created, edited, deleted) may change what its endpoint accepts: the
+    // endpoint it references now, and the one whose status lists it (where it was before its
+    // reference changed) are reconciled; they reconcile the services whose verdict changed.
+    let service_stream = {
+        let endpoints = endpoint_store.clone();
+        let endpoint_tx = endpoint_tx.clone();
+        without_errors(
+            "LLMService",
+            watcher(
+                scoped::<LLMService>(&client, ns),
+                watcher::Config::default(),
+            )
+            .default_backoff()
+            .modify(|s| s.metadata.managed_fields = None)
+            .reflect(service_writer)
+            .filter_map(move |event| {
+                let applied = match event {
+                    Ok(watcher::Event::Apply(s)) | Ok(watcher::Event::InitApply(s)) => {
+                        endpoints_of(&s, &endpoints, &endpoint_tx);
+                        Some(Ok(s))
+                    }
+                    Ok(watcher::Event::Delete(s)) => {
+                        endpoints_of(&s, &endpoints, &endpoint_tx);
+                        None
+                    }
+                    Ok(watcher::Event::Init | watcher::Event::InitDone) => None,
+                    Err(e) => Some(Err(e)),
+                };
+                futures::future::ready(applied)
+            }),
         )
-        .default_backoff()
-        .modify(|s| s.metadata.managed_fields = None)
-        .reflect(service_writer)
-        .applied_objects(),
-    );
+    };
+    // An endpoint deleted is reconciled no more: its services are, at once (they run their own
+    // gateways again). Its other changes reach them through its reconcile.
+    let endpoint_stream = {
+        let services = service_store.clone();
+        let service_tx = service_tx.clone();
+        let members = member_store.clone();
+        let member_tx = member_tx.clone();
+        without_errors(
+            "LLMEndpoint",
+            watcher(
+                scoped::<LLMEndpoint>(&client, ns),
+                watcher::Config::default(),
+            )
+            .default_backoff()
+            .modify(|e| e.metadata.managed_fields = None)
+            .reflect(endpoint_writer)
+            .filter_map(move |event| {
+                let applied = match event {
+                    Ok(watcher::Event::Apply(e)) | Ok(watcher::Event::InitApply(e)) => Some(Ok(e)),
+                    Ok(watcher::Event::Delete(e)) => {
+                        let key = EndpointKey::of(&e);
+                        for s in services.state() {
+                            if endpoint_key(&s).as_ref() == Some(&key) {
+                                let _ = service_tx.unbounded_send(ObjectRef::from_obj(s.as_ref()));
+                            }
+                        }
+                        // Its Deployments leave too (their ScaledObjects go).
+                        for d in members.state() {
+                            if deployment_endpoint_key(&d).as_ref() == Some(&key) {
+                                let _ = member_tx.unbounded_send(ObjectRef::from_obj(d.as_ref()));
+                            }
+                        }
+                        None
+                    }
+                    Ok(watcher::Event::Init | watcher::Event::InitDone) => None,
+                    Err(e) => Some(Err(e)),
+                };
+                futures::future::ready(applied)
+            }),
+        )
+    };
+    // Every Deployment is watched (an annotation cannot be selected on), but only those that
+    // join an endpoint are kept, lean (`watch::member_events`); a member's change reconciles it
+    // and the endpoints it concerns (the one it names, those whose status lists it); one that
+    // left is swept and its former endpoints reconciled.
+    let member_stream = {
+        let endpoints = endpoint_store.clone();
+        let endpoint_tx = endpoint_tx.clone();
+        let sweep_tx = sweep_tx.clone();
+        let mut triggers = watch::MemberTriggers::new();
+        watcher(scoped::<Deployment>(&client, ns), watcher::Config::default())
+            .default_backoff()
+            .filter_map(|event| {
+                futures::future::ready(match event {
+                    Ok(e) => watch::member_events(e).map(Ok),
+                    Err(e) => Some(Err(e)),
+                })
+            })
+            .reflect(member_writer)
+            .filter_map(move |event| {
+                futures::future::ready(match event {
+                    Ok(e) => {
+                        let change = triggers.pass(e);
+                        for d in &change.left {
+                            endpoints_of_deployment(d, &endpoints, &endpoint_tx);
+                            let _ = sweep_tx.unbounded_send(member::Sweep {
+                                namespace: d.namespace().unwrap_or_default(),
+                                name: d.name_any(),
+                            });
+                        }
+                        change.reconcile.map(|d| {
+                            endpoints_of_deployment(&d, &endpoints, &endpoint_tx);
+                            Ok(d)
+                        })
+                    }
+                    Err(e) => {
+                        tracing::warn!(kind = "Deployment", error = %e, "watch of joined Deployments failed; retrying with backoff");
+                        None
+                    }
+                })
+            })
+    };
+    // A namespace's labels decide whether endpoints with a selector admit its services.
+    let namespace_stream = {
+        let endpoints = endpoint_store.clone();
+        let api: Api<PartialObjectMeta<Namespace>> = Api::all(client.clone());
+        let cfg = match ns {
+            Some(ns) => watcher::Config::default().fields(&format!("metadata.name={ns}")),
+            None => watcher::Config::default(),
+        };
+        let mut churn =
+            watch::Churn::new(Some(|n: &PartialObjectMeta<Namespace>| relevant(n, &())));
+        watcher(api, cfg)
+            .default_backoff()
+            .modify(|n| n.metadata.managed_fields = None)
+            .reflect(namespace_writer)
+            .filter_map(move |event| {
+                futures::future::ready(match event {
+                    Ok(e) => churn.pass(e),
+                    Err(e) => {
+                        tracing::warn!(kind = "Namespace", error = %e, "watch failed; retrying with backoff");
+                        None
+                    }
+                })
+            })
+            .flat_map(move |_| {
+                let selecting: Vec<ObjectRef<LLMEndpoint>> = endpoints
+                    .state()
+                    .iter()
+                    .filter(|e| e.spec.allowed_services.namespaces.from == FromNamespaces::Selector)
+                    .map(|e| ObjectRef::from_obj(e.as_ref()))
+                    .collect();
+                futures::stream::iter(selecting)
+            })
+    };
+
     // No debounce: kube-runtime's is trailing-edge (each new trigger restarts the wait), so an
     // LLMService edited, or with a child changing, more often than the debounce period was
     // never reconciled while that went on (a gateway kept its old image through a Hearth
@@ -666,7 +1091,8 @@ pub async fn run(
     let controller = Controller::for_stream(service_stream, service_store)
         .with_config(ControllerConfig::default().concurrency(cfg.concurrency));
     let service_store = controller.store();
-    controller
+    let shutdown = futures::FutureExt::shared(futures::FutureExt::boxed(shutdown));
+    let services = controller
         .owns_stream(dep_stream)
         .owns_stream(claim_stream)
         .owns_stream(job_stream)
@@ -690,13 +1116,90 @@ pub async fn run(
         })
         .reconcile_all_on(all_rx)
         .reconcile_on(one_rx)
-        .graceful_shutdown_on(shutdown)
-        .run(reconcile, error_policy, ctx)
+        .reconcile_on(service_rx)
+        .graceful_shutdown_on(shutdown.clone())
+        .run(reconcile, error_policy, ctx.clone())
         .for_each(|res| async move {
             if let Err(e) = res {
                 tracing::debug!(error = %e, "controller event");
             }
-        })
-        .await;
+        });
+    let endpoints = Controller::for_stream(endpoint_stream, endpoint_store)
+        .with_config(ControllerConfig::default().concurrency(cfg.concurrency))
+        .owns_stream(cm_stream)
+        .reconcile_on(endpoint_rx)
+        .reconcile_on(namespace_stream)
+        .graceful_shutdown_on(shutdown.clone())
+        .run(
+            endpoint::reconcile_endpoint,
+            endpoint::endpoint_error_policy,
+            ctx.clone(),
+        )
+        .for_each(|res| async move {
+            if let Err(e) = res {
+                tracing::debug!(error = %e, "endpoint controller event");
+            }
+        });
+    let members = Controller::for_stream(member_stream, member_store)
+        .with_config(ControllerConfig::default().concurrency(cfg.concurrency))
+        .reconcile_on(member_rx)
+        .graceful_shutdown_on(shutdown)
+        .run(
+            member::reconcile_member,
+            member::member_error_policy,
+            ctx.clone(),
+        )
+        .for_each(|res| async move {
+            if let Err(e) = res {
+                tracing::debug!(error = %e, "member controller event");
+            }
+        });
+    let sweeper = tokio::spawn(member::sweep(ctx, sweep_rx));
+    futures::future::join3(services, endpoints, members).await;
+    sweeper.abort();
     Ok(())
+}
+
+/// Reconciles the endpoints a change of `svc` may concern: the one it references, and any
+/// whose status lists it.
+fn endpoints_of(
+    svc: &LLMService,
+    endpoints: &Store<LLMEndpoint>,
+    endpoint_tx: &mpsc::UnboundedSender<ObjectRef<LLMEndpoint>>,
+) {
+    let (ns, name) = (svc.namespace().unwrap_or_default(), svc.name_any());
+    let mut refs: Vec<ObjectRef<LLMEndpoint>> = endpoint_key(svc)
+        .map(|k| endpoint::endpoint_ref(&k))
+        .into_iter()
+        .collect();
+    for ep in endpoints.state() {
+        if endpoint::listing(&ep, MemberKind::LLMService, &ns, &name) {
+            refs.push(ObjectRef::from_obj(ep.as_ref()));
+        }
+    }
+    for r in refs {
+        let _ = endpoint_tx.unbounded_send(r);
+    }
+}
+
+/// Reconciles the endpoints a change of the Deployment `d` may concern: the one its
+/// annotation names, and any whose status lists it.
+fn endpoints_of_deployment(
+    d: &Deployment,
+    endpoints: &Store<LLMEndpoint>,
+    endpoint_tx: &mpsc::UnboundedSender<ObjectRef<LLMEndpoint>>,
+) {
+    let (ns, name) = (d.namespace().unwrap_or_default(), d.name_any());
+    let mut refs: Vec<ObjectRef<LLMEndpoint>> = deployment_endpoint_key(d)
+        .map(|k| endpoint::endpoint_ref(&k))
+        .into_iter()
+        .collect();
+    for ep in endpoints.state() {
+        if endpoint::listing(&ep, MemberKind::Deployment, &ns, &name) {
+            refs.push(ObjectRef::from_obj(ep.as_ref()));
+        }
+    }
+    for r in refs {
+        let _ = endpoint_tx.unbounded_send(r);
+    }
 }

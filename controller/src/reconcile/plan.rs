@@ -39,10 +39,12 @@ use super::{
     write::{Kind, Object, Target, Write},
 };
 use crate::{
-    adopt, diff,
+    adopt,
+    attach::{EndpointKey, endpoint_url},
+    diff,
     model::{self, ModelSource},
     names,
-    render::{RenderConfig, TEMPLATE_HASH_ANNOTATION},
+    render::{Placement, RenderConfig, TEMPLATE_HASH_ANNOTATION},
     status::{self, BackendState, Cond},
     upgrade,
 };
@@ -78,6 +80,8 @@ pub struct View {
     pub gateway: Option<Arc<Deployment>>,
     /// PodDisruptionBudget `N-gateway`.
     pub gateway_pdb: Option<Arc<PodDisruptionBudget>>,
+    /// The gateway Deployment of the LLMEndpoint the service is attached to (read only then).
+    pub endpoint_gateway: Option<Arc<Deployment>>,
     /// Whether KEDA's ScaledObject CRD is installed and established.
     pub keda_installed: bool,
     /// ScaledObject `N` (read only when KEDA is installed).
@@ -99,6 +103,8 @@ pub struct Plan {
     pub replicas: i32,
     /// The conditions, in their stable order (see [`CONDITION_ORDER`]).
     pub conds: Vec<Cond>,
+    /// `status.endpointURL`: the service's own gateway Service, or its endpoint's.
+    pub endpoint_url: String,
     /// What `Ready` and the phase are derived from once children are written.
     readiness: Option<Readiness>,
 }
@@ -113,9 +119,12 @@ struct Readiness {
     gateway: String,
     /// Key and Secret of `spec.endpoint.apiKeySecretRef`.
     api_key: Option<(String, String)>,
+    /// The endpoint whose shared gateway serves the service, `namespace/name`.
+    endpoint: Option<String>,
 }
 
-/// The order conditions are reported in.
+/// The order conditions are reported in (`EndpointAccepted`, with a `sharedEndpointRef`, after
+/// them).
 pub const CONDITION_ORDER: [&str; 6] = [
     status::READY,
     status::RUNTIME_RESOLVED,
@@ -151,11 +160,7 @@ impl Plan {
             phase: Some(self.phase),
             resolved_runtime: self.resolved_runtime.clone(),
             replicas: Some(self.replicas),
-            endpoint_url: Some(format!(
-                "http://{}.{}.svc/v1",
-                names::gateway_service(&svc.name_any()),
-                svc.namespace().unwrap_or_default()
-            )),
+            endpoint_url: Some(self.endpoint_url.clone()),
             observed_generation: svc.metadata.generation,
             conditions: status::merge_conditions(
                 previous,
@@ -194,6 +199,14 @@ impl Plan {
                 );
             }
             if ready.reason == "GatewayNotReady"
+                && let Some(endpoint) = &r.endpoint
+            {
+                ready.message = format!(
+                    "{}: the service is served by the shared gateway of LLMEndpoint {endpoint} (Deployment {}); see the endpoint's Ready condition",
+                    ready.message, r.gateway
+                );
+            }
+            if ready.reason == "GatewayNotReady"
                 && let Some((key, secret)) = &r.api_key
             {
                 // The controller may not read Secrets; say where to look when it is the likely
@@ -225,13 +238,31 @@ pub fn plan(svc: &LLMService, desired: Desired, view: &View, cfg: &RenderConfig)
         resolved_runtime,
         mut conds,
         children,
+        placement,
     } = desired;
+    let name = svc.name_any();
+    let shared = match &placement {
+        Placement::Own => None,
+        Placement::Shared(g) => Some(g),
+    };
+    let endpoint_url = match shared {
+        None => format!(
+            "http://{}.{}.svc/v1",
+            names::gateway_service(&name),
+            svc.namespace().unwrap_or_default()
+        ),
+        Some(g) => endpoint_url(&EndpointKey {
+            namespace: g.namespace.clone(),
+            name: g.endpoint.clone(),
+        }),
+    };
     let mut plan = Plan {
         writes: Vec::new(),
         phase,
         resolved_runtime,
         replicas: 0,
         conds: Vec::new(),
+        endpoint_url,
         readiness: None,
     };
     let Some(children) = children else {
@@ -239,14 +270,14 @@ pub fn plan(svc: &LLMService, desired: Desired, view: &View, cfg: &RenderConfig)
         plan.settle();
         return plan;
     };
-    let name = svc.name_any();
     let writes = &mut plan.writes;
+    // What an attached service no longer has of its own: deleted once its ScaledObject asks the
+    // endpoint's gateway (the last apply).
+    let mut prune = Vec::new();
 
-    apply_cached(
-        writes,
-        children.gateway_service_account,
-        view.service_account.as_deref(),
-    );
+    if let Some(sa) = children.gateway_service_account {
+        apply_cached(writes, sa, view.service_account.as_deref());
+    }
     apply_cached(writes, children.gateway_role, view.role.as_deref());
     apply_cached(
         writes,
@@ -404,35 +435,73 @@ pub fn plan(svc: &LLMService, desired: Desired, view: &View, cfg: &RenderConfig)
     }
 
     // Gateway.
-    apply_cached(
-        writes,
-        children.gateway_service,
-        view.gateway_service.as_deref(),
-    );
-    match children.scaler_service {
-        Some(s) => apply_cached(writes, s, view.scaler_service.as_deref()),
-        None => delete_if_owned(
-            writes,
-            Target::new(Kind::Service, names::scaler_service(&name)),
-            view.scaler_service.as_deref(),
-            svc,
-        ),
+    match children.gateway {
+        Some(gateway) => {
+            if let Some(s) = children.gateway_service {
+                apply_cached(writes, s, view.gateway_service.as_deref());
+            }
+            match children.scaler_service {
+                Some(s) => apply_cached(writes, s, view.scaler_service.as_deref()),
+                None => delete_if_owned(
+                    writes,
+                    Target::new(Kind::Service, names::scaler_service(&name)),
+                    view.scaler_service.as_deref(),
+                    svc,
+                ),
+            }
+            // A Deployment's selector is immutable: a gateway an earlier version of this
+            // controller wrote with other selector labels is replaced (it holds no state).
+            if let Some(live) = view.gateway.as_deref()
+                && live.spec.as_ref().map(|s| &s.selector)
+                    != gateway.spec.as_ref().map(|s| &s.selector)
+            {
+                delete_if_owned(
+                    writes,
+                    Target::new(Kind::Deployment, names::gateway(&name)),
+                    Some(live),
+                    svc,
+                );
+            }
+            apply_cached(writes, gateway, view.gateway.as_deref());
+            if let Some(pdb) = children.gateway_pdb {
+                apply_cached(writes, pdb, view.gateway_pdb.as_deref());
+            }
+        }
+        None => {
+            // Attached: the endpoint's gateway serves the model; the service's own goes.
+            let gateway = names::gateway(&name);
+            delete_if_owned(
+                &mut prune,
+                Target::new(Kind::Deployment, &gateway),
+                view.gateway.as_deref(),
+                svc,
+            );
+            delete_if_owned(
+                &mut prune,
+                Target::new(Kind::PodDisruptionBudget, &gateway),
+                view.gateway_pdb.as_deref(),
+                svc,
+            );
+            delete_if_owned(
+                &mut prune,
+                Target::new(Kind::Service, names::gateway_service(&name)),
+                view.gateway_service.as_deref(),
+                svc,
+            );
+            delete_if_owned(
+                &mut prune,
+                Target::new(Kind::Service, names::scaler_service(&name)),
+                view.scaler_service.as_deref(),
+                svc,
+            );
+            delete_if_owned(
+                &mut prune,
+                Target::new(Kind::ServiceAccount, &gateway),
+                view.service_account.as_deref(),
+                svc,
+            );
+        }
     }
-    // A Deployment's selector is immutable: a gateway an earlier version of this controller
-    // wrote with other selector labels is replaced (it holds no state).
-    if let Some(live) = view.gateway.as_deref()
-        && live.spec.as_ref().map(|s| &s.selector)
-            != children.gateway.spec.as_ref().map(|s| &s.selector)
-    {
-        delete_if_owned(
-            writes,
-            Target::new(Kind::Deployment, names::gateway(&name)),
-            Some(live),
-            svc,
-        );
-    }
-    apply_cached(writes, children.gateway, view.gateway.as_deref());
-    apply_cached(writes, children.gateway_pdb, view.gateway_pdb.as_deref());
 
     // Autoscaling.
     conds.push(if view.keda_installed {
@@ -460,6 +529,7 @@ pub fn plan(svc: &LLMService, desired: Desired, view: &View, cfg: &RenderConfig)
     } else {
         status::autoscaling(false, None)
     });
+    writes.extend(prune);
 
     let backend = match BackendState::of(view.backend.as_deref()) {
         b if b.exists => b.with_pods(view.backend_pods.iter().map(AsRef::as_ref)),
@@ -474,17 +544,28 @@ pub fn plan(svc: &LLMService, desired: Desired, view: &View, cfg: &RenderConfig)
             ..Default::default()
         },
     };
-    plan.readiness = Some(Readiness {
-        backend,
-        waits_for,
-        gateway_ready: status::gateway_ready(view.gateway.as_deref()),
-        gateway: names::gateway(&name),
-        api_key: svc
-            .spec
-            .endpoint
-            .api_key_secret_ref
-            .as_ref()
-            .map(|r| (r.key.clone(), r.name.clone())),
+    plan.readiness = Some(match shared {
+        None => Readiness {
+            backend,
+            waits_for,
+            gateway_ready: status::gateway_ready(view.gateway.as_deref()),
+            gateway: names::gateway(&name),
+            api_key: svc
+                .spec
+                .endpoint
+                .api_key_secret_ref
+                .as_ref()
+                .map(|r| (r.key.clone(), r.name.clone())),
+            endpoint: None,
+        },
+        Some(g) => Readiness {
+            backend,
+            waits_for,
+            gateway_ready: status::gateway_ready(view.endpoint_gateway.as_deref()),
+            gateway: names::gateway(&g.endpoint),
+            api_key: None,
+            endpoint: Some(format!("{}/{}", g.namespace, g.endpoint)),
+        },
     });
     plan.conds = conds;
     plan.settle();
@@ -493,7 +574,7 @@ pub fn plan(svc: &LLMService, desired: Desired, view: &View, cfg: &RenderConfig)
 
 /// Apply `desired` unless the cached child already holds everything it sets (an unchanged child
 /// costs no request at all); adopt it first when another manager wrote it.
-fn apply_cached<K>(writes: &mut Vec<Write>, desired: K, cached: Option<&K>)
+pub(super) fn apply_cached<K>(writes: &mut Vec<Write>, desired: K, cached: Option<&K>)
 where
     K: Resource + Serialize,
     Object: From<K>,
@@ -512,11 +593,11 @@ where
 
 /// Delete `target` if the cache holds it (`cached`) and `owner` controls it (the cache answers "is it there?";
 /// only an actual deletion costs a request).
-fn delete_if_owned<K: Resource>(
+pub(super) fn delete_if_owned<K: Resource, O: Resource>(
     writes: &mut Vec<Write>,
     target: Target,
     cached: Option<&K>,
-    owner: &LLMService,
+    owner: &O,
 ) {
     let Some(obj) = cached else { return };
     let owned = obj
@@ -524,7 +605,7 @@ fn delete_if_owned<K: Resource>(
         .owner_references
         .iter()
         .flatten()
-        .any(|r| Some(&r.uid) == owner.metadata.uid.as_ref());
+        .any(|r| Some(&r.uid) == owner.meta().uid.as_ref());
     if owned {
         writes.push(Write::Delete(target));
     }

@@ -161,3 +161,163 @@ async fn watch_errors_do_not_put_the_controller_to_sleep() {
     );
     assert!(filtered < 1.0, "first reconcile after {filtered} virtual s");
 }
+
+/// A Deployment `team-a/<name>` with `annotations`, a status and kubectl's last-applied copy.
+fn plain(name: &str, annotations: serde_json::Value, replicas: i32) -> Deployment {
+    let mut a = serde_json::json!({"kubectl.kubernetes.io/last-applied-configuration": "{...}"});
+    hearth_test_support::merge_json(&mut a, annotations);
+    serde_json::from_value(serde_json::json!({
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": {"name": name, "namespace": "team-a", "uid": format!("uid-{name}"),
+                     "annotations": a,
+                     "managedFields": [{"manager": "kubectl", "operation": "Apply"}]},
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": {"app": name}},
+            "strategy": {"type": "Recreate"},
+            "template": {"metadata": {"labels": {"app": name}},
+                         "spec": {"nodeSelector": {"gpu": "a10"},
+                                  "containers": [{"name": "vllm", "image": "vllm", "args": ["--x"],
+                                                  "env": [{"name": "A", "value": "b"}],
+                                                  "ports": [{"name": "http", "containerPort": 8000}]}]}},
+        },
+        "status": {"replicas": replicas, "readyReplicas": replicas},
+    }))
+    .unwrap()
+}
+
+fn joining(name: &str, replicas: i32) -> Deployment {
+    plain(
+        name,
+        serde_json::json!({"serving.hearth.dev/endpoint": "shared", "serving.hearth.dev/model": "m"}),
+        replicas,
+    )
+}
+
+#[test]
+fn only_joining_deployments_are_kept_and_lean() {
+    use super::watch::member_events;
+    // A member: kept without status, managedFields, last-applied, or what the pod template has
+    // beyond its containers' names, ports, command and args.
+    let Some(Event::Apply(d)) = member_events(Event::Apply(joining("a", 2))) else {
+        panic!("a member is applied");
+    };
+    assert!(d.status.is_none() && d.metadata.managed_fields.is_none());
+    assert_eq!(
+        d.metadata
+            .annotations
+            .as_ref()
+            .unwrap()
+            .keys()
+            .collect::<Vec<_>>(),
+        ["serving.hearth.dev/endpoint", "serving.hearth.dev/model"]
+    );
+    let v = serde_json::to_value(d.spec.as_ref().unwrap()).unwrap();
+    assert_eq!(
+        v,
+        serde_json::json!({
+            "replicas": 2,
+            "selector": {"matchLabels": {"app": "a"}},
+            "template": {"spec": {"containers": [{"name": "vllm", "args": ["--x"],
+                                                  "ports": [{"name": "http", "containerPort": 8000}]}]}},
+        })
+    );
+    assert!(matches!(
+        member_events(Event::InitApply(joining("a", 2))),
+        Some(Event::InitApply(_))
+    ));
+    // Anything else is never kept: listed, it is dropped; updated, it is removed (it may have
+    // had the annotation before).
+    assert!(member_events(Event::InitApply(plain("b", serde_json::json!({}), 1))).is_none());
+    let Some(Event::Delete(gone)) =
+        member_events(Event::Apply(plain("b", serde_json::json!({}), 1)))
+    else {
+        panic!("an update of a non-member removes it");
+    };
+    assert_eq!(
+        (gone.metadata.name.as_deref(), gone.spec.is_none()),
+        (Some("b"), true)
+    );
+    assert!(matches!(member_events(Event::Init), Some(Event::Init)));
+    assert!(matches!(
+        member_events(Event::InitDone),
+        Some(Event::InitDone)
+    ));
+}
+
+#[test]
+fn member_triggers_reconcile_changes_and_sweep_those_that_left() {
+    use super::watch::{MemberTriggers, member_events};
+    let mut t = MemberTriggers::new();
+    let mut pass = |e: Event<Deployment>| {
+        // What the cache does not take triggers nothing.
+        let Some(e) = member_events(e) else {
+            return (None, Vec::new());
+        };
+        let change = t.pass(e);
+        (
+            change.reconcile.map(|d| d.metadata.name.unwrap()),
+            change
+                .left
+                .into_iter()
+                .map(|d| d.metadata.name.unwrap())
+                .collect::<Vec<_>>(),
+        )
+    };
+    let none: Vec<String> = Vec::new();
+    assert_eq!(
+        pass(Event::Apply(joining("a", 0))),
+        (Some("a".into()), none.clone())
+    );
+    // KEDA scaling it (replicas, status) triggers nothing; an annotation does.
+    assert_eq!(pass(Event::Apply(joining("a", 3))), (None, none.clone()));
+    let mut changed = joining("a", 3);
+    changed
+        .metadata
+        .annotations
+        .as_mut()
+        .unwrap()
+        .insert("serving.hearth.dev/max-replicas".into(), "3".into());
+    assert_eq!(
+        pass(Event::Apply(changed)),
+        (Some("a".into()), none.clone())
+    );
+    // The annotation removed: it left.
+    assert_eq!(
+        pass(Event::Apply(plain("a", serde_json::json!({}), 3))),
+        (None, vec!["a".to_owned()])
+    );
+    // Another Deployment's updates: nothing.
+    assert_eq!(
+        pass(Event::Apply(plain("b", serde_json::json!({}), 1))),
+        (None, none.clone())
+    );
+    // Deleted while a member: it left.
+    assert_eq!(
+        pass(Event::Apply(joining("c", 1))),
+        (Some("c".into()), none.clone())
+    );
+    assert_eq!(
+        pass(Event::Delete(joining("c", 1))),
+        (None, vec!["c".to_owned()])
+    );
+    // A re-list that no longer has a member (its annotation removed while the watch was down).
+    assert_eq!(
+        pass(Event::Apply(joining("d", 1))),
+        (Some("d".into()), none.clone())
+    );
+    assert_eq!(
+        pass(Event::Apply(joining("e", 1))),
+        (Some("e".into()), none.clone())
+    );
+    assert_eq!(pass(Event::Init), (None, none.clone()));
+    assert_eq!(
+        pass(Event::InitApply(joining("e", 1))),
+        (None, none.clone())
+    );
+    assert_eq!(
+        pass(Event::InitApply(plain("d", serde_json::json!({}), 1))),
+        (None, none.clone())
+    );
+    assert_eq!(pass(Event::InitDone), (None, vec!["d".to_owned()]));
+}

@@ -1,18 +1,28 @@
 //! The watches that feed the reconciler: the caches of the children (one builder, with the
-//! churn filter), the ServingPolicies, and KEDA's CRD and ScaledObjects.
+//! churn filter), the ServingPolicies, KEDA's CRD and ScaledObjects, and the Deployments that
+//! join an endpoint (every Deployment watched, only those with the annotation kept, lean:
+//! [`member_events`], [`MemberTriggers`]).
 
 use std::{
-    collections::HashMap,
+    collections::{HashMap, HashSet},
     fmt::Debug,
     hash::{Hash, Hasher},
     sync::{Arc, atomic::Ordering},
 };
 
 use futures::{StreamExt, channel::mpsc};
-use hearth_crds::{LLMService, wellknown::LLMSERVICE_LABEL};
+use hearth_crds::{
+    LLMEndpoint, LLMService,
+    wellknown::{DEPLOYMENT_LABEL, ENDPOINT_ANNOTATION, LLMSERVICE_LABEL},
+};
 use k8s_openapi::{
     NamespaceResourceScope,
+    api::{
+        apps::v1::Deployment,
+        core::v1::{Container, PodSpec, PodTemplateSpec},
+    },
     apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition,
+    apimachinery::pkg::apis::meta::v1::ObjectMeta,
 };
 use kube::{
     Api, Client, Resource, ResourceExt,
@@ -168,6 +178,33 @@ where
     })
 }
 
+/// `stream` (a child watch of the services' controller) with every object an `LLMEndpoint`
+/// controls reported on `tx`, so the endpoint's controller reconciles it too: one watch per
+/// kind serves both controllers.
+pub(super) fn tap_endpoint_owners<K, S>(
+    stream: S,
+    tx: mpsc::UnboundedSender<ObjectRef<LLMEndpoint>>,
+) -> impl futures::Stream<Item = Result<K, watcher::Error>> + Send + 'static
+where
+    K: Resource + Send + 'static,
+    S: futures::Stream<Item = Result<K, watcher::Error>> + Send + 'static,
+{
+    let api_version = LLMEndpoint::api_version(&()).into_owned();
+    let kind = LLMEndpoint::kind(&()).into_owned();
+    stream.map(move |item| {
+        if let Ok(o) = &item
+            && let Some(ns) = o.namespace()
+        {
+            for r in o.meta().owner_references.iter().flatten() {
+                if r.controller == Some(true) && r.kind == kind && r.api_version == api_version {
+                    let _ = tx.unbounded_send(ObjectRef::new(&r.name).within(&ns));
+                }
+            }
+        }
+        item
+    })
+}
+
 /// The churn filter of a watch: which events trigger a reconcile. Deletions always do (a
 /// deleted child must be recreated), and so does every apply when there is no `relevant`
 /// function; with one, an apply does only when `relevant` of the object differs from the last
@@ -234,14 +271,27 @@ pub(super) fn established(crd: &CustomResourceDefinition) -> bool {
         })
 }
 
+/// Where the objects rendered for member Deployments are reported (see [`tap_member_owners`]).
+#[derive(Clone)]
+pub(super) struct MemberChannels {
+    /// The members' cache.
+    pub store: Store<Deployment>,
+    /// Reconciles a member.
+    pub member_tx: mpsc::UnboundedSender<ObjectRef<Deployment>>,
+    /// Sweeps a Deployment that left.
+    pub sweep_tx: mpsc::UnboundedSender<super::member::Sweep>,
+}
+
 /// Watches the ScaledObject CRD; when it becomes established, starts the ScaledObject cache
-/// and reconciles every service; ScaledObject changes reconcile their owner.
+/// and reconciles every service (and member Deployment); ScaledObject changes reconcile their
+/// owner (an LLMService, or the member Deployment of [`DEPLOYMENT_LABEL`]).
 pub(super) async fn watch_keda(
     client: Client,
     namespace: Option<String>,
     keda: Arc<KedaState>,
     all_tx: mpsc::UnboundedSender<()>,
     one_tx: mpsc::UnboundedSender<ObjectRef<LLMService>>,
+    members: MemberChannels,
 ) {
     let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
     let cfg = watcher::Config::default().fields(&format!("metadata.name={}", crd_name(&keda.api)));
@@ -272,6 +322,7 @@ pub(super) async fn watch_keda(
                 None => Api::all_with(client.clone(), &ar),
             };
             let tx = one_tx.clone();
+            let members = members.clone();
             let managed = watcher::Config::default().labels(&labels::managed_selector());
             tokio::spawn(async move {
                 let mut stream = watcher(api, managed)
@@ -294,12 +345,260 @@ pub(super) async fn watch_keda(
                     if let (Some(owner), Some(ns)) = (owner, obj.namespace()) {
                         let _ = tx.unbounded_send(ObjectRef::new(&owner).within(&ns));
                     }
+                    report_member_owner(
+                        &obj.metadata,
+                        &members.store,
+                        &members.member_tx,
+                        &members.sweep_tx,
+                    );
                 }
             });
         }
         if keda.installed.swap(now_installed, Ordering::SeqCst) != now_installed {
             tracing::info!(installed = now_installed, "KEDA ScaledObject CRD changed");
             let _ = all_tx.unbounded_send(());
+            for d in members.store.state() {
+                let _ = members
+                    .member_tx
+                    .unbounded_send(ObjectRef::from_obj(d.as_ref()));
+            }
         }
+    }
+}
+
+/// Whether a Deployment asks to join an endpoint (it carries the endpoint annotation, valid or
+/// not: its reconcile reports a bad one).
+pub(super) fn is_member(d: &Deployment) -> bool {
+    d.annotations().contains_key(ENDPOINT_ANNOTATION)
+}
+
+/// What the members' cache keeps of a Deployment that joins an endpoint: its metadata (without
+/// `managedFields` and `kubectl`'s last-applied copy), its selector and, of its pod template,
+/// the containers' names, ports, command and args (which container and port serve the model,
+/// and under which name); no status. A Deployment that does not join is not kept at all
+/// ([`member_events`]).
+pub(super) fn lean_member(d: &mut Deployment) {
+    d.metadata.managed_fields = None;
+    if let Some(a) = d.metadata.annotations.as_mut() {
+        a.remove("kubectl.kubernetes.io/last-applied-configuration");
+    }
+    d.status = None;
+    if let Some(spec) = d.spec.as_mut() {
+        let containers = spec
+            .template
+            .spec
+            .as_ref()
+            .map(|p| {
+                p.containers
+                    .iter()
+                    .map(|c| Container {
+                        name: c.name.clone(),
+                        ports: c.ports.clone(),
+                        command: c.command.clone(),
+                        args: c.args.clone(),
+                        ..Default::default()
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        spec.template = PodTemplateSpec {
+            metadata: None,
+            spec: Some(PodSpec {
+                containers,
+                ..Default::default()
+            }),
+        };
+        spec.strategy = None;
+    }
+}
+
+/// The watch events of every Deployment as the members' cache takes them: a Deployment that
+/// joins an endpoint is kept (lean); any other is dropped, or, as an update, turned into its
+/// deletion (so one whose annotation was removed leaves the cache at once, and nothing else of
+/// the cluster's Deployments is held).
+pub(super) fn member_events(
+    event: watcher::Event<Deployment>,
+) -> Option<watcher::Event<Deployment>> {
+    use watcher::Event;
+    let skeleton = |d: Deployment| Deployment {
+        metadata: ObjectMeta {
+            name: d.metadata.name,
+            namespace: d.metadata.namespace,
+            uid: d.metadata.uid,
+            annotations: d
+                .metadata
+                .annotations
+                .filter(|a| a.contains_key(ENDPOINT_ANNOTATION)),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    match event {
+        Event::Apply(mut d) if is_member(&d) => {
+            lean_member(&mut d);
+            Some(Event::Apply(d))
+        }
+        Event::InitApply(mut d) if is_member(&d) => {
+            lean_member(&mut d);
+            Some(Event::InitApply(d))
+        }
+        Event::Apply(d) | Event::Delete(d) => Some(Event::Delete(skeleton(d))),
+        Event::InitApply(_) => None,
+        Event::Init => Some(Event::Init),
+        Event::InitDone => Some(Event::InitDone),
+    }
+}
+
+/// What a member's reconcile reads of it: a change of anything else (its replicas, which KEDA
+/// sets, its status) triggers nothing.
+pub(super) fn member_relevant(d: &Deployment) -> u64 {
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    let meta = &d.metadata;
+    meta.annotations.hash(&mut h);
+    meta.labels.hash(&mut h);
+    meta.uid.hash(&mut h);
+    meta.deletion_timestamp.is_some().hash(&mut h);
+    for o in meta.owner_references.iter().flatten() {
+        (&o.uid, &o.kind, &o.name, o.controller).hash(&mut h);
+    }
+    if let Some(spec) = &d.spec {
+        serde_json::to_string(&spec.selector)
+            .unwrap_or_default()
+            .hash(&mut h);
+        serde_json::to_string(&spec.template)
+            .unwrap_or_default()
+            .hash(&mut h);
+    }
+    h.finish()
+}
+
+/// Which member Deployment events trigger what, after the members' cache took them: a member
+/// whose relevant content changed ([`member_relevant`]) is reconciled (returned), and its
+/// endpoints too ([`MemberTriggers::endpoints`]); one that left (its annotation removed, or
+/// deleted; or, after a re-list, missing) is swept ([`super::member::sweep`]) and its former
+/// endpoints reconciled. Non-members pass through the cache as deletions of what it does not
+/// hold: nothing.
+pub(super) struct MemberTriggers {
+    /// Members seen, with their relevant hash.
+    seen: HashMap<(String, String), u64>,
+    /// The members listed since the last `Init` (a re-list), until `InitDone`.
+    listing: Option<HashSet<(String, String)>>,
+}
+
+/// What one member event asks for.
+#[derive(Debug, Default)]
+pub(super) struct MemberChange {
+    /// The member to reconcile (changed).
+    pub reconcile: Option<Deployment>,
+    /// Members that left: namespace, name, and their last annotations (where they were).
+    pub left: Vec<Deployment>,
+}
+
+impl MemberTriggers {
+    pub(super) fn new() -> Self {
+        Self {
+            seen: HashMap::new(),
+            listing: None,
+        }
+    }
+
+    pub(super) fn pass(&mut self, event: watcher::Event<Deployment>) -> MemberChange {
+        use watcher::Event;
+        let key = |d: &Deployment| (d.namespace().unwrap_or_default(), d.name_any());
+        let mut out = MemberChange::default();
+        match event {
+            Event::Apply(d) | Event::InitApply(d) => {
+                let k = key(&d);
+                if let Some(l) = self.listing.as_mut() {
+                    l.insert(k.clone());
+                }
+                let h = member_relevant(&d);
+                if self.seen.insert(k, h) != Some(h) {
+                    out.reconcile = Some(d);
+                }
+            }
+            Event::Delete(d) => {
+                if self.seen.remove(&key(&d)).is_some() {
+                    out.left.push(d);
+                }
+            }
+            Event::Init => self.listing = Some(HashSet::new()),
+            Event::InitDone => {
+                if let Some(listed) = self.listing.take() {
+                    let gone: Vec<(String, String)> = self
+                        .seen
+                        .keys()
+                        .filter(|k| !listed.contains(*k))
+                        .cloned()
+                        .collect();
+                    for (namespace, name) in gone {
+                        self.seen.remove(&(namespace.clone(), name.clone()));
+                        out.left.push(Deployment {
+                            metadata: ObjectMeta {
+                                name: Some(name),
+                                namespace: Some(namespace),
+                                ..Default::default()
+                            },
+                            ..Default::default()
+                        });
+                    }
+                }
+            }
+        }
+        out
+    }
+}
+
+/// `stream` (a child watch) with every object rendered for a member Deployment (label
+/// [`DEPLOYMENT_LABEL`], controlled by a Deployment of that name) reported on `member_tx` while
+/// the Deployment is a member (in `members`), else on `sweep_tx` (it left: its objects go).
+pub(super) fn tap_member_owners<K, S>(
+    stream: S,
+    members: Store<Deployment>,
+    member_tx: mpsc::UnboundedSender<ObjectRef<Deployment>>,
+    sweep_tx: mpsc::UnboundedSender<super::member::Sweep>,
+) -> impl futures::Stream<Item = Result<K, watcher::Error>> + Send + 'static
+where
+    K: Resource + Send + 'static,
+    S: futures::Stream<Item = Result<K, watcher::Error>> + Send + 'static,
+{
+    stream.map(move |item| {
+        if let Ok(o) = &item {
+            report_member_owner(o.meta(), &members, &member_tx, &sweep_tx);
+        }
+        item
+    })
+}
+
+/// The member Deployment an object was rendered for, reported as [`tap_member_owners`] says.
+pub(super) fn report_member_owner(
+    meta: &ObjectMeta,
+    members: &Store<Deployment>,
+    member_tx: &mpsc::UnboundedSender<ObjectRef<Deployment>>,
+    sweep_tx: &mpsc::UnboundedSender<super::member::Sweep>,
+) {
+    let (Some(name), Some(ns)) = (
+        meta.labels.as_ref().and_then(|l| l.get(DEPLOYMENT_LABEL)),
+        meta.namespace.as_ref(),
+    ) else {
+        return;
+    };
+    let owned = meta.owner_references.iter().flatten().any(|r| {
+        r.controller == Some(true)
+            && r.kind == "Deployment"
+            && r.api_version == "apps/v1"
+            && &r.name == name
+    });
+    if !owned {
+        return;
+    }
+    let r = ObjectRef::<Deployment>::new(name).within(ns);
+    if members.get(&r).is_some() {
+        let _ = member_tx.unbounded_send(r);
+    } else {
+        let _ = sweep_tx.unbounded_send(super::member::Sweep {
+            namespace: ns.clone(),
+            name: name.clone(),
+        });
     }
 }

@@ -6,7 +6,7 @@ use std::fmt;
 use k8s_openapi::api::{
     apps::v1::Deployment,
     batch::v1::Job,
-    core::v1::{PersistentVolumeClaim, Service, ServiceAccount},
+    core::v1::{ConfigMap, PersistentVolumeClaim, Service, ServiceAccount},
     policy::v1::PodDisruptionBudget,
     rbac::v1::{Role, RoleBinding},
 };
@@ -34,6 +34,8 @@ pub enum Kind {
     PodDisruptionBudget,
     /// KEDA's ScaledObject (its API is [`crate::RenderConfig::keda_api`]).
     ScaledObject,
+    /// `v1` ConfigMap (an endpoint's routing table).
+    ConfigMap,
 }
 
 impl Kind {
@@ -49,11 +51,12 @@ impl Kind {
             Kind::Deployment => "Deployment",
             Kind::PodDisruptionBudget => "PodDisruptionBudget",
             Kind::ScaledObject => "ScaledObject",
+            Kind::ConfigMap => "ConfigMap",
         }
     }
 }
 
-/// One child, by kind and name, in the service's namespace.
+/// One child, by kind and name, in the namespace of the object written for.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Target {
     /// Its kind.
@@ -86,6 +89,7 @@ pub enum Object {
     Deployment(Box<Deployment>),
     PodDisruptionBudget(Box<PodDisruptionBudget>),
     ScaledObject(Box<DynamicObject>),
+    ConfigMap(Box<ConfigMap>),
 }
 
 impl Object {
@@ -101,6 +105,7 @@ impl Object {
             Object::Deployment(o) => (Kind::Deployment, &o.metadata),
             Object::PodDisruptionBudget(o) => (Kind::PodDisruptionBudget, &o.metadata),
             Object::ScaledObject(o) => (Kind::ScaledObject, &o.metadata),
+            Object::ConfigMap(o) => (Kind::ConfigMap, &o.metadata),
         };
         Target::new(kind, meta.name.clone().unwrap_or_default())
     }
@@ -126,9 +131,10 @@ object_from! {
     Deployment: Deployment,
     PodDisruptionBudget: PodDisruptionBudget,
     ScaledObject: DynamicObject,
+    ConfigMap: ConfigMap,
 }
 
-/// One API write, in the service's namespace. A replace is a [`Write::Delete`] followed by the
+/// One API write, in the namespace of the service (or endpoint) it is planned for. A replace is a [`Write::Delete`] followed by the
 /// child's [`Write::Apply`]; a child the caches already hold as desired has no write at all.
 #[derive(Clone, Debug)]
 pub enum Write {

@@ -5,30 +5,34 @@
 use std::collections::BTreeMap;
 
 use hearth_crds::{
-    LLMService,
-    llmservice::ColdStartMode,
+    Duration, InferenceRuntime, LLMService,
+    llmendpoint::{ModelRoute, SleepRoute, WakeUpCall},
+    llmservice::{ApiKeySecretRef, ColdStartMode},
     quantity::{compare_quantities, is_quantity},
+    rules::SleepTier,
 };
 use k8s_openapi::{
     api::{
         apps::v1::{Deployment, DeploymentSpec},
         core::v1::{
             Capabilities, Container, ContainerPort, EnvVar, EnvVarSource, HTTPGetAction, KeyToPath,
-            Lifecycle, LifecycleHandler, ObjectFieldSelector, PodSecurityContext, PodSpec,
-            PodTemplateSpec, Probe, ResourceRequirements, SeccompProfile, SecretVolumeSource,
-            SecurityContext, Service, SleepAction, TopologySpreadConstraint, Volume, VolumeMount,
+            Lifecycle, LifecycleHandler, LocalObjectReference, ObjectFieldSelector,
+            PodSecurityContext, PodSpec, PodTemplateSpec, Probe, ResourceRequirements,
+            SeccompProfile, SecretVolumeSource, SecurityContext, Service, ServiceAccount,
+            ServicePort, ServiceSpec, SleepAction, TopologySpreadConstraint, Volume, VolumeMount,
         },
         policy::v1::{PodDisruptionBudget, PodDisruptionBudgetSpec},
         rbac::v1::{PolicyRule, Role, RoleBinding, RoleRef, Subject},
     },
     apimachinery::pkg::{
         api::resource::Quantity,
-        apis::meta::v1::{LabelSelector, ObjectMeta},
+        apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference},
         util::intstr::IntOrString,
     },
 };
+use kube::ResourceExt;
 
-use super::{BACKEND_SERVICE_PORT, Ctx, RenderError, ScalerMode, duration_secs};
+use super::{BACKEND_SERVICE_PORT, Ctx, RenderConfig, RenderError, ScalerMode, duration_secs};
 use crate::{
     labels::{self, Component},
     names,
@@ -118,30 +122,130 @@ pub fn parse_gateway_resources(json: &str) -> Result<ResourceRequirements, Strin
     Ok(r)
 }
 
-pub(super) fn gateway_service(ctx: &Ctx<'_>) -> Service {
-    let name = names::gateway_service(&ctx.name);
-    ctx.service(name, Component::Gateway, "http", 80)
+/// One gateway, a service's own or an `LLMEndpoint`'s shared one: what its objects are rendered
+/// from, so both are rendered by the same code. Names are those of a service `N`: Deployment,
+/// ServiceAccount, Role, RoleBinding and PodDisruptionBudget `N-gateway`, client Service `N`,
+/// scaler Service `N-scaler`.
+pub(super) struct Gateway<'a> {
+    /// `N`: the service's or the endpoint's name.
+    pub name: &'a str,
+    /// Namespace of every object.
+    pub namespace: &'a str,
+    /// The controller owner reference (the LLMService or the LLMEndpoint).
+    pub owner: Option<OwnerReference>,
+    /// Labels beyond those of [`labels::labels`] (the endpoint's label).
+    pub extra_labels: BTreeMap<String, String>,
+    /// Gateway replicas.
+    pub replicas: i32,
+    /// The Secret key with the API keys clients must send.
+    pub api_key: Option<&'a ApiKeySecretRef>,
+    /// How KEDA learns the demand: push adds the ExternalScaler port and Service.
+    pub scaler: ScalerMode,
+    /// Whether the replicas sum their demand over each other (`--peer-service`).
+    pub peers: bool,
+    /// `imagePullSecrets` of the pods.
+    pub pull_secrets: Option<Vec<LocalObjectReference>>,
+    /// `--drain-timeout`, and the grace period it needs.
+    pub drain_timeout: &'a Duration,
+    /// What the gateway routes.
+    pub routing: Routing,
 }
 
-pub(super) fn scaler_service(ctx: &Ctx<'_>) -> Service {
-    let name = names::scaler_service(&ctx.name);
-    let mut service = ctx.service(name, Component::Gateway, "grpc-scaler", ctx.cfg.scaler_port);
+/// What a gateway routes, as flags of `hearth-gateway` (docs/gateway.md).
+pub(super) enum Routing {
+    /// One model (a service's own gateway): its flags, in the order the gateway has always been
+    /// given them around the shared ones.
+    Model {
+        /// After `--listen`: the backend, the model name and the cold-start settings.
+        before_drain: Vec<String>,
+        /// After `--drain-timeout`.
+        after_drain: Vec<String>,
+        /// After `--peer-service`: the sleeping tier.
+        after_peers: Vec<String>,
+    },
+    /// A shared gateway: every model's settings are in the routing table of this ConfigMap
+    /// (`--routes-configmap`), so none is in the pod template and a service joining or leaving
+    /// never rolls the gateway.
+    Table(String),
+}
+
+impl Gateway<'_> {
+    pub(super) fn meta(&self, name: String) -> ObjectMeta {
+        let mut l = labels::labels(self.name, Component::Gateway);
+        l.extend(self.extra_labels.clone());
+        ObjectMeta {
+            name: Some(name),
+            namespace: Some(self.namespace.to_owned()),
+            labels: Some(l),
+            owner_references: self.owner.clone().map(|o| vec![o]),
+            ..Default::default()
+        }
+    }
+
+    fn selector(&self) -> BTreeMap<String, String> {
+        labels::selector(self.name, Component::Gateway)
+    }
+
+    /// A Service `name` in front of the gateway pods: one TCP `port` forwarding to the pods'
+    /// port named `port_name`.
+    fn service(&self, name: String, port_name: &str, port: i32) -> Service {
+        Service {
+            metadata: self.meta(name),
+            spec: Some(ServiceSpec {
+                selector: Some(self.selector()),
+                ports: Some(vec![ServicePort {
+                    name: Some(port_name.to_owned()),
+                    port,
+                    target_port: Some(IntOrString::String(port_name.to_owned())),
+                    protocol: Some("TCP".to_owned()),
+                    ..Default::default()
+                }]),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+}
+
+/// The client Service `N`: port 80 → the gateway's `http` port.
+pub(super) fn gateway_service(g: &Gateway<'_>) -> Service {
+    g.service(names::gateway_service(g.name), "http", 80)
+}
+
+/// The ExternalScaler Service `N-scaler` (push mode).
+pub(super) fn scaler_service(g: &Gateway<'_>, cfg: &RenderConfig) -> Service {
+    let name = names::scaler_service(g.name);
+    let mut service = g.service(name, "grpc-scaler", cfg.scaler_port);
     if let Some(spec) = service.spec.as_mut() {
         spec.type_ = Some("ClusterIP".to_owned());
     }
     service
 }
 
-pub(super) fn gateway_role(ctx: &Ctx<'_>) -> Role {
+/// The gateway pods' identity, `N-gateway`.
+pub(super) fn gateway_service_account(g: &Gateway<'_>) -> ServiceAccount {
+    ServiceAccount {
+        metadata: g.meta(names::gateway(g.name)),
+        ..Default::default()
+    }
+}
+
+/// What a gateway may do in the namespace of a model it serves: read the EndpointSlices (of
+/// the model's backend Service, and for peers of its own Service), and, when it runs the
+/// sleeping tier of the LLMService `sleeping`, record Events and that service's
+/// `status.lastWake` (server-side apply on this one object). The Role of a service's own
+/// gateway, the member Role an attached service (or a joined Deployment, without the sleeping
+/// tier) grants an endpoint's shared gateway, and the first rule of the shared gateway's own
+/// Role. The controller's ClusterRole must hold every right granted here (RBAC escalation
+/// prevention): `tests/e2e/tests/chart.rs` reads this function's literals.
+pub(super) fn member_rules(sleeping: Option<&str>) -> Vec<PolicyRule> {
     let mut rules = vec![PolicyRule {
         api_groups: Some(vec!["discovery.k8s.io".to_owned()]),
         resources: Some(vec!["endpointslices".to_owned()]),
         verbs: vec!["get".to_owned(), "list".to_owned(), "watch".to_owned()],
         ..Default::default()
     }];
-    // The sleeping tier reports engines put to sleep and woken as Events on the LLMService,
-    // and the last wake in its `status.lastWake` (server-side apply on this one object).
-    if ctx.sleep_tier().is_some() {
+    if let Some(service) = sleeping {
         rules.push(PolicyRule {
             api_groups: Some(vec!["events.k8s.io".to_owned()]),
             resources: Some(vec!["events".to_owned()]),
@@ -153,38 +257,94 @@ pub(super) fn gateway_role(ctx: &Ctx<'_>) -> Role {
                 <LLMService as kube::Resource>::group(&()).into_owned(),
             ]),
             resources: Some(vec!["llmservices/status".to_owned()]),
-            resource_names: Some(vec![ctx.name.clone()]),
+            resource_names: Some(vec![service.to_owned()]),
             verbs: vec!["patch".to_owned()],
             ..Default::default()
         });
     }
+    rules
+}
+
+/// The Role `N-gateway` in the service's namespace: for its own gateway, or (bound to the
+/// endpoint's ServiceAccount) for the shared gateway of the endpoint it is attached to.
+pub(super) fn gateway_role(ctx: &Ctx<'_>) -> Role {
+    let sleeping = ctx.sleep_tier().map(|_| ctx.name.as_str());
     Role {
         metadata: ctx.meta(names::gateway(&ctx.name), Component::Gateway),
-        rules: Some(rules),
+        rules: Some(member_rules(sleeping)),
     }
 }
 
-pub(super) fn gateway_role_binding(ctx: &Ctx<'_>) -> RoleBinding {
+/// The RoleBinding `N-gateway` of `ctx`'s service: its Role to the ServiceAccount
+/// `account` in `account_namespace` (its own gateway's, or an endpoint's).
+pub(super) fn gateway_role_binding(
+    ctx: &Ctx<'_>,
+    account: String,
+    account_namespace: &str,
+) -> RoleBinding {
+    role_binding(
+        ctx.meta(names::gateway(&ctx.name), Component::Gateway),
+        names::gateway(&ctx.name),
+        account,
+        account_namespace,
+    )
+}
+
+/// The RoleBinding `metadata` of Role `role` to the ServiceAccount `account` of
+/// `account_namespace`.
+pub(super) fn role_binding(
+    metadata: ObjectMeta,
+    role: String,
+    account: String,
+    account_namespace: &str,
+) -> RoleBinding {
     RoleBinding {
-        metadata: ctx.meta(names::gateway(&ctx.name), Component::Gateway),
+        metadata,
         role_ref: RoleRef {
             api_group: "rbac.authorization.k8s.io".to_owned(),
             kind: "Role".to_owned(),
-            name: names::gateway(&ctx.name),
+            name: role,
         },
         subjects: Some(vec![Subject {
             kind: "ServiceAccount".to_owned(),
-            name: names::gateway(&ctx.name),
-            namespace: Some(ctx.namespace.clone()),
+            name: account,
+            namespace: Some(account_namespace.to_owned()),
             ..Default::default()
         }]),
     }
 }
 
+/// The shared gateway's Role and RoleBinding in the endpoint's namespace: EndpointSlices (its
+/// peers) and ConfigMaps (its routing table). What it may do in each attached service's
+/// namespace is that service's member Role ([`gateway_role`]).
+pub(super) fn endpoint_rbac(g: &Gateway<'_>) -> (Role, RoleBinding) {
+    let name = names::gateway(g.name);
+    let role = Role {
+        metadata: g.meta(name.clone()),
+        rules: Some(
+            member_rules(None)
+                .into_iter()
+                .chain([PolicyRule {
+                    api_groups: Some(vec![String::new()]),
+                    resources: Some(vec!["configmaps".to_owned()]),
+                    verbs: vec!["get".to_owned(), "list".to_owned(), "watch".to_owned()],
+                    ..Default::default()
+                }])
+                .collect(),
+        ),
+    };
+    let binding = role_binding(g.meta(name.clone()), name.clone(), name, g.namespace);
+    (role, binding)
+}
+
 /// The gateway queue bound: enough for every replica at its target, ten times over, and never
 /// below 100 (the API has no field for it yet).
 pub fn max_queue(service: &LLMService) -> i64 {
-    let s = &service.spec.scaling;
+    queue_bound(&service.spec.scaling)
+}
+
+/// [`max_queue`] of a scaling spec (an LLMService's, or a joined Deployment's annotations).
+pub(super) fn queue_bound(s: &hearth_crds::llmservice::ScalingSpec) -> i64 {
     (i64::from(s.target) * i64::from(s.max) * 10).max(100)
 }
 
@@ -206,73 +366,175 @@ fn http_probe(path: &str, period: i32) -> Probe {
 /// upgrade re-renders its image) refuses the connections kube-proxy still sends to the old pod.
 pub const GATEWAY_SHUTDOWN_DELAY_SECONDS: i64 = 5;
 
-pub(super) fn gateway_deployment(ctx: &Ctx<'_>) -> Result<Deployment, RenderError> {
-    let s = &ctx.svc.spec.scaling;
-    let cold = &ctx.svc.spec.endpoint.cold_start;
-    let drain = duration_secs(&s.drain_timeout, "spec.scaling.drainTimeout")?;
+fn cold_start_mode(mode: ColdStartMode) -> &'static str {
+    match mode {
+        ColdStartMode::Keepalive => "keepalive",
+        ColdStartMode::Reject => "reject",
+    }
+}
+
+/// The sleeping tier of `svc` on its runtime as a shared gateway's routing table holds it, and
+/// as [`sleep_args`] turns it into a per-service gateway's flags.
+pub(super) fn sleep_route(svc: &LLMService, tier: &SleepTier<'_>) -> Option<SleepRoute> {
+    let sleep = svc.spec.scaling.sleep.as_ref()?;
+    Some(SleepRoute {
+        after: sleep.after.clone(),
+        level: tier.level,
+        sleep_path: tier.mode.sleep_path.clone(),
+        is_sleeping_path: tier.mode.is_sleeping_path.clone(),
+        wake_up: tier
+            .wake_up
+            .iter()
+            .map(|c| WakeUpCall {
+                path: c.path.clone(),
+                body: c.body.clone(),
+            })
+            .collect(),
+    })
+}
+
+/// The `--sleep-*` and `--wake-up-call` flags of a sleeping tier.
+fn sleep_args(route: &SleepRoute) -> Vec<String> {
+    let mut args = vec![
+        format!("--sleep-after={}", route.after),
+        format!("--sleep-level={}", route.level),
+        format!("--sleep-path={}", route.sleep_path),
+        format!("--is-sleeping-path={}", route.is_sleeping_path),
+    ];
+    for call in &route.wake_up {
+        args.push(match &call.body {
+            Some(body) => format!("--wake-up-call={} {body}", call.path),
+            None => format!("--wake-up-call={}", call.path),
+        });
+    }
+    args
+}
+
+/// Checks the durations a gateway is given for `ctx`'s service (the flags, or its route).
+fn check_model_durations(svc: &LLMService) -> Result<(), RenderError> {
+    let s = &svc.spec.scaling;
     duration_secs(&s.activation_timeout, "spec.scaling.activationTimeout")?;
     duration_secs(
-        &cold.heartbeat_interval,
+        &svc.spec.endpoint.cold_start.heartbeat_interval,
         "spec.endpoint.coldStart.heartbeatInterval",
     )?;
+    Ok(())
+}
+
+/// The service's own gateway, with its model's flags.
+pub(super) fn own_gateway<'a>(ctx: &'a Ctx<'_>) -> Result<Gateway<'a>, RenderError> {
+    let svc = ctx.svc;
+    let s = &svc.spec.scaling;
+    let cold = &svc.spec.endpoint.cold_start;
+    check_model_durations(svc)?;
     let backend_port = &ctx.rt.spec.container.port;
-    // Flags of `hearth-gateway` (docs/gateway.md); the namespace comes from POD_NAMESPACE.
-    let mut args = vec![
-        format!("--listen=[::]:{}", ctx.cfg.gateway_port),
+    let before_drain = vec![
         format!("--backend-service={}", names::backend_service(&ctx.name)),
         format!("--backend-port={BACKEND_SERVICE_PORT}"),
         format!("--backend-port-name={}", backend_port.name),
         // The runtime templates serve the model under the service name.
         format!("--served-model-name={}", ctx.name),
-        format!("--max-queue={}", max_queue(ctx.svc)),
-        format!(
-            "--cold-start={}",
-            match cold.mode {
-                ColdStartMode::Keepalive => "keepalive",
-                ColdStartMode::Reject => "reject",
-            }
-        ),
+        // The `service` label of its metrics, as a shared gateway labels each model's.
+        format!("--service-key={}/{}", ctx.namespace, ctx.name),
+        format!("--max-queue={}", max_queue(svc)),
+        format!("--cold-start={}", cold_start_mode(cold.mode)),
         format!("--heartbeat-interval={}", cold.heartbeat_interval),
         format!("--activation-timeout={}", s.activation_timeout),
-        format!("--drain-timeout={}", s.drain_timeout),
-        format!("--metric-target={}", s.target),
     ];
+    let mut after_peers = Vec::new();
+    if let Some(route) = ctx.sleep_tier().and_then(|t| sleep_route(svc, &t)) {
+        after_peers = sleep_args(&route);
+        after_peers.push(format!("--llmservice={}", ctx.name));
+        if let Some(uid) = &svc.metadata.uid {
+            after_peers.push(format!("--llmservice-uid={uid}"));
+        }
+    }
+    Ok(Gateway {
+        name: &ctx.name,
+        namespace: &ctx.namespace,
+        owner: ctx.owner.clone(),
+        extra_labels: BTreeMap::new(),
+        replicas: gateway_replicas(svc),
+        api_key: svc.spec.endpoint.api_key_secret_ref.as_ref(),
+        scaler: ctx.scaler,
+        peers: ctx.gateway_peers(),
+        pull_secrets: ctx.pull_secrets(),
+        drain_timeout: &s.drain_timeout,
+        routing: Routing::Model {
+            before_drain,
+            after_drain: vec![format!("--metric-target={}", s.target)],
+            after_peers,
+        },
+    })
+}
+
+/// The route of `svc` (accepted by a shared endpoint, served by `rt`) in the endpoint's routing
+/// table: the settings its own gateway takes as flags.
+pub fn model_route(svc: &LLMService, rt: &InferenceRuntime) -> Result<ModelRoute, RenderError> {
+    check_model_durations(svc)?;
+    let name = svc.name_any();
+    let s = &svc.spec.scaling;
+    let cold = &svc.spec.endpoint.cold_start;
+    let tier = hearth_crds::rules::sleep_tier(svc, Some(rt)).ok().flatten();
+    Ok(ModelRoute {
+        // The runtime templates serve the model under the service name.
+        model: name.clone(),
+        namespace: svc.namespace().ok_or(RenderError::NoNamespace)?,
+        service: name.clone(),
+        uid: svc.metadata.uid.clone(),
+        backend_service: names::backend_service(&name),
+        backend_port_name: rt.spec.container.port.name.clone(),
+        max_queue: u64::try_from(max_queue(svc)).unwrap_or(100),
+        cold_start: cold.mode,
+        heartbeat_interval: cold.heartbeat_interval.clone(),
+        activation_timeout: s.activation_timeout.clone(),
+        metric_target: f64::from(s.target),
+        last_activation: svc
+            .status
+            .as_ref()
+            .and_then(|st| st.last_activation.as_ref())
+            .map(|a| Duration::new(a.phases.total.clone())),
+        sleep: tier.and_then(|t| sleep_route(svc, &t)),
+    })
+}
+
+/// The gateway Deployment `N-gateway`: `hearth-gateway` with its flags, replicas spread over
+/// nodes, the restricted security context and the API key file.
+pub(super) fn gateway_deployment(
+    g: &Gateway<'_>,
+    cfg: &RenderConfig,
+) -> Result<Deployment, RenderError> {
+    let drain = duration_secs(g.drain_timeout, "spec.scaling.drainTimeout")?;
+    // Flags of `hearth-gateway` (docs/gateway.md); the namespace comes from POD_NAMESPACE.
+    let mut args = vec![format!("--listen=[::]:{}", cfg.gateway_port)];
+    match &g.routing {
+        Routing::Model { before_drain, .. } => args.extend(before_drain.iter().cloned()),
+        Routing::Table(config_map) => args.push(format!("--routes-configmap={config_map}")),
+    }
+    args.push(format!("--drain-timeout={}", g.drain_timeout));
+    if let Routing::Model { after_drain, .. } = &g.routing {
+        args.extend(after_drain.iter().cloned());
+    }
     let mut ports = vec![ContainerPort {
         name: Some("http".to_owned()),
-        container_port: ctx.cfg.gateway_port,
+        container_port: cfg.gateway_port,
         protocol: Some("TCP".to_owned()),
         ..Default::default()
     }];
-    if ctx.scaler == ScalerMode::Push {
-        args.push(format!("--scaler-listen=[::]:{}", ctx.cfg.scaler_port));
+    if g.scaler == ScalerMode::Push {
+        args.push(format!("--scaler-listen=[::]:{}", cfg.scaler_port));
         ports.push(ContainerPort {
             name: Some("grpc-scaler".to_owned()),
-            container_port: ctx.cfg.scaler_port,
+            container_port: cfg.scaler_port,
             protocol: Some("TCP".to_owned()),
             ..Default::default()
         });
     }
-    if ctx.gateway_peers() {
-        args.push(format!(
-            "--peer-service={}",
-            names::gateway_service(&ctx.name)
-        ));
+    if g.peers {
+        args.push(format!("--peer-service={}", names::gateway_service(g.name)));
     }
-    if let (Some(tier), Some(sleep)) = (ctx.sleep_tier(), &s.sleep) {
-        args.push(format!("--sleep-after={}", sleep.after));
-        args.push(format!("--sleep-level={}", tier.level));
-        args.push(format!("--sleep-path={}", tier.mode.sleep_path));
-        args.push(format!("--is-sleeping-path={}", tier.mode.is_sleeping_path));
-        for call in &tier.wake_up {
-            args.push(match &call.body {
-                Some(body) => format!("--wake-up-call={} {body}", call.path),
-                None => format!("--wake-up-call={}", call.path),
-            });
-        }
-        args.push(format!("--llmservice={}", ctx.name));
-        if let Some(uid) = &ctx.svc.metadata.uid {
-            args.push(format!("--llmservice-uid={uid}"));
-        }
+    if let Routing::Model { after_peers, .. } = &g.routing {
+        args.extend(after_peers.iter().cloned());
     }
     let field_env = |name: &str, path: &str| EnvVar {
         name: name.to_owned(),
@@ -287,7 +549,7 @@ pub(super) fn gateway_deployment(ctx: &Ctx<'_>) -> Result<Deployment, RenderErro
     };
     let container = Container {
         name: "gateway".to_owned(),
-        image: Some(ctx.cfg.gateway_image.clone()),
+        image: Some(cfg.gateway_image.clone()),
         args: Some(args),
         env: Some(vec![
             field_env("POD_NAME", "metadata.name"),
@@ -297,7 +559,7 @@ pub(super) fn gateway_deployment(ctx: &Ctx<'_>) -> Result<Deployment, RenderErro
         ports: Some(ports),
         readiness_probe: Some(http_probe("/readyz", 5)),
         liveness_probe: Some(http_probe("/healthz", 10)),
-        resources: Some(ctx.cfg.gateway_resources.clone()),
+        resources: Some(cfg.gateway_resources.clone()),
         // Keeps serving while its endpoint is withdrawn; SIGTERM (the drain) comes after.
         lifecycle: Some(Lifecycle {
             pre_stop: Some(LifecycleHandler {
@@ -310,23 +572,25 @@ pub(super) fn gateway_deployment(ctx: &Ctx<'_>) -> Result<Deployment, RenderErro
         }),
         ..Default::default()
     };
-    Ok(Deployment {
-        metadata: ctx.meta(names::gateway(&ctx.name), Component::Gateway),
+    let mut pod_labels = labels::labels(g.name, Component::Gateway);
+    pod_labels.extend(g.extra_labels.clone());
+    let d = Deployment {
+        metadata: g.meta(names::gateway(g.name)),
         spec: Some(DeploymentSpec {
             replicas: Some(1),
             selector: LabelSelector {
-                match_labels: Some(labels::selector(&ctx.name, Component::Gateway)),
+                match_labels: Some(g.selector()),
                 ..Default::default()
             },
             template: PodTemplateSpec {
                 metadata: Some(ObjectMeta {
-                    labels: Some(labels::labels(&ctx.name, Component::Gateway)),
+                    labels: Some(pod_labels),
                     ..Default::default()
                 }),
                 spec: Some(PodSpec {
-                    service_account_name: Some(names::gateway(&ctx.name)),
+                    service_account_name: Some(names::gateway(g.name)),
                     containers: vec![container],
-                    image_pull_secrets: ctx.pull_secrets(),
+                    image_pull_secrets: g.pull_secrets.clone(),
                     // The shutdown delay, then held and streaming requests finish within
                     // the drain window.
                     termination_grace_period_seconds: Some(
@@ -341,10 +605,11 @@ pub(super) fn gateway_deployment(ctx: &Ctx<'_>) -> Result<Deployment, RenderErro
             ..Default::default()
         }),
         ..Default::default()
-    })
+    };
+    Ok(gateway_extensions(g, d))
 }
 
-/// Gateway replicas: `spec.endpoint.replicas`, default 1.
+/// Gateway replicas of a service's own gateway: `spec.endpoint.replicas`, default 1.
 pub fn gateway_replicas(service: &LLMService) -> i32 {
     service.spec.endpoint.replicas.unwrap_or(1).max(1)
 }
@@ -388,21 +653,20 @@ fn gateway_security(pod: &mut PodSpec) {
     }
 }
 
-/// What the gateway Deployment gets beyond its flags: `spec.endpoint.replicas` spread over
-/// nodes, the restricted security context, the push-mode peer port name, and the API key
-/// Secret (`spec.endpoint.apiKeySecretRef`) mounted as a file for `--api-key-file`.
+/// What the gateway Deployment gets beyond its flags: its replicas spread over nodes, the
+/// restricted security context, the peer port name, and the API key Secret mounted as a file
+/// for `--api-key-file`.
 ///
 /// The Secret is a volume, never `subPath` (the kubelet does not update those) and never env:
 /// editing the Secret rotates the keys in every replica without a restart (the kubelet swaps
 /// the file, the gateway re-reads it). The volume is not optional, so a missing Secret or key
 /// keeps the pods in `ContainerCreating` with a `FailedMount` event naming it, rather than
 /// starting a gateway without authentication.
-pub(super) fn gateway_extensions(ctx: &Ctx<'_>, mut d: Deployment) -> Deployment {
-    let replicas = gateway_replicas(ctx.svc);
+fn gateway_extensions(g: &Gateway<'_>, mut d: Deployment) -> Deployment {
     let Some(spec) = d.spec.as_mut() else {
         return d;
     };
-    spec.replicas = Some(replicas);
+    spec.replicas = Some(g.replicas);
     let Some(pod) = spec.template.spec.as_mut() else {
         return d;
     };
@@ -411,7 +675,7 @@ pub(super) fn gateway_extensions(ctx: &Ctx<'_>, mut d: Deployment) -> Deployment
         topology_key: "kubernetes.io/hostname".to_owned(),
         when_unsatisfiable: "ScheduleAnyway".to_owned(),
         label_selector: Some(LabelSelector {
-            match_labels: Some(labels::selector(&ctx.name, Component::Gateway)),
+            match_labels: Some(g.selector()),
             ..Default::default()
         }),
         // Only the pods of the same rollout count, so a rollout does not skew the spread.
@@ -419,8 +683,7 @@ pub(super) fn gateway_extensions(ctx: &Ctx<'_>, mut d: Deployment) -> Deployment
         ..Default::default()
     }]);
     gateway_security(pod);
-    let key_ref = ctx.svc.spec.endpoint.api_key_secret_ref.as_ref();
-    if let Some(r) = key_ref {
+    if let Some(r) = g.api_key {
         pod.volumes.get_or_insert_with(Vec::new).push(Volume {
             name: "api-keys".to_owned(),
             secret: Some(SecretVolumeSource {
@@ -438,10 +701,10 @@ pub(super) fn gateway_extensions(ctx: &Ctx<'_>, mut d: Deployment) -> Deployment
     }
     if let Some(c) = pod.containers.first_mut() {
         let args = c.args.get_or_insert_with(Vec::new);
-        if ctx.gateway_peers() {
+        if g.peers {
             args.push("--peer-port-name=http".to_owned());
         }
-        if key_ref.is_some() {
+        if g.api_key.is_some() {
             args.push(format!("--api-key-file={API_KEY_DIR}/{API_KEY_FILE}"));
             c.volume_mounts
                 .get_or_insert_with(Vec::new)
@@ -459,13 +722,13 @@ pub(super) fn gateway_extensions(ctx: &Ctx<'_>, mut d: Deployment) -> Deployment
 /// The gateway's PodDisruptionBudget: at most one replica down at a time through voluntary
 /// disruptions, so with two or more replicas a node drain never takes the endpoint away, and
 /// with one it never blocks a drain.
-pub(super) fn gateway_pdb(ctx: &Ctx<'_>) -> PodDisruptionBudget {
+pub(super) fn gateway_pdb(g: &Gateway<'_>) -> PodDisruptionBudget {
     PodDisruptionBudget {
-        metadata: ctx.meta(names::gateway(&ctx.name), Component::Gateway),
+        metadata: g.meta(names::gateway(g.name)),
         spec: Some(PodDisruptionBudgetSpec {
             max_unavailable: Some(IntOrString::Int(1)),
             selector: Some(LabelSelector {
-                match_labels: Some(labels::selector(&ctx.name, Component::Gateway)),
+                match_labels: Some(g.selector()),
                 ..Default::default()
             }),
             ..Default::default()

@@ -1,11 +1,13 @@
 //! The KEDA `ScaledObject` that scales the backend Deployment on the gateway's demand, and keeps
-//! a minimum during the service's warm windows.
+//! a minimum during the service's warm windows; the same for a plain Deployment joined to an
+//! endpoint (`member.rs`), with `restoreToOriginalReplicaCount`.
 
-use hearth_crds::llmservice::WarmWindow;
+use hearth_crds::llmservice::{ScalingSpec, WarmWindow};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{ApiResource, DynamicObject};
 use serde_json::json;
 
-use super::{Ctx, RenderError, ScalerMode, duration_secs};
+use super::{Ctx, Placement, RenderConfig, RenderError, ScalerMode, SharedGateway, duration_secs};
 use crate::{labels::Component, names};
 
 /// The KEDA `ScaledObject` API (keda.sh/v1alpha1), the default of [`super::RenderConfig::keda_api`].
@@ -19,80 +21,190 @@ pub fn scaled_object_resource() -> ApiResource {
     }
 }
 
+/// Where KEDA asks for one model's demand: a gateway's Services, and on a shared gateway the
+/// model's key there.
+pub(super) struct Demand {
+    /// `<client Service>.<namespace>` of the gateway (poll).
+    host: String,
+    /// `<scaler Service>.<namespace>` of the gateway (push).
+    scaler_host: String,
+    /// Whether the gateway's replicas sum their demand over each other: KEDA's poll then asks
+    /// each replica for its own (`/local`).
+    peers: bool,
+    /// `<namespace>/<name>`, the model's key on a shared gateway (`/hearth/queue/<key>` of the
+    /// poll, `service` of the push trigger); `None` on a service's own gateway.
+    model: Option<String>,
+}
+
+impl Demand {
+    /// The demand of model `model` (`<namespace>/<name>`) on the shared gateway `shared`;
+    /// `peers` as for the model's own gateway, or'ed with the shared replicas being peers.
+    pub(super) fn shared(shared: &SharedGateway, model: String, peers: bool) -> Self {
+        Self {
+            host: format!(
+                "{}.{}",
+                names::gateway_service(&shared.endpoint),
+                shared.namespace
+            ),
+            scaler_host: format!(
+                "{}.{}",
+                names::scaler_service(&shared.endpoint),
+                shared.namespace
+            ),
+            peers: peers || shared.peers,
+            model: Some(model),
+        }
+    }
+}
+
+/// A ScaledObject: its metadata, the Deployment it scales, the scaling settings (an LLMService's
+/// `spec.scaling`, or a joined Deployment's annotations as one), and where the demand is read.
+pub(super) struct Scaling<'a> {
+    /// The ScaledObject's metadata (name, namespace, labels, owner).
+    pub metadata: ObjectMeta,
+    /// The Deployment scaled (`scaleTargetRef.name`).
+    pub target: String,
+    /// min, max, target, activation timeout, scale-down stabilization, warm windows.
+    pub spec: &'a ScalingSpec,
+    /// How KEDA reads the demand.
+    pub scaler: ScalerMode,
+    /// Where.
+    pub demand: Demand,
+    /// `advanced.restoreToOriginalReplicaCount`: when the ScaledObject is deleted, KEDA sets
+    /// the target back to the replicas it had before (a Deployment leaving an endpoint).
+    pub restore_to_original: bool,
+}
+
 pub(super) fn scaled_object(ctx: &Ctx<'_>) -> Result<DynamicObject, RenderError> {
-    let s = &ctx.svc.spec.scaling;
+    // Where the demand is asked for: the service's own gateway, or the shared gateway of the
+    // endpoint it is attached to, which keys each model's demand by `<namespace>/<service>`;
+    // either way in the service's own scaler mode (a shared gateway serves both).
+    let demand = match ctx.placement {
+        Placement::Own => Demand {
+            host: format!("{}.{}", names::gateway_service(&ctx.name), ctx.namespace),
+            scaler_host: format!("{}.{}", names::scaler_service(&ctx.name), ctx.namespace),
+            peers: ctx.gateway_peers(),
+            model: None,
+        },
+        // As for the service's own gateway, and whenever the shared replicas are peers.
+        Placement::Shared(shared) => Demand::shared(
+            shared,
+            format!("{}/{}", ctx.namespace, ctx.name),
+            ctx.gateway_peers(),
+        ),
+    };
+    scaled_object_of(
+        &Scaling {
+            metadata: ctx.meta(names::scaled_object(&ctx.name), Component::Autoscaler),
+            target: names::backend(&ctx.name),
+            spec: &ctx.svc.spec.scaling,
+            scaler: ctx.scaler,
+            demand,
+            restore_to_original: false,
+        },
+        ctx.cfg,
+    )
+}
+
+/// The ScaledObject of `s`.
+pub(super) fn scaled_object_of(
+    s: &Scaling<'_>,
+    cfg: &RenderConfig,
+) -> Result<DynamicObject, RenderError> {
+    let sc = s.spec;
     let stabilization = duration_secs(
-        &s.scale_down_stabilization,
+        &sc.scale_down_stabilization,
         "spec.scaling.scaleDownStabilization",
     )?;
-    let activation = duration_secs(&s.activation_timeout, "spec.scaling.activationTimeout")?;
-    let trigger = match ctx.scaler {
+    let activation = duration_secs(&sc.activation_timeout, "spec.scaling.activationTimeout")?;
+    let Demand {
+        host,
+        scaler_host,
+        peers,
+        model,
+    } = &s.demand;
+    let trigger = match s.scaler {
         // KEDA resolves `<service>.<namespace>` from the host and polls each endpoint on the
         // URL's port, which must therefore be the gateway's container port (KEDA >= 2.18).
-        ScalerMode::Poll => json!({
-            "type": "metrics-api",
-            "metricType": "AverageValue",
-            "metadata": {
-                // KEDA sums over the replicas: each serves its own demand (with peers, the
-                // plain URL would serve the total, counted once per replica).
-                "url": format!(
-                    "http://{}.{}.svc:{}/hearth/queue{}",
-                    names::gateway_service(&ctx.name),
-                    ctx.namespace,
-                    ctx.cfg.gateway_port,
-                    if ctx.gateway_peers() { "?scope=local" } else { "" }
-                ),
-                "format": "json",
-                "valueLocation": "pending",
-                "targetValue": s.target.to_string(),
-                "aggregateFromKubeServiceEndpoints": "true",
-                "aggregationType": "sum",
+        ScalerMode::Poll => {
+            // KEDA sums over the replicas: each serves its own demand (with peers, the plain
+            // path would serve the total, counted once per replica). In the path: KEDA asks
+            // each endpoint for the URL's path and drops its query.
+            let mut path = "/hearth/queue".to_owned();
+            if let Some(m) = model {
+                path.push('/');
+                path.push_str(m);
             }
-        }),
-        ScalerMode::Push => json!({
-            "type": "external-push",
-            "metricType": "AverageValue",
-            "metadata": {
-                "scalerAddress": format!(
-                    "{}.{}.svc:{}",
-                    names::scaler_service(&ctx.name),
-                    ctx.namespace,
-                    ctx.cfg.scaler_port
-                ),
+            if *peers {
+                path.push_str("/local");
+            }
+            json!({
+                "type": "metrics-api",
+                "metricType": "AverageValue",
+                "metadata": {
+                    "url": format!(
+                        "http://{host}.svc:{}{path}",
+                        cfg.gateway_port,
+                    ),
+                    "format": "json",
+                    "valueLocation": "pending",
+                    "targetValue": sc.target.to_string(),
+                    "aggregateFromKubeServiceEndpoints": "true",
+                    "aggregationType": "sum",
+                }
+            })
+        }
+        ScalerMode::Push => {
+            let mut metadata = json!({
+                "scalerAddress": format!("{scaler_host}.svc:{}", cfg.scaler_port),
                 // The gateway's ExternalScaler reads the per-replica target from `targetSize`.
-                "targetSize": s.target.to_string(),
+                "targetSize": sc.target.to_string(),
+            });
+            if let Some(m) = model {
+                // A shared gateway's ExternalScaler answers for the model KEDA names.
+                metadata["service"] = json!(m);
             }
-        }),
+            json!({
+                "type": "external-push",
+                "metricType": "AverageValue",
+                "metadata": metadata,
+            })
+        }
     };
     // The demand trigger stays first: KEDA names each trigger's metric after its index
     // (`s0-...`), so a warm window added or removed never renames the demand metric.
     let triggers: Vec<_> = std::iter::once(trigger)
-        .chain(s.warm_windows.iter().map(warm_window_trigger))
+        .chain(sc.warm_windows.iter().map(warm_window_trigger))
         .collect();
-    let mut obj = DynamicObject::new(&names::scaled_object(&ctx.name), &ctx.cfg.keda_api);
-    obj.metadata = ctx.meta(names::scaled_object(&ctx.name), Component::Autoscaler);
+    let name = s.metadata.name.clone().unwrap_or_default();
+    let mut obj = DynamicObject::new(&name, &cfg.keda_api);
+    obj.metadata = s.metadata.clone();
+    let mut advanced = json!({
+        "horizontalPodAutoscalerConfig": {
+            "behavior": {
+                "scaleDown": {"stabilizationWindowSeconds": stabilization}
+            }
+        }
+    });
+    if s.restore_to_original {
+        advanced["restoreToOriginalReplicaCount"] = json!(true);
+    }
     obj.data = json!({
         "spec": {
             "scaleTargetRef": {
                 "apiVersion": "apps/v1",
                 "kind": "Deployment",
-                "name": names::backend(&ctx.name),
+                "name": s.target,
             },
-            "minReplicaCount": s.min,
-            "maxReplicaCount": s.max,
+            "minReplicaCount": sc.min,
+            "maxReplicaCount": sc.max,
             // Activation (0 -> 1) is decided by KEDA's own poll; keep cold starts short.
             "pollingInterval": 5,
             "cooldownPeriod": stabilization,
             // A fresh service is loading its model: do not scale it to zero before it could
             // have served (the activation timeout bounds a load).
             "initialCooldownPeriod": activation,
-            "advanced": {
-                "horizontalPodAutoscalerConfig": {
-                    "behavior": {
-                        "scaleDown": {"stabilizationWindowSeconds": stabilization}
-                    }
-                }
-            },
+            "advanced": advanced,
             "triggers": triggers,
         }
     });

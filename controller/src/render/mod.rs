@@ -10,7 +10,15 @@
 //!   PodDisruptionBudget, and the gateway container's resources;
 //! - `cache.rs`: the cache volume, the NodeLocalPVC or SharedPVC claim and the prewarm Job (create-once, with
 //!   a [`TEMPLATE_HASH_ANNOTATION`]);
-//! - `keda.rs`: the KEDA ScaledObject.
+//! - `keda.rs`: the KEDA ScaledObject;
+//! - `endpoint.rs`: an `LLMEndpoint`'s shared gateway ([`render_endpoint`]), from the same
+//!   gateway code as a service's own, and its routing table;
+//! - `member.rs`: what a plain Deployment joined to an endpoint needs ([`render_member`]: its
+//!   Service, member Role and RoleBinding, ScaledObject) and its route ([`member_route`]).
+//!
+//! A service accepted by an `LLMEndpoint` ([`Placement::Shared`]) renders no gateway of its own:
+//! its Role and RoleBinding `N-gateway` grant the endpoint's gateway what its own would have in
+//! its namespace, and its ScaledObject asks the endpoint's gateway for its demand.
 
 use hearth_crds::{
     InferenceRuntime, LLMService,
@@ -47,8 +55,10 @@ use crate::{
 
 mod backend;
 mod cache;
+mod endpoint;
 mod gateway;
 mod keda;
+mod member;
 #[cfg(test)]
 mod tests;
 
@@ -56,17 +66,19 @@ use self::{
     backend::{backend_service, backend_skeleton, set_backend_security},
     cache::{cache_claim, prewarm_job},
     gateway::{
-        gateway_deployment, gateway_extensions, gateway_pdb, gateway_role, gateway_role_binding,
-        gateway_service, scaler_service,
+        gateway_deployment, gateway_pdb, gateway_role, gateway_role_binding, gateway_service,
+        gateway_service_account, own_gateway, scaler_service,
     },
     keda::scaled_object,
 };
 pub use backend::{BACKEND_SERVICE_PORT, default_backend_security_context, serving_container};
+pub use endpoint::{EndpointChildren, render_endpoint};
 pub use gateway::{
     API_KEY_DIR, API_KEY_FILE, GATEWAY_SHUTDOWN_DELAY_SECONDS, GATEWAY_UID,
-    default_gateway_resources, gateway_replicas, max_queue, parse_gateway_resources,
+    default_gateway_resources, gateway_replicas, max_queue, model_route, parse_gateway_resources,
 };
 pub use keda::scaled_object_resource;
+pub use member::{MemberChildren, member_route, render_member};
 
 /// Annotation on create-once children (cache claim, prewarm Job) recording a hash of the
 /// fields that cannot change after creation, so a changed spec is detected and reported.
@@ -133,14 +145,49 @@ pub fn default_gateway_image() -> String {
 /// How KEDA learns the gateway's demand (`serving.hearth.dev/scaler` annotation).
 pub use hearth_crds::rules::ScalerMode;
 
+/// Where a service's gateway is.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum Placement {
+    /// Its own gateway (no `sharedEndpointRef`, or the endpoint does not accept it): as
+    /// upstream Hearth renders it.
+    #[default]
+    Own,
+    /// Attached to an `LLMEndpoint`, whose shared gateway serves the model.
+    Shared(SharedGateway),
+}
+
+/// The shared gateway of the `LLMEndpoint` a service is attached to: what the service's
+/// member RBAC, ScaledObject and status point at.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SharedGateway {
+    /// The endpoint's name (its client Service; its gateway's objects are `<name>-gateway`).
+    pub endpoint: String,
+    /// The endpoint's namespace.
+    pub namespace: String,
+    /// Whether the endpoint's gateway replicas sum their demand over each other (more than one
+    /// replica, or the endpoint's push mode): KEDA's poll then asks each for its local demand.
+    pub peers: bool,
+}
+
+impl SharedGateway {
+    /// The shared gateway of `ep`.
+    pub fn of(ep: &hearth_crds::LLMEndpoint) -> Self {
+        Self {
+            endpoint: ep.name_any(),
+            namespace: ep.namespace().unwrap_or_default(),
+            peers: endpoint::endpoint_peers(ep),
+        }
+    }
+}
+
 /// Every child of one `LLMService`.
 #[derive(Clone, Debug)]
 pub struct Children {
-    /// Identity of the gateway pods.
-    pub gateway_service_account: ServiceAccount,
-    /// EndpointSlice read access for the gateway.
+    /// Identity of the gateway pods; `None` when attached to an endpoint.
+    pub gateway_service_account: Option<ServiceAccount>,
+    /// EndpointSlice read access for the gateway (its own, or the endpoint's when attached).
     pub gateway_role: Role,
-    /// Binds the Role to the ServiceAccount.
+    /// Binds the Role to the gateway's ServiceAccount (the endpoint's when attached).
     pub gateway_role_binding: RoleBinding,
     /// NodeLocalPVC or SharedPVC cache claim (create-once).
     pub cache_claim: Option<PersistentVolumeClaim>,
@@ -150,14 +197,15 @@ pub struct Children {
     pub backend_service: Service,
     /// Backend Deployment; `spec.replicas` is set only for creation (see [`render`]).
     pub backend: Deployment,
-    /// Client-facing gateway Service.
-    pub gateway_service: Service,
-    /// ExternalScaler Service (push mode only).
+    /// Client-facing gateway Service; `None` when attached.
+    pub gateway_service: Option<Service>,
+    /// ExternalScaler Service (push mode only; `None` when attached).
     pub scaler_service: Option<Service>,
-    /// Gateway Deployment.
-    pub gateway: Deployment,
-    /// Keeps all but one gateway replica up through voluntary disruptions (node drains).
-    pub gateway_pdb: PodDisruptionBudget,
+    /// Gateway Deployment; `None` when attached.
+    pub gateway: Option<Deployment>,
+    /// Keeps all but one gateway replica up through voluntary disruptions (node drains);
+    /// `None` when attached.
+    pub gateway_pdb: Option<PodDisruptionBudget>,
     /// KEDA ScaledObject.
     pub scaled_object: DynamicObject,
 }
@@ -168,11 +216,12 @@ impl Children {
         fn v<T: Serialize>(t: &T) -> Result<serde_json::Value, serde_json::Error> {
             serde_json::to_value(t)
         }
-        let mut out = vec![
-            v(&self.gateway_service_account)?,
-            v(&self.gateway_role)?,
-            v(&self.gateway_role_binding)?,
-        ];
+        let mut out = Vec::new();
+        if let Some(sa) = &self.gateway_service_account {
+            out.push(v(sa)?);
+        }
+        out.push(v(&self.gateway_role)?);
+        out.push(v(&self.gateway_role_binding)?);
         if let Some(c) = &self.cache_claim {
             out.push(v(c)?);
         }
@@ -181,12 +230,18 @@ impl Children {
         }
         out.push(v(&self.backend_service)?);
         out.push(v(&self.backend)?);
-        out.push(v(&self.gateway_service)?);
+        if let Some(s) = &self.gateway_service {
+            out.push(v(s)?);
+        }
         if let Some(s) = &self.scaler_service {
             out.push(v(s)?);
         }
-        out.push(v(&self.gateway)?);
-        out.push(v(&self.gateway_pdb)?);
+        if let Some(g) = &self.gateway {
+            out.push(v(g)?);
+        }
+        if let Some(p) = &self.gateway_pdb {
+            out.push(v(p)?);
+        }
         out.push(v(&self.scaled_object)?);
         Ok(out)
     }
@@ -281,6 +336,7 @@ struct Ctx<'a> {
     owner: Option<OwnerReference>,
     source: ModelSource,
     scaler: ScalerMode,
+    placement: &'a Placement,
 }
 
 impl<'a> Ctx<'a> {
@@ -350,12 +406,26 @@ impl Ctx<'_> {
 
 /// Renders every child. `create_backend` says whether the backend Deployment is being created:
 /// only then is `spec.replicas` set (to `scaling.min`, so `min: 0` starts no pod); afterwards it
-/// is left out so KEDA (or a user) owns it.
+/// is left out so KEDA (or a user) owns it. The service's own gateway ([`Placement::Own`]); see
+/// [`render_placed`].
 pub fn render(
     service: &LLMService,
     runtime: &InferenceRuntime,
     cfg: &RenderConfig,
     create_backend: bool,
+) -> Result<Children, RenderError> {
+    render_placed(service, runtime, cfg, create_backend, &Placement::Own)
+}
+
+/// [`render`] with the service's gateway where `placement` says: its own, or an endpoint's
+/// shared gateway (then no gateway Deployment, Services, ServiceAccount or
+/// PodDisruptionBudget of its own).
+pub fn render_placed(
+    service: &LLMService,
+    runtime: &InferenceRuntime,
+    cfg: &RenderConfig,
+    create_backend: bool,
+    placement: &Placement,
 ) -> Result<Children, RenderError> {
     // The rules the admission webhook applies too: nothing is rendered while one is broken.
     let mut findings = rules::check_llmservice(service, Some(runtime));
@@ -375,6 +445,7 @@ pub fn render(
         owner: service.controller_owner_ref(&()),
         source: model::parse_source(&service.spec.model)?,
         scaler,
+        placement,
     };
     let volume = ctx.cache_volume()?;
 
@@ -388,21 +459,34 @@ pub fn render(
         &cfg.policy_settings(),
     )?;
     let backend = crate::upgrade::mark(backend, cfg.drain_image.as_deref());
+    let own = match placement {
+        Placement::Own => Some(own_gateway(&ctx)?),
+        Placement::Shared(_) => None,
+    };
+    let role_binding = match placement {
+        Placement::Own => gateway_role_binding(&ctx, names::gateway(&ctx.name), &ctx.namespace),
+        Placement::Shared(shared) => {
+            gateway_role_binding(&ctx, names::gateway(&shared.endpoint), &shared.namespace)
+        }
+    };
     Ok(Children {
-        gateway_service_account: ServiceAccount {
-            metadata: ctx.meta(names::gateway(&ctx.name), Component::Gateway),
-            ..Default::default()
-        },
+        gateway_service_account: own.as_ref().map(gateway_service_account),
         gateway_role: gateway_role(&ctx),
-        gateway_role_binding: gateway_role_binding(&ctx),
+        gateway_role_binding: role_binding,
         cache_claim: cache_claim(&ctx),
         prewarm_job: prewarm_job(&ctx, volume),
         backend_service: backend_service(&ctx),
         backend,
-        gateway_service: gateway_service(&ctx),
-        scaler_service: (ctx.scaler == ScalerMode::Push).then(|| scaler_service(&ctx)),
-        gateway: gateway_extensions(&ctx, gateway_deployment(&ctx)?),
-        gateway_pdb: gateway_pdb(&ctx),
+        gateway_service: own.as_ref().map(gateway_service),
+        scaler_service: own
+            .as_ref()
+            .filter(|g| g.scaler == ScalerMode::Push)
+            .map(|g| scaler_service(g, cfg)),
+        gateway: own
+            .as_ref()
+            .map(|g| gateway_deployment(g, cfg))
+            .transpose()?,
+        gateway_pdb: own.as_ref().map(gateway_pdb),
         scaled_object: scaled_object(&ctx)?,
     })
 }

@@ -111,7 +111,7 @@ fn api_keys_are_a_mounted_file_never_a_value() {
         "apiKeySecretRef": {"name": "keys"},
     }));
     let children = render(&svc, &rt, &RenderConfig::builtin().unwrap(), true).unwrap();
-    let gw = &children.gateway;
+    let gw = children.gateway.as_ref().unwrap();
     assert_eq!(gw.spec.as_ref().unwrap().replicas, Some(3));
     let p = pod(gw);
     let vol = p
@@ -151,13 +151,20 @@ fn api_keys_are_a_mounted_file_never_a_value() {
         Some(true)
     );
     assert_eq!(
-        children.gateway_pdb.spec.as_ref().unwrap().max_unavailable,
+        children
+            .gateway_pdb
+            .as_ref()
+            .unwrap()
+            .spec
+            .as_ref()
+            .unwrap()
+            .max_unavailable,
         Some(IntOrString::Int(1))
     );
     // No key reference, no volume and no flag.
     let (svc, rt) = service_and_runtime(json!({}));
     let children = render(&svc, &rt, &RenderConfig::builtin().unwrap(), true).unwrap();
-    let p = pod(&children.gateway);
+    let p = pod(children.gateway.as_ref().unwrap());
     assert!(p.volumes.is_none());
     assert!(
         !p.containers[0]
@@ -167,7 +174,17 @@ fn api_keys_are_a_mounted_file_never_a_value() {
             .iter()
             .any(|a| a.starts_with("--api-key-file"))
     );
-    assert_eq!(children.gateway.spec.as_ref().unwrap().replicas, Some(1));
+    assert_eq!(
+        children
+            .gateway
+            .as_ref()
+            .unwrap()
+            .spec
+            .as_ref()
+            .unwrap()
+            .replicas,
+        Some(1)
+    );
 }
 
 #[test]
@@ -315,7 +332,7 @@ fn sleep_turns_on_the_engines_sleep_mode_and_the_gateways_tier(#[case] push: boo
         env.iter()
             .any(|e| e.name == "VLLM_SERVER_DEV_MODE" && e.value.as_deref() == Some("1"))
     );
-    let args = container_args(&c.gateway);
+    let args = container_args(c.gateway.as_ref().unwrap());
     for want in [
         "--sleep-after=2m",
         "--sleep-level=1",
@@ -330,7 +347,7 @@ fn sleep_turns_on_the_engines_sleep_mode_and_the_gateways_tier(#[case] push: boo
     // Poll mode: with peers each replica must serve KEDA its own demand, which KEDA sums.
     let url = &c.scaled_object.data["spec"]["triggers"][0]["metadata"]["url"];
     if !push {
-        assert_eq!(url, "http://chat.team-a.svc:8080/hearth/queue?scope=local");
+        assert_eq!(url, "http://chat.team-a.svc:8080/hearth/queue/local");
     }
 }
 
@@ -340,7 +357,7 @@ fn sleep_level_two_wakes_with_the_runtimes_calls_in_order() {
         json!({"min": 1, "max": 2, "sleep": {"after": "10m", "level": 2}}),
         true,
     );
-    let calls: Vec<String> = container_args(&c.gateway)
+    let calls: Vec<String> = container_args(c.gateway.as_ref().unwrap())
         .into_iter()
         .filter(|a| a.starts_with("--wake-up-call="))
         .collect();
@@ -352,7 +369,7 @@ fn sleep_level_two_wakes_with_the_runtimes_calls_in_order() {
             "--wake-up-call=/wake_up?tags=kv_cache",
         ]
     );
-    assert!(container_args(&c.gateway).contains(&"--sleep-level=2".to_owned()));
+    assert!(container_args(c.gateway.as_ref().unwrap()).contains(&"--sleep-level=2".to_owned()));
 }
 
 #[test]
@@ -423,5 +440,683 @@ fn an_oci_model_is_an_image_volume_mounted_read_only() {
             .any(|e| e.name == "HF_HOME" || e.name == "HF_HUB_OFFLINE"),
         "no hub cache environment for an image: {:?}",
         engine.env
+    );
+}
+
+// Shared endpoints: a service attached to an LLMEndpoint, and the endpoint's shared gateway.
+
+fn vllm_sleep_mode() -> hearth_crds::inferenceruntime::RuntimeSleepMode {
+    serde_json::from_value(json!({
+        "args": ["--enable-sleep-mode"],
+        "levels": [{"level": 1}, {"level": 2, "wakeUp": [
+            {"path": "/wake_up?tags=weights"},
+            {"path": "/collective_rpc", "body": "{\"method\":\"reload_weights\"}"}
+        ]}]
+    }))
+    .unwrap()
+}
+
+fn shared(peers: bool) -> Placement {
+    Placement::Shared(SharedGateway {
+        endpoint: "shared".to_owned(),
+        namespace: "platform".to_owned(),
+        peers,
+    })
+}
+
+/// The ScaledObject's demand trigger (`triggers[0]`).
+fn demand_trigger(c: &Children) -> serde_json::Value {
+    c.scaled_object.data["spec"]["triggers"][0].clone()
+}
+
+#[rstest::rstest]
+#[case::poll(shared(false), false, false, json!({
+    "type": "metrics-api", "metricType": "AverageValue",
+    "metadata": {
+        "url": "http://shared.platform.svc:8080/hearth/queue/team-a/chat",
+        "format": "json", "valueLocation": "pending", "targetValue": "10",
+        "aggregateFromKubeServiceEndpoints": "true", "aggregationType": "sum",
+    }
+}))]
+#[case::poll_with_peers(shared(true), false, false, json!({
+    "type": "metrics-api", "metricType": "AverageValue",
+    "metadata": {
+        "url": "http://shared.platform.svc:8080/hearth/queue/team-a/chat/local",
+        "format": "json", "valueLocation": "pending", "targetValue": "10",
+        "aggregateFromKubeServiceEndpoints": "true", "aggregationType": "sum",
+    }
+}))]
+// As today: the sleeping tier's replicas are peers, so the poll asks for the local demand.
+#[case::poll_sleeping(shared(false), false, true, json!({
+    "type": "metrics-api", "metricType": "AverageValue",
+    "metadata": {
+        "url": "http://shared.platform.svc:8080/hearth/queue/team-a/chat/local",
+        "format": "json", "valueLocation": "pending", "targetValue": "10",
+        "aggregateFromKubeServiceEndpoints": "true", "aggregationType": "sum",
+    }
+}))]
+// The service's own scaler mode: one endpoint serves services of both.
+#[case::push(shared(false), true, false, json!({
+    "type": "external-push", "metricType": "AverageValue",
+    "metadata": {
+        "scalerAddress": "shared-scaler.platform.svc:9090",
+        "targetSize": "10",
+        "service": "team-a/chat",
+    }
+}))]
+fn an_attached_service_asks_the_endpoints_gateway_for_its_demand(
+    #[case] placement: Placement,
+    #[case] push: bool,
+    #[case] sleeping: bool,
+    #[case] trigger: serde_json::Value,
+) {
+    let (mut svc, mut rt) = service_and_runtime(json!({}));
+    if push {
+        annotate_push(&mut svc);
+    }
+    if sleeping {
+        rt.spec.sleep_mode = Some(vllm_sleep_mode());
+        svc.spec.scaling =
+            serde_json::from_value(json!({"min": 1, "max": 2, "sleep": {"after": "2m"}})).unwrap();
+    }
+    let cfg = RenderConfig::builtin().unwrap();
+    let c = render_placed(&svc, &rt, &cfg, true, &placement).unwrap();
+    assert_eq!(demand_trigger(&c), trigger);
+    // The rest of the ScaledObject is the service's own.
+    let own = render(&svc, &rt, &cfg, true).unwrap();
+    let mut so = c.scaled_object.data.clone();
+    so["spec"]["triggers"][0] = demand_trigger(&own);
+    assert_eq!(so, own.scaled_object.data);
+}
+
+#[test]
+fn an_attached_service_renders_member_rbac_and_no_gateway_of_its_own() {
+    let (mut svc, mut rt) = service_and_runtime(json!({}));
+    let cfg = RenderConfig::builtin().unwrap();
+    annotate_push(&mut svc);
+    let placement = shared(true);
+    let c = render_placed(&svc, &rt, &cfg, true, &placement).unwrap();
+    assert!(c.gateway_service_account.is_none());
+    assert!(c.gateway.is_none() && c.gateway_pdb.is_none());
+    assert!(c.gateway_service.is_none() && c.scaler_service.is_none());
+    let kinds: Vec<String> = c
+        .to_values()
+        .unwrap()
+        .iter()
+        .map(|v| {
+            format!(
+                "{} {}",
+                v["kind"].as_str().unwrap(),
+                v["metadata"]["name"].as_str().unwrap()
+            )
+        })
+        .collect();
+    assert_eq!(
+        kinds,
+        [
+            "Role chat-gateway",
+            "RoleBinding chat-gateway",
+            "Service chat-backend",
+            "Deployment chat",
+            "ScaledObject chat"
+        ]
+    );
+    // The member Role is what the service's own gateway gets, bound to the endpoint's account.
+    let own = render(&svc, &rt, &cfg, true).unwrap();
+    assert_eq!(c.gateway_role, own.gateway_role);
+    assert_eq!(c.backend, own.backend);
+    let rb = serde_json::to_value(&c.gateway_role_binding).unwrap();
+    assert_eq!(rb["metadata"]["namespace"], "team-a");
+    assert_eq!(
+        rb["roleRef"],
+        json!({"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "chat-gateway"})
+    );
+    assert_eq!(
+        rb["subjects"],
+        json!([{"kind": "ServiceAccount", "name": "shared-gateway", "namespace": "platform"}])
+    );
+    let rules = serde_json::to_value(&c.gateway_role.rules).unwrap();
+    assert_eq!(
+        rules,
+        json!([{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]}])
+    );
+    // With a sleeping tier: the Events and the status.lastWake patch too.
+    rt.spec.sleep_mode = Some(vllm_sleep_mode());
+    svc.spec.scaling =
+        serde_json::from_value(json!({"min": 1, "max": 2, "sleep": {"after": "2m"}})).unwrap();
+    let c = render_placed(&svc, &rt, &cfg, true, &placement).unwrap();
+    let rules = serde_json::to_value(&c.gateway_role.rules).unwrap();
+    assert_eq!(
+        rules,
+        json!([
+            {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]},
+            {"apiGroups": ["events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
+            {"apiGroups": ["serving.hearth.dev"], "resources": ["llmservices/status"], "resourceNames": ["chat"], "verbs": ["patch"]},
+        ])
+    );
+}
+
+fn llm_endpoint(metadata: serde_json::Value, spec: serde_json::Value) -> hearth_crds::LLMEndpoint {
+    let mut meta = json!({"name": "shared", "namespace": "platform", "uid": "ep-uid"});
+    hearth_test_support::merge_json(&mut meta, metadata);
+    serde_json::from_value(json!({
+        "apiVersion": "serving.hearth.dev/v1alpha1",
+        "kind": "LLMEndpoint",
+        "metadata": meta,
+        "spec": spec,
+    }))
+    .unwrap()
+}
+
+/// A route of the test service with `patch` on it, on the test runtime with sleep mode.
+fn route_of(patch: serde_json::Value) -> hearth_crds::llmendpoint::ModelRoute {
+    let (svc, mut rt) = service_and_runtime(json!({}));
+    let mut v = serde_json::to_value(&svc).unwrap();
+    hearth_test_support::merge_json(&mut v, patch);
+    let svc: LLMService = serde_json::from_value(v).unwrap();
+    rt.spec.sleep_mode = Some(vllm_sleep_mode());
+    model_route(&svc, &rt).unwrap()
+}
+
+#[test]
+fn a_routes_table_entry_holds_what_the_services_own_gateway_takes_as_flags() {
+    let route = route_of(json!({
+        "spec": {
+            "scaling": {"min": 1, "max": 3, "target": 4, "activationTimeout": "90s",
+                        "sleep": {"after": "3m", "level": 2}},
+            "endpoint": {"coldStart": {"mode": "reject", "heartbeatInterval": "5s"}},
+        },
+        "status": {"lastActivation": {
+            "startTime": "2025-01-01T00:00:00Z", "readyTime": "2025-01-01T00:00:42Z",
+            "pod": "chat-0", "podUID": "p",
+            "phases": {"scheduled": "1s", "containersStarted": "1s", "modelReady": "40s", "total": "42s"},
+        }},
+    }));
+    assert_eq!(
+        serde_json::to_value(&route).unwrap(),
+        json!({
+            "model": "chat",
+            "namespace": "team-a",
+            "service": "chat",
+            "uid": "u1",
+            "backendService": "chat-backend",
+            "backendPortName": "http",
+            "maxQueue": 120,
+            "coldStart": "reject",
+            "heartbeatInterval": "5s",
+            "activationTimeout": "90s",
+            "metricTarget": 4.0,
+            "lastActivation": "42s",
+            "sleep": {
+                "after": "3m", "level": 2, "sleepPath": "/sleep", "isSleepingPath": "/is_sleeping",
+                "wakeUp": [
+                    {"path": "/wake_up?tags=weights"},
+                    {"path": "/collective_rpc", "body": "{\"method\":\"reload_weights\"}"}
+                ]
+            },
+        })
+    );
+    assert_eq!(route.key(), "team-a/chat");
+    // The same service with its own gateway: the same values as flags.
+    let (mut svc, mut rt) =
+        service_and_runtime(json!({"coldStart": {"mode": "reject", "heartbeatInterval": "5s"}}));
+    svc.spec.scaling = serde_json::from_value(
+        json!({"min": 1, "max": 3, "target": 4, "activationTimeout": "90s",
+        "sleep": {"after": "3m", "level": 2}}),
+    )
+    .unwrap();
+    rt.spec.sleep_mode = Some(vllm_sleep_mode());
+    let own = render(&svc, &rt, &RenderConfig::builtin().unwrap(), true).unwrap();
+    let args = container_args(own.gateway.as_ref().unwrap());
+    for flag in [
+        "--backend-service=chat-backend",
+        "--backend-port-name=http",
+        "--served-model-name=chat",
+        "--max-queue=120",
+        "--cold-start=reject",
+        "--heartbeat-interval=5s",
+        "--activation-timeout=90s",
+        "--metric-target=4",
+        "--sleep-after=3m",
+        "--sleep-level=2",
+        "--sleep-path=/sleep",
+        "--is-sleeping-path=/is_sleeping",
+        "--wake-up-call=/wake_up?tags=weights",
+        "--wake-up-call=/collective_rpc {\"method\":\"reload_weights\"}",
+        "--llmservice=chat",
+        "--llmservice-uid=u1",
+    ] {
+        assert!(args.contains(&flag.to_owned()), "{flag} not in {args:?}");
+    }
+    // Without a sleeping tier or an activation yet: neither in the route.
+    let plain = route_of(json!({}));
+    assert_eq!((plain.sleep, plain.last_activation), (None, None));
+    assert_eq!(plain.max_queue, 100);
+}
+
+#[rstest::rstest]
+#[case::one_replica(json!({}), json!({}), false, &[
+    "--listen=[::]:8080",
+    "--routes-configmap=shared-routes",
+    "--drain-timeout=2m",
+    "--scaler-listen=[::]:9090",
+][..], false)]
+// A service in push mode attached: the scaler Service, and the same pod template.
+#[case::a_push_service_attached(json!({}), json!({}), true, &[
+    "--listen=[::]:8080",
+    "--routes-configmap=shared-routes",
+    "--drain-timeout=2m",
+    "--scaler-listen=[::]:9090",
+][..], true)]
+#[case::replicas_are_peers(json!({}), json!({"replicas": 2}), false, &[
+    "--listen=[::]:8080",
+    "--routes-configmap=shared-routes",
+    "--drain-timeout=2m",
+    "--scaler-listen=[::]:9090",
+    "--peer-service=shared",
+    "--peer-port-name=http",
+][..], false)]
+#[case::push_with_api_keys(json!({"annotations": {"serving.hearth.dev/scaler": "push"}}), json!({"replicas": 3, "apiKeySecretRef": {"name": "keys"}}), false, &[
+    "--listen=[::]:8080",
+    "--routes-configmap=shared-routes",
+    "--drain-timeout=2m",
+    "--scaler-listen=[::]:9090",
+    "--peer-service=shared",
+    "--peer-port-name=http",
+    "--api-key-file=/etc/hearth/api-keys/keys",
+][..], true)]
+fn the_shared_gateway_takes_its_routes_from_the_config_map(
+    #[case] metadata: serde_json::Value,
+    #[case] spec: serde_json::Value,
+    #[case] push_services: bool,
+    #[case] args: &[&str],
+    #[case] push: bool,
+) {
+    let ep = llm_endpoint(metadata, spec.clone());
+    let mut cfg = RenderConfig::builtin().unwrap();
+    cfg.gateway_resources = parse_gateway_resources(r#"{"requests":{"cpu":"10m"}}"#).unwrap();
+    let table = hearth_crds::llmendpoint::RouteTable {
+        models: vec![route_of(json!({}))],
+    };
+    let c = render_endpoint(&ep, &table, push_services, &cfg).unwrap();
+    let names: Vec<String> = c
+        .to_values()
+        .unwrap()
+        .iter()
+        .map(|v| {
+            format!(
+                "{} {}",
+                v["kind"].as_str().unwrap(),
+                v["metadata"]["name"].as_str().unwrap()
+            )
+        })
+        .collect();
+    let mut want = vec![
+        "ServiceAccount shared-gateway",
+        "Role shared-gateway",
+        "RoleBinding shared-gateway",
+        "ConfigMap shared-routes",
+        "Service shared",
+    ];
+    if push {
+        want.push("Service shared-scaler");
+    }
+    want.extend([
+        "Deployment shared-gateway",
+        "PodDisruptionBudget shared-gateway",
+    ]);
+    assert_eq!(names, want);
+    // Every object in the endpoint's namespace, controlled by it, labelled with it.
+    for v in c.to_values().unwrap() {
+        assert_eq!(v["metadata"]["namespace"], "platform", "{v}");
+        assert_eq!(
+            v["metadata"]["ownerReferences"],
+            json!([{"apiVersion": "serving.hearth.dev/v1alpha1", "kind": "LLMEndpoint", "name": "shared", "uid": "ep-uid", "controller": true}]),
+            "{v}"
+        );
+        assert_eq!(
+            v["metadata"]["labels"]["serving.hearth.dev/llmendpoint"],
+            "shared"
+        );
+        assert_eq!(
+            v["metadata"]["labels"]["serving.hearth.dev/gateway"],
+            "shared"
+        );
+    }
+    let d = &c.gateway;
+    assert_eq!(container_args(d), args);
+    let replicas = spec["replicas"].as_i64().map(|r| r as i32).unwrap_or(1);
+    assert_eq!(d.spec.as_ref().unwrap().replicas, Some(replicas));
+    let p = pod(d);
+    assert_eq!(p.service_account_name.as_deref(), Some("shared-gateway"));
+    assert_eq!(p.termination_grace_period_seconds, Some(130));
+    assert_eq!(
+        p.security_context.as_ref().unwrap().run_as_non_root,
+        Some(true)
+    );
+    let container = &p.containers[0];
+    assert_eq!(container.resources.as_ref(), Some(&cfg.gateway_resources));
+    let sc = container.security_context.as_ref().unwrap();
+    assert_eq!(
+        (sc.read_only_root_filesystem, sc.allow_privilege_escalation),
+        (Some(true), Some(false))
+    );
+    let ports: Vec<_> = container
+        .ports
+        .iter()
+        .flatten()
+        .map(|p| p.name.clone().unwrap())
+        .collect();
+    assert_eq!(ports, ["http", "grpc-scaler"]);
+    assert_eq!(
+        p.volumes.is_some(),
+        spec.get("apiKeySecretRef").is_some(),
+        "the API key Secret is the endpoint's"
+    );
+    let service = serde_json::to_value(&c.gateway_service).unwrap();
+    assert_eq!(
+        service["spec"]["ports"],
+        json!([{"name": "http", "port": 80, "targetPort": "http", "protocol": "TCP"}])
+    );
+    assert_eq!(
+        service["spec"]["selector"],
+        json!({"app.kubernetes.io/name": "shared-gateway", "app.kubernetes.io/managed-by": "hearth", "serving.hearth.dev/gateway": "shared"})
+    );
+    assert_eq!(
+        serde_json::to_value(&c.gateway_pdb.spec).unwrap()["maxUnavailable"],
+        1
+    );
+    assert_eq!(
+        serde_json::to_value(&c.role.rules).unwrap(),
+        json!([
+            {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]},
+            {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "list", "watch"]},
+        ])
+    );
+    assert_eq!(
+        serde_json::to_value(&c.role_binding.subjects).unwrap(),
+        json!([{"kind": "ServiceAccount", "name": "shared-gateway", "namespace": "platform"}])
+    );
+    // The routing table, as JSON under routes.json.
+    let data = c.routes.data.as_ref().unwrap();
+    assert_eq!(data.len(), 1);
+    let back: hearth_crds::llmendpoint::RouteTable =
+        serde_json::from_str(&data[hearth_crds::llmendpoint::ROUTES_KEY]).unwrap();
+    assert_eq!(back, table);
+}
+
+#[test]
+fn a_service_joining_never_rolls_the_shared_gateway() {
+    let ep = llm_endpoint(json!({}), json!({"replicas": 2}));
+    let cfg = RenderConfig::builtin().unwrap();
+    let empty = render_endpoint(&ep, &Default::default(), false, &cfg).unwrap();
+    let table = hearth_crds::llmendpoint::RouteTable {
+        models: vec![route_of(
+            json!({"spec": {"scaling": {"drainTimeout": "10m"}}}),
+        )],
+    };
+    let one = render_endpoint(&ep, &table, true, &cfg).unwrap();
+    assert_eq!(one.gateway, empty.gateway);
+    assert!(one.scaler_service.is_some() && empty.scaler_service.is_none());
+    assert_ne!(one.routes, empty.routes);
+}
+
+#[test]
+fn an_endpoint_breaking_the_rules_renders_nothing() {
+    let ep = llm_endpoint(
+        json!({}),
+        json!({"allowedServices": {"namespaces": {"from": "Selector"}}}),
+    );
+    let e = render_endpoint(
+        &ep,
+        &Default::default(),
+        false,
+        &RenderConfig::builtin().unwrap(),
+    )
+    .unwrap_err();
+    assert!(
+        e.to_string()
+            .starts_with("spec.allowedServices.namespaces.selector: is required"),
+        "{e}"
+    );
+}
+
+// Plain Deployments joined to an endpoint.
+
+/// A Deployment `team-a/chat` joining `platform/shared` with model `Qwen/Qwen2.5-7B-Instruct`
+/// and the extra `annotations`.
+fn joined_deployment(annotations: serde_json::Value) -> Deployment {
+    let mut a = json!({
+        "serving.hearth.dev/endpoint": "platform/shared",
+        "serving.hearth.dev/model": "Qwen/Qwen2.5-7B-Instruct",
+    });
+    hearth_test_support::merge_json(&mut a, annotations);
+    serde_json::from_value(json!({
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "chat", "namespace": "team-a", "uid": "dep-uid", "annotations": a},
+        "spec": {
+            "replicas": 2,
+            "selector": {"matchLabels": {"app": "qwen", "tier": "gpu"}},
+            "template": {
+                "metadata": {"labels": {"app": "qwen", "tier": "gpu"}},
+                "spec": {"containers": [{"name": "vllm", "image": "vllm/vllm-openai:v0.8.5",
+                                         "ports": [{"name": "http", "containerPort": 8000}]}]},
+            },
+        },
+    }))
+    .unwrap()
+}
+
+/// What `d` renders on the shared gateway `placement` (a [`Placement::Shared`]).
+fn member_children(d: &Deployment, placement: &Placement) -> MemberChildren {
+    let Placement::Shared(shared) = placement else {
+        panic!("a shared placement");
+    };
+    let member = hearth_crds::rules::check_deployment(d).member.unwrap();
+    let (port, findings) = hearth_crds::rules::check_member_serving(d, &member, None);
+    assert!(!findings.blocks_rendering(), "{findings}");
+    render_member(
+        d,
+        &member,
+        &port.unwrap(),
+        shared,
+        &RenderConfig::builtin().unwrap(),
+    )
+    .unwrap()
+}
+
+#[test]
+fn a_joined_deployment_renders_its_service_member_rbac_and_scaled_object() {
+    let d = joined_deployment(json!({}));
+    let c = member_children(&d, &shared(false));
+    // Controlled by the Deployment (no blockOwnerDeletion: that would need the right to update
+    // the Deployment's finalizers).
+    let owner = json!([{"apiVersion": "apps/v1", "kind": "Deployment", "name": "chat",
+                        "uid": "dep-uid", "controller": true}]);
+    let labels = json!({
+        "app.kubernetes.io/name": "chat", "app.kubernetes.io/instance": "chat",
+        "app.kubernetes.io/managed-by": "hearth", "app.kubernetes.io/component": "member",
+        "app.kubernetes.io/part-of": "hearth", "serving.hearth.dev/deployment": "chat",
+    });
+    let meta = json!({"name": "chat-hearth", "namespace": "team-a", "labels": labels,
+                      "ownerReferences": owner});
+    assert_eq!(
+        serde_json::to_value(&c.service).unwrap(),
+        json!({
+            "apiVersion": "v1", "kind": "Service",
+            "metadata": meta,
+            "spec": {
+                "type": "ClusterIP",
+                "selector": {"app": "qwen", "tier": "gpu"},
+                "ports": [{"name": "http", "port": 80, "targetPort": "http", "protocol": "TCP"}],
+            },
+        })
+    );
+    // The member Role an attached service grants (no sleeping tier), bound to the endpoint's
+    // gateway.
+    assert_eq!(
+        serde_json::to_value(&c.role).unwrap(),
+        json!({
+            "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+            "metadata": meta,
+            "rules": [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+                       "verbs": ["get", "list", "watch"]}],
+        })
+    );
+    assert_eq!(
+        serde_json::to_value(&c.role_binding).unwrap(),
+        json!({
+            "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+            "metadata": meta,
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "chat-hearth"},
+            "subjects": [{"kind": "ServiceAccount", "name": "shared-gateway", "namespace": "platform"}],
+        })
+    );
+    let so = serde_json::to_value(&c.scaled_object).unwrap();
+    assert_eq!(so["apiVersion"], "keda.sh/v1alpha1");
+    assert_eq!(so["kind"], "ScaledObject");
+    assert_eq!(so["metadata"], meta);
+    assert_eq!(
+        so["spec"],
+        json!({
+            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": "chat"},
+            "minReplicaCount": 0,
+            "maxReplicaCount": 1,
+            "pollingInterval": 5,
+            "cooldownPeriod": 300,
+            "initialCooldownPeriod": 300,
+            "advanced": {
+                "horizontalPodAutoscalerConfig": {"behavior": {"scaleDown": {"stabilizationWindowSeconds": 300}}},
+                "restoreToOriginalReplicaCount": true,
+            },
+            "triggers": [{
+                "type": "metrics-api", "metricType": "AverageValue",
+                "metadata": {
+                    "url": "http://shared.platform.svc:8080/hearth/queue/team-a/chat",
+                    "format": "json", "valueLocation": "pending", "targetValue": "10",
+                    "aggregateFromKubeServiceEndpoints": "true", "aggregationType": "sum",
+                },
+            }],
+        })
+    );
+    // The apply order: RBAC and Service before the ScaledObject that scales the Deployment.
+    let kinds: Vec<String> = c
+        .to_values()
+        .unwrap()
+        .iter()
+        .map(|v| v["kind"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(kinds, ["Role", "RoleBinding", "Service", "ScaledObject"]);
+    // An unnamed container port: the Service port is named like the runtime's (or http), and
+    // forwards to the number.
+    let mut unnamed = d.clone();
+    let pod = unnamed
+        .spec
+        .as_mut()
+        .unwrap()
+        .template
+        .spec
+        .as_mut()
+        .unwrap();
+    pod.containers[0].ports.as_mut().unwrap()[0].name = None;
+    let c = member_children(&unnamed, &shared(false));
+    assert_eq!(
+        serde_json::to_value(&c.service.spec.unwrap().ports).unwrap(),
+        json!([{"name": "http", "port": 80, "targetPort": 8000, "protocol": "TCP"}])
+    );
+}
+
+#[rstest::rstest]
+#[case::poll(shared(false), json!({}))]
+#[case::poll_with_peers(shared(true), json!({}))]
+#[case::push(shared(false), json!({"serving.hearth.dev/scaler": "push"}))]
+#[case::push_with_peers(shared(true), json!({"serving.hearth.dev/scaler": "push"}))]
+fn a_joined_deployment_asks_for_its_demand_as_an_attached_service_does(
+    #[case] placement: Placement,
+    #[case] annotations: serde_json::Value,
+) {
+    let d = joined_deployment(annotations.clone());
+    let c = member_children(&d, &placement);
+    // An LLMService `team-a/chat` attached to the same endpoint, in the same scaler mode.
+    let (mut svc, rt) = service_and_runtime(json!({}));
+    if !annotations.as_object().unwrap().is_empty() {
+        annotate_push(&mut svc);
+    }
+    let attached = render_placed(
+        &svc,
+        &rt,
+        &RenderConfig::builtin().unwrap(),
+        true,
+        &placement,
+    )
+    .unwrap();
+    assert_eq!(
+        c.scaled_object.data["spec"]["triggers"],
+        json!([demand_trigger(&attached)])
+    );
+}
+
+#[test]
+fn a_joined_deployments_annotations_set_its_bounds_and_route() {
+    let d = joined_deployment(json!({
+        "serving.hearth.dev/min-replicas": "1",
+        "serving.hearth.dev/max-replicas": "4",
+        "serving.hearth.dev/target": "3",
+        "serving.hearth.dev/activation-timeout": "10m",
+        "serving.hearth.dev/cold-start": "reject",
+    }));
+    let c = member_children(&d, &shared(false));
+    let spec = &c.scaled_object.data["spec"];
+    assert_eq!(
+        (
+            &spec["minReplicaCount"],
+            &spec["maxReplicaCount"],
+            &spec["initialCooldownPeriod"]
+        ),
+        (&json!(1), &json!(4), &json!(600))
+    );
+    assert_eq!(spec["triggers"][0]["metadata"]["targetValue"], "3");
+    let member = hearth_crds::rules::check_deployment(&d).member.unwrap();
+    let (port, _) = hearth_crds::rules::check_member_serving(&d, &member, None);
+    let route = member_route(&d, &member, &port.unwrap()).unwrap();
+    assert_eq!(
+        serde_json::to_value(&route).unwrap(),
+        json!({
+            "model": "Qwen/Qwen2.5-7B-Instruct",
+            "namespace": "team-a",
+            "service": "chat",
+            "backendService": "chat-hearth",
+            "backendPortName": "http",
+            "maxQueue": 120,
+            "coldStart": "reject",
+            "heartbeatInterval": "10s",
+            "activationTimeout": "10m",
+            "metricTarget": 3.0,
+        })
+    );
+    assert_eq!(route.key(), "team-a/chat");
+    // The defaults are an LLMService's.
+    let d = joined_deployment(json!({}));
+    let member = hearth_crds::rules::check_deployment(&d).member.unwrap();
+    let (port, _) = hearth_crds::rules::check_member_serving(&d, &member, None);
+    let route = member_route(&d, &member, &port.unwrap()).unwrap();
+    let (svc, rt) = service_and_runtime(json!({}));
+    let svc_route = model_route(&svc, &rt).unwrap();
+    assert_eq!(
+        (
+            route.max_queue,
+            route.cold_start,
+            &route.heartbeat_interval,
+            &route.activation_timeout,
+            route.metric_target
+        ),
+        (
+            svc_route.max_queue,
+            svc_route.cold_start,
+            &svc_route.heartbeat_interval,
+            &svc_route.activation_timeout,
+            svc_route.metric_target
+        )
     );
 }

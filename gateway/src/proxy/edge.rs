@@ -130,14 +130,78 @@ pub(super) fn authorize(keys: &ApiKeys, headers: &HeaderMap) -> Result<(), Rejec
     }
 }
 
-/// The answer to `GET /v1/models` (or `HEAD`) while no backend is ready and served model names
-/// are known: the names, so clients can discover the model without waking it.
-pub(super) fn cold_models_list(shared: &Shared, parts: &Parts) -> Option<Response> {
-    (matches!(parts.method, Method::GET | Method::HEAD)
-        && parts.uri.path() == "/v1/models"
-        && !shared.cfg.served_model_names.is_empty()
-        && !shared.backends.is_ready())
-    .then(|| models_list(&shared.cfg.served_model_names))
+/// The gateway's own answer to `GET` (or `HEAD`) `/v1/models`, if it gives one:
+/// - a single-service gateway, while no backend is ready and served model names are known:
+///   the names, so clients can discover the model without waking it (a ready backend answers
+///   itself);
+/// - a shared gateway, always: every model of its route table with Hearth's fields
+///   ([`crate::model::ModelList`]), and `GET /v1/models/{id}` one of them, or
+///   [`Rejection::UnknownModel`].
+pub(super) fn own_answer(shared: &Shared, parts: &Parts) -> Option<Result<Response, Rejection>> {
+    if !matches!(parts.method, Method::GET | Method::HEAD) {
+        return None;
+    }
+    let path = parts.uri.path();
+    let Some(model) = &shared.single else {
+        let table = shared.routes.load();
+        if path == "/v1/models" {
+            let list = crate::model::ModelList::of(table.models());
+            return Some(Ok(json_response(serde_json::to_vec(&list))));
+        }
+        let id = path.strip_prefix("/v1/models/")?;
+        let id = percent_decode(id);
+        return Some(match table.by_name(&id) {
+            Some(m) => Ok(json_response(serde_json::to_vec(&m.entry()))),
+            None => Err(Rejection::UnknownModel { model: id }),
+        });
+    };
+    let names = &model.cfg.served_model_names;
+    (path == "/v1/models" && !names.is_empty() && !model.state.backends.is_ready())
+        .then(|| Ok(models_list(names)))
+}
+
+/// `%XX` escapes of a path segment decoded (a model name may hold `/` or `:`); bytes that do
+/// not decode to UTF-8 are replaced.
+fn percent_decode(s: &str) -> String {
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = |b: u8| (b as char).to_digit(16);
+        match (bytes[i], bytes.get(i + 1), bytes.get(i + 2)) {
+            (b'%', Some(&h), Some(&l)) if hex(h).is_some() && hex(l).is_some() => {
+                let v = hex(h).unwrap_or(0) * 16 + hex(l).unwrap_or(0);
+                out.push(u8::try_from(v).unwrap_or(b'?'));
+                i += 3;
+            }
+            (b, _, _) => {
+                out.push(b);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// A `200` with `body` as `application/json` (a `500` in the impossible case that it could not
+/// be serialized).
+fn json_response(body: Result<Vec<u8>, serde_json::Error>) -> Response {
+    let mut resp = match body {
+        Ok(body) => Response::new(Body::from(body)),
+        Err(e) => {
+            return crate::openai::error_response(
+                http::StatusCode::INTERNAL_SERVER_ERROR,
+                &format!("listing the models failed: {e}"),
+                "server_error",
+                None,
+            );
+        }
+    };
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    resp
 }
 
 /// The response to `GET /v1/models` while no backend is ready: the served model names, in the
@@ -149,14 +213,9 @@ fn models_list(names: &[String]) -> Response {
             |n| serde_json::json!({"id": n, "object": "model", "created": 0, "owned_by": "hearth"}),
         )
         .collect();
-    let mut resp = Response::new(Body::from(
-        serde_json::json!({"object": "list", "data": data}).to_string(),
-    ));
-    resp.headers_mut().insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("application/json"),
-    );
-    resp
+    json_response(serde_json::to_vec(
+        &serde_json::json!({"object": "list", "data": data}),
+    ))
 }
 
 #[cfg(test)]
@@ -325,27 +384,119 @@ mod tests {
         };
         let shared = super::super::test_shared(cfg, backends.clone());
         let get = head(|b| b.uri("/v1/models"));
-        let Some(resp) = cold_models_list(&shared, &get) else {
+        let Some(Ok(resp)) = own_answer(&shared, &get) else {
             panic!("not answered while cold")
         };
         let body = resp.into_body().collect().await.unwrap().to_bytes();
         let json: serde_json::Value = serde_json::from_slice(&body).unwrap();
         assert_eq!(json["object"], "list");
         assert_eq!(json["data"][0]["id"], "m");
-        assert!(
-            cold_models_list(&shared, &head(|b| b.method(Method::POST).uri("/v1/models")))
-                .is_none()
-        );
+        assert!(own_answer(&shared, &head(|b| b.method(Method::POST).uri("/v1/models"))).is_none());
         backends.replace(["10.1.2.3:8000".parse().unwrap()]);
         assert!(
-            cold_models_list(&shared, &get).is_none(),
+            own_answer(&shared, &get).is_none(),
             "a ready backend answers"
         );
         let shared =
             super::super::test_shared(crate::GatewayConfig::default(), crate::EndpointSet::new());
         assert!(
-            cold_models_list(&shared, &get).is_none(),
+            own_answer(&shared, &get).is_none(),
             "no served names: forwarded"
         );
+    }
+
+    #[test]
+    fn a_shared_gateway_lists_every_model_with_its_state() {
+        use hearth_crds::llmendpoint::{ModelRoute, RouteTable, SleepRoute};
+        let gw = crate::Gateway::new_shared(
+            crate::GatewayConfig::default(),
+            ApiKeys::disabled(),
+            std::sync::Arc::new(|_: &ModelRoute, _: &crate::EndpointSet| {}),
+        )
+        .unwrap();
+        let route = |s: &str| crate::routes::default_route("ns", s, s);
+        gw.apply_routes(&RouteTable {
+            models: vec![
+                route("ready"),
+                route("activating"),
+                ModelRoute {
+                    sleep: Some(SleepRoute {
+                        after: hearth_crds::Duration::new("5m"),
+                        level: 1,
+                        sleep_path: "/sleep".into(),
+                        is_sleeping_path: "/is_sleeping".into(),
+                        wake_up: Vec::new(),
+                    }),
+                    ..route("sleeping")
+                },
+                ModelRoute {
+                    last_activation: Some(hearth_crds::Duration::new("34.2s")),
+                    ..route("zero")
+                },
+                ModelRoute {
+                    model: "org/m:1".into(),
+                    ..route("slashed")
+                },
+            ],
+        })
+        .unwrap();
+        let model = |k: &str| gw.model(k).unwrap();
+        model("ns/ready").discovered().replace([
+            "10.0.0.1:8000".parse().unwrap(),
+            "10.0.0.2:8000".parse().unwrap(),
+        ]);
+        model("ns/activating").state.lease.raise();
+        // Engines discovered, none known awake: the sleeping tier's.
+        model("ns/sleeping")
+            .discovered()
+            .replace(["10.0.0.3:8000".parse().unwrap()]);
+        let shared = gw.shared().clone();
+        let answer = |path: &str| {
+            let parts = head(|b| b.uri(path));
+            match own_answer(&shared, &parts) {
+                Some(Ok(resp)) => {
+                    let body = futures::executor::block_on(http_body_util::BodyExt::collect(
+                        resp.into_body(),
+                    ))
+                    .unwrap()
+                    .to_bytes();
+                    Ok(serde_json::from_slice::<serde_json::Value>(&body).unwrap())
+                }
+                Some(Err(r)) => Err(r),
+                None => panic!("{path}: not answered"),
+            }
+        };
+        let list = answer("/v1/models").unwrap();
+        assert_eq!(list["object"], "list");
+        let data = list["data"].as_array().unwrap();
+        let ids: Vec<&str> = data.iter().map(|e| e["id"].as_str().unwrap()).collect();
+        assert_eq!(ids, ["activating", "org/m:1", "ready", "sleeping", "zero"]);
+        let entry = |id: &str| data.iter().find(|e| e["id"] == id).unwrap().clone();
+        let ready = entry("ready");
+        assert_eq!(ready["object"], "model");
+        assert_eq!(ready["owned_by"], "hearth");
+        assert!(ready["created"].as_u64().unwrap() > 1_700_000_000);
+        assert_eq!(
+            ready["hearth"],
+            serde_json::json!({"service": "ns/ready", "state": "ready", "readyReplicas": 2, "expectedWaitSeconds": null})
+        );
+        assert_eq!(entry("activating")["hearth"]["state"], "activating");
+        assert_eq!(entry("sleeping")["hearth"]["state"], "sleeping");
+        assert_eq!(entry("sleeping")["hearth"]["readyReplicas"], 0);
+        assert_eq!(entry("zero")["hearth"]["state"], "zero");
+        assert_eq!(entry("zero")["hearth"]["expectedWaitSeconds"], 34.2);
+        // One entry; its id percent-decoded or not.
+        assert_eq!(answer("/v1/models/zero").unwrap(), entry("zero"));
+        assert_eq!(answer("/v1/models/org%2Fm%3A1").unwrap()["id"], "org/m:1");
+        assert_eq!(answer("/v1/models/org/m:1").unwrap()["id"], "org/m:1");
+        assert_eq!(
+            answer("/v1/models/nope").err(),
+            Some(Rejection::UnknownModel {
+                model: "nope".into()
+            })
+        );
+        // Other paths are not the gateway's to answer.
+        assert!(own_answer(&shared, &head(|b| b.uri("/v1/completions"))).is_none());
+        assert!(own_answer(&shared, &head(|b| b.method(Method::POST).uri("/v1/models"))).is_none());
     }
 }

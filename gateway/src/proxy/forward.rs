@@ -9,8 +9,9 @@ use http_body_util::Full;
 
 use super::headers::{Via, forward_headers};
 use crate::{
-    endpoints::EndpointGuard,
+    endpoints::{EndpointGuard, EndpointSet},
     gateway::Shared,
+    model::Model,
     upstream::{UpstreamBody, UpstreamPool},
 };
 
@@ -65,7 +66,7 @@ impl From<HoldError> for WarmError {
     }
 }
 
-/// How [`Shared::forward`] treats a request by how it arrived: [`Cold`] (no backend was ready;
+/// How [`forward`] treats a request by how it arrived: [`Cold`] (no backend was ready;
 /// it waits through an engine's wake-up and its wait is an activation) or [`Warm`].
 pub(super) trait Arrival {
     /// What forwarding fails with.
@@ -178,133 +179,130 @@ impl Outgoing {
     }
 }
 
-impl Shared {
-    fn build_upstream(
-        &self,
-        out: &Outgoing,
-        ep: &EndpointGuard,
-    ) -> Result<hyper::Request<Full<Bytes>>, String> {
-        let authority = ep.endpoint().authority();
-        let uri = Uri::try_from(out.path_and_query.as_str())
-            .map_err(|e| format!("building the backend request target: {e}"))?;
-        let host = HeaderValue::from_str(authority.as_str())
-            .map_err(|e| format!("building the backend Host field: {e}"))?;
-        let mut req = hyper::Request::new(Full::new(out.body.clone()));
-        *req.method_mut() = out.method.clone();
-        *req.uri_mut() = uri;
-        *req.headers_mut() = out.headers.clone();
-        req.headers_mut().insert(header::HOST, host);
-        if out.body.is_empty() && matches!(out.method, Method::POST | Method::PUT | Method::PATCH) {
-            // hyper leaves it out for an empty body; a server may then answer 411 (RFC 9110 §8.6).
-            req.headers_mut()
-                .insert(header::CONTENT_LENGTH, HeaderValue::from_static("0"));
-        }
-        Ok(req)
+/// The request to send for `out` to the endpoint `ep`.
+fn build_upstream(
+    out: &Outgoing,
+    ep: &EndpointGuard,
+) -> Result<hyper::Request<Full<Bytes>>, String> {
+    let authority = ep.endpoint().authority();
+    let uri = Uri::try_from(out.path_and_query.as_str())
+        .map_err(|e| format!("building the backend request target: {e}"))?;
+    let host = HeaderValue::from_str(authority.as_str())
+        .map_err(|e| format!("building the backend Host field: {e}"))?;
+    let mut req = hyper::Request::new(Full::new(out.body.clone()));
+    *req.method_mut() = out.method.clone();
+    *req.uri_mut() = uri;
+    *req.headers_mut() = out.headers.clone();
+    req.headers_mut().insert(header::HOST, host);
+    if out.body.is_empty() && matches!(out.method, Method::POST | Method::PUT | Method::PATCH) {
+        // hyper leaves it out for an empty body; a server may then answer 411 (RFC 9110 §8.6).
+        req.headers_mut()
+            .insert(header::CONTENT_LENGTH, HeaderValue::from_static("0"));
     }
+    Ok(req)
+}
 
-    /// Sends `out` to a ready endpoint, waiting for one until `deadline` and retrying when a
-    /// connection cannot be established (the request was not sent, so it is safe to resend).
-    /// An endpoint that refused the connection or failed the request is ejected
-    /// ([`EndpointGuard::eject`]): the retry and the next requests go to another ready one.
-    /// With the sleeping tier, a `503` from an engine that says it is asleep is not relayed:
-    /// the tier wakes it on demand, and a [`Cold`] request waits for an awake engine (see
-    /// [`crate::sleep`]), while a [`Warm`] one fails with [`WarmError::Asleep`].
-    pub(super) async fn forward<A: Arrival>(
-        &self,
-        out: &Outgoing,
-        deadline: Instant,
-        arrival: Instant,
-    ) -> Result<(hyper::Response<UpstreamBody>, BackendUse), A::Error> {
-        let mut backoff = Duration::from_millis(20);
-        loop {
-            let ep = self
-                .acquire_endpoint(deadline)
-                .await
-                .ok_or(HoldError::Timeout)?;
-            let req = self.build_upstream(out, &ep).map_err(HoldError::Upstream)?;
-            let sent = Instant::now();
-            match self.upstream().send(ep.endpoint().authority(), req).await {
-                Ok(resp)
-                    if resp.status() == StatusCode::SERVICE_UNAVAILABLE
-                        && self.found_asleep(&ep).await =>
-                {
-                    // Put to sleep by another gateway replica: the demand wakes it (the
-                    // tier stops sending it requests); the request is a cold one from here.
-                    tracing::debug!(endpoint = %ep.endpoint().authority(), "backend asleep; the request waits for its wake-up");
-                    drop((resp, ep));
-                    if let Some(e) = A::asleep() {
-                        return Err(e);
-                    }
-                    self.lease.raise();
-                    let now = Instant::now();
-                    if now >= deadline {
-                        return Err(HoldError::Timeout.into());
-                    }
-                    tokio::time::sleep(backoff.min(deadline - now)).await;
-                    backoff = (backoff * 2).min(Duration::from_millis(500));
+/// Sends `out` to a ready endpoint of `model`, waiting for one until `deadline` and retrying
+/// when a connection cannot be established (the request was not sent, so it is safe to
+/// resend). An endpoint that refused the connection or failed the request is ejected
+/// ([`EndpointGuard::eject`]): the retry and the next requests go to another ready one.
+/// With the sleeping tier, a `503` from an engine that says it is asleep is not relayed:
+/// the tier wakes it on demand, and a [`Cold`] request waits for an awake engine (see
+/// [`crate::sleep`]), while a [`Warm`] one fails with [`WarmError::Asleep`].
+pub(super) async fn forward<A: Arrival>(
+    shared: &Shared,
+    model: &Model,
+    out: &Outgoing,
+    deadline: Instant,
+    arrival: Instant,
+) -> Result<(hyper::Response<UpstreamBody>, BackendUse), A::Error> {
+    let state = &model.state;
+    let metrics = &state.metrics;
+    let mut backoff = Duration::from_millis(20);
+    loop {
+        let ep = acquire_endpoint(&state.backends, deadline)
+            .await
+            .ok_or(HoldError::Timeout)?;
+        let req = build_upstream(out, &ep).map_err(HoldError::Upstream)?;
+        let sent = Instant::now();
+        match shared.upstream().send(ep.endpoint().authority(), req).await {
+            Ok(resp)
+                if resp.status() == StatusCode::SERVICE_UNAVAILABLE
+                    && found_asleep(model, &ep).await =>
+            {
+                // Put to sleep by another gateway replica: the demand wakes it (the
+                // tier stops sending it requests); the request is a cold one from here.
+                tracing::debug!(endpoint = %ep.endpoint().authority(), "backend asleep; the request waits for its wake-up");
+                drop((resp, ep));
+                if let Some(e) = A::asleep() {
+                    return Err(e);
                 }
-                Ok(resp) => {
-                    self.metrics
-                        .upstream_latency
-                        .observe(sent.elapsed().as_secs_f64());
-                    if A::COLD {
-                        self.metrics
-                            .activation_wait
-                            .observe(sent.duration_since(arrival).as_secs_f64());
-                        self.lease.ready_seen();
-                    }
-                    return Ok((resp, BackendUse { _ep: ep }));
+                state.lease.raise();
+                let now = Instant::now();
+                if now >= deadline {
+                    return Err(HoldError::Timeout.into());
                 }
-                Err(e) if e.is_connect() => {
-                    self.metrics.upstream_error("connect");
-                    tracing::debug!(endpoint = %ep.endpoint().authority(), error = %e, "backend refused the connection; retrying");
-                    // Another ready endpoint, if any, gets the retry (and the next requests).
-                    ep.eject();
-                    drop(ep);
-                    let now = Instant::now();
-                    if now >= deadline {
-                        return Err(HoldError::Timeout.into());
-                    }
-                    tokio::time::sleep(backoff.min(deadline - now)).await;
-                    backoff = (backoff * 2).min(Duration::from_millis(500));
+                tokio::time::sleep(backoff.min(deadline - now)).await;
+                backoff = (backoff * 2).min(Duration::from_millis(500));
+            }
+            Ok(resp) => {
+                metrics.upstream_latency(sent.elapsed().as_secs_f64());
+                if A::COLD {
+                    metrics.activation_wait(sent.duration_since(arrival).as_secs_f64());
+                    state.lease.ready_seen();
                 }
-                Err(e) => {
-                    self.metrics.upstream_error("request");
-                    ep.eject();
-                    // The backend's address is for the logs, not for clients.
-                    tracing::warn!(endpoint = %ep.endpoint().authority(), error = %e, "backend request failed");
-                    return Err(HoldError::Upstream(format!("the backend failed: {e}")).into());
+                return Ok((resp, BackendUse { _ep: ep }));
+            }
+            Err(e) if e.is_connect() => {
+                metrics.upstream_error("connect");
+                tracing::debug!(endpoint = %ep.endpoint().authority(), error = %e, "backend refused the connection; retrying");
+                // Another ready endpoint, if any, gets the retry (and the next requests).
+                ep.eject();
+                drop(ep);
+                let now = Instant::now();
+                if now >= deadline {
+                    return Err(HoldError::Timeout.into());
                 }
+                tokio::time::sleep(backoff.min(deadline - now)).await;
+                backoff = (backoff * 2).min(Duration::from_millis(500));
+            }
+            Err(e) => {
+                metrics.upstream_error("request");
+                ep.eject();
+                // The backend's address is for the logs, not for clients.
+                tracing::warn!(service = %model.cfg.key, endpoint = %ep.endpoint().authority(), error = %e, "backend request failed");
+                return Err(HoldError::Upstream(format!("the backend failed: {e}")).into());
             }
         }
     }
+}
 
-    /// Whether `ep`, which answered `503`, is an engine asleep (sleeping tier only).
-    async fn found_asleep(&self, ep: &EndpointGuard) -> bool {
-        match &self.sleep {
-            Some(tier) => tier.confirm_asleep(ep.endpoint().authority()).await,
-            None => false,
-        }
+/// Whether `ep`, which answered `503`, is an engine of `model` asleep (sleeping tier only).
+async fn found_asleep(model: &Model, ep: &EndpointGuard) -> bool {
+    match &model.state.sleep {
+        Some(tier) => tier.confirm_asleep(ep.endpoint().authority()).await,
+        None => false,
     }
+}
 
-    /// The least-loaded ready endpoint, waiting for the set to change until `deadline`.
-    async fn acquire_endpoint(&self, deadline: Instant) -> Option<EndpointGuard> {
-        // The warm path: no watch receiver to make and drop (dropping the last one wakes the
-        // sender's waiters).
-        if let Some(ep) = self.backends.pick() {
+/// The least-loaded ready endpoint of `backends`, waiting for the set to change until
+/// `deadline`.
+async fn acquire_endpoint(backends: &EndpointSet, deadline: Instant) -> Option<EndpointGuard> {
+    // The warm path: no watch receiver to make and drop (dropping the last one wakes the
+    // sender's waiters).
+    if let Some(ep) = backends.pick() {
+        return Some(ep);
+    }
+    // Subscribed before looking again, so a change in between is not missed.
+    let mut rx = backends.subscribe();
+    loop {
+        rx.borrow_and_update();
+        if let Some(ep) = backends.pick() {
             return Some(ep);
         }
-        // Subscribed before looking again, so a change in between is not missed.
-        let mut rx = self.backends.subscribe();
-        loop {
-            rx.borrow_and_update();
-            if let Some(ep) = self.backends.pick() {
-                return Some(ep);
-            }
-            tokio::select! {
-                r = rx.changed() => r.ok()?,
-                _ = tokio::time::sleep_until(deadline.into()) => return None,
-            }
+        tokio::select! {
+            r = rx.changed() => r.ok()?,
+            _ = tokio::time::sleep_until(deadline.into()) => return None,
         }
     }
 }
@@ -392,8 +390,11 @@ mod tests {
             &via,
             None,
         );
-        let ep = shared.acquire_endpoint(Instant::now()).await.unwrap();
-        let req = shared.build_upstream(&out, &ep).unwrap();
+        let model = super::super::the_model(&shared);
+        let ep = acquire_endpoint(model.backends(), Instant::now())
+            .await
+            .unwrap();
+        let req = build_upstream(&out, &ep).unwrap();
         assert_eq!(req.uri(), "/v1/completions");
         assert_eq!(req.headers()[header::HOST], "10.1.2.3:8000");
         assert_eq!(req.headers()[header::CONTENT_LENGTH], "0");
@@ -413,9 +414,15 @@ mod tests {
             None,
         );
         let start = Instant::now();
-        let result = shared
-            .forward::<Cold>(&out, start + Duration::from_millis(50), start)
-            .await;
+        let model = super::super::the_model(&shared);
+        let result = forward::<Cold>(
+            &shared,
+            &model,
+            &out,
+            start + Duration::from_millis(50),
+            start,
+        )
+        .await;
         assert!(matches!(result, Err(HoldError::Timeout)));
         assert!(start.elapsed() >= Duration::from_millis(50));
     }
@@ -423,14 +430,12 @@ mod tests {
     #[tokio::test]
     async fn a_waiting_request_takes_the_endpoint_that_turns_ready() {
         let backends = crate::EndpointSet::new();
-        let shared = super::super::test_shared(crate::GatewayConfig::default(), backends.clone());
         let later = backends.clone();
         tokio::spawn(async move {
             tokio::time::sleep(Duration::from_millis(20)).await;
             later.replace(["10.1.2.3:8000".parse().unwrap()]);
         });
-        let ep = shared
-            .acquire_endpoint(Instant::now() + Duration::from_secs(5))
+        let ep = acquire_endpoint(&backends, Instant::now() + Duration::from_secs(5))
             .await
             .unwrap();
         assert_eq!(ep.endpoint().authority(), "10.1.2.3:8000");

@@ -21,12 +21,13 @@ use http_body_util::{BodyExt, Limited};
 
 use super::{
     Tracker,
+    admit::Slot,
     forward::{BackendUse, Cold, HoldError, Outgoing},
     relay::Relay,
 };
 use crate::{
-    demand::Admission,
     gateway::Shared,
+    model::Model,
     reject::{Rejection, stream_failure},
     upstream::UpstreamBody,
 };
@@ -48,8 +49,9 @@ type Forwarding = Pin<
 /// connection costs one task, and a client that leaves drops the body, which ends the hold.
 pub(super) fn hold_streaming(
     shared: Arc<Shared>,
+    model: Arc<Model>,
     out: Outgoing,
-    slot: Admission,
+    slot: Slot,
     tracker: Tracker,
     arrival: Instant,
     deadline: Instant,
@@ -57,6 +59,7 @@ pub(super) fn hold_streaming(
     let body = HeldStream {
         state: HeldState::Start,
         shared,
+        model,
         slot: Some(slot),
         tracker: Some(tracker),
         arrival,
@@ -79,7 +82,9 @@ pub(super) fn hold_streaming(
 struct HeldStream {
     state: HeldState,
     shared: Arc<Shared>,
-    slot: Option<Admission>,
+    /// The model it is held for: kept, with its endpoint watch, until the hold ends.
+    model: Arc<Model>,
+    slot: Option<Slot>,
     /// Dropped unfinished when the client leaves: counted as canceled.
     tracker: Option<Tracker>,
     arrival: Instant,
@@ -134,11 +139,11 @@ impl HttpBody for HeldStream {
         loop {
             match &mut this.state {
                 HeldState::Start => {
-                    let mut rx = this.shared.backends.subscribe();
+                    let mut rx = this.model.state.backends.subscribe();
                     let ready: Pin<Box<dyn Future<Output = ()> + Send>> = Box::pin(async move {
                         let _ = rx.wait_for(|eps| !eps.is_empty()).await;
                     });
-                    let next = tokio::time::Instant::now() + this.shared.cfg.heartbeat_interval;
+                    let next = tokio::time::Instant::now() + this.model.cfg.heartbeat_interval;
                     this.state = HeldState::Waiting {
                         ready: Some(ready),
                         forward: None,
@@ -163,10 +168,17 @@ impl HttpBody for HeldStream {
                             this.state = HeldState::Done;
                             continue;
                         };
-                        let (shared, arrival, deadline) =
-                            (this.shared.clone(), this.arrival, this.deadline);
+                        let (shared, model, arrival, deadline) = (
+                            this.shared.clone(),
+                            this.model.clone(),
+                            this.arrival,
+                            this.deadline,
+                        );
                         *forward = Some(Box::pin(async move {
-                            shared.forward::<Cold>(&out, deadline, arrival).await
+                            super::forward::forward::<Cold>(
+                                &shared, &model, &out, deadline, arrival,
+                            )
+                            .await
                         }));
                     }
                     let polled = match forward {
@@ -186,7 +198,7 @@ impl HttpBody for HeldStream {
                                 Err(HoldError::Timeout)
                             } else {
                                 // On schedule, unless the body was not polled for a while.
-                                let hb = this.shared.cfg.heartbeat_interval;
+                                let hb = this.model.cfg.heartbeat_interval;
                                 let mut next = (heartbeat.deadline() + hb).max(now);
                                 if forward.is_none() {
                                     next = next.min(this.deadline.into());
@@ -210,7 +222,6 @@ impl HttpBody for HeldStream {
                                     continue;
                                 };
                                 let relay = Relay::new(
-                                    &this.shared,
                                     body,
                                     tracker,
                                     200,
@@ -236,9 +247,9 @@ impl HttpBody for HeldStream {
                         }
                         Err(HoldError::Timeout) => {
                             let timeout = Rejection::ActivationTimeout {
-                                timeout: this.shared.cfg.activation_timeout,
+                                timeout: this.model.cfg.activation_timeout,
                             };
-                            this.shared.metrics.rejected(timeout.kind().label());
+                            this.model.state.metrics.rejected(timeout.kind().label());
                             return this.fail(timeout.sse_event());
                         }
                         Err(HoldError::Upstream(msg)) => {
@@ -285,6 +296,7 @@ mod tests {
             ..Default::default()
         };
         let shared = super::super::test_shared(cfg, backends);
+        let model = super::super::the_model(&shared);
         let (mut parts, ()) = http::Request::builder()
             .uri("/")
             .header(header::HOST, "gw")
@@ -299,11 +311,11 @@ mod tests {
             None,
         );
         out.detach();
-        let slot = shared.demand.try_admit().unwrap();
-        let tracker = Tracker::new(shared.metrics.clone());
+        let slot = Slot::of(&model).unwrap();
+        let tracker = Tracker::new(model.state.metrics.clone());
         let arrival = Instant::now();
-        let deadline = arrival + shared.cfg.activation_timeout;
-        let resp = hold_streaming(shared.clone(), out, slot, tracker, arrival, deadline);
+        let deadline = arrival + model.cfg.activation_timeout;
+        let resp = hold_streaming(shared.clone(), model, out, slot, tracker, arrival, deadline);
         (resp, shared)
     }
 
@@ -339,15 +351,9 @@ mod tests {
         let error = error_of(last);
         assert_eq!(error["error"]["code"], "activation_timeout");
         assert_eq!(error["error"]["type"], "server_error");
-        let rejected = shared
-            .metrics
-            .rejections
-            .get_or_create(&crate::metrics::ReasonLabel {
-                reason: "activation_timeout",
-            })
-            .get();
-        assert_eq!(rejected, 1);
-        assert_eq!(shared.demand.state().pending(), 0);
+        let model = super::super::the_model(&shared);
+        assert_eq!(model.state.metrics.rejected_count("activation_timeout"), 1);
+        assert_eq!(model.demand().state().pending(), 0);
     }
 
     #[tokio::test]
@@ -356,10 +362,11 @@ mod tests {
         let mut body = resp.into_body();
         let first = body.frame().await.unwrap().unwrap().into_data().unwrap();
         assert_eq!(first, HEARTBEAT);
-        assert_eq!(shared.demand.state().pending(), 1);
+        let model = super::super::the_model(&shared);
+        assert_eq!(model.demand().state().pending(), 1);
         drop(body);
-        assert_eq!(shared.metrics.canceled.get(), 1);
-        assert_eq!(shared.demand.state().pending(), 0);
+        assert_eq!(model.state.metrics.canceled_count(), 1);
+        assert_eq!(model.demand().state().pending(), 0);
     }
 
     #[tokio::test]

@@ -4,19 +4,30 @@
 //! request gives a [`Rejection`], answered in one place (`refuse`):
 //!
 //! 1. `edge`: draining (503) → method and framing (405, 400, 501) → a loop back to this
-//!    replica (508) → API key (401); and `GET /v1/models` answered while cold;
+//!    replica (508) → API key (401); and the gateway's own answers to `GET /v1/models`
+//!    (a single-service gateway's while cold, a shared gateway's always);
 //! 2. `body`: the body read whole, bounded in size, read time and memory (413, 408, 503);
-//! 3. `admit`: a cold request's model (404, only with served model names), draining again,
-//!    a `maxQueue` slot (429);
-//! 4. a ready endpoint? forward (`forward`) : cold start, which rejects (503), holds a
-//!    stream with heartbeats (`hold`), or waits silently until the activation timeout (503);
-//!    a warm request that finds the engine asleep (sleeping tier) is cold from there;
-//! 5. `relay`: the backend's answer passed through as it arrives.
+//! 3. `route`: the request's model. A single-service gateway has one; a shared gateway reads
+//!    the body's `model` and looks it up in its route table (400 without one, 404 for a model
+//!    it does not serve);
+//! 4. `admit`: a cold request's model (404, only with served model names), draining again,
+//!    a slot of the model's `maxQueue` (429);
+//! 5. a ready endpoint of the model? forward (`forward`) : cold start, which rejects (503),
+//!    holds a stream with heartbeats (`hold`), or waits silently until the model's activation
+//!    timeout (503); a warm request that finds the engine asleep (sleeping tier) is cold from
+//!    there;
+//! 6. `relay`: the backend's answer passed through as it arrives.
+//!
+//! Steps 1, 2 and the replica-wide parts of 4 (draining) are the replica's; from step 3 on,
+//! everything is the model's ([`crate::model`]): its queue, lease, endpoints, cold-start
+//! settings and metric series. A shared gateway's models each behave as a single-service
+//! gateway would, through these same steps.
 //!
 //! A cold request's body is checked for its model name before admission, so a misdirected
 //! request never raises demand and never wakes a model; a ready backend answers that check
-//! itself (vLLM's `404 The model ... does not exist`), so a warm request is forwarded without
-//! parsing its body.
+//! itself (vLLM's `404 The model ... does not exist`), so a single-service gateway forwards a
+//! warm request without parsing its body. A shared gateway parses every body (it routes by it)
+//! and forwards the bytes unchanged.
 
 mod admit;
 mod body;
@@ -25,6 +36,7 @@ mod forward;
 mod headers;
 mod hold;
 mod relay;
+mod route;
 
 use std::{sync::Arc, time::Instant};
 
@@ -43,7 +55,7 @@ pub use hold::HEARTBEAT;
 use crate::{
     config::ColdStartMode,
     gateway::Shared,
-    metrics::Metrics,
+    metrics::ModelMetrics,
     reject::{self, Rejection},
 };
 
@@ -51,14 +63,15 @@ use crate::{
 #[derive(Debug, Clone, Copy)]
 pub struct ClientAddr(pub std::net::SocketAddr);
 
-/// Counts a request once, when it finishes: by status code, or as canceled when dropped first.
+/// Counts a request once, when it finishes: by status code, or as canceled when dropped first,
+/// in its model's series (the unrouted ones until it has a model).
 struct Tracker {
-    metrics: Arc<Metrics>,
+    metrics: Arc<ModelMetrics>,
     code: Option<u16>,
 }
 
 impl Tracker {
-    fn new(metrics: Arc<Metrics>) -> Self {
+    fn new(metrics: Arc<ModelMetrics>) -> Self {
         Self {
             metrics,
             code: None,
@@ -74,9 +87,7 @@ impl Drop for Tracker {
     fn drop(&mut self) {
         match self.code {
             Some(code) => self.metrics.finished(code),
-            None => {
-                self.metrics.canceled.inc();
-            }
+            None => self.metrics.canceled(),
         }
     }
 }
@@ -88,9 +99,9 @@ fn done(mut tracker: Tracker, resp: Response) -> Response {
 }
 
 /// Answers a refused request: counts the rejection by its reason and the request by its
-/// status.
+/// status, in the tracker's series.
 fn refuse(shared: &Shared, tracker: Tracker, rejection: Rejection) -> Response {
-    shared.metrics.rejected(rejection.kind().label());
+    tracker.metrics.rejected(rejection.kind().label());
     done(tracker, rejection.into_response(shared.cfg.retry_after))
 }
 
@@ -106,13 +117,15 @@ where
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
     let arrival = Instant::now();
-    let tracker = Tracker::new(shared.metrics.clone());
+    let mut tracker = Tracker::new(shared.unrouted.clone());
     let (mut parts, body) = req.into_parts();
     if let Err(rejection) = edge::check(&shared, &parts) {
         return refuse(&shared, tracker, rejection);
     }
-    if let Some(resp) = edge::cold_models_list(&shared, &parts) {
-        return done(tracker, resp);
+    match edge::own_answer(&shared, &parts) {
+        Some(Ok(resp)) => return done(tracker, resp),
+        Some(Err(rejection)) => return refuse(&shared, tracker, rejection),
+        None => {}
     }
 
     // The body, whole and bounded: it is kept to be forwarded after activation.
@@ -126,41 +139,47 @@ where
         }
     };
 
-    let cold = !shared.backends.is_ready();
-    let admit::Admitted { slot, mut stream } = match admit::admit(&shared, &parts, &body, cold) {
-        Ok(admitted) => admitted,
+    let route::Routed { model, hints } = match route::route(&shared, &parts, &body) {
+        Ok(routed) => routed,
         Err(rejection) => return refuse(&shared, tracker, rejection),
     };
+    if shared.single.is_none() {
+        tracker.metrics = model.state.metrics.clone();
+    }
+    let cold = !model.state.backends.is_ready();
+    let admit::Admitted { slot, mut stream } =
+        match admit::admit(&shared, &model, &parts, &body, hints, cold) {
+            Ok(admitted) => admitted,
+            Err(rejection) => return refuse(&shared, tracker, rejection),
+        };
     let mut out = forward::Outgoing::new(&mut parts, body, held, &shared.via, peer_ip.as_ref());
     // Not kept across the wait below: it may point into hyper's read buffer.
     drop(parts);
 
-    let deadline = arrival + shared.cfg.activation_timeout;
+    let deadline = arrival + model.cfg.activation_timeout;
     let mut cold = cold;
     let sent = loop {
         if cold {
-            shared.lease.raise();
+            model.state.lease.raise();
             out.detach();
-            match shared.cfg.cold_start {
+            match model.cfg.cold_start {
                 ColdStartMode::Reject => {
                     drop(slot);
                     return refuse(&shared, tracker, Rejection::ColdReject);
                 }
                 ColdStartMode::Keepalive if stream => {
-                    return hold::hold_streaming(shared, out, slot, tracker, arrival, deadline);
+                    return hold::hold_streaming(
+                        shared, model, out, slot, tracker, arrival, deadline,
+                    );
                 }
                 ColdStartMode::Keepalive => {}
             }
         }
         if cold {
-            break shared
-                .forward::<forward::Cold>(&out, deadline, arrival)
+            break forward::forward::<forward::Cold>(&shared, &model, &out, deadline, arrival)
                 .await;
         }
-        match shared
-            .forward::<forward::Warm>(&out, deadline, arrival)
-            .await
-        {
+        match forward::forward::<forward::Warm>(&shared, &model, &out, deadline, arrival).await {
             Ok(sent) => break Ok(sent),
             Err(forward::WarmError::Hold(e)) => break Err(e),
             // Sent warm to an engine another replica had put to sleep: cold from here, so the
@@ -169,7 +188,7 @@ where
                 // A warm request's body was not parsed: it is now, as a cold arrival's is,
                 // for the served model and whether it streams (which decides its hold).
                 let hints = out.hints();
-                if let Err(rejection) = admit::serves(&shared, &hints) {
+                if let Err(rejection) = admit::serves(&model, &hints) {
                     drop(slot);
                     return refuse(&shared, tracker, rejection);
                 }
@@ -179,10 +198,10 @@ where
         }
     };
     match sent {
-        Ok((resp, backend)) => relay::relay(&shared, resp, backend, slot, tracker, arrival, cold),
+        Ok((resp, backend)) => relay::relay(resp, backend, slot, tracker, arrival, cold),
         Err(forward::HoldError::Timeout) => {
             drop(slot);
-            let timeout = shared.cfg.activation_timeout;
+            let timeout = model.cfg.activation_timeout;
             refuse(&shared, tracker, Rejection::ActivationTimeout { timeout })
         }
         Err(forward::HoldError::Upstream(msg)) => done(tracker, reject::bad_gateway(&msg)),
@@ -199,6 +218,37 @@ fn test_gateway(cfg: crate::GatewayConfig, backends: crate::EndpointSet) -> crat
 #[cfg(test)]
 fn test_shared(cfg: crate::GatewayConfig, backends: crate::EndpointSet) -> Arc<Shared> {
     test_gateway(cfg, backends).shared().clone()
+}
+
+/// The model of a single-service replica's state.
+#[cfg(test)]
+fn the_model(shared: &Shared) -> Arc<crate::model::Model> {
+    match &shared.single {
+        Some(m) => m.clone(),
+        None => panic!("a shared gateway"),
+    }
+}
+
+/// A shared replica with API keys off serving `names` (model `n` of service `ns/n`, queue
+/// bound 2, no backend).
+#[cfg(test)]
+fn test_shared_gateway(names: &[&str]) -> crate::Gateway {
+    let gw = crate::Gateway::new_shared(
+        crate::GatewayConfig::default(),
+        crate::apikeys::ApiKeys::disabled(),
+        Arc::new(|_: &hearth_crds::llmendpoint::ModelRoute, _: &crate::EndpointSet| {}),
+    )
+    .unwrap();
+    let models = names
+        .iter()
+        .map(|n| hearth_crds::llmendpoint::ModelRoute {
+            max_queue: 2,
+            ..crate::routes::default_route("ns", n, n)
+        })
+        .collect();
+    gw.apply_routes(&hearth_crds::llmendpoint::RouteTable { models })
+        .unwrap();
+    gw
 }
 
 /// A backend on loopback that answers one request with `response`, written at once, then

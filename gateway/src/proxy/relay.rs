@@ -13,19 +13,15 @@ use axum::{body::Body, http::header, response::Response};
 use bytes::{Bytes, BytesMut};
 use http_body::{Body as HttpBody, Frame, SizeHint};
 
-use super::{Tracker, forward::BackendUse, headers::strip_hop_by_hop};
-use crate::{
-    demand::Admission, gateway::Shared, metrics::Metrics, reject::stream_failure,
-    upstream::UpstreamBody,
-};
+use super::{Tracker, admit::Slot, forward::BackendUse, headers::strip_hop_by_hop};
+use crate::{metrics::ModelMetrics, reject::stream_failure, upstream::UpstreamBody};
 
 /// Turns the backend's response into ours: status and end-to-end headers unchanged, body
 /// passed through as it arrives (see [`Relay`]).
 pub(super) fn relay(
-    shared: &Arc<Shared>,
     resp: hyper::Response<UpstreamBody>,
     backend: BackendUse,
-    slot: Admission,
+    slot: Slot,
     tracker: Tracker,
     arrival: Instant,
     cold: bool,
@@ -41,7 +37,6 @@ pub(super) fn relay(
     // ends it with an SSE `error` event the client's SDK raises, not a cut connection.
     let committed = stream && parts.status == axum::http::StatusCode::OK;
     let relay = Relay::new(
-        shared,
         body,
         tracker,
         parts.status.as_u16(),
@@ -68,13 +63,14 @@ pub(super) struct Relay {
     inner: UpstreamBody,
     tracker: Option<Tracker>,
     code: u16,
-    held: Option<(Admission, BackendUse)>,
+    held: Option<(Slot, BackendUse)>,
     /// Arrival time of a streaming request whose first token is not yet counted.
     ttft: Option<Instant>,
     /// Arrival time of a cold request (held for an activation or a wake-up) whose first
     /// forwarded byte is not yet counted (`hearth_activation_phase_seconds{phase="first_byte"}`).
     first_byte: Option<Instant>,
-    metrics: Arc<Metrics>,
+    /// The request's model's series.
+    metrics: Arc<ModelMetrics>,
     /// Data taken from `inner` and not yet returned.
     acc: Acc,
     /// A non-data outcome of `inner` that came after `acc`'s data, returned next.
@@ -129,14 +125,14 @@ impl Acc {
 
 impl Relay {
     pub(super) fn new(
-        shared: &Shared,
         inner: UpstreamBody,
         tracker: Tracker,
         code: u16,
-        held: (Admission, BackendUse),
+        held: (Slot, BackendUse),
         ttft: Option<Instant>,
         committed: bool,
     ) -> Self {
+        let metrics = tracker.metrics.clone();
         let mut relay = Self {
             inner,
             tracker: Some(tracker),
@@ -144,7 +140,7 @@ impl Relay {
             held: Some(held),
             ttft,
             first_byte: None,
-            metrics: shared.metrics.clone(),
+            metrics,
             acc: Acc::Empty,
             stash: None,
             committed,
@@ -232,7 +228,7 @@ impl HttpBody for Relay {
                 Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
                     Ok(data) => {
                         if let Some(start) = this.ttft.take() {
-                            this.metrics.ttft.observe(start.elapsed().as_secs_f64());
+                            this.metrics.ttft(start.elapsed().as_secs_f64());
                         }
                         if let Some(start) = this.first_byte.take() {
                             this.metrics
@@ -297,6 +293,7 @@ mod tests {
         super::forward::{Outgoing, Warm},
         *,
     };
+    use crate::gateway::Shared;
 
     #[test]
     fn one_chunk_passes_on_uncopied_and_several_are_joined() {
@@ -340,15 +337,15 @@ mod tests {
         );
         let arrival = Instant::now();
         let deadline = arrival + Duration::from_secs(5);
-        let Ok((resp, backend)) = shared.forward::<Warm>(&out, deadline, arrival).await else {
+        let model = super::super::the_model(&shared);
+        let Ok((resp, backend)) =
+            super::super::forward::forward::<Warm>(&shared, &model, &out, deadline, arrival).await
+        else {
             panic!("not forwarded")
         };
-        let slot = shared.demand.try_admit().unwrap();
-        let tracker = Tracker::new(shared.metrics.clone());
-        (
-            relay(&shared, resp, backend, slot, tracker, arrival, cold),
-            shared,
-        )
+        let slot = Slot::of(&model).unwrap();
+        let tracker = Tracker::new(model.state.metrics.clone());
+        (relay(resp, backend, slot, tracker, arrival, cold), shared)
     }
 
     /// The exposition after relaying one JSON answer to a request that arrived `cold` or not.
@@ -379,11 +376,10 @@ mod tests {
     }
 
     fn count(shared: &Shared, code: u16) -> u64 {
-        shared
+        super::super::the_model(shared)
+            .state
             .metrics
-            .requests
-            .get_or_create(&crate::metrics::CodeLabel { code })
-            .get()
+            .finished_count(code)
     }
 
     #[tokio::test]
@@ -398,7 +394,8 @@ mod tests {
             !resp.headers().contains_key("x-hop"),
             "hop-by-hop fields removed"
         );
-        assert_eq!(shared.demand.state().pending(), 1);
+        let model = super::super::the_model(&shared);
+        assert_eq!(model.demand().state().pending(), 1);
         let mut body = resp.into_body();
         let mut frames = Vec::new();
         while let Some(frame) = body.frame().await {
@@ -406,7 +403,11 @@ mod tests {
         }
         assert_eq!(frames, ["data: 1\n\ndata: 2\n\ndata: 3\n\n"]);
         assert_eq!(count(&shared, 200), 1);
-        assert_eq!(shared.demand.state().pending(), 0, "the slot is given back");
+        assert_eq!(
+            model.demand().state().pending(),
+            0,
+            "the slot is given back"
+        );
         let text = shared.metrics.encode();
         assert!(
             text.contains("hearth_gateway_time_to_first_token_seconds_count 1"),
@@ -424,8 +425,9 @@ mod tests {
         let first = body.frame().await.unwrap().unwrap().into_data().unwrap();
         assert_eq!(first, "data: 1\n\n");
         drop(body);
-        assert_eq!(shared.metrics.canceled.get(), 1);
+        let model = super::super::the_model(&shared);
+        assert_eq!(model.state.metrics.canceled_count(), 1);
         assert_eq!(count(&shared, 200), 0);
-        assert_eq!(shared.demand.state().pending(), 0);
+        assert_eq!(model.demand().state().pending(), 0);
     }
 }

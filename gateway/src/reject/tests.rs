@@ -21,6 +21,7 @@ fn one_of_each() -> Vec<Rejection> {
         Rejection::MalformedBody {
             error: "bad chunk".into(),
         },
+        Rejection::ModelRequired,
         Rejection::UnknownModel { model: "m".into() },
         Rejection::QueueFull { max_queue: 3 },
         Rejection::ColdReject,
@@ -40,6 +41,7 @@ fn one_of_each() -> Vec<Rejection> {
             | Rejection::BodyMemory { .. }
             | Rejection::BodyTimeout { .. }
             | Rejection::MalformedBody { .. }
+            | Rejection::ModelRequired
             | Rejection::UnknownModel { .. }
             | Rejection::QueueFull { .. }
             | Rejection::ColdReject
@@ -95,7 +97,7 @@ async fn the_answer_is_an_openai_error_shaped_by_the_kind() {
             serde_json::json!({"error": {
                 "message": message,
                 "type": kind.error_type(),
-                "param": null,
+                "param": kind.param(),
                 "code": kind.code(),
             }}),
             "{kind:?}"

@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 pub mod raw;
+pub mod shared;
 
 use std::{net::SocketAddr, time::Duration};
 
@@ -41,6 +42,15 @@ pub fn stub_config() -> StubConfig {
 
 pub async fn stub() -> RunningStub {
     vllm_stub::spawn(stub_config(), localhost()).await.unwrap()
+}
+
+/// A stub serving model `name`.
+pub async fn stub_named(name: &str) -> RunningStub {
+    let cfg = StubConfig {
+        served_model_names: vec![name.into()],
+        ..stub_config()
+    };
+    vllm_stub::spawn(cfg, localhost()).await.unwrap()
 }
 
 /// A stub that generates 1000 tokens `token_delay` apart: a stream that outlives the test's

@@ -286,6 +286,7 @@ fn packaged_chart_carries_crds_and_renders_the_same() -> Result<()> {
             names
                 == [
                     "inferenceruntimes.serving.hearth.dev",
+                    "llmendpoints.serving.hearth.dev",
                     "llmservices.serving.hearth.dev",
                     "servingpolicies.serving.hearth.dev"
                 ],
@@ -1220,17 +1221,19 @@ impl Drop for InstalledRbac {
     }
 }
 
-/// The rules of the gateway Role the controller renders, read from `fn gateway_role` in
-/// controller/src/render/gateway.rs: its string literals must be exactly those of its rules
-/// (EndpointSlices read; with the sleeping tier Events and its LLMService's status), so a change
-/// there fails here (and the controller's ClusterRole must then hold the new rights).
+/// The rules of the gateway Role the controller renders, read from `fn member_rules` in
+/// controller/src/render/gateway.rs (a service's own gateway's Role, the member Role an attached
+/// service or a joined Deployment grants an endpoint's gateway): its string literals must be
+/// exactly those of its rules (EndpointSlices read; with the sleeping tier Events and its
+/// LLMService's status), so a change there fails here (and the controller's ClusterRole must
+/// then hold the new rights).
 fn gateway_role_rules() -> Result<Value> {
     let src = std::fs::read_to_string(repo().join("controller/src/render/gateway.rs"))?;
     let body = src
-        .split_once("fn gateway_role(")
+        .split_once("fn member_rules(")
         .and_then(|(_, rest)| rest.split_once("\n}\n"))
         .map(|(body, _)| body)
-        .context("controller/src/render/gateway.rs has no fn gateway_role")?;
+        .context("controller/src/render/gateway.rs has no fn member_rules")?;
     let literals: BTreeSet<&str> = body.split('"').skip(1).step_by(2).collect();
     let want = BTreeSet::from([
         "discovery.k8s.io",
@@ -1356,10 +1359,48 @@ fn matrix(release_ns: &str) -> Vec<Check> {
         None,
         true,
     );
+    // Shared endpoints: the endpoints, their status, the namespaces' labels, the routing
+    // tables; an attached service's own gateway is deleted.
+    add(
+        c,
+        &["list", "watch"],
+        "llmendpoints.serving.hearth.dev",
+        None,
+        None,
+        true,
+    );
+    add(
+        c,
+        &["patch"],
+        "llmendpoints.serving.hearth.dev",
+        Some("status"),
+        team(),
+        true,
+    );
+    add(c, &["get", "list", "watch"], "namespaces", None, None, true);
+    add(c, &["list", "watch"], "configmaps", None, None, true);
+    add(
+        c,
+        &["create", "patch", "get", "delete"],
+        "configmaps",
+        None,
+        team(),
+        true,
+    );
+    add(c, &["delete"], "serviceaccounts", None, team(), true);
+    // A plain Deployment leaving its endpoint: what was rendered for it goes (its ScaledObject
+    // first, so KEDA gives it back its replicas).
+    for r in [
+        "roles.rbac.authorization.k8s.io",
+        "rolebindings.rbac.authorization.k8s.io",
+        "scaledobjects.keda.sh",
+    ] {
+        add(c, &["delete"], r, None, team(), true);
+    }
     add(c, &["list", "watch"], "deployments.apps", None, None, true);
     add(
         c,
-        &["create", "patch"],
+        &["create", "patch", "delete"],
         "poddisruptionbudgets.policy",
         None,
         team(),
@@ -1552,7 +1593,6 @@ fn matrix(release_ns: &str) -> Vec<Check> {
         None,
         false,
     );
-    add(c, &["get"], "configmaps", None, team(), false);
     add(c, &["create"], "pods", Some("exec"), team(), false);
 
     // Both check who scrapes their /metrics.
@@ -1915,22 +1955,26 @@ async fn rbac_matrix_each_account_can_do_what_it_needs_and_nothing_more() -> Res
     let controller_cluster = [
         "deployments.apps [] [create delete get list patch watch]",
         "services [] [create delete get list patch watch]",
-        "serviceaccounts [] [create get list patch watch]",
+        "serviceaccounts [] [create delete get list patch watch]",
         "persistentvolumeclaims [] [create get list patch watch]",
+        "configmaps [] [create delete get list patch watch]",
         "jobs.batch [] [create list patch watch]",
-        "roles.rbac.authorization.k8s.io [] [create get list patch watch]",
-        "rolebindings.rbac.authorization.k8s.io [] [create get list patch watch]",
-        "scaledobjects.keda.sh [] [create get list patch watch]",
-        "poddisruptionbudgets.policy [] [create get list patch watch]",
+        "roles.rbac.authorization.k8s.io [] [create delete get list patch watch]",
+        "rolebindings.rbac.authorization.k8s.io [] [create delete get list patch watch]",
+        "scaledobjects.keda.sh [] [create delete get list patch watch]",
+        "poddisruptionbudgets.policy [] [create delete get list patch watch]",
         "endpointslices.discovery.k8s.io [] [get list watch]",
         "customresourcedefinitions.apiextensions.k8s.io [scaledobjects.keda.sh] [get list watch]",
+        "namespaces [] [get list watch]",
         "events.events.k8s.io [] [create patch]",
         "pods [] [list watch]",
         "events [] [list]",
         "llmservices.serving.hearth.dev [] [list watch]",
+        "llmendpoints.serving.hearth.dev [] [list watch]",
         "inferenceruntimes.serving.hearth.dev [] [list watch]",
         "servingpolicies.serving.hearth.dev [] [get list watch]",
         "llmservices.serving.hearth.dev/status [] [patch]",
+        "llmendpoints.serving.hearth.dev/status [] [patch]",
         "inferenceruntimes.serving.hearth.dev/status [] [patch]",
         "tokenreviews.authentication.k8s.io [] [create]",
         "subjectaccessreviews.authorization.k8s.io [] [create]",
@@ -2000,6 +2044,12 @@ async fn rbac_matrix_each_account_can_do_what_it_needs_and_nothing_more() -> Res
         json!({"apiVersion": "v1", "kind": "Service", "metadata": meta(gateway),
                "spec": {"ports": [{"name": "http", "port": 80, "targetPort": "http"}],
                         "selector": {"app": gateway}}}),
+        // An LLMEndpoint's gateway reads its routing table (controller/src/render/gateway.rs).
+        json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+        "metadata": meta("shared-gateway"), "rules": [
+            {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]},
+            {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "list", "watch"]},
+        ]}),
     ];
     let list = json!({"apiVersion": "v1", "kind": "List", "items": grant});
     run_stdin(

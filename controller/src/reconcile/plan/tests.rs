@@ -55,18 +55,19 @@ fn cfg() -> RenderConfig {
 fn steady(svc: &LLMService) -> View {
     let c = render(svc, &runtime(), &cfg(), false).unwrap();
     View {
-        service_account: Some(Arc::new(c.gateway_service_account)),
+        service_account: c.gateway_service_account.map(Arc::new),
         role: Some(Arc::new(c.gateway_role)),
         role_binding: Some(Arc::new(c.gateway_role_binding)),
         claim: c.cache_claim.map(Arc::new),
         job: c.prewarm_job.map(Arc::new),
         backend_service: Some(Arc::new(c.backend_service)),
-        gateway_service: Some(Arc::new(c.gateway_service)),
+        gateway_service: c.gateway_service.map(Arc::new),
         scaler_service: c.scaler_service.map(Arc::new),
         backend: Some(Arc::new(c.backend)),
         legacy_backend: None,
-        gateway: Some(Arc::new(c.gateway)),
-        gateway_pdb: Some(Arc::new(c.gateway_pdb)),
+        gateway: c.gateway.map(Arc::new),
+        gateway_pdb: c.gateway_pdb.map(Arc::new),
+        endpoint_gateway: None,
         keda_installed: true,
         scaled_object: Some(Arc::new(c.scaled_object)),
         backend_pods: Vec::new(),
@@ -75,7 +76,7 @@ fn steady(svc: &LLMService) -> View {
 
 /// `plan` as a reconcile runs it.
 fn plan_with(svc: &LLMService, view: &View, cfg: &RenderConfig) -> Plan {
-    let desired = desired(svc, [&runtime()], cfg, view.backend.is_none());
+    let desired = desired(svc, [&runtime()], cfg, view.backend.is_none(), None);
     plan(svc, desired, view, cfg)
 }
 
@@ -736,5 +737,234 @@ fn a_running_backend_keeps_its_drain_image_through_an_upgrade() {
     assert_eq!(
         recorded_image(applied.expect("the backend is applied")).map(String::as_str),
         Some("example.com/drain:2")
+    );
+}
+
+// Shared endpoints: a service accepted by an LLMEndpoint has no gateway of its own; one that
+// leaves gets it back.
+
+use crate::{
+    attach::Verdict,
+    reconcile::desired::Membership,
+    render::{Placement, ScalerMode, SharedGateway, render_placed},
+};
+use hearth_crds::llmendpoint::AttachReason;
+
+fn shared_gateway(scaler: ScalerMode) -> SharedGateway {
+    SharedGateway {
+        endpoint: "shared".to_owned(),
+        namespace: "platform".to_owned(),
+        peers: scaler == ScalerMode::Push,
+    }
+}
+
+fn accepted(scaler: ScalerMode) -> Membership {
+    Membership {
+        verdict: Verdict {
+            reason: AttachReason::Accepted,
+            message: "LLMEndpoint platform/shared serves model \"chat\"".to_owned(),
+        },
+        gateway: Some(shared_gateway(scaler)),
+    }
+}
+
+fn refused(reason: AttachReason) -> Membership {
+    Membership {
+        verdict: Verdict {
+            reason,
+            message: "why".to_owned(),
+        },
+        gateway: None,
+    }
+}
+
+/// The caches after the controller applied everything `svc` asks for while attached.
+fn steady_attached(svc: &LLMService, scaler: ScalerMode) -> View {
+    let c = render_placed(
+        svc,
+        &runtime(),
+        &cfg(),
+        false,
+        &Placement::Shared(shared_gateway(scaler)),
+    )
+    .unwrap();
+    View {
+        role: Some(Arc::new(c.gateway_role)),
+        role_binding: Some(Arc::new(c.gateway_role_binding)),
+        claim: c.cache_claim.map(Arc::new),
+        backend_service: Some(Arc::new(c.backend_service)),
+        backend: Some(Arc::new(c.backend)),
+        keda_installed: true,
+        scaled_object: Some(Arc::new(c.scaled_object)),
+        ..View::default()
+    }
+}
+
+fn planned_member(svc: &LLMService, view: &View, membership: Option<&Membership>) -> Plan {
+    let desired = desired(
+        svc,
+        [&runtime()],
+        &cfg(),
+        view.backend.is_none(),
+        membership,
+    );
+    plan(svc, desired, view, &cfg())
+}
+
+fn member(patch: Value) -> LLMService {
+    let mut svc = service(
+        json!({"spec": {"endpoint": {"sharedEndpointRef": {"name": "shared", "namespace": "platform"}}}}),
+    );
+    let mut v = serde_json::to_value(&svc).unwrap();
+    hearth_test_support::merge_json(&mut v, patch);
+    svc = serde_json::from_value(v).unwrap();
+    svc
+}
+
+#[rstest]
+// Joining: the member RoleBinding and the ScaledObject point at the endpoint; then the own
+// gateway goes (Deployment first, its ServiceAccount last).
+#[case::joining_prunes_its_own_gateway(json!({}), ScalerMode::Poll, false, &[
+    "apply RoleBinding chat-gateway",
+    "apply ScaledObject chat",
+    "delete Deployment chat-gateway",
+    "delete PodDisruptionBudget chat-gateway",
+    "delete Service chat",
+    "delete ServiceAccount chat-gateway",
+])]
+#[case::joining_in_push_mode_prunes_the_scaler_service_too(json!({"metadata": {"annotations": {PUSH: "push"}}}), ScalerMode::Push, false, &[
+    "apply RoleBinding chat-gateway",
+    "apply ScaledObject chat",
+    "delete Deployment chat-gateway",
+    "delete PodDisruptionBudget chat-gateway",
+    "delete Service chat",
+    "delete Service chat-scaler",
+    "delete ServiceAccount chat-gateway",
+])]
+// Children another object controls are left alone.
+#[case::joining_keeps_what_it_does_not_own(json!({}), ScalerMode::Poll, true, &[
+    "apply RoleBinding chat-gateway",
+    "apply ScaledObject chat",
+])]
+fn an_accepted_service_prunes_its_own_gateway(
+    #[case] patch: Value,
+    #[case] scaler: ScalerMode,
+    #[case] foreign_owner: bool,
+    #[case] want: &[&str],
+) {
+    let svc = member(patch);
+    let mut view = steady(&svc);
+    if foreign_owner {
+        view.gateway = not_owned(view.gateway.clone());
+        view.gateway_pdb = not_owned(view.gateway_pdb.clone());
+        view.gateway_service = not_owned(view.gateway_service.clone());
+        view.service_account = not_owned(view.service_account.clone());
+    }
+    let plan = planned_member(&svc, &view, Some(&accepted(scaler)));
+    assert_eq!(writes(&plan), want);
+    // Once pruned, nothing more to do.
+    assert_eq!(
+        writes(&planned_member(
+            &svc,
+            &steady_attached(&svc, scaler),
+            Some(&accepted(scaler))
+        )),
+        Vec::<String>::new()
+    );
+}
+
+#[rstest]
+#[case::endpoint_deleted(Some(AttachReason::EndpointNotFound))]
+#[case::namespace_no_longer_allowed(Some(AttachReason::NotAllowedByEndpoint))]
+#[case::model_name_taken(Some(AttachReason::ModelNameConflict))]
+#[case::reference_removed(None)]
+fn a_service_leaving_gets_its_own_gateway_back_before_its_scaled_object_moves(
+    #[case] reason: Option<AttachReason>,
+) {
+    let svc = member(json!({}));
+    let view = steady_attached(&svc, ScalerMode::Poll);
+    let membership = reason.map(refused);
+    let svc = match reason {
+        Some(_) => svc,
+        None => service(json!({})),
+    };
+    let plan = planned_member(&svc, &view, membership.as_ref());
+    assert_eq!(
+        writes(&plan),
+        [
+            "apply ServiceAccount chat-gateway",
+            "apply RoleBinding chat-gateway",
+            "apply Service chat",
+            "apply Deployment chat-gateway",
+            "apply PodDisruptionBudget chat-gateway",
+            "apply ScaledObject chat",
+        ]
+    );
+    // What it applies is exactly what a service without a reference renders.
+    let own = render(&svc, &runtime(), &cfg(), false).unwrap();
+    let rb = plan.writes.iter().find_map(|w| match w {
+        Write::Apply(Object::RoleBinding(rb)) => Some(rb),
+        _ => None,
+    });
+    assert_eq!(rb.map(|rb| &**rb), Some(&own.gateway_role_binding));
+    assert_eq!(
+        applied_scaled_object(&plan).map(|so| &so.data),
+        Some(&own.scaled_object.data)
+    );
+    let st = plan.status(&svc, &Time(k8s_openapi::jiff::Timestamp::UNIX_EPOCH));
+    assert_eq!(
+        st.endpoint_url.as_deref(),
+        Some("http://chat.team-a.svc/v1")
+    );
+    let accepted = plan.condition(status::ENDPOINT_ACCEPTED);
+    match reason {
+        Some(r) => {
+            let c = accepted.unwrap();
+            assert_eq!((c.status, c.reason.as_str()), ("False", r.as_str()));
+        }
+        None => assert!(accepted.is_none()),
+    }
+}
+
+#[test]
+fn an_attached_services_status_is_the_endpoints() {
+    let svc = member(json!({}));
+    let mut view = steady_attached(&svc, ScalerMode::Poll);
+    view.backend = with_status(&view.backend, 0, 0);
+    scaled_object_ready(&mut view);
+    let m = accepted(ScalerMode::Poll);
+    let plan = planned_member(&svc, &view, Some(&m));
+    let ready = cond(&plan, status::READY);
+    assert_eq!(ready.reason, "GatewayNotReady");
+    assert!(
+        ready
+            .message
+            .contains("shared gateway of LLMEndpoint platform/shared (Deployment shared-gateway)"),
+        "{ready:?}"
+    );
+    let c = cond(&plan, status::ENDPOINT_ACCEPTED);
+    assert_eq!((c.status, c.reason.as_str()), ("True", "Accepted"));
+    assert_eq!(
+        plan.conds.last().map(|c| c.type_),
+        Some(status::ENDPOINT_ACCEPTED)
+    );
+    // The endpoint's gateway ready: the service is (scaled to zero, ready to wake).
+    let gw = Deployment {
+        status: Some(DeploymentStatus {
+            ready_replicas: Some(1),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    view.endpoint_gateway = Some(Arc::new(gw));
+    let plan = planned_member(&svc, &view, Some(&m));
+    assert_eq!(
+        (plan.phase, cond(&plan, status::READY).reason.as_str()),
+        (LLMServicePhase::ScaledToZero, "ScaledToZero")
+    );
+    let st = plan.status(&svc, &Time(k8s_openapi::jiff::Timestamp::UNIX_EPOCH));
+    assert_eq!(
+        st.endpoint_url.as_deref(),
+        Some("http://shared.platform.svc/v1")
     );
 }

@@ -1,0 +1,337 @@
+//! One model behind the gateway: its settings ([`ModelConfig`]) and everything a gateway of its
+//! own would hold for it ([`ModelState`]): the backend endpoints, the demand and its bounded
+//! queue, the activation lease, the sleeping tier and the model's metric series.
+//!
+//! A single-service gateway has exactly one model, built from its flags; a shared gateway has
+//! one per entry of its route table ([`crate::routes`]), each behaving as a single-service
+//! gateway would. What is not per model stays with the replica ([`crate::gateway`]): API keys,
+//! the body budget, the timer, the backend connection pools, `Via`, draining.
+//!
+//! A model leaving the table is dropped from it at once; requests already admitted keep their
+//! [`Model`] (and so its state) until they finish. When the last one is gone the state drops,
+//! which stops its tasks (the endpoint watch, the lease, the sleeping tier) and removes its
+//! metric series.
+
+use std::{
+    sync::{Arc, Mutex},
+    time::{Duration, SystemTime},
+};
+
+use tokio::{sync::watch, task::AbortHandle};
+
+use crate::{
+    config::ModelConfig,
+    demand::{DemandHub, DemandState, Lease},
+    endpoints::EndpointSet,
+    metrics::{Metrics, ModelMetrics},
+    sleep::{ServiceReporter, SleepTask, SleepTier},
+    upstream::UpstreamPool,
+};
+
+/// One model: its settings and its state. Cheap to clone: a route table change that only
+/// changes settings makes a new `Model` over the same [`ModelState`].
+#[derive(Debug, Clone)]
+pub struct Model {
+    pub(crate) cfg: Arc<ModelConfig>,
+    pub(crate) state: Arc<ModelState>,
+    /// The route table entry it came from (shared mode).
+    pub(crate) route: Option<Arc<hearth_crds::llmendpoint::ModelRoute>>,
+}
+
+/// Where a model stands, as `/v1/models` reports it (`hearth.state`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ModelStatus {
+    /// An engine is ready (with the sleeping tier: awake).
+    Ready,
+    /// Demand is raised (a request held or in flight, or the activation lease, on any replica)
+    /// and no engine is ready yet.
+    Activating,
+    /// Engines exist, none awake, no demand: the sleeping tier put them to sleep.
+    Sleeping,
+    /// No engine, no demand.
+    Zero,
+}
+
+impl ModelStatus {
+    /// The JSON value: `ready`, `activating`, `sleeping` or `zero`.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Self::Ready => "ready",
+            Self::Activating => "activating",
+            Self::Sleeping => "sleeping",
+            Self::Zero => "zero",
+        }
+    }
+}
+
+impl Model {
+    /// The model's settings.
+    pub fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    /// `<namespace>/<name>` of its LLMService (empty when unknown).
+    pub fn key(&self) -> &str {
+        &self.cfg.key
+    }
+
+    /// The name clients send in `model` (a shared gateway's route; the first served name of a
+    /// single-service gateway, if any).
+    pub fn name(&self) -> Option<&str> {
+        self.cfg.served_model_names.first().map(String::as_str)
+    }
+
+    /// The endpoints its requests go to (with the sleeping tier, the awake engines).
+    pub fn backends(&self) -> &EndpointSet {
+        &self.state.backends
+    }
+
+    /// The endpoints discovery feeds: every ready backend endpoint, awake or not.
+    pub fn discovered(&self) -> &EndpointSet {
+        &self.state.discovered
+    }
+
+    /// Its demand counters and bounded queue.
+    pub fn demand(&self) -> &DemandHub {
+        &self.state.demand
+    }
+
+    /// Whether `other` shares this model's state (the same model, whatever its settings).
+    pub fn same_state(&self, other: &Model) -> bool {
+        Arc::ptr_eq(&self.state, &other.state)
+    }
+
+    /// Where the model stands, and how many engines are ready.
+    pub fn status(&self) -> (ModelStatus, usize) {
+        let ready = self.state.backends.snapshot().len();
+        let demand = self.state.demand.state();
+        let status = if ready > 0 {
+            ModelStatus::Ready
+        } else if demand.active().unwrap_or(demand.local() > 0) {
+            ModelStatus::Activating
+        } else if self.state.sleep.is_some() && self.state.discovered.is_ready() {
+            ModelStatus::Sleeping
+        } else {
+            ModelStatus::Zero
+        };
+        (status, ready)
+    }
+
+    /// How long an activation is expected to take: the last one this replica measured (demand
+    /// raised until a ready engine was seen), else the one the route table reports.
+    pub fn expected_wait(&self) -> Option<Duration> {
+        self.state
+            .lease
+            .last_activation()
+            .or(self.cfg.last_activation)
+    }
+
+    /// When this replica first served the model (its state was made), in seconds since the
+    /// Unix epoch: `/v1/models`' `created`.
+    pub fn created(&self) -> u64 {
+        self.state.created
+    }
+
+    /// The demand state now.
+    pub(crate) fn demand_state(&self) -> DemandState {
+        self.state.demand.state()
+    }
+
+    /// The model's `/v1/models` entry.
+    pub fn entry(&self) -> ModelEntry<'_> {
+        let (status, ready) = self.status();
+        ModelEntry {
+            id: self.name().unwrap_or_default(),
+            object: "model",
+            created: self.created(),
+            owned_by: "hearth",
+            hearth: HearthModel {
+                service: &self.cfg.key,
+                state: status.as_str(),
+                ready_replicas: ready,
+                expected_wait_seconds: self.expected_wait().map(|d| d.as_secs_f64()),
+            },
+        }
+    }
+}
+
+/// A shared gateway's answer to `GET /v1/models`: OpenAI's list of models.
+#[derive(Debug, serde::Serialize)]
+pub struct ModelList<'a> {
+    /// Always `list`.
+    pub object: &'static str,
+    /// One entry per model of the route table, sorted by name.
+    pub data: Vec<ModelEntry<'a>>,
+}
+
+impl<'a> ModelList<'a> {
+    /// The list of `models`.
+    pub fn of(models: &'a [Arc<Model>]) -> Self {
+        Self {
+            object: "list",
+            data: models.iter().map(|m| m.entry()).collect(),
+        }
+    }
+}
+
+/// One model of `GET /v1/models` (and the answer to `GET /v1/models/{id}`): OpenAI's model
+/// object and Hearth's fields under `hearth`.
+#[derive(Debug, serde::Serialize)]
+pub struct ModelEntry<'a> {
+    /// The name clients send in `model`.
+    pub id: &'a str,
+    /// Always `model`.
+    pub object: &'static str,
+    /// When this replica first served the model, in seconds since the Unix epoch.
+    pub created: u64,
+    /// Always `hearth`.
+    pub owned_by: &'static str,
+    /// Hearth's view of the model.
+    pub hearth: HearthModel<'a>,
+}
+
+/// Hearth's fields of a `/v1/models` entry.
+#[derive(Debug, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct HearthModel<'a> {
+    /// `<namespace>/<name>` of the LLMService.
+    pub service: &'a str,
+    /// `ready`, `activating`, `sleeping` or `zero` (see [`ModelStatus`]).
+    pub state: &'static str,
+    /// Engines ready to serve (with the sleeping tier: awake), as this replica sees them.
+    pub ready_replicas: usize,
+    /// The expected wait for a cold request, in seconds ([`Model::expected_wait`]); `null`
+    /// until one activation was measured or reported.
+    pub expected_wait_seconds: Option<f64>,
+}
+
+/// What the state of a model is built from, besides its settings.
+#[derive(Debug, Clone)]
+pub(crate) struct StateParts {
+    /// The replica's instance (see [`DemandHub::instance`]).
+    pub(crate) instance: u64,
+    /// Demand is summed over peer replicas.
+    pub(crate) aggregate: bool,
+    /// `--activation-grace`.
+    pub(crate) grace: Duration,
+    /// The replica's metrics.
+    pub(crate) metrics: Arc<Metrics>,
+    /// The pool the sleeping tier calls engines through.
+    pub(crate) pool: UpstreamPool,
+    /// Announces rises of demand from 0 (shared mode's peer stream).
+    pub(crate) rises: Option<Arc<watch::Sender<u64>>>,
+}
+
+/// The state a gateway of the model's own would hold. Dropping it stops its tasks.
+#[derive(Debug)]
+pub struct ModelState {
+    /// Fed by discovery.
+    discovered: EndpointSet,
+    /// Where requests go: `discovered`, or its awake engines with the sleeping tier.
+    pub(crate) backends: EndpointSet,
+    pub(crate) demand: DemandHub,
+    pub(crate) lease: Lease,
+    pub(crate) sleep: Option<SleepTier>,
+    /// The sleeping tier's task until [`ModelState::start`].
+    sleep_task: Mutex<Option<SleepTask>>,
+    pub(crate) metrics: Arc<ModelMetrics>,
+    /// Seconds since the Unix epoch when the state was made.
+    created: u64,
+    /// The tasks started for the model; `None` until started.
+    tasks: Mutex<Option<Vec<AbortHandle>>>,
+}
+
+impl ModelState {
+    /// The state of a model configured by `cfg`, whose endpoints `discovered` is fed with.
+    /// Nothing runs until [`ModelState::start`].
+    pub(crate) fn new(cfg: &ModelConfig, discovered: EndpointSet, parts: &StateParts) -> Self {
+        let metrics = Arc::new(ModelMetrics::new(parts.metrics.clone(), &cfg.key));
+        let mut demand = DemandHub::with_instance(parts.instance, cfg.max_queue, parts.aggregate)
+            .with_activation_counter(metrics.activation_events())
+            .with_demand_to_ready(metrics.demand_to_ready());
+        if let Some(rises) = &parts.rises {
+            demand = demand.with_rises(rises.clone());
+        }
+        let lease = Lease::new(demand.clone(), cfg.activation_timeout, parts.grace);
+        // With the sleeping tier, requests go to the awake engines among those discovered.
+        let (backends, sleep, sleep_task) = match cfg.sleep.clone() {
+            Some(sleep_cfg) => {
+                let serving = EndpointSet::new();
+                let (task, tier) = SleepTask::new(
+                    sleep_cfg,
+                    parts.pool.clone(),
+                    discovered.clone(),
+                    serving.clone(),
+                    demand.clone(),
+                    metrics.clone(),
+                );
+                (serving, Some(tier), Some(task))
+            }
+            None => (discovered.clone(), None, None),
+        };
+        let created = SystemTime::now()
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        Self {
+            discovered,
+            backends,
+            demand,
+            lease,
+            sleep,
+            sleep_task: Mutex::new(sleep_task),
+            metrics,
+            created,
+            tasks: Mutex::new(None),
+        }
+    }
+
+    /// Reports the sleeping tier's sleeps and wake-ups on the LLMService through `reporter`
+    /// (no effect without a tier, or once started).
+    pub(crate) fn report_to(&self, reporter: ServiceReporter) {
+        if let Some(task) = lock(&self.sleep_task).as_mut() {
+            task.report_to(reporter);
+        }
+    }
+
+    /// Starts the lease expiry and the sleeping tier (when on), and keeps `more` (discovery's
+    /// tasks) to stop with them. Needs a Tokio runtime; a second call only adds `more`.
+    /// Outside a runtime nothing starts and `false` is returned.
+    pub(crate) fn start(&self, more: Vec<AbortHandle>) -> bool {
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return false;
+        };
+        let mut tasks = lock(&self.tasks);
+        let tasks = tasks.get_or_insert_with(|| {
+            let mut started = vec![
+                rt.spawn(self.lease.clone().run(self.backends.clone()))
+                    .abort_handle(),
+            ];
+            if let Some(task) = lock(&self.sleep_task).take() {
+                started.push(rt.spawn(task.run()).abort_handle());
+            }
+            started
+        });
+        tasks.extend(more);
+        true
+    }
+
+    /// Whether [`ModelState::start`] ran.
+    pub(crate) fn started(&self) -> bool {
+        lock(&self.tasks).is_some()
+    }
+}
+
+impl Drop for ModelState {
+    fn drop(&mut self) {
+        if let Some(tasks) = lock(&self.tasks).take() {
+            for t in tasks {
+                t.abort();
+            }
+        }
+    }
+}
+
+/// Locks `m`, taking over a lock whose holder panicked (the values stay consistent).
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}

@@ -1,0 +1,103 @@
+//! The route step: which model a request is for. A single-service gateway has one, and reads
+//! nothing. A shared gateway reads the body's `model` (as vLLM would, see
+//! [`RequestHints`]) and looks it up in its route table, lock-free: a request without one gets
+//! `400` ([`Rejection::ModelRequired`]), one naming a model not in the table `404`
+//! ([`Rejection::UnknownModel`], OpenAI's `model_not_found`). Both are answered at once and
+//! raise no demand anywhere.
+
+use std::sync::Arc;
+
+use axum::http::request::Parts;
+
+use crate::{gateway::Shared, model::Model, openai::RequestHints, reject::Rejection};
+
+/// A request's model, and what its body says when it was read for it.
+pub(super) struct Routed {
+    /// The model the request is for.
+    pub(super) model: Arc<Model>,
+    /// The body's hints, when the route step read them (shared mode); a single-service
+    /// gateway reads a cold request's body at admission only.
+    pub(super) hints: Option<RequestHints>,
+}
+
+/// The model of the request with head `parts` and read `body`.
+pub(super) fn route(shared: &Shared, parts: &Parts, body: &[u8]) -> Result<Routed, Rejection> {
+    if let Some(model) = &shared.single {
+        return Ok(Routed {
+            model: model.clone(),
+            hints: None,
+        });
+    }
+    let hints = RequestHints::from_request(&parts.method, &parts.headers, body);
+    let Some(name) = &hints.model else {
+        return Err(Rejection::ModelRequired);
+    };
+    let Some(model) = shared.routes.load().by_name(name).cloned() else {
+        return Err(Rejection::UnknownModel {
+            model: name.clone(),
+        });
+    };
+    Ok(Routed {
+        model,
+        hints: Some(hints),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use axum::http::{Method, header};
+
+    use super::*;
+
+    fn head(method: Method, content_type: Option<&str>) -> Parts {
+        let mut b = http::Request::builder()
+            .method(method)
+            .uri("/v1/chat/completions");
+        if let Some(ct) = content_type {
+            b = b.header(header::CONTENT_TYPE, ct);
+        }
+        b.body(()).unwrap().into_parts().0
+    }
+
+    #[test]
+    fn a_shared_gateway_routes_by_model_and_refuses_the_rest() {
+        let gw = super::super::test_shared_gateway(&["a", "b"]);
+        let shared = gw.shared().clone();
+        let post = head(Method::POST, Some("application/json"));
+        let routed = route(&shared, &post, br#"{"model":"b","stream":true}"#)
+            .unwrap_or_else(|_| panic!("not routed"));
+        assert_eq!(routed.model.key(), "ns/b");
+        assert!(routed.hints.is_some_and(|h| h.stream));
+        assert_eq!(
+            route(&shared, &post, br#"{"model":"x"}"#).err(),
+            Some(Rejection::UnknownModel { model: "x".into() })
+        );
+        for (parts, body) in [
+            (post.clone(), &br#"{"messages":[]}"#[..]),
+            (post.clone(), b"not json"),
+            (post.clone(), br#"{"model":3}"#),
+            (head(Method::POST, Some("text/plain")), br#"{"model":"a"}"#),
+            (head(Method::GET, None), b""),
+        ] {
+            assert_eq!(
+                route(&shared, &parts, body).err(),
+                Some(Rejection::ModelRequired),
+                "{}",
+                String::from_utf8_lossy(body)
+            );
+        }
+        // Nothing was admitted anywhere.
+        for m in gw.models() {
+            assert_eq!(m.demand().state().local(), 0);
+        }
+    }
+
+    #[test]
+    fn a_single_service_gateway_reads_nothing() {
+        let shared =
+            super::super::test_shared(crate::GatewayConfig::default(), crate::EndpointSet::new());
+        let routed = route(&shared, &head(Method::POST, None), br#"{"model":"x"}"#)
+            .unwrap_or_else(|_| panic!("not routed"));
+        assert!(routed.hints.is_none());
+    }
+}
