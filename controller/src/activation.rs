@@ -8,7 +8,8 @@
 //! | phase | from | to |
 //! |---|---|---|
 //! | `scaleDecision` | KEDA's `KEDAScaleTargetActivated` Event on the ScaledObject | pod `creationTimestamp` |
-//! | `scheduled` | pod `creationTimestamp` | `PodScheduled` condition `lastTransitionTime` |
+//! | `waitingForDevices` | the scheduler's first `FailedScheduling` Event naming `Insufficient <r>` for an extended resource the pod requests | `PodScheduled` `lastTransitionTime` (absent when never refused so) |
+//! | `scheduled` | pod `creationTimestamp` | `PodScheduled` condition `lastTransitionTime`, less `waitingForDevices` |
 //! | `imagePull` | kubelet `Pulling` Event of the model container | its `Pulled` Event (the duration it states), 0 when the image was present |
 //! | `containersStarted` | scheduled + image pull | the model container's `state.running.startedAt` |
 //! | `modelReady` | `startedAt` | `Ready` condition `lastTransitionTime` |
@@ -56,7 +57,10 @@ pub struct Timeline {
     pub image_present: Option<bool>,
     /// KEDA's scale-up until the pod was created; `None` when unknown or negative.
     pub scale_decision: Option<Duration>,
-    /// Created until scheduled.
+    /// The scheduler's first verdict that no node had the pod's accelerator free until it
+    /// was scheduled ([`waiting_for_devices`]); `None` when it never said so.
+    pub waiting_for_devices: Option<Duration>,
+    /// Created until scheduled, less `waiting_for_devices`.
     pub scheduled: Duration,
     /// The image pull; `None` when no kubelet Event says.
     pub image_pull: Option<Duration>,
@@ -194,6 +198,25 @@ fn image_pull(events: &[Event], container: &str) -> (Option<bool>, Option<Durati
     (Some(false), from_events)
 }
 
+/// When the scheduler first said no node had `pod`'s accelerator free: the earliest
+/// `FailedScheduling` Event on the pod whose message names `Insufficient <r>` for an extended
+/// resource `r` the pod requests (the same verdict [`crate::handover::waiting_for`] reads from
+/// the pod's condition, which its scheduling overwrites).
+pub fn devices_refused_at(pod: &Pod, events: &[Event]) -> Option<Timestamp> {
+    let requested = crate::handover::requests(pod);
+    events
+        .iter()
+        .filter(|e| e.reason.as_deref() == Some("FailedScheduling"))
+        .filter(|e| {
+            let m = e.message.as_deref().unwrap_or_default();
+            requested
+                .keys()
+                .any(|r| m.contains(&format!("Insufficient {r}")))
+        })
+        .filter_map(first_seen)
+        .min()
+}
+
 /// The timeline of `pod` turning Ready, with its kubelet `events` (core/v1, listed by
 /// `involvedObject.uid`) and the time KEDA scaled its Deployment up
 /// (`scaled_object_active_since`, see [`scaler_activated_at`]). `None` while the pod is not
@@ -229,6 +252,8 @@ pub fn timeline(
         (Some(_), Some(since)) => since.min(created),
         _ => created,
     };
+    let waiting_for_devices =
+        devices_refused_at(pod, events).map(|since| clamped(since, scheduled_at));
     Some(Timeline {
         pod: pod.metadata.name.clone().unwrap_or_default(),
         pod_uid: pod.metadata.uid.clone().unwrap_or_default(),
@@ -237,7 +262,9 @@ pub fn timeline(
         ready,
         image_present,
         scale_decision,
-        scheduled: clamped(created, scheduled_at),
+        waiting_for_devices,
+        scheduled: clamped(created, scheduled_at)
+            .saturating_sub(waiting_for_devices.unwrap_or(Duration::ZERO)),
         image_pull,
         containers_started: clamped(scheduled_at, started)
             .saturating_sub(image_pull.unwrap_or(Duration::ZERO)),
@@ -310,6 +337,7 @@ impl Timeline {
             image_present: self.image_present,
             phases: ActivationPhases {
                 scale_decision: self.scale_decision.map(go_duration),
+                waiting_for_devices: self.waiting_for_devices.map(go_duration),
                 scheduled: go_duration(self.scheduled),
                 image_pull: self.image_pull.map(go_duration),
                 containers_started: go_duration(self.containers_started),
@@ -323,6 +351,7 @@ impl Timeline {
     pub fn phases(&self) -> Vec<(&'static str, f64)> {
         [
             ("scale_decision", self.scale_decision),
+            ("waiting_for_devices", self.waiting_for_devices),
             ("scheduled", Some(self.scheduled)),
             ("image_pull", self.image_pull),
             ("containers_started", Some(self.containers_started)),
@@ -340,6 +369,9 @@ impl Timeline {
         let mut parts = Vec::new();
         if let Some(d) = self.scale_decision {
             parts.push(format!("scale decision {}", short(d)));
+        }
+        if let Some(d) = self.waiting_for_devices {
+            parts.push(format!("waiting for devices {}", short(d)));
         }
         parts.push(format!("scheduled {}", short(self.scheduled)));
         match (self.image_present, self.image_pull) {

@@ -19,6 +19,7 @@ pub mod activation;
 pub mod adopt;
 pub mod attach;
 pub mod diff;
+pub mod handover;
 pub mod labels;
 pub mod leader;
 pub mod metrics;

@@ -151,6 +151,12 @@ struct RunArgs {
     /// evaluates them (needs list/watch on servingpolicies); false: the built-ins only.
     #[arg(long, env = "HEARTH_CLUSTER_POLICIES", default_value_t = true, action = clap::ArgAction::Set)]
     cluster_policies: bool,
+    /// Device handover: a cold service whose backend pod cannot be scheduled for lack of its
+    /// accelerator may take an idle service's (lower or equal `spec.scaling.priority`, past its
+    /// `minResidency`, no request in flight) to zero through KEDA's pause; false: services
+    /// wait for devices to free by themselves.
+    #[arg(long, env = "HEARTH_DEVICE_HANDOVER", default_value_t = true, action = clap::ArgAction::Set)]
+    device_handover: bool,
     /// Namespace of the DaemonSets that pre-pull the images of runtimes with `spec.prePull`
     /// (the controller's own, which the chart sets); unset or empty: no pre-pull (and
     /// `prePull` has no effect).
@@ -314,6 +320,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         concurrency: args.concurrency,
         instance: identity,
         cluster_policies: args.cluster_policies,
+        device_handover: args.device_handover,
     };
     // Both loops stop on the same signal (or lost lease).
     let shutdown = shutdown.boxed().shared();

@@ -26,9 +26,16 @@ pub struct ErrorLabels {
 /// Label of `hearth_activation_phase_seconds`: the phase of an activation.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct PhaseLabel {
-    /// `scale_decision`, `scheduled`, `image_pull`, `containers_started`, `model_ready`,
-    /// `total` (see [`crate::activation`]).
+    /// `scale_decision`, `waiting_for_devices`, `scheduled`, `image_pull`,
+    /// `containers_started`, `model_ready`, `total` (see [`crate::activation`]).
     pub phase: &'static str,
+}
+
+/// Label of `hearth_device_handovers_total`: the extended resource handed over.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ResourceLabel {
+    /// The resource's name, as the runtime and the device plugin name it (`nvidia.com/gpu`).
+    pub resource: String,
 }
 
 /// Buckets of `hearth_activation_phase_seconds`: 1 ms doubling to about 35 min, for phases from
@@ -53,6 +60,9 @@ pub struct Metrics {
     /// `hearth_activation_phase_seconds{phase}`: one observation per phase of each recorded
     /// activation (0→1), seconds.
     pub activation_phases: Family<PhaseLabel, Histogram>,
+    /// `hearth_device_handovers_total{resource}`: services taken to zero so that a waiting
+    /// service's backend gets their devices (one per victim, see [`crate::handover`]).
+    pub device_handovers: Family<ResourceLabel, Counter>,
     registry: Arc<Registry>,
     /// Metrics under their own names (no `hearth_controller` prefix): the libraries'
     /// `hearth_policy_native_fallbacks_total{reason}` (see [`hearth_policies::fallback`]) and
@@ -101,7 +111,13 @@ impl Metrics {
         let activation_phases = Family::<PhaseLabel, Histogram>::new_with_constructor(
             new_activation_histogram as fn() -> Histogram,
         );
+        let device_handovers = Family::<ResourceLabel, Counter>::default();
         let mut libraries = Registry::default();
+        libraries.register(
+            "hearth_device_handovers",
+            "Services taken to zero to hand their accelerators to a waiting service, by resource",
+            device_handovers.clone(),
+        );
         libraries.register_collector(Box::new(hearth_policies::fallback::Collector));
         // Shared with the gateway, which observes its own phases under the same name.
         libraries.register(
@@ -116,6 +132,7 @@ impl Metrics {
             kube_requests,
             writes,
             activation_phases,
+            device_handovers,
             registry: Arc::new(registry),
             libraries: Arc::new(libraries),
         }

@@ -40,6 +40,9 @@ pub const VALIDATED: &str = "Validated";
 pub const ENDPOINT_ACCEPTED: &str = hearth_crds::llmendpoint::CONDITION_ENDPOINT_ACCEPTED;
 /// The `Validated=True` reason of a spec without findings.
 pub const VALID: &str = "Valid";
+/// `Ready=False` reason (and phase) while a backend pod waits for its accelerator; the device
+/// handover's outcome is appended to the message (`crate::reconcile::handover`).
+pub const WAITING_FOR_DEVICES: &str = "WaitingForDevices";
 
 fn joined<'a>(findings: impl Iterator<Item = &'a Finding>) -> String {
     findings
@@ -188,6 +191,9 @@ pub struct BackendState {
     pub stuck: bool,
     /// A backend pod's container that cannot start, from [`pod_failure`].
     pub failing: Option<String>,
+    /// A backend pod the scheduler cannot place for lack of its accelerator
+    /// ([`crate::handover::waiting_for`]): `pod P: <the scheduler's message>`.
+    pub waiting_for_devices: Option<String>,
 }
 
 /// Waiting reasons of a container that will not start without a change (to the pod, the
@@ -255,12 +261,18 @@ impl BackendState {
                         .any(|c| c.type_ == "Progressing" && c.status == "False")
                 }),
             failing: None,
+            waiting_for_devices: None,
         }
     }
 
-    /// Adds the first failure among the backend's `pods` ([`pod_failure`]).
+    /// Adds the first failure among the backend's `pods` ([`pod_failure`]), and the first pod
+    /// waiting for devices ([`crate::handover::waiting_for`]).
     pub fn with_pods<'a>(mut self, pods: impl IntoIterator<Item = &'a Pod>) -> Self {
-        self.failing = pods.into_iter().find_map(pod_failure);
+        let pods: Vec<&Pod> = pods.into_iter().collect();
+        self.failing = pods.iter().copied().find_map(pod_failure);
+        self.waiting_for_devices = pods.iter().find_map(|p| {
+            crate::handover::waiting_for(p).map(|w| format!("pod {}: {}", w.pod, w.message))
+        });
         self
     }
 }
@@ -492,6 +504,17 @@ pub fn phase_and_ready(
         };
         return (LLMServicePhase::ScaledToZero, ready);
     }
+    if let Some(why) = &backend.waiting_for_devices {
+        return (
+            LLMServicePhase::WaitingForDevices,
+            Cond::new(
+                READY,
+                Some(false),
+                WAITING_FOR_DEVICES,
+                format!("the scheduler finds no node with the accelerator free ({why})"),
+            ),
+        );
+    }
     (
         LLMServicePhase::Loading,
         Cond::new(
@@ -616,7 +639,7 @@ mod tests {
             desired: 1,
             ready: 0,
             stuck: true,
-            failing: None,
+            ..Default::default()
         };
         assert_eq!(phase_and_ready(stuck, 1, &[]).0, LLMServicePhase::Degraded);
         let failing = b(true, 1, 0).with_pods([&waiting_pod("CreateContainerError")]);
@@ -633,6 +656,25 @@ mod tests {
         assert_eq!(
             phase_and_ready(creating, 1, &[]).0,
             LLMServicePhase::Loading
+        );
+        let unschedulable: Pod = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "m-1"},
+            "spec": {"containers": [{"name": "vllm",
+                "resources": {"limits": {"hearth.dev/fake-gpu": "1"}}}]},
+            "status": {"phase": "Pending", "conditions": [{"type": "PodScheduled",
+                "status": "False", "reason": "Unschedulable",
+                "message": "0/1 nodes are available: 1 Insufficient hearth.dev/fake-gpu."}]},
+        }))
+        .unwrap();
+        let waiting = b(true, 1, 0).with_pods([&unschedulable]);
+        let (p, r) = phase_and_ready(waiting, 1, &autoscaling_ok());
+        assert_eq!(
+            (p, r.reason.as_str(), r.message.as_str()),
+            (
+                LLMServicePhase::WaitingForDevices,
+                WAITING_FOR_DEVICES,
+                "the scheduler finds no node with the accelerator free (pod m-1: 0/1 nodes are available: 1 Insufficient hearth.dev/fake-gpu.)"
+            )
         );
         let failed = [Cond::new(PREWARMED, Some(false), "PrewarmFailed", "")];
         assert_eq!(

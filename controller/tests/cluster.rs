@@ -89,6 +89,7 @@ fn start(client: Client, namespace: &str, render: RenderConfig, requeue: Duratio
         concurrency: 4,
         instance: format!("test-{namespace}"),
         cluster_policies: true,
+        device_handover: true,
     };
     let m = metrics.clone();
     let task = tokio::spawn(async move {

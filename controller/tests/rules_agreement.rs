@@ -269,6 +269,8 @@ const SCALER: &str = "serving.hearth.dev/scaler";
 #[case::cpu(json!({"spec": {"resources": {"cpu": "lots"}}}), Refused("spec.resources.cpu", "Ready", "InvalidSpec"))]
 #[case::negative_memory(json!({"spec": {"resources": {"memory": "-1Gi"}}}), Refused("spec.resources.memory", "Ready", "InvalidSpec"))]
 #[case::duration(json!({"spec": {"scaling": {"drainTimeout": "2 minutes"}}}), Refused("spec.scaling.drainTimeout", "Ready", "InvalidSpec"))]
+#[case::min_residency(json!({"spec": {"scaling": {"minResidency": "two minutes"}}}), Refused("spec.scaling.minResidency", "Ready", "InvalidSpec"))]
+#[case::priority(json!({"spec": {"scaling": {"priority": 5000}}}), Refused("spec.scaling.priority", "Ready", "InvalidSpec"))]
 #[case::warm_window_zone(json!({"spec": {"scaling": {"warmWindows": [{"timezone": "Berlin", "start": "0 8 * * *", "end": "0 18 * * *", "replicas": 1}]}}}), Refused("spec.scaling.warmWindows[0].timezone", "Ready", "InvalidSpec"))]
 #[case::warm_window_cron(json!({"spec": {"scaling": {"warmWindows": [{"timezone": "UTC", "start": "0 0 8 * * *", "end": "0 18 * * *", "replicas": 1}]}}}), Refused("spec.scaling.warmWindows[0].start", "Ready", "InvalidSpec"))]
 #[case::warm_window_above_max(json!({"spec": {"scaling": {"max": 1, "warmWindows": [{"timezone": "UTC", "start": "0 8 * * *", "end": "0 18 * * *", "replicas": 2}]}}}), Refused("spec.scaling.warmWindows[0].replicas", "Ready", "InvalidSpec"))]

@@ -283,6 +283,50 @@ pub fn window_problem(start: &Schedule, end: &Schedule) -> Option<WindowProblem>
     None
 }
 
+/// Whether a window from `start` to `end` is open at `unix_seconds`, read in the IANA zone
+/// `timezone`, as KEDA's cron scaler decides it: open while the next time `end` fires comes
+/// before the next time `start` fires (both strictly after now, to the minute). `None` when
+/// the zone is unknown or neither fires within 28 years (rules refuse both).
+pub fn open_at(
+    start: &Schedule,
+    end: &Schedule,
+    timezone: &str,
+    unix_seconds: i64,
+) -> Option<bool> {
+    use chrono::{Datelike, Timelike};
+    let tz: chrono_tz::Tz = timezone.parse().ok()?;
+    let local = chrono::DateTime::from_timestamp(unix_seconds, 0)?.with_timezone(&tz);
+    let (mut year, mut month, mut day) = (
+        u32::try_from(local.year()).ok()?,
+        local.month(),
+        local.day(),
+    );
+    let mut dow = local.weekday().num_days_from_sunday();
+    // Fire times strictly after this minute of the first day, every minute of the next ones.
+    let mut after = Some(local.hour() * 60 + local.minute());
+    for _ in 0..WALK_DAYS {
+        let first = |s: &Schedule| {
+            s.matches_day(month, day, dow)
+                .then(|| {
+                    s.minutes_of_day()
+                        .into_iter()
+                        .find(|m| after.is_none_or(|a| *m > a))
+                })
+                .flatten()
+        };
+        match (first(start), first(end)) {
+            (Some(s), Some(e)) => return Some(e < s),
+            (Some(_), None) => return Some(false),
+            (None, Some(_)) => return Some(true),
+            (None, None) => {}
+        }
+        after = None;
+        (year, month, day) = next_date(year, month, day);
+        dow = (dow + 1) % 7;
+    }
+    None
+}
+
 /// `Sat 2000-01-08 18:00`.
 fn stamp(year: u32, month: u32, day: u32, dow: u32, minute: u32) -> String {
     const DAYS: [&str; 7] = ["Sun", "Mon", "Tue", "Wed", "Thu", "Fri", "Sat"];
@@ -545,5 +589,99 @@ mod tests {
         assert_ne!(parse("0 8 * * *"), parse("0 18 * * *"));
         // Every day, but not the same rule for combining the day fields.
         assert_ne!(parse("0 8 * * 1"), parse("0 8 1-31 * 1"));
+    }
+
+    /// 2026-12-07 is a Monday; `at` is UTC.
+    #[rstest]
+    // Business hours in UTC.
+    #[case(
+        "0 8 * * MON-FRI",
+        "0 18 * * MON-FRI",
+        "UTC",
+        "2026-12-07T09:00:00Z",
+        true
+    )]
+    #[case(
+        "0 8 * * MON-FRI",
+        "0 18 * * MON-FRI",
+        "UTC",
+        "2026-12-07T07:59:00Z",
+        false
+    )]
+    #[case(
+        "0 8 * * MON-FRI",
+        "0 18 * * MON-FRI",
+        "UTC",
+        "2026-12-07T18:00:00Z",
+        false
+    )]
+    #[case(
+        "0 8 * * MON-FRI",
+        "0 18 * * MON-FRI",
+        "UTC",
+        "2026-12-05T12:00:00Z",
+        false
+    )]
+    // The start minute itself: open (the next fire is the end).
+    #[case(
+        "0 8 * * MON-FRI",
+        "0 18 * * MON-FRI",
+        "UTC",
+        "2026-12-07T08:00:00Z",
+        true
+    )]
+    // Over midnight, in Berlin (UTC+1 in December): 22:00-06:00 local.
+    #[case(
+        "0 22 * * *",
+        "0 6 * * *",
+        "Europe/Berlin",
+        "2026-12-07T22:30:00Z",
+        true
+    )]
+    #[case(
+        "0 22 * * *",
+        "0 6 * * *",
+        "Europe/Berlin",
+        "2026-12-07T20:30:00Z",
+        false
+    )]
+    #[case(
+        "0 22 * * *",
+        "0 6 * * *",
+        "Europe/Berlin",
+        "2026-12-08T04:59:00Z",
+        true
+    )]
+    #[case(
+        "0 22 * * *",
+        "0 6 * * *",
+        "Europe/Berlin",
+        "2026-12-08T05:00:00Z",
+        false
+    )]
+    // A weekend window: open on Sunday.
+    #[case("0 22 * * FRI", "0 6 * * MON", "UTC", "2026-12-06T12:00:00Z", true)]
+    fn a_window_is_open_as_keda_decides(
+        #[case] start: &str,
+        #[case] end: &str,
+        #[case] tz: &str,
+        #[case] at: &str,
+        #[case] open: bool,
+    ) {
+        let n = |r: std::ops::Range<usize>| at[r].parse::<u32>().unwrap();
+        let at = chrono::NaiveDate::from_ymd_opt(n(0..4) as i32, n(5..7), n(8..10))
+            .and_then(|d| d.and_hms_opt(n(11..13), n(14..16), 0))
+            .unwrap()
+            .and_utc()
+            .timestamp();
+        let (start, end) = (parse(start).unwrap(), parse(end).unwrap());
+        assert_eq!(open_at(&start, &end, tz, at), Some(open));
+    }
+
+    #[test]
+    fn an_unknown_zone_is_no_answer() {
+        let s = parse("0 8 * * *").unwrap();
+        let e = parse("0 18 * * *").unwrap();
+        assert_eq!(open_at(&s, &e, "Berlin", 0), None);
     }
 }

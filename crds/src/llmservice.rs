@@ -272,6 +272,22 @@ pub struct ScalingSpec {
     /// effect (a warning). A Hearth extension of the public API.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sleep: Option<SleepSpec>,
+
+    /// priority orders services that compete for accelerators (device handover): when a cold
+    /// service's backend pod cannot be scheduled for lack of its accelerator, Hearth may take
+    /// an idle service of the same or lower priority to zero to free one, lowest priority
+    /// first. Higher wins; -1000 to 1000. Hearth's own value, not a PriorityClass: the
+    /// scheduler would preempt a busy backend for a PriorityClass, cutting requests in flight.
+    /// A Hearth extension of the public API.
+    #[serde(default)]
+    #[schemars(range(min = -1000, max = 1000))]
+    pub priority: i32,
+
+    /// minResidency is how long a backend replica serves after it turned Ready before a device
+    /// handover may take this service to zero for another one, so two models on one device do
+    /// not thrash. A Hearth extension of the public API.
+    #[serde(default = "default_min_residency")]
+    pub min_residency: Duration,
 }
 
 /// The sleeping tier of a service (see `ScalingSpec::sleep`). Checked by `hearth_crds::rules`.
@@ -341,6 +357,8 @@ impl Default for ScalingSpec {
             drain_timeout: default_drain_timeout(),
             warm_windows: Vec::new(),
             sleep: None,
+            priority: 0,
+            min_residency: default_min_residency(),
         }
     }
 }
@@ -358,6 +376,9 @@ fn default_scale_down_stabilization() -> Duration {
     Duration::new("5m")
 }
 fn default_drain_timeout() -> Duration {
+    Duration::new("2m")
+}
+fn default_min_residency() -> Duration {
     Duration::new("2m")
 }
 
@@ -552,6 +573,10 @@ pub enum LLMServicePhase {
     Ready,
     /// No backend replica runs; the next request wakes one.
     ScaledToZero,
+    /// A backend pod waits for its accelerator: the scheduler finds no node with a free one,
+    /// and a device handover frees one (or none is possible, see the `Ready` condition). A
+    /// Hearth extension of the public API.
+    WaitingForDevices,
     /// Something prevents serving; see the conditions.
     Degraded,
 }
@@ -652,7 +677,15 @@ pub struct ActivationPhases {
     #[schemars(length(max = 32))]
     pub scale_decision: Option<String>,
 
-    /// scheduled: pod created until `PodScheduled`.
+    /// waitingForDevices: the scheduler's first verdict that no node had the pod's
+    /// accelerator free until the pod was scheduled (a device handover, or a device freed by
+    /// other means); absent when the pod was never refused for its accelerator. A Hearth
+    /// extension of the public API.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 32))]
+    pub waiting_for_devices: Option<String>,
+
+    /// scheduled: pod created until `PodScheduled`, less `waitingForDevices`.
     #[schemars(length(max = 32))]
     pub scheduled: String,
 

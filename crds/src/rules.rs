@@ -65,6 +65,12 @@ pub const MAX_NAME_LEN: usize = 63 - "-backend".len();
 /// trigger, polled every `pollingInterval`.
 pub const MAX_WARM_WINDOWS: usize = 10;
 
+/// The lowest `spec.scaling.priority` (the CRD's `minimum`).
+pub const MIN_PRIORITY: i32 = -1000;
+
+/// The highest `spec.scaling.priority` (the CRD's `maximum`).
+pub const MAX_PRIORITY: i32 = 1000;
+
 /// Whether a finding blocks rendering.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Severity {
@@ -444,6 +450,16 @@ pub fn check_llmservice(svc: &LLMService, runtime: Option<&InferenceRuntime>) ->
             ),
         );
     }
+    if !(MIN_PRIORITY..=MAX_PRIORITY).contains(&spec.scaling.priority) {
+        f.error(
+            Reason::InvalidSpec,
+            "spec.scaling.priority",
+            format!(
+                "{} is out of range; write a value from {MIN_PRIORITY} to {MAX_PRIORITY} (higher wins a device handover)",
+                spec.scaling.priority
+            ),
+        );
+    }
     if spec.scaling.metric == ScalingMetric::KvCacheUtil {
         f.error(
             Reason::MetricNotImplemented,
@@ -461,6 +477,7 @@ pub fn check_llmservice(svc: &LLMService, runtime: Option<&InferenceRuntime>) ->
             &spec.scaling.scale_down_stabilization,
         ),
         ("spec.scaling.drainTimeout", &spec.scaling.drain_timeout),
+        ("spec.scaling.minResidency", &spec.scaling.min_residency),
         (
             "spec.endpoint.coldStart.heartbeatInterval",
             &spec.endpoint.cold_start.heartbeat_interval,

@@ -425,6 +425,24 @@ fn warm_windows_bound_matches_the_rules() {
     );
 }
 
+/// The schema's range of `priority` is the one the rules apply, and its default is 0; a
+/// missing `minResidency` defaults to 2m.
+#[test]
+fn priority_bounds_match_the_rules() {
+    let schema = schema_of(&LLMService::crd());
+    let scaling = &schema["properties"]["spec"]["properties"]["scaling"]["properties"];
+    assert_eq!(
+        scaling["priority"]["minimum"].as_f64(),
+        Some(f64::from(hearth_crds::rules::MIN_PRIORITY))
+    );
+    assert_eq!(
+        scaling["priority"]["maximum"].as_f64(),
+        Some(f64::from(hearth_crds::rules::MAX_PRIORITY))
+    );
+    assert_eq!(scaling["priority"]["default"], serde_json::json!(0));
+    assert_eq!(scaling["minResidency"]["default"], serde_json::json!("2m"));
+}
+
 fn endpoint_with(spec: Value) -> Value {
     serde_json::json!({
         "apiVersion": "serving.hearth.dev/v1alpha1",

@@ -141,6 +141,8 @@ pub struct DemandHub {
     demand_to_ready: Histogram,
     /// Bumped on every rise of this hub's demand from 0 (see [`DemandHub::with_rises`]).
     rises: Option<Arc<watch::Sender<u64>>>,
+    /// When the last admitted request finished (the hub's creation before the first).
+    last_done: Arc<Mutex<Instant>>,
 }
 
 impl DemandHub {
@@ -165,7 +167,18 @@ impl DemandHub {
             activations: Default::default(),
             demand_to_ready: Histogram::new(std::iter::empty()),
             rises: None,
+            last_done: Arc::new(Mutex::new(Instant::now())),
         }
+    }
+
+    /// How long this replica has had no demand: zero while a request is admitted or the
+    /// activation lease is held, else since the last admitted request finished (or since the
+    /// hub was made). What the device handover ranks idle models by.
+    pub fn idle(&self) -> Duration {
+        if self.state().local() > 0 {
+            return Duration::ZERO;
+        }
+        lock(&self.last_done).elapsed()
     }
 
     /// Bumps `rises` on every rise of this hub's demand from 0: a shared gateway's demand
@@ -336,6 +349,7 @@ pub struct Admission {
 
 impl Drop for Admission {
     fn drop(&mut self) {
+        *lock(&self.hub.last_done) = Instant::now();
         self.hub
             .tx
             .send_modify(|s| s.pending = s.pending.saturating_sub(1));
@@ -525,6 +539,21 @@ mod tests {
         let _c = hub.try_admit().unwrap();
         drop(b);
         assert_eq!(hub.state().total(), Ok(1));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn idle_is_zero_while_busy_and_counts_from_the_last_request() {
+        let hub = DemandHub::new(8, false);
+        tokio::time::advance(Duration::from_secs(5)).await;
+        assert_eq!(hub.idle(), Duration::from_secs(5));
+        let a = hub.try_admit().unwrap();
+        tokio::time::advance(Duration::from_secs(3)).await;
+        assert_eq!(hub.idle(), Duration::ZERO);
+        drop(a);
+        tokio::time::advance(Duration::from_secs(2)).await;
+        assert_eq!(hub.idle(), Duration::from_secs(2));
+        hub.set_lease(true);
+        assert_eq!(hub.idle(), Duration::ZERO);
     }
 
     #[test]

@@ -7,7 +7,7 @@
 //! | `GET /healthz` | `200` while the process runs (liveness) |
 //! | `GET /readyz` | `200`, or `503` once draining (readiness) |
 //! | `GET /hearth/queue` | `{"pending": N}`: total demand over all replicas (KEDA `metrics-api`); `503` with an error while the total is unknown |
-//! | `GET /hearth/queue/local` | this replica's demand only (what KEDA's `aggregateFromKubeServiceEndpoints` sums; KEDA drops a URL's query there, so the path says it) |
+//! | `GET /hearth/queue/local` | this replica's demand only (what KEDA's `aggregateFromKubeServiceEndpoints` sums; KEDA drops a URL's query there, so the path says it), and `idleSeconds`: since its last request finished, 0 while it has demand (the controller's device handover reads both) |
 //! | `GET /hearth/queue/<namespace>/<name>[/local]` | the same for one model of a shared gateway (required there: `/hearth/queue` is `400`; `404` for a service not in the table) |
 //! | `GET /hearth/queue?scope=local&service=<namespace>/<name>` | the query forms of the above, for clients that keep the query |
 //! | `GET /hearth/local-demand` | internal: newline-delimited `{"demand": N}` (a shared gateway: `{"demand": {"<namespace>/<name>": N, ...}}`) on every change of this replica's demand, for peer replicas |
@@ -742,7 +742,11 @@ fn queue_answer(shared: &Shared, service: Option<&str>, scope: Option<&str>) -> 
     let state = model.demand_state();
     let value = match scope {
         None | Some("total") => state.total(),
-        Some("local") => Ok(state.local()),
+        Some("local") => {
+            let idle = model.state.demand.idle().as_secs_f64();
+            return axum::Json(serde_json::json!({"pending": state.local(), "idleSeconds": idle}))
+                .into_response();
+        }
         Some(other) => {
             return queue_error(
                 StatusCode::BAD_REQUEST,

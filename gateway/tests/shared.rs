@@ -238,22 +238,37 @@ async fn keda_reads_each_model_by_its_service() {
         q("?service=ns/a").await,
         (StatusCode::OK, serde_json::json!({"pending": 1}))
     );
+    let (status, local) = q("?service=ns/a&scope=local").await;
     assert_eq!(
-        q("?service=ns/a&scope=local").await,
-        (StatusCode::OK, serde_json::json!({"pending": 1}))
+        (status, &local["pending"]),
+        (StatusCode::OK, &serde_json::json!(1))
     );
+    // While it has demand the replica is not idle (what the device handover ranks by).
+    assert_eq!(local["idleSeconds"], serde_json::json!(0.0));
     assert_eq!(
         q("?service=ns/b").await,
         (StatusCode::OK, serde_json::json!({"pending": 0}))
     );
     // The path forms, which KEDA's endpoint aggregation keeps (it drops the query).
     for (path, pending) in [("/ns/a", 1), ("/ns/a/local", 1), ("/ns/b/local", 0)] {
+        let (status, v) = q(path).await;
         assert_eq!(
-            q(path).await,
-            (StatusCode::OK, serde_json::json!({ "pending": pending })),
+            (status, &v["pending"]),
+            (StatusCode::OK, &serde_json::json!(pending)),
             "{path}"
         );
+        // The local answers say how long the replica has had no demand for the model.
+        assert_eq!(
+            v.get("idleSeconds").is_some(),
+            path.ends_with("/local"),
+            "{path}: {v}"
+        );
     }
+    let (_, idle_b) = q("/ns/b/local").await;
+    assert!(
+        idle_b["idleSeconds"].as_f64().is_some_and(|s| s > 0.0),
+        "{idle_b}"
+    );
     let (status, v) = q("/ns/zz/local").await;
     assert_eq!(status, StatusCode::NOT_FOUND, "{v}");
     let (status, v) = q("/local").await;

@@ -205,3 +205,14 @@ egress:
   resources: ["events"]
   verbs: ["list"]
 {{- end -}}
+
+{{/*
+Whether the controller runs device handovers: controller.deviceHandover.enabled, and not with
+controller.watchNamespace (a handover counts the devices of every pod bound to a node, which a
+namespace-scoped installation may not list). Empty when off.
+*/}}
+{{- define "hearth.deviceHandover" -}}
+{{- if and .Values.controller.deviceHandover.enabled (not .Values.controller.watchNamespace) -}}
+true
+{{- end -}}
+{{- end -}}

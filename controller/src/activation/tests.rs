@@ -131,6 +131,44 @@ fn phases_from_pod_and_events(
 }
 
 #[test]
+fn the_wait_for_devices_is_a_phase_of_its_own() {
+    // Scheduled at 9 s; the scheduler refused it for its accelerator from 0.25 s (twice), and
+    // once for CPU before that, which is no wait for devices.
+    let mut p = pod("a", Some(9.0), 12.0, Some(42.0));
+    p.spec.as_mut().unwrap().containers[0].resources = Some(
+        serde_json::from_value(json!({"limits": {"hearth.dev/fake-gpu": "1", "cpu": "1"}}))
+            .unwrap(),
+    );
+    let refused = |msg: &str, first: f64| {
+        let mut e = event("FailedScheduling", "", msg, first);
+        e.involved_object.field_path = None;
+        e
+    };
+    let mut events = present();
+    events.push(refused("0/1 nodes are available: 1 Insufficient cpu.", 0.1));
+    events.push(refused(
+        "0/1 nodes are available: 1 Insufficient hearth.dev/fake-gpu. preemption: 0/1 nodes are available: 1 No preemption victims found for incoming pod.",
+        0.25,
+    ));
+    events.push(refused(
+        "0/1 nodes are available: 1 Insufficient hearth.dev/fake-gpu.",
+        3.0,
+    ));
+    let t = timeline(&p, &events, None).unwrap();
+    assert_eq!(
+        phases(&t),
+        json!({"waitingForDevices": "8.75s", "scheduled": "250ms", "imagePull": "0s",
+            "containersStarted": "3s", "modelReady": "30s", "total": "42s"})
+    );
+    assert!(
+        t.note().contains("waiting for devices 8.8s"),
+        "{}",
+        t.note()
+    );
+    assert!(t.phases().contains(&("waiting_for_devices", 8.75)));
+}
+
+#[test]
 fn a_pulled_image_without_a_stated_duration_is_timed_by_its_events() {
     let events = vec![
         event("Pulling", "vllm", "Pulling image \"x\"", 2.0),

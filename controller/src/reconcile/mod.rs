@@ -87,6 +87,7 @@ use crate::{
 mod desired;
 mod endpoint;
 mod execute;
+mod handover;
 mod member;
 mod plan;
 #[cfg(test)]
@@ -211,6 +212,9 @@ pub struct RunConfig {
     /// Render backends with the cluster's ServingPolicies too (after `render.engine`'s, the
     /// built-ins), as the webhook evaluates them; `false`: only `render.engine`'s.
     pub cluster_policies: bool,
+    /// Device handover (`crate::handover`): a cold service whose backend waits for its
+    /// accelerator may take an idle service's. `false` only stops new handovers.
+    pub device_handover: bool,
 }
 
 impl RunConfig {
@@ -223,6 +227,7 @@ impl RunConfig {
             concurrency: 16,
             instance: "hearth-controller".to_owned(),
             cluster_policies: true,
+            device_handover: true,
         }
     }
 }
@@ -271,6 +276,8 @@ pub struct Context {
     keda: Arc<KedaState>,
     recorder: Recorder,
     policies: Option<policy::ClusterEngine>,
+    /// The device handover's settings and lock.
+    handover: handover::Handover,
 }
 
 impl Context {
@@ -608,9 +615,18 @@ async fn reconcile_inner(svc: &LLMService, ctx: &Context) -> Result<Action, Erro
     );
     let mut plan = plan(svc, desired, &view, &ctx.render);
     execute(ctx, &namespace, &mut plan).await?;
+    let handover = handover::step(ctx, svc, &view).await;
 
     let now = Time(k8s_openapi::jiff::Timestamp::now());
     let mut status = plan.status(svc, &now);
+    if let Some(note) = &handover.note
+        && let Some(ready) = status
+            .conditions
+            .iter_mut()
+            .find(|c| c.type_ == status::READY && c.reason == status::WAITING_FOR_DEVICES)
+    {
+        ready.message = format!("{}; {note}", ready.message);
+    }
     let activated = record_activation(ctx, svc, &namespace, &view).await;
     if let Some(t) = &activated {
         status.last_activation = Some(t.to_status());
@@ -626,7 +642,9 @@ async fn reconcile_inner(svc: &LLMService, ctx: &Context) -> Result<Action, Erro
             publish(ctx, svc, EventType::Normal, "Activated", t.note()).await;
         }
     }
-    Ok(Action::requeue(ctx.requeue))
+    Ok(Action::requeue(
+        handover.requeue.map_or(ctx.requeue, |r| r.min(ctx.requeue)),
+    ))
 }
 
 /// The timeline of a backend pod of `svc` whose readiness is an activation not recorded yet
@@ -860,7 +878,17 @@ pub async fn run(
         &client,
         ns,
         &backend_pods,
-        Some(|p| relevant(p, &(activation::ready_since(p), status::pod_failure(p)))),
+        Some(|p| {
+            relevant(
+                p,
+                &(
+                    activation::ready_since(p),
+                    status::pod_failure(p),
+                    crate::handover::waiting_for(p).map(|w| w.need),
+                    p.metadata.deletion_timestamp.is_some(),
+                ),
+            )
+        }),
     );
 
     let keda = Arc::new(KedaState {
@@ -926,6 +954,7 @@ pub async fn run(
         member_states: std::sync::Mutex::new(HashMap::new()),
         keda,
         policies,
+        handover: handover::Handover::new(cfg.device_handover),
         recorder: Recorder::new(
             client.clone(),
             Reporter {

@@ -1472,6 +1472,16 @@ fn matrix(release_ns: &str) -> Vec<Check> {
     // Activations: backend pods turning Ready, their kubelet's Events and KEDA's.
     add(c, &["list", "watch"], "pods", None, None, true);
     add(c, &["list"], "events", None, team(), true);
+    // Device handover: the nodes its victims run on; nothing more of them.
+    add(c, &["get"], "nodes", None, None, true);
+    add(
+        c,
+        &["list", "watch", "patch", "update"],
+        "nodes",
+        None,
+        None,
+        false,
+    );
     add(
         c,
         &["create"],

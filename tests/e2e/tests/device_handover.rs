@@ -1,0 +1,608 @@
+//! Device handover on the real node: six stub models of one `hearth.dev/fake-gpu` each on the
+//! node's four. Five join one `LLMEndpoint` with two gateway replicas; `batch` (priority -5)
+//! keeps its own gateway; `urgent` has priority 10, the rest 0.
+//!
+//! - **priority and busy models:** with four models loaded and one of them streaming, a cold
+//!   `urgent` takes `batch`'s device (the lowest priority, although it was used last); the
+//!   streaming model is never chosen and its stream completes;
+//! - **a controller restart during a handover:** the controller pod is deleted right after a
+//!   handover starts; the victim's pause is removed, the waiting request is answered;
+//! - **the loop:** a bounded random request loop over all six models for
+//!   `HEARTH_HANDOVER_LOOP_SECONDS` (default 75) seconds: every request answered, handovers
+//!   counted (from the victims' ScaledObjects), and each activation's wait for devices under
+//!   the drain of the handover that freed it (record set until removed) plus 5 s;
+//! - **the baseline:** the same loop with the controller's `--device-handover=false`, in the
+//!   same run; a table compares both (activations, waits for devices, cold starts, failures).
+//!
+//! Runs alone (its own step in tests/run-tests): it needs all four devices, and it restarts the
+//! controller.
+
+mod stack;
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context, Result, bail, ensure};
+use hearth_e2e_harness::{
+    client,
+    stack::{self as hstack, RELEASE_NAMESPACE, ScalerMode},
+};
+use hearth_test_support::{Cluster, Observed, wait_until};
+use k8s_openapi::api::{
+    apps::v1::Deployment,
+    core::v1::{Event, Pod},
+};
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
+use serde_json::{Value, json};
+
+const ENDPOINT: &str = "models";
+/// The six models; `batch` has its own gateway, the others join the endpoint.
+const MODELS: [&str; 6] = ["batch", "m1", "m2", "m3", "m4", "urgent"];
+/// The annotation the controller puts on a victim's ScaledObject during a handover.
+const HANDOVER: &str = "serving.hearth.dev/handover";
+const PAUSED_REPLICAS: &str = "autoscaling.keda.sh/paused-replicas";
+/// A request's bound: the longest a cold request may wait (activation timeout 150 s).
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(160);
+/// A loop request's bound: a handover and a stub's cold start take seconds; without handover
+/// a cold model's devices free only after an idle one's 10-minute cooldown, so its requests
+/// fail at this bound.
+const LOOP_TIMEOUT: Duration = Duration::from_secs(60);
+
+fn model(ns: &str, name: &str) -> Result<Value> {
+    let mut o = hstack::stub_service(ns, ScalerMode::Poll)?;
+    o["metadata"]["name"] = Value::from(name);
+    let priority = match name {
+        "batch" => -5,
+        "urgent" => 10,
+        _ => 0,
+    };
+    o["spec"]["scaling"]["min"] = json!(0);
+    o["spec"]["scaling"]["max"] = json!(1);
+    o["spec"]["scaling"]["priority"] = json!(priority);
+    o["spec"]["scaling"]["minResidency"] = json!("10s");
+    o["spec"]["scaling"]["scaleDownStabilization"] = json!("10m");
+    o["spec"]["scaling"]["activationTimeout"] = json!("150s");
+    if name != "batch" {
+        o["spec"]["endpoint"]["sharedEndpointRef"] = json!({"name": ENDPOINT});
+    }
+    Ok(o)
+}
+
+/// One request's outcome in a loop.
+#[derive(Clone, Debug)]
+struct Outcome {
+    model: &'static str,
+    ok: bool,
+    latency: Duration,
+    error: String,
+}
+
+/// One handover seen on a victim's ScaledObject: set at `seen`, removed at `gone`.
+#[derive(Clone, Debug)]
+struct Seen {
+    victim: String,
+    to: String,
+    seen: Instant,
+    gone: Option<Instant>,
+}
+
+/// Polls the namespace's ScaledObjects every 250 ms and records each handover record (by its
+/// `since`) from when it appears until it is removed.
+fn watch_handovers(
+    client: kube::Client,
+    ns: String,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+) -> (
+    Arc<Mutex<BTreeMap<String, Seen>>>,
+    tokio::task::JoinHandle<()>,
+) {
+    let seen: Arc<Mutex<BTreeMap<String, Seen>>> = Arc::default();
+    let out = seen.clone();
+    let task = tokio::spawn(async move {
+        let api = hstack::scaled_objects(&client, &ns);
+        while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+            if let Ok(list) = api.list(&ListParams::default()).await {
+                let now = Instant::now();
+                let mut current = BTreeSet::new();
+                let mut s = seen.lock().unwrap();
+                for so in list.items {
+                    let name = so.metadata.name.clone().unwrap_or_default();
+                    let Some(raw) = so
+                        .metadata
+                        .annotations
+                        .as_ref()
+                        .and_then(|a| a.get(HANDOVER))
+                    else {
+                        continue;
+                    };
+                    let record: Value = serde_json::from_str(raw).unwrap_or_default();
+                    let key = format!("{name}@{}", record["since"].as_str().unwrap_or_default());
+                    current.insert(key.clone());
+                    s.entry(key).or_insert_with(|| Seen {
+                        victim: name.clone(),
+                        to: record["to"].as_str().unwrap_or_default().to_owned(),
+                        seen: now,
+                        gone: None,
+                    });
+                }
+                for (key, h) in s.iter_mut() {
+                    if h.gone.is_none() && !current.contains(key) {
+                        h.gone = Some(now);
+                    }
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    });
+    (out, task)
+}
+
+/// A chat request to `model` at its URL, answered 200 within `timeout`.
+async fn chat_within(url: &str, model: &str, timeout: Duration) -> Result<client::Trace> {
+    let t = client::chat_with(url, model, false, Some(4), timeout).await?;
+    ensure!(t.status == 200, "{model} answered {}: {}", t.status, t.body);
+    Ok(t)
+}
+
+/// [`chat_within`] [`REQUEST_TIMEOUT`].
+async fn chat_ok(url: &str, model: &str) -> Result<client::Trace> {
+    chat_within(url, model, REQUEST_TIMEOUT).await
+}
+
+/// The phase of LLMService `ns/name`.
+async fn phase(client: &kube::Client, ns: &str, name: &str) -> Result<String> {
+    Ok(hstack::phase(client, ns, name).await?.unwrap_or_default())
+}
+
+/// Waits until `name`'s backend is at zero with no pod left.
+async fn wait_gone(client: &kube::Client, ns: &str, name: &str) -> Result<()> {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    let selector = hstack::backend_pods(name);
+    wait_until(
+        format!("{name}'s backend pods gone"),
+        Duration::from_secs(90),
+        || async {
+            let n = pods
+                .list(&ListParams::default().labels(&selector))
+                .await?
+                .items
+                .len();
+            Ok(if n == 0 {
+                Observed::Ready(())
+            } else {
+                Observed::NotYet(format!("{n} pod(s)"))
+            })
+        },
+    )
+    .await
+}
+
+/// The controller Deployment's `--device-handover` argument set to `on`; waits until exactly
+/// one controller pod runs, Ready, with it.
+async fn set_handover(client: &kube::Client, on: bool) -> Result<()> {
+    let api: Api<Deployment> = Api::namespaced(client.clone(), RELEASE_NAMESPACE);
+    let d = api.get("hearth-controller").await?;
+    let container = d
+        .spec
+        .as_ref()
+        .and_then(|s| s.template.spec.as_ref())
+        .and_then(|s| s.containers.first())
+        .context("the controller Deployment has no container")?;
+    let mut args = container.args.clone().unwrap_or_default();
+    let i = args
+        .iter()
+        .position(|a| a.starts_with("--device-handover="))
+        .context("the controller has no --device-handover argument")?;
+    let want = format!("--device-handover={on}");
+    if args[i] != want {
+        args[i] = want.clone();
+        // Strategic merge: the container by name, its args (no merge key) replaced whole.
+        let patch = json!({"spec": {"template": {"spec": {"containers": [
+            {"name": container.name, "args": args}
+        ]}}}});
+        api.patch(
+            "hearth-controller",
+            &PatchParams::default(),
+            &Patch::Strategic(patch),
+        )
+        .await?;
+    }
+    let pods: Api<Pod> = Api::namespaced(client.clone(), RELEASE_NAMESPACE);
+    wait_until(
+        format!("one Ready controller pod with {want}"),
+        Duration::from_secs(120),
+        || async {
+            let list = pods
+                .list(&ListParams::default().labels("app.kubernetes.io/component=controller"))
+                .await?;
+            let with: Vec<&Pod> = list
+                .items
+                .iter()
+                .filter(|p| {
+                    p.spec
+                        .as_ref()
+                        .is_some_and(|s| s.containers[0].args.iter().flatten().any(|a| *a == want))
+                })
+                .collect();
+            Ok(
+                if list.items.len() == 1
+                    && with.len() == 1
+                    && hearth_test_support::pod_ready(with[0])
+                {
+                    Observed::Ready(())
+                } else {
+                    Observed::NotYet(format!("{} pods, {} with it", list.items.len(), with.len()))
+                },
+            )
+        },
+    )
+    .await
+}
+
+/// `(waiting for devices, total)` of each `Activated` Event in `ns` after `since`, by service.
+async fn activations(
+    client: &kube::Client,
+    ns: &str,
+    since: k8s_openapi::jiff::Timestamp,
+) -> Result<Vec<(String, Option<f64>, f64)>> {
+    let events: Api<Event> = Api::namespaced(client.clone(), ns);
+    let list = events
+        .list(&ListParams::default().fields("reason=Activated"))
+        .await?;
+    let seconds = |note: &str, after: &str| -> Option<f64> {
+        let rest = note.split(after).nth(1)?;
+        rest.split('s').next()?.trim().parse().ok()
+    };
+    let mut out = Vec::new();
+    for e in list.items {
+        let at = e
+            .event_time
+            .as_ref()
+            .map(|t| t.0)
+            .or(e.first_timestamp.as_ref().map(|t| t.0));
+        if at.is_none_or(|t| t < since) {
+            continue;
+        }
+        let note = e.message.unwrap_or_default();
+        let Some(total) = seconds(&note, "0→1 in ") else {
+            continue;
+        };
+        out.push((
+            e.involved_object.name.unwrap_or_default(),
+            seconds(&note, "waiting for devices "),
+            total,
+        ));
+    }
+    Ok(out)
+}
+
+/// A deterministic pseudo-random sequence (xorshift), so runs are comparable.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self, n: u64) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0 % n
+    }
+}
+
+/// Three clients, each sending a short chat to a random model then thinking 0.5 to 2 s, until
+/// `length` has passed; every outcome.
+async fn request_loop(urls: &BTreeMap<&'static str, String>, length: Duration) -> Vec<Outcome> {
+    let end = Instant::now() + length;
+    let mut clients = Vec::new();
+    for c in 0..3u64 {
+        let urls = urls.clone();
+        clients.push(tokio::spawn(async move {
+            let mut rng = Rng(0x9E37_79B9_7F4A_7C15 ^ (c + 1));
+            let mut out = Vec::new();
+            while Instant::now() < end {
+                let model = MODELS[rng.next(MODELS.len() as u64) as usize];
+                let start = Instant::now();
+                let r = chat_within(&urls[model], model, LOOP_TIMEOUT).await;
+                out.push(Outcome {
+                    model,
+                    ok: r.is_ok(),
+                    latency: start.elapsed(),
+                    error: r.err().map(|e| format!("{e:#}")).unwrap_or_default(),
+                });
+                tokio::time::sleep(Duration::from_millis(500 + rng.next(1500))).await;
+            }
+            out
+        }));
+    }
+    let mut all = Vec::new();
+    for c in clients {
+        all.extend(c.await.unwrap_or_default());
+    }
+    all
+}
+
+/// p50 and max of `v`, `-` when empty.
+fn p50_max(mut v: Vec<f64>) -> String {
+    if v.is_empty() {
+        return "-".to_owned();
+    }
+    v.sort_by(f64::total_cmp);
+    format!("{:.1} / {:.1}", v[v.len() / 2], v[v.len() - 1])
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn idle_models_hand_their_devices_to_cold_ones() -> Result<()> {
+    let cluster = Cluster::connect().await?;
+    let client = cluster.client();
+    hstack::ensure_hearth(&client, cluster.kubeconfig()).await?;
+    hstack::install_stub_runtime(&client).await?;
+    let result = run(&cluster).await;
+    // Whatever happened, the controller hands over again for the suites after this one.
+    let restored = set_handover(&client, true).await;
+    result.and(restored)
+}
+
+async fn run(cluster: &Cluster) -> Result<()> {
+    let client = cluster.client();
+    let ns = cluster.namespace("e2e-handover").await?;
+    let n = ns.name().to_owned();
+    set_handover(&client, true).await?;
+
+    hstack::apply(
+        &client,
+        json!({
+            "apiVersion": "serving.hearth.dev/v1alpha1",
+            "kind": "LLMEndpoint",
+            "metadata": {"name": ENDPOINT, "namespace": n},
+            "spec": {"replicas": 2},
+        }),
+        None,
+    )
+    .await?;
+    for m in MODELS {
+        hstack::apply(&client, model(&n, m)?, None).await?;
+    }
+    for m in MODELS {
+        wait_until(
+            format!("{m} ScaledToZero"),
+            Duration::from_secs(120),
+            || async {
+                let p = phase(&client, &n, m).await?;
+                Ok(if p == "ScaledToZero" {
+                    Observed::Ready(())
+                } else {
+                    Observed::NotYet(p)
+                })
+            },
+        )
+        .await?;
+    }
+    let endpoint_url = stack::wait_service_url(&client, &n, ENDPOINT).await?;
+    let batch_url = stack::wait_service_url(&client, &n, "batch").await?;
+    for url in [&endpoint_url, &batch_url] {
+        ensure!(
+            hstack::wait_reachable(url, Duration::from_secs(90)).await,
+            "{url} never accepted a connection"
+        );
+    }
+    let urls: BTreeMap<&'static str, String> = MODELS
+        .iter()
+        .map(|m| {
+            let url = if *m == "batch" {
+                &batch_url
+            } else {
+                &endpoint_url
+            };
+            (*m, url.clone())
+        })
+        .collect();
+
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let (handovers, watcher) = watch_handovers(client.clone(), n.clone(), stop.clone());
+    let result = scenarios(cluster, &n, &urls, &handovers).await;
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let _ = watcher.await;
+    result
+}
+
+async fn scenarios(
+    cluster: &Cluster,
+    n: &str,
+    urls: &BTreeMap<&'static str, String>,
+    handovers: &Arc<Mutex<BTreeMap<String, Seen>>>,
+) -> Result<()> {
+    let client = cluster.client();
+
+    // 1. Four models loaded (m1 to m3 first, batch last: the most recently used).
+    for m in ["m1", "m2", "m3"] {
+        chat_ok(&urls[m], m).await?;
+    }
+    chat_ok(&urls["batch"], "batch").await?;
+    // Past their minimum residency, m1 streaming slowly (busy), batch used once more.
+    tokio::time::sleep(Duration::from_secs(11)).await;
+    let m1_url = urls["m1"].clone();
+    let busy = tokio::spawn(async move {
+        client::chat_with_headers(
+            &m1_url,
+            "m1",
+            true,
+            Some(25),
+            &[("x-stub-token-delay", "1s")],
+            REQUEST_TIMEOUT,
+        )
+        .await
+    });
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    chat_ok(&urls["batch"], "batch").await?;
+    let t = chat_ok(&urls["urgent"], "urgent").await?;
+    println!(
+        "urgent (priority 10) served {:.1}s after its cold request",
+        t.end.duration_since(t.sent).as_secs_f64()
+    );
+    let first: Vec<Seen> = handovers.lock().unwrap().values().cloned().collect();
+    ensure!(
+        first.len() == 1 && first[0].victim == "batch" && first[0].to == format!("{n}/urgent"),
+        "the cold urgent model should take batch's device (lowest priority), took: {first:?}"
+    );
+    wait_gone(&client, n, "batch").await?;
+    // The busy model: not chosen, and its stream completes.
+    let trace = busy.await?.context("m1's stream")?;
+    ensure!(
+        trace.status == 200 && trace.complete(),
+        "m1's stream through the handover: {} complete={}",
+        trace.status,
+        trace.complete()
+    );
+    ensure!(
+        !handovers.lock().unwrap().values().any(|h| h.victim == "m1"),
+        "the streaming m1 was chosen as a victim"
+    );
+    ensure!(
+        phase(&client, n, "m1").await? == "Ready",
+        "m1 is no longer Ready after the handover"
+    );
+
+    // 2. A controller restart during a handover: m4 is cold; the controller is deleted as soon
+    // as a victim's record appears.
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let before = handovers.lock().unwrap().len();
+    let m4_url = urls["m4"].clone();
+    let m4 = tokio::spawn(async move { chat_ok(&m4_url, "m4").await });
+    wait_until(
+        "a handover for m4 starts",
+        Duration::from_secs(60),
+        || async {
+            let n_now = handovers.lock().unwrap().len();
+            Ok(if n_now > before {
+                Observed::Ready(())
+            } else {
+                Observed::NotYet(format!("{n_now} handovers"))
+            })
+        },
+    )
+    .await?;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), RELEASE_NAMESPACE);
+    pods.delete_collection(
+        &DeleteParams::default(),
+        &ListParams::default().labels("app.kubernetes.io/component=controller"),
+    )
+    .await?;
+    m4.await?.context("m4 across the controller restart")?;
+    let victim = handovers
+        .lock()
+        .unwrap()
+        .values()
+        .last()
+        .map(|h| h.victim.clone())
+        .unwrap_or_default();
+    let so_api = hstack::scaled_objects(&client, n);
+    wait_until(
+        format!("{victim}'s pause removed after the controller restart"),
+        Duration::from_secs(180),
+        || async {
+            let so = so_api.get(&victim).await?;
+            let a = so.metadata.annotations.unwrap_or_default();
+            Ok(
+                if a.contains_key(HANDOVER) || a.contains_key(PAUSED_REPLICAS) {
+                    Observed::NotYet(format!("{a:?}"))
+                } else {
+                    Observed::Ready(())
+                },
+            )
+        },
+    )
+    .await?;
+    println!("controller restart mid-handover: {victim}'s pause removed, m4 served");
+
+    // 3. The loop, with handover; then 4. the baseline without.
+    let length = Duration::from_secs(
+        std::env::var("HEARTH_HANDOVER_LOOP_SECONDS")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(75),
+    );
+    let mut rows = Vec::new();
+    for on in [true, false] {
+        set_handover(&client, on).await?;
+        let since = k8s_openapi::jiff::Timestamp::now();
+        let counted = handovers.lock().unwrap().len();
+        let outcomes = request_loop(urls, length).await;
+        // Activations of the loop's last requests reach their Events within a reconcile.
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        let acts = activations(&client, n, since).await?;
+        let seen: Vec<Seen> = handovers
+            .lock()
+            .unwrap()
+            .values()
+            .skip(counted)
+            .cloned()
+            .collect();
+        let failed: Vec<&Outcome> = outcomes.iter().filter(|o| !o.ok).collect();
+        rows.push(format!(
+            "| {} | {} | {} | {} | {} | {} | {} | {} |",
+            if on { "handover" } else { "none (baseline)" },
+            outcomes.len(),
+            failed.len(),
+            acts.len(),
+            seen.len(),
+            p50_max(acts.iter().filter_map(|a| a.1).collect()),
+            p50_max(acts.iter().map(|a| a.2).collect()),
+            p50_max(
+                outcomes
+                    .iter()
+                    .filter(|o| o.ok)
+                    .map(|o| o.latency.as_secs_f64())
+                    .collect()
+            ),
+        ));
+        if on {
+            ensure!(
+                failed.is_empty(),
+                "{} of {} requests failed with handover: {:?}",
+                failed.len(),
+                outcomes.len(),
+                failed
+                    .iter()
+                    .take(5)
+                    .map(|o| format!(
+                        "{} after {:.1}s: {}",
+                        o.model,
+                        o.latency.as_secs_f64(),
+                        o.error
+                    ))
+                    .collect::<Vec<_>>()
+            );
+            ensure!(!seen.is_empty(), "no handover in the loop");
+            // Each wait for devices is under the drain of a handover to that model + 5 s.
+            for (svc, wait, _) in &acts {
+                let Some(wait) = wait else { continue };
+                let to = format!("{n}/{svc}");
+                let drains: Vec<f64> = seen
+                    .iter()
+                    .filter(|h| h.to == to)
+                    .filter_map(|h| h.gone.map(|g| g.duration_since(h.seen).as_secs_f64()))
+                    .collect();
+                let Some(drain) = drains.iter().copied().reduce(f64::max) else {
+                    continue;
+                };
+                ensure!(
+                    *wait <= drain + 5.0,
+                    "{svc} waited {wait:.1}s for devices; the handover's drain took {drain:.1}s"
+                );
+            }
+            for h in &seen {
+                if h.gone.is_none() {
+                    bail!("{}'s handover record was never removed: {h:?}", h.victim);
+                }
+            }
+        }
+    }
+    println!(
+        "loop of {}s, 3 clients, 6 models of 1 device on 4\n| mode | requests | failed | activations | handovers | wait for devices p50 / max s | cold start p50 / max s | request latency p50 / max s |\n|---|---|---|---|---|---|---|---|\n{}",
+        length.as_secs(),
+        rows.join("\n")
+    );
+    Ok(())
+}
