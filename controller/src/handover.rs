@@ -338,8 +338,7 @@ pub fn ruled_out(holder: &Holder, priority: i32) -> Option<String> {
     match holder.resident {
         None => Some("has a backend replica that is not Ready yet".to_owned()),
         Some(r) if r < holder.min_residency => Some(format!(
-            "has served for {} of its minResidency {}",
-            secs(r),
+            "has served less than its minResidency {}",
             secs(holder.min_residency)
         )),
         Some(_) => None,
@@ -347,7 +346,9 @@ pub fn ruled_out(holder: &Holder, priority: i32) -> Option<String> {
 }
 
 /// Why `holder` cannot give its devices away ([`ruled_out`], then its demand: unknown, or a
-/// request in flight or held). `None`: it is a victim.
+/// request in flight or held). `None`: it is a victim. The reasons name no counts or times
+/// that move while nothing changes, so the condition that carries them is not rewritten on
+/// every look.
 pub fn ineligible(holder: &Holder, priority: i32) -> Option<String> {
     if let Some(why) = ruled_out(holder, priority) {
         return Some(why);
@@ -355,10 +356,9 @@ pub fn ineligible(holder: &Holder, priority: i32) -> Option<String> {
     match &holder.demand {
         None => Some("its demand was not asked for".to_owned()),
         Some(Err(e)) => Some(format!("its demand is unknown ({e})")),
-        Some(Ok(d)) if d.pending > 0 => Some(format!(
-            "is serving ({} request(s) in flight or held)",
-            d.pending
-        )),
+        Some(Ok(d)) if d.pending > 0 => {
+            Some("is serving (a request in flight or held at its gateway)".to_owned())
+        }
         Some(Ok(_)) => None,
     }
 }

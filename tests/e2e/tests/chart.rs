@@ -944,6 +944,22 @@ fn value_sets() -> Vec<ValueSet> {
                     ctrl["spec"]["ingress"][0]["from"][0]["namespaceSelector"].is_object(),
                     "metricsFrom is used"
                 );
+                // The device handover asks the gateways for their demand on their http port.
+                let to_gateways =
+                    ctrl["spec"]["egress"]
+                        .as_array()
+                        .into_iter()
+                        .flatten()
+                        .any(|e| {
+                            e["to"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"]
+                                == "gateway"
+                                && e["ports"][0]["port"] == 8080
+                        });
+                ensure!(
+                    to_gateways,
+                    "no egress to the gateways: {}",
+                    ctrl["spec"]["egress"]
+                );
                 Ok(())
             },
         },

@@ -1,21 +1,27 @@
-//! Device handover on the real node: six stub models of one `hearth.dev/fake-gpu` each on the
-//! node's four. Five join one `LLMEndpoint` with two gateway replicas; `batch` (priority -5)
-//! keeps its own gateway; `urgent` has priority 10, the rest 0.
+//! Device handover on the real node: four stub models of one `nvidia.com/gpu` each on the real
+//! node's two (its device plugin serves them; a copy of the stub runtime asks for that resource
+//! and selects the real node, so the kwok GPU nodes never take a pod). Three join one
+//! `LLMEndpoint` with two gateway replicas; `batch` (priority -5) keeps its own gateway;
+//! `urgent` has priority 10, `m1` and `m2` 0. Every model keeps `scaleDownStabilization: 10m`,
+//! so only handovers free devices, and `minResidency: 10s`.
 //!
-//! - **priority and busy models:** with four models loaded and one of them streaming, a cold
-//!   `urgent` takes `batch`'s device (the lowest priority, although it was used last); the
-//!   streaming model is never chosen and its stream completes;
-//! - **a controller restart during a handover:** the controller pod is deleted right after a
-//!   handover starts; the victim's pause is removed, the waiting request is answered;
-//! - **the loop:** a bounded random request loop over all six models for
-//!   `HEARTH_HANDOVER_LOOP_SECONDS` (default 75) seconds: every request answered, handovers
-//!   counted (from the victims' ScaledObjects), and each activation's wait for devices under
-//!   the drain of the handover that freed it (record set until removed) plus 5 s;
-//! - **the baseline:** the same loop with the controller's `--device-handover=false`, in the
-//!   same run; a table compares both (activations, waits for devices, cold starts, failures).
+//! - **priority:** with `m2` and then `batch` loaded (`batch` used last), a cold `urgent` takes
+//!   `batch`'s device (the lowest priority), not `m2`'s (the least recently used);
+//! - **never a request in flight:** with `m2` streaming and `urgent` loaded, a cold `m1` waits
+//!   (`urgent` outranks it, `m2` is serving) until the stream has ended, then takes `m2`'s
+//!   device; the stream completes with all its tokens, and the handover starts after it ended;
+//! - **a controller restart during a handover:** the controller pod is deleted right after the
+//!   next handover starts; the waiting request is answered and the victim's pause is removed;
+//! - **the loop:** with every priority 0, a bounded random request loop over the four models for
+//!   `HEARTH_HANDOVER_LOOP_SECONDS` (default 45): every request answered, handovers counted
+//!   (from the victims' ScaledObjects), each removed again, and each activation's wait for
+//!   devices under the drain of a handover to it (record set until removed) plus 5 s;
+//! - **the baseline:** the same loop with the controller's `--device-handover=false`, in the same
+//!   run; a table compares both.
 //!
-//! Runs alone (its own step in tests/run-tests): it needs all four devices, and it restarts the
-//! controller.
+//! Shares its step with suites that ask for no `nvidia.com/gpu` on the real node; its
+//! controller restarts are the kind the controller's other clients ride through (its work
+//! resumes from the caches on start).
 
 mod stack;
 
@@ -39,8 +45,10 @@ use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
 use serde_json::{Value, json};
 
 const ENDPOINT: &str = "models";
-/// The six models; `batch` has its own gateway, the others join the endpoint.
-const MODELS: [&str; 6] = ["batch", "m1", "m2", "m3", "m4", "urgent"];
+/// The four models; `batch` has its own gateway, the others join the endpoint.
+const MODELS: [&str; 4] = ["batch", "m1", "m2", "urgent"];
+/// The accelerator: the real node's device plugin serves 2.
+const RESOURCE: &str = "nvidia.com/gpu";
 /// The annotation the controller puts on a victim's ScaledObject during a handover.
 const HANDOVER: &str = "serving.hearth.dev/handover";
 const PAUSED_REPLICAS: &str = "autoscaling.keda.sh/paused-replicas";
@@ -49,19 +57,48 @@ const REQUEST_TIMEOUT: Duration = Duration::from_secs(160);
 /// A loop request's bound: a handover and a stub's cold start take seconds; without handover
 /// a cold model's devices free only after an idle one's 10-minute cooldown, so its requests
 /// fail at this bound.
-const LOOP_TIMEOUT: Duration = Duration::from_secs(60);
+const LOOP_TIMEOUT: Duration = Duration::from_secs(40);
+
+/// The copy of the stub runtime this suite's models run on.
+fn runtime_name() -> String {
+    format!("vllm-stub-handover-{}", std::process::id())
+}
+
+/// The stub runtime asking for one [`RESOURCE`] on the real node, starting in 2 s.
+fn runtime() -> Result<Value> {
+    let mut rt = hstack::first_manifest(&hearth_test_support::upstream_file(
+        "stub-inferenceruntime.yaml",
+    ))?;
+    rt["metadata"]["name"] = Value::from(runtime_name());
+    rt["spec"]["accelerator"]["resourceName"] = Value::from(RESOURCE);
+    rt["spec"]["accelerator"]["nodeSelector"] = json!({"tests.hearth.dev/real-node": "true"});
+    for e in rt["spec"]["container"]["env"]
+        .as_array_mut()
+        .into_iter()
+        .flatten()
+    {
+        if e["name"] == "STUB_STARTUP_DELAY" {
+            e["value"] = Value::from("2s");
+        }
+    }
+    Ok(rt)
+}
+
+fn priority_of(name: &str) -> i32 {
+    match name {
+        "batch" => -5,
+        "urgent" => 10,
+        _ => 0,
+    }
+}
 
 fn model(ns: &str, name: &str) -> Result<Value> {
     let mut o = hstack::stub_service(ns, ScalerMode::Poll)?;
     o["metadata"]["name"] = Value::from(name);
-    let priority = match name {
-        "batch" => -5,
-        "urgent" => 10,
-        _ => 0,
-    };
+    o["spec"]["runtime"] = json!({"name": runtime_name()});
     o["spec"]["scaling"]["min"] = json!(0);
     o["spec"]["scaling"]["max"] = json!(1);
-    o["spec"]["scaling"]["priority"] = json!(priority);
+    o["spec"]["scaling"]["priority"] = json!(priority_of(name));
     o["spec"]["scaling"]["minResidency"] = json!("10s");
     o["spec"]["scaling"]["scaleDownStabilization"] = json!("10m");
     o["spec"]["scaling"]["activationTimeout"] = json!("150s");
@@ -337,10 +374,13 @@ async fn idle_models_hand_their_devices_to_cold_ones() -> Result<()> {
     let cluster = Cluster::connect().await?;
     let client = cluster.client();
     hstack::ensure_hearth(&client, cluster.kubeconfig()).await?;
-    hstack::install_stub_runtime(&client).await?;
+    hstack::apply(&client, runtime()?, None).await?;
     let result = run(&cluster).await;
     // Whatever happened, the controller hands over again for the suites after this one.
     let restored = set_handover(&client, true).await;
+    let _ = hstack::inference_runtimes(&client)
+        .delete(&runtime_name(), &DeleteParams::default())
+        .await;
     result.and(restored)
 }
 
@@ -407,6 +447,29 @@ async fn run(cluster: &Cluster) -> Result<()> {
     result
 }
 
+/// The handovers seen so far, oldest first.
+fn seen(handovers: &Mutex<BTreeMap<String, Seen>>) -> Vec<Seen> {
+    let mut v: Vec<Seen> = handovers.lock().unwrap().values().cloned().collect();
+    v.sort_by_key(|h| h.seen);
+    v
+}
+
+/// Waits until more than `before` handovers were seen; the newest.
+async fn next_handover(handovers: &Mutex<BTreeMap<String, Seen>>, before: usize) -> Result<Seen> {
+    wait_until(
+        format!("handover number {}", before + 1),
+        Duration::from_secs(60),
+        || async {
+            let all = seen(handovers);
+            Ok(match all.get(before) {
+                Some(h) => Observed::Ready(h.clone()),
+                None => Observed::NotYet(format!("{} handovers", all.len())),
+            })
+        },
+    )
+    .await
+}
+
 async fn scenarios(
     cluster: &Cluster,
     n: &str,
@@ -414,95 +477,85 @@ async fn scenarios(
     handovers: &Arc<Mutex<BTreeMap<String, Seen>>>,
 ) -> Result<()> {
     let client = cluster.client();
+    let so_api = hstack::scaled_objects(&client, n);
 
-    // 1. Four models loaded (m1 to m3 first, batch last: the most recently used).
-    for m in ["m1", "m2", "m3"] {
-        chat_ok(&urls[m], m).await?;
-    }
+    // 1. Priority over recency: m2, then batch loaded (batch used last); a cold urgent takes
+    // batch's device.
+    chat_ok(&urls["m2"], "m2").await?;
     chat_ok(&urls["batch"], "batch").await?;
-    // Past their minimum residency, m1 streaming slowly (busy), batch used once more.
     tokio::time::sleep(Duration::from_secs(11)).await;
-    let m1_url = urls["m1"].clone();
-    let busy = tokio::spawn(async move {
-        client::chat_with_headers(
-            &m1_url,
-            "m1",
-            true,
-            Some(25),
-            &[("x-stub-token-delay", "1s")],
-            REQUEST_TIMEOUT,
-        )
-        .await
-    });
-    tokio::time::sleep(Duration::from_secs(1)).await;
     chat_ok(&urls["batch"], "batch").await?;
     let t = chat_ok(&urls["urgent"], "urgent").await?;
     println!(
         "urgent (priority 10) served {:.1}s after its cold request",
         t.end.duration_since(t.sent).as_secs_f64()
     );
-    let first: Vec<Seen> = handovers.lock().unwrap().values().cloned().collect();
+    let first = seen(handovers);
     ensure!(
         first.len() == 1 && first[0].victim == "batch" && first[0].to == format!("{n}/urgent"),
-        "the cold urgent model should take batch's device (lowest priority), took: {first:?}"
+        "the cold urgent should take batch's device (the lowest priority), took: {first:?}"
     );
     wait_gone(&client, n, "batch").await?;
-    // The busy model: not chosen, and its stream completes.
-    let trace = busy.await?.context("m1's stream")?;
-    ensure!(
-        trace.status == 200 && trace.complete(),
-        "m1's stream through the handover: {} complete={}",
-        trace.status,
-        trace.complete()
-    );
-    ensure!(
-        !handovers.lock().unwrap().values().any(|h| h.victim == "m1"),
-        "the streaming m1 was chosen as a victim"
-    );
-    ensure!(
-        phase(&client, n, "m1").await? == "Ready",
-        "m1 is no longer Ready after the handover"
-    );
 
-    // 2. A controller restart during a handover: m4 is cold; the controller is deleted as soon
-    // as a victim's record appears.
+    // 2. Never a request in flight: m2 streams for about 15 s; a cold m1 (priority 0, below
+    // urgent) must wait for the stream to end, then takes m2's device.
     tokio::time::sleep(Duration::from_secs(10)).await;
-    let before = handovers.lock().unwrap().len();
-    let m4_url = urls["m4"].clone();
-    let m4 = tokio::spawn(async move { chat_ok(&m4_url, "m4").await });
-    wait_until(
-        "a handover for m4 starts",
-        Duration::from_secs(60),
-        || async {
-            let n_now = handovers.lock().unwrap().len();
-            Ok(if n_now > before {
-                Observed::Ready(())
-            } else {
-                Observed::NotYet(format!("{n_now} handovers"))
-            })
-        },
-    )
-    .await?;
+    let m2_url = urls["m2"].clone();
+    let stream = tokio::spawn(async move {
+        client::chat_with_headers(
+            &m2_url,
+            "m2",
+            true,
+            Some(15),
+            &[("x-stub-token-delay", "1s")],
+            REQUEST_TIMEOUT,
+        )
+        .await
+    });
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let m1_url = urls["m1"].clone();
+    let m1 = tokio::spawn(async move { chat_ok(&m1_url, "m1").await });
+    let trace = stream.await?.context("m2's stream")?;
+    let stream_end = trace.end;
+    ensure!(
+        trace.status == 200 && trace.complete() && trace.tokens(None) == 15,
+        "m2's stream through the wait: {} complete={} tokens={}",
+        trace.status,
+        trace.complete(),
+        trace.tokens(None)
+    );
+    let h = next_handover(handovers, 1).await?;
+    ensure!(
+        h.victim == "m2" && h.to == format!("{n}/m1"),
+        "m1 should take m2's device once its stream ended, took: {h:?}"
+    );
+    // The poll sees a record within 250 ms of its making.
+    ensure!(
+        h.seen + Duration::from_millis(300) >= stream_end,
+        "the handover from m2 started {:.1}s before its stream ended",
+        stream_end.duration_since(h.seen).as_secs_f64()
+    );
+    m1.await?.context("m1 after the handover")?;
+    println!("m1 waited for m2's stream to end, then took its device");
+
+    // 3. A controller restart during a handover: m2 is cold again; the controller pod is
+    // deleted as soon as the victim's record appears.
+    tokio::time::sleep(Duration::from_secs(11)).await;
+    let m2_url = urls["m2"].clone();
+    let m2 = tokio::spawn(async move { chat_ok(&m2_url, "m2").await });
+    let h = next_handover(handovers, 2).await?;
     let pods: Api<Pod> = Api::namespaced(client.clone(), RELEASE_NAMESPACE);
     pods.delete_collection(
         &DeleteParams::default(),
         &ListParams::default().labels("app.kubernetes.io/component=controller"),
     )
     .await?;
-    m4.await?.context("m4 across the controller restart")?;
-    let victim = handovers
-        .lock()
-        .unwrap()
-        .values()
-        .last()
-        .map(|h| h.victim.clone())
-        .unwrap_or_default();
-    let so_api = hstack::scaled_objects(&client, n);
+    m2.await?.context("m2 across the controller restart")?;
     wait_until(
-        format!("{victim}'s pause removed after the controller restart"),
+        format!("{}'s pause removed after the controller restart", h.victim),
         Duration::from_secs(180),
         || async {
-            let so = so_api.get(&victim).await?;
+            let so = so_api.get(&h.victim).await?;
             let a = so.metadata.annotations.unwrap_or_default();
             Ok(
                 if a.contains_key(HANDOVER) || a.contains_key(PAUSED_REPLICAS) {
@@ -514,31 +567,38 @@ async fn scenarios(
         },
     )
     .await?;
-    println!("controller restart mid-handover: {victim}'s pause removed, m4 served");
+    println!(
+        "controller restart mid-handover: {}'s pause removed, m2 served",
+        h.victim
+    );
 
-    // 3. The loop, with handover; then 4. the baseline without.
+    // 4. The loop with every priority 0, with handover; then 5. the baseline without.
+    let services = hstack::llm_services(&client, n);
+    for m in MODELS {
+        services
+            .patch(
+                m,
+                &PatchParams::default(),
+                &Patch::Merge(json!({"spec": {"scaling": {"priority": 0}}})),
+            )
+            .await?;
+    }
     let length = Duration::from_secs(
         std::env::var("HEARTH_HANDOVER_LOOP_SECONDS")
             .ok()
             .and_then(|s| s.parse().ok())
-            .unwrap_or(75),
+            .unwrap_or(45),
     );
     let mut rows = Vec::new();
     for on in [true, false] {
         set_handover(&client, on).await?;
         let since = k8s_openapi::jiff::Timestamp::now();
-        let counted = handovers.lock().unwrap().len();
+        let counted = seen(handovers).len();
         let outcomes = request_loop(urls, length).await;
-        // Activations of the loop's last requests reach their Events within a reconcile.
+        // The loop's last activations reach their Events within a reconcile.
         tokio::time::sleep(Duration::from_secs(3)).await;
         let acts = activations(&client, n, since).await?;
-        let seen: Vec<Seen> = handovers
-            .lock()
-            .unwrap()
-            .values()
-            .skip(counted)
-            .cloned()
-            .collect();
+        let new: Vec<Seen> = seen(handovers).into_iter().skip(counted).collect();
         let failed: Vec<&Outcome> = outcomes.iter().filter(|o| !o.ok).collect();
         rows.push(format!(
             "| {} | {} | {} | {} | {} | {} | {} | {} |",
@@ -546,7 +606,7 @@ async fn scenarios(
             outcomes.len(),
             failed.len(),
             acts.len(),
-            seen.len(),
+            new.len(),
             p50_max(acts.iter().filter_map(|a| a.1).collect()),
             p50_max(acts.iter().map(|a| a.2).collect()),
             p50_max(
@@ -557,50 +617,50 @@ async fn scenarios(
                     .collect()
             ),
         ));
-        if on {
-            ensure!(
-                failed.is_empty(),
-                "{} of {} requests failed with handover: {:?}",
-                failed.len(),
-                outcomes.len(),
-                failed
-                    .iter()
-                    .take(5)
-                    .map(|o| format!(
-                        "{} after {:.1}s: {}",
-                        o.model,
-                        o.latency.as_secs_f64(),
-                        o.error
-                    ))
-                    .collect::<Vec<_>>()
-            );
-            ensure!(!seen.is_empty(), "no handover in the loop");
-            // Each wait for devices is under the drain of a handover to that model + 5 s.
-            for (svc, wait, _) in &acts {
-                let Some(wait) = wait else { continue };
-                let to = format!("{n}/{svc}");
-                let drains: Vec<f64> = seen
-                    .iter()
-                    .filter(|h| h.to == to)
-                    .filter_map(|h| h.gone.map(|g| g.duration_since(h.seen).as_secs_f64()))
-                    .collect();
-                let Some(drain) = drains.iter().copied().reduce(f64::max) else {
-                    continue;
-                };
+        if !on {
+            continue;
+        }
+        ensure!(
+            failed.is_empty(),
+            "{} of {} requests failed with handover: {:?}",
+            failed.len(),
+            outcomes.len(),
+            failed
+                .iter()
+                .take(5)
+                .map(|o| format!(
+                    "{} after {:.1}s: {}",
+                    o.model,
+                    o.latency.as_secs_f64(),
+                    o.error
+                ))
+                .collect::<Vec<_>>()
+        );
+        ensure!(!new.is_empty(), "no handover in the loop");
+        // Each wait for devices is under the drain of a handover to that model + 5 s.
+        for (svc, wait, _) in &acts {
+            let Some(wait) = wait else { continue };
+            let to = format!("{n}/{svc}");
+            let drain = new
+                .iter()
+                .filter(|h| h.to == to)
+                .filter_map(|h| h.gone.map(|g| g.duration_since(h.seen).as_secs_f64()))
+                .reduce(f64::max);
+            if let Some(drain) = drain {
                 ensure!(
                     *wait <= drain + 5.0,
                     "{svc} waited {wait:.1}s for devices; the handover's drain took {drain:.1}s"
                 );
             }
-            for h in &seen {
-                if h.gone.is_none() {
-                    bail!("{}'s handover record was never removed: {h:?}", h.victim);
-                }
+        }
+        for h in &new {
+            if h.gone.is_none() {
+                bail!("{}'s handover record was never removed: {h:?}", h.victim);
             }
         }
     }
     println!(
-        "loop of {}s, 3 clients, 6 models of 1 device on 4\n| mode | requests | failed | activations | handovers | wait for devices p50 / max s | cold start p50 / max s | request latency p50 / max s |\n|---|---|---|---|---|---|---|---|\n{}",
+        "loop of {}s, 3 clients, 4 models of 1 {RESOURCE} on 2\n| mode | requests | failed | activations | handovers | wait for devices p50 / max s | cold start p50 / max s | request latency p50 / max s |\n|---|---|---|---|---|---|---|---|\n{}",
         length.as_secs(),
         rows.join("\n")
     );

@@ -38,6 +38,18 @@ pub fn inference_runtimes(client: &Client) -> Api<DynamicObject> {
         )),
     )
 }
+/// The `LLMService` API (`serving.hearth.dev/v1alpha1`) in one namespace, untyped.
+pub fn llm_services(client: &Client, namespace: &str) -> Api<DynamicObject> {
+    Api::namespaced_with(
+        client.clone(),
+        namespace,
+        &ApiResource::from_gvk(&GroupVersionKind::gvk(
+            "serving.hearth.dev",
+            "v1alpha1",
+            "LLMService",
+        )),
+    )
+}
 /// KEDA's `ScaledObject` API (`keda.sh/v1alpha1`) in one namespace, untyped.
 pub fn scaled_objects(client: &Client, namespace: &str) -> Api<DynamicObject> {
     Api::namespaced_with(
@@ -359,13 +371,7 @@ pub async fn phase(
     namespace: &str,
     name: &str,
 ) -> Result<Option<String>, StackError> {
-    let ar = ApiResource::from_gvk(&GroupVersionKind::gvk(
-        "serving.hearth.dev",
-        "v1alpha1",
-        "LLMService",
-    ));
-    let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), namespace, &ar);
-    let obj = api
+    let obj = llm_services(client, namespace)
         .get(name)
         .await
         .map_err(kube_err(format!("reading LLMService {namespace}/{name}")))?;
