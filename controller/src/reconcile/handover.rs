@@ -32,13 +32,13 @@ use k8s_openapi::{
     jiff::Timestamp,
 };
 use kube::{
-    Api, ResourceExt,
+    Api, Resource, ResourceExt,
     api::{ListParams, Patch, PatchParams},
     runtime::events::EventType,
 };
 use serde::Deserialize;
 
-use super::{Context, View, publish};
+use super::{Context, View, publish_about};
 use crate::{
     handover::{
         self, Capacity, Decision, Demand, FIELD_MANAGER, HANDOVER_ANNOTATION, Holder,
@@ -72,7 +72,14 @@ pub struct Handover {
     http: HttpClient<HttpConnector, Empty<Bytes>>,
     /// One decision at a time.
     lock: tokio::sync::Mutex<()>,
+    /// The records this process wrote in the last [`RECENT`], by victim (`<ns>/<name>`): the
+    /// ScaledObject cache may not hold a record yet when the waiter's next reconcile comes
+    /// (its pod changes at once), and a waiter must not take a second victim for one device.
+    recent: std::sync::Mutex<BTreeMap<String, (Record, std::time::Instant)>>,
 }
+
+/// How long a record written by this process counts though the cache does not show it yet.
+const RECENT: Duration = Duration::from_secs(30);
 
 impl Handover {
     /// Handover on or off.
@@ -83,7 +90,34 @@ impl Handover {
             enabled,
             http: HttpClient::builder(TokioExecutor::new()).build(connector),
             lock: tokio::sync::Mutex::new(()),
+            recent: std::sync::Mutex::new(BTreeMap::new()),
         }
+    }
+
+    /// The record this process wrote on `victim` within [`RECENT`], if any.
+    fn recent(&self, victim: &str) -> Option<Record> {
+        let mut recent = self.recent.lock().unwrap_or_else(|e| e.into_inner());
+        recent.retain(|_, (_, at)| at.elapsed() < RECENT);
+        recent.get(victim).map(|(r, _)| r.clone())
+    }
+
+    /// Remembers that this process wrote `record` on `victim`.
+    fn wrote(&self, victim: &str, record: &Record) {
+        self.recent
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(
+                victim.to_owned(),
+                (record.clone(), std::time::Instant::now()),
+            );
+    }
+
+    /// Forgets the record on `victim` (removed).
+    fn removed(&self, victim: &str) {
+        self.recent
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(victim);
     }
 }
 
@@ -162,6 +196,7 @@ async fn restore(ctx: &Context, svc: &LLMService, view: &View) -> Option<Duratio
         .await
     {
         Ok(_) => {
+            ctx.handover.removed(&key_of(svc));
             let to = record.as_ref().map_or("another service", |r| r.to.as_str());
             let note = if gone {
                 format!(
@@ -179,7 +214,19 @@ async fn restore(ctx: &Context, svc: &LLMService, view: &View) -> Option<Duratio
             } else {
                 EventType::Warning
             };
-            publish(ctx, svc, type_, "DeviceHandoverDone", note).await;
+            // Related: the service the devices went to, so repeated handovers to others keep
+            // their own notes (see `publish_about`).
+            let related = record.as_ref().and_then(|r| {
+                let (namespace, name) = r.to.split_once('/')?;
+                Some(k8s_openapi::api::core::v1::ObjectReference {
+                    api_version: Some("serving.hearth.dev/v1alpha1".to_owned()),
+                    kind: Some("LLMService".to_owned()),
+                    namespace: Some(namespace.to_owned()),
+                    name: Some(name.to_owned()),
+                    ..Default::default()
+                })
+            });
+            publish_about(ctx, svc, type_, "DeviceHandoverDone", note, related).await;
             None
         }
         Err(e) => {
@@ -229,7 +276,8 @@ async fn wait(ctx: &Context, svc: &LLMService, view: &View) -> Outcome {
         let record = ctx
             .keda
             .get(&ns, &names::scaled_object(&name))
-            .and_then(|so| record_of(&so));
+            .and_then(|so| record_of(&so))
+            .or_else(|| ctx.handover.recent(&key).map(Some));
         if let Some(r) = &record {
             if r.as_ref().is_some_and(|r| r.to == me) && !stale(r.as_ref(), &other, now) {
                 to_me.push(key.clone());
@@ -333,6 +381,7 @@ async fn wait(ctx: &Context, svc: &LLMService, view: &View) -> Outcome {
                 };
                 match pause(ctx, other, &record).await {
                     Ok(()) => {
+                        ctx.handover.wrote(v, &record);
                         let holder = holders.iter().find(|h| &h.key == v);
                         let idle = holder
                             .and_then(|h| h.demand.as_ref())
@@ -348,7 +397,8 @@ async fn wait(ctx: &Context, svc: &LLMService, view: &View) -> Outcome {
                                 })
                                 .inc();
                         }
-                        publish(
+                        let about = Some(pod.object_ref(&()));
+                        publish_about(
                             ctx,
                             other,
                             EventType::Normal,
@@ -357,9 +407,10 @@ async fn wait(ctx: &Context, svc: &LLMService, view: &View) -> Outcome {
                                 "scaled to zero to hand {what} on node {node} to {me} (priority {priority}; this service: priority {}, idle {idle}); autoscaling resumes once its pod is gone",
                                 other.spec.scaling.priority
                             ),
+                            about.clone(),
                         )
                         .await;
-                        publish(
+                        publish_about(
                             ctx,
                             svc,
                             EventType::Normal,
@@ -368,6 +419,7 @@ async fn wait(ctx: &Context, svc: &LLMService, view: &View) -> Outcome {
                                 "taking {what} on node {node} from {v} (priority {}, idle {idle}): backend pod {} could not be scheduled ({})",
                                 other.spec.scaling.priority, waiting.pod, waiting.message
                             ),
+                            about,
                         )
                         .await;
                         tracing::info!(from = %v, to = %me, node, "device handover started");

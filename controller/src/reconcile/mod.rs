@@ -583,12 +583,27 @@ pub fn error_policy(_svc: Arc<LLMService>, error: &Error, _ctx: Arc<Context>) ->
 }
 
 async fn publish(ctx: &Context, svc: &LLMService, type_: EventType, reason: &str, note: String) {
+    publish_about(ctx, svc, type_, reason, note, None).await;
+}
+
+/// [`publish`] with the Event's `related` object. kube-runtime's Recorder folds Events of one
+/// type, reason and related object on one service within six minutes into a series that keeps
+/// the first note; Events whose note is the record of one occurrence (an activation, a device
+/// handover) name the pod they are about, so each keeps its own note.
+async fn publish_about(
+    ctx: &Context,
+    svc: &LLMService,
+    type_: EventType,
+    reason: &str,
+    note: String,
+    related: Option<k8s_openapi::api::core::v1::ObjectReference>,
+) {
     let ev = KubeEvent {
         type_,
         reason: reason.to_owned(),
         note: Some(note.chars().take(1000).collect()),
         action: "Reconcile".to_owned(),
-        secondary: None,
+        secondary: related,
     };
     if let Err(e) = ctx.recorder.publish(&ev, &svc.object_ref(&())).await {
         tracing::debug!(error = %e, "publishing event failed");
@@ -639,7 +654,23 @@ async fn reconcile_inner(svc: &LLMService, ctx: &Context) -> Result<Action, Erro
         if let Some(t) = activated {
             ctx.metrics.activation(&t.phases());
             tracing::info!(pod = %t.pod, total = ?t.total, "activation recorded");
-            publish(ctx, svc, EventType::Normal, "Activated", t.note()).await;
+            let pod = k8s_openapi::api::core::v1::ObjectReference {
+                api_version: Some("v1".to_owned()),
+                kind: Some("Pod".to_owned()),
+                name: Some(t.pod.clone()),
+                namespace: Some(namespace.clone()),
+                uid: Some(t.pod_uid.clone()),
+                ..Default::default()
+            };
+            publish_about(
+                ctx,
+                svc,
+                EventType::Normal,
+                "Activated",
+                t.note(),
+                Some(pod),
+            )
+            .await;
         }
     }
     Ok(Action::requeue(
