@@ -556,7 +556,9 @@ async fn scenarios(
     // batch's device.
     chat_ok(&urls["m2"], "m2").await?;
     chat_ok(&urls["batch"], "batch").await?;
-    tokio::time::sleep(Duration::from_secs(7)).await;
+    // Past the gateway's activation lease (10 s after a cold start's backend turned Ready,
+    // demand stays 1: the model counts as serving) and the minimum residency.
+    tokio::time::sleep(Duration::from_secs(11)).await;
     chat_ok(&urls["batch"], "batch").await?;
     let t = chat_ok(&urls["urgent"], "urgent").await?;
     println!(
