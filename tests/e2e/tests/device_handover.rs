@@ -208,6 +208,23 @@ async fn phase(client: &kube::Client, ns: &str, name: &str) -> Result<String> {
     Ok(hstack::phase(client, ns, name).await?.unwrap_or_default())
 }
 
+/// Waits until the demand a gateway reports at `url` + `path` (`{"pending": N}`, summed over
+/// its replicas) satisfies `ok`.
+async fn wait_demand(url: &str, path: &str, what: &str, ok: fn(u64) -> bool) -> Result<()> {
+    let queue = format!("{url}{path}");
+    wait_until(what, Duration::from_secs(60), || async {
+        let (status, body) = client::get(&queue, Duration::from_secs(5)).await?;
+        let pending = serde_json::from_str::<Value>(&body)
+            .ok()
+            .and_then(|v| v["pending"].as_u64());
+        Ok(match pending {
+            Some(d) if status == 200 && ok(d) => Observed::Ready(()),
+            _ => Observed::NotYet(format!("{queue}: {status} {body}")),
+        })
+    })
+    .await
+}
+
 /// Waits until `name`'s backend is at zero with no pod left.
 async fn wait_gone(client: &kube::Client, ns: &str, name: &str) -> Result<()> {
     let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
@@ -556,9 +573,14 @@ async fn scenarios(
     // batch's device.
     chat_ok(&urls["m2"], "m2").await?;
     chat_ok(&urls["batch"], "batch").await?;
-    // Past the gateway's activation lease (10 s after a cold start's backend turned Ready,
-    // demand stays 1: the model counts as serving) and the minimum residency.
-    tokio::time::sleep(Duration::from_secs(11)).await;
+    // Until their gateways' activation leases end (10 s after a cold start's backend turned
+    // Ready demand stays 1: the model counts as serving), which is past the 6 s residency.
+    wait_demand(&urls["batch"], "/hearth/queue/local", "batch idle", |d| {
+        d == 0
+    })
+    .await?;
+    let m2_queue = format!("/hearth/queue/{n}/m2");
+    wait_demand(&urls["m2"], &m2_queue, "m2 idle", |d| d == 0).await?;
     chat_ok(&urls["batch"], "batch").await?;
     let t = chat_ok(&urls["urgent"], "urgent").await?;
     println!(
@@ -586,7 +608,7 @@ async fn scenarios(
         )
         .await
     });
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    wait_demand(&urls["m2"], &m2_queue, "m2 streaming", |d| d >= 1).await?;
     let m1_url = urls["m1"].clone();
     let m1 = tokio::spawn(async move { chat_ok(&m1_url, "m1").await });
     let trace = stream.await?.context("m2's stream")?;
@@ -613,8 +635,9 @@ async fn scenarios(
     println!("m1 waited for m2's stream to end, then took its device");
 
     // 3. A controller restart during a handover: m2 is cold again; the controller pod is
-    // deleted as soon as the victim's record appears.
-    tokio::time::sleep(Duration::from_secs(7)).await;
+    // deleted as soon as the victim's record appears. First m1's lease ends (see above).
+    let m1_queue = format!("/hearth/queue/{n}/m1");
+    wait_demand(&urls["m1"], &m1_queue, "m1 idle", |d| d == 0).await?;
     let m2_url = urls["m2"].clone();
     let m2 = tokio::spawn(async move { chat_ok(&m2_url, "m2").await });
     let h = next_handover(handovers, 2).await?;
