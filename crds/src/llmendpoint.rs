@@ -338,6 +338,11 @@ pub struct ModelRoute {
     /// The sleeping tier, when the service has one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sleep: Option<SleepRoute>,
+    /// Requests in flight per ready engine (`spec.endpoint.containerConcurrency`); the rest
+    /// wait in the gateway's fair queue. Absent: the gateway's default (256, vLLM's
+    /// `--max-num-seqs`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub container_concurrency: Option<u32>,
 }
 
 impl ModelRoute {

@@ -1,6 +1,8 @@
-//! Optional API keys, read from a file (a mounted Secret key) and reloaded when it changes.
+//! Optional API keys, read from files (mounted Secret keys) and reloaded when they change; each
+//! file's keys belong to one tenant ([`crate::tenants`]): `--api-key-file`'s to the default
+//! tenant, each `--tenant`'s `key-file` to that tenant.
 //!
-//! The file holds one key per line (LF or CRLF; a leading UTF-8 byte order mark is ignored);
+//! A file holds one key per line (LF or CRLF; a leading UTF-8 byte order mark is ignored);
 //! blank lines and lines starting with `#` are skipped, and surrounding whitespace is trimmed.
 //! Clients send `Authorization: Bearer <key>` (the OpenAI API's scheme). A Secret volume is
 //! updated by the kubelet through an atomic symlink swap, so the file is re-read every reload
@@ -9,14 +11,18 @@
 //! A reload that cannot be used keeps the last good keys and is logged as a warning: a file
 //! that cannot be read (missing, not UTF-8), and a file that now holds no key at all (an
 //! emptied Secret would otherwise lock every client out with nothing but 401s to show for it).
-//! Nothing ever turns authentication off once it is on.
+//! Nothing ever turns authentication off once it is on. A key listed for two tenants is
+//! refused the same way (at start: an error; on reload: the last good keys stay), since the
+//! gateway could not tell whose requests it carries.
 
 use std::{
-    collections::HashSet,
+    collections::{HashMap, HashSet},
     path::{Path, PathBuf},
     sync::{Arc, RwLock},
     time::Duration,
 };
+
+use crate::{fair::TenantId, tenants::Tenants};
 
 /// The shortest reload interval used; a shorter `--api-key-reload-interval` (such as `0s`) is
 /// raised to it.
@@ -41,6 +47,16 @@ pub enum ApiKeyError {
         /// The file.
         path: PathBuf,
     },
+    /// The same key is listed for two tenants; the previous keys stay in force.
+    #[error(
+        "an API key is listed for both tenant {first} and tenant {second}; keeping the previous keys (remove it from one of their Secrets)"
+    )]
+    SharedKey {
+        /// One tenant.
+        first: String,
+        /// The other.
+        second: String,
+    },
 }
 
 /// The set of accepted keys, or `None` when authentication is off.
@@ -51,15 +67,16 @@ pub struct ApiKeys {
 
 #[derive(Debug)]
 struct KeysInner {
-    path: PathBuf,
-    keys: RwLock<Arc<HashSet<String>>>,
+    /// Each key file, the tenant its keys belong to, and the tenant's name (for errors).
+    sources: Vec<(PathBuf, TenantId, String)>,
+    keys: RwLock<Arc<HashMap<String, TenantId>>>,
 }
 
 /// The outcome of checking a request's credentials.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AuthOutcome {
-    /// Authentication is off, or the key is accepted.
-    Allowed,
+    /// Authentication is off (the default tenant, 0), or the key is accepted: its tenant.
+    Allowed(TenantId),
     /// No `Authorization: Bearer` header.
     Missing,
     /// A key that is not in the file.
@@ -84,18 +101,41 @@ impl ApiKeys {
         Self { inner: None }
     }
 
-    /// Loads keys from `path`.
+    /// Loads keys from `path`, all of the default tenant.
     ///
     /// # Errors
     /// [`ApiKeyError::Read`] when the file cannot be read.
     pub fn load(path: &Path) -> Result<Self, ApiKeyError> {
-        let keys = read(path)?;
+        Self::load_tenants(Some(path), &Tenants::default())
+    }
+
+    /// Loads the default tenant's keys from `default` (if any) and each tenant's from its
+    /// `key_file`; authentication is off when there is no file at all, and on (every request
+    /// needs a key) as soon as there is one.
+    ///
+    /// # Errors
+    /// [`ApiKeyError::Read`] when a file cannot be read, [`ApiKeyError::SharedKey`] when a key
+    /// is listed for two tenants.
+    pub fn load_tenants(default: Option<&Path>, tenants: &Tenants) -> Result<Self, ApiKeyError> {
+        let mut sources: Vec<_> = default
+            .map(|d| (d.to_owned(), 0, tenants.get(0).name.to_string()))
+            .into_iter()
+            .collect();
+        for (id, t) in tenants.iter() {
+            if let Some(f) = &t.key_file {
+                sources.push((f.clone(), id, t.name.to_string()));
+            }
+        }
+        if sources.is_empty() {
+            return Ok(Self::disabled());
+        }
+        let keys = read_all(&sources)?;
         if keys.is_empty() {
-            tracing::warn!(path = %path.display(), "API key file holds no key: every request will get 401");
+            tracing::warn!("the API key files hold no key: every request will get 401");
         }
         Ok(Self {
             inner: Some(Arc::new(KeysInner {
-                path: path.to_owned(),
+                sources,
                 keys: RwLock::new(Arc::new(keys)),
             })),
         })
@@ -109,7 +149,7 @@ impl ApiKeys {
     /// Checks an `Authorization` header value.
     pub fn check(&self, authorization: Option<&[u8]>) -> AuthOutcome {
         let Some(inner) = &self.inner else {
-            return AuthOutcome::Allowed;
+            return AuthOutcome::Allowed(0);
         };
         let Some(token) = authorization
             .and_then(|v| std::str::from_utf8(v).ok())
@@ -118,10 +158,9 @@ impl ApiKeys {
             return AuthOutcome::Missing;
         };
         let keys = inner.keys.read().unwrap_or_else(|e| e.into_inner()).clone();
-        if keys.contains(token) {
-            AuthOutcome::Allowed
-        } else {
-            AuthOutcome::Invalid
+        match keys.get(token) {
+            Some(tenant) => AuthOutcome::Allowed(*tenant),
+            None => AuthOutcome::Invalid,
         }
     }
 
@@ -134,14 +173,14 @@ impl ApiKeys {
         let Some(inner) = &self.inner else {
             return Ok(false);
         };
-        let next = read(&inner.path)?;
+        let next = read_all(&inner.sources)?;
         let mut cur = inner.keys.write().unwrap_or_else(|e| e.into_inner());
         if **cur == next {
             return Ok(false);
         }
         if next.is_empty() {
             return Err(ApiKeyError::NoKeys {
-                path: inner.path.clone(),
+                path: inner.sources[0].0.clone(),
             });
         }
         *cur = Arc::new(next);
@@ -188,6 +227,30 @@ fn bearer(v: &str) -> Option<&str> {
         .filter(|t| !t.is_empty())
 }
 
+/// Every key of `sources`, with its tenant.
+fn read_all(
+    sources: &[(PathBuf, TenantId, String)],
+) -> Result<HashMap<String, TenantId>, ApiKeyError> {
+    let mut keys: HashMap<String, TenantId> = HashMap::new();
+    for (path, id, name) in sources {
+        for key in read(path)? {
+            if let Some(other) = keys.insert(key, *id)
+                && other != *id
+            {
+                let first = sources
+                    .iter()
+                    .find(|s| s.1 == other)
+                    .map_or_else(String::new, |s| s.2.clone());
+                return Err(ApiKeyError::SharedKey {
+                    first,
+                    second: name.clone(),
+                });
+            }
+        }
+    }
+    Ok(keys)
+}
+
 fn read(path: &Path) -> Result<HashSet<String>, ApiKeyError> {
     std::fs::read_to_string(path)
         .map(|c| parse_keys(&c))
@@ -215,8 +278,8 @@ mod tests {
         let path = dir.join("keys");
         std::fs::write(&path, "sk-a\n").unwrap();
         let keys = ApiKeys::load(&path).unwrap();
-        assert_eq!(keys.check(Some(b"Bearer sk-a")), AuthOutcome::Allowed);
-        assert_eq!(keys.check(Some(b"bearer  sk-a ")), AuthOutcome::Allowed);
+        assert_eq!(keys.check(Some(b"Bearer sk-a")), AuthOutcome::Allowed(0));
+        assert_eq!(keys.check(Some(b"bearer  sk-a ")), AuthOutcome::Allowed(0));
         assert_eq!(keys.check(Some(b"Bearer sk-b")), AuthOutcome::Invalid);
         assert_eq!(keys.check(Some(b"Basic sk-a")), AuthOutcome::Missing);
         assert_eq!(keys.check(None), AuthOutcome::Missing);
@@ -224,16 +287,49 @@ mod tests {
         std::fs::write(&path, "sk-b\n").unwrap();
         assert!(keys.reload().unwrap());
         assert_eq!(keys.check(Some(b"Bearer sk-a")), AuthOutcome::Invalid);
-        assert_eq!(keys.check(Some(b"Bearer sk-b")), AuthOutcome::Allowed);
+        assert_eq!(keys.check(Some(b"Bearer sk-b")), AuthOutcome::Allowed(0));
         std::fs::remove_file(&path).unwrap();
         let err = keys.reload().unwrap_err().to_string();
         assert!(err.contains("--api-key-file"), "{err}");
         // The previous keys stay in force.
-        assert_eq!(keys.check(Some(b"Bearer sk-b")), AuthOutcome::Allowed);
+        assert_eq!(keys.check(Some(b"Bearer sk-b")), AuthOutcome::Allowed(0));
         assert_eq!(
             ApiKeys::disabled().check(None),
-            AuthOutcome::Allowed,
+            AuthOutcome::Allowed(0),
             "no key file: authentication is off"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn each_tenants_keys_name_it_and_a_shared_key_is_refused() {
+        let dir = std::env::temp_dir().join(format!("hearth-tenant-keys-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (legacy, a) = (dir.join("legacy"), dir.join("a"));
+        std::fs::write(&legacy, "sk-old\n").unwrap();
+        std::fs::write(&a, "sk-a1\nsk-a2\n").unwrap();
+        let tenants = Tenants::new(vec![
+            crate::tenants::Tenant::parse(&format!("name=team-a,key-file={}", a.display()))
+                .unwrap(),
+        ])
+        .unwrap();
+        let keys = ApiKeys::load_tenants(Some(&legacy), &tenants).unwrap();
+        assert_eq!(keys.check(Some(b"Bearer sk-old")), AuthOutcome::Allowed(0));
+        assert_eq!(keys.check(Some(b"Bearer sk-a2")), AuthOutcome::Allowed(1));
+        // Rotation: team-a's Secret now also lists the default tenant's key.
+        std::fs::write(&a, "sk-a1\nsk-old\n").unwrap();
+        let err = keys.reload().unwrap_err().to_string();
+        assert!(
+            err.contains("tenant default") && err.contains("tenant team-a"),
+            "{err}"
+        );
+        assert_eq!(keys.check(Some(b"Bearer sk-a2")), AuthOutcome::Allowed(1));
+        assert!(ApiKeys::load_tenants(Some(&legacy), &tenants).is_err());
+        // Tenants without keys at all: authentication stays off.
+        assert!(
+            !ApiKeys::load_tenants(None, &Tenants::default())
+                .unwrap()
+                .enabled()
         );
         std::fs::remove_dir_all(&dir).unwrap();
     }

@@ -255,6 +255,16 @@ pub struct ServeArgs {
     /// File of accepted API keys, one per line (a mounted Secret); absent: no authentication.
     #[arg(long, env = "HEARTH_API_KEY_FILE")]
     pub api_key_file: Option<PathBuf>,
+    /// A tenant: `name=<dns-label>,key-file=<path>[,priority=<int>][,requests-per-minute=<n>][,tokens-per-minute=<n>]`.
+    /// Its keys (one per line, a mounted Secret) name it; requests are dispatched by its
+    /// priority band, fairly inside a band, and within its quotas. Repeatable; `name=default`
+    /// (no key file needed) sets the band and quotas of requests without a tenant of their own.
+    #[arg(long = "tenant", value_name = "SPEC", value_parser = crate::tenants::Tenant::parse)]
+    pub tenants: Vec<crate::tenants::Tenant>,
+    /// Requests in flight per ready backend replica; the rest wait in the gateway, dispatched
+    /// by priority band and fair share. Match the engine's batch size (vLLM's --max-num-seqs).
+    #[arg(long, env = "HEARTH_CONTAINER_CONCURRENCY", default_value_t = crate::fair::DEFAULT_CONTAINER_CONCURRENCY, value_parser = clap::value_parser!(u32).range(1..))]
+    pub container_concurrency: u32,
     /// How often the API key file is re-read.
     #[arg(long, env = "HEARTH_API_KEY_RELOAD_INTERVAL", default_value = "10s", value_parser = duration)]
     pub api_key_reload_interval: Duration,
@@ -456,10 +466,14 @@ impl ServeArgs {
         }
         self.fallback_authority()?;
         let sleep = self.sleep_config()?;
+        let tenants =
+            crate::tenants::Tenants::new(self.tenants.clone()).map_err(|e| err("--tenant", e))?;
         Ok(GatewayConfig {
             service_key: self.service_key()?,
             served_model_names: self.served_model_name.clone(),
             max_queue: self.max_queue,
+            container_concurrency: self.container_concurrency,
+            tenants,
             cold_start: self.cold_start,
             heartbeat_interval: self.heartbeat_interval,
             activation_timeout: self.activation_timeout,

@@ -81,6 +81,11 @@ pub struct GatewayConfig {
     /// The sleeping tier (see [`crate::sleep`]): idle engines are put to sleep and woken on
     /// demand. `None`: engines are never put to sleep.
     pub sleep: Option<crate::sleep::SleepConfig>,
+    /// Requests in flight per ready backend replica (`--container-concurrency`); the rest wait
+    /// in the model's fair queue ([`crate::fair`]).
+    pub container_concurrency: u32,
+    /// The tenants (`--tenant`), replica-wide: bands, quotas and key files.
+    pub tenants: crate::tenants::Tenants,
 }
 
 impl Default for GatewayConfig {
@@ -106,6 +111,8 @@ impl Default for GatewayConfig {
             backend_idle_timeout: Duration::from_secs(4),
             scaler_keepalive: Duration::from_secs(30),
             sleep: None,
+            container_concurrency: crate::fair::DEFAULT_CONTAINER_CONCURRENCY,
+            tenants: crate::tenants::Tenants::default(),
         }
     }
 }
@@ -137,6 +144,8 @@ pub struct ModelConfig {
     pub last_activation: Option<Duration>,
     /// The sleeping tier, when on.
     pub sleep: Option<crate::sleep::SleepConfig>,
+    /// Requests in flight per ready backend replica; the rest wait in the fair queue.
+    pub container_concurrency: u32,
 }
 
 impl ModelConfig {
@@ -152,6 +161,7 @@ impl ModelConfig {
             metric_target: cfg.metric_target,
             last_activation: None,
             sleep: cfg.sleep.clone(),
+            container_concurrency: cfg.container_concurrency,
         }
     }
 }

@@ -135,6 +135,16 @@ impl EndpointSet {
         !self.tx.borrow().is_empty()
     }
 
+    /// How many endpoints are ready.
+    pub fn len(&self) -> usize {
+        self.tx.borrow().len()
+    }
+
+    /// Whether no endpoint is ready.
+    pub fn is_empty(&self) -> bool {
+        self.tx.borrow().is_empty()
+    }
+
     /// A receiver woken on every change of the set.
     pub fn subscribe(&self) -> watch::Receiver<Endpoints> {
         self.tx.subscribe()

@@ -12,6 +12,7 @@
 //! | `GET /hearth/queue?scope=local&service=<namespace>/<name>` | the query forms of the above, for clients that keep the query |
 //! | `GET /hearth/local-demand` | internal: newline-delimited `{"demand": N}` (a shared gateway: `{"demand": {"<namespace>/<name>": N, ...}}`) on every change of this replica's demand, for peer replicas |
 //! | `GET /metrics` | Prometheus text |
+//! | `GET /hearth/quota-usage` | internal: `{"instance", "tenants": {"<tenant>": [requests, tokens]}}`, this replica's usage so far, read by its peers to share the tenants' quotas ([`crate::quota`]) |
 //!
 //! A replica serves one model ([`Gateway::new`]: a single-service gateway) or the models of a
 //! route table ([`Gateway::new_shared`], [`Gateway::apply_routes`]: a shared gateway, which
@@ -60,12 +61,13 @@ use crate::{
 };
 
 /// The paths the gateway answers itself (see the module table); every other path is proxied.
-pub const OWN_PATHS: [&str; 5] = [
+pub const OWN_PATHS: [&str; 6] = [
     "/healthz",
     "/readyz",
     "/hearth/queue",
     "/hearth/local-demand",
     "/metrics",
+    crate::quota::USAGE_PATH,
 ];
 
 /// `/hearth/queue/local`: this replica's demand only (one model's:
@@ -95,6 +97,8 @@ pub struct Shared {
     pub(crate) unrouted: Arc<ModelMetrics>,
     pub(crate) metrics: Arc<Metrics>,
     pub(crate) keys: ApiKeys,
+    /// The tenants' quotas (see [`crate::quota`]).
+    pub(crate) quotas: Arc<crate::quota::Quotas>,
     pub(crate) pool: UpstreamPool,
     /// Request-body bytes held (see [`crate::budget`]).
     pub(crate) budget: crate::budget::BodyBudget,
@@ -222,8 +226,15 @@ impl Gateway {
         admitted: DemandHub,
         unrouted: Arc<ModelMetrics>,
     ) -> Self {
+        let quotas = Arc::new(crate::quota::Quotas::new(cfg.tenants.clone()));
+        let _ = parts
+            .state
+            .metrics
+            .tenant_names
+            .set(cfg.tenants.iter().map(|(_, t)| t.name.clone()).collect());
         Self {
             shared: Arc::new(Shared {
+                quotas,
                 cfg,
                 routes,
                 single,
@@ -306,6 +317,16 @@ impl Gateway {
         }
     }
 
+    /// The tenants' quotas, shared with peer replicas by [`crate::quota::sync_peers`].
+    pub fn quotas(&self) -> Arc<crate::quota::Quotas> {
+        self.shared.quotas.clone()
+    }
+
+    /// This replica's instance, in hex as its peers see it (see [`DemandHub::instance`]).
+    pub fn instance(&self) -> String {
+        format!("{:016x}", self.shared.admitted.instance())
+    }
+
     /// The settings.
     pub fn config(&self) -> &GatewayConfig {
         &self.shared.cfg
@@ -380,6 +401,7 @@ impl Gateway {
             queue_path,
             local_demand_path,
             metrics_path,
+            usage_path,
         ] = OWN_PATHS;
         Router::new()
             .route(healthz, get(|| async { "ok" }))
@@ -393,6 +415,7 @@ impl Gateway {
             )
             .route(local_demand_path, get(local_demand))
             .route(metrics_path, get(metrics))
+            .route(usage_path, get(quota_usage))
             // The gateway's own endpoints are read-only; axum's 405 would have an empty body.
             .method_not_allowed_fallback(|| async {
                 let mut resp = crate::openai::error_response(
@@ -770,6 +793,15 @@ async fn local_demand(State(shared): State<Arc<Shared>>) -> Response {
             stop,
         ),
     }
+}
+
+/// `/hearth/quota-usage`: this replica's usage so far, per tenant ([`crate::quota`]).
+async fn quota_usage(State(shared): State<Arc<Shared>>) -> Response {
+    let report = crate::quota::UsageReport {
+        instance: format!("{:016x}", shared.admitted.instance()),
+        tenants: shared.quotas.usage(),
+    };
+    axum::Json(report).into_response()
 }
 
 async fn metrics(State(shared): State<Arc<Shared>>) -> Response {

@@ -65,12 +65,10 @@ async fn kube_client() -> anyhow::Result<kube::Client> {
 
 async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let cfg = args.gateway_config()?;
+    let cfg_has_quota = cfg.tenants.any_quota();
     let mut signals = Signals::install()?;
     let body_memory_limit = cfg.body_memory_limit;
-    let keys = match &args.api_key_file {
-        Some(path) => ApiKeys::load(path)?,
-        None => ApiKeys::disabled(),
-    };
+    let keys = ApiKeys::load_tenants(args.api_key_file.as_deref(), &cfg.tenants)?;
     let needs_kube = args.routes_configmap.is_some()
         || args.backend_service.is_some()
         || args.peer_service.is_some()
@@ -95,10 +93,21 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             port_name: args.peer_port_name.clone(),
         };
         let me = args.pod_ips.clone();
+        // The tenants' quotas are shared with the same peers (see hearth_gateway::quota).
+        let (quota_peers, quota_rx) = tokio::sync::watch::channel(Vec::new());
+        if cfg_has_quota {
+            tokio::spawn(hearth_gateway::quota::sync_peers(
+                gateway.quotas(),
+                quota_rx,
+                gateway.instance(),
+            ));
+        }
         tokio::spawn(async move {
             let feed = peers.clone();
             let e = watch_endpoints(client, source, move |eps| {
-                feed.update(other_replicas(eps, &me));
+                let others = other_replicas(eps, &me);
+                quota_peers.send_replace(others.clone());
+                feed.update(others);
             })
             .await;
             tracing::error!(error = %e, "peer discovery stopped; total demand is unknown");

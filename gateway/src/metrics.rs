@@ -7,7 +7,7 @@
 //! | `hearth_gateway_demand_total` | gauge | demand summed over all gateway replicas; absent while unknown |
 //! | `hearth_gateway_requests_total{code}` | counter | finished requests by HTTP status code sent |
 //! | `hearth_gateway_requests_canceled_total` | counter | requests whose client left before the response finished |
-//! | `hearth_gateway_rejections_total{reason}` | counter | requests refused by the gateway itself (`queue_full`, `cold_reject`, `activation_timeout`, `body_too_large`, `body_timeout`, `body_memory`, `loop_detected`, `bad_request`, `method_not_allowed`, `unsupported_transfer_coding`, `unauthorized`, `draining`, `model_required`, `unknown_model`) |
+//! | `hearth_gateway_rejections_total{reason}` | counter | requests refused by the gateway itself (`rate_limit_exceeded`, `queue_full`, `cold_reject`, `activation_timeout`, `body_too_large`, `body_timeout`, `body_memory`, `loop_detected`, `bad_request`, `method_not_allowed`, `unsupported_transfer_coding`, `unauthorized`, `draining`, `model_required`, `unknown_model`) |
 //! | `hearth_gateway_activation_wait_seconds` | histogram | cold requests: arrival until forwarded to a ready backend |
 //! | `hearth_gateway_upstream_latency_seconds` | histogram | request sent to the backend until its response headers |
 //! | `hearth_gateway_time_to_first_token_seconds` | histogram | streaming requests: arrival until the first body chunk from the backend |
@@ -19,6 +19,9 @@
 //! | `hearth_gateway_backends_sleeping` | gauge | sleeping tier: backend engines asleep, falling asleep or waking up, as this replica knows them |
 //! | `hearth_gateway_engine_calls_total{call,result}` | counter | sleeping tier: calls to the engine's sleep API (`call`: `sleep`, `wake_up`, `is_sleeping`; `result`: `ok`, `error`) |
 //! | `hearth_activation_phase_seconds{phase}` | histogram | activation phases seen by the gateway: `demand_to_ready` (activation lease raised, a cold request with no lease held, until a ready backend was first seen) `wake_up` (the wake-up calls of a sleeping engine, sent until answered) and `first_byte` (a cold request, held for an activation or a wake-up, from its arrival until the first byte of the answer was forwarded); the controller observes the pod's phases under the same name |
+//! | `hearth_gateway_tenant_requests_total{tenant}` | counter | requests dispatched to a backend, by tenant (see [`crate::tenants`]) |
+//! | `hearth_gateway_tenant_tokens_total{tenant,kind}` | counter | tokens served, by tenant and `kind` (`prompt`, `completion`): the response's `usage` when it has one, else the estimate (prompt bytes / 4, one completion token per streamed event) |
+//! | `hearth_gateway_queue_wait_seconds{tenant}` | histogram | time a request waited in the fair queue for a place in flight (`containerConcurrency` per ready replica; see [`crate::fair`]), 0 when dispatched at once; a cold request's wait includes the activation |
 //! | `hearth_gateway_route_table_models` | gauge | shared mode: models in the route table applied last |
 //! | `hearth_gateway_route_table_errors_total` | counter | shared mode: route tables refused (not JSON, a field missing or out of range); the last good table stays |
 //!
@@ -120,6 +123,42 @@ service_labels! {
     }
 }
 
+/// `service` and `tenant`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq)]
+pub struct TenantLabel {
+    /// `<namespace>/<name>` of the LLMService; empty: left out.
+    pub service: Arc<str>,
+    /// The tenant's name.
+    pub tenant: Arc<str>,
+}
+
+impl EncodeLabelSet for TenantLabel {
+    fn encode(&self, encoder: &mut LabelSetEncoder) -> Result<(), std::fmt::Error> {
+        encode_service(&self.service, encoder)?;
+        ("tenant", &*self.tenant).encode(encoder.encode_label())
+    }
+}
+
+/// `service`, `tenant` and `kind` (`prompt` or `completion`) of
+/// `hearth_gateway_tenant_tokens_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq)]
+pub struct TenantTokensLabel {
+    /// `<namespace>/<name>` of the LLMService; empty: left out.
+    pub service: Arc<str>,
+    /// The tenant's name.
+    pub tenant: Arc<str>,
+    /// `prompt` or `completion`.
+    pub kind: &'static str,
+}
+
+impl EncodeLabelSet for TenantTokensLabel {
+    fn encode(&self, encoder: &mut LabelSetEncoder) -> Result<(), std::fmt::Error> {
+        encode_service(&self.service, encoder)?;
+        ("tenant", &*self.tenant).encode(encoder.encode_label())?;
+        ("kind", self.kind).encode(encoder.encode_label())
+    }
+}
+
 service_labels! {
     /// `service` and `phase` of `hearth_activation_phase_seconds`.
     PhaseLabel {
@@ -196,6 +235,14 @@ pub struct Metrics {
     pub route_table_models: Gauge,
     /// `hearth_gateway_route_table_errors_total`.
     pub route_table_errors: Counter,
+    /// `hearth_gateway_tenant_requests_total{service,tenant}`.
+    pub tenant_requests: Family<TenantLabel, Counter>,
+    /// `hearth_gateway_tenant_tokens_total{service,tenant,kind}`.
+    pub tenant_tokens: Family<TenantTokensLabel, Counter>,
+    /// `hearth_gateway_queue_wait_seconds{service,tenant}`.
+    pub queue_wait: HistogramFamily<TenantLabel>,
+    /// The tenants' names, for removing a model's series.
+    pub(crate) tenant_names: std::sync::OnceLock<Vec<Arc<str>>>,
     /// How many [`ModelMetrics`] are alive per `service`: a model's series are removed when
     /// its last one drops.
     live: Mutex<HashMap<Arc<str>, usize>>,
@@ -238,6 +285,26 @@ impl Metrics {
             Family::new_with_constructor(activation_histogram);
         let route_table_models = Gauge::default();
         let route_table_errors = Counter::default();
+        let tenant_requests = Family::default();
+        let tenant_tokens = Family::default();
+        // 1 ms .. ~9 min.
+        let queue_wait: HistogramFamily<TenantLabel> =
+            Family::new_with_constructor(|| Histogram::new(exponential_buckets(0.001, 2.0, 20)));
+        registry.register(
+            "hearth_gateway_tenant_requests",
+            "Requests dispatched to a backend, by tenant",
+            tenant_requests.clone(),
+        );
+        registry.register(
+            "hearth_gateway_tenant_tokens",
+            "Tokens served by tenant and kind (prompt, completion): the response's usage, else an estimate",
+            tenant_tokens.clone(),
+        );
+        registry.register(
+            "hearth_gateway_queue_wait_seconds",
+            "Time a request waited in the fair queue for a place in flight, by tenant",
+            queue_wait.clone(),
+        );
         registry.register(
             "hearth_gateway_pending",
             "Requests admitted by this replica and not finished",
@@ -335,6 +402,10 @@ impl Metrics {
         );
         Self {
             registry,
+            tenant_requests,
+            tenant_tokens,
+            queue_wait,
+            tenant_names: std::sync::OnceLock::new(),
             pending,
             demand,
             demand_total,
@@ -479,6 +550,21 @@ impl Metrics {
                 phase,
             });
         }
+        for tenant in self.tenant_names.get().into_iter().flatten() {
+            let label = TenantLabel {
+                service: s(),
+                tenant: tenant.clone(),
+            };
+            self.tenant_requests.remove(&label);
+            self.queue_wait.remove(&label);
+            for kind in ["prompt", "completion"] {
+                self.tenant_tokens.remove(&TenantTokensLabel {
+                    service: s(),
+                    tenant: tenant.clone(),
+                    kind,
+                });
+            }
+        }
     }
 }
 
@@ -554,6 +640,33 @@ impl ModelMetrics {
     /// The replica's metrics.
     pub fn replica(&self) -> &Arc<Metrics> {
         &self.metrics
+    }
+
+    /// A request of `tenant` dispatched after waiting `seconds` in the fair queue.
+    pub fn dispatched(&self, tenant: &Arc<str>, seconds: f64) {
+        let label = TenantLabel {
+            service: self.service.clone(),
+            tenant: tenant.clone(),
+        };
+        self.metrics.tenant_requests.get_or_create(&label).inc();
+        self.metrics
+            .queue_wait
+            .get_or_create(&label)
+            .observe(seconds);
+    }
+
+    /// Tokens served to `tenant`.
+    pub fn tokens(&self, tenant: &Arc<str>, prompt: u64, completion: u64) {
+        for (kind, n) in [("prompt", prompt), ("completion", completion)] {
+            self.metrics
+                .tenant_tokens
+                .get_or_create(&TenantTokensLabel {
+                    service: self.service.clone(),
+                    tenant: tenant.clone(),
+                    kind,
+                })
+                .inc_by(n);
+        }
     }
 
     /// Counts a finished request by status code.

@@ -235,6 +235,8 @@ pub struct ModelState {
     /// The sleeping tier's task until [`ModelState::start`].
     sleep_task: Mutex<Option<SleepTask>>,
     pub(crate) metrics: Arc<ModelMetrics>,
+    /// Requests in flight bounded per ready replica, the rest queued fairly.
+    pub(crate) fair: Arc<crate::fair::FairQueue>,
     /// Seconds since the Unix epoch when the state was made.
     created: u64,
     /// The tasks started for the model; `None` until started.
@@ -272,8 +274,10 @@ impl ModelState {
         let created = SystemTime::now()
             .duration_since(SystemTime::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs());
+        let fair = crate::fair::FairQueue::new(cfg.container_concurrency, backends.clone());
         Self {
             discovered,
+            fair,
             backends,
             demand,
             lease,

@@ -103,6 +103,8 @@ pub struct RequestHints {
     pub stream: bool,
     /// OpenAI's `model`.
     pub model: Option<String>,
+    /// OpenAI's `max_completion_tokens`, else `max_tokens`: the completion tokens asked for.
+    pub max_tokens: Option<u64>,
 }
 
 impl RequestHints {
@@ -122,6 +124,9 @@ impl RequestHints {
             model: fields
                 .get("model")
                 .and_then(|v| serde_json::from_str::<String>(v.get()).ok()),
+            max_tokens: ["max_completion_tokens", "max_tokens"]
+                .iter()
+                .find_map(|k| fields.get(*k).and_then(|v| v.get().parse::<u64>().ok())),
         }
     }
 

@@ -77,6 +77,10 @@ kinds! {
     /// The request names a model that is not served (a single-service gateway checks a cold
     /// request only; a shared one every request).
     UnknownModel => "unknown_model",
+    /// The tenant's requests per minute are used up (see [`crate::quota`]).
+    RequestsRateLimited => "rate_limit_exceeded",
+    /// The tenant's tokens per minute are used up (see [`crate::quota`]).
+    TokensRateLimited => "rate_limit_exceeded",
     /// `--max-queue` requests are admitted already.
     QueueFull => "queue_full",
     /// No ready backend, and `--cold-start=reject`.
@@ -100,13 +104,15 @@ impl RejectionKind {
             Self::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Self::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
             Self::UnknownModel => StatusCode::NOT_FOUND,
-            Self::QueueFull => StatusCode::TOO_MANY_REQUESTS,
+            Self::QueueFull | Self::RequestsRateLimited | Self::TokensRateLimited => {
+                StatusCode::TOO_MANY_REQUESTS
+            }
         }
     }
 
     /// The OpenAI error `type`: `server_error` when the gateway cannot serve the request now,
-    /// `rate_limit_error` when it holds too many, `invalid_request_error` when the request is
-    /// at fault.
+    /// `rate_limit_error` when it holds too many, OpenAI's `requests` or `tokens` when a
+    /// tenant's quota is used up, `invalid_request_error` when the request is at fault.
     pub const fn error_type(self) -> &'static str {
         match self {
             Self::Draining
@@ -115,6 +121,8 @@ impl RejectionKind {
             | Self::ColdReject
             | Self::ActivationTimeout => "server_error",
             Self::QueueFull => "rate_limit_error",
+            Self::RequestsRateLimited => "requests",
+            Self::TokensRateLimited => "tokens",
             Self::MethodNotAllowed
             | Self::BadRequest
             | Self::UnsupportedTransferCoding
@@ -154,6 +162,8 @@ impl RejectionKind {
             Self::Draining
                 | Self::BodyMemory
                 | Self::QueueFull
+                | Self::RequestsRateLimited
+                | Self::TokensRateLimited
                 | Self::ColdReject
                 | Self::ActivationTimeout
         )
@@ -275,6 +285,8 @@ pub enum Rejection {
         /// The request's `model`.
         model: String,
     },
+    /// See [`RejectionKind::RequestsRateLimited`] and [`RejectionKind::TokensRateLimited`].
+    RateLimited(Box<crate::quota::Limited>),
     /// See [`RejectionKind::QueueFull`].
     QueueFull {
         /// `--max-queue`.
@@ -305,6 +317,10 @@ impl Rejection {
             Self::MalformedBody { .. } => RejectionKind::MalformedBody,
             Self::ModelRequired => RejectionKind::ModelRequired,
             Self::UnknownModel { .. } => RejectionKind::UnknownModel,
+            Self::RateLimited(l) => match l.limit {
+                crate::quota::Limit::Requests => RejectionKind::RequestsRateLimited,
+                crate::quota::Limit::Tokens => RejectionKind::TokensRateLimited,
+            },
             Self::QueueFull { .. } => RejectionKind::QueueFull,
             Self::ColdReject => RejectionKind::ColdReject,
             Self::ActivationTimeout { .. } => RejectionKind::ActivationTimeout,
@@ -338,6 +354,18 @@ impl Rejection {
             Self::MalformedBody { error } => format!("the request body could not be read: {error}"),
             Self::ModelRequired => "the request names no `model`: this endpoint serves several models and routes each request by the `model` field of its JSON body (GET /v1/models lists them)".to_owned(),
             Self::UnknownModel { model } => format!("The model `{model}` does not exist."),
+            Self::RateLimited(l) => format!(
+                "Rate limit reached for tenant {} on {} per min ({}): Limit {}, Requested {}. Please try again in {}.",
+                l.tenant,
+                l.limit.word(),
+                match l.limit {
+                    crate::quota::Limit::Requests => "RPM",
+                    crate::quota::Limit::Tokens => "TPM",
+                },
+                l.per_minute,
+                l.requested,
+                crate::quota::openai_duration(l.retry_after),
+            ),
             Self::QueueFull { max_queue } => format!(
                 "the gateway already holds {max_queue} requests (maxQueue); retry later"
             ),
@@ -350,9 +378,14 @@ impl Rejection {
 
     /// The answer: the kind's status and headers, and an OpenAI error body
     /// (`{"error": {"message", "type", "param": null, "code"}}`); `retry_after` is
-    /// `--retry-after`, sent (rounded up to whole seconds) when the kind [retries](RejectionKind::retries).
+    /// `--retry-after`, sent (rounded up to whole seconds) when the kind [retries](RejectionKind::retries);
+    /// a quota's refusal sends its own wait instead, and OpenAI's `x-ratelimit-*` headers.
     pub fn into_response(self, retry_after: Duration) -> Response {
         let kind = self.kind();
+        let (retry_after, extra) = match &self {
+            Self::RateLimited(l) => (l.retry_after, Some(l.headers.clone())),
+            _ => (retry_after, None),
+        };
         let resp = error_response_param(
             kind.status(),
             &self.message(),
@@ -371,6 +404,9 @@ impl Rejection {
         if kind.closes() {
             resp.headers_mut()
                 .insert(header::CONNECTION, HeaderValue::from_static("close"));
+        }
+        if let Some(extra) = extra {
+            resp.headers_mut().extend(extra);
         }
         resp
     }

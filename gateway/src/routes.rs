@@ -258,6 +258,10 @@ fn model_config(i: usize, r: &ModelRoute) -> Result<ModelConfig, RoutesError> {
         metric_target: r.metric_target,
         last_activation,
         sleep,
+        container_concurrency: r
+            .container_concurrency
+            .unwrap_or(crate::fair::DEFAULT_CONTAINER_CONCURRENCY)
+            .max(1),
     })
 }
 
@@ -280,11 +284,12 @@ pub fn default_route(namespace: &str, service: &str, model: &str) -> ModelRoute 
         metric_target: 1.0,
         last_activation: None,
         sleep: None,
+        container_concurrency: None,
     }
 }
 
 /// Whether a model's state can stay when its route changes from `a` to `b`: the same
-/// backends, sleeping tier and service object.
+/// backends, sleeping tier, service object and concurrency per replica (its fair queue).
 fn same_backends(a: &ModelRoute, b: &ModelRoute) -> bool {
     a.namespace == b.namespace
         && a.service == b.service
@@ -292,6 +297,7 @@ fn same_backends(a: &ModelRoute, b: &ModelRoute) -> bool {
         && a.backend_service == b.backend_service
         && a.backend_port_name == b.backend_port_name
         && a.sleep == b.sleep
+        && a.container_concurrency == b.container_concurrency
 }
 
 /// How a shared gateway finds each model's backends, and where its sleeping tier reports.

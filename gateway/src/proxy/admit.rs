@@ -1,12 +1,18 @@
 //! The admission step: once the body is read and the model known, a cold request's model is
-//! checked against the served model names, draining is checked again, and the request takes
-//! one of its model's `maxQueue` slots. A request refused here never raises demand, so it
-//! never wakes a model.
+//! checked against the served model names, draining is checked again, the tenant's quotas are
+//! charged ([`crate::quota`]), and the request takes one of its model's `maxQueue` slots. A
+//! request refused here never raises demand, so it never wakes a model.
 
 use axum::http::request::Parts;
 
+use super::forward::Dispatch;
 use crate::{
-    demand::Admission, gateway::Shared, model::Model, openai::RequestHints, reject::Rejection,
+    demand::Admission,
+    fair::{Claim, TenantId},
+    gateway::Shared,
+    model::Model,
+    openai::RequestHints,
+    reject::Rejection,
 };
 
 /// A request's place in its model's queue (and, in shared mode, in the replica's count of
@@ -33,12 +39,14 @@ pub(super) struct Admitted {
     /// The request's place in `--max-queue`, given back when dropped.
     pub(super) slot: Slot,
     /// Read from the body of a cold request, or of any request a shared gateway routed; a
-    /// single-service gateway forwards a warm one unparsed.
+    /// single-service gateway forwards a warm one unparsed (unless its tenant has a quota).
     pub(super) stream: bool,
+    /// Who it is dispatched for, and its estimated cost.
+    pub(super) dispatch: Dispatch,
 }
 
-/// Admits the request with head `parts` and read `body` for `model`; `hints` are the body's
-/// when the route step read them; `cold`: no backend of the model is ready.
+/// Admits the request of `tenant` with head `parts` and read `body` for `model`; `hints` are
+/// the body's when the route step read them; `cold`: no backend of the model is ready.
 ///
 /// Only a cold request's body is parsed here: a ready backend checks `model` itself (vLLM's
 /// `404 The model ... does not exist`).
@@ -49,10 +57,12 @@ pub(super) fn admit(
     body: &[u8],
     hints: Option<RequestHints>,
     cold: bool,
+    tenant: TenantId,
 ) -> Result<Admitted, Rejection> {
+    let limited = shared.quotas.limited(tenant);
     let hints = match hints {
         Some(hints) => hints,
-        None if cold => RequestHints::from_request(&parts.method, &parts.headers, body),
+        None if cold || limited => RequestHints::from_request(&parts.method, &parts.headers, body),
         None => RequestHints::default(),
     };
     serves(model, &hints)?;
@@ -60,6 +70,27 @@ pub(super) fn admit(
     if shared.is_draining() {
         return Err(Rejection::Draining);
     }
+    let prompt_tokens = body.len() as u64 / 4;
+    let quota_tokens = if limited {
+        let estimate = prompt_tokens + hints.max_tokens.unwrap_or(0);
+        shared
+            .quotas
+            .admit(tenant, estimate, std::time::Instant::now())
+            .map_err(Rejection::RateLimited)?;
+        estimate
+    } else {
+        0
+    };
+    let t = shared.cfg.tenants.get(tenant);
+    let dispatch = Dispatch {
+        claim: Claim {
+            tenant,
+            priority: t.priority,
+        },
+        tenant: t.name.clone(),
+        prompt_tokens,
+        quota_tokens,
+    };
     let slot = model.state.demand.try_admit().ok_or(Rejection::QueueFull {
         max_queue: model.cfg.max_queue,
     })?;
@@ -74,6 +105,7 @@ pub(super) fn admit(
             _replica: replica,
         },
         stream: hints.stream,
+        dispatch,
     })
 }
 
@@ -122,14 +154,14 @@ mod tests {
         let model = super::super::the_model(&shared);
         let body = br#"{"model":"other","stream":true}"#;
         assert_eq!(
-            admit(&shared, &model, &post(), body, None, true).err(),
+            admit(&shared, &model, &post(), body, None, true, 0).err(),
             Some(Rejection::UnknownModel {
                 model: "other".into()
             })
         );
         assert_eq!(model.demand().state().pending(), 0);
         // Warm: the backend answers it; the body is not parsed.
-        let warm = admit(&shared, &model, &post(), body, None, false)
+        let warm = admit(&shared, &model, &post(), body, None, false, 0)
             .unwrap_or_else(|_| panic!("refused"));
         assert!(!warm.stream);
         assert_eq!(model.demand().state().pending(), 1);
@@ -146,12 +178,13 @@ mod tests {
             br#"{"model":"m","stream":true}"#,
             None,
             true,
+            0,
         );
         assert!(a.is_ok_and(|a| a.stream));
         // No served names: any model is forwarded.
         let shared = super::super::test_shared(served(&[], 10), crate::EndpointSet::new());
         let model = super::super::the_model(&shared);
-        let a = admit(&shared, &model, &post(), br#"{"model":"x"}"#, None, true);
+        let a = admit(&shared, &model, &post(), br#"{"model":"x"}"#, None, true, 0);
         assert!(a.is_ok_and(|a| !a.stream));
     }
 
@@ -160,16 +193,16 @@ mod tests {
         let gw = super::super::test_gateway(served(&[], 1), crate::EndpointSet::new());
         let shared = gw.shared().clone();
         let model = super::super::the_model(&shared);
-        let first =
-            admit(&shared, &model, &post(), b"", None, false).unwrap_or_else(|_| panic!("refused"));
+        let first = admit(&shared, &model, &post(), b"", None, false, 0)
+            .unwrap_or_else(|_| panic!("refused"));
         assert_eq!(
-            admit(&shared, &model, &post(), b"", None, false).err(),
+            admit(&shared, &model, &post(), b"", None, false, 0).err(),
             Some(Rejection::QueueFull { max_queue: 1 })
         );
         drop(first);
         gw.start_drain();
         assert_eq!(
-            admit(&shared, &model, &post(), b"", None, false).err(),
+            admit(&shared, &model, &post(), b"", None, false, 0).err(),
             Some(Rejection::Draining)
         );
     }
@@ -185,14 +218,15 @@ mod tests {
         // `a` full (its maxQueue is 2): 429 for `a` only.
         let held: Vec<_> = (0..2)
             .map(|_| {
-                admit(&shared, &a, &post(), b"", None, true).unwrap_or_else(|_| panic!("refused"))
+                admit(&shared, &a, &post(), b"", None, true, 0)
+                    .unwrap_or_else(|_| panic!("refused"))
             })
             .collect();
         assert_eq!(
-            admit(&shared, &a, &post(), b"", None, true).err(),
+            admit(&shared, &a, &post(), b"", None, true, 0).err(),
             Some(Rejection::QueueFull { max_queue: 2 })
         );
-        let other = admit(&shared, &b, &post(), b"", None, true)
+        let other = admit(&shared, &b, &post(), b"", None, true, 0)
             .unwrap_or_else(|_| panic!("b refused while a is full"));
         assert_eq!(a.demand().state().pending(), 2);
         assert_eq!(b.demand().state().pending(), 1);

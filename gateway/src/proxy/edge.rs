@@ -11,12 +11,14 @@ use axum::{
 
 use crate::{
     apikeys::{ApiKeys, AuthOutcome},
+    fair::TenantId,
     gateway::Shared,
     reject::{BadRequest, Rejection},
 };
 
-/// The edge checks of a request with head `parts`.
-pub(super) fn check(shared: &Shared, parts: &Parts) -> Result<(), Rejection> {
+/// The edge checks of a request with head `parts`; the tenant its API key names (the default
+/// one while keys are off).
+pub(super) fn check(shared: &Shared, parts: &Parts) -> Result<TenantId, Rejection> {
     if shared.is_draining() {
         return Err(Rejection::Draining);
     }
@@ -120,10 +122,10 @@ fn valid_host(host: &[u8]) -> bool {
     reg_name_ok && port_ok
 }
 
-/// The API key check (`Authorization: Bearer <key>`; see [`crate::apikeys`]).
-pub(super) fn authorize(keys: &ApiKeys, headers: &HeaderMap) -> Result<(), Rejection> {
+/// The API key check (`Authorization: Bearer <key>`; see [`crate::apikeys`]): the key's tenant.
+pub(super) fn authorize(keys: &ApiKeys, headers: &HeaderMap) -> Result<TenantId, Rejection> {
     match keys.check(headers.get(header::AUTHORIZATION).map(|v| v.as_bytes())) {
-        AuthOutcome::Allowed => Ok(()),
+        AuthOutcome::Allowed(tenant) => Ok(tenant),
         outcome => Err(Rejection::Unauthorized {
             missing: outcome == AuthOutcome::Missing,
         }),
@@ -326,7 +328,7 @@ mod tests {
     #[test]
     fn the_key_is_checked_only_when_keys_are_on() {
         let headers = HeaderMap::new();
-        assert_eq!(authorize(&ApiKeys::disabled(), &headers), Ok(()));
+        assert_eq!(authorize(&ApiKeys::disabled(), &headers), Ok(0));
         let dir = std::env::temp_dir().join(format!("hearth-edge-keys-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("keys");
@@ -350,7 +352,7 @@ mod tests {
             header::AUTHORIZATION,
             HeaderValue::from_static("Bearer sk-a"),
         );
-        assert_eq!(authorize(&keys, &headers), Ok(()));
+        assert_eq!(authorize(&keys, &headers), Ok(0));
     }
 
     #[test]
@@ -369,7 +371,7 @@ mod tests {
         let mut looped = looped;
         looped.method = Method::POST;
         assert_eq!(check(&shared, &looped), Err(Rejection::LoopDetected));
-        assert_eq!(check(&shared, &head(|b| b)), Ok(()));
+        assert_eq!(check(&shared, &head(|b| b)), Ok(0));
         gw.start_drain();
         assert_eq!(check(&shared, &looped), Err(Rejection::Draining));
     }

@@ -1,7 +1,10 @@
 //! Forwarding: the request as it is sent to a backend ([`Outgoing`]), the wait for a ready
 //! endpoint, and the send with its retries while no connection can be established.
 
-use std::time::{Duration, Instant};
+use std::{
+    sync::Arc,
+    time::{Duration, Instant},
+};
 
 use axum::http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode, Uri, header};
 use bytes::Bytes;
@@ -10,6 +13,7 @@ use http_body_util::Full;
 use super::headers::{Via, forward_headers};
 use crate::{
     endpoints::{EndpointGuard, EndpointSet},
+    fair::{Claim, Entry},
     gateway::Shared,
     model::Model,
     upstream::{UpstreamBody, UpstreamPool},
@@ -37,9 +41,10 @@ impl Shared {
 }
 
 /// What a forwarded request holds on the backend until its response ends: the endpoint's
-/// outstanding-request count.
+/// outstanding-request count, and its place in flight with the meter of its tokens.
 pub(super) struct BackendUse {
     _ep: EndpointGuard,
+    pub(super) meter: super::meter::Meter,
 }
 
 /// Why a request was not answered.
@@ -99,12 +104,41 @@ impl Arrival for Warm {
     }
 }
 
+/// Who a request is dispatched for, and what it is estimated to cost.
+#[derive(Debug, Clone)]
+pub(super) struct Dispatch {
+    /// Its tenant and band.
+    pub(super) claim: Claim,
+    /// The tenant's name (metric label).
+    pub(super) tenant: Arc<str>,
+    /// The prompt's estimate: body bytes / 4.
+    pub(super) prompt_tokens: u64,
+    /// What its tenant's token quota was charged at admission (0 without one).
+    pub(super) quota_tokens: u64,
+}
+
+impl Default for Dispatch {
+    fn default() -> Self {
+        Self {
+            claim: Claim {
+                tenant: 0,
+                priority: 0,
+            },
+            tenant: Arc::from(crate::tenants::DEFAULT_TENANT),
+            prompt_tokens: 0,
+            quota_tokens: 0,
+        }
+    }
+}
+
 /// The parts of a request to re-send on each attempt.
 pub(super) struct Outgoing {
     method: Method,
     path_and_query: String,
     headers: HeaderMap,
     body: Bytes,
+    /// Who it is dispatched for.
+    pub(super) dispatch: Dispatch,
     /// The body's bytes in the replica's [`crate::budget::BodyBudget`], until the request is
     /// done with.
     _held: crate::budget::Reservation,
@@ -143,6 +177,7 @@ impl Outgoing {
                 peer_ip,
             ),
             body,
+            dispatch: Dispatch::default(),
             _held: held,
         }
     }
@@ -202,7 +237,9 @@ fn build_upstream(
     Ok(req)
 }
 
-/// Sends `out` to a ready endpoint of `model`, waiting for one until `deadline` and retrying
+/// Sends `out` to a ready endpoint of `model` once the model's fair queue gives it a place in
+/// flight ([`crate::fair`]; waiting for it, warm or cold, counts as the activation's wait too),
+/// waiting for an endpoint until `deadline` and retrying
 /// when a connection cannot be established (the request was not sent, so it is safe to
 /// resend). An endpoint that refused the connection or failed the request is ejected
 /// ([`EndpointGuard::eject`]): the retry and the next requests go to another ready one.
@@ -218,6 +255,14 @@ pub(super) async fn forward<A: Arrival>(
 ) -> Result<(hyper::Response<UpstreamBody>, BackendUse), A::Error> {
     let state = &model.state;
     let metrics = &state.metrics;
+    let d = &out.dispatch;
+    let entered = Instant::now();
+    let permit = match state.fair.enter(d.claim, d.prompt_tokens as f64) {
+        Entry::Dispatched(p) => p,
+        Entry::Queued(ticket) => ticket.wait(deadline).await.ok_or(HoldError::Timeout)?,
+    };
+    metrics.dispatched(&d.tenant, entered.elapsed().as_secs_f64());
+    let meter = super::meter::Meter::new(permit, d.clone(), shared.quotas.clone(), metrics.clone());
     let mut backoff = Duration::from_millis(20);
     loop {
         let ep = acquire_endpoint(&state.backends, deadline)
@@ -251,7 +296,7 @@ pub(super) async fn forward<A: Arrival>(
                     metrics.activation_wait(sent.duration_since(arrival).as_secs_f64());
                     state.lease.ready_seen();
                 }
-                return Ok((resp, BackendUse { _ep: ep }));
+                return Ok((resp, BackendUse { _ep: ep, meter }));
             }
             Err(e) if e.is_connect() => {
                 metrics.upstream_error("connect");
@@ -325,6 +370,7 @@ mod tests {
             path_and_query: "/v1/completions".into(),
             headers: h,
             body: Bytes::from_static(b"{}"),
+            dispatch: Dispatch::default(),
             _held: crate::budget::BodyBudget::new(1).reservation(),
         };
         out.detach();

@@ -11,12 +11,14 @@
 //!    the body's `model` and looks it up in its route table (400 without one, 404 for a model
 //!    it does not serve);
 //! 4. `admit`: a cold request's model (404, only with served model names), draining again,
-//!    a slot of the model's `maxQueue` (429);
-//! 5. a ready endpoint of the model? forward (`forward`) : cold start, which rejects (503),
+//!    the tenant's quotas (429 `rate_limit_exceeded`), a slot of the model's `maxQueue` (429);
+//! 5. a ready endpoint of the model? forward (`forward`, once the model's fair queue gives the
+//!    request a place in flight: [`crate::fair`]) : cold start, which rejects (503),
 //!    holds a stream with heartbeats (`hold`), or waits silently until the model's activation
 //!    timeout (503); a warm request that finds the engine asleep (sleeping tier) is cold from
 //!    there;
-//! 6. `relay`: the backend's answer passed through as it arrives.
+//! 6. `relay`: the backend's answer passed through as it arrives, its tokens counted by the
+//!    request's `meter` for the tenant's fair share, quota and metrics.
 //!
 //! Steps 1, 2 and the replica-wide parts of 4 (draining) are the replica's; from step 3 on,
 //! everything is the model's ([`crate::model`]): its queue, lease, endpoints, cold-start
@@ -35,6 +37,7 @@ mod edge;
 mod forward;
 mod headers;
 mod hold;
+mod meter;
 mod relay;
 mod route;
 
@@ -105,6 +108,18 @@ fn refuse(shared: &Shared, tracker: Tracker, rejection: Rejection) -> Response {
     done(tracker, rejection.into_response(shared.cfg.retry_after))
 }
 
+/// `resp` with OpenAI's `x-ratelimit-*` headers of `tenant`'s quotas (none without one).
+fn with_quota_headers(
+    shared: &Shared,
+    tenant: crate::fair::TenantId,
+    mut resp: Response,
+) -> Response {
+    if shared.quotas.limited(tenant) {
+        resp.headers_mut().extend(shared.quotas.headers(tenant));
+    }
+    resp
+}
+
 /// Every request that is not one of the gateway's own endpoints; `peer_ip` is the client's
 /// address (see [`peer_ip_value`]), for `X-Forwarded-For`.
 pub(crate) async fn proxy<B>(
@@ -119,9 +134,10 @@ where
     let arrival = Instant::now();
     let mut tracker = Tracker::new(shared.unrouted.clone());
     let (mut parts, body) = req.into_parts();
-    if let Err(rejection) = edge::check(&shared, &parts) {
-        return refuse(&shared, tracker, rejection);
-    }
+    let tenant = match edge::check(&shared, &parts) {
+        Ok(tenant) => tenant,
+        Err(rejection) => return refuse(&shared, tracker, rejection),
+    };
     match edge::own_answer(&shared, &parts) {
         Some(Ok(resp)) => return done(tracker, resp),
         Some(Err(rejection)) => return refuse(&shared, tracker, rejection),
@@ -147,12 +163,16 @@ where
         tracker.metrics = model.state.metrics.clone();
     }
     let cold = !model.state.backends.is_ready();
-    let admit::Admitted { slot, mut stream } =
-        match admit::admit(&shared, &model, &parts, &body, hints, cold) {
-            Ok(admitted) => admitted,
-            Err(rejection) => return refuse(&shared, tracker, rejection),
-        };
+    let admit::Admitted {
+        slot,
+        mut stream,
+        dispatch,
+    } = match admit::admit(&shared, &model, &parts, &body, hints, cold, tenant) {
+        Ok(admitted) => admitted,
+        Err(rejection) => return refuse(&shared, tracker, rejection),
+    };
     let mut out = forward::Outgoing::new(&mut parts, body, held, &shared.via, peer_ip.as_ref());
+    out.dispatch = dispatch;
     // Not kept across the wait below: it may point into hyper's read buffer.
     drop(parts);
 
@@ -168,9 +188,16 @@ where
                     return refuse(&shared, tracker, Rejection::ColdReject);
                 }
                 ColdStartMode::Keepalive if stream => {
-                    return hold::hold_streaming(
-                        shared, model, out, slot, tracker, arrival, deadline,
+                    let resp = hold::hold_streaming(
+                        shared.clone(),
+                        model,
+                        out,
+                        slot,
+                        tracker,
+                        arrival,
+                        deadline,
                     );
+                    return with_quota_headers(&shared, tenant, resp);
                 }
                 ColdStartMode::Keepalive => {}
             }
@@ -198,7 +225,11 @@ where
         }
     };
     match sent {
-        Ok((resp, backend)) => relay::relay(resp, backend, slot, tracker, arrival, cold),
+        Ok((resp, backend)) => with_quota_headers(
+            &shared,
+            tenant,
+            relay::relay(resp, backend, slot, tracker, arrival, cold),
+        ),
         Err(forward::HoldError::Timeout) => {
             drop(slot);
             let timeout = model.cfg.activation_timeout;

@@ -1,6 +1,7 @@
 //! The relay step: the backend's response passed to the client as it arrives, bytes
-//! unchanged, with the request's accounting (status, time to first token, the admission slot
-//! and the endpoint's outstanding count held until the last frame).
+//! unchanged, with the request's accounting (status, time to first token, the tokens its
+//! meter counts, the admission slot, the place in flight and the endpoint's outstanding count
+//! held until the last frame).
 
 use std::{
     pin::Pin,
@@ -233,6 +234,9 @@ impl HttpBody for Relay {
                         if let Some(start) = this.first_byte.take() {
                             this.metrics
                                 .observe_phase("first_byte", start.elapsed().as_secs_f64());
+                        }
+                        if let Some((_, backend)) = &mut this.held {
+                            backend.meter.observe(&data);
                         }
                         if this.inner.is_end_stream() {
                             this.complete();

@@ -23,6 +23,8 @@ fn one_of_each() -> Vec<Rejection> {
         },
         Rejection::ModelRequired,
         Rejection::UnknownModel { model: "m".into() },
+        Rejection::RateLimited(Box::new(limited(crate::quota::Limit::Requests))),
+        Rejection::RateLimited(Box::new(limited(crate::quota::Limit::Tokens))),
         Rejection::QueueFull { max_queue: 3 },
         Rejection::ColdReject,
         Rejection::ActivationTimeout {
@@ -43,12 +45,25 @@ fn one_of_each() -> Vec<Rejection> {
             | Rejection::MalformedBody { .. }
             | Rejection::ModelRequired
             | Rejection::UnknownModel { .. }
+            | Rejection::RateLimited(_)
             | Rejection::QueueFull { .. }
             | Rejection::ColdReject
             | Rejection::ActivationTimeout { .. } => {}
         }
     }
     all
+}
+
+/// A quota's refusal: 60 per minute, retry in 2.5 s (as `--retry-after` in these tests).
+fn limited(limit: crate::quota::Limit) -> crate::quota::Limited {
+    crate::quota::Limited {
+        tenant: "team-a".into(),
+        limit,
+        per_minute: 60,
+        requested: 1,
+        retry_after: Duration::from_millis(2500),
+        headers: axum::http::HeaderMap::new(),
+    }
 }
 
 async fn body_json(resp: Response) -> serde_json::Value {

@@ -1,0 +1,147 @@
+use std::time::Duration;
+
+use super::*;
+
+fn ready(n: usize) -> EndpointSet {
+    EndpointSet::fixed((0..n).map(|i| format!("10.0.0.{i}:8000").parse().unwrap()))
+}
+
+fn claim(tenant: TenantId, priority: i32) -> Claim {
+    Claim { tenant, priority }
+}
+
+fn dispatched(e: Entry) -> Permit {
+    match e {
+        Entry::Dispatched(p) => p,
+        Entry::Queued(_) => panic!("queued"),
+    }
+}
+
+fn queued(e: Entry) -> Ticket {
+    match e {
+        Entry::Queued(t) => t,
+        Entry::Dispatched(_) => panic!("dispatched"),
+    }
+}
+
+/// The tenants of the waiters, in the order they are dispatched one by one.
+async fn order(q: &Arc<FairQueue>, tickets: Vec<Ticket>, first: Permit, tokens: f64) -> Vec<u32> {
+    let mut pending: Vec<_> = tickets
+        .into_iter()
+        .map(|t| Box::pin(t.wait(far())))
+        .collect();
+    let mut out = Vec::new();
+    let mut running = first;
+    while !pending.is_empty() {
+        drop(running);
+        let (permit, i, _) = futures::future::select_all(pending.iter_mut()).await;
+        drop(pending.remove(i));
+        let permit = permit.expect("dispatched");
+        permit.charge(tokens);
+        out.push(permit.claim().tenant);
+        running = permit;
+    }
+    assert_eq!(q.counts(), (0, 1));
+    out
+}
+
+fn far() -> Instant {
+    Instant::now() + Duration::from_secs(30)
+}
+
+#[test]
+fn in_flight_is_bounded_by_the_concurrency_of_each_ready_replica() {
+    let q = FairQueue::new(2, ready(2));
+    let held: Vec<_> = (0..4)
+        .map(|_| dispatched(q.enter(claim(0, 0), 1.0)))
+        .collect();
+    let waiting = queued(q.enter(claim(0, 0), 1.0));
+    assert_eq!(q.counts(), (1, 4));
+    drop(held);
+    // The waiter took one of the freed places.
+    assert_eq!(q.counts(), (0, 1));
+    drop(waiting);
+    assert_eq!(q.counts(), (0, 0));
+}
+
+#[tokio::test]
+async fn a_higher_band_goes_first_whatever_came_before() {
+    let q = FairQueue::new(1, ready(1));
+    let first = dispatched(q.enter(claim(0, 0), 0.0));
+    let low: Vec<_> = (0..3).map(|_| queued(q.enter(claim(0, 0), 0.0))).collect();
+    let high = queued(q.enter(claim(1, 10), 0.0));
+    let mut tickets = vec![high];
+    tickets.extend(low);
+    let got = order(&q, tickets, first, 1.0).await;
+    assert_eq!(got, [1, 0, 0, 0]);
+}
+
+#[tokio::test]
+async fn inside_a_band_the_tenant_served_fewer_tokens_goes_next() {
+    let q = FairQueue::new(1, ready(1));
+    let first = dispatched(q.enter(claim(0, 0), 0.0));
+    // Tenant 0 queues ten, tenant 1 two after them: they alternate once both wait.
+    let mut tickets: Vec<_> = (0..10).map(|_| queued(q.enter(claim(0, 0), 0.0))).collect();
+    tickets.extend((0..2).map(|_| queued(q.enter(claim(1, 0), 0.0))));
+    let got = order(&q, tickets, first, 100.0).await;
+    let ones: Vec<_> = got
+        .iter()
+        .enumerate()
+        .filter(|(_, t)| **t == 1)
+        .map(|(i, _)| i)
+        .collect();
+    assert!(
+        ones[1] <= 4,
+        "tenant 1 was not kept behind tenant 0: {got:?}"
+    );
+}
+
+#[test]
+fn a_tenant_back_from_idle_is_lifted_to_the_waiting_tenants_counter() {
+    let q = FairQueue::new(1, ready(1));
+    let first = dispatched(q.enter(claim(0, 0), 0.0));
+    first.charge(1000.0);
+    let a = queued(q.enter(claim(0, 0), 0.0));
+    // Tenant 1 never ran: it starts where tenant 0 stands, not at 0.
+    let b = queued(q.enter(claim(1, 0), 0.0));
+    assert_eq!(q.counter(1), q.counter(0));
+    drop((a, b, first));
+}
+
+#[tokio::test]
+async fn cold_requests_wait_until_a_replica_turns_ready() {
+    let backends = EndpointSet::new();
+    let q = FairQueue::new(1, backends.clone());
+    let t = queued(q.enter(claim(0, 0), 0.0));
+    let later = backends.clone();
+    tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        later.replace(["10.0.0.1:8000".parse().unwrap()]);
+    });
+    let permit = t.wait(far()).await.expect("dispatched once ready");
+    assert_eq!(q.counts(), (0, 1));
+    drop(permit);
+    assert_eq!(q.counts(), (0, 0));
+}
+
+#[tokio::test]
+async fn a_waiter_past_its_deadline_or_gone_gives_its_place_back() {
+    let q = FairQueue::new(1, ready(1));
+    let first = dispatched(q.enter(claim(0, 0), 0.0));
+    let t = queued(q.enter(claim(0, 0), 0.0));
+    assert!(
+        t.wait(Instant::now() + Duration::from_millis(10))
+            .await
+            .is_none()
+    );
+    assert_eq!(q.counts(), (0, 1));
+    // Dispatched while nobody received it: the permit frees its place again.
+    let t = queued(q.enter(claim(0, 0), 0.0));
+    drop(first);
+    assert_eq!(q.counts(), (0, 1));
+    drop(t);
+    assert_eq!(q.counts(), (0, 0));
+    // The next one is dispatched at once.
+    let again = dispatched(q.enter(claim(0, 0), 0.0));
+    drop(again);
+}

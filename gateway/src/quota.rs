@@ -1,0 +1,459 @@
+//! Tenants' quotas: requests per minute and tokens per minute, enforced across the gateway's
+//! replicas.
+//!
+//! Each quota is a bucket holding at most one minute's allowance and refilled continuously at
+//! `limit / 60` per second. A request takes one request and its token estimate (the prompt's
+//! bytes / 4 plus `max_tokens` when it asks for them) at admission; when the response's
+//! `usage` is known the estimate is corrected to it ([`Quotas::settle`]), so a bucket may go
+//! below zero and then refuses until refilled. A request is refused with OpenAI's
+//! `rate_limit_exceeded` (`429`, `Retry-After`) when its bucket holds less than one request, or
+//! fewer tokens than it asks for (or a whole minute's allowance, when it asks for more).
+//!
+//! **Across replicas.** Each replica serves its usage so far, per tenant, at
+//! [`USAGE_PATH`] and reads every peer's every [`SYNC_INTERVAL`]; what a peer used since
+//! its last report is taken from this replica's buckets too. So every replica's buckets hold
+//! the whole gateway's usage, late by at most one interval and one round trip: with `n`
+//! replicas, a tenant can pass its quota by at most `(n - 1)` × its rate × that delay. A peer
+//! that cannot be read is skipped (its usage is counted once it answers again: the reports are
+//! totals, not deltas); one that restarted reports from zero and is followed from there.
+//!
+//! OpenAI's rate-limit headers go with every answer to a tenant with a quota
+//! ([`Quotas::headers`]): `x-ratelimit-limit-requests`, `x-ratelimit-remaining-requests`,
+//! `x-ratelimit-reset-requests` and the same three for tokens (reset as a duration, `"6s"`,
+//! `"1m0s"`: until the bucket is full again).
+
+use std::{
+    collections::HashMap,
+    sync::{Arc, Mutex, MutexGuard},
+    time::{Duration, Instant},
+};
+
+use axum::http::{HeaderMap, HeaderName, HeaderValue};
+
+use crate::{fair::TenantId, tenants::Tenants};
+
+/// How often a replica reads its peers' usage.
+pub const SYNC_INTERVAL: Duration = Duration::from_millis(250);
+/// Where a replica serves its usage for its peers.
+pub const USAGE_PATH: &str = "/hearth/quota-usage";
+
+/// Which quota refused a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Limit {
+    /// Requests per minute.
+    Requests,
+    /// Tokens per minute.
+    Tokens,
+}
+
+impl Limit {
+    /// OpenAI's error `type` and the headers' suffix: `requests` or `tokens`.
+    pub const fn word(self) -> &'static str {
+        match self {
+            Self::Requests => "requests",
+            Self::Tokens => "tokens",
+        }
+    }
+}
+
+/// A refusal: which quota, its limit per minute, and when to retry.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Limited {
+    /// The tenant's name.
+    pub tenant: Arc<str>,
+    /// The quota.
+    pub limit: Limit,
+    /// Its limit per minute.
+    pub per_minute: u64,
+    /// What the request asked for (1, or its token estimate).
+    pub requested: u64,
+    /// When the bucket will hold what the request asks for.
+    pub retry_after: Duration,
+    /// The rate-limit headers of the answer.
+    pub headers: HeaderMap,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Bucket {
+    per_minute: f64,
+    level: f64,
+    at: Instant,
+}
+
+impl Bucket {
+    fn new(per_minute: u64, now: Instant) -> Self {
+        Self {
+            per_minute: per_minute as f64,
+            level: per_minute as f64,
+            at: now,
+        }
+    }
+
+    fn refill(&mut self, now: Instant) {
+        let dt = now.saturating_duration_since(self.at).as_secs_f64();
+        self.level = (self.level + dt * self.per_minute / 60.0).min(self.per_minute);
+        self.at = now;
+    }
+
+    /// Time until the bucket holds `want`.
+    fn wait_for(&self, want: f64) -> Duration {
+        let missing = (want - self.level).max(0.0);
+        Duration::from_secs_f64(missing * 60.0 / self.per_minute.max(1e-9))
+    }
+}
+
+#[derive(Debug, Default)]
+struct TenantQuota {
+    requests: Option<Bucket>,
+    tokens: Option<Bucket>,
+    /// This replica's usage so far: requests, tokens (for the peers).
+    used: (u64, i64),
+}
+
+/// Usage so far per tenant name: `(requests, tokens)`.
+pub type Usage = HashMap<String, (u64, i64)>;
+
+/// The replica's quotas, per tenant.
+#[derive(Debug)]
+pub struct Quotas {
+    tenants: Tenants,
+    state: Mutex<Vec<TenantQuota>>,
+    /// Per peer (`host:port`): its instance and the usage last read from it.
+    peers: Mutex<HashMap<String, (String, Usage)>>,
+}
+
+impl Quotas {
+    /// The quotas of `tenants`, full.
+    pub fn new(tenants: Tenants) -> Self {
+        let now = Instant::now();
+        let state = tenants
+            .iter()
+            .map(|(_, t)| TenantQuota {
+                requests: t.requests_per_minute.map(|l| Bucket::new(l, now)),
+                tokens: t.tokens_per_minute.map(|l| Bucket::new(l, now)),
+                used: (0, 0),
+            })
+            .collect();
+        Self {
+            tenants,
+            state: Mutex::new(state),
+            peers: Mutex::new(HashMap::new()),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Vec<TenantQuota>> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The tenants.
+    pub fn tenants(&self) -> &Tenants {
+        &self.tenants
+    }
+
+    /// Whether `tenant` has a quota at all.
+    pub fn limited(&self, tenant: TenantId) -> bool {
+        let t = self.tenants.get(tenant);
+        t.requests_per_minute.is_some() || t.tokens_per_minute.is_some()
+    }
+
+    /// Takes one request and `tokens` (its estimate) from `tenant`'s quotas at `now`, or says
+    /// which quota refuses it. Nothing is taken from either when one refuses.
+    ///
+    /// # Errors
+    /// [`Limited`] with the quota, its limit and when to retry.
+    pub fn admit(&self, tenant: TenantId, tokens: u64, now: Instant) -> Result<(), Box<Limited>> {
+        let mut state = self.lock();
+        let Some(q) = state.get_mut(tenant as usize) else {
+            return Ok(());
+        };
+        let mut refused = None;
+        for (bucket, limit, want) in [
+            (&mut q.requests, Limit::Requests, 1.0),
+            (&mut q.tokens, Limit::Tokens, tokens as f64),
+        ] {
+            let Some(b) = bucket else { continue };
+            b.refill(now);
+            // A request asking for more than a minute's allowance waits for a full bucket.
+            let want = want.min(b.per_minute);
+            if b.level < want {
+                let retry_after = b.wait_for(want).max(Duration::from_millis(1));
+                refused = Some((limit, b.per_minute as u64, want as u64, retry_after));
+                break;
+            }
+        }
+        if let Some((limit, per_minute, requested, retry_after)) = refused {
+            return Err(Box::new(Limited {
+                tenant: self.tenants.get(tenant).name.clone(),
+                limit,
+                per_minute,
+                requested,
+                retry_after,
+                headers: headers_of(q, now),
+            }));
+        }
+        take(q, 1, tokens as i64);
+        Ok(())
+    }
+
+    /// Corrects `tenant`'s token estimate by `delta` (the response's `usage` less the
+    /// estimate; negative gives tokens back).
+    pub fn settle(&self, tenant: TenantId, delta: i64) {
+        if delta == 0 {
+            return;
+        }
+        if let Some(q) = self.lock().get_mut(tenant as usize) {
+            take(q, 0, delta);
+        }
+    }
+
+    /// OpenAI's rate-limit headers for `tenant` now (none without a quota).
+    pub fn headers(&self, tenant: TenantId) -> HeaderMap {
+        let now = Instant::now();
+        let mut state = self.lock();
+        match state.get_mut(tenant as usize) {
+            Some(q) => headers_of(q, now),
+            None => HeaderMap::new(),
+        }
+    }
+
+    /// This replica's usage so far, per tenant name: `{"<tenant>": [requests, tokens]}`.
+    pub fn usage(&self) -> Usage {
+        self.lock()
+            .iter()
+            .enumerate()
+            .filter(|(_, q)| q.used != (0, 0))
+            .map(|(i, q)| {
+                let id = TenantId::try_from(i).unwrap_or(TenantId::MAX);
+                (self.tenants.get(id).name.to_string(), q.used)
+            })
+            .collect()
+    }
+
+    /// Takes from the buckets what peer `peer` (of `instance`) used since its last report,
+    /// whose totals are `usage`.
+    pub fn peer_usage(&self, peer: &str, instance: &str, usage: Usage) {
+        let mut peers = self.peers.lock().unwrap_or_else(|e| e.into_inner());
+        let entry = peers
+            .entry(peer.to_owned())
+            .or_insert_with(|| (instance.to_owned(), HashMap::new()));
+        if entry.0 != instance {
+            // Restarted (or another pod at the address): its totals start over.
+            *entry = (instance.to_owned(), HashMap::new());
+        }
+        let mut state = self.lock();
+        for (name, (requests, tokens)) in &usage {
+            let (seen_r, seen_t) = entry.1.get(name).copied().unwrap_or((0, 0));
+            let Some(id) = self.tenants.id(name) else {
+                continue;
+            };
+            if let Some(q) = state.get_mut(id as usize) {
+                let dr = requests.saturating_sub(seen_r);
+                let dt = tokens - seen_t;
+                take_remote(q, dr, dt);
+            }
+        }
+        entry.1 = usage;
+    }
+
+    /// Forgets peers not in `peers`.
+    pub fn retain_peers(&self, peers: &[String]) {
+        self.peers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|p, _| peers.contains(p));
+    }
+}
+
+/// Takes `requests` and `tokens` from `q`'s buckets and counts them as this replica's usage.
+fn take(q: &mut TenantQuota, requests: u64, tokens: i64) {
+    take_remote(q, requests, tokens);
+    q.used.0 += requests;
+    q.used.1 += tokens;
+}
+
+/// Takes `requests` and `tokens` from `q`'s buckets.
+fn take_remote(q: &mut TenantQuota, requests: u64, tokens: i64) {
+    if let Some(b) = &mut q.requests {
+        b.level -= requests as f64;
+    }
+    if let Some(b) = &mut q.tokens {
+        // Bounded below by minus a minute's allowance: a wrong `usage` cannot lock a tenant out
+        // for longer than a minute.
+        b.level = (b.level - tokens as f64).max(-b.per_minute);
+    }
+}
+
+fn headers_of(q: &mut TenantQuota, now: Instant) -> HeaderMap {
+    let mut h = HeaderMap::new();
+    for (bucket, word) in [(&mut q.requests, "requests"), (&mut q.tokens, "tokens")] {
+        let Some(b) = bucket else { continue };
+        b.refill(now);
+        let mut put = |name: String, v: String| {
+            if let (Ok(n), Ok(v)) = (HeaderName::try_from(name), HeaderValue::try_from(v)) {
+                h.insert(n, v);
+            }
+        };
+        put(
+            format!("x-ratelimit-limit-{word}"),
+            (b.per_minute as u64).to_string(),
+        );
+        put(
+            format!("x-ratelimit-remaining-{word}"),
+            (b.level.max(0.0).floor() as u64).to_string(),
+        );
+        put(
+            format!("x-ratelimit-reset-{word}"),
+            openai_duration(b.wait_for(b.per_minute)),
+        );
+    }
+    h
+}
+
+/// A duration as OpenAI writes it in `x-ratelimit-reset-*`: `"1s"`, `"6m0s"`, `"20ms"`.
+pub fn openai_duration(d: Duration) -> String {
+    let ms = d.as_millis();
+    if ms < 1000 {
+        return format!("{ms}ms");
+    }
+    let s = d.as_secs_f64();
+    if s < 60.0 {
+        let r = (s * 1000.0).round() / 1000.0;
+        return format!("{r}s");
+    }
+    let m = (s / 60.0).floor() as u64;
+    let rest = s - (m as f64) * 60.0;
+    format!("{m}m{}s", rest.round() as u64)
+}
+
+/// Reads the peers' usage every [`SYNC_INTERVAL`] until dropped; `peers` gives the current
+/// peer list (`host:port`), `own` is this replica's instance (a peer answering with it is this
+/// replica and is skipped).
+pub async fn sync_peers(
+    quotas: Arc<Quotas>,
+    peers: tokio::sync::watch::Receiver<Vec<String>>,
+    own: String,
+) {
+    use http_body_util::{BodyExt, Empty};
+    let mut connector = hyper_util::client::legacy::connect::HttpConnector::new();
+    connector.set_nodelay(true);
+    connector.set_connect_timeout(Some(Duration::from_secs(1)));
+    let client: hyper_util::client::legacy::Client<_, Empty<bytes::Bytes>> =
+        hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+            .build(connector);
+    let mut tick = tokio::time::interval(SYNC_INTERVAL);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let list = peers.borrow().clone();
+        quotas.retain_peers(&list);
+        let reads = list.iter().map(|peer| {
+            let client = client.clone();
+            async move {
+                let uri: http::Uri = format!("http://{peer}{USAGE_PATH}").parse().ok()?;
+                let resp = tokio::time::timeout(SYNC_INTERVAL * 4, client.get(uri))
+                    .await
+                    .ok()?
+                    .ok()?;
+                if !resp.status().is_success() {
+                    return None;
+                }
+                let body = tokio::time::timeout(SYNC_INTERVAL * 4, resp.into_body().collect())
+                    .await
+                    .ok()?
+                    .ok()?
+                    .to_bytes();
+                let report: UsageReport = serde_json::from_slice(&body).ok()?;
+                Some((peer.clone(), report))
+            }
+        });
+        for (peer, report) in futures::future::join_all(reads).await.into_iter().flatten() {
+            if report.instance != own {
+                quotas.peer_usage(&peer, &report.instance, report.tenants);
+            }
+        }
+    }
+}
+
+/// What [`USAGE_PATH`] answers: the replica's instance and its usage so far, per tenant.
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+pub struct UsageReport {
+    /// The replica (see [`crate::demand::DemandHub::instance`]), in hex.
+    pub instance: String,
+    /// `{"<tenant>": [requests, tokens]}`.
+    pub tenants: Usage,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tenants::Tenant;
+
+    fn quotas(rpm: Option<u64>, tpm: Option<u64>) -> Quotas {
+        let mut t = Tenant::parse("name=a,key-file=/k").unwrap();
+        t.requests_per_minute = rpm;
+        t.tokens_per_minute = tpm;
+        Quotas::new(Tenants::new(vec![t]).unwrap())
+    }
+
+    #[test]
+    fn requests_past_the_rate_are_refused_until_refilled() {
+        let q = quotas(Some(60), None);
+        let t0 = Instant::now();
+        for _ in 0..60 {
+            q.admit(1, 0, t0).unwrap();
+        }
+        let err = q.admit(1, 0, t0).unwrap_err();
+        assert_eq!(err.limit, Limit::Requests);
+        assert_eq!(err.per_minute, 60);
+        assert!(err.retry_after <= Duration::from_secs(1), "{err:?}");
+        assert_eq!(err.headers["x-ratelimit-remaining-requests"], "0");
+        assert_eq!(err.headers["x-ratelimit-limit-requests"], "60");
+        // One request a second comes back.
+        q.admit(1, 0, t0 + Duration::from_secs(1)).unwrap();
+        // The default tenant has no quota.
+        for _ in 0..1000 {
+            q.admit(0, 1000, t0).unwrap();
+        }
+    }
+
+    #[test]
+    fn tokens_are_estimated_then_settled_to_the_usage() {
+        let q = quotas(None, Some(1000));
+        let t0 = Instant::now();
+        q.admit(1, 600, t0).unwrap();
+        // 400 left: a request for 500 waits.
+        let err = q.admit(1, 500, t0).unwrap_err();
+        assert_eq!(err.limit, Limit::Tokens);
+        assert!(err.retry_after > Duration::from_secs(5), "{err:?}");
+        // The answer used 100 tokens only: 500 come back.
+        q.settle(1, -500);
+        q.admit(1, 500, t0).unwrap();
+        // More than a minute's allowance waits for a full bucket, not forever.
+        let err = q.admit(1, 5000, t0).unwrap_err();
+        assert_eq!(err.requested, 1000);
+    }
+
+    #[test]
+    fn a_peers_usage_counts_once_and_a_restart_starts_over() {
+        let q = quotas(Some(10), None);
+        let t0 = Instant::now();
+        let report = |n| HashMap::from([("a".to_owned(), (n, 0))]);
+        q.peer_usage("p:8080", "i1", report(6));
+        q.peer_usage("p:8080", "i1", report(6));
+        for _ in 0..4 {
+            q.admit(1, 0, t0).unwrap();
+        }
+        assert!(q.admit(1, 0, t0).is_err());
+        // The peer restarted: its new totals are new usage.
+        q.peer_usage("p:8080", "i2", report(0));
+        assert!(q.admit(1, 0, t0 + Duration::from_secs(6)).is_ok());
+        assert_eq!(q.usage()["a"], (5, 0));
+    }
+
+    #[test]
+    fn durations_are_written_as_openai_does() {
+        assert_eq!(openai_duration(Duration::from_millis(20)), "20ms");
+        assert_eq!(openai_duration(Duration::from_millis(1500)), "1.5s");
+        assert_eq!(openai_duration(Duration::from_secs(360)), "6m0s");
+    }
+}
