@@ -67,6 +67,15 @@ pub struct LLMEndpointSpec {
     /// rotates them without a restart. Unset: no authentication.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub api_key_secret_ref: Option<ApiKeySecretRef>,
+
+    /// tenants are the endpoint's callers, for every model on it (see the LLMService's
+    /// `spec.endpoint.tenants`): their keys, priority bands and quotas.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(
+        length(max = 100),
+        extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["name"])
+    )]
+    pub tenants: Vec<crate::llmservice::TenantSpec>,
 }
 
 /// Which LLMServices may join an endpoint (Gateway API's `AllowedRoutes`).

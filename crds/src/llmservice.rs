@@ -480,6 +480,68 @@ pub struct EndpointSpec {
     /// Hearth extension of the public API.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub shared_endpoint_ref: Option<crate::llmendpoint::EndpointReference>,
+
+    /// tenants are the callers of the service's own gateway: each known by the API keys in
+    /// its Secret, dispatched in its priority band (fair share by tokens inside a band) and
+    /// held to its quotas across the gateway's replicas. Requests with the keys of
+    /// `apiKeySecretRef`, and every request while no key is configured, are the tenant
+    /// `default`, which a tenant of that name configures. While attached to an LLMEndpoint,
+    /// the endpoint's tenants apply. A Hearth extension of the public API.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(
+        length(max = 100),
+        extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["name"])
+    )]
+    pub tenants: Vec<TenantSpec>,
+
+    /// containerConcurrency is the number of requests the gateway sends each ready backend
+    /// replica at once; the rest wait in the gateway, dispatched by band and fair share.
+    /// Default: the engine's `--max-num-seqs` when the runtime's or the service's arguments
+    /// set it, else 256 (vLLM's default), so the engine batches what it is sent and queues
+    /// nothing first come, first served. A Hearth extension of the public API.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 100000))]
+    pub container_concurrency: Option<i32>,
+}
+
+/// A tenant of a gateway: who sends requests, their priority band and their quotas.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [{
+    "rule": "self.name == 'default' || has(self.apiKeySecretRef)",
+    "message": "apiKeySecretRef is required for every tenant but default"
+}]))]
+pub struct TenantSpec {
+    /// name is a DNS label, unique among the tenants, and the `tenant` label of the metrics.
+    #[schemars(
+        length(min = 1, max = 63),
+        regex(pattern = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+    )]
+    pub name: String,
+
+    /// apiKeySecretRef names the Secret key (in the gateway's namespace) holding this tenant's
+    /// API keys, one per line; editing the Secret rotates them without a restart. Required,
+    /// except for the tenant `default`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub api_key_secret_ref: Option<ApiKeySecretRef>,
+
+    /// priority is the tenant's band: requests of a higher band are dispatched before any of a
+    /// lower one (default 0, from -1000 to 1000).
+    #[serde(default)]
+    #[schemars(range(min = -1000, max = 1000))]
+    pub priority: i32,
+
+    /// requestsPerMinute is the tenant's request quota over all the gateway's replicas;
+    /// unset: unlimited. Past it: 429 `rate_limit_exceeded` with `Retry-After`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub requests_per_minute: Option<i64>,
+
+    /// tokensPerMinute is the tenant's token quota (prompt and completion, as the responses'
+    /// `usage` counts them) over all the gateway's replicas; unset: unlimited.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub tokens_per_minute: Option<i64>,
 }
 
 impl Default for EndpointSpec {
@@ -490,6 +552,8 @@ impl Default for EndpointSpec {
             replicas: None,
             api_key_secret_ref: None,
             shared_endpoint_ref: None,
+            tenants: Vec::new(),
+            container_concurrency: None,
         }
     }
 }

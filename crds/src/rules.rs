@@ -41,6 +41,7 @@ use crate::{
     llmendpoint::{EndpointReference, FromNamespaces},
     llmservice::{
         CacheSpec, CacheStrategy, ColdStartMode, ColdStartSpec, ScalingMetric, ScalingSpec,
+        TenantSpec,
     },
     model_uri::{ModelUri, parse_model_uri},
     naming::{
@@ -565,6 +566,19 @@ pub fn check_llmservice(svc: &LLMService, runtime: Option<&InferenceRuntime>) ->
     if let Some(r) = &spec.endpoint.shared_endpoint_ref {
         shared_endpoint_ref(&mut f, r, &spec.endpoint);
     }
+    tenants(&mut f, "spec.endpoint.tenants", &spec.endpoint.tenants);
+    if let Some(c) = spec.endpoint.container_concurrency
+        && !(1..=MAX_CONTAINER_CONCURRENCY).contains(&c)
+    {
+        f.error(
+            Reason::InvalidSpec,
+            "spec.endpoint.containerConcurrency",
+            format!(
+                "{c} is not between 1 and {MAX_CONTAINER_CONCURRENCY}; set the requests one \
+                 backend replica serves at once (vLLM's --max-num-seqs), or remove it"
+            ),
+        );
+    }
 
     // argsOverride entries are rendered as templates too (as upstream).
     for (i, arg) in spec.runtime.args_override.iter().enumerate() {
@@ -853,6 +867,7 @@ fn shared_endpoint_ref(
             "spec.endpoint.apiKeySecretRef",
             endpoint.api_key_secret_ref.is_some(),
         ),
+        ("spec.endpoint.tenants", !endpoint.tenants.is_empty()),
     ] {
         if set {
             f.warn(
@@ -860,8 +875,8 @@ fn shared_endpoint_ref(
                 field,
                 "applies only while the service has its own gateway: once the LLMEndpoint \
                  named by spec.endpoint.sharedEndpointRef accepts the service, the endpoint's \
-                 spec.replicas and spec.apiKeySecretRef apply instead; remove it, or keep it for \
-                 when the service is not accepted",
+                 spec.replicas, spec.apiKeySecretRef and spec.tenants apply instead; remove it, \
+                 or keep it for when the service is not accepted",
             );
         }
     }
@@ -939,7 +954,104 @@ pub fn check_llmendpoint(ep: &LLMEndpoint) -> Findings {
         ),
         (_, None) => {}
     }
+    tenants(&mut f, "spec.tenants", &ep.spec.tenants);
     f
+}
+
+/// Largest `containerConcurrency`: the CRD's `maximum`.
+pub const MAX_CONTAINER_CONCURRENCY: i32 = 100_000;
+
+/// The tenant whose settings apply to requests without a tenant of their own.
+pub const DEFAULT_TENANT: &str = "default";
+
+/// A gateway's tenants at `field`: names unique DNS labels, keys required except for the
+/// [`DEFAULT_TENANT`], priority in [`MIN_PRIORITY`]..=[`MAX_PRIORITY`], quotas positive.
+fn tenants(f: &mut Findings, field: &str, tenants: &[TenantSpec]) {
+    for (i, t) in tenants.iter().enumerate() {
+        let at = format!("{field}[{i}]");
+        if !is_dns1123_label(&t.name) {
+            f.error(
+                Reason::InvalidSpec,
+                format!("{at}.name"),
+                format!(
+                    "{:?} is not a DNS label (lowercase letters, digits and '-', at most 63); \
+                     rename the tenant",
+                    t.name
+                ),
+            );
+        }
+        if tenants[..i].iter().any(|o| o.name == t.name) {
+            f.error(
+                Reason::InvalidSpec,
+                format!("{at}.name"),
+                format!("tenant {:?} is listed twice; merge the two entries", t.name),
+            );
+        }
+        match &t.api_key_secret_ref {
+            None if t.name != DEFAULT_TENANT => f.error(
+                Reason::InvalidSpec,
+                format!("{at}.apiKeySecretRef"),
+                "is required: a tenant is known by its API keys; name the Secret key holding \
+                 them (only the tenant \"default\" may go without)",
+            ),
+            Some(r) => object_name(f, &format!("{at}.apiKeySecretRef.name"), &r.name),
+            None => {}
+        }
+        if !(MIN_PRIORITY..=MAX_PRIORITY).contains(&t.priority) {
+            f.error(
+                Reason::InvalidSpec,
+                format!("{at}.priority"),
+                format!(
+                    "{} is not between {MIN_PRIORITY} and {MAX_PRIORITY}; set the tenant's band \
+                     in that range (higher is served first)",
+                    t.priority
+                ),
+            );
+        }
+        for (name, v) in [
+            ("requestsPerMinute", t.requests_per_minute),
+            ("tokensPerMinute", t.tokens_per_minute),
+        ] {
+            if let Some(v) = v
+                && v < 1
+            {
+                f.error(
+                    Reason::InvalidSpec,
+                    format!("{at}.{name}"),
+                    format!(
+                        "{v} is not positive; set a quota of at least 1, or remove it for none"
+                    ),
+                );
+            }
+        }
+    }
+}
+
+/// The requests a backend replica of `svc` (served by `rt`) is sent at once:
+/// `spec.endpoint.containerConcurrency`, else the engine's `--max-num-seqs` in the runtime's
+/// arguments or `spec.runtime.argsOverride` (the last one, as argparse reads them), else
+/// `None` (the gateway's default, 256: vLLM's).
+pub fn container_concurrency(svc: &LLMService, rt: Option<&InferenceRuntime>) -> Option<u32> {
+    if let Some(c) = svc.spec.endpoint.container_concurrency {
+        return u32::try_from(c).ok().filter(|c| *c > 0);
+    }
+    let args = rt
+        .into_iter()
+        .flat_map(|rt| rt.spec.container.args.iter())
+        .chain(svc.spec.runtime.args_override.iter());
+    let mut found = None;
+    let mut next_is_value = false;
+    for a in args {
+        if next_is_value {
+            found = a.trim().parse::<u32>().ok().filter(|c| *c > 0).or(found);
+            next_is_value = false;
+        } else if a == "--max-num-seqs" {
+            next_is_value = true;
+        } else if let Some(v) = a.strip_prefix("--max-num-seqs=") {
+            found = v.trim().parse::<u32>().ok().filter(|c| *c > 0).or(found);
+        }
+    }
+    found
 }
 
 /// A `metav1.LabelSelector` the apiserver's `LabelSelectorAsSelector` accepts: qualified label
@@ -1971,6 +2083,38 @@ mod tests {
             assert_eq!(finding.reason, Reason::FieldIgnored);
             assert!(finding.message.contains("wakeUp[0]"), "{finding}");
         }
+    }
+
+    #[rstest::rstest]
+    #[case::bad_name(serde_json::json!([{"name": "Team_A", "apiKeySecretRef": {"name": "k"}}]), "spec.tenants[0].name", "DNS label")]
+    #[case::twice(serde_json::json!([{"name": "a", "apiKeySecretRef": {"name": "k"}}, {"name": "a", "apiKeySecretRef": {"name": "j"}}]), "spec.tenants[1].name", "listed twice")]
+    #[case::no_keys(serde_json::json!([{"name": "a"}]), "spec.tenants[0].apiKeySecretRef", "is required")]
+    #[case::band(serde_json::json!([{"name": "a", "apiKeySecretRef": {"name": "k"}, "priority": 1001}]), "spec.tenants[0].priority", "between -1000 and 1000")]
+    #[case::quota(serde_json::json!([{"name": "default", "tokensPerMinute": 0}]), "spec.tenants[0].tokensPerMinute", "not positive")]
+    fn a_bad_tenant_names_its_field(
+        #[case] tenants: serde_json::Value,
+        #[case] field: &str,
+        #[case] says: &str,
+    ) {
+        let f = check_llmendpoint(&endpoint(serde_json::json!({"tenants": tenants})));
+        let e = f.errors().next().unwrap_or_else(|| panic!("accepted: {f}"));
+        assert_eq!(e.field, field, "{f}");
+        assert!(e.message.contains(says), "{f}");
+    }
+
+    #[test]
+    fn container_concurrency_is_the_field_else_the_engines_max_num_seqs() {
+        let mut svc = sleeping(serde_json::json!({}));
+        assert_eq!(container_concurrency(&svc, None), None);
+        svc.spec.runtime.args_override = vec!["--max-num-seqs".into(), "64".into()];
+        assert_eq!(container_concurrency(&svc, None), Some(64));
+        svc.spec
+            .runtime
+            .args_override
+            .push("--max-num-seqs=32".into());
+        assert_eq!(container_concurrency(&svc, None), Some(32));
+        svc.spec.endpoint.container_concurrency = Some(8);
+        assert_eq!(container_concurrency(&svc, None), Some(8));
     }
 
     fn endpoint(patch: serde_json::Value) -> LLMEndpoint {

@@ -505,3 +505,65 @@ fn endpoint_replicas_bounds_match_the_rules() {
     assert_eq!(r#ref["name"]["maxLength"].as_u64(), Some(63));
     assert_eq!(r#ref["namespace"]["maxLength"].as_u64(), Some(63));
 }
+
+/// The schema's bounds on tenants are the rules': the band's range, at most 100 (a list map by
+/// name, so names are unique), `containerConcurrency` in 1..=100000.
+#[test]
+fn tenant_bounds_match_the_rules() {
+    use hearth_crds::LLMEndpoint;
+    let schema = schema_of(&LLMService::crd());
+    let endpoint = &schema["properties"]["spec"]["properties"]["endpoint"]["properties"];
+    let ep_schema = schema_of(&LLMEndpoint::crd());
+    for tenants in [
+        &endpoint["tenants"],
+        &ep_schema["properties"]["spec"]["properties"]["tenants"],
+    ] {
+        assert_eq!(tenants["maxItems"].as_u64(), Some(100));
+        assert_eq!(tenants["x-kubernetes-list-type"], "map");
+        assert_eq!(
+            tenants["x-kubernetes-list-map-keys"],
+            serde_json::json!(["name"])
+        );
+        let priority = &tenants["items"]["properties"]["priority"];
+        assert_eq!(
+            priority["minimum"].as_f64(),
+            Some(f64::from(hearth_crds::rules::MIN_PRIORITY))
+        );
+        assert_eq!(
+            priority["maximum"].as_f64(),
+            Some(f64::from(hearth_crds::rules::MAX_PRIORITY))
+        );
+    }
+    assert_eq!(
+        endpoint["containerConcurrency"]["maximum"].as_f64(),
+        Some(f64::from(hearth_crds::rules::MAX_CONTAINER_CONCURRENCY))
+    );
+}
+
+/// The CRD's rule on a tenant's keys and `hearth_crds::rules::check_llmservice` accept and
+/// refuse the same tenants.
+#[rstest::rstest]
+#[case(serde_json::json!([{"name": "team-a", "apiKeySecretRef": {"name": "a-keys"}}]), true)]
+#[case(serde_json::json!([{"name": "default", "requestsPerMinute": 60}]), true)]
+#[case(serde_json::json!([{"name": "team-a", "priority": 10}]), false)]
+fn tenant_keys_rule_agrees_with_the_rules_module(#[case] tenants: Value, #[case] ok: bool) {
+    let object = serde_json::json!({
+        "apiVersion": "serving.hearth.dev/v1alpha1",
+        "kind": "LLMService",
+        "metadata": {"name": "m", "namespace": "default"},
+        "spec": {"model": {"source": {"uri": "hf://a/b"}}, "endpoint": {"tenants": tenants}}
+    });
+    let cel = cel_errors(&LLMService::crd(), &object);
+    let typed: LLMService = serde_json::from_value(object.clone()).unwrap();
+    let findings = hearth_crds::rules::check_llmservice(&typed, None);
+    assert_eq!(cel.is_empty(), ok, "CRD: {cel:?}");
+    assert_eq!(findings.errors().next().is_none(), ok, "rules: {findings}");
+    if !ok {
+        assert!(
+            findings
+                .errors()
+                .all(|e| e.field == "spec.endpoint.tenants[0].apiKeySecretRef"),
+            "{findings}"
+        );
+    }
+}

@@ -123,6 +123,7 @@ pub fn render_endpoint(
         extra_labels: BTreeMap::from([(ENDPOINT_LABEL.to_owned(), name.clone())]),
         replicas: endpoint_replicas(ep),
         api_key: ep.spec.api_key_secret_ref.as_ref(),
+        tenants: &ep.spec.tenants,
         // The ExternalScaler port and flag, whatever the mode (see above).
         scaler: ScalerMode::Push,
         peers: endpoint_peers(ep),

@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use hearth_crds::{
     Duration, InferenceRuntime, LLMService,
     llmendpoint::{ModelRoute, SleepRoute, WakeUpCall},
-    llmservice::{ApiKeySecretRef, ColdStartMode},
+    llmservice::{ApiKeySecretRef, ColdStartMode, TenantSpec},
     quantity::{compare_quantities, is_quantity},
     rules::SleepTier,
 };
@@ -17,9 +17,10 @@ use k8s_openapi::{
         core::v1::{
             Capabilities, Container, ContainerPort, EnvVar, EnvVarSource, HTTPGetAction, KeyToPath,
             Lifecycle, LifecycleHandler, LocalObjectReference, ObjectFieldSelector,
-            PodSecurityContext, PodSpec, PodTemplateSpec, Probe, ResourceRequirements,
-            SeccompProfile, SecretVolumeSource, SecurityContext, Service, ServiceAccount,
-            ServicePort, ServiceSpec, SleepAction, TopologySpreadConstraint, Volume, VolumeMount,
+            PodSecurityContext, PodSpec, PodTemplateSpec, Probe, ProjectedVolumeSource,
+            ResourceRequirements, SeccompProfile, SecretProjection, SecretVolumeSource,
+            SecurityContext, Service, ServiceAccount, ServicePort, ServiceSpec, SleepAction,
+            TopologySpreadConstraint, Volume, VolumeMount, VolumeProjection,
         },
         policy::v1::{PodDisruptionBudget, PodDisruptionBudgetSpec},
         rbac::v1::{PolicyRule, Role, RoleBinding, RoleRef, Subject},
@@ -139,6 +140,8 @@ pub(super) struct Gateway<'a> {
     pub replicas: i32,
     /// The Secret key with the API keys clients must send.
     pub api_key: Option<&'a ApiKeySecretRef>,
+    /// The tenants: `--tenant` flags, and their key Secrets projected into one volume.
+    pub tenants: &'a [TenantSpec],
     /// How KEDA learns the demand: push adds the ExternalScaler port and Service.
     pub scaler: ScalerMode,
     /// Whether the replicas sum their demand over each other (`--peer-service`).
@@ -456,13 +459,19 @@ pub(super) fn own_gateway<'a>(ctx: &'a Ctx<'_>) -> Result<Gateway<'a>, RenderErr
         extra_labels: BTreeMap::new(),
         replicas: gateway_replicas(svc),
         api_key: svc.spec.endpoint.api_key_secret_ref.as_ref(),
+        tenants: &svc.spec.endpoint.tenants,
         scaler: ctx.scaler,
         peers: ctx.gateway_peers(),
         pull_secrets: ctx.pull_secrets(),
         drain_timeout: &s.drain_timeout,
         routing: Routing::Model {
             before_drain,
-            after_drain: vec![format!("--metric-target={}", s.target)],
+            after_drain: std::iter::once(format!("--metric-target={}", s.target))
+                .chain(
+                    hearth_crds::rules::container_concurrency(svc, Some(ctx.rt))
+                        .map(|c| format!("--container-concurrency={c}")),
+                )
+                .collect(),
             after_peers,
         },
     })
@@ -495,6 +504,7 @@ pub fn model_route(svc: &LLMService, rt: &InferenceRuntime) -> Result<ModelRoute
             .and_then(|st| st.last_activation.as_ref())
             .map(|a| Duration::new(a.phases.total.clone())),
         sleep: tier.and_then(|t| sleep_route(svc, &t)),
+        container_concurrency: hearth_crds::rules::container_concurrency(svc, Some(rt)),
     })
 }
 
@@ -623,6 +633,26 @@ pub const GATEWAY_UID: i64 = 65532;
 pub const API_KEY_DIR: &str = "/etc/hearth/api-keys";
 /// File name of the API keys under [`API_KEY_DIR`].
 pub const API_KEY_FILE: &str = "keys";
+/// Directory the tenants' key Secrets are projected into, one file per tenant (its name).
+pub const TENANT_KEY_DIR: &str = "/etc/hearth/tenants";
+
+/// The `--tenant` flag of `t`, whose keys (if any) are the file `<TENANT_KEY_DIR>/<name>`.
+pub fn tenant_flag(t: &TenantSpec) -> String {
+    let mut flag = format!("--tenant=name={}", t.name);
+    if t.api_key_secret_ref.is_some() {
+        flag.push_str(&format!(",key-file={TENANT_KEY_DIR}/{}", t.name));
+    }
+    if t.priority != 0 {
+        flag.push_str(&format!(",priority={}", t.priority));
+    }
+    if let Some(n) = t.requests_per_minute {
+        flag.push_str(&format!(",requests-per-minute={n}"));
+    }
+    if let Some(n) = t.tokens_per_minute {
+        flag.push_str(&format!(",tokens-per-minute={n}"));
+    }
+    flag
+}
 
 /// Pod Security `restricted` for the gateway pod: non-root, RuntimeDefault seccomp, no
 /// privilege escalation, no capabilities, read-only root filesystem (the gateway writes no file).
@@ -699,10 +729,52 @@ fn gateway_extensions(g: &Gateway<'_>, mut d: Deployment) -> Deployment {
             ..Default::default()
         });
     }
+    // Each tenant's key Secret, projected into one volume (not optional, as the API keys'),
+    // one file per tenant; a projected volume is updated in place as a Secret volume is.
+    let tenant_sources: Vec<VolumeProjection> = g
+        .tenants
+        .iter()
+        .filter_map(|t| {
+            let r = t.api_key_secret_ref.as_ref()?;
+            Some(VolumeProjection {
+                secret: Some(SecretProjection {
+                    name: r.name.clone(),
+                    items: Some(vec![KeyToPath {
+                        key: r.key.clone(),
+                        path: t.name.clone(),
+                        mode: None,
+                    }]),
+                    optional: Some(false),
+                }),
+                ..Default::default()
+            })
+        })
+        .collect();
+    if !tenant_sources.is_empty() {
+        pod.volumes.get_or_insert_with(Vec::new).push(Volume {
+            name: "tenant-keys".to_owned(),
+            projected: Some(ProjectedVolumeSource {
+                sources: Some(tenant_sources),
+                default_mode: Some(0o440),
+            }),
+            ..Default::default()
+        });
+    }
     if let Some(c) = pod.containers.first_mut() {
         let args = c.args.get_or_insert_with(Vec::new);
         if g.peers {
             args.push("--peer-port-name=http".to_owned());
+        }
+        args.extend(g.tenants.iter().map(tenant_flag));
+        if g.tenants.iter().any(|t| t.api_key_secret_ref.is_some()) {
+            c.volume_mounts
+                .get_or_insert_with(Vec::new)
+                .push(VolumeMount {
+                    name: "tenant-keys".to_owned(),
+                    mount_path: TENANT_KEY_DIR.to_owned(),
+                    read_only: Some(true),
+                    ..Default::default()
+                });
         }
         if g.api_key.is_some() {
             args.push(format!("--api-key-file={API_KEY_DIR}/{API_KEY_FILE}"));

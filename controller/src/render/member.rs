@@ -177,5 +177,6 @@ pub fn member_route(
         metric_target: f64::from(scaling.target),
         last_activation: None,
         sleep: None,
+        container_concurrency: None,
     })
 }

@@ -105,6 +105,57 @@ fn pod(d: &Deployment) -> &PodSpec {
 }
 
 #[test]
+fn tenants_are_flags_and_their_keys_one_projected_volume() {
+    let (svc, rt) = service_and_runtime(json!({
+        "containerConcurrency": 16,
+        "tenants": [
+            {"name": "team-a", "apiKeySecretRef": {"name": "a-keys"}, "priority": 10, "requestsPerMinute": 600},
+            {"name": "team-b", "apiKeySecretRef": {"name": "b-keys", "key": "k"}, "tokensPerMinute": 90000},
+            {"name": "default", "priority": -5},
+        ],
+    }));
+    let children = render(&svc, &rt, &RenderConfig::builtin().unwrap(), true).unwrap();
+    let p = pod(children.gateway.as_ref().unwrap());
+    let args = p.containers[0].args.as_ref().unwrap();
+    for flag in [
+        "--tenant=name=team-a,key-file=/etc/hearth/tenants/team-a,priority=10,requests-per-minute=600",
+        "--tenant=name=team-b,key-file=/etc/hearth/tenants/team-b,tokens-per-minute=90000",
+        "--tenant=name=default,priority=-5",
+        "--container-concurrency=16",
+    ] {
+        assert!(args.iter().any(|a| a == flag), "{flag} in {args:?}");
+    }
+    let vol = p
+        .volumes
+        .iter()
+        .flatten()
+        .find(|v| v.name == "tenant-keys")
+        .unwrap();
+    let sources = vol.projected.as_ref().unwrap().sources.as_ref().unwrap();
+    let files: Vec<_> = sources
+        .iter()
+        .map(|s| {
+            let secret = s.secret.as_ref().unwrap();
+            let item = &secret.items.as_ref().unwrap()[0];
+            assert_eq!(secret.optional, Some(false));
+            (secret.name.as_str(), item.key.as_str(), item.path.as_str())
+        })
+        .collect();
+    assert_eq!(
+        files,
+        [("a-keys", "api-keys", "team-a"), ("b-keys", "k", "team-b")]
+    );
+    let mount = p.containers[0]
+        .volume_mounts
+        .iter()
+        .flatten()
+        .find(|m| m.name == "tenant-keys")
+        .unwrap();
+    assert_eq!(mount.mount_path, "/etc/hearth/tenants");
+    assert!(mount.sub_path.is_none(), "subPath mounts are never updated");
+}
+
+#[test]
 fn api_keys_are_a_mounted_file_never_a_value() {
     let (svc, rt) = service_and_runtime(json!({
         "replicas": 3,
