@@ -10,7 +10,9 @@
 //! of the tenants waiting in its band (or, when none waits, to the counter of the last tenant
 //! dispatched there), so time spent idle is not saved up as credit against the others.
 //!
-//! The bound is `containerConcurrency` × ready replicas of the model, read at every dispatch.
+//! The bound is `containerConcurrency` × ready replicas of the model, read at every dispatch,
+//! divided among the gateway's replicas (rounded up): each replica knows its peers (see
+//! [`crate::peers`]), and the engine behind them all must not be sent more than it batches.
 //! A waiter gives its place back when dropped (its client left, or its activation deadline
 //! passed); a dispatched [`Permit`] is held until the response's last byte and dispatches the
 //! next waiter when dropped.
@@ -21,7 +23,10 @@
 use std::{
     cmp::Reverse,
     collections::{BTreeMap, HashMap, VecDeque},
-    sync::{Arc, Mutex, MutexGuard},
+    sync::{
+        Arc, Mutex, MutexGuard,
+        atomic::{AtomicUsize, Ordering},
+    },
     time::Instant,
 };
 
@@ -44,6 +49,8 @@ pub struct FairQueue {
     per_replica: u32,
     /// The model's ready endpoints: the bound is `per_replica` × their number.
     backends: EndpointSet,
+    /// Gateway replicas sharing the bound (this one and its peers; at least 1).
+    gateways: Arc<AtomicUsize>,
     inner: Mutex<Inner>,
 }
 
@@ -94,9 +101,20 @@ impl FairQueue {
     /// A queue for the model whose ready endpoints are `backends`, with `per_replica` requests
     /// in flight per ready endpoint (at least 1).
     pub fn new(per_replica: u32, backends: EndpointSet) -> Arc<Self> {
+        Self::shared(per_replica, backends, Arc::new(AtomicUsize::new(1)))
+    }
+
+    /// [`FairQueue::new`], the bound shared with the other gateway replicas: `gateways` holds
+    /// how many replicas there are (this one included).
+    pub fn shared(
+        per_replica: u32,
+        backends: EndpointSet,
+        gateways: Arc<AtomicUsize>,
+    ) -> Arc<Self> {
         Arc::new(Self {
             per_replica: per_replica.max(1),
             backends,
+            gateways,
             inner: Mutex::new(Inner::default()),
         })
     }
@@ -110,8 +128,11 @@ impl FairQueue {
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// This replica's bound: its share of `per_replica` × ready endpoints, rounded up.
     fn capacity(&self) -> u64 {
-        u64::from(self.per_replica) * self.backends.len() as u64
+        let all = u64::from(self.per_replica) * self.backends.len() as u64;
+        let gateways = self.gateways.load(Ordering::Relaxed).max(1) as u64;
+        all.div_ceil(gateways)
     }
 
     /// Dispatches `claim`'s request now if the bound allows and nobody waits, else queues it.

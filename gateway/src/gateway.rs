@@ -155,6 +155,7 @@ impl Parts {
                 metrics,
                 pool: pool.clone(),
                 rises: shared.then(|| Arc::new(watch::channel(0).0)),
+                gateways: Arc::new(std::sync::atomic::AtomicUsize::new(1)),
             },
             pool,
             timer: CoarseTimer::new()?,
@@ -314,6 +315,19 @@ impl Gateway {
         match &self.shared.single {
             Some(m) => Arc::new(m.state.demand.clone()),
             None => self.shared.routes.clone(),
+        }
+    }
+
+    /// Sets how many gateway replicas there are (`peers` others and this one): every model's
+    /// fair queue takes its share of the in-flight bound ([`crate::fair`]).
+    pub fn set_peer_count(&self, peers: usize) {
+        self.shared
+            .routes
+            .parts()
+            .gateways
+            .store(peers + 1, std::sync::atomic::Ordering::Relaxed);
+        for m in self.shared.routes.load().models() {
+            m.state.fair.refresh();
         }
     }
 

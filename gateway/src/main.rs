@@ -102,10 +102,12 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
                 gateway.instance(),
             ));
         }
+        let g = gateway.clone();
         tokio::spawn(async move {
             let feed = peers.clone();
             let e = watch_endpoints(client, source, move |eps| {
                 let others = other_replicas(eps, &me);
+                g.set_peer_count(others.len());
                 quota_peers.send_replace(others.clone());
                 feed.update(others);
             })

@@ -220,6 +220,8 @@ pub(crate) struct StateParts {
     pub(crate) pool: UpstreamPool,
     /// Announces rises of demand from 0 (shared mode's peer stream).
     pub(crate) rises: Option<Arc<watch::Sender<u64>>>,
+    /// Gateway replicas (this one and its peers): the fair queues' bound is shared by them.
+    pub(crate) gateways: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 /// The state a gateway of the model's own would hold. Dropping it stops its tasks.
@@ -274,7 +276,11 @@ impl ModelState {
         let created = SystemTime::now()
             .duration_since(SystemTime::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs());
-        let fair = crate::fair::FairQueue::new(cfg.container_concurrency, backends.clone());
+        let fair = crate::fair::FairQueue::shared(
+            cfg.container_concurrency,
+            backends.clone(),
+            parts.gateways.clone(),
+        );
         Self {
             discovered,
             fair,

@@ -525,6 +525,11 @@ impl std::fmt::Debug for Routes {
 
 impl Routes {
     /// The table of a single-service gateway: `model`, for good.
+    /// What every model's state is built from.
+    pub(crate) fn parts(&self) -> &StateParts {
+        &self.parts
+    }
+
     pub(crate) fn single(model: Arc<Model>, parts: StateParts) -> Self {
         Self {
             shared: false,

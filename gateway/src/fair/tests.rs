@@ -145,3 +145,18 @@ async fn a_waiter_past_its_deadline_or_gone_gives_its_place_back() {
     let again = dispatched(q.enter(claim(0, 0), 0.0));
     drop(again);
 }
+
+#[test]
+fn gateway_replicas_share_the_bound() {
+    let gateways = Arc::new(AtomicUsize::new(2));
+    let q = FairQueue::shared(3, ready(1), gateways.clone());
+    // 3 per engine over 2 gateways: 2 here (rounded up).
+    let held: Vec<_> = (0..2)
+        .map(|_| dispatched(q.enter(claim(0, 0), 0.0)))
+        .collect();
+    let t = queued(q.enter(claim(0, 0), 0.0));
+    gateways.store(1, std::sync::atomic::Ordering::Relaxed);
+    q.refresh();
+    assert_eq!(q.counts(), (0, 3));
+    drop((held, t));
+}

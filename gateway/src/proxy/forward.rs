@@ -45,6 +45,8 @@ impl Shared {
 pub(super) struct BackendUse {
     _ep: EndpointGuard,
     pub(super) meter: super::meter::Meter,
+    /// How long the request waited in the fair queue for its place in flight.
+    pub(super) queued: Duration,
 }
 
 /// Why a request was not answered.
@@ -261,7 +263,8 @@ pub(super) async fn forward<A: Arrival>(
         Entry::Dispatched(p) => p,
         Entry::Queued(ticket) => ticket.wait(deadline).await.ok_or(HoldError::Timeout)?,
     };
-    metrics.dispatched(&d.tenant, entered.elapsed().as_secs_f64());
+    let queued = entered.elapsed();
+    metrics.dispatched(&d.tenant, queued.as_secs_f64());
     let meter = super::meter::Meter::new(permit, d.clone(), shared.quotas.clone(), metrics.clone());
     let mut backoff = Duration::from_millis(20);
     loop {
@@ -296,7 +299,14 @@ pub(super) async fn forward<A: Arrival>(
                     metrics.activation_wait(sent.duration_since(arrival).as_secs_f64());
                     state.lease.ready_seen();
                 }
-                return Ok((resp, BackendUse { _ep: ep, meter }));
+                return Ok((
+                    resp,
+                    BackendUse {
+                        _ep: ep,
+                        meter,
+                        queued,
+                    },
+                ));
             }
             Err(e) if e.is_connect() => {
                 metrics.upstream_error("connect");

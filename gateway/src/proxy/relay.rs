@@ -29,6 +29,13 @@ pub(super) fn relay(
 ) -> Response {
     let (mut parts, body) = resp.into_parts();
     strip_hop_by_hop(&mut parts.headers);
+    // The fair queue's wait, as W3C Server Timing (after the backend's own entries, if any).
+    if let Ok(v) = header::HeaderValue::from_str(&format!(
+        "queue;dur={:.1}",
+        backend.queued.as_secs_f64() * 1000.0
+    )) {
+        parts.headers.append(SERVER_TIMING, v);
+    }
     // Time to first token is measured for streams, known by the answer's media type.
     let stream = parts
         .headers
@@ -48,6 +55,11 @@ pub(super) fn relay(
     .first_byte_since(cold.then_some(arrival));
     Response::from_parts(parts, Body::new(relay))
 }
+
+/// `Server-Timing` (W3C Server Timing): the answer carries `queue;dur=<ms>`, the time the
+/// request waited in its model's fair queue.
+pub(super) const SERVER_TIMING: header::HeaderName =
+    header::HeaderName::from_static("server-timing");
 
 /// At most this many bytes of already-arrived backend chunks are joined into one write.
 const COALESCE_MAX: usize = 16 * 1024;
