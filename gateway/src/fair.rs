@@ -13,6 +13,13 @@
 //! The bound is `containerConcurrency` × ready replicas of the model, read at every dispatch,
 //! divided among the gateway's replicas (rounded up): each replica knows its peers (see
 //! [`crate::peers`]), and the engine behind them all must not be sent more than it batches.
+//!
+//! **Headroom.** Dispatch does not preempt: a request that finds every place taken waits for
+//! one to end, however few tokens its tenant was served. So where there are several tenants,
+//! no one tenant holds more than the bound less its headroom, 1/16 of it rounded up
+//! ([`headroom`]): a request of another tenant then finds a place at once, as it would if it
+//! were alone. The engine batches the headroom's few sequences less while one tenant has it
+//! to itself (a decoding engine's throughput barely changes near its batch limit).
 //! A waiter gives its place back when dropped (its client left, or its activation deadline
 //! passed); a dispatched [`Permit`] is held until the response's last byte and dispatches the
 //! next waiter when dropped.
@@ -51,12 +58,16 @@ pub struct FairQueue {
     backends: EndpointSet,
     /// Gateway replicas sharing the bound (this one and its peers; at least 1).
     gateways: Arc<AtomicUsize>,
+    /// Whether requests may come from several tenants: then one tenant keeps off the headroom.
+    tenants: bool,
     inner: Mutex<Inner>,
 }
 
 #[derive(Debug, Default)]
 struct Inner {
     in_flight: u64,
+    /// In flight per tenant.
+    in_flight_of: HashMap<TenantId, u64>,
     queued: usize,
     next_id: u64,
     /// Bands with waiters, highest priority first.
@@ -77,6 +88,8 @@ struct Band {
 struct Waiter {
     id: u64,
     tx: oneshot::Sender<Permit>,
+    /// The prompt's estimate, charged at dispatch.
+    prompt_tokens: f64,
 }
 
 /// A tenant and its band, as a request is dispatched for it.
@@ -111,12 +124,33 @@ impl FairQueue {
         backends: EndpointSet,
         gateways: Arc<AtomicUsize>,
     ) -> Arc<Self> {
+        Self::with_tenants(per_replica, backends, gateways, false)
+    }
+
+    /// [`FairQueue::shared`] for requests of several tenants (`tenants`): one tenant then
+    /// keeps off the [`headroom`].
+    pub fn with_tenants(
+        per_replica: u32,
+        backends: EndpointSet,
+        gateways: Arc<AtomicUsize>,
+        tenants: bool,
+    ) -> Arc<Self> {
         Arc::new(Self {
             per_replica: per_replica.max(1),
             backends,
             gateways,
+            tenants,
             inner: Mutex::new(Inner::default()),
         })
+    }
+
+    /// The most places one tenant holds under `capacity`.
+    fn tenant_limit(&self, capacity: u64) -> u64 {
+        if self.tenants {
+            capacity.saturating_sub(headroom(capacity)).max(1)
+        } else {
+            capacity
+        }
     }
 
     /// `containerConcurrency`: requests in flight per ready replica.
@@ -136,12 +170,16 @@ impl FairQueue {
     }
 
     /// Dispatches `claim`'s request now if the bound allows and nobody waits, else queues it.
-    /// `prompt_tokens` is charged to the tenant's counter at dispatch.
+    /// `prompt_tokens` is charged to the tenant's counter when it is dispatched (a waiting
+    /// request costs nothing: a tenant's backlog does not push it behind others).
     pub fn enter(self: &Arc<Self>, claim: Claim, prompt_tokens: f64) -> Entry {
         let capacity = self.capacity();
+        let limit = self.tenant_limit(capacity);
         let mut inner = self.lock();
-        if inner.queued == 0 && inner.in_flight < capacity {
+        let held = inner.in_flight_of.get(&claim.tenant).copied().unwrap_or(0);
+        if inner.queued == 0 && inner.in_flight < capacity && held < limit {
             inner.in_flight += 1;
+            *inner.in_flight_of.entry(claim.tenant).or_default() += 1;
             // Nobody waits: nothing to be fair to; the counter still follows the band's.
             let last = inner.last.get(&claim.priority).copied().unwrap_or(0.0);
             let counter = {
@@ -160,13 +198,16 @@ impl FairQueue {
         let band = inner.bands.entry(Reverse(claim.priority)).or_default();
         let waiters = band.tenants.entry(claim.tenant).or_default();
         let newly_backlogged = waiters.is_empty();
-        waiters.push_back(Waiter { id, tx });
+        waiters.push_back(Waiter {
+            id,
+            tx,
+            prompt_tokens,
+        });
         inner.queued += 1;
         if newly_backlogged {
             let c = inner.counters.entry(claim.tenant).or_insert(0.0);
             *c = c.max(lifted);
         }
-        *inner.counters.entry(claim.tenant).or_insert(0.0) += prompt_tokens;
         self.pump(&mut inner, capacity);
         drop(inner);
         Entry::Queued(Ticket {
@@ -180,19 +221,23 @@ impl FairQueue {
 
     /// Dispatches waiters while the bound allows (`capacity` read by the caller).
     fn pump(self: &Arc<Self>, inner: &mut Inner, capacity: u64) {
+        let limit = self.tenant_limit(capacity);
         while inner.in_flight < capacity {
-            let Some((priority, tenant, waiter)) = next(inner) else {
+            let Some((priority, tenant, waiter)) = next(inner, limit) else {
                 return;
             };
             inner.queued -= 1;
             inner.in_flight += 1;
-            let counter = inner.counters.get(&tenant).copied().unwrap_or(0.0);
-            inner.last.insert(priority, counter);
+            *inner.in_flight_of.entry(tenant).or_default() += 1;
+            let counter = inner.counters.entry(tenant).or_insert(0.0);
+            inner.last.insert(priority, *counter);
+            *counter += waiter.prompt_tokens;
             let permit = Permit::new(self.clone(), Claim { tenant, priority });
             if let Err(mut permit) = waiter.tx.send(permit) {
                 // Its ticket was dropped meanwhile: the place goes to the next one.
                 permit.armed = false;
                 inner.in_flight -= 1;
+                untake(inner, tenant);
             }
         }
     }
@@ -219,10 +264,11 @@ impl FairQueue {
         *self.lock().counters.entry(tenant).or_insert(0.0) += tokens;
     }
 
-    fn release(self: &Arc<Self>) {
+    fn release(self: &Arc<Self>, tenant: TenantId) {
         let capacity = self.capacity();
         let mut inner = self.lock();
         inner.in_flight = inner.in_flight.saturating_sub(1);
+        untake(&mut inner, tenant);
         self.pump(&mut inner, capacity);
     }
 
@@ -262,20 +308,39 @@ fn lift(inner: &Inner, claim: Claim) -> f64 {
     waiting.unwrap_or_else(|| inner.last.get(&claim.priority).copied().unwrap_or(0.0))
 }
 
-/// Takes the next waiter: the top band's tenant with the lowest counter (ties: the oldest
-/// waiter), its oldest waiter.
-fn next(inner: &mut Inner) -> Option<(i32, TenantId, Waiter)> {
-    let (&Reverse(priority), band) = inner.bands.iter_mut().next()?;
+/// One place of `tenant` given back.
+fn untake(inner: &mut Inner, tenant: TenantId) {
+    if let Some(n) = inner.in_flight_of.get_mut(&tenant) {
+        *n = n.saturating_sub(1);
+        if *n == 0 {
+            inner.in_flight_of.remove(&tenant);
+        }
+    }
+}
+
+/// The places kept from any one tenant out of `capacity`: 1/16, rounded up.
+pub fn headroom(capacity: u64) -> u64 {
+    capacity.div_ceil(16)
+}
+
+/// Takes the next waiter: in the highest band with a tenant holding fewer than `limit`
+/// places, that band's such tenant with the lowest counter (ties: the oldest waiter), its
+/// oldest waiter.
+fn next(inner: &mut Inner, limit: u64) -> Option<(i32, TenantId, Waiter)> {
     let counters = &inner.counters;
-    let tenant = band
-        .tenants
-        .iter()
-        .map(|(t, w)| {
-            let c = counters.get(t).copied().unwrap_or(0.0);
-            (c, w.front().map_or(u64::MAX, |w| w.id), *t)
-        })
-        .min_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)))
-        .map(|(_, _, t)| t)?;
+    let held = &inner.in_flight_of;
+    let (priority, tenant) = inner.bands.iter().find_map(|(&Reverse(priority), band)| {
+        band.tenants
+            .iter()
+            .filter(|(t, _)| held.get(t).copied().unwrap_or(0) < limit)
+            .map(|(t, w)| {
+                let c = counters.get(t).copied().unwrap_or(0.0);
+                (c, w.front().map_or(u64::MAX, |w| w.id), *t)
+            })
+            .min_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)))
+            .map(|(_, _, t)| (priority, t))
+    })?;
+    let band = inner.bands.get_mut(&Reverse(priority))?;
     let waiters = band.tenants.get_mut(&tenant)?;
     let waiter = waiters.pop_front()?;
     if waiters.is_empty() {
@@ -321,7 +386,7 @@ impl Permit {
 impl Drop for Permit {
     fn drop(&mut self) {
         if self.armed {
-            self.queue.release();
+            self.queue.release(self.claim.tenant);
         }
     }
 }

@@ -156,6 +156,7 @@ impl Parts {
                 pool: pool.clone(),
                 rises: shared.then(|| Arc::new(watch::channel(0).0)),
                 gateways: Arc::new(std::sync::atomic::AtomicUsize::new(1)),
+                tenants: cfg.tenants.iter().count() > 1,
             },
             pool,
             timer: CoarseTimer::new()?,

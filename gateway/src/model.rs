@@ -222,6 +222,8 @@ pub(crate) struct StateParts {
     pub(crate) rises: Option<Arc<watch::Sender<u64>>>,
     /// Gateway replicas (this one and its peers): the fair queues' bound is shared by them.
     pub(crate) gateways: Arc<std::sync::atomic::AtomicUsize>,
+    /// Whether the replica has several tenants (the fair queues then keep a headroom).
+    pub(crate) tenants: bool,
 }
 
 /// The state a gateway of the model's own would hold. Dropping it stops its tasks.
@@ -276,10 +278,11 @@ impl ModelState {
         let created = SystemTime::now()
             .duration_since(SystemTime::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs());
-        let fair = crate::fair::FairQueue::shared(
+        let fair = crate::fair::FairQueue::with_tenants(
             cfg.container_concurrency,
             backends.clone(),
             parts.gateways.clone(),
+            parts.tenants,
         );
         Self {
             discovered,

@@ -160,3 +160,62 @@ fn gateway_replicas_share_the_bound() {
     assert_eq!(q.counts(), (0, 3));
     drop((held, t));
 }
+
+#[tokio::test]
+async fn with_several_tenants_one_keeps_off_the_headroom() {
+    let q = FairQueue::with_tenants(4, ready(1), Arc::new(AtomicUsize::new(1)), true);
+    // Tenant 0 floods: 3 of the 4 places (headroom 1), the rest wait.
+    let held: Vec<_> = (0..3)
+        .map(|_| dispatched(q.enter(claim(0, 0), 0.0)))
+        .collect();
+    let flood: Vec<_> = (0..10).map(|_| queued(q.enter(claim(0, 0), 0.0))).collect();
+    assert_eq!(q.counts(), (10, 3));
+    // Tenant 1 is served at once, ahead of the flood's backlog.
+    let t = queued(q.enter(claim(1, 0), 0.0));
+    let p = t.wait(far()).await.expect("dispatched at once");
+    assert_eq!(q.counts(), (10, 4));
+    drop((p, held, flood));
+    // Alone in the table, a tenant may take every place.
+    let q = FairQueue::new(4, ready(1));
+    let all: Vec<_> = (0..4)
+        .map(|_| dispatched(q.enter(claim(0, 0), 0.0)))
+        .collect();
+    drop(all);
+}
+
+#[test]
+fn a_burst_behind_a_flood_shares_the_places_it_frees() {
+    let q = FairQueue::new(4, ready(1));
+    let mut running: std::collections::VecDeque<Permit> = (0..4)
+        .map(|_| dispatched(q.enter(claim(0, 0), 10.0)))
+        .collect();
+    let mut waiting: Vec<(u32, Ticket)> = (0..20)
+        .map(|_| (0, queued(q.enter(claim(0, 0), 10.0))))
+        .collect();
+    waiting.extend((0..5).map(|_| (1, queued(q.enter(claim(1, 0), 10.0)))));
+    let mut order = Vec::new();
+    while order.len() < 10 {
+        // A token streams on every request in flight, then the oldest one ends.
+        for p in &running {
+            p.charge(1.0);
+        }
+        drop(running.pop_front());
+        let mut i = 0;
+        while i < waiting.len() {
+            if let Ok(p) = waiting[i].1.rx.try_recv() {
+                order.push(waiting[i].0);
+                running.push_back(p);
+                waiting.remove(i);
+            } else {
+                i += 1;
+            }
+        }
+    }
+    // Both backlogged: tenant 1 is never kept behind more than one of tenant 0's.
+    let b_last = order.iter().rposition(|t| *t == 1).unwrap();
+    assert!(b_last <= 9, "tenant 1 kept behind the flood: {order:?}");
+    assert!(
+        order.windows(3).all(|w| w.contains(&1)),
+        "tenant 1 waited through two dispatches in a row: {order:?}"
+    );
+}
