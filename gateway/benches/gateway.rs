@@ -19,10 +19,21 @@
 //!    HTTP workers in a child process of their own: added latency and throughput as in 1,
 //!    `GET /v1/models` with 100 models, and the idle RSS of each (the shared gateway's per
 //!    model, and against 100 per-service gateways).
+//! 6. Tenants and quotas on vs off: the same per-service gateway child (2 HTTP workers) with API
+//!    keys off, with keys naming one of 2 tenants, and with those tenants' quotas (limits too
+//!    large to refuse anything): added latency and throughput as in 1, and each one's cost
+//!    against keys off, in the same run.
+//! 7. Fair queue dispatch: [`hearth_gateway::fair::FairQueue`] on its own, 10,000 requests
+//!    queued over 100 tenants in 3 priority bands and dispatched one by one as places free,
+//!    against enter and release with nothing queued.
+//!
+//! Every gateway here allows 4096 requests in flight per backend (`containerConcurrency`, as the
+//! stub's `max_num_seqs`), so no section but the last queues in the gateway.
 //!
 //! `BENCH_QUICK=1` shrinks every sample count (for a smoke run);
-//! `BENCH_ONLY=warm|ready|push|held|shared` runs one section; `BENCH_BASELINE_GATEWAY=<path>`
-//! adds another build of the binary (say, of the last commit) to the warm rows.
+//! `BENCH_ONLY=warm|ready|push|held|shared|tenants|fair` runs one section;
+//! `BENCH_BASELINE_GATEWAY=<path>` adds another build of the binary (say, of the last commit) to
+//! the warm rows.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::exit)]
 
 use std::{
@@ -40,7 +51,9 @@ use bytes::Bytes;
 use hearth_gateway::{
     EndpointSet, Gateway, GatewayConfig,
     apikeys::ApiKeys,
+    fair::{Claim, Entry, FairQueue},
     scaler::pb::{ScaledObjectRef, external_scaler_client::ExternalScalerClient},
+    tenants::{Tenant, Tenants},
 };
 use http_body_util::{BodyExt, Full};
 use hyper::Request;
@@ -60,6 +73,11 @@ static ALLOC: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 
 const ROLE_ENV: &str = "HEARTH_BENCH_ROLE";
 
+/// Requests in flight per backend for every gateway of the bench (`containerConcurrency`): the
+/// stub's `max_num_seqs`, so requests never wait in the gateway's fair queue (the fair queue
+/// section measures that queue on its own).
+const BENCH_CONCURRENCY: u32 = 4096;
+
 fn quick() -> bool {
     std::env::var_os("BENCH_QUICK").is_some()
 }
@@ -69,7 +87,9 @@ fn main() {
     // are the gateway's alone.
     match std::env::var(ROLE_ENV).as_deref() {
         Ok("cold-gateway") => return cold_gateway_child(),
-        Ok(role @ ("single-gateway" | "shared-gateway")) => return gateway_child(role),
+        Ok(role @ ("single-gateway" | "shared-gateway" | "tenants-gateway")) => {
+            return gateway_child(role);
+        }
         _ => {}
     }
     // `cargo bench` passes `--bench`; ignore arguments.
@@ -90,7 +110,7 @@ async fn run() {
         "# hearth-gateway benchmarks\n\nmachine: {} cores, {host}; all processes on loopback\n",
         std::thread::available_parallelism().map_or(0, |n| n.get())
     );
-    // `BENCH_ONLY=warm|ready|push|held|shared` runs one section.
+    // `BENCH_ONLY=warm|ready|push|held|shared|tenants|fair` runs one section.
     let only = std::env::var("BENCH_ONLY").ok();
     let run = |name: &str| only.as_deref().is_none_or(|o| o == name);
     if run("warm") {
@@ -107,6 +127,12 @@ async fn run() {
     }
     if run("shared") {
         shared_endpoint().await;
+    }
+    if run("tenants") {
+        tenants_overhead().await;
+    }
+    if run("fair") {
+        fair_queue_dispatch().await;
     }
 }
 
@@ -278,11 +304,14 @@ fn sse_64_paced(delay: &str) -> Bytes {
     )
 }
 
-async fn one(c: &HttpClient, url: &str, body: &Bytes) -> usize {
-    let req = Request::post(url)
-        .header("content-type", "application/json")
-        .body(Full::new(body.clone()))
-        .unwrap();
+/// One `POST` of `body` to `url` (with `Authorization: <auth>` when given), its answer read
+/// whole: the answer's length.
+async fn one(c: &HttpClient, url: &str, body: &Bytes, auth: Option<&str>) -> usize {
+    let mut req = Request::post(url).header("content-type", "application/json");
+    if let Some(auth) = auth {
+        req = req.header("authorization", auth);
+    }
+    let req = req.body(Full::new(body.clone())).unwrap();
     let resp = c.request(req).await.expect("request failed");
     assert!(resp.status().is_success(), "{url}: {}", resp.status());
     resp.into_body().collect().await.unwrap().to_bytes().len()
@@ -300,21 +329,29 @@ fn us(d: Duration) -> String {
     format!("{:.0}", d.as_secs_f64() * 1e6)
 }
 
-async fn throughput(c: &HttpClient, url: &str, body: &Bytes, conc: usize, dur: Duration) -> f64 {
+async fn throughput(
+    c: &HttpClient,
+    url: &str,
+    body: &Bytes,
+    auth: Option<&str>,
+    conc: usize,
+    dur: Duration,
+) -> f64 {
     let done = Arc::new(AtomicU64::new(0));
     let stop = Arc::new(AtomicBool::new(false));
     let mut tasks = Vec::new();
     for _ in 0..conc {
-        let (c, url, body, done, stop) = (
+        let (c, url, body, auth, done, stop) = (
             c.clone(),
             url.to_owned(),
             body.clone(),
+            auth.map(str::to_owned),
             done.clone(),
             stop.clone(),
         );
         tasks.push(tokio::spawn(async move {
             while !stop.load(Ordering::Relaxed) {
-                one(&c, &url, &body).await;
+                one(&c, &url, &body, auth.as_deref()).await;
                 done.fetch_add(1, Ordering::Relaxed);
             }
         }));
@@ -340,11 +377,13 @@ struct PathResult {
 
 /// Latency of `urls` at concurrency 1 (`warmup` requests each first, then `rounds` rounds of
 /// `per_round` requests per URL, interleaved), then throughput at concurrency 32 for
-/// `tp_dur` each.
+/// `tp_dur` each. Every request carries `Authorization: <auth>` when given.
+#[allow(clippy::too_many_arguments)]
 async fn measure_paths(
     c: &HttpClient,
     urls: &[String],
     body: &Bytes,
+    auth: Option<&str>,
     per_round: usize,
     warmup: usize,
     rounds: usize,
@@ -352,7 +391,7 @@ async fn measure_paths(
 ) -> Vec<PathResult> {
     for u in urls {
         for _ in 0..warmup {
-            one(c, u, body).await;
+            one(c, u, body, auth).await;
         }
     }
     let mut samples: Vec<Vec<Duration>> = vec![Vec::new(); urls.len()];
@@ -360,14 +399,14 @@ async fn measure_paths(
         for (i, u) in urls.iter().enumerate() {
             for _ in 0..per_round {
                 let t = Instant::now();
-                one(c, u, body).await;
+                one(c, u, body, auth).await;
                 samples[i].push(t.elapsed());
             }
         }
     }
     let mut tps = Vec::new();
     for u in urls {
-        tps.push(throughput(c, u, body, 32, tp_dur).await);
+        tps.push(throughput(c, u, body, auth, 32, tp_dur).await);
     }
     samples
         .iter_mut()
@@ -409,6 +448,11 @@ fn start_gateway_bin(bin: &str, backend: &str) -> (Proc, u16, u16) {
                 &format!("--backend-url={backend}"),
                 "--max-queue=100000",
             ])
+            // By environment, not flag: a baseline build from before the fair queue ignores it.
+            .env(
+                "HEARTH_CONTAINER_CONCURRENCY",
+                BENCH_CONCURRENCY.to_string(),
+            )
             .env("RUST_LOG", "warn")
             .stdout(Stdio::null())
             .stderr(Stdio::null())
@@ -530,7 +574,8 @@ async fn warm_overhead() {
             .iter()
             .map(|(_, base)| format!("{base}/v1/chat/completions"))
             .collect();
-        let results = measure_paths(&c, &urls, &body, per_round, warmup, rounds, tp_dur).await;
+        let results =
+            measure_paths(&c, &urls, &body, None, per_round, warmup, rounds, tp_dur).await;
         let direct = &results[0];
         for (i, ((pname, _), r)) in paths.iter().zip(&results).enumerate() {
             println!(
@@ -561,6 +606,7 @@ fn bench_config() -> GatewayConfig {
         activation_timeout: Duration::from_secs(600),
         activation_grace: Duration::ZERO,
         max_queue: 100_000,
+        container_concurrency: BENCH_CONCURRENCY,
         ..GatewayConfig::default()
     }
 }
@@ -876,10 +922,11 @@ fn shared_model(i: usize) -> String {
     format!("m{i:03}")
 }
 
-/// The child roles `single-gateway` and `shared-gateway`: the library serving on
-/// `HEARTH_BENCH_PORT` with 2 HTTP workers (as the binary on 2 cores), forwarding to the stub
-/// at `HEARTH_BENCH_STUB`: one service, or [`SHARED_MODELS`] models all on the stub. Prints
-/// `ready`, runs until stdin closes.
+/// The child roles `single-gateway`, `tenants-gateway` and `shared-gateway`: the library serving
+/// on `HEARTH_BENCH_PORT` with 2 HTTP workers (as the binary on 2 cores), forwarding to the stub
+/// at `HEARTH_BENCH_STUB`: one service (with the tenants of [`bench_tenants`] for
+/// `tenants-gateway`), or [`SHARED_MODELS`] models all on the stub. Prints `ready`, runs until
+/// stdin closes.
 fn gateway_child(role: &str) {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -889,12 +936,15 @@ fn gateway_child(role: &str) {
         let stub: http::uri::Authority =
             std::env::var("HEARTH_BENCH_STUB").unwrap().parse().unwrap();
         let port: u16 = std::env::var("HEARTH_BENCH_PORT").unwrap().parse().unwrap();
+        let (tenants, keys) = bench_tenants();
         let cfg = GatewayConfig {
             max_queue: 100_000,
+            container_concurrency: BENCH_CONCURRENCY,
+            tenants,
             ..GatewayConfig::default()
         };
-        let gw = if role == "single-gateway" {
-            Gateway::new(cfg, EndpointSet::fixed([stub]), ApiKeys::disabled()).unwrap()
+        let gw = if role == "single-gateway" || role == "tenants-gateway" {
+            Gateway::new(cfg, EndpointSet::fixed([stub]), keys).unwrap()
         } else {
             let gw = Gateway::new_shared(
                 cfg,
@@ -909,6 +959,7 @@ fn gateway_child(role: &str) {
             let models = (0..SHARED_MODELS)
                 .map(|i| hearth_crds::llmendpoint::ModelRoute {
                     max_queue: 100_000,
+                    container_concurrency: Some(BENCH_CONCURRENCY),
                     ..hearth_gateway::routes::default_route(
                         "bench",
                         &shared_model(i),
@@ -933,11 +984,46 @@ fn gateway_child(role: &str) {
     });
 }
 
+/// The tenants and keys of a gateway child: with `HEARTH_BENCH_KEYS_DIR`, tenants `a` (band 0)
+/// and `b` (band 5) whose keys are the files `a` and `b` there, each with quotas too large to
+/// refuse anything when `HEARTH_BENCH_QUOTAS=1`; without it, keys off (the default tenant).
+fn bench_tenants() -> (Tenants, ApiKeys) {
+    let Some(dir) = std::env::var_os("HEARTH_BENCH_KEYS_DIR") else {
+        return (Tenants::default(), ApiKeys::disabled());
+    };
+    let quotas = if std::env::var("HEARTH_BENCH_QUOTAS").as_deref() == Ok("1") {
+        ",requests-per-minute=1000000000,tokens-per-minute=1000000000000"
+    } else {
+        ""
+    };
+    let dir = PathBuf::from(dir);
+    let declared = [("a", 0), ("b", 5)]
+        .iter()
+        .map(|(name, priority)| {
+            let file = dir.join(name);
+            Tenant::parse(&format!(
+                "name={name},priority={priority},key-file={}{quotas}",
+                file.display()
+            ))
+            .unwrap()
+        })
+        .collect();
+    let tenants = Tenants::new(declared).unwrap();
+    let keys = ApiKeys::load_tenants(None, &tenants).unwrap();
+    (tenants, keys)
+}
+
 /// A gateway child of `role` (see [`gateway_child`]) forwarding to `stub`: the process and its
 /// HTTP port, once it serves.
 fn start_child(role: &str, stub: SocketAddr) -> (Child, u16) {
+    start_child_with(role, stub, &[])
+}
+
+/// [`start_child`] with the environment `env` added.
+fn start_child_with(role: &str, stub: SocketAddr, env: &[(&str, &str)]) -> (Child, u16) {
     let port = free_port();
     let mut child = Command::new(std::env::current_exe().unwrap())
+        .envs(env.iter().copied())
         .env(ROLE_ENV, role)
         .env("HEARTH_BENCH_STUB", stub.to_string())
         .env("HEARTH_BENCH_PORT", port.to_string())
@@ -1058,7 +1144,7 @@ async fn shared_endpoint() {
             .iter()
             .map(|(_, base)| format!("{base}/v1/chat/completions"))
             .collect();
-        let results = measure_paths(&c, &urls, &body, per_round, 100, rounds, tp_dur).await;
+        let results = measure_paths(&c, &urls, &body, None, per_round, 100, rounds, tp_dur).await;
         let (direct, per_service) = (&results[0], &results[1]);
         for (i, ((pname, _), r)) in paths.iter().zip(&results).enumerate() {
             let vs_service = if i == 0 {
@@ -1140,4 +1226,287 @@ async fn shared_endpoint() {
         let _ = child.wait();
     }
     let _ = stub.shutdown().await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tenants and quotas on vs off
+
+/// The key of tenant `a` of [`bench_tenants`], sent by every request of the section (also to
+/// the paths without keys, so every path gets the same bytes).
+const BENCH_KEY: &str = "Bearer sk-bench-a";
+
+async fn tenants_overhead() {
+    let stub = vllm_stub::spawn(
+        StubConfig {
+            served_model_names: vec!["stub-svc".into()],
+            max_num_seqs: 4096,
+            ..StubConfig::default()
+        },
+        "127.0.0.1:0".parse().unwrap(),
+    )
+    .await
+    .unwrap();
+    let c: HttpClient = Client::builder(TokioExecutor::new())
+        .pool_max_idle_per_host(256)
+        .build_http();
+    let keys = tempdir::Dir::new("hearth-bench-keys");
+    std::fs::write(keys.path().join("a"), "sk-bench-a\n").unwrap();
+    std::fs::write(keys.path().join("b"), "sk-bench-b\n").unwrap();
+    let dir = keys.path().to_str().unwrap();
+    let (mut off, off_port) = start_child("single-gateway", stub.addr);
+    let (mut on, on_port) = start_child_with(
+        "tenants-gateway",
+        stub.addr,
+        &[("HEARTH_BENCH_KEYS_DIR", dir), ("HEARTH_BENCH_QUOTAS", "0")],
+    );
+    let (mut quota, quota_port) = start_child_with(
+        "tenants-gateway",
+        stub.addr,
+        &[("HEARTH_BENCH_KEYS_DIR", dir), ("HEARTH_BENCH_QUOTAS", "1")],
+    );
+    for port in [off_port, on_port, quota_port] {
+        wait_http(&c, &format!("http://127.0.0.1:{port}/readyz")).await;
+    }
+    // The paths are what they say: keys are checked, the quota answers its headers.
+    let probe = |port: u16, auth: &'static str| {
+        let c = c.clone();
+        async move {
+            let req = Request::post(format!("http://127.0.0.1:{port}/v1/chat/completions"))
+                .header("content-type", "application/json")
+                .header("authorization", auth)
+                .body(Full::new(small_json()))
+                .unwrap();
+            let resp = c.request(req).await.unwrap();
+            let (status, quota) = (
+                resp.status(),
+                resp.headers()
+                    .contains_key("x-ratelimit-remaining-requests"),
+            );
+            resp.into_body().collect().await.unwrap();
+            (status.as_u16(), quota)
+        }
+    };
+    assert_eq!(probe(off_port, "Bearer sk-nobody").await, (200, false));
+    assert_eq!(probe(on_port, "Bearer sk-nobody").await, (401, false));
+    assert_eq!(probe(on_port, BENCH_KEY).await, (200, false));
+    assert_eq!(probe(quota_port, BENCH_KEY).await, (200, true));
+
+    let (rounds, per_round, tp_dur) = if quick() {
+        (2, 50, Duration::from_millis(500))
+    } else {
+        (10, 500, Duration::from_secs(4))
+    };
+    let paths = [
+        ("direct", stub.url()),
+        ("keys off", format!("http://127.0.0.1:{off_port}")),
+        ("keys, 2 tenants", format!("http://127.0.0.1:{on_port}")),
+        (
+            "keys, 2 tenants, quotas",
+            format!("http://127.0.0.1:{quota_port}"),
+        ),
+    ];
+    println!("## Tenants and quotas on vs off\n");
+    println!(
+        "The per-service gateway (the library with 2 HTTP workers in a child process, \
+         containerConcurrency {BENCH_CONCURRENCY}) three times, in front of the same stub: API keys \
+         off; keys naming one of 2 tenants (bands 0 and 5); the same with each tenant's requests \
+         and tokens per minute limited (limits too large to refuse anything: the body is parsed \
+         for `max_tokens`, the buckets are charged and settled to the answer's `usage`, the \
+         answer carries the `x-ratelimit-*` headers). Every request carries the key of tenant \
+         `a`. Latency: concurrency 1, {} requests per path, interleaved in {rounds} rounds after \
+         warm-up. Throughput: concurrency 32 for {tp_dur:?} per path. Stub token delay 0. Goal: \
+         at most 5 µs more than keys off at p50.\n",
+        rounds * per_round,
+    );
+    println!(
+        "| workload | path | p50 µs | p99 µs | added p50 µs | added p99 µs | vs keys off p50 µs | vs keys off p99 µs | req/s | vs keys off |"
+    );
+    println!("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+    for (wname, body) in [("small JSON", small_json()), ("SSE 64 tokens", sse_64())] {
+        let urls: Vec<String> = paths
+            .iter()
+            .map(|(_, base)| format!("{base}/v1/chat/completions"))
+            .collect();
+        let results = measure_paths(
+            &c,
+            &urls,
+            &body,
+            Some(BENCH_KEY),
+            per_round,
+            100,
+            rounds,
+            tp_dur,
+        )
+        .await;
+        let (direct, off) = (&results[0], &results[1]);
+        for (i, ((pname, _), r)) in paths.iter().zip(&results).enumerate() {
+            let (d50, d99, dtp) = if i < 2 {
+                ("—".to_owned(), "—".to_owned(), "—".to_owned())
+            } else {
+                (
+                    added(i, r.p50, off.p50),
+                    added(i, r.p99, off.p99),
+                    format!("{:.0}%", 100.0 * r.tp / off.tp),
+                )
+            };
+            println!(
+                "| {wname} | {pname} | {} | {} | {} | {} | {d50} | {d99} | {:.0} | {dtp} |",
+                us(r.p50),
+                us(r.p99),
+                added(i, r.p50, direct.p50),
+                added(i, r.p99, direct.p99),
+                r.tp,
+            );
+        }
+    }
+    println!();
+    for child in [&mut off, &mut on, &mut quota] {
+        drop(child.stdin.take());
+        let _ = child.wait();
+    }
+    let _ = stub.shutdown().await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Fair queue dispatch
+
+/// Tenant `t`'s claim: 100 tenants over bands 0, 5 and 10.
+fn bench_claim(t: u32) -> Claim {
+    Claim {
+        tenant: t,
+        priority: [0, 5, 10][(t % 3) as usize],
+    }
+}
+
+/// `d` in ns.
+fn ns(d: Duration) -> String {
+    format!("{}", d.as_nanos())
+}
+
+/// Sorted `samples`' p50, p99 and mean.
+fn stats(samples: &mut [Duration]) -> (Duration, Duration, Duration) {
+    samples.sort();
+    let mean = samples.iter().sum::<Duration>() / samples.len().max(1) as u32;
+    (pct(samples, 0.5), pct(samples, 0.99), mean)
+}
+
+async fn fair_queue_dispatch() {
+    use futures::{StreamExt, stream::FuturesUnordered};
+
+    const TENANTS: u32 = 100;
+    let (queued, base_n, runs) = if quick() {
+        (2_000, 20_000, 1)
+    } else {
+        (10_000, 100_000, 3)
+    };
+    // One ready replica: with containerConcurrency 1, one place in flight.
+    let one_replica = || EndpointSet::fixed(["10.0.0.1:8000".parse().unwrap()]);
+
+    // Baseline: nothing waits, so `enter` dispatches at once and the release finds nobody.
+    let q = FairQueue::new(1, one_replica());
+    let mut base = Vec::with_capacity(base_n);
+    for i in 0..base_n + 1000 {
+        let t = Instant::now();
+        let Entry::Dispatched(permit) = q.enter(bench_claim(i as u32 % TENANTS), 40.0) else {
+            panic!("queued with nothing in flight");
+        };
+        drop(permit);
+        if i >= 1000 {
+            base.push(t.elapsed());
+        }
+    }
+    assert_eq!(q.counts(), (0, 0));
+
+    // Full: one request holds the place, `queued` wait; each release dispatches the next one
+    // (the top band's tenant with the lowest counter), which is then served and released.
+    let mut enters = Vec::with_capacity(queued * runs);
+    let mut dispatches = Vec::with_capacity(queued * runs);
+    for run in 0..runs {
+        let q = FairQueue::new(1, one_replica());
+        let Entry::Dispatched(mut running) = q.enter(bench_claim(0), 40.0) else {
+            panic!("queued with nothing in flight");
+        };
+        let far = Instant::now() + Duration::from_secs(3600);
+        let waits = FuturesUnordered::new();
+        for i in 0..queued {
+            // Tenants arrive interleaved, prompts of 20 to 140 tokens.
+            let tenant = (i as u32).wrapping_mul(37).wrapping_add(run as u32) % TENANTS;
+            let prompt = 20.0 + (i % 13) as f64 * 10.0;
+            let t = Instant::now();
+            let entry = q.enter(bench_claim(tenant), prompt);
+            enters.push(t.elapsed());
+            let Entry::Queued(ticket) = entry else {
+                panic!("dispatched while the place is taken");
+            };
+            waits.push(ticket.wait(far));
+        }
+        assert_eq!(q.counts(), (queued, 1));
+        let mut waits = waits;
+        let mut bands = Vec::with_capacity(queued);
+        for i in 0..queued {
+            let t = Instant::now();
+            drop(running);
+            dispatches.push(t.elapsed());
+            running = waits
+                .next()
+                .await
+                .expect("a waiter")
+                .expect("dispatched before its deadline");
+            bands.push(running.claim().priority);
+            // Served: 50 to 250 completion tokens.
+            running.charge(50.0 + (i % 5) as f64 * 50.0);
+        }
+        drop(running);
+        assert_eq!(q.counts(), (0, 0));
+        // Strict bands: every request of band 10, then 5, then 0.
+        assert!(
+            bands.windows(2).all(|w| w[0] >= w[1]),
+            "a lower band went before a higher one"
+        );
+    }
+
+    let (b50, b99, bmean) = stats(&mut base);
+    let (e50, e99, emean) = stats(&mut enters);
+    let (d50, d99, dmean) = stats(&mut dispatches);
+    let ratio = |mean: Duration| format!("{:.1}×", mean.as_secs_f64() / bmean.as_secs_f64());
+    println!("## Fair queue dispatch\n");
+    println!(
+        "`hearth_gateway::fair::FairQueue` on its own (no HTTP), one ready replica with \
+         containerConcurrency 1. Baseline: `enter` with nothing queued (dispatched at once) and \
+         the permit's release, {base_n} times over {TENANTS} tenants. Queued: one request holds \
+         the place, {queued} requests of {TENANTS} tenants in 3 bands (0, 5, 10) enter the queue, \
+         then each release dispatches the next one (highest band, lowest virtual token counter: \
+         a scan of the band's backlogged tenants) to its waiting `Ticket`; {runs} runs. Times \
+         include one `Instant::now()` (~20-30 ns).\n"
+    );
+    println!("| operation | samples | p50 ns | p99 ns | mean ns | mean vs baseline |");
+    println!("|---|---:|---:|---:|---:|---:|");
+    println!(
+        "| enter + release, nothing queued (baseline) | {} | {} | {} | {} | 1.0× |",
+        base.len(),
+        ns(b50),
+        ns(b99),
+        ns(bmean)
+    );
+    println!(
+        "| enter, queued (0 → {queued} waiting) | {} | {} | {} | {} | {} |",
+        enters.len(),
+        ns(e50),
+        ns(e99),
+        ns(emean),
+        ratio(emean)
+    );
+    println!(
+        "| release + dispatch of the next ({queued} → 0 waiting) | {} | {} | {} | {} | {} |",
+        dispatches.len(),
+        ns(d50),
+        ns(d99),
+        ns(dmean),
+        ratio(dmean)
+    );
+    println!(
+        "| enter + dispatch, queued (sum of means) | — | — | — | {} | {} |\n",
+        ns(emean + dmean),
+        ratio(emean + dmean)
+    );
 }

@@ -31,6 +31,8 @@ pub struct Trace {
     pub status: u16,
     /// The `Retry-After` header, if any.
     pub retry_after: Option<String>,
+    /// The response's header fields.
+    pub headers: http::HeaderMap,
     pub events: Vec<(Instant, Event)>,
     /// The whole body of a non-streaming answer (empty for streams).
     pub body: String,
@@ -168,6 +170,7 @@ pub async fn chat_with_headers(
             .get("retry-after")
             .and_then(|v| v.to_str().ok())
             .map(str::to_owned);
+        let headers = resp.headers().clone();
         let mut body = resp.into_body();
         let mut events = Vec::new();
         let mut pending = String::new();
@@ -218,6 +221,7 @@ pub async fn chat_with_headers(
             head,
             status,
             retry_after,
+            headers,
             events,
             body: whole,
             end: Instant::now(),
