@@ -20,9 +20,11 @@
 //!    `GET /v1/models` with 100 models, and the idle RSS of each (the shared gateway's per
 //!    model, and against 100 per-service gateways).
 //! 6. Tenants and quotas on vs off: the same per-service gateway child (2 HTTP workers) with API
-//!    keys off, with keys naming one of 2 tenants, and with those tenants' quotas (limits too
-//!    large to refuse anything): added latency and throughput as in 1, and each one's cost
-//!    against keys off, in the same run.
+//!    keys off (twice: how far two instances of one configuration land apart), with keys naming
+//!    one of 2 tenants, and with those tenants' quotas (limits too large to refuse anything):
+//!    added latency and throughput as in 1 (throughput in interleaved windows), and each one's
+//!    cost against keys off, in the same run; then the steps tenants and quotas add, called in
+//!    process.
 //! 7. Fair queue dispatch: [`hearth_gateway::fair::FairQueue`] on its own, 10,000 requests
 //!    queued over 100 tenants in 3 priority bands and dispatched one by one as places free,
 //!    against enter and release with nothing queued.
@@ -389,6 +391,24 @@ async fn measure_paths(
     rounds: usize,
     tp_dur: Duration,
 ) -> Vec<PathResult> {
+    measure_paths_in(c, urls, body, auth, per_round, warmup, rounds, tp_dur, 1).await
+}
+
+/// [`measure_paths`], the throughput measured in `tp_rounds` windows of `tp_dur / tp_rounds`
+/// per URL, interleaved (the mean of the windows' rates): a slow drift of the machine then
+/// weighs on every URL alike.
+#[allow(clippy::too_many_arguments)]
+async fn measure_paths_in(
+    c: &HttpClient,
+    urls: &[String],
+    body: &Bytes,
+    auth: Option<&str>,
+    per_round: usize,
+    warmup: usize,
+    rounds: usize,
+    tp_dur: Duration,
+    tp_rounds: usize,
+) -> Vec<PathResult> {
     for u in urls {
         for _ in 0..warmup {
             one(c, u, body, auth).await;
@@ -404,9 +424,13 @@ async fn measure_paths(
             }
         }
     }
-    let mut tps = Vec::new();
-    for u in urls {
-        tps.push(throughput(c, u, body, auth, 32, tp_dur).await);
+    let tp_rounds = tp_rounds.max(1);
+    let mut tps = vec![0.0; urls.len()];
+    for _ in 0..tp_rounds {
+        for (i, u) in urls.iter().enumerate() {
+            tps[i] += throughput(c, u, body, auth, 32, tp_dur / tp_rounds as u32).await
+                / tp_rounds as f64;
+        }
     }
     samples
         .iter_mut()
@@ -1254,6 +1278,8 @@ async fn tenants_overhead() {
     std::fs::write(keys.path().join("b"), "sk-bench-b\n").unwrap();
     let dir = keys.path().to_str().unwrap();
     let (mut off, off_port) = start_child("single-gateway", stub.addr);
+    // The same child again: how far two instances of one configuration land apart.
+    let (mut off2, off2_port) = start_child("single-gateway", stub.addr);
     let (mut on, on_port) = start_child_with(
         "tenants-gateway",
         stub.addr,
@@ -1264,7 +1290,7 @@ async fn tenants_overhead() {
         stub.addr,
         &[("HEARTH_BENCH_KEYS_DIR", dir), ("HEARTH_BENCH_QUOTAS", "1")],
     );
-    for port in [off_port, on_port, quota_port] {
+    for port in [off_port, off2_port, on_port, quota_port] {
         wait_http(&c, &format!("http://127.0.0.1:{port}/readyz")).await;
     }
     // The paths are what they say: keys are checked, the quota answers its headers.
@@ -1287,15 +1313,17 @@ async fn tenants_overhead() {
         }
     };
     assert_eq!(probe(off_port, "Bearer sk-nobody").await, (200, false));
+    assert_eq!(probe(off2_port, "Bearer sk-nobody").await, (200, false));
     assert_eq!(probe(on_port, "Bearer sk-nobody").await, (401, false));
     assert_eq!(probe(on_port, BENCH_KEY).await, (200, false));
     assert_eq!(probe(quota_port, BENCH_KEY).await, (200, true));
 
-    let (rounds, per_round, tp_dur) = if quick() {
-        (2, 50, Duration::from_millis(500))
+    let (rounds, per_round, tp_dur, tp_rounds) = if quick() {
+        (2, 50, Duration::from_millis(500), 1)
     } else {
-        (10, 500, Duration::from_secs(4))
+        (10, 500, Duration::from_secs(8), 8)
     };
+    // The second instance of keys off last: what the position in a round costs shows too.
     let paths = [
         ("direct", stub.url()),
         ("keys off", format!("http://127.0.0.1:{off_port}")),
@@ -1304,18 +1332,24 @@ async fn tenants_overhead() {
             "keys, 2 tenants, quotas",
             format!("http://127.0.0.1:{quota_port}"),
         ),
+        (
+            "keys off, second instance",
+            format!("http://127.0.0.1:{off2_port}"),
+        ),
     ];
     println!("## Tenants and quotas on vs off\n");
     println!(
         "The per-service gateway (the library with 2 HTTP workers in a child process, \
-         containerConcurrency {BENCH_CONCURRENCY}) three times, in front of the same stub: API keys \
-         off; keys naming one of 2 tenants (bands 0 and 5); the same with each tenant's requests \
-         and tokens per minute limited (limits too large to refuse anything: the body is parsed \
-         for `max_tokens`, the buckets are charged and settled to the answer's `usage`, the \
-         answer carries the `x-ratelimit-*` headers). Every request carries the key of tenant \
-         `a`. Latency: concurrency 1, {} requests per path, interleaved in {rounds} rounds after \
-         warm-up. Throughput: concurrency 32 for {tp_dur:?} per path. Stub token delay 0. Goal: \
-         at most 5 µs more than keys off at p50.\n",
+         containerConcurrency {BENCH_CONCURRENCY}) four times, in front of the same stub: API \
+         keys off, twice (the second instance, measured last in each round, shows how far two \
+         of the same land apart); keys naming one of 2 tenants (bands 0 and 5); the same with \
+         each tenant's requests and tokens per minute limited (limits too large to refuse \
+         anything: the body is parsed for `max_tokens`, the buckets are charged and settled to \
+         the answer's `usage`, the answer carries the `x-ratelimit-*` headers). Every request \
+         carries the key of tenant `a`. Latency: concurrency 1, {} requests per path, interleaved in {rounds} rounds after \
+         warm-up. Throughput: concurrency 32 for {tp_dur:?} per path, in {tp_rounds} windows \
+         interleaved with the other paths'. Stub token delay 0. Goal: at most 5 µs more than \
+         keys off at p50.\n",
         rounds * per_round,
     );
     println!(
@@ -1327,7 +1361,7 @@ async fn tenants_overhead() {
             .iter()
             .map(|(_, base)| format!("{base}/v1/chat/completions"))
             .collect();
-        let results = measure_paths(
+        let results = measure_paths_in(
             &c,
             &urls,
             &body,
@@ -1336,6 +1370,7 @@ async fn tenants_overhead() {
             100,
             rounds,
             tp_dur,
+            tp_rounds,
         )
         .await;
         let (direct, off) = (&results[0], &results[1]);
@@ -1360,11 +1395,94 @@ async fn tenants_overhead() {
         }
     }
     println!();
-    for child in [&mut off, &mut on, &mut quota] {
+    for child in [&mut off, &mut off2, &mut on, &mut quota] {
         drop(child.stdin.take());
         let _ = child.wait();
     }
     let _ = stub.shutdown().await;
+    tenant_steps_in_process(keys.path());
+}
+
+/// Mean ns of `f` over `n` calls (after `n / 10` to warm up).
+fn mean_ns(n: usize, mut f: impl FnMut(usize)) -> f64 {
+    for i in 0..n / 10 {
+        f(i);
+    }
+    let t = Instant::now();
+    for i in 0..n {
+        f(i);
+    }
+    t.elapsed().as_secs_f64() * 1e9 / n as f64
+}
+
+/// The per-request steps tenants and quotas add, called in process (no HTTP): the HTTP rows
+/// above are differences of about 100 µs paths; these are the steps alone.
+fn tenant_steps_in_process(dir: &std::path::Path) {
+    use hearth_gateway::{openai::RequestHints, quota::Quotas};
+
+    let n = if quick() { 100_000 } else { 1_000_000 };
+    let limits = ",requests-per-minute=1000000000,tokens-per-minute=1000000000000";
+    let declared = ["a", "b"]
+        .iter()
+        .map(|t| {
+            Tenant::parse(&format!(
+                "name={t},key-file={}{limits}",
+                dir.join(t).display()
+            ))
+            .unwrap()
+        })
+        .collect();
+    let tenants = Tenants::new(declared).unwrap();
+    let keys = ApiKeys::load_tenants(None, &tenants).unwrap();
+    let quotas = Quotas::new(tenants);
+    let method = http::Method::POST;
+    let mut head = http::HeaderMap::new();
+    head.insert("content-type", "application/json".parse().unwrap());
+    let body = small_json();
+    let a = keys.check(Some(BENCH_KEY.as_bytes()));
+    assert_eq!(a, hearth_gateway::apikeys::AuthOutcome::Allowed(1));
+    let rows = [
+        (
+            "API key → tenant (`ApiKeys::check`)",
+            mean_ns(n, |_| {
+                std::hint::black_box(keys.check(Some(std::hint::black_box(BENCH_KEY).as_bytes())));
+            }),
+        ),
+        (
+            "the body read for `max_tokens` (`RequestHints::from_request`, small JSON)",
+            mean_ns(n, |_| {
+                std::hint::black_box(RequestHints::from_request(
+                    &method,
+                    &head,
+                    std::hint::black_box(&body),
+                ));
+            }),
+        ),
+        (
+            "quota: admit, `x-ratelimit-*` headers, settle to the usage",
+            mean_ns(n, |i| {
+                quotas.admit(1, 20, Instant::now()).unwrap();
+                std::hint::black_box(quotas.headers(1));
+                quotas.settle(1, (i % 7) as i64 - 3);
+            }),
+        ),
+        (
+            "the quota check of a tenant without one (`Quotas::limited`)",
+            mean_ns(n, |_| {
+                std::hint::black_box(quotas.limited(std::hint::black_box(0)));
+            }),
+        ),
+    ];
+    println!(
+        "The same steps in process, one thread, {n} calls each (mean; the gateway runs them once \
+         per request):\n"
+    );
+    println!("| step | ns per request |");
+    println!("|---|---:|");
+    for (step, v) in rows {
+        println!("| {step} | {v:.0} |");
+    }
+    println!();
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1399,11 +1517,20 @@ async fn fair_queue_dispatch() {
     } else {
         (10_000, 100_000, 3)
     };
-    // One ready replica: with containerConcurrency 1, one place in flight.
-    let one_replica = || EndpointSet::fixed(["10.0.0.1:8000".parse().unwrap()]);
+    // One ready replica: with containerConcurrency 1, one place in flight. Several tenants:
+    // the queue as a gateway with tenants builds it (one tenant keeps off the headroom, none
+    // at capacity 1).
+    let queue = || {
+        FairQueue::with_tenants(
+            1,
+            EndpointSet::fixed(["10.0.0.1:8000".parse().unwrap()]),
+            Arc::new(std::sync::atomic::AtomicUsize::new(1)),
+            true,
+        )
+    };
 
     // Baseline: nothing waits, so `enter` dispatches at once and the release finds nobody.
-    let q = FairQueue::new(1, one_replica());
+    let q = queue();
     let mut base = Vec::with_capacity(base_n);
     for i in 0..base_n + 1000 {
         let t = Instant::now();
@@ -1422,7 +1549,7 @@ async fn fair_queue_dispatch() {
     let mut enters = Vec::with_capacity(queued * runs);
     let mut dispatches = Vec::with_capacity(queued * runs);
     for run in 0..runs {
-        let q = FairQueue::new(1, one_replica());
+        let q = queue();
         let Entry::Dispatched(mut running) = q.enter(bench_claim(0), 40.0) else {
             panic!("queued with nothing in flight");
         };
@@ -1471,7 +1598,8 @@ async fn fair_queue_dispatch() {
     let ratio = |mean: Duration| format!("{:.1}×", mean.as_secs_f64() / bmean.as_secs_f64());
     println!("## Fair queue dispatch\n");
     println!(
-        "`hearth_gateway::fair::FairQueue` on its own (no HTTP), one ready replica with \
+        "`hearth_gateway::fair::FairQueue` on its own (no HTTP), as a gateway with several \
+         tenants makes it (`FairQueue::with_tenants`), one ready replica with \
          containerConcurrency 1. Baseline: `enter` with nothing queued (dispatched at once) and \
          the permit's release, {base_n} times over {TENANTS} tenants. Queued: one request holds \
          the place, {queued} requests of {TENANTS} tenants in 3 bands (0, 5, 10) enter the queue, \

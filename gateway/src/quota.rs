@@ -110,6 +110,45 @@ struct TenantQuota {
     used: (u64, i64),
 }
 
+/// A tenant's token estimate taken from its quota at admission ([`Quotas::admit`]): corrected
+/// to the answer's usage by [`Charge::settle`], or given back whole when dropped unsettled (the
+/// request was refused or left before a backend served it).
+#[derive(Debug)]
+pub struct Charge {
+    quotas: Arc<Quotas>,
+    tenant: TenantId,
+    estimate: u64,
+    settled: std::sync::atomic::AtomicBool,
+}
+
+impl Charge {
+    /// The `estimate` taken from `tenant`'s quota in `quotas`.
+    pub fn new(quotas: Arc<Quotas>, tenant: TenantId, estimate: u64) -> Self {
+        Self {
+            quotas,
+            tenant,
+            estimate,
+            settled: std::sync::atomic::AtomicBool::new(false),
+        }
+    }
+
+    /// Corrects the estimate to the tokens `used` (once).
+    pub fn settle(&self, used: u64) {
+        if !self.settled.swap(true, std::sync::atomic::Ordering::AcqRel) {
+            let used = i64::try_from(used).unwrap_or(i64::MAX);
+            let estimate = i64::try_from(self.estimate).unwrap_or(i64::MAX);
+            self.quotas.settle(self.tenant, used - estimate);
+        }
+    }
+}
+
+impl Drop for Charge {
+    fn drop(&mut self) {
+        // Never served: nothing was used.
+        self.settle(0);
+    }
+}
+
 /// Usage so far per tenant name: `(requests, tokens)`.
 pub type Usage = HashMap<String, (u64, i64)>;
 
@@ -277,34 +316,50 @@ fn take_remote(q: &mut TenantQuota, requests: u64, tokens: i64) {
         b.level -= requests as f64;
     }
     if let Some(b) = &mut q.tokens {
-        // Bounded below by minus a minute's allowance: a wrong `usage` cannot lock a tenant out
-        // for longer than a minute.
-        b.level = (b.level - tokens as f64).max(-b.per_minute);
+        // Bounded below by minus a minute's allowance (a wrong `usage` cannot lock a tenant out
+        // for longer than a minute), and above by a minute's allowance (an estimate given back
+        // is no credit).
+        b.level = (b.level - tokens as f64).clamp(-b.per_minute, b.per_minute);
     }
 }
 
+/// OpenAI's rate-limit header names, per quota: limit, remaining, reset.
+const HEADERS: [(Limit, [HeaderName; 3]); 2] = [
+    (
+        Limit::Requests,
+        [
+            HeaderName::from_static("x-ratelimit-limit-requests"),
+            HeaderName::from_static("x-ratelimit-remaining-requests"),
+            HeaderName::from_static("x-ratelimit-reset-requests"),
+        ],
+    ),
+    (
+        Limit::Tokens,
+        [
+            HeaderName::from_static("x-ratelimit-limit-tokens"),
+            HeaderName::from_static("x-ratelimit-remaining-tokens"),
+            HeaderName::from_static("x-ratelimit-reset-tokens"),
+        ],
+    ),
+];
+
 fn headers_of(q: &mut TenantQuota, now: Instant) -> HeaderMap {
-    let mut h = HeaderMap::new();
-    for (bucket, word) in [(&mut q.requests, "requests"), (&mut q.tokens, "tokens")] {
+    let mut h = HeaderMap::with_capacity(6);
+    for (limit, [limit_name, remaining, reset]) in HEADERS {
+        let bucket = match limit {
+            Limit::Requests => &mut q.requests,
+            Limit::Tokens => &mut q.tokens,
+        };
         let Some(b) = bucket else { continue };
         b.refill(now);
-        let mut put = |name: String, v: String| {
-            if let (Ok(n), Ok(v)) = (HeaderName::try_from(name), HeaderValue::try_from(v)) {
-                h.insert(n, v);
-            }
-        };
-        put(
-            format!("x-ratelimit-limit-{word}"),
-            (b.per_minute as u64).to_string(),
+        h.insert(limit_name, HeaderValue::from(b.per_minute as u64));
+        h.insert(
+            remaining,
+            HeaderValue::from(b.level.max(0.0).floor() as u64),
         );
-        put(
-            format!("x-ratelimit-remaining-{word}"),
-            (b.level.max(0.0).floor() as u64).to_string(),
-        );
-        put(
-            format!("x-ratelimit-reset-{word}"),
-            openai_duration(b.wait_for(b.per_minute)),
-        );
+        if let Ok(v) = HeaderValue::try_from(openai_duration(b.wait_for(b.per_minute))) {
+            h.insert(reset, v);
+        }
     }
     h
 }
@@ -431,6 +486,10 @@ mod tests {
         // More than a minute's allowance waits for a full bucket, not forever.
         let err = q.admit(1, 5000, t0).unwrap_err();
         assert_eq!(err.requested, 1000);
+        // An estimate given back never fills the bucket past a minute's allowance.
+        q.settle(1, -100_000);
+        q.admit(1, 1000, t0).unwrap();
+        assert!(q.admit(1, 1, t0).is_err());
     }
 
     #[test]

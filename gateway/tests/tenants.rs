@@ -313,9 +313,10 @@ async fn a_tenant_behind_anothers_flood_gets_its_share_of_the_places() {
 
 /// The same with short JSON answers whose `usage` counts fewer prompt tokens than the estimate
 /// (body bytes / 4), as an engine does for a short prompt in verbose JSON: the correction at
-/// the end lowers the flood's counter. (Before prompt tokens were charged at dispatch, the
-/// flood's whole backlog was charged as it queued, `light` was lifted above it, and the flood
-/// was then served ahead of `light` until its backlog drained.)
+/// the end lowers the flood's counter. (With prompt tokens charged as a request queues, as
+/// before 2dde381, the flood's whole backlog was charged at once, `light` was lifted above it,
+/// and each of the flood's answers lowered the flood's counter again: `light` kept only the
+/// headroom's place and finished at ranks 3, 7, ..., 31, past the flood's 21st at 26.)
 #[tokio::test]
 async fn fair_share_holds_when_the_usage_is_below_the_estimate() {
     let (flood, light) = flood_then_light("fair-short", &chat(4, false), "10ms").await;
@@ -636,4 +637,33 @@ async fn keys_name_the_tenant_and_without_keys_it_is_the_default() {
         Some(1.0),
         "{m}"
     );
+}
+
+/// A request the gateway refuses before any backend saw it (here `503` of `--cold-start=reject`:
+/// no backend is ready) is not served, so its token estimate is not spent: the next one is
+/// refused for the same reason, not for the quota. (The estimate taken at admission is given
+/// back when its charge drops unsettled: cold reject, `queue_full`, activation timeout, a
+/// client gone while queued.)
+#[tokio::test]
+async fn a_request_refused_before_the_backend_spends_no_tokens() {
+    let dir = KeyDir::new("refused");
+    let tenants = Tenants::new(vec![dir.tenant("t", "tokens-per-minute=1000")]).unwrap();
+    let keys = ApiKeys::load_tenants(None, &tenants).unwrap();
+    let cfg = GatewayConfig {
+        cold_start: hearth_gateway::ColdStartMode::Reject,
+        tenants,
+        ..GatewayConfig::default()
+    };
+    let gw = hearth_gateway::spawn(
+        Gateway::new(cfg, EndpointSet::new(), keys).unwrap(),
+        "127.0.0.1".parse().unwrap(),
+    )
+    .await
+    .unwrap();
+    let c = client();
+    for _ in 0..3 {
+        let (status, _, b) = send(&c, post(&gw, Some("t"), &chat(600, false), "0s")).await;
+        let v = body_json(&b);
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{v}");
+    }
 }

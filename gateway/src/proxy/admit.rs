@@ -71,15 +71,20 @@ pub(super) fn admit(
         return Err(Rejection::Draining);
     }
     let prompt_tokens = body.len() as u64 / 4;
-    let quota_tokens = if limited {
+    let quota = if limited {
         let estimate = prompt_tokens + hints.max_tokens.unwrap_or(0);
         shared
             .quotas
             .admit(tenant, estimate, std::time::Instant::now())
             .map_err(Rejection::RateLimited)?;
-        estimate
+        // Given back if the request goes no further (queue full, cold reject, timeout, ...).
+        Some(std::sync::Arc::new(crate::quota::Charge::new(
+            shared.quotas.clone(),
+            tenant,
+            estimate,
+        )))
     } else {
-        0
+        None
     };
     let t = shared.cfg.tenants.get(tenant);
     let dispatch = Dispatch {
@@ -89,7 +94,7 @@ pub(super) fn admit(
         },
         tenant: t.name.clone(),
         prompt_tokens,
-        quota_tokens,
+        quota,
     };
     let slot = model.state.demand.try_admit().ok_or(Rejection::QueueFull {
         max_queue: model.cfg.max_queue,

@@ -115,8 +115,9 @@ pub(super) struct Dispatch {
     pub(super) tenant: Arc<str>,
     /// The prompt's estimate: body bytes / 4.
     pub(super) prompt_tokens: u64,
-    /// What its tenant's token quota was charged at admission (0 without one).
-    pub(super) quota_tokens: u64,
+    /// What its tenant's token quota was charged at admission (none without one); given back
+    /// unless the meter settles it to the answer's usage.
+    pub(super) quota: Option<Arc<crate::quota::Charge>>,
 }
 
 impl Default for Dispatch {
@@ -128,7 +129,7 @@ impl Default for Dispatch {
             },
             tenant: Arc::from(crate::tenants::DEFAULT_TENANT),
             prompt_tokens: 0,
-            quota_tokens: 0,
+            quota: None,
         }
     }
 }
@@ -265,7 +266,6 @@ pub(super) async fn forward<A: Arrival>(
     };
     let queued = entered.elapsed();
     metrics.dispatched(&d.tenant, queued.as_secs_f64());
-    let meter = super::meter::Meter::new(permit, d.clone(), shared.quotas.clone(), metrics.clone());
     let mut backoff = Duration::from_millis(20);
     loop {
         let ep = acquire_endpoint(&state.backends, deadline)
@@ -299,6 +299,9 @@ pub(super) async fn forward<A: Arrival>(
                     metrics.activation_wait(sent.duration_since(arrival).as_secs_f64());
                     state.lease.ready_seen();
                 }
+                // Metered from here: a request that never got an answer costs its tenant no
+                // tokens (its quota estimate is given back when its charge drops).
+                let meter = super::meter::Meter::new(permit, d.clone(), metrics.clone());
                 return Ok((
                     resp,
                     BackendUse {

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use bytes::Bytes;
 
 use super::forward::Dispatch;
-use crate::{fair::Permit, metrics::ModelMetrics, quota::Quotas};
+use crate::{fair::Permit, metrics::ModelMetrics};
 
 /// The bytes kept from the end of an answer to find its `usage`.
 pub(super) const TAIL: usize = 1024;
@@ -22,7 +22,6 @@ pub(super) const TAIL: usize = 1024;
 pub(super) struct Meter {
     permit: Permit,
     dispatch: Dispatch,
-    quotas: Arc<Quotas>,
     metrics: Arc<ModelMetrics>,
     /// `data:` events seen.
     events: u64,
@@ -34,16 +33,10 @@ pub(super) struct Meter {
 
 impl Meter {
     /// The meter of a request dispatched with `permit` for `dispatch`.
-    pub(super) fn new(
-        permit: Permit,
-        dispatch: Dispatch,
-        quotas: Arc<Quotas>,
-        metrics: Arc<ModelMetrics>,
-    ) -> Self {
+    pub(super) fn new(permit: Permit, dispatch: Dispatch, metrics: Arc<ModelMetrics>) -> Self {
         Self {
             permit,
             dispatch,
-            quotas,
             metrics,
             events: 0,
             charged: 0,
@@ -112,11 +105,8 @@ impl Drop for Meter {
         let charged = self.dispatch.prompt_tokens + self.charged;
         self.permit
             .charge((prompt + completion) as f64 - charged as f64);
-        let tenant = self.dispatch.claim.tenant;
-        if self.quotas.limited(tenant) {
-            let used = i64::try_from(prompt + completion).unwrap_or(i64::MAX);
-            let estimated = i64::try_from(self.dispatch.quota_tokens).unwrap_or(i64::MAX);
-            self.quotas.settle(tenant, used - estimated);
+        if let Some(charge) = &self.dispatch.quota {
+            charge.settle(prompt + completion);
         }
         self.metrics
             .tokens(&self.dispatch.tenant, prompt, completion);
