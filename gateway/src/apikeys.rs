@@ -70,6 +70,8 @@ struct KeysInner {
     /// Each key file, the tenant its keys belong to, and the tenant's name (for errors).
     sources: Vec<(PathBuf, TenantId, String)>,
     keys: RwLock<Arc<HashMap<String, TenantId>>>,
+    /// Each source's last good keys: a file that cannot be used keeps its own.
+    files: std::sync::Mutex<Vec<HashSet<String>>>,
 }
 
 /// The outcome of checking a request's credentials.
@@ -129,7 +131,14 @@ impl ApiKeys {
         if sources.is_empty() {
             return Ok(Self::disabled());
         }
-        let keys = read_all(&sources)?;
+        let files = sources
+            .iter()
+            .map(|(path, _, _)| read(path))
+            .collect::<Result<Vec<_>, _>>()?;
+        let (keys, conflict, _) = combine(&sources, &files, None);
+        if let Some(e) = conflict {
+            return Err(e);
+        }
         if keys.is_empty() {
             tracing::warn!("the API key files hold no key: every request will get 401");
         }
@@ -137,6 +146,7 @@ impl ApiKeys {
             inner: Some(Arc::new(KeysInner {
                 sources,
                 keys: RwLock::new(Arc::new(keys)),
+                files: std::sync::Mutex::new(files),
             })),
         })
     }
@@ -164,27 +174,48 @@ impl ApiKeys {
         }
     }
 
-    /// Re-reads the file now; returns whether the keys changed.
+    /// Re-reads the files now, each on its own: a file that cannot be read, one that now
+    /// holds no key, and one whose new keys include another tenant's keep their previous keys,
+    /// while the others' changes apply.
     ///
     /// # Errors
-    /// [`ApiKeyError::Read`], or [`ApiKeyError::NoKeys`] when the file holds no key while keys
-    /// are in force; either way the previous keys stay in force.
+    /// The first file's [`ApiKeyError::Read`], [`ApiKeyError::NoKeys`] or
+    /// [`ApiKeyError::SharedKey`]; the changes of the other files are applied all the same.
     pub fn reload(&self) -> Result<bool, ApiKeyError> {
         let Some(inner) = &self.inner else {
             return Ok(false);
         };
-        let next = read_all(&inner.sources)?;
+        let mut files = inner.files.lock().unwrap_or_else(|e| e.into_inner());
+        let mut first_error = None;
+        let mut next = files.clone();
+        for (i, (path, _, _)) in inner.sources.iter().enumerate() {
+            match read(path) {
+                Ok(set) if set.is_empty() && !files[i].is_empty() => {
+                    first_error.get_or_insert(ApiKeyError::NoKeys { path: path.clone() });
+                }
+                Ok(set) => next[i] = set,
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                }
+            }
+        }
+        let (keys, conflict, kept) = combine(&inner.sources, &next, Some(&files));
+        if let Some(e) = conflict {
+            first_error.get_or_insert(e);
+        }
+        for i in kept {
+            next[i] = files[i].clone();
+        }
+        *files = next;
         let mut cur = inner.keys.write().unwrap_or_else(|e| e.into_inner());
-        if **cur == next {
-            return Ok(false);
+        let changed = **cur != keys;
+        if changed {
+            *cur = Arc::new(keys);
         }
-        if next.is_empty() {
-            return Err(ApiKeyError::NoKeys {
-                path: inner.sources[0].0.clone(),
-            });
+        match first_error {
+            Some(e) => Err(e),
+            None => Ok(changed),
         }
-        *cur = Arc::new(next);
-        Ok(true)
     }
 
     /// Reloads every `interval` (at least [`MIN_RELOAD_INTERVAL`]) until the task is dropped.
@@ -227,28 +258,45 @@ fn bearer(v: &str) -> Option<&str> {
         .filter(|t| !t.is_empty())
 }
 
-/// Every key of `sources`, with its tenant.
-fn read_all(
+/// The keys of `files` (one set per source of `sources`), each with its source's tenant. A
+/// source whose keys include a key of an earlier source's other tenant gets its keys of
+/// `previous` instead (when given; a key still shared stays the earlier tenant's) and the
+/// conflict is returned, with the indices of the sources that kept their previous keys.
+fn combine(
     sources: &[(PathBuf, TenantId, String)],
-) -> Result<HashMap<String, TenantId>, ApiKeyError> {
+    files: &[HashSet<String>],
+    previous: Option<&[HashSet<String>]>,
+) -> (HashMap<String, TenantId>, Option<ApiKeyError>, Vec<usize>) {
     let mut keys: HashMap<String, TenantId> = HashMap::new();
-    for (path, id, name) in sources {
-        for key in read(path)? {
-            if let Some(other) = keys.insert(key, *id)
-                && other != *id
-            {
+    let mut conflict = None;
+    let mut kept = Vec::new();
+    for (i, ((_, id, name), set)) in sources.iter().zip(files).enumerate() {
+        let clash = set
+            .iter()
+            .find_map(|k| keys.get(k).filter(|other| **other != *id).copied());
+        let set = match clash {
+            None => set,
+            Some(other) => {
                 let first = sources
                     .iter()
                     .find(|s| s.1 == other)
                     .map_or_else(String::new, |s| s.2.clone());
-                return Err(ApiKeyError::SharedKey {
+                conflict.get_or_insert(ApiKeyError::SharedKey {
                     first,
                     second: name.clone(),
                 });
+                kept.push(i);
+                match previous.and_then(|p| p.get(i)) {
+                    Some(prev) => prev,
+                    None => continue,
+                }
             }
+        };
+        for k in set {
+            keys.entry(k.clone()).or_insert(*id);
         }
     }
-    Ok(keys)
+    (keys, conflict, kept)
 }
 
 fn read(path: &Path) -> Result<HashSet<String>, ApiKeyError> {
@@ -325,6 +373,13 @@ mod tests {
         );
         assert_eq!(keys.check(Some(b"Bearer sk-a2")), AuthOutcome::Allowed(1));
         assert!(ApiKeys::load_tenants(Some(&legacy), &tenants).is_err());
+        // The other file's rotation applies meanwhile; an emptied file keeps its keys.
+        std::fs::write(&legacy, "sk-new\n").unwrap();
+        std::fs::write(&a, "").unwrap();
+        assert!(keys.reload().is_err());
+        assert_eq!(keys.check(Some(b"Bearer sk-new")), AuthOutcome::Allowed(0));
+        assert_eq!(keys.check(Some(b"Bearer sk-old")), AuthOutcome::Invalid);
+        assert_eq!(keys.check(Some(b"Bearer sk-a2")), AuthOutcome::Allowed(1));
         // Tenants without keys at all: authentication stays off.
         assert!(
             !ApiKeys::load_tenants(None, &Tenants::default())

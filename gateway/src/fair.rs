@@ -16,8 +16,8 @@
 //!
 //! **Headroom.** Dispatch does not preempt: a request that finds every place taken waits for
 //! one to end, however few tokens its tenant was served. So where there are several tenants,
-//! no one tenant holds more than the bound less its headroom, 1/16 of it rounded up
-//! ([`headroom`]): a request of another tenant then finds a place at once, as it would if it
+//! no one tenant holds more than the bound less its headroom, 1/16 of it rounded up, none
+//! below 4 places ([`headroom`]): a request of another tenant then finds a place at once, as it would if it
 //! were alone. The engine batches the headroom's few sequences less while one tenant has it
 //! to itself (a decoding engine's throughput barely changes near its batch limit).
 //! A waiter gives its place back when dropped (its client left, or its activation deadline
@@ -227,18 +227,18 @@ impl FairQueue {
                 return;
             };
             inner.queued -= 1;
+            let permit = Permit::new(self.clone(), Claim { tenant, priority });
+            if let Err(mut permit) = waiter.tx.send(permit) {
+                // Its ticket was dropped meanwhile: the place goes to the next one, and the
+                // tenant is charged nothing.
+                permit.armed = false;
+                continue;
+            }
             inner.in_flight += 1;
             *inner.in_flight_of.entry(tenant).or_default() += 1;
             let counter = inner.counters.entry(tenant).or_insert(0.0);
             inner.last.insert(priority, *counter);
             *counter += waiter.prompt_tokens;
-            let permit = Permit::new(self.clone(), Claim { tenant, priority });
-            if let Err(mut permit) = waiter.tx.send(permit) {
-                // Its ticket was dropped meanwhile: the place goes to the next one.
-                permit.armed = false;
-                inner.in_flight -= 1;
-                untake(inner, tenant);
-            }
         }
     }
 
@@ -318,9 +318,14 @@ fn untake(inner: &mut Inner, tenant: TenantId) {
     }
 }
 
-/// The places kept from any one tenant out of `capacity`: 1/16, rounded up.
+/// The places kept from any one tenant out of `capacity`: 1/16, rounded up; none below 4
+/// places (a lone tenant would lose too large a part of a small bound).
 pub fn headroom(capacity: u64) -> u64 {
-    capacity.div_ceil(16)
+    if capacity < 4 {
+        0
+    } else {
+        capacity.div_ceil(16)
+    }
 }
 
 /// Takes the next waiter: in the highest band with a tenant holding fewer than `limit`
@@ -408,6 +413,8 @@ impl Ticket {
         // ready) and nobody else dispatches then.
         let mut ready = self.queue.backends.subscribe();
         ready.borrow_and_update();
+        // A change between `enter` and the subscription above would otherwise go unseen.
+        self.queue.refresh();
         loop {
             tokio::select! {
                 permit = &mut self.rx => return permit.ok(),

@@ -32,6 +32,11 @@ use axum::http::{HeaderMap, HeaderName, HeaderValue};
 
 use crate::{fair::TenantId, tenants::Tenants};
 
+/// The most a bucket owes: this many minutes of its allowance. A tenant that used more (answers
+/// far past their estimates, a peer's report) is refused for at most this long.
+pub const MAX_DEBT_MINUTES: f64 = 60.0;
+const MAX_DEBT_MINUTES_DURATION: Duration = Duration::from_secs(60 * 61);
+
 /// How often a replica reads its peers' usage.
 pub const SYNC_INTERVAL: Duration = Duration::from_millis(250);
 /// Where a replica serves its usage for its peers.
@@ -98,7 +103,9 @@ impl Bucket {
     /// Time until the bucket holds `want`.
     fn wait_for(&self, want: f64) -> Duration {
         let missing = (want - self.level).max(0.0);
-        Duration::from_secs_f64(missing * 60.0 / self.per_minute.max(1e-9))
+        Duration::try_from_secs_f64(missing * 60.0 / self.per_minute.max(1e-9))
+            .unwrap_or(Duration::MAX)
+            .min(MAX_DEBT_MINUTES_DURATION)
     }
 }
 
@@ -230,7 +237,7 @@ impl Quotas {
                 headers: headers_of(q, now),
             }));
         }
-        take(q, 1, tokens as i64);
+        take(q, 1, i64::try_from(tokens).unwrap_or(i64::MAX));
         Ok(())
     }
 
@@ -272,13 +279,21 @@ impl Quotas {
     /// whose totals are `usage`.
     pub fn peer_usage(&self, peer: &str, instance: &str, usage: Usage) {
         let mut peers = self.peers.lock().unwrap_or_else(|e| e.into_inner());
-        let entry = peers
-            .entry(peer.to_owned())
-            .or_insert_with(|| (instance.to_owned(), HashMap::new()));
-        if entry.0 != instance {
-            // Restarted (or another pod at the address): its totals start over.
-            *entry = (instance.to_owned(), HashMap::new());
+        let first = match peers.get(peer) {
+            Some((seen, _)) => seen != instance,
+            None => true,
+        };
+        if first {
+            // A peer seen for the first time (this replica just started, or the peer did, or it
+            // came back to the list): its totals so far are the baseline, charged nothing, so a
+            // replica never takes a peer's lifetime usage at once. At most one report interval
+            // of a restarted peer goes uncounted.
+            peers.insert(peer.to_owned(), (instance.to_owned(), usage));
+            return;
         }
+        let Some(entry) = peers.get_mut(peer) else {
+            return;
+        };
         let mut state = self.lock();
         for (name, (requests, tokens)) in &usage {
             let (seen_r, seen_t) = entry.1.get(name).copied().unwrap_or((0, 0));
@@ -287,11 +302,17 @@ impl Quotas {
             };
             if let Some(q) = state.get_mut(id as usize) {
                 let dr = requests.saturating_sub(seen_r);
-                let dt = tokens - seen_t;
+                let dt = tokens.saturating_sub(seen_t);
                 take_remote(q, dr, dt);
             }
         }
         entry.1 = usage;
+    }
+
+    /// How many peers have reported (their first report is the baseline their later use is
+    /// counted from).
+    pub fn known_peers(&self) -> usize {
+        self.peers.lock().unwrap_or_else(|e| e.into_inner()).len()
     }
 
     /// Forgets peers not in `peers`.
@@ -306,20 +327,22 @@ impl Quotas {
 /// Takes `requests` and `tokens` from `q`'s buckets and counts them as this replica's usage.
 fn take(q: &mut TenantQuota, requests: u64, tokens: i64) {
     take_remote(q, requests, tokens);
-    q.used.0 += requests;
-    q.used.1 += tokens;
+    q.used.0 = q.used.0.saturating_add(requests);
+    q.used.1 = q.used.1.saturating_add(tokens);
 }
 
 /// Takes `requests` and `tokens` from `q`'s buckets.
 fn take_remote(q: &mut TenantQuota, requests: u64, tokens: i64) {
-    if let Some(b) = &mut q.requests {
-        b.level -= requests as f64;
-    }
-    if let Some(b) = &mut q.tokens {
-        // Bounded below by minus a minute's allowance (a wrong `usage` cannot lock a tenant out
-        // for longer than a minute), and above by a minute's allowance (an estimate given back
-        // is no credit).
-        b.level = (b.level - tokens as f64).clamp(-b.per_minute, b.per_minute);
+    // Each bucket is bounded below by [`MAX_DEBT_MINUTES`] of its allowance (a wrong `usage` or
+    // report cannot lock a tenant out for longer), and above by one minute's (an estimate given
+    // back is no credit).
+    for (bucket, n) in [
+        (&mut q.requests, requests as f64),
+        (&mut q.tokens, tokens as f64),
+    ] {
+        if let Some(b) = bucket {
+            b.level = (b.level - n).clamp(-b.per_minute * MAX_DEBT_MINUTES, b.per_minute);
+        }
     }
 }
 
@@ -493,20 +516,27 @@ mod tests {
     }
 
     #[test]
-    fn a_peers_usage_counts_once_and_a_restart_starts_over() {
+    fn a_peers_usage_counts_from_when_it_is_first_seen_and_once() {
         let q = quotas(Some(10), None);
         let t0 = Instant::now();
         let report = |n| HashMap::from([("a".to_owned(), (n, 0))]);
-        q.peer_usage("p:8080", "i1", report(6));
-        q.peer_usage("p:8080", "i1", report(6));
+        // First report: the baseline (its lifetime usage is not taken at once).
+        q.peer_usage("p:8080", "i1", report(100_000));
+        q.peer_usage("p:8080", "i1", report(100_006));
+        q.peer_usage("p:8080", "i1", report(100_006));
         for _ in 0..4 {
             q.admit(1, 0, t0).unwrap();
         }
         assert!(q.admit(1, 0, t0).is_err());
-        // The peer restarted: its new totals are new usage.
+        // The peer restarted: a new baseline, nothing charged; its later use counts.
         q.peer_usage("p:8080", "i2", report(0));
-        assert!(q.admit(1, 0, t0 + Duration::from_secs(6)).is_ok());
+        q.peer_usage("p:8080", "i2", report(1));
+        assert!(q.admit(1, 0, t0 + Duration::from_secs(12)).is_ok());
         assert_eq!(q.usage()["a"], (5, 0));
+        // A garbage report cannot lock the tenant out for more than MAX_DEBT_MINUTES.
+        q.peer_usage("p:8080", "i2", report(u64::MAX));
+        let err = q.admit(1, 0, t0).unwrap_err();
+        assert!(err.retry_after <= Duration::from_secs(61 * 60), "{err:?}");
     }
 
     #[test]

@@ -49,10 +49,15 @@ impl Tenant {
     /// A message naming the pair at fault and what it must be.
     pub fn parse(s: &str) -> Result<Self, String> {
         let mut t = Self::named("");
+        let mut seen: Vec<&str> = Vec::new();
         for pair in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
             let (k, v) = pair
                 .split_once('=')
                 .ok_or_else(|| format!("--tenant: {pair:?} is not key=value"))?;
+            if seen.contains(&k) {
+                return Err(format!("--tenant: {k} is given twice in {s:?}"));
+            }
+            seen.push(k);
             let number = |what: &str| {
                 v.parse::<u64>().ok().filter(|n| *n > 0).ok_or_else(|| {
                     format!("--tenant: {what} must be a positive integer, not {v:?}")
@@ -123,11 +128,13 @@ impl Tenants {
     /// A tenant declared twice.
     pub fn new(declared: Vec<Tenant>) -> Result<Self, String> {
         let mut list = vec![Tenant::named(DEFAULT_TENANT)];
+        let mut default_seen = false;
         for t in declared {
             if &*t.name == DEFAULT_TENANT {
-                if list[0].key_file.is_some() || list[0] != Tenant::named(DEFAULT_TENANT) {
+                if default_seen {
                     return Err(format!("--tenant {DEFAULT_TENANT} is given twice"));
                 }
+                default_seen = true;
                 list[0] = t;
             } else if list.iter().any(|o| o.name == t.name) {
                 return Err(format!("--tenant {} is given twice", t.name));
@@ -196,6 +203,10 @@ mod tests {
             ),
             ("name=a,key-file=/k,burst=3", "unknown key \"burst\""),
             ("name=a,key-file", "not key=value"),
+            (
+                "name=a,key-file=/k,priority=1,priority=2",
+                "priority is given twice",
+            ),
         ] {
             let err = Tenant::parse(flag).unwrap_err();
             assert!(err.contains(says), "{flag}: {err}");
@@ -213,5 +224,7 @@ mod tests {
         assert_eq!(t.id("a"), Some(1));
         assert_eq!(&*t.get(99).name, DEFAULT_TENANT);
         assert!(Tenants::new(vec![a.clone(), a]).is_err());
+        let plain = Tenant::parse("name=default").unwrap();
+        assert!(Tenants::new(vec![plain.clone(), plain]).is_err());
     }
 }

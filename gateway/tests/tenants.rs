@@ -496,6 +496,11 @@ async fn a_quota_used_on_one_replica_is_refused_on_the_other() {
             .to_owned()
     };
     assert_eq!(remaining(), "3");
+    // Each counts the other's use from its first report on.
+    wait_for("each replica to have its peer's first report", || {
+        one.gateway.quotas().known_peers() == 1 && quotas_two.known_peers() == 1
+    })
+    .await;
     let c = client();
     let body = chat(2, false);
     for _ in 0..3 {

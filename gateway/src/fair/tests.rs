@@ -219,3 +219,26 @@ fn a_burst_behind_a_flood_shares_the_places_it_frees() {
         "tenant 1 waited through two dispatches in a row: {order:?}"
     );
 }
+
+#[tokio::test]
+async fn a_replica_turning_ready_before_the_wait_starts_is_seen() {
+    let set = EndpointSet::new();
+    let q = FairQueue::new(1, set.clone());
+    let t = queued(q.enter(claim(0, 0), 1.0));
+    set.replace(["10.0.0.1:8000".parse().unwrap()]);
+    let p = t.wait(Instant::now() + Duration::from_millis(300)).await;
+    assert!(p.is_some(), "dispatched once the replica is seen");
+}
+
+#[test]
+fn small_bounds_keep_no_headroom() {
+    assert_eq!(
+        (headroom(2), headroom(3), headroom(4), headroom(256)),
+        (0, 0, 1, 16)
+    );
+    let q = FairQueue::with_tenants(2, ready(1), Arc::new(AtomicUsize::new(1)), true);
+    let both: Vec<_> = (0..2)
+        .map(|_| dispatched(q.enter(claim(0, 0), 0.0)))
+        .collect();
+    drop(both);
+}

@@ -46,16 +46,7 @@ impl Meter {
 
     /// A chunk of the answer passed through.
     pub(super) fn observe(&mut self, data: &Bytes) {
-        // An event starts a line: at the start of the answer, or after a newline.
-        let mut events = 0u64;
-        let starts_line = self.tail.last().is_none_or(|b| *b == b'\n');
-        if starts_line && data.starts_with(b"data:") && !data.starts_with(b"data: [DONE]") {
-            events += 1;
-        }
-        events += data.windows(6).filter(|w| w == b"\ndata:").count() as u64;
-        // `data: [DONE]` ends a stream; it is no token.
-        events = events
-            .saturating_sub(data.windows(13).filter(|w| w == b"\ndata: [DONE]").count() as u64);
+        let events = events_in(&self.tail, data);
         if events > 0 {
             self.events += events;
             self.permit.charge(events as f64);
@@ -70,6 +61,55 @@ impl Meter {
             self.tail.extend_from_slice(data);
         }
     }
+}
+
+/// The SSE `data:` events (but `data: [DONE]`, which ends a stream) that start in `data`, an
+/// answer's next chunk after `before` (its bytes so far, or their last ones): an event starts
+/// a line, and a line may begin in one chunk and go on in the next.
+fn events_in(before: &[u8], data: &[u8]) -> u64 {
+    // What follows `\ndata:` decides: ` [DONE]`, or anything else once seven bytes or the end
+    // of the line have arrived. An event undecided at the end of a chunk lies in its last 12
+    // bytes, which are carried over (a newline stands before the answer's first byte).
+    let carry: &[u8] = if before.is_empty() {
+        b"\n"
+    } else {
+        &before[before.len().saturating_sub(EVENT.len() + DONE.len() - 1)..]
+    };
+    // Events starting in the carry, decided by the chunk's first bytes (no allocation).
+    let mut head = [0u8; 2 * (EVENT.len() + DONE.len())];
+    let take = data.len().min(head.len() - carry.len());
+    head[..carry.len()].copy_from_slice(carry);
+    head[carry.len()..carry.len() + take].copy_from_slice(&data[..take]);
+    let head = &head[..carry.len() + take];
+    decided_events(head, |i, decided| i < carry.len() && decided > carry.len())
+        + decided_events(data, |_, _| true)
+}
+
+/// `\ndata:`, the start of an SSE data line.
+const EVENT: &[u8] = b"\ndata:";
+/// What follows it in the line that ends a stream.
+const DONE: &[u8] = b" [DONE]";
+
+/// The events of `buf` decided within it (see [`events_in`]) and kept by `keep(start, decided)`
+/// (their offsets in `buf`).
+fn decided_events(buf: &[u8], keep: impl Fn(usize, usize) -> bool) -> u64 {
+    let mut n = 0;
+    for (i, _) in buf
+        .windows(EVENT.len())
+        .enumerate()
+        .filter(|(_, w)| *w == EVENT)
+    {
+        let rest = &buf[i + EVENT.len()..];
+        let seen = match rest.iter().take(DONE.len()).position(|b| *b == b'\n') {
+            Some(nl) => nl + 1,
+            None if rest.len() >= DONE.len() => DONE.len(),
+            None => continue,
+        };
+        if keep(i, i + EVENT.len() + seen) && !rest.starts_with(DONE) {
+            n += 1;
+        }
+    }
+    n
 }
 
 /// The `usage` of an answer ending in `tail`: `(prompt_tokens, completion_tokens)`.
@@ -101,12 +141,12 @@ impl Drop for Meter {
     fn drop(&mut self) {
         let (prompt, completion) =
             usage(&self.tail).unwrap_or((self.dispatch.prompt_tokens, self.events));
+        let total = prompt.saturating_add(completion);
         // The fair share: the prompt's estimate and each event were charged already.
-        let charged = self.dispatch.prompt_tokens + self.charged;
-        self.permit
-            .charge((prompt + completion) as f64 - charged as f64);
+        let charged = self.dispatch.prompt_tokens.saturating_add(self.charged);
+        self.permit.charge(total as f64 - charged as f64);
         if let Some(charge) = &self.dispatch.quota {
-            charge.settle(prompt + completion);
+            charge.settle(total);
         }
         self.metrics
             .tokens(&self.dispatch.tenant, prompt, completion);
@@ -129,5 +169,22 @@ mod tests {
         );
         assert_eq!(usage(br#"{"usage":null}"#), None);
         assert_eq!(usage(b"data: {\"x\":1}\n\n"), None);
+    }
+
+    #[test]
+    fn events_are_counted_where_they_start_across_chunks() {
+        // At the start, and one split across two chunks.
+        assert_eq!(events_in(b"", b"data: {\"a\":1}\n\nda"), 1);
+        assert_eq!(events_in(b"data: {\"a\":1}\n\nda", b"ta: {\"b\":2}\n\n"), 1);
+        // `[DONE]` split across chunks is no token, in either chunk.
+        assert_eq!(events_in(b"x\n\n", b"data: [DO"), 0);
+        assert_eq!(events_in(b"x\n\ndata: [DO", b"NE]\n\n"), 0);
+        // A short event at the end of a chunk is counted once its line ends.
+        assert_eq!(events_in(b"x\n\n", b"data: 1"), 0);
+        assert_eq!(events_in(b"x\n\ndata: 1", b"\n\n"), 1);
+        assert_eq!(
+            events_in(b"x\n\n", b"data: 1\n\ndata: 2\n\ndata: [DONE]\n\n"),
+            2
+        );
     }
 }
