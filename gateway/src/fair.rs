@@ -114,21 +114,12 @@ impl FairQueue {
     /// A queue for the model whose ready endpoints are `backends`, with `per_replica` requests
     /// in flight per ready endpoint (at least 1).
     pub fn new(per_replica: u32, backends: EndpointSet) -> Arc<Self> {
-        Self::shared(per_replica, backends, Arc::new(AtomicUsize::new(1)))
+        Self::with_tenants(per_replica, backends, Arc::new(AtomicUsize::new(1)), false)
     }
 
-    /// [`FairQueue::new`], the bound shared with the other gateway replicas: `gateways` holds
-    /// how many replicas there are (this one included).
-    pub fn shared(
-        per_replica: u32,
-        backends: EndpointSet,
-        gateways: Arc<AtomicUsize>,
-    ) -> Arc<Self> {
-        Self::with_tenants(per_replica, backends, gateways, false)
-    }
-
-    /// [`FairQueue::shared`] for requests of several tenants (`tenants`): one tenant then
-    /// keeps off the [`headroom`].
+    /// [`FairQueue::new`], the bound shared with the other gateway replicas (`gateways` holds
+    /// how many there are, this one included), for requests of several tenants (`tenants`:
+    /// one tenant then keeps off the [`headroom`]).
     pub fn with_tenants(
         per_replica: u32,
         backends: EndpointSet,

@@ -12,8 +12,8 @@ use std::{path::PathBuf, sync::Arc};
 
 use crate::fair::TenantId;
 
-/// The tenant of requests without a tenant of their own.
-pub const DEFAULT_TENANT: &str = "default";
+/// The tenant of requests without a tenant of their own (the API's, `hearth_crds::rules`).
+pub use hearth_crds::rules::DEFAULT_TENANT;
 
 /// One tenant.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -80,7 +80,7 @@ impl Tenant {
                 }
             }
         }
-        if !is_dns_label(&t.name) {
+        if !hearth_crds::naming::is_dns1123_label(&t.name) {
             return Err(format!(
                 "--tenant: name must be a DNS label (lowercase letters, digits, '-', at most 63), not {:?}",
                 &*t.name
@@ -94,16 +94,6 @@ impl Tenant {
         }
         Ok(t)
     }
-}
-
-/// Whether `s` is a DNS label (RFC 1123).
-fn is_dns_label(s: &str) -> bool {
-    !s.is_empty()
-        && s.len() <= 63
-        && s.bytes()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-        && !s.starts_with('-')
-        && !s.ends_with('-')
 }
 
 /// The replica's tenants; entry 0 is the [`DEFAULT_TENANT`].

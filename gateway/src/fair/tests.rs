@@ -149,7 +149,7 @@ async fn a_waiter_past_its_deadline_or_gone_gives_its_place_back() {
 #[test]
 fn gateway_replicas_share_the_bound() {
     let gateways = Arc::new(AtomicUsize::new(2));
-    let q = FairQueue::shared(3, ready(1), gateways.clone());
+    let q = FairQueue::with_tenants(3, ready(1), gateways.clone(), false);
     // 3 per engine over 2 gateways: 2 here (rounded up).
     let held: Vec<_> = (0..2)
         .map(|_| dispatched(q.enter(claim(0, 0), 0.0)))
