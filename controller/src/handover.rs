@@ -497,15 +497,18 @@ pub fn pin(svc: &LLMService, unix_seconds: i64) -> Option<String> {
     if scaling.min > 0 {
         return Some(format!("spec.scaling.min is {}", scaling.min));
     }
-    for (i, w) in scaling.warm_windows.iter().enumerate() {
+    open_warm_window(svc, unix_seconds).map(|i| format!("spec.scaling.warmWindows[{i}] is open"))
+}
+
+/// The index of a warm window of `svc` open at `unix_seconds` (as KEDA's cron scaler decides,
+/// [`cron::open_at`]); a window that does not parse is never open (the rules refuse it).
+pub fn open_warm_window(svc: &LLMService, unix_seconds: i64) -> Option<usize> {
+    svc.spec.scaling.warm_windows.iter().position(|w| {
         let (Ok(start), Ok(end)) = (cron::parse(&w.start), cron::parse(&w.end)) else {
-            continue;
+            return false;
         };
-        if cron::open_at(&start, &end, &w.timezone, unix_seconds) == Some(true) {
-            return Some(format!("spec.scaling.warmWindows[{i}] is open"));
-        }
-    }
-    None
+        cron::open_at(&start, &end, &w.timezone, unix_seconds) == Some(true)
+    })
 }
 
 /// A duration for messages, as Go prints it (`12.3s`, `2m0s`).

@@ -22,6 +22,7 @@ pub mod diff;
 pub mod handover;
 pub mod labels;
 pub mod leader;
+pub mod metering;
 pub mod metrics;
 pub mod model;
 pub mod names;

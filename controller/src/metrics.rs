@@ -31,6 +31,17 @@ pub struct PhaseLabel {
     pub phase: &'static str,
 }
 
+/// Labels of `hearth_accelerator_seconds_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct UsageLabel {
+    /// `<namespace>/<name>` of the LLMService.
+    pub service: String,
+    /// The tenant charged.
+    pub tenant: String,
+    /// `coldStart`, `serving`, `idle`, `sleeping` or `warmWindow`.
+    pub phase: &'static str,
+}
+
 /// Label of `hearth_device_handovers_total`: the extended resource handed over.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ResourceLabel {
@@ -63,6 +74,10 @@ pub struct Metrics {
     /// `hearth_device_handovers_total{resource}`: services taken to zero so that a waiting
     /// service's backend gets their devices (one per victim, see [`crate::handover`]).
     pub device_handovers: Family<ResourceLabel, Counter>,
+    /// `hearth_accelerator_seconds_total{service,tenant,phase}`: the backend pods' device-seconds
+    /// as the meter charges them (see [`crate::metering`]); resets with the process, unlike
+    /// `status.usage`.
+    pub accelerator_seconds: Family<UsageLabel, Counter<f64, std::sync::atomic::AtomicU64>>,
     registry: Arc<Registry>,
     /// Metrics under their own names (no `hearth_controller` prefix): the libraries'
     /// `hearth_policy_native_fallbacks_total{reason}` (see [`hearth_policies::fallback`]) and
@@ -112,7 +127,13 @@ impl Metrics {
             new_activation_histogram as fn() -> Histogram,
         );
         let device_handovers = Family::<ResourceLabel, Counter>::default();
+        let accelerator_seconds = Family::default();
         let mut libraries = Registry::default();
+        libraries.register(
+            "hearth_accelerator_seconds",
+            "Device-seconds of backend pods (extended-resource units times seconds scheduled), by service, tenant and phase",
+            accelerator_seconds.clone(),
+        );
         libraries.register(
             "hearth_device_handovers",
             "Services taken to zero to hand their accelerators to a waiting service, by resource",
@@ -133,6 +154,7 @@ impl Metrics {
             writes,
             activation_phases,
             device_handovers,
+            accelerator_seconds,
             registry: Arc::new(registry),
             libraries: Arc::new(libraries),
         }

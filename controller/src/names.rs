@@ -27,6 +27,11 @@ pub fn gateway(service: &str) -> String {
     format!("{service}-gateway")
 }
 
+/// The ConfigMap of the service's accelerator-seconds ledger ([`crate::metering::Ledger`]).
+pub fn usage(service: &str) -> String {
+    format!("{service}-usage")
+}
+
 /// The client-facing gateway Service: the `LLMService` name itself, so clients call
 /// `http://<name>.<namespace>.svc/v1`.
 pub fn gateway_service(service: &str) -> String {

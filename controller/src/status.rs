@@ -527,14 +527,15 @@ pub fn phase_and_ready(
 }
 
 /// Whether the controller's part of two statuses differs: everything but `lastWake`, which the
-/// gateway writes under its own field manager (timestamps of unchanged conditions are already
-/// preserved by [`merge_conditions`]).
+/// gateway writes under its own field manager, and `usage`, the meter's (timestamps of
+/// unchanged conditions are already preserved by [`merge_conditions`]).
 pub fn differs(current: Option<&LLMServiceStatus>, desired: &LLMServiceStatus) -> bool {
     let Some(current) = current else {
         return true;
     };
     let ours = |s: &LLMServiceStatus| LLMServiceStatus {
         last_wake: None,
+        usage: None,
         ..s.clone()
     };
     ours(current) != ours(desired)

@@ -13,6 +13,7 @@ pub mod duration;
 pub mod inferenceruntime;
 pub mod llmendpoint;
 pub mod llmservice;
+pub mod metering;
 pub mod model_uri;
 pub mod naming;
 pub mod quantity;
@@ -26,7 +27,7 @@ pub use inferenceruntime::{InferenceRuntime, InferenceRuntimeSpec, InferenceRunt
 pub use llmendpoint::{LLMEndpoint, LLMEndpointSpec, LLMEndpointStatus};
 pub use llmservice::{
     Activation, ActivationPhases, LLMService, LLMServicePhase, LLMServiceSpec, LLMServiceStatus,
-    Wake, WakePhases,
+    TenantUsage, Usage, UsagePhases, Wake, WakePhases,
 };
 pub use servingpolicy::{ServingPolicy, ServingPolicySpec, ServingPolicyStatus};
 

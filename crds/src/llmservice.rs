@@ -70,6 +70,16 @@ pub struct LLMServiceSpec {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = 16))]
     pub image_pull_secrets: Vec<LocalObjectReference>,
+
+    /// owner is the tenant the service's accelerator time is charged to when no request used
+    /// it: idle, sleeping, warm windows, and cold starts nobody waited for (`status.usage`).
+    /// A DNS label; default the namespace's name. A Hearth extension of the public API.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(
+        length(min = 1, max = 63),
+        regex(pattern = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+    )]
+    pub owner: Option<String>,
 }
 
 /// Where the model comes from: an inline source, or (not implemented yet) a catalog entry.
@@ -691,6 +701,68 @@ pub struct LLMServiceStatus {
     /// extension of the public API.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_wake: Option<Wake>,
+
+    /// usage is the accelerator time of the backend pods since metering began, by phase and by
+    /// tenant; the parts add up to the pods' device-seconds. Written by the controller's meter
+    /// under the field manager `hearth-metering` about every 30 seconds; the per-minute and
+    /// per-hour history is in the ConfigMap `<name>-usage` (`kubectl hearth usage`). A Hearth
+    /// extension of the public API.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Usage>,
+}
+
+/// The accelerator time of a service's backend pods (`status.usage`): extended-resource
+/// units (`nvidia.com/gpu: 2` counts 2) times the seconds from each pod's scheduling until it
+/// was gone, in whole seconds.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Usage {
+    /// since is when metering of this service began.
+    pub since: Time,
+
+    /// updated is the time charged up to.
+    pub updated: Time,
+
+    /// acceleratorSeconds is the device-seconds since `since`, every tenant and phase.
+    pub accelerator_seconds: i64,
+
+    /// phases splits acceleratorSeconds: `coldStart` (scheduled, not yet Ready), `serving` (a
+    /// request in flight), `idle`, `sleeping` (the sleeping tier) and `warmWindow` (idle in a
+    /// warm window).
+    pub phases: UsagePhases,
+
+    /// tenants lists each tenant charged, by name; the owner (`spec.owner`) carries what no
+    /// request used.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tenants: Vec<TenantUsage>,
+}
+
+/// Device-seconds by phase, whole seconds.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct UsagePhases {
+    /// coldStart: scheduled, not yet Ready.
+    pub cold_start: i64,
+    /// serving: Ready and a request in flight.
+    pub serving: i64,
+    /// idle: Ready, awake, no request, no warm window.
+    pub idle: i64,
+    /// sleeping: the engine asleep.
+    pub sleeping: i64,
+    /// warmWindow: Ready, awake, no request, a warm window open.
+    pub warm_window: i64,
+}
+
+/// One tenant's device-seconds.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct TenantUsage {
+    /// name is the tenant's.
+    pub name: String,
+    /// acceleratorSeconds is its share of every phase.
+    pub accelerator_seconds: i64,
+    /// phases splits it.
+    pub phases: UsagePhases,
 }
 
 /// The timeline of one activation (`status.lastActivation`), measured from the backend pod,

@@ -567,6 +567,19 @@ pub fn check_llmservice(svc: &LLMService, runtime: Option<&InferenceRuntime>) ->
         shared_endpoint_ref(&mut f, r, &spec.endpoint);
     }
     tenants(&mut f, "spec.endpoint.tenants", &spec.endpoint.tenants);
+    if let Some(owner) = &spec.owner
+        && !is_dns1123_label(owner)
+    {
+        f.error(
+            Reason::InvalidSpec,
+            "spec.owner",
+            format!(
+                "{owner:?} is not a DNS label (lowercase letters, digits and '-', at most 63); \
+                 name the owning team as its tenants are named, or leave it out to charge the \
+                 namespace"
+            ),
+        );
+    }
     if let Some(c) = spec.endpoint.container_concurrency
         && !(1..=MAX_CONTAINER_CONCURRENCY).contains(&c)
     {

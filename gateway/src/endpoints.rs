@@ -14,7 +14,7 @@
 
 use std::{
     sync::{
-        Arc, OnceLock,
+        Arc, Mutex, OnceLock,
         atomic::{AtomicU64, AtomicUsize, Ordering},
     },
     time::{Duration, Instant},
@@ -43,6 +43,16 @@ pub struct Endpoint {
     outstanding: AtomicUsize,
     /// [`now_ms`] until which picks skip it; 0 when never ejected.
     ejected_until: AtomicU64,
+    /// How long it has had a request outstanding (metering).
+    busy: Mutex<Busy>,
+}
+
+/// The time an endpoint had at least one request outstanding: `total` closed periods, and
+/// the open one since `since`.
+#[derive(Debug, Default)]
+struct Busy {
+    total: Duration,
+    since: Option<Instant>,
 }
 
 impl Endpoint {
@@ -60,6 +70,52 @@ impl Endpoint {
     pub fn is_ejected(&self) -> bool {
         self.ejected_until.load(Ordering::Relaxed) > now_ms()
     }
+
+    /// How long, up to `now`, it has had at least one request outstanding since it joined
+    /// the set ([`crate::metering`]).
+    pub fn busy(&self, now: Instant) -> Duration {
+        let busy = lock(&self.busy);
+        busy.total
+            + busy
+                .since
+                .map_or(Duration::ZERO, |s| now.saturating_duration_since(s))
+    }
+
+    fn new(authority: Authority) -> Self {
+        Self {
+            authority,
+            outstanding: AtomicUsize::new(0),
+            ejected_until: AtomicU64::new(0),
+            busy: Mutex::new(Busy::default()),
+        }
+    }
+
+    /// A request became outstanding: `before` were.
+    fn started(&self, before: usize) {
+        if before == 0 {
+            let mut busy = lock(&self.busy);
+            if busy.since.is_none() {
+                busy.since = Some(Instant::now());
+            }
+        }
+    }
+
+    /// A request finished: `before` were outstanding. The busy period ends only if none is
+    /// outstanding once the lock is held (a request may have started in between).
+    fn finished(&self, before: usize) {
+        if before == 1 {
+            let mut busy = lock(&self.busy);
+            if self.outstanding() == 0
+                && let Some(since) = busy.since.take()
+            {
+                busy.total += since.elapsed();
+            }
+        }
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// A snapshot of the ready endpoints.
@@ -111,13 +167,7 @@ impl EndpointSet {
                     cur.iter()
                         .find(|e| e.authority == *a)
                         .cloned()
-                        .unwrap_or_else(|| {
-                            Arc::new(Endpoint {
-                                authority: a.clone(),
-                                outstanding: AtomicUsize::new(0),
-                                ejected_until: AtomicU64::new(0),
-                            })
-                        })
+                        .unwrap_or_else(|| Arc::new(Endpoint::new(a.clone())))
                 })
                 .collect();
             *cur = next.into();
@@ -185,7 +235,7 @@ fn pick_from(snap: &Endpoints, rotor: &AtomicUsize) -> Option<EndpointGuard> {
             best_rank = r;
         }
     }
-    best.outstanding.fetch_add(1, Ordering::Relaxed);
+    best.started(best.outstanding.fetch_add(1, Ordering::Relaxed));
     Some(EndpointGuard {
         endpoint: best.clone(),
     })
@@ -215,7 +265,8 @@ impl EndpointGuard {
 
 impl Drop for EndpointGuard {
     fn drop(&mut self) {
-        self.endpoint.outstanding.fetch_sub(1, Ordering::Relaxed);
+        let before = self.endpoint.outstanding.fetch_sub(1, Ordering::Relaxed);
+        self.endpoint.finished(before);
     }
 }
 
@@ -225,6 +276,28 @@ mod tests {
 
     fn a(s: &str) -> Authority {
         s.parse().unwrap()
+    }
+
+    #[test]
+    fn busy_time_runs_while_any_request_is_outstanding() {
+        let set = EndpointSet::fixed([a("198.18.0.1:8000")]);
+        let e = set.snapshot()[0].clone();
+        assert_eq!(e.busy(Instant::now()), Duration::ZERO);
+        let first = set.pick().unwrap();
+        let second = set.pick().unwrap();
+        std::thread::sleep(Duration::from_millis(30));
+        drop(first);
+        // One is still outstanding: the period goes on.
+        let during = e.busy(Instant::now());
+        assert!(during >= Duration::from_millis(30), "{during:?}");
+        drop(second);
+        let after = e.busy(Instant::now());
+        std::thread::sleep(Duration::from_millis(20));
+        // Closed: idle time adds nothing.
+        assert_eq!(e.busy(Instant::now()), after);
+        // Kept while the endpoint stays in the set.
+        set.replace([a("198.18.0.1:8000"), a("198.18.0.2:8000")]);
+        assert_eq!(set.snapshot()[0].busy(Instant::now()), after);
     }
 
     #[test]

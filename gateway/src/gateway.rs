@@ -13,6 +13,7 @@
 //! | `GET /hearth/local-demand` | internal: newline-delimited `{"demand": N}` (a shared gateway: `{"demand": {"<namespace>/<name>": N, ...}}`) on every change of this replica's demand, for peer replicas |
 //! | `GET /metrics` | Prometheus text |
 //! | `GET /hearth/quota-usage` | internal: `{"instance", "tenants": {"<tenant>": [requests, tokens]}}`, this replica's usage so far, read by its peers to share the tenants' quotas ([`crate::quota`]) |
+//! | `GET /hearth/metering` | internal, for the controller: per service, each tenant's requests, tokens and cold arrivals so far, and each discovered backend endpoint with whether it serves and its busy seconds ([`hearth_crds::metering`]) |
 //!
 //! A replica serves one model ([`Gateway::new`]: a single-service gateway) or the models of a
 //! route table ([`Gateway::new_shared`], [`Gateway::apply_routes`]: a shared gateway, which
@@ -61,13 +62,14 @@ use crate::{
 };
 
 /// The paths the gateway answers itself (see the module table); every other path is proxied.
-pub const OWN_PATHS: [&str; 6] = [
+pub const OWN_PATHS: [&str; 7] = [
     "/healthz",
     "/readyz",
     "/hearth/queue",
     "/hearth/local-demand",
     "/metrics",
     crate::quota::USAGE_PATH,
+    hearth_crds::metering::METERING_PATH,
 ];
 
 /// `/hearth/queue/local`: this replica's demand only (one model's:
@@ -417,6 +419,7 @@ impl Gateway {
             local_demand_path,
             metrics_path,
             usage_path,
+            metering_path,
         ] = OWN_PATHS;
         Router::new()
             .route(healthz, get(|| async { "ok" }))
@@ -431,6 +434,7 @@ impl Gateway {
             .route(local_demand_path, get(local_demand))
             .route(metrics_path, get(metrics))
             .route(usage_path, get(quota_usage))
+            .route(metering_path, get(metering))
             // The gateway's own endpoints are read-only; axum's 405 would have an empty body.
             .method_not_allowed_fallback(|| async {
                 let mut resp = crate::openai::error_response(
@@ -817,6 +821,60 @@ async fn quota_usage(State(shared): State<Arc<Shared>>) -> Response {
         tenants: shared.quotas.usage(),
     };
     axum::Json(report).into_response()
+}
+
+/// [`hearth_crds::metering::METERING_PATH`]: per service, its tenants' counts and its
+/// discovered endpoints, each with whether it serves and its busy time here;
+/// `?service=<namespace>/<name>` answers for that service only.
+async fn metering(
+    State(shared): State<Arc<Shared>>,
+    axum::extract::RawQuery(query): axum::extract::RawQuery,
+) -> Response {
+    use hearth_crds::metering::{EndpointMetering, MeteringReport, ServiceMetering};
+    let only = query.as_deref().and_then(|q| {
+        q.split('&')
+            .find_map(|kv| kv.strip_prefix("service="))
+            .map(|v| v.replace("%2F", "/").replace("%2f", "/"))
+    });
+    let now = std::time::Instant::now();
+    let services = shared
+        .routes
+        .load()
+        .models()
+        .iter()
+        .filter(|m| {
+            only.as_deref()
+                .is_none_or(|o| &**m.state.metrics.service() == o)
+        })
+        .map(|m| {
+            let service = m.state.metrics.service();
+            let serving = m.backends().snapshot();
+            let endpoints = m
+                .state
+                .discovered()
+                .snapshot()
+                .iter()
+                .map(|e| {
+                    let awake = serving.iter().find(|s| s.authority() == e.authority());
+                    EndpointMetering {
+                        address: e.authority().to_string(),
+                        serving: awake.is_some(),
+                        busy_seconds: awake.map_or(0.0, |s| s.busy(now).as_secs_f64()),
+                    }
+                })
+                .collect();
+            ServiceMetering {
+                service: service.to_string(),
+                tenants: shared.metrics.metering(service),
+                endpoints,
+            }
+        })
+        .collect();
+    axum::Json(MeteringReport {
+        instance: format!("{:016x}", shared.admitted.instance()),
+        services,
+    })
+    .into_response()
 }
 
 async fn metrics(State(shared): State<Arc<Shared>>) -> Response {

@@ -53,7 +53,12 @@ use prometheus_client::{
     registry::Registry,
 };
 
+use hearth_crds::metering::TenantMetering;
+
 use crate::reject::RejectionKind;
+
+/// The metering counts by `(service, tenant)`.
+type MeteringCounts = std::collections::BTreeMap<(Arc<str>, Arc<str>), TenantMetering>;
 
 /// Encodes `service="<service>"`, or nothing when `service` is empty.
 fn encode_service(service: &str, encoder: &mut LabelSetEncoder) -> Result<(), std::fmt::Error> {
@@ -241,6 +246,10 @@ pub struct Metrics {
     pub tenant_tokens: Family<TenantTokensLabel, Counter>,
     /// `hearth_gateway_queue_wait_seconds{service,tenant}`.
     pub queue_wait: HistogramFamily<TenantLabel>,
+    /// Per `(service, tenant)`: requests, tokens and cold arrivals so far, for
+    /// [`hearth_crds::metering`] (kept when a service's series are removed: the counts are
+    /// cumulative for the replica's life).
+    metering: Mutex<MeteringCounts>,
     /// The tenants' names, for removing a model's series.
     pub(crate) tenant_names: std::sync::OnceLock<Vec<Arc<str>>>,
     /// How many [`ModelMetrics`] are alive per `service`: a model's series are removed when
@@ -427,7 +436,31 @@ impl Metrics {
             route_table_errors,
             live: Mutex::new(HashMap::new()),
             scrape: Mutex::new(()),
+            metering: Mutex::new(std::collections::BTreeMap::new()),
         }
+    }
+
+    /// The metering counts of `service` (its key: `<namespace>/<name>`, or empty), by tenant.
+    pub fn metering(&self, service: &str) -> Vec<TenantMetering> {
+        self.metering
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .filter(|((s, _), _)| &**s == service)
+            .map(|(_, m)| m.clone())
+            .collect()
+    }
+
+    /// Adds to the metering counts of `(service, tenant)`.
+    fn meter(&self, service: &Arc<str>, tenant: &Arc<str>, add: impl FnOnce(&mut TenantMetering)) {
+        let mut all = self.metering.lock().unwrap_or_else(|e| e.into_inner());
+        let entry = all
+            .entry((service.clone(), tenant.clone()))
+            .or_insert_with(|| TenantMetering {
+                tenant: tenant.to_string(),
+                ..TenantMetering::default()
+            });
+        add(entry);
     }
 
     /// Sets the gauges of demand and endpoints to `models` (the models of the route table now;
@@ -653,6 +686,17 @@ impl ModelMetrics {
             .queue_wait
             .get_or_create(&label)
             .observe(seconds);
+        self.metrics.meter(&self.service, tenant, |m| {
+            m.requests = m.requests.saturating_add(1)
+        });
+    }
+
+    /// A request of `tenant` arrived while no backend engine was ready and awake (metering:
+    /// the tenants who waited for a cold start or a wake-up).
+    pub fn cold_request(&self, tenant: &Arc<str>) {
+        self.metrics.meter(&self.service, tenant, |m| {
+            m.cold_requests = m.cold_requests.saturating_add(1);
+        });
     }
 
     /// Tokens served to `tenant`.
@@ -667,6 +711,10 @@ impl ModelMetrics {
                 })
                 .inc_by(n);
         }
+        let total = prompt.saturating_add(completion);
+        self.metrics.meter(&self.service, tenant, |m| {
+            m.tokens = m.tokens.saturating_add(total)
+        });
     }
 
     /// Counts a finished request by status code.

@@ -328,6 +328,11 @@ impl ModelState {
         true
     }
 
+    /// The endpoints discovery found (with the sleeping tier, asleep ones too).
+    pub(crate) fn discovered(&self) -> &EndpointSet {
+        &self.discovered
+    }
+
     /// Whether [`ModelState::start`] ran.
     pub(crate) fn started(&self) -> bool {
         lock(&self.tasks).is_some()

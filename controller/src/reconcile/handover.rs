@@ -521,21 +521,26 @@ struct LocalDemand {
     idle_seconds: Option<f64>,
 }
 
-/// The demand for `svc` summed over every replica of the gateway that serves it (its own, or
-/// its LLMEndpoint's), with the shortest idle time; `Err` says why it is not known.
-async fn demand_of(ctx: &Context, svc: &LLMService) -> Result<Demand, String> {
+/// The replicas of the gateway that serves `svc` (its own, or its LLMEndpoint's).
+pub(super) struct GatewayPods {
+    /// Every pod that may hold requests (running or starting, Ready or draining), by IP.
+    pub ips: Vec<String>,
+    /// Their HTTP port.
+    pub port: i32,
+    /// The service's key at that gateway: empty on its own, `<ns>/<name>` on a shared one.
+    pub key: String,
+}
+
+/// The pods of the gateway that serves `svc`; `Err` says why they are not known.
+pub(super) async fn gateway_pods(ctx: &Context, svc: &LLMService) -> Result<GatewayPods, String> {
     let (ns, name) = (svc.namespace().unwrap_or_default(), svc.name_any());
     let membership = ctx.membership(svc);
-    let (gw_ns, gw, path) = match Membership::placement(membership.as_ref()) {
-        Placement::Own => (
-            ns.clone(),
-            names::gateway(&name),
-            "/hearth/queue/local".to_owned(),
-        ),
+    let (gw_ns, gw, key) = match Membership::placement(membership.as_ref()) {
+        Placement::Own => (ns.clone(), names::gateway(&name), String::new()),
         Placement::Shared(g) => (
             g.namespace.clone(),
             names::gateway(&g.endpoint),
-            format!("/hearth/queue/{ns}/{name}/local"),
+            format!("{ns}/{name}"),
         ),
     };
     let deployment = ctx
@@ -562,7 +567,6 @@ async fn demand_of(ctx: &Context, svc: &LLMService) -> Result<Demand, String> {
         .list(&ListParams::default().labels(&selector))
         .await
         .map_err(|e| format!("listing the gateway pods: {e}"))?;
-    // Every pod that may hold requests: running or starting, Ready or draining.
     let ips: Vec<String> = pods
         .items
         .iter()
@@ -577,12 +581,29 @@ async fn demand_of(ctx: &Context, svc: &LLMService) -> Result<Demand, String> {
     if ips.is_empty() {
         return Err(format!("no gateway pod of {gw_ns}/{gw} has an address"));
     }
-    let answers = join_all(ips.iter().map(|ip| ask(ctx, ip, port, &path))).await;
+    Ok(GatewayPods { ips, port, key })
+}
+
+/// The demand for `svc` summed over every replica of the gateway that serves it (its own, or
+/// its LLMEndpoint's), with the shortest idle time; `Err` says why it is not known.
+async fn demand_of(ctx: &Context, svc: &LLMService) -> Result<Demand, String> {
+    let gw = gateway_pods(ctx, svc).await?;
+    let path = if gw.key.is_empty() {
+        "/hearth/queue/local".to_owned()
+    } else {
+        format!("/hearth/queue/{}/local", gw.key)
+    };
+    let answers = join_all(
+        gw.ips
+            .iter()
+            .map(|ip| get_json::<LocalDemand>(ctx, ip, gw.port, &path, 4096)),
+    )
+    .await;
     let mut sum = Demand {
         pending: 0,
         idle: Duration::MAX,
     };
-    for (ip, a) in ips.iter().zip(answers) {
+    for (ip, a) in gw.ips.iter().zip(answers) {
         let a = a.map_err(|e| format!("gateway {ip}: {e}"))?;
         sum.pending = sum.pending.saturating_add(a.pending);
         let idle = Duration::try_from_secs_f64(a.idle_seconds.unwrap_or(0.0)).unwrap_or_default();
@@ -591,8 +612,14 @@ async fn demand_of(ctx: &Context, svc: &LLMService) -> Result<Demand, String> {
     Ok(sum)
 }
 
-/// `GET http://<ip>:<port><path>`, bounded by [`DEMAND_TIMEOUT`] and a 4 KiB body.
-async fn ask(ctx: &Context, ip: &str, port: i32, path: &str) -> Result<LocalDemand, String> {
+/// `GET http://<ip>:<port><path>` as JSON, bounded by [`DEMAND_TIMEOUT`] and `limit` bytes.
+pub(super) async fn get_json<T: serde::de::DeserializeOwned>(
+    ctx: &Context,
+    ip: &str,
+    port: i32,
+    path: &str,
+    limit: usize,
+) -> Result<T, String> {
     let host = if ip.contains(':') {
         format!("[{ip}]:{port}")
     } else {
@@ -609,7 +636,7 @@ async fn ask(ctx: &Context, ip: &str, port: i32, path: &str) -> Result<LocalDema
             .await
             .map_err(|e| e.to_string())?;
         let status = resp.status();
-        let body = Limited::new(resp.into_body(), 4096)
+        let body = Limited::new(resp.into_body(), limit)
             .collect()
             .await
             .map_err(|e| e.to_string())?
@@ -623,7 +650,7 @@ async fn ask(ctx: &Context, ip: &str, port: i32, path: &str) -> Result<LocalDema
                     .collect::<String>()
             ));
         }
-        serde_json::from_slice::<LocalDemand>(&body).map_err(|e| e.to_string())
+        serde_json::from_slice::<T>(&body).map_err(|e| e.to_string())
     };
     tokio::time::timeout(DEMAND_TIMEOUT, call)
         .await

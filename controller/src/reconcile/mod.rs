@@ -89,6 +89,7 @@ mod endpoint;
 mod execute;
 mod handover;
 mod member;
+mod metering;
 mod plan;
 #[cfg(test)]
 mod tests;
@@ -922,6 +923,10 @@ pub async fn run(
         }),
     );
 
+    // The meter learns when each backend pod went from the same watch.
+    let gone: metering::GoneLog = Arc::default();
+    let pods_stream = metering::tap_gone(pods_stream, pods_store.clone(), gone.clone());
+
     let keda = Arc::new(KedaState {
         api: cfg.render.keda_api.clone(),
         installed: AtomicBool::new(false),
@@ -1214,9 +1219,11 @@ pub async fn run(
                 tracing::debug!(error = %e, "member controller event");
             }
         });
+    let meter = tokio::spawn(metering::run(ctx.clone(), gone));
     let sweeper = tokio::spawn(member::sweep(ctx, sweep_rx));
     futures::future::join3(services, endpoints, members).await;
     sweeper.abort();
+    meter.abort();
     Ok(())
 }
 

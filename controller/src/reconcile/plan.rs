@@ -171,8 +171,10 @@ impl Plan {
             // The record of the last activation is kept until the reconciler records the next
             // one (`crate::activation`).
             last_activation: svc.status.as_ref().and_then(|s| s.last_activation.clone()),
-            // The gateway's, under its own field manager: never sent, so never taken over.
+            // The gateway's and the meter's, under their own field managers: never sent, so
+            // never taken over.
             last_wake: None,
+            usage: None,
         }
     }
 

@@ -178,8 +178,14 @@ where
 
     let deadline = arrival + model.cfg.activation_timeout;
     let mut cold = cold;
+    let mut metered_cold = false;
     let sent = loop {
         if cold {
+            if !metered_cold {
+                metered_cold = true;
+                let name = &shared.cfg.tenants.get(tenant).name;
+                model.state.metrics.cold_request(name);
+            }
             model.state.lease.raise();
             out.detach();
             match model.cfg.cold_start {
