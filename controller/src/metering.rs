@@ -259,7 +259,8 @@ pub fn new_ledger(now_ms: i64) -> Ledger {
     }
 }
 
-/// Each report's entry for `service` (its key at that gateway): `(instance, counts)`.
+/// Each report's entry for `service` (its key at that gateway; empty: the service's own
+/// gateway, whose only entry is taken whatever its key): `(instance, counts)`.
 pub fn reports_of(
     reports: &[MeteringReport],
     service: &str,
@@ -269,7 +270,7 @@ pub fn reports_of(
         .filter_map(|r| {
             r.services
                 .iter()
-                .find(|s| s.service == service)
+                .find(|s| s.service == service || (service.is_empty() && r.services.len() == 1))
                 .map(|s| (r.instance.clone(), s.clone()))
         })
         .collect()

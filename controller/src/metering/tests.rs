@@ -1,4 +1,4 @@
-use hearth_crds::metering::{EndpointMetering, ServiceMetering, TenantMetering};
+use hearth_crds::metering::{EndpointMetering, MeteringReport, ServiceMetering, TenantMetering};
 
 use super::*;
 
@@ -254,4 +254,20 @@ fn windows_read_the_buckets_and_old_minutes_roll_into_hours() {
     // The ledger survives its JSON form.
     let back: Ledger = serde_json::from_str(&serde_json::to_string(&l).unwrap()).unwrap();
     assert_eq!(back, l);
+}
+
+#[test]
+fn an_own_gateways_only_entry_is_the_service_whatever_its_key() {
+    let r = |key: &str| MeteringReport {
+        instance: "g1".to_owned(),
+        services: vec![ServiceMetering {
+            service: key.to_owned(),
+            ..ServiceMetering::default()
+        }],
+    };
+    assert_eq!(reports_of(&[r("ns/a")], "").len(), 1);
+    assert_eq!(reports_of(&[r("")], "").len(), 1);
+    // A shared gateway's entries are picked by key.
+    assert_eq!(reports_of(&[r("ns/a")], "ns/b").len(), 0);
+    assert_eq!(reports_of(&[r("ns/b")], "ns/b").len(), 1);
 }

@@ -194,8 +194,9 @@ pub fn owner(svc: &LLMService) -> String {
         .unwrap_or_else(|| svc.namespace().unwrap_or_default())
 }
 
-/// The service's backend pods in the cache, as the meter reads them; pods that finished
-/// (`Succeeded`, `Failed`) hold no device and are left out.
+/// The service's backend pods in the cache, as the meter reads them; a pod that finished
+/// (`Succeeded`, `Failed`) and is not being deleted (an evicted pod kept for its record) holds
+/// no device and is left out; one being deleted counts until it is gone.
 fn pods_of(ctx: &Context, ns: &str, name: &str) -> Vec<PodNow> {
     ctx.pods
         .state()
@@ -203,10 +204,11 @@ fn pods_of(ctx: &Context, ns: &str, name: &str) -> Vec<PodNow> {
         .filter(|p| {
             p.namespace().as_deref() == Some(ns)
                 && p.labels().get(LLMSERVICE_LABEL).map(String::as_str) == Some(name)
-                && !matches!(
-                    p.status.as_ref().and_then(|s| s.phase.as_deref()),
-                    Some("Succeeded" | "Failed")
-                )
+                && (p.metadata.deletion_timestamp.is_some()
+                    || !matches!(
+                        p.status.as_ref().and_then(|s| s.phase.as_deref()),
+                        Some("Succeeded" | "Failed")
+                    ))
         })
         .map(|p| pod_now(p))
         .collect()
@@ -257,7 +259,7 @@ async fn reports(
         match handover::get_json::<MeteringReport>(ctx, ip, gw.port, &path, REPORT_LIMIT).await {
             Ok(r) => out.push(r),
             Err(e) => {
-                tracing::debug!(llmservice = %svc.name_any(), gateway = %ip, error = %e, "reading a gateway's metering report");
+                tracing::info!(llmservice = %svc.name_any(), gateway = %ip, error = %e, "reading a gateway's metering report failed; this tick is charged without its activity");
                 return None;
             }
         }
