@@ -15,7 +15,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use futures::{StreamExt, stream};
+use futures::{FutureExt, StreamExt, stream};
 use hearth_crds::{
     LLMService, TenantUsage, Usage, UsagePhases,
     metering::{METERING_PATH, MeteringReport},
@@ -58,7 +58,10 @@ fn now_ms() -> i64 {
 }
 
 /// Records in `gone` the pods of `stream` (after the reflector wrote `store`) that are no
-/// longer in the store: their deletion, seen when it happened.
+/// longer in the store: their deletion, seen when it happened. Nothing is recorded while the
+/// first list is read (the store is not ready, so every pod would look absent); a pod that
+/// looks absent during a re-list (created while the watch was down) gets a time its real
+/// deletion later replaces, and the meter reads it only for pods it no longer sees.
 pub(super) fn tap_gone<S, E>(
     stream: S,
     store: Store<Pod>,
@@ -70,14 +73,14 @@ where
     stream.map(move |item| {
         if let Ok(pod) = &item
             && let Some(uid) = pod.uid()
+            && store.wait_until_ready().now_or_never().is_some()
             && store
                 .get(&ObjectRef::from_obj(pod))
                 .is_none_or(|p| p.uid().as_deref() != Some(uid.as_str()))
         {
             gone.lock()
                 .unwrap_or_else(|e| e.into_inner())
-                .entry(uid)
-                .or_insert_with(now_ms);
+                .insert(uid, now_ms());
         }
         item
     })
