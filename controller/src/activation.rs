@@ -96,7 +96,7 @@ fn clamped(from: Timestamp, to: Timestamp) -> Duration {
 }
 
 /// When the pod's condition `type_` turned `True`, if it is `True`.
-fn condition_true_since(pod: &Pod, type_: &str) -> Option<Timestamp> {
+pub fn condition_true_since(pod: &Pod, type_: &str) -> Option<Timestamp> {
     pod.status
         .as_ref()?
         .conditions

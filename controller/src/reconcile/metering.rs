@@ -219,22 +219,12 @@ fn pods_of(ctx: &Context, ns: &str, name: &str) -> Vec<PodNow> {
 
 /// A pod as [`metering::advance`] reads it.
 pub fn pod_now(p: &Pod) -> PodNow {
-    let since = |type_: &str| {
-        p.status
-            .as_ref()?
-            .conditions
-            .as_ref()?
-            .iter()
-            .find(|c| c.type_ == type_ && c.status == "True")?
-            .last_transition_time
-            .as_ref()
-            .map(|t| t.0.as_millisecond())
-    };
     PodNow {
         uid: p.uid().unwrap_or_default(),
         name: p.name_any(),
         devices: metering::devices(p),
-        scheduled_ms: since("PodScheduled"),
+        scheduled_ms: crate::activation::condition_true_since(p, "PodScheduled")
+            .map(|t| t.as_millisecond()),
         ready_ms: crate::activation::ready_since(p).map(|t| t.as_millisecond()),
         ip: p.status.as_ref().and_then(|s| s.pod_ip.clone()),
     }

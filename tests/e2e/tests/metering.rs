@@ -144,7 +144,7 @@ fn watch_pods(api: Api<Pod>, truth: Arc<Mutex<Truth>>) -> tokio::task::JoinHandl
             match ev {
                 Ok(watcher::Event::Apply(p) | watcher::Event::InitApply(p)) => {
                     let uid = p.uid().unwrap_or_default();
-                    let scheduled = hearth_controller_pod_scheduled(&p);
+                    let scheduled = scheduled_ms(&p);
                     let entry = t.pods.entry(uid).or_insert((DEVICES, None, None));
                     entry.0 = metering::devices(&p);
                     entry.1 = entry.1.or(scheduled);
@@ -154,7 +154,7 @@ fn watch_pods(api: Api<Pod>, truth: Arc<Mutex<Truth>>) -> tokio::task::JoinHandl
                         .pods
                         .entry(p.uid().unwrap_or_default())
                         .or_insert((DEVICES, None, None));
-                    entry.1 = entry.1.or(hearth_controller_pod_scheduled(&p));
+                    entry.1 = entry.1.or(scheduled_ms(&p));
                     entry.2 = Some(now);
                 }
                 _ => {}
@@ -164,16 +164,9 @@ fn watch_pods(api: Api<Pod>, truth: Arc<Mutex<Truth>>) -> tokio::task::JoinHandl
 }
 
 /// `PodScheduled` true since, Unix ms.
-fn hearth_controller_pod_scheduled(p: &Pod) -> Option<i64> {
-    p.status
-        .as_ref()?
-        .conditions
-        .as_ref()?
-        .iter()
-        .find(|c| c.type_ == "PodScheduled" && c.status == "True")?
-        .last_transition_time
-        .as_ref()
-        .map(|t| t.0.as_millisecond())
+fn scheduled_ms(p: &Pod) -> Option<i64> {
+    hearth_controller::activation::condition_true_since(p, "PodScheduled")
+        .map(|t| t.as_millisecond())
 }
 
 /// Waits until the engine of the only backend pod is asleep (`GET /is_sleeping`).
