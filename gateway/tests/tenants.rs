@@ -672,3 +672,51 @@ async fn a_request_refused_before_the_backend_spends_no_tokens() {
         assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{v}");
     }
 }
+
+#[tokio::test]
+async fn the_metering_report_counts_each_tenants_requests_and_tokens_and_the_endpoints_busy_time() {
+    let keys = KeyDir::new("metering");
+    let s = stub().await;
+    let gw = gateway(&s, vec![keys.tenant("a", ""), keys.tenant("b", "")], 8).await;
+    let c = client();
+    for (tenant, n) in [("a", 2), ("b", 1)] {
+        for _ in 0..n {
+            let (status, _, _) = send(&c, post(&gw, Some(tenant), &chat(5, true), "20ms")).await;
+            assert_eq!(status, StatusCode::OK);
+        }
+    }
+    let req = Request::get(format!("{}/hearth/metering", gw.url()))
+        .body(Full::new(Bytes::new()))
+        .unwrap();
+    let (status, _, body) = send(&c, req).await;
+    assert_eq!(status, StatusCode::OK);
+    let report: hearth_crds::metering::MeteringReport =
+        serde_json::from_slice(&body).unwrap_or_else(|e| panic!("{e}: {body:?}"));
+    assert_eq!(report.instance, gw.gateway.instance());
+    let [service] = report.services.as_slice() else {
+        panic!("one service expected: {report:?}");
+    };
+    let of = |t: &str| service.tenants.iter().find(|x| x.tenant == t).cloned();
+    let (a, b) = (of("a").unwrap(), of("b").unwrap());
+    assert_eq!((a.requests, b.requests), (2, 1));
+    // Each answer's usage: the prompt's tokens and 5 completion tokens.
+    assert!(
+        a.tokens > 10 && b.tokens > 5 && a.tokens == 2 * b.tokens,
+        "{a:?} {b:?}"
+    );
+    assert_eq!((a.cold_requests, b.cold_requests), (0, 0));
+    // The stub's endpoint: serving, busy about 3 × 5 × 20 ms.
+    let [e] = service.endpoints.as_slice() else {
+        panic!("one endpoint expected: {service:?}");
+    };
+    assert_eq!(e.address, s.addr.to_string());
+    assert!(e.serving);
+    assert!(e.busy_seconds >= 0.25 && e.busy_seconds < 5.0, "{e:?}");
+    // Another service's name answers nothing.
+    let req = Request::get(format!("{}/hearth/metering?service=ns%2Fother", gw.url()))
+        .body(Full::new(Bytes::new()))
+        .unwrap();
+    let (_, _, body) = send(&c, req).await;
+    let other: hearth_crds::metering::MeteringReport = serde_json::from_slice(&body).unwrap();
+    assert!(other.services.is_empty(), "{other:?}");
+}
