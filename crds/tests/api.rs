@@ -567,3 +567,31 @@ fn tenant_keys_rule_agrees_with_the_rules_module(#[case] tenants: Value, #[case]
         );
     }
 }
+
+/// `spec.owner`'s schema (a DNS label: at most 63, the label pattern) and
+/// `hearth_crds::rules::check_llmservice` accept and refuse the same names.
+#[rstest::rstest]
+#[case("ml-platform", true)]
+#[case("a", true)]
+#[case("Team", false)]
+#[case("-x", false)]
+#[case("x_y", false)]
+#[case(&"a".repeat(64), false)]
+fn owner_schema_agrees_with_the_rules(#[case] owner: &str, #[case] ok: bool) {
+    let schema = schema_of(&LLMService::crd());
+    let field = &schema["properties"]["spec"]["properties"]["owner"];
+    assert_eq!(field["maxLength"].as_u64(), Some(63));
+    assert_eq!(field["pattern"], "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$");
+    assert_eq!(hearth_crds::naming::is_dns1123_label(owner), ok);
+    let mut svc: LLMService = serde_yaml::from_str(
+        "apiVersion: serving.hearth.dev/v1alpha1\nkind: LLMService\nmetadata: {name: s, namespace: ns}\nspec:\n  model: {source: {uri: hf://org/m}}\n  runtime: {name: vllm}\n  resources: {accelerators: 1}\n",
+    )
+    .unwrap();
+    svc.spec.owner = Some(owner.to_owned());
+    let findings = hearth_crds::rules::check_llmservice(&svc, None);
+    assert_eq!(
+        findings.errors().any(|f| f.field == "spec.owner"),
+        !ok,
+        "{owner:?}: {findings:?}"
+    );
+}
