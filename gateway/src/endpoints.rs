@@ -282,22 +282,22 @@ mod tests {
     fn busy_time_runs_while_any_request_is_outstanding() {
         let set = EndpointSet::fixed([a("198.18.0.1:8000")]);
         let e = set.snapshot()[0].clone();
-        assert_eq!(e.busy(Instant::now()), Duration::ZERO);
+        let later = |ms| Instant::now() + Duration::from_millis(ms);
+        assert_eq!(e.busy(later(50)), Duration::ZERO);
         let first = set.pick().unwrap();
         let second = set.pick().unwrap();
-        std::thread::sleep(Duration::from_millis(30));
+        // Open: it runs up to the time asked about.
+        assert!(e.busy(later(30)) >= Duration::from_millis(30));
         drop(first);
         // One is still outstanding: the period goes on.
-        let during = e.busy(Instant::now());
-        assert!(during >= Duration::from_millis(30), "{during:?}");
+        assert!(e.busy(later(60)) >= Duration::from_millis(60));
         drop(second);
-        let after = e.busy(Instant::now());
-        std::thread::sleep(Duration::from_millis(20));
-        // Closed: idle time adds nothing.
-        assert_eq!(e.busy(Instant::now()), after);
+        // Closed: later times add nothing.
+        let closed = e.busy(Instant::now());
+        assert_eq!(e.busy(later(1000)), closed);
         // Kept while the endpoint stays in the set.
         set.replace([a("198.18.0.1:8000"), a("198.18.0.2:8000")]);
-        assert_eq!(set.snapshot()[0].busy(Instant::now()), after);
+        assert_eq!(set.snapshot()[0].busy(later(1000)), closed);
     }
 
     #[test]
