@@ -239,6 +239,9 @@ impl WakeTiming {
     }
 }
 
+/// The shortest time between two probes of an engine asleep here ([`Tier::step`]).
+pub const REPROBE_MIN: Duration = Duration::from_secs(5);
+
 /// Delay before the next try after `failures` failed calls in a row: 1 s doubling to 30 s.
 pub fn retry_delay(failures: u32) -> Duration {
     Duration::from_secs(1u64 << failures.saturating_sub(1).min(5)).min(Duration::from_secs(30))
@@ -250,6 +253,10 @@ struct Engine {
     failures: u32,
     /// No sleep or wake-up is started before this.
     retry_at: Option<Instant>,
+    /// An engine asleep here is asked its state again at this time (while this replica has no
+    /// demand): another replica may have woken it, and only a replica that knows it awake
+    /// puts it to sleep again.
+    reprobe_at: Option<Instant>,
 }
 
 /// The state machine of every engine, without I/O: fed the discovered endpoints, the demand and
@@ -308,6 +315,7 @@ impl Tier {
                         state: State::Probing,
                         failures: 0,
                         retry_at: None,
+                        reprobe_at: None,
                     },
                 );
                 actions.push(Action::Probe(a.clone()));
@@ -342,6 +350,7 @@ impl Tier {
             return Vec::new();
         }
         engine.state = next;
+        engine.reprobe_at = (next == State::Asleep).then(|| now + self.after.max(REPROBE_MIN));
         if failed {
             engine.failures = engine.failures.saturating_add(1);
             engine.retry_at = Some(now + retry_delay(engine.failures));
@@ -358,7 +367,9 @@ impl Tier {
     }
 
     /// Acts on `demand` at `now`: wakes sleeping engines while this replica has demand, puts
-    /// awake ones to sleep once the summed demand has been 0 for `after`.
+    /// awake ones to sleep once the summed demand has been 0 for `after`, and asks an engine
+    /// asleep here for `after` (at least [`REPROBE_MIN`]) its state again (another replica may
+    /// have woken it).
     pub fn step(&mut self, demand: Demand, now: Instant) -> Vec<Action> {
         if demand.anywhere {
             self.idle_since = None;
@@ -382,6 +393,11 @@ impl Tier {
                     engine.state = State::FallingAsleep;
                     actions.push(Action::Sleep(a.clone()));
                 }
+                State::Asleep if engine.reprobe_at.is_some_and(|t| t <= now) => {
+                    engine.state = State::Probing;
+                    engine.reprobe_at = None;
+                    actions.push(Action::Probe(a.clone()));
+                }
                 _ => {}
             }
         }
@@ -397,8 +413,9 @@ impl Tier {
             .filter_map(|e| match e.state {
                 // Put to sleep at the end of the idle period, or after its back-off.
                 State::Awake => idle_end.map(|end| e.retry_at.map_or(end, |r| r.max(end))),
-                // Woken on demand, which wakes the task; after a failure, at its retry.
-                State::Asleep => e.retry_at,
+                // Woken on demand, which wakes the task; after a failure, at its retry; asked
+                // its state again at its re-probe.
+                State::Asleep => [e.retry_at, e.reprobe_at].into_iter().flatten().min(),
                 _ => None,
             })
             .min()
@@ -972,6 +989,32 @@ mod tests {
     }
 
     #[test]
+    fn an_engine_another_replica_woke_is_seen_awake_and_put_to_sleep_again() {
+        let after = Duration::from_secs(10);
+        let t0 = Instant::now();
+        let mut tier = Tier::new(after, t0);
+        let e = a("198.18.0.1:8000");
+        tier.discovered(std::slice::from_ref(&e));
+        tier.outcome(&Outcome::Probed(e.clone(), Ok(true)), t0);
+        // Asleep here; another replica wakes it and serves with it. Nothing to do before `after`.
+        assert!(tier.step(IDLE, t0 + after / 2).is_empty());
+        assert_eq!(tier.next_deadline(), Some(t0 + after));
+        // Then it is asked again, found awake, and put to sleep after `after` without demand.
+        assert_eq!(tier.step(IDLE, t0 + after), [Action::Probe(e.clone())]);
+        tier.outcome(&Outcome::Probed(e.clone(), Ok(false)), t0 + after);
+        assert_eq!(tier.serving(), std::slice::from_ref(&e));
+        assert_eq!(tier.step(IDLE, t0 + after * 2), [Action::Sleep(e.clone())]);
+        // Still asleep when asked: asked again one `after` later.
+        tier.outcome(&Outcome::Slept(e.clone(), Ok(())), t0 + after * 2);
+        assert!(tier.step(IDLE, t0 + after * 2).is_empty());
+        assert_eq!(tier.step(IDLE, t0 + after * 3), [Action::Probe(e.clone())]);
+        tier.outcome(&Outcome::Probed(e.clone(), Ok(true)), t0 + after * 3);
+        assert_eq!(tier.next_deadline(), Some(t0 + after * 4));
+        // Demand here wakes it rather than probing.
+        assert_eq!(tier.step(HERE, t0 + after * 4), [Action::WakeUp(e.clone())]);
+    }
+
+    #[test]
     fn engine_calls_parse_path_and_json_body() {
         let plain: EngineCall = "/wake_up".parse().unwrap();
         assert_eq!(plain.path_and_query.as_str(), "/wake_up");
@@ -1056,7 +1099,8 @@ mod tests {
         assert!(tier.serving().is_empty());
         assert_eq!(tier.state(&e), Some(State::FallingAsleep));
         tier.outcome(&Outcome::Slept(e.clone(), Ok(())), t1);
-        assert_eq!(tier.next_deadline(), None);
+        // Next: asked its state again (another replica may wake it).
+        assert_eq!(tier.next_deadline(), Some(t1 + after));
         // A peer's demand does not wake it: the peer does.
         assert!(tier.step(PEER, t1).is_empty());
         assert_eq!(tier.step(HERE, t1), [Action::WakeUp(e.clone())]);
