@@ -3,7 +3,7 @@
 //! by their keys and `spec.owner: platform`. One run goes through every phase:
 //! - a cold start `team-a` waited for, its request served, idle, asleep;
 //! - a gateway restart (every gateway pod deleted), then `team-b` wakes the engine and is
-//!   served; a controller restart while the pod runs;
+//!   served; a controller restart while the pod runs; asleep again;
 //! - a warm window opened: served, idle inside it until the ledger shows it; the window
 //!   removed, the service goes to zero;
 //! - a second cold start, `team-b`'s, served, then zero again.
@@ -308,6 +308,9 @@ async fn accelerator_seconds_add_up_across_restarts() -> Result<()> {
         "controller",
     )
     .await?;
+    // The old gateway may have woken the engine while draining: the new one, which found it
+    // asleep, asks again and puts it back to sleep.
+    wait_asleep(&d).await?;
 
     // 3. A warm window: served, idle inside it, asleep; closed, the service goes to zero.
     let patch = |w: Value| json!({"spec": {"scaling": {"warmWindows": w}}});
