@@ -119,6 +119,13 @@ impl PhaseSeconds {
         }
     }
 
+    /// Adds `other`, phase by phase.
+    pub fn add(&mut self, other: &PhaseSeconds) {
+        for p in Phase::ALL {
+            *self.slot(p) += other.get(p);
+        }
+    }
+
     /// Every phase summed.
     pub fn total(&self) -> f64 {
         Phase::ALL.iter().map(|p| self.get(*p)).sum()
@@ -131,10 +138,7 @@ pub type Charges = BTreeMap<String, PhaseSeconds>;
 /// Adds `from` into `into`.
 pub fn add_charges(into: &mut Charges, from: &Charges) {
     for (tenant, secs) in from {
-        let to = into.entry(tenant.clone()).or_default();
-        for p in Phase::ALL {
-            *to.slot(p) += secs.get(p);
-        }
+        into.entry(tenant.clone()).or_default().add(secs);
     }
 }
 
@@ -142,9 +146,7 @@ pub fn add_charges(into: &mut Charges, from: &Charges) {
 pub fn by_phase(c: &Charges) -> PhaseSeconds {
     let mut all = PhaseSeconds::default();
     for secs in c.values() {
-        for p in Phase::ALL {
-            *all.slot(p) += secs.get(p);
-        }
+        all.add(secs);
     }
     all
 }
@@ -277,17 +279,10 @@ pub fn reports_of(
 }
 
 /// `a − b` of a cumulative count; a smaller `a` is a reset (counted from 0).
-fn delta(a: u64, b: Option<u64>) -> u64 {
+fn delta<T: PartialOrd + std::ops::Sub<Output = T> + Copy>(a: T, b: Option<T>) -> T {
     match b {
         Some(b) if a >= b => a - b,
         _ => a,
-    }
-}
-
-fn delta_f(a: f64, b: Option<f64>) -> f64 {
-    match b {
-        Some(b) if a >= b => a - b,
-        _ => a.max(0.0),
     }
 }
 
@@ -337,9 +332,10 @@ fn activity(ledger: &mut Ledger, obs: &Observation) -> Activity {
             seen.0 = true;
             seen.1 |= e.serving;
             if e.serving {
+                let busy = e.busy_seconds.max(0.0);
                 let before = prev.and_then(|p| p.busy.get(&e.address)).copied();
-                *act.busy.entry(host).or_default() += delta_f(e.busy_seconds, before);
-                counts.busy.insert(e.address.clone(), e.busy_seconds);
+                *act.busy.entry(host).or_default() += delta(busy, before);
+                counts.busy.insert(e.address.clone(), busy);
             }
         }
         next.insert(instance.clone(), counts);
@@ -624,8 +620,8 @@ pub fn usage_table(rows: &[UsageRow]) -> String {
     out
 }
 
-/// The label of the ledger ConfigMaps.
-pub const LEDGER_SELECTOR: &str = "app.kubernetes.io/component=accelerator-usage";
+/// The `app.kubernetes.io/component` of the ledger ConfigMaps.
+pub const LEDGER_COMPONENT: &str = "accelerator-usage";
 
 /// The ledgers of `namespace` (every namespace: `None`), of one `service` or all, as
 /// `(namespace, service, ledger)`.
@@ -644,16 +640,14 @@ pub async fn read_ledgers(
         None => kube::Api::all(client.clone()),
     };
     let label = hearth_crds::wellknown::LLMSERVICE_LABEL;
-    let mut selector = LEDGER_SELECTOR.to_owned();
+    let mut selector = format!("app.kubernetes.io/component={LEDGER_COMPONENT}");
     if let Some(s) = service {
         selector.push_str(&format!(",{label}={s}"));
     }
     let list = api
         .list(&kube::api::ListParams::default().labels(&selector))
         .await
-        .with_context(|| {
-            format!("listing the usage ledgers (ConfigMaps labelled {LEDGER_SELECTOR})")
-        })?;
+        .with_context(|| format!("listing the usage ledgers (ConfigMaps labelled {selector})"))?;
     let mut out = Vec::new();
     for cm in &list.items {
         let Some(json) = cm.data.as_ref().and_then(|d| d.get(LEDGER_KEY)) else {

@@ -116,10 +116,11 @@ pub(super) async fn run(ctx: Arc<Context>, gone: GoneLog) {
             g.clone()
         };
         // The services with something to charge: pods now, or pods at the last tick.
+        let mut by_service = backend_pods(&ctx);
         let mut work = Vec::new();
         for svc in services {
             let key = (svc.namespace().unwrap_or_default(), svc.name_any());
-            let pods = pods_of(&ctx, &key.0, &key.1);
+            let pods = by_service.remove(&key).unwrap_or_default();
             if !ledgers.contains_key(&key) {
                 match load(&ctx, &key.0, &key.1).await {
                     Ok(ledger) => {
@@ -197,24 +198,25 @@ pub fn owner(svc: &LLMService) -> String {
         .unwrap_or_else(|| svc.namespace().unwrap_or_default())
 }
 
-/// The service's backend pods in the cache, as the meter reads them; a pod that finished
-/// (`Succeeded`, `Failed`) and is not being deleted (an evicted pod kept for its record) holds
-/// no device and is left out; one being deleted counts until it is gone.
-fn pods_of(ctx: &Context, ns: &str, name: &str) -> Vec<PodNow> {
-    ctx.pods
-        .state()
-        .iter()
-        .filter(|p| {
-            p.namespace().as_deref() == Some(ns)
-                && p.labels().get(LLMSERVICE_LABEL).map(String::as_str) == Some(name)
-                && (p.metadata.deletion_timestamp.is_some()
-                    || !matches!(
-                        p.status.as_ref().and_then(|s| s.phase.as_deref()),
-                        Some("Succeeded" | "Failed")
-                    ))
-        })
-        .map(|p| pod_now(p))
-        .collect()
+/// The backend pods in the cache by service (`(namespace, name)`), as the meter reads them;
+/// a pod that finished (`Succeeded`, `Failed`) and is not being deleted (an evicted pod kept
+/// for its record) holds no device and is left out; one being deleted counts until it is gone.
+fn backend_pods(ctx: &Context) -> HashMap<(String, String), Vec<PodNow>> {
+    let mut out: HashMap<(String, String), Vec<PodNow>> = HashMap::new();
+    for p in ctx.pods.state() {
+        let finished = matches!(
+            p.status.as_ref().and_then(|s| s.phase.as_deref()),
+            Some("Succeeded" | "Failed")
+        );
+        if finished && p.metadata.deletion_timestamp.is_none() {
+            continue;
+        }
+        let (Some(ns), Some(name)) = (p.namespace(), p.labels().get(LLMSERVICE_LABEL)) else {
+            continue;
+        };
+        out.entry((ns, name.clone())).or_default().push(pod_now(&p));
+    }
+    out
 }
 
 /// A pod as [`metering::advance`] reads it.
@@ -247,9 +249,15 @@ async fn reports(
     } else {
         format!("{METERING_PATH}?service={}", gw.key)
     };
+    let answers = futures::future::join_all(
+        gw.ips
+            .iter()
+            .map(|ip| handover::get_json::<MeteringReport>(ctx, ip, gw.port, &path, REPORT_LIMIT)),
+    )
+    .await;
     let mut out = Vec::new();
-    for ip in &gw.ips {
-        match handover::get_json::<MeteringReport>(ctx, ip, gw.port, &path, REPORT_LIMIT).await {
+    for (ip, a) in gw.ips.iter().zip(answers) {
+        match a {
             Ok(r) => out.push(r),
             Err(e) => {
                 tracing::info!(llmservice = %svc.name_any(), gateway = %ip, error = %e, "reading a gateway's metering report failed; this tick is charged without its activity");
@@ -312,10 +320,7 @@ async fn persist(ctx: &Context, svc: &LLMService, ledger: &Ledger) -> Result<(),
                     ("app.kubernetes.io/name".to_owned(), "hearth".to_owned()),
                     (
                         "app.kubernetes.io/component".to_owned(),
-                        metering::LEDGER_SELECTOR
-                            .rsplit_once('=')
-                            .map_or("", |(_, v)| v)
-                            .to_owned(),
+                        metering::LEDGER_COMPONENT.to_owned(),
                     ),
                     (LLMSERVICE_LABEL.to_owned(), name.clone()),
                 ]

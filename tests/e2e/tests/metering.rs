@@ -169,31 +169,6 @@ fn scheduled_ms(p: &Pod) -> Option<i64> {
         .map(|t| t.as_millisecond())
 }
 
-/// Waits until the engine of the only backend pod is asleep (`GET /is_sleeping`).
-async fn wait_asleep(d: &stack::Deployed) -> Result<()> {
-    wait_until(
-        "the backend engine asleep",
-        Duration::from_secs(60),
-        || async {
-            let pods = d.backend_pods().await?;
-            let Some(ip) = pods.first().and_then(|p| p.status.as_ref()?.pod_ip.clone()) else {
-                return Ok(Observed::NotYet("no backend pod IP".to_owned()));
-            };
-            let (status, body) = client::get(
-                &format!("http://{ip}:8000/is_sleeping"),
-                Duration::from_secs(5),
-            )
-            .await?;
-            Ok(if status == 200 && body.contains("true") {
-                Observed::Ready(())
-            } else {
-                Observed::NotYet(format!("{status} {body}"))
-            })
-        },
-    )
-    .await
-}
-
 /// Deletes the pods of `selector` in `ns` and waits until a new one is Ready.
 async fn restart(client: &kube::Client, ns: &str, selector: &str, what: &str) -> Result<()> {
     let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
@@ -254,16 +229,7 @@ async fn accelerator_seconds_add_up_across_restarts() -> Result<()> {
     let client = cluster.client();
     harness::ensure_hearth(&client, cluster.kubeconfig()).await?;
     harness::apply(&client, runtime()?, None).await?;
-    let secrets: Vec<Value> = KEYS
-        .iter()
-        .map(|(tenant, key)| {
-            json!({
-                "apiVersion": "v1", "kind": "Secret",
-                "metadata": {"name": format!("{tenant}-keys")},
-                "stringData": {"api-keys": format!("{key}\n")},
-            })
-        })
-        .collect();
+    let secrets = stack::key_secrets(&KEYS);
     let d = stack::deploy_with("e2e-metering", ScalerMode::Push, secrets, |svc| {
         svc["spec"]["runtime"] = json!({"name": runtime_name()});
         svc["spec"]["resources"]["accelerators"] = json!(DEVICES);
@@ -286,7 +252,7 @@ async fn accelerator_seconds_add_up_across_restarts() -> Result<()> {
     ask(&d.url, "team-a")
         .await
         .context("team-a's cold request")?;
-    wait_asleep(&d).await?;
+    d.wait_engine(true, Duration::from_secs(60)).await?;
 
     // 2. Every gateway pod replaced; team-b wakes the engine. Then the controller restarts
     //    while the pod runs.
@@ -310,7 +276,7 @@ async fn accelerator_seconds_add_up_across_restarts() -> Result<()> {
     .await?;
     // The old gateway may have woken the engine while draining: the new one, which found it
     // asleep, asks again and puts it back to sleep.
-    wait_asleep(&d).await?;
+    d.wait_engine(true, Duration::from_secs(60)).await?;
 
     // 3. A warm window: served, idle inside it, asleep; closed, the service goes to zero.
     let patch = |w: Value| json!({"spec": {"scaling": {"warmWindows": w}}});

@@ -58,48 +58,6 @@ fn sleep_runtime() -> Result<Value> {
     Ok(rt)
 }
 
-/// `GET http://<pod IP>:8000/is_sleeping` of the only backend pod, and that pod.
-async fn engine_sleeping(d: &stack::Deployed) -> Result<(bool, Pod)> {
-    let pods = d.backend_pods().await?;
-    let [pod] = pods.as_slice() else {
-        anyhow::bail!("{} backend pods, expected 1", pods.len());
-    };
-    let ip = pod
-        .status
-        .as_ref()
-        .and_then(|s| s.pod_ip.clone())
-        .context("the backend pod has no IP")?;
-    let (status, body) = client::get(
-        &format!("http://{ip}:8000/is_sleeping"),
-        Duration::from_secs(5),
-    )
-    .await?;
-    ensure!(status == 200, "GET /is_sleeping answered {status}: {body}");
-    let v: Value = serde_json::from_str(&body)?;
-    let sleeping = v["is_sleeping"]
-        .as_bool()
-        .with_context(|| format!("GET /is_sleeping answered {body}"))?;
-    Ok((sleeping, pod.clone()))
-}
-
-async fn wait_engine(d: &stack::Deployed, asleep: bool, timeout: Duration) -> Result<Pod> {
-    wait_until(
-        format!(
-            "the backend engine {}",
-            if asleep { "asleep" } else { "awake" }
-        ),
-        timeout,
-        || async {
-            Ok(match engine_sleeping(d).await {
-                Ok((s, pod)) if s == asleep => Observed::Ready(pod),
-                Ok((s, _)) => Observed::NotYet(format!("is_sleeping {s}")),
-                Err(e) => Observed::NotYet(e.to_string()),
-            })
-        },
-    )
-    .await
-}
-
 /// The controller's record of the last 0 → 1 (`status.lastActivation`) once it names `pod`.
 async fn activation(d: &stack::Deployed, pod: &str) -> Result<Activation> {
     let api: kube::Api<LLMService> = kube::Api::namespaced(d.cluster.client(), d.ns.name());
@@ -162,11 +120,11 @@ async fn sleep_then_wake(mode: ScalerMode) -> Result<()> {
     // 0 → 1 on a cold request, as without the tier.
     let cold = client::chat(&d.url, SERVICE, false, Duration::from_secs(150)).await?;
     ensure!(cold.status == 200, "cold request answered {}", cold.status);
-    let awake_pod = wait_engine(&d, false, Duration::from_secs(10)).await?;
+    let awake_pod = d.wait_engine(false, Duration::from_secs(10)).await?;
     let first = activation(&d, &pod_name(&awake_pod)).await?;
 
     // Idle for sleep.after: the engine sleeps, its pod stays.
-    let slept_pod = wait_engine(&d, true, Duration::from_secs(60)).await?;
+    let slept_pod = d.wait_engine(true, Duration::from_secs(60)).await?;
     let slept_at = Instant::now();
     ensure!(
         slept_pod.metadata.uid == awake_pod.metadata.uid,
@@ -197,7 +155,7 @@ async fn sleep_then_wake(mode: ScalerMode) -> Result<()> {
         .iter()
         .take_while(|(_, e)| *e == Event::Heartbeat)
         .count();
-    let woken_pod = wait_engine(&d, false, Duration::from_secs(5)).await?;
+    let woken_pod = d.wait_engine(false, Duration::from_secs(5)).await?;
     ensure!(
         woken_pod.metadata.uid == awake_pod.metadata.uid && restarts(&woken_pod) == 0,
         "the engine was not woken in place: pod {:?} with {} restarts",
@@ -228,7 +186,7 @@ async fn sleep_then_wake(mode: ScalerMode) -> Result<()> {
     );
 
     // Idle again: asleep again, then at zero after scaleDownStabilization.
-    wait_engine(&d, true, Duration::from_secs(60)).await?;
+    d.wait_engine(true, Duration::from_secs(60)).await?;
     d.wait_zero(Duration::from_secs(180)).await?;
     let zero = Instant::now();
 
@@ -239,7 +197,7 @@ async fn sleep_then_wake(mode: ScalerMode) -> Result<()> {
         "second cold request answered {}",
         again.status
     );
-    let second_pod = wait_engine(&d, false, Duration::from_secs(10)).await?;
+    let second_pod = d.wait_engine(false, Duration::from_secs(10)).await?;
     let second = activation(&d, &pod_name(&second_pod)).await?;
     // The controller's status writes since (phases, a second lastActivation) kept the
     // gateway's record.

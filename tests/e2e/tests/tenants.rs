@@ -122,16 +122,7 @@ async fn metrics(base: &str) -> Result<String> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tenants_share_a_saturated_model_by_band_and_fair_share_within_their_quotas() -> Result<()>
 {
-    let objects: Vec<Value> = KEYS
-        .iter()
-        .map(|(tenant, key)| {
-            json!({
-                "apiVersion": "v1", "kind": "Secret",
-                "metadata": {"name": format!("{tenant}-keys")},
-                "stringData": {"api-keys": format!("{key}\n")},
-            })
-        })
-        .collect();
+    let objects = stack::key_secrets(&KEYS);
     let d = stack::deploy_with("e2e-tenants", ScalerMode::Push, objects, |svc| {
         svc["spec"]["endpoint"]["replicas"] = json!(2);
         svc["spec"]["endpoint"]["containerConcurrency"] = json!(8);

@@ -89,6 +89,20 @@ pub async fn deploy_with(
     Ok(d)
 }
 
+/// One Secret per tenant, `<tenant>-keys` with its key under `api-keys`, as the tenants'
+/// `apiKeySecretRef` names them (for [`deploy_with`]).
+pub fn key_secrets(keys: &[(&str, &str)]) -> Vec<Value> {
+    keys.iter()
+        .map(|(tenant, key)| {
+            serde_json::json!({
+                "apiVersion": "v1", "kind": "Secret",
+                "metadata": {"name": format!("{tenant}-keys")},
+                "stringData": {"api-keys": format!("{key}\n")},
+            })
+        })
+        .collect()
+}
+
 /// The URL of the gateway Service of LLMService `name`, once the controller has made it.
 pub async fn wait_service_url(client: &kube::Client, ns: &str, name: &str) -> Result<String> {
     wait_until(
@@ -177,6 +191,49 @@ impl Deployed {
             .list(&ListParams::default().labels(&backend_selector()))
             .await?
             .items)
+    }
+
+    /// `GET http://<pod IP>:8000/is_sleeping` of the only backend pod, and that pod.
+    pub async fn engine_sleeping(&self) -> Result<(bool, Pod)> {
+        let pods = self.backend_pods().await?;
+        let [pod] = pods.as_slice() else {
+            anyhow::bail!("{} backend pods, expected 1", pods.len());
+        };
+        let ip = pod
+            .status
+            .as_ref()
+            .and_then(|s| s.pod_ip.clone())
+            .context("the backend pod has no IP")?;
+        let (status, body) = hearth_e2e_harness::client::get(
+            &format!("http://{ip}:8000/is_sleeping"),
+            Duration::from_secs(5),
+        )
+        .await?;
+        anyhow::ensure!(status == 200, "GET /is_sleeping answered {status}: {body}");
+        let v: Value = serde_json::from_str(&body)?;
+        let sleeping = v["is_sleeping"]
+            .as_bool()
+            .with_context(|| format!("GET /is_sleeping answered {body}"))?;
+        Ok((sleeping, pod.clone()))
+    }
+
+    /// Waits until the only backend pod's engine is `asleep` (or awake), and gives the pod.
+    pub async fn wait_engine(&self, asleep: bool, timeout: Duration) -> Result<Pod> {
+        wait_until(
+            format!(
+                "the backend engine {}",
+                if asleep { "asleep" } else { "awake" }
+            ),
+            timeout,
+            || async {
+                Ok(match self.engine_sleeping().await {
+                    Ok((s, pod)) if s == asleep => Observed::Ready(pod),
+                    Ok((s, _)) => Observed::NotYet(format!("is_sleeping {s}")),
+                    Err(e) => Observed::NotYet(e.to_string()),
+                })
+            },
+        )
+        .await
     }
 
     /// Waits until the backend has no replica and no pod left.
