@@ -1395,12 +1395,66 @@ async fn tenants_overhead() {
         }
     }
     println!();
+    // The gateway's own cost, apart from the client's: its CPU time per small-JSON request.
+    let children = [
+        ("keys off", off.id(), off_port),
+        ("keys, 2 tenants", on.id(), on_port),
+        ("keys, 2 tenants, quotas", quota.id(), quota_port),
+        ("keys off, second instance", off2.id(), off2_port),
+    ];
+    let cpu_rounds = if quick() { 2 } else { 10 };
+    let cpu_per_round = if quick() { 100 } else { 1000 };
+    let mut cpu = vec![Duration::ZERO; children.len()];
+    for _ in 0..cpu_rounds {
+        for (i, (_, pid, port)) in children.iter().enumerate() {
+            let url = format!("http://127.0.0.1:{port}/v1/chat/completions");
+            let before = process_cpu(*pid);
+            for _ in 0..cpu_per_round {
+                one(&c, &url, &small_json(), Some(BENCH_KEY)).await;
+            }
+            cpu[i] += process_cpu(*pid).saturating_sub(before);
+        }
+    }
+    let n = (cpu_rounds * cpu_per_round) as u32;
+    println!(
+        "The gateway child's CPU time (user and system, all its threads, from \
+         `/proc/<pid>/task/*/schedstat`) per small-JSON request at concurrency 1, {} requests \
+         per path in {cpu_rounds} interleaved rounds: the gateway's own cost, without the \
+         client's.\n",
+        n
+    );
+    println!("| path | CPU µs per request | vs keys off µs |");
+    println!("|---|---:|---:|");
+    for (i, (name, _, _)) in children.iter().enumerate() {
+        let per = cpu[i] / n;
+        let vs = if i == 0 {
+            "—".to_owned()
+        } else {
+            format!(
+                "{:+.1}",
+                (per.as_secs_f64() - (cpu[0] / n).as_secs_f64()) * 1e6
+            )
+        };
+        println!("| {name} | {:.1} | {vs} |", per.as_secs_f64() * 1e6);
+    }
+    println!();
     for child in [&mut off, &mut off2, &mut on, &mut quota] {
         drop(child.stdin.take());
         let _ = child.wait();
     }
     let _ = stub.shutdown().await;
     tenant_steps_in_process(keys.path());
+}
+
+/// CPU time process `pid` has used so far: the sum over its threads of the first field of
+/// `/proc/<pid>/task/<tid>/schedstat` (ns on a CPU, user and system).
+fn process_cpu(pid: u32) -> Duration {
+    let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).expect("the child's /proc");
+    let ns: u64 = tasks
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("schedstat")).ok())
+        .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
+        .sum();
+    Duration::from_nanos(ns)
 }
 
 /// Mean ns of `f` over `n` calls (after `n / 10` to warm up).
@@ -1462,7 +1516,14 @@ fn tenant_steps_in_process(dir: &std::path::Path) {
             "quota: admit, `x-ratelimit-*` headers, settle to the usage",
             mean_ns(n, |i| {
                 quotas.admit(1, 20, Instant::now()).unwrap();
-                std::hint::black_box(quotas.headers(1));
+                // Into an answer's headers, as the gateway writes them.
+                let mut answer = http::HeaderMap::with_capacity(4);
+                answer.insert(
+                    http::header::CONTENT_TYPE,
+                    "application/json".parse().unwrap(),
+                );
+                quotas.write_headers(1, &mut answer);
+                std::hint::black_box(answer);
                 quotas.settle(1, (i % 7) as i64 - 3);
             }),
         ),

@@ -254,11 +254,17 @@ impl Quotas {
 
     /// OpenAI's rate-limit headers for `tenant` now (none without a quota).
     pub fn headers(&self, tenant: TenantId) -> HeaderMap {
+        let mut h = HeaderMap::with_capacity(6);
+        self.write_headers(tenant, &mut h);
+        h
+    }
+
+    /// Writes OpenAI's rate-limit headers for `tenant` now into `h` (an answer's own headers:
+    /// no map of their own is built), replacing any of the same name; none without a quota.
+    pub fn write_headers(&self, tenant: TenantId, h: &mut HeaderMap) {
         let now = Instant::now();
-        let mut state = self.lock();
-        match state.get_mut(tenant as usize) {
-            Some(q) => headers_of(q, now),
-            None => HeaderMap::new(),
+        if let Some(q) = self.lock().get_mut(tenant as usize) {
+            write_headers(q, now, h);
         }
     }
 
@@ -368,6 +374,12 @@ const HEADERS: [(Limit, [HeaderName; 3]); 2] = [
 
 fn headers_of(q: &mut TenantQuota, now: Instant) -> HeaderMap {
     let mut h = HeaderMap::with_capacity(6);
+    write_headers(q, now, &mut h);
+    h
+}
+
+/// Writes `q`'s `x-ratelimit-*` headers at `now` into `h`.
+fn write_headers(q: &mut TenantQuota, now: Instant, h: &mut HeaderMap) {
     for (limit, [limit_name, remaining, reset]) in HEADERS {
         let bucket = match limit {
             Limit::Requests => &mut q.requests,
@@ -384,7 +396,6 @@ fn headers_of(q: &mut TenantQuota, now: Instant) -> HeaderMap {
             h.insert(reset, v);
         }
     }
-    h
 }
 
 /// A duration as OpenAI writes it in `x-ratelimit-reset-*`: `"1s"`, `"6m0s"`, `"20ms"`.

@@ -115,7 +115,7 @@ fn with_quota_headers(
     mut resp: Response,
 ) -> Response {
     if shared.quotas.limited(tenant) {
-        resp.headers_mut().extend(shared.quotas.headers(tenant));
+        shared.quotas.write_headers(tenant, resp.headers_mut());
     }
     resp
 }
