@@ -6,8 +6,9 @@
 //!   `parentRefs`); the reference's namespace defaults to the service's ([`endpoint_key`]).
 //! - The endpoint says which namespaces may join (`spec.allowedServices.namespaces`, like a
 //!   listener's `allowedRoutes`): `Same` (its own namespace, the default), `All`, or `Selector`
-//!   (namespaces whose labels match the label selector, matched by the policy engine's
-//!   `hearth_policies::matching::selector_matches`, the one label-selector matcher of Hearth).
+//!   (namespaces whose labels match the label selector): `hearth_crds::rules::namespace_admits`,
+//!   the rule an LLMService's `spec.allowedAdapters` uses too, with the one label-selector
+//!   matcher of Hearth (`hearth_crds::rules::selector_matches`).
 //!   An endpoint whose spec breaks the rules (`hearth_crds::rules::check_llmendpoint`) admits
 //!   no one.
 //! - A service's model name is its served model name, the service's name (the runtime templates
@@ -28,7 +29,7 @@ use std::collections::BTreeMap;
 
 use hearth_crds::{
     LLMEndpoint, LLMService,
-    llmendpoint::{AttachReason, EndpointConflict, EndpointModel, FromNamespaces, MemberKind},
+    llmendpoint::{AttachReason, EndpointConflict, EndpointModel, MemberKind},
     rules,
     wellknown::MODEL_ANNOTATION,
 };
@@ -411,36 +412,20 @@ fn admits(
         ));
     }
     let allowed = &ep.spec.allowed_services.namespaces;
-    match allowed.from {
-        FromNamespaces::All => Ok(()),
-        FromNamespaces::Same if namespace == key.namespace => Ok(()),
-        FromNamespaces::Same => Err(format!(
+    match rules::namespace_admits(
+        allowed,
+        &key.namespace,
+        namespace,
+        namespace_labels.get(namespace),
+    ) {
+        Ok(()) => Ok(()),
+        Err(rules::NotAdmitted::OtherNamespace) => Err(format!(
             "LLMEndpoint {key} admits services of its own namespace {} only (spec.allowedServices.namespaces.from: Same): on the endpoint set from: All, or from: Selector with a selector matching namespace {namespace}",
             key.namespace
         )),
-        FromNamespaces::Selector => {
-            let labels = namespace_labels.get(namespace).map(|l| {
-                l.iter()
-                    .map(|(k, v)| (k.clone(), serde_json::Value::String(v.clone())))
-                    .collect::<serde_json::Map<_, _>>()
-            });
-            let matched = match (&allowed.selector, &labels) {
-                (Some(sel), Some(l)) => hearth_policies::matching::selector_matches(sel, Some(l)),
-                _ => false,
-            };
-            if matched {
-                Ok(())
-            } else {
-                let selector = allowed
-                    .selector
-                    .as_ref()
-                    .and_then(|s| serde_json::to_string(s).ok())
-                    .unwrap_or_else(|| "(none)".to_owned());
-                Err(format!(
-                    "the labels of namespace {namespace} do not match spec.allowedServices.namespaces.selector of LLMEndpoint {key} ({selector}): label the namespace to match it, or change the endpoint's selector"
-                ))
-            }
-        }
+        Err(rules::NotAdmitted::SelectorMismatch { selector }) => Err(format!(
+            "the labels of namespace {namespace} do not match spec.allowedServices.namespaces.selector of LLMEndpoint {key} ({selector}): label the namespace to match it, or change the endpoint's selector"
+        )),
     }
 }
 

@@ -84,6 +84,90 @@ pub struct InferenceRuntimeSpec {
     /// reports progress in the `ImagePrePulled` condition. A Hearth extension of the public API.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub pre_pull: bool,
+
+    /// adapters says that the engine serves LoRA adapters (`LLMAdapter`s) on top of the base
+    /// model, loaded and unloaded at run time, and within which limits. Without it an
+    /// LLMAdapter naming a service on this runtime is refused. A Hearth extension of the public
+    /// API.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub adapters: Option<RuntimeAdapters>,
+}
+
+/// How an engine serves LoRA adapters (vLLM:
+/// <https://docs.vllm.ai/en/latest/features/lora.html>): the flags and environment that turn
+/// it on, the limits Hearth keeps to, and the calls that load and unload one, each `POST` with
+/// a JSON body: `{"lora_name": <servedName>, "lora_path": <directory>}` to load,
+/// `{"lora_name": <servedName>}` to unload (vLLM's `/v1/load_lora_adapter` and
+/// `/v1/unload_lora_adapter`, served with `VLLM_ALLOW_RUNTIME_LORA_UPDATING=true`). Hearth
+/// loads through these calls rather than vLLM's filesystem resolver because the resolver
+/// never unloads: Hearth keeps at most `maxLoaded` per engine and unloads the least recently
+/// used. A Hearth extension of the public API.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RuntimeAdapters {
+    /// args are added to the engine's arguments when its service has adapters (vLLM:
+    /// `--enable-lora`, `--max-loras=<adapters in one batch>`,
+    /// `--max-cpu-loras=<maxLoaded or more>`, `--max-lora-rank=<maxRank>`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 32), inner(length(max = 4096)))]
+    pub args: Vec<String>,
+
+    /// env is added to the engine's environment when its service has adapters (vLLM serves
+    /// the load and unload calls only with `VLLM_ALLOW_RUNTIME_LORA_UPDATING=true`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 32))]
+    pub env: Vec<EnvVar>,
+
+    /// maxRank is the highest LoRA rank the engine accepts (vLLM's `--max-lora-rank`, default
+    /// 16); an adapter declaring a higher `spec.rank` is refused.
+    #[serde(default = "default_max_rank")]
+    #[schemars(range(min = 1, max = 512))]
+    pub max_rank: i32,
+
+    /// maxLoaded is how many adapters Hearth keeps loaded in one engine at once (default 8;
+    /// not more than vLLM's `--max-cpu-loras`, or the engine evicts and reloads them itself);
+    /// loading one more first unloads the least recently used.
+    #[serde(default = "default_max_loaded")]
+    #[schemars(range(min = 1, max = 1024))]
+    pub max_loaded: i32,
+
+    /// maxAdapters is how many LLMAdapters one service may have (default 100).
+    #[serde(default = "default_max_adapters")]
+    #[schemars(range(min = 1, max = 10000))]
+    pub max_adapters: i32,
+
+    /// loadPath is the path of the load call.
+    #[serde(default = "default_load_path")]
+    #[schemars(length(min = 1, max = 256), regex(pattern = r"^/[^?#\s]*$"))]
+    pub load_path: String,
+
+    /// unloadPath is the path of the unload call.
+    #[serde(default = "default_unload_path")]
+    #[schemars(length(min = 1, max = 256), regex(pattern = r"^/[^?#\s]*$"))]
+    pub unload_path: String,
+}
+
+/// vLLM's default `--max-lora-rank`.
+pub const DEFAULT_MAX_RANK: i32 = 16;
+/// The default `spec.adapters.maxLoaded`.
+pub const DEFAULT_MAX_LOADED: i32 = 8;
+/// The default `spec.adapters.maxAdapters`.
+pub const DEFAULT_MAX_ADAPTERS: i32 = 100;
+
+fn default_max_rank() -> i32 {
+    DEFAULT_MAX_RANK
+}
+fn default_max_loaded() -> i32 {
+    DEFAULT_MAX_LOADED
+}
+fn default_max_adapters() -> i32 {
+    DEFAULT_MAX_ADAPTERS
+}
+fn default_load_path() -> String {
+    "/v1/load_lora_adapter".to_owned()
+}
+fn default_unload_path() -> String {
+    "/v1/unload_lora_adapter".to_owned()
 }
 
 /// How an engine sleeps and wakes, over HTTP on its serving port (vLLM:

@@ -4,6 +4,7 @@
 //! - [`InferenceRuntime`] (cluster-scoped): a backend driver as data.
 //! - [`ServingPolicy`] (cluster-scoped): a platform team's CEL policy.
 //! - [`LLMEndpoint`] (namespaced): one OpenAI base URL for many services, routed by `model`.
+//! - [`LLMAdapter`] (namespaced): a LoRA adapter on a base service's engine.
 //!
 //! The CRD manifests under `crds/` are generated from these types by
 //! `cargo run -p hearth-crds --example crdgen` and checked fresh by this crate's tests.
@@ -11,6 +12,7 @@
 pub mod cron;
 pub mod duration;
 pub mod inferenceruntime;
+pub mod llmadapter;
 pub mod llmendpoint;
 pub mod llmservice;
 pub mod metering;
@@ -24,6 +26,7 @@ pub mod wellknown;
 
 pub use duration::{Duration, DurationError, go_duration, parse_duration};
 pub use inferenceruntime::{InferenceRuntime, InferenceRuntimeSpec, InferenceRuntimeStatus};
+pub use llmadapter::{LLMAdapter, LLMAdapterSpec, LLMAdapterStatus};
 pub use llmendpoint::{LLMEndpoint, LLMEndpointSpec, LLMEndpointStatus};
 pub use llmservice::{
     Activation, ActivationPhases, LLMService, LLMServicePhase, LLMServiceSpec, LLMServiceStatus,
@@ -46,6 +49,7 @@ pub fn crds() -> Vec<(&'static str, CustomResourceDefinition)> {
         ("inferenceruntimes.yaml", InferenceRuntime::crd()),
         ("servingpolicies.yaml", ServingPolicy::crd()),
         ("llmendpoints.yaml", LLMEndpoint::crd()),
+        ("llmadapters.yaml", LLMAdapter::crd()),
     ]
 }
 

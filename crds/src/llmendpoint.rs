@@ -87,7 +87,8 @@ pub struct AllowedServices {
     pub namespaces: ServiceNamespaces,
 }
 
-/// Namespaces whose services may join (Gateway API's `RouteNamespaces`).
+/// Namespaces admitted: whose services may join an endpoint (`allowedServices`), whose
+/// adapters may attach to a service (`allowedAdapters`); Gateway API's `RouteNamespaces`.
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 #[schemars(extend("x-kubernetes-validations" = [{
@@ -95,8 +96,8 @@ pub struct AllowedServices {
     "message": "set namespaces.selector exactly when namespaces.from is Selector"
 }]))]
 pub struct ServiceNamespaces {
-    /// from: `Same` (the endpoint's namespace, the default), `All`, or `Selector` (namespaces
-    /// whose labels match `selector`).
+    /// from: `Same` (the object's own namespace, the default), `All`, or `Selector`
+    /// (namespaces whose labels match `selector`).
     #[serde(default)]
     pub from: FromNamespaces,
 

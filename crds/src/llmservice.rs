@@ -80,6 +80,27 @@ pub struct LLMServiceSpec {
         regex(pattern = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
     )]
     pub owner: Option<String>,
+
+    /// allowedAdapters says from which namespaces LLMAdapters may attach to this service
+    /// (default: its own namespace only), as Gateway API's `allowedRoutes`. A Hearth extension
+    /// of the public API.
+    #[serde(default, skip_serializing_if = "AllowedAdapters::is_default")]
+    pub allowed_adapters: AllowedAdapters,
+}
+
+/// Which LLMAdapters may attach to a service (Gateway API's `AllowedRoutes`).
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct AllowedAdapters {
+    /// namespaces from which adapters may attach.
+    #[serde(default)]
+    pub namespaces: crate::llmendpoint::ServiceNamespaces,
+}
+
+impl AllowedAdapters {
+    fn is_default(&self) -> bool {
+        *self == Self::default()
+    }
 }
 
 /// Where the model comes from: an inline source, or (not implemented yet) a catalog entry.

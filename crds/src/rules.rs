@@ -2,6 +2,8 @@
 //! admission webhook and the controller apply, so a service the webhook admits is one the
 //! controller renders, and one it denies is one the controller refuses.
 //!
+//! [`check_llmadapter`] (in [`adapters`]) is the same for an `LLMAdapter` on its base.
+//!
 //! [`check_llmendpoint`] is the same for an `LLMEndpoint` (a shared gateway for many services),
 //! and [`check_deployment`] (with [`check_member_serving`]) for a plain `Deployment` that joins
 //! one with the `serving.hearth.dev/endpoint` annotation.
@@ -21,6 +23,11 @@
 //! docs/webhook.md). With `runtime: None` the checks that need the runtime are skipped.
 
 use std::{collections::BTreeMap, fmt};
+
+pub mod adapters;
+pub mod namespaces;
+pub use adapters::{AdapterContext, TakenName, check_llmadapter};
+pub use namespaces::{NotAdmitted, namespace_admits, selector_matches};
 
 use k8s_openapi::{
     api::{
@@ -103,6 +110,20 @@ pub enum Reason {
     FieldIgnored,
     /// A vendor listed twice (a warning).
     DuplicateVendor,
+    /// An adapter's base `LLMService` does not exist.
+    ServiceNotFound,
+    /// An adapter's base has no resolved runtime yet (a warning).
+    RuntimeNotResolved,
+    /// An adapter's base does not admit the adapter's namespace (`spec.allowedAdapters`).
+    NotAllowedByService,
+    /// An adapter's base runs on a runtime without `spec.adapters`.
+    AdaptersNotSupported,
+    /// An adapter's `spec.rank` is above the runtime's `spec.adapters.maxRank`.
+    RankTooHigh,
+    /// The base has the runtime's `spec.adapters.maxAdapters` adapters already.
+    TooManyAdapters,
+    /// An adapter's model name is taken on the same gateway.
+    ModelNameConflict,
 }
 
 impl Reason {
@@ -118,14 +139,28 @@ impl Reason {
             Reason::StrategyNotImplemented => "StrategyNotImplemented",
             Reason::FieldIgnored => "FieldIgnored",
             Reason::DuplicateVendor => "DuplicateVendor",
+            Reason::ServiceNotFound => "ServiceNotFound",
+            Reason::RuntimeNotResolved => "RuntimeNotResolved",
+            Reason::NotAllowedByService => "NotAllowedByService",
+            Reason::AdaptersNotSupported => "AdaptersNotSupported",
+            Reason::RankTooHigh => "RankTooHigh",
+            Reason::TooManyAdapters => "TooManyAdapters",
+            Reason::ModelNameConflict => "ModelNameConflict",
         }
     }
 
     /// The status condition an error with this reason is reported under: `CacheReady` for the
-    /// cache, `Ready` for everything else.
+    /// cache, `Accepted` for an adapter's base, `Ready` for everything else.
     pub fn condition_type(self) -> &'static str {
         match self {
             Reason::StrategyNotImplemented => "CacheReady",
+            Reason::ServiceNotFound
+            | Reason::RuntimeNotResolved
+            | Reason::NotAllowedByService
+            | Reason::AdaptersNotSupported
+            | Reason::RankTooHigh
+            | Reason::TooManyAdapters
+            | Reason::ModelNameConflict => "Accepted",
             _ => "Ready",
         }
     }

@@ -71,26 +71,14 @@ fn labels(obj: Option<&Value>) -> Option<&serde_json::Map<String, Value>> {
 }
 
 /// Whether labels satisfy a `metav1.LabelSelector` (matchLabels and matchExpressions with
-/// In, NotIn, Exists, DoesNotExist). An empty selector matches everything.
+/// In, NotIn, Exists, DoesNotExist). An empty selector matches everything. The rule is
+/// `hearth_crds::rules::selector_matches`; this reads the labels from a JSON object.
 pub fn selector_matches(
     sel: &LabelSelector,
     labels: Option<&serde_json::Map<String, Value>>,
 ) -> bool {
-    let get = |k: &str| labels.and_then(|l| l.get(k)).and_then(Value::as_str);
-    if let Some(ml) = &sel.match_labels
-        && !ml.iter().all(|(k, v)| get(k) == Some(v.as_str()))
-    {
-        return false;
-    }
-    sel.match_expressions.iter().flatten().all(|e| {
-        let values = e.values.as_deref().unwrap_or_default();
-        match e.operator.as_str() {
-            "In" => get(&e.key).is_some_and(|v| values.iter().any(|x| x == v)),
-            "NotIn" => get(&e.key).is_none_or(|v| !values.iter().any(|x| x == v)),
-            "Exists" => get(&e.key).is_some(),
-            "DoesNotExist" => get(&e.key).is_none(),
-            _ => false,
-        }
+    hearth_crds::rules::selector_matches(sel, |k| {
+        labels.and_then(|l| l.get(k)).and_then(Value::as_str)
     })
 }
 

@@ -11,7 +11,7 @@
 //! - A kind the endpoint does not handle (a misconfigured registration) is allowed unchanged, with
 //!   an audit annotation saying so: the webhook must never block objects it does not own.
 
-use hearth_crds::{GROUP, InferenceRuntime, LLMEndpoint, LLMService};
+use hearth_crds::{GROUP, InferenceRuntime, LLMAdapter, LLMEndpoint, LLMService};
 use kube::core::DynamicObject;
 use kube::core::Status;
 use kube::core::admission::{
@@ -134,8 +134,8 @@ pub fn handle(endpoint: Endpoint, body: &[u8], snapshot: &Snapshot) -> Result<An
     }
     // Metric label: bounded to the kinds the webhook handles, whatever a client sends.
     let kind = match req.kind.kind.as_str() {
-        k @ ("LLMService" | "LLMEndpoint" | "InferenceRuntime" | "Deployment" | "StatefulSet"
-        | "Pod") => k,
+        k @ ("LLMService" | "LLMEndpoint" | "LLMAdapter" | "InferenceRuntime" | "Deployment"
+        | "StatefulSet" | "Pod") => k,
         _ => "other",
     }
     .to_owned();
@@ -185,6 +185,10 @@ fn answer(
         (Endpoint::Validate, (GROUP, "LLMEndpoint")) => findings_response(
             base,
             typed::<LLMEndpoint>(object).map(|ep| validate::llmendpoint(&ep)),
+        ),
+        (Endpoint::Validate, (GROUP, "LLMAdapter")) => findings_response(
+            base,
+            typed::<LLMAdapter>(object).map(|a| validate::llmadapter(&a, snapshot)),
         ),
         (Endpoint::Validate, (GROUP, "InferenceRuntime")) => findings_response(
             base,

@@ -1,7 +1,8 @@
 //! Hearth's admission webhook.
 //!
-//! - `POST /validate`: `LLMService` and `InferenceRuntime` checks beyond the CRD schema
-//!   ([`validate`]), and platform `ServingPolicy` validations of annotated workloads.
+//! - `POST /validate`: `LLMService`, `LLMEndpoint`, `LLMAdapter` and `InferenceRuntime` checks
+//!   beyond the CRD schema ([`validate`]), and platform `ServingPolicy` validations of annotated
+//!   workloads.
 //! - `POST /mutate`: Deployments, StatefulSets and Pods annotated with
 //!   `serving.hearth.dev/runtime` or `serving.hearth.dev/vendor` get the built-in and platform
 //!   policies' mutations ([`workload`]).
@@ -24,4 +25,4 @@ pub mod workload;
 
 pub use admission::{Endpoint, handle};
 pub use server::{AppState, Limits, router, serve};
-pub use workload::Snapshot;
+pub use workload::{ServingStores, Snapshot};

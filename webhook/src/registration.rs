@@ -177,6 +177,12 @@ impl Registration {
                     None,
                 ),
                 hook(
+                    "llmadapters.validate",
+                    vec![rule(GROUP, VERSION, "llmadapters", "Namespaced")],
+                    None,
+                    None,
+                ),
+                hook(
                     "inferenceruntimes.validate",
                     vec![rule(GROUP, VERSION, "inferenceruntimes", "Cluster")],
                     None,

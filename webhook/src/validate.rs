@@ -4,7 +4,9 @@
 //!
 //! An `LLMService` goes through `hearth_crds::rules::check_llmservice`, the rules the controller
 //! renders by, so what is admitted is rendered and what the controller would refuse is denied;
-//! an `LLMEndpoint` through `hearth_crds::rules::check_llmendpoint`, likewise.
+//! an `LLMEndpoint` through `hearth_crds::rules::check_llmendpoint`, likewise; an `LLMAdapter`
+//! through `hearth_crds::rules::adapters::check_llmadapter_among` with its base, siblings and
+//! endpoint from the snapshot's stores.
 //! Runtime templates are checked with the parser the controller renders with
 //! (`hearth_crds::template`), names with `hearth_crds::naming`.
 //!
@@ -22,6 +24,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use hearth_crds::inferenceruntime::InferenceRuntime;
+use hearth_crds::llmadapter::LLMAdapter;
 use hearth_crds::llmendpoint::LLMEndpoint;
 use hearth_crds::llmservice::LLMService;
 use hearth_crds::naming::{
@@ -31,6 +34,9 @@ use hearth_crds::rules::{self, Severity};
 use hearth_crds::template;
 use k8s_openapi::api::core::v1::Probe;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use kube::runtime::reflector::ObjectRef;
+
+use crate::workload::Snapshot;
 
 use hearth_policies::{ResolveError, Selection, resolve_runtime};
 
@@ -110,6 +116,64 @@ pub fn llmservice(svc: &LLMService, runtimes: &[InferenceRuntime]) -> Findings {
 pub fn llmendpoint(ep: &LLMEndpoint) -> Findings {
     let mut f = Findings::default();
     for finding in rules::check_llmendpoint(ep) {
+        match finding.severity {
+            Severity::Error => f.deny(finding.field, finding.message),
+            Severity::Warning => f.warn(finding.field, finding.message),
+        }
+    }
+    f
+}
+
+/// Validates an `LLMAdapter` against the cluster as the snapshot sees it: its base service,
+/// the base's runtime (resolved with the controller's rule), the other adapters, the shared
+/// endpoint the base joins and the adapter's namespace labels, through
+/// `hearth_crds::rules::adapters::check_llmadapter_among`, the rule the controller accepts
+/// adapters by. A base that does not exist (yet) is a warning.
+pub fn llmadapter(adapter: &LLMAdapter, snapshot: &Snapshot) -> Findings {
+    let ns = adapter.metadata.namespace.as_deref().unwrap_or_default();
+    let base_ref = ObjectRef::<LLMService>::new(&adapter.spec.service_ref.name)
+        .within(adapter.service_namespace());
+    let stores = snapshot.serving.as_ref();
+    let service = stores.and_then(|s| s.services.get(&base_ref));
+    let runtime = service.as_ref().and_then(|svc| {
+        resolve_runtime(snapshot.runtime_list(), &Selection::from_service(svc)).ok()
+    });
+    let adapters = stores.map(|s| s.adapters.state()).unwrap_or_default();
+    let endpoint_models = service
+        .as_ref()
+        .and_then(|svc| {
+            svc.spec
+                .endpoint
+                .shared_endpoint_ref
+                .as_ref()
+                .map(|r| (svc, r))
+        })
+        .and_then(|(svc, r)| {
+            let ep_ns = r
+                .namespace
+                .as_deref()
+                .or(svc.metadata.namespace.as_deref())
+                .unwrap_or_default();
+            stores?
+                .endpoints
+                .get(&ObjectRef::new(&r.name).within(ep_ns))
+        })
+        .and_then(|ep| ep.status.as_ref().map(|st| st.models.clone()))
+        .unwrap_or_default();
+    let labels = snapshot
+        .namespaces
+        .as_ref()
+        .and_then(|store| store.get(&ObjectRef::new(ns)))
+        .map(|n| n.metadata.labels.clone().unwrap_or_default());
+    let mut f = Findings::default();
+    for finding in rules::adapters::check_llmadapter_among(
+        adapter,
+        service.as_deref(),
+        runtime,
+        adapters.iter().map(|a| &**a),
+        &endpoint_models,
+        labels.as_ref(),
+    ) {
         match finding.severity {
             Severity::Error => f.deny(finding.field, finding.message),
             Severity::Warning => f.warn(finding.field, finding.message),

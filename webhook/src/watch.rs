@@ -1,6 +1,8 @@
 //! Policies and runtimes from the cluster: kube-runtime reflectors on `ServingPolicy` and
 //! `InferenceRuntime`, and a task that rebuilds the [`Snapshot`] whenever either changes and
-//! swaps it in atomically (reviews in flight keep the snapshot they loaded).
+//! swaps it in atomically (reviews in flight keep the snapshot they loaded). Namespaces,
+//! LLMServices, LLMAdapters and LLMEndpoints are reflected too; reviews read their stores
+//! directly (an LLMAdapter is checked against its base, its siblings and the base's endpoint).
 //!
 //! A policy that fails to compile is logged, counted (`hearth_webhook_policy_compile_errors`),
 //! and reported as `Ready=False` on its status (server-side apply, field manager
@@ -14,7 +16,7 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use futures::StreamExt;
-use hearth_crds::{InferenceRuntime, ServingPolicy};
+use hearth_crds::{InferenceRuntime, LLMAdapter, LLMEndpoint, LLMService, ServingPolicy};
 use k8s_openapi::api::core::v1::Namespace;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use kube::api::{Patch, PatchParams};
@@ -26,7 +28,7 @@ use tokio::sync::{Notify, watch};
 use crate::server::AppState;
 use hearth_policies::cluster::LastGood;
 
-use crate::workload::Snapshot;
+use crate::workload::{ServingStores, Snapshot};
 
 /// Field manager of the status conditions the webhook writes.
 pub const FIELD_MANAGER: &str = "hearth-webhook";
@@ -48,18 +50,36 @@ pub async fn run(
     let (policies, pol_task) = reflect::<ServingPolicy>(client.clone(), changed.clone());
     // Namespace changes do not need a rebuild: reviews read the store directly.
     let (namespaces, ns_task) = reflect::<Namespace>(client.clone(), Arc::new(Notify::new()));
-    let rt_task = tokio::spawn(rt_task);
-    let pol_task = tokio::spawn(pol_task);
-    let ns_task = tokio::spawn(ns_task);
+    // Nor do the objects an LLMAdapter is checked against.
+    let (services, svc_task) = reflect::<LLMService>(client.clone(), Arc::new(Notify::new()));
+    let (adapters, ad_task) = reflect::<LLMAdapter>(client.clone(), Arc::new(Notify::new()));
+    let (endpoints, ep_task) = reflect::<LLMEndpoint>(client.clone(), Arc::new(Notify::new()));
+    let serving = ServingStores {
+        services,
+        adapters,
+        endpoints,
+    };
+    let tasks = [
+        tokio::spawn(rt_task),
+        tokio::spawn(pol_task),
+        tokio::spawn(ns_task),
+        tokio::spawn(svc_task),
+        tokio::spawn(ad_task),
+        tokio::spawn(ep_task),
+    ];
+    let abort = || tasks.iter().for_each(tokio::task::JoinHandle::abort);
 
     let ready = async {
         let _ = runtimes.wait_until_ready().await;
         let _ = policies.wait_until_ready().await;
         let _ = namespaces.wait_until_ready().await;
+        let _ = serving.services.wait_until_ready().await;
+        let _ = serving.adapters.wait_until_ready().await;
+        let _ = serving.endpoints.wait_until_ready().await;
     };
     tokio::select! {
         _ = ready => {}
-        _ = shutdown.changed() => { rt_task.abort(); pol_task.abort(); ns_task.abort(); return; }
+        _ = shutdown.changed() => { abort(); return; }
     }
     // Last good compilation of each policy, by name, with the generation it came from.
     let mut last_good = LastGood::default();
@@ -70,20 +90,20 @@ pub async fn run(
             &client,
             &state,
             (&runtimes, &policies, &namespaces),
+            &serving,
             &builtins,
             &mut last_good,
             &mut reported,
         )
         .await;
+
         state.ready.store(true, Ordering::Release);
         tokio::select! {
             _ = changed.notified() => tokio::time::sleep(DEBOUNCE).await,
             _ = shutdown.changed() => break,
         }
     }
-    rt_task.abort();
-    pol_task.abort();
-    ns_task.abort();
+    abort();
 }
 
 fn reflect<K>(
@@ -128,6 +148,7 @@ async fn rebuild(
         &Store<ServingPolicy>,
         &Store<Namespace>,
     ),
+    serving: &ServingStores,
     builtins: &[ServingPolicy],
     last_good: &mut LastGood,
     reported: &mut BTreeMap<String, (i64, Option<String>)>,
@@ -164,6 +185,7 @@ async fn rebuild(
     let all = last_good.evaluation_order(builtins);
     let mut snapshot = Snapshot::new(rts, &all, Some(namespaces.clone()));
     snapshot.settings = state.snapshot.load().settings.clone();
+    snapshot.serving = Some(serving.clone());
     state
         .metrics
         .policies

@@ -51,6 +51,21 @@ pub struct Snapshot {
     /// The installation's settings policies see as `settings` (fixed for the process: each
     /// rebuild keeps them, see [`Snapshot::with_settings`]).
     pub settings: Arc<serde_json::Value>,
+    /// Services, adapters and endpoints, which an `LLMAdapter` is checked against; `None`
+    /// offline.
+    pub serving: Option<ServingStores>,
+}
+
+/// The serving objects reviews read directly from the reflectors' stores (no rebuild when
+/// they change).
+#[derive(Clone, Debug)]
+pub struct ServingStores {
+    /// LLMServices.
+    pub services: Store<hearth_crds::LLMService>,
+    /// LLMAdapters.
+    pub adapters: Store<hearth_crds::LLMAdapter>,
+    /// LLMEndpoints.
+    pub endpoints: Store<hearth_crds::LLMEndpoint>,
 }
 
 impl Default for Snapshot {
@@ -79,6 +94,7 @@ impl Snapshot {
             policies,
             namespaces,
             settings: Arc::new(PolicySettings::default().to_value()),
+            serving: None,
         }
     }
 

@@ -286,6 +286,7 @@ fn packaged_chart_carries_crds_and_renders_the_same() -> Result<()> {
             names
                 == [
                     "inferenceruntimes.serving.hearth.dev",
+                    "llmadapters.serving.hearth.dev",
                     "llmendpoints.serving.hearth.dev",
                     "llmservices.serving.hearth.dev",
                     "servingpolicies.serving.hearth.dev"
@@ -2015,6 +2016,9 @@ async fn rbac_matrix_each_account_can_do_what_it_needs_and_nothing_more() -> Res
     let webhook_cluster = [
         "inferenceruntimes.serving.hearth.dev [] [list watch]",
         "servingpolicies.serving.hearth.dev [] [list watch]",
+        "llmservices.serving.hearth.dev [] [list watch]",
+        "llmadapters.serving.hearth.dev [] [list watch]",
+        "llmendpoints.serving.hearth.dev [] [list watch]",
         "servingpolicies.serving.hearth.dev/status [] [patch]",
         "namespaces [] [list watch]",
         "mutatingwebhookconfigurations.admissionregistration.k8s.io [hearth] [get update]",

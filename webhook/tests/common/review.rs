@@ -11,6 +11,7 @@ pub fn resource_of(kind: &str) -> (&'static str, &'static str, &'static str) {
     match kind {
         "LLMService" => ("serving.hearth.dev", "v1alpha1", "llmservices"),
         "LLMEndpoint" => ("serving.hearth.dev", "v1alpha1", "llmendpoints"),
+        "LLMAdapter" => ("serving.hearth.dev", "v1alpha1", "llmadapters"),
         "InferenceRuntime" => ("serving.hearth.dev", "v1alpha1", "inferenceruntimes"),
         "Deployment" => ("apps", "v1", "deployments"),
         "StatefulSet" => ("apps", "v1", "statefulsets"),

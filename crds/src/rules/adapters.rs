@@ -1,0 +1,327 @@
+//! Whether an `LLMAdapter` can be served on its base: the one function ([`check_llmadapter`])
+//! the admission webhook and the controller apply. The webhook denies on an error and returns
+//! warnings; the controller reports the first error as `Accepted=False` with its reason.
+//!
+//! An adapter is checked alone (its source, names and rank) and against what exists: the base
+//! service (which may not exist yet: a warning at admission, so one `kubectl apply` of both
+//! works in any order, and `Accepted=False` with `ServiceNotFound` until it does), whether the
+//! base admits the adapter's namespace, the base's runtime (adapters at all, `maxRank`,
+//! `maxAdapters`), and every other model a client could name on the same gateway.
+//!
+//! Between adapters that contend (one name, or more adapters than `maxAdapters`), the older one
+//! (by `metadata.creationTimestamp`, then namespace and name, as Gateway API orders routes)
+//! wins; at admission the new one is the youngest.
+
+use std::collections::BTreeMap;
+
+use super::namespaces::{NotAdmitted, namespace_admits};
+use super::{Findings, Reason, object_name};
+use crate::{
+    InferenceRuntime, LLMAdapter, LLMService, llmendpoint::EndpointModel,
+    model_uri::parse_model_uri, naming::is_dns1123_label,
+};
+
+/// Longest `spec.servedName` (the CRD's `maxLength`).
+pub const MAX_SERVED_NAME_LEN: usize = 253;
+
+/// Whether `s` can be an adapter's `spec.servedName`: 1 to [`MAX_SERVED_NAME_LEN`] letters,
+/// digits, `.`, `_`, `:`, `/` and `-`, starting and ending alphanumeric (the CRD's pattern).
+pub fn is_served_name(s: &str) -> bool {
+    let b = s.as_bytes();
+    !b.is_empty()
+        && b.len() <= MAX_SERVED_NAME_LEN
+        && b[0].is_ascii_alphanumeric()
+        && b[b.len() - 1].is_ascii_alphanumeric()
+        && b.iter()
+            .all(|c| c.is_ascii_alphanumeric() || b"._:/-".contains(c))
+}
+
+/// A model name already routed on the gateway an adapter would be served by.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TakenName {
+    /// The `model` clients send.
+    pub name: String,
+    /// What serves it, for the message: `LLMService team-a/qwen`, `LLMAdapter team-a/sql`.
+    pub by: String,
+}
+
+/// What an adapter is checked against. Absent parts skip the checks that need them.
+#[derive(Clone, Debug, Default)]
+pub struct AdapterContext<'a> {
+    /// The base service, when it exists.
+    pub service: Option<&'a LLMService>,
+    /// The base's resolved runtime, when there is one.
+    pub runtime: Option<&'a InferenceRuntime>,
+    /// The labels of the adapter's namespace, when known (for `from: Selector`).
+    pub namespace_labels: Option<&'a BTreeMap<String, String>>,
+    /// The base's other adapters that come first (older; at admission, all of them).
+    pub older_siblings: usize,
+    /// Every other model name on the same gateway that comes first: the base's own, its older
+    /// adapters', and on a shared endpoint its other models' (see [`taken_names`]).
+    pub taken: &'a [TakenName],
+}
+
+/// Checks `adapter` in `ctx`: errors deny it at admission and keep it from being loaded;
+/// warnings are admission warnings. A missing base is a warning with
+/// [`Reason::ServiceNotFound`] (the controller reports it as not accepted).
+pub fn check_llmadapter(adapter: &LLMAdapter, ctx: &AdapterContext<'_>) -> Findings {
+    let mut f = Findings::default();
+    let spec = &adapter.spec;
+
+    // Alone.
+    match parse_model_uri(&spec.source.uri) {
+        Ok(_) => {}
+        Err(e) => f.error(Reason::InvalidModelSource, "spec.source.uri", e.to_string()),
+    }
+    if let Some(secret) = &spec.source.secret_ref {
+        object_name(&mut f, "spec.source.secretRef.name", &secret.name);
+    }
+    let served = adapter.served_name();
+    if !is_served_name(served) {
+        let field = if spec.served_name.is_some() {
+            "spec.servedName"
+        } else {
+            "metadata.name"
+        };
+        f.error(
+            Reason::InvalidSpec,
+            field,
+            format!(
+                "{served:?} cannot be a model name: at most {MAX_SERVED_NAME_LEN} letters, digits, \
+                 '.', '_', ':', '/' and '-', starting and ending alphanumeric; set \
+                 spec.servedName"
+            ),
+        );
+    }
+    if !is_dns1123_label(&spec.service_ref.name) {
+        f.error(
+            Reason::InvalidSpec,
+            "spec.serviceRef.name",
+            format!(
+                "{:?} is not an LLMService name (a DNS label); name the base service",
+                spec.service_ref.name
+            ),
+        );
+    }
+    if let Some(ns) = &spec.service_ref.namespace
+        && !is_dns1123_label(ns)
+    {
+        f.error(
+            Reason::InvalidSpec,
+            "spec.serviceRef.namespace",
+            format!("{ns:?} is not a namespace name (a DNS label); fix or remove it"),
+        );
+    }
+    if let Some(rank) = spec.rank
+        && !(1..=512).contains(&rank)
+    {
+        f.error(
+            Reason::InvalidSpec,
+            "spec.rank",
+            format!("{rank} is not a LoRA rank between 1 and 512; set the adapter's `r`"),
+        );
+    }
+
+    // Against the base.
+    let base = format!("{}/{}", adapter.service_namespace(), spec.service_ref.name);
+    let Some(svc) = ctx.service else {
+        f.warn(
+            Reason::ServiceNotFound,
+            "spec.serviceRef",
+            format!("LLMService {base} does not exist (yet); the adapter is served once it does"),
+        );
+        return f;
+    };
+    let own = adapter.metadata.namespace.as_deref().unwrap_or_default();
+    let svc_ns = svc.metadata.namespace.as_deref().unwrap_or_default();
+    if let Err(why) = namespace_admits(
+        &svc.spec.allowed_adapters.namespaces,
+        svc_ns,
+        own,
+        ctx.namespace_labels,
+    ) {
+        let fix = match why {
+            NotAdmitted::OtherNamespace => format!(
+                "LLMService {base} admits adapters of its own namespace only \
+                 (spec.allowedAdapters.namespaces.from: Same); its owner can set from: All, or \
+                 from: Selector with a selector matching namespace {own}"
+            ),
+            NotAdmitted::SelectorMismatch { selector } => format!(
+                "the labels of namespace {own} do not match spec.allowedAdapters.namespaces.selector \
+                 of LLMService {base} ({selector}): label the namespace to match it, or ask the \
+                 service's owner to change the selector"
+            ),
+        };
+        f.error(Reason::NotAllowedByService, "spec.serviceRef", fix);
+    }
+    let Some(rt) = ctx.runtime else {
+        f.warn(
+            Reason::RuntimeNotResolved,
+            "spec.serviceRef",
+            format!(
+                "LLMService {base} has no runtime yet, so the adapter's limits are not checked; \
+                 they are once it has"
+            ),
+        );
+        return f;
+    };
+    let rt_name = rt.metadata.name.as_deref().unwrap_or_default();
+    let Some(limits) = &rt.spec.adapters else {
+        f.error(
+            Reason::AdaptersNotSupported,
+            "spec.serviceRef",
+            format!(
+                "LLMService {base} runs on InferenceRuntime {rt_name}, which does not serve \
+                 adapters (no spec.adapters); choose a base on a runtime that does, or add \
+                 spec.adapters to the runtime"
+            ),
+        );
+        return f;
+    };
+    if let Some(rank) = spec.rank
+        && rank > limits.max_rank
+    {
+        f.error(
+            Reason::RankTooHigh,
+            "spec.rank",
+            format!(
+                "{rank} is above {}, the highest rank InferenceRuntime {rt_name} accepts \
+                 (spec.adapters.maxRank); use an adapter of a lower rank, or a runtime with a \
+                 higher maxRank",
+                limits.max_rank
+            ),
+        );
+    }
+    let max = usize::try_from(limits.max_adapters).unwrap_or(0);
+    if ctx.older_siblings >= max {
+        f.error(
+            Reason::TooManyAdapters,
+            "spec.serviceRef",
+            format!(
+                "LLMService {base} has {} adapters already, the most InferenceRuntime {rt_name} \
+                 allows (spec.adapters.maxAdapters: {max}); delete one, or serve this one on \
+                 another base",
+                ctx.older_siblings
+            ),
+        );
+    }
+    if let Some(taken) = ctx.taken.iter().find(|t| t.name == served) {
+        let field = if spec.served_name.is_some() {
+            "spec.servedName"
+        } else {
+            "metadata.name"
+        };
+        f.error(
+            Reason::ModelNameConflict,
+            field,
+            format!(
+                "the model name {served:?} is taken by {} on the same gateway; set \
+                 spec.servedName to another name",
+                taken.by
+            ),
+        );
+    }
+    f
+}
+
+/// Checks `adapter` among the cluster's objects: `service` its base and `runtime` the base's
+/// resolved runtime (when they exist), `adapters` every adapter the caller knows (the base's
+/// are picked out; `adapter` itself, by namespace and name, is skipped), `endpoint_models` the
+/// `status.models` of the shared endpoint the base joins (empty without one), and
+/// `namespace_labels` the labels of the adapter's namespace. The webhook and the controller
+/// both call this, so what is admitted is what is accepted.
+pub fn check_llmadapter_among<'a>(
+    adapter: &LLMAdapter,
+    service: Option<&LLMService>,
+    runtime: Option<&InferenceRuntime>,
+    adapters: impl IntoIterator<Item = &'a LLMAdapter>,
+    endpoint_models: &[EndpointModel],
+    namespace_labels: Option<&BTreeMap<String, String>>,
+) -> Findings {
+    let key = |a: &LLMAdapter| (a.metadata.namespace.clone(), a.metadata.name.clone());
+    let own = key(adapter);
+    let base = (
+        adapter.service_namespace().to_owned(),
+        adapter.spec.service_ref.name.clone(),
+    );
+    let older: Vec<&LLMAdapter> = adapters
+        .into_iter()
+        .filter(|a| key(a) != own)
+        .filter(|a| {
+            (
+                a.service_namespace().to_owned(),
+                a.spec.service_ref.name.clone(),
+            ) == base
+        })
+        .filter(|a| comes_before(a, adapter))
+        .collect();
+    let taken = service
+        .map(|svc| taken_names(svc, older.iter().copied(), endpoint_models))
+        .unwrap_or_default();
+    check_llmadapter(
+        adapter,
+        &AdapterContext {
+            service,
+            runtime,
+            namespace_labels,
+            older_siblings: older.len(),
+            taken: &taken,
+        },
+    )
+}
+
+/// The model names on base `svc`'s gateway that come before an adapter: the base's own name,
+/// each of `adapters` (the base's others that come first) by its served name, and, when the
+/// base joins a shared endpoint, the endpoint's other models (its `status.models`).
+pub fn taken_names<'a>(
+    svc: &LLMService,
+    adapters: impl IntoIterator<Item = &'a LLMAdapter>,
+    endpoint_models: &[EndpointModel],
+) -> Vec<TakenName> {
+    let ns = svc.metadata.namespace.as_deref().unwrap_or_default();
+    let name = svc.metadata.name.as_deref().unwrap_or_default();
+    let mut out = vec![TakenName {
+        name: name.to_owned(),
+        by: format!("LLMService {ns}/{name}"),
+    }];
+    out.extend(
+        endpoint_models
+            .iter()
+            .filter(|m| !(m.namespace == ns && m.service == name && m.kind.is_none()))
+            .map(|m| TakenName {
+                name: m.name.clone(),
+                by: format!(
+                    "{} {}/{} (on the same LLMEndpoint)",
+                    m.kind.unwrap_or_default().as_str(),
+                    m.namespace,
+                    m.service
+                ),
+            }),
+    );
+    out.extend(adapters.into_iter().map(|a| TakenName {
+        name: a.served_name().to_owned(),
+        by: format!(
+            "LLMAdapter {}/{}",
+            a.metadata.namespace.as_deref().unwrap_or_default(),
+            a.metadata.name.as_deref().unwrap_or_default()
+        ),
+    }));
+    out
+}
+
+/// Whether adapter `a` comes before `b` among contenders: older `creationTimestamp` first (an
+/// adapter not yet created, at admission, last), then namespace and name.
+pub fn comes_before(a: &LLMAdapter, b: &LLMAdapter) -> bool {
+    let key = |x: &LLMAdapter| {
+        (
+            x.metadata.creation_timestamp.is_none(),
+            x.metadata.creation_timestamp.as_ref().map(|t| t.0),
+            x.metadata.namespace.clone(),
+            x.metadata.name.clone(),
+        )
+    };
+    key(a) < key(b)
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,347 @@
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use super::*;
+use rstest::rstest;
+
+fn adapter(yaml: &str) -> LLMAdapter {
+    serde_yaml::from_str(yaml).unwrap()
+}
+
+fn sql() -> LLMAdapter {
+    adapter(
+        r#"
+apiVersion: serving.hearth.dev/v1alpha1
+kind: LLMAdapter
+metadata: {name: sql, namespace: team-a}
+spec:
+  serviceRef: {name: qwen}
+  source: {uri: hf://acme/qwen-sql-lora}
+  rank: 16
+"#,
+    )
+}
+
+fn base(allowed: &str) -> LLMService {
+    serde_yaml::from_str(&format!(
+        r#"
+apiVersion: serving.hearth.dev/v1alpha1
+kind: LLMService
+metadata: {{name: qwen, namespace: team-a}}
+spec:
+  model: {{source: {{uri: hf://Qwen/Qwen2.5-0.5B-Instruct}}}}
+  {allowed}
+"#
+    ))
+    .unwrap()
+}
+
+fn runtime(adapters: &str) -> InferenceRuntime {
+    serde_yaml::from_str(&format!(
+        r#"
+apiVersion: serving.hearth.dev/v1alpha1
+kind: InferenceRuntime
+metadata: {{name: vllm-nvidia}}
+spec:
+  vendor: nvidia
+  container: {{image: vllm/vllm-openai:v0.11.0}}
+  accelerator: {{resourceName: nvidia.com/gpu}}
+  {adapters}
+"#
+    ))
+    .unwrap()
+}
+
+fn lora_runtime() -> InferenceRuntime {
+    runtime("adapters: {maxRank: 64, maxAdapters: 2}")
+}
+
+/// The errors' `(reason, field)`, and the warnings' reasons.
+fn summary(f: &Findings) -> (Vec<(&'static str, String)>, Vec<&'static str>) {
+    (
+        f.errors()
+            .map(|e| (e.reason.as_str(), e.field.clone()))
+            .collect(),
+        f.warnings().map(|w| w.reason.as_str()).collect(),
+    )
+}
+
+#[test]
+fn an_adapter_within_its_runtime_limits_on_its_base_is_accepted() {
+    let (svc, rt) = (base(""), lora_runtime());
+    let taken = taken_names(&svc, [], &[]);
+    let f = check_llmadapter(
+        &sql(),
+        &AdapterContext {
+            service: Some(&svc),
+            runtime: Some(&rt),
+            taken: &taken,
+            ..Default::default()
+        },
+    );
+    assert!(f.is_empty(), "{f}");
+}
+
+#[test]
+fn the_runtime_declares_its_adapter_defaults() {
+    let rt = runtime("adapters: {}");
+    let a = rt.spec.adapters.unwrap();
+    assert_eq!(
+        (a.max_rank, a.max_loaded, a.max_adapters),
+        (16, 8, 100),
+        "vLLM's --max-lora-rank default, and Hearth's"
+    );
+    assert_eq!(
+        (a.load_path.as_str(), a.unload_path.as_str()),
+        ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+    );
+}
+
+#[rstest]
+#[case::bad_source(
+    "spec: {serviceRef: {name: qwen}, source: {uri: 'http://x/y'}}",
+    "InvalidModelSource",
+    "spec.source.uri"
+)]
+#[case::bad_served_name(
+    "spec: {serviceRef: {name: qwen}, source: {uri: 'hf://a/b'}, servedName: '-x'}",
+    "InvalidSpec",
+    "spec.servedName"
+)]
+#[case::bad_service_name(
+    "spec: {serviceRef: {name: Qwen}, source: {uri: 'hf://a/b'}}",
+    "InvalidSpec",
+    "spec.serviceRef.name"
+)]
+#[case::bad_rank(
+    "spec: {serviceRef: {name: qwen}, source: {uri: 'hf://a/b'}, rank: 0}",
+    "InvalidSpec",
+    "spec.rank"
+)]
+#[case::bad_secret(
+    "spec: {serviceRef: {name: qwen}, source: {uri: 'hf://a/b', secretRef: {name: 'A_B'}}}",
+    "InvalidSpec",
+    "spec.source.secretRef.name"
+)]
+fn an_adapter_alone_is_checked_field_by_field(
+    #[case] spec: &str,
+    #[case] reason: &str,
+    #[case] field: &str,
+) {
+    let a = adapter(&format!(
+        "apiVersion: serving.hearth.dev/v1alpha1\nkind: LLMAdapter\nmetadata: {{name: sql, namespace: team-a}}\n{spec}"
+    ));
+    let f = check_llmadapter(&a, &AdapterContext::default());
+    assert_eq!(
+        summary(&f),
+        (
+            vec![(reason_static(reason), field.to_owned())],
+            vec!["ServiceNotFound"]
+        ),
+        "{f}"
+    );
+}
+
+fn reason_static(s: &str) -> &'static str {
+    [
+        "InvalidModelSource",
+        "InvalidSpec",
+        "ServiceNotFound",
+        "NotAllowedByService",
+        "AdaptersNotSupported",
+        "RankTooHigh",
+        "TooManyAdapters",
+        "ModelNameConflict",
+    ]
+    .into_iter()
+    .find(|r| *r == s)
+    .unwrap()
+}
+
+#[test]
+fn a_missing_base_is_a_warning_so_either_can_be_applied_first() {
+    let f = check_llmadapter(&sql(), &AdapterContext::default());
+    assert!(!f.blocks_rendering());
+    let w = f.warnings().next().unwrap();
+    assert_eq!(w.reason, Reason::ServiceNotFound);
+    assert_eq!(w.reason.condition_type(), "Accepted");
+    assert!(w.message.contains("team-a/qwen"), "{}", w.message);
+}
+
+#[test]
+fn a_base_in_another_namespace_admits_adapters_only_as_it_says() {
+    let mut a = sql();
+    a.metadata.namespace = Some("team-b".into());
+    a.spec.service_ref.namespace = Some("team-a".into());
+    let rt = lora_runtime();
+    let labels = BTreeMap::from([("hearth.dev/adapters".to_owned(), "qwen".to_owned())]);
+    let check = |svc: &LLMService, labels: Option<&BTreeMap<String, String>>| {
+        check_llmadapter(
+            &a,
+            &AdapterContext {
+                service: Some(svc),
+                runtime: Some(&rt),
+                namespace_labels: labels,
+                ..Default::default()
+            },
+        )
+    };
+    // Same (the default): refused, naming the fix.
+    let f = check(&base(""), Some(&labels));
+    let e = f.first_error().unwrap();
+    assert_eq!(
+        (e.reason, e.field.as_str()),
+        (Reason::NotAllowedByService, "spec.serviceRef")
+    );
+    assert!(e.message.contains("from: All"), "{}", e.message);
+    // All.
+    let all = base("allowedAdapters: {namespaces: {from: All}}");
+    assert!(check(&all, None).is_empty());
+    // Selector: by the namespace's labels.
+    let sel = base(
+        "allowedAdapters: {namespaces: {from: Selector, selector: {matchLabels: {hearth.dev/adapters: qwen}}}}",
+    );
+    assert!(check(&sel, Some(&labels)).is_empty());
+    let f = check(&sel, Some(&BTreeMap::new()));
+    assert_eq!(f.first_error().unwrap().reason, Reason::NotAllowedByService);
+    assert!(f.to_string().contains("label the namespace"), "{f}");
+    // An unknown namespace matches no selector.
+    assert_eq!(
+        check(&sel, None).first_error().unwrap().reason,
+        Reason::NotAllowedByService
+    );
+}
+
+#[test]
+fn the_runtime_must_serve_adapters_and_bounds_their_rank_and_count() {
+    let svc = base("");
+    let plain = runtime("");
+    let ctx = |rt, older_siblings| AdapterContext {
+        service: Some(&svc),
+        runtime: Some(rt),
+        older_siblings,
+        ..Default::default()
+    };
+    let f = check_llmadapter(&sql(), &ctx(&plain, 0));
+    assert_eq!(
+        f.first_error().unwrap().reason,
+        Reason::AdaptersNotSupported
+    );
+    assert!(f.to_string().contains("vllm-nvidia"), "{f}");
+
+    let low = runtime("adapters: {maxRank: 8}");
+    let f = check_llmadapter(&sql(), &ctx(&low, 0));
+    let e = f.first_error().unwrap();
+    assert_eq!(
+        (e.reason, e.field.as_str()),
+        (Reason::RankTooHigh, "spec.rank")
+    );
+    assert!(e.message.contains("16 is above 8"), "{}", e.message);
+    // An adapter without a declared rank is left to the engine.
+    let mut unranked = sql();
+    unranked.spec.rank = None;
+    assert!(check_llmadapter(&unranked, &ctx(&low, 0)).is_empty());
+
+    // maxAdapters 2: a third is refused.
+    let rt = lora_runtime();
+    assert!(check_llmadapter(&sql(), &ctx(&rt, 1)).is_empty());
+    let f = check_llmadapter(&sql(), &ctx(&rt, 2));
+    let e = f.first_error().unwrap();
+    assert_eq!(e.reason, Reason::TooManyAdapters);
+    assert!(e.message.contains("maxAdapters: 2"), "{}", e.message);
+}
+
+#[test]
+fn a_model_name_taken_on_the_same_gateway_is_refused() {
+    let svc = base("");
+    let rt = lora_runtime();
+    let mut other = sql();
+    other.metadata.name = Some("sql-v1".into());
+    other.spec.served_name = Some("sql".into());
+    let endpoint = [crate::llmendpoint::EndpointModel {
+        name: "llama".into(),
+        namespace: "team-c".into(),
+        service: "llama".into(),
+        kind: None,
+    }];
+    let taken = taken_names(&svc, [&other], &endpoint);
+    assert_eq!(
+        taken.iter().map(|t| t.name.as_str()).collect::<Vec<_>>(),
+        ["qwen", "llama", "sql"]
+    );
+    let ctx = AdapterContext {
+        service: Some(&svc),
+        runtime: Some(&rt),
+        taken: &taken,
+        ..Default::default()
+    };
+    // By its default name (metadata.name).
+    let f = check_llmadapter(&sql(), &ctx);
+    let e = f.first_error().unwrap();
+    assert_eq!(
+        (e.reason, e.field.as_str()),
+        (Reason::ModelNameConflict, "metadata.name")
+    );
+    assert!(
+        e.message.contains("LLMAdapter team-a/sql-v1"),
+        "{}",
+        e.message
+    );
+    // By its servedName: the base's own name, a model of the shared endpoint.
+    for (name, by) in [
+        ("qwen", "LLMService team-a/qwen"),
+        ("llama", "LLMService team-c/llama (on the same LLMEndpoint)"),
+    ] {
+        let mut a = sql();
+        a.spec.served_name = Some(name.into());
+        let f = check_llmadapter(&a, &ctx);
+        let e = f.first_error().unwrap();
+        assert_eq!(e.field, "spec.servedName");
+        assert!(e.message.contains(by), "{}", e.message);
+    }
+}
+
+#[rstest]
+#[case("sql", true)]
+#[case("acme/qwen-sql:v2", true)]
+#[case("ft:qwen:acme:sql_1", true)]
+#[case("", false)]
+#[case("-sql", false)]
+#[case("sql/", false)]
+#[case("sql lora", false)]
+fn served_names_follow_the_crd_pattern(#[case] name: &str, #[case] ok: bool) {
+    assert_eq!(is_served_name(name), ok);
+    let pattern = crd_pattern_matches(name) && name.len() <= MAX_SERVED_NAME_LEN;
+    assert_eq!(
+        pattern, ok,
+        "the CRD's pattern and the rule agree on {name:?}"
+    );
+}
+
+/// The CRD's `servedName` pattern, read from the generated schema, applied to `name`.
+fn crd_pattern_matches(name: &str) -> bool {
+    use kube::CustomResourceExt;
+    let crd = serde_json::to_value(LLMAdapter::crd()).unwrap();
+    let field = &crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+        ["servedName"];
+    assert_eq!(
+        field["maxLength"].as_u64(),
+        Some(MAX_SERVED_NAME_LEN as u64)
+    );
+    regex::Regex::new(field["pattern"].as_str().unwrap())
+        .unwrap()
+        .is_match(name)
+}
+
+#[test]
+fn older_adapters_come_first() {
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+    let mut old = sql();
+    old.metadata.creation_timestamp = Some(Time("2026-01-01T00:00:00Z".parse().unwrap()));
+    let mut new = sql();
+    new.metadata.name = Some("a-newer".into());
+    new.metadata.creation_timestamp = Some(Time("2026-02-01T00:00:00Z".parse().unwrap()));
+    let pending = sql();
+    assert!(comes_before(&old, &new));
+    assert!(!comes_before(&new, &old));
+    assert!(comes_before(&new, &pending), "not created yet: last");
+}
