@@ -7,10 +7,12 @@
 //! | endpoint | behaviour |
 //! |---|---|
 //! | `GET /health` | `503` until the model is loaded and the startup delay has passed, then `200` (vLLM's health route) |
-//! | `GET /v1/models` | the served model names, OpenAI `list` of `model` objects |
+//! | `GET /v1/models` | the served model names, OpenAI `list` of `model` objects, then the registered LoRA adapters (`root` their path, `parent` their base model) |
 //! | `POST /v1/chat/completions` | `chat.completion`, or SSE `chat.completion.chunk` events ending with `data: [DONE]` when `"stream": true` |
 //! | `POST /v1/completions` | `text_completion`, streaming likewise |
-//! | `GET /metrics` | Prometheus text: `vllm:num_requests_running`, `vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc`, `vllm:engine_sleep_state` |
+//! | `GET /metrics` | Prometheus text: `vllm:num_requests_running`, `vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc`, `vllm:engine_sleep_state`; with LoRA `vllm:lora_requests_info`, `stub_lora_adapter_loads_total`, `stub_lora_adapter_evictions_total` |
+//! | `POST /v1/load_lora_adapter` | runtime LoRA updating only (below): loads and registers `{"lora_name", "lora_path"}` |
+//! | `POST /v1/unload_lora_adapter` | runtime LoRA updating only: unregisters `{"lora_name"}` |
 //! | `POST /sleep[?level=N]` | sleep mode only (below): level `1` (default) offloads the weights and drops the KV cache, `2` drops both; answers `200` once asleep, after `sleep_delay`; another level is a `400` naming `level` |
 //! | `POST /wake_up` | sleep mode only: `200` once awake, after `wake_delay` (level 1) or `startup_delay` + `wake_delay` (level 2: the weights are loaded again); at once when awake |
 //! | `GET /is_sleeping` | sleep mode only: `{"is_sleeping": bool}`, `true` from the start of falling asleep until woken |
@@ -34,6 +36,14 @@
 //! otherwise they are `404`. From the start of falling asleep until woken, completions are
 //! refused with `503` ("the engine is sleeping"), while `/health`, `/v1/models` and `/metrics`
 //! keep answering.
+//!
+//! LoRA adapters ([`lora`], [`LoraConfig`]): with `--enable-lora`, requests may name an adapter
+//! in `model`; the response's `model` is the adapter and its text starts with
+//! `[adapter <name>] `. Adapters come from `--lora-modules` at start, from
+//! `POST /v1/load_lora_adapter` (served only with `VLLM_ALLOW_RUNTIME_LORA_UPDATING=true`, as
+//! vLLM), or from vLLM's filesystem resolver on first use; at most `max_cpu_loras` stay in the
+//! CPU cache (least recently used evicted, loaded again on demand) and at most `max_loras`
+//! generate at once. Without LoRA nothing of this changes the stub.
 //!
 //! The binary reads its model from disk when `--model` names one ([`model`]: a directory, or a
 //! repository in the Hugging Face or ModelScope cache the environment names) and is not ready
