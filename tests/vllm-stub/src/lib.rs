@@ -7,10 +7,12 @@
 //! | endpoint | behaviour |
 //! |---|---|
 //! | `GET /health` | `503` until the model is loaded and the startup delay has passed, then `200` (vLLM's health route) |
-//! | `GET /v1/models` | the served model names, OpenAI `list` of `model` objects |
+//! | `GET /v1/models` | the served model names, OpenAI `list` of `model` objects, then the registered LoRA adapters (`root` their path, `parent` their base model) |
 //! | `POST /v1/chat/completions` | `chat.completion`, or SSE `chat.completion.chunk` events ending with `data: [DONE]` when `"stream": true` |
 //! | `POST /v1/completions` | `text_completion`, streaming likewise |
-//! | `GET /metrics` | Prometheus text: `vllm:num_requests_running`, `vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc`, `vllm:engine_sleep_state` |
+//! | `GET /metrics` | Prometheus text: `vllm:num_requests_running`, `vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc`, `vllm:engine_sleep_state`; with LoRA `vllm:lora_requests_info`, `stub_lora_adapter_loads_total`, `stub_lora_adapter_evictions_total` |
+//! | `POST /v1/load_lora_adapter` | runtime LoRA updating only (below): loads and registers `{"lora_name", "lora_path"}` |
+//! | `POST /v1/unload_lora_adapter` | runtime LoRA updating only: unregisters `{"lora_name"}` |
 //! | `POST /sleep[?level=N]` | sleep mode only (below): level `1` (default) offloads the weights and drops the KV cache, `2` drops both; answers `200` once asleep, after `sleep_delay`; another level is a `400` naming `level` |
 //! | `POST /wake_up` | sleep mode only: `200` once awake, after `wake_delay` (level 1) or `startup_delay` + `wake_delay` (level 2: the weights are loaded again); at once when awake |
 //! | `GET /is_sleeping` | sleep mode only: `{"is_sleeping": bool}`, `true` from the start of falling asleep until woken |
@@ -35,17 +37,27 @@
 //! refused with `503` ("the engine is sleeping"), while `/health`, `/v1/models` and `/metrics`
 //! keep answering.
 //!
+//! LoRA adapters ([`lora`], [`LoraConfig`]): with `--enable-lora`, requests may name an adapter
+//! in `model`; the response's `model` is the adapter and its text starts with
+//! `[adapter <name>] `. Adapters come from `--lora-modules` at start, from
+//! `POST /v1/load_lora_adapter` (served only with `VLLM_ALLOW_RUNTIME_LORA_UPDATING=true`, as
+//! vLLM), or from vLLM's filesystem resolver on first use; at most `max_cpu_loras` stay in the
+//! CPU cache (least recently used evicted, loaded again on demand) and at most `max_loras`
+//! generate at once. Without LoRA nothing of this changes the stub.
+//!
 //! The binary reads its model from disk when `--model` names one ([`model`]: a directory, or a
 //! repository in the Hugging Face or ModelScope cache the environment names) and is not ready
 //! before it has ([`StubConfig::await_model`], [`StubState::model_loaded`]); invoked as
 //! `python3` it is the prewarm step that fills such a cache ([`prewarm`], [`hub`]).
 
 pub mod hub;
+pub mod lora;
 pub mod model;
 pub mod prewarm;
 pub mod sha256;
 pub mod sleep;
 
+pub use lora::{Adapter, LoraConfig, LoraModule};
 pub use sleep::{SleepLevel, SleepState, parse_dev_mode};
 
 use std::{
@@ -110,6 +122,8 @@ pub struct StubConfig {
     /// How long waking up takes, after sleep level 2 on top of `startup_delay`
     /// (`STUB_WAKE_DELAY`).
     pub wake_delay: Duration,
+    /// vLLM's LoRA adapters ([`lora`]); off by default, and then nothing changes.
+    pub lora: LoraConfig,
 }
 
 impl Default for StubConfig {
@@ -126,6 +140,7 @@ impl Default for StubConfig {
             dev_mode: false,
             sleep_delay: Duration::ZERO,
             wake_delay: Duration::ZERO,
+            lora: LoraConfig::default(),
         }
     }
 }
@@ -174,6 +189,8 @@ pub struct StubState {
     /// Held by the sleep or wake-up under way: they run one after the other.
     transitions: tokio::sync::Mutex<()>,
     wake_ups: AtomicU64,
+    /// Registered adapters, the CPU cache, batch slots ([`lora`]).
+    lora: Arc<lora::LoraRuntime>,
 }
 
 impl StubState {
@@ -185,7 +202,13 @@ impl StubState {
         if !config.await_model {
             let _ = loaded.set(Instant::now());
         }
+        let lora = Arc::new(lora::LoraRuntime::new(
+            config.lora.clone(),
+            config.model.clone(),
+            config.names(),
+        ));
         Arc::new(Self {
+            lora,
             config,
             loaded,
             created_unix: SystemTime::now()
@@ -219,11 +242,49 @@ impl StubState {
         self.loaded.get().is_some()
     }
 
-    /// Whether the model is loaded and the startup delay has passed since.
+    /// Whether the model is loaded, the startup delay has passed since, and the `--lora-modules`
+    /// adapters are loaded ([`StubState::load_static_adapters`]).
     pub fn is_ready(&self) -> bool {
         self.loaded
             .get()
             .is_some_and(|t| t.elapsed() >= self.config.startup_delay)
+            && self.lora.static_ready()
+    }
+
+    /// Loads the `--lora-modules` adapters ([`LoraConfig::modules`]) in order, each paying the
+    /// load delay, as vLLM does before it serves; the stub is not ready before they are.
+    ///
+    /// # Errors
+    /// The first adapter vLLM would fail to load ([`lora::LoraError`]); vLLM does not start then.
+    pub async fn load_static_adapters(&self) -> Result<(), lora::LoraError> {
+        self.lora.load_static().await
+    }
+
+    /// The registered LoRA adapters, in load order (`/v1/models` lists them after the base
+    /// model).
+    pub fn lora_adapters(&self) -> Vec<Adapter> {
+        self.lora.adapters()
+    }
+
+    /// The names of the adapters in the worker's CPU cache, least recently used first.
+    pub fn lora_cached(&self) -> Vec<String> {
+        self.lora.cached()
+    }
+
+    /// The names of the adapters with requests generating now (at most `max_loras`).
+    pub fn lora_running(&self) -> Vec<String> {
+        self.lora.running_adapters()
+    }
+
+    /// Adapters loaded from disk into the engine so far (`stub_lora_adapter_loads_total`):
+    /// static, runtime, resolved, and loaded again after an eviction.
+    pub fn lora_loads(&self) -> u64 {
+        self.lora.loads()
+    }
+
+    /// Adapters evicted from the CPU cache so far (`stub_lora_adapter_evictions_total`).
+    pub fn lora_evictions(&self) -> u64 {
+        self.lora.evictions()
     }
 
     /// Requests generating tokens now (`vllm:num_requests_running`).
@@ -263,6 +324,11 @@ pub fn router(state: Arc<StubState>) -> Router {
             .route("/wake_up", post(sleep::wake_up))
             .route("/is_sleeping", get(sleep::is_sleeping));
     }
+    if state.config.lora.runtime_updating {
+        router = router
+            .route("/v1/load_lora_adapter", post(lora::load_lora_adapter))
+            .route("/v1/unload_lora_adapter", post(lora::unload_lora_adapter));
+    }
     router.with_state(state)
 }
 
@@ -295,14 +361,22 @@ impl RunningStub {
     }
 }
 
-/// Binds `addr` (port 0 for an ephemeral port) and serves the stub in a background task.
+/// Binds `addr` (port 0 for an ephemeral port), loads the `--lora-modules` adapters, and serves
+/// the stub in a background task.
 ///
 /// # Errors
-/// The bind error, if the address cannot be bound.
+/// The bind error, if the address cannot be bound; an `InvalidInput` error naming the static
+/// adapter that could not be loaded.
 pub async fn spawn(config: StubConfig, addr: SocketAddr) -> std::io::Result<RunningStub> {
     let listener = TcpListener::bind(addr).await?;
     let addr = listener.local_addr()?;
     let state = StubState::new(config);
+    state.load_static_adapters().await.map_err(|e| {
+        std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!("loading --lora-modules: {e}"),
+        )
+    })?;
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     let task = tokio::spawn(serve(listener, state.clone(), async move {
         let _ = rx.await;
@@ -362,6 +436,18 @@ async fn models(State(state): State<Arc<StubState>>) -> Response {
                 "max_model_len": 4096,
             })
         })
+        .chain(state.lora.adapters().into_iter().map(|a| {
+            // vLLM's adapter card: `root` its path, `parent` its base model, no length.
+            json!({
+                "id": a.name,
+                "object": "model",
+                "created": state.created_unix,
+                "owned_by": "vllm",
+                "root": a.path,
+                "parent": a.parent,
+                "max_model_len": null,
+            })
+        }))
         .collect();
     Json(json!({"object": "list", "data": data})).into_response()
 }
@@ -394,7 +480,8 @@ async fn metrics(State(state): State<Arc<StubState>>) -> Response {
          # TYPE vllm:engine_sleep_state gauge\n\
          vllm:engine_sleep_state{{{labels},sleep_state=\"awake\"}} {awake}\n\
          vllm:engine_sleep_state{{{labels},sleep_state=\"weights_offloaded\"}} {offloaded}\n\
-         vllm:engine_sleep_state{{{labels},sleep_state=\"discard_all\"}} {discarded}\n"
+         vllm:engine_sleep_state{{{labels},sleep_state=\"discard_all\"}} {discarded}\n{}",
+        state.lora.metrics(&labels)
     );
     (
         [(
@@ -528,11 +615,48 @@ impl Drop for Gauge<'_> {
     }
 }
 
-/// An owned "running" slot: the semaphore permit plus the running gauge, released on drop
-/// (end of generation, or the client went away and the body was dropped).
+/// An owned "running" slot: the semaphore permit plus the running gauge, and the adapter's batch
+/// slot, released on drop (end of generation, or the client went away and the body was dropped).
 struct Running {
     state: Arc<StubState>,
     _permit: tokio::sync::OwnedSemaphorePermit,
+    _lora: Option<lora::LoraSlot>,
+}
+
+/// The model a request names: its name, and the adapter when it names one (adapters first, as
+/// vLLM's `_maybe_get_adapters`). An unknown name asks the LoRA resolver when there is one
+/// (vLLM's `BaseServing._check_model`, `vllm/entrypoints/serve/engine/serving.py`): found and
+/// loaded, it serves; found but not loadable, vLLM's `400`; otherwise vLLM's `404` for an unknown
+/// model.
+async fn resolve_model(
+    state: &StubState,
+    model: Option<String>,
+) -> Result<(String, Option<Arc<Adapter>>), Response> {
+    let Some(m) = model else {
+        return Err(error(
+            StatusCode::BAD_REQUEST,
+            "field `model` is required",
+            "BadRequestError",
+        ));
+    };
+    if let Some(a) = state.lora.find(&m) {
+        return Ok((m, Some(a)));
+    }
+    if state.config.names().contains(&m) {
+        return Ok((m, None));
+    }
+    if state.lora.resolves() {
+        match state.lora.resolve(&m).await {
+            Ok(Some(a)) => return Ok((m, Some(a))),
+            Ok(None) => {}
+            Err(e) => return Err(error(e.status(), &e.to_string(), e.kind())),
+        }
+    }
+    Err(error(
+        StatusCode::NOT_FOUND,
+        &format!("The model `{m}` does not exist."),
+        "NotFoundError",
+    ))
 }
 
 impl Drop for Running {
@@ -576,23 +700,9 @@ async fn generate(state: Arc<StubState>, kind: Kind, headers: HeaderMap, body: B
             );
         }
     };
-    let names = state.config.names();
-    let model = match req.model {
-        Some(m) if names.contains(&m) => m,
-        Some(m) => {
-            return error(
-                StatusCode::NOT_FOUND,
-                &format!("The model `{m}` does not exist."),
-                "NotFoundError",
-            );
-        }
-        None => {
-            return error(
-                StatusCode::BAD_REQUEST,
-                "field `model` is required",
-                "BadRequestError",
-            );
-        }
+    let (model, adapter) = match resolve_model(&state, req.model).await {
+        Ok(served) => served,
+        Err(resp) => return resp,
     };
     match kind {
         Kind::Chat if req.messages.as_ref().is_none_or(|m| m.is_empty()) => {
@@ -652,11 +762,16 @@ async fn generate(state: Arc<StubState>, kind: Kind, headers: HeaderMap, body: B
     let finish_reason = if limit.is_some() { "length" } else { "stop" };
     let prompt_tokens = prompt_tokens(&body);
 
-    // Wait for a generation slot, as vLLM's scheduler does past --max-num-seqs.
-    let permit = {
+    // Wait for a batch slot for its adapter (vLLM's --max-loras), then for a generation slot,
+    // as vLLM's scheduler does past --max-num-seqs.
+    let (permit, lora_slot) = {
         let _waiting = Gauge::enter(&state.waiting);
+        let lora_slot = match &adapter {
+            Some(a) => Some(state.lora.admit(a.clone()).await),
+            None => None,
+        };
         match state.seqs.clone().acquire_owned().await {
-            Ok(p) => p,
+            Ok(p) => (p, lora_slot),
             Err(_) => {
                 return error(
                     StatusCode::SERVICE_UNAVAILABLE,
@@ -674,7 +789,18 @@ async fn generate(state: Arc<StubState>, kind: Kind, headers: HeaderMap, body: B
     let slot = Running {
         state: state.clone(),
         _permit: permit,
+        _lora: lora_slot,
     };
+    // An adapter evicted from the CPU cache is loaded again before the request generates.
+    if let Some(a) = &adapter
+        && let Err(e) = state.lora.ensure_cached(a).await
+    {
+        return error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            &format!("loading LoRA adapter '{}' again failed: {e}", a.name),
+            "InternalServerError",
+        );
+    }
     let id_num = state.next_id.fetch_add(1, Ordering::Relaxed);
     let created = SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -688,6 +814,7 @@ async fn generate(state: Arc<StubState>, kind: Kind, headers: HeaderMap, body: B
         },
         created,
         model,
+        adapter: adapter.map(|a| a.name.clone()),
         tokens,
         finish_reason,
         prompt_tokens,
@@ -737,6 +864,8 @@ struct Generation {
     id: String,
     created: u64,
     model: String,
+    /// The adapter that answers: the text starts with `[adapter <name>] `.
+    adapter: Option<String>,
     tokens: u32,
     finish_reason: &'static str,
     prompt_tokens: u64,
@@ -751,10 +880,18 @@ impl Generation {
         })
     }
 
+    /// The text of token `i`: a word, the first one after the adapter's name when an adapter
+    /// answers.
+    fn token(&self, i: u32) -> String {
+        let word = WORDS[i as usize % WORDS.len()];
+        match &self.adapter {
+            Some(name) if i == 0 => format!("[adapter {name}] {word}"),
+            _ => word.to_owned(),
+        }
+    }
+
     fn text(&self) -> String {
-        (0..self.tokens)
-            .map(|i| WORDS[i as usize % WORDS.len()])
-            .collect()
+        (0..self.tokens).map(|i| self.token(i)).collect()
     }
 
     fn full(&self) -> Value {
@@ -796,11 +933,7 @@ impl Generation {
         } else {
             Value::Null
         };
-        let word = if last {
-            ""
-        } else {
-            WORDS[i as usize % WORDS.len()]
-        };
+        let word = if last { String::new() } else { self.token(i) };
         match self.kind {
             Kind::Chat => {
                 let delta = if last {

@@ -4,8 +4,12 @@
 //! `vllm-stub --model=<path> --served-model-name=<name> [--host H] [--port 8000]`, timing from
 //! `STUB_STARTUP_DELAY`, `STUB_TOKEN_COUNT`, `STUB_TOKEN_DELAY`. With `--enable-sleep-mode` and
 //! `VLLM_SERVER_DEV_MODE=1` it serves vLLM's sleep mode (`/sleep`, `/wake_up`, `/is_sleeping`),
-//! timed by `STUB_SLEEP_DELAY` and `STUB_WAKE_DELAY`. See `docs/gateway.md`, section "The vLLM
-//! stand-in", and `tests/vllm-stub/README.md`.
+//! timed by `STUB_SLEEP_DELAY` and `STUB_WAKE_DELAY`. With `--enable-lora` it serves vLLM's LoRA
+//! adapters (`--max-loras`, `--max-cpu-loras`, `--max-lora-rank`, `--lora-modules`; the runtime
+//! routes with `VLLM_ALLOW_RUNTIME_LORA_UPDATING=true`; the filesystem resolver with
+//! `VLLM_LORA_RESOLVER_CACHE_DIR`), each load taking `STUB_LORA_LOAD_DELAY`
+//! (`vllm_stub::lora`). See `docs/gateway.md`, section "The vLLM stand-in", and
+//! `tests/vllm-stub/README.md`.
 //!
 //! When `--model` names files (a model directory, or a repository in the hub cache that
 //! `HF_HOME` / `MODELSCOPE_CACHE` names), the stub reads and checks them before it is ready:
@@ -17,8 +21,9 @@
 use std::{net::SocketAddr, time::Duration};
 
 use anyhow::Context;
-use clap::Parser;
+use clap::{CommandFactory, Parser};
 use tokio::signal::unix::{SignalKind, signal};
+use vllm_stub::lora::{self, LoraConfig};
 use vllm_stub::model::{self, LoadError, ModelLocation};
 use vllm_stub::{StubConfig, StubState, parse_duration};
 
@@ -61,6 +66,29 @@ struct Args {
     /// startup delay (the model load) comes on top.
     #[arg(long, env = "STUB_WAKE_DELAY", default_value = "0s", value_parser = duration)]
     wake_delay: Duration,
+    /// Serve LoRA adapters (vLLM's `--enable-lora`).
+    #[arg(long = "enable-lora")]
+    enable_lora: bool,
+    /// Distinct adapters generating at once; requests for others wait (vLLM's `--max-loras`).
+    #[arg(long = "max-loras", default_value_t = lora::DEFAULT_MAX_LORAS)]
+    max_loras: usize,
+    /// Adapters kept in the worker's CPU cache, least recently used evicted first (vLLM's
+    /// `--max-cpu-loras`); default `--max-loras`, never below it.
+    #[arg(long = "max-cpu-loras")]
+    max_cpu_loras: Option<usize>,
+    /// Highest adapter rank loaded (vLLM's `--max-lora-rank`): 1, 8, 16, 32, 64, 128, 256, 320
+    /// or 512.
+    #[arg(long = "max-lora-rank", default_value_t = lora::DEFAULT_MAX_LORA_RANK, value_parser = max_lora_rank)]
+    max_lora_rank: u32,
+    /// Adapters loaded at start (vLLM's `--lora-modules`): `name=path`, or JSON
+    /// `{"name": .., "path": .., "base_model_name": ..}`.
+    #[arg(long = "lora-modules", num_args = 1..)]
+    lora_modules: Vec<String>,
+    /// How long loading one adapter into the engine takes, Go duration ("300ms"): on
+    /// `/v1/load_lora_adapter`, at a resolver's first use, and again for an adapter evicted from
+    /// the CPU cache.
+    #[arg(long, env = "STUB_LORA_LOAD_DELAY", default_value = "0s", value_parser = duration)]
+    lora_load_delay: Duration,
     /// After SIGTERM, how long in-flight requests may run before the stub exits anyway.
     #[arg(long, env = "STUB_SHUTDOWN_TIMEOUT", default_value = "30s", value_parser = duration)]
     shutdown_timeout: Duration,
@@ -68,6 +96,19 @@ struct Args {
 
 fn duration(s: &str) -> Result<Duration, String> {
     parse_duration(s).map_err(|e| e.to_string())
+}
+
+/// `--max-lora-rank`: one of the ranks vLLM accepts.
+fn max_lora_rank(s: &str) -> Result<u32, String> {
+    let choices = lora::MAX_LORA_RANKS
+        .iter()
+        .map(u32::to_string)
+        .collect::<Vec<_>>()
+        .join(", ");
+    s.parse::<u32>()
+        .ok()
+        .filter(|r| lora::MAX_LORA_RANKS.contains(r))
+        .ok_or_else(|| format!("invalid choice: {s} (choose from {choices})"))
 }
 
 fn main() -> anyhow::Result<()> {
@@ -174,6 +215,30 @@ async fn serve() -> anyhow::Result<()> {
     let args = Args::parse();
     let dev_mode = vllm_stub::parse_dev_mode(std::env::var("VLLM_SERVER_DEV_MODE").ok().as_deref())
         .map_err(anyhow::Error::msg)?;
+    let env = |k: &str| std::env::var(k).ok();
+    let modules = lora::parse_lora_modules(&args.lora_modules).unwrap_or_else(|e| {
+        Args::command()
+            .error(clap::error::ErrorKind::ValueValidation, e)
+            .exit()
+    });
+    let lora = LoraConfig {
+        enable: args.enable_lora,
+        max_loras: args.max_loras,
+        max_cpu_loras: args.max_cpu_loras,
+        max_lora_rank: args.max_lora_rank,
+        modules,
+        runtime_updating: lora::parse_runtime_updating(
+            env("VLLM_ALLOW_RUNTIME_LORA_UPDATING").as_deref(),
+        ),
+        resolver_cache_dir: lora::filesystem_resolver_dir(
+            env("VLLM_PLUGINS").as_deref(),
+            env("VLLM_LORA_RESOLVER_CACHE_DIR").as_deref(),
+        )?,
+        load_delay: args.lora_load_delay,
+    };
+    if lora.enable {
+        lora.validate()?;
+    }
     let location = model::locate(
         &args.model,
         &|k| std::env::var(k).ok(),
@@ -191,6 +256,7 @@ async fn serve() -> anyhow::Result<()> {
         dev_mode,
         sleep_delay: args.sleep_delay,
         wake_delay: args.wake_delay,
+        lora,
     };
     if config.sleep_endpoints() {
         tracing::warn!(
@@ -203,6 +269,28 @@ async fn serve() -> anyhow::Result<()> {
             "--enable-sleep-mode without VLLM_SERVER_DEV_MODE=1: the sleep routes are not served"
         );
     }
+    if config.lora.runtime_updating {
+        tracing::warn!(
+            "LoRA dynamic loading & unloading is enabled in the API server. This should ONLY be used for local development! (POST /v1/load_lora_adapter, POST /v1/unload_lora_adapter)"
+        );
+    }
+    if let Some(dir) = &config.lora.resolver_cache_dir {
+        tracing::info!(
+            dir = %dir.display(),
+            runtime_updating = config.lora.runtime_updating,
+            "LoRA filesystem resolver registered; it answers only with VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+        );
+    }
+    if config.lora.enable {
+        tracing::info!(
+            max_loras = config.lora.max_loras,
+            max_cpu_loras = config.lora.cpu_capacity(),
+            max_lora_rank = config.lora.max_lora_rank,
+            static_adapters = config.lora.modules.len(),
+            load_delay_ms = config.lora.load_delay.as_millis() as u64,
+            "LoRA enabled"
+        );
+    }
     let addr = SocketAddr::new(args.host, args.port);
     let listener = tokio::net::TcpListener::bind(addr)
         .await
@@ -212,15 +300,22 @@ async fn serve() -> anyhow::Result<()> {
     let state = StubState::new(config);
     tracing::info!(%addr, models = ?names, model = %model_name, "vllm-stub listening; model: {location}");
     let (failed_tx, mut failed_rx) = tokio::sync::oneshot::channel::<anyhow::Error>();
-    if location.reads_files() {
+    {
+        // The model's files first (when it reads any), then the --lora-modules adapters, as
+        // vLLM loads them once its engine is up.
         let state = state.clone();
         tokio::spawn(async move {
-            if let Err(e) = load_model(location, model_name, state).await {
+            if location.reads_files()
+                && let Err(e) = load_model(location, model_name, state.clone()).await
+            {
                 let _ = failed_tx.send(e);
+                return;
+            }
+            if let Err(e) = state.load_static_adapters().await {
+                tracing::error!("cannot load --lora-modules: {e}");
+                let _ = failed_tx.send(anyhow::anyhow!("cannot load --lora-modules: {e}"));
             }
         });
-    } else {
-        drop(failed_tx);
     }
 
     let mut term = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;

@@ -28,6 +28,9 @@
 //! `discard_all` (level 2) is.
 //!
 //! Before the model is ready the three routes answer `503`, like the rest of the API.
+//!
+//! LoRA adapters ([`crate::lora`]): loading one is refused with `503` while the engine is not
+//! awake; waking from level 2 empties the adapters' CPU cache.
 
 use std::{
     sync::{Arc, atomic::Ordering},
@@ -183,6 +186,11 @@ async fn transition(state: &Arc<StubState>, t: Transition) -> Result<(), tokio::
                 );
                 state.set_sleep(SleepState::WakingUp(level));
                 pause(delay).await;
+                if level == SleepLevel::Discard {
+                    // The weights are loaded again: vLLM drops every LoRA adapter from its worker
+                    // then, and loads each again on its next request.
+                    state.lora.reset_cache();
+                }
                 state.wake_ups.fetch_add(1, Ordering::SeqCst);
                 state.set_sleep(SleepState::Awake);
                 tracing::info!("awake");
