@@ -140,3 +140,38 @@ impl LLMAdapter {
             .unwrap_or_default()
     }
 }
+
+/// The adapters one model's engines serve, as the controller hands them to the gateway: a
+/// per-service gateway reads it from the ConfigMap `<service>-adapters` (key
+/// [`ADAPTERS_KEY`]), a shared gateway from its route table (`ModelRoute.adapters`). Entries
+/// are the accepted LLMAdapters, sorted by `name`, names unique.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct AdapterTable {
+    /// The engine's load call (`POST`, body `{"lora_name", "lora_path"}`), from the runtime's
+    /// `spec.adapters.loadPath`.
+    pub load_path: String,
+    /// The engine's unload call (`POST`, body `{"lora_name"}`), from `spec.adapters.unloadPath`.
+    pub unload_path: String,
+    /// Adapters kept loaded in one engine at once (`spec.adapters.maxLoaded`); loading one more
+    /// first unloads the least recently used.
+    pub max_loaded: u32,
+    /// The adapters.
+    #[serde(default)]
+    pub adapters: Vec<AdapterRoute>,
+}
+
+/// One adapter of an [`AdapterTable`].
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct AdapterRoute {
+    /// The `model` clients send, and the engine's `lora_name`.
+    pub name: String,
+    /// The adapter's directory as the engine sees it (`lora_path`).
+    pub path: String,
+    /// `<namespace>/<name>` of the LLMAdapter (metrics, Events, status).
+    pub adapter: String,
+}
+
+/// The key of an [`AdapterTable`] in its ConfigMap.
+pub const ADAPTERS_KEY: &str = "adapters.json";

@@ -353,6 +353,9 @@ pub struct ModelRoute {
     /// `--max-num-seqs`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub container_concurrency: Option<u32>,
+    /// The LoRA adapters the model's engines serve, routed by their own names.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub adapters: Option<crate::llmadapter::AdapterTable>,
 }
 
 impl ModelRoute {

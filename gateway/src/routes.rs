@@ -285,6 +285,7 @@ pub fn default_route(namespace: &str, service: &str, model: &str) -> ModelRoute 
         last_activation: None,
         sleep: None,
         container_concurrency: None,
+        adapters: None,
     }
 }
 

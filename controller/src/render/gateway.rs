@@ -505,6 +505,7 @@ pub fn model_route(svc: &LLMService, rt: &InferenceRuntime) -> Result<ModelRoute
             .map(|a| Duration::new(a.phases.total.clone())),
         sleep: tier.and_then(|t| sleep_route(svc, &t)),
         container_concurrency: hearth_crds::rules::container_concurrency(svc, Some(rt)),
+        adapters: None,
     })
 }
 

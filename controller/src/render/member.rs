@@ -178,5 +178,6 @@ pub fn member_route(
         last_activation: None,
         sleep: None,
         container_concurrency: None,
+        adapters: None,
     })
 }
