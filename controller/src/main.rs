@@ -188,6 +188,11 @@ struct RenderArgs {
     /// built-ins, as the controller does with the cluster's; repeatable.
     #[arg(long = "policy")]
     policies: Vec<PathBuf>,
+    /// LLMAdapter manifests (a multi-document YAML file) on the service: each is checked by
+    /// the rule the controller accepts adapters by; an adapter not accepted is an error naming
+    /// why, an accepted one is rendered.
+    #[arg(long = "adapters")]
+    adapters: Option<PathBuf>,
 }
 
 fn main() -> ExitCode {
@@ -239,7 +244,42 @@ fn render(args: RenderArgs) -> anyhow::Result<()> {
             &last_good.evaluation_order(cfg.engine.policies()),
         )?;
     }
-    let children = hearth_controller::render(&service, resolved.runtime, &cfg, true)?;
+    let mut adapters: Vec<hearth_crds::LLMAdapter> = Vec::new();
+    if let Some(path) = &args.adapters {
+        for doc in serde_yaml::Deserializer::from_str(&read(path)?) {
+            let mut a: hearth_crds::LLMAdapter = serde::Deserialize::deserialize(doc)
+                .with_context(|| format!("--adapters {}: not an LLMAdapter", path.display()))?;
+            if a.metadata.namespace.is_none() {
+                a.metadata.namespace = service.metadata.namespace.clone();
+            }
+            adapters.push(a);
+        }
+    }
+    for a in &adapters {
+        let findings = hearth_crds::rules::adapters::check_llmadapter_among(
+            a,
+            Some(&service),
+            Some(resolved.runtime),
+            &adapters,
+            &[],
+            None,
+        );
+        if let Some(e) = findings.first_error() {
+            bail!(
+                "LLMAdapter {}: {e}",
+                a.metadata.name.as_deref().unwrap_or_default()
+            );
+        }
+    }
+    adapters.sort_by(|a, b| a.served_name().cmp(b.served_name()));
+    let children = hearth_controller::render::render_with_adapters(
+        &service,
+        resolved.runtime,
+        &cfg,
+        true,
+        &hearth_controller::render::Placement::Own,
+        &adapters,
+    )?;
     print!("{}", children.to_yaml()?);
     Ok(())
 }

@@ -27,6 +27,12 @@ pub fn gateway(service: &str) -> String {
     format!("{service}-gateway")
 }
 
+/// ConfigMap `N-adapters`: the adapters the gateway of service `N` routes and loads
+/// (`hearth_crds::llmadapter::AdapterTable`).
+pub fn adapters(service: &str) -> String {
+    format!("{service}-adapters")
+}
+
 /// The ConfigMap of the service's accelerator-seconds ledger ([`crate::metering::Ledger`]).
 pub fn usage(service: &str) -> String {
     format!("{service}-usage")

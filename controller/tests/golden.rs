@@ -90,6 +90,38 @@ fn upstream_ascend_910b3() {
     );
 }
 
+/// The upstream NVIDIA example on a runtime with `spec.adapters`, with three LLMAdapters.
+#[test]
+fn nvidia_a10_with_adapters() {
+    check(
+        "nvidia-a10-adapters",
+        upstream("nvidia-a10-llmservice.yaml"),
+        input("nvidia-a10-lora-inferenceruntime.yaml"),
+        &[
+            "-n",
+            "ml",
+            "--adapters",
+            input("nvidia-a10-adapters.yaml").to_str().unwrap(),
+        ],
+    );
+}
+
+/// The upstream Ascend example on a runtime with `spec.adapters`, with three LLMAdapters.
+#[test]
+fn ascend_910b3_with_adapters() {
+    check(
+        "ascend-910b3-adapters",
+        upstream("ascend-910b3-llmservice.yaml"),
+        input("ascend-910b3-lora-inferenceruntime.yaml"),
+        &[
+            "-n",
+            "ml",
+            "--adapters",
+            input("ascend-910b3-adapters.yaml").to_str().unwrap(),
+        ],
+    );
+}
+
 #[test]
 fn upstream_stub() {
     check(

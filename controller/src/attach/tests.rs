@@ -5,7 +5,7 @@ use rstest::rstest;
 use serde_json::{Value, json};
 
 use super::*;
-use hearth_crds::llmendpoint::MemberKind;
+use hearth_crds::llmendpoint::{FromNamespaces, MemberKind};
 
 /// A service `ns/name` created at second `created`, referencing `ep_ref` (`name` or
 /// `namespace/name`, `-`: no reference); `deleting` when it has a deletionTimestamp.

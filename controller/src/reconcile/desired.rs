@@ -3,7 +3,7 @@
 //! runtime resolution and rendering. Pure, so its agreement with the webhook is tested without a
 //! cluster (`tests/rules_agreement.rs`).
 
-use hearth_crds::{InferenceRuntime, LLMService, LLMServicePhase, rules};
+use hearth_crds::{InferenceRuntime, LLMAdapter, LLMService, LLMServicePhase, rules};
 use kube::ResourceExt;
 
 use crate::{
@@ -63,13 +63,15 @@ pub struct Desired {
 
 /// Decides what `svc` asks for given the cluster's `runtimes` and, with a
 /// `sharedEndpointRef`, what its endpoint decided (`membership`: `None` without a reference);
-/// `create_backend` as for [`render::render`].
+/// `create_backend` as for [`render::render`]; `adapters` are its accepted LLMAdapters (sorted
+/// by served name).
 pub fn desired<'a>(
     svc: &LLMService,
     runtimes: impl IntoIterator<Item = &'a InferenceRuntime>,
     cfg: &RenderConfig,
     create_backend: bool,
     membership: Option<&Membership>,
+    adapters: &[LLMAdapter],
 ) -> Desired {
     let resolved = resolve_runtime(svc, runtimes);
     let findings = rules::check_llmservice(svc, resolved.as_ref().ok().map(|r| r.runtime));
@@ -117,7 +119,14 @@ pub fn desired<'a>(
     let Some(resolved) = resolved else {
         return out;
     };
-    match render::render_placed(svc, resolved.runtime, cfg, create_backend, &out.placement) {
+    match render::render_with_adapters(
+        svc,
+        resolved.runtime,
+        cfg,
+        create_backend,
+        &out.placement,
+        adapters,
+    ) {
         Err(e) => {
             let (type_, reason) = e.condition();
             out.phase = LLMServicePhase::Degraded;

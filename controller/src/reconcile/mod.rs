@@ -42,7 +42,7 @@ use std::{
 
 use futures::{StreamExt, channel::mpsc};
 use hearth_crds::{
-    InferenceRuntime, LLMEndpoint, LLMService, LLMServiceStatus,
+    InferenceRuntime, LLMAdapter, LLMEndpoint, LLMService, LLMServiceStatus,
     llmendpoint::{FromNamespaces, MemberKind, routes_config_map},
     wellknown::{FIELD_MANAGER, LLMSERVICE_LABEL},
 };
@@ -84,6 +84,7 @@ use crate::{
     status,
 };
 
+mod adapter;
 mod desired;
 mod endpoint;
 mod execute;
@@ -262,6 +263,8 @@ pub struct Context {
     llmservices: Store<LLMService>,
     /// The namespaces' labels (an endpoint's `allowedServices` selector reads them).
     namespaces: Store<PartialObjectMeta<Namespace>>,
+    /// The LLMAdapters (the adapters' controller's own cache).
+    adapters: Store<LLMAdapter>,
     /// Reconciles a service now (its endpoint decided something its status does not say yet).
     service_tx: mpsc::UnboundedSender<ObjectRef<LLMService>>,
     /// The Deployments that join an endpoint (the `serving.hearth.dev/endpoint` annotation),
@@ -308,6 +311,7 @@ impl Context {
             && synced(&self.llmservices)
             && synced(&self.namespaces)
             && synced(&self.members)
+            && synced(&self.adapters)
     }
 
     /// The render settings with the policies as they are now.
@@ -369,6 +373,23 @@ impl Context {
             &labels,
         );
         (a, members, deployments)
+    }
+
+    /// The LLMAdapters accepted on `svc` (by [`adapter::findings`], the rule of the adapters'
+    /// own status), sorted by served name.
+    fn accepted_adapters(&self, svc: &LLMService) -> Vec<LLMAdapter> {
+        let (ns, name) = (svc.namespace().unwrap_or_default(), svc.name_any());
+        let mut out: Vec<LLMAdapter> = self
+            .adapters
+            .state()
+            .into_iter()
+            .filter(|a| a.service_namespace() == ns && a.spec.service_ref.name == name)
+            .filter(|a| a.metadata.deletion_timestamp.is_none())
+            .filter(|a| adapter::accepted(&adapter::findings(a, self)).is_true())
+            .map(|a| (*a).clone())
+            .collect();
+        out.sort_by(|a, b| a.served_name().cmp(b.served_name()));
+        out
     }
 
     /// The endpoint `key`, from the cache.
@@ -517,6 +538,7 @@ impl Context {
             legacy_backend: get_in(&self.deployments, namespace, &names::legacy_backend(name)),
             gateway: get_in(&self.deployments, namespace, &names::gateway(name)),
             gateway_pdb: get_in(&self.pdbs, namespace, &names::gateway(name)),
+            adapters_config_map: get_in(&self.config_maps, namespace, &names::adapters(name)),
             keda_installed,
             scaled_object: keda_installed
                 .then(|| self.keda.get(namespace, &names::scaled_object(name)))
@@ -622,12 +644,14 @@ async fn reconcile_inner(svc: &LLMService, ctx: &Context) -> Result<Action, Erro
     let placement = Membership::placement(membership.as_ref());
     let view = ctx.view(&namespace, &svc.name_any(), &placement);
     let runtimes = ctx.runtimes.state();
+    let adapters = ctx.accepted_adapters(svc);
     let desired = desired(
         svc,
         runtimes.iter().map(|r| r.as_ref()),
         &ctx.render_config(),
         view.backend.is_none(),
         membership.as_ref(),
+        &adapters,
     );
     let mut plan = plan(svc, desired, &view, &ctx.render);
     execute(ctx, &namespace, &mut plan).await?;
@@ -963,6 +987,8 @@ pub async fn run(
     let (endpoint_store, endpoint_writer) = reflector::store::<LLMEndpoint>();
     let (namespace_store, namespace_writer) = reflector::store::<PartialObjectMeta<Namespace>>();
     let (service_tx, service_rx) = mpsc::unbounded::<ObjectRef<LLMService>>();
+    let (adapter_store, adapter_writer) = reflector::store::<LLMAdapter>();
+    let (adapter_tx, adapter_rx) = mpsc::unbounded::<ObjectRef<LLMAdapter>>();
 
     let ctx = Arc::new(Context {
         client: client.clone(),
@@ -983,6 +1009,7 @@ pub async fn run(
         endpoints: endpoint_store.clone(),
         llmservices: service_store.clone(),
         namespaces: namespace_store,
+        adapters: adapter_store.clone(),
         service_tx: service_tx.clone(),
         members: member_store.clone(),
         member_tx: member_tx.clone(),
@@ -1003,9 +1030,11 @@ pub async fn run(
     // A service's change (created, edited, deleted) may change what its endpoint accepts: the
     // endpoint it references now, and the one whose status lists it (where it was before its
     // reference changed) are reconciled; they reconcile the services whose verdict changed.
+    // Its adapters are reconciled too (their base changed).
     let service_stream = {
         let endpoints = endpoint_store.clone();
         let endpoint_tx = endpoint_tx.clone();
+        let adapters = adapter_store.clone();
         without_errors(
             "LLMService",
             watcher(
@@ -1019,10 +1048,12 @@ pub async fn run(
                 let applied = match event {
                     Ok(watcher::Event::Apply(s)) | Ok(watcher::Event::InitApply(s)) => {
                         endpoints_of(&s, &endpoints, &endpoint_tx);
+                        adapter::adapters_of(&s, &adapters, &adapter_tx);
                         Some(Ok(s))
                     }
                     Ok(watcher::Event::Delete(s)) => {
                         endpoints_of(&s, &endpoints, &endpoint_tx);
+                        adapter::adapters_of(&s, &adapters, &adapter_tx);
                         None
                     }
                     Ok(watcher::Event::Init | watcher::Event::InitDone) => None,
@@ -1208,7 +1239,7 @@ pub async fn run(
     let members = Controller::for_stream(member_stream, member_store)
         .with_config(ControllerConfig::default().concurrency(cfg.concurrency))
         .reconcile_on(member_rx)
-        .graceful_shutdown_on(shutdown)
+        .graceful_shutdown_on(shutdown.clone())
         .run(
             member::reconcile_member,
             member::member_error_policy,
@@ -1219,9 +1250,44 @@ pub async fn run(
                 tracing::debug!(error = %e, "member controller event");
             }
         });
+    let adapter_service_tx = service_tx.clone();
+    let adapter_stream = without_errors(
+        "LLMAdapter",
+        watcher(
+            scoped::<LLMAdapter>(&client, ns),
+            watcher::Config::default(),
+        )
+        .default_backoff()
+        .modify(|a| a.metadata.managed_fields = None)
+        .reflect(adapter_writer)
+        .touched_objects()
+        .map(move |a| {
+            // An adapter's change (created, edited, deleted) changes what its base renders.
+            if let Ok(a) = &a {
+                let base = ObjectRef::<LLMService>::new(&a.spec.service_ref.name)
+                    .within(a.service_namespace());
+                let _ = adapter_service_tx.unbounded_send(base);
+            }
+            a
+        }),
+    );
+    let adapters = Controller::for_stream(adapter_stream, adapter_store)
+        .with_config(ControllerConfig::default().concurrency(cfg.concurrency))
+        .reconcile_on(adapter_rx)
+        .graceful_shutdown_on(shutdown.clone())
+        .run(
+            adapter::reconcile_adapter,
+            adapter::adapter_error_policy,
+            ctx.clone(),
+        )
+        .for_each(|res| async move {
+            if let Err(e) = res {
+                tracing::debug!(error = %e, "adapter controller event");
+            }
+        });
     let meter = tokio::spawn(metering::run(ctx.clone(), gone));
     let sweeper = tokio::spawn(member::sweep(ctx, sweep_rx));
-    futures::future::join3(services, endpoints, members).await;
+    futures::future::join4(services, endpoints, members, adapters).await;
     sweeper.abort();
     meter.abort();
     Ok(())

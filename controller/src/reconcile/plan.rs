@@ -25,7 +25,7 @@ use k8s_openapi::{
     api::{
         apps::v1::Deployment,
         batch::v1::Job,
-        core::v1::{PersistentVolumeClaim, Pod, Service, ServiceAccount},
+        core::v1::{ConfigMap, PersistentVolumeClaim, Pod, Service, ServiceAccount},
         policy::v1::PodDisruptionBudget,
         rbac::v1::{Role, RoleBinding},
     },
@@ -80,6 +80,8 @@ pub struct View {
     pub gateway: Option<Arc<Deployment>>,
     /// PodDisruptionBudget `N-gateway`.
     pub gateway_pdb: Option<Arc<PodDisruptionBudget>>,
+    /// ConfigMap `N-adapters`.
+    pub adapters_config_map: Option<Arc<ConfigMap>>,
     /// The gateway Deployment of the LLMEndpoint the service is attached to (read only then).
     pub endpoint_gateway: Option<Arc<Deployment>>,
     /// Whether KEDA's ScaledObject CRD is installed and established.
@@ -398,6 +400,17 @@ pub fn plan(svc: &LLMService, desired: Desired, view: &View, cfg: &RenderConfig)
     }
 
     let waits_for = wait_for_prewarm(svc, &conds, view.backend.as_deref());
+
+    // The adapter table, before the gateway that reads it.
+    match children.adapters_config_map {
+        Some(cm) => apply_cached(writes, cm, view.adapters_config_map.as_deref()),
+        None => delete_if_owned(
+            writes,
+            Target::new(Kind::ConfigMap, names::adapters(&name)),
+            view.adapters_config_map.as_deref(),
+            svc,
+        ),
+    }
 
     // Backend.
     apply_cached(

@@ -40,6 +40,7 @@ pub fn serving_container(runtime: &InferenceRuntime) -> String {
 pub(super) fn backend_skeleton(
     ctx: &Ctx<'_>,
     volume: Option<Volume>,
+    adapters: Option<&super::RenderedAdapters>,
     create: bool,
 ) -> Result<Deployment, RenderError> {
     let rt = &ctx.rt.spec;
@@ -84,6 +85,15 @@ pub(super) fn backend_skeleton(
         }
     }
 
+    // LoRA adapters: the runtime's adapter arguments and environment (once each).
+    if let Some(a) = adapters {
+        for arg in &a.args {
+            if !args.contains(arg) {
+                args.push(arg.clone());
+            }
+        }
+    }
+
     let cached = volume.is_some() && !ctx.source.is_staged();
     let mut env = Vec::with_capacity(rt.container.env.len() + 2);
     for (i, e) in rt.container.env.iter().enumerate() {
@@ -97,11 +107,13 @@ pub(super) fn backend_skeleton(
         env.push(e);
     }
     let sleep_env = sleep.iter().flat_map(|t| t.mode.env.iter().cloned());
+    let adapter_env = adapters.iter().flat_map(|a| a.env.iter().cloned());
     for e in ctx
         .cache_env(cached)
         .into_iter()
         .chain(ctx.offline_env())
         .chain(sleep_env)
+        .chain(adapter_env)
     {
         if !env.iter().any(|x| x.name == e.name) {
             env.push(e);
@@ -142,7 +154,13 @@ pub(super) fn backend_skeleton(
             limits: (!limits.is_empty()).then_some(limits),
             ..Default::default()
         }),
-        volume_mounts: mount.map(|m| vec![m]),
+        volume_mounts: Some(
+            mount
+                .into_iter()
+                .chain(adapters.iter().flat_map(|a| a.mounts.iter().cloned()))
+                .collect::<Vec<_>>(),
+        )
+        .filter(|m| !m.is_empty()),
         ..Default::default()
     };
     let selector = labels::selector(&ctx.name, Component::Backend);
@@ -171,7 +189,13 @@ pub(super) fn backend_skeleton(
                 }),
                 spec: Some(PodSpec {
                     containers: vec![container],
-                    volumes: volume.map(|v| vec![v]),
+                    volumes: Some(
+                        volume
+                            .into_iter()
+                            .chain(adapters.iter().flat_map(|a| a.volumes.iter().cloned()))
+                            .collect::<Vec<_>>(),
+                    )
+                    .filter(|v| !v.is_empty()),
                     image_pull_secrets: ctx.pull_secrets(),
                     enable_service_links: Some(false),
                     ..Default::default()

@@ -269,12 +269,24 @@ pub(super) fn member_rules(sleeping: Option<&str>) -> Vec<PolicyRule> {
 }
 
 /// The Role `N-gateway` in the service's namespace: for its own gateway, or (bound to the
-/// endpoint's ServiceAccount) for the shared gateway of the endpoint it is attached to.
-pub(super) fn gateway_role(ctx: &Ctx<'_>) -> Role {
+/// endpoint's ServiceAccount) for the shared gateway of the endpoint it is attached to. With
+/// `adapters` (its own gateway reads the ConfigMap `N-adapters`), the right to read that one
+/// ConfigMap too.
+pub(super) fn gateway_role(ctx: &Ctx<'_>, adapters: bool) -> Role {
     let sleeping = ctx.sleep_tier().map(|_| ctx.name.as_str());
+    let mut rules = member_rules(sleeping);
+    if adapters {
+        rules.push(PolicyRule {
+            api_groups: Some(vec![String::new()]),
+            resources: Some(vec!["configmaps".to_owned()]),
+            resource_names: Some(vec![names::adapters(&ctx.name)]),
+            verbs: vec!["get".to_owned(), "list".to_owned(), "watch".to_owned()],
+            ..Default::default()
+        });
+    }
     Role {
         metadata: ctx.meta(names::gateway(&ctx.name), Component::Gateway),
-        rules: Some(member_rules(sleeping)),
+        rules: Some(rules),
     }
 }
 
@@ -424,8 +436,12 @@ fn check_model_durations(svc: &LLMService) -> Result<(), RenderError> {
     Ok(())
 }
 
-/// The service's own gateway, with its model's flags.
-pub(super) fn own_gateway<'a>(ctx: &'a Ctx<'_>) -> Result<Gateway<'a>, RenderError> {
+/// The service's own gateway, with its model's flags; with `adapters`, it reads the adapter
+/// table from the ConfigMap `N-adapters` (`--adapters-configmap`).
+pub(super) fn own_gateway<'a>(
+    ctx: &'a Ctx<'_>,
+    adapters: bool,
+) -> Result<Gateway<'a>, RenderError> {
     let svc = ctx.svc;
     let s = &svc.spec.scaling;
     let cold = &svc.spec.endpoint.cold_start;
@@ -445,6 +461,12 @@ pub(super) fn own_gateway<'a>(ctx: &'a Ctx<'_>) -> Result<Gateway<'a>, RenderErr
         format!("--activation-timeout={}", s.activation_timeout),
     ];
     let mut after_peers = Vec::new();
+    if adapters {
+        after_peers.push(format!(
+            "--adapters-configmap={}",
+            names::adapters(&ctx.name)
+        ));
+    }
     if let Some(route) = ctx.sleep_tier().and_then(|t| sleep_route(svc, &t)) {
         after_peers = sleep_args(&route);
         after_peers.push(format!("--llmservice={}", ctx.name));

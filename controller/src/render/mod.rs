@@ -21,7 +21,7 @@
 //! its namespace, and its ScaledObject asks the endpoint's gateway for its demand.
 
 use hearth_crds::{
-    InferenceRuntime, LLMService,
+    InferenceRuntime, LLMAdapter, LLMService,
     llmservice::CacheStrategy,
     rules::{self, Findings},
 };
@@ -30,8 +30,8 @@ use k8s_openapi::{
         apps::v1::Deployment,
         batch::v1::Job,
         core::v1::{
-            EnvFromSource, PersistentVolumeClaim, ResourceRequirements, SecretEnvSource, Service,
-            ServiceAccount, ServicePort, ServiceSpec,
+            ConfigMap, EnvFromSource, PersistentVolumeClaim, ResourceRequirements, SecretEnvSource,
+            Service, ServiceAccount, ServicePort, ServiceSpec,
         },
         policy::v1::PodDisruptionBudget,
         rbac::v1::{Role, RoleBinding},
@@ -53,6 +53,7 @@ use crate::{
     names, policy, template,
 };
 
+mod adapters;
 mod backend;
 mod cache;
 mod endpoint;
@@ -71,6 +72,7 @@ use self::{
     },
     keda::scaled_object,
 };
+pub use adapters::{ADAPTERS_MOUNT_ROOT, RenderedAdapters, unserved};
 pub use backend::{BACKEND_SERVICE_PORT, default_backend_security_context, serving_container};
 pub use endpoint::{EndpointChildren, render_endpoint};
 pub use gateway::{
@@ -208,6 +210,9 @@ pub struct Children {
     pub gateway_pdb: Option<PodDisruptionBudget>,
     /// KEDA ScaledObject.
     pub scaled_object: DynamicObject,
+    /// ConfigMap `N-adapters`: the adapters the service's own gateway routes and loads; `None`
+    /// without adapters, or when attached (the endpoint's route table carries them).
+    pub adapters_config_map: Option<ConfigMap>,
 }
 
 impl Children {
@@ -227,6 +232,9 @@ impl Children {
         }
         if let Some(j) = &self.prewarm_job {
             out.push(v(j)?);
+        }
+        if let Some(c) = &self.adapters_config_map {
+            out.push(v(c)?);
         }
         out.push(v(&self.backend_service)?);
         out.push(v(&self.backend)?);
@@ -337,6 +345,8 @@ struct Ctx<'a> {
     source: ModelSource,
     scaler: ScalerMode,
     placement: &'a Placement,
+    /// The service's accepted adapters, sorted by served name.
+    adapters: &'a [LLMAdapter],
 }
 
 impl<'a> Ctx<'a> {
@@ -427,6 +437,20 @@ pub fn render_placed(
     create_backend: bool,
     placement: &Placement,
 ) -> Result<Children, RenderError> {
+    render_with_adapters(service, runtime, cfg, create_backend, placement, &[])
+}
+
+/// [`render_placed`] with the service's accepted `adapters` (sorted by served name): the
+/// engine's adapter flags, environment and volumes, and the gateway's adapter table (see
+/// [`adapters`]).
+pub fn render_with_adapters(
+    service: &LLMService,
+    runtime: &InferenceRuntime,
+    cfg: &RenderConfig,
+    create_backend: bool,
+    placement: &Placement,
+    adapters: &[LLMAdapter],
+) -> Result<Children, RenderError> {
     // The rules the admission webhook applies too: nothing is rendered while one is broken.
     let mut findings = rules::check_llmservice(service, Some(runtime));
     if findings.blocks_rendering() {
@@ -446,10 +470,17 @@ pub fn render_placed(
         source: model::parse_source(&service.spec.model)?,
         scaler,
         placement,
+        adapters,
     };
     let volume = ctx.cache_volume()?;
+    let rendered_adapters = ctx.adapters();
 
-    let mut skeleton = backend_skeleton(&ctx, volume.clone(), create_backend)?;
+    let mut skeleton = backend_skeleton(
+        &ctx,
+        volume.clone(),
+        rendered_adapters.as_ref(),
+        create_backend,
+    )?;
     set_backend_security(&mut skeleton, runtime);
     let backend = policy::apply(
         &cfg.engine,
@@ -460,8 +491,12 @@ pub fn render_placed(
     )?;
     let backend = crate::upgrade::mark(backend, cfg.drain_image.as_deref());
     let own = match placement {
-        Placement::Own => Some(own_gateway(&ctx)?),
+        Placement::Own => Some(own_gateway(&ctx, rendered_adapters.is_some())?),
         Placement::Shared(_) => None,
+    };
+    let adapters_config_map = match (placement, &rendered_adapters) {
+        (Placement::Own, Some(a)) => Some(ctx.adapters_config_map(&a.table)?),
+        _ => None,
     };
     let role_binding = match placement {
         Placement::Own => gateway_role_binding(&ctx, names::gateway(&ctx.name), &ctx.namespace),
@@ -471,7 +506,7 @@ pub fn render_placed(
     };
     Ok(Children {
         gateway_service_account: own.as_ref().map(gateway_service_account),
-        gateway_role: gateway_role(&ctx),
+        gateway_role: gateway_role(&ctx, adapters_config_map.is_some()),
         gateway_role_binding: role_binding,
         cache_claim: cache_claim(&ctx),
         prewarm_job: prewarm_job(&ctx, volume),
@@ -488,6 +523,7 @@ pub fn render_placed(
             .transpose()?,
         gateway_pdb: own.as_ref().map(gateway_pdb),
         scaled_object: scaled_object(&ctx)?,
+        adapters_config_map,
     })
 }
 

@@ -1394,6 +1394,23 @@ fn matrix(release_ns: &str) -> Vec<Check> {
         team(),
         true,
     );
+    // Adapters: read, and their status written.
+    add(
+        c,
+        &["list", "watch"],
+        "llmadapters.serving.hearth.dev",
+        None,
+        None,
+        true,
+    );
+    add(
+        c,
+        &["patch"],
+        "llmadapters.serving.hearth.dev",
+        Some("status"),
+        team(),
+        true,
+    );
     add(c, &["get", "list", "watch"], "namespaces", None, None, true);
     add(c, &["list", "watch"], "configmaps", None, None, true);
     add(
@@ -1648,6 +1665,9 @@ fn matrix(release_ns: &str) -> Vec<Check> {
         "inferenceruntimes.serving.hearth.dev",
         "servingpolicies.serving.hearth.dev",
         "namespaces",
+        "llmservices.serving.hearth.dev",
+        "llmadapters.serving.hearth.dev",
+        "llmendpoints.serving.hearth.dev",
     ] {
         add(w, &["list", "watch"], r, None, None, true);
     }
@@ -1999,10 +2019,12 @@ async fn rbac_matrix_each_account_can_do_what_it_needs_and_nothing_more() -> Res
         "nodes [] [get]",
         "llmservices.serving.hearth.dev [] [list watch]",
         "llmendpoints.serving.hearth.dev [] [list watch]",
+        "llmadapters.serving.hearth.dev [] [list watch]",
         "inferenceruntimes.serving.hearth.dev [] [list watch]",
         "servingpolicies.serving.hearth.dev [] [get list watch]",
         "llmservices.serving.hearth.dev/status [] [patch]",
         "llmendpoints.serving.hearth.dev/status [] [patch]",
+        "llmadapters.serving.hearth.dev/status [] [patch]",
         "inferenceruntimes.serving.hearth.dev/status [] [patch]",
         "tokenreviews.authentication.k8s.io [] [create]",
         "subjectaccessreviews.authorization.k8s.io [] [create]",

@@ -67,6 +67,7 @@ fn steady(svc: &LLMService) -> View {
         legacy_backend: None,
         gateway: c.gateway.map(Arc::new),
         gateway_pdb: c.gateway_pdb.map(Arc::new),
+        adapters_config_map: c.adapters_config_map.map(Arc::new),
         endpoint_gateway: None,
         keda_installed: true,
         scaled_object: Some(Arc::new(c.scaled_object)),
@@ -76,7 +77,7 @@ fn steady(svc: &LLMService) -> View {
 
 /// `plan` as a reconcile runs it.
 fn plan_with(svc: &LLMService, view: &View, cfg: &RenderConfig) -> Plan {
-    let desired = desired(svc, [&runtime()], cfg, view.backend.is_none(), None);
+    let desired = desired(svc, [&runtime()], cfg, view.backend.is_none(), None, &[]);
     plan(svc, desired, view, cfg)
 }
 
@@ -807,6 +808,7 @@ fn planned_member(svc: &LLMService, view: &View, membership: Option<&Membership>
         &cfg(),
         view.backend.is_none(),
         membership,
+        &[],
     );
     plan(svc, desired, view, &cfg())
 }
