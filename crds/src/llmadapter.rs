@@ -101,8 +101,8 @@ pub struct LLMAdapterStatus {
 
     /// loadedReplicas counts the base's backend pods whose engine lists the adapter in its
     /// `/v1/models`.
-    #[serde(default)]
-    pub loaded_replicas: i32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loaded_replicas: Option<i32>,
 
     /// loadedOn names those pods, sorted.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -110,9 +110,10 @@ pub struct LLMAdapterStatus {
     pub loaded_on: Vec<String>,
 
     /// conditions: `Accepted` (the base exists, admits the adapter, its runtime serves
-    /// adapters within its limits, the name is free), `Cached` (the files are in the base's
-    /// model cache) and `Loaded` (at least one engine lists it; a failed load is `False` with
-    /// the engine's message).
+    /// adapters within its limits, the name is free; written by the controller's reconciler)
+    /// and `Loaded` (at least one of the base's ready engines lists it in `/v1/models`; written
+    /// every few seconds under the field manager `hearth-adapters`, with `loadedReplicas` and
+    /// `loadedOn`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
     pub conditions: Vec<Condition>,

@@ -1,11 +1,16 @@
-//! The `LLMAdapter` reconciler: whether an adapter is accepted on its base, by the rule the
-//! admission webhook applies (`hearth_crds::rules::adapters::check_llmadapter_among`), written
-//! to its status (`Accepted`, `servedName`, `observedGeneration`) by server-side apply under
-//! the controller's field manager.
+//! The `LLMAdapter` status, in two parts with two field managers:
 //!
-//! An adapter is reconciled when it changes, when its base LLMService changes (the services'
-//! watch reports it, [`adapters_of`]), and every resync period (its base's runtime, endpoint
-//! and namespace labels change rarely and are read then).
+//! - The reconciler: whether an adapter is accepted on its base, by the rule the admission
+//!   webhook applies (`hearth_crds::rules::adapters::check_llmadapter_among`): `Accepted`,
+//!   `servedName`, `observedGeneration`, under the controller's field manager. An adapter is
+//!   reconciled when it changes, when its base LLMService changes (the services' watch reports
+//!   it, [`adapters_of`]), and every resync period (its base's runtime, endpoint and namespace
+//!   labels change rarely and are read then).
+//! - The observer ([`observe`], every [`OBSERVE_EVERY`]): where each adapter is loaded, as the
+//!   engines say: each ready backend pod of a base with adapters is asked `GET /v1/models` once
+//!   per round, and each adapter's `loadedReplicas`, `loadedOn` and `Loaded` condition follow
+//!   the entries with a `parent` there, under the field manager [`OBSERVER_FIELD_MANAGER`].
+//!   Nothing is assumed from what the gateway asked for.
 
 use std::{collections::BTreeMap, sync::Arc};
 
@@ -58,9 +63,8 @@ pub fn accepted(findings: &Findings) -> Cond {
     }
 }
 
-/// The status `adapter` should have given `findings`, keeping `lastTransitionTime` where the
-/// condition's status did not change. The engine-reported fields (`loadedReplicas`,
-/// `loadedOn`) are kept as they are.
+/// The part of `adapter`'s status the reconciler owns given `findings`: `observedGeneration`,
+/// `servedName` and `Accepted` (keeping `lastTransitionTime` where its status did not change).
 pub fn adapter_status(adapter: &LLMAdapter, findings: &Findings, now: &Time) -> LLMAdapterStatus {
     let previous = adapter.status.clone().unwrap_or_default();
     LLMAdapterStatus {
@@ -72,8 +76,19 @@ pub fn adapter_status(adapter: &LLMAdapter, findings: &Findings, now: &Time) -> 
             adapter.metadata.generation,
             now,
         ),
-        ..previous
+        ..Default::default()
     }
+}
+
+/// Whether `current` says something else than the reconciler's part `desired`.
+fn reconciled_differs(current: Option<&LLMAdapterStatus>, desired: &LLMAdapterStatus) -> bool {
+    let Some(c) = current else { return true };
+    c.observed_generation != desired.observed_generation
+        || c.served_name != desired.served_name
+        || desired
+            .conditions
+            .iter()
+            .any(|d| !c.conditions.iter().any(|x| x == d))
 }
 
 /// The findings about `adapter` in the controller's caches.
@@ -127,7 +142,7 @@ pub async fn reconcile_adapter(
     let findings = findings(&adapter, &ctx);
     let now = Time(k8s_openapi::jiff::Timestamp::now());
     let status = adapter_status(&adapter, &findings, &now);
-    if adapter.status.as_ref() != Some(&status) {
+    if reconciled_differs(adapter.status.as_ref(), &status) {
         super::execute::write_status(&ctx, adapter.as_ref(), &status).await?;
     }
     Ok(Action::requeue(ctx.requeue))
@@ -150,6 +165,207 @@ pub(super) fn adapters_of(
             let _ = adapter_tx.unbounded_send(ObjectRef::from_obj(a.as_ref()));
         }
     }
+}
+
+/// How often the observer asks the engines what they have loaded.
+pub const OBSERVE_EVERY: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// The field manager of the engine-reported part of an adapter's status.
+pub const OBSERVER_FIELD_MANAGER: &str = "hearth-adapters";
+
+/// `Loaded`: at least one of the base's ready engines lists the adapter.
+pub const LOADED: &str = "Loaded";
+
+/// An OpenAI model list as vLLM answers `GET /v1/models`: adapters have a `parent`.
+#[derive(Debug, serde::Deserialize)]
+pub struct ModelList {
+    /// The models.
+    #[serde(default)]
+    pub data: Vec<ModelEntry>,
+}
+
+/// One entry of a [`ModelList`].
+#[derive(Debug, serde::Deserialize)]
+pub struct ModelEntry {
+    /// The model's (or adapter's) name.
+    pub id: String,
+    /// The base model's name, for an adapter.
+    #[serde(default)]
+    pub parent: Option<String>,
+}
+
+/// The engine-reported part of an adapter's status: the pods of `engines` (pod name and its
+/// engine's `/v1/models`, `None` when it did not answer) that list `served` as an adapter.
+pub fn loaded_status(
+    served: &str,
+    engines: &[(String, Option<&ModelList>)],
+    previous: &[k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition],
+    generation: Option<i64>,
+    now: &Time,
+) -> LLMAdapterStatus {
+    let mut on: Vec<String> = engines
+        .iter()
+        .filter(|(_, list)| {
+            list.is_some_and(|l| l.data.iter().any(|m| m.id == served && m.parent.is_some()))
+        })
+        .map(|(pod, _)| pod.clone())
+        .collect();
+    on.sort();
+    let answered = engines.iter().filter(|(_, l)| l.is_some()).count();
+    let cond = if !on.is_empty() {
+        Cond::new(
+            LOADED,
+            Some(true),
+            "Loaded",
+            format!("loaded on {} of {} ready engines", on.len(), engines.len()),
+        )
+    } else if engines.is_empty() {
+        Cond::new(
+            LOADED,
+            Some(false),
+            "NoReadyEngine",
+            "the base has no ready engine (at zero, or starting); the gateway loads the adapter \
+             when a request for it wakes one",
+        )
+    } else {
+        Cond::new(
+            LOADED,
+            Some(false),
+            "NotLoaded",
+            format!(
+                "none of the {} ready engines lists it ({answered} answered /v1/models); the \
+                 gateway loads it on its first request",
+                engines.len()
+            ),
+        )
+    };
+    LLMAdapterStatus {
+        loaded_replicas: Some(i32::try_from(on.len()).unwrap_or(i32::MAX)),
+        loaded_on: on,
+        conditions: status::merge_conditions(previous, &[cond], generation, now),
+        ..Default::default()
+    }
+}
+
+/// Whether `current` says something else than the observer's part `desired`.
+fn observed_differs(current: Option<&LLMAdapterStatus>, desired: &LLMAdapterStatus) -> bool {
+    let Some(c) = current else { return true };
+    c.loaded_replicas != desired.loaded_replicas
+        || c.loaded_on != desired.loaded_on
+        || desired.conditions.iter().any(|d| {
+            !c.conditions.iter().any(|x| {
+                x.type_ == d.type_
+                    && x.status == d.status
+                    && x.reason == d.reason
+                    && x.message == d.message
+            })
+        })
+}
+
+/// The observer: every [`OBSERVE_EVERY`], each base with adapters has its ready engines asked
+/// for their `/v1/models` (at once, each bounded), and each of its adapters' engine-reported
+/// status is written where it changed. Runs until the task is dropped.
+pub(super) async fn observe(ctx: Arc<Context>) {
+    let mut tick = tokio::time::interval(OBSERVE_EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        if !ctx.caches_synced() {
+            continue;
+        }
+        let mut by_base: BTreeMap<(String, String), Vec<Arc<LLMAdapter>>> = BTreeMap::new();
+        for a in ctx.adapters.state() {
+            by_base
+                .entry((
+                    a.service_namespace().to_owned(),
+                    a.spec.service_ref.name.clone(),
+                ))
+                .or_default()
+                .push(a);
+        }
+        if by_base.is_empty() {
+            continue;
+        }
+        let mut pods = super::metering::backend_pods(&ctx);
+        let runtimes = ctx.runtimes.state();
+        for ((ns, name), adapters) in by_base {
+            let Some(svc) = get_in(&ctx.llmservices, &ns, &name) else {
+                continue;
+            };
+            let Ok(resolved) = resolve_runtime(&svc, runtimes.iter().map(AsRef::as_ref)) else {
+                continue;
+            };
+            let port = resolved.runtime.spec.container.port.container_port;
+            let ready: Vec<(String, String)> = pods
+                .remove(&(ns.clone(), name.clone()))
+                .unwrap_or_default()
+                .into_iter()
+                .filter(|p| p.ready_ms.is_some())
+                .filter_map(|p| Some((p.name, p.ip?)))
+                .collect();
+            let lists: Vec<Result<ModelList, String>> =
+                futures::future::join_all(ready.iter().map(|(_, ip)| {
+                    super::handover::get_json::<ModelList>(&ctx, ip, port, "/v1/models", 1 << 20)
+                }))
+                .await;
+            for ((pod, _), r) in ready.iter().zip(&lists) {
+                if let Err(e) = r {
+                    tracing::debug!(pod = %pod, namespace = %ns, error = %e, "reading the engine's /v1/models");
+                }
+            }
+            let engines: Vec<(String, Option<&ModelList>)> = ready
+                .iter()
+                .zip(&lists)
+                .map(|((pod, _), r)| (pod.clone(), r.as_ref().ok()))
+                .collect();
+            let now = Time(k8s_openapi::jiff::Timestamp::now());
+            for a in adapters {
+                let previous = a
+                    .status
+                    .as_ref()
+                    .map(|s| s.conditions.clone())
+                    .unwrap_or_default();
+                let desired = loaded_status(
+                    a.served_name(),
+                    &engines,
+                    &previous,
+                    a.metadata.generation,
+                    &now,
+                );
+                if observed_differs(a.status.as_ref(), &desired)
+                    && let Err(e) = write_observed(&ctx, &a, &desired).await
+                {
+                    tracing::warn!(adapter = %format!("{ns}/{}", a.name_any()), error = %e, "writing the adapter's loaded status");
+                }
+            }
+        }
+    }
+}
+
+/// Applies the observer's part `status` of `a` under [`OBSERVER_FIELD_MANAGER`].
+async fn write_observed(
+    ctx: &Context,
+    a: &LLMAdapter,
+    status: &LLMAdapterStatus,
+) -> Result<(), kube::Error> {
+    use kube::{
+        Api, Resource,
+        api::{Patch, PatchParams},
+    };
+    let patch = serde_json::json!({
+        "apiVersion": LLMAdapter::api_version(&()),
+        "kind": LLMAdapter::kind(&()),
+        "status": status,
+    });
+    ctx.metrics.writes.inc();
+    Api::<LLMAdapter>::namespaced(ctx.client.clone(), &a.namespace().unwrap_or_default())
+        .patch_status(
+            &a.name_any(),
+            &PatchParams::apply(OBSERVER_FIELD_MANAGER).force(),
+            &Patch::Apply(&patch),
+        )
+        .await
+        .map(|_| ())
 }
 
 #[cfg(test)]
@@ -178,21 +394,81 @@ mod tests {
     }
 
     #[test]
-    fn the_status_keeps_what_the_engines_report_and_the_transition_time() {
+    fn the_reconciler_owns_acceptance_and_keeps_its_transition_time() {
         let mut a = adapter();
         let t0 = Time("2026-12-01T00:00:00Z".parse().unwrap());
         let f = rules::adapters::check_llmadapter_among(&a, None, None, [], &[], None);
         let first = adapter_status(&a, &f, &t0);
         assert_eq!(first.served_name.as_deref(), Some("sql"));
         assert_eq!(first.observed_generation, Some(3));
+        assert_eq!(
+            first.loaded_replicas, None,
+            "the observer's part is not sent"
+        );
+        assert!(reconciled_differs(None, &first));
         a.status = Some(LLMAdapterStatus {
-            loaded_replicas: 1,
-            loaded_on: vec!["qwen-backend-0".into()],
+            loaded_replicas: Some(1),
+            loaded_on: vec!["qwen-0".into()],
             ..first.clone()
         });
         let later = Time("2026-12-02T00:00:00Z".parse().unwrap());
         let again = adapter_status(&a, &f, &later);
-        assert_eq!(again.loaded_on, ["qwen-backend-0"]);
         assert_eq!(again.conditions[0].last_transition_time, t0);
+        assert!(!reconciled_differs(a.status.as_ref(), &again));
+    }
+
+    fn list(entries: &[(&str, Option<&str>)]) -> ModelList {
+        ModelList {
+            data: entries
+                .iter()
+                .map(|(id, parent)| ModelEntry {
+                    id: (*id).to_owned(),
+                    parent: parent.map(str::to_owned),
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn loaded_is_what_the_engines_list_as_adapters() {
+        let now = Time("2026-12-01T00:00:00Z".parse().unwrap());
+        let with = list(&[("qwen", None), ("sql", Some("qwen"))]);
+        let without = list(&[("qwen", None), ("chat", Some("qwen"))]);
+        // A base model of the same name is not the adapter.
+        let base_named_sql = list(&[("sql", None)]);
+        let engines = [
+            ("qwen-b".to_owned(), Some(&with)),
+            ("qwen-a".to_owned(), Some(&with)),
+            ("qwen-c".to_owned(), Some(&without)),
+            ("qwen-d".to_owned(), Some(&base_named_sql)),
+            ("qwen-e".to_owned(), None),
+        ];
+        let s = loaded_status("sql", &engines, &[], Some(1), &now);
+        assert_eq!(s.loaded_on, ["qwen-a", "qwen-b"]);
+        assert_eq!(s.loaded_replicas, Some(2));
+        let c = &s.conditions[0];
+        assert_eq!(
+            (c.type_.as_str(), c.status.as_str(), c.reason.as_str()),
+            (LOADED, "True", "Loaded")
+        );
+        assert_eq!(c.message, "loaded on 2 of 5 ready engines");
+
+        let s = loaded_status("legal", &engines, &s.conditions, Some(1), &now);
+        assert_eq!(s.loaded_replicas, Some(0));
+        assert_eq!(s.conditions[0].reason, "NotLoaded");
+        assert!(
+            s.conditions[0].message.contains("4 answered"),
+            "{}",
+            s.conditions[0].message
+        );
+
+        let s = loaded_status("sql", &[], &[], Some(1), &now);
+        assert_eq!(s.conditions[0].reason, "NoReadyEngine");
+        assert!(observed_differs(None, &s));
+        let current = LLMAdapterStatus {
+            served_name: Some("sql".into()),
+            ..s.clone()
+        };
+        assert!(!observed_differs(Some(&current), &s));
     }
 }

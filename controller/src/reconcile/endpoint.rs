@@ -408,7 +408,7 @@ async fn reconcile_endpoint_inner(ep: &LLMEndpoint, ctx: &Context) -> Result<Act
         if rules::check_llmservice(svc, Some(resolved.runtime)).blocks_rendering() {
             return None;
         }
-        model_route(svc, resolved.runtime).ok()
+        model_route(svc, resolved.runtime, &ctx.accepted_adapters(svc)).ok()
     };
     // The services it routed before, wherever their reference points now.
     let routed_before: Vec<Arc<LLMService>> = ep

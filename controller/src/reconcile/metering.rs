@@ -201,7 +201,7 @@ pub fn owner(svc: &LLMService) -> String {
 /// The backend pods in the cache by service (`(namespace, name)`), as the meter reads them;
 /// a pod that finished (`Succeeded`, `Failed`) and is not being deleted (an evicted pod kept
 /// for its record) holds no device and is left out; one being deleted counts until it is gone.
-fn backend_pods(ctx: &Context) -> HashMap<(String, String), Vec<PodNow>> {
+pub(super) fn backend_pods(ctx: &Context) -> HashMap<(String, String), Vec<PodNow>> {
     let mut out: HashMap<(String, String), Vec<PodNow>> = HashMap::new();
     for p in ctx.pods.state() {
         let finished = matches!(

@@ -1251,6 +1251,8 @@ pub async fn run(
             }
         });
     let adapter_service_tx = service_tx.clone();
+    let adapter_endpoint_tx = endpoint_tx.clone();
+    let adapter_services = ctx.llmservices.clone();
     let adapter_stream = without_errors(
         "LLMAdapter",
         watcher(
@@ -1262,10 +1264,18 @@ pub async fn run(
         .reflect(adapter_writer)
         .touched_objects()
         .map(move |a| {
-            // An adapter's change (created, edited, deleted) changes what its base renders.
+            // An adapter's change (created, edited, deleted) changes what its base renders, and
+            // the route of the endpoint the base joins.
             if let Ok(a) = &a {
                 let base = ObjectRef::<LLMService>::new(&a.spec.service_ref.name)
                     .within(a.service_namespace());
+                if let Some(key) = adapter_services
+                    .get(&base)
+                    .as_deref()
+                    .and_then(endpoint_key)
+                {
+                    let _ = adapter_endpoint_tx.unbounded_send(endpoint::endpoint_ref(&key));
+                }
                 let _ = adapter_service_tx.unbounded_send(base);
             }
             a
@@ -1286,10 +1296,12 @@ pub async fn run(
             }
         });
     let meter = tokio::spawn(metering::run(ctx.clone(), gone));
+    let adapter_observer = tokio::spawn(adapter::observe(ctx.clone()));
     let sweeper = tokio::spawn(member::sweep(ctx, sweep_rx));
     futures::future::join4(services, endpoints, members, adapters).await;
     sweeper.abort();
     meter.abort();
+    adapter_observer.abort();
     Ok(())
 }
 

@@ -21,7 +21,7 @@
 use std::collections::BTreeMap;
 
 use hearth_crds::{
-    LLMAdapter,
+    InferenceRuntime, LLMAdapter,
     inferenceruntime::RuntimeAdapters,
     llmadapter::{ADAPTERS_KEY, AdapterRoute, AdapterTable},
 };
@@ -82,83 +82,91 @@ fn volume_name(kind: &str, source: &str) -> String {
 impl Ctx<'_> {
     /// The adapters this service renders, or `None` without any (or without runtime support).
     pub(super) fn adapters(&self) -> Option<RenderedAdapters> {
-        let spec: &RuntimeAdapters = self.rt.spec.adapters.as_ref()?;
-        if self.adapters.is_empty() {
-            return None;
-        }
-        let mut volumes: BTreeMap<String, (Volume, String)> = BTreeMap::new();
-        let mut routes = Vec::new();
-        for a in self.adapters {
-            let path = match parse_uri(&a.spec.source.uri) {
-                Ok(ModelSource::Pvc { claim, subpath }) => {
-                    let name = volume_name("pvc", &claim);
-                    let mount = format!("{ADAPTERS_MOUNT_ROOT}/pvc/{claim}");
-                    let path = match &subpath {
-                        Some(s) => format!("{mount}/{s}"),
-                        None => mount.clone(),
-                    };
-                    let volume = Volume {
-                        name: name.clone(),
-                        persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
-                            claim_name: claim,
-                            read_only: Some(true),
-                        }),
-                        ..Default::default()
-                    };
-                    volumes.entry(name).or_insert((volume, mount));
-                    path
-                }
-                Ok(ModelSource::Oci { reference }) => {
-                    let name = volume_name("oci", &reference);
-                    let mount = format!("{ADAPTERS_MOUNT_ROOT}/oci/{}", &name["adapters-".len()..]);
-                    let volume = Volume {
-                        name: name.clone(),
-                        image: Some(ImageVolumeSource {
-                            reference: Some(reference),
-                            pull_policy: Some("IfNotPresent".to_owned()),
-                        }),
-                        ..Default::default()
-                    };
-                    volumes.entry(name).or_insert((volume, mount.clone()));
-                    mount
-                }
-                // Not served yet (`unserved`).
-                _ => continue,
-            };
-            routes.push(AdapterRoute {
-                name: a.served_name().to_owned(),
-                path,
-                adapter: format!("{}/{}", a.namespace().unwrap_or_default(), a.name_any()),
-            });
-        }
-        routes.sort_by(|a, b| a.name.cmp(&b.name));
-        routes.dedup_by(|a, b| a.name == b.name);
-        let (volumes, mounts) = volumes
-            .into_values()
-            .map(|(v, mount_path)| {
-                let mount = VolumeMount {
-                    name: v.name.clone(),
-                    mount_path,
-                    read_only: Some(true),
+        rendered(self.rt, self.adapters)
+    }
+}
+
+/// What `adapters` (accepted on a service served by `rt`, sorted by served name) add to the
+/// service's children, or `None` without any (or when `rt` has no `spec.adapters`).
+pub fn rendered(rt: &InferenceRuntime, adapters: &[LLMAdapter]) -> Option<RenderedAdapters> {
+    let spec: &RuntimeAdapters = rt.spec.adapters.as_ref()?;
+    if adapters.is_empty() {
+        return None;
+    }
+    let mut volumes: BTreeMap<String, (Volume, String)> = BTreeMap::new();
+    let mut routes = Vec::new();
+    for a in adapters {
+        let path = match parse_uri(&a.spec.source.uri) {
+            Ok(ModelSource::Pvc { claim, subpath }) => {
+                let name = volume_name("pvc", &claim);
+                let mount = format!("{ADAPTERS_MOUNT_ROOT}/pvc/{claim}");
+                let path = match &subpath {
+                    Some(s) => format!("{mount}/{s}"),
+                    None => mount.clone(),
+                };
+                let volume = Volume {
+                    name: name.clone(),
+                    persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
+                        claim_name: claim,
+                        read_only: Some(true),
+                    }),
                     ..Default::default()
                 };
-                (v, mount)
-            })
-            .unzip();
-        Some(RenderedAdapters {
-            args: spec.args.clone(),
-            env: spec.env.clone(),
-            volumes,
-            mounts,
-            table: AdapterTable {
-                load_path: spec.load_path.clone(),
-                unload_path: spec.unload_path.clone(),
-                max_loaded: u32::try_from(spec.max_loaded).unwrap_or(1).max(1),
-                adapters: routes,
-            },
-        })
+                volumes.entry(name).or_insert((volume, mount));
+                path
+            }
+            Ok(ModelSource::Oci { reference }) => {
+                let name = volume_name("oci", &reference);
+                let mount = format!("{ADAPTERS_MOUNT_ROOT}/oci/{}", &name["adapters-".len()..]);
+                let volume = Volume {
+                    name: name.clone(),
+                    image: Some(ImageVolumeSource {
+                        reference: Some(reference),
+                        pull_policy: Some("IfNotPresent".to_owned()),
+                    }),
+                    ..Default::default()
+                };
+                volumes.entry(name).or_insert((volume, mount.clone()));
+                mount
+            }
+            // Not served yet (`unserved`).
+            _ => continue,
+        };
+        routes.push(AdapterRoute {
+            name: a.served_name().to_owned(),
+            path,
+            adapter: format!("{}/{}", a.namespace().unwrap_or_default(), a.name_any()),
+        });
     }
+    routes.sort_by(|a, b| a.name.cmp(&b.name));
+    routes.dedup_by(|a, b| a.name == b.name);
+    let (volumes, mounts) = volumes
+        .into_values()
+        .map(|(v, mount_path)| {
+            let mount = VolumeMount {
+                name: v.name.clone(),
+                mount_path,
+                read_only: Some(true),
+                ..Default::default()
+            };
+            (v, mount)
+        })
+        .unzip();
+    Some(RenderedAdapters {
+        args: spec.args.clone(),
+        env: spec.env.clone(),
+        volumes,
+        mounts,
+        table: AdapterTable {
+            load_path: spec.load_path.clone(),
+            unload_path: spec.unload_path.clone(),
+            max_loaded: u32::try_from(spec.max_loaded).unwrap_or(1).max(1),
+            adapters: routes,
+        },
+    })
+}
 
+impl Ctx<'_> {
     /// The ConfigMap `<service>-adapters` holding `table` for the service's own gateway.
     ///
     /// # Errors

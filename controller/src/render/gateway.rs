@@ -500,8 +500,13 @@ pub(super) fn own_gateway<'a>(
 }
 
 /// The route of `svc` (accepted by a shared endpoint, served by `rt`) in the endpoint's routing
-/// table: the settings its own gateway takes as flags.
-pub fn model_route(svc: &LLMService, rt: &InferenceRuntime) -> Result<ModelRoute, RenderError> {
+/// table: the settings its own gateway takes as flags, and the adapter table of its accepted
+/// `adapters` (sorted by served name) that its own gateway reads from a ConfigMap.
+pub fn model_route(
+    svc: &LLMService,
+    rt: &InferenceRuntime,
+    adapters: &[hearth_crds::LLMAdapter],
+) -> Result<ModelRoute, RenderError> {
     check_model_durations(svc)?;
     let name = svc.name_any();
     let s = &svc.spec.scaling;
@@ -527,7 +532,7 @@ pub fn model_route(svc: &LLMService, rt: &InferenceRuntime) -> Result<ModelRoute
             .map(|a| Duration::new(a.phases.total.clone())),
         sleep: tier.and_then(|t| sleep_route(svc, &t)),
         container_concurrency: hearth_crds::rules::container_concurrency(svc, Some(rt)),
-        adapters: None,
+        adapters: super::adapters::rendered(rt, adapters).map(|a| a.table),
     })
 }
 

@@ -666,7 +666,7 @@ fn route_of(patch: serde_json::Value) -> hearth_crds::llmendpoint::ModelRoute {
     hearth_test_support::merge_json(&mut v, patch);
     let svc: LLMService = serde_json::from_value(v).unwrap();
     rt.spec.sleep_mode = Some(vllm_sleep_mode());
-    model_route(&svc, &rt).unwrap()
+    model_route(&svc, &rt, &[]).unwrap()
 }
 
 #[test]
@@ -1153,7 +1153,7 @@ fn a_joined_deployments_annotations_set_its_bounds_and_route() {
     let (port, _) = hearth_crds::rules::check_member_serving(&d, &member, None);
     let route = member_route(&d, &member, &port.unwrap()).unwrap();
     let (svc, rt) = service_and_runtime(json!({}));
-    let svc_route = model_route(&svc, &rt).unwrap();
+    let svc_route = model_route(&svc, &rt, &[]).unwrap();
     assert_eq!(
         (
             route.max_queue,
