@@ -1405,3 +1405,238 @@ async fn released_lease_is_taken_at_once_and_renewal_stops() -> Result<()> {
     assert_eq!(spec.lease_transitions, Some(1));
     Ok(())
 }
+
+/// An LLMAdapter `name` on service `base` from `uri`, `spec` merged into its spec.
+fn adapter(
+    ns: &TestNamespace,
+    name: &str,
+    base: &str,
+    uri: &str,
+    spec: Value,
+) -> Result<hearth_crds::LLMAdapter> {
+    let mut a = json!({
+        "apiVersion": "serving.hearth.dev/v1alpha1",
+        "kind": "LLMAdapter",
+        "metadata": {"name": name, "namespace": ns.name()},
+        "spec": {"serviceRef": {"name": base}, "source": {"uri": uri}},
+    });
+    hearth_test_support::merge_json(&mut a["spec"], spec);
+    Ok(serde_json::from_value(a)?)
+}
+
+/// Waits until adapter `name`'s condition `type_` has `status` and `reason`.
+async fn wait_adapter(
+    ns: &TestNamespace,
+    name: &str,
+    type_: &str,
+    status: &str,
+    reason: &str,
+) -> Result<hearth_crds::LLMAdapter> {
+    let api: Api<hearth_crds::LLMAdapter> = ns.api();
+    wait_until(
+        format!("LLMAdapter {name}: {type_}={status} ({reason})"),
+        WAIT,
+        || async {
+            let a = api.get(name).await?;
+            let ok = a.status.as_ref().is_some_and(|s| {
+                s.conditions
+                    .iter()
+                    .any(|c| c.type_ == type_ && c.status == status && c.reason == reason)
+            });
+            Ok(if ok {
+                Observed::Ready(a)
+            } else {
+                Observed::NotYet(format!("status {}", serde_json::to_string(&a.status)?))
+            })
+        },
+    )
+    .await
+}
+
+/// Adapters on a base whose runtime serves them (at most 4): each gets its `Accepted` by the
+/// admission rule (too many and a taken name refused, naming why), the base's backend is
+/// rendered with the runtime's adapter flags and one read-only volume for the claim both
+/// `pvc://` adapters live on, the gateway reads the ConfigMap `<svc>-adapters` (its Role may
+/// read it) listing the adapters the engines can load (the hub one not yet), `Loaded` says no
+/// engine is ready (the base is at zero); deleting them takes the flags, the volume and the
+/// ConfigMap away again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn adapters_are_accepted_by_the_rule_rendered_and_removed() -> Result<()> {
+    let (client, ns) = setup("ctrl-lora").await?;
+    let rt_name = format!("{}-lora", ns.name());
+    let mut rt = runtime_named(&rt_name, ns.name(), 1, "example.com/engine:lora")?;
+    rt.spec.adapters = Some(serde_json::from_value(json!({
+        "args": ["--enable-lora", "--max-lora-rank=16"],
+        "env": [{"name": "VLLM_ALLOW_RUNTIME_LORA_UPDATING", "value": "true"}],
+        "maxAdapters": 4,
+    }))?);
+    apply_runtime(&client, &rt).await?;
+    let running = start_default(&client, &ns);
+    let result = async {
+        let svc = uncached_service("qwen", json!({"runtime": {"name": rt_name}}))?;
+        create_service(&ns, svc).await?;
+        let api: Api<hearth_crds::LLMAdapter> = ns.api();
+        // Created one after another (and named in that order: creationTimestamps share seconds,
+        // and ties go by name), so each is younger than the ones before.
+        for a in [
+            adapter(
+                &ns,
+                "a-sql",
+                "qwen",
+                "pvc://lora/qwen/sql",
+                json!({"rank": 16}),
+            )?,
+            adapter(&ns, "b-chat", "qwen", "pvc://lora/qwen/chat", json!({}))?,
+            adapter(&ns, "c-hub", "qwen", "hf://acme/qwen-lora", json!({}))?,
+            adapter(
+                &ns,
+                "d-clash",
+                "qwen",
+                "pvc://lora/x",
+                json!({"servedName": "a-sql"}),
+            )?,
+            adapter(&ns, "e-extra", "qwen", "pvc://lora/y", json!({}))?,
+            adapter(&ns, "f-orphan", "nobody", "pvc://lora/z", json!({}))?,
+        ] {
+            api.create(&PostParams::default(), &a).await?;
+        }
+        for name in ["a-sql", "b-chat", "c-hub"] {
+            let a = wait_adapter(&ns, name, "Accepted", "True", "Accepted").await?;
+            assert_eq!(
+                a.status.as_ref().and_then(|s| s.served_name.as_deref()),
+                Some(name)
+            );
+        }
+        let clash = wait_adapter(&ns, "d-clash", "Accepted", "False", "ModelNameConflict").await?;
+        let msg = &clash.status.as_ref().unwrap().conditions[0].message;
+        assert!(
+            msg.contains(&format!("LLMAdapter {}/a-sql", ns.name())),
+            "{msg}"
+        );
+        let extra = wait_adapter(&ns, "e-extra", "Accepted", "False", "TooManyAdapters").await?;
+        let msg = &extra.status.as_ref().unwrap().conditions[0].message;
+        assert!(msg.contains("maxAdapters: 4"), "{msg}");
+        wait_adapter(&ns, "f-orphan", "Accepted", "False", "ServiceNotFound").await?;
+        // The engine-reported part: no engine at zero.
+        wait_adapter(&ns, "a-sql", "Loaded", "False", "NoReadyEngine").await?;
+
+        // The backend: flags once, environment, one volume for claim `lora`.
+        let deployments: Api<Deployment> = ns.api();
+        let backend = wait_until("the backend with the adapter flags", WAIT, || async {
+            let d = deployments.get("qwen").await?;
+            let pod = d
+                .spec
+                .as_ref()
+                .and_then(|s| s.template.spec.clone())
+                .unwrap_or_default();
+            let args = pod.containers[0].args.clone().unwrap_or_default();
+            Ok(if args.iter().any(|a| a == "--enable-lora") {
+                Observed::Ready(pod)
+            } else {
+                Observed::NotYet(format!("args {args:?}"))
+            })
+        })
+        .await?;
+        let c = &backend.containers[0];
+        assert_eq!(
+            c.args
+                .iter()
+                .flatten()
+                .filter(|a| *a == "--enable-lora")
+                .count(),
+            1
+        );
+        assert!(
+            c.env
+                .iter()
+                .flatten()
+                .any(|e| e.name == "VLLM_ALLOW_RUNTIME_LORA_UPDATING")
+        );
+        let claims: Vec<_> = backend
+            .volumes
+            .iter()
+            .flatten()
+            .filter_map(|v| v.persistent_volume_claim.as_ref())
+            .collect();
+        assert_eq!(claims.len(), 1, "one volume for claim lora: {claims:?}");
+        assert_eq!(claims[0].claim_name, "lora");
+        assert_eq!(claims[0].read_only, Some(true));
+
+        // The gateway's table: the two pvc:// adapters; the hub one is not served yet.
+        let cms: Api<k8s_openapi::api::core::v1::ConfigMap> = ns.api();
+        let table = wait_until("ConfigMap qwen-adapters", WAIT, || async {
+            Ok(match cms.get_opt("qwen-adapters").await? {
+                Some(cm) => Observed::Ready(cm),
+                None => Observed::NotYet("absent".into()),
+            })
+        })
+        .await?;
+        let table: hearth_crds::llmadapter::AdapterTable = serde_json::from_str(
+            &table.data.unwrap_or_default()[hearth_crds::llmadapter::ADAPTERS_KEY],
+        )?;
+        let routed: Vec<(&str, &str)> = table
+            .adapters
+            .iter()
+            .map(|a| (a.name.as_str(), a.path.as_str()))
+            .collect();
+        assert_eq!(
+            routed,
+            [
+                ("a-sql", "/adapters/pvc/lora/qwen/sql"),
+                ("b-chat", "/adapters/pvc/lora/qwen/chat")
+            ]
+        );
+        let gateway = deployments.get("qwen-gateway").await?;
+        let gw_args = gateway
+            .spec
+            .and_then(|s| s.template.spec)
+            .map(|p| p.containers[0].args.clone().unwrap_or_default())
+            .unwrap_or_default();
+        assert!(
+            gw_args.contains(&"--adapters-configmap=qwen-adapters".to_owned()),
+            "{gw_args:?}"
+        );
+        let role: Api<k8s_openapi::api::rbac::v1::Role> = ns.api();
+        let rules = role.get("qwen-gateway").await?.rules.unwrap_or_default();
+        assert!(rules.iter().any(|r| {
+            r.resources.iter().flatten().any(|x| x == "configmaps")
+                && r.resource_names
+                    .iter()
+                    .flatten()
+                    .any(|n| n == "qwen-adapters")
+        }));
+
+        // All gone: so are the flags and the table.
+        for name in ["a-sql", "b-chat", "c-hub", "d-clash", "e-extra", "f-orphan"] {
+            api.delete(name, &DeleteParams::default()).await?;
+        }
+        wait_until(
+            "the backend without adapter flags, no table",
+            WAIT,
+            || async {
+                let d = deployments.get("qwen").await?;
+                let args = d
+                    .spec
+                    .and_then(|s| s.template.spec)
+                    .map(|p| p.containers[0].args.clone().unwrap_or_default())
+                    .unwrap_or_default();
+                let cm = cms.get_opt("qwen-adapters").await?;
+                Ok(
+                    if !args.iter().any(|a| a == "--enable-lora") && cm.is_none() {
+                        Observed::Ready(())
+                    } else {
+                        Observed::NotYet(format!("args {args:?}, table present: {}", cm.is_some()))
+                    },
+                )
+            },
+        )
+        .await?;
+        Ok::<_, anyhow::Error>(())
+    }
+    .await;
+    running.stop().await;
+    let _ = Api::<InferenceRuntime>::all(client.clone())
+        .delete(&rt_name, &DeleteParams::default())
+        .await;
+    result
+}

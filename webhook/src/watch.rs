@@ -52,7 +52,20 @@ pub async fn run(
     let (namespaces, ns_task) = reflect::<Namespace>(client.clone(), Arc::new(Notify::new()));
     // Nor do the objects an LLMAdapter is checked against.
     let (services, svc_task) = reflect::<LLMService>(client.clone(), Arc::new(Notify::new()));
-    let (adapters, ad_task) = reflect::<LLMAdapter>(client.clone(), Arc::new(Notify::new()));
+    // A cluster whose CRDs predate LLMAdapter (the chart's crds/ not applied before an
+    // upgrade) has none to check: an empty store, so the webhook still becomes ready.
+    let (adapters, ad_task) = if served::<LLMAdapter>(&client).await {
+        let (store, task) = reflect::<LLMAdapter>(client.clone(), Arc::new(Notify::new()));
+        (
+            store,
+            Box::pin(task) as std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>,
+        )
+    } else {
+        tracing::warn!(
+            "the LLMAdapter CRD is not installed: apply charts/hearth/crds/ and restart the webhook to check adapters"
+        );
+        empty::<LLMAdapter>()
+    };
     let (endpoints, ep_task) = reflect::<LLMEndpoint>(client.clone(), Arc::new(Notify::new()));
     let serving = ServingStores {
         services,
@@ -104,6 +117,32 @@ pub async fn run(
         }
     }
     abort();
+}
+
+/// Whether the apiserver serves `K` (its CRD is installed): not when listing it is a 404.
+async fn served<K>(client: &Client) -> bool
+where
+    K: kube::Resource<DynamicType = ()> + Clone + std::fmt::Debug + serde::de::DeserializeOwned,
+{
+    let api: Api<K> = Api::all(client.clone());
+    !matches!(
+        api.list_metadata(&kube::api::ListParams::default().limit(1)).await,
+        Err(kube::Error::Api(e)) if e.code == 404
+    )
+}
+
+/// An empty store, ready at once, with a task that does nothing (for a kind not served).
+fn empty<K>() -> (
+    Store<K>,
+    std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send + 'static>>,
+)
+where
+    K: kube::Resource<DynamicType = ()> + Clone + 'static,
+{
+    let (reader, mut writer) = reflector::store::<K>();
+    writer.apply_watcher_event(&watcher::Event::Init);
+    writer.apply_watcher_event(&watcher::Event::InitDone);
+    (reader, Box::pin(async {}))
 }
 
 fn reflect<K>(

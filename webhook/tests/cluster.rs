@@ -12,7 +12,7 @@ use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result, bail, ensure};
 use hearth_crds::{InferenceRuntime, LLMService, ServingPolicy};
 use hearth_test_support::{Cluster, Observed, TestNamespace, run_detached, wait_until};
 use hearth_webhook::registration::{Registration, Target};
@@ -653,4 +653,123 @@ async fn annotated_deployment_is_mutated_and_policy_changes_take_effect() -> Res
         "the last good version of the edited policy still applies"
     );
     Ok(())
+}
+
+/// LLMAdapters reviewed by the real apiserver through this webhook, against what its
+/// reflectors see: a runtime serving adapters (rank at most 16, at most 2 adapters) and a base
+/// on it. An adapter within the limits is stored; one above the rank, one taking the base's
+/// name, and a third adapter are denied naming the field; one whose base does not exist yet
+/// is stored with a warning.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn llmadapters_are_checked_against_their_base_and_its_runtime() -> Result<()> {
+    let (ns, _hook) = setup("webhook-lora", Duration::from_secs(3600)).await?;
+    let rt_name = format!("{}-lora", ns.name());
+    let runtimes: Api<InferenceRuntime> = Api::all(ns.client());
+    let rt: InferenceRuntime = serde_json::from_value(json!({
+        "apiVersion": "serving.hearth.dev/v1alpha1",
+        "kind": "InferenceRuntime",
+        "metadata": {"name": rt_name, "labels": {SCOPE_LABEL: ns.name()}},
+        "spec": {
+            "vendor": "nvidia",
+            "container": {"image": "vllm/vllm-openai:v0.25.1", "args": ["{{ .Model.Path }}"]},
+            "accelerator": {"resourceName": "nvidia.com/gpu"},
+            "adapters": {"maxRank": 16, "maxAdapters": 2},
+        }
+    }))?;
+    runtimes.create(&PostParams::default(), &rt).await?;
+    let result = async {
+        let services: Api<LLMService> = ns.api();
+        let base: LLMService =
+            serde_json::from_value(llmservice("qwen", json!({"runtime": {"name": rt_name}})))?;
+        services.create(&PostParams::default(), &base).await?;
+        let adapters: Api<hearth_crds::LLMAdapter> = ns.api();
+        let adapter = |name: &str, spec: Value| -> Result<hearth_crds::LLMAdapter> {
+            let mut a = json!({
+                "apiVersion": "serving.hearth.dev/v1alpha1",
+                "kind": "LLMAdapter",
+                "metadata": {"name": name},
+                "spec": {"serviceRef": {"name": "qwen"}, "source": {"uri": "pvc://lora/qwen/sql"}},
+            });
+            hearth_test_support::merge_json(&mut a["spec"], spec);
+            Ok(serde_json::from_value(a)?)
+        };
+        // The reflectors see the base (and later the first adapter) shortly after they exist.
+        wait_until(
+            "the webhook to see the base",
+            Duration::from_secs(30),
+            || {
+                let adapters = adapters.clone();
+                async move {
+                    let a = adapter("probe", json!({"rank": 32}))?;
+                    Ok(match adapters.create(&dry_run(), &a).await {
+                        Err(kube::Error::Api(e)) if e.message.contains("spec.rank") => {
+                            Observed::Ready(())
+                        }
+                        other => Observed::NotYet(format!("{other:?}")),
+                    })
+                }
+            },
+        )
+        .await?;
+        adapters
+            .create(
+                &PostParams::default(),
+                &adapter("sql", json!({"rank": 16}))?,
+            )
+            .await
+            .context("an adapter within the runtime's limits")?;
+        let denied = |a: hearth_crds::LLMAdapter, want: &'static str| {
+            let adapters = adapters.clone();
+            async move {
+                match adapters.create(&PostParams::default(), &a).await {
+                    Err(kube::Error::Api(e)) => {
+                        ensure!(e.code == 422, "{e:?}");
+                        ensure!(e.message.contains(want), "{want:?} in {}", e.message);
+                        Ok(())
+                    }
+                    other => bail!("{:?} was not denied: {other:?}", a.metadata.name),
+                }
+            }
+        };
+        denied(
+            adapter("big", json!({"rank": 64}))?,
+            "spec.rank: 64 is above 16",
+        )
+        .await?;
+        denied(
+            adapter("qwen", json!({}))?,
+            "metadata.name: the model name \"qwen\" is taken by LLMService",
+        )
+        .await?;
+        // `sql` counted once the reflector has it: a second is allowed, a third is not.
+        adapters
+            .create(&PostParams::default(), &adapter("chat", json!({}))?)
+            .await
+            .context("a second adapter")?;
+        wait_until("the third adapter denied", Duration::from_secs(30), || {
+            let adapters = adapters.clone();
+            let a = adapter("third", json!({}));
+            async move {
+                Ok(match adapters.create(&dry_run(), &a?).await {
+                    Err(kube::Error::Api(e)) if e.message.contains("maxAdapters: 2") => {
+                        Observed::Ready(())
+                    }
+                    other => Observed::NotYet(format!("{other:?}")),
+                })
+            }
+        })
+        .await?;
+        // A base that does not exist yet: stored, with a warning (the controller says
+        // ServiceNotFound until it exists).
+        let mut later = adapter("later", json!({}))?;
+        later.spec.service_ref.name = "later".into();
+        adapters
+            .create(&PostParams::default(), &later)
+            .await
+            .context("an adapter whose base does not exist yet")?;
+        Ok::<_, anyhow::Error>(())
+    }
+    .await;
+    let _ = runtimes.delete(&rt_name, &DeleteParams::default()).await;
+    result
 }

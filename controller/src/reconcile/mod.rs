@@ -987,8 +987,24 @@ pub async fn run(
     let (endpoint_store, endpoint_writer) = reflector::store::<LLMEndpoint>();
     let (namespace_store, namespace_writer) = reflector::store::<PartialObjectMeta<Namespace>>();
     let (service_tx, service_rx) = mpsc::unbounded::<ObjectRef<LLMService>>();
-    let (adapter_store, adapter_writer) = reflector::store::<LLMAdapter>();
+    let (adapter_store, mut adapter_writer) = reflector::store::<LLMAdapter>();
     let (adapter_tx, adapter_rx) = mpsc::unbounded::<ObjectRef<LLMAdapter>>();
+    // A cluster whose CRDs predate LLMAdapter (the chart's crds/ not applied before an
+    // upgrade) has no adapters: an empty cache, synced at once, and no adapter controller, so
+    // services are still reconciled.
+    let adapters_served = !matches!(
+        Api::<LLMAdapter>::all(client.clone())
+            .list_metadata(&ListParams::default().limit(1))
+            .await,
+        Err(kube::Error::Api(e)) if e.code == 404
+    );
+    if !adapters_served {
+        tracing::warn!(
+            "the LLMAdapter CRD is not installed: apply charts/hearth/crds/ and restart the controller to serve adapters"
+        );
+        adapter_writer.apply_watcher_event(&watcher::Event::Init);
+        adapter_writer.apply_watcher_event(&watcher::Event::InitDone);
+    }
 
     let ctx = Arc::new(Context {
         client: client.clone(),
@@ -1281,20 +1297,28 @@ pub async fn run(
             a
         }),
     );
-    let adapters = Controller::for_stream(adapter_stream, adapter_store)
-        .with_config(ControllerConfig::default().concurrency(cfg.concurrency))
-        .reconcile_on(adapter_rx)
-        .graceful_shutdown_on(shutdown.clone())
-        .run(
-            adapter::reconcile_adapter,
-            adapter::adapter_error_policy,
-            ctx.clone(),
-        )
-        .for_each(|res| async move {
-            if let Err(e) = res {
-                tracing::debug!(error = %e, "adapter controller event");
-            }
-        });
+    let adapter_ctx = ctx.clone();
+    let adapter_shutdown = shutdown.clone();
+    let adapters = async move {
+        if !adapters_served {
+            return;
+        }
+        Controller::for_stream(adapter_stream, adapter_store)
+            .with_config(ControllerConfig::default().concurrency(cfg.concurrency))
+            .reconcile_on(adapter_rx)
+            .graceful_shutdown_on(adapter_shutdown)
+            .run(
+                adapter::reconcile_adapter,
+                adapter::adapter_error_policy,
+                adapter_ctx,
+            )
+            .for_each(|res| async move {
+                if let Err(e) = res {
+                    tracing::debug!(error = %e, "adapter controller event");
+                }
+            })
+            .await;
+    };
     let meter = tokio::spawn(metering::run(ctx.clone(), gone));
     let adapter_observer = tokio::spawn(adapter::observe(ctx.clone()));
     let sweeper = tokio::spawn(member::sweep(ctx, sweep_rx));
