@@ -77,15 +77,16 @@ pub fn check_llmadapter(adapter: &LLMAdapter, ctx: &AdapterContext<'_>) -> Findi
         object_name(&mut f, "spec.source.secretRef.name", &secret.name);
     }
     let served = adapter.served_name();
+    // The field the served name comes from.
+    let name_field = if spec.served_name.is_some() {
+        "spec.servedName"
+    } else {
+        "metadata.name"
+    };
     if !is_served_name(served) {
-        let field = if spec.served_name.is_some() {
-            "spec.servedName"
-        } else {
-            "metadata.name"
-        };
         f.error(
             Reason::InvalidSpec,
-            field,
+            name_field,
             format!(
                 "{served:?} cannot be a model name: at most {MAX_SERVED_NAME_LEN} letters, digits, \
                  '.', '_', ':', '/' and '-', starting and ending alphanumeric; set \
@@ -206,14 +207,9 @@ pub fn check_llmadapter(adapter: &LLMAdapter, ctx: &AdapterContext<'_>) -> Findi
         );
     }
     if let Some(taken) = ctx.taken.iter().find(|t| t.name == served) {
-        let field = if spec.served_name.is_some() {
-            "spec.servedName"
-        } else {
-            "metadata.name"
-        };
         f.error(
             Reason::ModelNameConflict,
-            field,
+            name_field,
             format!(
                 "the model name {served:?} is taken by {} on the same gateway; set \
                  spec.servedName to another name",
