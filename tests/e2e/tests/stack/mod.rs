@@ -5,6 +5,8 @@
 
 #![allow(dead_code)] // Each suite uses a different part.
 
+pub mod volumes;
+
 use std::time::Duration;
 
 use anyhow::{Context, Result};
