@@ -24,6 +24,7 @@ pub mod apikeys;
 pub mod budget;
 pub mod cli;
 pub mod config;
+pub(crate) mod configmap;
 pub mod demand;
 pub mod discovery;
 pub mod drain;

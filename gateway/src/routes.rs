@@ -29,10 +29,8 @@ use std::{
 };
 
 use arc_swap::ArcSwap;
-use futures::StreamExt;
 use hearth_crds::llmendpoint::{ModelRoute, ROUTES_KEY, RouteTable};
 use k8s_openapi::api::core::v1::ConfigMap;
-use kube::runtime::{WatchStreamExt, watcher};
 use tokio::{sync::watch, task::AbortHandle};
 
 use crate::{
@@ -870,45 +868,21 @@ pub async fn watch_routes(
     name: String,
     gateway: crate::Gateway,
 ) {
-    let api: kube::Api<ConfigMap> = kube::Api::namespaced(client, &namespace);
-    let cfg = watcher::Config::default().fields(&format!("metadata.name={name}"));
-    let stream = watcher(api, cfg).default_backoff();
-    futures::pin_mut!(stream);
-    let configmap = format!("{namespace}/{name}");
-    let mut listed = false;
-    let mut applied_once = false;
-    while let Some(ev) = stream.next().await {
-        match ev {
-            Ok(watcher::Event::Init) => listed = false,
-            Ok(watcher::Event::InitApply(cm) | watcher::Event::Apply(cm)) => {
-                listed = true;
-                apply_config_map(&gateway, &configmap, &cm);
-                applied_once = true;
-            }
-            Ok(watcher::Event::InitDone) => {
-                if !listed {
-                    if applied_once {
-                        tracing::warn!(%configmap, "the routes ConfigMap is gone: no models are served until it is back");
-                    } else {
-                        tracing::info!(%configmap, "the routes ConfigMap does not exist yet: no models are served until it appears");
-                    }
-                    apply_empty(&gateway, &configmap);
-                }
-            }
-            Ok(watcher::Event::Delete(_)) => {
-                tracing::warn!(%configmap, "the routes ConfigMap was deleted: no models are served until it is back");
-                apply_empty(&gateway, &configmap);
-            }
-            Err(e) => {
-                let forbidden = matches!(&e, watcher::Error::InitialListFailed(kube::Error::Api(s)) | watcher::Error::WatchStartFailed(kube::Error::Api(s)) | watcher::Error::WatchFailed(kube::Error::Api(s)) if s.is_forbidden());
-                if forbidden {
-                    tracing::error!(%configmap, error = %e, "forbidden to watch the routes ConfigMap (grant get/list/watch on configmaps in the gateway's namespace); retrying, the table in force stays");
-                } else {
-                    tracing::warn!(%configmap, error = %e, "routes ConfigMap watch error; retrying, the table in force stays");
-                }
-            }
-        }
-    }
+    let followed = crate::configmap::Followed {
+        what: "routes",
+        nothing: "no models are served",
+    };
+    crate::configmap::follow(
+        client,
+        &namespace,
+        &name,
+        followed,
+        |configmap, change| match change {
+            crate::configmap::Change::Object(cm) => apply_config_map(&gateway, configmap, cm),
+            crate::configmap::Change::Missing => apply_empty(&gateway, configmap),
+        },
+    )
+    .await;
 }
 
 fn apply_empty(gateway: &crate::Gateway, configmap: &str) {
