@@ -195,6 +195,14 @@ fn model_config(i: usize, r: &ModelRoute) -> Result<ModelConfig, RoutesError> {
                 .map_err(|e| invalid(i, "lastActivation", e.to_string()))?,
         ),
     };
+    if let Some(adapters) = &r.adapters {
+        crate::adapters::check(adapters).map_err(|e| match e {
+            crate::adapters::AdapterTableError::Invalid { path, message } => {
+                invalid(i, &format!("adapters.{path}"), message)
+            }
+            other => invalid(i, "adapters", other.to_string()),
+        })?;
+    }
     let sleep = match &r.sleep {
         None => None,
         Some(s) => {
@@ -285,6 +293,29 @@ pub fn default_route(namespace: &str, service: &str, model: &str) -> ModelRoute 
         container_concurrency: None,
         adapters: None,
     }
+}
+
+/// Each route's adapter catalog (checked by [`model_configs`] already): an adapter named like
+/// any model of the table, or like an adapter of an earlier entry, is left out and logged (a
+/// model wins; names come unique from the controller, so this is a safeguard).
+fn adapter_catalogs(table: &RouteTable) -> Vec<crate::adapters::Catalog> {
+    let models: std::collections::HashSet<&str> =
+        table.models.iter().map(|r| r.model.as_str()).collect();
+    let mut claimed: std::collections::HashSet<String> = std::collections::HashSet::new();
+    table
+        .models
+        .iter()
+        .map(|route| {
+            let Some(adapters) = &route.adapters else {
+                return crate::adapters::Catalog::default();
+            };
+            let (catalog, _) = crate::adapters::catalog_for(adapters, &route.key(), |n| {
+                models.contains(n) || claimed.contains(n)
+            });
+            claimed.extend(catalog.adapters().iter().map(|a| a.name.to_string()));
+            catalog
+        })
+        .collect()
 }
 
 /// Whether a model's state can stay when its route changes from `a` to `b`: the same
@@ -423,6 +454,15 @@ impl Table {
                 t.by_key.insert(m.cfg.key.clone(), m.clone());
             }
             t.sorted.push(m);
+        }
+        // An adapter is routed to its base model. Catalogs leave out names a model or an
+        // earlier model's adapter has (see `Routes::apply`), so none replaces another here.
+        for m in &t.sorted {
+            for a in m.state.adapters.catalog().adapters() {
+                t.by_name
+                    .entry(a.name.to_string())
+                    .or_insert_with(|| m.clone());
+            }
         }
         t.sorted
             .sort_by(|a, b| a.name().unwrap_or("").cmp(b.name().unwrap_or("")));
@@ -630,9 +670,10 @@ impl Routes {
             models: configs.len(),
             ..RoutesApplied::default()
         };
+        let catalogs = adapter_catalogs(table);
         let mut models = Vec::with_capacity(configs.len());
         let mut fresh = Vec::new();
-        for (cfg, route) in configs.into_iter().zip(&table.models) {
+        for ((cfg, route), catalog) in configs.into_iter().zip(&table.models).zip(catalogs) {
             let key = cfg.key.clone();
             let prev = old
                 .by_key(&key)
@@ -696,6 +737,7 @@ impl Routes {
                     m
                 }
             };
+            model.state.adapters.set_catalog(catalog);
             models.push(model);
         }
         let next = Table::new(models);

@@ -155,7 +155,11 @@ where
         }
     };
 
-    let route::Routed { model, hints } = match route::route(&shared, &parts, &body) {
+    let route::Routed {
+        model,
+        hints,
+        adapter,
+    } = match route::route(&shared, &parts, &body) {
         Ok(routed) => routed,
         Err(rejection) => return refuse(&shared, tracker, rejection),
     };
@@ -173,6 +177,7 @@ where
     };
     let mut out = forward::Outgoing::new(&mut parts, body, held, &shared.via, peer_ip.as_ref());
     out.dispatch = dispatch;
+    out.adapter = adapter;
     // Not kept across the wait below: it may point into hyper's read buffer.
     drop(parts);
 
@@ -242,6 +247,7 @@ where
             refuse(&shared, tracker, Rejection::ActivationTimeout { timeout })
         }
         Err(forward::HoldError::Upstream(msg)) => done(tracker, reject::bad_gateway(&msg)),
+        Err(forward::HoldError::Adapter(e)) => done(tracker, e.response()),
     }
 }
 
