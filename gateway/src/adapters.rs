@@ -431,19 +431,17 @@ impl Adapters {
     }
 
     /// Follows `serving` (the model's endpoints requests go to): an engine that enters it gets
-    /// its adapters read (while the model has a catalog), one that leaves it is forgotten. Runs
+    /// its adapters read (while the model has a catalog), one that leaves it is forgotten; and
+    /// the catalog: an adapter that leaves it is unloaded from every engine that has it. Runs
     /// until the set is dropped.
-    pub(crate) async fn track(
-        self: Arc<Self>,
-        serving: EndpointSet,
-        pool: UpstreamPool,
-        service: Arc<str>,
-    ) {
+    pub(crate) async fn track(self: Arc<Self>, serving: EndpointSet, caller: Caller) {
         let mut endpoints = serving.subscribe();
         let mut changes = self.changed.subscribe();
+        let mut last = self.catalog();
         loop {
             let snapshot = endpoints.borrow_and_update().clone();
             changes.borrow_and_update();
+            let catalog = self.catalog();
             let unsynced: Vec<Arc<Engine>> = {
                 let mut engines = lock(&self.engines);
                 engines.retain(|_, e| snapshot.iter().any(|ep| e.is(ep)));
@@ -454,19 +452,43 @@ impl Adapters {
                     .filter(|e| !e.lock().synced)
                     .collect()
             };
-            if !self.is_empty() {
+            if !catalog.is_empty() {
                 for engine in unsynced {
-                    let (pool, service) = (pool.clone(), service.clone());
+                    let caller = caller.clone();
                     tokio::spawn(async move {
                         let _calls = engine.calls.lock().await;
-                        engine.sync(&pool, &service).await;
+                        engine.sync(&caller.pool, caller.metrics.service()).await;
                     });
                 }
             }
+            let left: Vec<Arc<str>> = last
+                .adapters()
+                .iter()
+                .filter(|a| catalog.get(&a.name).is_none())
+                .map(|a| a.name.clone())
+                .collect();
+            if !left.is_empty() {
+                let engines: Vec<Arc<Engine>> = lock(&self.engines).values().cloned().collect();
+                for engine in engines {
+                    tokio::spawn(retire(engine, last.clone(), left.clone(), caller.clone()));
+                }
+            }
+            last = catalog;
             tokio::select! {
                 r = endpoints.changed() => if r.is_err() { return },
                 r = changes.changed() => if r.is_err() { return },
             }
+        }
+    }
+}
+
+/// Unloads from `engine` the adapters of `left`, which left the catalog `old` (requests in
+/// flight for one, admitted before the change, may fail).
+async fn retire(engine: Arc<Engine>, old: Arc<Catalog>, left: Vec<Arc<str>>, caller: Caller) {
+    let _calls = engine.calls.lock().await;
+    for name in left {
+        if engine.lock().lru.forget(&name) {
+            unload(&engine, &old, &name, &caller, "it left the adapter table").await;
         }
     }
 }
@@ -491,7 +513,7 @@ async fn load(
             let catalog = &target.catalog;
             let victims = engine.lock().lru.evict_for(&name, catalog.max_loaded());
             for victim in victims {
-                unload(&engine, catalog, &victim, &caller).await;
+                unload(&engine, catalog, &victim, &caller, "least recently used").await;
             }
             let started = Instant::now();
             let body = serde_json::json!({"lora_name": &*name, "lora_path": &target.adapter.path});
@@ -552,10 +574,16 @@ async fn load(
     tx.send_replace(Some(result));
 }
 
-/// Unloads `victim` from `engine` (to make room). A victim the engine does not have is gone
-/// already; another failure is logged (the engine then holds one more than `maxLoaded` until
-/// it is read again).
-async fn unload(engine: &Engine, catalog: &Catalog, victim: &Arc<str>, caller: &Caller) {
+/// Unloads `victim` from `engine` (to make room, or it left the table: `why`). A victim the
+/// engine does not have is gone already; another failure is logged (the engine then holds one
+/// more than the gateway counts until it is read again).
+async fn unload(
+    engine: &Engine,
+    catalog: &Catalog,
+    victim: &Arc<str>,
+    caller: &Caller,
+    why: &'static str,
+) {
     let service = caller.metrics.service();
     let body = serde_json::json!({"lora_name": &**victim});
     let answer = call(
@@ -569,7 +597,7 @@ async fn unload(engine: &Engine, catalog: &Catalog, victim: &Arc<str>, caller: &
     .await;
     match answer {
         Ok(_) => {
-            tracing::info!(%service, adapter = %victim, engine = %engine.authority, "adapter unloaded (least recently used)");
+            tracing::info!(%service, adapter = %victim, engine = %engine.authority, why, "adapter unloaded");
             // Series only for the catalog's adapters: labels come from the table.
             if catalog.get(victim).is_some() {
                 caller.metrics.adapter_unload(&caller.model, victim);

@@ -358,8 +358,13 @@ pub struct ModelState {
     pub(crate) fair: Arc<crate::fair::FairQueue>,
     /// Its LoRA adapters, and what each engine has loaded.
     pub(crate) adapters: Arc<Adapters>,
-    /// The pool the adapters' first reads of an engine go through.
+    /// The pool the adapters' background calls (an engine's first read, unloads of adapters
+    /// that left the table) go through.
     pool: UpstreamPool,
+    /// The model's name when the state was made: the `model` label of those calls.
+    base: Arc<str>,
+    /// How long one of those calls may take (the model's activation timeout).
+    call_timeout: Duration,
     /// Seconds since the Unix epoch when the state was made.
     created: u64,
     /// The tasks started for the model; `None` until started.
@@ -408,6 +413,8 @@ impl ModelState {
             fair,
             adapters: Arc::new(Adapters::new()),
             pool: parts.pool.clone(),
+            base: Arc::from(cfg.served_model_names.first().map_or("", String::as_str)),
+            call_timeout: cfg.activation_timeout,
             backends,
             demand,
             lease,
@@ -441,8 +448,12 @@ impl ModelState {
                     .abort_handle(),
                 rt.spawn(self.adapters.clone().track(
                     self.backends.clone(),
-                    self.pool.clone(),
-                    self.metrics.service().clone(),
+                    crate::adapters::Caller {
+                        pool: self.pool.clone(),
+                        metrics: self.metrics.clone(),
+                        model: self.base.clone(),
+                        timeout: self.call_timeout,
+                    },
                 ))
                 .abort_handle(),
             ];

@@ -143,6 +143,11 @@ impl Lru {
         }
     }
 
+    /// Forgets `name` (it is being unloaded: it left the table); whether it was loaded.
+    pub(crate) fn forget(&mut self, name: &str) -> bool {
+        self.slots.remove(name).is_some_and(|s| s.loaded)
+    }
+
     /// Whether the engine has `name` loaded.
     pub(crate) fn is_loaded(&self, name: &str) -> bool {
         self.slots.get(name).is_some_and(|s| s.loaded)
@@ -343,5 +348,6 @@ mod tests {
         lru.settle("a", id, true);
         assert!(lru.is_loaded("a"));
         assert!(!lru.has("b"));
+        assert!(lru.forget("a") && !lru.has("a") && !lru.forget("a"));
     }
 }
