@@ -2,8 +2,8 @@
 //! directories in a temp dir): each adapter answers its requests, loads on demand, the least
 //! recently used is unloaded past `maxLoaded`, concurrent first requests share one load, a load
 //! failure reaches the client and is not remembered, a cold request for an adapter is held,
-//! table changes apply at once, a rediscovered engine is read again, and a shared gateway routes
-//! adapters by their route table. State is awaited by polling with a deadline.
+//! table changes apply at once, a rediscovered or woken engine is read again, and a shared
+//! gateway routes adapters by their route table. State is awaited by polling with a deadline.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;
@@ -16,10 +16,13 @@ use std::{
 use common::{shared::*, *};
 use hearth_crds::llmadapter::{AdapterRoute, AdapterTable};
 use hearth_crds::llmendpoint::{ModelRoute, RouteTable};
-use hearth_gateway::{ColdStartMode, EndpointSet, GatewayConfig, Model, RunningGateway};
+use hearth_gateway::{
+    ColdStartMode, EndpointSet, GatewayConfig, Model, RunningGateway,
+    sleep::{EngineCall, SleepConfig},
+};
 use hyper::StatusCode;
 use serde_json::{Value, json};
-use vllm_stub::{LoraConfig, RunningStub, StubConfig};
+use vllm_stub::{LoraConfig, RunningStub, SleepState, StubConfig};
 
 /// The stub's model path (`stub_config`): the adapters' base.
 const BASE: &str = "/models/stub";
@@ -290,7 +293,7 @@ async fn past_max_loaded_the_least_recently_used_adapter_is_unloaded() {
 async fn concurrent_first_requests_for_one_adapter_share_one_load() {
     let dir = TempDir::new("single-flight");
     let a = dir.adapter("a");
-    let stub = lora_stub("stub-svc", Duration::from_millis(500)).await;
+    let stub = lora_stub("stub-svc", Duration::from_secs(1)).await;
     let gw = single(
         EndpointSet::fixed([authority(&stub)]),
         &table(2, &[("a", &a)]),
@@ -304,7 +307,7 @@ async fn concurrent_first_requests_for_one_adapter_share_one_load() {
     }
     // All four are in the gateway while the first load is under way.
     wait_demand(&gw, |s| s.pending() == 4).await;
-    assert_eq!(stub.state.lora_loads(), 0, "the load takes 500ms");
+    assert_eq!(stub.state.lora_loads(), 0, "the load takes a second");
     for ask in asks {
         let (status, _, body) = ask.await.unwrap();
         assert_eq!(status, StatusCode::OK);
@@ -541,6 +544,74 @@ async fn an_engine_that_comes_back_is_read_again() {
     assert_eq!(status, StatusCode::OK);
     answered_by(&v, "a");
     assert_eq!(stub.state.lora_loads(), loads_before + 1, "a loaded again");
+}
+
+#[tokio::test]
+async fn an_adapter_request_wakes_a_sleeping_engine_whose_adapters_are_read_again() {
+    let dir = TempDir::new("sleep");
+    let a = dir.adapter("a");
+    let cfg = StubConfig {
+        enable_sleep_mode: true,
+        dev_mode: true,
+        sleep_delay: Duration::from_millis(20),
+        wake_delay: Duration::from_millis(100),
+        served_model_names: vec!["stub-svc".into()],
+        lora: LoraConfig {
+            enable: true,
+            runtime_updating: true,
+            max_cpu_loras: Some(4),
+            ..LoraConfig::default()
+        },
+        ..stub_config()
+    };
+    let stub = vllm_stub::spawn(cfg, localhost()).await.unwrap();
+    let auth = authority(&stub);
+    let gw_cfg = GatewayConfig {
+        sleep: Some(SleepConfig {
+            level: 1,
+            after: Duration::from_millis(300),
+            sleep_path: "/sleep".into(),
+            is_sleeping_path: "/is_sleeping".into(),
+            wake_up: vec!["/wake_up".parse::<EngineCall>().unwrap()],
+            call_timeout: Duration::from_secs(10),
+        }),
+        ..single_config()
+    };
+    let gw = gateway(gw_cfg, EndpointSet::fixed([auth.clone()])).await;
+    gw.gateway.apply_adapters(&table(2, &[("a", &a)])).unwrap();
+    let client = client();
+    let model = the_model(&gw);
+    // The tier finds the engine awake first.
+    eventually("the engine serving", || model.backends().is_ready()).await;
+    let (status, v) = ask(&client, &gw, "a").await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    answered_by(&v, "a");
+    assert_eq!(stub.state.lora_loads(), 1);
+
+    // Idle: put to sleep; the engine leaves the serving set and its adapters are forgotten.
+    let mut sleep = stub.state.subscribe_sleep();
+    tokio::time::timeout(
+        Duration::from_secs(10),
+        sleep.wait_for(|s| matches!(s, SleepState::Asleep(_))),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    eventually("the engine left", || !model.backends().is_ready()).await;
+    eventually("its adapters forgotten", || {
+        model.adapters().loaded(&auth).is_empty()
+    })
+    .await;
+
+    // An adapter request wakes it (held meanwhile); the woken engine still has the adapter
+    // (level 1 keeps it), which its /v1/models says: no second load.
+    let (status, v) = ask(&client, &gw, "a").await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    answered_by(&v, "a");
+    assert_eq!(stub.state.lora_loads(), 1, "read again, not loaded again");
+    assert_eq!(model.adapters().loaded(&auth), ["a"]);
+    let text = gateway_metrics(&client, &gw).await;
+    assert_eq!(loads(&text, "a", "loaded"), 1.0, "{text}");
 }
 
 #[tokio::test]
