@@ -30,7 +30,8 @@
 //! | `hearth_gateway_adapter_table_errors_total` | counter | single-service mode: adapter tables refused (not JSON, a field missing or out of range, no `adapters.json` key); the last good table stays |
 //!
 //! **The `service` label.** Every per-model series (all of the above but
-//! `hearth_gateway_scaler_streams`, `hearth_gateway_request_body_bytes` and the route table's)
+//! `hearth_gateway_scaler_streams`, `hearth_gateway_request_body_bytes`, the route table's and
+//! `hearth_gateway_adapter_table_errors_total`)
 //! carries `service="<namespace>/<name>"`, the LLMService the series is about: in shared mode
 //! each model of the route table has its own series; a single-service gateway labels its series
 //! with `--service-key` (by default `<--namespace>/<--llmservice>`). The label is left out when
