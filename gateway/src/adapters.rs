@@ -9,7 +9,7 @@
 //!   holds a value out of range is refused and the last good one stays. An adapter named like
 //!   a model is left out (the model wins) and the clash logged.
 //! - **Per engine** (backend endpoint), the gateway keeps the adapters the engine has, least
-//!   recently used first ([`lru`]). Before an adapter request is sent to an engine: loaded
+//!   recently used first (module `lru`). Before an adapter request is sent to an engine: loaded
 //!   there, it is touched; otherwise, when the engine has `maxLoaded` loaded, the least
 //!   recently used one that no request in flight on that engine uses is unloaded
 //!   (`POST unloadPath {"lora_name"}`), then the adapter is loaded (`POST loadPath
@@ -20,6 +20,7 @@
 //!   ready again, or awake again after the sleeping tier woke it) is a new one to the gateway:
 //!   its `GET /v1/models` is read once, before any call changes its adapters, and the entries
 //!   with a `parent` are the adapters it has. An engine that leaves the set drops its state.
+//!   An adapter that leaves the table is unloaded from every engine that has it.
 //! - **Affinity.** An adapter request prefers a ready engine that has (or is loading) the
 //!   adapter, while that engine has fewer requests of this replica in flight than its share of
 //!   `containerConcurrency`; otherwise the usual least-outstanding choice
@@ -740,7 +741,7 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 /// Follows the ConfigMap `name` in `namespace` (a single-service gateway's
 /// `--adapters-configmap`) and applies the adapter table under its key [`ADAPTERS_KEY`] to
 /// `gateway`, until the task is dropped: the same watch as the routes ConfigMap's
-/// ([`crate::configmap::follow`]).
+/// (`crate::configmap::follow`).
 ///
 /// - Until the ConfigMap exists, and after it is deleted, the model has no adapters.
 /// - A table that does not parse, holds a value out of range, or a ConfigMap without the key,
@@ -803,7 +804,8 @@ pub struct AdaptersApplied {
     pub left_out: Vec<String>,
 }
 
-/// The catalog of a checked `table` for a model served as `names`: the clashes are logged.
+/// The catalog of a checked `table` of the model of service `service`, less the adapters whose
+/// name `taken` says is a model's (or another's): those clashes are logged and returned.
 pub(crate) fn catalog_for(
     table: &AdapterTable,
     service: &str,

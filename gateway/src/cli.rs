@@ -195,7 +195,7 @@ pub struct ServeArgs {
     )]
     pub routes_configmap: Option<String>,
     /// Single-service mode: serve the LoRA adapters of the adapter table in this ConfigMap (in
-    /// --namespace, key adapters.json, written by the controller as <service>-adapters), each
+    /// --namespace, key adapters.json, written by the controller as `<service>-adapters`), each
     /// routed to the model by its own name and loaded into the engines on demand. Needs
     /// --served-model-name (the adapters' base model).
     #[arg(
