@@ -190,9 +190,21 @@ pub struct ServeArgs {
             "backend_port_name", "max_queue", "cold_start", "heartbeat_interval",
             "activation_timeout", "metric_target", "sleep_after", "sleep_level", "sleep_path",
             "is_sleeping_path", "wake_up_calls", "llmservice", "llmservice_uid", "service_key",
+            "adapters_configmap",
         ]
     )]
     pub routes_configmap: Option<String>,
+    /// Single-service mode: serve the LoRA adapters of the adapter table in this ConfigMap (in
+    /// --namespace, key adapters.json, written by the controller as `<service>-adapters`), each
+    /// routed to the model by its own name and loaded into the engines on demand. Needs
+    /// --served-model-name (the adapters' base model).
+    #[arg(
+        long,
+        env = "HEARTH_ADAPTERS_CONFIGMAP",
+        value_name = "NAME",
+        requires = "served_model_name"
+    )]
+    pub adapters_configmap: Option<String>,
     /// The served LLMService as NAMESPACE/NAME: the `service` label of the metrics, and the
     /// service KEDA's `service` parameter must name when it gives one (default: --namespace
     /// and --llmservice, joined by a slash, when --llmservice is set).
@@ -453,6 +465,14 @@ impl ServeArgs {
             return Err(err(
                 "--routes-configmap",
                 format!("{name:?} is not a ConfigMap name, like \"models-routes\""),
+            ));
+        }
+        if let Some(name) = &self.adapters_configmap
+            && !is_object_name(name)
+        {
+            return Err(err(
+                "--adapters-configmap",
+                format!("{name:?} is not a ConfigMap name, like \"qwen-chat-adapters\""),
             ));
         }
         if self.routes_configmap.is_none()
@@ -816,6 +836,46 @@ mod tests {
             .gateway_config()
             .unwrap_err();
         assert_eq!(e.flag, "--routes-configmap");
+    }
+
+    #[test]
+    fn the_adapters_configmap_needs_a_served_model_and_a_configmap_name() {
+        let args = [
+            "--backend-service=qwen-chat-backend",
+            "--served-model-name=qwen-chat",
+            "--adapters-configmap=qwen-chat-adapters",
+        ];
+        let cli = parse(&args);
+        assert_eq!(
+            cli.serve.adapters_configmap.as_deref(),
+            Some("qwen-chat-adapters")
+        );
+        assert!(cli.serve.gateway_config().is_ok());
+        let e = Cli::try_parse_from([
+            "hearth-gateway",
+            "--backend-service=s",
+            "--adapters-configmap=a",
+        ])
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("--served-model-name"), "{e}");
+        let e = Cli::try_parse_from([
+            "hearth-gateway",
+            "--routes-configmap=r",
+            "--adapters-configmap=a",
+        ])
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("--routes-configmap"), "{e}");
+        let e = parse(&[
+            "--backend-service=s",
+            "--served-model-name=m",
+            "--adapters-configmap=Bad_Name",
+        ])
+        .serve
+        .gateway_config()
+        .unwrap_err();
+        assert_eq!(e.flag, "--adapters-configmap");
     }
 
     #[test]

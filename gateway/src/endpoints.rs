@@ -205,24 +205,53 @@ impl EndpointSet {
     /// drops; `None` when no endpoint is ready.
     pub fn pick(&self) -> Option<EndpointGuard> {
         let snap = self.tx.borrow().clone();
-        pick_from(&snap, &self.rotor)
+        pick_from(&snap, &self.rotor, None)
+    }
+
+    /// [`EndpointSet::pick`], preferring the endpoints `prefer` names while they have fewer
+    /// than `bound` requests outstanding (affinity: an engine that already has what the request
+    /// needs, as long as it has room); otherwise the usual choice.
+    pub fn pick_preferring(
+        &self,
+        prefer: &(dyn Fn(&Authority) -> bool + Sync),
+        bound: usize,
+    ) -> Option<EndpointGuard> {
+        let snap = self.tx.borrow().clone();
+        pick_from(&snap, &self.rotor, Some((prefer, bound)))
     }
 }
 
+/// A pick's preference: the endpoints the function names come first while they have fewer
+/// requests outstanding than the bound (see [`EndpointSet::pick_preferring`]).
+pub type Preference<'a> = Option<(&'a (dyn Fn(&Authority) -> bool + Sync), usize)>;
+
+/// How an endpoint ranks in a pick: lowest first. A healthy endpoint beats any ejected one; a
+/// preferred one with room beats the others; then fewer outstanding requests.
+fn rank(ejected: bool, preferred_with_room: bool, outstanding: usize) -> (bool, bool, usize) {
+    (ejected, !preferred_with_room, outstanding)
+}
+
 /// Least outstanding requests over `snap`, starting the scan at a rotating offset so equal
-/// endpoints share load; ejected endpoints only when no other is left.
-fn pick_from(snap: &Endpoints, rotor: &AtomicUsize) -> Option<EndpointGuard> {
+/// endpoints share load; ejected endpoints only when no other is left; with `prefer`, its
+/// endpoints first while they have fewer than its bound outstanding.
+fn pick_from(
+    snap: &Endpoints,
+    rotor: &AtomicUsize,
+    prefer: Preference<'_>,
+) -> Option<EndpointGuard> {
     let n = snap.len();
     if n == 0 {
         return None;
     }
     let start = rotor.fetch_add(1, Ordering::Relaxed) % n;
     let now = now_ms();
-    // (ejected, outstanding): a healthy endpoint beats any ejected one.
     let rank = |e: &Endpoint| {
-        (
+        let outstanding = e.outstanding();
+        let preferred = prefer.is_some_and(|(p, bound)| outstanding < bound && p(&e.authority));
+        rank(
             e.ejected_until.load(Ordering::Relaxed) > now,
-            e.outstanding(),
+            preferred,
+            outstanding,
         )
     };
     let mut best = &snap[start];
@@ -250,6 +279,12 @@ pub struct EndpointGuard {
 impl EndpointGuard {
     /// The endpoint picked.
     pub fn endpoint(&self) -> &Endpoint {
+        &self.endpoint
+    }
+
+    /// The endpoint picked, shared: its identity (an endpoint that leaves the set and comes
+    /// back is another one).
+    pub(crate) fn shared(&self) -> &Arc<Endpoint> {
         &self.endpoint
     }
 
@@ -298,6 +333,64 @@ mod tests {
         // Kept while the endpoint stays in the set.
         set.replace([a("198.18.0.1:8000"), a("198.18.0.2:8000")]);
         assert_eq!(set.snapshot()[0].busy(later(1000)), closed);
+    }
+
+    #[test]
+    fn ranks_healthy_then_preferred_with_room_then_least_outstanding() {
+        // (ejected, preferred with room, outstanding), best first.
+        let ordered = [
+            (false, true, 9),
+            (false, false, 0),
+            (false, false, 1),
+            (true, true, 0),
+            (true, false, 0),
+        ];
+        for pair in ordered.windows(2) {
+            let (a, b) = (pair[0], pair[1]);
+            assert!(
+                rank(a.0, a.1, a.2) < rank(b.0, b.1, b.2),
+                "{a:?} before {b:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_preferred_endpoint_is_picked_while_it_has_room() {
+        let set = EndpointSet::fixed([a("10.0.0.1:8000"), a("10.0.0.2:8000")]);
+        let has = a("10.0.0.2:8000");
+        let prefer = |x: &Authority| *x == has;
+        // (requests already outstanding on it, bound, picked)
+        let cases = [
+            (0, 2, "10.0.0.2:8000"),
+            (1, 2, "10.0.0.2:8000"),
+            (2, 2, "10.0.0.1:8000"),
+        ];
+        for (outstanding, bound, want) in cases {
+            let held: Vec<_> = (0..outstanding)
+                .map(|_| set.pick_preferring(&prefer, usize::MAX).unwrap())
+                .collect();
+            assert!(held.iter().all(|g| *g.endpoint().authority() == has));
+            let g = set.pick_preferring(&prefer, bound).unwrap();
+            assert_eq!(
+                g.endpoint().authority().as_str(),
+                want,
+                "{outstanding} outstanding, bound {bound}"
+            );
+        }
+        // Without a preference: the least outstanding.
+        let held = set.pick_preferring(&prefer, 8).unwrap();
+        assert_eq!(*held.endpoint().authority(), has);
+        assert_ne!(*set.pick().unwrap().endpoint().authority(), has);
+        // An ejected preferred endpoint is skipped.
+        drop(held);
+        set.pick_preferring(&prefer, 8).unwrap().eject();
+        assert_ne!(
+            *set.pick_preferring(&prefer, 8)
+                .unwrap()
+                .endpoint()
+                .authority(),
+            has
+        );
     }
 
     #[test]

@@ -149,6 +149,15 @@ impl FairQueue {
         self.per_replica
     }
 
+    /// This replica's share of `containerConcurrency` on one endpoint, rounded up: the
+    /// requests it may have in flight there before the engine's batch is full.
+    pub fn per_endpoint(&self) -> usize {
+        let gateways = self.gateways.load(Ordering::Relaxed).max(1);
+        usize::try_from(self.per_replica)
+            .unwrap_or(usize::MAX)
+            .div_ceil(gateways)
+    }
+
     fn lock(&self) -> MutexGuard<'_, Inner> {
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
     }

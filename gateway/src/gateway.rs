@@ -44,9 +44,10 @@ use serde::Deserialize;
 use tokio::{net::TcpListener, sync::watch};
 use tower_service::Service;
 
-use hearth_crds::llmendpoint::RouteTable;
+use hearth_crds::{llmadapter::AdapterTable, llmendpoint::RouteTable};
 
 use crate::{
+    adapters::{AdapterTableError, AdaptersApplied},
     apikeys::ApiKeys,
     config::{GatewayConfig, ModelConfig},
     demand::DemandHub,
@@ -285,6 +286,66 @@ impl Gateway {
                 self.shared.metrics.route_table_errors.inc();
                 Err(e)
             }
+        }
+    }
+
+    /// Applies an adapter table to a single-service gateway's model (see [`crate::adapters`]):
+    /// its adapters are served from now on, each routed to the model; an adapter named like a
+    /// served model name is left out (the model wins) and logged. A shared gateway's models
+    /// take theirs from the route table.
+    ///
+    /// # Errors
+    /// An [`AdapterTableError`] naming the field at fault (the table in force stays, and the
+    /// refusal is counted in `hearth_gateway_adapter_table_errors_total`), or
+    /// [`AdapterTableError::Shared`] on a shared gateway.
+    pub fn apply_adapters(
+        &self,
+        table: &AdapterTable,
+    ) -> Result<AdaptersApplied, AdapterTableError> {
+        let Some(model) = &self.shared.single else {
+            return Err(AdapterTableError::Shared);
+        };
+        if let Err(e) = crate::adapters::check(table) {
+            self.shared.metrics.adapter_table_errors.inc();
+            return Err(e);
+        }
+        let names = &model.cfg.served_model_names;
+        let (catalog, left_out) =
+            crate::adapters::catalog_for(table, model.key(), |n| names.iter().any(|m| m == n));
+        let adapters = catalog
+            .adapters()
+            .iter()
+            .map(|a| a.name.to_string())
+            .collect();
+        model.state.adapters.set_catalog(catalog);
+        Ok(AdaptersApplied { adapters, left_out })
+    }
+
+    /// Parses `json` (an [`AdapterTable`], as the adapters ConfigMap holds it) and applies it.
+    ///
+    /// # Errors
+    /// As [`Gateway::apply_adapters`], and [`AdapterTableError::Json`] with the path of the
+    /// value that does not parse.
+    pub fn apply_adapters_json(&self, json: &str) -> Result<AdaptersApplied, AdapterTableError> {
+        if self.shared.single.is_none() {
+            return Err(AdapterTableError::Shared);
+        }
+        match crate::adapters::parse_adapter_table(json) {
+            Ok(table) => self.apply_adapters(&table),
+            Err(e) => {
+                self.shared.metrics.adapter_table_errors.inc();
+                Err(e)
+            }
+        }
+    }
+
+    /// Serves no adapters from now on (single-service; the adapters ConfigMap is missing).
+    pub fn clear_adapters(&self) {
+        if let Some(model) = &self.shared.single {
+            model
+                .state
+                .adapters
+                .set_catalog(crate::adapters::Catalog::default());
         }
     }
 

@@ -12,6 +12,8 @@
 //!   with demand aggregated over gateway replicas ([`peers`]);
 //! - drain on SIGTERM, and the backend `preStop` drain command ([`drain`]);
 //! - request bodies bounded in size, read time and total memory ([`proxy`], [`budget`]);
+//! - LoRA adapters routed to their base model and loaded into its engines on demand
+//!   ([`adapters`]);
 //! - optional API keys ([`apikeys`]) and Prometheus metrics ([`metrics`]);
 //! - every refusal one typed [`reject::Rejection`], answered as an OpenAI error;
 //! - one model per replica (a single-service gateway), or many behind one endpoint (a shared
@@ -20,10 +22,12 @@
 //!
 //! `docs/gateway.md` describes the flags and the behaviour.
 
+pub mod adapters;
 pub mod apikeys;
 pub mod budget;
 pub mod cli;
 pub mod config;
+pub(crate) mod configmap;
 pub mod demand;
 pub mod discovery;
 pub mod drain;

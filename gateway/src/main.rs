@@ -12,6 +12,7 @@ use anyhow::Context;
 use clap::Parser;
 use hearth_gateway::{
     Gateway, GatewayConfig, KubeBackends,
+    adapters::watch_adapters,
     apikeys::ApiKeys,
     cli::{Cli, Command, DrainArgs, ServeArgs},
     discovery::{SliceSource, watch_endpoints},
@@ -70,6 +71,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let body_memory_limit = cfg.body_memory_limit;
     let keys = ApiKeys::load_tenants(args.api_key_file.as_deref(), &cfg.tenants)?;
     let needs_kube = args.routes_configmap.is_some()
+        || args.adapters_configmap.is_some()
         || args.backend_service.is_some()
         || args.peer_service.is_some()
         || (args.llmservice.is_some() && args.sleep_after.is_some());
@@ -84,6 +86,15 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         }
         _ => single_gateway(&args, cfg, keys, client.as_ref())?,
     };
+    if let (Some(configmap), Some(client)) = (&args.adapters_configmap, &client) {
+        tracing::info!(namespace = %args.namespace, configmap, key = hearth_crds::llmadapter::ADAPTERS_KEY, "following the adapter table");
+        tokio::spawn(watch_adapters(
+            client.clone(),
+            args.namespace.clone(),
+            configmap.clone(),
+            gateway.clone(),
+        ));
+    }
 
     if let (Some(service), Some(client)) = (&args.peer_service, client) {
         let peers = PeerSet::new(gateway.peer_sink());

@@ -24,9 +24,14 @@
 //! | `hearth_gateway_queue_wait_seconds{tenant}` | histogram | time a request waited in the fair queue for a place in flight (`containerConcurrency` per ready replica; see [`crate::fair`]), 0 when dispatched at once; a cold request's wait includes the activation |
 //! | `hearth_gateway_route_table_models` | gauge | shared mode: models in the route table applied last |
 //! | `hearth_gateway_route_table_errors_total` | counter | shared mode: route tables refused (not JSON, a field missing or out of range); the last good table stays |
+//! | `hearth_gateway_adapter_loads_total{model,adapter,outcome}` | counter | LoRA adapters loaded into an engine by this replica (`outcome`: `loaded`, `failed`); `model` is the base model's name, `adapter` the adapter's, both from the adapter table |
+//! | `hearth_gateway_adapter_unloads_total{model,adapter}` | counter | LoRA adapters unloaded from an engine to make room (least recently used) |
+//! | `hearth_gateway_adapter_load_duration_seconds{model}` | histogram | time an engine took to load an adapter (loads that succeeded) |
+//! | `hearth_gateway_adapter_table_errors_total` | counter | single-service mode: adapter tables refused (not JSON, a field missing or out of range, no `adapters.json` key); the last good table stays |
 //!
 //! **The `service` label.** Every per-model series (all of the above but
-//! `hearth_gateway_scaler_streams`, `hearth_gateway_request_body_bytes` and the route table's)
+//! `hearth_gateway_scaler_streams`, `hearth_gateway_request_body_bytes`, the route table's and
+//! `hearth_gateway_adapter_table_errors_total`)
 //! carries `service="<namespace>/<name>"`, the LLMService the series is about: in shared mode
 //! each model of the route table has its own series; a single-service gateway labels its series
 //! with `--service-key` (by default `<--namespace>/<--llmservice>`). The label is left out when
@@ -56,6 +61,9 @@ use prometheus_client::{
 use hearth_crds::metering::TenantMetering;
 
 use crate::reject::RejectionKind;
+
+/// The `(model, adapter)` label pairs with series, per `service`.
+type AdapterSeries = HashMap<Arc<str>, std::collections::HashSet<(Arc<str>, Arc<str>)>>;
 
 /// The metering counts by `(service, tenant)`.
 type MeteringCounts = std::collections::BTreeMap<(Arc<str>, Arc<str>), TenantMetering>;
@@ -172,6 +180,67 @@ service_labels! {
     }
 }
 
+/// `service`, `model` and `adapter` of `hearth_gateway_adapter_unloads_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq)]
+pub struct AdapterLabel {
+    /// `<namespace>/<name>` of the LLMService; empty: left out.
+    pub service: Arc<str>,
+    /// The base model's name.
+    pub model: Arc<str>,
+    /// The adapter's name.
+    pub adapter: Arc<str>,
+}
+
+impl EncodeLabelSet for AdapterLabel {
+    fn encode(&self, encoder: &mut LabelSetEncoder) -> Result<(), std::fmt::Error> {
+        encode_service(&self.service, encoder)?;
+        ("model", &*self.model).encode(encoder.encode_label())?;
+        ("adapter", &*self.adapter).encode(encoder.encode_label())
+    }
+}
+
+/// `service`, `model`, `adapter` and `outcome` (`loaded`, `failed`) of
+/// `hearth_gateway_adapter_loads_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq)]
+pub struct AdapterLoadLabel {
+    /// `<namespace>/<name>` of the LLMService; empty: left out.
+    pub service: Arc<str>,
+    /// The base model's name.
+    pub model: Arc<str>,
+    /// The adapter's name.
+    pub adapter: Arc<str>,
+    /// `loaded` or `failed`.
+    pub outcome: &'static str,
+}
+
+impl EncodeLabelSet for AdapterLoadLabel {
+    fn encode(&self, encoder: &mut LabelSetEncoder) -> Result<(), std::fmt::Error> {
+        encode_service(&self.service, encoder)?;
+        ("model", &*self.model).encode(encoder.encode_label())?;
+        ("adapter", &*self.adapter).encode(encoder.encode_label())?;
+        ("outcome", self.outcome).encode(encoder.encode_label())
+    }
+}
+
+/// `service` and `model` of `hearth_gateway_adapter_load_duration_seconds`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq)]
+pub struct BaseModelLabel {
+    /// `<namespace>/<name>` of the LLMService; empty: left out.
+    pub service: Arc<str>,
+    /// The base model's name.
+    pub model: Arc<str>,
+}
+
+impl EncodeLabelSet for BaseModelLabel {
+    fn encode(&self, encoder: &mut LabelSetEncoder) -> Result<(), std::fmt::Error> {
+        encode_service(&self.service, encoder)?;
+        ("model", &*self.model).encode(encoder.encode_label())
+    }
+}
+
+/// The values of `outcome` in `hearth_gateway_adapter_loads_total`.
+const ADAPTER_OUTCOMES: [&str; 2] = ["loaded", "failed"];
+
 /// The values of `kind` in `hearth_gateway_upstream_errors_total`.
 const UPSTREAM_ERROR_KINDS: [&str; 3] = ["connect", "request", "stream"];
 /// The values of `call` in `hearth_gateway_engine_calls_total`.
@@ -240,6 +309,16 @@ pub struct Metrics {
     pub route_table_models: Gauge,
     /// `hearth_gateway_route_table_errors_total`.
     pub route_table_errors: Counter,
+    /// `hearth_gateway_adapter_loads_total{service,model,adapter,outcome}`.
+    pub adapter_loads: Family<AdapterLoadLabel, Counter>,
+    /// `hearth_gateway_adapter_unloads_total{service,model,adapter}`.
+    pub adapter_unloads: Family<AdapterLabel, Counter>,
+    /// `hearth_gateway_adapter_load_duration_seconds{service,model}`.
+    pub adapter_load_duration: HistogramFamily<BaseModelLabel>,
+    /// `hearth_gateway_adapter_table_errors_total`.
+    pub adapter_table_errors: Counter,
+    /// The `(model, adapter)` pairs with series, per `service`: removed with the service's.
+    adapter_series: Mutex<AdapterSeries>,
     /// `hearth_gateway_tenant_requests_total{service,tenant}`.
     pub tenant_requests: Family<TenantLabel, Counter>,
     /// `hearth_gateway_tenant_tokens_total{service,tenant,kind}`.
@@ -294,6 +373,12 @@ impl Metrics {
             Family::new_with_constructor(activation_histogram);
         let route_table_models = Gauge::default();
         let route_table_errors = Counter::default();
+        let adapter_loads = Family::default();
+        let adapter_unloads = Family::default();
+        // 10 ms .. ~5.5 min.
+        let adapter_load_duration: HistogramFamily<BaseModelLabel> =
+            Family::new_with_constructor(|| Histogram::new(exponential_buckets(0.01, 2.0, 16)));
+        let adapter_table_errors = Counter::default();
         let tenant_requests = Family::default();
         let tenant_tokens = Family::default();
         // 1 ms .. ~9 min.
@@ -409,8 +494,33 @@ impl Metrics {
             "Shared mode: route tables refused (the last good table stays)",
             route_table_errors.clone(),
         );
+        registry.register(
+            "hearth_gateway_adapter_loads",
+            "LoRA adapters loaded into an engine, by base model, adapter and outcome (loaded, failed)",
+            adapter_loads.clone(),
+        );
+        registry.register(
+            "hearth_gateway_adapter_unloads",
+            "LoRA adapters unloaded from an engine to make room, by base model and adapter",
+            adapter_unloads.clone(),
+        );
+        registry.register(
+            "hearth_gateway_adapter_load_duration_seconds",
+            "Time an engine took to load a LoRA adapter, by base model",
+            adapter_load_duration.clone(),
+        );
+        registry.register(
+            "hearth_gateway_adapter_table_errors",
+            "Single-service mode: adapter tables refused (the last good table stays)",
+            adapter_table_errors.clone(),
+        );
         Self {
             registry,
+            adapter_loads,
+            adapter_unloads,
+            adapter_load_duration,
+            adapter_table_errors,
+            adapter_series: Mutex::new(HashMap::new()),
             tenant_requests,
             tenant_tokens,
             queue_wait,
@@ -581,6 +691,31 @@ impl Metrics {
             self.activation_phases.remove(&PhaseLabel {
                 service: s(),
                 phase,
+            });
+        }
+        let adapters = self
+            .adapter_series
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(service)
+            .unwrap_or_default();
+        for (model, adapter) in adapters {
+            for outcome in ADAPTER_OUTCOMES {
+                self.adapter_loads.remove(&AdapterLoadLabel {
+                    service: s(),
+                    model: model.clone(),
+                    adapter: adapter.clone(),
+                    outcome,
+                });
+            }
+            self.adapter_unloads.remove(&AdapterLabel {
+                service: s(),
+                model: model.clone(),
+                adapter,
+            });
+            self.adapter_load_duration.remove(&BaseModelLabel {
+                service: s(),
+                model,
             });
         }
         for tenant in self.tenant_names.get().into_iter().flatten() {
@@ -821,6 +956,55 @@ impl ModelMetrics {
             .inc();
     }
 
+    /// Notes that `(model, adapter)` has series of this model's, to remove with them.
+    fn adapter_series(&self, model: &Arc<str>, adapter: &Arc<str>) {
+        self.metrics
+            .adapter_series
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(self.service.clone())
+            .or_default()
+            .insert((model.clone(), adapter.clone()));
+    }
+
+    /// Counts a load of `adapter` (of base model `model`) into an engine: `loaded` (observing
+    /// its duration) or `failed`.
+    pub fn adapter_load(&self, model: &Arc<str>, adapter: &Arc<str>, loaded: bool, seconds: f64) {
+        self.adapter_series(model, adapter);
+        let outcome = if loaded { "loaded" } else { "failed" };
+        self.metrics
+            .adapter_loads
+            .get_or_create(&AdapterLoadLabel {
+                service: self.service.clone(),
+                model: model.clone(),
+                adapter: adapter.clone(),
+                outcome,
+            })
+            .inc();
+        if loaded {
+            self.metrics
+                .adapter_load_duration
+                .get_or_create(&BaseModelLabel {
+                    service: self.service.clone(),
+                    model: model.clone(),
+                })
+                .observe(seconds);
+        }
+    }
+
+    /// Counts an unload of `adapter` (of base model `model`) from an engine.
+    pub fn adapter_unload(&self, model: &Arc<str>, adapter: &Arc<str>) {
+        self.adapter_series(model, adapter);
+        self.metrics
+            .adapter_unloads
+            .get_or_create(&AdapterLabel {
+                service: self.service.clone(),
+                model: model.clone(),
+                adapter: adapter.clone(),
+            })
+            .inc();
+    }
+
     /// The `demand_to_ready` series of `hearth_activation_phase_seconds`, for the lease.
     pub fn demand_to_ready(&self) -> Histogram {
         self.phase("demand_to_ready")
@@ -921,6 +1105,16 @@ mod tests {
         let has = |text: &str| text.contains("service=\"ns/a\"");
         assert!(has(&m.encode()), "another holder is alive");
         second.finished(503);
+        second.adapter_load(&Arc::from("m"), &Arc::from("x"), true, 0.2);
+        second.adapter_unload(&Arc::from("m"), &Arc::from("x"));
+        let text = m.encode();
+        for line in [
+            "hearth_gateway_adapter_loads_total{service=\"ns/a\",model=\"m\",adapter=\"x\",outcome=\"loaded\"} 1",
+            "hearth_gateway_adapter_unloads_total{service=\"ns/a\",model=\"m\",adapter=\"x\"} 1",
+            "hearth_gateway_adapter_load_duration_seconds_count{service=\"ns/a\",model=\"m\"} 1",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line} not in\n{text}");
+        }
         drop(second);
         let text = m.encode();
         assert!(!has(&text), "{text}");

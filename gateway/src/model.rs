@@ -20,6 +20,7 @@ use std::{
 use tokio::{sync::watch, task::AbortHandle};
 
 use crate::{
+    adapters::{Adapter, Adapters},
     config::ModelConfig,
     demand::{DemandHub, DemandState, Lease},
     endpoints::EndpointSet,
@@ -91,6 +92,11 @@ impl Model {
         &self.state.discovered
     }
 
+    /// Its LoRA adapters: the catalog clients may call, and what each engine has loaded.
+    pub fn adapters(&self) -> &Adapters {
+        &self.state.adapters
+    }
+
     /// Its demand counters and bounded queue.
     pub fn demand(&self) -> &DemandHub {
         &self.state.demand
@@ -139,9 +145,14 @@ impl Model {
 
     /// The model's `/v1/models` entry.
     pub fn entry(&self) -> ModelEntry<'_> {
+        self.entry_named(self.name().unwrap_or_default())
+    }
+
+    /// The model's `/v1/models` entry under the name `id` (one of its served names).
+    pub fn entry_named<'a>(&'a self, id: &'a str) -> ModelEntry<'a> {
         let (status, ready) = self.status();
         ModelEntry {
-            id: self.name().unwrap_or_default(),
+            id,
             object: "model",
             created: self.created(),
             owned_by: "hearth",
@@ -155,23 +166,127 @@ impl Model {
     }
 }
 
-/// A shared gateway's answer to `GET /v1/models`: OpenAI's list of models.
+impl Model {
+    /// The `/v1/models` entry of its adapter `adapter`.
+    pub fn adapter_entry(&self, adapter: &Adapter) -> AdapterEntry {
+        AdapterEntry {
+            id: adapter.name.to_string(),
+            object: "model",
+            created: self.created(),
+            owned_by: "hearth",
+            parent: self.name().unwrap_or_default().to_owned(),
+            root: adapter.path.clone(),
+            hearth: HearthAdapter {
+                service: self.cfg.key.clone(),
+                adapter: adapter.object.clone(),
+                loaded_replicas: self
+                    .state
+                    .adapters
+                    .loaded_on(&adapter.name, &self.state.backends),
+            },
+        }
+    }
+
+    /// The `/v1/models/{id}` answer of `id`: the model itself under one of its names, or one of
+    /// its adapters.
+    pub fn entry_for<'a>(&'a self, id: &'a str) -> Option<ListEntry<'a>> {
+        if self.cfg.served_model_names.iter().any(|n| n == id) {
+            return Some(ListEntry::Model(self.entry_named(id)));
+        }
+        let catalog = self.state.adapters.catalog();
+        let adapter = catalog.get(id)?;
+        Some(ListEntry::Adapter(self.adapter_entry(adapter)))
+    }
+
+    /// Its adapters' `/v1/models` entries, in the table's order.
+    fn adapter_entries(&self) -> impl Iterator<Item = ListEntry<'_>> {
+        let catalog = self.state.adapters.catalog();
+        let entries: Vec<_> = catalog
+            .adapters()
+            .iter()
+            .map(|a| ListEntry::Adapter(self.adapter_entry(a)))
+            .collect();
+        entries.into_iter()
+    }
+}
+
+/// A gateway's own answer to `GET /v1/models`: OpenAI's list of models.
 #[derive(Debug, serde::Serialize)]
 pub struct ModelList<'a> {
     /// Always `list`.
     pub object: &'static str,
-    /// One entry per model of the route table, sorted by name.
-    pub data: Vec<ModelEntry<'a>>,
+    /// One entry per model of the route table, sorted by name, each followed by its adapters.
+    pub data: Vec<ListEntry<'a>>,
 }
 
 impl<'a> ModelList<'a> {
-    /// The list of `models`.
+    /// The list of `models` (a shared gateway's), each model followed by its adapters.
     pub fn of(models: &'a [Arc<Model>]) -> Self {
         Self {
             object: "list",
-            data: models.iter().map(|m| m.entry()).collect(),
+            data: models
+                .iter()
+                .flat_map(|m| {
+                    std::iter::once(ListEntry::Model(m.entry())).chain(m.adapter_entries())
+                })
+                .collect(),
         }
     }
+
+    /// The list of a single-service gateway's model with adapters: one entry per served name,
+    /// then the adapters.
+    pub fn single(model: &'a Model) -> Self {
+        let names = model.cfg.served_model_names.iter();
+        Self {
+            object: "list",
+            data: names
+                .map(|n| ListEntry::Model(model.entry_named(n)))
+                .chain(model.adapter_entries())
+                .collect(),
+        }
+    }
+}
+
+/// One entry of `GET /v1/models`: a model, or a LoRA adapter.
+#[derive(Debug, serde::Serialize)]
+#[serde(untagged)]
+pub enum ListEntry<'a> {
+    /// A model.
+    Model(ModelEntry<'a>),
+    /// An adapter, after its base model.
+    Adapter(AdapterEntry),
+}
+
+/// One LoRA adapter of `GET /v1/models`: OpenAI's model object with vLLM's `parent` and
+/// `root`, and Hearth's fields under `hearth`.
+#[derive(Debug, serde::Serialize)]
+pub struct AdapterEntry {
+    /// The adapter's name, which clients send in `model`.
+    pub id: String,
+    /// Always `model`.
+    pub object: &'static str,
+    /// When this replica first served the base model, in seconds since the Unix epoch.
+    pub created: u64,
+    /// Always `hearth`.
+    pub owned_by: &'static str,
+    /// The base model's name.
+    pub parent: String,
+    /// The adapter's directory as the engine sees it.
+    pub root: String,
+    /// Hearth's view of the adapter.
+    pub hearth: HearthAdapter,
+}
+
+/// Hearth's fields of an adapter's `/v1/models` entry.
+#[derive(Debug, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct HearthAdapter {
+    /// `<namespace>/<name>` of the base LLMService.
+    pub service: String,
+    /// `<namespace>/<name>` of the LLMAdapter.
+    pub adapter: String,
+    /// Engines ready to serve (awake) that have the adapter loaded, as this replica knows them.
+    pub loaded_replicas: usize,
 }
 
 /// One model of `GET /v1/models` (and the answer to `GET /v1/models/{id}`): OpenAI's model
@@ -241,6 +356,15 @@ pub struct ModelState {
     pub(crate) metrics: Arc<ModelMetrics>,
     /// Requests in flight bounded per ready replica, the rest queued fairly.
     pub(crate) fair: Arc<crate::fair::FairQueue>,
+    /// Its LoRA adapters, and what each engine has loaded.
+    pub(crate) adapters: Arc<Adapters>,
+    /// The pool the adapters' background calls (an engine's first read, unloads of adapters
+    /// that left the table) go through.
+    pool: UpstreamPool,
+    /// The model's name when the state was made: the `model` label of those calls.
+    base: Arc<str>,
+    /// How long one of those calls may take (the model's activation timeout).
+    call_timeout: Duration,
     /// Seconds since the Unix epoch when the state was made.
     created: u64,
     /// The tasks started for the model; `None` until started.
@@ -287,6 +411,10 @@ impl ModelState {
         Self {
             discovered,
             fair,
+            adapters: Arc::new(Adapters::new()),
+            pool: parts.pool.clone(),
+            base: Arc::from(cfg.served_model_names.first().map_or("", String::as_str)),
+            call_timeout: cfg.activation_timeout,
             backends,
             demand,
             lease,
@@ -318,6 +446,16 @@ impl ModelState {
             let mut started = vec![
                 rt.spawn(self.lease.clone().run(self.backends.clone()))
                     .abort_handle(),
+                rt.spawn(self.adapters.clone().track(
+                    self.backends.clone(),
+                    crate::adapters::Caller {
+                        pool: self.pool.clone(),
+                        metrics: self.metrics.clone(),
+                        model: self.base.clone(),
+                        timeout: self.call_timeout,
+                    },
+                ))
+                .abort_handle(),
             ];
             if let Some(task) = lock(&self.sleep_task).take() {
                 started.push(rt.spawn(task.run()).abort_handle());

@@ -29,10 +29,8 @@ use std::{
 };
 
 use arc_swap::ArcSwap;
-use futures::StreamExt;
 use hearth_crds::llmendpoint::{ModelRoute, ROUTES_KEY, RouteTable};
 use k8s_openapi::api::core::v1::ConfigMap;
-use kube::runtime::{WatchStreamExt, watcher};
 use tokio::{sync::watch, task::AbortHandle};
 
 use crate::{
@@ -197,6 +195,14 @@ fn model_config(i: usize, r: &ModelRoute) -> Result<ModelConfig, RoutesError> {
                 .map_err(|e| invalid(i, "lastActivation", e.to_string()))?,
         ),
     };
+    if let Some(adapters) = &r.adapters {
+        crate::adapters::check(adapters).map_err(|e| match e {
+            crate::adapters::AdapterTableError::Invalid { path, message } => {
+                invalid(i, &format!("adapters.{path}"), message)
+            }
+            other => invalid(i, "adapters", other.to_string()),
+        })?;
+    }
     let sleep = match &r.sleep {
         None => None,
         Some(s) => {
@@ -287,6 +293,29 @@ pub fn default_route(namespace: &str, service: &str, model: &str) -> ModelRoute 
         container_concurrency: None,
         adapters: None,
     }
+}
+
+/// Each route's adapter catalog (checked by [`model_configs`] already): an adapter named like
+/// any model of the table, or like an adapter of an earlier entry, is left out and logged (a
+/// model wins; names come unique from the controller, so this is a safeguard).
+fn adapter_catalogs(table: &RouteTable) -> Vec<crate::adapters::Catalog> {
+    let models: std::collections::HashSet<&str> =
+        table.models.iter().map(|r| r.model.as_str()).collect();
+    let mut claimed: std::collections::HashSet<String> = std::collections::HashSet::new();
+    table
+        .models
+        .iter()
+        .map(|route| {
+            let Some(adapters) = &route.adapters else {
+                return crate::adapters::Catalog::default();
+            };
+            let (catalog, _) = crate::adapters::catalog_for(adapters, &route.key(), |n| {
+                models.contains(n) || claimed.contains(n)
+            });
+            claimed.extend(catalog.adapters().iter().map(|a| a.name.to_string()));
+            catalog
+        })
+        .collect()
 }
 
 /// Whether a model's state can stay when its route changes from `a` to `b`: the same
@@ -425,6 +454,15 @@ impl Table {
                 t.by_key.insert(m.cfg.key.clone(), m.clone());
             }
             t.sorted.push(m);
+        }
+        // An adapter is routed to its base model. Catalogs leave out names a model or an
+        // earlier model's adapter has (see `Routes::apply`), so none replaces another here.
+        for m in &t.sorted {
+            for a in m.state.adapters.catalog().adapters() {
+                t.by_name
+                    .entry(a.name.to_string())
+                    .or_insert_with(|| m.clone());
+            }
         }
         t.sorted
             .sort_by(|a, b| a.name().unwrap_or("").cmp(b.name().unwrap_or("")));
@@ -632,9 +670,10 @@ impl Routes {
             models: configs.len(),
             ..RoutesApplied::default()
         };
+        let catalogs = adapter_catalogs(table);
         let mut models = Vec::with_capacity(configs.len());
         let mut fresh = Vec::new();
-        for (cfg, route) in configs.into_iter().zip(&table.models) {
+        for ((cfg, route), catalog) in configs.into_iter().zip(&table.models).zip(catalogs) {
             let key = cfg.key.clone();
             let prev = old
                 .by_key(&key)
@@ -698,6 +737,7 @@ impl Routes {
                     m
                 }
             };
+            model.state.adapters.set_catalog(catalog);
             models.push(model);
         }
         let next = Table::new(models);
@@ -870,45 +910,21 @@ pub async fn watch_routes(
     name: String,
     gateway: crate::Gateway,
 ) {
-    let api: kube::Api<ConfigMap> = kube::Api::namespaced(client, &namespace);
-    let cfg = watcher::Config::default().fields(&format!("metadata.name={name}"));
-    let stream = watcher(api, cfg).default_backoff();
-    futures::pin_mut!(stream);
-    let configmap = format!("{namespace}/{name}");
-    let mut listed = false;
-    let mut applied_once = false;
-    while let Some(ev) = stream.next().await {
-        match ev {
-            Ok(watcher::Event::Init) => listed = false,
-            Ok(watcher::Event::InitApply(cm) | watcher::Event::Apply(cm)) => {
-                listed = true;
-                apply_config_map(&gateway, &configmap, &cm);
-                applied_once = true;
-            }
-            Ok(watcher::Event::InitDone) => {
-                if !listed {
-                    if applied_once {
-                        tracing::warn!(%configmap, "the routes ConfigMap is gone: no models are served until it is back");
-                    } else {
-                        tracing::info!(%configmap, "the routes ConfigMap does not exist yet: no models are served until it appears");
-                    }
-                    apply_empty(&gateway, &configmap);
-                }
-            }
-            Ok(watcher::Event::Delete(_)) => {
-                tracing::warn!(%configmap, "the routes ConfigMap was deleted: no models are served until it is back");
-                apply_empty(&gateway, &configmap);
-            }
-            Err(e) => {
-                let forbidden = matches!(&e, watcher::Error::InitialListFailed(kube::Error::Api(s)) | watcher::Error::WatchStartFailed(kube::Error::Api(s)) | watcher::Error::WatchFailed(kube::Error::Api(s)) if s.is_forbidden());
-                if forbidden {
-                    tracing::error!(%configmap, error = %e, "forbidden to watch the routes ConfigMap (grant get/list/watch on configmaps in the gateway's namespace); retrying, the table in force stays");
-                } else {
-                    tracing::warn!(%configmap, error = %e, "routes ConfigMap watch error; retrying, the table in force stays");
-                }
-            }
-        }
-    }
+    let followed = crate::configmap::Followed {
+        what: "routes",
+        nothing: "no models are served",
+    };
+    crate::configmap::follow(
+        client,
+        &namespace,
+        &name,
+        followed,
+        |configmap, change| match change {
+            crate::configmap::Change::Object(cm) => apply_config_map(&gateway, configmap, cm),
+            crate::configmap::Change::Missing => apply_empty(&gateway, configmap),
+        },
+    )
+    .await;
 }
 
 fn apply_empty(gateway: &crate::Gateway, configmap: &str) {

@@ -115,12 +115,17 @@ pub(super) fn admit(
 }
 
 /// Whether `model` serves the model `hints` names (any, when it names none or the served
-/// model names are not configured); else [`Rejection::UnknownModel`], answered `404` as vLLM
-/// does. Checked for a request that is or turns cold: a ready engine checks it itself.
+/// model names are not configured), itself or as one of its adapters; else
+/// [`Rejection::UnknownModel`], answered `404` as vLLM does. Checked for a request that is or
+/// turns cold: a ready engine checks it itself.
 pub(super) fn serves(model: &Model, hints: &RequestHints) -> Result<(), Rejection> {
     let served = &model.cfg.served_model_names;
     match &hints.model {
-        Some(name) if !served.is_empty() && !served.contains(name) => {
+        Some(name)
+            if !served.is_empty()
+                && !served.contains(name)
+                && model.state.adapters.catalog().get(name).is_none() =>
+        {
             Err(Rejection::UnknownModel {
                 model: name.clone(),
             })

@@ -133,12 +133,15 @@ pub(super) fn authorize(keys: &ApiKeys, headers: &HeaderMap) -> Result<TenantId,
 }
 
 /// The gateway's own answer to `GET` (or `HEAD`) `/v1/models`, if it gives one:
+/// - a single-service gateway whose model has LoRA adapters, always: its served names and
+///   then its adapters with Hearth's fields ([`crate::model::ModelList::single`]); the engine
+///   lists only the adapters it has loaded;
 /// - a single-service gateway, while no backend is ready and served model names are known:
 ///   the names, so clients can discover the model without waking it (a ready backend answers
 ///   itself);
-/// - a shared gateway, always: every model of its route table with Hearth's fields
-///   ([`crate::model::ModelList`]), and `GET /v1/models/{id}` one of them, or
-///   [`Rejection::UnknownModel`].
+/// - a shared gateway, always: every model of its route table, each followed by its adapters,
+///   with Hearth's fields ([`crate::model::ModelList`]), and `GET /v1/models/{id}` one of
+///   them, or [`Rejection::UnknownModel`].
 pub(super) fn own_answer(shared: &Shared, parts: &Parts) -> Option<Result<Response, Rejection>> {
     if !matches!(parts.method, Method::GET | Method::HEAD) {
         return None;
@@ -152,12 +155,17 @@ pub(super) fn own_answer(shared: &Shared, parts: &Parts) -> Option<Result<Respon
         }
         let id = path.strip_prefix("/v1/models/")?;
         let id = percent_decode(id);
-        return Some(match table.by_name(&id) {
-            Some(m) => Ok(json_response(serde_json::to_vec(&m.entry()))),
-            None => Err(Rejection::UnknownModel { model: id }),
+        let entry = table.by_name(&id).and_then(|m| {
+            m.entry_for(&id)
+                .map(|e| json_response(serde_json::to_vec(&e)))
         });
+        return Some(entry.ok_or(Rejection::UnknownModel { model: id }));
     };
     let names = &model.cfg.served_model_names;
+    if path == "/v1/models" && !names.is_empty() && !model.state.adapters.is_empty() {
+        let list = crate::model::ModelList::single(model);
+        return Some(Ok(json_response(serde_json::to_vec(&list))));
+    }
     (path == "/v1/models" && !names.is_empty() && !model.state.backends.is_ready())
         .then(|| Ok(models_list(names)))
 }

@@ -12,7 +12,8 @@ use http_body_util::Full;
 
 use super::headers::{Via, forward_headers};
 use crate::{
-    endpoints::{EndpointGuard, EndpointSet},
+    adapters::{AdapterError, AdapterUse, Caller, LoadFailure, Target},
+    endpoints::{EndpointGuard, EndpointSet, Preference},
     fair::{Claim, Entry},
     gateway::Shared,
     model::Model,
@@ -44,6 +45,8 @@ impl Shared {
 /// outstanding-request count, and its place in flight with the meter of its tokens.
 pub(super) struct BackendUse {
     _ep: EndpointGuard,
+    /// The request's adapter, held on the endpoint's engine (not unloaded while in use).
+    _adapter: Option<AdapterUse>,
     pub(super) meter: super::meter::Meter,
     /// How long the request waited in the fair queue for its place in flight.
     pub(super) queued: Duration,
@@ -55,6 +58,8 @@ pub(super) enum HoldError {
     Timeout,
     /// The backend could not be reached or failed before answering.
     Upstream(String),
+    /// The request's adapter could not be loaded into the engine.
+    Adapter(AdapterError),
 }
 
 /// Why a request sent warm was not answered.
@@ -142,6 +147,8 @@ pub(super) struct Outgoing {
     body: Bytes,
     /// Who it is dispatched for.
     pub(super) dispatch: Dispatch,
+    /// The adapter it calls, loaded into the engine it is sent to before it is sent.
+    pub(super) adapter: Option<Target>,
     /// The body's bytes in the replica's [`crate::budget::BodyBudget`], until the request is
     /// done with.
     _held: crate::budget::Reservation,
@@ -181,6 +188,7 @@ impl Outgoing {
             ),
             body,
             dispatch: Dispatch::default(),
+            adapter: None,
             _held: held,
         }
     }
@@ -267,10 +275,59 @@ pub(super) async fn forward<A: Arrival>(
     let queued = entered.elapsed();
     metrics.dispatched(&d.tenant, queued.as_secs_f64());
     let mut backoff = Duration::from_millis(20);
+    // An adapter request prefers an engine that has its adapter, while it has room.
+    let bound = state.fair.per_endpoint();
+    let has_adapter = |a: &http::uri::Authority| {
+        out.adapter
+            .as_ref()
+            .is_some_and(|t| state.adapters.has(a, &t.adapter.name))
+    };
+    let prefer: Preference<'_> = out.adapter.as_ref().map(|_| (&has_adapter as _, bound));
     loop {
-        let ep = acquire_endpoint(&state.backends, deadline)
+        let ep = acquire_endpoint(&state.backends, deadline, prefer)
             .await
             .ok_or(HoldError::Timeout)?;
+        let adapter = match &out.adapter {
+            None => None,
+            Some(target) => match load_adapter(shared, model, target, &ep, deadline).await {
+                None => return Err(HoldError::Timeout.into()),
+                Some(Ok(held)) => Some(held),
+                Some(Err(failure)) => {
+                    match failure {
+                        LoadFailure::Connect(e) => {
+                            metrics.upstream_error("connect");
+                            tracing::debug!(endpoint = %ep.endpoint().authority(), error = %e, "backend refused the connection of an adapter load; retrying");
+                            ep.eject();
+                        }
+                        // The engine sleeps (another replica put it to sleep): as below.
+                        f if f.status() == Some(StatusCode::SERVICE_UNAVAILABLE)
+                            && found_asleep(model, &ep).await =>
+                        {
+                            if let Some(e) = A::asleep() {
+                                return Err(e);
+                            }
+                            state.lease.raise();
+                        }
+                        f => {
+                            if matches!(f, LoadFailure::Broken(_)) {
+                                metrics.upstream_error("request");
+                                ep.eject();
+                            }
+                            let name = &target.adapter.name;
+                            return Err(HoldError::Adapter(AdapterError::new(name, &f)).into());
+                        }
+                    }
+                    drop(ep);
+                    let now = Instant::now();
+                    if now >= deadline {
+                        return Err(HoldError::Timeout.into());
+                    }
+                    tokio::time::sleep(backoff.min(deadline - now)).await;
+                    backoff = (backoff * 2).min(Duration::from_millis(500));
+                    continue;
+                }
+            },
+        };
         let req = build_upstream(out, &ep).map_err(HoldError::Upstream)?;
         let sent = Instant::now();
         match shared.upstream().send(ep.endpoint().authority(), req).await {
@@ -281,7 +338,7 @@ pub(super) async fn forward<A: Arrival>(
                 // Put to sleep by another gateway replica: the demand wakes it (the
                 // tier stops sending it requests); the request is a cold one from here.
                 tracing::debug!(endpoint = %ep.endpoint().authority(), "backend asleep; the request waits for its wake-up");
-                drop((resp, ep));
+                drop((resp, ep, adapter));
                 if let Some(e) = A::asleep() {
                     return Err(e);
                 }
@@ -306,6 +363,7 @@ pub(super) async fn forward<A: Arrival>(
                     resp,
                     BackendUse {
                         _ep: ep,
+                        _adapter: adapter,
                         meter,
                         queued,
                     },
@@ -316,7 +374,7 @@ pub(super) async fn forward<A: Arrival>(
                 tracing::debug!(endpoint = %ep.endpoint().authority(), error = %e, "backend refused the connection; retrying");
                 // Another ready endpoint, if any, gets the retry (and the next requests).
                 ep.eject();
-                drop(ep);
+                drop((ep, adapter));
                 let now = Instant::now();
                 if now >= deadline {
                     return Err(HoldError::Timeout.into());
@@ -335,6 +393,25 @@ pub(super) async fn forward<A: Arrival>(
     }
 }
 
+/// Loads `target`'s adapter into the engine of `ep` (unless it has it) and holds it there for
+/// the request, waiting no later than `deadline` (`None` when it passed first).
+async fn load_adapter(
+    shared: &Shared,
+    model: &Model,
+    target: &Target,
+    ep: &EndpointGuard,
+    deadline: Instant,
+) -> Option<Result<AdapterUse, LoadFailure>> {
+    let caller = Caller {
+        pool: shared.upstream(),
+        metrics: model.state.metrics.clone(),
+        model: Arc::from(model.name().unwrap_or_default()),
+        timeout: model.cfg.activation_timeout,
+    };
+    let acquire = model.state.adapters.acquire(target, ep.shared(), &caller);
+    tokio::time::timeout_at(deadline.into(), acquire).await.ok()
+}
+
 /// Whether `ep`, which answered `503`, is an engine of `model` asleep (sleeping tier only).
 async fn found_asleep(model: &Model, ep: &EndpointGuard) -> bool {
     match &model.state.sleep {
@@ -343,19 +420,27 @@ async fn found_asleep(model: &Model, ep: &EndpointGuard) -> bool {
     }
 }
 
-/// The least-loaded ready endpoint of `backends`, waiting for the set to change until
-/// `deadline`.
-async fn acquire_endpoint(backends: &EndpointSet, deadline: Instant) -> Option<EndpointGuard> {
+/// The least-loaded ready endpoint of `backends` (with `prefer`, a preferred one with room
+/// first), waiting for the set to change until `deadline`.
+async fn acquire_endpoint(
+    backends: &EndpointSet,
+    deadline: Instant,
+    prefer: Preference<'_>,
+) -> Option<EndpointGuard> {
+    let pick = || match prefer {
+        None => backends.pick(),
+        Some((p, bound)) => backends.pick_preferring(p, bound),
+    };
     // The warm path: no watch receiver to make and drop (dropping the last one wakes the
     // sender's waiters).
-    if let Some(ep) = backends.pick() {
+    if let Some(ep) = pick() {
         return Some(ep);
     }
     // Subscribed before looking again, so a change in between is not missed.
     let mut rx = backends.subscribe();
     loop {
         rx.borrow_and_update();
-        if let Some(ep) = backends.pick() {
+        if let Some(ep) = pick() {
             return Some(ep);
         }
         tokio::select! {
@@ -384,6 +469,7 @@ mod tests {
             headers: h,
             body: Bytes::from_static(b"{}"),
             dispatch: Dispatch::default(),
+            adapter: None,
             _held: crate::budget::BodyBudget::new(1).reservation(),
         };
         out.detach();
@@ -450,7 +536,7 @@ mod tests {
             None,
         );
         let model = super::super::the_model(&shared);
-        let ep = acquire_endpoint(model.backends(), Instant::now())
+        let ep = acquire_endpoint(model.backends(), Instant::now(), None)
             .await
             .unwrap();
         let req = build_upstream(&out, &ep).unwrap();
@@ -494,7 +580,7 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(20)).await;
             later.replace(["10.1.2.3:8000".parse().unwrap()]);
         });
-        let ep = acquire_endpoint(&backends, Instant::now() + Duration::from_secs(5))
+        let ep = acquire_endpoint(&backends, Instant::now() + Duration::from_secs(5), None)
             .await
             .unwrap();
         assert_eq!(ep.endpoint().authority(), "10.1.2.3:8000");

@@ -255,6 +255,7 @@ impl HttpBody for HeldStream {
                         Err(HoldError::Upstream(msg)) => {
                             return this.fail(stream_failure(&msg, "bad_gateway"));
                         }
+                        Err(HoldError::Adapter(e)) => return this.fail(e.sse_event()),
                     }
                 }
                 HeldState::Failed { status, body } => {

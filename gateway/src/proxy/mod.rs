@@ -9,7 +9,9 @@
 //! 2. `body`: the body read whole, bounded in size, read time and memory (413, 408, 503);
 //! 3. `route`: the request's model. A single-service gateway has one; a shared gateway reads
 //!    the body's `model` and looks it up in its route table (400 without one, 404 for a model
-//!    it does not serve);
+//!    it does not serve). A LoRA adapter's name leads to its base model, and the adapter is
+//!    loaded into the engine the request is sent to, on demand ([`crate::adapters`]); a
+//!    single-service gateway reads the body's `model` only when its model has adapters;
 //! 4. `admit`: a cold request's model (404, only with served model names), draining again,
 //!    the tenant's quotas (429 `rate_limit_exceeded`), a slot of the model's `maxQueue` (429);
 //! 5. a ready endpoint of the model? forward (`forward`, once the model's fair queue gives the
@@ -28,7 +30,7 @@
 //! A cold request's body is checked for its model name before admission, so a misdirected
 //! request never raises demand and never wakes a model; a ready backend answers that check
 //! itself (vLLM's `404 The model ... does not exist`), so a single-service gateway forwards a
-//! warm request without parsing its body. A shared gateway parses every body (it routes by it)
+//! warm request without parsing its body (unless its model has adapters). A shared gateway parses every body (it routes by it)
 //! and forwards the bytes unchanged.
 
 mod admit;
@@ -155,7 +157,11 @@ where
         }
     };
 
-    let route::Routed { model, hints } = match route::route(&shared, &parts, &body) {
+    let route::Routed {
+        model,
+        hints,
+        adapter,
+    } = match route::route(&shared, &parts, &body) {
         Ok(routed) => routed,
         Err(rejection) => return refuse(&shared, tracker, rejection),
     };
@@ -173,6 +179,7 @@ where
     };
     let mut out = forward::Outgoing::new(&mut parts, body, held, &shared.via, peer_ip.as_ref());
     out.dispatch = dispatch;
+    out.adapter = adapter;
     // Not kept across the wait below: it may point into hyper's read buffer.
     drop(parts);
 
@@ -242,6 +249,7 @@ where
             refuse(&shared, tracker, Rejection::ActivationTimeout { timeout })
         }
         Err(forward::HoldError::Upstream(msg)) => done(tracker, reject::bad_gateway(&msg)),
+        Err(forward::HoldError::Adapter(e)) => done(tracker, e.response()),
     }
 }
 

@@ -1,6 +1,8 @@
-//! The route step: which model a request is for. A single-service gateway has one, and reads
-//! nothing. A shared gateway reads the body's `model` (as vLLM would, see
-//! [`RequestHints`]) and looks it up in its route table, lock-free: a request without one gets
+//! The route step: which model a request is for, and which of its LoRA adapters, if any. A
+//! single-service gateway has one model, and reads nothing unless the model has adapters (then
+//! the body's `model` says whether the request is for one). A shared gateway reads the body's
+//! `model` (as vLLM would, see [`RequestHints`]) and looks it up in its route table,
+//! lock-free, where an adapter's name leads to its base model: a request without one gets
 //! `400` ([`Rejection::ModelRequired`]), one naming a model not in the table `404`
 //! ([`Rejection::UnknownModel`], OpenAI's `model_not_found`). Both are answered at once and
 //! raise no demand anywhere.
@@ -9,23 +11,46 @@ use std::sync::Arc;
 
 use axum::http::request::Parts;
 
-use crate::{gateway::Shared, model::Model, openai::RequestHints, reject::Rejection};
+use crate::{
+    adapters::Target, gateway::Shared, model::Model, openai::RequestHints, reject::Rejection,
+};
 
 /// A request's model, and what its body says when it was read for it.
 pub(super) struct Routed {
-    /// The model the request is for.
+    /// The model the request is for (an adapter's base model).
     pub(super) model: Arc<Model>,
-    /// The body's hints, when the route step read them (shared mode); a single-service
-    /// gateway reads a cold request's body at admission only.
+    /// The body's hints, when the route step read them (shared mode, or a model with
+    /// adapters); a single-service gateway reads a cold request's body at admission only.
     pub(super) hints: Option<RequestHints>,
+    /// The adapter the body's `model` names, if it names one.
+    pub(super) adapter: Option<Target>,
+}
+
+/// The adapter of `model` that `hints` name (a model's own name is never an adapter's).
+fn adapter(model: &Model, hints: &RequestHints) -> Option<Target> {
+    let name = hints.model.as_deref()?;
+    if model.cfg.served_model_names.iter().any(|n| n == name) {
+        return None;
+    }
+    model.state.adapters.target(name)
 }
 
 /// The model of the request with head `parts` and read `body`.
 pub(super) fn route(shared: &Shared, parts: &Parts, body: &[u8]) -> Result<Routed, Rejection> {
     if let Some(model) = &shared.single {
+        // Without adapters a warm request is forwarded unread (the engine checks `model`).
+        if model.state.adapters.is_empty() {
+            return Ok(Routed {
+                model: model.clone(),
+                hints: None,
+                adapter: None,
+            });
+        }
+        let hints = RequestHints::from_request(&parts.method, &parts.headers, body);
         return Ok(Routed {
             model: model.clone(),
-            hints: None,
+            adapter: adapter(model, &hints),
+            hints: Some(hints),
         });
     }
     let hints = RequestHints::from_request(&parts.method, &parts.headers, body);
@@ -38,6 +63,7 @@ pub(super) fn route(shared: &Shared, parts: &Parts, body: &[u8]) -> Result<Route
         });
     };
     Ok(Routed {
+        adapter: adapter(&model, &hints),
         model,
         hints: Some(hints),
     })

@@ -1,0 +1,81 @@
+//! Following one ConfigMap the controller writes for the gateway: a shared gateway's route
+//! table ([`crate::routes::watch_routes`]), a single-service gateway's adapter table
+//! ([`crate::adapters::watch_adapters`]).
+//!
+//! A watch on that one object (a field selector on `metadata.name`), each version handed to
+//! the caller as it comes. Until the ConfigMap exists, and after it is deleted, the caller is
+//! told it is missing. Watch errors (the apiserver unreachable, RBAC forbidding the watch) are
+//! logged and the watch retried with kube's backoff; what the caller applied last stays
+//! meanwhile. RBAC: `get`, `list`, `watch` on `configmaps` in the namespace.
+
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::ConfigMap;
+use kube::runtime::{WatchStreamExt, watcher};
+
+/// What the followed ConfigMap holds, for the logs: `routes` (the routes ConfigMap), and what
+/// a missing one means (`no models are served`).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Followed {
+    pub(crate) what: &'static str,
+    pub(crate) nothing: &'static str,
+}
+
+/// A change of the followed ConfigMap.
+#[derive(Debug)]
+pub(crate) enum Change<'a> {
+    /// Its current version.
+    Object(&'a ConfigMap),
+    /// It does not exist (yet, or any more).
+    Missing,
+}
+
+/// Follows the ConfigMap `name` in `namespace`, calling `on` with `<namespace>/<name>` and
+/// each change, until the task is dropped.
+pub(crate) async fn follow(
+    client: kube::Client,
+    namespace: &str,
+    name: &str,
+    followed: Followed,
+    mut on: impl FnMut(&str, Change<'_>),
+) {
+    let Followed { what, nothing } = followed;
+    let api: kube::Api<ConfigMap> = kube::Api::namespaced(client, namespace);
+    let cfg = watcher::Config::default().fields(&format!("metadata.name={name}"));
+    let stream = watcher(api, cfg).default_backoff();
+    futures::pin_mut!(stream);
+    let configmap = format!("{namespace}/{name}");
+    let mut listed = false;
+    let mut applied_once = false;
+    while let Some(ev) = stream.next().await {
+        match ev {
+            Ok(watcher::Event::Init) => listed = false,
+            Ok(watcher::Event::InitApply(cm) | watcher::Event::Apply(cm)) => {
+                listed = true;
+                on(&configmap, Change::Object(&cm));
+                applied_once = true;
+            }
+            Ok(watcher::Event::InitDone) => {
+                if !listed {
+                    if applied_once {
+                        tracing::warn!(%configmap, "the {what} ConfigMap is gone: {nothing} until it is back");
+                    } else {
+                        tracing::info!(%configmap, "the {what} ConfigMap does not exist yet: {nothing} until it appears");
+                    }
+                    on(&configmap, Change::Missing);
+                }
+            }
+            Ok(watcher::Event::Delete(_)) => {
+                tracing::warn!(%configmap, "the {what} ConfigMap was deleted: {nothing} until it is back");
+                on(&configmap, Change::Missing);
+            }
+            Err(e) => {
+                let forbidden = matches!(&e, watcher::Error::InitialListFailed(kube::Error::Api(s)) | watcher::Error::WatchStartFailed(kube::Error::Api(s)) | watcher::Error::WatchFailed(kube::Error::Api(s)) if s.is_forbidden());
+                if forbidden {
+                    tracing::error!(%configmap, error = %e, "forbidden to watch the {what} ConfigMap (grant get/list/watch on configmaps in the gateway's namespace); retrying, the table in force stays");
+                } else {
+                    tracing::warn!(%configmap, error = %e, "{what} ConfigMap watch error; retrying, the table in force stays");
+                }
+            }
+        }
+    }
+}
