@@ -461,18 +461,18 @@ pub(super) fn own_gateway<'a>(
         format!("--activation-timeout={}", s.activation_timeout),
     ];
     let mut after_peers = Vec::new();
-    if adapters {
-        after_peers.push(format!(
-            "--adapters-configmap={}",
-            names::adapters(&ctx.name)
-        ));
-    }
     if let Some(route) = ctx.sleep_tier().and_then(|t| sleep_route(svc, &t)) {
         after_peers = sleep_args(&route);
         after_peers.push(format!("--llmservice={}", ctx.name));
         if let Some(uid) = &svc.metadata.uid {
             after_peers.push(format!("--llmservice-uid={uid}"));
         }
+    }
+    if adapters {
+        after_peers.push(format!(
+            "--adapters-configmap={}",
+            names::adapters(&ctx.name)
+        ));
     }
     Ok(Gateway {
         name: &ctx.name,

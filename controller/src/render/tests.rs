@@ -1171,3 +1171,46 @@ fn a_joined_deployments_annotations_set_its_bounds_and_route() {
         )
     );
 }
+
+/// A sleeping service with adapters: the gateway gets both its sleeping tier and its adapter
+/// table (neither flag list replaces the other), the engine both sets of arguments.
+#[test]
+fn adapters_beside_the_sleeping_tier_keep_both_flags() {
+    let (mut svc, mut rt) = service_and_runtime(json!({}));
+    svc.spec.scaling =
+        serde_json::from_value(json!({"min": 0, "max": 2, "sleep": {"after": "2m"}})).unwrap();
+    rt.spec.sleep_mode = Some(vllm_sleep_mode());
+    rt.spec.adapters =
+        Some(serde_json::from_value(json!({"args": ["--enable-lora"], "maxLoaded": 2})).unwrap());
+    let adapter: hearth_crds::LLMAdapter = serde_json::from_value(json!({
+        "apiVersion": "serving.hearth.dev/v1alpha1",
+        "kind": "LLMAdapter",
+        "metadata": {"name": "sql", "namespace": "team-a"},
+        "spec": {"serviceRef": {"name": "chat"}, "source": {"uri": "pvc://lora/sql"}},
+    }))
+    .unwrap();
+    let c = super::render_with_adapters(
+        &svc,
+        &rt,
+        &RenderConfig::builtin().unwrap(),
+        true,
+        &Placement::Own,
+        &[adapter],
+    )
+    .unwrap();
+    let args = container_args(c.gateway.as_ref().unwrap());
+    for want in ["--sleep-after=2m", "--adapters-configmap=chat-adapters"] {
+        assert!(args.contains(&want.to_owned()), "{want} not in {args:?}");
+    }
+    let engine = container_args(&c.backend);
+    assert!(engine.contains(&"--enable-lora".to_owned()), "{engine:?}");
+    assert!(
+        engine.contains(&"--enable-sleep-mode".to_owned()),
+        "{engine:?}"
+    );
+    let table = &c.adapters_config_map.unwrap().data.unwrap()["adapters.json"];
+    assert!(
+        table.contains("\"path\": \"/adapters/pvc/lora/sql\""),
+        "{table}"
+    );
+}
