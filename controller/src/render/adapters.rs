@@ -16,7 +16,8 @@
 //!
 //! With no adapter, or a runtime without `spec.adapters`, nothing of this is rendered: the
 //! first adapter of a service restarts its engines once (the flags), the last one's removal
-//! once more.
+//! once more. The service's own gateway follows the ConfigMap whenever the runtime serves
+//! adapters (flag and Role), present or not (absent: no adapters), so it never rolls for them.
 
 use std::collections::BTreeMap;
 

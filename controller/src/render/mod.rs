@@ -490,8 +490,12 @@ pub fn render_with_adapters(
         &cfg.policy_settings(),
     )?;
     let backend = crate::upgrade::mark(backend, cfg.drain_image.as_deref());
+    // The service's own gateway follows the adapter table whenever its runtime serves
+    // adapters (a missing ConfigMap is an empty table), so adding the first adapter or removing
+    // the last does not roll the gateway.
+    let follows_adapters = runtime.spec.adapters.is_some();
     let own = match placement {
-        Placement::Own => Some(own_gateway(&ctx, rendered_adapters.is_some())?),
+        Placement::Own => Some(own_gateway(&ctx, follows_adapters)?),
         Placement::Shared(_) => None,
     };
     let adapters_config_map = match (placement, &rendered_adapters) {
@@ -506,7 +510,10 @@ pub fn render_with_adapters(
     };
     Ok(Children {
         gateway_service_account: own.as_ref().map(gateway_service_account),
-        gateway_role: gateway_role(&ctx, adapters_config_map.is_some()),
+        gateway_role: gateway_role(
+            &ctx,
+            follows_adapters && matches!(placement, Placement::Own),
+        ),
         gateway_role_binding: role_binding,
         cache_claim: cache_claim(&ctx),
         prewarm_job: prewarm_job(&ctx, volume),

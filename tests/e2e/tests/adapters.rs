@@ -309,8 +309,10 @@ async fn fifty_adapters_on_one_base_are_loaded_on_demand() -> Result<()> {
     let cold = client::chat_with(&d.url, "a07", true, Some(2), Duration::from_secs(300)).await?;
     ensure!(
         cold.status == 200 && cold.complete(),
-        "cold a07: {}",
-        cold.text()
+        "cold a07: {} {:?} {}",
+        cold.status,
+        cold.events.iter().map(|(_, e)| e).collect::<Vec<_>>(),
+        cold.body
     );
     let first = (cold.first_token().context("no token")? - sent).as_secs_f64();
     ensure!(
