@@ -262,7 +262,7 @@ fn render(args: RenderArgs) -> anyhow::Result<()> {
             Some(resolved.runtime),
             &adapters,
             &[],
-            None,
+            &|_| None,
         );
         if let Some(e) = findings.first_error() {
             bail!(

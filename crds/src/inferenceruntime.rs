@@ -131,9 +131,11 @@ pub struct RuntimeAdapters {
     #[schemars(range(min = 1, max = 1024))]
     pub max_loaded: i32,
 
-    /// maxAdapters is how many LLMAdapters one service may have (default 100).
+    /// maxAdapters is how many LLMAdapters one service may have (default 100, at most 1000:
+    /// the adapter table of a service is one ConfigMap, and a shared endpoint's route table
+    /// holds every member's).
     #[serde(default = "default_max_adapters")]
-    #[schemars(range(min = 1, max = 10000))]
+    #[schemars(range(min = 1, max = 1000))]
     pub max_adapters: i32,
 
     /// loadPath is the path of the load call.

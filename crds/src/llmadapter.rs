@@ -40,7 +40,12 @@ use crate::llmservice::ModelSource;
 #[serde(rename_all = "camelCase")]
 pub struct LLMAdapterSpec {
     /// serviceRef names the base LLMService whose engine loads the adapter; in another
-    /// namespace only where the base's `spec.allowedAdapters` admits this one.
+    /// namespace only where the base's `spec.allowedAdapters` admits this one. Immutable: to
+    /// move an adapter to another base, create it there.
+    #[schemars(extend("x-kubernetes-validations" = [{
+        "rule": "self == oldSelf",
+        "message": "spec.serviceRef is immutable: create the adapter anew on the other base"
+    }]))]
     pub service_ref: ServiceReference,
 
     /// source is where the adapter's files (`adapter_config.json` and the weights) come from,
@@ -104,7 +109,8 @@ pub struct LLMAdapterStatus {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub loaded_replicas: Option<i32>,
 
-    /// loadedOn names those pods, sorted.
+    /// loadedOn names those pods, sorted; the first 64 when there are more (`loadedReplicas`
+    /// counts them all).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = 64))]
     pub loaded_on: Vec<String>,

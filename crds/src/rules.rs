@@ -26,7 +26,7 @@ use std::{collections::BTreeMap, fmt};
 
 pub mod adapters;
 pub mod namespaces;
-pub use adapters::{AdapterContext, TakenName, check_llmadapter};
+pub use adapters::{AdapterContext, TakenNames, check_llmadapter};
 pub use namespaces::{NotAdmitted, namespace_admits, selector_matches};
 
 use k8s_openapi::{

@@ -186,10 +186,21 @@ fn answer(
             base,
             typed::<LLMEndpoint>(object).map(|ep| validate::llmendpoint(&ep)),
         ),
-        (Endpoint::Validate, (GROUP, "LLMAdapter")) => findings_response(
-            base,
-            typed::<LLMAdapter>(object).map(|a| validate::llmadapter(&a, snapshot)),
-        ),
+        (Endpoint::Validate, (GROUP, "LLMAdapter")) => {
+            // The object before an UPDATE (unreadable: judged as if new).
+            let old = match req.operation {
+                Operation::Update => req
+                    .old_object
+                    .as_ref()
+                    .and_then(|o| typed::<LLMAdapter>(o).ok()),
+                _ => None,
+            };
+            findings_response(
+                base,
+                typed::<LLMAdapter>(object)
+                    .map(|a| validate::llmadapter(&a, old.as_ref(), snapshot)),
+            )
+        }
         (Endpoint::Validate, (GROUP, "InferenceRuntime")) => findings_response(
             base,
             typed::<InferenceRuntime>(object).map(|rt| validate::inference_runtime(&rt)),

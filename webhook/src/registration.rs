@@ -277,7 +277,7 @@ mod tests {
         let m = r.mutating();
         let vh = v.webhooks.unwrap();
         let mh = m.webhooks.unwrap();
-        assert_eq!(vh.len(), 4);
+        assert_eq!(vh.len(), 5);
         assert_eq!(mh.len(), 1);
         let common = vh
             .iter()
@@ -313,7 +313,8 @@ mod tests {
         // Only workloads carry matchConditions; Hearth's kinds always reach the webhook.
         assert!(vh[0].match_conditions.is_none());
         assert!(vh[1].match_conditions.is_none());
-        assert!(vh[3].match_conditions.is_some());
+        assert!(vh[2].match_conditions.is_none());
+        assert!(vh[4].match_conditions.is_some());
         assert!(mh[0].match_conditions.is_some());
     }
 

@@ -565,7 +565,7 @@ mod tests {
             .into_iter()
             .chain(m.client_configs())
             .collect();
-        assert_eq!(configs.len(), 4 + 1);
+        assert_eq!(configs.len(), 5 + 1);
         for c in configs {
             c.ca_bundle = Some(bundle.clone());
         }

@@ -126,11 +126,24 @@ pub fn llmendpoint(ep: &LLMEndpoint) -> Findings {
 
 /// Validates an `LLMAdapter` against the cluster as the snapshot sees it: its base service,
 /// the base's runtime (resolved with the controller's rule), the other adapters, the shared
-/// endpoint the base joins and the adapter's namespace labels, through
+/// endpoint the base joins and the namespaces' labels, through
 /// `hearth_crds::rules::adapters::check_llmadapter_among`, the rule the controller accepts
 /// adapters by. A base that does not exist (yet) is a warning.
-pub fn llmadapter(adapter: &LLMAdapter, snapshot: &Snapshot) -> Findings {
-    let ns = adapter.metadata.namespace.as_deref().unwrap_or_default();
+///
+/// - A new adapter (`old` is `None`: a CREATE) is judged the youngest, whatever
+///   creationTimestamp the apiserver gave it, so it never displaces one already there.
+/// - An update that leaves the spec as it was (labels, annotations, finalizers), or of an
+///   adapter being deleted, is never denied: its findings are warnings (the controller reports
+///   them in `Accepted`), so a change elsewhere cannot make the object impossible to edit or
+///   to finish deleting.
+pub fn llmadapter(adapter: &LLMAdapter, old: Option<&LLMAdapter>, snapshot: &Snapshot) -> Findings {
+    let mut adapter = adapter.clone();
+    if old.is_none() {
+        adapter.metadata.creation_timestamp = None;
+    }
+    let adapter = &adapter;
+    let lenient = adapter.metadata.deletion_timestamp.is_some()
+        || old.is_some_and(|o| o.spec == adapter.spec);
     let base_ref = ObjectRef::<LLMService>::new(&adapter.spec.service_ref.name)
         .within(adapter.service_namespace());
     let stores = snapshot.serving.as_ref();
@@ -160,11 +173,13 @@ pub fn llmadapter(adapter: &LLMAdapter, snapshot: &Snapshot) -> Findings {
         })
         .and_then(|ep| ep.status.as_ref().map(|st| st.models.clone()))
         .unwrap_or_default();
-    let labels = snapshot
-        .namespaces
-        .as_ref()
-        .and_then(|store| store.get(&ObjectRef::new(ns)))
-        .map(|n| n.metadata.labels.clone().unwrap_or_default());
+    let labels_of = |ns: &str| {
+        snapshot
+            .namespaces
+            .as_ref()
+            .and_then(|store| store.get(&ObjectRef::new(ns)))
+            .map(|n| n.metadata.labels.clone().unwrap_or_default())
+    };
     let mut f = Findings::default();
     for finding in rules::adapters::check_llmadapter_among(
         adapter,
@@ -172,11 +187,11 @@ pub fn llmadapter(adapter: &LLMAdapter, snapshot: &Snapshot) -> Findings {
         runtime,
         adapters.iter().map(|a| &**a),
         &endpoint_models,
-        labels.as_ref(),
+        &labels_of,
     ) {
         match finding.severity {
-            Severity::Error => f.deny(finding.field, finding.message),
-            Severity::Warning => f.warn(finding.field, finding.message),
+            Severity::Error if !lenient => f.deny(finding.field, finding.message),
+            _ => f.warn(finding.field, finding.message),
         }
     }
     f

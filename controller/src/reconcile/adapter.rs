@@ -93,36 +93,77 @@ fn reconciled_differs(current: Option<&LLMAdapterStatus>, desired: &LLMAdapterSt
 
 /// The findings about `adapter` in the controller's caches.
 pub(super) fn findings(adapter: &LLMAdapter, ctx: &Context) -> Findings {
+    let adapters = ctx.adapters.state();
     let base = get_in(
         &ctx.llmservices,
         adapter.service_namespace(),
         &adapter.spec.service_ref.name,
     );
+    let (runtime, endpoint_models) = base_context(ctx, base.as_deref());
     let runtimes = ctx.runtimes.state();
-    let runtime = base.as_deref().and_then(|svc| {
+    let runtime = runtime.and_then(|name| runtimes.iter().find(|r| r.name_any() == name));
+    rules::adapters::check_llmadapter_among(
+        adapter,
+        base.as_deref(),
+        runtime.map(AsRef::as_ref),
+        adapters.iter().map(AsRef::as_ref),
+        &endpoint_models,
+        &|ns| labels_of(ctx, ns),
+    )
+}
+
+/// The adapters of `svc` decided oldest first by the rule, with their findings
+/// (`rules::adapters::check_base_adapters`): one pass for every adapter of the base.
+pub(super) fn base_adapters(ctx: &Context, svc: &LLMService) -> Vec<(LLMAdapter, Findings)> {
+    let (ns, name) = (svc.namespace().unwrap_or_default(), svc.name_any());
+    let adapters: Vec<Arc<LLMAdapter>> = ctx
+        .adapters
+        .state()
+        .into_iter()
+        .filter(|a| a.service_namespace() == ns && a.spec.service_ref.name == name)
+        .collect();
+    if adapters.is_empty() {
+        return Vec::new();
+    }
+    let (runtime, endpoint_models) = base_context(ctx, Some(svc));
+    let runtimes = ctx.runtimes.state();
+    let runtime = runtime.and_then(|name| runtimes.iter().find(|r| r.name_any() == name));
+    rules::adapters::check_base_adapters(
+        Some(svc),
+        runtime.map(AsRef::as_ref),
+        adapters.iter().map(AsRef::as_ref),
+        &endpoint_models,
+        &|ns| labels_of(ctx, ns),
+    )
+    .into_iter()
+    .map(|(a, f)| (a.clone(), f))
+    .collect()
+}
+
+/// The name of `base`'s resolved runtime and the `status.models` of the endpoint it joins.
+fn base_context(
+    ctx: &Context,
+    base: Option<&LLMService>,
+) -> (Option<String>, Vec<hearth_crds::llmendpoint::EndpointModel>) {
+    let runtimes = ctx.runtimes.state();
+    let runtime = base.and_then(|svc| {
         resolve_runtime(svc, runtimes.iter().map(AsRef::as_ref))
             .ok()
-            .map(|r| r.runtime)
+            .map(|r| r.runtime.name_any())
     });
     let endpoint_models = base
-        .as_deref()
         .and_then(endpoint_key)
         .and_then(|k| ctx.endpoint(&k))
         .and_then(|ep| ep.status.as_ref().map(|s| s.models.clone()))
         .unwrap_or_default();
-    let labels: Option<BTreeMap<String, String>> = adapter
-        .namespace()
-        .and_then(|ns| ctx.namespaces.get(&ObjectRef::new(&ns)))
-        .map(|n| n.metadata.labels.clone().unwrap_or_default());
-    let adapters = ctx.adapters.state();
-    rules::adapters::check_llmadapter_among(
-        adapter,
-        base.as_deref(),
-        runtime,
-        adapters.iter().map(AsRef::as_ref),
-        &endpoint_models,
-        labels.as_ref(),
-    )
+    (runtime, endpoint_models)
+}
+
+/// The labels of namespace `ns`, from the cache.
+fn labels_of(ctx: &Context, ns: &str) -> Option<BTreeMap<String, String>> {
+    ctx.namespaces
+        .get(&ObjectRef::new(ns))
+        .map(|n| n.metadata.labels.clone().unwrap_or_default())
 }
 
 /// Reconciles one adapter: its `Accepted` condition.
@@ -211,13 +252,16 @@ pub fn loaded_status(
         .map(|(pod, _)| pod.clone())
         .collect();
     on.sort();
+    let loaded = on.len();
+    // The CRD keeps at most 64 names; the count is whole.
+    on.truncate(64);
     let answered = engines.iter().filter(|(_, l)| l.is_some()).count();
-    let cond = if !on.is_empty() {
+    let cond = if loaded > 0 {
         Cond::new(
             LOADED,
             Some(true),
             "Loaded",
-            format!("loaded on {} of {} ready engines", on.len(), engines.len()),
+            format!("loaded on {loaded} of {} ready engines", engines.len()),
         )
     } else if engines.is_empty() {
         Cond::new(
@@ -240,7 +284,7 @@ pub fn loaded_status(
         )
     };
     LLMAdapterStatus {
-        loaded_replicas: Some(i32::try_from(on.len()).unwrap_or(i32::MAX)),
+        loaded_replicas: Some(i32::try_from(loaded).unwrap_or(i32::MAX)),
         loaded_on: on,
         conditions: status::merge_conditions(previous, &[cond], generation, now),
         ..Default::default()
@@ -319,19 +363,48 @@ pub(super) async fn observe(ctx: Arc<Context>) {
                 .map(|((pod, _), r)| (pod.clone(), r.as_ref().ok()))
                 .collect();
             let now = Time(k8s_openapi::jiff::Timestamp::now());
+            // Only an accepted adapter the engines can read is looked for in their lists (a
+            // refused one may share its name with the one that is served).
+            let accepted_now: std::collections::BTreeSet<String> = base_adapters(&ctx, &svc)
+                .into_iter()
+                .filter(|(_, f)| accepted(f).is_true())
+                .map(|(a, _)| a.name_any())
+                .collect();
             for a in adapters {
                 let previous = a
                     .status
                     .as_ref()
                     .map(|s| s.conditions.clone())
                     .unwrap_or_default();
-                let desired = loaded_status(
-                    a.served_name(),
-                    &engines,
-                    &previous,
-                    a.metadata.generation,
-                    &now,
-                );
+                let why_not = if !accepted_now.contains(&a.name_any()) {
+                    Some((
+                        "NotAccepted",
+                        "not accepted on its base (see the Accepted condition): no engine \
+                         loads it"
+                            .to_owned(),
+                    ))
+                } else {
+                    crate::render::unserved(&a).map(|m| ("NotServed", m))
+                };
+                let desired = match why_not {
+                    Some((reason, message)) => LLMAdapterStatus {
+                        loaded_replicas: Some(0),
+                        conditions: status::merge_conditions(
+                            &previous,
+                            &[Cond::new(LOADED, Some(false), reason, message)],
+                            a.metadata.generation,
+                            &now,
+                        ),
+                        ..Default::default()
+                    },
+                    None => loaded_status(
+                        a.served_name(),
+                        &engines,
+                        &previous,
+                        a.metadata.generation,
+                        &now,
+                    ),
+                };
                 if observed_differs(a.status.as_ref(), &desired)
                     && let Err(e) = write_observed(&ctx, &a, &desired).await
                 {
@@ -383,7 +456,7 @@ mod tests {
     #[test]
     fn a_missing_base_is_not_accepted_though_admission_only_warned() {
         let a = adapter();
-        let f = rules::adapters::check_llmadapter_among(&a, None, None, [], &[], None);
+        let f = rules::adapters::check_llmadapter_among(&a, None, None, [], &[], &|_| None);
         assert!(!f.blocks_rendering());
         let c = accepted(&f);
         assert_eq!((c.status, c.reason.as_str()), ("False", "ServiceNotFound"));
@@ -397,7 +470,7 @@ mod tests {
     fn the_reconciler_owns_acceptance_and_keeps_its_transition_time() {
         let mut a = adapter();
         let t0 = Time("2026-12-01T00:00:00Z".parse().unwrap());
-        let f = rules::adapters::check_llmadapter_among(&a, None, None, [], &[], None);
+        let f = rules::adapters::check_llmadapter_among(&a, None, None, [], &[], &|_| None);
         let first = adapter_status(&a, &f, &t0);
         assert_eq!(first.served_name.as_deref(), Some("sql"));
         assert_eq!(first.observed_generation, Some(3));

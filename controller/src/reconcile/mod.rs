@@ -375,18 +375,15 @@ impl Context {
         (a, members, deployments)
     }
 
-    /// The LLMAdapters accepted on `svc` (by [`adapter::findings`], the rule of the adapters'
-    /// own status), sorted by served name.
+    /// The LLMAdapters accepted on `svc` (by [`adapter::base_adapters`], the rule of the
+    /// adapters' own status), sorted by served name.
     fn accepted_adapters(&self, svc: &LLMService) -> Vec<LLMAdapter> {
-        let (ns, name) = (svc.namespace().unwrap_or_default(), svc.name_any());
-        let mut out: Vec<LLMAdapter> = self
-            .adapters
-            .state()
+        let mut out: Vec<LLMAdapter> = adapter::base_adapters(self, svc)
             .into_iter()
-            .filter(|a| a.service_namespace() == ns && a.spec.service_ref.name == name)
-            .filter(|a| a.metadata.deletion_timestamp.is_none())
-            .filter(|a| adapter::accepted(&adapter::findings(a, self)).is_true())
-            .map(|a| (*a).clone())
+            .filter(|(a, f)| {
+                a.metadata.deletion_timestamp.is_none() && adapter::accepted(f).is_true()
+            })
+            .map(|(a, _)| a)
             .collect();
         out.sort_by(|a, b| a.served_name().cmp(b.served_name()));
         out
@@ -989,6 +986,7 @@ pub async fn run(
     let (service_tx, service_rx) = mpsc::unbounded::<ObjectRef<LLMService>>();
     let (adapter_store, mut adapter_writer) = reflector::store::<LLMAdapter>();
     let (adapter_tx, adapter_rx) = mpsc::unbounded::<ObjectRef<LLMAdapter>>();
+    let adapter_sibling_tx = adapter_tx.clone();
     // A cluster whose CRDs predate LLMAdapter (the chart's crds/ not applied before an
     // upgrade) has no adapters: an empty cache, synced at once, and no adapter controller, so
     // services are still reconciled.
@@ -1269,6 +1267,7 @@ pub async fn run(
     let adapter_service_tx = service_tx.clone();
     let adapter_endpoint_tx = endpoint_tx.clone();
     let adapter_services = ctx.llmservices.clone();
+    let adapter_siblings = adapter_store.clone();
     let adapter_stream = without_errors(
         "LLMAdapter",
         watcher(
@@ -1283,6 +1282,15 @@ pub async fn run(
             // An adapter's change (created, edited, deleted) changes what its base renders, and
             // the route of the endpoint the base joins.
             if let Ok(a) = &a {
+                // Its siblings' acceptance may change with it (a place or a name freed).
+                for s in adapter_siblings.state() {
+                    if s.service_namespace() == a.service_namespace()
+                        && s.spec.service_ref.name == a.spec.service_ref.name
+                        && s.metadata.name != a.metadata.name
+                    {
+                        let _ = adapter_sibling_tx.unbounded_send(ObjectRef::from_obj(s.as_ref()));
+                    }
+                }
                 let base = ObjectRef::<LLMService>::new(&a.spec.service_ref.name)
                     .within(a.service_namespace());
                 if let Some(key) = adapter_services

@@ -14,10 +14,13 @@
 //!   `<service>-adapters` (key [`ADAPTERS_KEY`]) that the service's own gateway reads
 //!   (`--adapters-configmap`), or the route its endpoint's gateway reads (`ModelRoute.adapters`).
 //!
-//! With no adapter, or a runtime without `spec.adapters`, nothing of this is rendered: the
-//! first adapter of a service restarts its engines once (the flags), the last one's removal
-//! once more. The service's own gateway follows the ConfigMap whenever the runtime serves
-//! adapters (flag and Role), present or not (absent: no adapters), so it never rolls for them.
+//! With no adapter the engines can load, or a runtime without `spec.adapters`, nothing of this
+//! is rendered. The engines' pod template changes (and so they restart) when the first such
+//! adapter comes or the last one goes (the flags), and when an adapter brings a claim or an
+//! image not mounted yet or the last adapter of one goes (the volumes); an adapter on a claim
+//! already mounted changes nothing. The service's own gateway follows the ConfigMap whenever
+//! the runtime serves adapters (flag and Role), present or not (absent: no adapters), so it
+//! never rolls for them.
 
 use std::collections::BTreeMap;
 
@@ -139,6 +142,10 @@ pub fn rendered(rt: &InferenceRuntime, adapters: &[LLMAdapter]) -> Option<Render
             adapter: format!("{}/{}", a.namespace().unwrap_or_default(), a.name_any()),
         });
     }
+    // Only hub adapters (not served yet): nothing for the engine to load, so no flags either.
+    if routes.is_empty() {
+        return None;
+    }
     routes.sort_by(|a, b| a.name.cmp(&b.name));
     routes.dedup_by(|a, b| a.name == b.name);
     let (volumes, mounts) = volumes
@@ -176,8 +183,8 @@ impl Ctx<'_> {
         &self,
         table: &AdapterTable,
     ) -> Result<ConfigMap, RenderError> {
-        let json = serde_json::to_string_pretty(table)
-            .map_err(|e| RenderError::Serialize(e.to_string()))?;
+        let json =
+            serde_json::to_string(table).map_err(|e| RenderError::Serialize(e.to_string()))?;
         Ok(ConfigMap {
             metadata: self.meta(names::adapters(&self.name), Component::Gateway),
             data: Some(BTreeMap::from([(ADAPTERS_KEY.to_owned(), json)])),

@@ -1208,9 +1208,9 @@ fn adapters_beside_the_sleeping_tier_keep_both_flags() {
         engine.contains(&"--enable-sleep-mode".to_owned()),
         "{engine:?}"
     );
-    let table = &c.adapters_config_map.unwrap().data.unwrap()["adapters.json"];
-    assert!(
-        table.contains("\"path\": \"/adapters/pvc/lora/sql\""),
-        "{table}"
-    );
+    let table: hearth_crds::llmadapter::AdapterTable =
+        serde_json::from_str(&c.adapters_config_map.unwrap().data.unwrap()["adapters.json"])
+            .unwrap();
+    assert_eq!(table.adapters[0].path, "/adapters/pvc/lora/sql");
+    assert_eq!(table.max_loaded, 2);
 }

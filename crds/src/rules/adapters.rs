@@ -10,7 +10,11 @@
 //!
 //! Between adapters that contend (one name, or more adapters than `maxAdapters`), the older one
 //! (by `metadata.creationTimestamp`, then namespace and name, as Gateway API orders routes)
-//! wins; at admission the new one is the youngest.
+//! wins, and only accepted ones contend: a base's adapters are decided oldest first, each
+//! against those before it that were accepted ([`check_base_adapters`]), so an adapter refused
+//! for its own fault (another namespace not admitted, a rank too high) takes no place and no
+//! name. At admission a new adapter is the youngest (the webhook reviews a CREATE without its
+//! creationTimestamp).
 
 use std::collections::BTreeMap;
 
@@ -36,14 +40,10 @@ pub fn is_served_name(s: &str) -> bool {
             .all(|c| c.is_ascii_alphanumeric() || b"._:/-".contains(c))
 }
 
-/// A model name already routed on the gateway an adapter would be served by.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct TakenName {
-    /// The `model` clients send.
-    pub name: String,
-    /// What serves it, for the message: `LLMService team-a/qwen`, `LLMAdapter team-a/sql`.
-    pub by: String,
-}
+/// The model names already routed on the gateway an adapter would be served by: the `model`
+/// clients send → what serves it, for the message (`LLMService team-a/qwen`,
+/// `LLMAdapter team-a/sql`).
+pub type TakenNames = BTreeMap<String, String>;
 
 /// What an adapter is checked against. Absent parts skip the checks that need them.
 #[derive(Clone, Debug, Default)]
@@ -54,11 +54,12 @@ pub struct AdapterContext<'a> {
     pub runtime: Option<&'a InferenceRuntime>,
     /// The labels of the adapter's namespace, when known (for `from: Selector`).
     pub namespace_labels: Option<&'a BTreeMap<String, String>>,
-    /// The base's other adapters that come first (older; at admission, all of them).
+    /// The base's other adapters that come first and were accepted (older; at admission,
+    /// all the accepted ones).
     pub older_siblings: usize,
     /// Every other model name on the same gateway that comes first: the base's own, its older
-    /// adapters', and on a shared endpoint its other models' (see [`taken_names`]).
-    pub taken: &'a [TakenName],
+    /// accepted adapters', and on a shared endpoint its other models' (see [`taken_names`]).
+    pub taken: Option<&'a TakenNames>,
 }
 
 /// Checks `adapter` in `ctx`: errors deny it at admission and keep it from being loaded;
@@ -206,14 +207,14 @@ pub fn check_llmadapter(adapter: &LLMAdapter, ctx: &AdapterContext<'_>) -> Findi
             ),
         );
     }
-    if let Some(taken) = ctx.taken.iter().find(|t| t.name == served) {
+    if let Some(by) = ctx.taken.and_then(|t| t.get(served)) {
         f.error(
             Reason::ModelNameConflict,
             name_field,
             format!(
                 "the model name {served:?} is taken by {} on the same gateway; set \
                  spec.servedName to another name",
-                taken.by
+                by
             ),
         );
     }
@@ -222,101 +223,145 @@ pub fn check_llmadapter(adapter: &LLMAdapter, ctx: &AdapterContext<'_>) -> Findi
 
 /// Checks `adapter` among the cluster's objects: `service` its base and `runtime` the base's
 /// resolved runtime (when they exist), `adapters` every adapter the caller knows (the base's
-/// are picked out; `adapter` itself, by namespace and name, is skipped), `endpoint_models` the
-/// `status.models` of the shared endpoint the base joins (empty without one), and
-/// `namespace_labels` the labels of the adapter's namespace. The webhook and the controller
-/// both call this, so what is admitted is what is accepted.
+/// are picked out; `adapter` itself, by namespace and name, is replaced by the one given),
+/// `endpoint_models` the `status.models` of the shared endpoint the base joins (empty without
+/// one), and `labels_of` a namespace's labels (for `from: Selector`; `None` when unknown). The
+/// webhook and the controller both call this, so what is admitted is what is accepted.
 pub fn check_llmadapter_among<'a>(
-    adapter: &LLMAdapter,
+    adapter: &'a LLMAdapter,
     service: Option<&LLMService>,
     runtime: Option<&InferenceRuntime>,
     adapters: impl IntoIterator<Item = &'a LLMAdapter>,
     endpoint_models: &[EndpointModel],
-    namespace_labels: Option<&BTreeMap<String, String>>,
+    labels_of: &dyn Fn(&str) -> Option<BTreeMap<String, String>>,
 ) -> Findings {
     let key = |a: &LLMAdapter| (a.metadata.namespace.clone(), a.metadata.name.clone());
     let own = key(adapter);
-    let base = (
-        adapter.service_namespace().to_owned(),
-        adapter.spec.service_ref.name.clone(),
-    );
-    let older: Vec<&LLMAdapter> = adapters
+    let base = base_of(adapter);
+    let siblings = adapters
         .into_iter()
-        .filter(|a| key(a) != own)
-        .filter(|a| {
-            (
-                a.service_namespace().to_owned(),
-                a.spec.service_ref.name.clone(),
-            ) == base
-        })
+        .filter(|a| key(a) != own && base_of(a) == base)
         .filter(|a| comes_before(a, adapter))
-        .collect();
-    let taken = service
-        .map(|svc| taken_names(svc, older.iter().copied(), endpoint_models))
+        .chain(std::iter::once(adapter));
+    check_base_adapters(service, runtime, siblings, endpoint_models, labels_of)
+        .pop()
+        .map(|(_, f)| f)
+        .unwrap_or_default()
+}
+
+/// `(namespace, name)` of `a`'s base service.
+fn base_of(a: &LLMAdapter) -> (String, String) {
+    (
+        a.service_namespace().to_owned(),
+        a.spec.service_ref.name.clone(),
+    )
+}
+
+/// The findings of each of one base's `adapters`, decided oldest first ([`comes_before`]): each
+/// against the base, its runtime, `endpoint_models` and the adapters before it that were
+/// accepted (no error), which take a place of `maxAdapters` and their names. Returned oldest
+/// first. `labels_of` as for [`check_llmadapter_among`]. O(n log n) in the adapters.
+pub fn check_base_adapters<'a>(
+    service: Option<&LLMService>,
+    runtime: Option<&InferenceRuntime>,
+    adapters: impl IntoIterator<Item = &'a LLMAdapter>,
+    endpoint_models: &[EndpointModel],
+    labels_of: &dyn Fn(&str) -> Option<BTreeMap<String, String>>,
+) -> Vec<(&'a LLMAdapter, Findings)> {
+    let mut ordered: Vec<&LLMAdapter> = adapters.into_iter().collect();
+    ordered.sort_by(|a, b| order_key(a).cmp(&order_key(b)));
+    let mut taken = service
+        .map(|svc| taken_names(svc, [], endpoint_models))
         .unwrap_or_default();
-    check_llmadapter(
-        adapter,
-        &AdapterContext {
-            service,
-            runtime,
-            namespace_labels,
-            older_siblings: older.len(),
-            taken: &taken,
-        },
+    let mut accepted = 0usize;
+    let mut out = Vec::with_capacity(ordered.len());
+    for a in ordered {
+        let labels = labels_of(a.metadata.namespace.as_deref().unwrap_or_default());
+        let f = check_llmadapter(
+            a,
+            &AdapterContext {
+                service,
+                runtime,
+                namespace_labels: labels.as_ref(),
+                older_siblings: accepted,
+                taken: service.map(|_| &taken),
+            },
+        );
+        if service.is_some() && runtime.is_some() && !f.blocks_rendering() {
+            accepted += 1;
+            taken
+                .entry(a.served_name().to_owned())
+                .or_insert_with(|| adapter_label(a));
+        }
+        out.push((a, f));
+    }
+    out
+}
+
+/// `LLMAdapter <namespace>/<name>`.
+fn adapter_label(a: &LLMAdapter) -> String {
+    format!(
+        "LLMAdapter {}/{}",
+        a.metadata.namespace.as_deref().unwrap_or_default(),
+        a.metadata.name.as_deref().unwrap_or_default()
     )
 }
 
 /// The model names on base `svc`'s gateway that come before an adapter: the base's own name,
-/// each of `adapters` (the base's others that come first) by its served name, and, when the
-/// base joins a shared endpoint, the endpoint's other models (its `status.models`).
+/// each of `adapters` (the base's accepted others that come first) by its served name, and,
+/// when the base joins a shared endpoint, the endpoint's other models (its `status.models`).
+/// A name taken twice keeps its first owner.
 pub fn taken_names<'a>(
     svc: &LLMService,
     adapters: impl IntoIterator<Item = &'a LLMAdapter>,
     endpoint_models: &[EndpointModel],
-) -> Vec<TakenName> {
+) -> TakenNames {
     let ns = svc.metadata.namespace.as_deref().unwrap_or_default();
     let name = svc.metadata.name.as_deref().unwrap_or_default();
-    let mut out = vec![TakenName {
-        name: name.to_owned(),
-        by: format!("LLMService {ns}/{name}"),
-    }];
-    out.extend(
-        endpoint_models
-            .iter()
-            .filter(|m| !(m.namespace == ns && m.service == name && m.kind.is_none()))
-            .map(|m| TakenName {
-                name: m.name.clone(),
-                by: format!(
-                    "{} {}/{} (on the same LLMEndpoint)",
-                    m.kind.unwrap_or_default().as_str(),
-                    m.namespace,
-                    m.service
-                ),
-            }),
-    );
-    out.extend(adapters.into_iter().map(|a| TakenName {
-        name: a.served_name().to_owned(),
-        by: format!(
-            "LLMAdapter {}/{}",
-            a.metadata.namespace.as_deref().unwrap_or_default(),
-            a.metadata.name.as_deref().unwrap_or_default()
-        ),
-    }));
+    let mut out = TakenNames::new();
+    out.insert(name.to_owned(), format!("LLMService {ns}/{name}"));
+    for m in endpoint_models
+        .iter()
+        .filter(|m| !(m.namespace == ns && m.service == name && m.kind.is_none()))
+    {
+        out.entry(m.name.clone()).or_insert_with(|| {
+            format!(
+                "{} {}/{} (on the same LLMEndpoint)",
+                m.kind.unwrap_or_default().as_str(),
+                m.namespace,
+                m.service
+            )
+        });
+    }
+    for a in adapters {
+        out.entry(a.served_name().to_owned())
+            .or_insert_with(|| adapter_label(a));
+    }
     out
 }
 
 /// Whether adapter `a` comes before `b` among contenders: older `creationTimestamp` first (an
 /// adapter not yet created, at admission, last), then namespace and name.
 pub fn comes_before(a: &LLMAdapter, b: &LLMAdapter) -> bool {
-    let key = |x: &LLMAdapter| {
-        (
-            x.metadata.creation_timestamp.is_none(),
-            x.metadata.creation_timestamp.as_ref().map(|t| t.0),
-            x.metadata.namespace.clone(),
-            x.metadata.name.clone(),
-        )
-    };
-    key(a) < key(b)
+    order_key(a) < order_key(b)
+}
+
+/// The contention order's key: created (an adapter not created yet last), creationTimestamp,
+/// namespace, name.
+fn order_key(
+    x: &LLMAdapter,
+) -> (
+    bool,
+    Option<k8s_openapi::jiff::Timestamp>,
+    Option<&str>,
+    Option<&str>,
+) {
+    (
+        x.metadata.creation_timestamp.is_none(),
+        x.metadata.creation_timestamp.as_ref().map(|t| t.0),
+        x.metadata.namespace.as_deref(),
+        x.metadata.name.as_deref(),
+    )
 }
 
 #[cfg(test)]

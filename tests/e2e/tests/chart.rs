@@ -961,6 +961,21 @@ fn value_sets() -> Vec<ValueSet> {
                     "no egress to the gateways: {}",
                     ctrl["spec"]["egress"]
                 );
+                // The adapters' observer asks the engines for their /v1/models.
+                let to_backends =
+                    ctrl["spec"]["egress"]
+                        .as_array()
+                        .into_iter()
+                        .flatten()
+                        .any(|e| {
+                            e["to"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"]
+                                == "backend"
+                        });
+                ensure!(
+                    to_backends,
+                    "no egress to the engines: {}",
+                    ctrl["spec"]["egress"]
+                );
                 Ok(())
             },
         },

@@ -74,7 +74,7 @@ fn an_adapter_within_its_runtime_limits_on_its_base_is_accepted() {
         &AdapterContext {
             service: Some(&svc),
             runtime: Some(&rt),
-            taken: &taken,
+            taken: Some(&taken),
             ..Default::default()
         },
     );
@@ -265,13 +265,13 @@ fn a_model_name_taken_on_the_same_gateway_is_refused() {
     }];
     let taken = taken_names(&svc, [&other], &endpoint);
     assert_eq!(
-        taken.iter().map(|t| t.name.as_str()).collect::<Vec<_>>(),
-        ["qwen", "llama", "sql"]
+        taken.keys().map(String::as_str).collect::<Vec<_>>(),
+        ["llama", "qwen", "sql"]
     );
     let ctx = AdapterContext {
         service: Some(&svc),
         runtime: Some(&rt),
-        taken: &taken,
+        taken: Some(&taken),
         ..Default::default()
     };
     // By its default name (metadata.name).
@@ -344,4 +344,73 @@ fn older_adapters_come_first() {
     assert!(comes_before(&old, &new));
     assert!(!comes_before(&new, &old));
     assert!(comes_before(&new, &pending), "not created yet: last");
+}
+
+fn at(mut a: LLMAdapter, name: &str, ts: &str) -> LLMAdapter {
+    a.metadata.name = Some(name.into());
+    a.metadata.creation_timestamp = Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+        ts.parse().unwrap(),
+    ));
+    a
+}
+
+#[test]
+fn only_accepted_adapters_take_a_place_and_a_name() {
+    // maxAdapters 2. Oldest first: another namespace's (not admitted: Same), one of rank 128
+    // (above maxRank 64), then `sql`, `chat`, and `extra`.
+    let svc = base("");
+    let rt = lora_runtime();
+    let mut foreign = at(sql(), "foreign", "2026-01-01T00:00:00Z");
+    foreign.metadata.namespace = Some("team-b".into());
+    foreign.spec.service_ref.namespace = Some("team-a".into());
+    foreign.spec.served_name = Some("chat".into());
+    let mut big = at(sql(), "big", "2026-01-02T00:00:00Z");
+    big.spec.rank = Some(128);
+    big.spec.served_name = Some("sql".into());
+    let sql = at(sql(), "sql", "2026-01-03T00:00:00Z");
+    let chat = at(sql.clone(), "chat", "2026-01-04T00:00:00Z");
+    let extra = at(sql.clone(), "extra", "2026-01-05T00:00:00Z");
+    let all = [&extra, &chat, &sql, &big, &foreign];
+    let decided = check_base_adapters(Some(&svc), Some(&rt), all, &[], &|_| None);
+    let reasons: Vec<(&str, Option<&str>)> = decided
+        .iter()
+        .map(|(a, f)| {
+            (
+                a.metadata.name.as_deref().unwrap(),
+                f.first_error().map(|e| e.reason.as_str()),
+            )
+        })
+        .collect();
+    assert_eq!(
+        reasons,
+        [
+            ("foreign", Some("NotAllowedByService")),
+            ("big", Some("RankTooHigh")),
+            // The refused ones took neither a place nor their names.
+            ("sql", None),
+            ("chat", None),
+            ("extra", Some("TooManyAdapters")),
+        ]
+    );
+    // One adapter among them gets the same verdict.
+    let f = check_llmadapter_among(&chat, Some(&svc), Some(&rt), all, &[], &|_| None);
+    assert!(f.is_empty(), "{f}");
+    let f = check_llmadapter_among(&extra, Some(&svc), Some(&rt), all, &[], &|_| None);
+    assert_eq!(f.first_error().unwrap().reason, Reason::TooManyAdapters);
+}
+
+#[test]
+fn a_new_adapter_is_judged_the_youngest() {
+    // An existing adapter `zeta` and a new `alpha` (no creationTimestamp, as the webhook
+    // reviews a CREATE) with the same served name: `alpha` is refused, whatever the names.
+    let svc = base("");
+    let rt = lora_runtime();
+    let zeta = at(sql(), "zeta", "2026-01-01T00:00:00Z");
+    let mut alpha = sql();
+    alpha.metadata.name = Some("alpha".into());
+    alpha.spec.served_name = Some("zeta".into());
+    let f = check_llmadapter_among(&alpha, Some(&svc), Some(&rt), [&zeta], &[], &|_| None);
+    assert_eq!(f.first_error().unwrap().reason, Reason::ModelNameConflict);
+    let f = check_llmadapter_among(&zeta, Some(&svc), Some(&rt), [&alpha], &[], &|_| None);
+    assert!(f.is_empty(), "{f}");
 }
