@@ -462,10 +462,13 @@ impl Adapters {
                     });
                 }
             }
+            // Adapters that left the table, and those whose files moved (a changed source under
+            // the same name): an engine holding the old files unloads them, and the next
+            // request loads the new ones.
             let left: Vec<Arc<str>> = last
                 .adapters()
                 .iter()
-                .filter(|a| catalog.get(&a.name).is_none())
+                .filter(|a| catalog.get(&a.name).is_none_or(|now| now.path != a.path))
                 .map(|a| a.name.clone())
                 .collect();
             if !left.is_empty() {
@@ -483,8 +486,8 @@ impl Adapters {
     }
 }
 
-/// Unloads from `engine` the adapters of `left`, which left the catalog `old` (requests in
-/// flight for one, admitted before the change, may fail).
+/// Unloads from `engine` the adapters of `left`, which left the catalog `old` or whose path
+/// changed (requests in flight for one, admitted before the change, may fail).
 async fn retire(engine: Arc<Engine>, old: Arc<Catalog>, left: Vec<Arc<str>>, caller: Caller) {
     let _calls = engine.calls.lock().await;
     for name in left {
@@ -507,7 +510,15 @@ async fn load(
     let result = {
         let _calls = engine.calls.lock().await;
         engine.sync(&caller.pool, &service).await;
-        if engine.lock().lru.is_loaded(&name) {
+        if !engine.lock().lru.holds(&name, id) {
+            // Retired while this load waited for the engine (it left the table): loading it
+            // now would leave it on the engine, counted nowhere.
+            Err(LoadFailure::Refused {
+                status: StatusCode::NOT_FOUND,
+                kind: "NotFoundError".to_owned(),
+                message: format!("the adapter {name} left the adapter table"),
+            })
+        } else if engine.lock().lru.is_loaded(&name) {
             // The engine listed it: nothing to load.
             Ok(())
         } else {

@@ -482,6 +482,23 @@ async fn a_table_change_applies_without_a_restart() {
     let (status, v) = ask(&client, &gw, "a").await;
     assert_eq!(status, StatusCode::OK);
     answered_by(&v, "a");
+    // a's files move (its source changed, same name): the engine unloads the old ones, and the
+    // next request loads the new path.
+    let path_of = |name: &str| {
+        stub.state
+            .lora_adapters()
+            .into_iter()
+            .find(|x| x.name == name)
+            .map(|x| x.path)
+    };
+    let (old_path, new_path) = (a.to_string_lossy(), b.to_string_lossy());
+    assert_eq!(path_of("a").as_deref(), Some(&*old_path));
+    gw.gateway.apply_adapters(&table(2, &[("a", &b)])).unwrap();
+    eventually("the old a unloaded", || path_of("a").is_none()).await;
+    let (status, v) = ask(&client, &gw, "a").await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    answered_by(&v, "a");
+    assert_eq!(path_of("a").as_deref(), Some(&*new_path));
     // No table at all (the ConfigMap deleted): no adapters.
     gw.gateway.clear_adapters();
     eventually("a unloaded", || stub_adapters(&stub).is_empty()).await;

@@ -153,6 +153,12 @@ impl Lru {
         self.slots.get(name).is_some_and(|s| s.loaded)
     }
 
+    /// Whether slot `id` of `name` is still there (not forgotten because `name` left the
+    /// table, nor replaced).
+    pub(crate) fn holds(&self, name: &str, id: u64) -> bool {
+        self.slots.get(name).is_some_and(|s| s.id == id)
+    }
+
     /// Whether `name` is loaded or being loaded.
     pub(crate) fn has(&self, name: &str) -> bool {
         self.slots.contains_key(name)
@@ -349,5 +355,18 @@ mod tests {
         assert!(lru.is_loaded("a"));
         assert!(!lru.has("b"));
         assert!(lru.forget("a") && !lru.has("a") && !lru.forget("a"));
+    }
+
+    #[test]
+    fn a_slot_forgotten_while_loading_is_no_longer_held() {
+        let mut lru = Lru::default();
+        let a: Arc<str> = Arc::from("a");
+        let (id, _) = lru.claim(&a);
+        assert!(lru.holds("a", id));
+        // Retired (left the table) before its load ran; a later claim is another slot.
+        assert!(!lru.forget("a"));
+        assert!(!lru.holds("a", id));
+        let (again, _) = lru.claim(&a);
+        assert!(again != id && lru.holds("a", again) && !lru.holds("a", id));
     }
 }
