@@ -12,6 +12,15 @@ use futures::StreamExt;
 use k8s_openapi::api::core::v1::ConfigMap;
 use kube::runtime::{WatchStreamExt, watcher};
 
+/// Parses a table the controller writes as JSON into `T`; on failure the JSON path of the
+/// value that does not fit and what is wrong with it.
+pub(crate) fn parse_table<T: serde::de::DeserializeOwned>(
+    json: &str,
+) -> Result<T, (String, String)> {
+    let de = &mut serde_json::Deserializer::from_str(json);
+    serde_path_to_error::deserialize(de).map_err(|e| (e.path().to_string(), e.inner().to_string()))
+}
+
 /// What the followed ConfigMap holds, for the logs: `routes` (the routes ConfigMap), and what
 /// a missing one means (`no models are served`).
 #[derive(Debug, Clone, Copy)]

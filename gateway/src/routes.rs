@@ -89,11 +89,8 @@ impl RoutesError {
 /// # Errors
 /// [`RoutesError::Json`] with the path of the value that does not fit.
 pub fn parse_route_table(json: &str) -> Result<RouteTable, RoutesError> {
-    let de = &mut serde_json::Deserializer::from_str(json);
-    serde_path_to_error::deserialize(de).map_err(|e| RoutesError::Json {
-        path: e.path().to_string(),
-        message: e.inner().to_string(),
-    })
+    crate::configmap::parse_table(json)
+        .map_err(|(path, message)| RoutesError::Json { path, message })
 }
 
 /// Each entry of `table` as the settings of its model, checked: names and keys present and

@@ -51,11 +51,8 @@ impl AdapterTableError {
 /// # Errors
 /// [`AdapterTableError::Json`] with the path of the value that does not fit.
 pub fn parse_adapter_table(json: &str) -> Result<AdapterTable, AdapterTableError> {
-    let de = &mut serde_json::Deserializer::from_str(json);
-    serde_path_to_error::deserialize(de).map_err(|e| AdapterTableError::Json {
-        path: e.path().to_string(),
-        message: e.inner().to_string(),
-    })
+    crate::configmap::parse_table(json)
+        .map_err(|(path, message)| AdapterTableError::Json { path, message })
 }
 
 fn invalid(path: impl Into<String>, message: impl Into<String>) -> AdapterTableError {
