@@ -1453,8 +1453,9 @@ async fn wait_adapter(
     .await
 }
 
-/// Adapters on a base whose runtime serves them (at most 4): each gets its `Accepted` by the
-/// admission rule (too many and a taken name refused, naming why), the base's backend is
+/// Adapters on a base whose runtime serves them (at most 3): each gets its `Accepted` by the
+/// admission rule (a taken name refused, and then a fourth accepted one too many, since a
+/// refused adapter holds no place; each naming why), the base's backend is
 /// rendered with the runtime's adapter flags and one read-only volume for the claim both
 /// `pvc://` adapters live on, the gateway reads the ConfigMap `<svc>-adapters` (its Role may
 /// read it) listing the adapters the engines can load (the hub one not yet), `Loaded` says no
@@ -1468,7 +1469,7 @@ async fn adapters_are_accepted_by_the_rule_rendered_and_removed() -> Result<()> 
     rt.spec.adapters = Some(serde_json::from_value(json!({
         "args": ["--enable-lora", "--max-lora-rank=16"],
         "env": [{"name": "VLLM_ALLOW_RUNTIME_LORA_UPDATING", "value": "true"}],
-        "maxAdapters": 4,
+        "maxAdapters": 3,
     }))?);
     apply_runtime(&client, &rt).await?;
     let running = start_default(&client, &ns);
@@ -1515,7 +1516,7 @@ async fn adapters_are_accepted_by_the_rule_rendered_and_removed() -> Result<()> 
         );
         let extra = wait_adapter(&ns, "e-extra", "Accepted", "False", "TooManyAdapters").await?;
         let msg = &extra.status.as_ref().unwrap().conditions[0].message;
-        assert!(msg.contains("maxAdapters: 4"), "{msg}");
+        assert!(msg.contains("maxAdapters: 3"), "{msg}");
         wait_adapter(&ns, "f-orphan", "Accepted", "False", "ServiceNotFound").await?;
         // The engine-reported part: no engine at zero.
         wait_adapter(&ns, "a-sql", "Loaded", "False", "NoReadyEngine").await?;
