@@ -1488,27 +1488,27 @@ async fn adapters_are_accepted_by_the_rule_rendered_and_removed() -> Result<()> 
                 json!({"rank": 16}),
             )?,
             adapter(&ns, "b-chat", "qwen", "pvc://lora/qwen/chat", json!({}))?,
-            adapter(&ns, "c-hub", "qwen", "hf://acme/qwen-lora", json!({}))?,
             adapter(
                 &ns,
-                "d-clash",
+                "c-clash",
                 "qwen",
                 "pvc://lora/x",
                 json!({"servedName": "a-sql"}),
             )?,
+            adapter(&ns, "d-hub", "qwen", "hf://acme/qwen-lora", json!({}))?,
             adapter(&ns, "e-extra", "qwen", "pvc://lora/y", json!({}))?,
             adapter(&ns, "f-orphan", "nobody", "pvc://lora/z", json!({}))?,
         ] {
             api.create(&PostParams::default(), &a).await?;
         }
-        for name in ["a-sql", "b-chat", "c-hub"] {
+        for name in ["a-sql", "b-chat", "d-hub"] {
             let a = wait_adapter(&ns, name, "Accepted", "True", "Accepted").await?;
             assert_eq!(
                 a.status.as_ref().and_then(|s| s.served_name.as_deref()),
                 Some(name)
             );
         }
-        let clash = wait_adapter(&ns, "d-clash", "Accepted", "False", "ModelNameConflict").await?;
+        let clash = wait_adapter(&ns, "c-clash", "Accepted", "False", "ModelNameConflict").await?;
         let msg = &clash.status.as_ref().unwrap().conditions[0].message;
         assert!(
             msg.contains(&format!("LLMAdapter {}/a-sql", ns.name())),
@@ -1608,7 +1608,7 @@ async fn adapters_are_accepted_by_the_rule_rendered_and_removed() -> Result<()> 
         }));
 
         // All gone: so are the flags and the table.
-        for name in ["a-sql", "b-chat", "c-hub", "d-clash", "e-extra", "f-orphan"] {
+        for name in ["a-sql", "b-chat", "c-clash", "d-hub", "e-extra", "f-orphan"] {
             api.delete(name, &DeleteParams::default()).await?;
         }
         wait_until(
