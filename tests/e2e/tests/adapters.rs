@@ -16,6 +16,9 @@
 //! - Warm switches (an adapter not loaded, the engine ready): p95 under 1 s with the 0.5 s load.
 //! - A load failure (the missing directory) reaches the client as an error naming the adapter.
 //!
+//! KEDA learns the demand by push (the gateway's ExternalScaler stream), so both cold starts
+//! compared begin when the request arrives, without a polling interval's jitter.
+//!
 //! Devices: 1 of the real node's 2 `nvidia.com/gpu` (`scaling.max: 1`; its runtime asks for that
 //! resource), so it shares a step with suites of `hearth.dev/fake-gpu` only.
 
@@ -215,7 +218,7 @@ async fn fifty_adapters_on_one_base_are_loaded_on_demand() -> Result<()> {
             "resources": {"requests": {"storage": "1Gi"}},
         },
     });
-    let d = stack::deploy_with("e2e-lora", ScalerMode::Poll, vec![claim], |o| {
+    let d = stack::deploy_with("e2e-lora", ScalerMode::Push, vec![claim], |o| {
         o["spec"]["runtime"] = json!({"name": RUNTIME});
         o["spec"]["scaling"]["max"] = json!(1);
     })
