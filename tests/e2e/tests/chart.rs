@@ -945,37 +945,24 @@ fn value_sets() -> Vec<ValueSet> {
                     ctrl["spec"]["ingress"][0]["from"][0]["namespaceSelector"].is_object(),
                     "metricsFrom is used"
                 );
-                // The device handover asks the gateways for their demand on their http port.
-                let to_gateways =
-                    ctrl["spec"]["egress"]
-                        .as_array()
-                        .into_iter()
-                        .flatten()
-                        .any(|e| {
-                            e["to"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"]
-                                == "gateway"
-                                && e["ports"][0]["port"] == 8080
-                        });
-                ensure!(
-                    to_gateways,
-                    "no egress to the gateways: {}",
-                    ctrl["spec"]["egress"]
-                );
-                // The adapters' observer asks the engines for their /v1/models.
-                let to_backends =
-                    ctrl["spec"]["egress"]
-                        .as_array()
-                        .into_iter()
-                        .flatten()
-                        .any(|e| {
-                            e["to"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"]
-                                == "backend"
-                        });
-                ensure!(
-                    to_backends,
-                    "no egress to the engines: {}",
-                    ctrl["spec"]["egress"]
-                );
+                // An egress rule to Hearth's pods of `component` (and `port`, when given).
+                let egress_to =
+                    |component: &str, port: Option<u16>| {
+                        ctrl["spec"]["egress"].as_array().into_iter().flatten().any(|e| {
+                        e["to"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"]
+                            == component
+                            && port.is_none_or(|p| e["ports"][0]["port"] == p)
+                    })
+                    };
+                // The device handover asks the gateways for their demand on their http port; the
+                // adapters' observer asks the engines for their /v1/models.
+                for (component, port) in [("gateway", Some(8080)), ("backend", None)] {
+                    ensure!(
+                        egress_to(component, port),
+                        "no egress to the {component} pods: {}",
+                        ctrl["spec"]["egress"]
+                    );
+                }
                 Ok(())
             },
         },

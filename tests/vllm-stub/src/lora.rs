@@ -1214,6 +1214,25 @@ fn strings<'b>(
     }
 }
 
+/// What a load or unload call starts with: `503` before the model is ready, then the JSON body
+/// and its `required` string fields (vLLM's validation errors otherwise).
+fn call_fields(
+    state: &StubState,
+    headers: &HeaderMap,
+    body: &[u8],
+    required: &[&'static str],
+) -> Result<(Map<String, Value>, Vec<String>), Box<Response>> {
+    if !state.is_ready() {
+        return Err(Box::new(not_ready()));
+    }
+    let body = json_body(headers, body)?;
+    let fields = strings(&body, required)?
+        .into_iter()
+        .map(str::to_owned)
+        .collect();
+    Ok((body, fields))
+}
+
 /// vLLM answers a successful load or unload with the message as a bare body (Starlette's
 /// `Response(content=...)`, no content type).
 fn success(message: String) -> Response {
@@ -1235,15 +1254,8 @@ pub(crate) async fn load_lora_adapter(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    if !state.is_ready() {
-        return not_ready();
-    }
-    let body = match json_body(&headers, &body) {
-        Ok(b) => b,
-        Err(resp) => return *resp,
-    };
-    let fields = match strings(&body, &["lora_name", "lora_path"]) {
-        Ok(f) => f,
+    let (body, fields) = match call_fields(&state, &headers, &body, &["lora_name", "lora_path"]) {
+        Ok(read) => read,
         Err(resp) => return *resp,
     };
     let inplace = match body.get("load_inplace") {
@@ -1260,7 +1272,7 @@ pub(crate) async fn load_lora_adapter(
     if let Some(refused) = refuse_while_sleeping(&state) {
         return refused;
     }
-    match state.lora.load(fields[0], fields[1], None, inplace).await {
+    match state.lora.load(&fields[0], &fields[1], None, inplace).await {
         Ok(message) => success(message),
         Err(e) => e.response(),
     }
@@ -1278,15 +1290,8 @@ pub(crate) async fn unload_lora_adapter(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    if !state.is_ready() {
-        return not_ready();
-    }
-    let body = match json_body(&headers, &body) {
-        Ok(b) => b,
-        Err(resp) => return *resp,
-    };
-    let fields = match strings(&body, &["lora_name"]) {
-        Ok(f) => f,
+    let (body, fields) = match call_fields(&state, &headers, &body, &["lora_name"]) {
+        Ok(read) => read,
         Err(resp) => return *resp,
     };
     if !matches!(body.get("lora_int_id"), None | Some(Value::Null)) && !body["lora_int_id"].is_i64()
@@ -1297,7 +1302,7 @@ pub(crate) async fn unload_lora_adapter(
             "Input should be a valid integer",
         )]);
     }
-    match state.lora.unload(fields[0]).await {
+    match state.lora.unload(&fields[0]).await {
         Ok(message) => success(message),
         Err(e) => e.response(),
     }
