@@ -1214,6 +1214,9 @@ fn strings<'b>(
     }
 }
 
+/// A load or unload call's JSON body and its required string fields, in order.
+type CallFields = (Map<String, Value>, Vec<String>);
+
 /// What a load or unload call starts with: `503` before the model is ready, then the JSON body
 /// and its `required` string fields (vLLM's validation errors otherwise).
 fn call_fields(
@@ -1221,7 +1224,7 @@ fn call_fields(
     headers: &HeaderMap,
     body: &[u8],
     required: &[&'static str],
-) -> Result<(Map<String, Value>, Vec<String>), Box<Response>> {
+) -> Result<CallFields, Box<Response>> {
     if !state.is_ready() {
         return Err(Box::new(not_ready()));
     }
