@@ -182,3 +182,41 @@ pub struct AdapterRoute {
 
 /// The key of an [`AdapterTable`] in its ConfigMap.
 pub const ADAPTERS_KEY: &str = "adapters.json";
+
+/// `GET` this path on a gateway replica's HTTP port: an [`AdapterFailures`] as JSON (on a
+/// shared endpoint's gateway, `?service=<namespace>/<name>` keeps one model's). The
+/// controller reads it from every replica to put an engine's refusal of a load into the
+/// adapter's `Loaded` condition.
+pub const ADAPTER_FAILURES_PATH: &str = "/hearth/adapter-failures";
+
+/// The adapter loads that failed at one gateway replica and were not followed by a successful
+/// load of the same adapter on the same engine.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct AdapterFailures {
+    /// The failures, sorted by service, adapter and engine.
+    #[serde(default)]
+    pub failures: Vec<AdapterLoadFailure>,
+}
+
+/// The last failed load of one adapter on one engine.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct AdapterLoadFailure {
+    /// `<namespace>/<name>` of the model (LLMService or member Deployment) on a shared
+    /// endpoint's gateway; empty on a service's own gateway.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub service: String,
+    /// `<namespace>/<name>` of the LLMAdapter ([`AdapterRoute::adapter`]).
+    pub adapter: String,
+    /// The adapter's served name (the `lora_name` sent).
+    pub name: String,
+    /// `ip:port` (`[ip]:port` for IPv6) of the engine that refused.
+    pub engine: String,
+    /// The engine's HTTP status; `0` when it did not answer.
+    pub status: u16,
+    /// The engine's error message (or the gateway's, when the engine did not answer).
+    pub message: String,
+    /// When the load failed (RFC 3339).
+    pub time: String,
+}
