@@ -178,6 +178,12 @@ pub struct AdapterRoute {
     pub path: String,
     /// `<namespace>/<name>` of the LLMAdapter (metrics, Events, status).
     pub adapter: String,
+    /// Why the engines cannot load the adapter yet (its files are still being fetched into
+    /// the model cache, or the fetch failed), for the client: a request for it is answered
+    /// `503` with this message and `Retry-After`, and no load is tried. Absent when it can be
+    /// loaded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unavailable: Option<String>,
 }
 
 /// The key of an [`AdapterTable`] in its ConfigMap.

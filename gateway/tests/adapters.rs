@@ -96,6 +96,7 @@ fn table(max_loaded: u32, adapters: &[(&str, &Path)]) -> AdapterTable {
                 name: (*name).into(),
                 path: path.to_str().unwrap().into(),
                 adapter: format!("ns/{name}"),
+                unavailable: None,
             })
             .collect(),
     }

@@ -140,6 +140,7 @@ pub fn rendered(rt: &InferenceRuntime, adapters: &[LLMAdapter]) -> Option<Render
             name: a.served_name().to_owned(),
             path,
             adapter: format!("{}/{}", a.namespace().unwrap_or_default(), a.name_any()),
+            unavailable: None,
         });
     }
     // Only hub adapters (not served yet): nothing for the engine to load, so no flags either.

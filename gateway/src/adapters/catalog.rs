@@ -205,6 +205,7 @@ mod tests {
             name: name.into(),
             path: format!("/adapters/{name}"),
             adapter: format!("ns/{name}"),
+            unavailable: None,
         }
     }
 
