@@ -124,6 +124,12 @@ pub enum Reason {
     TooManyAdapters,
     /// An adapter's model name is taken on the same gateway.
     ModelNameConflict,
+    /// A hub adapter (`hf://`, `modelscope://`) on a base without a model cache to fetch it
+    /// into (a `pvc://` or `oci://` model, or `spec.cache.strategy: None`).
+    NoModelCache,
+    /// A `pvc://` adapter in another namespace than its base's (the claim would be the base
+    /// namespace's).
+    ClaimNotInNamespace,
 }
 
 impl Reason {
@@ -146,6 +152,8 @@ impl Reason {
             Reason::RankTooHigh => "RankTooHigh",
             Reason::TooManyAdapters => "TooManyAdapters",
             Reason::ModelNameConflict => "ModelNameConflict",
+            Reason::NoModelCache => "NoModelCache",
+            Reason::ClaimNotInNamespace => "ClaimNotInNamespace",
         }
     }
 
@@ -160,7 +168,9 @@ impl Reason {
             | Reason::AdaptersNotSupported
             | Reason::RankTooHigh
             | Reason::TooManyAdapters
-            | Reason::ModelNameConflict => "Accepted",
+            | Reason::ModelNameConflict
+            | Reason::NoModelCache
+            | Reason::ClaimNotInNamespace => "Accepted",
             _ => "Ready",
         }
     }

@@ -146,6 +146,7 @@ async fn adapters_within_their_runtime_s_limits_are_allowed(
 #[case::runtime_without_adapters(adapter("chat", json!({"serviceRef": {"name": "mistral"}})), "spec.serviceRef", "InferenceRuntime plain, which does not serve adapters")]
 #[case::other_namespace(json!({"apiVersion": "serving.hearth.dev/v1alpha1", "kind": "LLMAdapter", "metadata": {"name": "chat", "namespace": "team-b"}, "spec": {"serviceRef": {"name": "qwen", "namespace": "team-a"}, "source": {"uri": "hf://acme/x"}}}), "spec.serviceRef", "admits adapters of its own namespace only")]
 #[case::source(adapter("chat", json!({"source": {"uri": "s3://bucket/lora"}})), "spec.source.uri", "")]
+#[case::claim_of_another_namespace(json!({"apiVersion": "serving.hearth.dev/v1alpha1", "kind": "LLMAdapter", "metadata": {"name": "chat", "namespace": "team-b"}, "spec": {"serviceRef": {"name": "qwen", "namespace": "team-a"}, "source": {"uri": "pvc://lora/chat"}}}), "spec.source.uri", "a pvc:// adapter must be in its base's namespace")]
 #[tokio::test]
 async fn adapters_breaking_a_rule_are_denied_naming_the_field(
     #[case] object: Value,

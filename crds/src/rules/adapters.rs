@@ -156,6 +156,7 @@ pub fn check_llmadapter(adapter: &LLMAdapter, ctx: &AdapterContext<'_>) -> Findi
         };
         f.error(Reason::NotAllowedByService, "spec.serviceRef", fix);
     }
+    source_on_base(&mut f, adapter, svc, &base);
     let Some(rt) = ctx.runtime else {
         f.warn(
             Reason::RuntimeNotResolved,
@@ -219,6 +220,68 @@ pub fn check_llmadapter(adapter: &LLMAdapter, ctx: &AdapterContext<'_>) -> Findi
         );
     }
     f
+}
+
+/// Whether the base can read `adapter`'s files: a hub adapter is fetched into the base's model
+/// cache, so the base needs one (a hub model with `spec.cache.strategy` NodeLocalPVC, SharedPVC
+/// or HostPath); a `pvc://` adapter's claim is mounted by the base's pods, so it must be of the
+/// base's namespace, and the adapter too (an adapter of another namespace would otherwise name
+/// a claim it cannot read itself).
+fn source_on_base(f: &mut Findings, adapter: &LLMAdapter, svc: &LLMService, base: &str) {
+    use crate::{llmservice::CacheStrategy, model_uri::ModelUri};
+    let Ok(source) = parse_model_uri(&adapter.spec.source.uri) else {
+        return;
+    };
+    match source {
+        ModelUri::HuggingFace { .. } | ModelUri::ModelScope { .. } => {
+            let base_uri = svc
+                .spec
+                .model
+                .source
+                .as_ref()
+                .map_or("", |s| s.uri.as_str());
+            let base_staged = parse_model_uri(base_uri).is_ok_and(|m| m.is_staged());
+            let strategy = svc.spec.cache.strategy;
+            let cached = matches!(
+                strategy,
+                CacheStrategy::NodeLocalPVC | CacheStrategy::SharedPVC | CacheStrategy::HostPath
+            );
+            if base_staged || !cached {
+                let why = if base_staged {
+                    format!("its model is {base_uri} (read as it is, no model cache)")
+                } else {
+                    format!("its spec.cache.strategy is {strategy:?}")
+                };
+                f.error(
+                    Reason::NoModelCache,
+                    "spec.source.uri",
+                    format!(
+                        "a hub adapter is fetched into its base's model cache, and LLMService \
+                         {base} has none: {why}; stage the adapter on a PersistentVolumeClaim \
+                         (pvc://<claim>/<dir>) or in an image (oci://), or give the base a hub \
+                         model with cache.strategy NodeLocalPVC, SharedPVC or HostPath"
+                    ),
+                );
+            }
+        }
+        ModelUri::Pvc { claim, .. } => {
+            let own = adapter.metadata.namespace.as_deref().unwrap_or_default();
+            let svc_ns = svc.metadata.namespace.as_deref().unwrap_or_default();
+            if own != svc_ns {
+                f.error(
+                    Reason::ClaimNotInNamespace,
+                    "spec.source.uri",
+                    format!(
+                        "claim {claim:?} would be mounted by the pods of LLMService {base}, in \
+                         namespace {svc_ns}, not {own}: a pvc:// adapter must be in its base's \
+                         namespace; create it there, or publish the adapter on a hub (hf://, \
+                         modelscope://) or as an image (oci://)"
+                    ),
+                );
+            }
+        }
+        ModelUri::Oci { .. } => {}
+    }
 }
 
 /// Checks `adapter` among the cluster's objects: `service` its base and `runtime` the base's

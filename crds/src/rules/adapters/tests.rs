@@ -414,3 +414,99 @@ fn a_new_adapter_is_judged_the_youngest() {
     let f = check_llmadapter_among(&zeta, Some(&svc), Some(&rt), [&alpha], &[], &|_| None);
     assert!(f.is_empty(), "{f}");
 }
+
+#[rstest]
+#[case::hub_on_a_cached_hub_model("hf://acme/qwen-sql-lora", "", None)]
+#[case::modelscope_on_a_shared_cache(
+    "modelscope://acme/sql-lora",
+    "cache: {strategy: SharedPVC, prewarm: true}",
+    None
+)]
+#[case::hub_on_a_host_path_cache("hf://acme/qwen-sql-lora", "cache: {strategy: HostPath}", None)]
+#[case::hub_without_a_cache(
+    "hf://acme/qwen-sql-lora",
+    "cache: {strategy: None}",
+    Some("its spec.cache.strategy is None")
+)]
+#[case::hub_on_a_staged_model(
+    "hf://acme/qwen-sql-lora",
+    "model: {source: {uri: 'pvc://weights/qwen'}}",
+    Some("its model is pvc://weights/qwen")
+)]
+#[case::claim_on_any_base("pvc://adapters/sql", "cache: {strategy: None}", None)]
+fn a_hub_adapter_needs_its_bases_model_cache(
+    #[case] uri: &str,
+    #[case] base_spec: &str,
+    #[case] refused: Option<&str>,
+) {
+    let mut a = sql();
+    a.spec.source.uri = uri.into();
+    let mut svc = base("");
+    let extra: LLMService = serde_yaml::from_str(&format!(
+        "apiVersion: serving.hearth.dev/v1alpha1\nkind: LLMService\nmetadata: {{name: qwen, namespace: team-a}}\nspec: {{model: {{source: {{uri: 'hf://Qwen/Qwen2.5-0.5B-Instruct'}}}}}}\n"
+    ))
+    .unwrap();
+    svc.spec = extra.spec;
+    let patch: serde_yaml::Value = serde_yaml::from_str(&format!("{{{base_spec}}}")).unwrap();
+    let mut spec = serde_yaml::to_value(&svc.spec).unwrap();
+    if let (serde_yaml::Value::Mapping(s), serde_yaml::Value::Mapping(p)) = (&mut spec, patch) {
+        for (k, v) in p {
+            s.insert(k, v);
+        }
+    }
+    svc.spec = serde_yaml::from_value(spec).unwrap();
+    let rt = lora_runtime();
+    let f = check_llmadapter(
+        &a,
+        &AdapterContext {
+            service: Some(&svc),
+            runtime: Some(&rt),
+            ..Default::default()
+        },
+    );
+    match refused {
+        None => assert!(f.is_empty(), "{f}"),
+        Some(why) => {
+            let e = f.first_error().unwrap();
+            assert_eq!(
+                (e.reason, e.field.as_str(), e.reason.condition_type()),
+                (Reason::NoModelCache, "spec.source.uri", "Accepted")
+            );
+            assert!(e.message.contains(why), "{}", e.message);
+            assert!(e.message.contains("pvc://<claim>/<dir>"), "{}", e.message);
+        }
+    }
+}
+
+#[test]
+fn a_claim_adapter_must_be_in_its_bases_namespace() {
+    let mut a = sql();
+    a.spec.source.uri = "pvc://team-a-secrets/sql".into();
+    a.metadata.namespace = Some("team-b".into());
+    a.spec.service_ref.namespace = Some("team-a".into());
+    let svc = base("allowedAdapters: {namespaces: {from: All}}");
+    let rt = lora_runtime();
+    let ctx = AdapterContext {
+        service: Some(&svc),
+        runtime: Some(&rt),
+        ..Default::default()
+    };
+    let f = check_llmadapter(&a, &ctx);
+    let e = f.first_error().unwrap();
+    assert_eq!(
+        (e.reason, e.field.as_str()),
+        (Reason::ClaimNotInNamespace, "spec.source.uri")
+    );
+    assert!(
+        e.message.contains("\"team-a-secrets\"")
+            && e.message.contains("namespace team-a, not team-b"),
+        "{}",
+        e.message
+    );
+    // The same adapter from the base's namespace is accepted; a hub one from team-b too.
+    a.metadata.namespace = Some("team-a".into());
+    assert!(check_llmadapter(&a, &ctx).is_empty());
+    a.metadata.namespace = Some("team-b".into());
+    a.spec.source.uri = "hf://acme/qwen-sql-lora".into();
+    assert!(check_llmadapter(&a, &ctx).is_empty());
+}
