@@ -75,6 +75,9 @@ pub enum Component {
     Cache,
     /// The prewarm Job.
     Prewarm,
+    /// A Job fetching a hub adapter into the model cache (named like the prewarm Job, so its
+    /// pods match no Service).
+    AdapterFetch,
     /// The KEDA ScaledObject.
     Autoscaler,
 }
@@ -87,6 +90,7 @@ impl Component {
             Component::Gateway => "gateway",
             Component::Cache => "cache",
             Component::Prewarm => "prewarm",
+            Component::AdapterFetch => "adapter-fetch",
             Component::Autoscaler => "autoscaler",
         }
     }
@@ -96,7 +100,7 @@ impl Component {
 fn app_name(service: &str, component: Component) -> String {
     match component {
         Component::Gateway => names::gateway(service),
-        Component::Prewarm => names::prewarm_job(service),
+        Component::Prewarm | Component::AdapterFetch => names::prewarm_job(service),
         _ => service.to_owned(),
     }
 }

@@ -60,6 +60,17 @@ pub fn prewarm_job(service: &str) -> String {
     format!("{service}-prewarm")
 }
 
+/// The Job fetching the hub adapter `uri` into service `service`'s model cache:
+/// `<service>-adapter-<16 hex>`, the hash of both (the service name shortened where the whole
+/// would pass 63 characters, a label value's limit, which a Job's name must fit).
+pub fn adapter_fetch_job(service: &str, uri: &str) -> String {
+    let hash = stable_hash(format!("{service}\n{uri}").as_bytes());
+    let suffix = format!("-adapter-{hash:016x}");
+    let keep = service.len().min(63 - suffix.len());
+    let prefix = service[..keep].trim_end_matches(['-', '.']);
+    format!("{prefix}{suffix}")
+}
+
 /// The KEDA ScaledObject: the `LLMService` name (KEDA names its HPA `keda-hpa-<name>`).
 pub fn scaled_object(service: &str) -> String {
     service.to_owned()

@@ -366,7 +366,7 @@ pub fn cache_claim(claim: Option<&PersistentVolumeClaim>, name: &str) -> Cond {
 
 /// `Prewarmed` from the prewarm Job.
 pub fn prewarm(job: Option<&Job>, name: &str) -> Cond {
-    let Some(status) = job.and_then(|j| j.status.as_ref()) else {
+    let Some(job) = job.filter(|j| j.status.is_some()) else {
         return Cond::new(
             PREWARMED,
             Some(false),
@@ -374,37 +374,63 @@ pub fn prewarm(job: Option<&Job>, name: &str) -> Cond {
             format!("prewarm Job {name} is starting"),
         );
     };
-    if status.succeeded.unwrap_or(0) > 0 {
-        return Cond::new(
+    match job_state(job) {
+        JobState::Succeeded => Cond::new(
             PREWARMED,
             Some(true),
             "Downloaded",
             format!("prewarm Job {name} downloaded the model into the cache"),
-        );
+        ),
+        JobState::Failed(why) => Cond::new(
+            PREWARMED,
+            Some(false),
+            "PrewarmFailed",
+            format!(
+                "prewarm Job {name} failed ({why}): see `kubectl logs job/{name}`, fix the cause (source, credentials, disk) and delete the Job to retry"
+            ),
+        ),
+        JobState::Running => Cond::new(
+            PREWARMED,
+            Some(false),
+            "Downloading",
+            format!("prewarm Job {name} is downloading the model"),
+        ),
+    }
+}
+
+/// Where a Job is: running (or not started), succeeded (a pod completed), or failed (its
+/// `Failed` condition, with the condition's message or reason).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum JobState {
+    /// Not finished yet.
+    Running,
+    /// `status.succeeded` > 0.
+    Succeeded,
+    /// The `Failed` condition is `True`: its message (or reason).
+    Failed(String),
+}
+
+/// The [`JobState`] of `job` from its status.
+pub fn job_state(job: &Job) -> JobState {
+    let Some(status) = job.status.as_ref() else {
+        return JobState::Running;
+    };
+    if status.succeeded.unwrap_or(0) > 0 {
+        return JobState::Succeeded;
     }
     let failed = status.conditions.as_ref().and_then(|cs| {
         cs.iter()
             .find(|c| c.type_ == "Failed" && c.status == "True")
     });
-    if let Some(c) = failed {
-        return Cond::new(
-            PREWARMED,
-            Some(false),
-            "PrewarmFailed",
-            format!(
-                "prewarm Job {name} failed ({}): see `kubectl logs job/{name}`, fix the cause (source, credentials, disk) and delete the Job to retry",
-                c.message
-                    .as_deref()
-                    .unwrap_or(c.reason.as_deref().unwrap_or("no reason"))
-            ),
-        );
+    match failed {
+        Some(c) => JobState::Failed(
+            c.message
+                .as_deref()
+                .unwrap_or(c.reason.as_deref().unwrap_or("no reason"))
+                .to_owned(),
+        ),
+        None => JobState::Running,
     }
-    Cond::new(
-        PREWARMED,
-        Some(false),
-        "Downloading",
-        format!("prewarm Job {name} is downloading the model"),
-    )
 }
 
 /// Phase and `Ready` from the backend, gateway and the other conditions.

@@ -127,9 +127,9 @@ pub enum Reason {
     /// A hub adapter (`hf://`, `modelscope://`) on a base without a model cache to fetch it
     /// into (a `pvc://` or `oci://` model, or `spec.cache.strategy: None`).
     NoModelCache,
-    /// A `pvc://` adapter in another namespace than its base's (the claim would be the base
-    /// namespace's).
-    ClaimNotInNamespace,
+    /// A `pvc://` adapter, or one with a `secretRef`, in another namespace than its base's (the
+    /// claim or Secret would be the base namespace's).
+    SourceNotInNamespace,
 }
 
 impl Reason {
@@ -153,7 +153,7 @@ impl Reason {
             Reason::TooManyAdapters => "TooManyAdapters",
             Reason::ModelNameConflict => "ModelNameConflict",
             Reason::NoModelCache => "NoModelCache",
-            Reason::ClaimNotInNamespace => "ClaimNotInNamespace",
+            Reason::SourceNotInNamespace => "SourceNotInNamespace",
         }
     }
 
@@ -170,7 +170,7 @@ impl Reason {
             | Reason::TooManyAdapters
             | Reason::ModelNameConflict
             | Reason::NoModelCache
-            | Reason::ClaimNotInNamespace => "Accepted",
+            | Reason::SourceNotInNamespace => "Accepted",
             _ => "Ready",
         }
     }

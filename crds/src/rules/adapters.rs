@@ -224,11 +224,15 @@ pub fn check_llmadapter(adapter: &LLMAdapter, ctx: &AdapterContext<'_>) -> Findi
 
 /// Whether the base can read `adapter`'s files: a hub adapter is fetched into the base's model
 /// cache, so the base needs one (a hub model with `spec.cache.strategy` NodeLocalPVC, SharedPVC
-/// or HostPath); a `pvc://` adapter's claim is mounted by the base's pods, so it must be of the
-/// base's namespace, and the adapter too (an adapter of another namespace would otherwise name
-/// a claim it cannot read itself).
+/// or HostPath); a `pvc://` adapter's claim is mounted by the base's pods, and a `secretRef` is
+/// read by the fetch Job in the base's namespace, so such an adapter must be in the base's
+/// namespace (one of another namespace would otherwise name a claim or Secret its own team
+/// cannot read).
 fn source_on_base(f: &mut Findings, adapter: &LLMAdapter, svc: &LLMService, base: &str) {
     use crate::{llmservice::CacheStrategy, model_uri::ModelUri};
+    let own = adapter.metadata.namespace.as_deref().unwrap_or_default();
+    let svc_ns = svc.metadata.namespace.as_deref().unwrap_or_default();
+    let same_namespace = own == svc_ns;
     let Ok(source) = parse_model_uri(&adapter.spec.source.uri) else {
         return;
     };
@@ -264,23 +268,35 @@ fn source_on_base(f: &mut Findings, adapter: &LLMAdapter, svc: &LLMService, base
                 );
             }
         }
-        ModelUri::Pvc { claim, .. } => {
-            let own = adapter.metadata.namespace.as_deref().unwrap_or_default();
-            let svc_ns = svc.metadata.namespace.as_deref().unwrap_or_default();
-            if own != svc_ns {
-                f.error(
-                    Reason::ClaimNotInNamespace,
-                    "spec.source.uri",
-                    format!(
-                        "claim {claim:?} would be mounted by the pods of LLMService {base}, in \
-                         namespace {svc_ns}, not {own}: a pvc:// adapter must be in its base's \
-                         namespace; create it there, or publish the adapter on a hub (hf://, \
-                         modelscope://) or as an image (oci://)"
-                    ),
-                );
-            }
-        }
-        ModelUri::Oci { .. } => {}
+        ModelUri::Pvc { claim, .. } if !same_namespace => f.error(
+            Reason::SourceNotInNamespace,
+            "spec.source.uri",
+            format!(
+                "claim {claim:?} would be mounted by the pods of LLMService {base}, in namespace \
+                 {svc_ns}, not {own}: a pvc:// adapter must be in its base's namespace; create it \
+                 there, or publish the adapter on a hub (hf://, modelscope://) or as an image \
+                 (oci://)"
+            ),
+        ),
+        _ => {}
+    }
+    if let Some(secret) = adapter
+        .spec
+        .source
+        .secret_ref
+        .as_ref()
+        .filter(|_| !same_namespace)
+    {
+        f.error(
+            Reason::SourceNotInNamespace,
+            "spec.source.secretRef",
+            format!(
+                "Secret {:?} would be read in namespace {svc_ns}, the base's, not {own}: an \
+                 adapter with a secretRef must be in its base's namespace; create it there, or \
+                 publish the adapter where it needs no credentials",
+                secret.name
+            ),
+        );
     }
 }
 

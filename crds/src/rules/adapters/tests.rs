@@ -495,7 +495,7 @@ fn a_claim_adapter_must_be_in_its_bases_namespace() {
     let e = f.first_error().unwrap();
     assert_eq!(
         (e.reason, e.field.as_str()),
-        (Reason::ClaimNotInNamespace, "spec.source.uri")
+        (Reason::SourceNotInNamespace, "spec.source.uri")
     );
     assert!(
         e.message.contains("\"team-a-secrets\"")
@@ -508,5 +508,17 @@ fn a_claim_adapter_must_be_in_its_bases_namespace() {
     assert!(check_llmadapter(&a, &ctx).is_empty());
     a.metadata.namespace = Some("team-b".into());
     a.spec.source.uri = "hf://acme/qwen-sql-lora".into();
+    assert!(check_llmadapter(&a, &ctx).is_empty());
+    // With a Secret, only from the base's namespace.
+    a.spec.source.secret_ref = Some(k8s_openapi::api::core::v1::LocalObjectReference {
+        name: "hub-token".into(),
+    });
+    let e = check_llmadapter(&a, &ctx);
+    let e = e.first_error().unwrap();
+    assert_eq!(
+        (e.reason, e.field.as_str()),
+        (Reason::SourceNotInNamespace, "spec.source.secretRef")
+    );
+    a.metadata.namespace = Some("team-a".into());
     assert!(check_llmadapter(&a, &ctx).is_empty());
 }
