@@ -278,7 +278,10 @@ fn render(args: RenderArgs) -> anyhow::Result<()> {
         &cfg,
         true,
         &hearth_controller::render::Placement::Own,
-        &adapters,
+        &hearth_controller::render::ServiceAdapters {
+            accepted: adapters,
+            fetches: Default::default(),
+        },
     )?;
     print!("{}", children.to_yaml()?);
     Ok(())

@@ -1457,10 +1457,11 @@ async fn wait_adapter(
 /// admission rule (a taken name refused, and then a fourth accepted one too many, since a
 /// refused adapter holds no place; each naming why), the base's backend is
 /// rendered with the runtime's adapter flags and one read-only volume for the claim both
-/// `pvc://` adapters live on, the gateway reads the ConfigMap `<svc>-adapters` (its Role may
-/// read it) listing the adapters the engines can load (the hub one not yet), `Loaded` says no
-/// engine is ready (the base is at zero); deleting them takes the flags, the volume and the
-/// ConfigMap away again.
+/// `pvc://` adapters live on, the hub one gets a fetch Job into the base's model cache, the
+/// gateway reads the ConfigMap `<svc>-adapters` (its Role may read it) listing the adapters (the
+/// hub one unavailable while it is fetched, and `Loaded=False` `Fetching`), `Loaded` says no
+/// engine is ready (the base is at zero); deleting them takes the flags, the volume, the Job
+/// and the ConfigMap away again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn adapters_are_accepted_by_the_rule_rendered_and_removed() -> Result<()> {
     let (client, ns) = setup("ctrl-lora").await?;
@@ -1474,7 +1475,11 @@ async fn adapters_are_accepted_by_the_rule_rendered_and_removed() -> Result<()> 
     apply_runtime(&client, &rt).await?;
     let running = start_default(&client, &ns);
     let result = async {
-        let svc = uncached_service("qwen", json!({"runtime": {"name": rt_name}}))?;
+        // A model cache on the node, for the hub adapter.
+        let svc = uncached_service(
+            "qwen",
+            json!({"runtime": {"name": rt_name}, "cache": {"strategy": "HostPath"}}),
+        )?;
         create_service(&ns, svc).await?;
         let api: Api<hearth_crds::LLMAdapter> = ns.api();
         // Created one after another (and named in that order: creationTimestamps share seconds,
@@ -1518,8 +1523,28 @@ async fn adapters_are_accepted_by_the_rule_rendered_and_removed() -> Result<()> 
         let msg = &extra.status.as_ref().unwrap().conditions[0].message;
         assert!(msg.contains("maxAdapters: 3"), "{msg}");
         wait_adapter(&ns, "f-orphan", "Accepted", "False", "ServiceNotFound").await?;
-        // The engine-reported part: no engine at zero.
+        // The engine-reported part: no engine at zero; the hub one is being fetched.
         wait_adapter(&ns, "a-sql", "Loaded", "False", "NoReadyEngine").await?;
+        let fetch_job = hearth_controller::names::adapter_fetch_job("qwen", "hf://acme/qwen-lora");
+        let hub = wait_adapter(&ns, "d-hub", "Loaded", "False", "Fetching").await?;
+        let msg = &hub.status.as_ref().unwrap().conditions;
+        assert!(
+            msg.iter().any(|c| c.message.contains(&fetch_job)),
+            "{msg:?}"
+        );
+        let jobs: Api<k8s_openapi::api::batch::v1::Job> = ns.api();
+        let job = jobs.get(&fetch_job).await?;
+        let program = job
+            .spec
+            .and_then(|s| s.template.spec)
+            .map(|p| p.containers[0].command.clone().unwrap_or_default())
+            .unwrap_or_default();
+        assert!(
+            program
+                .iter()
+                .any(|c| c.contains("local_dir=\"/models/adapters/hf/acme/qwen-lora\"")),
+            "{program:?}"
+        );
 
         // The backend: flags once, environment, one volume for claim `lora`.
         let deployments: Api<Deployment> = ns.api();
@@ -1563,7 +1588,7 @@ async fn adapters_are_accepted_by_the_rule_rendered_and_removed() -> Result<()> 
         assert_eq!(claims[0].claim_name, "lora");
         assert_eq!(claims[0].read_only, Some(true));
 
-        // The gateway's table: the two pvc:// adapters; the hub one is not served yet.
+        // The gateway's table: the two pvc:// adapters, and the hub one, unavailable.
         let cms: Api<k8s_openapi::api::core::v1::ConfigMap> = ns.api();
         let table = wait_until("ConfigMap qwen-adapters", WAIT, || async {
             Ok(match cms.get_opt("qwen-adapters").await? {
@@ -1584,9 +1609,16 @@ async fn adapters_are_accepted_by_the_rule_rendered_and_removed() -> Result<()> 
             routed,
             [
                 ("a-sql", "/adapters/pvc/lora/qwen/sql"),
-                ("b-chat", "/adapters/pvc/lora/qwen/chat")
+                ("b-chat", "/adapters/pvc/lora/qwen/chat"),
+                ("d-hub", "/models/adapters/hf/acme/qwen-lora"),
             ]
         );
+        let unavailable: Vec<bool> = table
+            .adapters
+            .iter()
+            .map(|a| a.unavailable.is_some())
+            .collect();
+        assert_eq!(unavailable, [false, false, true]);
         let gateway = deployments.get("qwen-gateway").await?;
         let gw_args = gateway
             .spec
@@ -1622,11 +1654,16 @@ async fn adapters_are_accepted_by_the_rule_rendered_and_removed() -> Result<()> 
                     .map(|p| p.containers[0].args.clone().unwrap_or_default())
                     .unwrap_or_default();
                 let cm = cms.get_opt("qwen-adapters").await?;
+                let job = jobs.get_opt(&fetch_job).await?;
                 Ok(
-                    if !args.iter().any(|a| a == "--enable-lora") && cm.is_none() {
+                    if !args.iter().any(|a| a == "--enable-lora") && cm.is_none() && job.is_none() {
                         Observed::Ready(())
                     } else {
-                        Observed::NotYet(format!("args {args:?}, table present: {}", cm.is_some()))
+                        Observed::NotYet(format!(
+                            "args {args:?}, table present: {}, fetch Job present: {}",
+                            cm.is_some(),
+                            job.is_some()
+                        ))
                     },
                 )
             },

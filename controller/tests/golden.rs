@@ -90,7 +90,8 @@ fn upstream_ascend_910b3() {
     );
 }
 
-/// The upstream NVIDIA example on a runtime with `spec.adapters`, with three LLMAdapters.
+/// The upstream NVIDIA example on a runtime with `spec.adapters`, with four LLMAdapters (one
+/// from a hub).
 #[test]
 fn nvidia_a10_with_adapters() {
     check(

@@ -153,7 +153,7 @@ fn admit(svc: &Value) -> (bool, Vec<String>, Vec<String>) {
 fn reconcile_plan(svc: &Value) -> Desired {
     let svc: LLMService = serde_json::from_value(svc.clone()).expect("a decodable LLMService");
     let cfg = RenderConfig::builtin().expect("the built-in policies compile");
-    desired(&svc, &runtimes(), &cfg, true, None, &[])
+    desired(&svc, &runtimes(), &cfg, true, None, &Default::default())
 }
 
 fn cond<'a>(plan: &'a Desired, type_: &str) -> &'a Cond {

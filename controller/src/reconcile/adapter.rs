@@ -10,14 +10,17 @@
 //!   engines say: each ready backend pod of a base with adapters is asked `GET /v1/models` once
 //!   per round, and each adapter's `loadedReplicas`, `loadedOn` and `Loaded` condition follow
 //!   the entries with a `parent` there, under the field manager [`OBSERVER_FIELD_MANAGER`].
-//!   Nothing is assumed from what the gateway asked for.
+//!   Nothing is assumed from what the gateway asked for. The gateway replicas' failed loads
+//!   ([`ADAPTER_FAILURES_PATH`]) are read in the same round: an adapter no engine has, whose
+//!   load an engine refused, is `Loaded=False` with reason `LoadFailed` and the engine's
+//!   message; a hub adapter not fetched yet is `Fetching` (or `FetchFailed`, with its Job's).
 
 use std::{collections::BTreeMap, sync::Arc};
 
 use futures::channel::mpsc;
 use hearth_crds::{
     LLMAdapter, LLMService,
-    llmadapter::LLMAdapterStatus,
+    llmadapter::{ADAPTER_FAILURES_PATH, AdapterFailures, AdapterLoadFailure, LLMAdapterStatus},
     rules::{self, Findings, Reason},
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
@@ -236,10 +239,14 @@ pub struct ModelEntry {
 }
 
 /// The engine-reported part of an adapter's status: the pods of `engines` (pod name and its
-/// engine's `/v1/models`, `None` when it did not answer) that list `served` as an adapter.
+/// engine's `/v1/models`, `None` when it did not answer) that list `served` as an adapter, and
+/// the gateways' `failures` to load it (each with the pod of the engine that refused, when it
+/// is one of `engines`): while no engine has it, the latest failure makes `Loaded` `False` with
+/// reason `LoadFailed` and the engine's message.
 pub fn loaded_status(
     served: &str,
     engines: &[(String, Option<&ModelList>)],
+    failures: &[(Option<String>, &AdapterLoadFailure)],
     previous: &[k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition],
     generation: Option<i64>,
     now: &Time,
@@ -256,12 +263,36 @@ pub fn loaded_status(
     // The CRD keeps at most 64 names; the count is whole.
     on.truncate(64);
     let answered = engines.iter().filter(|(_, l)| l.is_some()).count();
+    // The latest failure (RFC 3339 times of one format sort as times).
+    let latest = failures.iter().max_by(|a, b| a.1.time.cmp(&b.1.time));
+    let failed_on = |(pod, f): &(Option<String>, &AdapterLoadFailure)| {
+        let engine = pod.as_deref().unwrap_or(f.engine.as_str());
+        let status = match f.status {
+            0 => "did not answer".to_owned(),
+            s => format!("answered {s}"),
+        };
+        format!("engine {engine} {status} at {}: {}", f.time, f.message)
+    };
     let cond = if loaded > 0 {
+        let mut message = format!("loaded on {loaded} of {} ready engines", engines.len());
+        if let Some(f) = latest {
+            message.push_str(&format!("; loading it failed on another: {}", failed_on(f)));
+        }
+        Cond::new(LOADED, Some(true), "Loaded", message)
+    } else if let Some(f) = latest {
+        let more = match failures.len() {
+            1 => String::new(),
+            n => format!(" ({} more failed loads on other engines)", n - 1),
+        };
         Cond::new(
             LOADED,
-            Some(true),
-            "Loaded",
-            format!("loaded on {loaded} of {} ready engines", engines.len()),
+            Some(false),
+            "LoadFailed",
+            format!(
+                "the engine refused to load it: {}{more}; requests for it get this error until \
+                 the cause (the adapter's files, its rank, the runtime's limits) is fixed",
+                failed_on(f)
+            ),
         )
     } else if engines.is_empty() {
         Cond::new(
@@ -289,6 +320,60 @@ pub fn loaded_status(
         conditions: status::merge_conditions(previous, &[cond], generation, now),
         ..Default::default()
     }
+}
+
+/// The failed loads every replica of the gateway serving `svc` reports
+/// ([`ADAPTER_FAILURES_PATH`]); a replica that does not answer is left out (logged).
+async fn gateway_failures(ctx: &Context, svc: &LLMService) -> Vec<AdapterLoadFailure> {
+    let gw = match super::handover::gateway_pods(ctx, svc).await {
+        Ok(gw) => gw,
+        Err(e) => {
+            tracing::debug!(llmservice = %svc.name_any(), error = %e, "no gateway to ask for adapter load failures");
+            return Vec::new();
+        }
+    };
+    let path = if gw.key.is_empty() {
+        ADAPTER_FAILURES_PATH.to_owned()
+    } else {
+        format!("{ADAPTER_FAILURES_PATH}?service={}", gw.key)
+    };
+    let answers =
+        futures::future::join_all(gw.ips.iter().map(|ip| {
+            super::handover::get_json::<AdapterFailures>(ctx, ip, gw.port, &path, 1 << 20)
+        }))
+        .await;
+    let mut out = Vec::new();
+    for (ip, a) in gw.ips.iter().zip(answers) {
+        match a {
+            Ok(r) => out.extend(r.failures),
+            Err(e) => {
+                tracing::debug!(llmservice = %svc.name_any(), gateway = %ip, error = %e, "reading a gateway's adapter load failures");
+            }
+        }
+    }
+    out
+}
+
+/// The `Loaded` condition's reason and message while a hub adapter is not fetched yet (its
+/// fetch Job running or failed; `None` once fetched, or for another source).
+fn fetch_pending(
+    ctx: &Context,
+    svc: &LLMService,
+    a: &LLMAdapter,
+) -> Option<(&'static str, String)> {
+    let source = crate::model::parse_uri(&a.spec.source.uri).ok()?;
+    if source.is_staged() {
+        return None;
+    }
+    let job = crate::names::adapter_fetch_job(&svc.name_any(), &a.spec.source.uri);
+    let state = get_in(&ctx.jobs, &svc.namespace().unwrap_or_default(), &job)
+        .map(|j| status::job_state(&j));
+    let message = crate::render::fetch_pending(&job, state.as_ref())?;
+    let reason = match state {
+        Some(status::JobState::Failed(_)) => "FetchFailed",
+        _ => "Fetching",
+    };
+    Some((reason, format!("the engines cannot load it yet: {message}")))
 }
 
 /// Whether `current` says something else than the observer's part `desired`.
@@ -362,6 +447,27 @@ pub(super) async fn observe(ctx: Arc<Context>) {
                 .zip(&lists)
                 .map(|((pod, _), r)| (pod.clone(), r.as_ref().ok()))
                 .collect();
+            // The gateways' failed loads, each with the pod of the engine that refused.
+            let failures = gateway_failures(&ctx, &svc).await;
+            let pod_of = |engine: &str| {
+                let ip = engine
+                    .rsplit_once(':')
+                    .map_or(engine, |(h, _)| h)
+                    .trim_start_matches('[')
+                    .trim_end_matches(']');
+                ready
+                    .iter()
+                    .find(|(_, pod_ip)| pod_ip == ip)
+                    .map(|(pod, _)| pod.clone())
+            };
+            let failures_of = |a: &LLMAdapter| -> Vec<(Option<String>, &AdapterLoadFailure)> {
+                let key = format!("{}/{}", a.namespace().unwrap_or_default(), a.name_any());
+                failures
+                    .iter()
+                    .filter(|f| f.adapter == key)
+                    .map(|f| (pod_of(&f.engine), f))
+                    .collect()
+            };
             let now = Time(k8s_openapi::jiff::Timestamp::now());
             // Only an accepted adapter the engines can read is looked for in their lists (a
             // refused one may share its name with the one that is served).
@@ -384,7 +490,9 @@ pub(super) async fn observe(ctx: Arc<Context>) {
                             .to_owned(),
                     ))
                 } else {
-                    crate::render::unserved(&a).map(|m| ("NotServed", m))
+                    crate::render::unserved(&a)
+                        .map(|m| ("NotServed", m))
+                        .or_else(|| fetch_pending(&ctx, &svc, &a))
                 };
                 let desired = match why_not {
                     Some((reason, message)) => LLMAdapterStatus {
@@ -400,6 +508,7 @@ pub(super) async fn observe(ctx: Arc<Context>) {
                     None => loaded_status(
                         a.served_name(),
                         &engines,
+                        &failures_of(&a),
                         &previous,
                         a.metadata.generation,
                         &now,
@@ -516,7 +625,7 @@ mod tests {
             ("qwen-d".to_owned(), Some(&base_named_sql)),
             ("qwen-e".to_owned(), None),
         ];
-        let s = loaded_status("sql", &engines, &[], Some(1), &now);
+        let s = loaded_status("sql", &engines, &[], &[], Some(1), &now);
         assert_eq!(s.loaded_on, ["qwen-a", "qwen-b"]);
         assert_eq!(s.loaded_replicas, Some(2));
         let c = &s.conditions[0];
@@ -526,7 +635,7 @@ mod tests {
         );
         assert_eq!(c.message, "loaded on 2 of 5 ready engines");
 
-        let s = loaded_status("legal", &engines, &s.conditions, Some(1), &now);
+        let s = loaded_status("legal", &engines, &[], &s.conditions, Some(1), &now);
         assert_eq!(s.loaded_replicas, Some(0));
         assert_eq!(s.conditions[0].reason, "NotLoaded");
         assert!(
@@ -535,7 +644,7 @@ mod tests {
             s.conditions[0].message
         );
 
-        let s = loaded_status("sql", &[], &[], Some(1), &now);
+        let s = loaded_status("sql", &[], &[], &[], Some(1), &now);
         assert_eq!(s.conditions[0].reason, "NoReadyEngine");
         assert!(observed_differs(None, &s));
         let current = LLMAdapterStatus {
@@ -543,5 +652,68 @@ mod tests {
             ..s.clone()
         };
         assert!(!observed_differs(Some(&current), &s));
+    }
+
+    #[test]
+    fn a_refused_load_is_the_condition_while_no_engine_has_it() {
+        let now = Time("2026-12-01T00:00:00Z".parse().unwrap());
+        let without = list(&[("qwen", None)]);
+        let with = list(&[("qwen", None), ("sql", Some("qwen"))]);
+        let refused = AdapterLoadFailure {
+            adapter: "team-a/sql".into(),
+            name: "sql".into(),
+            engine: "198.18.0.7:8000".into(),
+            status: 400,
+            message: "LoRA rank 64 is greater than max_lora_rank 16.".into(),
+            time: "2026-12-01T00:00:01Z".into(),
+            ..Default::default()
+        };
+        let older = AdapterLoadFailure {
+            time: "2026-11-30T23:59:00Z".into(),
+            message: "earlier".into(),
+            ..refused.clone()
+        };
+        let engines = [("qwen-a".to_owned(), Some(&without))];
+        let failures = [(None, &older), (Some("qwen-a".to_owned()), &refused)];
+        let s = loaded_status("sql", &engines, &failures, &[], Some(1), &now);
+        let c = &s.conditions[0];
+        assert_eq!(
+            (c.status.as_str(), c.reason.as_str()),
+            ("False", "LoadFailed")
+        );
+        assert!(
+            c.message.starts_with(
+                "the engine refused to load it: engine qwen-a answered 400 at 2026-12-01T00:00:01Z: LoRA rank 64 is greater than max_lora_rank 16. (1 more failed loads on other engines)"
+            ),
+            "{}",
+            c.message
+        );
+        // Loaded elsewhere: Loaded, the failure said beside it.
+        let engines = [
+            ("qwen-a".to_owned(), Some(&without)),
+            ("qwen-b".to_owned(), Some(&with)),
+        ];
+        let s = loaded_status("sql", &engines, &failures[1..], &[], Some(1), &now);
+        let c = &s.conditions[0];
+        assert_eq!((c.status.as_str(), c.reason.as_str()), ("True", "Loaded"));
+        assert!(
+            c.message.contains("failed on another: engine qwen-a"),
+            "{}",
+            c.message
+        );
+        // An engine that did not answer.
+        let gone = AdapterLoadFailure {
+            status: 0,
+            message: "connection refused".into(),
+            ..refused.clone()
+        };
+        let s = loaded_status("sql", &[], &[(None, &gone)], &[], Some(1), &now);
+        assert!(
+            s.conditions[0]
+                .message
+                .contains("engine 198.18.0.7:8000 did not answer"),
+            "{}",
+            s.conditions[0].message
+        );
     }
 }

@@ -3,7 +3,7 @@
 //! runtime resolution and rendering. Pure, so its agreement with the webhook is tested without a
 //! cluster (`tests/rules_agreement.rs`).
 
-use hearth_crds::{InferenceRuntime, LLMAdapter, LLMService, LLMServicePhase, rules};
+use hearth_crds::{InferenceRuntime, LLMService, LLMServicePhase, rules};
 use kube::ResourceExt;
 
 use crate::{
@@ -63,15 +63,15 @@ pub struct Desired {
 
 /// Decides what `svc` asks for given the cluster's `runtimes` and, with a
 /// `sharedEndpointRef`, what its endpoint decided (`membership`: `None` without a reference);
-/// `create_backend` as for [`render::render`]; `adapters` are its accepted LLMAdapters (sorted
-/// by served name).
+/// `create_backend` as for [`render::render`]; `adapters` are its accepted LLMAdapters and
+/// their fetch Jobs.
 pub fn desired<'a>(
     svc: &LLMService,
     runtimes: impl IntoIterator<Item = &'a InferenceRuntime>,
     cfg: &RenderConfig,
     create_backend: bool,
     membership: Option<&Membership>,
-    adapters: &[LLMAdapter],
+    adapters: &render::ServiceAdapters,
 ) -> Desired {
     let resolved = resolve_runtime(svc, runtimes);
     let findings = rules::check_llmservice(svc, resolved.as_ref().ok().map(|r| r.runtime));

@@ -81,9 +81,10 @@ pub(super) async fn send(ctx: &Context, namespace: &str, write: &Write) -> Resul
             };
             api.create(&pp, backend).await?;
         }
+        // Background propagation: a Job's pods go with it (batch/v1's default is to orphan them).
         Write::Delete(target) => {
             dynamic(ctx, namespace, target.kind)
-                .delete(&target.name, &Default::default())
+                .delete(&target.name, &kube::api::DeleteParams::background())
                 .await?;
         }
     }

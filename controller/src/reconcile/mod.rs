@@ -377,16 +377,37 @@ impl Context {
 
     /// The LLMAdapters accepted on `svc` (by [`adapter::base_adapters`], the rule of the
     /// adapters' own status), sorted by served name.
-    fn accepted_adapters(&self, svc: &LLMService) -> Vec<LLMAdapter> {
-        let mut out: Vec<LLMAdapter> = adapter::base_adapters(self, svc)
+    fn accepted_adapters(&self, svc: &LLMService) -> crate::render::ServiceAdapters {
+        let mut accepted: Vec<LLMAdapter> = adapter::base_adapters(self, svc)
             .into_iter()
             .filter(|(a, f)| {
                 a.metadata.deletion_timestamp.is_none() && adapter::accepted(f).is_true()
             })
             .map(|(a, _)| a)
             .collect();
-        out.sort_by(|a, b| a.served_name().cmp(b.served_name()));
-        out
+        accepted.sort_by(|a, b| a.served_name().cmp(b.served_name()));
+        let fetches = self
+            .adapter_fetch_jobs(&svc.namespace().unwrap_or_default(), &svc.name_any())
+            .into_iter()
+            .map(|j| (j.name_any(), status::job_state(&j)))
+            .collect();
+        crate::render::ServiceAdapters { accepted, fetches }
+    }
+
+    /// The hub adapters' fetch Jobs of service `name` in `namespace`, from the cache.
+    fn adapter_fetch_jobs(&self, namespace: &str, name: &str) -> Vec<Arc<Job>> {
+        self.jobs
+            .state()
+            .into_iter()
+            .filter(|j| {
+                let l = j.labels();
+                j.namespace().as_deref() == Some(namespace)
+                    && l.get(LLMSERVICE_LABEL).map(String::as_str) == Some(name)
+                    && l.get(hearth_crds::wellknown::COMPONENT_LABEL)
+                        .map(String::as_str)
+                        == Some(crate::labels::Component::AdapterFetch.as_str())
+            })
+            .collect()
     }
 
     /// The endpoint `key`, from the cache.
@@ -528,6 +549,7 @@ impl Context {
             role_binding: get_in(&self.role_bindings, namespace, &names::gateway(name)),
             claim: get_in(&self.claims, namespace, &names::cache_claim(name)),
             job: get_in(&self.jobs, namespace, &names::prewarm_job(name)),
+            adapter_fetch_jobs: self.adapter_fetch_jobs(namespace, name),
             backend_service: get_in(&self.services, namespace, &names::backend_service(name)),
             gateway_service: get_in(&self.services, namespace, &names::gateway_service(name)),
             scaler_service: get_in(&self.services, namespace, &names::scaler_service(name)),
@@ -1205,7 +1227,11 @@ pub async fn run(
     let services = controller
         .owns_stream(dep_stream)
         .owns_stream(claim_stream)
-        .owns_stream(job_stream)
+        .owns_stream(tap_fetch_jobs(
+            job_stream,
+            ctx.llmservices.clone(),
+            endpoint_tx.clone(),
+        ))
         .owns_stream(services_stream)
         .owns_stream(sa_stream)
         .owns_stream(roles_stream)
@@ -1335,6 +1361,34 @@ pub async fn run(
     meter.abort();
     adapter_observer.abort();
     Ok(())
+}
+
+/// `stream` (the Jobs' watch) with the endpoint of each hub adapter fetch Job's service
+/// reported on `tx`: an attached service's adapter routes are its endpoint's, so the endpoint
+/// renders them again when a fetch finishes or fails.
+fn tap_fetch_jobs<S>(
+    stream: S,
+    services: Store<LLMService>,
+    tx: mpsc::UnboundedSender<ObjectRef<LLMEndpoint>>,
+) -> impl futures::Stream<Item = Result<Job, watcher::Error>> + Send + 'static
+where
+    S: futures::Stream<Item = Result<Job, watcher::Error>> + Send + 'static,
+{
+    stream.map(move |item| {
+        if let Ok(j) = &item
+            && j.labels()
+                .get(hearth_crds::wellknown::COMPONENT_LABEL)
+                .map(String::as_str)
+                == Some(crate::labels::Component::AdapterFetch.as_str())
+            && let (Some(ns), Some(name)) = (j.namespace(), j.labels().get(LLMSERVICE_LABEL))
+            && let Some(key) = get_in(&services, &ns, name)
+                .as_deref()
+                .and_then(endpoint_key)
+        {
+            let _ = tx.unbounded_send(endpoint::endpoint_ref(&key));
+        }
+        item
+    })
 }
 
 /// Reconciles the endpoints a change of `svc` may concern: the one it references, and any

@@ -66,6 +66,8 @@ pub struct View {
     pub claim: Option<Arc<PersistentVolumeClaim>>,
     /// Job `N-prewarm`.
     pub job: Option<Arc<Job>>,
+    /// The hub adapters' fetch Jobs (label `app.kubernetes.io/component: adapter-fetch`).
+    pub adapter_fetch_jobs: Vec<Arc<Job>>,
     /// Service `N-backend`.
     pub backend_service: Option<Arc<Service>>,
     /// Service `N` (the gateway's).
@@ -396,6 +398,34 @@ pub fn plan(svc: &LLMService, desired: Desired, view: &View, cfg: &RenderConfig)
                 ),
             };
             conds.push(Cond::new(status::PREWARMED, Some(false), reason, message));
+        }
+    }
+
+    // The hub adapters' fetch Jobs: create-once (one whose template changed, with the
+    // runtime's image, keeps what it fetched); one whose adapter went is deleted.
+    for job in &children.adapter_fetch_jobs {
+        let name = job.metadata.name.as_deref().unwrap_or_default();
+        if !view
+            .adapter_fetch_jobs
+            .iter()
+            .any(|j| j.metadata.name.as_deref() == Some(name))
+        {
+            writes.push(Write::Apply(job.clone().into()));
+        }
+    }
+    for current in &view.adapter_fetch_jobs {
+        let name = current.metadata.name.as_deref().unwrap_or_default();
+        if !children
+            .adapter_fetch_jobs
+            .iter()
+            .any(|j| j.metadata.name.as_deref() == Some(name))
+        {
+            delete_if_owned(
+                writes,
+                Target::new(Kind::Job, name),
+                Some(current.as_ref()),
+                svc,
+            );
         }
     }
 

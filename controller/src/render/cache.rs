@@ -197,33 +197,64 @@ fn prewarm_program(source: &ModelSource) -> Option<String> {
 /// host driver) when the hub library imports torch.
 fn prewarm_env(ctx: &Ctx<'_>) -> Vec<EnvVar> {
     let mut env = ctx.cache_env(true);
-    env.push(EnvVar {
+    env.push(no_device_backend());
+    env
+}
+
+/// `TORCH_DEVICE_BACKEND_AUTOLOAD=0`: a Job that only downloads files loads no device backend.
+pub(super) fn no_device_backend() -> EnvVar {
+    EnvVar {
         name: "TORCH_DEVICE_BACKEND_AUTOLOAD".to_owned(),
         value: Some("0".to_owned()),
         value_from: None,
-    });
-    env
+    }
 }
 
 pub(super) fn prewarm_job(ctx: &Ctx<'_>, volume: Option<Volume>) -> Option<Job> {
     let cache = &ctx.svc.spec.cache;
-    let mut volume = volume?;
-    if !cache.prewarm
-        || !matches!(
-            cache.strategy,
-            CacheStrategy::NodeLocalPVC | CacheStrategy::SharedPVC | CacheStrategy::HostPath
-        )
-    {
+    let volume = volume?;
+    if !cache.prewarm || !fills_cache(cache.strategy) {
         return None;
     }
-    // The Job is the one writer of a shared cache the backends mount read-only.
+    let program = prewarm_program(&ctx.source)?;
+    Some(cache_job(
+        ctx,
+        names::prewarm_job(&ctx.name),
+        Component::Prewarm,
+        volume,
+        program,
+        prewarm_env(ctx),
+        ctx.secret_env(),
+    ))
+}
+
+/// Whether a Job can fill the cache of `strategy` (a claim or a node directory).
+pub(super) fn fills_cache(strategy: CacheStrategy) -> bool {
+    matches!(
+        strategy,
+        CacheStrategy::NodeLocalPVC | CacheStrategy::SharedPVC | CacheStrategy::HostPath
+    )
+}
+
+/// A Job of `component` that runs `program` with `python3 -c` in the runtime's image, with
+/// the cache `volume` mounted read-write at [`CACHE_MOUNT_PATH`] (the one writer of a shared
+/// cache the backends mount read-only), on the runtime's nodes; create-once, its template's
+/// hash in [`TEMPLATE_HASH_ANNOTATION`].
+pub(super) fn cache_job(
+    ctx: &Ctx<'_>,
+    name: String,
+    component: Component,
+    mut volume: Volume,
+    program: String,
+    env: Vec<EnvVar>,
+    env_from: Option<Vec<k8s_openapi::api::core::v1::EnvFromSource>>,
+) -> Job {
     if let Some(claim) = volume.persistent_volume_claim.as_mut() {
         claim.read_only = None;
     }
-    let program = prewarm_program(&ctx.source)?;
     let acc = &ctx.rt.spec.accelerator;
     let mut pod_meta = ObjectMeta {
-        labels: Some(labels::labels(&ctx.name, Component::Prewarm)),
+        labels: Some(labels::labels(&ctx.name, component)),
         ..Default::default()
     };
     if let Some(queue) = acc.scheduler.queue.as_deref().filter(|q| !q.is_empty()) {
@@ -232,16 +263,20 @@ pub(super) fn prewarm_job(ctx: &Ctx<'_>, volume: Option<Volume>) -> Option<Job> 
             queue.to_owned(),
         )]));
     }
+    let container_name = match component {
+        Component::AdapterFetch => "fetch",
+        _ => "prewarm",
+    };
     let template = PodTemplateSpec {
         metadata: Some(pod_meta),
         spec: Some(PodSpec {
             restart_policy: Some("OnFailure".to_owned()),
             containers: vec![Container {
-                name: "prewarm".to_owned(),
+                name: container_name.to_owned(),
                 image: Some(ctx.rt.spec.container.image.clone()),
                 command: Some(vec!["python3".to_owned(), "-c".to_owned(), program]),
-                env: Some(prewarm_env(ctx)),
-                env_from: ctx.secret_env(),
+                env: Some(env),
+                env_from,
                 volume_mounts: Some(vec![VolumeMount {
                     name: volume.name.clone(),
                     mount_path: CACHE_MOUNT_PATH.to_owned(),
@@ -259,16 +294,13 @@ pub(super) fn prewarm_job(ctx: &Ctx<'_>, volume: Option<Volume>) -> Option<Job> 
         }),
     };
     let hash = stable_hash(&template);
-    Some(Job {
-        metadata: with_hash(
-            ctx.meta(names::prewarm_job(&ctx.name), Component::Prewarm),
-            hash,
-        ),
+    Job {
+        metadata: with_hash(ctx.meta(name, component), hash),
         spec: Some(JobSpec {
             backoff_limit: Some(4),
             template,
             ..Default::default()
         }),
         ..Default::default()
-    })
+    }
 }

@@ -505,7 +505,7 @@ pub(super) fn own_gateway<'a>(
 pub fn model_route(
     svc: &LLMService,
     rt: &InferenceRuntime,
-    adapters: &[hearth_crds::LLMAdapter],
+    adapters: &super::ServiceAdapters,
 ) -> Result<ModelRoute, RenderError> {
     check_model_durations(svc)?;
     let name = svc.name_any();
@@ -532,7 +532,7 @@ pub fn model_route(
             .map(|a| Duration::new(a.phases.total.clone())),
         sleep: tier.and_then(|t| sleep_route(svc, &t)),
         container_concurrency: hearth_crds::rules::container_concurrency(svc, Some(rt)),
-        adapters: super::adapters::rendered(rt, adapters).map(|a| a.table),
+        adapters: super::adapters::rendered(rt, &name, adapters).map(|a| a.table),
     })
 }
 

@@ -21,7 +21,7 @@
 //! its namespace, and its ScaledObject asks the endpoint's gateway for its demand.
 
 use hearth_crds::{
-    InferenceRuntime, LLMAdapter, LLMService,
+    InferenceRuntime, LLMService,
     llmservice::CacheStrategy,
     rules::{self, Findings},
 };
@@ -72,7 +72,10 @@ use self::{
     },
     keda::scaled_object,
 };
-pub use adapters::{ADAPTERS_MOUNT_ROOT, RenderedAdapters, unserved};
+pub use adapters::{
+    ADAPTERS_CACHE_DIR, ADAPTERS_MOUNT_ROOT, RenderedAdapters, ServiceAdapters, fetch_pending,
+    unserved,
+};
 pub use backend::{BACKEND_SERVICE_PORT, default_backend_security_context, serving_container};
 pub use endpoint::{EndpointChildren, render_endpoint};
 pub use gateway::{
@@ -195,6 +198,8 @@ pub struct Children {
     pub cache_claim: Option<PersistentVolumeClaim>,
     /// Prewarm Job (create-once).
     pub prewarm_job: Option<Job>,
+    /// The hub adapters' fetch Jobs (create-once), sorted by name.
+    pub adapter_fetch_jobs: Vec<Job>,
     /// Backend Service, watched by the gateway through its EndpointSlices.
     pub backend_service: Service,
     /// Backend Deployment; `spec.replicas` is set only for creation (see [`render`]).
@@ -231,6 +236,9 @@ impl Children {
             out.push(v(c)?);
         }
         if let Some(j) = &self.prewarm_job {
+            out.push(v(j)?);
+        }
+        for j in &self.adapter_fetch_jobs {
             out.push(v(j)?);
         }
         if let Some(c) = &self.adapters_config_map {
@@ -345,8 +353,8 @@ struct Ctx<'a> {
     source: ModelSource,
     scaler: ScalerMode,
     placement: &'a Placement,
-    /// The service's accepted adapters, sorted by served name.
-    adapters: &'a [LLMAdapter],
+    /// The service's accepted adapters and their fetch Jobs.
+    adapters: &'a ServiceAdapters,
 }
 
 impl<'a> Ctx<'a> {
@@ -437,11 +445,18 @@ pub fn render_placed(
     create_backend: bool,
     placement: &Placement,
 ) -> Result<Children, RenderError> {
-    render_with_adapters(service, runtime, cfg, create_backend, placement, &[])
+    render_with_adapters(
+        service,
+        runtime,
+        cfg,
+        create_backend,
+        placement,
+        &ServiceAdapters::default(),
+    )
 }
 
-/// [`render_placed`] with the service's accepted `adapters` (sorted by served name): the
-/// engine's adapter flags, environment and volumes, and the gateway's adapter table (see
+/// [`render_placed`] with the service's accepted `adapters`: the engine's adapter flags,
+/// environment and volumes, the hub adapters' fetch Jobs, and the gateway's adapter table (see
 /// [`adapters`]).
 pub fn render_with_adapters(
     service: &LLMService,
@@ -449,7 +464,7 @@ pub fn render_with_adapters(
     cfg: &RenderConfig,
     create_backend: bool,
     placement: &Placement,
-    adapters: &[LLMAdapter],
+    adapters: &ServiceAdapters,
 ) -> Result<Children, RenderError> {
     // The rules the admission webhook applies too: nothing is rendered while one is broken.
     let mut findings = rules::check_llmservice(service, Some(runtime));
@@ -516,6 +531,7 @@ pub fn render_with_adapters(
         ),
         gateway_role_binding: role_binding,
         cache_claim: cache_claim(&ctx),
+        adapter_fetch_jobs: ctx.adapter_fetch_jobs(volume.as_ref()),
         prewarm_job: prewarm_job(&ctx, volume),
         backend_service: backend_service(&ctx),
         backend,

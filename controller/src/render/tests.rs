@@ -666,7 +666,7 @@ fn route_of(patch: serde_json::Value) -> hearth_crds::llmendpoint::ModelRoute {
     hearth_test_support::merge_json(&mut v, patch);
     let svc: LLMService = serde_json::from_value(v).unwrap();
     rt.spec.sleep_mode = Some(vllm_sleep_mode());
-    model_route(&svc, &rt, &[]).unwrap()
+    model_route(&svc, &rt, &Default::default()).unwrap()
 }
 
 #[test]
@@ -1153,7 +1153,7 @@ fn a_joined_deployments_annotations_set_its_bounds_and_route() {
     let (port, _) = hearth_crds::rules::check_member_serving(&d, &member, None);
     let route = member_route(&d, &member, &port.unwrap()).unwrap();
     let (svc, rt) = service_and_runtime(json!({}));
-    let svc_route = model_route(&svc, &rt, &[]).unwrap();
+    let svc_route = model_route(&svc, &rt, &Default::default()).unwrap();
     assert_eq!(
         (
             route.max_queue,
@@ -1195,7 +1195,10 @@ fn adapters_beside_the_sleeping_tier_keep_both_flags() {
         &RenderConfig::builtin().unwrap(),
         true,
         &Placement::Own,
-        &[adapter],
+        &super::ServiceAdapters {
+            accepted: vec![adapter],
+            fetches: Default::default(),
+        },
     )
     .unwrap();
     let args = container_args(c.gateway.as_ref().unwrap());
@@ -1213,4 +1216,157 @@ fn adapters_beside_the_sleeping_tier_keep_both_flags() {
             .unwrap();
     assert_eq!(table.adapters[0].path, "/adapters/pvc/lora/sql");
     assert_eq!(table.max_loaded, 2);
+}
+
+fn lora(name: &str, uri: &str) -> hearth_crds::LLMAdapter {
+    serde_json::from_value(json!({
+        "apiVersion": "serving.hearth.dev/v1alpha1",
+        "kind": "LLMAdapter",
+        "metadata": {"name": name, "namespace": "team-a"},
+        "spec": {"serviceRef": {"name": "chat"}, "source": {"uri": uri}},
+    }))
+    .unwrap()
+}
+
+/// Hub adapters: one fetch Job per source into the model cache the engines mount already (no
+/// volume added), their routes unavailable until the Job has succeeded, the Job's failure said.
+#[test]
+fn hub_adapters_are_fetched_into_the_model_cache_before_they_are_loaded() {
+    let (mut svc, mut rt) = service_and_runtime(json!({}));
+    svc.spec.cache =
+        serde_json::from_value(json!({"strategy": "SharedPVC", "prewarm": true})).unwrap();
+    rt.spec.adapters = Some(serde_json::from_value(json!({"args": ["--enable-lora"]})).unwrap());
+    let accepted = vec![
+        lora("finance", "hf://acme/finance-lora"),
+        // The same source twice: one Job.
+        lora("finance-b", "hf://acme/finance-lora"),
+        lora("legal", "modelscope://acme/legal-lora"),
+        lora("sql", "pvc://lora/sql"),
+    ];
+    let render = |fetches: std::collections::BTreeMap<String, crate::status::JobState>| {
+        super::render_with_adapters(
+            &svc,
+            &rt,
+            &RenderConfig::builtin().unwrap(),
+            true,
+            &Placement::Own,
+            &super::ServiceAdapters {
+                accepted: accepted.clone(),
+                fetches,
+            },
+        )
+        .unwrap()
+    };
+    let table = |c: &super::Children| -> hearth_crds::llmadapter::AdapterTable {
+        serde_json::from_str(
+            &c.adapters_config_map
+                .as_ref()
+                .unwrap()
+                .data
+                .as_ref()
+                .unwrap()["adapters.json"],
+        )
+        .unwrap()
+    };
+    let c = render(std::collections::BTreeMap::new());
+    let jobs: Vec<&str> = c
+        .adapter_fetch_jobs
+        .iter()
+        .map(|j| j.metadata.name.as_deref().unwrap())
+        .collect();
+    let finance = crate::names::adapter_fetch_job("chat", "hf://acme/finance-lora");
+    let legal = crate::names::adapter_fetch_job("chat", "modelscope://acme/legal-lora");
+    let mut want = vec![finance.as_str(), legal.as_str()];
+    want.sort_unstable();
+    assert_eq!(jobs, want);
+    for j in &c.adapter_fetch_jobs {
+        let pod = j.spec.as_ref().unwrap().template.spec.as_ref().unwrap();
+        let claim = pod.volumes.as_ref().unwrap()[0]
+            .persistent_volume_claim
+            .as_ref()
+            .unwrap();
+        assert_eq!(
+            (claim.claim_name.as_str(), claim.read_only),
+            ("chat-cache", None),
+            "the Job writes the shared cache"
+        );
+        let labels = j.metadata.labels.as_ref().unwrap();
+        assert_eq!(labels["app.kubernetes.io/component"], "adapter-fetch");
+        let program = &pod.containers[0].command.as_ref().unwrap()[2];
+        assert!(
+            program.contains("local_dir=\"/models/adapters/"),
+            "{program}"
+        );
+    }
+    // The engines' volumes: the cache, the one claim and shared memory; no volume for the
+    // hub adapters.
+    let volumes: Vec<String> = c
+        .backend
+        .spec
+        .as_ref()
+        .unwrap()
+        .template
+        .spec
+        .as_ref()
+        .unwrap()
+        .volumes
+        .iter()
+        .flatten()
+        .map(|v| v.name.clone())
+        .collect();
+    assert_eq!(volumes.len(), 3, "{volumes:?}");
+    let t = table(&c);
+    let route = |t: &hearth_crds::llmadapter::AdapterTable, n: &str| {
+        t.adapters.iter().find(|r| r.name == n).unwrap().clone()
+    };
+    assert_eq!(
+        route(&t, "finance").path,
+        "/models/adapters/hf/acme/finance-lora"
+    );
+    assert_eq!(
+        route(&t, "legal").path,
+        "/models/adapters/modelscope/acme/legal-lora"
+    );
+    assert!(route(&t, "finance").unavailable.unwrap().contains(&format!(
+        "being fetched into the model cache (Job {finance})"
+    )));
+    assert_eq!(route(&t, "sql").unavailable, None);
+    // Fetched: loadable; failed: the Job's message.
+    let c = render(std::collections::BTreeMap::from([
+        (finance.clone(), crate::status::JobState::Succeeded),
+        (
+            legal.clone(),
+            crate::status::JobState::Failed("BackoffLimitExceeded".into()),
+        ),
+    ]));
+    let t = table(&c);
+    assert_eq!(route(&t, "finance").unavailable, None);
+    assert_eq!(route(&t, "finance-b").unavailable, None);
+    let failed = route(&t, "legal").unavailable.unwrap();
+    assert!(
+        failed.contains("failed (Job")
+            && failed.contains("BackoffLimitExceeded")
+            && failed.contains("delete the Job"),
+        "{failed}"
+    );
+}
+
+#[test]
+fn fetch_job_names_fit_a_label_value() {
+    let long = "a".repeat(crate::names::MAX_SERVICE_NAME_LEN);
+    let name = crate::names::adapter_fetch_job(&long, "hf://acme/x-lora");
+    assert!(name.len() <= 63, "{name}");
+    assert!(
+        name.ends_with(&name[name.len() - 16..]) && name.contains("-adapter-"),
+        "{name}"
+    );
+    assert_ne!(
+        name,
+        crate::names::adapter_fetch_job(&long, "hf://acme/y-lora")
+    );
+    assert_eq!(
+        crate::names::adapter_fetch_job("chat", "hf://acme/x-lora").len(),
+        "chat-adapter-".len() + 16
+    );
+    assert!(super::ADAPTERS_CACHE_DIR.starts_with(crate::model::CACHE_MOUNT_PATH));
 }

@@ -60,6 +60,7 @@ fn steady(svc: &LLMService) -> View {
         role_binding: Some(Arc::new(c.gateway_role_binding)),
         claim: c.cache_claim.map(Arc::new),
         job: c.prewarm_job.map(Arc::new),
+        adapter_fetch_jobs: c.adapter_fetch_jobs.into_iter().map(Arc::new).collect(),
         backend_service: Some(Arc::new(c.backend_service)),
         gateway_service: c.gateway_service.map(Arc::new),
         scaler_service: c.scaler_service.map(Arc::new),
@@ -77,7 +78,14 @@ fn steady(svc: &LLMService) -> View {
 
 /// `plan` as a reconcile runs it.
 fn plan_with(svc: &LLMService, view: &View, cfg: &RenderConfig) -> Plan {
-    let desired = desired(svc, [&runtime()], cfg, view.backend.is_none(), None, &[]);
+    let desired = desired(
+        svc,
+        [&runtime()],
+        cfg,
+        view.backend.is_none(),
+        None,
+        &Default::default(),
+    );
     plan(svc, desired, view, cfg)
 }
 
@@ -808,7 +816,7 @@ fn planned_member(svc: &LLMService, view: &View, membership: Option<&Membership>
         &cfg(),
         view.backend.is_none(),
         membership,
-        &[],
+        &Default::default(),
     );
     plan(svc, desired, view, &cfg())
 }
@@ -969,4 +977,48 @@ fn an_attached_services_status_is_the_endpoints() {
         st.endpoint_url.as_deref(),
         Some("http://shared.platform.svc/v1")
     );
+}
+
+/// A hub adapter's fetch Job is created once, left as it is while its adapter stays, and
+/// deleted (it is the service's) when the adapter goes.
+#[test]
+fn hub_adapter_fetch_jobs_are_created_once_and_deleted_with_their_adapter() {
+    let svc = service(json!({}));
+    let mut rt = runtime();
+    rt.spec.adapters = Some(serde_json::from_value(json!({})).unwrap());
+    let adapter: hearth_crds::LLMAdapter = serde_json::from_value(json!({
+        "apiVersion": "serving.hearth.dev/v1alpha1",
+        "kind": "LLMAdapter",
+        "metadata": {"name": "sql", "namespace": "team-a"},
+        "spec": {"serviceRef": {"name": "chat"}, "source": {"uri": "hf://acme/sql-lora"}},
+    }))
+    .unwrap();
+    let with = crate::render::ServiceAdapters {
+        accepted: vec![adapter],
+        fetches: BTreeMap::new(),
+    };
+    let job = names::adapter_fetch_job("chat", "hf://acme/sql-lora");
+    let planned_with = |view: &View, adapters: &crate::render::ServiceAdapters| {
+        let d = desired(&svc, [&rt], &cfg(), view.backend.is_none(), None, adapters);
+        writes(&plan(&svc, d, view, &cfg()))
+    };
+    let mut view = steady(&svc);
+    let w = planned_with(&view, &with);
+    assert!(w.contains(&format!("apply Job {job}")), "{w:?}");
+    // Created: nothing more to write for it, whatever its template now.
+    let children =
+        crate::render::render_with_adapters(&svc, &rt, &cfg(), false, &Placement::Own, &with)
+            .unwrap();
+    let mut current = children.adapter_fetch_jobs[0].clone();
+    current
+        .metadata
+        .annotations
+        .get_or_insert_with(BTreeMap::new)
+        .insert(TEMPLATE_HASH_ANNOTATION.to_owned(), "older".to_owned());
+    view.adapter_fetch_jobs = vec![Arc::new(current)];
+    let w = planned_with(&view, &with);
+    assert!(!w.iter().any(|w| w.contains(&job)), "{w:?}");
+    // The adapter went: its Job goes.
+    let w = planned_with(&view, &crate::render::ServiceAdapters::default());
+    assert!(w.contains(&format!("delete Job {job}")), "{w:?}");
 }
