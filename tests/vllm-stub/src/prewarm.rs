@@ -1,4 +1,4 @@
-//! The stub as `python3`: the prewarm step Hearth's controller renders.
+//! The stub as `python3`: the prewarm steps Hearth's controller renders.
 //!
 //! The controller's prewarm Job runs, in the runtime's image, the hub library vLLM itself uses
 //! (controller/src/render/cache.rs, `prewarm_program`):
@@ -11,13 +11,37 @@
 //! ```
 //!
 //! with `HF_HOME=/models/hf` (or `MODELSCOPE_CACHE=/models/modelscope`) on the cache
-//! mounted at `/models`. The stub's image has no Python: its binary is also installed as
-//! `python3`, and invoked under that name it runs exactly such programs: the import, then
-//! `snapshot_download(...)` (optionally inside `print(...)`), with the arguments `repo_id` /
-//! `model_id` (or the first positional string), `revision` and `cache_dir`. It fetches the model
-//! from the stub's hub ([`crate::hub`]) into the cache layout the hub library writes, prints the
-//! snapshot path as `print` would, and exits 0; anything else exits 1 with a Python-style error
-//! on stderr (2 for a command line other than `-c PROGRAM`).
+//! mounted at `/models`; and, for a LoRA adapter, the same call with `local_dir`:
+//!
+//! ```text
+//! python3 -c 'from huggingface_hub import snapshot_download
+//! print(snapshot_download(repo_id="org/name-lora", local_dir="/models/adapters/hf/org/name-lora"))'
+//! python3 -c 'from modelscope import snapshot_download
+//! print(snapshot_download("org/name-lora", local_dir="/models/adapters/modelscope/org/name-lora"))'
+//! ```
+//!
+//! The stub's image has no Python: its binary is also installed as `python3`, and invoked under
+//! that name it runs exactly such programs: the import, then `snapshot_download(...)` (optionally
+//! inside `print(...)`), with the arguments `repo_id` / `model_id` (or the first positional
+//! string), `revision`, `cache_dir` and `local_dir` (string or `None`). It fetches the repository
+//! from the stub's hub ([`crate::hub`]: a model, or an adapter when the name contains `lora`) into
+//! the layout the hub library writes, prints what the library returns as `print` would, and exits
+//! 0; anything else exits 1 with a Python-style error on stderr (2 for a command line other than
+//! `-c PROGRAM`).
+//!
+//! | call | where the files go | printed |
+//! |---|---|---|
+//! | `huggingface_hub`, no `local_dir` | the cache `cache_dir`, else `HF_HUB_CACHE`, else `$HF_HOME/hub`, else `~/.cache/huggingface/hub` ([`hub::download_hf`]) | the snapshot directory |
+//! | `huggingface_hub`, `local_dir` | plain files in `local_dir`, metadata in `<local_dir>/.cache/huggingface/`; the cache above gets `refs/main` and is where files already cached are copied from ([`hub::download_hf_local_dir`]) | `os.path.realpath(local_dir)` |
+//! | `modelscope`, neither | `$MODELSCOPE_CACHE/models/org/name` (`MODELSCOPE_CACHE` defaults to `~/.cache/modelscope/hub`) | that directory |
+//! | `modelscope`, `cache_dir` | `<cache_dir>/org/name` | that directory |
+//! | `modelscope`, `local_dir` (`cache_dir` ignored) | plain files in `local_dir` ([`hub::download_modelscope`]) | `os.path.abspath(local_dir)` |
+//!
+//! Every layout is written file by file through a temporary name and a rename, the config file
+//! (`config.json`, `adapter_config.json`) last, and a second run over a complete download fetches
+//! nothing; the details are in [`crate::hub`]. `HF_HUB_OFFLINE` is honoured by `huggingface_hub`
+//! calls. On stderr the stub says where it writes and lists what it fetched, copied or found
+//! complete already, and the warnings the library would log.
 
 use std::ffi::OsString;
 use std::io::Write;
@@ -42,6 +66,8 @@ pub struct SnapshotDownload {
     pub repo: String,
     pub revision: Option<String>,
     pub cache_dir: Option<String>,
+    /// `local_dir`: the directory the files go to instead of a cache.
+    pub local_dir: Option<String>,
     /// Whether the result is printed (`print(snapshot_download(...))`).
     pub print: bool,
     /// The program line of the call, for error messages.
@@ -176,6 +202,7 @@ fn parse_call(toks: &[Tok], library: Library, line: usize) -> Result<SnapshotDow
     let mut repo = None;
     let mut revision = None;
     let mut cache_dir = None;
+    let mut local_dir = None;
     for (n, arg) in args.split(|t| *t == Tok::Sym(',')).enumerate() {
         match arg {
             [] if n > 0 => {} // trailing comma
@@ -192,6 +219,7 @@ fn parse_call(toks: &[Tok], library: Library, line: usize) -> Result<SnapshotDow
                     }
                     ("revision", _) => revision = value,
                     ("cache_dir", _) => cache_dir = value,
+                    ("local_dir", _) => local_dir = value,
                     ("repo_type", Library::HuggingFaceHub)
                         if value.as_deref().is_none_or(|v| v == "model") => {}
                     _ => {
@@ -213,6 +241,7 @@ fn parse_call(toks: &[Tok], library: Library, line: usize) -> Result<SnapshotDow
         repo,
         revision,
         cache_dir,
+        local_dir,
         print,
         line,
     })
@@ -271,6 +300,7 @@ pub fn python_main(
         Err(e) => return fail(err, 1, &e),
     };
     let home = || env("HOME").filter(|h| !h.is_empty()).unwrap_or("/".into());
+    let local_dir = call.local_dir.as_ref().map(PathBuf::from);
     let result = match call.library {
         Library::HuggingFaceHub => {
             let cache = call
@@ -280,41 +310,65 @@ pub fn python_main(
                 .or_else(|| model::hf_cache_from_env(env))
                 .unwrap_or_else(|| Path::new(&home()).join(".cache/huggingface/hub"));
             let offline = truthy(env("HF_HUB_OFFLINE"));
+            let into = local_dir.as_ref().unwrap_or(&cache);
             let _ = writeln!(
                 err,
                 "vllm-stub hub: snapshot_download({:?}) into {}",
                 call.repo,
-                cache.display()
+                into.display()
             );
-            hub::download_hf(&cache, &call.repo, call.revision.as_deref(), offline)
+            match &local_dir {
+                Some(dir) => hub::download_hf_local_dir(
+                    &cache,
+                    dir,
+                    &call.repo,
+                    call.revision.as_deref(),
+                    offline,
+                ),
+                None => hub::download_hf(&cache, &call.repo, call.revision.as_deref(), offline),
+            }
         }
         Library::ModelScope => {
-            let cache = call
-                .cache_dir
-                .as_ref()
-                .map(PathBuf::from)
-                .or_else(|| {
+            let dest = match (&local_dir, &call.cache_dir) {
+                (Some(dir), _) => hub::ModelScopeDest::LocalDir(dir.clone()),
+                (None, Some(dir)) => hub::ModelScopeDest::CacheDir(PathBuf::from(dir)),
+                (None, None) => hub::ModelScopeDest::Cache(
                     env("MODELSCOPE_CACHE")
                         .filter(|v| !v.is_empty())
                         .map(PathBuf::from)
-                })
-                .unwrap_or_else(|| Path::new(&home()).join(".cache/modelscope/hub"));
+                        .unwrap_or_else(|| Path::new(&home()).join(".cache/modelscope/hub")),
+                ),
+            };
             let _ = writeln!(
                 err,
                 "vllm-stub hub: modelscope snapshot_download({:?}) into {}",
                 call.repo,
-                cache.display()
+                dest.dirs(&call.repo).0.display()
             );
-            hub::download_modelscope(&cache, &call.repo)
+            hub::download_modelscope(&dest, &call.repo)
         }
     };
     match result {
         Ok(d) => {
-            if d.fetched.is_empty() {
+            for w in &d.warnings {
+                let _ = writeln!(err, "{w}");
+            }
+            if d.fetched.is_empty() && d.copied.is_empty() {
+                let state = if local_dir.is_some() {
+                    format!("is in {} already", d.path.display())
+                } else {
+                    "is cached already".to_owned()
+                };
                 let _ = writeln!(
                     err,
-                    "vllm-stub hub: {} revision {} is cached already, nothing to fetch",
+                    "vllm-stub hub: {} revision {} {state}, nothing to fetch",
                     call.repo, d.revision
+                );
+            }
+            for (name, bytes) in &d.copied {
+                let _ = writeln!(
+                    err,
+                    "vllm-stub hub: copied {name} ({bytes} bytes) from the Hugging Face cache"
                 );
             }
             for (name, bytes) in &d.fetched {
@@ -348,6 +402,7 @@ mod tests {
                 repo: "hearth/stub-model".into(),
                 revision: None,
                 cache_dir: None,
+                local_dir: None,
                 print: true,
                 line: 2,
             }
@@ -370,6 +425,76 @@ mod tests {
             ),
             ("a/b", Some("main"), Some("/c"), false)
         );
+    }
+
+    #[test]
+    fn parses_the_adapter_programs_with_local_dir() {
+        let hf = format!(
+            "from huggingface_hub import snapshot_download\nprint(snapshot_download(repo_id={:?}, local_dir={:?}))",
+            "acme/sql-lora", "/models/adapters/hf/acme/sql-lora"
+        );
+        assert_eq!(
+            parse_program(&hf).unwrap(),
+            SnapshotDownload {
+                library: Library::HuggingFaceHub,
+                repo: "acme/sql-lora".into(),
+                revision: None,
+                cache_dir: None,
+                local_dir: Some("/models/adapters/hf/acme/sql-lora".into()),
+                print: true,
+                line: 2,
+            }
+        );
+        let ms = format!(
+            "from modelscope import snapshot_download\nprint(snapshot_download({:?}, local_dir={:?}))",
+            "acme/sql-lora", "/models/adapters/modelscope/acme/sql-lora"
+        );
+        let call = parse_program(&ms).unwrap();
+        assert_eq!(
+            (call.library, call.repo.as_str(), call.local_dir.as_deref()),
+            (
+                Library::ModelScope,
+                "acme/sql-lora",
+                Some("/models/adapters/modelscope/acme/sql-lora")
+            )
+        );
+        let both = "from modelscope import snapshot_download\nsnapshot_download(model_id='a/b', cache_dir='/c', local_dir=None)";
+        let call = parse_program(both).unwrap();
+        assert_eq!(
+            (call.cache_dir.as_deref(), call.local_dir.as_deref()),
+            (Some("/c"), None)
+        );
+    }
+
+    #[test]
+    fn runs_an_adapter_prewarm_into_local_dir() {
+        let root = std::env::temp_dir().join(format!("vllm-stub-py-local-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        let hf_home = root.join("hf").to_string_lossy().into_owned();
+        let env = |k: &str| (k == "HF_HOME").then(|| hf_home.clone());
+        let local = root.join("adapters/hf/acme/sql-lora-r16");
+        let program = format!(
+            "from huggingface_hub import snapshot_download\nprint(snapshot_download(repo_id=\"acme/sql-lora-r16\", local_dir={:?}))",
+            local.display().to_string()
+        );
+        let args: Vec<OsString> = vec!["-c".into(), program.into()];
+        let (mut out, mut err) = (Vec::new(), Vec::new());
+        assert_eq!(python_main(&args, &env, &mut out, &mut err), 0);
+        // os.path.realpath(local_dir).
+        assert_eq!(
+            String::from_utf8(out).unwrap(),
+            format!("{}\n", std::fs::canonicalize(&local).unwrap().display())
+        );
+        let err = String::from_utf8(err).unwrap();
+        assert!(err.contains("fetched adapter_model.safetensors"), "{err}");
+        assert!(local.join("adapter_config.json").is_file());
+        // Again: nothing fetched.
+        let (mut out, mut err) = (Vec::new(), Vec::new());
+        assert_eq!(python_main(&args, &env, &mut out, &mut err), 0);
+        let err = String::from_utf8(err).unwrap();
+        assert!(err.contains("already, nothing to fetch"), "{err}");
+        assert!(!err.contains("fetched"), "{err}");
+        std::fs::remove_dir_all(&root).unwrap();
     }
 
     #[test]
