@@ -28,9 +28,19 @@
 //! - **Failures.** A load the engine refuses answers the request with the engine's status and
 //!   an OpenAI error whose message starts "The adapter `x` could not be loaded: " and goes on
 //!   with the engine's (`code: "adapter_load_failed"`); it is counted and logged with the
-//!   adapter and the engine. Nothing is remembered: the next request for the adapter loads it
-//!   again (the requests that waited for the failed load share its answer). A connection
-//!   refused is retried on another engine, as for any request.
+//!   adapter and the engine. The next request for the adapter loads it again (the requests
+//!   that waited for the failed load share its answer). A connection refused is retried on
+//!   another engine, as for any request. The last failed load of each adapter on each engine
+//!   is kept ([`Adapters::failures`], served at
+//!   [`hearth_crds::llmadapter::ADAPTER_FAILURES_PATH`]): the engine's status (`0` when it did
+//!   not answer), its message and the time. It goes when a later load of the adapter on that
+//!   engine succeeds (or the engine lists the adapter), when the engine leaves the serving set,
+//!   and when the adapter leaves the table or its path changes.
+//! - **Lost adapters.** Another gateway replica may unload an adapter from an engine this
+//!   replica thinks has it: the engine then answers the request `404` "The model `x` does not
+//!   exist." ([`engine_lost`]). Before anything reaches the client, the adapter is dropped from
+//!   that engine's slots ([`AdapterUse::lost`]), loaded again through the same shared load, and
+//!   the request sent once more to the same engine; a second `404` goes to the client.
 
 mod catalog;
 mod lru;
@@ -44,7 +54,7 @@ use std::{
 use arc_swap::ArcSwap;
 use axum::response::Response;
 use bytes::Bytes;
-use hearth_crds::llmadapter::{ADAPTERS_KEY, AdapterTable};
+use hearth_crds::llmadapter::{ADAPTERS_KEY, AdapterLoadFailure, AdapterTable};
 use http::{Method, Request, StatusCode, header, uri::Authority};
 use http_body_util::{BodyExt, Full, Limited};
 use tokio::sync::watch;
@@ -201,6 +211,49 @@ struct EngineState {
     lru: Lru,
     /// The loads under way, for the requests that wait for them.
     loading: HashMap<Arc<str>, watch::Receiver<LoadResult>>,
+    /// The last failed load of each adapter, by name, until a load of it succeeds here (or the
+    /// engine lists it). Bounded by the table: at most one entry per adapter of the table, on
+    /// an engine of the serving set. An adapter that leaves the table (or whose path changes)
+    /// takes its entry with it ([`Adapters::track`], `retire`; one a request routed by the
+    /// older table left behind is dropped at the next [`Adapters::failures`]), and the whole
+    /// map goes with the engine when it leaves the serving set.
+    failures: HashMap<Arc<str>, Failed>,
+}
+
+/// A failed load of one adapter on one engine.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Failed {
+    /// `<namespace>/<name>` of the LLMAdapter.
+    object: String,
+    /// The path the load asked for: an entry of an older path is not reported.
+    path: String,
+    /// The engine's status; `0` when it did not answer.
+    status: u16,
+    /// The engine's message (the gateway's when it did not answer).
+    message: String,
+    /// When it failed, RFC 3339 in UTC.
+    time: String,
+}
+
+impl Failed {
+    fn new(adapter: &Adapter, failure: &LoadFailure) -> Self {
+        let message = match failure {
+            LoadFailure::Connect(m) | LoadFailure::Broken(m) => m.clone(),
+            LoadFailure::Refused { message, .. } => message.clone(),
+        };
+        Self {
+            object: adapter.object.clone(),
+            path: adapter.path.clone(),
+            status: failure.status().map_or(0, |s| s.as_u16()),
+            message,
+            time: rfc3339(k8s_openapi::jiff::Timestamp::now()),
+        }
+    }
+}
+
+/// `at` in RFC 3339, UTC, to the second (`2026-12-05T14:45:43Z`).
+fn rfc3339(at: k8s_openapi::jiff::Timestamp) -> String {
+    format!("{at:.0}")
 }
 
 impl Engine {
@@ -250,6 +303,7 @@ impl Engine {
                 tracing::debug!(%service, engine = %self.authority, adapters = ?names, "engine's adapters read");
                 let mut st = self.lock();
                 st.lru.learn(&names);
+                st.failures.retain(|n, _| !names.contains(n));
                 st.synced = true;
             }
             Err(e) => {
@@ -266,6 +320,25 @@ pub(crate) struct AdapterUse {
     engine: Arc<Engine>,
     name: Arc<str>,
     id: u64,
+}
+
+impl AdapterUse {
+    /// The engine answered that it does not have the adapter (another replica unloaded it,
+    /// [`engine_lost`]): its slot is dropped, unless a load of it has already begun since, so
+    /// the next claim loads it again (one load for every request that finds it lost).
+    pub(crate) fn lost(self) {
+        self.engine.lock().lru.lose(&self.name, self.id);
+    }
+
+    /// The adapter's name.
+    pub(crate) fn name(&self) -> &Arc<str> {
+        &self.name
+    }
+
+    /// The engine's address.
+    pub(crate) fn engine(&self) -> &Authority {
+        &self.engine.authority
+    }
 }
 
 impl Drop for AdapterUse {
@@ -352,6 +425,31 @@ impl Adapters {
                     .collect()
             })
             .unwrap_or_default()
+    }
+
+    /// The last failed load of each adapter of the catalog on each engine of the serving set,
+    /// sorted by adapter (`<namespace>/<name>`) and engine; `service` is left empty (the
+    /// caller's to fill). Entries of an older path of an adapter are dropped here.
+    pub fn failures(&self) -> Vec<AdapterLoadFailure> {
+        let catalog = self.catalog();
+        let engines: Vec<Arc<Engine>> = lock(&self.engines).values().cloned().collect();
+        let mut out = Vec::new();
+        for engine in engines {
+            let mut st = engine.lock();
+            st.failures
+                .retain(|name, f| catalog.get(name).is_some_and(|a| a.path == f.path));
+            out.extend(st.failures.iter().map(|(name, f)| AdapterLoadFailure {
+                service: String::new(),
+                adapter: f.object.clone(),
+                name: name.to_string(),
+                engine: engine.authority.to_string(),
+                status: f.status,
+                message: f.message.clone(),
+                time: f.time.clone(),
+            }));
+        }
+        out.sort_by(|a, b| (&a.adapter, &a.engine).cmp(&(&b.adapter, &b.engine)));
+        out
     }
 
     /// Whether the engine at `authority` has adapter `name`, or is loading it (affinity).
@@ -473,6 +571,9 @@ impl Adapters {
                 .collect();
             if !left.is_empty() {
                 let engines: Vec<Arc<Engine>> = lock(&self.engines).values().cloned().collect();
+                for engine in &engines {
+                    engine.lock().failures.retain(|n, _| !left.contains(n));
+                }
                 for engine in engines {
                     tokio::spawn(retire(engine, last.clone(), left.clone(), caller.clone()));
                 }
@@ -487,10 +588,13 @@ impl Adapters {
 }
 
 /// Unloads from `engine` the adapters of `left`, which left the catalog `old` or whose path
-/// changed (requests in flight for one, admitted before the change, may fail).
+/// changed (requests in flight for one, admitted before the change, may fail), and forgets
+/// their failed loads there.
 async fn retire(engine: Arc<Engine>, old: Arc<Catalog>, left: Vec<Arc<str>>, caller: Caller) {
     let _calls = engine.calls.lock().await;
     for name in left {
+        // A load of the old path that was under way has ended by now: its failure goes too.
+        engine.lock().failures.remove(&name);
         if engine.lock().lru.forget(&name) {
             unload(&engine, &old, &name, &caller, "it left the adapter table").await;
         }
@@ -507,12 +611,16 @@ async fn load(
 ) {
     let name = target.adapter.name.clone();
     let service = caller.metrics.service().clone();
+    // Whether the engine's answer (or list) decided the outcome: a failure is remembered, a
+    // success forgets the last one.
+    let mut engines_answer = true;
     let result = {
         let _calls = engine.calls.lock().await;
         engine.sync(&caller.pool, &service).await;
         if !engine.lock().lru.holds(&name, id) {
             // Retired while this load waited for the engine (it left the table): loading it
             // now would leave it on the engine, counted nowhere.
+            engines_answer = false;
             Err(LoadFailure::Refused {
                 status: StatusCode::NOT_FOUND,
                 kind: "NotFoundError".to_owned(),
@@ -575,6 +683,16 @@ async fn load(
     {
         let mut st = engine.lock();
         st.lru.settle(&name, id, result.is_ok());
+        match &result {
+            Ok(()) => {
+                st.failures.remove(&name);
+            }
+            Err(f) if engines_answer => {
+                st.failures
+                    .insert(name.clone(), Failed::new(&target.adapter, f));
+            }
+            Err(_) => {}
+        }
         if st
             .loading
             .get(&name)
@@ -714,6 +832,15 @@ fn engine_error(body: &[u8]) -> (Option<String>, Option<String>) {
     let e = v.get("error").filter(|e| e.is_object()).unwrap_or(&v);
     let field = |k: &str| e.get(k).and_then(|m| m.as_str()).map(str::to_owned);
     (field("type"), field("message").or_else(|| excerpt(body)))
+}
+
+/// Whether an engine's `404` answer to an adapter request says it does not know the model
+/// (vLLM's "The model `x` does not exist.", OpenAI's or the older flat error): the engine
+/// does not have the adapter.
+pub(crate) fn engine_lost(body: &[u8]) -> bool {
+    engine_error(body)
+        .1
+        .is_some_and(|m| m.contains("does not exist"))
 }
 
 /// The first 300 characters of an answer; `None` when empty.
@@ -890,5 +1017,64 @@ mod tests {
         );
         let gone = AdapterError::new("x", &LoadFailure::Broken("reset".into()));
         assert_eq!(gone.status, StatusCode::BAD_GATEWAY);
+    }
+
+    #[test]
+    fn a_failed_load_keeps_the_engines_status_and_message() {
+        let adapter = Adapter {
+            name: Arc::from("x"),
+            path: "/adapters/x".into(),
+            object: "ns/x".into(),
+            unavailable: None,
+        };
+        let refused = LoadFailure::Refused {
+            status: StatusCode::NOT_FOUND,
+            kind: "NotFoundError".into(),
+            message: "No adapter found for /adapters/x".into(),
+        };
+        let f = Failed::new(&adapter, &refused);
+        assert_eq!(
+            (
+                f.status,
+                f.message.as_str(),
+                f.object.as_str(),
+                f.path.as_str()
+            ),
+            (
+                404,
+                "No adapter found for /adapters/x",
+                "ns/x",
+                "/adapters/x"
+            )
+        );
+        let t: k8s_openapi::jiff::Timestamp = f.time.parse().unwrap();
+        assert!(f.time.ends_with('Z'), "{}", f.time);
+        assert!(
+            k8s_openapi::jiff::Timestamp::now()
+                .duration_since(t)
+                .as_secs()
+                < 60
+        );
+        // No answer: status 0 and the gateway's message.
+        let f = Failed::new(&adapter, &LoadFailure::Connect("connection refused".into()));
+        assert_eq!((f.status, f.message.as_str()), (0, "connection refused"));
+        // To the second, in UTC.
+        let at: k8s_openapi::jiff::Timestamp = "2026-12-05T14:45:43.123456+01:00".parse().unwrap();
+        assert_eq!(rfc3339(at), "2026-12-05T13:45:43Z");
+    }
+
+    #[test]
+    fn an_engines_404_says_whether_it_lost_the_model() {
+        assert!(engine_lost(
+            br#"{"error":{"message":"The model `x` does not exist.","type":"NotFoundError","param":null,"code":404}}"#
+        ));
+        assert!(engine_lost(
+            br#"{"object":"error","message":"The model `x` does not exist.","type":"NotFoundError","code":404}"#
+        ));
+        assert!(!engine_lost(
+            br#"{"error":{"message":"failure requested by x-stub-status","type":"StubError","code":404}}"#
+        ));
+        assert!(!engine_lost(b""));
+        assert!(!engine_lost(b"<html>404 Not Found</html>"));
     }
 }

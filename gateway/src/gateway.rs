@@ -14,6 +14,7 @@
 //! | `GET /metrics` | Prometheus text |
 //! | `GET /hearth/quota-usage` | internal: `{"instance", "tenants": {"<tenant>": [requests, tokens]}}`, this replica's usage so far, read by its peers to share the tenants' quotas ([`crate::quota`]) |
 //! | `GET /hearth/metering` | internal, for the controller: per service, each tenant's requests, tokens and cold arrivals so far, and each discovered backend endpoint with whether it serves and its busy seconds ([`hearth_crds::metering`]) |
+//! | `GET /hearth/adapter-failures` | internal, for the controller: the last failed load of each LoRA adapter on each engine, not followed by a successful one ([`hearth_crds::llmadapter::AdapterFailures`]; a shared gateway: every model's, `service` naming each, `?service=<namespace>/<name>` one model's, `404` for a service not in the table) |
 //!
 //! A replica serves one model ([`Gateway::new`]: a single-service gateway) or the models of a
 //! route table ([`Gateway::new_shared`], [`Gateway::apply_routes`]: a shared gateway, which
@@ -63,7 +64,7 @@ use crate::{
 };
 
 /// The paths the gateway answers itself (see the module table); every other path is proxied.
-pub const OWN_PATHS: [&str; 7] = [
+pub const OWN_PATHS: [&str; 8] = [
     "/healthz",
     "/readyz",
     "/hearth/queue",
@@ -71,6 +72,7 @@ pub const OWN_PATHS: [&str; 7] = [
     "/metrics",
     crate::quota::USAGE_PATH,
     hearth_crds::metering::METERING_PATH,
+    hearth_crds::llmadapter::ADAPTER_FAILURES_PATH,
 ];
 
 /// `/hearth/queue/local`: this replica's demand only (one model's:
@@ -481,6 +483,7 @@ impl Gateway {
             metrics_path,
             usage_path,
             metering_path,
+            adapter_failures_path,
         ] = OWN_PATHS;
         Router::new()
             .route(healthz, get(|| async { "ok" }))
@@ -496,6 +499,7 @@ impl Gateway {
             .route(metrics_path, get(metrics))
             .route(usage_path, get(quota_usage))
             .route(metering_path, get(metering))
+            .route(adapter_failures_path, get(adapter_failures))
             // The gateway's own endpoints are read-only; axum's 405 would have an empty body.
             .method_not_allowed_fallback(|| async {
                 let mut resp = crate::openai::error_response(
@@ -936,6 +940,53 @@ async fn metering(
         services,
     })
     .into_response()
+}
+
+#[derive(Deserialize)]
+struct FailuresQuery {
+    #[serde(default)]
+    service: Option<String>,
+}
+
+/// [`hearth_crds::llmadapter::ADAPTER_FAILURES_PATH`]: the failed adapter loads of every
+/// model (`?service=<namespace>/<name>`: of that one; `404` with `{"error"}` for a service
+/// this gateway does not serve), sorted by service, adapter and engine. A single-service
+/// gateway leaves `service` empty.
+async fn adapter_failures(
+    State(shared): State<Arc<Shared>>,
+    Query(q): Query<FailuresQuery>,
+) -> Response {
+    use hearth_crds::llmadapter::AdapterFailures;
+    let models = match q.service.as_deref() {
+        None => shared.routes.load().models().to_vec(),
+        Some(service) => match shared.routes.select(Some(service)) {
+            Ok(m) => vec![m],
+            Err(_) => {
+                return queue_error(
+                    StatusCode::NOT_FOUND,
+                    format!(
+                        "service {service:?} is not served by this gateway (not in its route table)"
+                    ),
+                );
+            }
+        },
+    };
+    let mut failures = Vec::new();
+    for m in models {
+        let service = if shared.single.is_some() {
+            String::new()
+        } else {
+            m.key().to_owned()
+        };
+        failures.extend(m.adapters().failures().into_iter().map(|mut f| {
+            f.service.clone_from(&service);
+            f
+        }));
+    }
+    failures.sort_by(|a, b| {
+        (&a.service, &a.adapter, &a.engine).cmp(&(&b.service, &b.adapter, &b.engine))
+    });
+    axum::Json(AdapterFailures { failures }).into_response()
 }
 
 async fn metrics(State(shared): State<Arc<Shared>>) -> Response {

@@ -7,7 +7,7 @@
 //! | `hearth_gateway_demand_total` | gauge | demand summed over all gateway replicas; absent while unknown |
 //! | `hearth_gateway_requests_total{code}` | counter | finished requests by HTTP status code sent |
 //! | `hearth_gateway_requests_canceled_total` | counter | requests whose client left before the response finished |
-//! | `hearth_gateway_rejections_total{reason}` | counter | requests refused by the gateway itself (`rate_limit_exceeded`, `queue_full`, `cold_reject`, `activation_timeout`, `body_too_large`, `body_timeout`, `body_memory`, `loop_detected`, `bad_request`, `method_not_allowed`, `unsupported_transfer_coding`, `unauthorized`, `draining`, `model_required`, `unknown_model`) |
+//! | `hearth_gateway_rejections_total{reason}` | counter | requests refused by the gateway itself (`rate_limit_exceeded`, `queue_full`, `cold_reject`, `activation_timeout`, `body_too_large`, `body_timeout`, `body_memory`, `loop_detected`, `bad_request`, `method_not_allowed`, `unsupported_transfer_coding`, `unauthorized`, `draining`, `model_required`, `unknown_model`, `adapter_unavailable`) |
 //! | `hearth_gateway_activation_wait_seconds` | histogram | cold requests: arrival until forwarded to a ready backend |
 //! | `hearth_gateway_upstream_latency_seconds` | histogram | request sent to the backend until its response headers |
 //! | `hearth_gateway_time_to_first_token_seconds` | histogram | streaming requests: arrival until the first body chunk from the backend |
@@ -27,6 +27,7 @@
 //! | `hearth_gateway_adapter_loads_total{model,adapter,outcome}` | counter | LoRA adapters loaded into an engine by this replica (`outcome`: `loaded`, `failed`); `model` is the base model's name, `adapter` the adapter's, both from the adapter table |
 //! | `hearth_gateway_adapter_unloads_total{model,adapter}` | counter | LoRA adapters unloaded from an engine to make room (least recently used) |
 //! | `hearth_gateway_adapter_load_duration_seconds{model}` | histogram | time an engine took to load an adapter (loads that succeeded) |
+//! | `hearth_gateway_adapter_reloads_total{model,adapter}` | counter | adapter requests an engine answered `404` "does not exist" though this replica had the adapter loaded there (another replica unloaded it): the adapter was loaded again and the request sent once more |
 //! | `hearth_gateway_adapter_table_errors_total` | counter | single-service mode: adapter tables refused (not JSON, a field missing or out of range, no `adapters.json` key); the last good table stays |
 //!
 //! **The `service` label.** Every per-model series (all of the above but
@@ -180,7 +181,8 @@ service_labels! {
     }
 }
 
-/// `service`, `model` and `adapter` of `hearth_gateway_adapter_unloads_total`.
+/// `service`, `model` and `adapter` of `hearth_gateway_adapter_unloads_total` and
+/// `hearth_gateway_adapter_reloads_total`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq)]
 pub struct AdapterLabel {
     /// `<namespace>/<name>` of the LLMService; empty: left out.
@@ -315,6 +317,8 @@ pub struct Metrics {
     pub adapter_unloads: Family<AdapterLabel, Counter>,
     /// `hearth_gateway_adapter_load_duration_seconds{service,model}`.
     pub adapter_load_duration: HistogramFamily<BaseModelLabel>,
+    /// `hearth_gateway_adapter_reloads_total{service,model,adapter}`.
+    pub adapter_reloads: Family<AdapterLabel, Counter>,
     /// `hearth_gateway_adapter_table_errors_total`.
     pub adapter_table_errors: Counter,
     /// The `(model, adapter)` pairs with series, per `service`: removed with the service's.
@@ -378,6 +382,7 @@ impl Metrics {
         // 10 ms .. ~5.5 min.
         let adapter_load_duration: HistogramFamily<BaseModelLabel> =
             Family::new_with_constructor(|| Histogram::new(exponential_buckets(0.01, 2.0, 16)));
+        let adapter_reloads = Family::default();
         let adapter_table_errors = Counter::default();
         let tenant_requests = Family::default();
         let tenant_tokens = Family::default();
@@ -510,6 +515,11 @@ impl Metrics {
             adapter_load_duration.clone(),
         );
         registry.register(
+            "hearth_gateway_adapter_reloads",
+            "Adapter requests an engine answered 404 for though this replica had the adapter loaded there: loaded again and sent once more, by base model and adapter",
+            adapter_reloads.clone(),
+        );
+        registry.register(
             "hearth_gateway_adapter_table_errors",
             "Single-service mode: adapter tables refused (the last good table stays)",
             adapter_table_errors.clone(),
@@ -519,6 +529,7 @@ impl Metrics {
             adapter_loads,
             adapter_unloads,
             adapter_load_duration,
+            adapter_reloads,
             adapter_table_errors,
             adapter_series: Mutex::new(HashMap::new()),
             tenant_requests,
@@ -708,11 +719,13 @@ impl Metrics {
                     outcome,
                 });
             }
-            self.adapter_unloads.remove(&AdapterLabel {
+            let label = AdapterLabel {
                 service: s(),
                 model: model.clone(),
                 adapter,
-            });
+            };
+            self.adapter_unloads.remove(&label);
+            self.adapter_reloads.remove(&label);
             self.adapter_load_duration.remove(&BaseModelLabel {
                 service: s(),
                 model,
@@ -1005,6 +1018,20 @@ impl ModelMetrics {
             .inc();
     }
 
+    /// Counts an adapter request of `adapter` (of base model `model`) sent once more after the
+    /// engine said it did not have the adapter and it was loaded again.
+    pub fn adapter_reload(&self, model: &Arc<str>, adapter: &Arc<str>) {
+        self.adapter_series(model, adapter);
+        self.metrics
+            .adapter_reloads
+            .get_or_create(&AdapterLabel {
+                service: self.service.clone(),
+                model: model.clone(),
+                adapter: adapter.clone(),
+            })
+            .inc();
+    }
+
     /// The `demand_to_ready` series of `hearth_activation_phase_seconds`, for the lease.
     pub fn demand_to_ready(&self) -> Histogram {
         self.phase("demand_to_ready")
@@ -1107,10 +1134,12 @@ mod tests {
         second.finished(503);
         second.adapter_load(&Arc::from("m"), &Arc::from("x"), true, 0.2);
         second.adapter_unload(&Arc::from("m"), &Arc::from("x"));
+        second.adapter_reload(&Arc::from("m"), &Arc::from("x"));
         let text = m.encode();
         for line in [
             "hearth_gateway_adapter_loads_total{service=\"ns/a\",model=\"m\",adapter=\"x\",outcome=\"loaded\"} 1",
             "hearth_gateway_adapter_unloads_total{service=\"ns/a\",model=\"m\",adapter=\"x\"} 1",
+            "hearth_gateway_adapter_reloads_total{service=\"ns/a\",model=\"m\",adapter=\"x\"} 1",
             "hearth_gateway_adapter_load_duration_seconds_count{service=\"ns/a\",model=\"m\"} 1",
         ] {
             assert!(text.lines().any(|l| l == line), "{line} not in\n{text}");

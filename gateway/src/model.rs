@@ -169,6 +169,15 @@ impl Model {
 impl Model {
     /// The `/v1/models` entry of its adapter `adapter`.
     pub fn adapter_entry(&self, adapter: &Adapter) -> AdapterEntry {
+        let loaded_replicas = self
+            .state
+            .adapters
+            .loaded_on(&adapter.name, &self.state.backends);
+        let state = match (&adapter.unavailable, loaded_replicas) {
+            (Some(_), _) => "unavailable",
+            (None, 0) => "available",
+            (None, _) => "loaded",
+        };
         AdapterEntry {
             id: adapter.name.to_string(),
             object: "model",
@@ -179,10 +188,9 @@ impl Model {
             hearth: HearthAdapter {
                 service: self.cfg.key.clone(),
                 adapter: adapter.object.clone(),
-                loaded_replicas: self
-                    .state
-                    .adapters
-                    .loaded_on(&adapter.name, &self.state.backends),
+                state,
+                loaded_replicas,
+                unavailable: adapter.unavailable.clone(),
             },
         }
     }
@@ -285,8 +293,15 @@ pub struct HearthAdapter {
     pub service: String,
     /// `<namespace>/<name>` of the LLMAdapter.
     pub adapter: String,
+    /// `unavailable` (its engines cannot load it yet: requests for it are answered `503`),
+    /// `loaded` (a ready engine has it, as this replica knows), or `available` (the next
+    /// request loads it).
+    pub state: &'static str,
     /// Engines ready to serve (awake) that have the adapter loaded, as this replica knows them.
     pub loaded_replicas: usize,
+    /// Why it cannot be loaded yet (its route's `unavailable`); left out when it can.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub unavailable: Option<String>,
 }
 
 /// One model of `GET /v1/models` (and the answer to `GET /v1/models/{id}`): OpenAI's model

@@ -77,6 +77,9 @@ kinds! {
     /// The request names a model that is not served (a single-service gateway checks a cold
     /// request only; a shared one every request).
     UnknownModel => "unknown_model",
+    /// The request names a LoRA adapter its engines cannot load yet (its route's
+    /// `unavailable`: its files are still being fetched, or the fetch failed).
+    AdapterUnavailable => "adapter_unavailable",
     /// The tenant's requests per minute are used up (see [`crate::quota`]).
     RequestsRateLimited => "rate_limit_exceeded",
     /// The tenant's tokens per minute are used up (see [`crate::quota`]).
@@ -93,9 +96,11 @@ impl RejectionKind {
     /// The HTTP status of the answer.
     pub const fn status(self) -> StatusCode {
         match self {
-            Self::Draining | Self::BodyMemory | Self::ColdReject | Self::ActivationTimeout => {
-                StatusCode::SERVICE_UNAVAILABLE
-            }
+            Self::Draining
+            | Self::BodyMemory
+            | Self::AdapterUnavailable
+            | Self::ColdReject
+            | Self::ActivationTimeout => StatusCode::SERVICE_UNAVAILABLE,
             Self::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             Self::BadRequest | Self::MalformedBody | Self::ModelRequired => StatusCode::BAD_REQUEST,
             Self::UnsupportedTransferCoding => StatusCode::NOT_IMPLEMENTED,
@@ -118,6 +123,7 @@ impl RejectionKind {
             Self::Draining
             | Self::LoopDetected
             | Self::BodyMemory
+            | Self::AdapterUnavailable
             | Self::ColdReject
             | Self::ActivationTimeout => "server_error",
             Self::QueueFull => "rate_limit_error",
@@ -145,11 +151,11 @@ impl RejectionKind {
         }
     }
 
-    /// The OpenAI error `param`: the request field at fault, `model` for the two kinds about
-    /// it, else none (`null`).
+    /// The OpenAI error `param`: the request field at fault, `model` for the kinds about it,
+    /// else none (`null`).
     pub const fn param(self) -> Option<&'static str> {
         match self {
-            Self::ModelRequired | Self::UnknownModel => Some("model"),
+            Self::ModelRequired | Self::UnknownModel | Self::AdapterUnavailable => Some("model"),
             _ => None,
         }
     }
@@ -161,6 +167,7 @@ impl RejectionKind {
             self,
             Self::Draining
                 | Self::BodyMemory
+                | Self::AdapterUnavailable
                 | Self::QueueFull
                 | Self::RequestsRateLimited
                 | Self::TokensRateLimited
@@ -285,6 +292,13 @@ pub enum Rejection {
         /// The request's `model`.
         model: String,
     },
+    /// See [`RejectionKind::AdapterUnavailable`].
+    AdapterUnavailable {
+        /// The adapter's name (the request's `model`).
+        adapter: String,
+        /// Why it cannot be loaded yet (its route's `unavailable`).
+        reason: String,
+    },
     /// See [`RejectionKind::RequestsRateLimited`] and [`RejectionKind::TokensRateLimited`].
     RateLimited(Box<crate::quota::Limited>),
     /// See [`RejectionKind::QueueFull`].
@@ -317,6 +331,7 @@ impl Rejection {
             Self::MalformedBody { .. } => RejectionKind::MalformedBody,
             Self::ModelRequired => RejectionKind::ModelRequired,
             Self::UnknownModel { .. } => RejectionKind::UnknownModel,
+            Self::AdapterUnavailable { .. } => RejectionKind::AdapterUnavailable,
             Self::RateLimited(l) => match l.limit {
                 crate::quota::Limit::Requests => RejectionKind::RequestsRateLimited,
                 crate::quota::Limit::Tokens => RejectionKind::TokensRateLimited,
@@ -354,6 +369,9 @@ impl Rejection {
             Self::MalformedBody { error } => format!("the request body could not be read: {error}"),
             Self::ModelRequired => "the request names no `model`: this endpoint serves several models and routes each request by the `model` field of its JSON body (GET /v1/models lists them)".to_owned(),
             Self::UnknownModel { model } => format!("The model `{model}` does not exist."),
+            Self::AdapterUnavailable { adapter, reason } => {
+                format!("The adapter `{adapter}` cannot be loaded yet: {reason}")
+            }
             Self::RateLimited(l) => format!(
                 "Rate limit reached for tenant {} on {} per min ({}): Limit {}, Requested {}. Please try again in {}.",
                 l.tenant,

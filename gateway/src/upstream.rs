@@ -15,7 +15,7 @@
 //! §9.2.2): a `POST` reaches the backend at most once.
 
 use std::{
-    collections::HashMap,
+    collections::{HashMap, VecDeque},
     future::{Future, poll_fn},
     pin::{Pin, pin},
     sync::{Arc, Mutex},
@@ -23,7 +23,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use http::{Method, Request, Response, uri::Authority};
 use http_body::{Body as HttpBody, Frame, SizeHint};
 use http_body_util::Full;
@@ -178,6 +178,8 @@ pub struct UpstreamBody {
     conn: Option<Conn>,
     authority: Authority,
     pool: UpstreamPool,
+    /// Frames [`UpstreamBody::peek`] read, given before the rest.
+    front: VecDeque<Frame<Bytes>>,
 }
 
 impl std::fmt::Debug for UpstreamBody {
@@ -195,17 +197,45 @@ impl UpstreamBody {
             self.pool.put(self.authority.clone(), conn);
         }
     }
-}
 
-impl HttpBody for UpstreamBody {
-    type Data = Bytes;
-    type Error = hyper::Error;
+    /// Reads the body's first `limit` bytes or so (all of it when shorter: an error answer),
+    /// waiting at most `timeout`, to look at them. What was read stays in the body and is
+    /// given first when it is polled next: the body passes on unchanged.
+    ///
+    /// # Errors
+    /// The body failed (the connection broke); the body is not to be used any more.
+    pub async fn peek(&mut self, limit: usize, timeout: Duration) -> Result<Bytes, hyper::Error> {
+        let mut seen = BytesMut::new();
+        let read = async {
+            while seen.len() < limit && !self.inner.is_end_stream() {
+                let Some(frame) = poll_fn(|cx| self.poll_inner(cx)).await else {
+                    break;
+                };
+                let frame = frame?;
+                if let Some(data) = frame.data_ref() {
+                    seen.extend_from_slice(data);
+                }
+                let last = frame.is_trailers();
+                self.front.push_back(frame);
+                if last {
+                    break;
+                }
+            }
+            Ok(())
+        };
+        if let Ok(Err(e)) = tokio::time::timeout(timeout, read).await {
+            return Err(e);
+        }
+        Ok(seen.freeze())
+    }
 
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
+    /// Polls the backend's body itself (not the frames [`UpstreamBody::peek`] kept), driving
+    /// its connection, and gives the connection back once the body has ended.
+    fn poll_inner(
+        &mut self,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
-        let this = &mut *self;
+        let this = self;
         // What the connection has already read reaches `inner` first.
         if let Some(conn) = this.conn.as_mut() {
             conn.drive(cx);
@@ -222,13 +252,43 @@ impl HttpBody for UpstreamBody {
         }
         polled
     }
+}
+
+impl HttpBody for UpstreamBody {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        match self.front.pop_front() {
+            Some(frame) => Poll::Ready(Some(Ok(frame))),
+            None => self.poll_inner(cx),
+        }
+    }
 
     fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
+        self.front.is_empty() && self.inner.is_end_stream()
     }
 
     fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
+        let inner = self.inner.size_hint();
+        let front: u64 = self
+            .front
+            .iter()
+            .filter_map(Frame::data_ref)
+            .map(|d| d.len() as u64)
+            .sum();
+        if front == 0 {
+            return inner;
+        }
+        let mut hint = SizeHint::new();
+        hint.set_lower(inner.lower() + front);
+        if let Some(upper) = inner.upper() {
+            hint.set_upper(upper + front);
+        }
+        hint
     }
 }
 
@@ -295,6 +355,7 @@ impl UpstreamPool {
                 conn: Some(conn),
                 authority: authority.clone(),
                 pool: self.clone(),
+                front: VecDeque::new(),
             };
             if body.inner.is_end_stream() {
                 body.release();

@@ -1,9 +1,11 @@
 //! LoRA adapters through the gateway against the real stub (LoRA on, runtime loading on, adapter
 //! directories in a temp dir): each adapter answers its requests, loads on demand, the least
 //! recently used is unloaded past `maxLoaded`, concurrent first requests share one load, a load
-//! failure reaches the client and is not remembered, a cold request for an adapter is held,
-//! table changes apply at once, a rediscovered or woken engine is read again, and a shared
-//! gateway routes adapters by their route table. State is awaited by polling with a deadline.
+//! failure reaches the client and is reported at `/hearth/adapter-failures` until a load
+//! succeeds, an adapter the engine lost is loaded again, an unavailable adapter is answered at
+//! once, a cold request for an adapter is held, table changes apply at once, a rediscovered or
+//! woken engine is read again, and a shared gateway routes adapters by their route table.
+//! State is awaited by polling with a deadline.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;
@@ -14,7 +16,9 @@ use std::{
 };
 
 use common::{shared::*, *};
-use hearth_crds::llmadapter::{AdapterRoute, AdapterTable};
+use hearth_crds::llmadapter::{
+    ADAPTER_FAILURES_PATH, AdapterFailures, AdapterLoadFailure, AdapterRoute, AdapterTable,
+};
 use hearth_crds::llmendpoint::{ModelRoute, RouteTable};
 use hearth_gateway::{
     ColdStartMode, EndpointSet, GatewayConfig, Model, RunningGateway,
@@ -162,6 +166,51 @@ fn loads(text: &str, adapter: &str, outcome: &str) -> f64 {
         "hearth_gateway_adapter_loads_total{{model=\"stub-svc\",adapter=\"{adapter}\",outcome=\"{outcome}\"}}"
     );
     metric(text, &sample).unwrap_or(0.0)
+}
+
+fn reloads(text: &str, adapter: &str) -> f64 {
+    let sample =
+        format!("hearth_gateway_adapter_reloads_total{{model=\"stub-svc\",adapter=\"{adapter}\"}}");
+    metric(text, &sample).unwrap_or(0.0)
+}
+
+/// The gateway's failed adapter loads (`query`: `?service=...` or empty).
+async fn failures(c: &HttpClient, gw: &RunningGateway, query: &str) -> Vec<AdapterLoadFailure> {
+    let url = format!("{}{ADAPTER_FAILURES_PATH}{query}", gw.url());
+    let (status, body) = get(c, &url).await;
+    assert_eq!(status, StatusCode::OK, "{}", String::from_utf8_lossy(&body));
+    let report: AdapterFailures = serde_json::from_slice(&body)
+        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&body)));
+    report.failures
+}
+
+/// Polls the gateway's failed loads until `check` holds, for at most 10 s.
+async fn eventually_failures(
+    c: &HttpClient,
+    gw: &RunningGateway,
+    what: &str,
+    check: impl Fn(&[AdapterLoadFailure]) -> bool,
+) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let now = failures(c, gw, "").await;
+        if check(&now) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "never {what}: {now:?}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// Asks the stub directly to unload adapter `name` (as another gateway replica would).
+async fn unload_on_stub(c: &HttpClient, stub: &RunningStub, name: &str) {
+    let req = post_req(
+        &format!("{}/v1/unload_lora_adapter", stub.url()),
+        &json!({"lora_name": name}),
+        &[],
+    );
+    let (status, _, body) = send_full(c, req).await;
+    assert_eq!(status, StatusCode::OK, "{}", String::from_utf8_lossy(&body));
 }
 
 fn unloads(text: &str, adapter: &str) -> f64 {
@@ -712,4 +761,434 @@ async fn a_shared_gateway_routes_adapters_by_its_route_table() {
     assert_eq!(e.path(), Some("models[0].adapters.maxLoaded"), "{e}");
     let (status, _) = ask(&client, &gw, "z").await;
     assert_eq!(status, StatusCode::OK);
+}
+
+#[tokio::test]
+async fn failed_loads_are_reported_until_a_load_succeeds() {
+    let dir = TempDir::new("reported");
+    let good = dir.adapter("good");
+    let (bad, other) = (dir.missing("bad"), dir.missing("other"));
+    let stub = lora_stub("stub-svc", Duration::ZERO).await;
+    let auth = authority(&stub);
+    let backends = EndpointSet::fixed([auth.clone()]);
+    let gw = single(
+        backends.clone(),
+        &table(4, &[("bad", &bad), ("good", &good), ("other", &other)]),
+    )
+    .await;
+    let client = client();
+    assert_eq!(failures(&client, &gw, "").await, []);
+    let (status, _) = ask(&client, &gw, "good").await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(
+        failures(&client, &gw, "").await,
+        [],
+        "a load that succeeded"
+    );
+
+    // A refused load: the engine's status and its own message, the engine, the time.
+    let (status, v) = ask(&client, &gw, "bad").await;
+    assert_eq!(status, StatusCode::NOT_FOUND, "{v}");
+    let first = failures(&client, &gw, "").await;
+    assert_eq!(first.len(), 1, "{first:?}");
+    let f = &first[0];
+    assert_eq!(
+        (
+            f.service.as_str(),
+            f.adapter.as_str(),
+            f.name.as_str(),
+            f.engine.as_str(),
+            f.status
+        ),
+        ("", "ns/bad", "bad", auth.as_str(), 404),
+        "{f:?}"
+    );
+    assert!(
+        f.message.contains("No adapter found for") && f.message.contains(bad.to_str().unwrap()),
+        "{f:?}"
+    );
+    assert!(
+        !f.message.starts_with("The adapter"),
+        "the engine's message: {f:?}"
+    );
+    let client_message = v["error"]["message"].as_str().unwrap();
+    assert!(client_message.ends_with(&f.message), "{client_message}");
+    let at: k8s_openapi::jiff::Timestamp = f.time.parse().unwrap();
+    assert!(f.time.ends_with('Z'), "UTC: {}", f.time);
+    assert!(
+        k8s_openapi::jiff::Timestamp::now()
+            .duration_since(at)
+            .as_secs()
+            < 60
+    );
+    // The service is left out of a single-service gateway's JSON.
+    let (_, raw) = json(&client, &format!("{}{ADAPTER_FAILURES_PATH}", gw.url())).await;
+    assert!(raw["failures"][0].get("service").is_none(), "{raw}");
+
+    // Failing again keeps one entry per adapter and engine; another adapter has its own, in
+    // order.
+    let (status, _) = ask(&client, &gw, "bad").await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    let (status, _) = ask(&client, &gw, "other").await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    let now = failures(&client, &gw, "").await;
+    let names: Vec<&str> = now.iter().map(|f| f.name.as_str()).collect();
+    assert_eq!(names, ["bad", "other"], "{now:?}");
+    assert!(now[0].time >= first[0].time);
+
+    // bad's files arrive: its next load succeeds and its entry goes.
+    dir.adapter("bad");
+    let (status, v) = ask(&client, &gw, "bad").await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    let now = failures(&client, &gw, "").await;
+    let names: Vec<&str> = now.iter().map(|f| f.name.as_str()).collect();
+    assert_eq!(names, ["other"]);
+
+    // other's path changes: its entry (of the old path) goes.
+    let moved = dir.missing("other-moved");
+    let t = table(4, &[("bad", &bad), ("good", &good), ("other", &moved)]);
+    gw.gateway.apply_adapters(&t).unwrap();
+    eventually_failures(&client, &gw, "the old path's failure gone", |f| {
+        f.is_empty()
+    })
+    .await;
+    // It fails on its new path, then leaves the table: its entry goes.
+    let (status, _) = ask(&client, &gw, "other").await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    assert_eq!(failures(&client, &gw, "").await.len(), 1);
+    gw.gateway
+        .apply_adapters(&table(4, &[("bad", &bad), ("good", &good)]))
+        .unwrap();
+    eventually_failures(&client, &gw, "the failure of an adapter that left", |f| {
+        f.is_empty()
+    })
+    .await;
+
+    // The engine leaves the serving set: its entries go.
+    gw.gateway
+        .apply_adapters(&table(
+            4,
+            &[("bad", &bad), ("good", &good), ("other", &moved)],
+        ))
+        .unwrap();
+    let (status, _) = ask(&client, &gw, "other").await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    assert_eq!(failures(&client, &gw, "").await.len(), 1);
+    backends.replace([]);
+    eventually_failures(&client, &gw, "the failure of an engine that left", |f| {
+        f.is_empty()
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_shared_gateway_reports_each_models_failed_loads() {
+    let dir = TempDir::new("shared-failures");
+    let (x, y) = (dir.missing("x"), dir.adapter("y"));
+    let base = lora_stub("base", Duration::ZERO).await;
+    let other = lora_stub("other", Duration::ZERO).await;
+    let with = |name: &str, adapters: &[(&str, &Path)]| ModelRoute {
+        adapters: Some(table(2, adapters)),
+        ..route(name)
+    };
+    let gw = shared_gateway(
+        config(),
+        vec![with("base", &[("x", &x)]), with("other", &[("y", &y)])],
+        [
+            ("base".to_owned(), vec![authority(&base)]),
+            ("other".to_owned(), vec![authority(&other)]),
+        ]
+        .into_iter()
+        .collect(),
+    )
+    .await;
+    let client = client();
+    let (status, _) = ask(&client, &gw, "x").await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    let (status, _) = ask(&client, &gw, "y").await;
+    assert_eq!(status, StatusCode::OK);
+    let all = failures(&client, &gw, "").await;
+    assert_eq!(all.len(), 1, "{all:?}");
+    assert_eq!(
+        (
+            all[0].service.as_str(),
+            all[0].name.as_str(),
+            all[0].engine.as_str()
+        ),
+        ("ns/base", "x", authority(&base).as_str())
+    );
+    assert_eq!(failures(&client, &gw, "?service=ns/base").await, all);
+    assert_eq!(failures(&client, &gw, "?service=ns%2Fbase").await, all);
+    assert_eq!(failures(&client, &gw, "?service=ns/other").await, []);
+    let (status, v) = json(
+        &client,
+        &format!("{}{ADAPTER_FAILURES_PATH}?service=ns/nope", gw.url()),
+    )
+    .await;
+    assert_eq!(status, StatusCode::NOT_FOUND, "{v}");
+    assert!(v["error"].as_str().unwrap().contains("ns/nope"), "{v}");
+}
+
+#[tokio::test]
+async fn an_adapter_the_engine_lost_is_loaded_again_and_the_request_sent_once_more() {
+    let dir = TempDir::new("lost");
+    let a = dir.adapter("a");
+    let stub = lora_stub("stub-svc", Duration::from_millis(200)).await;
+    let gw = single(
+        EndpointSet::fixed([authority(&stub)]),
+        &table(2, &[("a", &a)]),
+    )
+    .await;
+    let client = client();
+    let model = the_model(&gw);
+    let (status, v) = ask(&client, &gw, "a").await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    assert_eq!(stub.state.lora_loads(), 1);
+
+    // Another replica unloads it; this one still thinks the engine has it.
+    unload_on_stub(&client, &stub, "a").await;
+    assert_eq!(model.adapters().loaded(&authority(&stub)), ["a"]);
+    let received = stub.state.received();
+    let (status, v) = ask(&client, &gw, "a").await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    answered_by(&v, "a");
+    assert_eq!(stub_adapters(&stub), ["a"], "loaded again");
+    assert_eq!(stub.state.lora_loads(), 2);
+    assert_eq!(
+        stub.state.received(),
+        received + 2,
+        "the 404, then the answer"
+    );
+    let text = gateway_metrics(&client, &gw).await;
+    assert_eq!(reloads(&text, "a"), 1.0, "{text}");
+    assert_eq!(loads(&text, "a", "loaded"), 2.0, "{text}");
+
+    // Lost again, and several requests find it so at once: one load for all (a stream too).
+    unload_on_stub(&client, &stub, "a").await;
+    let mut asks = Vec::new();
+    for i in 0..4 {
+        let (client, req) = (client.clone(), chat_req(&gw.url(), &chat_for("a", i == 0)));
+        asks.push(tokio::spawn(async move { send_full(&client, req).await }));
+    }
+    for (i, ask) in asks.into_iter().enumerate() {
+        let (status, _, body) = ask.await.unwrap();
+        assert_eq!(status, StatusCode::OK, "{}", String::from_utf8_lossy(&body));
+        if i == 0 {
+            let events = sse_events(&body);
+            let first: Value =
+                serde_json::from_str(events[0].strip_prefix("data: ").unwrap()).unwrap();
+            assert_eq!(first["model"], "a");
+        } else {
+            answered_by(&serde_json::from_slice(&body).unwrap(), "a");
+        }
+    }
+    assert_eq!(stub.state.lora_loads(), 3, "one more load, shared");
+    assert_eq!(stub_adapters(&stub), ["a"]);
+
+    // Another 404 of the engine's is relayed as it is: nothing is loaded again.
+    let before = reloads(&gateway_metrics(&client, &gw).await, "a");
+    assert!(before >= 2.0);
+    let req = post_req(
+        &format!("{}/v1/chat/completions", gw.url()),
+        &chat_for("a", false),
+        &[("x-stub-status", "404")],
+    );
+    let (status, _, body) = send_full(&client, req).await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    let v: Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(v["error"]["type"], "StubError", "{v}");
+    assert_eq!(stub.state.lora_loads(), 3);
+    let text = gateway_metrics(&client, &gw).await;
+    assert_eq!(reloads(&text, "a"), before, "{text}");
+}
+
+/// A fake engine that loads any adapter and then answers every request `404` "does not
+/// exist", as an engine that keeps losing its adapters would: the number of loads and of
+/// requests it got.
+async fn forgetful_engine() -> (
+    http::uri::Authority,
+    std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    std::sync::Arc<std::sync::atomic::AtomicUsize>,
+) {
+    use std::sync::{
+        Arc,
+        atomic::{AtomicUsize, Ordering},
+    };
+    let (loads, asks) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let (l, a) = (loads.clone(), asks.clone());
+    let app = axum::Router::new()
+        .route(
+            "/v1/models",
+            axum::routing::get(|| async {
+                axum::Json(json!({"object": "list", "data": [{"id": "stub-svc", "parent": null}]}))
+            }),
+        )
+        .route(
+            "/v1/load_lora_adapter",
+            axum::routing::post(move || {
+                l.fetch_add(1, Ordering::SeqCst);
+                async { "Success" }
+            }),
+        )
+        .route(
+            "/v1/chat/completions",
+            axum::routing::post(move |body: axum::body::Bytes| {
+                a.fetch_add(1, Ordering::SeqCst);
+                async move {
+                    let model = serde_json::from_slice::<Value>(&body).unwrap()["model"].clone();
+                    let message = format!("The model `{}` does not exist.", model.as_str().unwrap());
+                    (
+                        StatusCode::NOT_FOUND,
+                        axum::Json(json!({"error": {"message": message, "type": "NotFoundError", "param": null, "code": 404}})),
+                    )
+                }
+            }),
+        );
+    let listener = tokio::net::TcpListener::bind(localhost()).await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    (addr.to_string().parse().unwrap(), loads, asks)
+}
+
+#[tokio::test]
+async fn an_engine_that_says_so_twice_is_answered_with_its_404() {
+    use std::sync::atomic::Ordering;
+    let dir = TempDir::new("lost-twice");
+    let a = dir.adapter("a");
+    let (engine, loads, asks) = forgetful_engine().await;
+    let gw = single(EndpointSet::fixed([engine]), &table(2, &[("a", &a)])).await;
+    let client = client();
+    let (status, v) = ask(&client, &gw, "a").await;
+    assert_eq!(status, StatusCode::NOT_FOUND, "{v}");
+    assert_eq!(
+        v["error"]["message"], "The model `a` does not exist.",
+        "{v}"
+    );
+    assert_eq!(v["error"]["type"], "NotFoundError");
+    assert_eq!(
+        loads.load(Ordering::SeqCst),
+        2,
+        "loaded, then loaded again once"
+    );
+    assert_eq!(asks.load(Ordering::SeqCst), 2, "sent, then sent once more");
+    let text = gateway_metrics(&client, &gw).await;
+    assert_eq!(reloads(&text, "a"), 1.0, "{text}");
+}
+
+#[tokio::test]
+async fn an_unavailable_adapter_is_answered_at_once_without_a_load_or_a_wake() {
+    let dir = TempDir::new("unavailable");
+    let (a, b) = (dir.adapter("a"), dir.adapter("b"));
+    let fetching = |name: &str, path: &Path| AdapterRoute {
+        unavailable: Some("its files are still being fetched into the model cache".into()),
+        ..table(2, &[(name, path)]).adapters.remove(0)
+    };
+    let mut t = table(2, &[("b", &b)]);
+    t.adapters.insert(0, fetching("a", &a));
+    let client = client();
+    let check_answer = |status: StatusCode, headers: &http::HeaderMap, body: &[u8]| {
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(headers[http::header::RETRY_AFTER], "3", "--retry-after");
+        let v: Value = serde_json::from_slice(body).unwrap();
+        let e = &v["error"];
+        assert_eq!(e["type"], "server_error", "{v}");
+        assert_eq!(e["code"], "adapter_unavailable");
+        assert_eq!(e["param"], "model");
+        assert_eq!(
+            e["message"],
+            "The adapter `a` cannot be loaded yet: its files are still being fetched into the model cache"
+        );
+    };
+
+    // At zero: answered at once, no demand raised, no lease, nothing to wake.
+    let cold = single(EndpointSet::new(), &t).await;
+    for stream in [false, true] {
+        let (status, headers, body) =
+            send_full(&client, chat_req(&cold.url(), &chat_for("a", stream))).await;
+        check_answer(status, &headers, &body);
+    }
+    let state = cold.gateway.demand().state();
+    assert_eq!((state.pending(), state.lease()), (0, false), "{state:?}");
+    let text = gateway_metrics(&client, &cold).await;
+    assert_eq!(
+        metric(&text, "hearth_gateway_activation_events_total"),
+        Some(0.0),
+        "{text}"
+    );
+    assert_eq!(
+        metric(
+            &text,
+            "hearth_gateway_rejections_total{reason=\"adapter_unavailable\"}"
+        ),
+        Some(2.0),
+        "{text}"
+    );
+
+    // Warm: the engine gets nothing, no load is tried; the other adapter is served.
+    let stub = lora_stub("stub-svc", Duration::ZERO).await;
+    let gw = single(EndpointSet::fixed([authority(&stub)]), &t).await;
+    let (status, headers, body) =
+        send_full(&client, chat_req(&gw.url(), &chat_for("a", false))).await;
+    check_answer(status, &headers, &body);
+    assert_eq!((stub.state.received(), stub.state.lora_loads()), (0, 0));
+    let (status, v) = ask(&client, &gw, "b").await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    answered_by(&v, "b");
+
+    // /v1/models lists it, with its state and why.
+    let (_, v) = json(&client, &format!("{}/v1/models", gw.url())).await;
+    let data = v["data"].as_array().unwrap();
+    let ids: Vec<&str> = data.iter().map(|m| m["id"].as_str().unwrap()).collect();
+    assert_eq!(ids, ["stub-svc", "a", "b"]);
+    assert_eq!(data[1]["hearth"]["state"], "unavailable", "{v}");
+    assert_eq!(
+        data[1]["hearth"]["unavailable"],
+        "its files are still being fetched into the model cache"
+    );
+    assert_eq!(data[2]["hearth"]["state"], "loaded", "{v}");
+    assert!(data[2]["hearth"].get("unavailable").is_none(), "{v}");
+
+    // Its files arrive: the route says nothing, and the next request loads it.
+    gw.gateway
+        .apply_adapters(&table(2, &[("a", &a), ("b", &b)]))
+        .unwrap();
+    let (_, v) = json(&client, &format!("{}/v1/models", gw.url())).await;
+    assert_eq!(v["data"][1]["hearth"]["state"], "available", "{v}");
+    let (status, v) = ask(&client, &gw, "a").await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    answered_by(&v, "a");
+
+    // An empty message is refused with the table.
+    let mut empty = table(2, &[("a", &a)]);
+    empty.adapters[0].unavailable = Some(String::new());
+    let e = gw.gateway.apply_adapters(&empty).unwrap_err();
+    assert_eq!(e.path(), Some("adapters[0].unavailable"), "{e}");
+
+    // A shared gateway answers the same, counted in the base model's series.
+    let shared = shared_gateway(
+        config(),
+        vec![ModelRoute {
+            adapters: Some(t.clone()),
+            ..route("base")
+        }],
+        [("base".to_owned(), vec![])].into_iter().collect(),
+    )
+    .await;
+    let (status, headers, body) =
+        send_full(&client, chat_req(&shared.url(), &chat_for("a", false))).await;
+    check_answer(status, &headers, &body);
+    let state = shared.gateway.model("ns/base").unwrap().demand().state();
+    assert_eq!((state.pending(), state.lease()), (0, false), "{state:?}");
+    let text = gateway_metrics(&client, &shared).await;
+    assert_eq!(
+        metric(
+            &text,
+            "hearth_gateway_rejections_total{service=\"ns/base\",reason=\"adapter_unavailable\"}"
+        ),
+        Some(1.0),
+        "{text}"
+    );
+    let (_, v) = json(&client, &format!("{}/v1/models/a", shared.url())).await;
+    assert_eq!(v["hearth"]["state"], "unavailable", "{v}");
+    assert_eq!(v["hearth"]["loadedReplicas"], 0, "{v}");
 }

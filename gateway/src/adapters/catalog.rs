@@ -63,7 +63,8 @@ fn invalid(path: impl Into<String>, message: impl Into<String>) -> AdapterTableE
 }
 
 /// Checks `table`: the load and unload calls absolute paths, `maxLoaded` at least 1, every
-/// adapter with a name and a path, names unique.
+/// adapter with a name and a path, names unique, an `unavailable` message not empty when
+/// present.
 ///
 /// # Errors
 /// [`AdapterTableError::Invalid`] naming the first field at fault, its path relative to the
@@ -97,6 +98,12 @@ pub fn check(table: &AdapterTable) -> Result<(), AdapterTableError> {
                 "must not be empty: the adapter's directory as the engine sees it",
             ));
         }
+        if a.unavailable.as_ref().is_some_and(|m| m.trim().is_empty()) {
+            return Err(invalid(
+                format!("adapters[{i}].unavailable"),
+                "must not be empty when present: the message clients get while the adapter cannot be loaded (leave it out when it can)",
+            ));
+        }
         if let Some(j) = names.insert(&a.name, i) {
             return Err(invalid(
                 format!("adapters[{i}].name"),
@@ -119,6 +126,9 @@ pub struct Adapter {
     pub path: String,
     /// `<namespace>/<name>` of the LLMAdapter.
     pub object: String,
+    /// Why the engines cannot load it yet (its route's `unavailable`): its requests are
+    /// answered `503` at once, without a load. `None` when it can be loaded.
+    pub unavailable: Option<String>,
 }
 
 /// A model's adapters, by name, with the engine's load and unload calls.
@@ -149,6 +159,7 @@ impl Catalog {
                 name: Arc::from(a.name.as_str()),
                 path: a.path.clone(),
                 object: a.adapter.clone(),
+                unavailable: a.unavailable.clone(),
             });
             by_name.insert(adapter.name.clone(), adapter.clone());
             adapters.push(adapter);
@@ -221,6 +232,11 @@ mod tests {
     #[test]
     fn a_table_out_of_range_names_its_field() {
         assert_eq!(check(&table(vec![route("a"), route("b")])), Ok(()));
+        let fetching = AdapterRoute {
+            unavailable: Some("its files are being fetched".into()),
+            ..route("c")
+        };
+        assert_eq!(check(&table(vec![route("a"), fetching])), Ok(()));
         let cases: Vec<(AdapterTable, &str)> = vec![
             (
                 AdapterTable {
@@ -261,6 +277,13 @@ mod tests {
                 "adapters[1].path",
             ),
             (table(vec![route("a"), route("a")]), "adapters[1].name"),
+            (
+                table(vec![AdapterRoute {
+                    unavailable: Some(" ".into()),
+                    ..route("a")
+                }]),
+                "adapters[0].unavailable",
+            ),
         ];
         for (t, path) in cases {
             let e = check(&t).unwrap_err();

@@ -143,6 +143,15 @@ impl Lru {
         }
     }
 
+    /// Drops slot `id` of `name`, loaded, when the engine says it does not have it (another
+    /// replica unloaded it); nothing when the slot is another by now (a load of it begun
+    /// since) or still loading. Its holders give nothing back to the next slot.
+    pub(crate) fn lose(&mut self, name: &str, id: u64) {
+        if self.slots.get(name).is_some_and(|s| s.id == id && s.loaded) {
+            self.slots.remove(name);
+        }
+    }
+
     /// Forgets `name` (it is being unloaded: it left the table); whether it was loaded.
     pub(crate) fn forget(&mut self, name: &str) -> bool {
         self.slots.remove(name).is_some_and(|s| s.loaded)
@@ -355,6 +364,38 @@ mod tests {
         assert!(lru.is_loaded("a"));
         assert!(!lru.has("b"));
         assert!(lru.forget("a") && !lru.has("a") && !lru.forget("a"));
+    }
+
+    #[test]
+    fn a_lost_adapter_is_loaded_again_once() {
+        let mut lru = Lru::default();
+        let a: Arc<str> = Arc::from("a");
+        let (first, _) = lru.claim(&a);
+        lru.settle("a", first, true);
+        let (second, found) = lru.claim(&a);
+        assert_eq!((second, found), (first, Found::Loaded));
+        // Both requests get the engine's 404: the first drops the slot, and its next claim
+        // starts the load; the second's drop leaves that load alone and shares it.
+        lru.lose("a", first);
+        assert!(!lru.has("a"));
+        let (again, found) = lru.claim(&a);
+        assert_eq!(found, Found::Absent);
+        lru.lose("a", second);
+        assert!(lru.holds("a", again));
+        assert_eq!(lru.claim(&a), (again, Found::Loading));
+        // A slot still loading is not dropped either.
+        lru.lose("a", again);
+        assert!(lru.holds("a", again));
+        // The old slot's requests give nothing back to the new one.
+        lru.release("a", first);
+        lru.release("a", second);
+        lru.settle("a", again, true);
+        lru.release("a", again);
+        assert_eq!(
+            lru.evict_for("b", 1),
+            Vec::<Arc<str>>::new(),
+            "one claim holds it"
+        );
     }
 
     #[test]

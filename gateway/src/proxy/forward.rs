@@ -17,7 +17,7 @@ use crate::{
     fair::{Claim, Entry},
     gateway::Shared,
     model::Model,
-    upstream::{UpstreamBody, UpstreamPool},
+    upstream::{UpstreamBody, UpstreamError, UpstreamPool},
 };
 
 thread_local! {
@@ -252,8 +252,11 @@ fn build_upstream(
 /// flight ([`crate::fair`]; waiting for it, warm or cold, counts as the activation's wait too),
 /// waiting for an endpoint until `deadline` and retrying
 /// when a connection cannot be established (the request was not sent, so it is safe to
-/// resend). An endpoint that refused the connection or failed the request is ejected
-/// ([`EndpointGuard::eject`]): the retry and the next requests go to another ready one.
+/// resend). An adapter request whose engine answers `404` "does not exist" (another replica
+/// unloaded the adapter) gets the adapter loaded again and is sent once more to that engine
+/// (the body is kept for it, as for the retries). An endpoint that refused the connection or
+/// failed the request is ejected ([`EndpointGuard::eject`]): the retry and the next requests go
+/// to another ready one.
 /// With the sleeping tier, a `503` from an engine that says it is asleep is not relayed:
 /// the tier wakes it on demand, and a [`Cold`] request waits for an awake engine (see
 /// [`crate::sleep`]), while a [`Warm`] one fails with [`WarmError::Asleep`].
@@ -283,54 +286,61 @@ pub(super) async fn forward<A: Arrival>(
             .is_some_and(|t| state.adapters.has(a, &t.adapter.name))
     };
     let prefer: Preference<'_> = out.adapter.as_ref().map(|_| (&has_adapter as _, bound));
-    loop {
+    // Whether the request was sent once more after its engine said it lost the adapter.
+    let mut resent = false;
+    'endpoint: loop {
         let ep = acquire_endpoint(&state.backends, deadline, prefer)
             .await
             .ok_or(HoldError::Timeout)?;
-        let adapter = match &out.adapter {
+        let mut adapter = match &out.adapter {
             None => None,
-            Some(target) => match load_adapter(shared, model, target, &ep, deadline).await {
-                None => return Err(HoldError::Timeout.into()),
-                Some(Ok(held)) => Some(held),
-                Some(Err(failure)) => {
-                    match failure {
-                        LoadFailure::Connect(e) => {
-                            metrics.upstream_error("connect");
-                            tracing::debug!(endpoint = %ep.endpoint().authority(), error = %e, "backend refused the connection of an adapter load; retrying");
-                            ep.eject();
-                        }
-                        // The engine sleeps (another replica put it to sleep): as below.
-                        f if f.status() == Some(StatusCode::SERVICE_UNAVAILABLE)
-                            && found_asleep(model, &ep).await =>
-                        {
-                            if let Some(e) = A::asleep() {
-                                return Err(e);
-                            }
-                            state.lease.raise();
-                        }
-                        f => {
-                            if matches!(f, LoadFailure::Broken(_)) {
-                                metrics.upstream_error("request");
-                                ep.eject();
-                            }
-                            let name = &target.adapter.name;
-                            return Err(HoldError::Adapter(AdapterError::new(name, &f)).into());
-                        }
-                    }
+            Some(target) => match hold_adapter::<A>(shared, model, target, &ep, deadline).await? {
+                Some(held) => Some(held),
+                None => {
                     drop(ep);
-                    let now = Instant::now();
-                    if now >= deadline {
-                        return Err(HoldError::Timeout.into());
-                    }
-                    tokio::time::sleep(backoff.min(deadline - now)).await;
-                    backoff = (backoff * 2).min(Duration::from_millis(500));
+                    pause(&mut backoff, deadline).await?;
                     continue;
                 }
             },
         };
-        let req = build_upstream(out, &ep).map_err(HoldError::Upstream)?;
-        let sent = Instant::now();
-        match shared.upstream().send(ep.endpoint().authority(), req).await {
+        let (answer, sent) = 'send: loop {
+            let req = build_upstream(out, &ep).map_err(HoldError::Upstream)?;
+            let sent = Instant::now();
+            let answer = shared.upstream().send(ep.endpoint().authority(), req).await;
+            let answer = match (answer, out.adapter.as_ref(), adapter.take()) {
+                (Ok(resp), Some(target), Some(held))
+                    if resp.status() == StatusCode::NOT_FOUND && !resent =>
+                {
+                    match lost_adapter(resp).await {
+                        Ok(Err(resp)) => {
+                            adapter = Some(held);
+                            Ok(resp)
+                        }
+                        Err(e) => Err(UpstreamError::Request(e)),
+                        Ok(Ok(())) => {
+                            resent = true;
+                            match reload::<A>(shared, model, target, &ep, held, deadline).await? {
+                                Some(held) => {
+                                    adapter = Some(held);
+                                    continue 'send;
+                                }
+                                None => {
+                                    drop(ep);
+                                    pause(&mut backoff, deadline).await?;
+                                    continue 'endpoint;
+                                }
+                            }
+                        }
+                    }
+                }
+                (answer, _, held) => {
+                    adapter = held;
+                    answer
+                }
+            };
+            break (answer, sent);
+        };
+        match answer {
             Ok(resp)
                 if resp.status() == StatusCode::SERVICE_UNAVAILABLE
                     && found_asleep(model, &ep).await =>
@@ -343,12 +353,7 @@ pub(super) async fn forward<A: Arrival>(
                     return Err(e);
                 }
                 state.lease.raise();
-                let now = Instant::now();
-                if now >= deadline {
-                    return Err(HoldError::Timeout.into());
-                }
-                tokio::time::sleep(backoff.min(deadline - now)).await;
-                backoff = (backoff * 2).min(Duration::from_millis(500));
+                pause(&mut backoff, deadline).await?;
             }
             Ok(resp) => {
                 metrics.upstream_latency(sent.elapsed().as_secs_f64());
@@ -375,12 +380,7 @@ pub(super) async fn forward<A: Arrival>(
                 // Another ready endpoint, if any, gets the retry (and the next requests).
                 ep.eject();
                 drop((ep, adapter));
-                let now = Instant::now();
-                if now >= deadline {
-                    return Err(HoldError::Timeout.into());
-                }
-                tokio::time::sleep(backoff.min(deadline - now)).await;
-                backoff = (backoff * 2).min(Duration::from_millis(500));
+                pause(&mut backoff, deadline).await?;
             }
             Err(e) => {
                 metrics.upstream_error("request");
@@ -390,6 +390,132 @@ pub(super) async fn forward<A: Arrival>(
                 return Err(HoldError::Upstream(format!("the backend failed: {e}")).into());
             }
         }
+    }
+}
+
+/// Sleeps `backoff` (no later than `deadline`) before the next attempt, and doubles it (at
+/// most 500 ms).
+///
+/// # Errors
+/// [`HoldError::Timeout`] when the deadline has passed.
+async fn pause(backoff: &mut Duration, deadline: Instant) -> Result<(), HoldError> {
+    let now = Instant::now();
+    if now >= deadline {
+        return Err(HoldError::Timeout);
+    }
+    tokio::time::sleep((*backoff).min(deadline - now)).await;
+    *backoff = (*backoff * 2).min(Duration::from_millis(500));
+    Ok(())
+}
+
+/// Loads `target`'s adapter into the engine of `ep` (unless it has it) and holds it there
+/// for the request: `None` when the request may try again, on another engine or after a
+/// wake-up ([`load_failed`]).
+///
+/// # Errors
+/// [`HoldError::Timeout`] at `deadline`, or the answer to the request ([`load_failed`]).
+async fn hold_adapter<A: Arrival>(
+    shared: &Shared,
+    model: &Model,
+    target: &Target,
+    ep: &EndpointGuard,
+    deadline: Instant,
+) -> Result<Option<AdapterUse>, A::Error> {
+    match load_adapter(shared, model, target, ep, deadline).await {
+        None => Err(HoldError::Timeout.into()),
+        Some(Ok(held)) => Ok(Some(held)),
+        Some(Err(failure)) => {
+            load_failed::<A>(model, ep, target, failure).await?;
+            Ok(None)
+        }
+    }
+}
+
+/// The engine of `ep` said it does not have `held`'s adapter (another replica unloaded it):
+/// drops it from the engine's slots, counts and logs it, and loads it again (sharing the load
+/// with the other requests that found it lost) as [`hold_adapter`] does.
+///
+/// # Errors
+/// As [`hold_adapter`].
+async fn reload<A: Arrival>(
+    shared: &Shared,
+    model: &Model,
+    target: &Target,
+    ep: &EndpointGuard,
+    held: AdapterUse,
+    deadline: Instant,
+) -> Result<Option<AdapterUse>, A::Error> {
+    tracing::info!(service = %model.cfg.key, adapter = %held.name(), engine = %held.engine(), "the engine no longer has the adapter; loading it again");
+    let name = Arc::from(model.name().unwrap_or_default());
+    model.state.metrics.adapter_reload(&name, held.name());
+    held.lost();
+    hold_adapter::<A>(shared, model, target, ep, deadline).await
+}
+
+/// After `failure` to load `target`'s adapter into the engine of `ep`: `Ok` when the request
+/// may try again (a connection refused: the endpoint is ejected; an engine found asleep: a
+/// cold request waits for its wake-up).
+///
+/// # Errors
+/// The answer to the request: the adapter's error, or [`WarmError::Asleep`] for a warm
+/// request that found its engine asleep.
+async fn load_failed<A: Arrival>(
+    model: &Model,
+    ep: &EndpointGuard,
+    target: &Target,
+    failure: LoadFailure,
+) -> Result<(), A::Error> {
+    let metrics = &model.state.metrics;
+    match failure {
+        LoadFailure::Connect(e) => {
+            metrics.upstream_error("connect");
+            tracing::debug!(endpoint = %ep.endpoint().authority(), error = %e, "backend refused the connection of an adapter load; retrying");
+            ep.eject();
+            Ok(())
+        }
+        // The engine sleeps (another replica put it to sleep): as for a request's `503`.
+        f if f.status() == Some(StatusCode::SERVICE_UNAVAILABLE)
+            && found_asleep(model, ep).await =>
+        {
+            if let Some(e) = A::asleep() {
+                return Err(e);
+            }
+            model.state.lease.raise();
+            Ok(())
+        }
+        f => {
+            if matches!(f, LoadFailure::Broken(_)) {
+                metrics.upstream_error("request");
+                ep.eject();
+            }
+            let name = &target.adapter.name;
+            Err(HoldError::Adapter(AdapterError::new(name, &f)).into())
+        }
+    }
+}
+
+/// Largest part of a `404` answer to an adapter request read to see whether the engine lost
+/// the adapter, in bytes (vLLM's error is about 150).
+const LOST_PEEK_LIMIT: usize = 16 * 1024;
+
+/// How long reading that part may take.
+const LOST_PEEK_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Whether `resp`, a `404` to an adapter request, says the engine does not have the adapter
+/// ([`crate::adapters::engine_lost`]): `Ok(Ok(()))`, the answer read and dropped; else the
+/// answer to relay, unchanged (`Ok(Err(resp))`).
+///
+/// # Errors
+/// Its body failed.
+async fn lost_adapter(
+    resp: hyper::Response<UpstreamBody>,
+) -> Result<Result<(), hyper::Response<UpstreamBody>>, hyper::Error> {
+    let (parts, mut body) = resp.into_parts();
+    let seen = body.peek(LOST_PEEK_LIMIT, LOST_PEEK_TIMEOUT).await?;
+    if crate::adapters::engine_lost(&seen) {
+        Ok(Ok(()))
+    } else {
+        Ok(Err(hyper::Response::from_parts(parts, body)))
     }
 }
 

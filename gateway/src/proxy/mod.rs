@@ -11,7 +11,9 @@
 //!    the body's `model` and looks it up in its route table (400 without one, 404 for a model
 //!    it does not serve). A LoRA adapter's name leads to its base model, and the adapter is
 //!    loaded into the engine the request is sent to, on demand ([`crate::adapters`]); a
-//!    single-service gateway reads the body's `model` only when its model has adapters;
+//!    single-service gateway reads the body's `model` only when its model has adapters. An
+//!    adapter its engines cannot load yet (its route's `unavailable`) is answered `503` here,
+//!    before admission;
 //! 4. `admit`: a cold request's model (404, only with served model names), draining again,
 //!    the tenant's quotas (429 `rate_limit_exceeded`), a slot of the model's `maxQueue` (429);
 //! 5. a ready endpoint of the model? forward (`forward`, once the model's fair queue gives the
@@ -167,6 +169,9 @@ where
     };
     if shared.single.is_none() {
         tracker.metrics = model.state.metrics.clone();
+    }
+    if let Err(rejection) = route::available(adapter.as_ref()) {
+        return refuse(&shared, tracker, rejection);
     }
     let cold = !model.state.backends.is_ready();
     let admit::Admitted {

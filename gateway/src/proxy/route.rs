@@ -5,7 +5,8 @@
 //! lock-free, where an adapter's name leads to its base model: a request without one gets
 //! `400` ([`Rejection::ModelRequired`]), one naming a model not in the table `404`
 //! ([`Rejection::UnknownModel`], OpenAI's `model_not_found`). Both are answered at once and
-//! raise no demand anywhere.
+//! raise no demand anywhere; so is a request for an adapter its engines cannot load yet
+//! ([`available`]).
 
 use std::sync::Arc;
 
@@ -33,6 +34,19 @@ fn adapter(model: &Model, hints: &RequestHints) -> Option<Target> {
         return None;
     }
     model.state.adapters.target(name)
+}
+
+/// Refuses a request for an adapter whose route says its engines cannot load it yet
+/// ([`Rejection::AdapterUnavailable`], `503` with `Retry-After`): checked before admission,
+/// so it tries no load, raises no demand and wakes no engine.
+pub(super) fn available(adapter: Option<&Target>) -> Result<(), Rejection> {
+    match adapter.and_then(|t| Some((t, t.adapter.unavailable.as_ref()?))) {
+        Some((t, reason)) => Err(Rejection::AdapterUnavailable {
+            adapter: t.adapter.name.to_string(),
+            reason: reason.clone(),
+        }),
+        None => Ok(()),
+    }
 }
 
 /// The model of the request with head `parts` and read `body`.

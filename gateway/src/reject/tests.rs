@@ -23,6 +23,10 @@ fn one_of_each() -> Vec<Rejection> {
         },
         Rejection::ModelRequired,
         Rejection::UnknownModel { model: "m".into() },
+        Rejection::AdapterUnavailable {
+            adapter: "sql".into(),
+            reason: "its files are being fetched".into(),
+        },
         Rejection::RateLimited(Box::new(limited(crate::quota::Limit::Requests))),
         Rejection::RateLimited(Box::new(limited(crate::quota::Limit::Tokens))),
         Rejection::QueueFull { max_queue: 3 },
@@ -45,6 +49,7 @@ fn one_of_each() -> Vec<Rejection> {
             | Rejection::MalformedBody { .. }
             | Rejection::ModelRequired
             | Rejection::UnknownModel { .. }
+            | Rejection::AdapterUnavailable { .. }
             | Rejection::RateLimited(_)
             | Rejection::QueueFull { .. }
             | Rejection::ColdReject
@@ -144,6 +149,13 @@ fn messages_name_what_to_change() {
     assert_eq!(
         msg(Rejection::Unauthorized { missing: false }),
         "Incorrect API key provided."
+    );
+    assert_eq!(
+        msg(Rejection::AdapterUnavailable {
+            adapter: "sql".into(),
+            reason: "its files are being fetched".into()
+        }),
+        "The adapter `sql` cannot be loaded yet: its files are being fetched"
     );
     assert_eq!(
         msg(Rejection::QueueFull { max_queue: 3 }),
