@@ -262,6 +262,7 @@ fn render(args: RenderArgs) -> anyhow::Result<()> {
             Some(resolved.runtime),
             &adapters,
             &[],
+            &|_, _| None,
             &|_| None,
         );
         if let Some(e) = findings.first_error() {

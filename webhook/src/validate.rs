@@ -180,6 +180,13 @@ pub fn llmadapter(adapter: &LLMAdapter, old: Option<&LLMAdapter>, snapshot: &Sna
             .and_then(|store| store.get(&ObjectRef::new(ns)))
             .map(|n| n.metadata.labels.clone().unwrap_or_default())
     };
+    let other_base = |ns: &str, name: &str| {
+        let svc = stores?.services.get(&ObjectRef::new(name).within(ns))?;
+        let rt = resolve_runtime(snapshot.runtime_list(), &Selection::from_service(&svc))
+            .ok()
+            .cloned();
+        Some((LLMService::clone(&svc), rt))
+    };
     let mut f = Findings::default();
     for finding in rules::adapters::check_llmadapter_among(
         adapter,
@@ -187,6 +194,7 @@ pub fn llmadapter(adapter: &LLMAdapter, old: Option<&LLMAdapter>, snapshot: &Sna
         runtime,
         adapters.iter().map(|a| &**a),
         &endpoint_models,
+        &other_base,
         &labels_of,
     ) {
         match finding.severity {

@@ -74,8 +74,8 @@ fn adapter(name: &str, spec: Value) -> Value {
 
 /// The cluster the reviews see: runtime `lora` (maxRank 32, maxAdapters 2) and `plain` (no
 /// adapters); in team-a the base `qwen` on `lora` (on the shared endpoint `shared`, whose other
-/// model is `llama`), `mistral` on `plain`, and the adapter `sql` (created earlier) on `qwen`;
-/// namespace team-b labelled `adapters: qwen`.
+/// model is `llama`, of team-c, with its adapter `docs`), `mistral` on `plain`, and the adapter
+/// `sql` (created earlier) on `qwen`; namespace team-b labelled `adapters: qwen`.
 fn app() -> axum::Router {
     let runtimes = [
         runtime("lora", json!({"maxRank": 32, "maxAdapters": 2})),
@@ -95,6 +95,16 @@ fn app() -> axum::Router {
             {"name": "llama", "namespace": "team-c", "service": "llama"},
         ]},
     });
+    // The endpoint's other base, llama in team-c, with its adapter `docs`.
+    let mut llama = service(
+        "llama",
+        "lora",
+        json!({"endpoint": {"sharedEndpointRef": {"name": "shared", "namespace": "team-a"}}}),
+    );
+    llama["metadata"]["namespace"] = json!("team-c");
+    let mut docs = adapter("docs", json!({"serviceRef": {"name": "llama"}}));
+    docs["metadata"]["namespace"] = json!("team-c");
+    docs["metadata"]["creationTimestamp"] = json!("2026-12-01T00:00:00Z");
     snapshot.serving = Some(ServingStores {
         services: store::<LLMService>(vec![
             service(
@@ -103,8 +113,9 @@ fn app() -> axum::Router {
                 json!({"endpoint": {"sharedEndpointRef": {"name": "shared"}}}),
             ),
             service("mistral", "plain", json!({})),
+            llama,
         ]),
-        adapters: store::<LLMAdapter>(vec![sql]),
+        adapters: store::<LLMAdapter>(vec![sql, docs]),
         endpoints: store::<LLMEndpoint>(vec![endpoint]),
     });
     snapshot.namespaces = Some(store::<Namespace>(vec![
@@ -143,6 +154,7 @@ async fn adapters_within_their_runtime_s_limits_are_allowed(
 #[case::name_of_a_sibling(adapter("sql-v2", json!({"servedName": "sql"})), "spec.servedName", "taken by LLMAdapter team-a/sql")]
 #[case::name_of_the_base(adapter("qwen", json!({})), "metadata.name", "taken by LLMService team-a/qwen")]
 #[case::name_on_the_endpoint(adapter("chat", json!({"servedName": "llama"})), "spec.servedName", "LLMService team-c/llama (on the same LLMEndpoint)")]
+#[case::name_of_an_adapter_on_the_endpoint(adapter("chat", json!({"servedName": "docs"})), "spec.servedName", "taken by LLMAdapter team-c/docs (on the same LLMEndpoint, an adapter of another base)")]
 #[case::runtime_without_adapters(adapter("chat", json!({"serviceRef": {"name": "mistral"}})), "spec.serviceRef", "InferenceRuntime plain, which does not serve adapters")]
 #[case::other_namespace(json!({"apiVersion": "serving.hearth.dev/v1alpha1", "kind": "LLMAdapter", "metadata": {"name": "chat", "namespace": "team-b"}, "spec": {"serviceRef": {"name": "qwen", "namespace": "team-a"}, "source": {"uri": "hf://acme/x"}}}), "spec.serviceRef", "admits adapters of its own namespace only")]
 #[case::source(adapter("chat", json!({"source": {"uri": "s3://bucket/lora"}})), "spec.source.uri", "")]

@@ -111,18 +111,34 @@ pub(super) fn findings(adapter: &LLMAdapter, ctx: &Context) -> Findings {
         runtime.map(AsRef::as_ref),
         adapters.iter().map(AsRef::as_ref),
         &endpoint_models,
+        &|ns, name| other_base(ctx, ns, name),
         &|ns| labels_of(ctx, ns),
     )
+}
+
+/// An LLMService and its resolved runtime, from the caches (the endpoint's other bases, for
+/// [`rules::adapters::endpoint_rivals`]).
+fn other_base(
+    ctx: &Context,
+    ns: &str,
+    name: &str,
+) -> Option<(LLMService, Option<hearth_crds::InferenceRuntime>)> {
+    let svc = get_in(&ctx.llmservices, ns, name)?;
+    let runtimes = ctx.runtimes.state();
+    let rt = resolve_runtime(&svc, runtimes.iter().map(AsRef::as_ref))
+        .ok()
+        .map(|r| r.runtime.clone());
+    Some((LLMService::clone(&svc), rt))
 }
 
 /// The adapters of `svc` decided oldest first by the rule, with their findings
 /// (`rules::adapters::check_base_adapters`): one pass for every adapter of the base.
 pub(super) fn base_adapters(ctx: &Context, svc: &LLMService) -> Vec<(LLMAdapter, Findings)> {
     let (ns, name) = (svc.namespace().unwrap_or_default(), svc.name_any());
-    let adapters: Vec<Arc<LLMAdapter>> = ctx
-        .adapters
-        .state()
-        .into_iter()
+    let all = ctx.adapters.state();
+    let adapters: Vec<&LLMAdapter> = all
+        .iter()
+        .map(AsRef::as_ref)
         .filter(|a| a.service_namespace() == ns && a.spec.service_ref.name == name)
         .collect();
     if adapters.is_empty() {
@@ -131,11 +147,19 @@ pub(super) fn base_adapters(ctx: &Context, svc: &LLMService) -> Vec<(LLMAdapter,
     let (runtime, endpoint_models) = base_context(ctx, Some(svc));
     let runtimes = ctx.runtimes.state();
     let runtime = runtime.and_then(|name| runtimes.iter().find(|r| r.name_any() == name));
+    let rivals = rules::adapters::endpoint_rivals(
+        svc,
+        all.iter().map(AsRef::as_ref),
+        &endpoint_models,
+        &|ns, name| other_base(ctx, ns, name),
+        &|ns| labels_of(ctx, ns),
+    );
     rules::adapters::check_base_adapters(
         Some(svc),
         runtime.map(AsRef::as_ref),
-        adapters.iter().map(AsRef::as_ref),
+        adapters,
         &endpoint_models,
+        &rivals,
         &|ns| labels_of(ctx, ns),
     )
     .into_iter()
@@ -565,7 +589,10 @@ mod tests {
     #[test]
     fn a_missing_base_is_not_accepted_though_admission_only_warned() {
         let a = adapter();
-        let f = rules::adapters::check_llmadapter_among(&a, None, None, [], &[], &|_| None);
+        let f =
+            rules::adapters::check_llmadapter_among(&a, None, None, [], &[], &|_, _| None, &|_| {
+                None
+            });
         assert!(!f.blocks_rendering());
         let c = accepted(&f);
         assert_eq!((c.status, c.reason.as_str()), ("False", "ServiceNotFound"));
@@ -579,7 +606,10 @@ mod tests {
     fn the_reconciler_owns_acceptance_and_keeps_its_transition_time() {
         let mut a = adapter();
         let t0 = Time("2026-12-01T00:00:00Z".parse().unwrap());
-        let f = rules::adapters::check_llmadapter_among(&a, None, None, [], &[], &|_| None);
+        let f =
+            rules::adapters::check_llmadapter_among(&a, None, None, [], &[], &|_, _| None, &|_| {
+                None
+            });
         let first = adapter_status(&a, &f, &t0);
         assert_eq!(first.served_name.as_deref(), Some("sql"));
         assert_eq!(first.observed_generation, Some(3));

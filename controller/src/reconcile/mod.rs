@@ -1308,12 +1308,14 @@ pub async fn run(
             // An adapter's change (created, edited, deleted) changes what its base renders, and
             // the route of the endpoint the base joins.
             if let Ok(a) = &a {
-                // Its siblings' acceptance may change with it (a place or a name freed).
+                // Its siblings' acceptance may change with it (a place or a name freed), and
+                // that of the adapters of other bases with its name (rivals on an endpoint).
                 for s in adapter_siblings.state() {
-                    if s.service_namespace() == a.service_namespace()
-                        && s.spec.service_ref.name == a.spec.service_ref.name
-                        && s.metadata.name != a.metadata.name
-                    {
+                    let sibling = s.service_namespace() == a.service_namespace()
+                        && s.spec.service_ref.name == a.spec.service_ref.name;
+                    let same_object = s.metadata.namespace == a.metadata.namespace
+                        && s.metadata.name == a.metadata.name;
+                    if (sibling || s.served_name() == a.served_name()) && !same_object {
                         let _ = adapter_sibling_tx.unbounded_send(ObjectRef::from_obj(s.as_ref()));
                     }
                 }

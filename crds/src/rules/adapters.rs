@@ -78,12 +78,7 @@ pub fn check_llmadapter(adapter: &LLMAdapter, ctx: &AdapterContext<'_>) -> Findi
         object_name(&mut f, "spec.source.secretRef.name", &secret.name);
     }
     let served = adapter.served_name();
-    // The field the served name comes from.
-    let name_field = if spec.served_name.is_some() {
-        "spec.servedName"
-    } else {
-        "metadata.name"
-    };
+    let name_field = name_field(adapter);
     if !is_served_name(served) {
         f.error(
             Reason::InvalidSpec,
@@ -300,32 +295,114 @@ fn source_on_base(f: &mut Findings, adapter: &LLMAdapter, svc: &LLMService, base
     }
 }
 
+/// Looks up another base on the same endpoint by namespace and name: the LLMService and its
+/// resolved runtime, when they exist.
+pub type BaseLookup<'a> = &'a dyn Fn(&str, &str) -> Option<(LLMService, Option<InferenceRuntime>)>;
+
 /// Checks `adapter` among the cluster's objects: `service` its base and `runtime` the base's
 /// resolved runtime (when they exist), `adapters` every adapter the caller knows (the base's
-/// are picked out; `adapter` itself, by namespace and name, is replaced by the one given),
-/// `endpoint_models` the `status.models` of the shared endpoint the base joins (empty without
-/// one), and `labels_of` a namespace's labels (for `from: Selector`; `None` when unknown). The
-/// webhook and the controller both call this, so what is admitted is what is accepted.
+/// are picked out, and those of the other bases on the base's shared endpoint; `adapter`
+/// itself, by namespace and name, is replaced by the one given), `endpoint_models` the
+/// `status.models` of the shared endpoint the base joins (empty without one), `other_base`
+/// the endpoint's other LLMServices ([`BaseLookup`]), and `labels_of` a namespace's labels
+/// (for `from: Selector`; `None` when unknown). The webhook and the controller both call
+/// this, so what is admitted is what is accepted.
 pub fn check_llmadapter_among<'a>(
     adapter: &'a LLMAdapter,
     service: Option<&LLMService>,
     runtime: Option<&InferenceRuntime>,
     adapters: impl IntoIterator<Item = &'a LLMAdapter>,
     endpoint_models: &[EndpointModel],
+    other_base: BaseLookup<'_>,
     labels_of: &dyn Fn(&str) -> Option<BTreeMap<String, String>>,
 ) -> Findings {
     let key = |a: &LLMAdapter| (a.metadata.namespace.clone(), a.metadata.name.clone());
     let own = key(adapter);
     let base = base_of(adapter);
-    let siblings = adapters
+    let others: Vec<&LLMAdapter> = adapters.into_iter().filter(|a| key(a) != own).collect();
+    let rivals = service
+        .map(|svc| {
+            endpoint_rivals(
+                svc,
+                others.iter().copied(),
+                endpoint_models,
+                other_base,
+                labels_of,
+            )
+        })
+        .unwrap_or_default();
+    let siblings = others
         .into_iter()
-        .filter(|a| key(a) != own && base_of(a) == base)
+        .filter(|a| base_of(a) == base)
         .filter(|a| comes_before(a, adapter))
         .chain(std::iter::once(adapter));
-    check_base_adapters(service, runtime, siblings, endpoint_models, labels_of)
-        .pop()
-        .map(|(_, f)| f)
-        .unwrap_or_default()
+    check_base_adapters(
+        service,
+        runtime,
+        siblings,
+        endpoint_models,
+        &rivals,
+        labels_of,
+    )
+    .pop()
+    .map(|(_, f)| f)
+    .unwrap_or_default()
+}
+
+/// The accepted adapters of the other LLMServices on the shared endpoint `svc` joins (its
+/// `endpoint_models`), among `adapters`: each other base's adapters decided by
+/// [`check_base_adapters`] on that base (without rivals of their own: between bases, the
+/// older adapter keeps a name, see [`check_base_adapters`]). Empty without an endpoint.
+pub fn endpoint_rivals<'a>(
+    svc: &LLMService,
+    adapters: impl IntoIterator<Item = &'a LLMAdapter>,
+    endpoint_models: &[EndpointModel],
+    other_base: BaseLookup<'_>,
+    labels_of: &dyn Fn(&str) -> Option<BTreeMap<String, String>>,
+) -> Vec<&'a LLMAdapter> {
+    let own = (
+        svc.metadata.namespace.clone().unwrap_or_default(),
+        svc.metadata.name.clone().unwrap_or_default(),
+    );
+    let bases: Vec<(String, String)> = endpoint_models
+        .iter()
+        .filter(|m| {
+            m.kind
+                .is_none_or(|k| k == crate::llmendpoint::MemberKind::LLMService)
+        })
+        .map(|m| (m.namespace.clone(), m.service.clone()))
+        .filter(|b| *b != own)
+        .collect();
+    if bases.is_empty() {
+        return Vec::new();
+    }
+    let mut by_base: BTreeMap<(String, String), Vec<&'a LLMAdapter>> = BTreeMap::new();
+    for a in adapters {
+        let b = base_of(a);
+        if bases.contains(&b) {
+            by_base.entry(b).or_default().push(a);
+        }
+    }
+    let mut out = Vec::new();
+    for ((ns, name), list) in by_base {
+        let Some((other, rt)) = other_base(&ns, &name) else {
+            continue;
+        };
+        out.extend(
+            check_base_adapters(
+                Some(&other),
+                rt.as_ref(),
+                list,
+                endpoint_models,
+                &[],
+                labels_of,
+            )
+            .into_iter()
+            .filter(|(_, f)| !f.blocks_rendering())
+            .map(|(a, _)| a),
+        );
+    }
+    out
 }
 
 /// `(namespace, name)` of `a`'s base service.
@@ -338,13 +415,16 @@ fn base_of(a: &LLMAdapter) -> (String, String) {
 
 /// The findings of each of one base's `adapters`, decided oldest first ([`comes_before`]): each
 /// against the base, its runtime, `endpoint_models` and the adapters before it that were
-/// accepted (no error), which take a place of `maxAdapters` and their names. Returned oldest
-/// first. `labels_of` as for [`check_llmadapter_among`]. O(n log n) in the adapters.
+/// accepted (no error), which take a place of `maxAdapters` and their names, and against
+/// `rivals`, the accepted adapters of the endpoint's other bases ([`endpoint_rivals`]): a
+/// rival older than the adapter keeps a name they share. Returned oldest first. `labels_of` as
+/// for [`check_llmadapter_among`]. O(n log n) in the adapters.
 pub fn check_base_adapters<'a>(
     service: Option<&LLMService>,
     runtime: Option<&InferenceRuntime>,
     adapters: impl IntoIterator<Item = &'a LLMAdapter>,
     endpoint_models: &[EndpointModel],
+    rivals: &[&LLMAdapter],
     labels_of: &dyn Fn(&str) -> Option<BTreeMap<String, String>>,
 ) -> Vec<(&'a LLMAdapter, Findings)> {
     let mut ordered: Vec<&LLMAdapter> = adapters.into_iter().collect();
@@ -356,7 +436,7 @@ pub fn check_base_adapters<'a>(
     let mut out = Vec::with_capacity(ordered.len());
     for a in ordered {
         let labels = labels_of(a.metadata.namespace.as_deref().unwrap_or_default());
-        let f = check_llmadapter(
+        let mut f = check_llmadapter(
             a,
             &AdapterContext {
                 service,
@@ -366,6 +446,23 @@ pub fn check_base_adapters<'a>(
                 taken: service.map(|_| &taken),
             },
         );
+        if service.is_some()
+            && !f.0.iter().any(|x| x.reason == Reason::ModelNameConflict)
+            && let Some(rival) = rivals
+                .iter()
+                .find(|r| r.served_name() == a.served_name() && comes_before(r, a))
+        {
+            f.error(
+                Reason::ModelNameConflict,
+                name_field(a),
+                format!(
+                    "the model name {:?} is taken by {} (on the same LLMEndpoint, an adapter of \
+                     another base); set spec.servedName to another name",
+                    a.served_name(),
+                    adapter_label(rival)
+                ),
+            );
+        }
         if service.is_some() && runtime.is_some() && !f.blocks_rendering() {
             accepted += 1;
             taken
@@ -375,6 +472,15 @@ pub fn check_base_adapters<'a>(
         out.push((a, f));
     }
     out
+}
+
+/// The field `a`'s served name comes from: `spec.servedName`, else `metadata.name`.
+fn name_field(a: &LLMAdapter) -> &'static str {
+    if a.spec.served_name.is_some() {
+        "spec.servedName"
+    } else {
+        "metadata.name"
+    }
 }
 
 /// `LLMAdapter <namespace>/<name>`.

@@ -371,7 +371,7 @@ fn only_accepted_adapters_take_a_place_and_a_name() {
     let chat = at(sql.clone(), "chat", "2026-01-04T00:00:00Z");
     let extra = at(sql.clone(), "extra", "2026-01-05T00:00:00Z");
     let all = [&extra, &chat, &sql, &big, &foreign];
-    let decided = check_base_adapters(Some(&svc), Some(&rt), all, &[], &|_| None);
+    let decided = check_base_adapters(Some(&svc), Some(&rt), all, &[], &[], &|_| None);
     let reasons: Vec<(&str, Option<&str>)> = decided
         .iter()
         .map(|(a, f)| {
@@ -393,9 +393,25 @@ fn only_accepted_adapters_take_a_place_and_a_name() {
         ]
     );
     // One adapter among them gets the same verdict.
-    let f = check_llmadapter_among(&chat, Some(&svc), Some(&rt), all, &[], &|_| None);
+    let f = check_llmadapter_among(
+        &chat,
+        Some(&svc),
+        Some(&rt),
+        all,
+        &[],
+        &|_, _| None,
+        &|_| None,
+    );
     assert!(f.is_empty(), "{f}");
-    let f = check_llmadapter_among(&extra, Some(&svc), Some(&rt), all, &[], &|_| None);
+    let f = check_llmadapter_among(
+        &extra,
+        Some(&svc),
+        Some(&rt),
+        all,
+        &[],
+        &|_, _| None,
+        &|_| None,
+    );
     assert_eq!(f.first_error().unwrap().reason, Reason::TooManyAdapters);
 }
 
@@ -409,9 +425,25 @@ fn a_new_adapter_is_judged_the_youngest() {
     let mut alpha = sql();
     alpha.metadata.name = Some("alpha".into());
     alpha.spec.served_name = Some("zeta".into());
-    let f = check_llmadapter_among(&alpha, Some(&svc), Some(&rt), [&zeta], &[], &|_| None);
+    let f = check_llmadapter_among(
+        &alpha,
+        Some(&svc),
+        Some(&rt),
+        [&zeta],
+        &[],
+        &|_, _| None,
+        &|_| None,
+    );
     assert_eq!(f.first_error().unwrap().reason, Reason::ModelNameConflict);
-    let f = check_llmadapter_among(&zeta, Some(&svc), Some(&rt), [&alpha], &[], &|_| None);
+    let f = check_llmadapter_among(
+        &zeta,
+        Some(&svc),
+        Some(&rt),
+        [&alpha],
+        &[],
+        &|_, _| None,
+        &|_| None,
+    );
     assert!(f.is_empty(), "{f}");
 }
 
@@ -442,11 +474,6 @@ fn a_hub_adapter_needs_its_bases_model_cache(
     let mut a = sql();
     a.spec.source.uri = uri.into();
     let mut svc = base("");
-    let extra: LLMService = serde_yaml::from_str(&format!(
-        "apiVersion: serving.hearth.dev/v1alpha1\nkind: LLMService\nmetadata: {{name: qwen, namespace: team-a}}\nspec: {{model: {{source: {{uri: 'hf://Qwen/Qwen2.5-0.5B-Instruct'}}}}}}\n"
-    ))
-    .unwrap();
-    svc.spec = extra.spec;
     let patch: serde_yaml::Value = serde_yaml::from_str(&format!("{{{base_spec}}}")).unwrap();
     let mut spec = serde_yaml::to_value(&svc.spec).unwrap();
     if let (serde_yaml::Value::Mapping(s), serde_yaml::Value::Mapping(p)) = (&mut spec, patch) {
@@ -521,4 +548,82 @@ fn a_claim_adapter_must_be_in_its_bases_namespace() {
     );
     a.metadata.namespace = Some("team-a".into());
     assert!(check_llmadapter(&a, &ctx).is_empty());
+}
+
+/// Two bases on one endpoint: an adapter name is kept by the older of two adapters of
+/// different bases; a rival refused on its own base takes no name.
+#[test]
+fn an_adapter_name_on_an_endpoint_goes_to_the_older_adapter_of_any_base() {
+    let svc = base("");
+    let rt = lora_runtime();
+    let mut llama = base("");
+    llama.metadata.name = Some("llama".into());
+    let models = [
+        EndpointModel {
+            name: "qwen".into(),
+            namespace: "team-a".into(),
+            service: "qwen".into(),
+            kind: None,
+        },
+        EndpointModel {
+            name: "llama".into(),
+            namespace: "team-a".into(),
+            service: "llama".into(),
+            kind: None,
+        },
+    ];
+    let on_llama = |name: &str, ts: &str| {
+        let mut a = at(sql(), name, ts);
+        a.spec.service_ref.name = "llama".into();
+        a.spec.served_name = Some("docs".into());
+        a
+    };
+    let mut ours = at(sql(), "docs", "2026-12-02T00:00:00Z");
+    ours.spec.served_name = Some("docs".into());
+    let lookup = |ns: &str, name: &str| {
+        (ns == "team-a" && name == "llama").then(|| (llama.clone(), Some(rt.clone())))
+    };
+    let check = |others: &[&LLMAdapter]| {
+        check_llmadapter_among(
+            &ours,
+            Some(&svc),
+            Some(&rt),
+            others.iter().copied(),
+            &models,
+            &lookup,
+            &|_| None,
+        )
+    };
+    // Older on llama: refused, naming it.
+    let older = on_llama("llama-docs", "2026-12-01T00:00:00Z");
+    let f = check(&[&older]);
+    let e = f.first_error().unwrap();
+    assert_eq!(
+        (e.reason, e.field.as_str()),
+        (Reason::ModelNameConflict, "spec.servedName")
+    );
+    assert!(
+        e.message
+            .contains("LLMAdapter team-a/llama-docs (on the same LLMEndpoint"),
+        "{}",
+        e.message
+    );
+    // Younger on llama: ours keeps it.
+    let younger = on_llama("llama-docs", "2026-12-03T00:00:00Z");
+    assert!(check(&[&younger]).is_empty(), "{}", check(&[&younger]));
+    // Older, but refused on its base (rank above the runtime's): no name taken.
+    let mut refused = on_llama("llama-docs", "2026-12-01T00:00:00Z");
+    refused.spec.rank = Some(128);
+    assert!(check(&[&refused]).is_empty());
+    // Without the endpoint, no rival.
+    let f = check_llmadapter_among(
+        &ours,
+        Some(&svc),
+        Some(&rt),
+        [&older],
+        &[],
+        &lookup,
+        &|_| None,
+    );
+    assert!(f.is_empty(), "{f}");
 }
