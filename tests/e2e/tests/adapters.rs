@@ -2,11 +2,14 @@
 //! (a copy of the stub runtime named [`RUNTIME`]) serves adapters, loads at most [`MAX_LOADED`]
 //! per engine, and takes [`LOAD_DELAY`] to load one (the stub's `STUB_LORA_LOAD_DELAY`). The
 //! adapters' files are staged on a claim (a local volume of the node, filled by a Job), one
-//! directory each, `pvc://lora/aNN`.
+//! directory each, `pvc://lora/aNN`; three more come from the hubs (`hf://`, `modelscope://`,
+//! the stub's built-in hub), fetched into the base's model cache (HostPath on the node) by the
+//! controller's fetch Jobs.
 //!
 //! - Admission: an adapter above the runtime's `maxRank` is denied by the installed webhook.
-//! - Acceptance: all 50 (and one whose directory is missing) are `Accepted`; with the base at
-//!   zero their `Loaded` is `False` (`NoReadyEngine`).
+//! - Acceptance: all 50 (and one whose directory is missing, and the hub ones) are `Accepted`;
+//!   the hub ones are `Loaded=False` `Fetching` until their Job has fetched them; with the base
+//!   at zero the others' `Loaded` is `False` (`NoReadyEngine`).
 //! - Cold: an adapter request with the base at zero is held, wakes the base and gets its first
 //!   token within the base's own cold start + 3 s (a cold request for the base model measured
 //!   just before, from the base at zero as well).
@@ -14,7 +17,11 @@
 //!   the gateway unloads least recently used adapters (its `hearth_gateway_adapter_unloads_total`),
 //!   and the adapters' `loadedOn` agrees with the engine's own `/v1/models` afterwards.
 //! - Warm switches (an adapter not loaded, the engine ready): p95 under 1 s with the 0.5 s load.
-//! - A load failure (the missing directory) reaches the client as an error naming the adapter.
+//! - The hub adapters are answered by themselves (from the files their Jobs fetched).
+//! - A load failure (the missing directory; a hub adapter of rank 64, which admission cannot see
+//!   without `spec.rank`, on an engine of `--max-lora-rank=16`) reaches the client as an error
+//!   naming the adapter, and the adapter's `Loaded` condition as `LoadFailed` with the engine's
+//!   message.
 //!
 //! KEDA learns the demand by push (the gateway's ExternalScaler stream), so both cold starts
 //! compared begin when the request arrives, without a polling interval's jitter.
@@ -62,6 +69,38 @@ fn adapters_api(client: &kube::Client, ns: &str) -> Api<DynamicObject> {
 
 fn name(i: usize) -> String {
     format!("a{i:02}")
+}
+
+fn hub_adapter(name: &str, uri: &str) -> Value {
+    json!({
+        "apiVersion": "serving.hearth.dev/v1alpha1",
+        "kind": "LLMAdapter",
+        "metadata": {"name": name},
+        "spec": {"serviceRef": {"name": SERVICE}, "source": {"uri": uri}},
+    })
+}
+
+/// Adapter `name`'s `Loaded` condition, once its reason is `reason` (within `within`).
+async fn wait_loaded(
+    api: &Api<DynamicObject>,
+    name: &str,
+    reason: &str,
+    within: Duration,
+) -> Result<Value> {
+    wait_until(format!("{name} Loaded reason {reason}"), within, || async {
+        let a = api.get(name).await?;
+        let c = a.data["status"]["conditions"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|c| c["type"] == "Loaded")
+            .cloned();
+        Ok(match c {
+            Some(c) if c["reason"] == reason => Observed::Ready(c),
+            other => Observed::NotYet(format!("{other:?}")),
+        })
+    })
+    .await
 }
 
 fn adapter(name: &str, dir: &str, extra: Value) -> Value {
@@ -218,9 +257,12 @@ async fn fifty_adapters_on_one_base_are_loaded_on_demand() -> Result<()> {
             "resources": {"requests": {"storage": "1Gi"}},
         },
     });
+    // The base's model cache on the node, where the hub adapters are fetched to.
+    let (root, parent, leaf) = fx.prepare_host_path_root().await?;
     let d = stack::deploy_with("e2e-lora", ScalerMode::Push, vec![claim], |o| {
         o["spec"]["runtime"] = json!({"name": RUNTIME});
         o["spec"]["scaling"]["max"] = json!(1);
+        o["spec"]["cache"] = json!({"strategy": "HostPath"});
     })
     .await?;
     let ns = d.ns.name();
@@ -279,6 +321,18 @@ async fn fifty_adapters_on_one_base_are_loaded_on_demand() -> Result<()> {
     }
     let broken: DynamicObject = serde_json::from_value(adapter("broken", "missing", json!({})))?;
     api.create(&PostParams::default(), &broken).await?;
+    // From the hubs, under this run's own organisation (the node's cache outlives the run).
+    let org = format!("hearth-e2e-{}", ns.rsplit('-').next().unwrap_or("x"));
+    let hub = [
+        ("hub-sql", format!("hf://{org}/sql-lora")),
+        ("hub-legal", format!("modelscope://{org}/legal-lora")),
+        // Rank 64 (the stub hub's `-r64`), which the engine refuses.
+        ("hub-big", format!("hf://{org}/big-lora-r64")),
+    ];
+    for (n, uri) in &hub {
+        let a: DynamicObject = serde_json::from_value(hub_adapter(n, uri))?;
+        api.create(&PostParams::default(), &a).await?;
+    }
     wait_until(
         "every adapter Accepted",
         Duration::from_secs(60),
@@ -293,10 +347,13 @@ async fn fifty_adapters_on_one_base_are_loaded_on_demand() -> Result<()> {
                     })
                 })
                 .count();
-            Ok(if accepted == ADAPTERS + 1 {
+            Ok(if accepted == ADAPTERS + 1 + hub.len() {
                 Observed::Ready(())
             } else {
-                Observed::NotYet(format!("{accepted} of {} accepted", ADAPTERS + 1))
+                Observed::NotYet(format!(
+                    "{accepted} of {} accepted",
+                    ADAPTERS + 1 + hub.len()
+                ))
             })
         },
     )
@@ -321,6 +378,27 @@ async fn fifty_adapters_on_one_base_are_loaded_on_demand() -> Result<()> {
         },
     )
     .await?;
+    // The hub adapters: one fetch Job each, then loadable (the base still at zero).
+    for (n, _) in &hub {
+        wait_loaded(&api, n, "NoReadyEngine", Duration::from_secs(120)).await?;
+    }
+    let jobs =
+        d.ns.api::<Job>()
+            .list(&ListParams::default().labels("app.kubernetes.io/component=adapter-fetch"))
+            .await?
+            .items;
+    ensure!(
+        jobs.len() == hub.len()
+            && jobs
+                .iter()
+                .all(|j| j.status.as_ref().and_then(|s| s.succeeded) == Some(1)),
+        "{} fetch Jobs, not all succeeded: {:?}",
+        jobs.len(),
+        jobs.iter()
+            .map(|j| (&j.metadata.name, &j.status))
+            .collect::<Vec<_>>()
+    );
+    let fetched = t0.elapsed().as_secs_f64();
     d.wait_zero(Duration::from_secs(180)).await?;
 
     // Cold, the base alone: its first token, as a client sees the cold start.
@@ -399,17 +477,63 @@ async fn fifty_adapters_on_one_base_are_loaded_on_demand() -> Result<()> {
     );
     ensure!(switch_p95 < 1.0, "warm switch p95 {switch_p95:.3}s");
 
-    // A load failure reaches the client, naming the adapter; the next request is served.
+    // The hub adapters, from the files their Jobs fetched into the cache.
+    for n in ["hub-sql", "hub-legal"] {
+        let (status, body, _) = ask(&d.url, n).await?;
+        answered_by(n, status, &body)?;
+    }
+
+    // Load failures reach the client, naming the adapter, and the adapter's status with the
+    // engine's message; the next request is served.
     let (status, body, _) = ask(&d.url, "broken").await?;
     ensure!(
         status >= 400 && body.to_string().contains("broken"),
         "broken: {status} {body}"
     );
+    let (status, body, _) = ask(&d.url, "hub-big").await?;
+    ensure!(
+        status == 400
+            && body["error"]["code"] == "adapter_load_failed"
+            && body["error"]["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("LoRA rank 64 is greater than max_lora_rank 16")),
+        "hub-big: {status} {body}"
+    );
     let (status, body, _) = ask(&d.url, "a03").await?;
     answered_by("a03", status, &body)?;
+    let big = wait_loaded(&api, "hub-big", "LoadFailed", Duration::from_secs(30)).await?;
+    ensure!(
+        big["status"] == "False"
+            && big["message"]
+                .as_str()
+                .is_some_and(|m| m.contains(&pod_name)
+                    && m.contains("LoRA rank 64 is greater than max_lora_rank 16")),
+        "hub-big's Loaded: {big}"
+    );
+    let broken = wait_loaded(&api, "broken", "LoadFailed", Duration::from_secs(30)).await?;
+    println!(
+        "load failures in status: hub-big: {}; broken: {}",
+        big["message"], broken["message"]
+    );
+    // This run's adapters leave the node's cache.
+    let files = fx
+        .on_node(
+            "remove-fetched-adapters",
+            &parent,
+            &format!(
+                "find /host/{leaf}/adapters -path '*{org}*' -name adapter_config.json | sort; \
+                 rm -rf /host/{leaf}/adapters/hf/{org} /host/{leaf}/adapters/modelscope/{org}"
+            ),
+        )
+        .await?;
+    ensure!(
+        files.lines().count() == hub.len(),
+        "{root}/adapters on the node holds:\n{files}"
+    );
     let failed = gateway_metric(&d, "hearth_gateway_adapter_loads_total").await?;
     println!(
-        "staged {ADAPTERS} adapters at {staged:.1}s; {LOOP} random requests: {unloads} unloads; \
+        "staged {ADAPTERS} adapters at {staged:.1}s, hub adapters fetched at {fetched:.1}s; \
+         {LOOP} random requests: {unloads} unloads; \
          engine holds {} of at most {MAX_LOADED}; loads counted {failed}; done at {:.1}s",
         engine.len(),
         t0.elapsed().as_secs_f64()

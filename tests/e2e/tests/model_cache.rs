@@ -51,9 +51,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail, ensure};
 use hearth_e2e_harness::client::{self, Event};
 use hearth_e2e_harness::stack::ScalerMode;
-use hearth_test_support::{Cluster, Observed, RealNode, TestNamespace, describe_pods, wait_until};
+use hearth_test_support::{Observed, RealNode, TestNamespace, describe_pods, wait_until};
 use k8s_openapi::ByteString;
-use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::{ConfigMap, PersistentVolumeClaim, Pod, PodSpec};
 use kube::Api;
@@ -61,15 +60,13 @@ use kube::api::{ApiResource, DynamicObject, LogParams, PostParams};
 use kube::core::GroupVersionKind;
 use serde_json::{Value, json};
 
-use stack::volumes::{Fixture, STUB_UID, wait_job};
+use stack::volumes::{Fixture, wait_job};
 use stack::{Deployed, SERVICE, TOKENS};
 
 /// The stub runtime's image (the upstream stub InferenceRuntime), which the prewarm Job runs too.
 const STUB_IMAGE: &str = "hearth.dev/vllm-stub:e2e";
 /// The upstream stub service's model.
 const UPSTREAM_REPO: &str = "hearth/stub-model";
-/// The installed controller (tests/cluster/install-hearth).
-const CONTROLLER: (&str, &str) = ("hearth-system", "hearth-controller");
 
 /// The LLMService's condition `type_`: (status, reason).
 async fn condition(
@@ -450,27 +447,6 @@ async fn prewarmed_claim_served(strategy: &str, fixture_ns: &str, service_ns: &s
     Ok(())
 }
 
-/// The controller's `--host-path-root`, from the installed controller's args.
-async fn host_path_root(cluster: &Cluster) -> Result<String> {
-    let dep = Api::<Deployment>::namespaced(cluster.client(), CONTROLLER.0)
-        .get(CONTROLLER.1)
-        .await
-        .context("reading the installed controller")?;
-    let args = dep
-        .spec
-        .and_then(|s| s.template.spec)
-        .map(|s| s.containers)
-        .unwrap_or_default()
-        .into_iter()
-        .flat_map(|c| c.args.unwrap_or_default())
-        .collect::<Vec<_>>();
-    Ok(args
-        .iter()
-        .find_map(|a| a.strip_prefix("--host-path-root="))
-        .unwrap_or("/var/lib/hearth/models")
-        .to_owned())
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn host_path_cache_prewarmed_on_the_node() -> Result<()> {
     let t0 = Instant::now();
@@ -482,19 +458,14 @@ async fn host_path_cache_prewarmed_on_the_node() -> Result<()> {
     let hub_dir = format!("hf/hub/models--{}", repo.replace('/', "--"));
     // The root is the installed controller's: install Hearth first (deploy() would do it too).
     hearth_e2e_harness::stack::ensure_hearth(&fx.cluster.client(), fx.cluster.kubeconfig()).await?;
-    let root = host_path_root(&fx.cluster).await?;
-    let (parent, leaf) = root
-        .rsplit_once('/')
-        .filter(|(p, l)| !p.is_empty() && !l.is_empty())
-        .with_context(|| format!("host path root {root} has no parent directory"))?;
     // The root as a platform team prepares it for a non-root runtime (see the file's docs); this
     // run's repository is not in it yet.
+    let (root, parent, leaf) = fx.prepare_host_path_root().await?;
+    let parent = parent.as_str();
     fx.on_node(
-        "prepare-host-path-root",
+        "host-path-root-without-the-model",
         parent,
-        &format!(
-            "mkdir -p /host/{leaf} && chown {STUB_UID}:{STUB_UID} /host/{leaf} && test ! -e /host/{leaf}/{hub_dir} && ls -ld /host/{leaf}"
-        ),
+        &format!("test ! -e /host/{leaf}/{hub_dir} && ls -ld /host/{leaf}"),
     )
     .await?;
     let d = stack::deploy("e2e-cache-host", ScalerMode::Push, |o| {

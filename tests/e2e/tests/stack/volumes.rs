@@ -5,12 +5,16 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail, ensure};
 use hearth_test_support::{Cluster, Observed, RealNode, TestNamespace, describe_pods, wait_until};
+use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::{PersistentVolume, Pod};
 use k8s_openapi::api::storage::v1::StorageClass;
 use kube::Api;
 use kube::api::{ListParams, LogParams, PostParams};
 use serde_json::json;
+
+/// The installed controller's Deployment (namespace, name).
+pub const CONTROLLER: (&str, &str) = ("hearth-system", "hearth-controller");
 
 /// The user the stub image runs as (build/Containerfile).
 pub const STUB_UID: u32 = 65532;
@@ -140,6 +144,44 @@ impl Fixture {
             .with_context(|| format!("logs of pod {name}"))?;
         ensure!(phase == "Succeeded", "node pod {name} failed: {out}");
         Ok(out)
+    }
+
+    /// The installed controller's `--host-path-root` (the HostPath cache on the node), made as
+    /// a platform team prepares it for a non-root runtime (owned by the stub's user, made if
+    /// absent): `(root, parent, leaf)`, where `on_node(_, parent, _)` sees the root at
+    /// `/host/<leaf>`. Install Hearth first.
+    pub async fn prepare_host_path_root(&self) -> Result<(String, String, String)> {
+        let dep = Api::<Deployment>::namespaced(self.cluster.client(), CONTROLLER.0)
+            .get(CONTROLLER.1)
+            .await
+            .context("reading the installed controller")?;
+        let args = dep
+            .spec
+            .and_then(|s| s.template.spec)
+            .map(|s| s.containers)
+            .unwrap_or_default()
+            .into_iter()
+            .flat_map(|c| c.args.unwrap_or_default())
+            .collect::<Vec<_>>();
+        let root = args
+            .iter()
+            .find_map(|a| a.strip_prefix("--host-path-root="))
+            .unwrap_or("/var/lib/hearth/models")
+            .to_owned();
+        let (parent, leaf) = root
+            .rsplit_once('/')
+            .filter(|(p, l)| !p.is_empty() && !l.is_empty())
+            .map(|(p, l)| (p.to_owned(), l.to_owned()))
+            .with_context(|| format!("host path root {root} has no parent directory"))?;
+        self.on_node(
+            &format!("prepare-host-path-root-{}", self.id),
+            &parent,
+            &format!(
+                "mkdir -p /host/{leaf} && chown {STUB_UID}:{STUB_UID} /host/{leaf} && ls -ld /host/{leaf}"
+            ),
+        )
+        .await?;
+        Ok((root, parent, leaf))
     }
 
     /// A StorageClass without a provisioner that binds at the first consumer, and one local
