@@ -60,11 +60,12 @@ pub fn prewarm_job(service: &str) -> String {
     format!("{service}-prewarm")
 }
 
-/// The Job fetching the hub adapter `uri` into service `service`'s model cache:
+/// The Job fetching the hub adapter source `source` (a key naming the hub, repository and
+/// credentials: `crate::render::fetch_job_name`) into service `service`'s model cache:
 /// `<service>-adapter-<16 hex>`, the hash of both (the service name shortened where the whole
 /// would pass 63 characters, a label value's limit, which a Job's name must fit).
-pub fn adapter_fetch_job(service: &str, uri: &str) -> String {
-    let hash = stable_hash(format!("{service}\n{uri}").as_bytes());
+pub fn adapter_fetch_job(service: &str, source: &str) -> String {
+    let hash = stable_hash(format!("{service}\n{source}").as_bytes());
     let suffix = format!("-adapter-{hash:016x}");
     let keep = service.len().min(63 - suffix.len());
     let prefix = service[..keep].trim_end_matches(['-', '.']);

@@ -1525,7 +1525,11 @@ async fn adapters_are_accepted_by_the_rule_rendered_and_removed() -> Result<()> 
         wait_adapter(&ns, "f-orphan", "Accepted", "False", "ServiceNotFound").await?;
         // The engine-reported part: no engine at zero; the hub one is being fetched.
         wait_adapter(&ns, "a-sql", "Loaded", "False", "NoReadyEngine").await?;
-        let fetch_job = hearth_controller::names::adapter_fetch_job("qwen", "hf://acme/qwen-lora");
+        let fetch_job = hearth_controller::render::fetch_job_name(
+            "qwen",
+            &adapter(&ns, "d-hub", "qwen", "hf://acme/qwen-lora", json!({}))?,
+        )
+        .context("a hub adapter's fetch Job")?;
         let hub = wait_adapter(&ns, "d-hub", "Loaded", "False", "Fetching").await?;
         let msg = &hub.status.as_ref().unwrap().conditions;
         assert!(

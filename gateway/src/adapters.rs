@@ -235,11 +235,19 @@ struct Failed {
     time: String,
 }
 
+/// The most characters of an engine's message a remembered failure keeps.
+const FAILURE_MESSAGE_CHARS: usize = 1024;
+
 impl Failed {
     fn new(adapter: &Adapter, failure: &LoadFailure) -> Self {
         let message = match failure {
-            LoadFailure::Connect(m) | LoadFailure::Broken(m) => m.clone(),
-            LoadFailure::Refused { message, .. } => message.clone(),
+            LoadFailure::Connect(m) | LoadFailure::Broken(m) => m,
+            LoadFailure::Refused { message, .. } => message,
+        };
+        // Kept short: it is reported to the controller, which puts it in a condition.
+        let message = match message.char_indices().nth(FAILURE_MESSAGE_CHARS) {
+            Some((cut, _)) => format!("{}…", &message[..cut]),
+            None => message.clone(),
         };
         Self {
             object: adapter.object.clone(),

@@ -12,7 +12,9 @@
 //! request body and then stop reading: that connection is closed, never pooled.) A request that an idle connection could not take (the backend had closed it)
 //! is resent on another connection. One that was sent is resent only when its method is
 //! idempotent and the reused connection closed before any answer (RFC 9112 §9.3.1, RFC 9110
-//! §9.2.2): a `POST` reaches the backend at most once.
+//! §9.2.2): this pool never sends a `POST` twice. (The proxy sends a request once more when
+//! the engine answered `404` for a LoRA adapter it had lost, before anything reached the
+//! client: `crate::adapters`.)
 
 use std::{
     collections::{HashMap, VecDeque},

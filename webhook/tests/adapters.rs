@@ -154,7 +154,7 @@ async fn adapters_within_their_runtime_s_limits_are_allowed(
 #[case::name_of_a_sibling(adapter("sql-v2", json!({"servedName": "sql"})), "spec.servedName", "taken by LLMAdapter team-a/sql")]
 #[case::name_of_the_base(adapter("qwen", json!({})), "metadata.name", "taken by LLMService team-a/qwen")]
 #[case::name_on_the_endpoint(adapter("chat", json!({"servedName": "llama"})), "spec.servedName", "LLMService team-c/llama (on the same LLMEndpoint)")]
-#[case::name_of_an_adapter_on_the_endpoint(adapter("chat", json!({"servedName": "docs"})), "spec.servedName", "taken by LLMAdapter team-c/docs (on the same LLMEndpoint, an adapter of another base)")]
+#[case::name_of_an_adapter_on_the_endpoint(adapter("chat", json!({"servedName": "docs"})), "spec.servedName", "taken by LLMAdapter team-c/docs of LLMService team-c/llama (on the same LLMEndpoint)")]
 #[case::runtime_without_adapters(adapter("chat", json!({"serviceRef": {"name": "mistral"}})), "spec.serviceRef", "InferenceRuntime plain, which does not serve adapters")]
 #[case::other_namespace(json!({"apiVersion": "serving.hearth.dev/v1alpha1", "kind": "LLMAdapter", "metadata": {"name": "chat", "namespace": "team-b"}, "spec": {"serviceRef": {"name": "qwen", "namespace": "team-a"}, "source": {"uri": "hf://acme/x"}}}), "spec.serviceRef", "admits adapters of its own namespace only")]
 #[case::source(adapter("chat", json!({"source": {"uri": "s3://bucket/lora"}})), "spec.source.uri", "")]

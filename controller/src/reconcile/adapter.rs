@@ -117,7 +117,7 @@ pub(super) fn findings(adapter: &LLMAdapter, ctx: &Context) -> Findings {
 }
 
 /// An LLMService and its resolved runtime, from the caches (the endpoint's other bases, for
-/// [`rules::adapters::endpoint_rivals`]).
+/// [`rules::adapters::endpoint_bases`]).
 fn other_base(
     ctx: &Context,
     ns: &str,
@@ -147,19 +147,18 @@ pub(super) fn base_adapters(ctx: &Context, svc: &LLMService) -> Vec<(LLMAdapter,
     let (runtime, endpoint_models) = base_context(ctx, Some(svc));
     let runtimes = ctx.runtimes.state();
     let runtime = runtime.and_then(|name| runtimes.iter().find(|r| r.name_any() == name));
-    let rivals = rules::adapters::endpoint_rivals(
+    let others = rules::adapters::endpoint_bases(
         svc,
         all.iter().map(AsRef::as_ref),
         &endpoint_models,
         &|ns, name| other_base(ctx, ns, name),
-        &|ns| labels_of(ctx, ns),
     );
     rules::adapters::check_base_adapters(
         Some(svc),
         runtime.map(AsRef::as_ref),
         adapters,
         &endpoint_models,
-        &rivals,
+        &others,
         &|ns| labels_of(ctx, ns),
     )
     .into_iter()
@@ -287,7 +286,8 @@ pub fn loaded_status(
     // The CRD keeps at most 64 names; the count is whole.
     on.truncate(64);
     let answered = engines.iter().filter(|(_, l)| l.is_some()).count();
-    // The latest failure (RFC 3339 times of one format sort as times).
+    // The latest failure (RFC 3339 times of one format sort as times). Its time is not in the
+    // message, so a failure that repeats does not rewrite the status.
     let latest = failures.iter().max_by(|a, b| a.1.time.cmp(&b.1.time));
     let failed_on = |(pod, f): &(Option<String>, &AdapterLoadFailure)| {
         let engine = pod.as_deref().unwrap_or(f.engine.as_str());
@@ -295,7 +295,7 @@ pub fn loaded_status(
             0 => "did not answer".to_owned(),
             s => format!("answered {s}"),
         };
-        format!("engine {engine} {status} at {}: {}", f.time, f.message)
+        format!("engine {engine} {status}: {}", f.message)
     };
     let cond = if loaded > 0 {
         let mut message = format!("loaded on {loaded} of {} ready engines", engines.len());
@@ -306,7 +306,7 @@ pub fn loaded_status(
     } else if let Some(f) = latest {
         let more = match failures.len() {
             1 => String::new(),
-            n => format!(" ({} more failed loads on other engines)", n - 1),
+            n => format!(" ({} more failed loads reported)", n - 1),
         };
         Cond::new(
             LOADED,
@@ -385,11 +385,7 @@ fn fetch_pending(
     svc: &LLMService,
     a: &LLMAdapter,
 ) -> Option<(&'static str, String)> {
-    let source = crate::model::parse_uri(&a.spec.source.uri).ok()?;
-    if source.is_staged() {
-        return None;
-    }
-    let job = crate::names::adapter_fetch_job(&svc.name_any(), &a.spec.source.uri);
+    let job = crate::render::fetch_job_name(&svc.name_any(), a)?;
     let state = get_in(&ctx.jobs, &svc.namespace().unwrap_or_default(), &job)
         .map(|j| status::job_state(&j));
     let message = crate::render::fetch_pending(&job, state.as_ref())?;
@@ -495,18 +491,19 @@ pub(super) async fn observe(ctx: Arc<Context>) {
             let now = Time(k8s_openapi::jiff::Timestamp::now());
             // Only an accepted adapter the engines can read is looked for in their lists (a
             // refused one may share its name with the one that is served).
-            let accepted_now: std::collections::BTreeSet<String> = base_adapters(&ctx, &svc)
-                .into_iter()
-                .filter(|(_, f)| accepted(f).is_true())
-                .map(|(a, _)| a.name_any())
-                .collect();
+            let accepted_now: std::collections::BTreeSet<(Option<String>, String)> =
+                base_adapters(&ctx, &svc)
+                    .into_iter()
+                    .filter(|(_, f)| accepted(f).is_true())
+                    .map(|(a, _)| (a.namespace(), a.name_any()))
+                    .collect();
             for a in adapters {
                 let previous = a
                     .status
                     .as_ref()
                     .map(|s| s.conditions.clone())
                     .unwrap_or_default();
-                let why_not = if !accepted_now.contains(&a.name_any()) {
+                let why_not = if !accepted_now.contains(&(a.namespace(), a.name_any())) {
                     Some((
                         "NotAccepted",
                         "not accepted on its base (see the Accepted condition): no engine \
@@ -713,7 +710,7 @@ mod tests {
         );
         assert!(
             c.message.starts_with(
-                "the engine refused to load it: engine qwen-a answered 400 at 2026-12-01T00:00:01Z: LoRA rank 64 is greater than max_lora_rank 16. (1 more failed loads on other engines)"
+                "the engine refused to load it: engine qwen-a answered 400: LoRA rank 64 is greater than max_lora_rank 16. (1 more failed loads reported)"
             ),
             "{}",
             c.message

@@ -1309,13 +1309,25 @@ pub async fn run(
             // the route of the endpoint the base joins.
             if let Ok(a) = &a {
                 // Its siblings' acceptance may change with it (a place or a name freed), and
-                // that of the adapters of other bases with its name (rivals on an endpoint).
+                // that of the adapters of the other bases on its base's endpoint (names are
+                // decided there over every base).
+                let endpoint_of = |ns: &str, name: &str| {
+                    adapter_services
+                        .get(&ObjectRef::<LLMService>::new(name).within(ns))
+                        .as_deref()
+                        .and_then(endpoint_key)
+                };
+                let own_endpoint = endpoint_of(a.service_namespace(), &a.spec.service_ref.name);
                 for s in adapter_siblings.state() {
                     let sibling = s.service_namespace() == a.service_namespace()
                         && s.spec.service_ref.name == a.spec.service_ref.name;
                     let same_object = s.metadata.namespace == a.metadata.namespace
                         && s.metadata.name == a.metadata.name;
-                    if (sibling || s.served_name() == a.served_name()) && !same_object {
+                    let rival = !sibling
+                        && own_endpoint.is_some()
+                        && endpoint_of(s.service_namespace(), &s.spec.service_ref.name)
+                            == own_endpoint;
+                    if (sibling || rival) && !same_object {
                         let _ = adapter_sibling_tx.unbounded_send(ObjectRef::from_obj(s.as_ref()));
                     }
                 }

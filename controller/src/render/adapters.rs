@@ -97,6 +97,24 @@ fn fetch_env(hub: &str) -> Vec<EnvVar> {
     ]
 }
 
+/// The fetch Job of hub adapter `a` on service `service`: one per hub, repository and Secret
+/// (`hf://` and `huggingface://` are one), [`names::adapter_fetch_job`]; `None` for a source
+/// that is not a hub's.
+pub fn fetch_job_name(service: &str, a: &LLMAdapter) -> Option<String> {
+    let source = parse_uri(&a.spec.source.uri).ok()?;
+    let (hub, repo) = hub_source(&source)?;
+    let secret = a
+        .spec
+        .source
+        .secret_ref
+        .as_ref()
+        .map_or("", |s| s.name.as_str());
+    Some(names::adapter_fetch_job(
+        service,
+        &format!("{hub}://{repo} {secret}"),
+    ))
+}
+
 /// The directory a hub adapter is fetched to: [`ADAPTERS_CACHE_DIR`]`/<hub>/<repo>`.
 fn hub_dir(hub: &str, repo: &str) -> String {
     format!("{ADAPTERS_CACHE_DIR}/{hub}/{repo}")
@@ -209,7 +227,7 @@ pub fn rendered(
                 let Some((hub, repo)) = hub_source(&source) else {
                     continue;
                 };
-                let job = names::adapter_fetch_job(service, &a.spec.source.uri);
+                let job = fetch_job_name(service, a).unwrap_or_default();
                 unavailable = fetch_pending(&job, adapters.fetches.get(&job));
                 hub_dir(hub, repo)
             }
@@ -295,7 +313,9 @@ impl Ctx<'_> {
             let Some((hub, repo)) = hub_source(&source) else {
                 continue;
             };
-            let name = names::adapter_fetch_job(&self.name, &a.spec.source.uri);
+            let Some(name) = fetch_job_name(&self.name, a) else {
+                continue;
+            };
             if jobs.contains_key(&name) {
                 continue;
             }

@@ -73,8 +73,8 @@ use self::{
     keda::scaled_object,
 };
 pub use adapters::{
-    ADAPTERS_CACHE_DIR, ADAPTERS_MOUNT_ROOT, RenderedAdapters, ServiceAdapters, fetch_pending,
-    unserved,
+    ADAPTERS_CACHE_DIR, ADAPTERS_MOUNT_ROOT, RenderedAdapters, ServiceAdapters, fetch_job_name,
+    fetch_pending, unserved,
 };
 pub use backend::{BACKEND_SERVICE_PORT, default_backend_security_context, serving_container};
 pub use endpoint::{EndpointChildren, render_endpoint};

@@ -1274,8 +1274,16 @@ fn hub_adapters_are_fetched_into_the_model_cache_before_they_are_loaded() {
         .iter()
         .map(|j| j.metadata.name.as_deref().unwrap())
         .collect();
-    let finance = crate::names::adapter_fetch_job("chat", "hf://acme/finance-lora");
-    let legal = crate::names::adapter_fetch_job("chat", "modelscope://acme/legal-lora");
+    let finance = super::fetch_job_name("chat", &accepted[0]).unwrap();
+    let legal = super::fetch_job_name("chat", &accepted[2]).unwrap();
+    // hf:// and huggingface:// are one source; another Secret is another Job.
+    let mut alias = lora("x", "huggingface://acme/finance-lora");
+    assert_eq!(super::fetch_job_name("chat", &alias).unwrap(), finance);
+    alias.spec.source.secret_ref = Some(k8s_openapi::api::core::v1::LocalObjectReference {
+        name: "token".into(),
+    });
+    assert_ne!(super::fetch_job_name("chat", &alias).unwrap(), finance);
+    assert_eq!(super::fetch_job_name("chat", &accepted[3]), None);
     let mut want = vec![finance.as_str(), legal.as_str()];
     want.sort_unstable();
     assert_eq!(jobs, want);

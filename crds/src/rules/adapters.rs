@@ -320,16 +320,8 @@ pub fn check_llmadapter_among<'a>(
     let own = key(adapter);
     let base = base_of(adapter);
     let others: Vec<&LLMAdapter> = adapters.into_iter().filter(|a| key(a) != own).collect();
-    let rivals = service
-        .map(|svc| {
-            endpoint_rivals(
-                svc,
-                others.iter().copied(),
-                endpoint_models,
-                other_base,
-                labels_of,
-            )
-        })
+    let other_bases = service
+        .map(|svc| endpoint_bases(svc, others.iter().copied(), endpoint_models, other_base))
         .unwrap_or_default();
     let siblings = others
         .into_iter()
@@ -341,7 +333,7 @@ pub fn check_llmadapter_among<'a>(
         runtime,
         siblings,
         endpoint_models,
-        &rivals,
+        &other_bases,
         labels_of,
     )
     .pop()
@@ -349,17 +341,26 @@ pub fn check_llmadapter_among<'a>(
     .unwrap_or_default()
 }
 
-/// The accepted adapters of the other LLMServices on the shared endpoint `svc` joins (its
-/// `endpoint_models`), among `adapters`: each other base's adapters decided by
-/// [`check_base_adapters`] on that base (without rivals of their own: between bases, the
-/// older adapter keeps a name, see [`check_base_adapters`]). Empty without an endpoint.
-pub fn endpoint_rivals<'a>(
+/// Another LLMService on the shared endpoint a base joins, with its adapters: what the base's
+/// adapters contend with for names beyond their own base.
+#[derive(Clone, Debug)]
+pub struct OtherBase<'a> {
+    /// The LLMService.
+    pub service: LLMService,
+    /// Its resolved runtime, when it has one.
+    pub runtime: Option<InferenceRuntime>,
+    /// Its adapters.
+    pub adapters: Vec<&'a LLMAdapter>,
+}
+
+/// The other LLMServices on the shared endpoint `svc` joins (its `endpoint_models`) that have
+/// adapters among `adapters`, looked up with `other_base`. Empty without an endpoint.
+pub fn endpoint_bases<'a>(
     svc: &LLMService,
     adapters: impl IntoIterator<Item = &'a LLMAdapter>,
     endpoint_models: &[EndpointModel],
     other_base: BaseLookup<'_>,
-    labels_of: &dyn Fn(&str) -> Option<BTreeMap<String, String>>,
-) -> Vec<&'a LLMAdapter> {
+) -> Vec<OtherBase<'a>> {
     let own = (
         svc.metadata.namespace.clone().unwrap_or_default(),
         svc.metadata.name.clone().unwrap_or_default(),
@@ -383,26 +384,17 @@ pub fn endpoint_rivals<'a>(
             by_base.entry(b).or_default().push(a);
         }
     }
-    let mut out = Vec::new();
-    for ((ns, name), list) in by_base {
-        let Some((other, rt)) = other_base(&ns, &name) else {
-            continue;
-        };
-        out.extend(
-            check_base_adapters(
-                Some(&other),
-                rt.as_ref(),
-                list,
-                endpoint_models,
-                &[],
-                labels_of,
-            )
-            .into_iter()
-            .filter(|(_, f)| !f.blocks_rendering())
-            .map(|(a, _)| a),
-        );
-    }
-    out
+    by_base
+        .into_iter()
+        .filter_map(|((ns, name), adapters)| {
+            let (service, runtime) = other_base(&ns, &name)?;
+            Some(OtherBase {
+                service,
+                runtime,
+                adapters,
+            })
+        })
+        .collect()
 }
 
 /// `(namespace, name)` of `a`'s base service.
@@ -413,63 +405,76 @@ fn base_of(a: &LLMAdapter) -> (String, String) {
     )
 }
 
-/// The findings of each of one base's `adapters`, decided oldest first ([`comes_before`]): each
-/// against the base, its runtime, `endpoint_models` and the adapters before it that were
-/// accepted (no error), which take a place of `maxAdapters` and their names, and against
-/// `rivals`, the accepted adapters of the endpoint's other bases ([`endpoint_rivals`]): a
-/// rival older than the adapter keeps a name they share. Returned oldest first. `labels_of` as
-/// for [`check_llmadapter_among`]. O(n log n) in the adapters.
+/// The findings of each of one base's `adapters`, decided oldest first ([`comes_before`])
+/// together with the adapters of `others`, the other bases on the shared endpoint the base
+/// joins ([`endpoint_bases`]): each adapter against its own base, that base's runtime,
+/// `endpoint_models`, the older adapters of its base that were accepted (no error, with a
+/// runtime), which take a place of its `maxAdapters`, and the older accepted adapters of any of
+/// these bases, which take their names. So every base on an endpoint is decided by the same
+/// single pass, and a name goes to the oldest accepted adapter. Returned: the base's adapters,
+/// oldest first. `labels_of` as for [`check_llmadapter_among`]. O(n log n + n·b) in the
+/// adapters n and the bases b.
 pub fn check_base_adapters<'a>(
     service: Option<&LLMService>,
     runtime: Option<&InferenceRuntime>,
     adapters: impl IntoIterator<Item = &'a LLMAdapter>,
     endpoint_models: &[EndpointModel],
-    rivals: &[&LLMAdapter],
+    others: &[OtherBase<'a>],
     labels_of: &dyn Fn(&str) -> Option<BTreeMap<String, String>>,
 ) -> Vec<(&'a LLMAdapter, Findings)> {
-    let mut ordered: Vec<&LLMAdapter> = adapters.into_iter().collect();
-    ordered.sort_by(|a, b| order_key(a).cmp(&order_key(b)));
-    let mut taken = service
-        .map(|svc| taken_names(svc, [], endpoint_models))
-        .unwrap_or_default();
-    let mut accepted = 0usize;
-    let mut out = Vec::with_capacity(ordered.len());
-    for a in ordered {
+    // Base 0 is this one; 1.. the others.
+    let mut bases: Vec<(Option<&LLMService>, Option<&InferenceRuntime>)> = vec![(service, runtime)];
+    bases.extend(
+        others
+            .iter()
+            .map(|o| (Some(&o.service), o.runtime.as_ref())),
+    );
+    let mut ordered: Vec<(usize, &'a LLMAdapter)> = adapters.into_iter().map(|a| (0, a)).collect();
+    for (i, o) in others.iter().enumerate() {
+        ordered.extend(o.adapters.iter().map(|a| (i + 1, *a)));
+    }
+    ordered.sort_by(|(_, a), (_, b)| order_key(a).cmp(&order_key(b)));
+    // Each base's names: its model's and the endpoint's, then every accepted adapter's.
+    let mut taken: Vec<Option<TakenNames>> = bases
+        .iter()
+        .map(|(svc, _)| svc.map(|svc| taken_names(svc, [], endpoint_models)))
+        .collect();
+    let mut accepted = vec![0usize; bases.len()];
+    let mut out = Vec::new();
+    for (i, a) in ordered {
+        let (svc, rt) = bases[i];
         let labels = labels_of(a.metadata.namespace.as_deref().unwrap_or_default());
-        let mut f = check_llmadapter(
+        let f = check_llmadapter(
             a,
             &AdapterContext {
-                service,
-                runtime,
+                service: svc,
+                runtime: rt,
                 namespace_labels: labels.as_ref(),
-                older_siblings: accepted,
-                taken: service.map(|_| &taken),
+                older_siblings: accepted[i],
+                taken: taken[i].as_ref(),
             },
         );
-        if service.is_some()
-            && !f.0.iter().any(|x| x.reason == Reason::ModelNameConflict)
-            && let Some(rival) = rivals
-                .iter()
-                .find(|r| r.served_name() == a.served_name() && comes_before(r, a))
-        {
-            f.error(
-                Reason::ModelNameConflict,
-                name_field(a),
-                format!(
-                    "the model name {:?} is taken by {} (on the same LLMEndpoint, an adapter of \
-                     another base); set spec.servedName to another name",
-                    a.served_name(),
-                    adapter_label(rival)
-                ),
-            );
+        if svc.is_some() && rt.is_some() && !f.blocks_rendering() {
+            accepted[i] += 1;
+            for (j, names) in taken.iter_mut().enumerate() {
+                if let Some(names) = names {
+                    let by = if j == i {
+                        adapter_label(a)
+                    } else {
+                        format!(
+                            "{} of LLMService {}/{} (on the same LLMEndpoint)",
+                            adapter_label(a),
+                            a.service_namespace(),
+                            a.spec.service_ref.name
+                        )
+                    };
+                    names.entry(a.served_name().to_owned()).or_insert(by);
+                }
+            }
         }
-        if service.is_some() && runtime.is_some() && !f.blocks_rendering() {
-            accepted += 1;
-            taken
-                .entry(a.served_name().to_owned())
-                .or_insert_with(|| adapter_label(a));
+        if i == 0 {
+            out.push((a, f));
         }
-        out.push((a, f));
     }
     out
 }

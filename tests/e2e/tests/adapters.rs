@@ -262,7 +262,8 @@ async fn fifty_adapters_on_one_base_are_loaded_on_demand() -> Result<()> {
     let d = stack::deploy_with("e2e-lora", ScalerMode::Push, vec![claim], |o| {
         o["spec"]["runtime"] = json!({"name": RUNTIME});
         o["spec"]["scaling"]["max"] = json!(1);
-        o["spec"]["cache"] = json!({"strategy": "HostPath"});
+        // The base model prewarmed there too: the stub engine reads a HostPath cache only.
+        o["spec"]["cache"] = json!({"strategy": "HostPath", "prewarm": true});
     })
     .await?;
     let ns = d.ns.name();
@@ -522,7 +523,8 @@ async fn fifty_adapters_on_one_base_are_loaded_on_demand() -> Result<()> {
             &parent,
             &format!(
                 "find /host/{leaf}/adapters -path '*{org}*' -name adapter_config.json | sort; \
-                 rm -rf /host/{leaf}/adapters/hf/{org} /host/{leaf}/adapters/modelscope/{org}"
+                 rm -rf /host/{leaf}/adapters/hf/{org} /host/{leaf}/adapters/modelscope/{org} \
+                 /host/{leaf}/hf/hub/models--{org}--*"
             ),
         )
         .await?;

@@ -954,8 +954,9 @@ fn value_sets() -> Vec<ValueSet> {
                             && port.is_none_or(|p| e["ports"][0]["port"] == p)
                     })
                     };
-                // The device handover asks the gateways for their demand on their http port; the
-                // adapters' observer asks the engines for their /v1/models.
+                // The device handover, metering and the adapters' observer ask the gateways on
+                // their http port (with or without the handover); the observer asks the engines
+                // for their /v1/models.
                 for (component, port) in [("gateway", Some(8080)), ("backend", None)] {
                     ensure!(
                         egress_to(component, port),

@@ -993,11 +993,11 @@ fn hub_adapter_fetch_jobs_are_created_once_and_deleted_with_their_adapter() {
         "spec": {"serviceRef": {"name": "chat"}, "source": {"uri": "hf://acme/sql-lora"}},
     }))
     .unwrap();
+    let job = crate::render::fetch_job_name("chat", &adapter).unwrap();
     let with = crate::render::ServiceAdapters {
         accepted: vec![adapter],
         fetches: BTreeMap::new(),
     };
-    let job = names::adapter_fetch_job("chat", "hf://acme/sql-lora");
     let planned_with = |view: &View, adapters: &crate::render::ServiceAdapters| {
         let d = desired(&svc, [&rt], &cfg(), view.backend.is_none(), None, adapters);
         writes(&plan(&svc, d, view, &cfg()))

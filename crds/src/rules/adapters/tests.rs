@@ -603,8 +603,9 @@ fn an_adapter_name_on_an_endpoint_goes_to_the_older_adapter_of_any_base() {
         (Reason::ModelNameConflict, "spec.servedName")
     );
     assert!(
-        e.message
-            .contains("LLMAdapter team-a/llama-docs (on the same LLMEndpoint"),
+        e.message.contains(
+            "LLMAdapter team-a/llama-docs of LLMService team-a/llama (on the same LLMEndpoint)"
+        ),
         "{}",
         e.message
     );
@@ -626,4 +627,92 @@ fn an_adapter_name_on_an_endpoint_goes_to_the_older_adapter_of_any_base() {
         &|_| None,
     );
     assert!(f.is_empty(), "{f}");
+}
+
+/// One pass over every base of an endpoint: a place freed on one base by a name refused there
+/// goes to that base's next adapter, whose name then is taken for the other bases too.
+#[test]
+fn every_base_of_an_endpoint_is_decided_in_one_pass() {
+    let one = runtime("adapters: {maxAdapters: 1}");
+    let named = |svc: &str| {
+        let mut b = base("");
+        b.metadata.name = Some(svc.into());
+        b
+    };
+    let (x, y, z) = (named("x"), named("y"), named("z"));
+    let models: Vec<EndpointModel> = ["x", "y", "z"]
+        .iter()
+        .map(|n| EndpointModel {
+            name: (*n).into(),
+            namespace: "team-a".into(),
+            service: (*n).into(),
+            kind: None,
+        })
+        .collect();
+    let on = |svc: &str, name: &str, served: &str, ts: &str| {
+        let mut a = at(sql(), name, ts);
+        a.spec.service_ref.name = svc.into();
+        a.spec.served_name = Some(served.into());
+        a.spec.rank = None;
+        a
+    };
+    let a = on("x", "a", "docs", "2026-12-01T00:00:01Z");
+    let b1 = on("y", "b1", "docs", "2026-12-01T00:00:02Z");
+    let b2 = on("y", "b2", "chat", "2026-12-01T00:00:03Z");
+    let c = on("z", "c", "chat", "2026-12-01T00:00:04Z");
+    fn other<'a>(
+        svc: &LLMService,
+        rt: &InferenceRuntime,
+        adapters: Vec<&'a LLMAdapter>,
+    ) -> OtherBase<'a> {
+        OtherBase {
+            service: svc.clone(),
+            runtime: Some(rt.clone()),
+            adapters,
+        }
+    }
+    // Y: b1 refused (a keeps "docs"), so b2 takes Y's one place and "chat".
+    let y_decided = check_base_adapters(
+        Some(&y),
+        Some(&one),
+        [&b1, &b2],
+        &models,
+        &[other(&x, &one, vec![&a]), other(&z, &one, vec![&c])],
+        &|_| None,
+    );
+    let reasons: Vec<Option<Reason>> = y_decided
+        .iter()
+        .map(|(_, f)| f.first_error().map(|e| e.reason))
+        .collect();
+    assert_eq!(reasons, [Some(Reason::ModelNameConflict), None]);
+    // Z sees the same: c's "chat" is b2's.
+    let z_decided = check_base_adapters(
+        Some(&z),
+        Some(&one),
+        [&c],
+        &models,
+        &[other(&x, &one, vec![&a]), other(&y, &one, vec![&b1, &b2])],
+        &|_| None,
+    );
+    let e = z_decided[0].1.first_error().unwrap();
+    assert_eq!(e.reason, Reason::ModelNameConflict);
+    assert!(
+        e.message
+            .contains("LLMAdapter team-a/b2 of LLMService team-a/y"),
+        "{}",
+        e.message
+    );
+    // A base without a runtime accepts nothing, so takes no name.
+    let z_decided = check_base_adapters(
+        Some(&z),
+        Some(&one),
+        [&c],
+        &models,
+        &[OtherBase {
+            runtime: None,
+            ..other(&y, &one, vec![&b1, &b2])
+        }],
+        &|_| None,
+    );
+    assert!(z_decided[0].1.is_empty(), "{}", z_decided[0].1);
 }
