@@ -359,26 +359,8 @@ async fn fifty_adapters_on_one_base_are_loaded_on_demand() -> Result<()> {
         },
     )
     .await?;
-    wait_until(
-        "a01 Loaded=False (NoReadyEngine)",
-        Duration::from_secs(60),
-        || async {
-            let a = api.get("a01").await?;
-            let c = a.data["status"]["conditions"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .find(|c| c["type"] == "Loaded")
-                .cloned();
-            Ok(match c {
-                Some(c) if c["status"] == "False" && c["reason"] == "NoReadyEngine" => {
-                    Observed::Ready(())
-                }
-                other => Observed::NotYet(format!("{other:?}")),
-            })
-        },
-    )
-    .await?;
+    let a01 = wait_loaded(&api, "a01", "NoReadyEngine", Duration::from_secs(60)).await?;
+    ensure!(a01["status"] == "False", "a01's Loaded: {a01}");
     // The hub adapters: one fetch Job each, then loadable (the base still at zero).
     for (n, _) in &hub {
         wait_loaded(&api, n, "NoReadyEngine", Duration::from_secs(120)).await?;

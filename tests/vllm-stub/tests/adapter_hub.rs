@@ -5,9 +5,10 @@
 //! Hugging Face cache layout, and the stub's adapter loader and server reading what was fetched
 //! (refusing a rank above `--max-lora-rank` with vLLM's message).
 
-use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+mod common;
+
+use std::path::Path;
+use std::process::{Command, Output};
 use std::time::{Duration, Instant, SystemTime};
 
 use bytes::Bytes;
@@ -20,25 +21,7 @@ use vllm_stub::{lora, model, sha256};
 
 type HttpClient = Client<hyper_util::client::legacy::connect::HttpConnector, Full<Bytes>>;
 
-const STUB: &str = env!("CARGO_BIN_EXE_vllm-stub");
-
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(name: &str) -> Self {
-        let d = std::env::temp_dir().join(format!("vllm-stub-ahub-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&d);
-        std::fs::create_dir_all(&d).unwrap();
-        // The path as huggingface_hub returns it (realpath).
-        Self(std::fs::canonicalize(&d).unwrap())
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
+use common::{Process, TempDir, python3};
 
 /// The adapter prewarm program for `huggingface_hub` (the controller's, Rust's `{:?}` quoting).
 fn hf_program(repo: &str, local_dir: &str) -> String {
@@ -52,15 +35,6 @@ fn modelscope_program(repo: &str, local_dir: &str) -> String {
     format!(
         "from modelscope import snapshot_download\nprint(snapshot_download({repo:?}, local_dir={local_dir:?}))\n"
     )
-}
-
-/// `python3` as the image has it: the stub binary under that name.
-fn python3(dir: &Path) -> PathBuf {
-    let link = dir.join("bin/python3");
-    std::fs::create_dir_all(link.parent().unwrap()).unwrap();
-    let _ = std::fs::remove_file(&link);
-    std::os::unix::fs::symlink(STUB, &link).unwrap();
-    link
 }
 
 /// Runs `python3 -c program` with `envs` (and no hub variables of the caller's), in `cwd`.
@@ -153,7 +127,7 @@ fn names(files: &[(String, u64)]) -> Vec<&str> {
 
 #[test]
 fn python3_fetches_an_adapter_into_local_dir_with_huggingface_hub() {
-    let tmp = TempDir::new("hf");
+    let tmp = TempDir::new("ahub-hf");
     let py = python3(&tmp.0);
     let hf_home = tmp.0.join("models/hf");
     let repo = "acme/sql-lora-r16";
@@ -224,7 +198,7 @@ fn python3_fetches_an_adapter_into_local_dir_with_huggingface_hub() {
 
 #[test]
 fn python3_fetches_an_adapter_into_local_dir_with_modelscope() {
-    let tmp = TempDir::new("ms");
+    let tmp = TempDir::new("ahub-ms");
     let py = python3(&tmp.0);
     let ms_cache = tmp.0.join("models/modelscope");
     let repo = "acme/fin-LoRA";
@@ -284,7 +258,7 @@ fn python3_fetches_an_adapter_into_local_dir_with_modelscope() {
 
 #[test]
 fn local_dir_fetches_only_what_is_missing_or_changed() {
-    let tmp = TempDir::new("repair");
+    let tmp = TempDir::new("ahub-repair");
     let cache = tmp.0.join("cache");
     let local = tmp.0.join("sql");
     let repo = "acme/sql-lora";
@@ -349,7 +323,7 @@ fn local_dir_fetches_only_what_is_missing_or_changed() {
 
 #[test]
 fn local_dir_copies_from_the_cache_and_writes_the_ref_there() {
-    let tmp = TempDir::new("cache");
+    let tmp = TempDir::new("ahub-cache");
     let cache = tmp.0.join("hub");
     let repo = "acme/sql-lora-r32";
     let rev = revision_of(repo);
@@ -406,7 +380,7 @@ fn local_dir_copies_from_the_cache_and_writes_the_ref_there() {
 
 #[test]
 fn offline_local_dir_is_returned_only_when_not_empty() {
-    let tmp = TempDir::new("offline");
+    let tmp = TempDir::new("ahub-offline");
     let cache = tmp.0.join("hub");
     let local = tmp.0.join("sql");
     let repo = "acme/sql-lora";
@@ -438,7 +412,7 @@ fn offline_local_dir_is_returned_only_when_not_empty() {
 
 #[test]
 fn adapters_in_the_cache_layouts() {
-    let tmp = TempDir::new("layouts");
+    let tmp = TempDir::new("ahub-layouts");
     let cache = tmp.0.join("hub");
     let repo = "acme/sql-lora-r16";
     let d = hub::download_hf(&cache, repo, None, false).unwrap();
@@ -486,58 +460,17 @@ fn adapters_in_the_cache_layouts() {
 }
 
 /// A stub process whose log lines are collected; killed when dropped.
-struct Stub {
-    child: std::process::Child,
-    log: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
-    base: String,
-}
+struct Stub(Process);
 
 impl Stub {
     fn start(args: &[&str], envs: &[(&str, &str)]) -> Self {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let mut cmd = Command::new(STUB);
-        cmd.args([
-            "--model=hearth/stub-model",
-            "--served-model-name=stub-svc",
-            "--host=127.0.0.1",
-            &format!("--port={port}"),
-        ])
-        .args(args)
-        .env_remove("HF_HOME")
-        .env_remove("HF_HUB_CACHE")
-        .env_remove("MODELSCOPE_CACHE")
-        .env_remove("VLLM_PLUGINS")
-        .env_remove("VLLM_LORA_RESOLVER_CACHE_DIR")
-        .env("STUB_TOKEN_DELAY", "1ms")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null());
-        for (k, v) in envs {
-            cmd.env(k, v);
-        }
-        let mut child = cmd.spawn().unwrap();
-        let log = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
-        let out = child.stdout.take().unwrap();
-        let sink = log.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(out).lines().map_while(Result::ok) {
-                sink.lock().unwrap().push(line);
-            }
-        });
-        Self {
-            child,
-            log,
-            base: format!("http://127.0.0.1:{port}"),
-        }
+        Self(Process::start("hearth/stub-model", args, envs))
     }
 
     async fn wait_healthy(&self, c: &HttpClient) {
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
-            let req = Request::get(format!("{}/health", self.base))
+            let req = Request::get(self.0.url("/health"))
                 .body(Full::new(Bytes::new()))
                 .unwrap();
             if let Ok(r) = c.request(req).await
@@ -548,14 +481,14 @@ impl Stub {
             assert!(
                 Instant::now() < deadline,
                 "never healthy: {:#?}",
-                self.log.lock().unwrap()
+                self.0.log.lock().unwrap()
             );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
 
     async fn post(&self, c: &HttpClient, path: &str, body: Value) -> (StatusCode, String) {
-        let req = Request::post(format!("{}{path}", self.base))
+        let req = Request::post(self.0.url(path))
             .header("content-type", "application/json")
             .body(Full::new(Bytes::from(body.to_string())))
             .unwrap();
@@ -566,16 +499,9 @@ impl Stub {
     }
 }
 
-impl Drop for Stub {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 #[tokio::test]
 async fn the_stub_loads_fetched_adapters_and_refuses_a_rank_above_its_max() {
-    let tmp = TempDir::new("serve");
+    let tmp = TempDir::new("ahub-serve");
     let py = python3(&tmp.0);
     let hf_home = tmp.0.join("models/hf");
     let adapters = tmp.0.join("models/adapters/hf/acme");
@@ -651,6 +577,6 @@ async fn the_stub_loads_fetched_adapters_and_refuses_a_rank_above_its_max() {
         )
         .await;
     assert_eq!(status, StatusCode::OK, "{body}");
-    let log = stub.log.lock().unwrap().join("\n");
+    let log = stub.0.log.lock().unwrap().join("\n");
     assert!(log.contains("LoRA adapter loaded into the engine"), "{log}");
 }

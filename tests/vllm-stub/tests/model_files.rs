@@ -4,10 +4,10 @@
 //! until the files are there, then serves; a model directory is checked, and a corrupt one ends
 //! the process.
 
-use std::io::{BufRead, BufReader};
+mod common;
+
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
-use std::sync::{Arc, Mutex};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -17,7 +17,7 @@ use hyper_util::{client::legacy::Client, rt::TokioExecutor};
 
 type HttpClient = Client<hyper_util::client::legacy::connect::HttpConnector, Full<Bytes>>;
 
-const STUB: &str = env!("CARGO_BIN_EXE_vllm-stub");
+use common::{Process, TempDir, python3};
 
 /// The program controller/src/render/cache.rs renders for `hf://<repo>`.
 fn prewarm_program(repo: &str) -> String {
@@ -26,79 +26,25 @@ fn prewarm_program(repo: &str) -> String {
     )
 }
 
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(name: &str) -> Self {
-        let d = std::env::temp_dir().join(format!("vllm-stub-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&d);
-        std::fs::create_dir_all(&d).unwrap();
-        Self(d)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-/// `python3` as the image has it: the stub binary under that name.
-fn python3(dir: &Path) -> PathBuf {
-    let link = dir.join("bin/python3");
-    std::fs::create_dir_all(link.parent().unwrap()).unwrap();
-    std::os::unix::fs::symlink(STUB, &link).unwrap();
-    link
-}
-
 /// A stub process whose log lines are collected.
-struct Stub {
-    child: std::process::Child,
-    log: Arc<Mutex<Vec<String>>>,
-    port: u16,
-}
+struct Stub(Process);
 
 impl Stub {
     fn start(model: &str, envs: &[(&str, &Path)]) -> Self {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let mut cmd = Command::new(STUB);
-        cmd.args([
-            &format!("--model={model}"),
-            "--served-model-name=stub-svc",
-            "--host=127.0.0.1",
-            &format!("--port={port}"),
-        ])
-        .env_remove("HF_HOME")
-        .env_remove("HF_HUB_CACHE")
-        .env_remove("MODELSCOPE_CACHE")
-        .env("STUB_TOKEN_DELAY", "1ms")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null());
-        for (k, v) in envs {
-            cmd.env(k, v);
-        }
-        let mut child = cmd.spawn().unwrap();
-        let log = Arc::new(Mutex::new(Vec::new()));
-        let out = child.stdout.take().unwrap();
-        let sink = log.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(out).lines().map_while(Result::ok) {
-                sink.lock().unwrap().push(line);
-            }
-        });
-        Self { child, log, port }
+        Self(Process::start(model, &[], envs))
     }
 
     fn url(&self, path: &str) -> String {
-        format!("http://127.0.0.1:{}{path}", self.port)
+        self.0.url(path)
     }
 
     fn log_has(&self, needle: &str) -> bool {
-        self.log.lock().unwrap().iter().any(|l| l.contains(needle))
+        self.0
+            .log
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|l| l.contains(needle))
     }
 
     async fn wait_log(&self, needle: &str) {
@@ -107,7 +53,7 @@ impl Stub {
             assert!(
                 Instant::now() < deadline,
                 "no log line with {needle:?}: {:#?}",
-                self.log.lock().unwrap()
+                self.0.log.lock().unwrap()
             );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
@@ -129,17 +75,10 @@ impl Stub {
             assert!(
                 Instant::now() < deadline,
                 "/health never answered {want}: {:#?}",
-                self.log.lock().unwrap()
+                self.0.log.lock().unwrap()
             );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-    }
-}
-
-impl Drop for Stub {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 
@@ -237,6 +176,7 @@ async fn repository_in_hf_home_waits_for_the_prewarm_then_serves() {
     stub.wait_health(&c, StatusCode::OK).await;
     stub.wait_log("model loaded").await;
     let loaded = stub
+        .0
         .log
         .lock()
         .unwrap()
@@ -285,7 +225,7 @@ async fn model_directory_is_checked() {
     let mut stub = Stub::start(dir.to_str().unwrap(), &[]);
     let deadline = Instant::now() + Duration::from_secs(10);
     let status = loop {
-        if let Some(s) = stub.child.try_wait().unwrap() {
+        if let Some(s) = stub.0.child.try_wait().unwrap() {
             break s;
         }
         assert!(Instant::now() < deadline, "a corrupt model was served");
