@@ -6,7 +6,8 @@
 //! the stub's built-in hub), fetched into the base's model cache (HostPath on the node) by the
 //! controller's fetch Jobs.
 //!
-//! - Admission: an adapter above the runtime's `maxRank` is denied by the installed webhook.
+//! - Admission: an adapter above the runtime's `maxRank`, and one whose source is no model URI,
+//!   are denied by the installed webhook.
 //! - Acceptance: all 50 (and one whose directory is missing, and the hub ones) are `Accepted`;
 //!   the hub ones are `Loaded=False` `Fetching` until their Job has fetched them; with the base
 //!   at zero the others' `Loaded` is `False` (`NoReadyEngine`).
@@ -314,6 +315,19 @@ async fn fifty_adapters_on_one_base_are_loaded_on_demand() -> Result<()> {
             "{e:?}"
         ),
         other => bail!("an adapter of rank 64 was not denied: {other:?}"),
+    }
+    // And the source: one that is no model URI is denied naming the field.
+    let mut bad = adapter("bad-source", "a01", json!({}));
+    bad["spec"]["source"]["uri"] = json!("s3://bucket/lora");
+    match api
+        .create(&PostParams::default(), &serde_json::from_value(bad)?)
+        .await
+    {
+        Err(kube::Error::Api(e)) => ensure!(
+            e.code == 422 && e.message.contains("spec.source.uri: "),
+            "{e:?}"
+        ),
+        other => bail!("an adapter from s3:// was not denied: {other:?}"),
     }
     for i in 1..=ADAPTERS {
         let a: DynamicObject =
