@@ -349,25 +349,22 @@ pub fn loaded_status(
 /// The failed loads every replica of the gateway serving `svc` reports
 /// ([`ADAPTER_FAILURES_PATH`]); a replica that does not answer is left out (logged).
 async fn gateway_failures(ctx: &Context, svc: &LLMService) -> Vec<AdapterLoadFailure> {
-    let gw = match super::handover::gateway_pods(ctx, svc).await {
-        Ok(gw) => gw,
+    let answers = match super::handover::ask_gateways::<AdapterFailures>(
+        ctx,
+        svc,
+        |key| super::handover::for_service(ADAPTER_FAILURES_PATH, key),
+        1 << 20,
+    )
+    .await
+    {
+        Ok((_, a)) => a,
         Err(e) => {
             tracing::debug!(llmservice = %svc.name_any(), error = %e, "no gateway to ask for adapter load failures");
             return Vec::new();
         }
     };
-    let path = if gw.key.is_empty() {
-        ADAPTER_FAILURES_PATH.to_owned()
-    } else {
-        format!("{ADAPTER_FAILURES_PATH}?service={}", gw.key)
-    };
-    let answers =
-        futures::future::join_all(gw.ips.iter().map(|ip| {
-            super::handover::get_json::<AdapterFailures>(ctx, ip, gw.port, &path, 1 << 20)
-        }))
-        .await;
     let mut out = Vec::new();
-    for (ip, a) in gw.ips.iter().zip(answers) {
+    for (ip, a) in answers {
         match a {
             Ok(r) => out.extend(r.failures),
             Err(e) => {

@@ -587,29 +587,60 @@ pub(super) async fn gateway_pods(ctx: &Context, svc: &LLMService) -> Result<Gate
 /// The demand for `svc` summed over every replica of the gateway that serves it (its own, or
 /// its LLMEndpoint's), with the shortest idle time; `Err` says why it is not known.
 async fn demand_of(ctx: &Context, svc: &LLMService) -> Result<Demand, String> {
-    let gw = gateway_pods(ctx, svc).await?;
-    let path = if gw.key.is_empty() {
-        "/hearth/queue/local".to_owned()
-    } else {
-        format!("/hearth/queue/{}/local", gw.key)
-    };
-    let answers = join_all(
-        gw.ips
-            .iter()
-            .map(|ip| get_json::<LocalDemand>(ctx, ip, gw.port, &path, 4096)),
+    let (_, answers) = ask_gateways::<LocalDemand>(
+        ctx,
+        svc,
+        |key| {
+            if key.is_empty() {
+                "/hearth/queue/local".to_owned()
+            } else {
+                format!("/hearth/queue/{key}/local")
+            }
+        },
+        4096,
     )
-    .await;
+    .await?;
     let mut sum = Demand {
         pending: 0,
         idle: Duration::MAX,
     };
-    for (ip, a) in gw.ips.iter().zip(answers) {
+    for (ip, a) in answers {
         let a = a.map_err(|e| format!("gateway {ip}: {e}"))?;
         sum.pending = sum.pending.saturating_add(a.pending);
         let idle = Duration::try_from_secs_f64(a.idle_seconds.unwrap_or(0.0)).unwrap_or_default();
         sum.idle = sum.idle.min(idle);
     }
     Ok(sum)
+}
+
+/// Asks every replica of the gateway serving `svc` (its own, or its LLMEndpoint's) at once for
+/// `GET path(key)` as JSON, at most `limit` bytes each; `key` is the service's at that gateway
+/// ([`GatewayPods::key`]). Returns that key and each replica's IP with its answer; `Err` says
+/// why the replicas are not known.
+pub(super) async fn ask_gateways<T: serde::de::DeserializeOwned>(
+    ctx: &Context,
+    svc: &LLMService,
+    path: impl Fn(&str) -> String,
+    limit: usize,
+) -> Result<(String, Vec<(String, Result<T, String>)>), String> {
+    let gw = gateway_pods(ctx, svc).await?;
+    let path = path(&gw.key);
+    let answers = join_all(
+        gw.ips
+            .iter()
+            .map(|ip| get_json::<T>(ctx, ip, gw.port, &path, limit)),
+    )
+    .await;
+    Ok((gw.key, gw.ips.into_iter().zip(answers).collect()))
+}
+
+/// `path`, with `?service=<key>` on a shared gateway (`key` not empty).
+pub(super) fn for_service(path: &str, key: &str) -> String {
+    if key.is_empty() {
+        path.to_owned()
+    } else {
+        format!("{path}?service={key}")
+    }
 }
 
 /// `GET http://<ip>:<port><path>` as JSON, bounded by [`DEMAND_TIMEOUT`] and `limit` bytes.

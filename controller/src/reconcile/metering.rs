@@ -237,26 +237,22 @@ async fn reports(
     ctx: &Context,
     svc: &LLMService,
 ) -> Option<Vec<(String, hearth_crds::metering::ServiceMetering)>> {
-    let gw = match handover::gateway_pods(ctx, svc).await {
-        Ok(gw) => gw,
+    let (key, answers) = match handover::ask_gateways::<MeteringReport>(
+        ctx,
+        svc,
+        |key| handover::for_service(METERING_PATH, key),
+        REPORT_LIMIT,
+    )
+    .await
+    {
+        Ok(a) => a,
         Err(e) => {
             tracing::debug!(llmservice = %svc.name_any(), error = %e, "no gateway to meter");
             return None;
         }
     };
-    let path = if gw.key.is_empty() {
-        METERING_PATH.to_owned()
-    } else {
-        format!("{METERING_PATH}?service={}", gw.key)
-    };
-    let answers = futures::future::join_all(
-        gw.ips
-            .iter()
-            .map(|ip| handover::get_json::<MeteringReport>(ctx, ip, gw.port, &path, REPORT_LIMIT)),
-    )
-    .await;
     let mut out = Vec::new();
-    for (ip, a) in gw.ips.iter().zip(answers) {
+    for (ip, a) in answers {
         match a {
             Ok(r) => out.push(r),
             Err(e) => {
@@ -265,7 +261,7 @@ async fn reports(
             }
         }
     }
-    Some(metering::reports_of(&out, &gw.key))
+    Some(metering::reports_of(&out, &key))
 }
 
 /// Reads the ledger from the ConfigMap; `Ok(None)` when there is none.
