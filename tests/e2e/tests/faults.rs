@@ -23,7 +23,7 @@ use anyhow::{Context, Result, bail, ensure};
 use hearth_e2e_harness::client;
 use hearth_e2e_harness::faults::{self, Kind, Ledger, Load, LoadConfig, Outcome, Record, Row};
 use hearth_e2e_harness::stack::{RELEASE_NAMESPACE, ScalerMode};
-use hearth_test_support::{Observed, wait_until};
+use hearth_test_support::{Cluster, Observed, TestNamespace, wait_until};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Pod, Service};
@@ -55,6 +55,43 @@ fn failures(records: &[Record]) -> String {
         .map(|r| format!("{:?} {} {:?}: {}", r.kind, r.tag, r.outcome, r.detail))
         .collect::<Vec<_>>()
         .join("\n  ")
+}
+
+/// Waits until kube-controller-manager and kube-scheduler act on new objects again after a
+/// control-plane restart: a new namespace gets its default ServiceAccount (up to 4 tries of
+/// 30 s), then a new one-replica Deployment there gets a pod bound to a node (up to 3 min:
+/// the Deployment, ReplicaSet and Pod watches come back on their own backoffs). Returns the
+/// namespace; dropping it deletes the probe.
+async fn cluster_whole(cluster: &Cluster) -> Result<TestNamespace> {
+    let mut tries = 0;
+    let ns = loop {
+        match cluster.namespace("e2e-fault-cp-after").await {
+            Ok(ns) => break ns,
+            Err(e) if tries < 3 => {
+                tries += 1;
+                eprintln!("{e:#}; trying again");
+            }
+            Err(e) => {
+                return Err(e.context(
+                    "kube-controller-manager made no ServiceAccount for 2 minutes after the control-plane restart",
+                ));
+            }
+        }
+    };
+    let mut probe = faults::load_deployment("whole", None);
+    probe["spec"]["replicas"] = json!(1);
+    hearth_e2e_harness::stack::apply(&ns.client(), probe, Some(ns.name())).await?;
+    ns.wait_for_pods(
+        "a pod of a Deployment created after the restart, bound to a node (kube-controller-manager's Deployment and ReplicaSet controllers, then kube-scheduler)",
+        "app=whole",
+        Duration::from_secs(180),
+        |pods| {
+            pods.iter()
+                .any(|p| p.spec.as_ref().is_some_and(|s| s.node_name.is_some()))
+        },
+    )
+    .await?;
+    Ok(ns)
 }
 
 /// The Ready gateway pods of the namespace, not terminating, with an IP: (name, IP, pod).
@@ -1109,30 +1146,17 @@ async fn apiserver_and_etcd_restarted_controller_and_gateways_reconverge() -> Re
     let controllers_after = controller_restarts().await?;
     tokio::time::sleep(Duration::from_secs(3)).await;
     let ledger = load.stop().await;
-    // kube-controller-manager re-watches on client-go's backoff (up to 30 s, plus as much again
-    // of jitter) and meanwhile serves nothing new: a namespace created right after the restart
-    // got no default ServiceAccount for over 30 s. The next test needs a whole cluster, so wait
-    // for it here: a new namespace with its ServiceAccount (each try waits 30 s).
-    let mut tries = 0;
-    let controllers_back = loop {
-        match warm_svc.cluster.namespace("e2e-fault-cp-after").await {
-            Ok(ns) => break ns,
-            Err(e) if tries < 3 => {
-                tries += 1;
-                eprintln!("{e:#}; trying again");
-            }
-            Err(e) => {
-                return Err(e.context(
-                    "kube-controller-manager made no ServiceAccount for 2 minutes after the control-plane restart",
-                ));
-            }
-        }
-    };
+    // kube-controller-manager and kube-scheduler re-watch on client-go's backoff, each
+    // resource on its own (up to 30 s, plus as much again of jitter), and meanwhile act on
+    // nothing new: a namespace created right after the restart got no default ServiceAccount
+    // for over 30 s, and once a ServiceAccount was made a new Deployment still got no pod for
+    // over a minute. The next test needs a whole cluster, so wait for one here.
+    let whole = cluster_whole(&warm_svc.cluster).await?;
     eprintln!(
-        "kube-controller-manager made a new namespace's ServiceAccount {:.1}s after the apiserver was back from the kill",
+        "the cluster was whole again (a new namespace's ServiceAccount, and a new Deployment's pod scheduled) {:.1}s after the apiserver was back from the kill",
         kill_back.elapsed().as_secs_f64()
     );
-    drop(controllers_back);
+    drop(whole);
 
     let mut records = cold.records();
     records.extend(

@@ -13,8 +13,10 @@ use anyhow::{Context, Result};
 use hearth_e2e_harness::stack::{self, ScalerMode};
 use hearth_e2e_harness::timeline::Timeline;
 use hearth_test_support::{Cluster, Observed, TestNamespace, wait_until};
+use k8s_openapi::api::apps::v1::{Deployment, ReplicaSet};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
+use kube::ResourceExt;
 use kube::api::ListParams;
 use serde_json::Value;
 
@@ -145,17 +147,76 @@ impl Deployed {
         .await
     }
 
-    /// Waits until a gateway pod is Ready.
+    /// Waits until a gateway pod is Ready; on a timeout the error also gives the conditions
+    /// of the gateway's Deployment and ReplicaSets (who did not make the pod, and why).
     pub async fn wait_gateway_ready(&self) -> Result<()> {
-        self.ns
+        let selector = "app.kubernetes.io/component=gateway";
+        let waited = self
+            .ns
             .wait_for_pods(
                 "a Ready gateway pod",
-                "app.kubernetes.io/component=gateway",
+                selector,
                 Duration::from_secs(60),
                 |pods| pods.iter().any(hearth_test_support::pod_ready),
             )
-            .await
-            .map(|_| ())
+            .await;
+        match waited {
+            Ok(_) => Ok(()),
+            Err(e) => {
+                let workloads = self.describe_workloads(selector).await;
+                Err(e.context(workloads))
+            }
+        }
+    }
+
+    /// The conditions and replica counts of the namespace's Deployments and ReplicaSets
+    /// matching `selector`, one line each (or why they could not be listed).
+    async fn describe_workloads(&self, selector: &str) -> String {
+        let lp = ListParams::default().labels(selector);
+        let deployments = self.ns.api::<Deployment>().list(&lp).await;
+        let replica_sets = self.ns.api::<ReplicaSet>().list(&lp).await;
+        let mut lines = Vec::new();
+        match deployments {
+            Ok(list) => lines.extend(list.items.iter().map(|d| {
+                let s = d.status.clone().unwrap_or_default();
+                let conditions = conditions(
+                    s.conditions
+                        .iter()
+                        .flatten()
+                        .map(|c| (c.type_.as_str(), c.status.as_str(), c.message.as_deref())),
+                );
+                format!(
+                    "Deployment {}: replicas {:?}, ready {:?}; {}",
+                    d.name_any(),
+                    s.replicas,
+                    s.ready_replicas,
+                    conditions
+                )
+            })),
+            Err(e) => lines.push(format!("Deployments: {e}")),
+        }
+        match replica_sets {
+            Ok(list) => lines.extend(list.items.iter().map(|r| {
+                let s = r.status.clone().unwrap_or_default();
+                let conditions = conditions(
+                    s.conditions
+                        .iter()
+                        .flatten()
+                        .map(|c| (c.type_.as_str(), c.status.as_str(), c.message.as_deref())),
+                );
+                format!(
+                    "ReplicaSet {}: replicas {}; {}",
+                    r.name_any(),
+                    s.replicas,
+                    conditions
+                )
+            })),
+            Err(e) => lines.push(format!("ReplicaSets: {e}")),
+        }
+        if lines.is_empty() {
+            lines.push("no Deployment or ReplicaSet of the gateway".to_string());
+        }
+        lines.join("\n")
     }
 
     /// Waits until the gateway Service's EndpointSlice lists a ready endpoint: until then its
@@ -274,4 +335,11 @@ impl Deployed {
             .collect::<Vec<_>>()
             .join("; ")
     }
+}
+
+/// `type=status message` of each condition, joined by "; ".
+fn conditions<'a>(list: impl Iterator<Item = (&'a str, &'a str, Option<&'a str>)>) -> String {
+    list.map(|(t, status, message)| format!("{t}={status} {}", message.unwrap_or_default()))
+        .collect::<Vec<_>>()
+        .join("; ")
 }
