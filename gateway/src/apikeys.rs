@@ -14,6 +14,11 @@
 //! Nothing ever turns authentication off once it is on. A key listed for two tenants is
 //! refused the same way (at start: an error; on reload: the last good keys stay), since the
 //! gateway could not tell whose requests it carries.
+//!
+//! A presented key is checked in constant time: its SHA-256 digest is compared with the digest
+//! of every accepted key ([`subtle::ConstantTimeEq`]), all of them every time, so neither the
+//! time taken nor where a comparison stopped tells a client how close its guess was (a hash
+//! map lookup would, through the early exit of its string comparison).
 
 use std::{
     collections::{HashMap, HashSet},
@@ -69,9 +74,49 @@ pub struct ApiKeys {
 struct KeysInner {
     /// Each key file, the tenant its keys belong to, and the tenant's name (for errors).
     sources: Vec<(PathBuf, TenantId, String)>,
-    keys: RwLock<Arc<HashMap<String, TenantId>>>,
+    keys: RwLock<Arc<KeyTable>>,
     /// Each source's last good keys: a file that cannot be used keeps its own.
     files: std::sync::Mutex<Vec<HashSet<String>>>,
+}
+
+/// The accepted keys: by key (to tell a change), and as SHA-256 digests with their tenant (what
+/// a request is checked against).
+#[derive(Debug, Default)]
+struct KeyTable {
+    by_key: HashMap<String, TenantId>,
+    digests: Vec<(Digest, TenantId)>,
+}
+
+/// A SHA-256 digest.
+type Digest = [u8; 32];
+
+fn digest(key: &str) -> Digest {
+    let mut out = [0u8; 32];
+    out.copy_from_slice(ring::digest::digest(&ring::digest::SHA256, key.as_bytes()).as_ref());
+    out
+}
+
+impl KeyTable {
+    fn new(by_key: HashMap<String, TenantId>) -> Self {
+        let digests = by_key.iter().map(|(k, t)| (digest(k), *t)).collect();
+        Self { by_key, digests }
+    }
+
+    /// The tenant of `token`: compares its digest with every key's, in constant time, and
+    /// without stopping at a match.
+    fn tenant(&self, token: &str) -> Option<TenantId> {
+        use subtle::{Choice, ConditionallySelectable, ConstantTimeEq};
+        let presented = digest(token);
+        let mut any = Choice::from(0);
+        let mut tenant: TenantId = 0;
+        for (d, t) in &self.digests {
+            let hit = presented.ct_eq(d);
+            // Keys are unique, so at most one digest matches.
+            tenant.conditional_assign(t, hit);
+            any |= hit;
+        }
+        bool::from(any).then_some(tenant)
+    }
 }
 
 /// The outcome of checking a request's credentials.
@@ -145,7 +190,7 @@ impl ApiKeys {
         Ok(Self {
             inner: Some(Arc::new(KeysInner {
                 sources,
-                keys: RwLock::new(Arc::new(keys)),
+                keys: RwLock::new(Arc::new(KeyTable::new(keys))),
                 files: std::sync::Mutex::new(files),
             })),
         })
@@ -168,8 +213,8 @@ impl ApiKeys {
             return AuthOutcome::Missing;
         };
         let keys = inner.keys.read().unwrap_or_else(|e| e.into_inner()).clone();
-        match keys.get(token) {
-            Some(tenant) => AuthOutcome::Allowed(*tenant),
+        match keys.tenant(token) {
+            Some(tenant) => AuthOutcome::Allowed(tenant),
             None => AuthOutcome::Invalid,
         }
     }
@@ -208,9 +253,9 @@ impl ApiKeys {
         }
         *files = next;
         let mut cur = inner.keys.write().unwrap_or_else(|e| e.into_inner());
-        let changed = **cur != keys;
+        let changed = cur.by_key != keys;
         if changed {
-            *cur = Arc::new(keys);
+            *cur = Arc::new(KeyTable::new(keys));
         }
         match first_error {
             Some(e) => Err(e),
@@ -387,5 +432,27 @@ mod tests {
                 .enabled()
         );
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn the_key_table_matches_whole_keys_only_and_names_their_tenant() {
+        let table = KeyTable::new(HashMap::from([
+            ("sk-team-a-0001".to_owned(), 3),
+            ("sk-team-a-0002".to_owned(), 4),
+            ("x".to_owned(), 0),
+        ]));
+        for (token, want) in [
+            ("sk-team-a-0001", Some(3)),
+            ("sk-team-a-0002", Some(4)),
+            ("x", Some(0)),
+            // A prefix, an extension and a one-byte change of a key are all no key.
+            ("sk-team-a-000", None),
+            ("sk-team-a-00011", None),
+            ("sk-team-a-0003", None),
+            ("", None),
+        ] {
+            assert_eq!(table.tenant(token), want, "{token:?}");
+        }
+        assert_eq!(KeyTable::default().tenant("x"), None);
     }
 }
