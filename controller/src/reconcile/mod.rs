@@ -134,6 +134,10 @@ pub enum Error {
     /// An object could not be serialized.
     #[error("serializing {0}")]
     Serialize(String),
+    /// Rendering on the blocking pool did not finish (it panicked, or the runtime is
+    /// shutting down).
+    #[error("rendering the desired objects: {0}")]
+    Render(String),
 }
 
 impl Error {
@@ -144,7 +148,7 @@ impl Error {
                 source: kube::Error::Api(e),
                 ..
             } => Some(e.code),
-            Error::Kube { .. } | Error::Serialize(_) => None,
+            Error::Kube { .. } | Error::Serialize(_) | Error::Render(_) => None,
         }
     }
 
@@ -156,6 +160,7 @@ impl Error {
             (Error::Kube { .. }, Some(403)) => "forbidden",
             (Error::Kube { .. }, _) => "kube_api",
             (Error::Serialize(_), _) => "serialize",
+            (Error::Render(_), _) => "render",
         }
     }
 
@@ -168,7 +173,7 @@ impl Error {
                 source: kube::Error::Api(e),
                 ..
             } if e.code == 409 => CONFLICT_RETRY,
-            Error::Kube { .. } | Error::Serialize(_) => ERROR_RETRY,
+            Error::Kube { .. } | Error::Serialize(_) | Error::Render(_) => ERROR_RETRY,
         }
     }
 }
@@ -652,6 +657,35 @@ async fn publish_about(
     }
 }
 
+/// At most this many renders run at once on the blocking pool ([`off_workers`]): one per CPU.
+static RENDERS: std::sync::LazyLock<Arc<tokio::sync::Semaphore>> = std::sync::LazyLock::new(|| {
+    let cpus = std::thread::available_parallelism().map_or(2, |n| n.get());
+    Arc::new(tokio::sync::Semaphore::new(cpus))
+});
+
+/// Runs `render` on tokio's blocking pool, at most one per CPU at once ([`RENDERS`]): it
+/// evaluates the cluster's ServingPolicies, whose CEL is CPU-bound and may run up to its cost
+/// budget, and must not hold up the async workers that serve the watches, the leader lease
+/// and the other reconciles (as the webhook evaluates admissions).
+///
+/// # Errors
+/// [`Error::Render`] when the render panicked or the runtime is shutting down.
+async fn off_workers<T: Send + 'static>(
+    render: impl FnOnce() -> T + Send + 'static,
+) -> Result<T, Error> {
+    let permit = RENDERS
+        .clone()
+        .acquire_owned()
+        .await
+        .map_err(|e| Error::Render(e.to_string()))?;
+    tokio::task::spawn_blocking(move || {
+        let _permit = permit;
+        render()
+    })
+    .await
+    .map_err(|e| Error::Render(e.to_string()))
+}
+
 async fn reconcile_inner(svc: &LLMService, ctx: &Context) -> Result<Action, Error> {
     if !ctx.caches_synced() {
         // The watches that fill them run beside the reconciles; this is the first second or so
@@ -664,14 +698,25 @@ async fn reconcile_inner(svc: &LLMService, ctx: &Context) -> Result<Action, Erro
     let view = ctx.view(&namespace, &svc.name_any(), &placement);
     let runtimes = ctx.runtimes.state();
     let adapters = ctx.accepted_adapters(svc);
-    let desired = desired(
-        svc,
-        runtimes.iter().map(|r| r.as_ref()),
-        &ctx.render_config(),
-        view.backend.is_none(),
-        membership.as_ref(),
-        &adapters,
-    );
+    let desired = {
+        let (svc, cfg, create_backend) = (
+            svc.clone(),
+            ctx.render_config().into_owned(),
+            view.backend.is_none(),
+        );
+        let membership = membership.clone();
+        off_workers(move || {
+            desired(
+                &svc,
+                runtimes.iter().map(|r| r.as_ref()),
+                &cfg,
+                create_backend,
+                membership.as_ref(),
+                &adapters,
+            )
+        })
+        .await?
+    };
     let mut plan = plan(svc, desired, &view, &ctx.render);
     execute(ctx, &namespace, &mut plan).await?;
     let handover = handover::step(ctx, svc, &view).await;

@@ -33,6 +33,7 @@ fn back_off_and_metric_label_by_error() {
             "kube_api",
         ),
         (Error::Serialize("x".to_owned()), ERROR_RETRY, "serialize"),
+        (Error::Render("x".to_owned()), ERROR_RETRY, "render"),
     ];
     for (error, backoff, label) in cases {
         assert_eq!(
