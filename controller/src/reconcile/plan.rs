@@ -451,12 +451,11 @@ pub fn plan(svc: &LLMService, desired: Desired, view: &View, cfg: &RenderConfig)
     match view.backend.as_deref() {
         Some(live) => {
             let mut backend = children.backend;
-            if let Some(image) = &cfg.drain_image
-                && has_pods(live)
-                && upgrade::keep_live_images(&mut backend, live, image)
+            if has_pods(live)
+                && upgrade::keep_live_template(&mut backend, live, cfg.drain_image.as_deref())
             {
                 // Applied when the backend is next at zero, or with its next template change.
-                tracing::info!(deployment = %live.name_any(), namespace = %live.namespace().unwrap_or_default(), new_image = %image, "keeping the running pods' drain sidecar image, so this upgrade does not restart them");
+                tracing::info!(deployment = %live.name_any(), namespace = %live.namespace().unwrap_or_default(), new_image = ?cfg.drain_image, "keeping the running pods' template (drain sidecar image, fields new in this release), so this upgrade does not restart them");
             }
             apply_cached(writes, backend, Some(live));
         }
@@ -686,7 +685,7 @@ fn wait_for_prewarm(
 
 /// Whether a Deployment wants or still has pods: a template change would restart them. At
 /// zero replicas it costs nothing, so Hearth's own image updates are applied then (see
-/// [`upgrade::keep_live_images`]).
+/// [`upgrade::keep_live_template`]).
 fn has_pods(d: &Deployment) -> bool {
     d.spec.as_ref().and_then(|s| s.replicas).unwrap_or(1) > 0
         || d.status.as_ref().and_then(|s| s.replicas).unwrap_or(0) > 0
@@ -760,10 +759,8 @@ pub fn after_conflict(
             backend.name_any(),
         )));
     }
-    if let Some(image) = drain_image
-        && has_pods(live)
-    {
-        upgrade::keep_live_images(&mut backend, live, image);
+    if has_pods(live) {
+        upgrade::keep_live_template(&mut backend, live, drain_image);
     }
     writes.push(Write::Apply(backend.into()));
     writes

@@ -198,6 +198,9 @@ pub(super) fn backend_skeleton(
                     .filter(|v| !v.is_empty()),
                     image_pull_secrets: ctx.pull_secrets(),
                     enable_service_links: Some(false),
+                    // The engine never calls the apiserver: no token in the pod (a platform
+                    // ServingPolicy that needs one sets it back to true).
+                    automount_service_account_token: Some(false),
                     ..Default::default()
                 }),
             },

@@ -267,7 +267,7 @@ pub(super) fn cache_job(
         Component::AdapterFetch => "fetch",
         _ => "prewarm",
     };
-    let template = PodTemplateSpec {
+    let mut template = PodTemplateSpec {
         metadata: Some(pod_meta),
         spec: Some(PodSpec {
             restart_policy: Some("OnFailure".to_owned()),
@@ -294,6 +294,11 @@ pub(super) fn cache_job(
         }),
     };
     let hash = stable_hash(&template);
+    // Set after the hash: the Job downloads from a hub and never calls the apiserver, and a
+    // Job made before this field was set keeps matching its template (no ReplaceRequired).
+    if let Some(spec) = template.spec.as_mut() {
+        spec.automount_service_account_token = Some(false);
+    }
     Job {
         metadata: with_hash(ctx.meta(name, component), hash),
         spec: Some(JobSpec {
