@@ -258,6 +258,22 @@ fn the_runtime_security_context_replaces_the_backend_default() {
     assert_eq!(rendered(&rt), Some(hardened));
 }
 
+/// No service account token where nothing calls the apiserver: the backend's pods and the
+/// prewarm Job's. The gateway watches its ConfigMaps and writes Events, so it keeps one.
+#[test]
+fn only_pods_that_call_the_apiserver_get_a_service_account_token() {
+    let (mut svc, rt) = service_and_runtime(json!({}));
+    svc.spec.cache =
+        serde_json::from_value(json!({"strategy": "SharedPVC", "prewarm": true})).unwrap();
+    let c = render(&svc, &rt, &RenderConfig::builtin().unwrap(), true).unwrap();
+    assert_eq!(pod(&c.backend).automount_service_account_token, Some(false));
+    let job = c.prewarm_job.expect("a prewarm Job");
+    let job_pod = job.spec.unwrap().template.spec.unwrap();
+    assert_eq!(job_pod.automount_service_account_token, Some(false));
+    let gateway = c.gateway.expect("the service's own gateway");
+    assert_ne!(pod(&gateway).automount_service_account_token, Some(false));
+}
+
 #[test]
 fn the_default_gateway_resources_parse_back() {
     let json = serde_json::to_string(&default_gateway_resources()).unwrap();

@@ -248,7 +248,7 @@ fn helm_lint_passes_strict() -> Result<()> {
         vec!["--set", "certificates.mode=certManager"],
         vec![
             "--set",
-            "networkPolicy.enabled=true,serviceMonitor.enabled=true,dashboards.enabled=true",
+            "networkPolicy.enabled=true,serviceMonitor.enabled=true,dashboards.enabled=true,prometheusRule.enabled=true",
         ],
     ] {
         run(
@@ -544,8 +544,8 @@ fn registered_metrics(file: &str) -> Result<BTreeSet<String>> {
     Ok(names)
 }
 
-#[test]
-fn dashboard_queries_use_registered_metric_names() -> Result<()> {
+/// Every metric name the gateway, the controller and the webhook register.
+fn all_registered_metrics() -> Result<BTreeSet<String>> {
     let mut known = BTreeSet::new();
     for f in [
         "gateway/src/metrics.rs",
@@ -554,6 +554,23 @@ fn dashboard_queries_use_registered_metric_names() -> Result<()> {
     ] {
         known.extend(registered_metrics(f)?);
     }
+    Ok(known)
+}
+
+/// The registered metric a queried series name belongs to: prometheus-client adds `_total`
+/// to counters and `_bucket`/`_sum`/`_count` to histograms.
+fn registered_base<'a>(name: &'a str, known: &BTreeSet<String>) -> Option<&'a str> {
+    if known.contains(name) {
+        return Some(name);
+    }
+    ["_total", "_bucket", "_sum", "_count"]
+        .iter()
+        .find_map(|s| name.strip_suffix(s).filter(|b| known.contains(*b)))
+}
+
+#[test]
+fn dashboard_queries_use_registered_metric_names() -> Result<()> {
+    let known = all_registered_metrics()?;
     let dashboard: Value =
         serde_json::from_slice(&std::fs::read(chart_dir().join("dashboards/hearth.json"))?)?;
     let mut exprs = Vec::new();
@@ -574,14 +591,8 @@ fn dashboard_queries_use_registered_metric_names() -> Result<()> {
     }
     ensure!(used.len() >= 20, "the dashboard queries only {used:?}");
     for name in &used {
-        // prometheus-client adds `_total` to counters and `_bucket`/`_sum`/`_count` to
-        // histograms.
-        let base = ["_total", "_bucket", "_sum", "_count"]
-            .iter()
-            .find_map(|s| name.strip_suffix(s).filter(|b| known.contains(*b)))
-            .unwrap_or(name);
         ensure!(
-            known.contains(base),
+            registered_base(name, &known).is_some(),
             "the dashboard queries {name}, which no metrics module registers (known: {known:?})"
         );
     }
@@ -603,6 +614,122 @@ fn dashboard_queries_use_registered_metric_names() -> Result<()> {
         serde_json::from_str(cm["data"]["hearth.json"].as_str().unwrap_or_default())?;
     ensure!(embedded == dashboard, "the ConfigMap's dashboard differs");
     ensure!(cm["metadata"]["labels"]["grafana_dashboard"] == "1");
+    Ok(())
+}
+
+/// The metric names an expression selects (a PromQL parse, not a text search).
+fn selected_metrics(expr: &promql_parser::parser::Expr) -> Vec<String> {
+    use promql_parser::parser::Expr;
+    use promql_parser::util::{ExprVisitor, walk_expr};
+    struct Names(Vec<String>);
+    impl ExprVisitor for Names {
+        type Error = std::convert::Infallible;
+        fn pre_visit(&mut self, e: &Expr) -> Result<bool, Self::Error> {
+            let vs = match e {
+                Expr::VectorSelector(vs) => Some(vs),
+                Expr::MatrixSelector(m) => Some(&m.vs),
+                _ => None,
+            };
+            if let Some(name) = vs.and_then(|vs| vs.name.clone()) {
+                self.0.push(name);
+            }
+            Ok(true)
+        }
+    }
+    let mut names = Names(Vec::new());
+    let _ = walk_expr(&mut names, expr);
+    names.0
+}
+
+/// The GitHub anchors of a Markdown file's headings (lowercased, spaces to `-`, punctuation
+/// other than `-` and `_` dropped).
+fn heading_anchors(markdown: &str) -> BTreeSet<String> {
+    markdown
+        .lines()
+        .filter_map(|l| l.strip_prefix('#'))
+        .map(|h| {
+            h.trim_start_matches('#')
+                .trim()
+                .to_lowercase()
+                .chars()
+                .filter_map(|c| match c {
+                    ' ' => Some('-'),
+                    c if c.is_alphanumeric() || c == '-' || c == '_' => Some(c),
+                    _ => None,
+                })
+                .collect()
+        })
+        .collect()
+}
+
+#[test]
+fn prometheus_rules_parse_and_query_registered_metrics() -> Result<()> {
+    let off = documents(&template("hearth", "hearth-system", &json!({}))?)?;
+    ensure!(
+        of_kind(&off, "PrometheusRule").next().is_none(),
+        "a PrometheusRule without prometheusRule.enabled"
+    );
+    let docs = documents(&template(
+        "hearth",
+        "hearth-system",
+        &json!({"prometheusRule": {"enabled": true, "labels": {"release": "prom"},
+            "runbookBaseURL": "https://docs.example/operations.md/"}}),
+    )?)?;
+    let rule = find(&docs, "PrometheusRule", "hearth")?;
+    ensure!(rule["metadata"]["labels"]["release"] == "prom");
+    ensure!(rule["metadata"]["namespace"] == "hearth-system");
+    let known = all_registered_metrics()?;
+    let anchors = heading_anchors(&std::fs::read_to_string(repo().join("docs/operations.md"))?);
+    let mut alerts = BTreeSet::new();
+    for group in rule["spec"]["groups"].as_array().into_iter().flatten() {
+        for r in group["rules"].as_array().into_iter().flatten() {
+            let alert = r["alert"]
+                .as_str()
+                .context("a rule without an alert name")?;
+            ensure!(alerts.insert(alert.to_owned()), "{alert} twice");
+            let expr = r["expr"].as_str().unwrap_or_default();
+            let parsed = promql_parser::parser::parse(expr)
+                .map_err(|e| anyhow::anyhow!("{alert}: {e}: {expr}"))?;
+            let metrics = selected_metrics(&parsed);
+            ensure!(!metrics.is_empty(), "{alert} selects no metric: {expr}");
+            for m in &metrics {
+                ensure!(
+                    registered_base(m, &known).is_some(),
+                    "{alert} queries {m}, which no metrics module registers"
+                );
+            }
+            if let Some(f) = r["for"].as_str() {
+                ensure!(
+                    promql_parser::util::duration::parse_duration(f).is_ok(),
+                    "{alert}: for {f:?}"
+                );
+            }
+            ensure!(
+                ["info", "warning", "critical"]
+                    .contains(&r["labels"]["severity"].as_str().unwrap_or_default()),
+                "{alert}: severity {}",
+                r["labels"]["severity"]
+            );
+            for a in ["summary", "description"] {
+                ensure!(
+                    r["annotations"][a].as_str().is_some_and(|s| !s.is_empty()),
+                    "{alert}: no {a}"
+                );
+            }
+            let anchor = alert.to_lowercase();
+            ensure!(
+                r["annotations"]["runbook_url"]
+                    == format!("https://docs.example/operations.md#{anchor}").as_str(),
+                "{alert}: runbook_url {}",
+                r["annotations"]["runbook_url"]
+            );
+            ensure!(
+                anchors.contains(&anchor),
+                "{alert}: docs/operations.md has no heading {alert} (its runbook)"
+            );
+        }
+    }
+    ensure!(alerts.len() >= 9, "only {alerts:?}");
     Ok(())
 }
 
@@ -716,6 +843,7 @@ async fn install_crds(cluster: &Cluster) -> Result<()> {
         stand_in_crd("cert-manager.io", "Issuer", "issuers")?,
         stand_in_crd("monitoring.coreos.com", "ServiceMonitor", "servicemonitors")?,
         stand_in_crd("monitoring.coreos.com", "PodMonitor", "podmonitors")?,
+        stand_in_crd("monitoring.coreos.com", "PrometheusRule", "prometheusrules")?,
     ];
     let mut names: Vec<String> = yaml_files(&chart_dir().join("crds"))?
         .values()
@@ -971,6 +1099,7 @@ fn value_sets() -> Vec<ValueSet> {
             name: "service-monitor",
             values: |_| {
                 json!({"serviceMonitor": {"enabled": true, "labels": {"release": "prom"}},
+                           "prometheusRule": {"enabled": true, "labels": {"release": "prom"}},
                            "dashboards": {"enabled": true},
                            "metricsReader": {"subjects": [{"kind": "ServiceAccount",
                                "name": "prometheus", "namespace": "monitoring"}]}})
@@ -981,6 +1110,7 @@ fn value_sets() -> Vec<ValueSet> {
                 ("PodMonitor", "hearth-gateways"),
                 ("PodMonitor", "hearth-backends"),
                 ("ConfigMap", "hearth-dashboards"),
+                ("PrometheusRule", "hearth"),
                 ("ClusterRoleBinding", "chart-metrics-reader"),
             ],
             check: |docs, ns| {
