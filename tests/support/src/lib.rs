@@ -137,6 +137,18 @@ impl Cluster {
         self.client.clone()
     }
 
+    /// Like [`Cluster::client`], without kube's default retries of `429`, `503` and `504`:
+    /// for calls whose refusal is the answer under test (an eviction the PodDisruptionBudget
+    /// refuses with `429` would otherwise be sent again until it is granted).
+    ///
+    /// # Errors
+    /// When the client cannot be built from the connection's configuration.
+    pub fn client_without_retries(&self) -> Result<Client> {
+        let mut config = self.config.clone();
+        config.default_retry = false;
+        Client::try_from(config).context("building a client without retries")
+    }
+
     /// The kubeconfig this connection was made from.
     pub fn kubeconfig(&self) -> &Path {
         &self.kubeconfig
