@@ -10,7 +10,9 @@
 //!    service's gateway, `helm upgrade` to a new image tag, then `helm rollback`: not one
 //!    admission or request may fail, and the webhook and controller pods roll
 //!    both times (the LLMService's gateway follows the gateway image);
-//! 3. `helm uninstall`: no webhook configuration is left that could refuse a request, CRDs and
+//! 3. `helm uninstall` with the chat requests going on (the admissions stop first: after the
+//!    uninstall nothing mutates or denies them): not one request fails, since the LLMService's
+//!    gateway and backend are not the release's; no webhook configuration is left that could refuse a request, CRDs and
 //!    the LLMService stay, nothing left behind holds a finalizer, and an annotated Deployment is
 //!    then created as any other;
 //! 4. install again: other suites share the release (also when this test fails half-way).
@@ -266,6 +268,16 @@ impl Loads {
             tally,
             task: tokio::spawn(load(ctx)),
         });
+    }
+
+    /// Another set of loads, stopped on its own, that shares this one's phase and clock.
+    fn sharing_phase(&self) -> Self {
+        Self {
+            stop: watch::channel(false).0,
+            phase: self.phase.clone(),
+            started: self.started,
+            tasks: Vec::new(),
+        }
     }
 
     /// Names the phase the release is in from now on.
@@ -806,15 +818,19 @@ async fn install_upgrade_rollback_uninstall_under_admission_load() -> Result<()>
         wait_reachable(&url, Duration::from_secs(60)).await,
         "{url} never accepted a connection"
     );
+    // Two sets: the admissions stop before the uninstall (after it nothing mutates or denies
+    // them, by design); the chat requests go on through it.
     let mut loads = Loads::new();
+    let mut chats = loads.sharing_phase();
     {
         let (client, namespace) = (client.clone(), ns.name().to_owned());
         loads.spawn("admissions", move |ctx| {
             admission_load(ctx, client, namespace)
         });
     }
-    loads.spawn("chat requests", move |ctx| chat_load(ctx, url));
+    chats.spawn("chat requests", move |ctx| chat_load(ctx, url));
     loads.settle(20).await?;
+    chats.settle(20).await?;
 
     loads.phase("upgrade");
     let t = Instant::now();
@@ -830,6 +846,7 @@ async fn install_upgrade_rollback_uninstall_under_admission_load() -> Result<()>
     wait_gateway(&ns, &node, &gateway1).await?;
     loads.phase("after upgrade");
     loads.settle(20).await?;
+    chats.settle(20).await?;
 
     loads.phase("rollback");
     let t = Instant::now();
@@ -855,35 +872,18 @@ async fn install_upgrade_rollback_uninstall_under_admission_load() -> Result<()>
     wait_gateway(&ns, &node, &gateway0).await?;
     loads.phase("after rollback");
     loads.settle(20).await?;
+    chats.settle(20).await?;
 
     let tallies = loads.finish().await?;
-    let mut failures = Vec::new();
-    for (name, tally) in &tallies {
-        println!(
-            "load {name}: {} ok ({:?}), {} failed",
-            tally.total_ok(),
-            tally.ok,
-            tally.failed.len()
-        );
-        for (phase, at, what) in &tally.failed {
-            failures.push(format!("[{name}, {phase}, {at:.1}s] {what}"));
-        }
-        for phase in ["upgrade", "rollback"] {
-            ensure!(
-                tally.ok.get(phase).copied().unwrap_or(0) >= 5,
-                "load {name} did almost nothing during the {phase}: {:?}",
-                tally.ok
-            );
-        }
-    }
-    ensure!(
-        failures.is_empty(),
-        "{} operations failed while the release was upgraded and rolled back:\n{}",
-        failures.len(),
-        failures.join("\n")
-    );
+    check_tallies(
+        &tallies,
+        &["upgrade", "rollback"],
+        "upgraded and rolled back",
+    )?;
 
-    // 3. Uninstall.
+    // 3. Uninstall, with the chat requests going on: the LLMService's gateway and backend are
+    // its own (not the release's), so its clients see nothing.
+    chats.phase("uninstall");
     let t = Instant::now();
     run(
         helm(
@@ -902,7 +902,17 @@ async fn install_upgrade_rollback_uninstall_under_admission_load() -> Result<()>
     )
     .await?;
     println!("uninstall: {:.1}s", t.elapsed().as_secs_f64());
+    // Until the release's pods are gone (their preStop delays and drains): that is the span
+    // in which the uninstall could reach a client.
     assert_uninstalled(&client, ns.name()).await?;
+    chats.phase("after uninstall");
+    chats.settle(20).await?;
+    let chat_tallies = chats.finish().await?;
+    check_tallies(
+        &chat_tallies,
+        &["upgrade", "rollback", "uninstall"],
+        "upgraded, rolled back and uninstalled",
+    )?;
 
     // The cluster admits opted-in objects as any other now, unchanged.
     let d = deployments
@@ -932,6 +942,37 @@ async fn install_upgrade_rollback_uninstall_under_admission_load() -> Result<()>
     println!("reinstall: {summary}");
     reinstall.armed = false;
     wait_gateway(&ns, &node, &gateway0).await?;
+    Ok(())
+}
+
+/// Prints each load's tally and fails on any failed operation, or on a load that did fewer
+/// than 5 operations in one of `phases` (it would prove nothing about that phase).
+fn check_tallies(tallies: &[(&'static str, Tally)], phases: &[&str], what: &str) -> Result<()> {
+    let mut failures = Vec::new();
+    for (name, tally) in tallies {
+        println!(
+            "load {name}: {} ok ({:?}), {} failed",
+            tally.total_ok(),
+            tally.ok,
+            tally.failed.len()
+        );
+        for (phase, at, what) in &tally.failed {
+            failures.push(format!("[{name}, {phase}, {at:.1}s] {what}"));
+        }
+        for phase in phases {
+            ensure!(
+                tally.ok.get(*phase).copied().unwrap_or(0) >= 5,
+                "load {name} did almost nothing during the {phase}: {:?}",
+                tally.ok
+            );
+        }
+    }
+    ensure!(
+        failures.is_empty(),
+        "{} operations failed while the release was {what}:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
     Ok(())
 }
 
