@@ -173,44 +173,21 @@ impl Deployed {
     /// matching `selector`, one line each (or why they could not be listed).
     async fn describe_workloads(&self, selector: &str) -> String {
         let lp = ListParams::default().labels(selector);
-        let deployments = self.ns.api::<Deployment>().list(&lp).await;
-        let replica_sets = self.ns.api::<ReplicaSet>().list(&lp).await;
         let mut lines = Vec::new();
-        match deployments {
-            Ok(list) => lines.extend(list.items.iter().map(|d| {
-                let s = d.status.clone().unwrap_or_default();
-                let conditions = conditions(
-                    s.conditions
-                        .iter()
-                        .flatten()
-                        .map(|c| (c.type_.as_str(), c.status.as_str(), c.message.as_deref())),
-                );
-                format!(
-                    "Deployment {}: replicas {:?}, ready {:?}; {}",
-                    d.name_any(),
-                    s.replicas,
-                    s.ready_replicas,
-                    conditions
-                )
-            })),
+        match self.ns.api::<Deployment>().list(&lp).await {
+            Ok(list) => lines.extend(
+                list.items
+                    .iter()
+                    .map(|d| describe_workload("Deployment", d)),
+            ),
             Err(e) => lines.push(format!("Deployments: {e}")),
         }
-        match replica_sets {
-            Ok(list) => lines.extend(list.items.iter().map(|r| {
-                let s = r.status.clone().unwrap_or_default();
-                let conditions = conditions(
-                    s.conditions
-                        .iter()
-                        .flatten()
-                        .map(|c| (c.type_.as_str(), c.status.as_str(), c.message.as_deref())),
-                );
-                format!(
-                    "ReplicaSet {}: replicas {}; {}",
-                    r.name_any(),
-                    s.replicas,
-                    conditions
-                )
-            })),
+        match self.ns.api::<ReplicaSet>().list(&lp).await {
+            Ok(list) => lines.extend(
+                list.items
+                    .iter()
+                    .map(|r| describe_workload("ReplicaSet", r)),
+            ),
             Err(e) => lines.push(format!("ReplicaSets: {e}")),
         }
         if lines.is_empty() {
@@ -337,9 +314,29 @@ impl Deployed {
     }
 }
 
-/// `type=status message` of each condition, joined by "; ".
-fn conditions<'a>(list: impl Iterator<Item = (&'a str, &'a str, Option<&'a str>)>) -> String {
-    list.map(|(t, status, message)| format!("{t}={status} {}", message.unwrap_or_default()))
-        .collect::<Vec<_>>()
-        .join("; ")
+/// `<kind> <name>: replicas N, ready N; type=status message; ...` of a workload's status.
+fn describe_workload(kind: &str, workload: &(impl serde::Serialize + ResourceExt)) -> String {
+    let status = serde_json::to_value(workload)
+        .map(|v| v["status"].clone())
+        .unwrap_or_default();
+    let conditions: Vec<String> = status["conditions"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|c| {
+            format!(
+                "{}={} {}",
+                c["type"].as_str().unwrap_or_default(),
+                c["status"].as_str().unwrap_or_default(),
+                c["message"].as_str().unwrap_or_default()
+            )
+        })
+        .collect();
+    format!(
+        "{kind} {}: replicas {}, ready {}; {}",
+        workload.name_any(),
+        status["replicas"],
+        status["readyReplicas"],
+        conditions.join("; ")
+    )
 }
