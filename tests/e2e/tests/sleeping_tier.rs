@@ -6,9 +6,11 @@
 //! sleeps, and after `scaleDownStabilization` the service goes to zero as before; a second cold
 //! request then takes it 0 → 1 again on the same node. Prints the wake's timeline and both cold
 //! activations' phases as the controller recorded them (`status.lastActivation`), and the wake as
-//! the gateway recorded it (`status.lastWake`, kept through the controller's writes). The stub's
-//! model load is `STUB_STARTUP_DELAY` 8s, about a 16 GiB model read from a local cache. See
-//! docs/e2e.md.
+//! the gateway recorded it (`status.lastWake`, kept through the controller's writes). Poll mode
+//! sleeps at level 1; push mode at level 2, woken by the runtime's three calls as vLLM documents
+//! them (`tags=weights`, `reload_weights`, `tags=kv_cache`), and the answer must come from
+//! reloaded weights (the stub answers noise otherwise). The stub's model load is
+//! `STUB_STARTUP_DELAY` 8s, about a 16 GiB model read from a local cache. See docs/e2e.md.
 
 mod stack;
 
@@ -28,6 +30,8 @@ use stack::{SERVICE, TOKENS};
 const RUNTIME: &str = "vllm-stub-sleep";
 /// The stub's `STUB_WAKE_DELAY` in that runtime.
 const WAKE_DELAY: Duration = Duration::from_secs(1);
+/// The stub's `STUB_STARTUP_DELAY` in that runtime: its model load, and a level-2 reload.
+const STARTUP_DELAY: Duration = Duration::from_secs(8);
 /// `spec.scaling.sleep.after` of the service.
 const SLEEP_AFTER: &str = "5s";
 
@@ -45,15 +49,24 @@ fn sleep_runtime() -> Result<Value> {
         .context("the stub runtime has container.env")?;
     for e in env.iter_mut() {
         if e["name"] == "STUB_STARTUP_DELAY" {
-            e["value"] = json!("8s");
+            e["value"] = json!(format!("{}s", STARTUP_DELAY.as_secs()));
         }
     }
     env.push(json!({"name": "STUB_SLEEP_DELAY", "value": "200ms"}));
     env.push(json!({"name": "STUB_WAKE_DELAY", "value": format!("{}ms", WAKE_DELAY.as_millis())}));
+    // Level 2 wakes as vLLM documents it: the weights' memory, their values loaded again,
+    // then the KV cache. (A plain `/wake_up` would leave the stub answering noise.)
     rt["spec"]["sleepMode"] = json!({
         "args": ["--enable-sleep-mode"],
         "env": [{"name": "VLLM_SERVER_DEV_MODE", "value": "1"}],
-        "levels": [{"level": 1}, {"level": 2}],
+        "levels": [
+            {"level": 1},
+            {"level": 2, "wakeUp": [
+                {"path": "/wake_up?tags=weights"},
+                {"path": "/collective_rpc", "body": "{\"method\":\"reload_weights\"}"},
+                {"path": "/wake_up?tags=kv_cache"},
+            ]},
+        ],
     });
     Ok(rt)
 }
@@ -105,7 +118,8 @@ fn restarts(pod: &Pod) -> i32 {
         .map_or(0, |cs| cs.iter().map(|c| c.restart_count).sum())
 }
 
-async fn sleep_then_wake(mode: ScalerMode) -> Result<()> {
+/// One service's cycle in `mode`, sleeping at `level` (1 or 2).
+async fn sleep_then_wake(mode: ScalerMode, level: u8) -> Result<()> {
     let cluster = hearth_test_support::Cluster::connect().await?;
     // Hearth first: its CRDs define the runtime's sleepMode.
     harness::ensure_hearth(&cluster.client(), cluster.kubeconfig()).await?;
@@ -113,7 +127,7 @@ async fn sleep_then_wake(mode: ScalerMode) -> Result<()> {
     let d = stack::deploy(&format!("e2e-sleep-{}", mode.annotation()), mode, |svc| {
         svc["spec"]["runtime"] = json!({"name": RUNTIME});
         svc["spec"]["scaling"]["scaleDownStabilization"] = json!("60s");
-        svc["spec"]["scaling"]["sleep"] = json!({"after": SLEEP_AFTER, "level": 1});
+        svc["spec"]["scaling"]["sleep"] = json!({"after": SLEEP_AFTER, "level": level});
     })
     .await?;
 
@@ -150,6 +164,12 @@ async fn sleep_then_wake(mode: ScalerMode) -> Result<()> {
         trace.events
     );
     let first_token = trace.first_token().context("no token")?;
+    // From level 2 the weights were loaded again (the stub answers U+FFFD tokens otherwise).
+    ensure!(
+        !trace.text().contains('\u{fffd}'),
+        "the woken engine answered noise: its weights were not loaded again ({:?})",
+        trace.text()
+    );
     let heartbeats = trace
         .events
         .iter()
@@ -178,11 +198,17 @@ async fn sleep_then_wake(mode: ScalerMode) -> Result<()> {
         .as_ref()
         .and_then(|s| s.pod_ip.clone())
         .context("the woken pod has no IP")?;
-    let last_wake = wake_record(&d, &woken_ip).await?;
+    let last_wake = wake_record(&d, &woken_ip, level).await?;
     let wake = first_token.saturating_duration_since(t0);
+    // Level 2: two wake-ups and the reload (the stub's 8 s load).
+    let least = if level == 2 {
+        WAKE_DELAY * 2 + STARTUP_DELAY
+    } else {
+        WAKE_DELAY
+    };
     ensure!(
-        wake >= WAKE_DELAY,
-        "first token {wake:?} after the request, before the stub's {WAKE_DELAY:?} wake-up: was the engine asleep?"
+        wake >= least,
+        "first token {wake:?} after the request, before the stub's {least:?} wake-up from level {level}: was the engine asleep?"
     );
 
     // Idle again: asleep again, then at zero after scaleDownStabilization.
@@ -214,10 +240,10 @@ async fn sleep_then_wake(mode: ScalerMode) -> Result<()> {
         phases(&second)
     );
     println!(
-        "[{}] sleep(1)→awake: request 0.00s, first token {:.2}s (stub wake delay {:.2}s, {} heartbeats before it), last token {:.2}s; same pod, 0 restarts; asleep again, then zero {:.0}s after the wake (scaleDownStabilization 60s)",
+        "[{}] sleep({level})→awake: request 0.00s, first token {:.2}s (stub wake-up {:.2}s, {} heartbeats before it), last token {:.2}s; same pod, 0 restarts; asleep again, then zero {:.0}s after the wake (scaleDownStabilization 60s)",
         mode.annotation(),
         wake.as_secs_f64(),
-        WAKE_DELAY.as_secs_f64(),
+        least.as_secs_f64(),
         heartbeats,
         trace
             .last_token()
@@ -245,9 +271,9 @@ async fn sleep_then_wake(mode: ScalerMode) -> Result<()> {
 }
 
 /// The gateway's record of the last sleep→awake (`status.lastWake`) once it names the engine
-/// at `ip`, checked: level 1, woken by a gateway pod, the wake-up calls at least the stub's
+/// at `ip`, checked: `level`, woken by a gateway pod, the wake-up calls at least the stub's
 /// wake delay, the phases adding up to the total.
-async fn wake_record(d: &stack::Deployed, ip: &str) -> Result<Wake> {
+async fn wake_record(d: &stack::Deployed, ip: &str, level: u8) -> Result<Wake> {
     let api: kube::Api<LLMService> = kube::Api::namespaced(d.cluster.client(), d.ns.name());
     let wake = wait_until(
         format!("status.lastWake of the engine at {ip}"),
@@ -268,8 +294,8 @@ async fn wake_record(d: &stack::Deployed, ip: &str) -> Result<Wake> {
         secs(&wake.phases.total)?,
     );
     ensure!(
-        wake.level == 1 && calls >= WAKE_DELAY,
-        "a level-1 wake through the stub's {WAKE_DELAY:?} wake-up: {wake:?}"
+        wake.level == i32::from(level) && calls >= WAKE_DELAY,
+        "a level-{level} wake through the stub's {WAKE_DELAY:?} wake-up: {wake:?}"
     );
     ensure!(
         (decision + calls).abs_diff(total) <= Duration::from_millis(2),
@@ -311,10 +337,11 @@ async fn service_event(d: &stack::Deployed, reason: &str) -> Result<String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn poll_mode_idle_engine_sleeps_and_wakes_in_place() -> Result<()> {
-    sleep_then_wake(ScalerMode::Poll).await
+    sleep_then_wake(ScalerMode::Poll, 1).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn push_mode_idle_engine_sleeps_and_wakes_in_place() -> Result<()> {
-    sleep_then_wake(ScalerMode::Push).await
+/// Level 2 here: the runtime's three wake-up calls, and an answer from reloaded weights.
+async fn push_mode_idle_engine_sleeps_at_level_2_and_wakes_in_place() -> Result<()> {
+    sleep_then_wake(ScalerMode::Push, 2).await
 }

@@ -14,8 +14,9 @@
 //! | `POST /v1/load_lora_adapter` | runtime LoRA updating only (below): loads and registers `{"lora_name", "lora_path"}` |
 //! | `POST /v1/unload_lora_adapter` | runtime LoRA updating only: unregisters `{"lora_name"}` |
 //! | `POST /sleep[?level=N]` | sleep mode only (below): level `1` (default) offloads the weights and drops the KV cache, `2` drops both; answers `200` once asleep, after `sleep_delay`; another level is a `400` naming `level` |
-//! | `POST /wake_up` | sleep mode only: `200` once awake, after `wake_delay` (level 1) or `startup_delay` + `wake_delay` (level 2: the weights are loaded again); at once when awake |
-//! | `GET /is_sleeping` | sleep mode only: `{"is_sleeping": bool}`, `true` from the start of falling asleep until woken |
+//! | `POST /wake_up[?tags=weights&tags=kv_cache]` | sleep mode only: `200` once the tags named (all without `tags`) are awake, after `wake_delay`; after level 2 the weights are back but stale until `reload_weights`; at once when awake or for a tag that is not asleep |
+//! | `POST /collective_rpc` | sleep mode only: `{"method": "reload_weights"}` loads the weights again (after `startup_delay`), `{"results": [null]}`; `409` while the weights are asleep, `400` for another method |
+//! | `GET /is_sleeping` | sleep mode only: `{"is_sleeping": bool}`, `true` from the start of falling asleep until every tag is awake |
 //! | any method `/stub/echo` | test aid: the request's method, URI, headers and body size as JSON |
 //! | `POST /stub/oom` | fault injection: allocates memory until the kernel's OOM killer ends the process (the container's memory limit), at most `?max=<MiB>` (default 1024); `500` if it is still alive then |
 //!
@@ -58,7 +59,7 @@ pub mod sha256;
 pub mod sleep;
 
 pub use lora::{Adapter, LoraConfig, LoraModule};
-pub use sleep::{SleepLevel, SleepState, parse_dev_mode};
+pub use sleep::{SleepLevel, SleepState, Tags, parse_dev_mode};
 
 use std::{
     future::Future,
@@ -161,13 +162,16 @@ impl StubConfig {
         self.enable_sleep_mode && self.dev_mode
     }
 
-    /// How long waking from sleep at `level` takes: `wake_delay`, and after level 2, whose
-    /// weights were dropped, also `startup_delay`, the stub's model load time.
-    pub fn wake_delay(&self, level: SleepLevel) -> Duration {
-        match level {
-            SleepLevel::Offload => self.wake_delay,
-            SleepLevel::Discard => self.startup_delay.saturating_add(self.wake_delay),
-        }
+    /// How long a wake-up takes, whole or of some tags, from either level: `wake_delay`. After
+    /// level 2 it gives the weights their memory back but not their values: loading them again
+    /// is `POST /collective_rpc` `reload_weights`, which takes [`Self::reload_delay`].
+    pub fn wake_delay(&self) -> Duration {
+        self.wake_delay
+    }
+
+    /// How long `reload_weights` takes: `startup_delay`, the stub's model load time.
+    pub fn reload_delay(&self) -> Duration {
+        self.startup_delay
     }
 }
 
@@ -189,6 +193,8 @@ pub struct StubState {
     /// Held by the sleep or wake-up under way: they run one after the other.
     transitions: tokio::sync::Mutex<()>,
     wake_ups: AtomicU64,
+    /// The weights were dropped (sleep level 2) and not loaded again since ([`sleep`]).
+    weights_stale: std::sync::atomic::AtomicBool,
     /// Registered adapters, the CPU cache, batch slots ([`lora`]).
     lora: Arc<lora::LoraRuntime>,
 }
@@ -224,6 +230,7 @@ impl StubState {
             sleep: tokio::sync::watch::channel(SleepState::Awake).0,
             transitions: tokio::sync::Mutex::new(()),
             wake_ups: AtomicU64::new(0),
+            weights_stale: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -322,7 +329,8 @@ pub fn router(state: Arc<StubState>) -> Router {
         router = router
             .route("/sleep", post(sleep::sleep))
             .route("/wake_up", post(sleep::wake_up))
-            .route("/is_sleeping", get(sleep::is_sleeping));
+            .route("/is_sleeping", get(sleep::is_sleeping))
+            .route("/collective_rpc", post(sleep::collective_rpc));
     }
     if state.config.lora.runtime_updating {
         router = router
@@ -815,6 +823,7 @@ async fn generate(state: Arc<StubState>, kind: Kind, headers: HeaderMap, body: B
         created,
         model,
         adapter: adapter.map(|a| a.name.clone()),
+        stale_weights: state.weights_stale(),
         tokens,
         finish_reason,
         prompt_tokens,
@@ -855,6 +864,10 @@ fn prompt_tokens(body: &[u8]) -> u64 {
     String::from_utf8_lossy(body).split_whitespace().count() as u64
 }
 
+/// Each token of an engine whose weights were dropped at sleep level 2 and never loaded again
+/// (`POST /collective_rpc` `reload_weights`): U+FFFD, the replacement character.
+pub const STALE_WEIGHTS_TOKEN: &str = "\u{fffd}";
+
 const WORDS: [&str; 8] = [
     "Hearth ", "keeps ", "the ", "model ", "warm ", "until ", "idle ", "time. ",
 ];
@@ -866,6 +879,9 @@ struct Generation {
     model: String,
     /// The adapter that answers: the text starts with `[adapter <name>] `.
     adapter: Option<String>,
+    /// The weights were dropped at sleep level 2 and not loaded again: every token is
+    /// [`STALE_WEIGHTS_TOKEN`], as vLLM's output is noise then.
+    stale_weights: bool,
     tokens: u32,
     finish_reason: &'static str,
     prompt_tokens: u64,
@@ -883,6 +899,9 @@ impl Generation {
     /// The text of token `i`: a word, the first one after the adapter's name when an adapter
     /// answers.
     fn token(&self, i: u32) -> String {
+        if self.stale_weights {
+            return STALE_WEIGHTS_TOKEN.to_owned();
+        }
         let word = WORDS[i as usize % WORDS.len()];
         match &self.adapter {
             Some(name) if i == 0 => format!("[adapter {name}] {word}"),

@@ -3,7 +3,7 @@
 //! Invoked like `vllm serve` is by the upstream stub runtime:
 //! `vllm-stub --model=<path> --served-model-name=<name> [--host H] [--port 8000]`, timing from
 //! `STUB_STARTUP_DELAY`, `STUB_TOKEN_COUNT`, `STUB_TOKEN_DELAY`. With `--enable-sleep-mode` and
-//! `VLLM_SERVER_DEV_MODE=1` it serves vLLM's sleep mode (`/sleep`, `/wake_up`, `/is_sleeping`),
+//! `VLLM_SERVER_DEV_MODE=1` it serves vLLM's sleep mode (`/sleep`, `/wake_up`, `/is_sleeping`, `/collective_rpc`),
 //! timed by `STUB_SLEEP_DELAY` and `STUB_WAKE_DELAY`. With `--enable-lora` it serves vLLM's LoRA
 //! adapters (`--max-loras`, `--max-cpu-loras`, `--max-lora-rank`, `--lora-modules`; the runtime
 //! routes with `VLLM_ALLOW_RUNTIME_LORA_UPDATING=true`; the filesystem resolver with
@@ -56,14 +56,16 @@ struct Args {
     #[arg(long, env = "STUB_TOKEN_DELAY", default_value = "20ms", value_parser = duration)]
     token_delay: Duration,
     /// Allow the engine to sleep (vLLM's `--enable-sleep-mode`); with `VLLM_SERVER_DEV_MODE=1`
-    /// the stub then serves `POST /sleep`, `POST /wake_up` and `GET /is_sleeping`.
+    /// the stub then serves `POST /sleep`, `POST /wake_up`, `GET /is_sleeping` and
+    /// `POST /collective_rpc` (`reload_weights`).
     #[arg(long = "enable-sleep-mode")]
     enable_sleep_mode: bool,
     /// How long falling asleep takes (`POST /sleep`), Go duration ("500ms").
     #[arg(long, env = "STUB_SLEEP_DELAY", default_value = "0s", value_parser = duration)]
     sleep_delay: Duration,
-    /// How long waking up takes (`POST /wake_up`), Go duration ("2s"); after sleep level 2 the
-    /// startup delay (the model load) comes on top.
+    /// How long waking up takes (`POST /wake_up`, whole or of some tags), Go duration ("2s");
+    /// after sleep level 2 the weights are loaded again by `reload_weights`, which takes the
+    /// startup delay.
     #[arg(long, env = "STUB_WAKE_DELAY", default_value = "0s", value_parser = duration)]
     wake_delay: Duration,
     /// Serve LoRA adapters (vLLM's `--enable-lora`).
@@ -262,7 +264,7 @@ async fn serve() -> anyhow::Result<()> {
         tracing::warn!(
             sleep_delay_ms = config.sleep_delay.as_millis() as u64,
             wake_delay_ms = config.wake_delay.as_millis() as u64,
-            "development endpoints enabled (VLLM_SERVER_DEV_MODE=1): POST /sleep, POST /wake_up, GET /is_sleeping"
+            "development endpoints enabled (VLLM_SERVER_DEV_MODE=1): POST /sleep, POST /wake_up, GET /is_sleeping, POST /collective_rpc"
         );
     } else if config.enable_sleep_mode {
         tracing::info!(

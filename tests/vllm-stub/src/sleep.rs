@@ -1,4 +1,5 @@
-//! vLLM's sleep mode: `POST /sleep[?level=N]`, `POST /wake_up`, `GET /is_sleeping`.
+//! vLLM's sleep mode: `POST /sleep[?level=N]`, `POST /wake_up[?tags=...]`, `GET /is_sleeping`,
+//! and `POST /collective_rpc` for `reload_weights`.
 //!
 //! vLLM registers these development routes only with `VLLM_SERVER_DEV_MODE=1`, and its engine
 //! sleeps only when started with `--enable-sleep-mode`; the stub serves them only with both
@@ -8,18 +9,26 @@
 //! - `POST /sleep?level=1` (the default) offloads the weights to CPU memory and drops the KV
 //!   cache, `level=2` drops both; the answer (`200`, empty, as vLLM's) comes once asleep, after
 //!   `sleep_delay`. Another `level` is a `400` whose error names the parameter. Asleep at level 1,
-//!   a sleep at level 2 drops the offloaded weights at once; any other sleep while asleep changes
-//!   nothing.
-//! - `POST /wake_up` answers `200` once awake: after `wake_delay` from level 1, after
-//!   `startup_delay` + `wake_delay` from level 2, whose weights are loaded again (the model's
-//!   files are not read again). Awake, it answers at once. vLLM's partial wake-up (`tags`) is
-//!   refused with a `400`.
-//! - `GET /is_sleeping`: `{"is_sleeping": true}` from the start of falling asleep until the
-//!   engine is awake again: the span in which it serves nothing.
+//!   a sleep at level 2 drops the offloaded weights at once; any other sleep while asleep (even
+//!   partly) changes nothing, as vLLM's executor ignores a sleep while it sleeps.
+//! - `POST /wake_up` wakes the memory of the tags named by `tags` (repeatable: `weights`,
+//!   `kv_cache`; all when absent), as vLLM's executor does: `200` after `wake_delay`; the engine
+//!   is awake once no tag sleeps. A tag that is not asleep (or unknown) makes the call do
+//!   nothing (vLLM logs a warning and answers `200`), as does a wake-up of an awake engine.
+//! - After level 2 the weights come back without their values: the engine answers noise (every
+//!   token [`STALE_WEIGHTS_TOKEN`](crate::STALE_WEIGHTS_TOKEN)) until `POST /collective_rpc`
+//!   `{"method": "reload_weights"}` loads them again (after `startup_delay`; the model's files
+//!   are not read again). vLLM's documented level-2 wake-up is `tags=weights`, then
+//!   `reload_weights`, then `tags=kv_cache`. The call is `409` while the weights sleep, `400`
+//!   for a method the stub does not implement; it answers `{"results": [null]}`, one result per
+//!   worker.
+//! - `GET /is_sleeping`: `{"is_sleeping": true}` from the start of falling asleep until every
+//!   tag is awake again: the span in which it serves nothing.
 //!
-//! Sleeps and wake-ups run one at a time in arrival order, each in a task of its own so that it
-//! ends even if its client leaves. A wake-up that arrives while another is under way waits for
-//! it and then finds the engine awake: concurrent wake-ups cost one wake ([`StubState::wake_ups`]).
+//! Sleeps, wake-ups and reloads run one at a time in arrival order, each in a task of its own so
+//! that it ends even if its client leaves. A wake-up that arrives while another is under way
+//! waits for it and then finds the engine awake: concurrent wake-ups cost one wake
+//! ([`StubState::wake_ups`]).
 //!
 //! While the engine is not awake, completions are refused with `503` and a message saying it
 //! sleeps (requests already generating finish); `/health` stays `200`, as vLLM's server is alive
@@ -27,10 +36,10 @@
 //! vLLM's gauge: `sleep_state="awake"` is 1 when awake, else `weights_offloaded` (level 1) or
 //! `discard_all` (level 2) is.
 //!
-//! Before the model is ready the three routes answer `503`, like the rest of the API.
+//! Before the model is ready the routes answer `503`, like the rest of the API.
 //!
 //! LoRA adapters ([`crate::lora`]): loading one is refused with `503` while the engine is not
-//! awake; waking from level 2 empties the adapters' CPU cache.
+//! awake; waking the weights from level 2 empties the adapters' CPU cache.
 
 use std::{
     sync::{Arc, atomic::Ordering},
@@ -86,6 +95,77 @@ pub enum SleepState {
     Asleep(SleepLevel),
     /// `POST /wake_up` is under way, from this level.
     WakingUp(SleepLevel),
+    /// Woken partly (`POST /wake_up?tags=`): the tags of `asleep` still sleep.
+    PartlyAwake {
+        /// The level slept at.
+        level: SleepLevel,
+        /// The tags still asleep (never empty: then the engine is awake).
+        asleep: Tags,
+    },
+}
+
+/// vLLM's sleep tags: the memory of the weights and of the KV cache, woken one at a time with
+/// `POST /wake_up?tags=<tag>`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Tags {
+    /// `weights`.
+    pub weights: bool,
+    /// `kv_cache`.
+    pub kv_cache: bool,
+}
+
+impl Tags {
+    /// Both tags.
+    pub const ALL: Self = Self {
+        weights: true,
+        kv_cache: true,
+    };
+
+    /// No tag.
+    pub const NONE: Self = Self {
+        weights: false,
+        kv_cache: false,
+    };
+
+    /// The tags of `?tags=` values; `None` when one is not a tag vLLM knows.
+    pub fn parse<'a>(values: impl IntoIterator<Item = &'a str>) -> Option<Self> {
+        let mut t = Self::NONE;
+        for v in values {
+            match v {
+                "weights" => t.weights = true,
+                "kv_cache" => t.kv_cache = true,
+                _ => return None,
+            }
+        }
+        Some(t)
+    }
+
+    /// Whether every tag of `self` is in `other`.
+    pub fn within(self, other: Self) -> bool {
+        (!self.weights || other.weights) && (!self.kv_cache || other.kv_cache)
+    }
+
+    /// The tags of `self` that are not in `other`.
+    pub fn without(self, other: Self) -> Self {
+        Self {
+            weights: self.weights && !other.weights,
+            kv_cache: self.kv_cache && !other.kv_cache,
+        }
+    }
+
+    /// Whether no tag is set.
+    pub fn is_empty(self) -> bool {
+        !self.weights && !self.kv_cache
+    }
+
+    fn names(self) -> String {
+        [(self.weights, "weights"), (self.kv_cache, "kv_cache")]
+            .iter()
+            .filter(|(on, _)| *on)
+            .map(|(_, n)| *n)
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
 }
 
 impl SleepState {
@@ -98,7 +178,20 @@ impl SleepState {
     pub fn level(self) -> Option<SleepLevel> {
         match self {
             Self::Awake => None,
-            Self::FallingAsleep(l) | Self::Asleep(l) | Self::WakingUp(l) => Some(l),
+            Self::FallingAsleep(l)
+            | Self::Asleep(l)
+            | Self::WakingUp(l)
+            | Self::PartlyAwake { level: l, .. } => Some(l),
+        }
+    }
+
+    /// The tags asleep: both when asleep, some when woken partly, none when awake. A sleep or
+    /// wake-up under way counts as both (the engine serves nothing then).
+    pub fn asleep(self) -> Tags {
+        match self {
+            Self::Awake => Tags::NONE,
+            Self::PartlyAwake { asleep, .. } => asleep,
+            _ => Tags::ALL,
         }
     }
 }
@@ -140,6 +233,12 @@ impl StubState {
         self.wake_ups.load(Ordering::SeqCst)
     }
 
+    /// Whether the weights were dropped at sleep level 2 and not loaded again since (`POST
+    /// /collective_rpc` `reload_weights`): completions answer noise then.
+    pub fn weights_stale(&self) -> bool {
+        self.weights_stale.load(Ordering::SeqCst)
+    }
+
     fn set_sleep(&self, s: SleepState) {
         self.sleep.send_replace(s);
     }
@@ -148,12 +247,24 @@ impl StubState {
 #[derive(Clone, Copy, Debug)]
 enum Transition {
     Sleep(SleepLevel),
-    Wake,
+    /// Wake these tags (all that sleep when `None`).
+    Wake(Option<Tags>),
+    /// `reload_weights`.
+    Reload,
 }
 
-/// Runs `t` after the sleeps and wake-ups before it, in a task of its own: it completes even
-/// when its client goes away, so the engine never stays half-way.
-async fn transition(state: &Arc<StubState>, t: Transition) -> Result<(), tokio::task::JoinError> {
+/// What a transition came to, for its answer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Done {
+    /// Done, or nothing to do (as vLLM answers both).
+    Ok,
+    /// `reload_weights` while the weights sleep.
+    WeightsAsleep,
+}
+
+/// Runs `t` after the sleeps, wake-ups and reloads before it, in a task of its own: it
+/// completes even when its client goes away, so the engine never stays half-way.
+async fn transition(state: &Arc<StubState>, t: Transition) -> Result<Done, tokio::task::JoinError> {
     let state = state.clone();
     tokio::spawn(async move {
         let _turn = state.transitions.lock().await;
@@ -167,38 +278,79 @@ async fn transition(state: &Arc<StubState>, t: Transition) -> Result<(), tokio::
                 );
                 state.set_sleep(SleepState::FallingAsleep(level));
                 pause(delay).await;
+                if level == SleepLevel::Discard {
+                    state.weights_stale.store(true, Ordering::SeqCst);
+                }
                 state.set_sleep(SleepState::Asleep(level));
                 tracing::info!(level = level.number(), "asleep");
             }
             (Transition::Sleep(level), SleepState::Asleep(current)) if level > current => {
+                state.weights_stale.store(true, Ordering::SeqCst);
                 state.set_sleep(SleepState::Asleep(level));
                 tracing::info!(
                     level = level.number(),
                     "asleep at level 2: the offloaded weights are dropped"
                 );
             }
-            (Transition::Wake, SleepState::Asleep(level)) => {
-                let delay = state.config.wake_delay(level);
+            (
+                Transition::Wake(tags),
+                now @ (SleepState::Asleep(_) | SleepState::PartlyAwake { .. }),
+            ) => {
+                let asleep = now.asleep();
+                let level = now.level().unwrap_or(SleepLevel::Offload);
+                let waking = tags.unwrap_or(asleep);
+                if waking.is_empty() || !waking.within(asleep) {
+                    tracing::warn!(
+                        requested = %waking.names(),
+                        asleep = %asleep.names(),
+                        "wake-up of tags that are not asleep: nothing done (as vLLM)"
+                    );
+                    return Done::Ok;
+                }
+                let delay = state.config.wake_delay();
                 tracing::info!(
                     level = level.number(),
+                    tags = %waking.names(),
                     delay_ms = delay.as_millis() as u64,
                     "waking up (POST /wake_up)"
                 );
                 state.set_sleep(SleepState::WakingUp(level));
                 pause(delay).await;
-                if level == SleepLevel::Discard {
-                    // The weights are loaded again: vLLM drops every LoRA adapter from its worker
-                    // then, and loads each again on its next request.
+                if level == SleepLevel::Discard && waking.weights {
+                    // The weights' memory is back, their values are not: vLLM drops every LoRA
+                    // adapter from its worker then, and loads each again on its next request.
                     state.lora.reset_cache();
                 }
-                state.wake_ups.fetch_add(1, Ordering::SeqCst);
-                state.set_sleep(SleepState::Awake);
-                tracing::info!("awake");
+                let left = asleep.without(waking);
+                if left.is_empty() {
+                    state.wake_ups.fetch_add(1, Ordering::SeqCst);
+                    state.set_sleep(SleepState::Awake);
+                    tracing::info!(stale_weights = state.weights_stale(), "awake");
+                } else {
+                    state.set_sleep(SleepState::PartlyAwake {
+                        level,
+                        asleep: left,
+                    });
+                    tracing::info!(asleep = %left.names(), "partly awake");
+                }
             }
-            // A wake-up of an awake engine, a sleep no deeper than the current one. (The
-            // states in between exist only while a transition holds the turn.)
+            (Transition::Reload, now) if now.asleep().weights => return Done::WeightsAsleep,
+            (Transition::Reload, _) => {
+                let delay = state.config.reload_delay();
+                tracing::info!(
+                    delay_ms = delay.as_millis() as u64,
+                    "loading the weights again (reload_weights)"
+                );
+                pause(delay).await;
+                state.weights_stale.store(false, Ordering::SeqCst);
+                tracing::info!("weights loaded");
+            }
+            // A wake-up of an awake engine, a sleep no deeper than the current one, a sleep
+            // while woken partly. (The states in between exist only while a transition holds
+            // the turn.)
             _ => {}
         }
+        Done::Ok
     })
     .await
 }
@@ -224,6 +376,12 @@ pub(crate) fn refuse_while_sleeping(state: &StubState) -> Option<Response> {
         SleepState::WakingUp(l) => format!(
             "the engine is sleeping: waking up from level {}",
             l.number()
+        ),
+        SleepState::PartlyAwake { level, asleep } => format!(
+            "the engine is sleeping: woken partly from level {} ({} still asleep; POST \
+             /wake_up?tags=... wakes it)",
+            level.number(),
+            asleep.names()
         ),
     };
     Some(error(
@@ -281,12 +439,12 @@ pub(crate) async fn sleep(
         },
     };
     match transition(&state, Transition::Sleep(level)).await {
-        Ok(()) => StatusCode::OK.into_response(),
+        Ok(_) => StatusCode::OK.into_response(),
         Err(e) => transition_failed(&e),
     }
 }
 
-/// `POST /wake_up`.
+/// `POST /wake_up[?tags=<tag>...]`.
 pub(crate) async fn wake_up(
     State(state): State<Arc<StubState>>,
     RawQuery(query): RawQuery,
@@ -294,17 +452,63 @@ pub(crate) async fn wake_up(
     if !state.is_ready() {
         return not_ready();
     }
-    if query_values(query.as_deref(), "tags").next().is_some() {
+    // As Starlette's `query_params.getlist("tags")`; none means every tag. A value vLLM does not
+    // know is not asleep either: nothing is woken, as vLLM's executor does.
+    let values: Vec<&str> = query_values(query.as_deref(), "tags").collect();
+    let tags = if values.is_empty() {
+        None
+    } else {
+        Some(Tags::parse(values.iter().copied()).unwrap_or(Tags::NONE))
+    };
+    match transition(&state, Transition::Wake(tags)).await {
+        Ok(_) => StatusCode::OK.into_response(),
+        Err(e) => transition_failed(&e),
+    }
+}
+
+/// The body of `POST /collective_rpc` (vLLM's fields; the stub reads `method`).
+#[derive(serde::Deserialize)]
+struct CollectiveRpc {
+    method: String,
+}
+
+/// `POST /collective_rpc`: `reload_weights` only.
+pub(crate) async fn collective_rpc(
+    State(state): State<Arc<StubState>>,
+    body: axum::body::Bytes,
+) -> Response {
+    if !state.is_ready() {
+        return not_ready();
+    }
+    let rpc: CollectiveRpc = match serde_json::from_slice(&body) {
+        Ok(r) => r,
+        Err(e) => {
+            return error_in(
+                StatusCode::BAD_REQUEST,
+                &format!("the body must be a JSON object with `method`: {e}"),
+                "BadRequestError",
+                Some("method"),
+            );
+        }
+    };
+    if rpc.method != "reload_weights" {
         return error_in(
             StatusCode::BAD_REQUEST,
-            "the stub wakes the whole engine only: query parameter `tags` (a partial wake-up) \
-             is not supported",
+            &format!(
+                "the stub implements only the method reload_weights, not {:?}",
+                rpc.method
+            ),
             "BadRequestError",
-            Some("tags"),
+            Some("method"),
         );
     }
-    match transition(&state, Transition::Wake).await {
-        Ok(()) => StatusCode::OK.into_response(),
+    match transition(&state, Transition::Reload).await {
+        Ok(Done::Ok) => Json(json!({"results": [null]})).into_response(),
+        Ok(Done::WeightsAsleep) => error(
+            StatusCode::CONFLICT,
+            "the weights are asleep: POST /wake_up?tags=weights before reload_weights",
+            "ConflictError",
+        ),
         Err(e) => transition_failed(&e),
     }
 }
@@ -363,19 +567,39 @@ mod tests {
     }
 
     #[test]
-    fn wake_delay_after_level_2_includes_the_load() {
+    fn a_wake_up_is_the_wake_delay_and_a_reload_the_load() {
         let cfg = crate::StubConfig {
             startup_delay: Duration::from_millis(300),
             wake_delay: Duration::from_millis(40),
             ..crate::StubConfig::default()
         };
+        assert_eq!(cfg.wake_delay(), Duration::from_millis(40));
+        assert_eq!(cfg.reload_delay(), Duration::from_millis(300));
+    }
+
+    #[test]
+    fn tags_parse_and_combine_like_vllms_sleeping_tags() {
+        let weights = Tags::parse(["weights"]).unwrap();
+        let kv = Tags::parse(["kv_cache"]).unwrap();
+        assert_eq!(Tags::parse(["weights", "kv_cache"]), Some(Tags::ALL));
+        assert_eq!(Tags::parse(["weights", "weights"]), Some(weights));
+        for bad in [vec!["weight"], vec![""], vec!["weights", "kv"]] {
+            assert_eq!(Tags::parse(bad.clone()), None, "{bad:?}");
+        }
+        assert!(weights.within(Tags::ALL) && !Tags::ALL.within(weights));
+        assert_eq!(Tags::ALL.without(weights), kv);
+        assert!(weights.without(weights).is_empty());
+        assert_eq!(Tags::ALL.names(), "weights, kv_cache");
+        assert!(SleepState::Awake.asleep().is_empty());
+        assert_eq!(SleepState::Asleep(SleepLevel::Discard).asleep(), Tags::ALL);
+        let partly = SleepState::PartlyAwake {
+            level: SleepLevel::Discard,
+            asleep: kv,
+        };
+        assert!(partly.is_sleeping());
         assert_eq!(
-            cfg.wake_delay(SleepLevel::Offload),
-            Duration::from_millis(40)
-        );
-        assert_eq!(
-            cfg.wake_delay(SleepLevel::Discard),
-            Duration::from_millis(340)
+            (partly.asleep(), partly.level()),
+            (kv, Some(SleepLevel::Discard))
         );
     }
 }

@@ -1,4 +1,5 @@
-//! vLLM's sleep mode on the stub (`POST /sleep`, `POST /wake_up`, `GET /is_sleeping`), against a
+//! vLLM's sleep mode on the stub (`POST /sleep`, `POST /wake_up[?tags=]`, `GET /is_sleeping`,
+//! `POST /collective_rpc` `reload_weights`), against a
 //! real HTTP client: in-process on an ephemeral port, and as a process for its flag and
 //! environment. Delays are asserted as lower bounds only.
 
@@ -162,6 +163,7 @@ async fn sleep_routes_absent_without_both_flags() {
             ("POST", "/sleep?level=2"),
             ("POST", "/wake_up"),
             ("GET", "/is_sleeping"),
+            ("POST", "/collective_rpc"),
         ] {
             let (status, _) = send(&c, method, &format!("{base}{path}"), "").await;
             assert_eq!(
@@ -247,8 +249,30 @@ async fn sleep_level_1_then_wake_up() {
     stub.shutdown().await.unwrap();
 }
 
+/// The text of a chat completion's answer.
+fn content(body: &[u8]) -> String {
+    json(body)["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_owned()
+}
+
+/// `POST /collective_rpc` with `method`: its status and JSON body.
+async fn rpc(c: &HttpClient, base: &str, method: &str) -> (StatusCode, serde_json::Value) {
+    let (status, body) = send(
+        c,
+        "POST",
+        &format!("{base}/collective_rpc"),
+        &serde_json::json!({"method": method}).to_string(),
+    )
+    .await;
+    (status, json(&body))
+}
+
+/// Level 2 as vLLM documents it: `tags=weights`, `reload_weights`, `tags=kv_cache`. Woken
+/// without the reload the engine answers noise, as vLLM's does with dropped weights.
 #[tokio::test]
-async fn wake_up_from_level_2_includes_the_load_delay() {
+async fn level_2_wakes_by_tags_and_answers_noise_until_the_weights_are_reloaded() {
     let startup_delay = Duration::from_millis(300);
     let wake_delay = Duration::from_millis(100);
     let stub = spawn(
@@ -266,31 +290,11 @@ async fn wake_up_from_level_2_includes_the_load_delay() {
     while !stub.state.is_ready() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-
-    let (status, _) = timed_post(&c, &format!("{base}/sleep?level=2")).await;
-    assert_eq!(status, StatusCode::OK);
-    assert_eq!(
-        stub.state.sleep_state(),
-        SleepState::Asleep(SleepLevel::Discard)
-    );
-    assert_eq!(sleep_gauge(&c, &stub).await, gauge("0.0", "0.0", "1.0"));
     let (status, body) = chat(&c, &stub).await;
-    assert_refused_as_sleeping(status, &body);
-
-    let (status, took) = timed_post(&c, &format!("{base}/wake_up")).await;
     assert_eq!(status, StatusCode::OK);
-    assert!(
-        took >= startup_delay + wake_delay,
-        "woke from level 2 in {took:?}"
-    );
-    assert!(!is_sleeping(&c, &base).await);
-    assert_eq!(chat(&c, &stub).await.0, StatusCode::OK);
+    let words = content(&body);
+    assert!(!words.contains(vllm_stub::STALE_WEIGHTS_TOKEN), "{words}");
 
-    // Asleep at level 1, a level-2 sleep drops the offloaded weights: the wake-up loads again.
-    assert_eq!(
-        timed_post(&c, &format!("{base}/sleep?level=1")).await.0,
-        StatusCode::OK
-    );
     assert_eq!(
         timed_post(&c, &format!("{base}/sleep?level=2")).await.0,
         StatusCode::OK
@@ -299,6 +303,124 @@ async fn wake_up_from_level_2_includes_the_load_delay() {
         stub.state.sleep_state(),
         SleepState::Asleep(SleepLevel::Discard)
     );
+    assert_eq!(sleep_gauge(&c, &stub).await, gauge("0.0", "0.0", "1.0"));
+    // The weights sleep: nothing to reload into.
+    let (status, v) = rpc(&c, &base, "reload_weights").await;
+    assert_eq!(status, StatusCode::CONFLICT, "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("tags=weights"),
+        "{v}"
+    );
+
+    // 1. The weights' memory.
+    let (status, took) = timed_post(&c, &format!("{base}/wake_up?tags=weights")).await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(took >= wake_delay, "woke the weights in {took:?}");
+    let kv_only = vllm_stub::Tags::parse(["kv_cache"]).unwrap();
+    let partly = SleepState::PartlyAwake {
+        level: SleepLevel::Discard,
+        asleep: kv_only,
+    };
+    assert_eq!(stub.state.sleep_state(), partly);
+    assert!(is_sleeping(&c, &base).await);
+    let (status, body) = chat(&c, &stub).await;
+    assert_refused_as_sleeping(status, &body);
+    assert!(
+        json(&body)["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("kv_cache still asleep"),
+        "{}",
+        String::from_utf8_lossy(&body)
+    );
+    // A tag that is awake already, an unknown one, and a sleep while partly awake: nothing.
+    for path in [
+        "/wake_up?tags=weights",
+        "/wake_up?tags=kv",
+        "/sleep?level=1",
+    ] {
+        assert_eq!(
+            timed_post(&c, &format!("{base}{path}")).await.0,
+            StatusCode::OK,
+            "{path}"
+        );
+        assert_eq!(stub.state.sleep_state(), partly, "{path}");
+    }
+    // 2. Their values, loaded again.
+    let t = Instant::now();
+    let (status, v) = rpc(&c, &base, "reload_weights").await;
+    assert_eq!(
+        (status, v.clone()),
+        (StatusCode::OK, serde_json::json!({"results": [null]}))
+    );
+    assert!(
+        t.elapsed() >= startup_delay,
+        "reloaded in {:?}",
+        t.elapsed()
+    );
+    assert!(!stub.state.weights_stale());
+    let (status, v) = rpc(&c, &base, "save_sharded_state").await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{v}");
+    assert_eq!(v["error"]["param"], "method", "{v}");
+    // 3. The KV cache: awake.
+    assert_eq!(
+        timed_post(&c, &format!("{base}/wake_up?tags=kv_cache"))
+            .await
+            .0,
+        StatusCode::OK
+    );
+    assert!(!is_sleeping(&c, &base).await);
+    assert_eq!(stub.state.wake_ups(), 1);
+    let (status, body) = chat(&c, &stub).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(
+        content(&body),
+        words,
+        "the reloaded engine answers as before"
+    );
+
+    // A whole wake-up after level 2, without the reload: awake at once (no load), and noise.
+    assert_eq!(
+        timed_post(&c, &format!("{base}/sleep?level=2")).await.0,
+        StatusCode::OK
+    );
+    let (status, took) = timed_post(&c, &format!("{base}/wake_up")).await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(
+        took >= wake_delay && took < wake_delay + startup_delay,
+        "woke in {took:?}"
+    );
+    assert_eq!(stub.state.sleep_state(), SleepState::Awake);
+    assert!(stub.state.weights_stale());
+    let (status, body) = chat(&c, &stub).await;
+    assert_eq!(status, StatusCode::OK);
+    let noise = content(&body);
+    assert!(
+        !noise.is_empty() && noise.chars().all(|ch| ch == '\u{fffd}'),
+        "{noise:?}"
+    );
+    // Reloaded while awake: as before.
+    assert_eq!(rpc(&c, &base, "reload_weights").await.0, StatusCode::OK);
+    assert_eq!(content(&chat(&c, &stub).await.1), words);
+
+    // Asleep at level 1, a level-2 sleep drops the offloaded weights.
+    assert_eq!(
+        timed_post(&c, &format!("{base}/sleep?level=1")).await.0,
+        StatusCode::OK
+    );
+    assert!(!stub.state.weights_stale());
+    assert_eq!(
+        timed_post(&c, &format!("{base}/sleep?level=2")).await.0,
+        StatusCode::OK
+    );
+    assert_eq!(
+        stub.state.sleep_state(),
+        SleepState::Asleep(SleepLevel::Discard)
+    );
+    assert!(stub.state.weights_stale());
     // A shallower sleep does not bring them back.
     assert_eq!(
         timed_post(&c, &format!("{base}/sleep")).await.0,
@@ -308,10 +430,11 @@ async fn wake_up_from_level_2_includes_the_load_delay() {
         stub.state.sleep_state(),
         SleepState::Asleep(SleepLevel::Discard)
     );
-    let (status, took) = timed_post(&c, &format!("{base}/wake_up")).await;
-    assert_eq!(status, StatusCode::OK);
-    assert!(took >= startup_delay + wake_delay, "woke in {took:?}");
-    assert_eq!(stub.state.wake_ups(), 2);
+    assert_eq!(
+        timed_post(&c, &format!("{base}/wake_up")).await.0,
+        StatusCode::OK
+    );
+    assert_eq!(stub.state.wake_ups(), 3);
     stub.shutdown().await.unwrap();
 }
 
@@ -483,6 +606,7 @@ async fn sleep_routes_answer_503_until_the_model_is_loaded() {
         ("POST", "/sleep"),
         ("POST", "/wake_up"),
         ("GET", "/is_sleeping"),
+        ("POST", "/collective_rpc"),
     ] {
         let (status, _) = send(&c, method, &format!("{base}{path}"), "").await;
         assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{method} {path}");
