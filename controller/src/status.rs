@@ -178,7 +178,7 @@ pub fn merge_conditions(
         .collect()
 }
 
-/// The backend's replica picture from its Deployment (and its pods, [`BackendState::failing`]).
+/// The backend's replica picture from its Deployment (and its pods, [`BackendState::with_pods`]).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct BackendState {
     /// Whether the Deployment exists.
@@ -187,60 +187,216 @@ pub struct BackendState {
     pub desired: i32,
     /// `status.readyReplicas`.
     pub ready: i32,
-    /// `Progressing=False` (`ProgressDeadlineExceeded`): pods are not coming up.
-    pub stuck: bool,
-    /// A backend pod's container that cannot start, from [`pod_failure`].
-    pub failing: Option<String>,
+    /// What the Deployment says keeps pods from coming up ([`deployment_failure`]).
+    pub stuck: Option<Failure>,
+    /// A backend pod that cannot come up, from [`pod_failure`].
+    pub failing: Option<Failure>,
     /// A backend pod the scheduler cannot place for lack of its accelerator
     /// ([`crate::handover::waiting_for`]): `pod P: <the scheduler's message>`.
     pub waiting_for_devices: Option<String>,
 }
 
-/// Waiting reasons of a container that will not start without a change (to the pod, the
-/// image, the node or the registry), as the kubelet reports them (`kubelet/container`'s
-/// `ErrCreateContainer`, `ErrImagePull`, ...). `ContainerCreating` and `PodInitializing` are
-/// progress, not failures.
-const FAILING_WAITING_REASONS: &[&str] = &[
-    "CreateContainerError",
-    "CreateContainerConfigError",
-    "RunContainerError",
+/// Why a backend cannot come up: one of [`hearth_crds::ACTIVATION_FAILED_REASONS`], which
+/// becomes `Ready=False` with that reason, phase `Degraded`, a Warning Event, and
+/// `status.lastActivationFailure`.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Failure {
+    /// The `Ready` reason.
+    pub reason: &'static str,
+    /// The pod it was read from; `None` when from the Deployment.
+    pub pod: Option<String>,
+    /// The activation phase it stopped in (`crate::activation`'s names).
+    pub phase: &'static str,
+    /// What the kubelet, the scheduler or the Deployment said, and what to change.
+    pub message: String,
+}
+
+impl Failure {
+    /// The record in `status.lastActivationFailure`: `previous` when it is about the same pod
+    /// and reason (its time kept), else a new one at `now`.
+    pub fn record(
+        &self,
+        previous: Option<&hearth_crds::ActivationFailure>,
+        now: &Time,
+    ) -> hearth_crds::ActivationFailure {
+        if let Some(p) = previous
+            && p.pod == self.pod
+            && p.reason == self.reason
+        {
+            return p.clone();
+        }
+        hearth_crds::ActivationFailure {
+            time: now.clone(),
+            pod: self.pod.clone(),
+            phase: self.phase.to_owned(),
+            reason: self.reason.to_owned(),
+            message: self.message.chars().take(1024).collect(),
+        }
+    }
+}
+
+/// Waiting reasons of a container whose image cannot be had (`kubelet/images`' errors).
+const IMAGE_WAITING_REASONS: &[&str] = &[
     "ErrImagePull",
     "ImagePullBackOff",
     "InvalidImageName",
     "ErrImageNeverPull",
-    "CrashLoopBackOff",
 ];
 
-/// Why `pod` cannot start, if one of its containers (init containers first) waits for a
-/// reason in [`FAILING_WAITING_REASONS`]: `pod P, container C: Reason: message`.
-pub fn pod_failure(pod: &Pod) -> Option<String> {
+/// Waiting reasons of a container the runtime cannot create or start without a change to the
+/// pod (`kubelet/container`'s `ErrCreateContainer`, `ErrRunContainer`, ...): `BackendFailing`.
+/// `ContainerCreating` and `PodInitializing` are progress, not failures.
+const CREATE_WAITING_REASONS: &[&str] = &[
+    "CreateContainerError",
+    "CreateContainerConfigError",
+    "RunContainerError",
+];
+
+/// The kubelet's waiting reason between the restarts of a container that keeps ending.
+const CRASH_LOOP_BACK_OFF: &str = "CrashLoopBackOff";
+
+/// The first characters of a kubelet or scheduler message (a whole runtime error chain can be
+/// long).
+fn first_chars(message: &str) -> String {
+    message.chars().take(300).collect()
+}
+
+/// Why `pod` cannot come up (see [`hearth_crds::ACTIVATION_FAILED_REASONS`]), checked in the
+/// order of its life: the scheduler's `Unschedulable` (other than for the accelerator, which a
+/// device handover may free: [`crate::handover::waiting_for`]), then each container (init
+/// containers first) restarting after its last run ended, or waiting for a reason it will not
+/// get past. A pod being deleted or Ready is not failing.
+pub fn pod_failure(pod: &Pod) -> Option<Failure> {
+    if pod.metadata.deletion_timestamp.is_some() {
+        return None;
+    }
     let status = pod.status.as_ref()?;
+    let pod_name = pod.metadata.name.clone().unwrap_or_default();
+    let conditions = status.conditions.iter().flatten();
+    let mut ready = false;
+    for c in conditions {
+        if c.type_ == "Ready" && c.status == "True" {
+            ready = true;
+        }
+        if c.type_ == "PodScheduled"
+            && c.status == "False"
+            && c.reason.as_deref() == Some("Unschedulable")
+            && crate::handover::waiting_for(pod).is_none()
+        {
+            let said = first_chars(c.message.as_deref().unwrap_or_default());
+            return Some(Failure {
+                reason: "Unschedulable",
+                pod: Some(pod_name.clone()),
+                phase: "scheduled",
+                message: format!(
+                    "pod {pod_name}: {said} (the runtime's nodeSelector, tolerations and affinity, and the service's resources, must fit a node)"
+                ),
+            });
+        }
+    }
+    if ready {
+        return None;
+    }
     let statuses = status
         .init_container_statuses
         .iter()
         .flatten()
         .chain(status.container_statuses.iter().flatten());
     for c in statuses {
-        let Some(waiting) = c.state.as_ref().and_then(|s| s.waiting.as_ref()) else {
+        let waiting = c.state.as_ref().and_then(|s| s.waiting.as_ref());
+        let waiting_reason = waiting.and_then(|w| w.reason.as_deref());
+        let running = c.state.as_ref().is_some_and(|s| s.running.is_some());
+        let restarting = waiting_reason == Some(CRASH_LOOP_BACK_OFF)
+            || (running && !c.ready && c.restart_count >= 2);
+        let last = c.last_state.as_ref().and_then(|s| s.terminated.as_ref());
+        if restarting && let Some(t) = last {
+            let ended = t.reason.as_deref().unwrap_or("Error");
+            let (reason, hint) = match (ended, t.exit_code) {
+                ("OOMKilled", _) => (
+                    "OOMKilled",
+                    "the container passed its memory limit: raise the service's spec.resources.memory, or lower the engine's memory use",
+                ),
+                (_, 137 | 143) => (
+                    "RepeatedTermination",
+                    "the container was killed, not exited: a failing startup or liveness probe (the runtime's health), or a signal from the node; see kubectl describe pod",
+                ),
+                _ => (
+                    "CrashLoopBackOff",
+                    "the container exited by itself: kubectl logs --previous shows why",
+                ),
+            };
+            let said = t
+                .message
+                .as_deref()
+                .map(|m| format!(": {}", first_chars(m.trim())))
+                .unwrap_or_default();
+            return Some(Failure {
+                reason,
+                pod: Some(pod_name.clone()),
+                phase: "modelReady",
+                message: format!(
+                    "pod {pod_name}, container {}: restarted {} times, last ended {ended} (exit code {}){said}; {hint}",
+                    c.name, c.restart_count, t.exit_code
+                ),
+            });
+        }
+        let Some(waiting_reason) = waiting_reason else {
             continue;
         };
-        let Some(reason) = waiting
-            .reason
-            .as_deref()
-            .filter(|r| FAILING_WAITING_REASONS.contains(r))
-        else {
+        let (reason, phase) = if IMAGE_WAITING_REASONS.contains(&waiting_reason) {
+            ("ImagePullFailed", "imagePull")
+        } else if CREATE_WAITING_REASONS.contains(&waiting_reason) {
+            ("BackendFailing", "containersStarted")
+        } else if waiting_reason == CRASH_LOOP_BACK_OFF {
+            ("CrashLoopBackOff", "modelReady")
+        } else {
             continue;
         };
-        let pod_name = pod.metadata.name.as_deref().unwrap_or_default();
-        let message = waiting.message.as_deref().unwrap_or_default();
-        // A kubelet message can be long (a whole runtime error chain): keep the start.
-        let message: String = message.chars().take(300).collect();
-        return Some(format!(
-            "pod {pod_name}, container {}: {reason}: {message}",
-            c.name
-        ));
+        let said = first_chars(waiting.and_then(|w| w.message.as_deref()).unwrap_or_default());
+        return Some(Failure {
+            reason,
+            pod: Some(pod_name.clone()),
+            phase,
+            message: format!(
+                "pod {pod_name}, container {}: {waiting_reason}: {said} (kubectl describe pod shows the kubelet's Events)",
+                c.name
+            ),
+        });
     }
     None
+}
+
+/// What the backend Deployment says keeps its pods from coming up: `ReplicaFailure=True`
+/// (`FailedCreate`: the apiserver refused the ReplicaSet's pods, for Pod Security, a quota or
+/// a webhook) or `Progressing=False` (`ProgressDeadlineExceeded`).
+pub fn deployment_failure(d: &Deployment) -> Option<Failure> {
+    let conditions = d.status.as_ref()?.conditions.as_ref()?;
+    if let Some(c) = conditions
+        .iter()
+        .find(|c| c.type_ == "ReplicaFailure" && c.status == "True")
+    {
+        let said = first_chars(c.message.as_deref().unwrap_or_default());
+        return Some(Failure {
+            reason: "FailedCreate",
+            pod: None,
+            phase: "scaleDecision",
+            message: format!(
+                "the backend's pods cannot be created: {said} (a namespace's Pod Security level, a ResourceQuota or an admission webhook refuses them; see docs/operations.md)"
+            ),
+        });
+    }
+    conditions
+        .iter()
+        .find(|c| c.type_ == "Progressing" && c.status == "False")
+        .map(|c| Failure {
+            reason: "ProgressDeadlineExceeded",
+            pod: None,
+            phase: "modelReady",
+            message: format!(
+                "backend pods are not becoming ready within the Deployment's progress deadline: {} (kubectl describe on the backend Deployment's pods says why)",
+                first_chars(c.message.as_deref().unwrap_or_default())
+            ),
+        })
 }
 
 impl BackendState {
@@ -254,12 +410,7 @@ impl BackendState {
             exists: true,
             desired: d.spec.as_ref().and_then(|s| s.replicas).unwrap_or(1),
             ready: status.and_then(|s| s.ready_replicas).unwrap_or(0),
-            stuck: status
-                .and_then(|s| s.conditions.as_ref())
-                .is_some_and(|cs| {
-                    cs.iter()
-                        .any(|c| c.type_ == "Progressing" && c.status == "False")
-                }),
+            stuck: deployment_failure(d),
             failing: None,
             waiting_for_devices: None,
         }
@@ -274,6 +425,15 @@ impl BackendState {
             crate::handover::waiting_for(p).map(|w| format!("pod {}: {}", w.pod, w.message))
         });
         self
+    }
+
+    /// Why no replica comes up, when none is ready: what the Deployment says, else the first
+    /// failing pod's. The same precedence as [`phase_and_ready`].
+    pub fn failure(&self) -> Option<&Failure> {
+        if self.ready > 0 {
+            return None;
+        }
+        self.stuck.as_ref().or(self.failing.as_ref())
     }
 }
 
@@ -483,26 +643,10 @@ pub fn phase_and_ready(
         };
         return (LLMServicePhase::Ready, ready);
     }
-    if backend.stuck {
+    if let Some(f) = backend.failure() {
         return (
             LLMServicePhase::Degraded,
-            Cond::new(
-                READY,
-                Some(false),
-                "BackendNotProgressing",
-                "backend pods are not becoming ready (ProgressDeadlineExceeded): see `kubectl describe` on the backend Deployment's pods",
-            ),
-        );
-    }
-    if let Some(why) = &backend.failing {
-        return (
-            LLMServicePhase::Degraded,
-            Cond::new(
-                READY,
-                Some(false),
-                "BackendFailing",
-                format!("{why} (kubectl describe pod shows the kubelet's Events)"),
-            ),
+            Cond::new(READY, Some(false), f.reason, f.message.clone()),
         );
     }
     if backend.desired == 0 {
@@ -661,14 +805,18 @@ mod tests {
         );
         let (p, r) = phase_and_ready(b(true, 1, 1), 1, &[]);
         assert_eq!((p, r.is_true()), (LLMServicePhase::Ready, true));
-        let stuck = BackendState {
-            exists: true,
-            desired: 1,
-            ready: 0,
-            stuck: true,
-            ..Default::default()
-        };
-        assert_eq!(phase_and_ready(stuck, 1, &[]).0, LLMServicePhase::Degraded);
+        let deadline: Deployment = serde_json::from_value(serde_json::json!({
+            "spec": {"replicas": 1},
+            "status": {"conditions": [{"type": "Progressing", "status": "False",
+                "reason": "ProgressDeadlineExceeded",
+                "message": "ReplicaSet \"m-1\" has timed out progressing."}]},
+        }))
+        .unwrap();
+        let (p, r) = phase_and_ready(BackendState::of(Some(&deadline)), 1, &[]);
+        assert_eq!(
+            (p, r.reason.as_str()),
+            (LLMServicePhase::Degraded, "ProgressDeadlineExceeded")
+        );
         let failing = b(true, 1, 0).with_pods([&waiting_pod("CreateContainerError")]);
         let (p, r) = phase_and_ready(failing, 1, &autoscaling_ok());
         assert_eq!(
@@ -703,11 +851,147 @@ mod tests {
                 "the scheduler finds no node with the accelerator free (pod m-1: 0/1 nodes are available: 1 Insufficient hearth.dev/fake-gpu.)"
             )
         );
+        let refused: Deployment = serde_json::from_value(serde_json::json!({
+            "spec": {"replicas": 1},
+            "status": {"conditions": [{"type": "ReplicaFailure", "status": "True",
+                "reason": "FailedCreate",
+                "message": "pods \"m-1-x\" is forbidden: violates PodSecurity \"restricted:latest\": runAsNonRoot != true"}]},
+        }))
+        .unwrap();
+        let (p, r) = phase_and_ready(BackendState::of(Some(&refused)), 1, &[]);
+        assert_eq!(
+            (p, r.reason.as_str()),
+            (LLMServicePhase::Degraded, "FailedCreate")
+        );
+        assert!(r.message.contains("violates PodSecurity"), "{}", r.message);
         let failed = [Cond::new(PREWARMED, Some(false), "PrewarmFailed", "")];
         assert_eq!(
             phase_and_ready(b(true, 0, 0), 1, &failed).0,
             LLMServicePhase::Degraded
         );
+    }
+
+    /// A backend pod from its `status`.
+    fn pod_with(status: serde_json::Value) -> Pod {
+        serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "m-0"},
+            "spec": {"containers": [{"name": "vllm",
+                "resources": {"limits": {"hearth.dev/fake-gpu": "1"}}}]},
+            "status": status,
+        }))
+        .unwrap()
+    }
+
+    /// A container status: `state`, `lastState`, restarts.
+    fn container(state: serde_json::Value, last: serde_json::Value, restarts: i32) -> serde_json::Value {
+        serde_json::json!({"containerStatuses": [{"name": "vllm", "image": "x", "imageID": "",
+            "ready": false, "restartCount": restarts, "state": state, "lastState": last}]})
+    }
+
+    #[test]
+    fn each_way_a_pod_fails_to_come_up_has_its_reason_and_phase() {
+        let crash_wait = serde_json::json!({"waiting": {"reason": "CrashLoopBackOff",
+            "message": "back-off 10s restarting failed container=vllm"}});
+        let running = serde_json::json!({"running": {"startedAt": "2026-01-01T00:00:00Z"}});
+        let ended = |reason: &str, code: i32| {
+            serde_json::json!({"terminated": {"reason": reason, "exitCode": code,
+                "message": "CUDA out of memory"}})
+        };
+        let none = serde_json::json!({});
+        let cases: &[(&str, Pod, Option<(&str, &str)>)] = &[
+            (
+                "node selector",
+                pod_with(serde_json::json!({"phase": "Pending", "conditions": [{
+                    "type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                    "message": "0/1 nodes are available: 1 node(s) didn't match Pod's node affinity/selector."}]})),
+                Some(("Unschedulable", "scheduled")),
+            ),
+            (
+                "no accelerator free: a handover's business",
+                pod_with(serde_json::json!({"phase": "Pending", "conditions": [{
+                    "type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                    "message": "0/1 nodes are available: 1 Insufficient hearth.dev/fake-gpu."}]})),
+                None,
+            ),
+            (
+                "image pull",
+                pod_with(container(serde_json::json!({"waiting": {"reason": "ErrImagePull",
+                    "message": "connection refused"}}), none.clone(), 0)),
+                Some(("ImagePullFailed", "imagePull")),
+            ),
+            (
+                "back-off pulling",
+                pod_with(container(serde_json::json!({"waiting": {"reason": "ImagePullBackOff"}}), none.clone(), 0)),
+                Some(("ImagePullFailed", "imagePull")),
+            ),
+            (
+                "create error",
+                pod_with(container(serde_json::json!({"waiting": {"reason": "CreateContainerConfigError"}}), none.clone(), 0)),
+                Some(("BackendFailing", "containersStarted")),
+            ),
+            (
+                "crash loop",
+                pod_with(container(crash_wait.clone(), ended("Error", 1), 2)),
+                Some(("CrashLoopBackOff", "modelReady")),
+            ),
+            (
+                "OOM, backing off",
+                pod_with(container(crash_wait.clone(), ended("OOMKilled", 137), 1)),
+                Some(("OOMKilled", "modelReady")),
+            ),
+            (
+                "OOM, running again after two",
+                pod_with(container(running.clone(), ended("OOMKilled", 137), 2)),
+                Some(("OOMKilled", "modelReady")),
+            ),
+            (
+                "OOM once, running again: not yet",
+                pod_with(container(running.clone(), ended("OOMKilled", 137), 1)),
+                None,
+            ),
+            (
+                "killed by a probe",
+                pod_with(container(crash_wait.clone(), ended("Error", 137), 3)),
+                Some(("RepeatedTermination", "modelReady")),
+            ),
+            ("starting", pod_with(container(running, none.clone(), 0)), None),
+            (
+                "creating",
+                pod_with(container(serde_json::json!({"waiting": {"reason": "ContainerCreating"}}), none, 0)),
+                None,
+            ),
+        ];
+        for (what, pod, want) in cases {
+            let got = pod_failure(pod);
+            assert_eq!(
+                got.as_ref().map(|f| (f.reason, f.phase)),
+                *want,
+                "{what}: {got:?}"
+            );
+            if let Some(f) = got {
+                assert!(f.message.starts_with("pod m-0"), "{what}: {}", f.message);
+            }
+        }
+        let mut deleted = pod_with(container(crash_wait, ended("Error", 1), 2));
+        deleted.metadata.deletion_timestamp = Some(t(1));
+        assert_eq!(pod_failure(&deleted), None, "a pod being deleted");
+    }
+
+    #[test]
+    fn a_failure_record_keeps_its_time_while_pod_and_reason_stay() {
+        let f = Failure {
+            reason: "ImagePullFailed",
+            pod: Some("m-0".to_owned()),
+            phase: "imagePull",
+            message: "m".to_owned(),
+        };
+        let first = f.record(None, &t(1));
+        assert_eq!(f.record(Some(&first), &t(9)).time, t(1));
+        let other = Failure {
+            pod: Some("m-1".to_owned()),
+            ..f
+        };
+        assert_eq!(other.record(Some(&first), &t(9)).time, t(9));
     }
 
     #[test]

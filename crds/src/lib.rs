@@ -29,7 +29,7 @@ pub use inferenceruntime::{InferenceRuntime, InferenceRuntimeSpec, InferenceRunt
 pub use llmadapter::{LLMAdapter, LLMAdapterSpec, LLMAdapterStatus};
 pub use llmendpoint::{LLMEndpoint, LLMEndpointSpec, LLMEndpointStatus};
 pub use llmservice::{
-    Activation, ActivationPhases, LLMService, LLMServicePhase, LLMServiceSpec, LLMServiceStatus,
+    ACTIVATION_FAILED_REASONS, Activation, ActivationFailure, ActivationPhases, LLMService, LLMServicePhase, LLMServiceSpec, LLMServiceStatus,
     TenantUsage, Usage, UsagePhases, Wake, WakePhases,
 };
 pub use servingpolicy::{ServingPolicy, ServingPolicySpec, ServingPolicyStatus};

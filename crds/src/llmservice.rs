@@ -716,6 +716,13 @@ pub struct LLMServiceStatus {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_activation: Option<Activation>,
 
+    /// lastActivationFailure is the last way a backend failed to come up (the phase of the
+    /// activation timeline it stopped in, the reason and the kubelet's or scheduler's words),
+    /// kept after the failure is fixed. Written when a new failure is diagnosed (a new pod or
+    /// reason). A Hearth extension of the public API.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_activation_failure: Option<ActivationFailure>,
+
     /// lastWake is the last sleep->awake of one of the service's engines (the sleeping tier,
     /// `spec.scaling.sleep`). Written by the gateway replica that woke it, under the field
     /// manager `hearth-gateway`; the controller neither writes nor compares it. A Hearth
@@ -784,6 +791,66 @@ pub struct TenantUsage {
     pub accelerator_seconds: i64,
     /// phases splits it.
     pub phases: UsagePhases,
+}
+
+/// `Ready=False` reasons that say a backend cannot come up without a change to the service,
+/// its runtime, the node or the registry. The controller sets one when it diagnoses a backend
+/// pod (or the Deployment) so; a gateway answers the requests it holds for that service at once
+/// with the condition's message (`activation_failed`), instead of after `activationTimeout`.
+///
+/// | reason | from |
+/// |---|---|
+/// | `Unschedulable` | `PodScheduled=False` `Unschedulable`, other than a lack of the accelerator (that is `WaitingForDevices`) |
+/// | `FailedCreate` | the Deployment's `ReplicaFailure=True` (an admission refusal: Pod Security, a quota, a webhook) |
+/// | `ImagePullFailed` | a container waiting in `ErrImagePull`, `ImagePullBackOff`, `InvalidImageName` or `ErrImageNeverPull` |
+/// | `OOMKilled` | a container restarting after its last run ended `OOMKilled` |
+/// | `CrashLoopBackOff` | a container restarting after it exited by itself |
+/// | `RepeatedTermination` | a container restarting after it was killed (exit 137 or 143: a failing probe, a signal) |
+/// | `ProgressDeadlineExceeded` | the Deployment's `Progressing=False` |
+/// | `BackendFailing` | any other container that cannot start (`CreateContainerError`, `CreateContainerConfigError`, `RunContainerError`) |
+///
+/// "Restarting" is the kubelet's `CrashLoopBackOff` wait, or a second restart without
+/// readiness: one restart alone is not a failure (an engine OOM-killed once while serving
+/// comes back).
+pub const ACTIVATION_FAILED_REASONS: &[&str] = &[
+    "Unschedulable",
+    "FailedCreate",
+    "ImagePullFailed",
+    "OOMKilled",
+    "CrashLoopBackOff",
+    "RepeatedTermination",
+    "ProgressDeadlineExceeded",
+    "BackendFailing",
+];
+
+/// The last way a backend failed to come up (`status.lastActivationFailure`).
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ActivationFailure {
+    /// time is when the controller diagnosed it.
+    pub time: Time,
+
+    /// pod is the backend pod it was read from; absent when from the Deployment
+    /// (`FailedCreate`, `ProgressDeadlineExceeded`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 253))]
+    pub pod: Option<String>,
+
+    /// phase is the step of the activation timeline (`status.lastActivation.phases`) it
+    /// stopped in: `scaleDecision` (no pod could be created), `scheduled`, `imagePull`,
+    /// `containersStarted` or `modelReady`.
+    #[schemars(length(max = 32))]
+    pub phase: String,
+
+    /// reason is one of the `Ready=False` reasons of an activation failure
+    /// (`Unschedulable`, `FailedCreate`, `ImagePullFailed`, `OOMKilled`, `CrashLoopBackOff`,
+    /// `RepeatedTermination`, `ProgressDeadlineExceeded`, `BackendFailing`).
+    #[schemars(length(max = 64))]
+    pub reason: String,
+
+    /// message is what the kubelet, the scheduler or the Deployment said, and what to change.
+    #[schemars(length(max = 1024))]
+    pub message: String,
 }
 
 /// The timeline of one activation (`status.lastActivation`), measured from the backend pod,

@@ -991,8 +991,8 @@ pub async fn run(
     let pdb_stream = tap_endpoint_owners(pdb_stream, endpoint_tx.clone());
     let (cm_store, cm_stream) = cached_watch::<ConfigMap>(&client, ns, &managed, None);
     // Backend pods trigger their service's reconcile when they turn Ready (or stop being so):
-    // that is when an activation is recorded; and when a container starts or stops failing to
-    // start (`Ready=False` reason `BackendFailing`).
+    // that is when an activation is recorded; and when a pod starts or stops failing to come
+    // up (`Ready=False` with a reason of `hearth_crds::ACTIVATION_FAILED_REASONS`).
     let backend_pods = watcher::Config::default().labels(&labels::backend_pod_selector());
     let (pods_store, pods_stream) = cached_watch::<Pod>(
         &client,

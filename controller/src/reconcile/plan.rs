@@ -175,10 +175,29 @@ impl Plan {
             // The record of the last activation is kept until the reconciler records the next
             // one (`crate::activation`).
             last_activation: svc.status.as_ref().and_then(|s| s.last_activation.clone()),
+            last_activation_failure: self.activation_failure(svc, now),
             // The gateway's and the meter's, under their own field managers: never sent, so
             // never taken over.
             last_wake: None,
             usage: None,
+        }
+    }
+
+    /// `status.lastActivationFailure`: a new record when `Ready` reports a backend failure
+    /// ([`status::Failure::record`]), else the last one kept.
+    fn activation_failure(
+        &self,
+        svc: &LLMService,
+        now: &Time,
+    ) -> Option<hearth_crds::ActivationFailure> {
+        let previous = svc
+            .status
+            .as_ref()
+            .and_then(|s| s.last_activation_failure.as_ref());
+        let reported = self.condition(status::READY).map(|c| c.reason.as_str());
+        match self.readiness.as_ref().and_then(|r| r.backend.failure()) {
+            Some(f) if reported == Some(f.reason) => Some(f.record(previous, now)),
+            _ => previous.cloned(),
         }
     }
 
