@@ -352,7 +352,11 @@ pub fn pod_failure(pod: &Pod) -> Option<Failure> {
         } else {
             continue;
         };
-        let said = first_chars(waiting.and_then(|w| w.message.as_deref()).unwrap_or_default());
+        let said = first_chars(
+            waiting
+                .and_then(|w| w.message.as_deref())
+                .unwrap_or_default(),
+        );
         return Some(Failure {
             reason,
             pod: Some(pod_name.clone()),
@@ -883,7 +887,11 @@ mod tests {
     }
 
     /// A container status: `state`, `lastState`, restarts.
-    fn container(state: serde_json::Value, last: serde_json::Value, restarts: i32) -> serde_json::Value {
+    fn container(
+        state: serde_json::Value,
+        last: serde_json::Value,
+        restarts: i32,
+    ) -> serde_json::Value {
         serde_json::json!({"containerStatuses": [{"name": "vllm", "image": "x", "imageID": "",
             "ready": false, "restartCount": restarts, "state": state, "lastState": last}]})
     }
@@ -915,18 +923,30 @@ mod tests {
             ),
             (
                 "image pull",
-                pod_with(container(serde_json::json!({"waiting": {"reason": "ErrImagePull",
-                    "message": "connection refused"}}), none.clone(), 0)),
+                pod_with(container(
+                    serde_json::json!({"waiting": {"reason": "ErrImagePull",
+                    "message": "connection refused"}}),
+                    none.clone(),
+                    0,
+                )),
                 Some(("ImagePullFailed", "imagePull")),
             ),
             (
                 "back-off pulling",
-                pod_with(container(serde_json::json!({"waiting": {"reason": "ImagePullBackOff"}}), none.clone(), 0)),
+                pod_with(container(
+                    serde_json::json!({"waiting": {"reason": "ImagePullBackOff"}}),
+                    none.clone(),
+                    0,
+                )),
                 Some(("ImagePullFailed", "imagePull")),
             ),
             (
                 "create error",
-                pod_with(container(serde_json::json!({"waiting": {"reason": "CreateContainerConfigError"}}), none.clone(), 0)),
+                pod_with(container(
+                    serde_json::json!({"waiting": {"reason": "CreateContainerConfigError"}}),
+                    none.clone(),
+                    0,
+                )),
                 Some(("BackendFailing", "containersStarted")),
             ),
             (
@@ -954,10 +974,18 @@ mod tests {
                 pod_with(container(crash_wait.clone(), ended("Error", 137), 3)),
                 Some(("RepeatedTermination", "modelReady")),
             ),
-            ("starting", pod_with(container(running, none.clone(), 0)), None),
+            (
+                "starting",
+                pod_with(container(running, none.clone(), 0)),
+                None,
+            ),
             (
                 "creating",
-                pod_with(container(serde_json::json!({"waiting": {"reason": "ContainerCreating"}}), none, 0)),
+                pod_with(container(
+                    serde_json::json!({"waiting": {"reason": "ContainerCreating"}}),
+                    none,
+                    0,
+                )),
                 None,
             ),
         ];

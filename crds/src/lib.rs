@@ -29,8 +29,9 @@ pub use inferenceruntime::{InferenceRuntime, InferenceRuntimeSpec, InferenceRunt
 pub use llmadapter::{LLMAdapter, LLMAdapterSpec, LLMAdapterStatus};
 pub use llmendpoint::{LLMEndpoint, LLMEndpointSpec, LLMEndpointStatus};
 pub use llmservice::{
-    ACTIVATION_FAILED_REASONS, Activation, ActivationFailure, ActivationPhases, LLMService, LLMServicePhase, LLMServiceSpec, LLMServiceStatus,
-    TenantUsage, Usage, UsagePhases, Wake, WakePhases,
+    ACTIVATION_FAILED_REASONS, Activation, ActivationFailure, ActivationPhases, LLMService,
+    LLMServicePhase, LLMServiceSpec, LLMServiceStatus, TenantUsage, Usage, UsagePhases, Wake,
+    WakePhases,
 };
 pub use servingpolicy::{ServingPolicy, ServingPolicySpec, ServingPolicyStatus};
 

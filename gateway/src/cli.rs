@@ -283,9 +283,11 @@ pub struct ServeArgs {
     /// Gateway Service whose EndpointSlices list the peer replicas; enables demand aggregation.
     #[arg(long, env = "HEARTH_PEER_SERVICE")]
     pub peer_service: Option<String>,
-    /// The LLMService this gateway serves (in --namespace): the sleeping tier reports engines
-    /// put to sleep and woken as Events on it, and the last wake in its status.lastWake (needs
-    /// events.k8s.io create and patch, and patch on llmservices/status).
+    /// The LLMService this gateway serves (in --namespace). With --backend-service its `Ready`
+    /// condition is followed: an activation failure answers held requests at once (needs list
+    /// and watch on llmservices). The sleeping tier reports engines put to sleep and woken as
+    /// Events on it, and the last wake in its status.lastWake (needs events.k8s.io create and
+    /// patch, and patch on llmservices/status).
     #[arg(long, env = "HEARTH_LLMSERVICE")]
     pub llmservice: Option<String>,
     /// The LLMService's UID, which `kubectl describe` matches Events on.

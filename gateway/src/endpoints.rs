@@ -126,6 +126,9 @@ pub type Endpoints = Arc<[Arc<Endpoint>]>;
 pub struct EndpointSet {
     tx: Arc<watch::Sender<Endpoints>>,
     rotor: Arc<AtomicUsize>,
+    /// Why no endpoint will come without a change, as its feeder learned it (the service's
+    /// activation failure, [`crate::diagnosis`]).
+    failure: Arc<watch::Sender<Option<Arc<str>>>>,
 }
 
 impl Default for EndpointSet {
@@ -140,6 +143,7 @@ impl EndpointSet {
         Self {
             tx: Arc::new(watch::channel(Endpoints::from(Vec::new())).0),
             rotor: Arc::new(AtomicUsize::new(0)),
+            failure: Arc::new(watch::channel(None).0),
         }
     }
 
@@ -173,6 +177,46 @@ impl EndpointSet {
             *cur = next.into();
             true
         });
+    }
+
+    /// Says why no endpoint will become ready without a change (`Some`), or that none is known
+    /// (`None`); waiters of [`EndpointSet::failed`] are woken when it changes.
+    pub fn set_failure(&self, why: Option<&str>) {
+        self.failure.send_if_modified(|cur| {
+            if cur.as_deref() == why {
+                return false;
+            }
+            *cur = why.map(Arc::from);
+            true
+        });
+    }
+
+    /// Why no endpoint will become ready, while none is: what [`EndpointSet::set_failure`]
+    /// said last.
+    pub fn failure(&self) -> Option<Arc<str>> {
+        if self.is_ready() {
+            return None;
+        }
+        self.failure.borrow().clone()
+    }
+
+    /// Resolves with the failure once one is set while no endpoint is ready (at once when that
+    /// is so now); never while an endpoint is ready.
+    pub async fn failed(&self) -> Arc<str> {
+        let mut ready = self.tx.subscribe();
+        let mut failure = self.failure.subscribe();
+        loop {
+            ready.borrow_and_update();
+            failure.borrow_and_update();
+            if let Some(why) = self.failure() {
+                return why;
+            }
+            // Both senders live as long as `self`: neither `changed` can fail meanwhile.
+            tokio::select! {
+                _ = ready.changed() => {}
+                _ = failure.changed() => {}
+            }
+        }
     }
 
     /// The ready endpoints now.

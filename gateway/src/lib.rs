@@ -29,6 +29,7 @@ pub mod cli;
 pub mod config;
 pub(crate) mod configmap;
 pub mod demand;
+pub mod diagnosis;
 pub mod discovery;
 pub mod drain;
 pub mod endpoints;

@@ -242,6 +242,17 @@ fn single_gateway(
         }
     }
 
+    // The LLMService's activation failures end the requests held for it.
+    if let (Some(service), Some(client), Some(_)) =
+        (&args.llmservice, client, &args.backend_service)
+    {
+        tokio::spawn(hearth_gateway::diagnosis::follow(
+            client.clone(),
+            args.namespace.clone(),
+            service.clone(),
+            backends.clone(),
+        ));
+    }
     let gateway = Gateway::new(cfg, backends, keys).context("starting the gateway")?;
     if let (Some(service), Some(client)) = (&args.llmservice, client) {
         gateway.report_to(hearth_gateway::sleep::ServiceReporter::new(

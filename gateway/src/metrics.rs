@@ -7,7 +7,7 @@
 //! | `hearth_gateway_demand_total` | gauge | demand summed over all gateway replicas; absent while unknown |
 //! | `hearth_gateway_requests_total{code}` | counter | finished requests by HTTP status code sent |
 //! | `hearth_gateway_requests_canceled_total` | counter | requests whose client left before the response finished |
-//! | `hearth_gateway_rejections_total{reason}` | counter | requests refused by the gateway itself (`rate_limit_exceeded`, `queue_full`, `cold_reject`, `activation_timeout`, `body_too_large`, `body_timeout`, `body_memory`, `loop_detected`, `bad_request`, `method_not_allowed`, `unsupported_transfer_coding`, `unauthorized`, `draining`, `model_required`, `unknown_model`, `adapter_unavailable`) |
+//! | `hearth_gateway_rejections_total{reason}` | counter | requests refused by the gateway itself (`rate_limit_exceeded`, `queue_full`, `cold_reject`, `activation_timeout`, `activation_failed`, `body_too_large`, `body_timeout`, `body_memory`, `loop_detected`, `bad_request`, `method_not_allowed`, `unsupported_transfer_coding`, `unauthorized`, `draining`, `model_required`, `unknown_model`, `adapter_unavailable`) |
 //! | `hearth_gateway_activation_wait_seconds` | histogram | cold requests: arrival until forwarded to a ready backend |
 //! | `hearth_gateway_upstream_latency_seconds` | histogram | request sent to the backend until its response headers |
 //! | `hearth_gateway_time_to_first_token_seconds` | histogram | streaming requests: arrival until the first body chunk from the backend |

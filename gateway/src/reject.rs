@@ -90,6 +90,9 @@ kinds! {
     ColdReject => "cold_reject",
     /// No backend became ready within `--activation-timeout`.
     ActivationTimeout => "activation_timeout",
+    /// No backend is ready and none can come up without a change: the service's
+    /// activation failure ([`crate::diagnosis`]).
+    ActivationFailed => "activation_failed",
 }
 
 impl RejectionKind {
@@ -100,7 +103,8 @@ impl RejectionKind {
             | Self::BodyMemory
             | Self::AdapterUnavailable
             | Self::ColdReject
-            | Self::ActivationTimeout => StatusCode::SERVICE_UNAVAILABLE,
+            | Self::ActivationTimeout
+            | Self::ActivationFailed => StatusCode::SERVICE_UNAVAILABLE,
             Self::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             Self::BadRequest | Self::MalformedBody | Self::ModelRequired => StatusCode::BAD_REQUEST,
             Self::UnsupportedTransferCoding => StatusCode::NOT_IMPLEMENTED,
@@ -125,7 +129,8 @@ impl RejectionKind {
             | Self::BodyMemory
             | Self::AdapterUnavailable
             | Self::ColdReject
-            | Self::ActivationTimeout => "server_error",
+            | Self::ActivationTimeout
+            | Self::ActivationFailed => "server_error",
             Self::QueueFull => "rate_limit_error",
             Self::RequestsRateLimited => "requests",
             Self::TokensRateLimited => "tokens",
@@ -313,6 +318,13 @@ pub enum Rejection {
         /// `--activation-timeout`.
         timeout: Duration,
     },
+    /// See [`RejectionKind::ActivationFailed`].
+    ActivationFailed {
+        /// The model's key, `<namespace>/<service>`.
+        service: String,
+        /// `<reason>: <message>` of the service's `Ready` condition.
+        why: std::sync::Arc<str>,
+    },
 }
 
 impl Rejection {
@@ -339,6 +351,7 @@ impl Rejection {
             Self::QueueFull { .. } => RejectionKind::QueueFull,
             Self::ColdReject => RejectionKind::ColdReject,
             Self::ActivationTimeout { .. } => RejectionKind::ActivationTimeout,
+            Self::ActivationFailed { .. } => RejectionKind::ActivationFailed,
         }
     }
 
@@ -390,6 +403,9 @@ impl Rejection {
             Self::ColdReject => "the model is starting; retry the request".to_owned(),
             Self::ActivationTimeout { timeout } => format!(
                 "no backend became ready within the activation timeout ({timeout:?}); retry the request"
+            ),
+            Self::ActivationFailed { service, why } => format!(
+                "the backend of {service} cannot come up ({why}); fix the LLMService or its InferenceRuntime, then retry"
             ),
         }
     }

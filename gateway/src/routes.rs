@@ -354,7 +354,8 @@ where
 }
 
 /// Each model's backends from its backend Service's EndpointSlices, in the model's namespace
-/// (see [`crate::discovery`]); the sleeping tier reports on the LLMService. A watch the
+/// (see [`crate::discovery`]), and an LLMService's activation failures ([`crate::diagnosis`]);
+/// the sleeping tier reports on the LLMService. A watch the
 /// apiserver forbids (the Role in the model's namespace may come a moment after the route) is
 /// retried with backoff (1 s doubling to 30 s) until the model leaves.
 #[derive(Clone)]
@@ -400,7 +401,19 @@ impl BackendSource for KubeBackends {
                 backoff = (backoff * 2).min(Duration::from_secs(30));
             }
         });
-        vec![task.abort_handle()]
+        let mut tasks = vec![task.abort_handle()];
+        // An LLMService's activation failures end the requests held for it (a joined
+        // Deployment has none).
+        if route.uid.is_some() {
+            let follow = crate::diagnosis::follow(
+                self.client.clone(),
+                route.namespace.clone(),
+                route.service.clone(),
+                endpoints.clone(),
+            );
+            tasks.push(tokio::spawn(follow).abort_handle());
+        }
+        tasks
     }
 
     fn reporter(&self, route: &ModelRoute) -> Option<ServiceReporter> {

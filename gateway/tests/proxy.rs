@@ -222,6 +222,54 @@ async fn activation_timeout_ends_a_committed_stream_with_an_error_event_and_othe
 }
 
 #[tokio::test]
+async fn an_activation_failure_answers_the_held_request_at_once_then_a_fixed_backend_serves() {
+    let stub = stub().await;
+    let backends = EndpointSet::new();
+    let gw = gateway(
+        GatewayConfig {
+            activation_timeout: Duration::from_secs(600),
+            ..config()
+        },
+        backends.clone(),
+    )
+    .await;
+    let c = client();
+    let (c2, req) = (c.clone(), chat_req(&gw.url(), &chat(false)));
+    let held = tokio::spawn(async move { send_full(&c2, req).await });
+    wait_demand(&gw, |s| s.pending() == 1).await;
+    let why = "CrashLoopBackOff: pod chat-1, container vllm: restarted 2 times";
+    backends.set_failure(Some(why));
+    let (status, headers, body) = held.await.unwrap();
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+    assert!(!headers.contains_key("retry-after"), "{headers:?}");
+    let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(v["error"]["code"], "activation_failed");
+    assert_eq!(v["error"]["type"], "server_error");
+    let message = v["error"]["message"].as_str().unwrap();
+    assert!(message.contains(why), "{message}");
+    // While it lasts, a new request is answered at once too.
+    let (status, _, _) = send_full(&c, chat_req(&gw.url(), &chat(false))).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+    // Fixed: the reason cleared, the next request is held and served.
+    backends.set_failure(None);
+    let (c2, req) = (c.clone(), chat_req(&gw.url(), &chat(false)));
+    let next = tokio::spawn(async move { send_full(&c2, req).await });
+    wait_demand(&gw, |s| s.pending() == 1).await;
+    backends.replace([authority(&stub)]);
+    let (status, _, _) = next.await.unwrap();
+    assert_eq!(status, StatusCode::OK);
+    let m = gateway_metrics(&c, &gw).await;
+    assert_eq!(
+        metric(
+            &m,
+            "hearth_gateway_rejections_total{reason=\"activation_failed\"}"
+        ),
+        Some(2.0),
+        "{m}"
+    );
+}
+
+#[tokio::test]
 async fn a_client_leaving_a_held_request_frees_its_slot_and_counts_as_canceled() {
     let gw = gateway(config(), EndpointSet::new()).await;
     let c = client();

@@ -234,21 +234,33 @@ pub(super) fn gateway_service_account(g: &Gateway<'_>) -> ServiceAccount {
 }
 
 /// What a gateway may do in the namespace of a model it serves: read the EndpointSlices (of
-/// the model's backend Service, and for peers of its own Service), and, when it runs the
-/// sleeping tier of the LLMService `sleeping`, record Events and that service's
-/// `status.lastWake` (server-side apply on this one object). The Role of a service's own
-/// gateway, the member Role an attached service (or a joined Deployment, without the sleeping
-/// tier) grants an endpoint's shared gateway, and the first rule of the shared gateway's own
-/// Role. The controller's ClusterRole must hold every right granted here (RBAC escalation
+/// the model's backend Service, and for peers of its own Service); for the LLMService
+/// `service`, follow that one object (its `Ready` condition says when a backend cannot come
+/// up: `hearth_gateway::diagnosis`), and with the sleeping tier (`sleeping`) record Events and
+/// its `status.lastWake` (server-side apply on this one object). The Role of a service's own
+/// gateway, the member Role an attached service (or a joined Deployment, with no LLMService)
+/// grants an endpoint's shared gateway, and the first rule of the shared gateway's own Role.
+/// The controller's ClusterRole must hold every right granted here (RBAC escalation
 /// prevention): `tests/e2e/tests/chart.rs` reads this function's literals.
-pub(super) fn member_rules(sleeping: Option<&str>) -> Vec<PolicyRule> {
+pub(super) fn member_rules(service: Option<&str>, sleeping: bool) -> Vec<PolicyRule> {
     let mut rules = vec![PolicyRule {
         api_groups: Some(vec!["discovery.k8s.io".to_owned()]),
         resources: Some(vec!["endpointslices".to_owned()]),
         verbs: vec!["get".to_owned(), "list".to_owned(), "watch".to_owned()],
         ..Default::default()
     }];
-    if let Some(service) = sleeping {
+    let Some(service) = service else {
+        return rules;
+    };
+    let group = <LLMService as kube::Resource>::group(&()).into_owned();
+    rules.push(PolicyRule {
+        api_groups: Some(vec![group.clone()]),
+        resources: Some(vec!["llmservices".to_owned()]),
+        resource_names: Some(vec![service.to_owned()]),
+        verbs: vec!["list".to_owned(), "watch".to_owned()],
+        ..Default::default()
+    });
+    if sleeping {
         rules.push(PolicyRule {
             api_groups: Some(vec!["events.k8s.io".to_owned()]),
             resources: Some(vec!["events".to_owned()]),
@@ -256,9 +268,7 @@ pub(super) fn member_rules(sleeping: Option<&str>) -> Vec<PolicyRule> {
             ..Default::default()
         });
         rules.push(PolicyRule {
-            api_groups: Some(vec![
-                <LLMService as kube::Resource>::group(&()).into_owned(),
-            ]),
+            api_groups: Some(vec![group]),
             resources: Some(vec!["llmservices/status".to_owned()]),
             resource_names: Some(vec![service.to_owned()]),
             verbs: vec!["patch".to_owned()],
@@ -273,8 +283,7 @@ pub(super) fn member_rules(sleeping: Option<&str>) -> Vec<PolicyRule> {
 /// `adapters` (its own gateway reads the ConfigMap `N-adapters`), the right to read that one
 /// ConfigMap too.
 pub(super) fn gateway_role(ctx: &Ctx<'_>, adapters: bool) -> Role {
-    let sleeping = ctx.sleep_tier().map(|_| ctx.name.as_str());
-    let mut rules = member_rules(sleeping);
+    let mut rules = member_rules(Some(&ctx.name), ctx.sleep_tier().is_some());
     if adapters {
         rules.push(PolicyRule {
             api_groups: Some(vec![String::new()]),
@@ -337,7 +346,7 @@ pub(super) fn endpoint_rbac(g: &Gateway<'_>) -> (Role, RoleBinding) {
     let role = Role {
         metadata: g.meta(name.clone()),
         rules: Some(
-            member_rules(None)
+            member_rules(None, false)
                 .into_iter()
                 .chain([PolicyRule {
                     api_groups: Some(vec![String::new()]),
@@ -463,10 +472,11 @@ pub(super) fn own_gateway<'a>(
     let mut after_peers = Vec::new();
     if let Some(route) = ctx.sleep_tier().and_then(|t| sleep_route(svc, &t)) {
         after_peers = sleep_args(&route);
-        after_peers.push(format!("--llmservice={}", ctx.name));
-        if let Some(uid) = &svc.metadata.uid {
-            after_peers.push(format!("--llmservice-uid={uid}"));
-        }
+    }
+    // Its activation failures (and the sleeping tier's reports) are on the LLMService.
+    after_peers.push(format!("--llmservice={}", ctx.name));
+    if let Some(uid) = &svc.metadata.uid {
+        after_peers.push(format!("--llmservice-uid={uid}"));
     }
     if adapters {
         after_peers.push(format!(

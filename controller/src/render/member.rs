@@ -116,7 +116,7 @@ pub fn render_member(
     };
     let role = Role {
         metadata: meta(d, &namespace),
-        rules: Some(member_rules(None)),
+        rules: Some(member_rules(None, false)),
     };
     let role_binding = role_binding(
         meta(d, &namespace),

@@ -645,7 +645,10 @@ fn an_attached_service_renders_member_rbac_and_no_gateway_of_its_own() {
     let rules = serde_json::to_value(&c.gateway_role.rules).unwrap();
     assert_eq!(
         rules,
-        json!([{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]}])
+        json!([
+            {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]},
+            {"apiGroups": ["serving.hearth.dev"], "resources": ["llmservices"], "resourceNames": ["chat"], "verbs": ["list", "watch"]},
+        ])
     );
     // With a sleeping tier: the Events and the status.lastWake patch too.
     rt.spec.sleep_mode = Some(vllm_sleep_mode());
@@ -657,6 +660,7 @@ fn an_attached_service_renders_member_rbac_and_no_gateway_of_its_own() {
         rules,
         json!([
             {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]},
+            {"apiGroups": ["serving.hearth.dev"], "resources": ["llmservices"], "resourceNames": ["chat"], "verbs": ["list", "watch"]},
             {"apiGroups": ["events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
             {"apiGroups": ["serving.hearth.dev"], "resources": ["llmservices/status"], "resourceNames": ["chat"], "verbs": ["patch"]},
         ])

@@ -60,6 +60,9 @@ pub(super) enum HoldError {
     Upstream(String),
     /// The request's adapter could not be loaded into the engine.
     Adapter(AdapterError),
+    /// No endpoint is ready and none will come: the service's activation failure
+    /// ([`crate::diagnosis`]), `<reason>: <message>`.
+    Failed(Arc<str>),
 }
 
 /// Why a request sent warm was not answered.
@@ -390,6 +393,23 @@ pub(super) async fn forward<A: Arrival>(
                 return Err(HoldError::Upstream(format!("the backend failed: {e}")).into());
             }
         }
+    }
+}
+
+/// [`forward`] for a cold request, ended early with [`HoldError::Failed`] when the model's
+/// activation failure is reported (or already is) while no endpoint is ready
+/// ([`EndpointSet::failed`] on its discovered endpoints).
+pub(super) async fn cold(
+    shared: &Shared,
+    model: &Model,
+    out: &Outgoing,
+    deadline: Instant,
+    arrival: Instant,
+) -> Result<(hyper::Response<UpstreamBody>, BackendUse), HoldError> {
+    tokio::select! {
+        biased;
+        sent = forward::<Cold>(shared, model, out, deadline, arrival) => sent,
+        why = model.discovered().failed() => Err(HoldError::Failed(why)),
     }
 }
 

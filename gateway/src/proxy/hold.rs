@@ -22,7 +22,7 @@ use http_body_util::{BodyExt, Limited};
 use super::{
     Tracker,
     admit::Slot,
-    forward::{BackendUse, Cold, HoldError, Outgoing},
+    forward::{BackendUse, HoldError, Outgoing},
     relay::Relay,
 };
 use crate::{
@@ -97,8 +97,8 @@ struct HeldStream {
 enum HeldState {
     /// Nothing sent yet: the first heartbeat goes out at once.
     Start,
-    /// Waiting for a ready backend (`ready`), then for its answer (`forward`), sending a
-    /// heartbeat on every tick. The forwarding future (~1 KiB) is only made once an endpoint
+    /// Waiting for a ready backend or an activation failure (`ready`), then for its answer
+    /// (`forward`), sending a heartbeat on every tick. The forwarding future (~1 KiB) is only made once an endpoint
     /// is ready; until then a held stream keeps just the small wait on the endpoint set.
     Waiting {
         ready: Option<Pin<Box<dyn Future<Output = ()> + Send>>>,
@@ -140,8 +140,14 @@ impl HttpBody for HeldStream {
             match &mut this.state {
                 HeldState::Start => {
                     let mut rx = this.model.state.backends.subscribe();
+                    let model = this.model.clone();
+                    // Forwarding starts once an endpoint is ready, or to answer with the
+                    // activation failure reported meanwhile.
                     let ready: Pin<Box<dyn Future<Output = ()> + Send>> = Box::pin(async move {
-                        let _ = rx.wait_for(|eps| !eps.is_empty()).await;
+                        tokio::select! {
+                            _ = rx.wait_for(|eps| !eps.is_empty()) => {}
+                            _ = model.discovered().failed() => {}
+                        }
                     });
                     let next = tokio::time::Instant::now() + this.model.cfg.heartbeat_interval;
                     this.state = HeldState::Waiting {
@@ -175,10 +181,7 @@ impl HttpBody for HeldStream {
                             this.deadline,
                         );
                         *forward = Some(Box::pin(async move {
-                            super::forward::forward::<Cold>(
-                                &shared, &model, &out, deadline, arrival,
-                            )
-                            .await
+                            super::forward::cold(&shared, &model, &out, deadline, arrival).await
                         }));
                     }
                     let polled = match forward {
@@ -256,6 +259,14 @@ impl HttpBody for HeldStream {
                             return this.fail(stream_failure(&msg, "bad_gateway"));
                         }
                         Err(HoldError::Adapter(e)) => return this.fail(e.sse_event()),
+                        Err(HoldError::Failed(why)) => {
+                            let failed = Rejection::ActivationFailed {
+                                service: this.model.key().to_owned(),
+                                why,
+                            };
+                            this.model.state.metrics.rejected(failed.kind().label());
+                            return this.fail(failed.sse_event());
+                        }
                     }
                 }
                 HeldState::Failed { status, body } => {
@@ -355,6 +366,27 @@ mod tests {
         let model = super::super::the_model(&shared);
         assert_eq!(model.state.metrics.rejected_count("activation_timeout"), 1);
         assert_eq!(model.demand().state().pending(), 0);
+    }
+
+    #[tokio::test]
+    async fn an_activation_failure_ends_the_hold_before_the_timeout() {
+        let backends = crate::EndpointSet::new();
+        let (resp, shared) = held(backends.clone());
+        let mut body = resp.into_body();
+        let first = body.frame().await.unwrap().unwrap().into_data().unwrap();
+        assert_eq!(first, HEARTBEAT);
+        backends.set_failure(Some("ImagePullFailed: pod m-1: ErrImagePull"));
+        let mut rest = Vec::new();
+        while let Some(frame) = body.frame().await {
+            rest.push(frame.unwrap().into_data().unwrap());
+        }
+        let error = error_of(rest.last().unwrap());
+        assert_eq!(error["error"]["code"], "activation_failed");
+        let message = error["error"]["message"].as_str().unwrap();
+        assert!(message.contains("ImagePullFailed: pod m-1"), "{message}");
+        let model = super::super::the_model(&shared);
+        assert_eq!(model.state.metrics.rejected_count("activation_failed"), 1);
+        assert_eq!(model.state.metrics.rejected_count("activation_timeout"), 0);
     }
 
     #[tokio::test]

@@ -221,8 +221,7 @@ where
             }
         }
         if cold {
-            break forward::forward::<forward::Cold>(&shared, &model, &out, deadline, arrival)
-                .await;
+            break forward::cold(&shared, &model, &out, deadline, arrival).await;
         }
         match forward::forward::<forward::Warm>(&shared, &model, &out, deadline, arrival).await {
             Ok(sent) => break Ok(sent),
@@ -255,6 +254,15 @@ where
         }
         Err(forward::HoldError::Upstream(msg)) => done(tracker, reject::bad_gateway(&msg)),
         Err(forward::HoldError::Adapter(e)) => done(tracker, e.response()),
+        Err(forward::HoldError::Failed(why)) => {
+            drop(slot);
+            let service = model.key().to_owned();
+            refuse(
+                &shared,
+                tracker,
+                Rejection::ActivationFailed { service, why },
+            )
+        }
     }
 }
 

@@ -34,6 +34,10 @@ fn one_of_each() -> Vec<Rejection> {
         Rejection::ActivationTimeout {
             timeout: Duration::from_secs(2),
         },
+        Rejection::ActivationFailed {
+            service: "a/chat".into(),
+            why: "ImagePullFailed: pod chat-1, container vllm: ErrImagePull: not found".into(),
+        },
     ];
     for r in &all {
         match r {
@@ -53,7 +57,8 @@ fn one_of_each() -> Vec<Rejection> {
             | Rejection::RateLimited(_)
             | Rejection::QueueFull { .. }
             | Rejection::ColdReject
-            | Rejection::ActivationTimeout { .. } => {}
+            | Rejection::ActivationTimeout { .. }
+            | Rejection::ActivationFailed { .. } => {}
         }
     }
     all

@@ -1374,8 +1374,8 @@ impl Drop for InstalledRbac {
 /// The rules of the gateway Role the controller renders, read from `fn member_rules` in
 /// controller/src/render/gateway.rs (a service's own gateway's Role, the member Role an attached
 /// service or a joined Deployment grants an endpoint's gateway): its string literals must be
-/// exactly those of its rules (EndpointSlices read; with the sleeping tier Events and its
-/// LLMService's status), so a change there fails here (and the controller's ClusterRole must
+/// exactly those of its rules (EndpointSlices read, its LLMService followed; with the sleeping
+/// tier Events and its LLMService's status), so a change there fails here (and the controller's ClusterRole must
 /// then hold the new rights).
 fn gateway_role_rules() -> Result<Value> {
     let src = std::fs::read_to_string(repo().join("controller/src/render/gateway.rs"))?;
@@ -1398,6 +1398,8 @@ fn gateway_role_rules() -> Result<Value> {
         "create",
         "patch",
         "llmservices/status",
+        // Its LLMService, followed for activation failures.
+        "llmservices",
     ]);
     ensure!(
         literals == want,
@@ -1409,6 +1411,8 @@ fn gateway_role_rules() -> Result<Value> {
     Ok(json!([
         {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
          "verbs": ["get", "list", "watch"]},
+        {"apiGroups": ["serving.hearth.dev"], "resources": ["llmservices"],
+         "resourceNames": ["stub-svc"], "verbs": ["list", "watch"]},
         {"apiGroups": ["events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
         {"apiGroups": ["serving.hearth.dev"], "resources": ["llmservices/status"],
          "resourceNames": ["stub-svc"], "verbs": ["patch"]},

@@ -1040,12 +1040,26 @@ fn sse_stream(
     .fuse()
 }
 
+/// The size of the blocks [`allocate`] touches.
+const BLOCK: usize = 8 << 20;
+
+/// Allocates and touches `mib` MiB in 8 MiB blocks, 2 ms apart (a container's memory limit
+/// below it ends the process with the kernel's OOM killer on the way), and returns them.
+pub fn allocate(mib: usize) -> Vec<Vec<u8>> {
+    let mut held: Vec<Vec<u8>> = Vec::new();
+    while held.len() * BLOCK < mib << 20 {
+        // Non-zero bytes: every page is really touched (no zero-page sharing).
+        held.push(vec![0x5a; BLOCK]);
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    held
+}
+
 /// `POST /stub/oom[?max=<MiB>]`: touches memory in 8 MiB blocks until the kernel's OOM killer
 /// ends the process at the container's memory limit, as an engine that runs out of memory
 /// mid-generation. Bounded by `max` (MiB, default 1024, at most 4096): a process still alive
 /// then frees it all and answers `500` (no memory limit at or below it).
 async fn oom(axum::extract::RawQuery(query): axum::extract::RawQuery) -> Response {
-    const BLOCK: usize = 8 << 20;
     let max_mib = match query.as_deref().and_then(|q| q.strip_prefix("max=")) {
         None => 1024,
         Some(v) => match v.parse::<usize>() {
@@ -1063,17 +1077,9 @@ async fn oom(axum::extract::RawQuery(query): axum::extract::RawQuery) -> Respons
         max_mib,
         "allocating memory until OOM-killed (POST /stub/oom)"
     );
-    let blocks = tokio::task::spawn_blocking(move || {
-        let mut held: Vec<Vec<u8>> = Vec::new();
-        while held.len() * BLOCK < max_mib << 20 {
-            // Non-zero bytes: every page is really touched (no zero-page sharing).
-            held.push(vec![0x5a; BLOCK]);
-            std::thread::sleep(Duration::from_millis(2));
-        }
-        held.len()
-    })
-    .await
-    .unwrap_or(0);
+    let blocks = tokio::task::spawn_blocking(move || allocate(max_mib).len())
+        .await
+        .unwrap_or(0);
     error(
         StatusCode::INTERNAL_SERVER_ERROR,
         &format!(

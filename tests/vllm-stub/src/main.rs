@@ -2,7 +2,8 @@
 //!
 //! Invoked like `vllm serve` is by the upstream stub runtime:
 //! `vllm-stub --model=<path> --served-model-name=<name> [--host H] [--port 8000]`, timing from
-//! `STUB_STARTUP_DELAY`, `STUB_TOKEN_COUNT`, `STUB_TOKEN_DELAY`. With `--enable-sleep-mode` and
+//! `STUB_STARTUP_DELAY`, `STUB_TOKEN_COUNT`, `STUB_TOKEN_DELAY`; `STUB_ALLOCATE_AT_START` (MiB)
+//! makes it hold that much memory from the start (an OOM kill at a lower limit). With `--enable-sleep-mode` and
 //! `VLLM_SERVER_DEV_MODE=1` it serves vLLM's sleep mode (`/sleep`, `/wake_up`, `/is_sleeping`, `/collective_rpc`),
 //! timed by `STUB_SLEEP_DELAY` and `STUB_WAKE_DELAY`. With `--enable-lora` it serves vLLM's LoRA
 //! adapters (`--max-loras`, `--max-cpu-loras`, `--max-lora-rank`, `--lora-modules`; the runtime
@@ -91,6 +92,10 @@ struct Args {
     /// the CPU cache.
     #[arg(long, env = "STUB_LORA_LOAD_DELAY", default_value = "0s", value_parser = duration)]
     lora_load_delay: Duration,
+    /// MiB allocated and touched at start, before serving, and held: an engine whose weights
+    /// do not fit its memory limit (a container limit below it OOM-kills the stub at start).
+    #[arg(long = "stub-allocate-at-start", env = "STUB_ALLOCATE_AT_START", default_value_t = 0)]
+    allocate_at_start: usize,
     /// After SIGTERM, how long in-flight requests may run before the stub exits anyway.
     #[arg(long, env = "STUB_SHUTDOWN_TIMEOUT", default_value = "30s", value_parser = duration)]
     shutdown_timeout: Duration,
@@ -215,6 +220,13 @@ async fn serve() -> anyhow::Result<()> {
         )
         .init();
     let args = Args::parse();
+    if args.allocate_at_start > 0 {
+        let mib = args.allocate_at_start;
+        tracing::warn!(mib, "allocating memory at start (STUB_ALLOCATE_AT_START)");
+        // Held for the process's life, as loaded weights are.
+        let held = tokio::task::spawn_blocking(move || vllm_stub::allocate(mib)).await?;
+        std::mem::forget(held);
+    }
     let dev_mode = vllm_stub::parse_dev_mode(std::env::var("VLLM_SERVER_DEV_MODE").ok().as_deref())
         .map_err(anyhow::Error::msg)?;
     let env = |k: &str| std::env::var(k).ok();
