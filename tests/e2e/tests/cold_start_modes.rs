@@ -3,13 +3,19 @@
 //!   still wakes, so the retry succeeds;
 //! - a runtime requesting a resource no node has: the backend pod stays Pending and held
 //!   requests end at `activationTimeout` (a streaming one with an SSE `error` event after its
-//!   heartbeats, a plain one with `503`).
+//!   heartbeats, a plain one with `503`);
+//! - a backend that cannot come up (an image that cannot be pulled, an engine that exits at
+//!   start, weights over the memory limit, a node selector no node matches): the held requests
+//!   are answered with the reason (`activation_failed`) long before `activationTimeout`, the
+//!   controller diagnoses it within 10 s of the pod's first Warning Event, records it
+//!   (`status.lastActivationFailure`, an Event), and once the runtime is fixed the same service
+//!   serves.
 
 mod stack;
 
 use std::time::Duration;
 
-use anyhow::{Result, ensure};
+use anyhow::{Context, Result, ensure};
 use hearth_e2e_harness::client::{self, Event};
 use hearth_e2e_harness::stack::{self as hstack, ScalerMode};
 use k8s_openapi::api::core::v1::Pod;
@@ -163,4 +169,277 @@ async fn unschedulable_runtime_times_out_held_requests() -> Result<()> {
     .await;
     let _ = runtimes.delete(&name, &DeleteParams::default()).await;
     result
+}
+
+/// One way a backend fails to come up, made by a change to the runtime copy and the service.
+struct Breakage {
+    /// What the test calls it.
+    what: &'static str,
+    /// Merge patch of the runtime copy (`spec`), and of the LLMService (`spec`, or null).
+    runtime: Value,
+    service: Value,
+    /// The `Ready` reason, and the activation phase, the controller must report.
+    reason: &'static str,
+    phase: &'static str,
+}
+
+/// The runtime copy's and the service's state as the upstream manifests have them.
+fn healthy(rt: &Value) -> (Value, Value) {
+    let mut accelerator = rt["spec"]["accelerator"].clone();
+    // A merge patch removes what is null.
+    accelerator["nodeSelector"] = Value::Null;
+    (
+        serde_json::json!({
+            "container": rt["spec"]["container"].clone(),
+            "accelerator": accelerator,
+        }),
+        serde_json::json!({"resources": {"memory": null}}),
+    )
+}
+
+/// The `spec.container` of `rt` with `edit` applied.
+fn container_with(rt: &Value, edit: impl FnOnce(&mut Value)) -> Value {
+    let mut c = rt["spec"]["container"].clone();
+    edit(&mut c);
+    serde_json::json!({ "container": c })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn backend_failures_answer_held_requests_with_the_reason_then_the_fix_serves() -> Result<()> {
+    use k8s_openapi::api::core::v1::Event as CoreEvent;
+    use kube::api::{ListParams, Patch, PatchParams};
+
+    let cluster = hearth_test_support::Cluster::connect().await?;
+    let client = cluster.client();
+    hstack::ensure_hearth(&client, cluster.kubeconfig()).await?;
+    let upstream = hstack::first_manifest(&hearth_test_support::upstream_file(
+        "stub-inferenceruntime.yaml",
+    ))?;
+    let name = format!("vllm-stub-broken-{}", std::process::id());
+    let mut rt = upstream.clone();
+    rt["metadata"]["name"] = Value::from(name.clone());
+    // Below the upstream runtime, so no service that names none resolves to this copy.
+    rt["spec"]["priority"] = Value::from(1);
+    // First breakage: an image no registry serves (nothing listens on port 9).
+    rt["spec"]["container"]["image"] = Value::from("127.0.0.1:9/hearth/absent:e2e");
+    hstack::apply(&client, rt, None).await?;
+    let runtimes = hstack::inference_runtimes(&client);
+    let result = async {
+        let d = stack::deploy("e2e-broken", ScalerMode::Poll, |o| {
+            o["spec"]["runtime"]["name"] = Value::from(name.clone());
+            // Far beyond what the answers may take: an answer at the timeout is a failure.
+            o["spec"]["scaling"]["activationTimeout"] = Value::from("150s");
+        })
+        .await?;
+        let ns = d.ns.name().to_owned();
+        let services = hstack::llm_services(&client, &ns);
+        let events: kube::Api<CoreEvent> = kube::Api::namespaced(client.clone(), &ns);
+        let (fixed_runtime, fixed_service) = healthy(&upstream);
+        let steps = [
+            Breakage {
+                what: "an image that cannot be pulled",
+                runtime: Value::Null,
+                service: Value::Null,
+                reason: "ImagePullFailed",
+                phase: "imagePull",
+            },
+            Breakage {
+                what: "an engine that exits at start",
+                runtime: container_with(&upstream, |c| {
+                    c["args"].as_array_mut().map(|a| a.push("--no-such-flag".into()));
+                }),
+                service: Value::Null,
+                reason: "CrashLoopBackOff",
+                phase: "modelReady",
+            },
+            Breakage {
+                what: "weights over the memory limit",
+                runtime: container_with(&upstream, |c| {
+                    c["env"].as_array_mut().map(|e| {
+                        e.push(serde_json::json!({"name": "STUB_ALLOCATE_AT_START", "value": "512"}))
+                    });
+                }),
+                service: serde_json::json!({"resources": {"memory": "96Mi"}}),
+                reason: "OOMKilled",
+                phase: "modelReady",
+            },
+            Breakage {
+                what: "a node selector no node matches",
+                runtime: {
+                    let mut a = fixed_runtime.clone();
+                    a["accelerator"]["nodeSelector"] =
+                        serde_json::json!({"hearth.dev/e2e-absent": "true"});
+                    a
+                },
+                service: fixed_service.clone(),
+                reason: "Unschedulable",
+                phase: "scheduled",
+            },
+        ];
+        let mut previous: Option<&str> = None;
+        let mut lines = Vec::new();
+        for step in &steps {
+            if !step.runtime.is_null() {
+                runtimes
+                    .patch(
+                        &name,
+                        &PatchParams::default(),
+                        &Patch::Merge(serde_json::json!({"spec": step.runtime})),
+                    )
+                    .await?;
+            }
+            if !step.service.is_null() {
+                services
+                    .patch(
+                        SERVICE,
+                        &PatchParams::default(),
+                        &Patch::Merge(serde_json::json!({"spec": step.service})),
+                    )
+                    .await?;
+            }
+            // The last breakage's pods replaced (or scaled away) before the new requests.
+            if let Some(prev) = previous {
+                wait_ready_reason(&services, |r| r != prev, Duration::from_secs(120))
+                    .await
+                    .with_context(|| format!("{}: the service still reports {prev}", step.what))?;
+            }
+            let (s, p) = tokio::join!(
+                client::chat(&d.url, SERVICE, true, Duration::from_secs(180)),
+                client::chat(&d.url, SERVICE, false, Duration::from_secs(180)),
+            );
+            let (s, p) = (s?, p?);
+            ensure!(
+                p.status == 503 && p.body.contains("activation_failed") && p.body.contains(step.reason),
+                "{}: the held request answered {} {} (want 503 activation_failed naming {})",
+                step.what,
+                p.status,
+                p.body,
+                step.reason
+            );
+            let err = s.events.iter().find_map(|(_, e)| match e {
+                Event::Error(m) => Some(m.clone()),
+                _ => None,
+            });
+            ensure!(
+                s.status == 200 && err.as_deref().is_some_and(|m| m.contains(step.reason)),
+                "{}: the held stream did not end with an error naming {}: {:?}",
+                step.what,
+                step.reason,
+                s.events
+            );
+            let held = p.end - p.sent;
+            ensure!(
+                held < Duration::from_secs(120),
+                "{}: answered after {held:?}, near the activation timeout",
+                step.what
+            );
+            // The record, and how soon after the kubelet or the scheduler said so.
+            let svc = services.get(SERVICE).await?;
+            let record = &svc.data["status"]["lastActivationFailure"];
+            ensure!(
+                record["reason"] == step.reason && record["phase"] == step.phase,
+                "{}: status.lastActivationFailure {record}",
+                step.what
+            );
+            let pod = record["pod"].as_str().context("no pod in the record")?.to_owned();
+            let diagnosed: k8s_openapi::jiff::Timestamp = record["time"]
+                .as_str()
+                .context("no time in the record")?
+                .parse()?;
+            let said = events
+                .list(&ListParams::default().fields(&format!(
+                    "involvedObject.name={pod},type=Warning"
+                )))
+                .await?
+                .items
+                .into_iter()
+                .filter_map(|e| {
+                    e.event_time
+                        .map(|t| t.0)
+                        .or(e.first_timestamp.map(|t| t.0))
+                })
+                .min()
+                .with_context(|| format!("{}: no Warning Event on pod {pod}", step.what))?;
+            let after = diagnosed.duration_since(said).as_secs_f64();
+            ensure!(
+                after <= 10.0,
+                "{}: diagnosed {after:.1}s after the first Warning Event on pod {pod}",
+                step.what
+            );
+            let told = events
+                .list(&ListParams::default().fields(&format!(
+                    "involvedObject.name={SERVICE},involvedObject.kind=LLMService,reason={}",
+                    step.reason
+                )))
+                .await?
+                .items;
+            ensure!(
+                !told.is_empty(),
+                "{}: no {} Event on the LLMService",
+                step.what,
+                step.reason
+            );
+            lines.push(format!(
+                "{}: {} ({}) answered after {:.1}s held, diagnosed {after:.1}s after the pod's first Warning Event",
+                step.what,
+                step.reason,
+                step.phase,
+                held.as_secs_f64()
+            ));
+            previous = Some(step.reason);
+        }
+        // Fixed: the same service, nothing recreated, serves the next request.
+        runtimes
+            .patch(
+                &name,
+                &PatchParams::default(),
+                &Patch::Merge(serde_json::json!({"spec": fixed_runtime})),
+            )
+            .await?;
+        if let Some(prev) = previous {
+            wait_ready_reason(&services, |r| r != prev, Duration::from_secs(120)).await?;
+        }
+        let t = client::chat(&d.url, SERVICE, true, Duration::from_secs(150)).await?;
+        ensure!(
+            t.status == 200 && t.complete(),
+            "after the fix: {} {:?}",
+            t.status,
+            t.events
+        );
+        for l in &lines {
+            println!("{l}");
+        }
+        println!(
+            "fixed: served after {:.1}s",
+            (t.end - t.sent).as_secs_f64()
+        );
+        Ok(())
+    }
+    .await;
+    let _ = runtimes.delete(&name, &DeleteParams::default()).await;
+    result
+}
+
+/// Waits until the LLMService's `Ready` reason passes `ok`.
+async fn wait_ready_reason(
+    services: &kube::Api<kube::api::DynamicObject>,
+    ok: impl Fn(&str) -> bool,
+    timeout: Duration,
+) -> Result<()> {
+    use hearth_test_support::{Observed, wait_until};
+    wait_until("the LLMService's Ready reason", timeout, || async {
+        let svc = services.get(SERVICE).await?;
+        let reason = svc.data["status"]["conditions"]
+            .as_array()
+            .and_then(|cs| cs.iter().find(|c| c["type"] == "Ready"))
+            .and_then(|c| c["reason"].as_str())
+            .unwrap_or_default()
+            .to_owned();
+        Ok(if ok(&reason) {
+            Observed::Ready(())
+        } else {
+            Observed::NotYet(reason)
+        })
+    })
+    .await
 }

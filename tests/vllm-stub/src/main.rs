@@ -94,7 +94,11 @@ struct Args {
     lora_load_delay: Duration,
     /// MiB allocated and touched at start, before serving, and held: an engine whose weights
     /// do not fit its memory limit (a container limit below it OOM-kills the stub at start).
-    #[arg(long = "stub-allocate-at-start", env = "STUB_ALLOCATE_AT_START", default_value_t = 0)]
+    #[arg(
+        long = "stub-allocate-at-start",
+        env = "STUB_ALLOCATE_AT_START",
+        default_value_t = 0
+    )]
     allocate_at_start: usize,
     /// After SIGTERM, how long in-flight requests may run before the stub exits anyway.
     #[arg(long, env = "STUB_SHUTDOWN_TIMEOUT", default_value = "30s", value_parser = duration)]
