@@ -370,6 +370,57 @@ pub fn pod_failure(pod: &Pod) -> Option<Failure> {
     None
 }
 
+/// The kubelet's Event reason for a failed image pull (`events.FailedToPullImage`; also used
+/// for other container errors, told apart by the message).
+pub const PULL_FAILED_EVENT_REASON: &str = "Failed";
+
+/// The pod UID and message of a kubelet Warning Event saying an image pull failed (`reason:
+/// Failed`, `Failed to pull image "...": ...`). The kubelet sends it at once, while the pod's
+/// status says `ErrImagePull` only after its pod worker's back-off (about 10 s): the Event makes
+/// the diagnosis that much sooner ([`pull_failed`]).
+pub fn pull_failure_event(e: &k8s_openapi::api::core::v1::Event) -> Option<(String, String)> {
+    let o = &e.involved_object;
+    if e.type_.as_deref() != Some("Warning")
+        || e.reason.as_deref() != Some(PULL_FAILED_EVENT_REASON)
+        || o.kind.as_deref() != Some("Pod")
+    {
+        return None;
+    }
+    let message = e.message.as_deref()?;
+    if !message.starts_with("Failed to pull image") {
+        return None;
+    }
+    Some((o.uid.clone()?, message.to_owned()))
+}
+
+/// `ImagePullFailed` for `pod` from the kubelet's Event `message` ([`pull_failure_event`])
+/// while its status does not say so yet: no container of it is running, it is not Ready and
+/// not being deleted. A pull that succeeds on a retry starts the container, which ends it.
+pub fn pull_failed(pod: &Pod, message: &str) -> Option<Failure> {
+    if pod.metadata.deletion_timestamp.is_some() {
+        return None;
+    }
+    let status = pod.status.as_ref()?;
+    let running = status
+        .container_statuses
+        .iter()
+        .flatten()
+        .any(|c| c.ready || c.state.as_ref().is_some_and(|s| s.running.is_some()));
+    if running {
+        return None;
+    }
+    let pod_name = pod.metadata.name.clone().unwrap_or_default();
+    Some(Failure {
+        reason: "ImagePullFailed",
+        pod: Some(pod_name.clone()),
+        phase: "imagePull",
+        message: format!(
+            "pod {pod_name}: {} (the kubelet's Event; the runtime's container.image, or the pull secret)",
+            first_chars(message)
+        ),
+    })
+}
+
 /// What the backend Deployment says keeps its pods from coming up: `ReplicaFailure=True`
 /// (`FailedCreate`: the apiserver refused the ReplicaSet's pods, for Pod Security, a quota or
 /// a webhook) or `Progressing=False` (`ProgressDeadlineExceeded`).
@@ -420,11 +471,27 @@ impl BackendState {
         }
     }
 
-    /// Adds the first failure among the backend's `pods` ([`pod_failure`]), and the first pod
-    /// waiting for devices ([`crate::handover::waiting_for`]).
-    pub fn with_pods<'a>(mut self, pods: impl IntoIterator<Item = &'a Pod>) -> Self {
-        let pods: Vec<&Pod> = pods.into_iter().collect();
-        self.failing = pods.iter().copied().find_map(pod_failure);
+    /// Adds the failure of the newest failing pod among the backend's `pods` ([`pod_failure`],
+    /// else an image pull the kubelet's Event in `pulls` (pod UID → message) says failed,
+    /// [`pull_failed`]; during a rollout the newest pod has the current template), and the
+    /// first pod waiting for devices ([`crate::handover::waiting_for`]).
+    pub fn with_pods<'a>(
+        mut self,
+        pods: impl IntoIterator<Item = &'a Pod>,
+        pulls: &std::collections::HashMap<String, String>,
+    ) -> Self {
+        let mut pods: Vec<&Pod> = pods.into_iter().collect();
+        pods.sort_by(|a, b| {
+            b.metadata
+                .creation_timestamp
+                .cmp(&a.metadata.creation_timestamp)
+        });
+        self.failing = pods.iter().find_map(|p| {
+            pod_failure(p).or_else(|| {
+                let uid = p.metadata.uid.as_deref()?;
+                pull_failed(p, pulls.get(uid)?)
+            })
+        });
         self.waiting_for_devices = pods.iter().find_map(|p| {
             crate::handover::waiting_for(p).map(|w| format!("pod {}: {}", w.pod, w.message))
         });
@@ -821,7 +888,8 @@ mod tests {
             (p, r.reason.as_str()),
             (LLMServicePhase::Degraded, "ProgressDeadlineExceeded")
         );
-        let failing = b(true, 1, 0).with_pods([&waiting_pod("CreateContainerError")]);
+        let failing =
+            b(true, 1, 0).with_pods([&waiting_pod("CreateContainerError")], &Default::default());
         let (p, r) = phase_and_ready(failing, 1, &autoscaling_ok());
         assert_eq!(
             (p, r.reason.as_str(), r.message.as_str()),
@@ -831,7 +899,8 @@ mod tests {
                 "pod m-0, container vllm: CreateContainerError: failed to mkdir \"\" (kubectl describe pod shows the kubelet's Events)"
             )
         );
-        let creating = b(true, 1, 0).with_pods([&waiting_pod("ContainerCreating")]);
+        let creating =
+            b(true, 1, 0).with_pods([&waiting_pod("ContainerCreating")], &Default::default());
         assert_eq!(
             phase_and_ready(creating, 1, &[]).0,
             LLMServicePhase::Loading
@@ -845,7 +914,7 @@ mod tests {
                 "message": "0/1 nodes are available: 1 Insufficient hearth.dev/fake-gpu."}]},
         }))
         .unwrap();
-        let waiting = b(true, 1, 0).with_pods([&unschedulable]);
+        let waiting = b(true, 1, 0).with_pods([&unschedulable], &Default::default());
         let (p, r) = phase_and_ready(waiting, 1, &autoscaling_ok());
         assert_eq!(
             (p, r.reason.as_str(), r.message.as_str()),
@@ -906,7 +975,9 @@ mod tests {
                 "message": "CUDA out of memory"}})
         };
         let none = serde_json::json!({});
-        let cases: &[(&str, Pod, Option<(&str, &str)>)] = &[
+        // What the case is, the pod, the reason and phase wanted.
+        type Case = (&'static str, Pod, Option<(&'static str, &'static str)>);
+        let cases: &[Case] = &[
             (
                 "node selector",
                 pod_with(serde_json::json!({"phase": "Pending", "conditions": [{
@@ -1003,6 +1074,70 @@ mod tests {
         let mut deleted = pod_with(container(crash_wait, ended("Error", 1), 2));
         deleted.metadata.deletion_timestamp = Some(t(1));
         assert_eq!(pod_failure(&deleted), None, "a pod being deleted");
+    }
+
+    #[test]
+    fn the_kubelets_pull_failure_event_diagnoses_a_pod_still_initializing() {
+        let event: k8s_openapi::api::core::v1::Event = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "e"},
+            "involvedObject": {"kind": "Pod", "name": "m-0", "uid": "u0"},
+            "type": "Warning", "reason": "Failed",
+            "message": "Failed to pull image \"r/x:1\": connection refused",
+        }))
+        .unwrap();
+        let (uid, message) = pull_failure_event(&event).unwrap();
+        assert_eq!(uid, "u0");
+        let mut other = event.clone();
+        other.message = Some("Error: CreateContainerConfigError".to_owned());
+        assert_eq!(pull_failure_event(&other), None);
+        let mut pod = pod_with(container(
+            serde_json::json!({"waiting": {"reason": "PodInitializing"}}),
+            serde_json::json!({}),
+            0,
+        ));
+        pod.metadata.uid = Some(uid.clone());
+        let pulls = std::collections::HashMap::from([(uid, message)]);
+        let b = BackendState {
+            exists: true,
+            desired: 1,
+            ..Default::default()
+        };
+        let failing = b.clone().with_pods([&pod], &pulls).failing.unwrap();
+        assert_eq!(
+            (failing.reason, failing.phase),
+            ("ImagePullFailed", "imagePull")
+        );
+        assert!(
+            failing.message.contains("connection refused"),
+            "{}",
+            failing.message
+        );
+        // Pulled on a retry: running, no failure.
+        let mut started = pod_with(container(
+            serde_json::json!({"running": {"startedAt": "2026-01-01T00:00:00Z"}}),
+            serde_json::json!({}),
+            0,
+        ));
+        started.metadata.uid = pod.metadata.uid.clone();
+        assert_eq!(b.with_pods([&started], &pulls).failing, None);
+    }
+
+    #[test]
+    fn the_newest_failing_pod_is_reported() {
+        let mut old = pod_with(container(
+            serde_json::json!({"waiting": {"reason": "ErrImagePull"}}),
+            serde_json::json!({}),
+            0,
+        ));
+        old.metadata.creation_timestamp = Some(t(1));
+        let mut new = pod_with(container(
+            serde_json::json!({"waiting": {"reason": "CrashLoopBackOff"}}),
+            serde_json::json!({"terminated": {"reason": "Error", "exitCode": 2}}),
+            1,
+        ));
+        new.metadata.creation_timestamp = Some(t(5));
+        let b = BackendState::default().with_pods([&old, &new], &Default::default());
+        assert_eq!(b.failing.map(|f| f.reason), Some("CrashLoopBackOff"));
     }
 
     #[test]

@@ -209,7 +209,7 @@ egress:
   verbs: ["list", "watch"]
 - apiGroups: [""]
   resources: ["events"]
-  verbs: ["list"]
+  verbs: ["list", "watch"]
 {{- end -}}
 
 {{/*

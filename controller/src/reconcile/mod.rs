@@ -260,6 +260,8 @@ pub struct Context {
     pdbs: Store<PodDisruptionBudget>,
     /// Backend pods ([`labels::backend_pod_selector`]): activations are read from them.
     pods: Store<Pod>,
+    /// The image pulls the kubelet's Events say failed, by pod UID ([`PullFailures`]).
+    pull_failures: Arc<PullFailures>,
     /// Endpoints' routing tables.
     config_maps: Store<ConfigMap>,
     /// The LLMEndpoints.
@@ -540,6 +542,16 @@ impl Context {
     /// is attached, of its endpoint's gateway).
     fn view(&self, namespace: &str, name: &str, placement: &Placement) -> View {
         let keda_installed = self.keda.installed();
+        let backend_pods: Vec<Arc<Pod>> = self
+            .pods
+            .state()
+            .into_iter()
+            .filter(|p| {
+                p.namespace().as_deref() == Some(namespace)
+                    && p.labels().get(LLMSERVICE_LABEL).map(String::as_str) == Some(name)
+            })
+            .collect();
+        let pull_failures = self.pull_failures.of(&backend_pods);
         View {
             endpoint_gateway: match placement {
                 Placement::Own => None,
@@ -567,15 +579,8 @@ impl Context {
             scaled_object: keda_installed
                 .then(|| self.keda.get(namespace, &names::scaled_object(name)))
                 .flatten(),
-            backend_pods: self
-                .pods
-                .state()
-                .into_iter()
-                .filter(|p| {
-                    p.namespace().as_deref() == Some(namespace)
-                        && p.labels().get(LLMSERVICE_LABEL).map(String::as_str) == Some(name)
-                })
-                .collect(),
+            backend_pods,
+            pull_failures,
         }
     }
 }
@@ -816,6 +821,51 @@ async fn list_events(api: &Api<CoreEvent>, fields: &str) -> Vec<CoreEvent> {
     }
 }
 
+/// Image pulls the kubelet's Warning Events said failed, by pod UID: the message and when it
+/// came. Bounded: entries older than [`PULL_FAILURE_TTL`] go on each insert, and at most
+/// [`PULL_FAILURES_MAX`] are kept (the oldest go first).
+#[derive(Debug, Default)]
+pub struct PullFailures(std::sync::Mutex<HashMap<String, (String, Instant)>>);
+
+/// How long a pull failure is kept (a pod that still waits has a newer Event by then).
+const PULL_FAILURE_TTL: Duration = Duration::from_secs(15 * 60);
+/// At most this many pull failures are kept.
+const PULL_FAILURES_MAX: usize = 4096;
+
+impl PullFailures {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, (String, Instant)>> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Records the failure `message` of pod `uid`, now.
+    pub fn insert(&self, uid: String, message: String) {
+        let mut map = self.lock();
+        map.retain(|_, (_, at)| at.elapsed() < PULL_FAILURE_TTL);
+        while map.len() >= PULL_FAILURES_MAX {
+            let Some(oldest) = map
+                .iter()
+                .min_by_key(|(_, (_, at))| *at)
+                .map(|(k, _)| k.clone())
+            else {
+                break;
+            };
+            map.remove(&oldest);
+        }
+        map.insert(uid, (message, Instant::now()));
+    }
+
+    /// The failures of `pods`, pod UID → message.
+    pub fn of(&self, pods: &[Arc<Pod>]) -> HashMap<String, String> {
+        let map = self.lock();
+        pods.iter()
+            .filter_map(|p| {
+                let uid = p.metadata.uid.as_deref()?;
+                map.get(uid).map(|(m, _)| (uid.to_owned(), m.clone()))
+            })
+            .collect()
+    }
+}
+
 /// Condition reasons that are the normal state of a service just created.
 const EXPECTED_AT_START: &[&str] = &[
     "Creating",
@@ -1011,6 +1061,35 @@ pub async fn run(
         }),
     );
 
+    // The kubelet's Warning Events of failed image pulls (only those are kept, by pod UID): a
+    // pod's status says `ErrImagePull` only after the kubelet's back-off, its Event at once.
+    let pull_failures: Arc<PullFailures> = Arc::default();
+    let pull_stream = {
+        let events: Api<CoreEvent> = match ns {
+            Some(n) => Api::namespaced(client.clone(), n),
+            None => Api::all(client.clone()),
+        };
+        let fields = format!(
+            "type=Warning,involvedObject.kind=Pod,reason={}",
+            status::PULL_FAILED_EVENT_REASON
+        );
+        let pulls = pull_failures.clone();
+        watcher(events, watcher::Config::default().fields(&fields))
+            .default_backoff()
+            .touched_objects()
+            .filter_map(move |r| {
+                let kept = match r {
+                    Ok(e) => status::pull_failure_event(&e).map(|(uid, message)| {
+                        pulls.insert(uid, message);
+                        Ok(e)
+                    }),
+                    Err(e) => Some(Err(e)),
+                };
+                std::future::ready(kept)
+            })
+    };
+    let pods_of_events = pods_store.clone();
+
     // The meter learns when each backend pod went from the same watch.
     let gone: metering::GoneLog = Arc::default();
     let pods_stream = metering::tap_gone(pods_stream, pods_store.clone(), gone.clone());
@@ -1086,6 +1165,7 @@ pub async fn run(
         role_bindings: rb_store,
         pdbs: pdb_store,
         pods: pods_store,
+        pull_failures,
         config_maps: cm_store,
         endpoints: endpoint_store.clone(),
         llmservices: service_store.clone(),
@@ -1283,6 +1363,13 @@ pub async fn run(
         .owns_stream(rb_stream)
         .owns_stream(pdb_stream)
         .watches_stream(pods_stream, |pod: Pod| {
+            let service = pod.labels().get(LLMSERVICE_LABEL)?.clone();
+            Some(ObjectRef::<LLMService>::new(&service).within(&pod.namespace()?))
+        })
+        .watches_stream(pull_stream, move |e: CoreEvent| {
+            let o = &e.involved_object;
+            let pod = pods_of_events
+                .get(&ObjectRef::<Pod>::new(o.name.as_deref()?).within(o.namespace.as_deref()?))?;
             let service = pod.labels().get(LLMSERVICE_LABEL)?.clone();
             Some(ObjectRef::<LLMService>::new(&service).within(&pod.namespace()?))
         })

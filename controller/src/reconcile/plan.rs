@@ -14,6 +14,7 @@
 //! - a gateway Deployment whose selector differs is **replaced** (deleted, then applied) when
 //!   this service controls it; the scaler Service is **deleted** in poll mode, likewise.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use hearth_crds::{
@@ -92,6 +93,9 @@ pub struct View {
     pub scaled_object: Option<Arc<DynamicObject>>,
     /// The service's backend pods (label `serving.hearth.dev/llmservice`), from the pod cache.
     pub backend_pods: Vec<Arc<Pod>>,
+    /// Image pulls of those pods the kubelet's Events say failed, pod UID → message
+    /// ([`status::pull_failure_event`]).
+    pub pull_failures: HashMap<String, String>,
 }
 
 /// What one reconcile does: the writes, in order, and the status they lead to.
@@ -595,7 +599,10 @@ pub fn plan(svc: &LLMService, desired: Desired, view: &View, cfg: &RenderConfig)
     writes.extend(prune);
 
     let backend = match BackendState::of(view.backend.as_deref()) {
-        b if b.exists => b.with_pods(view.backend_pods.iter().map(AsRef::as_ref)),
+        b if b.exists => b.with_pods(
+            view.backend_pods.iter().map(AsRef::as_ref),
+            &view.pull_failures,
+        ),
         // Created by this plan: what is created.
         _ => BackendState {
             exists: true,

@@ -1640,9 +1640,10 @@ fn matrix(release_ns: &str) -> Vec<Check> {
         team(),
         true,
     );
-    // Activations: backend pods turning Ready, their kubelet's Events and KEDA's.
+    // Activations: backend pods turning Ready, their kubelet's Events and KEDA's; the
+    // kubelet's Warning Events of failed image pulls, watched in every namespace.
     add(c, &["list", "watch"], "pods", None, None, true);
-    add(c, &["list"], "events", None, team(), true);
+    add(c, &["list", "watch"], "events", None, None, true);
     // Device handover: the nodes its victims run on; nothing more of them.
     add(c, &["get"], "nodes", None, None, true);
     add(

@@ -181,13 +181,14 @@ struct Breakage {
     /// The `Ready` reason, and the activation phase, the controller must report.
     reason: &'static str,
     phase: &'static str,
+    /// The reason of the pod's Warning Event by which the kubelet or the scheduler says so.
+    said_by: &'static str,
 }
 
 /// The runtime copy's and the service's state as the upstream manifests have them.
 fn healthy(rt: &Value) -> (Value, Value) {
     let mut accelerator = rt["spec"]["accelerator"].clone();
-    // A merge patch removes what is null.
-    accelerator["nodeSelector"] = Value::Null;
+    accelerator["nodeSelector"][ABSENT_LABEL] = Value::Null;
     (
         serde_json::json!({
             "container": rt["spec"]["container"].clone(),
@@ -196,6 +197,9 @@ fn healthy(rt: &Value) -> (Value, Value) {
         serde_json::json!({"resources": {"memory": null}}),
     )
 }
+
+/// A node label no node has.
+const ABSENT_LABEL: &str = "hearth.dev/e2e-absent";
 
 /// The `spec.container` of `rt` with `edit` applied.
 fn container_with(rt: &Value, edit: impl FnOnce(&mut Value)) -> Value {
@@ -216,6 +220,12 @@ async fn backend_failures_answer_held_requests_with_the_reason_then_the_fix_serv
         "stub-inferenceruntime.yaml",
     ))?;
     let name = format!("vllm-stub-broken-{}", std::process::id());
+    // On the real node's `nvidia.com/gpu`, which no other suite of this step asks for (the
+    // rollouts between the breakages may hold two at once).
+    let mut upstream = upstream;
+    upstream["spec"]["accelerator"]["resourceName"] = Value::from("nvidia.com/gpu");
+    upstream["spec"]["accelerator"]["nodeSelector"] =
+        serde_json::json!({"tests.hearth.dev/real-node": "true"});
     let mut rt = upstream.clone();
     rt["metadata"]["name"] = Value::from(name.clone());
     // Below the upstream runtime, so no service that names none resolves to this copy.
@@ -241,38 +251,43 @@ async fn backend_failures_answer_held_requests_with_the_reason_then_the_fix_serv
                 runtime: Value::Null,
                 service: Value::Null,
                 reason: "ImagePullFailed",
+                said_by: "Failed",
                 phase: "imagePull",
             },
             Breakage {
                 what: "an engine that exits at start",
                 runtime: container_with(&upstream, |c| {
-                    c["args"].as_array_mut().map(|a| a.push("--no-such-flag".into()));
+                    if let Some(a) = c["args"].as_array_mut() {
+                        a.push("--no-such-flag".into());
+                    }
                 }),
                 service: Value::Null,
                 reason: "CrashLoopBackOff",
+                said_by: "BackOff",
                 phase: "modelReady",
             },
             Breakage {
                 what: "weights over the memory limit",
                 runtime: container_with(&upstream, |c| {
-                    c["env"].as_array_mut().map(|e| {
-                        e.push(serde_json::json!({"name": "STUB_ALLOCATE_AT_START", "value": "512"}))
-                    });
+                    if let Some(e) = c["env"].as_array_mut() {
+                        e.push(serde_json::json!({"name": "STUB_ALLOCATE_AT_START", "value": "512"}));
+                    }
                 }),
                 service: serde_json::json!({"resources": {"memory": "96Mi"}}),
                 reason: "OOMKilled",
+                said_by: "BackOff",
                 phase: "modelReady",
             },
             Breakage {
                 what: "a node selector no node matches",
                 runtime: {
                     let mut a = fixed_runtime.clone();
-                    a["accelerator"]["nodeSelector"] =
-                        serde_json::json!({"hearth.dev/e2e-absent": "true"});
+                    a["accelerator"]["nodeSelector"][ABSENT_LABEL] = Value::from("true");
                     a
                 },
                 service: fixed_service.clone(),
                 reason: "Unschedulable",
+                said_by: "FailedScheduling",
                 phase: "scheduled",
             },
         ];
@@ -346,25 +361,50 @@ async fn backend_failures_answer_held_requests_with_the_reason_then_the_fix_serv
                 .as_str()
                 .context("no time in the record")?
                 .parse()?;
-            let said = events
-                .list(&ListParams::default().fields(&format!(
-                    "involvedObject.name={pod},type=Warning"
-                )))
+            let pod_events = events
+                .list(&ListParams::default().fields(&format!("involvedObject.name={pod}")))
                 .await?
-                .items
-                .into_iter()
+                .items;
+            let said = pod_events
+                .iter()
+                .filter(|e| e.reason.as_deref() == Some(step.said_by))
                 .filter_map(|e| {
                     e.event_time
+                        .as_ref()
                         .map(|t| t.0)
-                        .or(e.first_timestamp.map(|t| t.0))
+                        .or(e.first_timestamp.as_ref().map(|t| t.0))
                 })
-                .min()
-                .with_context(|| format!("{}: no Warning Event on pod {pod}", step.what))?;
+                .min();
+            let listed = || {
+                pod_events
+                    .iter()
+                    .map(|e| {
+                        format!(
+                            "{:?} {:?} {:?}: {:?}",
+                            e.first_timestamp.as_ref().map(|t| t.0),
+                            e.type_,
+                            e.reason,
+                            e.message
+                        )
+                    })
+                    .collect::<Vec<_>>()
+                    .join("\n")
+            };
+            let said = said.with_context(|| {
+                format!(
+                    "{}: no {} Event on pod {pod}:\n{}",
+                    step.what,
+                    step.said_by,
+                    listed()
+                )
+            })?;
             let after = diagnosed.duration_since(said).as_secs_f64();
             ensure!(
                 after <= 10.0,
-                "{}: diagnosed {after:.1}s after the first Warning Event on pod {pod}",
-                step.what
+                "{}: diagnosed at {diagnosed}, {after:.1}s after the pod's first {} Event; its Events:\n{}",
+                step.what,
+                step.said_by,
+                listed()
             );
             let told = events
                 .list(&ListParams::default().fields(&format!(
@@ -380,11 +420,12 @@ async fn backend_failures_answer_held_requests_with_the_reason_then_the_fix_serv
                 step.reason
             );
             lines.push(format!(
-                "{}: {} ({}) answered after {:.1}s held, diagnosed {after:.1}s after the pod's first Warning Event",
+                "{}: {} ({}) answered after {:.1}s held, diagnosed {after:.1}s after the pod's first {} Event",
                 step.what,
                 step.reason,
                 step.phase,
-                held.as_secs_f64()
+                held.as_secs_f64(),
+                step.said_by
             ));
             previous = Some(step.reason);
         }

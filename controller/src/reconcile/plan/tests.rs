@@ -73,6 +73,7 @@ fn steady(svc: &LLMService) -> View {
         keda_installed: true,
         scaled_object: Some(Arc::new(c.scaled_object)),
         backend_pods: Vec::new(),
+        pull_failures: Default::default(),
     }
 }
 
