@@ -471,22 +471,26 @@ impl BackendState {
         }
     }
 
-    /// Adds the failure of the newest failing pod among the backend's `pods` ([`pod_failure`],
-    /// else an image pull the kubelet's Event in `pulls` (pod UID → message) says failed,
-    /// [`pull_failed`]; during a rollout the newest pod has the current template), and the
-    /// first pod waiting for devices ([`crate::handover::waiting_for`]).
+    /// Adds why the newest of the backend's `pods` not being deleted cannot come up
+    /// ([`pod_failure`], else an image pull the kubelet's Event in `pulls` (pod UID → message)
+    /// says failed, [`pull_failed`]): it is the current attempt (during a rollout it has the
+    /// current template, and older pods wait for it), and the first pod waiting for devices
+    /// ([`crate::handover::waiting_for`]).
     pub fn with_pods<'a>(
         mut self,
         pods: impl IntoIterator<Item = &'a Pod>,
         pulls: &std::collections::HashMap<String, String>,
     ) -> Self {
-        let mut pods: Vec<&Pod> = pods.into_iter().collect();
-        pods.sort_by(|a, b| {
-            b.metadata
-                .creation_timestamp
-                .cmp(&a.metadata.creation_timestamp)
-        });
-        self.failing = pods.iter().find_map(|p| {
+        let pods: Vec<&Pod> = pods.into_iter().collect();
+        let newest = pods
+            .iter()
+            .filter(|p| p.metadata.deletion_timestamp.is_none())
+            .max_by(|a, b| {
+                a.metadata
+                    .creation_timestamp
+                    .cmp(&b.metadata.creation_timestamp)
+            });
+        self.failing = newest.and_then(|p| {
             pod_failure(p).or_else(|| {
                 let uid = p.metadata.uid.as_deref()?;
                 pull_failed(p, pulls.get(uid)?)
@@ -1123,7 +1127,7 @@ mod tests {
     }
 
     #[test]
-    fn the_newest_failing_pod_is_reported() {
+    fn the_newest_pod_is_the_one_diagnosed() {
         let mut old = pod_with(container(
             serde_json::json!({"waiting": {"reason": "ErrImagePull"}}),
             serde_json::json!({}),
@@ -1138,6 +1142,15 @@ mod tests {
         new.metadata.creation_timestamp = Some(t(5));
         let b = BackendState::default().with_pods([&old, &new], &Default::default());
         assert_eq!(b.failing.map(|f| f.reason), Some("CrashLoopBackOff"));
+        // The newest starting: an old failing pod waits for it, nothing is failing.
+        let mut starting = pod_with(container(
+            serde_json::json!({"waiting": {"reason": "ContainerCreating"}}),
+            serde_json::json!({}),
+            0,
+        ));
+        starting.metadata.creation_timestamp = Some(t(9));
+        let b = BackendState::default().with_pods([&old, &new, &starting], &Default::default());
+        assert_eq!(b.failing, None);
     }
 
     #[test]
