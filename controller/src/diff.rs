@@ -7,10 +7,52 @@
 //! length. Fields others add (apiserver defaults, other managers) do not matter, exactly as they
 //! do not for server-side apply. A field someone changed or removed fails the check, so drift is
 //! still repaired by the next apply. A value the apiserver normalizes differently (a quantity
-//! written `0.5` read back as `500m`) only costs a no-op apply.
+//! written `0.5` read back as `500m`) only costs a no-op apply. What containment cannot see, a
+//! field the controller stopped setting, the [`APPLIED_HASH_ANNOTATION`] catches.
 
 use serde::Serialize;
 use serde_json::Value;
+
+/// The annotation carrying [`applied_hash`] of what the controller last applied to a child.
+/// Containment cannot see a field the controller stopped setting (a node selector key removed
+/// from a runtime): the hash changes with it, so the child is applied again and server-side
+/// apply removes the field the controller's manager owned.
+pub const APPLIED_HASH_ANNOTATION: &str = "serving.hearth.dev/applied-hash";
+
+/// Sets [`APPLIED_HASH_ANNOTATION`] on `obj` to [`applied_hash`] of `obj` as it is (without
+/// that annotation's earlier value): what the controller applies, and what a cached child it
+/// applied carries.
+pub fn stamp<K: kube::Resource + Serialize>(obj: &mut K) {
+    if let Some(a) = obj.meta_mut().annotations.as_mut() {
+        a.remove(APPLIED_HASH_ANNOTATION);
+    }
+    if let Some(hash) = applied_hash(obj) {
+        obj.meta_mut()
+            .annotations
+            .get_or_insert_with(Default::default)
+            .insert(APPLIED_HASH_ANNOTATION.to_owned(), hash);
+    }
+}
+
+/// [`stamp`]ed `obj`, for tests that build the cache from rendered children.
+#[cfg(test)]
+pub fn stamped<K: kube::Resource + Serialize>(mut obj: K) -> K {
+    stamp(&mut obj);
+    obj
+}
+
+/// The first 16 hex digits of the SHA-256 of `desired`'s JSON (serde's field order, sorted
+/// maps: the same object always gives the same hash); `None` when it does not serialize.
+pub fn applied_hash<T: Serialize>(desired: &T) -> Option<String> {
+    let json = serde_json::to_vec(desired).ok()?;
+    let digest = ring::digest::digest(&ring::digest::SHA256, &json);
+    Some(
+        digest.as_ref()[..8]
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect(),
+    )
+}
 
 /// Whether `cached` already contains everything `desired` sets.
 pub fn contains<T: Serialize>(cached: &T, desired: &T) -> bool {

@@ -78,8 +78,7 @@ pub(crate) async fn follow(
                 on(&configmap, Change::Missing);
             }
             Err(e) => {
-                let forbidden = matches!(&e, watcher::Error::InitialListFailed(kube::Error::Api(s)) | watcher::Error::WatchStartFailed(kube::Error::Api(s)) | watcher::Error::WatchFailed(kube::Error::Api(s)) if s.is_forbidden());
-                if forbidden {
+                if forbidden(&e) {
                     tracing::error!(%configmap, error = %e, "forbidden to watch the {what} ConfigMap (grant get/list/watch on configmaps in the gateway's namespace); retrying, the table in force stays");
                 } else {
                     tracing::warn!(%configmap, error = %e, "{what} ConfigMap watch error; retrying, the table in force stays");
@@ -87,4 +86,9 @@ pub(crate) async fn follow(
             }
         }
     }
+}
+
+/// Whether a watch error is the apiserver's `403 Forbidden` (RBAC does not allow the watch).
+pub(crate) fn forbidden(e: &watcher::Error) -> bool {
+    matches!(e, watcher::Error::InitialListFailed(kube::Error::Api(s)) | watcher::Error::WatchStartFailed(kube::Error::Api(s)) | watcher::Error::WatchFailed(kube::Error::Api(s)) if s.is_forbidden())
 }

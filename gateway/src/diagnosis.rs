@@ -62,8 +62,7 @@ pub async fn follow(
             }
             Ok(watcher::Event::Delete(_)) => discovered.set_failure(None),
             Err(e) => {
-                let forbidden = matches!(&e, watcher::Error::InitialListFailed(kube::Error::Api(s)) | watcher::Error::WatchStartFailed(kube::Error::Api(s)) | watcher::Error::WatchFailed(kube::Error::Api(s)) if s.is_forbidden());
-                if forbidden {
+                if crate::configmap::forbidden(&e) {
                     tracing::error!(service = %format!("{namespace}/{name}"), error = %e, "forbidden to watch the LLMService (grant list/watch on llmservices); activation failures wait for the activation timeout; retrying");
                 } else {
                     tracing::warn!(service = %format!("{namespace}/{name}"), error = %e, "LLMService watch error; retrying");

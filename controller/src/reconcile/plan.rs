@@ -643,12 +643,15 @@ pub fn plan(svc: &LLMService, desired: Desired, view: &View, cfg: &RenderConfig)
 }
 
 /// Apply `desired` unless the cached child already holds everything it sets (an unchanged child
-/// costs no request at all); adopt it first when another manager wrote it.
-pub(super) fn apply_cached<K>(writes: &mut Vec<Write>, desired: K, cached: Option<&K>)
+/// costs no request at all); adopt it first when another manager wrote it. `desired` carries
+/// the hash of itself ([`diff::APPLIED_HASH_ANNOTATION`]), so a field it no longer sets makes
+/// the cached child differ too.
+pub(super) fn apply_cached<K>(writes: &mut Vec<Write>, mut desired: K, cached: Option<&K>)
 where
     K: Resource + Serialize,
     Object: From<K>,
 {
+    diff::stamp(&mut desired);
     let adopt = match cached {
         Some(c) if adopt::foreign(c.meta()) => true,
         Some(c) if diff::contains(c, &desired) => return,

@@ -92,14 +92,14 @@ fn table(models: &[&str]) -> RouteTable {
 fn steady(ep: &LLMEndpoint, routes: &RouteTable) -> EndpointView {
     let c = crate::render::render_endpoint(ep, routes, false, &cfg()).unwrap();
     EndpointView {
-        service_account: Some(Arc::new(c.service_account)),
-        role: Some(Arc::new(c.role)),
-        role_binding: Some(Arc::new(c.role_binding)),
-        routes: Some(Arc::new(c.routes)),
-        gateway_service: Some(Arc::new(c.gateway_service)),
-        scaler_service: c.scaler_service.map(Arc::new),
-        gateway: Some(Arc::new(c.gateway)),
-        gateway_pdb: Some(Arc::new(c.gateway_pdb)),
+        service_account: Some(Arc::new(crate::diff::stamped(c.service_account))),
+        role: Some(Arc::new(crate::diff::stamped(c.role))),
+        role_binding: Some(Arc::new(crate::diff::stamped(c.role_binding))),
+        routes: Some(Arc::new(crate::diff::stamped(c.routes))),
+        gateway_service: Some(Arc::new(crate::diff::stamped(c.gateway_service))),
+        scaler_service: c.scaler_service.map(|o| Arc::new(crate::diff::stamped(o))),
+        gateway: Some(Arc::new(crate::diff::stamped(c.gateway))),
+        gateway_pdb: Some(Arc::new(crate::diff::stamped(c.gateway_pdb))),
     }
 }
 

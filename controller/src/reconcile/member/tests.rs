@@ -70,11 +70,11 @@ fn steady() -> MemberView {
         panic!("not joined: {:?}", out.state);
     };
     MemberView {
-        service: Some(Arc::new(c.service)),
-        role: Some(Arc::new(c.role)),
-        role_binding: Some(Arc::new(c.role_binding)),
+        service: Some(Arc::new(crate::diff::stamped(c.service))),
+        role: Some(Arc::new(crate::diff::stamped(c.role))),
+        role_binding: Some(Arc::new(crate::diff::stamped(c.role_binding))),
         keda_installed: true,
-        scaled_object: Some(Arc::new(c.scaled_object)),
+        scaled_object: Some(Arc::new(crate::diff::stamped(c.scaled_object))),
     }
 }
 

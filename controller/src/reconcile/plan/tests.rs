@@ -55,23 +55,31 @@ fn cfg() -> RenderConfig {
 fn steady(svc: &LLMService) -> View {
     let c = render(svc, &runtime(), &cfg(), false).unwrap();
     View {
-        service_account: c.gateway_service_account.map(Arc::new),
-        role: Some(Arc::new(c.gateway_role)),
-        role_binding: Some(Arc::new(c.gateway_role_binding)),
-        claim: c.cache_claim.map(Arc::new),
-        job: c.prewarm_job.map(Arc::new),
-        adapter_fetch_jobs: c.adapter_fetch_jobs.into_iter().map(Arc::new).collect(),
-        backend_service: Some(Arc::new(c.backend_service)),
-        gateway_service: c.gateway_service.map(Arc::new),
-        scaler_service: c.scaler_service.map(Arc::new),
-        backend: Some(Arc::new(c.backend)),
+        service_account: c
+            .gateway_service_account
+            .map(|o| Arc::new(crate::diff::stamped(o))),
+        role: Some(Arc::new(crate::diff::stamped(c.gateway_role))),
+        role_binding: Some(Arc::new(crate::diff::stamped(c.gateway_role_binding))),
+        claim: c.cache_claim.map(|o| Arc::new(crate::diff::stamped(o))),
+        job: c.prewarm_job.map(|o| Arc::new(crate::diff::stamped(o))),
+        adapter_fetch_jobs: c
+            .adapter_fetch_jobs
+            .into_iter()
+            .map(|o| Arc::new(crate::diff::stamped(o)))
+            .collect(),
+        backend_service: Some(Arc::new(crate::diff::stamped(c.backend_service))),
+        gateway_service: c.gateway_service.map(|o| Arc::new(crate::diff::stamped(o))),
+        scaler_service: c.scaler_service.map(|o| Arc::new(crate::diff::stamped(o))),
+        backend: Some(Arc::new(crate::diff::stamped(c.backend))),
         legacy_backend: None,
-        gateway: c.gateway.map(Arc::new),
-        gateway_pdb: c.gateway_pdb.map(Arc::new),
-        adapters_config_map: c.adapters_config_map.map(Arc::new),
+        gateway: c.gateway.map(|o| Arc::new(crate::diff::stamped(o))),
+        gateway_pdb: c.gateway_pdb.map(|o| Arc::new(crate::diff::stamped(o))),
+        adapters_config_map: c
+            .adapters_config_map
+            .map(|o| Arc::new(crate::diff::stamped(o))),
         endpoint_gateway: None,
         keda_installed: true,
-        scaled_object: Some(Arc::new(c.scaled_object)),
+        scaled_object: Some(Arc::new(crate::diff::stamped(c.scaled_object))),
         backend_pods: Vec::new(),
         pull_failures: Default::default(),
     }
@@ -720,7 +728,11 @@ fn recorded_image(d: &Deployment) -> Option<&String> {
 fn a_running_backend_keeps_its_drain_image_through_an_upgrade() {
     let svc = service(json!({}));
     let mut view = steady(&svc);
-    let old = backend_with_drain_image(&svc, "example.com/drain:1", 1);
+    // Applied by the release before (its hash on it; the replicas are KEDA's).
+    let mut applied = backend_with_drain_image(&svc, "example.com/drain:1", 1);
+    applied.spec.as_mut().unwrap().replicas = None;
+    let mut old = crate::diff::stamped(applied);
+    old.spec.as_mut().unwrap().replicas = Some(1);
     view.backend = Some(Arc::new(old.clone()));
     let mut new = cfg();
     new.drain_image = Some("example.com/drain:2".to_owned());
@@ -799,13 +811,13 @@ fn steady_attached(svc: &LLMService, scaler: ScalerMode) -> View {
     )
     .unwrap();
     View {
-        role: Some(Arc::new(c.gateway_role)),
-        role_binding: Some(Arc::new(c.gateway_role_binding)),
-        claim: c.cache_claim.map(Arc::new),
-        backend_service: Some(Arc::new(c.backend_service)),
-        backend: Some(Arc::new(c.backend)),
+        role: Some(Arc::new(crate::diff::stamped(c.gateway_role))),
+        role_binding: Some(Arc::new(crate::diff::stamped(c.gateway_role_binding))),
+        claim: c.cache_claim.map(|o| Arc::new(crate::diff::stamped(o))),
+        backend_service: Some(Arc::new(crate::diff::stamped(c.backend_service))),
+        backend: Some(Arc::new(crate::diff::stamped(c.backend))),
         keda_installed: true,
-        scaled_object: Some(Arc::new(c.scaled_object)),
+        scaled_object: Some(Arc::new(crate::diff::stamped(c.scaled_object))),
         ..View::default()
     }
 }
@@ -917,7 +929,10 @@ fn a_service_leaving_gets_its_own_gateway_back_before_its_scaled_object_moves(
         Write::Apply(Object::RoleBinding(rb)) => Some(rb),
         _ => None,
     });
-    assert_eq!(rb.map(|rb| &**rb), Some(&own.gateway_role_binding));
+    assert_eq!(
+        rb.map(|rb| &**rb),
+        Some(&crate::diff::stamped(own.gateway_role_binding))
+    );
     assert_eq!(
         applied_scaled_object(&plan).map(|so| &so.data),
         Some(&own.scaled_object.data)
@@ -1022,4 +1037,42 @@ fn hub_adapter_fetch_jobs_are_created_once_and_deleted_with_their_adapter() {
     // The adapter went: its Job goes.
     let w = planned_with(&view, &crate::render::ServiceAdapters::default());
     assert!(w.contains(&format!("delete Job {job}")), "{w:?}");
+}
+
+#[test]
+fn a_field_the_controller_no_longer_sets_is_applied_again() {
+    let svc = service(json!({}));
+    let desired = render(&svc, &runtime(), &cfg(), false).unwrap().backend;
+    // What the last apply set: a node selector key the runtime has since dropped.
+    let mut before = desired.clone();
+    let pod = before
+        .spec
+        .as_mut()
+        .unwrap()
+        .template
+        .spec
+        .as_mut()
+        .unwrap();
+    pod.node_selector
+        .get_or_insert_with(Default::default)
+        .insert("example.com/gone".to_owned(), "true".to_owned());
+    let cached = crate::diff::stamped(before);
+    assert!(
+        crate::diff::contains(&cached, &desired),
+        "containment alone sees nothing to apply"
+    );
+    let mut writes = Vec::new();
+    super::apply_cached(&mut writes, desired.clone(), Some(&cached));
+    assert_eq!(
+        writes.iter().map(ToString::to_string).collect::<Vec<_>>(),
+        ["apply Deployment chat"]
+    );
+    // Applied: the same desired again writes nothing.
+    let mut writes = Vec::new();
+    super::apply_cached(
+        &mut writes,
+        desired.clone(),
+        Some(&crate::diff::stamped(desired)),
+    );
+    assert!(writes.is_empty());
 }
