@@ -2153,7 +2153,7 @@ async fn rbac_matrix_each_account_can_do_what_it_needs_and_nothing_more() -> Res
         "namespaces [] [get list watch]",
         "events.events.k8s.io [] [create patch]",
         "pods [] [list watch]",
-        "events [] [list]",
+        "events [] [list watch]",
         "nodes [] [get]",
         "llmservices.serving.hearth.dev [] [list watch]",
         "llmendpoints.serving.hearth.dev [] [list watch]",
