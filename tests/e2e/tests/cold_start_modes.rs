@@ -7,7 +7,8 @@
 //! - a backend that cannot come up (an image that cannot be pulled, an engine that exits at
 //!   start, weights over the memory limit, a node selector no node matches): the held requests
 //!   are answered with the reason (`activation_failed`) long before `activationTimeout`, the
-//!   controller diagnoses it within 10 s of the pod's first Warning Event, records it
+//!   controller diagnoses it within 10 s of the kubelet's or the scheduler's Event saying so
+//!   (`Failed`, `BackOff`, `FailedScheduling` on the pod), records it
 //!   (`status.lastActivationFailure`, an Event), and once the runtime is fixed the same service
 //!   serves.
 
