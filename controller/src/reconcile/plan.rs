@@ -479,8 +479,12 @@ pub fn plan(svc: &LLMService, desired: Desired, view: &View, cfg: &RenderConfig)
             {
                 // Applied when the backend is next at zero, or with its next template change.
                 tracing::info!(deployment = %live.name_any(), namespace = %live.namespace().unwrap_or_default(), new_image = ?cfg.drain_image, "keeping the running pods' template (drain sidecar image, fields new in this release), so this upgrade does not restart them");
+                // What the live pods run is kept as it was applied: containment alone decides,
+                // its applied hash (another release's desired object) stays.
+                apply_contained(writes, backend, Some(live));
+            } else {
+                apply_cached(writes, backend, Some(live));
             }
-            apply_cached(writes, backend, Some(live));
         }
         None => {
             // An earlier version of this controller named the backend `<name>-backend`: remove
@@ -652,6 +656,15 @@ where
     Object: From<K>,
 {
     diff::stamp(&mut desired);
+    apply_contained(writes, desired, cached);
+}
+
+/// [`apply_cached`] without the applied hash: apply `desired` unless `cached` contains it.
+fn apply_contained<K>(writes: &mut Vec<Write>, desired: K, cached: Option<&K>)
+where
+    K: Resource + Serialize,
+    Object: From<K>,
+{
     let adopt = match cached {
         Some(c) if adopt::foreign(c.meta()) => true,
         Some(c) if diff::contains(c, &desired) => return,
