@@ -294,7 +294,10 @@ async fn backend_failures_answer_held_requests_with_the_reason_then_the_fix_serv
         ];
         let mut previous: Option<&str> = None;
         let mut lines = Vec::new();
+        let deployments: kube::Api<k8s_openapi::api::apps::v1::Deployment> =
+            kube::Api::namespaced(client.clone(), &ns);
         for step in &steps {
+            let before = template(&deployments).await?;
             if !step.runtime.is_null() {
                 runtimes
                     .patch(
@@ -313,7 +316,11 @@ async fn backend_failures_answer_held_requests_with_the_reason_then_the_fix_serv
                     )
                     .await?;
             }
-            // The last breakage's pods replaced (or scaled away) before the new requests.
+            // The controller applied the new template, and the last breakage's pods are
+            // replaced (or scaled away), before the new requests.
+            if previous.is_some() {
+                wait_applied(&deployments, before.clone()).await?;
+            }
             if let Some(prev) = previous {
                 wait_ready_reason(&services, |r| r != prev, Duration::from_secs(120))
                     .await
@@ -436,6 +443,7 @@ async fn backend_failures_answer_held_requests_with_the_reason_then_the_fix_serv
             previous = Some(step.reason);
         }
         // Fixed: the same service, nothing recreated, serves the next request.
+        let before = template(&deployments).await?;
         runtimes
             .patch(
                 &name,
@@ -443,6 +451,7 @@ async fn backend_failures_answer_held_requests_with_the_reason_then_the_fix_serv
                 &Patch::Merge(serde_json::json!({"spec": fixed_runtime})),
             )
             .await?;
+        wait_applied(&deployments, before).await?;
         if let Some(prev) = previous {
             wait_ready_reason(&services, |r| r != prev, Duration::from_secs(120)).await?;
         }
@@ -465,6 +474,35 @@ async fn backend_failures_answer_held_requests_with_the_reason_then_the_fix_serv
     .await;
     let _ = runtimes.delete(&name, &DeleteParams::default()).await;
     result
+}
+
+/// The backend Deployment's pod template (KEDA's scaling leaves it alone).
+async fn template(
+    deployments: &kube::Api<k8s_openapi::api::apps::v1::Deployment>,
+) -> Result<Value> {
+    let d = deployments.get(stack::BACKEND).await?;
+    Ok(serde_json::to_value(d.spec.map(|s| s.template))?)
+}
+
+/// Waits until the backend Deployment's pod template differs from `before`: the controller
+/// applied a change of the runtime or the service.
+async fn wait_applied(
+    deployments: &kube::Api<k8s_openapi::api::apps::v1::Deployment>,
+    before: Value,
+) -> Result<()> {
+    use hearth_test_support::{Observed, wait_until};
+    wait_until(
+        "the controller applying the changed template",
+        Duration::from_secs(60),
+        || async {
+            Ok(if template(deployments).await? != before {
+                Observed::Ready(())
+            } else {
+                Observed::NotYet("the pod template is unchanged".to_owned())
+            })
+        },
+    )
+    .await
 }
 
 /// Waits until the LLMService's `Ready` reason passes `ok`.
