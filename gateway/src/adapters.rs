@@ -902,42 +902,46 @@ pub async fn watch_adapters(
     name: String,
     gateway: crate::Gateway,
 ) {
-    let what = crate::configmap::Followed {
-        what: "adapters",
-        nothing: "no adapters are served",
-    };
-    crate::configmap::follow(client, &namespace, &name, what, |configmap, change| {
-        let result = match change {
-            crate::configmap::Change::Object(cm) => {
-                match cm.data.as_ref().and_then(|d| d.get(ADAPTERS_KEY)) {
-                    Some(json) => gateway.apply_adapters_json(json),
-                    None => {
-                        gateway.metrics().adapter_table_errors.inc();
-                        Err(AdapterTableError::MissingKey)
+    let what =
+        crate::configmap::Followed::config_map("adapters ConfigMap", "no adapters are served");
+    crate::configmap::follow::<k8s_openapi::api::core::v1::ConfigMap>(
+        client,
+        &namespace,
+        &name,
+        what,
+        |configmap, change| {
+            let result = match change {
+                crate::configmap::Change::Object(cm) => {
+                    match cm.data.as_ref().and_then(|d| d.get(ADAPTERS_KEY)) {
+                        Some(json) => gateway.apply_adapters_json(json),
+                        None => {
+                            gateway.metrics().adapter_table_errors.inc();
+                            Err(AdapterTableError::MissingKey)
+                        }
                     }
                 }
+                crate::configmap::Change::Missing => {
+                    gateway.clear_adapters();
+                    return;
+                }
+            };
+            match result {
+                Ok(applied) => tracing::info!(
+                    %configmap,
+                    adapters = ?applied.adapters,
+                    left_out = ?applied.left_out,
+                    "adapter table applied"
+                ),
+                Err(e) => tracing::error!(
+                    %configmap,
+                    key = ADAPTERS_KEY,
+                    path = e.path().unwrap_or(""),
+                    error = %e,
+                    "adapter table refused; the last good table stays"
+                ),
             }
-            crate::configmap::Change::Missing => {
-                gateway.clear_adapters();
-                return;
-            }
-        };
-        match result {
-            Ok(applied) => tracing::info!(
-                %configmap,
-                adapters = ?applied.adapters,
-                left_out = ?applied.left_out,
-                "adapter table applied"
-            ),
-            Err(e) => tracing::error!(
-                %configmap,
-                key = ADAPTERS_KEY,
-                path = e.path().unwrap_or(""),
-                error = %e,
-                "adapter table refused; the last good table stays"
-            ),
-        }
-    })
+        },
+    )
     .await;
 }
 

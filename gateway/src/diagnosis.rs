@@ -11,9 +11,7 @@
 //! name the one service: the watch selects it by `metadata.name`). Watch errors are logged and
 //! retried with kube's backoff; the failure last seen stays meanwhile.
 
-use futures::StreamExt;
 use hearth_crds::{ACTIVATION_FAILED_REASONS, LLMService};
-use kube::runtime::{WatchStreamExt, watcher};
 
 use crate::endpoints::EndpointSet;
 
@@ -39,37 +37,23 @@ pub async fn follow(
     name: String,
     discovered: EndpointSet,
 ) {
-    let api: kube::Api<LLMService> = kube::Api::namespaced(client, &namespace);
-    let cfg = watcher::Config::default().fields(&format!("metadata.name={name}"));
-    let stream = watcher(api, cfg).default_backoff();
-    futures::pin_mut!(stream);
-    let mut seen = false;
-    while let Some(ev) = stream.next().await {
-        match ev {
-            Ok(watcher::Event::Init) => seen = false,
-            Ok(watcher::Event::InitApply(svc) | watcher::Event::Apply(svc)) => {
-                seen = true;
-                let failure = failure_of(&svc);
-                if failure.is_some() && discovered.failure().is_none() && !discovered.is_ready() {
-                    tracing::warn!(service = %format!("{namespace}/{name}"), failure = failure.as_deref().unwrap_or_default(), "the backend cannot come up: held requests are answered with the reason");
-                }
-                discovered.set_failure(failure.as_deref());
-            }
-            Ok(watcher::Event::InitDone) => {
-                if !seen {
-                    discovered.set_failure(None);
-                }
-            }
-            Ok(watcher::Event::Delete(_)) => discovered.set_failure(None),
-            Err(e) => {
-                if crate::configmap::forbidden(&e) {
-                    tracing::error!(service = %format!("{namespace}/{name}"), error = %e, "forbidden to watch the LLMService (grant list/watch on llmservices); activation failures wait for the activation timeout; retrying");
-                } else {
-                    tracing::warn!(service = %format!("{namespace}/{name}"), error = %e, "LLMService watch error; retrying");
-                }
-            }
+    let followed = crate::configmap::Followed {
+        what: "LLMService",
+        nothing: "no activation failure is known",
+        rbac: "list/watch on llmservices",
+        kept: "activation failures wait for the activation timeout meanwhile, the failure last seen stays",
+    };
+    crate::configmap::follow(client, &namespace, &name, followed, |service, change| {
+        let failure = match change {
+            crate::configmap::Change::Object(svc) => failure_of(svc),
+            crate::configmap::Change::Missing => None,
+        };
+        if failure.is_some() && discovered.failure().is_none() && !discovered.is_ready() {
+            tracing::warn!(%service, failure = failure.as_deref().unwrap_or_default(), "the backend cannot come up: held requests are answered with the reason");
         }
-    }
+        discovered.set_failure(failure.as_deref());
+    })
+    .await;
 }
 
 #[cfg(test)]

@@ -920,11 +920,9 @@ pub async fn watch_routes(
     name: String,
     gateway: crate::Gateway,
 ) {
-    let followed = crate::configmap::Followed {
-        what: "routes",
-        nothing: "no models are served",
-    };
-    crate::configmap::follow(
+    let followed =
+        crate::configmap::Followed::config_map("routes ConfigMap", "no models are served");
+    crate::configmap::follow::<k8s_openapi::api::core::v1::ConfigMap>(
         client,
         &namespace,
         &name,
