@@ -31,6 +31,7 @@ pub mod prepull;
 pub mod reconcile;
 pub mod render;
 pub mod resolve;
+pub mod scaler_tls;
 pub mod status;
 pub mod template;
 pub mod upgrade;

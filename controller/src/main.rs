@@ -157,6 +157,18 @@ struct RunArgs {
     /// wait for devices to free by themselves.
     #[arg(long, env = "HEARTH_DEVICE_HANDOVER", default_value_t = true, action = clap::ArgAction::Set)]
     device_handover: bool,
+    /// Mutual TLS between KEDA and a push-mode service's own gateway: the controller issues a
+    /// CA per service, the gateway's certificate and KEDA's (Secrets `N-scaler-tls` and
+    /// `N-scaler-client-tls`, TriggerAuthentication `N-scaler`); false: plain gRPC.
+    #[arg(long, env = "HEARTH_SCALER_TLS", default_value_t = true, action = clap::ArgAction::Set)]
+    scaler_tls: bool,
+    /// Lifetime of the ExternalScaler certificates (renewed two thirds into it).
+    #[arg(long, env = "HEARTH_SCALER_CERT_VALIDITY", default_value = "2160h", value_parser = go_duration)]
+    scaler_cert_validity: Duration,
+    /// Lifetime of each service's ExternalScaler CA (replaced, old one still trusted for a
+    /// generation, once it cannot sign two more certificates).
+    #[arg(long, env = "HEARTH_SCALER_CA_VALIDITY", default_value = "87600h", value_parser = go_duration)]
+    scaler_ca_validity: Duration,
     /// Namespace of the DaemonSets that pre-pull the images of runtimes with `spec.prePull`
     /// (the controller's own, which the chart sets); unset or empty: no pre-pull (and
     /// `prePull` has no effect).
@@ -357,14 +369,33 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
             }
         }
     };
+    // A CA is replaced once it cannot sign two more full-length certificates: one shorter
+    // than three would be replaced at every reconcile.
+    if args.scaler_cert_validity < Duration::from_secs(3600)
+        || args.scaler_ca_validity <= args.scaler_cert_validity * 3
+    {
+        anyhow::bail!(
+            "--scaler-cert-validity ({:?}) must be at least 1h, and --scaler-ca-validity ({:?}) more than three times it",
+            args.scaler_cert_validity,
+            args.scaler_ca_validity
+        );
+    }
     let cfg = RunConfig {
-        render: args.images.render_config()?,
+        render: {
+            let mut render = args.images.render_config()?;
+            render.scaler_tls = args.scaler_tls;
+            render
+        },
         namespace: args.namespace,
         requeue: Duration::from_secs(args.resync_seconds),
         concurrency: args.concurrency,
         instance: identity,
         cluster_policies: args.cluster_policies,
         device_handover: args.device_handover,
+        scaler_tls: hearth_controller::scaler_tls::ScalerTlsConfig {
+            cert_validity: args.scaler_cert_validity,
+            ca_validity: args.scaler_ca_validity,
+        },
     };
     // Both loops stop on the same signal (or lost lease).
     let shutdown = shutdown.boxed().shared();
@@ -431,4 +462,9 @@ fn metrics_serving(args: &RunArgs, client: &Client) -> anyhow::Result<Serving> {
         tls,
         auth: secure_metrics::MetricsAuth::kube(client.clone()),
     })
+}
+
+/// Parses a Go-style duration (`"2160h"`) for clap.
+fn go_duration(s: &str) -> Result<Duration, String> {
+    hearth_crds::duration::parse_duration(s).map_err(|e| e.to_string())
 }

@@ -49,6 +49,18 @@ pub fn scaler_service(service: &str) -> String {
     format!("{service}-scaler")
 }
 
+/// Secret `N-scaler-tls`: the ExternalScaler's CA, its signing key and the gateway's serving
+/// certificate (mutual TLS with KEDA, see `crate::scaler_tls`).
+pub fn scaler_tls(service: &str) -> String {
+    format!("{service}-scaler-tls")
+}
+
+/// `kubernetes.io/tls` Secret `N-scaler-client-tls`: KEDA's client certificate for the
+/// ExternalScaler of service `N`, read through its TriggerAuthentication `N-scaler`.
+pub fn scaler_client_tls(service: &str) -> String {
+    format!("{service}-scaler-client-tls")
+}
+
 /// The NodeLocalPVC model cache claim: `<name>-cache`, as upstream Hearth names it (an
 /// upstream installation's cache is adopted with its contents).
 pub fn cache_claim(service: &str) -> String {

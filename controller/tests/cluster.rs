@@ -90,6 +90,7 @@ fn start(client: Client, namespace: &str, render: RenderConfig, requeue: Duratio
         instance: format!("test-{namespace}"),
         cluster_policies: true,
         device_handover: true,
+        scaler_tls: Default::default(),
     };
     let m = metrics.clone();
     let task = tokio::spawn(async move {

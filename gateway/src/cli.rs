@@ -174,6 +174,11 @@ pub struct ServeArgs {
         value_parser = hearth_net::parse_listen
     )]
     pub scaler_listen: SocketAddr,
+    /// Mutual TLS on the ExternalScaler port: a directory with `ca.crt` (the bundle client
+    /// certificates must chain to), `tls.crt` and `tls.key` (the gateway's certificate), re-read
+    /// every 10s. Absent: plain gRPC.
+    #[arg(long, env = "HEARTH_SCALER_TLS_DIR")]
+    pub scaler_tls_dir: Option<PathBuf>,
     /// Namespace of the backend and gateway Services (and of the routes ConfigMap).
     #[arg(long, env = "POD_NAMESPACE", default_value = "default")]
     pub namespace: String,

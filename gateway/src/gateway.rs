@@ -704,13 +704,32 @@ impl Gateway {
     pub async fn serve_grpc(&self, listener: TcpListener) -> Result<(), tonic::transport::Error> {
         let incoming =
             tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+        self.grpc_server()
+            .serve_with_incoming_shutdown(incoming, self.stopped())
+            .await
+    }
+
+    /// [`Gateway::serve_grpc`] over mutual TLS: only clients whose certificate `tls`'s CA
+    /// bundle signed get past the handshake (see [`crate::scaler_tls`]).
+    ///
+    /// # Errors
+    /// The transport error of the gRPC server.
+    pub async fn serve_grpc_tls(
+        &self,
+        listener: TcpListener,
+        tls: std::sync::Arc<crate::scaler_tls::ScalerTls>,
+    ) -> Result<(), tonic::transport::Error> {
+        self.grpc_server()
+            .serve_with_incoming_shutdown(tls.incoming(listener), self.stopped())
+            .await
+    }
+
+    fn grpc_server(&self) -> tonic::transport::server::Router {
         let keepalive = self.shared.cfg.scaler_keepalive;
         tonic::transport::Server::builder()
             .http2_keepalive_interval(Some(keepalive))
             .http2_keepalive_timeout(Some(keepalive))
             .add_service(crate::scaler::server(self.scaler()))
-            .serve_with_incoming_shutdown(incoming, self.stopped())
-            .await
     }
 }
 

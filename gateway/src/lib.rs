@@ -44,6 +44,7 @@ pub mod quota;
 pub mod reject;
 pub mod routes;
 pub mod scaler;
+pub mod scaler_tls;
 pub mod sleep;
 pub mod tenants;
 pub mod timer;

@@ -130,6 +130,15 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
 
     let grpc = hearth_net::listen(args.scaler_listen, ListenOptions::default())
         .context("--scaler-listen")?;
+    let scaler_tls = args
+        .scaler_tls_dir
+        .as_deref()
+        .map(hearth_gateway::scaler_tls::ScalerTls::load)
+        .transpose()
+        .context("--scaler-tls-dir")?;
+    if let Some(tls) = &scaler_tls {
+        tokio::spawn(tls.clone().watch());
+    }
     // Background work (the activation lease, key reloads) runs before the first request.
     gateway.spawn_background(args.api_key_reload_interval);
     let workers = args
@@ -141,13 +150,19 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     tracing::info!(
         http = %args.listen,
         scaler = %args.scaler_listen,
+        scaler_tls = args.scaler_tls_dir.is_some(),
         workers,
         body_memory_limit,
         shared = gateway.is_shared(),
         "hearth-gateway serving"
     );
     let g = gateway.clone();
-    let grpc_task = tokio::spawn(async move { g.serve_grpc(grpc).await });
+    let grpc_task = tokio::spawn(async move {
+        match scaler_tls {
+            Some(tls) => g.serve_grpc_tls(grpc, tls).await,
+            None => g.serve_grpc(grpc).await,
+        }
+    });
 
     signals.recv().await;
     tracing::info!(

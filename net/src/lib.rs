@@ -21,6 +21,8 @@
 //! the controller's and the webhook's `/metrics` (TokenReview, SubjectAccessReview) and serves
 //! them over HTTPS.
 
+#[cfg(feature = "pki")]
+pub mod pki;
 #[cfg(feature = "process")]
 pub mod process;
 #[cfg(feature = "secure-metrics")]

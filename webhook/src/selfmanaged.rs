@@ -11,10 +11,10 @@
 //! another replica rotated first, and every replica re-reads the Secret on each check.
 
 use std::collections::BTreeMap;
-use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use hearth_net::pki;
 use k8s_openapi::ByteString;
 use k8s_openapi::api::admissionregistration::v1::{
     MutatingWebhookConfiguration, ValidatingWebhookConfiguration, WebhookClientConfig,
@@ -22,10 +22,6 @@ use k8s_openapi::api::admissionregistration::v1::{
 use k8s_openapi::api::core::v1::Secret;
 use kube::api::{ObjectMeta, PostParams};
 use kube::{Api, Client};
-use rcgen::{
-    BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa,
-    Issuer, KeyPair, KeyUsagePurpose, SanType,
-};
 use time::OffsetDateTime;
 use time::format_description::well_known::Rfc3339;
 use tokio::sync::watch;
@@ -40,8 +36,6 @@ pub const CERT_NOT_AFTER_ANNOTATION: &str = "serving.hearth.dev/cert-not-after";
 pub const CA_NOT_AFTER_ANNOTATION: &str = "serving.hearth.dev/ca-not-after";
 
 const CA_COMMON_NAME: &str = "hearth-webhook-ca";
-/// Backdating absorbs clock skew between the webhook and the apiserver.
-const BACKDATE: time::Duration = time::Duration::minutes(5);
 
 /// Errors of self-managed TLS.
 #[derive(Debug, thiserror::Error)]
@@ -112,32 +106,10 @@ pub struct Material {
     pub ca_not_after: OffsetDateTime,
 }
 
-fn ca_params(not_after: OffsetDateTime) -> CertificateParams {
-    let mut p = CertificateParams::default();
-    let mut dn = DistinguishedName::new();
-    dn.push(DnType::CommonName, CA_COMMON_NAME);
-    p.distinguished_name = dn;
-    p.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
-    p.key_usages = vec![
-        KeyUsagePurpose::KeyCertSign,
-        KeyUsagePurpose::CrlSign,
-        KeyUsagePurpose::DigitalSignature,
-    ];
-    p.not_before = OffsetDateTime::now_utc() - BACKDATE;
-    p.not_after = not_after;
-    p
-}
-
-fn after(d: Duration) -> OffsetDateTime {
-    OffsetDateTime::now_utc() + d
-}
-
 /// Makes a new CA valid for `validity`. Returns (certificate PEM, key PEM, notAfter).
 pub fn generate_ca(validity: Duration) -> Result<(String, String, OffsetDateTime), TlsError> {
-    let key = KeyPair::generate()?;
-    let not_after = after(validity);
-    let cert = ca_params(not_after).self_signed(&key)?;
-    Ok((cert.pem(), key.serialize_pem(), not_after))
+    let ca = pki::generate_ca(CA_COMMON_NAME, validity)?;
+    Ok((ca.cert, ca.key, ca.not_after))
 }
 
 /// Issues a serving certificate for `sans`, valid for `validity`, signed by the CA. Returns
@@ -148,32 +120,16 @@ pub fn issue(
     sans: &[String],
     validity: Duration,
 ) -> Result<(String, String, OffsetDateTime), TlsError> {
-    let ca_key = KeyPair::from_pem(ca_key_pem)?;
-    // The issuer needs only the CA's name, key usages and key, all reproducible.
-    let issuer = Issuer::new(ca_params(ca_not_after), ca_key);
-    let mut p = CertificateParams::default();
-    let mut dn = DistinguishedName::new();
-    dn.push(
-        DnType::CommonName,
-        sans.first().map_or("hearth-webhook", String::as_str),
-    );
-    p.distinguished_name = dn;
-    p.subject_alt_names = sans
-        .iter()
-        .map(|s| match s.parse::<IpAddr>() {
-            Ok(ip) => Ok(SanType::IpAddress(ip)),
-            Err(_) => s.clone().try_into().map(SanType::DnsName),
-        })
-        .collect::<Result<_, rcgen::Error>>()?;
-    p.key_usages = vec![KeyUsagePurpose::DigitalSignature];
-    p.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
-    p.use_authority_key_identifier_extension = true;
-    p.not_before = OffsetDateTime::now_utc() - BACKDATE;
-    // A leaf must not outlive its CA.
-    p.not_after = after(validity).min(ca_not_after);
-    let key = KeyPair::generate()?;
-    let cert = p.signed_by(&key, &issuer)?;
-    Ok((cert.pem(), key.serialize_pem(), p.not_after))
+    let leaf = pki::issue(
+        CA_COMMON_NAME,
+        ca_key_pem,
+        ca_not_after,
+        pki::Usage::Server,
+        "hearth-webhook",
+        sans,
+        validity,
+    )?;
+    Ok((leaf.cert, leaf.key, leaf.not_after))
 }
 
 impl Material {

@@ -7,60 +7,23 @@
 //! half-written rotation), is logged and skipped; the last good key keeps serving and the next
 //! poll tries again.
 
-use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use arc_swap::ArcSwap;
 use rustls::ServerConfig;
-use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use rustls::pki_types::CertificateDer;
 use rustls::server::{ClientHello, ResolvesServerCert};
 use rustls::sign::CertifiedKey;
 use tokio::sync::watch;
 
 use crate::metrics::Metrics;
 
-/// Why a certificate and key could not be loaded.
-#[derive(Debug, thiserror::Error)]
-pub enum TlsError {
-    /// A file could not be read.
-    #[error("reading {path}: {source}")]
-    Read {
-        /// The file.
-        path: PathBuf,
-        /// The I/O error.
-        source: io::Error,
-    },
-    /// The certificate PEM holds no `CERTIFICATE` block or is malformed.
-    #[error("the certificate PEM has no valid CERTIFICATE block: {0}")]
-    Certificate(String),
-    /// The key PEM holds no private key or is malformed.
-    #[error("the key PEM has no valid PRIVATE KEY block: {0}")]
-    Key(String),
-    /// rustls refused the key, or the key does not belong to the certificate.
-    #[error("the private key does not fit the certificate: {0}")]
-    Mismatch(rustls::Error),
-    /// Certificate generation failed.
-    #[error("generating a certificate: {0}")]
-    Generate(#[from] rcgen::Error),
-}
-
-/// Parses a PEM certificate chain (leaf first) and a PEM private key (PKCS#8, PKCS#1 or SEC1)
-/// into a rustls key, checking that they belong together.
-pub fn certified_key(cert_pem: &[u8], key_pem: &[u8]) -> Result<CertifiedKey, TlsError> {
-    let chain = CertificateDer::pem_slice_iter(cert_pem)
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| TlsError::Certificate(e.to_string()))?;
-    if chain.is_empty() {
-        return Err(TlsError::Certificate("no certificate found".to_owned()));
-    }
-    let key = PrivateKeyDer::from_pem_slice(key_pem).map_err(|e| TlsError::Key(e.to_string()))?;
-    let provider = rustls::crypto::ring::default_provider();
-    let ck = CertifiedKey::from_der(chain, key, &provider).map_err(TlsError::Mismatch)?;
-    Ok(ck)
-}
+/// Why a certificate and key could not be loaded (shared with the controller's certificates).
+pub use hearth_net::pki::PkiError as TlsError;
+/// Parses a PEM certificate chain and private key into a rustls key (`hearth_net::pki`).
+pub use hearth_net::pki::certified_key;
 
 /// The current serving key, swappable while the server runs.
 #[derive(Debug)]

@@ -210,6 +210,16 @@ egress:
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["list", "watch"]
+{{- if .Values.controller.scalerTLS.enabled }}
+# The ExternalScaler's certificates (mutual TLS with KEDA): the Secrets N-scaler-tls and
+# N-scaler-client-tls (watched by the managed-by label) and the TriggerAuthentication N-scaler.
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["list", "watch", "create", "patch", "delete"]
+- apiGroups: ["keda.sh"]
+  resources: ["triggerauthentications"]
+  verbs: ["create", "patch", "delete"]
+{{- end }}
 {{- end -}}
 
 {{/*

@@ -51,7 +51,7 @@ use k8s_openapi::{
         apps::v1::Deployment,
         batch::v1::Job,
         core::v1::{
-            ConfigMap, Event as CoreEvent, Namespace, PersistentVolumeClaim, Pod, Service,
+            ConfigMap, Event as CoreEvent, Namespace, PersistentVolumeClaim, Pod, Secret, Service,
             ServiceAccount,
         },
         policy::v1::PodDisruptionBudget,
@@ -138,6 +138,9 @@ pub enum Error {
     /// shutting down).
     #[error("rendering the desired objects: {0}")]
     Render(String),
+    /// The ExternalScaler's certificates could not be made or written (`crate::scaler_tls`).
+    #[error("ExternalScaler certificates: {0}")]
+    Certificate(String),
 }
 
 impl Error {
@@ -148,7 +151,9 @@ impl Error {
                 source: kube::Error::Api(e),
                 ..
             } => Some(e.code),
-            Error::Kube { .. } | Error::Serialize(_) | Error::Render(_) => None,
+            Error::Kube { .. } | Error::Serialize(_) | Error::Render(_) | Error::Certificate(_) => {
+                None
+            }
         }
     }
 
@@ -161,6 +166,7 @@ impl Error {
             (Error::Kube { .. }, _) => "kube_api",
             (Error::Serialize(_), _) => "serialize",
             (Error::Render(_), _) => "render",
+            (Error::Certificate(_), _) => "certificate",
         }
     }
 
@@ -173,7 +179,9 @@ impl Error {
                 source: kube::Error::Api(e),
                 ..
             } if e.code == 409 => CONFLICT_RETRY,
-            Error::Kube { .. } | Error::Serialize(_) | Error::Render(_) => ERROR_RETRY,
+            Error::Kube { .. } | Error::Serialize(_) | Error::Render(_) | Error::Certificate(_) => {
+                ERROR_RETRY
+            }
         }
     }
 }
@@ -222,6 +230,9 @@ pub struct RunConfig {
     /// Device handover (`crate::handover`): a cold service whose backend waits for its
     /// accelerator may take an idle service's. `false` only stops new handovers.
     pub device_handover: bool,
+    /// Lifetimes of the ExternalScaler certificates (`crate::scaler_tls`; on with
+    /// `render.scaler_tls`).
+    pub scaler_tls: crate::scaler_tls::ScalerTlsConfig,
 }
 
 impl RunConfig {
@@ -235,6 +246,7 @@ impl RunConfig {
             instance: "hearth-controller".to_owned(),
             cluster_policies: true,
             device_handover: true,
+            scaler_tls: crate::scaler_tls::ScalerTlsConfig::default(),
         }
     }
 }
@@ -289,9 +301,41 @@ pub struct Context {
     policies: Option<policy::ClusterEngine>,
     /// The device handover's settings and lock.
     handover: handover::Handover,
+    /// The Secrets the controller made (the ExternalScaler's certificates).
+    secrets: Store<Secret>,
+    /// Lifetimes of the ExternalScaler certificates.
+    pub scaler_tls: crate::scaler_tls::ScalerTlsConfig,
+    /// The TriggerAuthentications applied ([`crate::scaler_tls::Applied`]).
+    trigger_auths: crate::scaler_tls::Applied,
 }
 
 impl Context {
+    /// The Secret `namespace/name` if the controller made it (its cache).
+    pub(crate) fn secret(&self, namespace: &str, name: &str) -> Option<Arc<Secret>> {
+        get_in(&self.secrets, namespace, name)
+    }
+
+    /// Whether KEDA's ScaledObject CRD is installed and established.
+    pub(crate) fn keda_installed(&self) -> bool {
+        self.keda.installed()
+    }
+
+    /// Whether the TriggerAuthentication of service `ns/name` is to be applied for `digest`
+    /// (changed, or not applied for a resync period).
+    pub(crate) fn trigger_auth_stale(&self, ns: &str, name: &str, digest: &str) -> bool {
+        self.trigger_auths.stale(ns, name, digest, self.requeue)
+    }
+
+    /// Records the TriggerAuthentication of service `ns/name` as applied with `digest`.
+    pub(crate) fn trigger_auth_applied(&self, ns: &str, name: &str, digest: String) {
+        self.trigger_auths.record(ns, name, digest);
+    }
+
+    /// Forgets the TriggerAuthentication of service `ns/name` (deleted).
+    pub(crate) fn trigger_auth_forget(&self, ns: &str, name: &str) {
+        self.trigger_auths.forget(ns, name);
+    }
+
     /// Whether every cache the reconciler reads holds its first complete list. Before that, a
     /// child missing from a cache may exist: a create would meet it, and an apply would skip
     /// its adoption ([`crate::adopt::foreign`]) and merge beside another manager's fields.
@@ -319,6 +363,7 @@ impl Context {
             && synced(&self.namespaces)
             && synced(&self.members)
             && synced(&self.adapters)
+            && synced(&self.secrets)
     }
 
     /// The render settings with the policies as they are now.
@@ -722,6 +767,8 @@ async fn reconcile_inner(svc: &LLMService, ctx: &Context) -> Result<Action, Erro
         })
         .await?
     };
+    let mut desired = desired;
+    crate::scaler_tls::step(ctx, svc, &mut desired).await?;
     let mut plan = plan(svc, desired, &view, &ctx.render);
     execute(ctx, &namespace, &mut plan).await?;
     let handover = handover::step(ctx, svc, &view).await;
@@ -1040,6 +1087,8 @@ pub async fn run(
         cached_watch::<PodDisruptionBudget>(&client, ns, &managed, Some(|p| relevant(p, &())));
     let pdb_stream = tap_endpoint_owners(pdb_stream, endpoint_tx.clone());
     let (cm_store, cm_stream) = cached_watch::<ConfigMap>(&client, ns, &managed, None);
+    // The ExternalScaler's certificates (`crate::scaler_tls`): a deleted one is issued again.
+    let (secrets_store, secrets_stream) = cached_watch::<Secret>(&client, ns, &managed, None);
     // Backend pods trigger their service's reconcile when they turn Ready (or stop being so):
     // that is when an activation is recorded; and when a pod starts or stops failing to come
     // up (`Ready=False` with a reason of `hearth_crds::ACTIVATION_FAILED_REASONS`).
@@ -1179,6 +1228,9 @@ pub async fn run(
         keda,
         policies,
         handover: handover::Handover::new(cfg.device_handover),
+        secrets: secrets_store,
+        scaler_tls: cfg.scaler_tls,
+        trigger_auths: crate::scaler_tls::Applied::default(),
         recorder: Recorder::new(
             client.clone(),
             Reporter {
@@ -1362,6 +1414,7 @@ pub async fn run(
         .owns_stream(roles_stream)
         .owns_stream(rb_stream)
         .owns_stream(pdb_stream)
+        .owns_stream(secrets_stream)
         .watches_stream(pods_stream, |pod: Pod| {
             let service = pod.labels().get(LLMSERVICE_LABEL)?.clone();
             Some(ObjectRef::<LLMService>::new(&service).within(&pod.namespace()?))

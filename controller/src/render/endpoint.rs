@@ -126,6 +126,8 @@ pub fn render_endpoint(
         tenants: &ep.spec.tenants,
         // The ExternalScaler port and flag, whatever the mode (see above).
         scaler: ScalerMode::Push,
+        // A shared gateway serves its models' ExternalScaler in plain gRPC.
+        scaler_tls: false,
         peers: endpoint_peers(ep),
         pull_secrets: None,
         drain_timeout: &drain_timeout,

@@ -144,6 +144,9 @@ pub(super) struct Gateway<'a> {
     pub tenants: &'a [TenantSpec],
     /// How KEDA learns the demand: push adds the ExternalScaler port and Service.
     pub scaler: ScalerMode,
+    /// Push mode over mutual TLS: the Secret `N-scaler-tls` mounted at [`SCALER_TLS_DIR`] and
+    /// `--scaler-tls-dir`.
+    pub scaler_tls: bool,
     /// Whether the replicas sum their demand over each other (`--peer-service`).
     pub peers: bool,
     /// `imagePullSecrets` of the pods.
@@ -493,6 +496,7 @@ pub(super) fn own_gateway<'a>(
         api_key: svc.spec.endpoint.api_key_secret_ref.as_ref(),
         tenants: &svc.spec.endpoint.tenants,
         scaler: ctx.scaler,
+        scaler_tls: ctx.scaler == ScalerMode::Push && ctx.cfg.scaler_tls,
         peers: ctx.gateway_peers(),
         pull_secrets: ctx.pull_secrets(),
         drain_timeout: &s.drain_timeout,
@@ -669,6 +673,9 @@ pub const GATEWAY_UID: i64 = 65532;
 /// Directory the API key Secret is mounted at, and the file (the Secret key's projection) the
 /// gateway reads with `--api-key-file`.
 pub const API_KEY_DIR: &str = "/etc/hearth/api-keys";
+/// Directory the ExternalScaler's TLS Secret (`ca.crt`, `tls.crt`, `tls.key` of `N-scaler-tls`)
+/// is mounted at, read with `--scaler-tls-dir`.
+pub const SCALER_TLS_DIR: &str = "/etc/hearth/scaler-tls";
 /// File name of the API keys under [`API_KEY_DIR`].
 pub const API_KEY_FILE: &str = "keys";
 /// Directory the tenants' key Secrets are projected into, one file per tenant (its name).
@@ -798,8 +805,37 @@ fn gateway_extensions(g: &Gateway<'_>, mut d: Deployment) -> Deployment {
             ..Default::default()
         });
     }
+    if g.scaler_tls {
+        // Only what the gateway serves with: the CA's signing key stays in the Secret.
+        let item = |key: &str| KeyToPath {
+            key: key.to_owned(),
+            path: key.to_owned(),
+            mode: None,
+        };
+        pod.volumes.get_or_insert_with(Vec::new).push(Volume {
+            name: "scaler-tls".to_owned(),
+            secret: Some(SecretVolumeSource {
+                secret_name: Some(names::scaler_tls(g.name)),
+                items: Some(vec![item("ca.crt"), item("tls.crt"), item("tls.key")]),
+                default_mode: Some(0o440),
+                optional: Some(false),
+            }),
+            ..Default::default()
+        });
+    }
     if let Some(c) = pod.containers.first_mut() {
         let args = c.args.get_or_insert_with(Vec::new);
+        if g.scaler_tls {
+            args.push(format!("--scaler-tls-dir={SCALER_TLS_DIR}"));
+            c.volume_mounts
+                .get_or_insert_with(Vec::new)
+                .push(VolumeMount {
+                    name: "scaler-tls".to_owned(),
+                    mount_path: SCALER_TLS_DIR.to_owned(),
+                    read_only: Some(true),
+                    ..Default::default()
+                });
+        }
         if g.peers {
             args.push("--peer-port-name=http".to_owned());
         }

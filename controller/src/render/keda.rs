@@ -34,6 +34,9 @@ pub(super) struct Demand {
     /// `<namespace>/<name>`, the model's key on a shared gateway (`/hearth/queue/<key>` of the
     /// poll, `service` of the push trigger); `None` on a service's own gateway.
     model: Option<String>,
+    /// The TriggerAuthentication the push trigger connects with (mutual TLS, see
+    /// [`trigger_authentication`]); `None`: plain gRPC.
+    authentication: Option<String>,
 }
 
 impl Demand {
@@ -53,6 +56,7 @@ impl Demand {
             ),
             peers: peers || shared.peers,
             model: Some(model),
+            authentication: None,
         }
     }
 }
@@ -85,6 +89,8 @@ pub(super) fn scaled_object(ctx: &Ctx<'_>) -> Result<DynamicObject, RenderError>
             scaler_host: format!("{}.{}", names::scaler_service(&ctx.name), ctx.namespace),
             peers: ctx.gateway_peers(),
             model: None,
+            authentication: (ctx.scaler == ScalerMode::Push && ctx.cfg.scaler_tls)
+                .then(|| names::scaler_service(&ctx.name)),
         },
         // As for the service's own gateway, and whenever the shared replicas are peers.
         Placement::Shared(shared) => Demand::shared(
@@ -122,6 +128,7 @@ pub(super) fn scaled_object_of(
         scaler_host,
         peers,
         model,
+        authentication,
     } = &s.demand;
     let trigger = match s.scaler {
         // KEDA resolves `<service>.<namespace>` from the host and polls each endpoint on the
@@ -164,11 +171,15 @@ pub(super) fn scaled_object_of(
                 // A shared gateway's ExternalScaler answers for the model KEDA names.
                 metadata["service"] = json!(m);
             }
-            json!({
+            let mut trigger = json!({
                 "type": "external-push",
                 "metricType": "AverageValue",
                 "metadata": metadata,
-            })
+            });
+            if let Some(name) = authentication {
+                trigger["authenticationRef"] = json!({"name": name});
+            }
+            trigger
         }
     };
     // The demand trigger stays first: KEDA names each trigger's metric after its index
@@ -226,4 +237,55 @@ fn warm_window_trigger(w: &WarmWindow) -> serde_json::Value {
             "desiredReplicas": w.replicas.to_string(),
         }
     })
+}
+
+/// The TriggerAuthentication API: KEDA's `keda.sh/v1alpha1`.
+pub fn trigger_authentication_resource() -> ApiResource {
+    ApiResource {
+        group: "keda.sh".to_owned(),
+        version: "v1alpha1".to_owned(),
+        api_version: "keda.sh/v1alpha1".to_owned(),
+        kind: "TriggerAuthentication".to_owned(),
+        plural: "triggerauthentications".to_owned(),
+    }
+}
+
+/// Trigger metadata key carrying a digest of the client TLS material
+/// ([`crate::scaler_tls::ClientMaterial::digest`]): a rotation changes the ScaledObject's spec,
+/// which is what makes KEDA rebuild its scaler and read the TriggerAuthentication's Secret again
+/// (KEDA caches scalers by the ScaledObject's generation). The gateway ignores it.
+pub const TLS_DIGEST_KEY: &str = "tlsDigest";
+
+/// The TriggerAuthentication `N-scaler` of a push-mode service's own gateway: KEDA's
+/// ExternalScaler parameters `caCert`, `tlsClientCert` and `tlsClientKey` from the
+/// `kubernetes.io/tls` Secret `N-scaler-client-tls` (`ca.crt`, `tls.crt`, `tls.key`) that the
+/// controller issues ([`crate::scaler_tls`]).
+pub(super) fn trigger_authentication(ctx: &Ctx<'_>) -> DynamicObject {
+    let name = names::scaler_service(&ctx.name);
+    let secret = names::scaler_client_tls(&ctx.name);
+    let mut obj = DynamicObject::new(&name, &trigger_authentication_resource());
+    obj.metadata = ctx.meta(name, Component::Autoscaler);
+    let target =
+        |parameter: &str, key: &str| json!({"parameter": parameter, "name": secret, "key": key});
+    obj.data = json!({
+        "spec": {
+            "secretTargetRef": [
+                target("caCert", "ca.crt"),
+                target("tlsClientCert", "tls.crt"),
+                target("tlsClientKey", "tls.key"),
+            ]
+        }
+    });
+    obj
+}
+
+/// Sets [`TLS_DIGEST_KEY`] in the demand trigger (the first) of a rendered ScaledObject.
+pub fn set_tls_digest(scaled_object: &mut DynamicObject, digest: &str) {
+    if let Some(meta) = scaled_object
+        .data
+        .pointer_mut("/spec/triggers/0/metadata")
+        .and_then(|m| m.as_object_mut())
+    {
+        meta.insert(TLS_DIGEST_KEY.to_owned(), json!(digest));
+    }
 }

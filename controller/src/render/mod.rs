@@ -82,7 +82,9 @@ pub use gateway::{
     API_KEY_DIR, API_KEY_FILE, GATEWAY_SHUTDOWN_DELAY_SECONDS, GATEWAY_UID,
     default_gateway_resources, gateway_replicas, max_queue, model_route, parse_gateway_resources,
 };
-pub use keda::scaled_object_resource;
+pub use keda::{
+    TLS_DIGEST_KEY, scaled_object_resource, set_tls_digest, trigger_authentication_resource,
+};
 pub use member::{MemberChildren, member_route, render_member};
 
 /// Annotation on create-once children (cache claim, prewarm Job) recording a hash of the
@@ -111,6 +113,10 @@ pub struct RenderConfig {
     pub keda_api: ApiResource,
     /// The ServingPolicies the backend is rendered through.
     pub engine: policy::Engine,
+    /// Mutual TLS between KEDA and a push-mode service's own gateway: the gateway serves the
+    /// ExternalScaler with the Secret `N-scaler-tls`, and KEDA connects through the
+    /// TriggerAuthentication `N-scaler` (see `crate::scaler_tls`). `false`: plain gRPC.
+    pub scaler_tls: bool,
 }
 
 impl RenderConfig {
@@ -126,6 +132,7 @@ impl RenderConfig {
             scaler_port: 9090,
             keda_api: scaled_object_resource(),
             engine: policy::Engine::builtin()?,
+            scaler_tls: true,
         })
     }
 }
@@ -215,6 +222,10 @@ pub struct Children {
     pub gateway_pdb: Option<PodDisruptionBudget>,
     /// KEDA ScaledObject.
     pub scaled_object: DynamicObject,
+    /// KEDA TriggerAuthentication `N-scaler`: the ExternalScaler's mutual TLS (push mode, own
+    /// gateway, [`RenderConfig::scaler_tls`]); written with its Secrets by
+    /// `crate::scaler_tls`, not by the plan.
+    pub trigger_authentication: Option<DynamicObject>,
     /// ConfigMap `N-adapters`: the adapters the service's own gateway routes and loads; `None`
     /// without adapters, or when attached (the endpoint's route table carries them).
     pub adapters_config_map: Option<ConfigMap>,
@@ -257,6 +268,9 @@ impl Children {
         }
         if let Some(p) = &self.gateway_pdb {
             out.push(v(p)?);
+        }
+        if let Some(t) = &self.trigger_authentication {
+            out.push(v(t)?);
         }
         out.push(v(&self.scaled_object)?);
         Ok(out)
@@ -546,6 +560,10 @@ pub fn render_with_adapters(
             .transpose()?,
         gateway_pdb: own.as_ref().map(gateway_pdb),
         scaled_object: scaled_object(&ctx)?,
+        trigger_authentication: (matches!(placement, Placement::Own)
+            && scaler == ScalerMode::Push
+            && cfg.scaler_tls)
+            .then(|| keda::trigger_authentication(&ctx)),
         adapters_config_map,
     })
 }

@@ -2154,6 +2154,8 @@ async fn rbac_matrix_each_account_can_do_what_it_needs_and_nothing_more() -> Res
         "events.events.k8s.io [] [create patch]",
         "pods [] [list watch]",
         "events [] [list watch]",
+        "secrets [] [create delete list patch watch]",
+        "triggerauthentications.keda.sh [] [create delete patch]",
         "nodes [] [get]",
         "llmservices.serving.hearth.dev [] [list watch]",
         "llmendpoints.serving.hearth.dev [] [list watch]",
