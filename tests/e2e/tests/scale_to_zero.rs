@@ -2,20 +2,29 @@
 //! apply → ScaledToZero with no backend pod; a cold streaming chat completion → SSE heartbeats
 //! while the backend goes 0 → 1 → tokens → 200; then idle → back to 0, the idle pod leaving
 //! as soon as its drain sidecar sees the engine idle (not after the whole `drainTimeout`).
+//! In push mode KEDA reaches the gateway's ExternalScaler over mutual TLS: a client without
+//! KEDA's certificate is refused, and after the service's CA is replaced (its Secret deleted)
+//! a cold request scales it from zero again.
 //! Hearth is installed with its chart and every pod runs on the real node of `tests/cluster/up`
 //! (needs root); see docs/e2e.md.
 
 mod stack;
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::{Result, ensure};
+use anyhow::{Context, Result, ensure};
 use hearth_e2e_harness::client::{self, Event};
 use hearth_e2e_harness::stack::ScalerMode;
+use hearth_test_support::{Observed, wait_until};
+use k8s_openapi::api::core::v1::{Secret, Service};
+use kube::Api;
+use kube::api::DynamicObject;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use stack::{SERVICE, TOKENS};
 
-async fn cold_start_then_back_to_zero(mode: ScalerMode) -> Result<()> {
+async fn cold_start_then_back_to_zero(mode: ScalerMode) -> Result<stack::Deployed> {
     let d = stack::deploy(&format!("e2e-zero-{}", mode.annotation()), mode, |_| {}).await?;
     // apply → ScaledToZero, and no backend pod exists.
     ensure!(
@@ -92,15 +101,214 @@ async fn cold_start_then_back_to_zero(mode: ScalerMode) -> Result<()> {
         (back - t0).as_secs_f64(),
         d.timeline_text(t0),
     );
-    Ok(())
+    Ok(d)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn poll_mode_cold_start_then_back_to_zero() -> Result<()> {
-    cold_start_then_back_to_zero(ScalerMode::Poll).await
+    cold_start_then_back_to_zero(ScalerMode::Poll).await?;
+    Ok(())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn push_mode_cold_start_then_back_to_zero() -> Result<()> {
-    cold_start_then_back_to_zero(ScalerMode::Push).await
+async fn push_mode_cold_start_then_back_to_zero_over_mutual_tls_through_a_ca_rotation() -> Result<()>
+{
+    let d = cold_start_then_back_to_zero(ScalerMode::Push).await?;
+    let ns = d.ns.name().to_owned();
+    let client = d.cluster.client();
+    let secrets: Api<Secret> = Api::namespaced(client.clone(), &ns);
+    let scaler_ip = Api::<Service>::namespaced(client.clone(), &ns)
+        .get(&format!("{SERVICE}-scaler"))
+        .await?
+        .spec
+        .and_then(|s| s.cluster_ip)
+        .context("the scaler Service has no ClusterIP")?;
+    let addr = format!("{scaler_ip}:9090");
+    let host = format!("{SERVICE}-scaler.{ns}.svc");
+    let client_secret = format!("{SERVICE}-scaler-client-tls");
+
+    // KEDA's material gets in, checking the gateway's name against the CA as KEDA does; no
+    // client certificate, or plain text, does not.
+    let old = Material::read(&secrets, &client_secret).await?;
+    ensure!(
+        old.probe(&addr, &host, true).await?,
+        "KEDA's client certificate was refused by the ExternalScaler"
+    );
+    ensure!(
+        !old.probe(&addr, &host, false).await?,
+        "a client without a certificate got an HTTP/2 answer from the ExternalScaler"
+    );
+    ensure!(
+        !plain_h2(&addr).await?,
+        "plain-text gRPC got an HTTP/2 answer from the ExternalScaler"
+    );
+    let digest = trigger_digest(&client, &ns).await?;
+    ensure!(
+        digest.as_deref() == Some(old.digest().as_str()),
+        "the ScaledObject's tlsDigest {digest:?} is not the client Secret's {}",
+        old.digest()
+    );
+
+    // Re-key: the service's CA Secret deleted. The controller issues a new CA and both
+    // certificates, the kubelet refreshes the gateway's files, the gateway reloads them.
+    let rotated = Instant::now();
+    secrets
+        .delete(&format!("{SERVICE}-scaler-tls"), &Default::default())
+        .await?;
+    let new = wait_until("a new CA in KEDA's Secret", Duration::from_secs(30), || {
+        let secrets = secrets.clone();
+        let (name, old_ca) = (client_secret.clone(), old.ca.clone());
+        async move {
+            let m = Material::read(&secrets, &name).await?;
+            Ok(if m.ca != old_ca {
+                Observed::Ready(m)
+            } else {
+                Observed::NotYet("still the old CA".into())
+            })
+        }
+    })
+    .await?;
+    let issued = rotated.elapsed();
+    wait_until(
+        "the gateway serving the new CA's certificate",
+        Duration::from_secs(150),
+        || {
+            let (new, addr, host) = (new.clone(), addr.clone(), host.clone());
+            async move {
+                Ok(if new.probe(&addr, &host, true).await? {
+                    Observed::Ready(())
+                } else {
+                    Observed::NotYet("the new material is refused yet".into())
+                })
+            }
+        },
+    )
+    .await?;
+    let served = rotated.elapsed();
+    ensure!(
+        !old.probe(&addr, &host, true).await?,
+        "the replaced CA's client certificate still gets in"
+    );
+    let digest = trigger_digest(&client, &ns).await?;
+    ensure!(
+        digest.as_deref() == Some(new.digest().as_str()),
+        "the ScaledObject's tlsDigest {digest:?} did not follow the new client Secret"
+    );
+
+    // KEDA reconnects with the new material: a cold request scales the backend from zero.
+    let trace = client::chat(&d.url, SERVICE, true, Duration::from_secs(150)).await?;
+    ensure!(
+        trace.status == 200 && trace.complete(),
+        "the cold request after the rotation: {} {:?} ({})",
+        trace.status,
+        trace.events,
+        d.timeline_text(trace.sent)
+    );
+    println!(
+        "[push, mutual TLS] CA replaced: new certificates issued {:.1}s after the Secret's deletion, served by the gateway {:.1}s after it; cold request after the rotation: first token {:.2}s",
+        issued.as_secs_f64(),
+        served.as_secs_f64(),
+        (trace.first_token().unwrap_or(trace.sent) - trace.sent).as_secs_f64(),
+    );
+    Ok(())
+}
+
+/// KEDA's TLS material, as its TriggerAuthentication reads it from the client Secret.
+#[derive(Clone)]
+struct Material {
+    ca: String,
+    cert: String,
+    key: String,
+}
+
+impl Material {
+    async fn read(secrets: &Api<Secret>, name: &str) -> Result<Self> {
+        let s = secrets.get(name).await?;
+        let data = s.data.unwrap_or_default();
+        let field = |k: &str| -> Result<String> {
+            let v = data
+                .get(k)
+                .with_context(|| format!("Secret {name} has no {k}"))?;
+            Ok(String::from_utf8(v.0.clone())?)
+        };
+        Ok(Self {
+            ca: field("ca.crt")?,
+            cert: field("tls.crt")?,
+            key: field("tls.key")?,
+        })
+    }
+
+    /// The controller's digest of it (`hearth_controller::scaler_tls`).
+    fn digest(&self) -> String {
+        hearth_controller::scaler_tls::digest(&[&self.ca, &self.cert])
+    }
+
+    /// Whether a TLS connection checking `host` against the CA bundle, with the client
+    /// certificate when `identify`, gets an HTTP/2 SETTINGS frame back: the gateway took the
+    /// connection (with TLS 1.3 a refused client certificate shows only after the handshake).
+    async fn probe(&self, addr: &str, host: &str, identify: bool) -> Result<bool> {
+        use rustls::pki_types::pem::PemObject;
+        use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let mut roots = rustls::RootCertStore::empty();
+        for c in CertificateDer::pem_slice_iter(self.ca.as_bytes()) {
+            roots.add(c?)?;
+        }
+        let builder = rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()?
+            .with_root_certificates(roots);
+        let mut config = if identify {
+            let chain = CertificateDer::pem_slice_iter(self.cert.as_bytes())
+                .collect::<Result<Vec<_>, _>>()?;
+            builder
+                .with_client_auth_cert(chain, PrivateKeyDer::from_pem_slice(self.key.as_bytes())?)?
+        } else {
+            builder.with_no_client_auth()
+        };
+        config.alpn_protocols = vec![b"h2".to_vec()];
+        let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
+        let tcp = tokio::net::TcpStream::connect(addr).await?;
+        let name = ServerName::try_from(host.to_owned())?;
+        let Ok(Ok(tls)) =
+            tokio::time::timeout(Duration::from_secs(5), connector.connect(name, tcp)).await
+        else {
+            return Ok(false);
+        };
+        h2_settings(tls).await
+    }
+}
+
+/// Sends the HTTP/2 preface and an empty SETTINGS frame on `io`; whether a SETTINGS frame
+/// comes back within 5 s.
+async fn h2_settings(mut io: impl AsyncRead + AsyncWrite + Unpin) -> Result<bool> {
+    const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0";
+    if io.write_all(PREFACE).await.is_err() {
+        return Ok(false);
+    }
+    let mut header = [0u8; 9];
+    match tokio::time::timeout(Duration::from_secs(5), io.read_exact(&mut header)).await {
+        Ok(Ok(_)) => Ok(header[3] == 0x4),
+        _ => Ok(false),
+    }
+}
+
+/// Whether plain-text HTTP/2 to `addr` gets a SETTINGS frame back.
+async fn plain_h2(addr: &str) -> Result<bool> {
+    let tcp = tokio::net::TcpStream::connect(addr).await?;
+    h2_settings(tcp).await
+}
+
+/// The `tlsDigest` of the ScaledObject's demand trigger.
+async fn trigger_digest(client: &kube::Client, ns: &str) -> Result<Option<String>> {
+    let api: Api<DynamicObject> = Api::namespaced_with(
+        client.clone(),
+        ns,
+        &hearth_controller::render::scaled_object_resource(),
+    );
+    let so = api.get(SERVICE).await?;
+    Ok(so
+        .data
+        .pointer("/spec/triggers/0/metadata/tlsDigest")
+        .and_then(|v| v.as_str())
+        .map(str::to_owned))
 }
