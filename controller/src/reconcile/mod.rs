@@ -1088,7 +1088,16 @@ pub async fn run(
     let pdb_stream = tap_endpoint_owners(pdb_stream, endpoint_tx.clone());
     let (cm_store, cm_stream) = cached_watch::<ConfigMap>(&client, ns, &managed, None);
     // The ExternalScaler's certificates (`crate::scaler_tls`): a deleted one is issued again.
-    let (secrets_store, secrets_stream) = cached_watch::<Secret>(&client, ns, &managed, None);
+    // Without scaler TLS the chart grants no Secret rights: an empty cache, ready at once.
+    let (secrets_store, secrets_stream) = if cfg.render.scaler_tls {
+        let (store, stream) = cached_watch::<Secret>(&client, ns, &managed, None);
+        (store, stream.boxed())
+    } else {
+        let (store, mut writer) = reflector::store::<Secret>();
+        writer.apply_watcher_event(&watcher::Event::Init);
+        writer.apply_watcher_event(&watcher::Event::InitDone);
+        (store, futures::stream::pending().boxed())
+    };
     // Backend pods trigger their service's reconcile when they turn Ready (or stop being so):
     // that is when an activation is recorded; and when a pod starts or stops failing to come
     // up (`Ready=False` with a reason of `hearth_crds::ACTIVATION_FAILED_REASONS`).
