@@ -157,18 +157,15 @@ struct RunArgs {
     /// wait for devices to free by themselves.
     #[arg(long, env = "HEARTH_DEVICE_HANDOVER", default_value_t = true, action = clap::ArgAction::Set)]
     device_handover: bool,
-    /// Mutual TLS between KEDA and a push-mode service's own gateway: the controller issues a
-    /// CA per service, the gateway's certificate and KEDA's (Secrets `N-scaler-tls` and
+    /// Mutual TLS between KEDA and a push-mode service's own gateway: the controller issues the
+    /// gateway's certificate and KEDA's from a new CA each time (Secrets `N-scaler-tls` and
     /// `N-scaler-client-tls`, TriggerAuthentication `N-scaler`); false: plain gRPC.
     #[arg(long, env = "HEARTH_SCALER_TLS", default_value_t = true, action = clap::ArgAction::Set)]
     scaler_tls: bool,
-    /// Lifetime of the ExternalScaler certificates (renewed two thirds into it).
+    /// Lifetime of the ExternalScaler certificates and of the CA made for each issuance (issued
+    /// again two thirds into it; at least 1h).
     #[arg(long, env = "HEARTH_SCALER_CERT_VALIDITY", default_value = "2160h", value_parser = go_duration)]
     scaler_cert_validity: Duration,
-    /// Lifetime of each service's ExternalScaler CA (replaced, old one still trusted for a
-    /// generation, once it cannot sign two more certificates).
-    #[arg(long, env = "HEARTH_SCALER_CA_VALIDITY", default_value = "87600h", value_parser = go_duration)]
-    scaler_ca_validity: Duration,
     /// Namespace of the DaemonSets that pre-pull the images of runtimes with `spec.prePull`
     /// (the controller's own, which the chart sets); unset or empty: no pre-pull (and
     /// `prePull` has no effect).
@@ -369,15 +366,10 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
             }
         }
     };
-    // A CA is replaced once it cannot sign two more full-length certificates: one shorter
-    // than three would be replaced at every reconcile.
-    if args.scaler_cert_validity < Duration::from_secs(3600)
-        || args.scaler_ca_validity <= args.scaler_cert_validity * 3
-    {
-        anyhow::bail!(
-            "--scaler-cert-validity ({:?}) must be at least 1h, and --scaler-ca-validity ({:?}) more than three times it",
-            args.scaler_cert_validity,
-            args.scaler_ca_validity
+    if args.scaler_cert_validity < Duration::from_secs(3600) {
+        bail!(
+            "--scaler-cert-validity ({:?}) must be at least 1h: certificates are issued again two thirds into it",
+            args.scaler_cert_validity
         );
     }
     let cfg = RunConfig {
@@ -394,7 +386,6 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         device_handover: args.device_handover,
         scaler_tls: hearth_controller::scaler_tls::ScalerTlsConfig {
             cert_validity: args.scaler_cert_validity,
-            ca_validity: args.scaler_ca_validity,
         },
     };
     // Both loops stop on the same signal (or lost lease).

@@ -212,10 +212,10 @@ egress:
   verbs: ["list", "watch"]
 {{- if .Values.controller.scalerTLS.enabled }}
 # The ExternalScaler's certificates (mutual TLS with KEDA): the Secrets N-scaler-tls and
-# N-scaler-client-tls (watched by the managed-by label) and the TriggerAuthentication N-scaler.
+# N-scaler-client-tls, written and never read, and the TriggerAuthentication N-scaler.
 - apiGroups: [""]
   resources: ["secrets"]
-  verbs: ["list", "watch", "create", "patch", "delete"]
+  verbs: ["create", "patch", "delete"]
 - apiGroups: ["keda.sh"]
   resources: ["triggerauthentications"]
   verbs: ["create", "patch", "delete"]

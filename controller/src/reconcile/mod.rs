@@ -51,7 +51,7 @@ use k8s_openapi::{
         apps::v1::Deployment,
         batch::v1::Job,
         core::v1::{
-            ConfigMap, Event as CoreEvent, Namespace, PersistentVolumeClaim, Pod, Secret, Service,
+            ConfigMap, Event as CoreEvent, Namespace, PersistentVolumeClaim, Pod, Service,
             ServiceAccount,
         },
         policy::v1::PodDisruptionBudget,
@@ -230,7 +230,7 @@ pub struct RunConfig {
     /// Device handover (`crate::handover`): a cold service whose backend waits for its
     /// accelerator may take an idle service's. `false` only stops new handovers.
     pub device_handover: bool,
-    /// Lifetimes of the ExternalScaler certificates (`crate::scaler_tls`; on with
+    /// Lifetime of the ExternalScaler certificates (`crate::scaler_tls`; on with
     /// `render.scaler_tls`).
     pub scaler_tls: crate::scaler_tls::ScalerTlsConfig,
 }
@@ -301,20 +301,15 @@ pub struct Context {
     policies: Option<policy::ClusterEngine>,
     /// The device handover's settings and lock.
     handover: handover::Handover,
-    /// The Secrets the controller made (the ExternalScaler's certificates).
-    secrets: Store<Secret>,
-    /// Lifetimes of the ExternalScaler certificates.
+    /// Lifetime of the ExternalScaler certificates.
     pub scaler_tls: crate::scaler_tls::ScalerTlsConfig,
     /// The TriggerAuthentications applied ([`crate::scaler_tls::Applied`]).
     trigger_auths: crate::scaler_tls::Applied,
+    /// The ExternalScaler certificates this process issued ([`crate::scaler_tls::Records`]).
+    pub(crate) scaler_records: crate::scaler_tls::Records,
 }
 
 impl Context {
-    /// The Secret `namespace/name` if the controller made it (its cache).
-    pub(crate) fn secret(&self, namespace: &str, name: &str) -> Option<Arc<Secret>> {
-        get_in(&self.secrets, namespace, name)
-    }
-
     /// Whether KEDA's ScaledObject CRD is installed and established.
     pub(crate) fn keda_installed(&self) -> bool {
         self.keda.installed()
@@ -363,7 +358,6 @@ impl Context {
             && synced(&self.namespaces)
             && synced(&self.members)
             && synced(&self.adapters)
-            && synced(&self.secrets)
     }
 
     /// The render settings with the policies as they are now.
@@ -768,7 +762,7 @@ async fn reconcile_inner(svc: &LLMService, ctx: &Context) -> Result<Action, Erro
         .await?
     };
     let mut desired = desired;
-    crate::scaler_tls::step(ctx, svc, &mut desired).await?;
+    crate::scaler_tls::step(ctx, svc, &view, &mut desired).await?;
     let mut plan = plan(svc, desired, &view, &ctx.render);
     execute(ctx, &namespace, &mut plan).await?;
     let handover = handover::step(ctx, svc, &view).await;
@@ -1087,17 +1081,6 @@ pub async fn run(
         cached_watch::<PodDisruptionBudget>(&client, ns, &managed, Some(|p| relevant(p, &())));
     let pdb_stream = tap_endpoint_owners(pdb_stream, endpoint_tx.clone());
     let (cm_store, cm_stream) = cached_watch::<ConfigMap>(&client, ns, &managed, None);
-    // The ExternalScaler's certificates (`crate::scaler_tls`): a deleted one is issued again.
-    // Without scaler TLS the chart grants no Secret rights: an empty cache, ready at once.
-    let (secrets_store, secrets_stream) = if cfg.render.scaler_tls {
-        let (store, stream) = cached_watch::<Secret>(&client, ns, &managed, None);
-        (store, stream.boxed())
-    } else {
-        let (store, mut writer) = reflector::store::<Secret>();
-        writer.apply_watcher_event(&watcher::Event::Init);
-        writer.apply_watcher_event(&watcher::Event::InitDone);
-        (store, futures::stream::pending().boxed())
-    };
     // Backend pods trigger their service's reconcile when they turn Ready (or stop being so):
     // that is when an activation is recorded; and when a pod starts or stops failing to come
     // up (`Ready=False` with a reason of `hearth_crds::ACTIVATION_FAILED_REASONS`).
@@ -1237,9 +1220,9 @@ pub async fn run(
         keda,
         policies,
         handover: handover::Handover::new(cfg.device_handover),
-        secrets: secrets_store,
         scaler_tls: cfg.scaler_tls,
         trigger_auths: crate::scaler_tls::Applied::default(),
+        scaler_records: crate::scaler_tls::Records::default(),
         recorder: Recorder::new(
             client.clone(),
             Reporter {
@@ -1423,7 +1406,6 @@ pub async fn run(
         .owns_stream(roles_stream)
         .owns_stream(rb_stream)
         .owns_stream(pdb_stream)
-        .owns_stream(secrets_stream)
         .watches_stream(pods_stream, |pod: Pod| {
             let service = pod.labels().get(LLMSERVICE_LABEL)?.clone();
             Some(ObjectRef::<LLMService>::new(&service).within(&pod.namespace()?))

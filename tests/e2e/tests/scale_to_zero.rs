@@ -3,8 +3,8 @@
 //! while the backend goes 0 → 1 → tokens → 200; then idle → back to 0, the idle pod leaving
 //! as soon as its drain sidecar sees the engine idle (not after the whole `drainTimeout`).
 //! In push mode KEDA reaches the gateway's ExternalScaler over mutual TLS: a client without
-//! KEDA's certificate is refused, and after the service's CA is replaced (its Secret deleted)
-//! a cold request scales it from zero again.
+//! KEDA's certificate is refused, and after the certificates are issued again from a new CA a
+//! cold request scales it from zero again.
 //! Hearth is installed with its chart and every pod runs on the real node of `tests/cluster/up`
 //! (needs root); see docs/e2e.md.
 
@@ -17,9 +17,10 @@ use anyhow::{Context, Result, ensure};
 use hearth_e2e_harness::client::{self, Event};
 use hearth_e2e_harness::stack::ScalerMode;
 use hearth_test_support::{Observed, wait_until};
+use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{Secret, Service};
 use kube::Api;
-use kube::api::DynamicObject;
+use kube::api::{DynamicObject, Patch, PatchParams};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use stack::{SERVICE, TOKENS};
@@ -149,11 +150,18 @@ async fn push_mode_cold_start_then_back_to_zero_over_mutual_tls_through_a_ca_rot
         old.digest()
     );
 
-    // Re-key: the service's CA Secret deleted. The controller issues a new CA and both
-    // certificates, the kubelet refreshes the gateway's files, the gateway reloads them.
+    // Re-key: the record of the issuance removed from the gateway Deployment, as the docs
+    // say. The controller issues both certificates from a new CA (the old one stays in the
+    // bundle), the kubelet refreshes the gateway's files, the gateway reloads them.
     let rotated = Instant::now();
-    secrets
-        .delete(&format!("{SERVICE}-scaler-tls"), &Default::default())
+    Api::<Deployment>::namespaced(client.clone(), &ns)
+        .patch(
+            &format!("{SERVICE}-gateway"),
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({
+                "metadata": {"annotations": {"serving.hearth.dev/scaler-tls": null}}
+            })),
+        )
         .await?;
     let new = wait_until("a new CA in KEDA's Secret", Duration::from_secs(30), || {
         let secrets = secrets.clone();
@@ -185,9 +193,19 @@ async fn push_mode_cold_start_then_back_to_zero_over_mutual_tls_through_a_ca_rot
     )
     .await?;
     let served = rotated.elapsed();
+    // The previous CA stays trusted for one generation, so KEDA's connection made with the
+    // old material is not cut while KEDA switches; its certificate still gets in.
     ensure!(
-        !old.probe(&addr, &host, true).await?,
-        "the replaced CA's client certificate still gets in"
+        new.ca.contains(old.ca.trim()),
+        "the new bundle does not keep the previous CA"
+    );
+    let previous_client = Material {
+        ca: new.ca.clone(),
+        ..old.clone()
+    };
+    ensure!(
+        previous_client.probe(&addr, &host, true).await?,
+        "the previous CA's client certificate was refused during the rotation"
     );
     let digest = trigger_digest(&client, &ns).await?;
     ensure!(
@@ -205,7 +223,7 @@ async fn push_mode_cold_start_then_back_to_zero_over_mutual_tls_through_a_ca_rot
         d.timeline_text(trace.sent)
     );
     println!(
-        "[push, mutual TLS] CA replaced: new certificates issued {:.1}s after the Secret's deletion, served by the gateway {:.1}s after it; cold request after the rotation: first token {:.2}s",
+        "[push, mutual TLS] re-keyed: new CA in KEDA's Secret {:.1}s after the record's removal, served by the gateway {:.1}s after it; cold request after the rotation: first token {:.2}s",
         issued.as_secs_f64(),
         served.as_secs_f64(),
         (trace.first_token().unwrap_or(trace.sent) - trace.sent).as_secs_f64(),
