@@ -150,16 +150,27 @@ async fn push_mode_cold_start_then_back_to_zero_over_mutual_tls_through_a_ca_rot
         old.digest()
     );
 
-    // Re-key: the record of the issuance removed from the gateway Deployment, as the docs
-    // say. The controller issues both certificates from a new CA (the old one stays in the
-    // bundle), the kubelet refreshes the gateway's files, the gateway reloads them.
+    // A renewal, as two thirds into the certificates' life: the record on the gateway
+    // Deployment says they expired. The controller issues both from a new CA (the previous one
+    // stays in the bundle), the kubelet refreshes the gateway's files, the gateway reloads them.
+    let deployments = Api::<Deployment>::namespaced(client.clone(), &ns);
+    let gateway = format!("{SERVICE}-gateway");
+    let live = deployments.get(&gateway).await?;
+    let mut record: serde_json::Value = serde_json::from_str(
+        live.metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(RECORD))
+            .context("the gateway Deployment has no record of the issuance")?,
+    )?;
+    record["notAfter"] = "2000-01-01T00:00:00Z".into();
     let rotated = Instant::now();
-    Api::<Deployment>::namespaced(client.clone(), &ns)
+    deployments
         .patch(
-            &format!("{SERVICE}-gateway"),
+            &gateway,
             &PatchParams::default(),
             &Patch::Merge(serde_json::json!({
-                "metadata": {"annotations": {"serving.hearth.dev/scaler-tls": null}}
+                "metadata": {"annotations": {RECORD: record.to_string()}}
             })),
         )
         .await?;
@@ -223,13 +234,16 @@ async fn push_mode_cold_start_then_back_to_zero_over_mutual_tls_through_a_ca_rot
         d.timeline_text(trace.sent)
     );
     println!(
-        "[push, mutual TLS] re-keyed: new CA in KEDA's Secret {:.1}s after the record's removal, served by the gateway {:.1}s after it; cold request after the rotation: first token {:.2}s",
+        "[push, mutual TLS] renewed: new CA in KEDA's Secret {:.1}s after the record said expired, served by the gateway {:.1}s after it; cold request after the rotation: first token {:.2}s",
         issued.as_secs_f64(),
         served.as_secs_f64(),
         (trace.first_token().unwrap_or(trace.sent) - trace.sent).as_secs_f64(),
     );
     Ok(())
 }
+
+/// The annotation recording the ExternalScaler certificates' issuance.
+const RECORD: &str = hearth_controller::scaler_tls::RECORD_ANNOTATION;
 
 /// KEDA's TLS material, as its TriggerAuthentication reads it from the client Secret.
 #[derive(Clone)]
@@ -256,9 +270,15 @@ impl Material {
         })
     }
 
-    /// The controller's digest of it (`hearth_controller::scaler_tls`).
+    /// The controller's digest of it (`hearth_controller::scaler_tls::Record::digest`): of the
+    /// CA that signed it, the bundle's first certificate.
     fn digest(&self) -> String {
-        hearth_controller::scaler_tls::digest(&[&self.ca, &self.cert])
+        const END: &str = "-----END CERTIFICATE-----\n";
+        let first = self
+            .ca
+            .find(END)
+            .map_or(self.ca.as_str(), |i| &self.ca[..i + END.len()]);
+        hearth_controller::scaler_tls::digest(&[first])
     }
 
     /// Whether a TLS connection checking `host` against the CA bundle, with the client
