@@ -9,6 +9,7 @@
 //! The CRD manifests under `crds/` are generated from these types by
 //! `cargo run -p hearth-crds --example crdgen` and checked fresh by this crate's tests.
 
+pub mod admin;
 pub mod cron;
 pub mod duration;
 pub mod inferenceruntime;

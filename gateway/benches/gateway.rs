@@ -478,6 +478,8 @@ fn start_gateway_bin(bin: &str, backend: &str) -> (Proc, u16, u16) {
                 BENCH_CONCURRENCY.to_string(),
             )
             .env("RUST_LOG", "warn")
+            // By environment too: a baseline build from before the admin port ignores it.
+            .env("HEARTH_ADMIN_LISTEN", format!("127.0.0.1:{}", free_port()))
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()

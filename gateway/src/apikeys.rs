@@ -88,9 +88,9 @@ struct KeyTable {
 }
 
 /// A SHA-256 digest.
-type Digest = [u8; 32];
+pub(crate) type Digest = [u8; 32];
 
-fn digest(key: &str) -> Digest {
+pub(crate) fn digest(key: &str) -> Digest {
     let mut out = [0u8; 32];
     out.copy_from_slice(ring::digest::digest(&ring::digest::SHA256, key.as_bytes()).as_ref());
     out
@@ -295,7 +295,7 @@ impl ApiKeys {
 }
 
 /// The token of `Bearer <token>` (scheme case-insensitive, RFC 9110 §11.1).
-fn bearer(v: &str) -> Option<&str> {
+pub(crate) fn bearer(v: &str) -> Option<&str> {
     let (scheme, token) = v.trim().split_once(' ')?;
     scheme
         .eq_ignore_ascii_case("bearer")

@@ -162,10 +162,19 @@ impl DrainArgs {
 /// `hearth-gateway` (serve).
 #[derive(Debug, Args)]
 pub struct ServeArgs {
-    /// HTTP listen address: the OpenAI API, /hearth/queue, /healthz, /readyz, /metrics.
-    /// `[::]` is every address, IPv4 and IPv6 (IPv4 only on a host without IPv6).
+    /// HTTP listen address of clients: the OpenAI API, /healthz, /readyz. `[::]` is every
+    /// address, IPv4 and IPv6 (IPv4 only on a host without IPv6).
     #[arg(long, env = "HEARTH_LISTEN", default_value = "[::]:8080", value_parser = hearth_net::parse_listen)]
     pub listen: SocketAddr,
+    /// HTTP listen address of the admin endpoints: /hearth/queue..., /hearth/local-demand,
+    /// /metrics, /hearth/quota-usage, /hearth/metering, /hearth/adapter-failures.
+    #[arg(long, env = "HEARTH_ADMIN_LISTEN", default_value = "[::]:9091", value_parser = hearth_net::parse_listen)]
+    pub admin_listen: SocketAddr,
+    /// Bearer tokens of the admin port: a directory with `token` (this gateway's own, sent to
+    /// its peers) and `authorized.json` (digests of the other callers' tokens with their
+    /// scopes), re-read every 10s. Absent: the admin port is open to anyone who reaches it.
+    #[arg(long, env = "HEARTH_ADMIN_AUTH_DIR")]
+    pub admin_auth_dir: Option<PathBuf>,
     /// KEDA ExternalScaler gRPC listen address.
     #[arg(
         long,
@@ -285,7 +294,8 @@ pub struct ServeArgs {
     /// How often the API key file is re-read.
     #[arg(long, env = "HEARTH_API_KEY_RELOAD_INTERVAL", default_value = "10s", value_parser = duration)]
     pub api_key_reload_interval: Duration,
-    /// Gateway Service whose EndpointSlices list the peer replicas; enables demand aggregation.
+    /// Service whose EndpointSlices list the peer replicas' admin ports; enables demand
+    /// aggregation.
     #[arg(long, env = "HEARTH_PEER_SERVICE")]
     pub peer_service: Option<String>,
     /// The LLMService this gateway serves (in --namespace). With --backend-service its `Ready`
@@ -298,7 +308,8 @@ pub struct ServeArgs {
     /// The LLMService's UID, which `kubectl describe` matches Events on.
     #[arg(long, env = "HEARTH_LLMSERVICE_UID", requires = "llmservice")]
     pub llmservice_uid: Option<String>,
-    /// Name of the gateway Service's HTTP port in the EndpointSlices (default: the only port, or "http").
+    /// Name of the peer Service's admin port in the EndpointSlices (default: the only port, or
+    /// "http").
     #[arg(long, env = "HEARTH_PEER_PORT_NAME")]
     pub peer_port_name: Option<String>,
     /// This pod's IPs, to leave itself out of the peers: every address, so a dual-stack pod is

@@ -1,11 +1,18 @@
 //! One gateway replica: shared state, the HTTP router and server loop, drain.
 //!
-//! HTTP endpoints of the gateway itself (everything else is proxied to the backend):
+//! HTTP endpoints of the gateway itself. On the client port (`--listen`; everything else there
+//! is proxied to the backend, and an admin path is `404` naming the admin port):
 //!
 //! | endpoint | answer |
 //! |---|---|
 //! | `GET /healthz` | `200` while the process runs (liveness) |
 //! | `GET /readyz` | `200`, or `503` once draining (readiness) |
+//!
+//! On the admin port (`--admin-listen`), each request let in by its bearer token's scope
+//! ([`crate::admin`]; `401`/`403` otherwise):
+//!
+//! | endpoint | answer |
+//! |---|---|
 //! | `GET /hearth/queue` | `{"pending": N}`: total demand over all replicas (KEDA `metrics-api`); `503` with an error while the total is unknown |
 //! | `GET /hearth/queue/local` | this replica's demand only (what KEDA's `aggregateFromKubeServiceEndpoints` sums; KEDA drops a URL's query there, so the path says it), and `idleSeconds`: since its last request finished, 0 while it has demand (the controller's device handover reads both) |
 //! | `GET /hearth/queue/<namespace>/<name>[/local]` | the same for one model of a shared gateway (required there: `/hearth/queue` is `400`; `404` for a service not in the table) |
@@ -63,10 +70,13 @@ use crate::{
     upstream::UpstreamPool,
 };
 
-/// The paths the gateway answers itself (see the module table); every other path is proxied.
-pub const OWN_PATHS: [&str; 8] = [
-    "/healthz",
-    "/readyz",
+/// The paths the client port answers itself: the kubelet's probes. Everything else there is
+/// proxied, except the admin paths ([`is_admin_path`]), answered `404` naming the admin port.
+pub const CLIENT_PATHS: [&str; 2] = ["/healthz", "/readyz"];
+
+/// The admin paths with a fixed name (see the module table), served on the admin port only;
+/// the `/hearth/queue/...` forms are admin paths too ([`is_admin_path`]).
+pub const ADMIN_PATHS: [&str; 6] = [
     "/hearth/queue",
     "/hearth/local-demand",
     "/metrics",
@@ -81,9 +91,16 @@ pub const OWN_PATHS: [&str; 8] = [
 /// and drops its query.
 pub const QUEUE_LOCAL_PATH: &str = "/hearth/queue/local";
 
-/// Whether the gateway answers `path` itself: [`OWN_PATHS`] and the `/hearth/queue/...` forms.
+/// Whether `path` is served on the admin port: [`ADMIN_PATHS`] and the `/hearth/queue/...`
+/// forms.
+pub fn is_admin_path(path: &str) -> bool {
+    ADMIN_PATHS.contains(&path) || path.starts_with("/hearth/queue/")
+}
+
+/// Whether the client port answers `path` itself ([`CLIENT_PATHS`], and a `404` for an admin
+/// path) instead of proxying it.
 pub fn is_own_path(path: &str) -> bool {
-    OWN_PATHS.contains(&path) || path.starts_with("/hearth/queue/")
+    CLIENT_PATHS.contains(&path) || is_admin_path(path)
 }
 
 /// State shared by all handlers of one replica.
@@ -472,22 +489,52 @@ impl Gateway {
         tokio::spawn(self.shared.keys.clone().watch(key_reload_interval));
     }
 
-    /// The HTTP routes: the gateway's own endpoints ([`OWN_PATHS`]), everything else proxied.
-    /// A [`ClientAddr`] request extension, when present, is appended to `X-Forwarded-For`.
+    /// The client port's routes: the probes ([`CLIENT_PATHS`]), a `404` for the admin paths,
+    /// everything else proxied. A [`ClientAddr`] request extension, when present, is appended
+    /// to `X-Forwarded-For`.
     pub fn router(&self) -> Router {
+        let [healthz, readyz_path] = CLIENT_PATHS;
+        let elsewhere = || async {
+            crate::openai::error_response(
+                StatusCode::NOT_FOUND,
+                "this path is served on the gateway's admin port (--admin-listen, port name admin), not the client port",
+                "invalid_request_error",
+                Some("admin_port"),
+            )
+        };
+        let mut router = Router::new()
+            .route(healthz, get(|| async { "ok" }))
+            .route(readyz_path, get(readyz))
+            .route("/hearth/queue/{*rest}", get(elsewhere));
+        for path in ADMIN_PATHS {
+            router = router.route(path, get(elsewhere));
+        }
+        router
+            .method_not_allowed_fallback(own_endpoints_are_read_only)
+            .fallback(
+                |State(shared): State<Arc<Shared>>, req: axum::extract::Request| {
+                    let peer_ip = req
+                        .extensions()
+                        .get::<ClientAddr>()
+                        .and_then(|a| proxy::peer_ip_value(a.0));
+                    proxy::proxy(shared, req, peer_ip)
+                },
+            )
+            .with_state(self.shared.clone())
+    }
+
+    /// The admin port's routes ([`ADMIN_PATHS`] and the `/hearth/queue/...` forms), each
+    /// request let in by `auth` ([`crate::admin::require`]); any other path is `404`.
+    pub fn admin_router(&self, auth: crate::admin::AdminAuth) -> Router {
         let [
-            healthz,
-            readyz_path,
             queue_path,
             local_demand_path,
             metrics_path,
             usage_path,
             metering_path,
             adapter_failures_path,
-        ] = OWN_PATHS;
+        ] = ADMIN_PATHS;
         Router::new()
-            .route(healthz, get(|| async { "ok" }))
-            .route(readyz_path, get(readyz))
             .route(queue_path, get(queue))
             .route(QUEUE_LOCAL_PATH, get(queue_local))
             .route("/hearth/queue/{namespace}/{service}", get(queue_service))
@@ -500,27 +547,11 @@ impl Gateway {
             .route(usage_path, get(quota_usage))
             .route(metering_path, get(metering))
             .route(adapter_failures_path, get(adapter_failures))
-            // The gateway's own endpoints are read-only; axum's 405 would have an empty body.
-            .method_not_allowed_fallback(|| async {
-                let mut resp = crate::openai::error_response(
-                    StatusCode::METHOD_NOT_ALLOWED,
-                    "the gateway's own endpoints answer GET only",
-                    "invalid_request_error",
-                    Some("method_not_allowed"),
-                );
-                resp.headers_mut()
-                    .insert(header::ALLOW, HeaderValue::from_static("GET, HEAD"));
-                resp
-            })
-            .fallback(
-                |State(shared): State<Arc<Shared>>, req: axum::extract::Request| {
-                    let peer_ip = req
-                        .extensions()
-                        .get::<ClientAddr>()
-                        .and_then(|a| proxy::peer_ip_value(a.0));
-                    proxy::proxy(shared, req, peer_ip)
-                },
-            )
+            .method_not_allowed_fallback(own_endpoints_are_read_only)
+            .route_layer(axum::middleware::from_fn_with_state(
+                auth,
+                crate::admin::require,
+            ))
             .with_state(self.shared.clone())
     }
 
@@ -575,7 +606,31 @@ impl Gateway {
     /// # Errors
     /// None in practice: accept errors (e.g. out of file descriptors) are logged and retried.
     pub async fn serve_http(&self, listener: TcpListener) -> std::io::Result<()> {
-        let router = self.router();
+        self.serve_router(listener, self.router(), true).await
+    }
+
+    /// Serves the admin port ([`Gateway::admin_router`]) on `listener` as
+    /// [`Gateway::serve_http`] serves the client port, every request checked by `auth`.
+    ///
+    /// # Errors
+    /// None in practice (see [`Gateway::serve_http`]).
+    pub async fn serve_admin(
+        &self,
+        listener: TcpListener,
+        auth: crate::admin::AdminAuth,
+    ) -> std::io::Result<()> {
+        self.serve_router(listener, self.admin_router(auth), false)
+            .await
+    }
+
+    /// The accept loop of both ports: `router` answers its own paths; with `proxy`, every other
+    /// path goes straight to the proxy.
+    async fn serve_router(
+        &self,
+        listener: TcpListener,
+        router: Router,
+        proxy: bool,
+    ) -> std::io::Result<()> {
         let graceful = hyper_util::server::graceful::GracefulShutdown::new();
         let mut builder = hyper::server::conn::http1::Builder::new();
         builder
@@ -604,7 +659,7 @@ impl Gateway {
             // boxing and route matching) serves only the gateway's own endpoints.
             let svc =
                 hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
-                    if is_own_path(req.uri().path()) {
+                    if !proxy || is_own_path(req.uri().path()) {
                         let mut r = router.clone();
                         Either::Left(r.call(req))
                     } else {
@@ -750,8 +805,10 @@ fn reuseport_listener(addr: SocketAddr) -> std::io::Result<TcpListener> {
 pub struct RunningGateway {
     /// The replica.
     pub gateway: Gateway,
-    /// HTTP address.
+    /// HTTP address (the client port).
     pub http: SocketAddr,
+    /// The admin port's address.
+    pub admin: SocketAddr,
     /// ExternalScaler gRPC address.
     pub grpc: SocketAddr,
 }
@@ -762,24 +819,46 @@ impl RunningGateway {
         format!("http://{}", self.http)
     }
 
+    /// `http://<admin addr>`.
+    pub fn admin_url(&self) -> String {
+        format!("http://{}", self.admin)
+    }
+
     /// `http://<grpc addr>`, for a tonic client.
     pub fn grpc_url(&self) -> String {
         format!("http://{}", self.grpc)
     }
 }
 
-/// Starts `gateway` on ephemeral ports of `ip` (HTTP and gRPC) with its background tasks.
+/// Starts `gateway` on ephemeral ports of `ip` (HTTP, admin and gRPC) with its background
+/// tasks; the admin port is open ([`crate::admin::AdminAuth::open`]).
 ///
 /// # Errors
 /// Bind errors.
 pub async fn spawn(gateway: Gateway, ip: std::net::IpAddr) -> std::io::Result<RunningGateway> {
+    spawn_with_admin(gateway, ip, crate::admin::AdminAuth::open()).await
+}
+
+/// [`spawn`], with the admin port checked by `auth`.
+///
+/// # Errors
+/// Bind errors.
+pub async fn spawn_with_admin(
+    gateway: Gateway,
+    ip: std::net::IpAddr,
+    auth: crate::admin::AdminAuth,
+) -> std::io::Result<RunningGateway> {
     let http_l = TcpListener::bind(SocketAddr::new(ip, 0)).await?;
+    let admin_l = TcpListener::bind(SocketAddr::new(ip, 0)).await?;
     let grpc_l = TcpListener::bind(SocketAddr::new(ip, 0)).await?;
     let http = http_l.local_addr()?;
+    let admin = admin_l.local_addr()?;
     let grpc = grpc_l.local_addr()?;
     gateway.spawn_background(Duration::from_secs(1));
     let g = gateway.clone();
     tokio::spawn(async move { g.serve_http(http_l).await });
+    let g = gateway.clone();
+    tokio::spawn(async move { g.serve_admin(admin_l, auth).await });
     let g = gateway.clone();
     tokio::spawn(async move {
         if let Err(e) = g.serve_grpc(grpc_l).await {
@@ -789,8 +868,23 @@ pub async fn spawn(gateway: Gateway, ip: std::net::IpAddr) -> std::io::Result<Ru
     Ok(RunningGateway {
         gateway,
         http,
+        admin,
         grpc,
     })
+}
+
+/// `405` for a method other than GET on the gateway's own endpoints (axum's would have an
+/// empty body).
+async fn own_endpoints_are_read_only() -> Response {
+    let mut resp = crate::openai::error_response(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "the gateway's own endpoints answer GET only",
+        "invalid_request_error",
+        Some("method_not_allowed"),
+    );
+    resp.headers_mut()
+        .insert(header::ALLOW, HeaderValue::from_static("GET, HEAD"));
+    resp
 }
 
 async fn readyz(State(shared): State<Arc<Shared>>) -> Response {

@@ -10,6 +10,8 @@
 //! - streaming passed through chunk by chunk, bytes unchanged ([`proxy`]);
 //! - KEDA: `GET /hearth/queue` (metrics-api) and the ExternalScaler gRPC service ([`scaler`]),
 //!   with demand aggregated over gateway replicas ([`peers`]);
+//! - the admin endpoints (demand, metrics, metering) on a port of their own, each caller's
+//!   bearer token opening its own paths ([`admin`]);
 //! - drain on SIGTERM, and the backend `preStop` drain command ([`drain`]);
 //! - request bodies bounded in size, read time and total memory ([`proxy`], [`budget`]);
 //! - LoRA adapters routed to their base model and loaded into its engines on demand
@@ -23,6 +25,7 @@
 //! `docs/gateway.md` describes the flags and the behaviour.
 
 pub mod adapters;
+pub mod admin;
 pub mod apikeys;
 pub mod budget;
 pub mod cli;
@@ -52,6 +55,6 @@ pub mod upstream;
 
 pub use config::{ColdStartMode, GatewayConfig, ModelConfig};
 pub use endpoints::EndpointSet;
-pub use gateway::{Gateway, RunningGateway, spawn};
+pub use gateway::{Gateway, RunningGateway, spawn, spawn_with_admin};
 pub use model::{Model, ModelStatus};
 pub use routes::{BackendSource, KubeBackends, RoutesApplied, RoutesError};

@@ -13,6 +13,7 @@ use clap::Parser;
 use hearth_gateway::{
     Gateway, GatewayConfig, KubeBackends,
     adapters::watch_adapters,
+    admin::AdminAuth,
     apikeys::ApiKeys,
     cli::{Cli, Command, DrainArgs, ServeArgs},
     discovery::{SliceSource, watch_endpoints},
@@ -96,8 +97,16 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         ));
     }
 
+    let admin_auth = match &args.admin_auth_dir {
+        Some(dir) => AdminAuth::load(dir).context("--admin-auth-dir")?,
+        None => {
+            tracing::warn!(admin = %args.admin_listen, "no --admin-auth-dir: the admin port (demand, metrics, metering) is open to anyone who reaches it");
+            AdminAuth::open()
+        }
+    };
+    tokio::spawn(admin_auth.clone().watch());
     if let (Some(service), Some(client)) = (&args.peer_service, client) {
-        let peers = PeerSet::new(gateway.peer_sink());
+        let peers = PeerSet::new(gateway.peer_sink()).authenticated(admin_auth.clone());
         let source = SliceSource {
             namespace: args.namespace.clone(),
             service: service.clone(),
@@ -111,6 +120,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
                 gateway.quotas(),
                 quota_rx,
                 gateway.instance(),
+                admin_auth.clone(),
             ));
         }
         let g = gateway.clone();
@@ -147,10 +157,17 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let http_workers = gateway
         .serve_http_workers(args.listen, workers)
         .context("--listen")?;
+    let admin = hearth_net::listen(args.admin_listen, ListenOptions::default())
+        .context("--admin-listen")?;
+    let g = gateway.clone();
+    let admin_authenticated = admin_auth.enabled();
+    let admin_task = tokio::spawn(async move { g.serve_admin(admin, admin_auth).await });
     tracing::info!(
         http = %args.listen,
         scaler = %args.scaler_listen,
         scaler_tls = args.scaler_tls_dir.is_some(),
+        admin = %args.admin_listen,
+        admin_authenticated,
         workers,
         body_memory_limit,
         shared = gateway.is_shared(),
@@ -184,6 +201,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     }
     let _ = tokio::time::timeout(Duration::from_secs(2), async {
         let _ = grpc_task.await;
+        let _ = admin_task.await;
         let _ = tokio::task::spawn_blocking(move || {
             for w in http_workers {
                 let _ = w.join();

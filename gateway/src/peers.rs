@@ -285,6 +285,7 @@ pub struct PeerSet {
     client: Client<HttpConnector, Empty<Bytes>>,
     tasks: Arc<Mutex<HashMap<String, JoinHandle<()>>>>,
     silence: Duration,
+    auth: crate::admin::AdminAuth,
 }
 
 impl PeerSet {
@@ -306,7 +307,16 @@ impl PeerSet {
             client,
             tasks: Arc::new(Mutex::new(HashMap::new())),
             silence,
+            auth: crate::admin::AdminAuth::open(),
         }
+    }
+
+    /// Sends the gateway's own admin token ([`crate::admin::AdminAuth::authorization`]) to the
+    /// peers, whose admin port checks it; set before the first [`PeerSet::update`].
+    #[must_use]
+    pub fn authenticated(mut self, auth: crate::admin::AdminAuth) -> Self {
+        self.auth = auth;
+        self
     }
 
     /// Replaces the peer list (`host:port` of each other replica's HTTP port): subscribes to
@@ -327,6 +337,7 @@ impl PeerSet {
             tasks.entry(peer.clone()).or_insert_with(|| {
                 tokio::spawn(subscribe(
                     self.client.clone(),
+                    self.auth.clone(),
                     self.demand.clone(),
                     peer,
                     self.silence,
@@ -369,13 +380,14 @@ enum Ended {
 /// unknown whenever the stream is down or silent.
 async fn subscribe(
     client: Client<HttpConnector, Empty<Bytes>>,
+    auth: crate::admin::AdminAuth,
     demand: Arc<dyn PeerSink>,
     peer: String,
     silence: Duration,
 ) {
     let mut backoff = Duration::from_millis(50);
     loop {
-        match follow(&client, &*demand, &peer, silence).await {
+        match follow(&client, &auth, &*demand, &peer, silence).await {
             Ok(Ended::Itself) => {
                 tracing::warn!(%peer, "peer list holds this replica itself (check that --pod-ip, env POD_IPS, lists every address of the pod: downward API status.podIPs); counting it as 0");
                 let _ = demand.set_peer_value(&peer, Some(PeerDemand::Zero));
@@ -417,6 +429,7 @@ fn parse_line(line: &[u8]) -> Result<PeerDemand, String> {
 
 async fn follow(
     client: &Client<HttpConnector, Empty<Bytes>>,
+    auth: &crate::admin::AdminAuth,
     demand: &dyn PeerSink,
     peer: &str,
     silence: Duration,
@@ -424,7 +437,12 @@ async fn follow(
     let uri: http::Uri = format!("http://{peer}/hearth/local-demand")
         .parse()
         .map_err(|e| format!("bad peer address {peer}: {e}"))?;
-    let resp = tokio::time::timeout(silence, client.get(uri))
+    let mut req = http::Request::get(uri);
+    if let Some(v) = auth.authorization() {
+        req = req.header(header::AUTHORIZATION, v);
+    }
+    let req = req.body(Empty::new()).map_err(|e| e.to_string())?;
+    let resp = tokio::time::timeout(silence, client.request(req))
         .await
         .map_err(|_| "no answer".to_owned())?
         .map_err(|e| e.to_string())?;

@@ -415,12 +415,13 @@ pub fn openai_duration(d: Duration) -> String {
 }
 
 /// Reads the peers' usage every [`SYNC_INTERVAL`] until dropped; `peers` gives the current
-/// peer list (`host:port`), `own` is this replica's instance (a peer answering with it is this
-/// replica and is skipped).
+/// peer list (`host:port` of their admin ports), `own` is this replica's instance (a peer
+/// answering with it is this replica and is skipped), `auth` gives the token sent to them.
 pub async fn sync_peers(
     quotas: Arc<Quotas>,
     peers: tokio::sync::watch::Receiver<Vec<String>>,
     own: String,
+    auth: crate::admin::AdminAuth,
 ) {
     use http_body_util::{BodyExt, Empty};
     let mut connector = hyper_util::client::legacy::connect::HttpConnector::new();
@@ -437,9 +438,14 @@ pub async fn sync_peers(
         quotas.retain_peers(&list);
         let reads = list.iter().map(|peer| {
             let client = client.clone();
+            let authorization = auth.authorization();
             async move {
-                let uri: http::Uri = format!("http://{peer}{USAGE_PATH}").parse().ok()?;
-                let resp = tokio::time::timeout(SYNC_INTERVAL * 4, client.get(uri))
+                let mut req = http::Request::get(format!("http://{peer}{USAGE_PATH}"));
+                if let Some(v) = authorization {
+                    req = req.header(http::header::AUTHORIZATION, v);
+                }
+                let req = req.body(Empty::new()).ok()?;
+                let resp = tokio::time::timeout(SYNC_INTERVAL * 4, client.request(req))
                     .await
                     .ok()?
                     .ok()?;

@@ -176,7 +176,7 @@ fn reloads(text: &str, adapter: &str) -> f64 {
 
 /// The gateway's failed adapter loads (`query`: `?service=...` or empty).
 async fn failures(c: &HttpClient, gw: &RunningGateway, query: &str) -> Vec<AdapterLoadFailure> {
-    let url = format!("{}{ADAPTER_FAILURES_PATH}{query}", gw.url());
+    let url = format!("{}{ADAPTER_FAILURES_PATH}{query}", gw.admin_url());
     let (status, body) = get(c, &url).await;
     assert_eq!(status, StatusCode::OK, "{}", String::from_utf8_lossy(&body));
     let report: AdapterFailures = serde_json::from_slice(&body)
@@ -822,7 +822,11 @@ async fn failed_loads_are_reported_until_a_load_succeeds() {
             < 60
     );
     // The service is left out of a single-service gateway's JSON.
-    let (_, raw) = json(&client, &format!("{}{ADAPTER_FAILURES_PATH}", gw.url())).await;
+    let (_, raw) = json(
+        &client,
+        &format!("{}{ADAPTER_FAILURES_PATH}", gw.admin_url()),
+    )
+    .await;
     assert!(raw["failures"][0].get("service").is_none(), "{raw}");
 
     // Failing again keeps one entry per adapter and engine; another adapter has its own, in
@@ -922,7 +926,7 @@ async fn a_shared_gateway_reports_each_models_failed_loads() {
     assert_eq!(failures(&client, &gw, "?service=ns/other").await, []);
     let (status, v) = json(
         &client,
-        &format!("{}{ADAPTER_FAILURES_PATH}?service=ns/nope", gw.url()),
+        &format!("{}{ADAPTER_FAILURES_PATH}?service=ns/nope", gw.admin_url()),
     )
     .await;
     assert_eq!(status, StatusCode::NOT_FOUND, "{v}");

@@ -372,7 +372,7 @@ async fn unknown_demand_is_an_error_everywhere_and_never_zero() {
             .is_err(),
         "a push stream must not report an unknown state"
     );
-    let (status, v) = json(&c, &format!("{}/hearth/queue", gw.url())).await;
+    let (status, v) = json(&c, &format!("{}/hearth/queue", gw.admin_url())).await;
     assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{v}");
     assert!(v["error"].is_string() && v.get("pending").is_none(), "{v}");
     let m = gateway_metrics(&c, &gw).await;
@@ -389,9 +389,9 @@ async fn unknown_demand_is_an_error_everywhere_and_never_zero() {
     assert!(k.is_active(so_ref(&[])).await.unwrap().into_inner().result);
     let e = k.get_metrics(metrics_req(METRIC)).await.unwrap_err();
     assert_eq!(e.code(), Code::Unavailable);
-    let (status, _) = json(&c, &format!("{}/hearth/queue", gw.url())).await;
+    let (status, _) = json(&c, &format!("{}/hearth/queue", gw.admin_url())).await;
     assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
-    let (status, v) = json(&c, &format!("{}/hearth/queue?scope=local", gw.url())).await;
+    let (status, v) = json(&c, &format!("{}/hearth/queue?scope=local", gw.admin_url())).await;
     assert_eq!((status, v["pending"].as_u64()), (StatusCode::OK, Some(1)));
     held.abort();
 }
@@ -421,7 +421,7 @@ async fn down_or_silent_peers_make_the_total_unknown_and_nothing_waits_on_them()
     let mut k = scaler_client(&gw).await;
     assert_total_stays_unknown(&gw, Duration::from_millis(800), "down/silent peers").await;
     let started = Instant::now();
-    let (status, v) = json(&c, &format!("{}/hearth/queue", gw.url())).await;
+    let (status, v) = json(&c, &format!("{}/hearth/queue", gw.admin_url())).await;
     assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{v}");
     let e = k.get_metrics(metrics_req(METRIC)).await.unwrap_err();
     assert_eq!(e.code(), Code::Unavailable);
@@ -496,7 +496,7 @@ async fn huge_peer_demands_saturate_instead_of_wrapping() {
     assert!(m.metric_values[0].metric_value_float > 9e18);
     assert!(k.is_active(so_ref(&[])).await.unwrap().into_inner().result);
     let c = client();
-    let (status, v) = json(&c, &format!("{}/hearth/queue", gw.url())).await;
+    let (status, v) = json(&c, &format!("{}/hearth/queue", gw.admin_url())).await;
     assert_eq!(status, StatusCode::OK);
     assert!(v["pending"].as_u64().unwrap() >= i64::MAX as u64, "{v}");
     let text = gateway_metrics(&c, &gw).await;
@@ -619,8 +619,8 @@ async fn a_replica_listed_as_its_own_peer_is_not_counted_twice() {
     let b = gateway(aggregated(), EndpointSet::new()).await;
     let peers_a = PeerSet::new(a.gateway.demand().clone());
     let peers_b = PeerSet::new(b.gateway.demand().clone());
-    peers_a.update(vec![a.http.to_string(), b.http.to_string()]);
-    peers_b.update(vec![a.http.to_string()]);
+    peers_a.update(vec![a.admin.to_string(), b.admin.to_string()]);
+    peers_b.update(vec![a.admin.to_string()]);
     within(5, "peers known", wait_demand(&a, |s| s.total().is_ok())).await;
     let c = client();
     let h1 = hold(&c, &a, false);
@@ -720,7 +720,7 @@ async fn local_demand_keepalive_is_not_starved_by_changes_elsewhere() {
         }
     });
     let c = client();
-    let req = Request::get(format!("{}/hearth/local-demand", a.url()))
+    let req = Request::get(format!("{}/hearth/local-demand", a.admin_url()))
         .body(Full::new(Bytes::new()))
         .unwrap();
     let resp = send(&c, req).await;
@@ -1018,9 +1018,12 @@ async fn unauthorized_requests_get_openai_errors_and_raise_no_demand() {
         Some(bad.len() as f64),
         "{m}"
     );
-    // The gateway's own endpoints need no key (probes, KEDA, Prometheus).
-    let (status, _) = get(&c, &format!("{}/hearth/queue", gw.url())).await;
+    // The admin port takes no API key: it has tokens of its own (crate::admin).
+    let (status, _) = get(&c, &format!("{}/hearth/queue", gw.admin_url())).await;
     assert_eq!(status, StatusCode::OK);
+    // The client port does not serve it, key or no key.
+    let (status, _) = get(&c, &format!("{}/hearth/queue", gw.url())).await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -1055,11 +1058,12 @@ async fn a_zero_reload_interval_is_refused_by_the_binary_and_raised_by_the_libra
 // 4. SIGTERM drain of the binary
 // ---------------------------------------------------------------------------------------------
 
-/// `/hearth/queue?scope=local` of the binary, waited on until `pending` is `n`.
-async fn wait_local_pending(c: &HttpClient, base: &str, n: u64) {
+/// `/hearth/queue?scope=local` of the binary (at its admin port's `admin`), waited on until
+/// `pending` is `n`.
+async fn wait_local_pending(c: &HttpClient, admin: &str, n: u64) {
     within(10, &format!("local demand {n}"), async {
         loop {
-            let (_, v) = json(c, &format!("{base}/hearth/queue?scope=local")).await;
+            let (_, v) = json(c, &format!("{admin}/hearth/queue?scope=local")).await;
             if v["pending"].as_u64() == Some(n) {
                 return;
             }
@@ -1074,7 +1078,7 @@ async fn wait_local_pending(c: &HttpClient, base: &str, n: u64) {
 #[tokio::test]
 async fn a_second_sigterm_exits_promptly_with_a_stream_in_flight() {
     let stub = long_stub(Duration::from_millis(20)).await;
-    let (child, base) = spawn_gateway(&[
+    let (child, base, admin) = spawn_gateway(&[
         format!("--backend-url={}", stub.url()),
         "--drain-timeout=60s".into(),
     ]);
@@ -1102,7 +1106,7 @@ async fn a_second_sigterm_exits_promptly_with_a_stream_in_flight() {
     within(5, "stream during drain", next_chunk(&mut body))
         .await
         .unwrap();
-    wait_local_pending(&c, &base, 1).await;
+    wait_local_pending(&c, &admin, 1).await;
 
     let asked = Instant::now();
     sigterm(&child);
@@ -1120,7 +1124,7 @@ async fn a_second_sigterm_exits_promptly_with_a_stream_in_flight() {
 #[tokio::test]
 async fn sigterm_while_requests_are_held_cold_lets_them_finish_when_the_backend_arrives() {
     let port = free_port();
-    let (child, base) = spawn_gateway(&[
+    let (child, base, admin) = spawn_gateway(&[
         format!("--backend-url=http://127.0.0.1:{port}"),
         "--drain-timeout=30s".into(),
         "--activation-timeout=30s".into(),
@@ -1135,7 +1139,7 @@ async fn sigterm_while_requests_are_held_cold_lets_them_finish_when_the_backend_
         let (c, req) = (c.clone(), chat_req(&base, &chat(true)));
         tokio::spawn(async move { send_full(&c, req).await })
     };
-    wait_local_pending(&c, &base, 2).await;
+    wait_local_pending(&c, &admin, 2).await;
 
     sigterm(&child);
     wait_status(
@@ -1162,7 +1166,7 @@ async fn sigterm_while_requests_are_held_cold_lets_them_finish_when_the_backend_
 #[tokio::test]
 async fn the_drain_timeout_bounds_a_request_held_cold() {
     let port = free_port();
-    let (child, base) = spawn_gateway(&[
+    let (child, base, admin) = spawn_gateway(&[
         format!("--backend-url=http://127.0.0.1:{port}"),
         "--drain-timeout=1s".into(),
         "--activation-timeout=60s".into(),
@@ -1178,7 +1182,7 @@ async fn the_drain_timeout_bounds_a_request_held_cold() {
             }
         })
     };
-    wait_local_pending(&c, &base, 1).await;
+    wait_local_pending(&c, &admin, 1).await;
     let asked = Instant::now();
     sigterm(&child);
     let status = exit_within(child, 10).await;
@@ -1194,12 +1198,13 @@ async fn the_drain_timeout_bounds_a_request_held_cold() {
 #[tokio::test]
 async fn an_open_keda_push_stream_does_not_hold_the_process_after_sigterm() {
     let stub = stub().await;
-    let (http, grpc) = (free_port(), free_port());
+    let (http, grpc, admin) = (free_port(), free_port(), free_port());
     let child = Child(
         Command::new(env!("CARGO_BIN_EXE_hearth-gateway"))
             .args([
                 format!("--listen=127.0.0.1:{http}"),
                 format!("--scaler-listen=127.0.0.1:{grpc}"),
+                format!("--admin-listen=127.0.0.1:{admin}"),
                 format!("--backend-url={}", stub.url()),
                 "--drain-timeout=30s".into(),
             ])
@@ -1269,7 +1274,7 @@ async fn pending_returns_to_zero_and_counters_add_up_after_clients_vanish() {
     let c = client();
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let scraper = {
-        let (c, stop, base) = (c.clone(), stop.clone(), gw.url());
+        let (c, stop, base) = (c.clone(), stop.clone(), gw.admin_url());
         tokio::spawn(async move {
             let mut n = 0;
             while !stop.load(Ordering::Relaxed) {
@@ -1342,7 +1347,7 @@ async fn pending_returns_to_zero_and_counters_add_up_after_clients_vanish() {
     })
     .await;
     // The lease still holds the replica's demand at 1 (the model was asked for).
-    let (_, v) = json(&c, &format!("{}/hearth/queue", gw.url())).await;
+    let (_, v) = json(&c, &format!("{}/hearth/queue", gw.admin_url())).await;
     assert_eq!(v["pending"], 1, "{v}");
 }
 
@@ -1374,7 +1379,7 @@ async fn pending_returns_to_zero_after_warm_streams_are_abandoned() {
         }
     })
     .await;
-    let (_, v) = json(&c, &format!("{}/hearth/queue", gw.url())).await;
+    let (_, v) = json(&c, &format!("{}/hearth/queue", gw.admin_url())).await;
     assert_eq!(v["pending"], 0, "{v}");
     let m = gateway_metrics(&c, &gw).await;
     assert_eq!(metric(&m, "hearth_gateway_pending"), Some(0.0));
@@ -1389,7 +1394,7 @@ async fn concurrent_scrapes_always_show_a_known_total() {
     let missing = Arc::new(AtomicUsize::new(0));
     let mut tasks = Vec::new();
     for _ in 0..4 {
-        let (url, missing) = (gw.url(), missing.clone());
+        let (url, missing) = (gw.admin_url(), missing.clone());
         tasks.push(tokio::spawn(async move {
             let c = client();
             for _ in 0..1500 {

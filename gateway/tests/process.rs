@@ -16,12 +16,13 @@ use hyper::StatusCode;
 #[tokio::test]
 async fn sigterm_turns_readiness_off_and_lets_streams_finish() {
     let stub = stub().await;
-    let (http, grpc) = (free_port(), free_port());
+    let (http, grpc, admin) = (free_port(), free_port(), free_port());
     let child = Child(
         Command::new(env!("CARGO_BIN_EXE_hearth-gateway"))
             .args([
                 &format!("--listen=127.0.0.1:{http}"),
                 &format!("--scaler-listen=127.0.0.1:{grpc}"),
+                &format!("--admin-listen=127.0.0.1:{admin}"),
                 &format!("--backend-url={}", stub.url()),
                 "--drain-timeout=30s",
             ])
@@ -226,12 +227,13 @@ fn bad_flags_fail_with_the_flag_named() {
 async fn a_port_another_gateway_serves_is_refused_not_shared() {
     let stub = stub().await;
     let backend = format!("--backend-url={}", stub.url());
-    let (_first, base) = spawn_gateway(std::slice::from_ref(&backend));
+    let (_first, base, _) = spawn_gateway(std::slice::from_ref(&backend));
     wait_status(&client(), &format!("{base}/readyz"), StatusCode::OK).await;
     let port = base.rsplit(':').next().unwrap();
     let err = refused(&[
         format!("--listen=127.0.0.1:{port}"),
         format!("--scaler-listen=127.0.0.1:{}", free_port()),
+        format!("--admin-listen=127.0.0.1:{}", free_port()),
         backend,
     ]);
     assert!(err.contains("--listen") && err.contains("in use"), "{err}");
@@ -273,12 +275,13 @@ async fn unspecified_ipv6_listens_dual_stack() {
                 .await;
         }
     });
-    let (http, grpc) = (free_port(), free_port());
+    let (http, grpc, admin) = (free_port(), free_port(), free_port());
     let _child = Child(
         Command::new(env!("CARGO_BIN_EXE_hearth-gateway"))
             .args([
                 &format!("--listen=[::]:{http}"),
                 &format!("--scaler-listen=[::]:{grpc}"),
+                &format!("--admin-listen=[::]:{admin}"),
                 &format!("--backend-url=http://{backend_addr}"),
             ])
             .stdout(Stdio::null())

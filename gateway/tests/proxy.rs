@@ -71,7 +71,7 @@ async fn warm_requests_pass_through() {
     assert_eq!(v["data"][0]["root"], "/models/stub");
 
     wait_demand(&gw, |s| s.pending() == 0).await;
-    let (_, q) = json(&c, &format!("{}/hearth/queue", gw.url())).await;
+    let (_, q) = json(&c, &format!("{}/hearth/queue", gw.admin_url())).await;
     assert_eq!(q, serde_json::json!({"pending": 0}));
     let m = gateway_metrics(&c, &gw).await;
     assert_eq!(
@@ -99,7 +99,7 @@ async fn cold_streaming_request_gets_heartbeats_then_the_stream() {
         let c = next_chunk(&mut body).await.unwrap();
         assert!(c.starts_with(b": "), "{c:?}");
     }
-    let (_, q) = json(&c, &format!("{}/hearth/queue", gw.url())).await;
+    let (_, q) = json(&c, &format!("{}/hearth/queue", gw.admin_url())).await;
     assert_eq!(q["pending"], 1);
     backends.replace([authority(&stub)]);
     let mut rest = Vec::new();
@@ -174,7 +174,7 @@ async fn reject_mode_answers_503_and_still_raises_demand() {
     let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
     assert_eq!(v["error"]["code"], "cold_reject");
     // The client is gone but the activation lease keeps demand at 1.
-    let (_, q) = json(&c, &format!("{}/hearth/queue", gw.url())).await;
+    let (_, q) = json(&c, &format!("{}/hearth/queue", gw.admin_url())).await;
     assert_eq!(q["pending"], 1);
     let st = gw.gateway.demand().state();
     assert_eq!((st.pending(), st.lease()), (0, true));

@@ -144,12 +144,12 @@ async fn demand_is_aggregated_over_replicas_and_unknown_when_a_peer_is_lost() {
         .await
         .unwrap_err();
     assert_eq!(e.code(), Code::Unavailable);
-    let (status, v) = json(&c, &format!("{}/hearth/queue", a.url())).await;
+    let (status, v) = json(&c, &format!("{}/hearth/queue", a.admin_url())).await;
     assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
     assert!(v["error"].as_str().unwrap().contains("peer"));
 
-    peers_a.update(vec![b.http.to_string()]);
-    peers_b.update(vec![a.http.to_string()]);
+    peers_a.update(vec![b.admin.to_string()]);
+    peers_b.update(vec![a.admin.to_string()]);
     wait_demand(&a, |s| s.total().is_ok()).await;
     let mut stream = k.stream_is_active(so_ref(&[])).await.unwrap().into_inner();
     assert!(!stream.message().await.unwrap().unwrap().result);
@@ -168,14 +168,14 @@ async fn demand_is_aggregated_over_replicas_and_unknown_when_a_peer_is_lost() {
         .unwrap()
         .into_inner();
     assert_eq!(m.metric_values[0].metric_value, 1);
-    let (_, v) = json(&c, &format!("{}/hearth/queue", a.url())).await;
+    let (_, v) = json(&c, &format!("{}/hearth/queue", a.admin_url())).await;
     assert_eq!(v["pending"], 1);
-    let (_, v) = json(&c, &format!("{}/hearth/queue?scope=local", a.url())).await;
+    let (_, v) = json(&c, &format!("{}/hearth/queue?scope=local", a.admin_url())).await;
     assert_eq!(v["pending"], 0);
     // The path form the controller renders (KEDA's endpoint aggregation drops a query).
-    let (_, v) = json(&c, &format!("{}/hearth/queue/local", a.url())).await;
+    let (_, v) = json(&c, &format!("{}/hearth/queue/local", a.admin_url())).await;
     assert_eq!(v["pending"], 0);
-    let (_, v) = json(&c, &format!("{}/hearth/queue", b.url())).await;
+    let (_, v) = json(&c, &format!("{}/hearth/queue", b.admin_url())).await;
     assert_eq!(v["pending"], 1);
 
     // B goes away: A reports an error instead of a low number.
@@ -187,7 +187,11 @@ async fn demand_is_aggregated_over_replicas_and_unknown_when_a_peer_is_lost() {
         .await
         .unwrap_err();
     assert_eq!(e.code(), Code::Unavailable);
-    assert!(e.message().contains(&b.http.to_string()), "{}", e.message());
+    assert!(
+        e.message().contains(&b.admin.to_string()),
+        "{}",
+        e.message()
+    );
     // Removing B from the peers (its endpoint left the Service) makes the total known again.
     peers_a.update(Vec::new());
     let m = k
@@ -210,7 +214,7 @@ async fn sequential_warm_requests_are_reported_coarsely_and_end_on_the_real_stat
     let mut stream = k.stream_is_active(so_ref(&[])).await.unwrap().into_inner();
     assert!(!stream.message().await.unwrap().unwrap().result);
     let c = client();
-    let get = hyper::Request::get(format!("{}/hearth/local-demand", gw.url()))
+    let get = hyper::Request::get(format!("{}/hearth/local-demand", gw.admin_url()))
         .body(http_body_util::Full::new(bytes::Bytes::new()))
         .unwrap();
     let mut peer_view = send(&c, get).await.into_body();
@@ -332,7 +336,7 @@ async fn a_silent_scaler_connection_is_closed_by_keepalive() {
             "hearth_gateway_scaler_streams",
         )
     };
-    let url = format!("{}/metrics", gw.url());
+    let url = format!("{}/metrics", gw.admin_url());
     // Alive and answering PINGs: the stream stays for several keepalive rounds.
     tokio::time::sleep(Duration::from_millis(1200)).await;
     assert_eq!(streams(c.clone(), url.clone()).await, Some(1.0));

@@ -230,7 +230,7 @@ async fn keda_reads_each_model_by_its_service() {
     wait_model_demand(&gw, "ns/a", |s| s.pending() == 1).await;
     // Poll mode.
     let q = |query: &str| {
-        let url = format!("{}/hearth/queue{query}", gw.url());
+        let url = format!("{}/hearth/queue{query}", gw.admin_url());
         let c = c.clone();
         async move { json(&c, &url).await }
     };
@@ -445,8 +445,8 @@ async fn replicas_sum_each_models_demand() {
     let b = shared_gateway(cfg, vec![route("m"), route("n")], Backends::new()).await;
     let peers_a = PeerSet::new(a.gateway.peer_sink());
     let peers_b = PeerSet::new(b.gateway.peer_sink());
-    peers_a.update(vec![b.http.to_string()]);
-    peers_b.update(vec![a.http.to_string()]);
+    peers_a.update(vec![b.admin.to_string()]);
+    peers_b.update(vec![a.admin.to_string()]);
     let c = client();
     let mut held = Vec::new();
     for (g, model) in [(&a, "m"), (&b, "m"), (&b, "n")] {
@@ -461,7 +461,7 @@ async fn replicas_sum_each_models_demand() {
         })
         .await;
     }
-    let (status, v) = json(&c, &format!("{}/hearth/queue?service=ns/n", a.url())).await;
+    let (status, v) = json(&c, &format!("{}/hearth/queue?service=ns/n", a.admin_url())).await;
     assert_eq!(
         (status, v),
         (StatusCode::OK, serde_json::json!({"pending": 1}))
@@ -469,7 +469,7 @@ async fn replicas_sum_each_models_demand() {
     // The peer stream's line: one entry per model.
     let resp = send(
         &c,
-        Request::get(format!("{}/hearth/local-demand", b.url()))
+        Request::get(format!("{}/hearth/local-demand", b.admin_url()))
             .body(Full::new(Bytes::new()))
             .unwrap(),
     )

@@ -21,6 +21,7 @@ use std::{
 use bytes::Bytes;
 use hearth_gateway::{
     EndpointSet, Gateway, GatewayConfig, RunningGateway,
+    admin::AdminAuth,
     apikeys::ApiKeys,
     tenants::{Tenant, Tenants},
 };
@@ -216,7 +217,7 @@ async fn wait_queued(gw: &RunningGateway, stub: &RunningStub, pending: u64, runn
 }
 
 async fn metrics_text(c: &HttpClient, gw: &RunningGateway) -> String {
-    let req = Request::get(format!("{}/metrics", gw.url()))
+    let req = Request::get(format!("{}/metrics", gw.admin_url()))
         .body(Full::new(Bytes::new()))
         .unwrap();
     let (status, _, body) = send(c, req).await;
@@ -479,12 +480,12 @@ async fn a_quota_used_on_one_replica_is_refused_on_the_other() {
     );
     let mut syncs = Vec::new();
     for (me, peer) in [(&one, &two), (&two, &one)] {
-        let (tx, rx) = tokio::sync::watch::channel(vec![peer.http.to_string()]);
+        let (tx, rx) = tokio::sync::watch::channel(vec![peer.admin.to_string()]);
         let (quotas, own) = (me.gateway.quotas(), me.gateway.instance());
         syncs.push(tokio::spawn(async move {
             // The peer list stays as it is: its sender lives as long as the task.
             let _peers = tx;
-            hearth_gateway::quota::sync_peers(quotas, rx, own).await;
+            hearth_gateway::quota::sync_peers(quotas, rx, own, AdminAuth::open()).await;
         }));
     }
     let quotas_two = two.gateway.quotas();
@@ -507,7 +508,7 @@ async fn a_quota_used_on_one_replica_is_refused_on_the_other() {
         let (status, _, _) = send(&c, post(&one, Some("p"), &body, "0s")).await;
         assert_eq!(status, StatusCode::OK);
     }
-    let req = Request::get(format!("{}/hearth/quota-usage", one.url()))
+    let req = Request::get(format!("{}/hearth/quota-usage", one.admin_url()))
         .body(Full::new(Bytes::new()))
         .unwrap();
     let (_, _, b) = send(&c, req).await;
@@ -685,7 +686,7 @@ async fn the_metering_report_counts_each_tenants_requests_and_tokens_and_the_end
             assert_eq!(status, StatusCode::OK);
         }
     }
-    let req = Request::get(format!("{}/hearth/metering", gw.url()))
+    let req = Request::get(format!("{}/hearth/metering", gw.admin_url()))
         .body(Full::new(Bytes::new()))
         .unwrap();
     let (status, _, body) = send(&c, req).await;
@@ -713,9 +714,12 @@ async fn the_metering_report_counts_each_tenants_requests_and_tokens_and_the_end
     assert!(e.serving);
     assert!(e.busy_seconds >= 0.25 && e.busy_seconds < 5.0, "{e:?}");
     // Another service's name answers nothing.
-    let req = Request::get(format!("{}/hearth/metering?service=ns%2Fother", gw.url()))
-        .body(Full::new(Bytes::new()))
-        .unwrap();
+    let req = Request::get(format!(
+        "{}/hearth/metering?service=ns%2Fother",
+        gw.admin_url()
+    ))
+    .body(Full::new(Bytes::new()))
+    .unwrap();
     let (_, _, body) = send(&c, req).await;
     let other: hearth_crds::metering::MeteringReport = serde_json::from_slice(&body).unwrap();
     assert!(other.services.is_empty(), "{other:?}");

@@ -195,7 +195,7 @@ pub fn metric(text: &str, sample: &str) -> Option<f64> {
 }
 
 pub async fn gateway_metrics(c: &HttpClient, g: &RunningGateway) -> String {
-    let (_, b) = get(c, &format!("{}/metrics", g.url())).await;
+    let (_, b) = get(c, &format!("{}/metrics", g.admin_url())).await;
     String::from_utf8(b.to_vec()).unwrap()
 }
 
@@ -304,15 +304,16 @@ pub fn refused<S: AsRef<std::ffi::OsStr>>(args: &[S]) -> String {
     err
 }
 
-/// Starts the `hearth-gateway` binary on free loopback ports with `args`; returns it and its
-/// HTTP base URL.
-pub fn spawn_gateway(args: &[String]) -> (Child, String) {
-    let (http, grpc) = (free_port(), free_port());
+/// Starts the `hearth-gateway` binary on free loopback ports with `args`; returns it, its
+/// HTTP base URL and its admin port's base URL (open: no `--admin-auth-dir`).
+pub fn spawn_gateway(args: &[String]) -> (Child, String, String) {
+    let (http, grpc, admin) = (free_port(), free_port(), free_port());
     let child = Child(
         std::process::Command::new(env!("CARGO_BIN_EXE_hearth-gateway"))
             .args([
                 format!("--listen=127.0.0.1:{http}"),
                 format!("--scaler-listen=127.0.0.1:{grpc}"),
+                format!("--admin-listen=127.0.0.1:{admin}"),
                 "--http-workers=2".into(),
             ])
             .args(args)
@@ -321,7 +322,11 @@ pub fn spawn_gateway(args: &[String]) -> (Child, String) {
             .spawn()
             .unwrap(),
     );
-    (child, format!("http://127.0.0.1:{http}"))
+    (
+        child,
+        format!("http://127.0.0.1:{http}"),
+        format!("http://127.0.0.1:{admin}"),
+    )
 }
 
 /// Polls `url` with GET until it answers `want` (10 s at most).

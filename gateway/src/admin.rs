@@ -1,0 +1,441 @@
+//! Who may call the admin port (`--admin-listen`): bearer tokens with a scope
+//! ([`hearth_crds::admin`]).
+//!
+//! With `--admin-auth-dir`, the directory holds the files of the gateway's admin Secret:
+//! `token` (the gateway's own token, [`Scope::Admin`]; sent to peer replicas) and
+//! `authorized.json` (the digests of the controller's, KEDA's and Prometheus' tokens with their
+//! scopes). A request without `Authorization: Bearer` or with a token none of them matches is
+//! `401`; a known token outside its scope is `403`. The presented token's SHA-256 digest is
+//! compared with every accepted digest in constant time, without stopping at a match (as API
+//! keys are, [`crate::apikeys`]).
+//!
+//! The files are re-read every [`RELOAD_INTERVAL`] (a Secret volume changes by an atomic
+//! symlink swap); files that do not load keep the previous table and are logged. Without
+//! `--admin-auth-dir` the admin port is open to anyone who reaches it, which the gateway logs
+//! at start: the controller always sets it.
+
+use std::{
+    path::{Path, PathBuf},
+    sync::{Arc, RwLock},
+    time::Duration,
+};
+
+use axum::{
+    extract::{Request, State},
+    http::{HeaderValue, StatusCode, header},
+    middleware::Next,
+    response::{IntoResponse, Response},
+};
+use hearth_crds::admin::{AUTHORIZED_KEY, AuthorizedTokens, Scope, TOKEN_KEY};
+
+use crate::apikeys::{Digest, bearer, digest};
+
+/// How often the directory is re-read.
+pub const RELOAD_INTERVAL: Duration = Duration::from_secs(10);
+
+/// Why the directory could not be used.
+#[derive(Debug, thiserror::Error)]
+pub enum AdminAuthError {
+    /// A file could not be read.
+    #[error("reading {path}: {source} (check --admin-auth-dir and the admin Secret's mount)")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// `token` is empty.
+    #[error("{path} holds no token (the admin Secret's key `token` must not be empty)")]
+    EmptyToken {
+        /// The file.
+        path: PathBuf,
+    },
+    /// `authorized.json` is not [`AuthorizedTokens`], or a digest is not 64 hex digits.
+    #[error(
+        "{path}: {reason} (the admin Secret's key `authorized.json` is written by the controller)"
+    )]
+    Authorized {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
+}
+
+/// A caller the admin port let in: the gateway's own replica or a named holder.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Caller {
+    /// `gateway` for the gateway's own token, else the [`hearth_crds::admin::AuthorizedToken`]'s
+    /// name.
+    pub name: String,
+    /// Its scope.
+    pub scope: Scope,
+}
+
+/// Why a request was refused.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Refusal {
+    /// No bearer token, or one that matches no accepted digest: `401`.
+    Unauthenticated,
+    /// A known token whose scope does not open the path: `403`, naming the holder.
+    Forbidden(String),
+}
+
+#[derive(Debug, Default)]
+struct Table {
+    own: Option<String>,
+    entries: Vec<(Digest, Caller)>,
+}
+
+impl Table {
+    fn caller(&self, token: &str) -> Option<Caller> {
+        use subtle::ConstantTimeEq;
+        let presented = digest(token);
+        let mut found = None;
+        // Every digest is compared, whatever matched before.
+        for (d, caller) in &self.entries {
+            if bool::from(presented.ct_eq(d)) && found.is_none() {
+                found = Some(caller.clone());
+            }
+        }
+        found
+    }
+}
+
+/// The admin port's credentials: open (no directory) or the directory's tokens.
+#[derive(Debug, Clone, Default)]
+pub struct AdminAuth {
+    inner: Option<Arc<Inner>>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    dir: PathBuf,
+    table: RwLock<Arc<Table>>,
+    seen: std::sync::Mutex<(String, String)>,
+}
+
+impl AdminAuth {
+    /// No authentication: every caller gets every admin path.
+    pub fn open() -> Self {
+        Self { inner: None }
+    }
+
+    /// Reads `dir`'s `token` and `authorized.json`.
+    ///
+    /// # Errors
+    /// [`AdminAuthError`] naming the file and what is wrong.
+    pub fn load(dir: &Path) -> Result<Self, AdminAuthError> {
+        let (token, authorized) = read(dir)?;
+        let table = table(dir, &token, &authorized)?;
+        Ok(Self {
+            inner: Some(Arc::new(Inner {
+                dir: dir.to_owned(),
+                table: RwLock::new(Arc::new(table)),
+                seen: std::sync::Mutex::new((token, authorized)),
+            })),
+        })
+    }
+
+    /// Whether callers must present a token.
+    pub fn enabled(&self) -> bool {
+        self.inner.is_some()
+    }
+
+    /// The gateway's own token (to call its peers), when authentication is on.
+    pub fn own_token(&self) -> Option<String> {
+        let inner = self.inner.as_ref()?;
+        let table = inner
+            .table
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        table.own.clone()
+    }
+
+    /// `Authorization: Bearer <own token>` for calls to peers, when authentication is on.
+    pub fn authorization(&self) -> Option<HeaderValue> {
+        let token = self.own_token()?;
+        HeaderValue::from_str(&format!("Bearer {token}")).ok()
+    }
+
+    /// Checks an `Authorization` header value for a `GET` of `path`.
+    ///
+    /// # Errors
+    /// [`Refusal`]: who is refused and why.
+    pub fn check(&self, authorization: Option<&[u8]>, path: &str) -> Result<Caller, Refusal> {
+        let Some(inner) = &self.inner else {
+            return Ok(Caller {
+                name: "anyone".to_owned(),
+                scope: Scope::Admin,
+            });
+        };
+        let token = authorization
+            .and_then(|v| std::str::from_utf8(v).ok())
+            .and_then(bearer)
+            .ok_or(Refusal::Unauthenticated)?;
+        let table = inner
+            .table
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        let caller = table.caller(token).ok_or(Refusal::Unauthenticated)?;
+        if caller.scope.allows(path) {
+            Ok(caller)
+        } else {
+            Err(Refusal::Forbidden(caller.name))
+        }
+    }
+
+    /// Re-reads the directory; `Ok(true)` when its content changed and is now in force.
+    ///
+    /// # Errors
+    /// What is wrong with the new files; the previous table stays.
+    pub fn reload(&self) -> Result<bool, AdminAuthError> {
+        let Some(inner) = &self.inner else {
+            return Ok(false);
+        };
+        let (token, authorized) = read(&inner.dir)?;
+        let mut seen = inner.seen.lock().unwrap_or_else(|e| e.into_inner());
+        if seen.0 == token && seen.1 == authorized {
+            return Ok(false);
+        }
+        let table = table(&inner.dir, &token, &authorized)?;
+        *inner.table.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(table);
+        *seen = (token, authorized);
+        Ok(true)
+    }
+
+    /// Reloads every [`RELOAD_INTERVAL`] until the task is dropped.
+    pub async fn watch(self) {
+        let Some(inner) = self.inner.clone() else {
+            return;
+        };
+        let mut tick = tokio::time::interval(RELOAD_INTERVAL);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        tick.tick().await;
+        loop {
+            tick.tick().await;
+            match self.reload() {
+                Ok(true) => tracing::info!(dir = %inner.dir.display(), "admin tokens reloaded"),
+                Ok(false) => {}
+                Err(e) => {
+                    tracing::warn!(error = %e, "admin token files changed but do not load; the previous tokens stay in force")
+                }
+            }
+        }
+    }
+}
+
+fn read(dir: &Path) -> Result<(String, String), AdminAuthError> {
+    let file = |key: &str| {
+        let path = dir.join(key);
+        std::fs::read_to_string(&path).map_err(|source| AdminAuthError::Read { path, source })
+    };
+    Ok((file(TOKEN_KEY)?, file(AUTHORIZED_KEY)?))
+}
+
+fn table(dir: &Path, token: &str, authorized: &str) -> Result<Table, AdminAuthError> {
+    let own = token.trim();
+    if own.is_empty() {
+        return Err(AdminAuthError::EmptyToken {
+            path: dir.join(TOKEN_KEY),
+        });
+    }
+    let wrong = |reason: String| AdminAuthError::Authorized {
+        path: dir.join(AUTHORIZED_KEY),
+        reason,
+    };
+    let parsed: AuthorizedTokens =
+        serde_json::from_str(authorized).map_err(|e| wrong(e.to_string()))?;
+    let mut entries = vec![(
+        digest(own),
+        Caller {
+            name: "gateway".to_owned(),
+            scope: Scope::Admin,
+        },
+    )];
+    for (i, t) in parsed.tokens.into_iter().enumerate() {
+        let d = parse_digest(&t.sha256).ok_or_else(|| {
+            wrong(format!(
+                "tokens[{i}].sha256 must be 64 hex digits (SHA-256), got {:?}",
+                t.sha256
+            ))
+        })?;
+        entries.push((
+            d,
+            Caller {
+                name: t.name,
+                scope: t.scope,
+            },
+        ));
+    }
+    Ok(Table {
+        own: Some(own.to_owned()),
+        entries,
+    })
+}
+
+fn parse_digest(hex: &str) -> Option<Digest> {
+    if hex.len() != 64 {
+        return None;
+    }
+    let mut out = [0u8; 32];
+    for (i, b) in out.iter_mut().enumerate() {
+        *b = u8::from_str_radix(hex.get(2 * i..2 * i + 2)?, 16).ok()?;
+    }
+    Some(out)
+}
+
+/// Axum middleware for the admin router: lets a request through when [`AdminAuth::check`]
+/// does, else `401` (with `WWW-Authenticate: Bearer`) or `403`, each with `{"error": ...}`
+/// naming the fix.
+pub async fn require(State(auth): State<AdminAuth>, req: Request, next: Next) -> Response {
+    let authorization = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .map(HeaderValue::as_bytes);
+    match auth.check(authorization, req.uri().path()) {
+        Ok(_) => next.run(req).await,
+        Err(Refusal::Unauthenticated) => {
+            let mut resp = refusal(
+                StatusCode::UNAUTHORIZED,
+                "the admin port needs Authorization: Bearer with a token the controller issued (the gateway's admin Secret, or the chart's scrape and KEDA token Secrets)".to_owned(),
+            );
+            resp.headers_mut().insert(
+                header::WWW_AUTHENTICATE,
+                HeaderValue::from_static("Bearer realm=\"hearth-gateway-admin\""),
+            );
+            resp
+        }
+        Err(Refusal::Forbidden(name)) => refusal(
+            StatusCode::FORBIDDEN,
+            format!(
+                "the token of {name} does not open {}: each token opens its own paths (docs/gateway.md, admin port)",
+                req.uri().path()
+            ),
+        ),
+    }
+}
+
+fn refusal(status: StatusCode, message: String) -> Response {
+    (status, axum::Json(serde_json::json!({ "error": message }))).into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use hearth_crds::admin::{AuthorizedToken, digest_hex};
+
+    fn dir_with(token: &str, tokens: &[(&str, &str, Scope)]) -> tempfile::TempDir {
+        let dir = tempfile::tempdir().unwrap();
+        write(dir.path(), token, tokens);
+        dir
+    }
+
+    fn write(dir: &Path, token: &str, tokens: &[(&str, &str, Scope)]) {
+        std::fs::write(dir.join(TOKEN_KEY), token).unwrap();
+        let a = AuthorizedTokens {
+            tokens: tokens
+                .iter()
+                .map(|(name, t, scope)| AuthorizedToken {
+                    name: (*name).to_owned(),
+                    sha256: digest_hex(t),
+                    scope: *scope,
+                })
+                .collect(),
+        };
+        std::fs::write(dir.join(AUTHORIZED_KEY), serde_json::to_string(&a).unwrap()).unwrap();
+    }
+
+    fn bearer_of(t: &str) -> Vec<u8> {
+        format!("Bearer {t}").into_bytes()
+    }
+
+    #[test]
+    fn each_token_opens_its_scope_and_nothing_else() {
+        let dir = dir_with(
+            "own\n",
+            &[
+                ("controller", "ctl", Scope::Admin),
+                ("keda", "kd", Scope::Scaler),
+                ("prometheus", "prom", Scope::Metrics),
+            ],
+        );
+        let auth = AdminAuth::load(dir.path()).unwrap();
+        assert_eq!(auth.own_token().as_deref(), Some("own"));
+        let check = |t: Option<&str>, path: &str| {
+            auth.check(t.map(bearer_of).as_deref(), path)
+                .map(|c| c.name)
+        };
+        assert_eq!(
+            check(Some("own"), "/hearth/local-demand"),
+            Ok("gateway".into())
+        );
+        assert_eq!(
+            check(Some("ctl"), "/hearth/metering"),
+            Ok("controller".into())
+        );
+        assert_eq!(check(Some("kd"), "/hearth/queue/local"), Ok("keda".into()));
+        assert_eq!(
+            check(Some("kd"), "/metrics"),
+            Err(Refusal::Forbidden("keda".into()))
+        );
+        assert_eq!(check(Some("prom"), "/metrics"), Ok("prometheus".into()));
+        assert_eq!(
+            check(Some("prom"), "/hearth/queue"),
+            Err(Refusal::Forbidden("prometheus".into()))
+        );
+        assert_eq!(check(None, "/metrics"), Err(Refusal::Unauthenticated));
+        assert_eq!(
+            check(Some("guess"), "/metrics"),
+            Err(Refusal::Unauthenticated)
+        );
+        assert_eq!(
+            auth.check(Some(b"Basic b3du"), "/metrics"),
+            Err(Refusal::Unauthenticated)
+        );
+    }
+
+    #[test]
+    fn a_reload_swaps_tokens_and_a_broken_write_keeps_the_last_good_ones() {
+        let dir = dir_with("one", &[("keda", "kd1", Scope::Scaler)]);
+        let auth = AdminAuth::load(dir.path()).unwrap();
+        assert_eq!(auth.reload().unwrap(), false);
+        write(dir.path(), "two", &[("keda", "kd2", Scope::Scaler)]);
+        assert!(auth.reload().unwrap());
+        assert!(auth.check(Some(&bearer_of("one")), "/metrics").is_err());
+        assert!(auth.check(Some(&bearer_of("two")), "/metrics").is_ok());
+        assert!(auth.check(Some(&bearer_of("kd2")), "/hearth/queue").is_ok());
+        std::fs::write(dir.path().join(AUTHORIZED_KEY), "{not json").unwrap();
+        let e = auth.reload().unwrap_err().to_string();
+        assert!(e.contains("authorized.json"), "{e}");
+        assert!(auth.check(Some(&bearer_of("kd2")), "/hearth/queue").is_ok());
+        std::fs::write(dir.path().join(TOKEN_KEY), " \n").unwrap();
+        assert!(auth.reload().unwrap_err().to_string().contains("no token"));
+        assert_eq!(auth.own_token().as_deref(), Some("two"));
+    }
+
+    #[test]
+    fn a_bad_digest_and_a_missing_file_are_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let e = AdminAuth::load(dir.path()).unwrap_err().to_string();
+        assert!(e.contains("token") && e.contains("--admin-auth-dir"), "{e}");
+        std::fs::write(dir.path().join(TOKEN_KEY), "t").unwrap();
+        std::fs::write(
+            dir.path().join(AUTHORIZED_KEY),
+            r#"{"tokens":[{"name":"x","sha256":"abc","scope":"admin"}]}"#,
+        )
+        .unwrap();
+        let e = AdminAuth::load(dir.path()).unwrap_err().to_string();
+        assert!(e.contains("tokens[0].sha256 must be 64 hex digits"), "{e}");
+    }
+
+    #[test]
+    fn open_lets_everyone_in_and_sends_no_token() {
+        let auth = AdminAuth::open();
+        assert!(!auth.enabled());
+        assert!(auth.check(None, "/hearth/metering").is_ok());
+        assert!(auth.authorization().is_none());
+    }
+}
