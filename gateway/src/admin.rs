@@ -401,7 +401,7 @@ mod tests {
     fn a_reload_swaps_tokens_and_a_broken_write_keeps_the_last_good_ones() {
         let dir = dir_with("one", &[("keda", "kd1", Scope::Scaler)]);
         let auth = AdminAuth::load(dir.path()).unwrap();
-        assert_eq!(auth.reload().unwrap(), false);
+        assert!(!auth.reload().unwrap());
         write(dir.path(), "two", &[("keda", "kd2", Scope::Scaler)]);
         assert!(auth.reload().unwrap());
         assert!(auth.check(Some(&bearer_of("one")), "/metrics").is_err());
