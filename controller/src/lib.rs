@@ -16,6 +16,7 @@
 //! - [`leader`] is leader election on a `coordination.k8s.io` Lease.
 
 pub mod activation;
+pub mod admin_tokens;
 pub mod adopt;
 pub mod attach;
 pub mod diff;

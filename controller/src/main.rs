@@ -16,6 +16,7 @@ use anyhow::{Context as _, bail};
 use clap::{Args, Parser, Subcommand};
 use futures::FutureExt as _;
 use hearth_controller::{
+    admin_tokens::AdminTokens,
     leader::{self, LeaseConfig},
     metrics::{Metrics, Serving},
     prepull::PrePullConfig,
@@ -166,6 +167,41 @@ struct RunArgs {
     /// again two thirds into it; at least 1h).
     #[arg(long, env = "HEARTH_SCALER_CERT_VALIDITY", default_value = "2160h", value_parser = go_duration)]
     scaler_cert_validity: Duration,
+    /// Bearer tokens on the gateways' admin ports: each gateway gets its admin Secret
+    /// (`N-gateway-admin`), KEDA's `metrics-api` triggers authenticate through the
+    /// ClusterTriggerAuthentication --gateway-admin-trigger-auth; false: admin ports open to
+    /// anyone who reaches them.
+    #[arg(long, env = "HEARTH_GATEWAY_ADMIN_AUTH", default_value_t = true, action = clap::ArgAction::Set)]
+    gateway_admin_auth: bool,
+    /// The Secret in the controller's namespace (--leader-election-namespace, POD_NAMESPACE)
+    /// holding the key every admin token derives from (key `admin-key`); written with a new
+    /// key when missing or empty (RBAC: get and update on this name, create on Secrets).
+    #[arg(
+        long,
+        env = "HEARTH_ADMIN_KEYS_SECRET",
+        default_value = "hearth-controller-keys"
+    )]
+    admin_keys_secret: String,
+    /// `NAMESPACE/NAME` of the Secret the controller writes KEDA's admin token into (key
+    /// `token`): KEDA's namespace, read by the ClusterTriggerAuthentication; empty: not written.
+    #[arg(
+        long,
+        env = "HEARTH_KEDA_TOKEN_SECRET",
+        default_value = "keda/hearth-gateway-keda"
+    )]
+    keda_token_secret: String,
+    /// `[NAMESPACE/]NAME` of the Secret the controller writes the scrapers' admin token into
+    /// (key `token`, read by the chart's PodMonitor; namespace default: the controller's);
+    /// empty: not written.
+    #[arg(
+        long,
+        env = "HEARTH_METRICS_TOKEN_SECRET",
+        default_value = "hearth-gateway-metrics"
+    )]
+    metrics_token_secret: String,
+    /// Name of the ClusterTriggerAuthentication KEDA's `metrics-api` triggers use.
+    #[arg(long, env = "HEARTH_GATEWAY_ADMIN_TRIGGER_AUTH", default_value = hearth_controller::render::DEFAULT_ADMIN_TRIGGER_AUTH)]
+    gateway_admin_trigger_auth: String,
     /// Namespace of the DaemonSets that pre-pull the images of runtimes with `spec.prePull`
     /// (the controller's own, which the chart sets); unset or empty: no pre-pull (and
     /// `prePull` has no effect).
@@ -372,12 +408,35 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
             args.scaler_cert_validity
         );
     }
+    let admin_tokens = if args.gateway_admin_auth {
+        let ns = &args.leader_election_namespace;
+        let tokens = AdminTokens::load_or_init(client.clone(), ns, &args.admin_keys_secret)
+            .await
+            .context("--admin-keys-secret")?;
+        let keda = secret_ref(&args.keda_token_secret, ns).context("--keda-token-secret")?;
+        let metrics =
+            secret_ref(&args.metrics_token_secret, ns).context("--metrics-token-secret")?;
+        tokio::spawn(hearth_controller::admin_tokens::publish(
+            client.clone(),
+            tokens.clone(),
+            keda,
+            metrics,
+            Duration::from_secs(args.resync_seconds.max(60)),
+        ));
+        Some(tokens)
+    } else {
+        None
+    };
     let cfg = RunConfig {
         render: {
             let mut render = args.images.render_config()?;
             render.scaler_tls = args.scaler_tls;
+            render.admin_auth = args
+                .gateway_admin_auth
+                .then(|| args.gateway_admin_trigger_auth.clone());
             render
         },
+        admin_tokens,
         namespace: args.namespace,
         requeue: Duration::from_secs(args.resync_seconds),
         concurrency: args.concurrency,
@@ -427,6 +486,18 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     }
     ran?;
     Ok(())
+}
+
+/// `[NAMESPACE/]NAME` with `default_ns`; `None` when empty.
+fn secret_ref(v: &str, default_ns: &str) -> anyhow::Result<Option<(String, String)>> {
+    if v.is_empty() {
+        return Ok(None);
+    }
+    let (ns, name) = v.split_once('/').unwrap_or((default_ns, v));
+    if ns.is_empty() || name.is_empty() || name.contains('/') {
+        bail!("{v:?} must be NAME or NAMESPACE/NAME");
+    }
+    Ok(Some((ns.to_owned(), name.to_owned())))
 }
 
 /// How /metrics is served (see `--metrics-secure`).

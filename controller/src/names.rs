@@ -49,6 +49,13 @@ pub fn scaler_service(service: &str) -> String {
     format!("{service}-scaler")
 }
 
+/// `N-gateway-admin`: the gateway's admin Service (headless, port `admin`: KEDA's endpoint
+/// aggregation and the peer replicas find the admin ports through it) and its admin Secret
+/// (the tokens, [`hearth_crds::admin`]).
+pub fn gateway_admin(service: &str) -> String {
+    format!("{}-admin", gateway(service))
+}
+
 /// Secret `N-scaler-tls`: the ExternalScaler's CA, its signing key and the gateway's serving
 /// certificate (mutual TLS with KEDA, see `crate::scaler_tls`).
 pub fn scaler_tls(service: &str) -> String {

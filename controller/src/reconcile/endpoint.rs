@@ -74,6 +74,8 @@ pub struct EndpointView {
     pub gateway_service: Option<Arc<Service>>,
     /// Service `<ep>-scaler`.
     pub scaler_service: Option<Arc<Service>>,
+    /// Service `<ep>-gateway-admin`.
+    pub admin_service: Option<Arc<Service>>,
     /// Deployment `<ep>-gateway`.
     pub gateway: Option<Arc<Deployment>>,
     /// PodDisruptionBudget `<ep>-gateway`.
@@ -205,7 +207,7 @@ pub fn held_routes<'a>(
 /// same names): the first one as `Kind name (controlled by Kind name)`.
 fn name_in_use(ep: &LLMEndpoint, view: &EndpointView) -> Option<String> {
     let uid = ep.metadata.uid.as_deref();
-    let others: [(&str, Option<&ObjectMeta>); 8] = [
+    let others: [(&str, Option<&ObjectMeta>); 9] = [
         (
             "ServiceAccount",
             view.service_account.as_deref().map(|o| &o.metadata),
@@ -223,6 +225,10 @@ fn name_in_use(ep: &LLMEndpoint, view: &EndpointView) -> Option<String> {
         (
             "Service",
             view.scaler_service.as_deref().map(|o| &o.metadata),
+        ),
+        (
+            "Service",
+            view.admin_service.as_deref().map(|o| &o.metadata),
         ),
         ("Deployment", view.gateway.as_deref().map(|o| &o.metadata)),
         (
@@ -292,7 +298,7 @@ pub fn plan_endpoint(
     };
     if let Some(taken) = name_in_use(ep, view) {
         let message = format!(
-            "{taken} has a name this endpoint's children take (<name>, <name>-gateway, <name>-scaler, <name>-routes): an LLMEndpoint cannot share its name with an LLMService in its namespace; rename one of them"
+            "{taken} has a name this endpoint's children take (<name>, <name>-gateway, <name>-gateway-admin, <name>-scaler, <name>-routes): an LLMEndpoint cannot share its name with an LLMService in its namespace; rename one of them"
         );
         plan.conds = vec![
             Cond::new(ACCEPTED, Some(false), "NameInUse", message),
@@ -307,6 +313,7 @@ pub fn plan_endpoint(
     // The table before the gateway that reads it.
     apply_cached(w, children.routes, view.routes.as_deref());
     apply_cached(w, children.gateway_service, view.gateway_service.as_deref());
+    apply_cached(w, children.admin_service, view.admin_service.as_deref());
     let name = ep.name_any();
     match children.scaler_service {
         Some(s) => apply_cached(w, s, view.scaler_service.as_deref()),
@@ -510,6 +517,10 @@ async fn reconcile_endpoint_inner(ep: &LLMEndpoint, ctx: &Context) -> Result<Act
     let view = ctx.endpoint_view(&key);
     let mut plan = plan_endpoint(ep, &attachment, &routes, &view, &ctx.render_config());
     let namespace = key.namespace.as_str();
+    if !plan.writes.is_empty() {
+        // Before the gateway Deployment that mounts it.
+        crate::admin_tokens::step(ctx, ep).await?;
+    }
     for write in std::mem::take(&mut plan.writes) {
         if let Err(e) = super::execute::send(ctx, namespace, &write).await {
             match (&write, &e) {

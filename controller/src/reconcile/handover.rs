@@ -70,6 +70,9 @@ pub struct Handover {
     /// restored either way.
     pub enabled: bool,
     http: HttpClient<HttpConnector, Empty<Bytes>>,
+    /// `Authorization` of every call to a gateway's admin port (the controller's admin
+    /// token), when the admin ports check tokens.
+    authorization: Option<http::HeaderValue>,
     /// One decision at a time.
     lock: tokio::sync::Mutex<()>,
     /// The records this process wrote in the last [`RECENT`], by victim (`<ns>/<name>`): the
@@ -82,13 +85,14 @@ pub struct Handover {
 const RECENT: Duration = Duration::from_secs(30);
 
 impl Handover {
-    /// Handover on or off.
-    pub fn new(enabled: bool) -> Self {
+    /// Handover on or off; `authorization` is sent to the gateways' admin ports.
+    pub fn new(enabled: bool, authorization: Option<http::HeaderValue>) -> Self {
         let mut connector = HttpConnector::new();
         connector.set_connect_timeout(Some(DEMAND_TIMEOUT));
         Self {
             enabled,
             http: HttpClient::builder(TokioExecutor::new()).build(connector),
+            authorization,
             lock: tokio::sync::Mutex::new(()),
             recent: std::sync::Mutex::new(BTreeMap::new()),
         }
@@ -525,7 +529,7 @@ struct LocalDemand {
 pub(super) struct GatewayPods {
     /// Every pod that may hold requests (running or starting, Ready or draining), by IP.
     pub ips: Vec<String>,
-    /// Their HTTP port.
+    /// Their admin port.
     pub port: i32,
     /// The service's key at that gateway: empty on its own, `<ns>/<name>` on a shared one.
     pub key: String,
@@ -561,8 +565,12 @@ pub(super) async fn gateway_pods(ctx: &Context, svc: &LLMService) -> Result<Gate
         .as_ref()
         .and_then(|s| s.containers.first())
         .and_then(|c| c.ports.as_ref())
-        .and_then(|ports| ports.iter().find(|p| p.name.as_deref() == Some("http")))
-        .map_or(8080, |p| p.container_port);
+        .and_then(|ports| {
+            ports
+                .iter()
+                .find(|p| p.name.as_deref() == Some(hearth_crds::admin::PORT_NAME))
+        })
+        .map_or(hearth_crds::admin::PORT, |p| p.container_port);
     let pods = Api::<Pod>::namespaced(ctx.client.clone(), &gw_ns)
         .list(&ListParams::default().labels(&selector))
         .await
@@ -643,7 +651,7 @@ pub(super) fn for_service(path: &str, key: &str) -> String {
     }
 }
 
-/// `GET http://<ip>:<port><path>` as JSON, bounded by [`DEMAND_TIMEOUT`] and `limit` bytes.
+/// `GET http://<ip>:<port><path>` as JSON (with the controller's admin token), bounded by [`DEMAND_TIMEOUT`] and `limit` bytes.
 pub(super) async fn get_json<T: serde::de::DeserializeOwned>(
     ctx: &Context,
     ip: &str,
@@ -656,9 +664,11 @@ pub(super) async fn get_json<T: serde::de::DeserializeOwned>(
     } else {
         format!("{ip}:{port}")
     };
-    let req = http::Request::get(format!("http://{host}{path}"))
-        .body(Empty::<Bytes>::new())
-        .map_err(|e| e.to_string())?;
+    let mut req = http::Request::get(format!("http://{host}{path}"));
+    if let Some(v) = &ctx.handover.authorization {
+        req = req.header(http::header::AUTHORIZATION, v.clone());
+    }
+    let req = req.body(Empty::<Bytes>::new()).map_err(|e| e.to_string())?;
     let call = async {
         let resp = ctx
             .handover

@@ -233,6 +233,9 @@ pub struct RunConfig {
     /// Lifetime of the ExternalScaler certificates (`crate::scaler_tls`; on with
     /// `render.scaler_tls`).
     pub scaler_tls: crate::scaler_tls::ScalerTlsConfig,
+    /// The admin tokens (`crate::admin_tokens`); required with `render.admin_auth`, whose
+    /// gateways need their admin Secrets.
+    pub admin_tokens: Option<crate::admin_tokens::AdminTokens>,
 }
 
 impl RunConfig {
@@ -247,6 +250,7 @@ impl RunConfig {
             cluster_policies: true,
             device_handover: true,
             scaler_tls: crate::scaler_tls::ScalerTlsConfig::default(),
+            admin_tokens: None,
         }
     }
 }
@@ -307,6 +311,10 @@ pub struct Context {
     trigger_auths: crate::scaler_tls::Applied,
     /// The ExternalScaler certificates this process issued ([`crate::scaler_tls::Records`]).
     pub(crate) scaler_records: crate::scaler_tls::Records,
+    /// The admin tokens, when the gateways' admin ports check them.
+    pub(crate) admin_tokens: Option<crate::admin_tokens::AdminTokens>,
+    /// The gateways' admin Secrets written ([`crate::admin_tokens::step`]).
+    pub(crate) admin_secrets: crate::scaler_tls::Applied,
 }
 
 impl Context {
@@ -572,6 +580,7 @@ impl Context {
             routes: get_in(&self.config_maps, ns, &routes_config_map(name)),
             gateway_service: get_in(&self.services, ns, &names::gateway_service(name)),
             scaler_service: get_in(&self.services, ns, &names::scaler_service(name)),
+            admin_service: get_in(&self.services, ns, &names::gateway_admin(name)),
             gateway: get_in(&self.deployments, ns, &names::gateway(name)),
             gateway_pdb: get_in(&self.pdbs, ns, &names::gateway(name)),
         }
@@ -609,6 +618,7 @@ impl Context {
             backend_service: get_in(&self.services, namespace, &names::backend_service(name)),
             gateway_service: get_in(&self.services, namespace, &names::gateway_service(name)),
             scaler_service: get_in(&self.services, namespace, &names::scaler_service(name)),
+            admin_service: get_in(&self.services, namespace, &names::gateway_admin(name)),
             backend: get_in(&self.deployments, namespace, &names::backend(name)),
             legacy_backend: get_in(&self.deployments, namespace, &names::legacy_backend(name)),
             gateway: get_in(&self.deployments, namespace, &names::gateway(name)),
@@ -763,6 +773,13 @@ async fn reconcile_inner(svc: &LLMService, ctx: &Context) -> Result<Action, Erro
     };
     let mut desired = desired;
     crate::scaler_tls::step(ctx, svc, &view, &mut desired).await?;
+    if desired
+        .children
+        .as_ref()
+        .is_some_and(|c| c.gateway.is_some())
+    {
+        crate::admin_tokens::step(ctx, svc).await?;
+    }
     let mut plan = plan(svc, desired, &view, &ctx.render);
     execute(ctx, &namespace, &mut plan).await?;
     let handover = handover::step(ctx, svc, &view).await;
@@ -1219,10 +1236,17 @@ pub async fn run(
         member_states: std::sync::Mutex::new(HashMap::new()),
         keda,
         policies,
-        handover: handover::Handover::new(cfg.device_handover),
+        handover: handover::Handover::new(
+            cfg.device_handover,
+            cfg.admin_tokens
+                .as_ref()
+                .map(crate::admin_tokens::AdminTokens::controller_authorization),
+        ),
         scaler_tls: cfg.scaler_tls,
         trigger_auths: crate::scaler_tls::Applied::default(),
         scaler_records: crate::scaler_tls::Records::default(),
+        admin_tokens: cfg.admin_tokens.clone(),
+        admin_secrets: crate::scaler_tls::Applied::default(),
         recorder: Recorder::new(
             client.clone(),
             Reporter {

@@ -75,6 +75,8 @@ pub struct View {
     pub gateway_service: Option<Arc<Service>>,
     /// Service `N-scaler`.
     pub scaler_service: Option<Arc<Service>>,
+    /// Service `N-gateway-admin`.
+    pub admin_service: Option<Arc<Service>>,
     /// Deployment `N` (the backend).
     pub backend: Option<Arc<Deployment>>,
     /// Deployment `N-backend`: an earlier version's backend.
@@ -511,6 +513,9 @@ pub fn plan(svc: &LLMService, desired: Desired, view: &View, cfg: &RenderConfig)
             if let Some(s) = children.gateway_service {
                 apply_cached(writes, s, view.gateway_service.as_deref());
             }
+            if let Some(s) = children.admin_service {
+                apply_cached(writes, s, view.admin_service.as_deref());
+            }
             match children.scaler_service {
                 Some(s) => apply_cached(writes, s, view.scaler_service.as_deref()),
                 None => delete_if_owned(
@@ -563,6 +568,12 @@ pub fn plan(svc: &LLMService, desired: Desired, view: &View, cfg: &RenderConfig)
                 &mut prune,
                 Target::new(Kind::Service, names::scaler_service(&name)),
                 view.scaler_service.as_deref(),
+                svc,
+            );
+            delete_if_owned(
+                &mut prune,
+                Target::new(Kind::Service, names::gateway_admin(&name)),
+                view.admin_service.as_deref(),
                 svc,
             );
             delete_if_owned(

@@ -24,8 +24,8 @@ use serde::Serialize;
 use super::{
     RenderConfig, RenderError, ScalerMode,
     gateway::{
-        Gateway, Routing, endpoint_rbac, gateway_deployment, gateway_pdb, gateway_service,
-        gateway_service_account, scaler_service,
+        Gateway, Routing, admin_service, endpoint_rbac, gateway_deployment, gateway_pdb,
+        gateway_service, gateway_service_account, scaler_service,
     },
 };
 use crate::labels::ENDPOINT_LABEL;
@@ -46,6 +46,8 @@ pub struct EndpointChildren {
     /// ExternalScaler Service `<ep>-scaler` (the endpoint's push mode, or a service in push
     /// mode attached).
     pub scaler_service: Option<Service>,
+    /// The gateway's admin Service `<ep>-gateway-admin` (headless).
+    pub admin_service: Service,
     /// Gateway Deployment `<ep>-gateway`.
     pub gateway: Deployment,
     /// Keeps all but one gateway replica up through voluntary disruptions.
@@ -64,6 +66,7 @@ impl EndpointChildren {
             v(&self.role_binding)?,
             v(&self.routes)?,
             v(&self.gateway_service)?,
+            v(&self.admin_service)?,
         ];
         if let Some(s) = &self.scaler_service {
             out.push(v(s)?);
@@ -146,6 +149,7 @@ pub fn render_endpoint(
             ..Default::default()
         },
         gateway_service: gateway_service(&g),
+        admin_service: admin_service(&g, cfg),
         scaler_service: (scaler == ScalerMode::Push || push_services)
             .then(|| scaler_service(&g, cfg)),
         gateway: gateway_deployment(&g, cfg)?,

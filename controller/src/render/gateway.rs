@@ -218,6 +218,21 @@ pub(super) fn gateway_service(g: &Gateway<'_>) -> Service {
     g.service(names::gateway_service(g.name), "http", 80)
 }
 
+/// The admin Service `N-gateway-admin`: headless, port `admin` → the pods' admin port. Not a
+/// client's way in (the client Service `N` exposes `http` only): KEDA's `metrics-api` trigger
+/// lists its EndpointSlices to poll each replica, and the replicas find their peers in them.
+pub(super) fn admin_service(g: &Gateway<'_>, cfg: &RenderConfig) -> Service {
+    let mut service = g.service(
+        names::gateway_admin(g.name),
+        hearth_crds::admin::PORT_NAME,
+        cfg.admin_port,
+    );
+    if let Some(spec) = service.spec.as_mut() {
+        spec.cluster_ip = Some("None".to_owned());
+    }
+    service
+}
+
 /// The ExternalScaler Service `N-scaler` (push mode).
 pub(super) fn scaler_service(g: &Gateway<'_>, cfg: &RenderConfig) -> Service {
     let name = names::scaler_service(g.name);
@@ -582,8 +597,15 @@ pub(super) fn gateway_deployment(
             ..Default::default()
         });
     }
+    args.push(format!("--admin-listen=[::]:{}", cfg.admin_port));
+    ports.push(ContainerPort {
+        name: Some(hearth_crds::admin::PORT_NAME.to_owned()),
+        container_port: cfg.admin_port,
+        protocol: Some("TCP".to_owned()),
+        ..Default::default()
+    });
     if g.peers {
-        args.push(format!("--peer-service={}", names::gateway_service(g.name)));
+        args.push(format!("--peer-service={}", names::gateway_admin(g.name)));
     }
     if let Routing::Model { after_peers, .. } = &g.routing {
         args.extend(after_peers.iter().cloned());
@@ -658,7 +680,7 @@ pub(super) fn gateway_deployment(
         }),
         ..Default::default()
     };
-    Ok(gateway_extensions(g, d))
+    Ok(gateway_extensions(g, cfg, d))
 }
 
 /// Gateway replicas of a service's own gateway: `spec.endpoint.replicas`, default 1.
@@ -676,6 +698,9 @@ pub const API_KEY_DIR: &str = "/etc/hearth/api-keys";
 /// Directory the ExternalScaler's TLS Secret (`ca.crt`, `tls.crt`, `tls.key` of `N-scaler-tls`)
 /// is mounted at, read with `--scaler-tls-dir`.
 pub const SCALER_TLS_DIR: &str = "/etc/hearth/scaler-tls";
+/// Directory the gateway's admin Secret (`token`, `authorized.json` of `N-gateway-admin`) is
+/// mounted at, read with `--admin-auth-dir`.
+pub const ADMIN_AUTH_DIR: &str = "/etc/hearth/admin";
 /// File name of the API keys under [`API_KEY_DIR`].
 pub const API_KEY_FILE: &str = "keys";
 /// Directory the tenants' key Secrets are projected into, one file per tenant (its name).
@@ -737,7 +762,7 @@ fn gateway_security(pod: &mut PodSpec) {
 /// the file, the gateway re-reads it). The volume is not optional, so a missing Secret or key
 /// keeps the pods in `ContainerCreating` with a `FailedMount` event naming it, rather than
 /// starting a gateway without authentication.
-fn gateway_extensions(g: &Gateway<'_>, mut d: Deployment) -> Deployment {
+fn gateway_extensions(g: &Gateway<'_>, cfg: &RenderConfig, mut d: Deployment) -> Deployment {
     let Some(spec) = d.spec.as_mut() else {
         return d;
     };
@@ -823,8 +848,33 @@ fn gateway_extensions(g: &Gateway<'_>, mut d: Deployment) -> Deployment {
             ..Default::default()
         });
     }
+    if cfg.admin_auth.is_some() {
+        // Not optional: without its tokens the gateway would not start (it refuses an
+        // --admin-auth-dir it cannot read), and an open admin port is never the fallback.
+        pod.volumes.get_or_insert_with(Vec::new).push(Volume {
+            name: "admin-auth".to_owned(),
+            secret: Some(SecretVolumeSource {
+                secret_name: Some(names::gateway_admin(g.name)),
+                default_mode: Some(0o440),
+                optional: Some(false),
+                ..Default::default()
+            }),
+            ..Default::default()
+        });
+    }
     if let Some(c) = pod.containers.first_mut() {
         let args = c.args.get_or_insert_with(Vec::new);
+        if cfg.admin_auth.is_some() {
+            args.push(format!("--admin-auth-dir={ADMIN_AUTH_DIR}"));
+            c.volume_mounts
+                .get_or_insert_with(Vec::new)
+                .push(VolumeMount {
+                    name: "admin-auth".to_owned(),
+                    mount_path: ADMIN_AUTH_DIR.to_owned(),
+                    read_only: Some(true),
+                    ..Default::default()
+                });
+        }
         if g.scaler_tls {
             args.push(format!("--scaler-tls-dir={SCALER_TLS_DIR}"));
             c.volume_mounts
@@ -837,7 +887,10 @@ fn gateway_extensions(g: &Gateway<'_>, mut d: Deployment) -> Deployment {
                 });
         }
         if g.peers {
-            args.push("--peer-port-name=http".to_owned());
+            args.push(format!(
+                "--peer-port-name={}",
+                hearth_crds::admin::PORT_NAME
+            ));
         }
         args.extend(g.tenants.iter().map(tenant_flag));
         if g.tenants.iter().any(|t| t.api_key_secret_ref.is_some()) {

@@ -24,7 +24,7 @@ pub fn scaled_object_resource() -> ApiResource {
 /// Where KEDA asks for one model's demand: a gateway's Services, and on a shared gateway the
 /// model's key there.
 pub(super) struct Demand {
-    /// `<client Service>.<namespace>` of the gateway (poll).
+    /// `<admin Service>.<namespace>` of the gateway (poll).
     host: String,
     /// `<scaler Service>.<namespace>` of the gateway (push).
     scaler_host: String,
@@ -46,7 +46,7 @@ impl Demand {
         Self {
             host: format!(
                 "{}.{}",
-                names::gateway_service(&shared.endpoint),
+                names::gateway_admin(&shared.endpoint),
                 shared.namespace
             ),
             scaler_host: format!(
@@ -85,7 +85,7 @@ pub(super) fn scaled_object(ctx: &Ctx<'_>) -> Result<DynamicObject, RenderError>
     // either way in the service's own scaler mode (a shared gateway serves both).
     let demand = match ctx.placement {
         Placement::Own => Demand {
-            host: format!("{}.{}", names::gateway_service(&ctx.name), ctx.namespace),
+            host: format!("{}.{}", names::gateway_admin(&ctx.name), ctx.namespace),
             scaler_host: format!("{}.{}", names::scaler_service(&ctx.name), ctx.namespace),
             peers: ctx.gateway_peers(),
             model: None,
@@ -131,8 +131,9 @@ pub(super) fn scaled_object_of(
         authentication,
     } = &s.demand;
     let trigger = match s.scaler {
-        // KEDA resolves `<service>.<namespace>` from the host and polls each endpoint on the
-        // URL's port, which must therefore be the gateway's container port (KEDA >= 2.18).
+        // KEDA resolves `<service>.<namespace>` from the host (the admin Service) and polls
+        // each endpoint on the URL's port, which must therefore be the gateway's container
+        // port (KEDA >= 2.18), with the bearer token of the ClusterTriggerAuthentication.
         ScalerMode::Poll => {
             // KEDA sums over the replicas: each serves its own demand (with peers, the plain
             // path would serve the total, counted once per replica). In the path: KEDA asks
@@ -145,13 +146,13 @@ pub(super) fn scaled_object_of(
             if *peers {
                 path.push_str("/local");
             }
-            json!({
+            let mut trigger = json!({
                 "type": "metrics-api",
                 "metricType": "AverageValue",
                 "metadata": {
                     "url": format!(
                         "http://{host}.svc:{}{path}",
-                        cfg.gateway_port,
+                        cfg.admin_port,
                     ),
                     "format": "json",
                     "valueLocation": "pending",
@@ -159,7 +160,13 @@ pub(super) fn scaled_object_of(
                     "aggregateFromKubeServiceEndpoints": "true",
                     "aggregationType": "sum",
                 }
-            })
+            });
+            if let Some(cta) = &cfg.admin_auth {
+                trigger["metadata"]["authModes"] = json!("bearer");
+                trigger["authenticationRef"] =
+                    json!({"name": cta, "kind": "ClusterTriggerAuthentication"});
+            }
+            trigger
         }
         ScalerMode::Push => {
             let mut metadata = json!({

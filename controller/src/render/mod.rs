@@ -67,8 +67,8 @@ use self::{
     backend::{backend_service, backend_skeleton, set_backend_security},
     cache::{cache_claim, prewarm_job},
     gateway::{
-        gateway_deployment, gateway_pdb, gateway_role, gateway_role_binding, gateway_service,
-        gateway_service_account, own_gateway, scaler_service,
+        admin_service, gateway_deployment, gateway_pdb, gateway_role, gateway_role_binding,
+        gateway_service, gateway_service_account, own_gateway, scaler_service,
     },
     keda::scaled_object,
 };
@@ -117,6 +117,13 @@ pub struct RenderConfig {
     /// ExternalScaler with the Secret `N-scaler-tls`, and KEDA connects through the
     /// TriggerAuthentication `N-scaler` (see `crate::scaler_tls`). `false`: plain gRPC.
     pub scaler_tls: bool,
+    /// The gateway's admin port ([`hearth_crds::admin::PORT`]): demand, metrics, metering.
+    pub admin_port: i32,
+    /// Bearer tokens on the gateways' admin ports: each gateway mounts its admin Secret
+    /// (`N-gateway-admin`, written by `crate::admin_tokens`) for `--admin-auth-dir`, and
+    /// KEDA's `metrics-api` trigger authenticates through the ClusterTriggerAuthentication of
+    /// this name (`bearer`). `None`: admin ports open, triggers without authentication.
+    pub admin_auth: Option<String>,
 }
 
 impl RenderConfig {
@@ -133,6 +140,8 @@ impl RenderConfig {
             keda_api: scaled_object_resource(),
             engine: policy::Engine::builtin()?,
             scaler_tls: true,
+            admin_port: hearth_crds::admin::PORT,
+            admin_auth: Some(DEFAULT_ADMIN_TRIGGER_AUTH.to_owned()),
         })
     }
 }
@@ -145,6 +154,10 @@ impl RenderConfig {
         }
     }
 }
+
+/// The ClusterTriggerAuthentication the chart installs for KEDA's `metrics-api` triggers
+/// (`bearerToken` from the Secret of KEDA's token, in KEDA's namespace).
+pub const DEFAULT_ADMIN_TRIGGER_AUTH: &str = "hearth-gateway-admin";
 
 /// The default gateway image: Hearth's registry, tagged with this controller's version.
 pub fn default_gateway_image() -> String {
@@ -215,6 +228,8 @@ pub struct Children {
     pub gateway_service: Option<Service>,
     /// ExternalScaler Service (push mode only; `None` when attached).
     pub scaler_service: Option<Service>,
+    /// The gateway's admin Service `N-gateway-admin` (headless); `None` when attached.
+    pub admin_service: Option<Service>,
     /// Gateway Deployment; `None` when attached.
     pub gateway: Option<Deployment>,
     /// Keeps all but one gateway replica up through voluntary disruptions (node drains);
@@ -258,6 +273,9 @@ impl Children {
         out.push(v(&self.backend_service)?);
         out.push(v(&self.backend)?);
         if let Some(s) = &self.gateway_service {
+            out.push(v(s)?);
+        }
+        if let Some(s) = &self.admin_service {
             out.push(v(s)?);
         }
         if let Some(s) = &self.scaler_service {
@@ -550,6 +568,7 @@ pub fn render_with_adapters(
         backend_service: backend_service(&ctx),
         backend,
         gateway_service: own.as_ref().map(gateway_service),
+        admin_service: own.as_ref().map(|g| admin_service(g, cfg)),
         scaler_service: own
             .as_ref()
             .filter(|g| g.scaler == ScalerMode::Push)

@@ -212,11 +212,17 @@ fn api_keys_are_a_mounted_file_never_a_value() {
             .max_unavailable,
         Some(IntOrString::Int(1))
     );
-    // No key reference, no volume and no flag.
+    // No key reference, no API key volume and no flag: the admin tokens' Secret only.
     let (svc, rt) = service_and_runtime(json!({}));
     let children = render(&svc, &rt, &RenderConfig::builtin().unwrap(), true).unwrap();
     let p = pod(children.gateway.as_ref().unwrap());
-    assert!(p.volumes.is_none());
+    let volumes: Vec<_> = p
+        .volumes
+        .iter()
+        .flatten()
+        .map(|v| v.name.as_str())
+        .collect();
+    assert_eq!(volumes, ["admin-auth"]);
     assert!(
         !p.containers[0]
             .args
@@ -406,15 +412,18 @@ fn sleep_turns_on_the_engines_sleep_mode_and_the_gateways_tier(#[case] push: boo
         "--sleep-path=/sleep",
         "--is-sleeping-path=/is_sleeping",
         "--wake-up-call=/wake_up",
-        "--peer-service=chat",
-        "--peer-port-name=http",
+        "--peer-service=chat-gateway-admin",
+        "--peer-port-name=admin",
     ] {
         assert!(args.contains(&want.to_owned()), "{want} not in {args:?}");
     }
     // Poll mode: with peers each replica must serve KEDA its own demand, which KEDA sums.
     let url = &c.scaled_object.data["spec"]["triggers"][0]["metadata"]["url"];
     if !push {
-        assert_eq!(url, "http://chat.team-a.svc:8080/hearth/queue/local");
+        assert_eq!(
+            url,
+            "http://chat-gateway-admin.team-a.svc:9091/hearth/queue/local"
+        );
     }
 }
 
@@ -540,27 +549,33 @@ fn demand_trigger(c: &Children) -> serde_json::Value {
 #[case::poll(shared(false), false, false, json!({
     "type": "metrics-api", "metricType": "AverageValue",
     "metadata": {
-        "url": "http://shared.platform.svc:8080/hearth/queue/team-a/chat",
+        "url": "http://shared-gateway-admin.platform.svc:9091/hearth/queue/team-a/chat",
         "format": "json", "valueLocation": "pending", "targetValue": "10",
         "aggregateFromKubeServiceEndpoints": "true", "aggregationType": "sum",
-    }
+        "authModes": "bearer",
+    },
+    "authenticationRef": {"name": "hearth-gateway-admin", "kind": "ClusterTriggerAuthentication"}
 }))]
 #[case::poll_with_peers(shared(true), false, false, json!({
     "type": "metrics-api", "metricType": "AverageValue",
     "metadata": {
-        "url": "http://shared.platform.svc:8080/hearth/queue/team-a/chat/local",
+        "url": "http://shared-gateway-admin.platform.svc:9091/hearth/queue/team-a/chat/local",
         "format": "json", "valueLocation": "pending", "targetValue": "10",
         "aggregateFromKubeServiceEndpoints": "true", "aggregationType": "sum",
-    }
+        "authModes": "bearer",
+    },
+    "authenticationRef": {"name": "hearth-gateway-admin", "kind": "ClusterTriggerAuthentication"}
 }))]
 // As today: the sleeping tier's replicas are peers, so the poll asks for the local demand.
 #[case::poll_sleeping(shared(false), false, true, json!({
     "type": "metrics-api", "metricType": "AverageValue",
     "metadata": {
-        "url": "http://shared.platform.svc:8080/hearth/queue/team-a/chat/local",
+        "url": "http://shared-gateway-admin.platform.svc:9091/hearth/queue/team-a/chat/local",
         "format": "json", "valueLocation": "pending", "targetValue": "10",
         "aggregateFromKubeServiceEndpoints": "true", "aggregationType": "sum",
-    }
+        "authModes": "bearer",
+    },
+    "authenticationRef": {"name": "hearth-gateway-admin", "kind": "ClusterTriggerAuthentication"}
 }))]
 // The service's own scaler mode: one endpoint serves services of both.
 #[case::push(shared(false), true, false, json!({
@@ -771,6 +786,8 @@ fn a_routes_table_entry_holds_what_the_services_own_gateway_takes_as_flags() {
     "--routes-configmap=shared-routes",
     "--drain-timeout=2m",
     "--scaler-listen=[::]:9090",
+    "--admin-listen=[::]:9091",
+    "--admin-auth-dir=/etc/hearth/admin",
 ][..], false)]
 // A service in push mode attached: the scaler Service, and the same pod template.
 #[case::a_push_service_attached(json!({}), json!({}), true, &[
@@ -778,22 +795,28 @@ fn a_routes_table_entry_holds_what_the_services_own_gateway_takes_as_flags() {
     "--routes-configmap=shared-routes",
     "--drain-timeout=2m",
     "--scaler-listen=[::]:9090",
+    "--admin-listen=[::]:9091",
+    "--admin-auth-dir=/etc/hearth/admin",
 ][..], true)]
 #[case::replicas_are_peers(json!({}), json!({"replicas": 2}), false, &[
     "--listen=[::]:8080",
     "--routes-configmap=shared-routes",
     "--drain-timeout=2m",
     "--scaler-listen=[::]:9090",
-    "--peer-service=shared",
-    "--peer-port-name=http",
+    "--admin-listen=[::]:9091",
+    "--peer-service=shared-gateway-admin",
+    "--admin-auth-dir=/etc/hearth/admin",
+    "--peer-port-name=admin",
 ][..], false)]
 #[case::push_with_api_keys(json!({"annotations": {"serving.hearth.dev/scaler": "push"}}), json!({"replicas": 3, "apiKeySecretRef": {"name": "keys"}}), false, &[
     "--listen=[::]:8080",
     "--routes-configmap=shared-routes",
     "--drain-timeout=2m",
     "--scaler-listen=[::]:9090",
-    "--peer-service=shared",
-    "--peer-port-name=http",
+    "--admin-listen=[::]:9091",
+    "--peer-service=shared-gateway-admin",
+    "--admin-auth-dir=/etc/hearth/admin",
+    "--peer-port-name=admin",
     "--api-key-file=/etc/hearth/api-keys/keys",
 ][..], true)]
 fn the_shared_gateway_takes_its_routes_from_the_config_map(
@@ -828,6 +851,7 @@ fn the_shared_gateway_takes_its_routes_from_the_config_map(
         "RoleBinding shared-gateway",
         "ConfigMap shared-routes",
         "Service shared",
+        "Service shared-gateway-admin",
     ];
     if push {
         want.push("Service shared-scaler");
@@ -878,9 +902,9 @@ fn the_shared_gateway_takes_its_routes_from_the_config_map(
         .flatten()
         .map(|p| p.name.clone().unwrap())
         .collect();
-    assert_eq!(ports, ["http", "grpc-scaler"]);
+    assert_eq!(ports, ["http", "grpc-scaler", "admin"]);
     assert_eq!(
-        p.volumes.is_some(),
+        p.volumes.iter().flatten().any(|v| v.name == "api-keys"),
         spec.get("apiKeySecretRef").is_some(),
         "the API key Secret is the endpoint's"
     );
@@ -888,6 +912,14 @@ fn the_shared_gateway_takes_its_routes_from_the_config_map(
     assert_eq!(
         service["spec"]["ports"],
         json!([{"name": "http", "port": 80, "targetPort": "http", "protocol": "TCP"}])
+    );
+    // The admin port is not the client Service's: a headless Service of its own.
+    let admin = serde_json::to_value(&c.admin_service).unwrap();
+    assert_eq!(admin["metadata"]["name"], "shared-gateway-admin");
+    assert_eq!(admin["spec"]["clusterIP"], "None");
+    assert_eq!(
+        admin["spec"]["ports"],
+        json!([{"name": "admin", "port": 9091, "targetPort": "admin", "protocol": "TCP"}])
     );
     assert_eq!(
         service["spec"]["selector"],
@@ -1064,10 +1096,12 @@ fn a_joined_deployment_renders_its_service_member_rbac_and_scaled_object() {
             "triggers": [{
                 "type": "metrics-api", "metricType": "AverageValue",
                 "metadata": {
-                    "url": "http://shared.platform.svc:8080/hearth/queue/team-a/chat",
+                    "url": "http://shared-gateway-admin.platform.svc:9091/hearth/queue/team-a/chat",
                     "format": "json", "valueLocation": "pending", "targetValue": "10",
                     "aggregateFromKubeServiceEndpoints": "true", "aggregationType": "sum",
+                    "authModes": "bearer",
                 },
+                "authenticationRef": {"name": "hearth-gateway-admin", "kind": "ClusterTriggerAuthentication"},
             }],
         })
     );

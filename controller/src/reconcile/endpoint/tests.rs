@@ -98,6 +98,7 @@ fn steady(ep: &LLMEndpoint, routes: &RouteTable) -> EndpointView {
         routes: Some(Arc::new(crate::diff::stamped(c.routes))),
         gateway_service: Some(Arc::new(crate::diff::stamped(c.gateway_service))),
         scaler_service: c.scaler_service.map(|o| Arc::new(crate::diff::stamped(o))),
+        admin_service: Some(Arc::new(crate::diff::stamped(c.admin_service))),
         gateway: Some(Arc::new(crate::diff::stamped(c.gateway))),
         gateway_pdb: Some(Arc::new(crate::diff::stamped(c.gateway_pdb))),
     }
@@ -131,6 +132,7 @@ const PUSH: &str = "serving.hearth.dev/scaler";
     "apply RoleBinding shared-gateway",
     "apply ConfigMap shared-routes",
     "apply Service shared",
+    "apply Service shared-gateway-admin",
     "apply Deployment shared-gateway",
     "apply PodDisruptionBudget shared-gateway",
 ])]

@@ -70,6 +70,7 @@ fn steady(svc: &LLMService) -> View {
         backend_service: Some(Arc::new(crate::diff::stamped(c.backend_service))),
         gateway_service: c.gateway_service.map(|o| Arc::new(crate::diff::stamped(o))),
         scaler_service: c.scaler_service.map(|o| Arc::new(crate::diff::stamped(o))),
+        admin_service: c.admin_service.map(|o| Arc::new(crate::diff::stamped(o))),
         backend: Some(Arc::new(crate::diff::stamped(c.backend))),
         legacy_backend: None,
         gateway: c.gateway.map(|o| Arc::new(crate::diff::stamped(o))),
@@ -157,6 +158,7 @@ const PUSH: &str = "serving.hearth.dev/scaler";
     "apply Service chat-backend",
     "create Deployment chat",
     "apply Service chat",
+    "apply Service chat-gateway-admin",
     "apply Deployment chat-gateway",
     "apply PodDisruptionBudget chat-gateway",
     "apply ScaledObject chat",
@@ -853,6 +855,7 @@ fn member(patch: Value) -> LLMService {
     "delete Deployment chat-gateway",
     "delete PodDisruptionBudget chat-gateway",
     "delete Service chat",
+    "delete Service chat-gateway-admin",
     "delete ServiceAccount chat-gateway",
 ])]
 #[case::joining_in_push_mode_prunes_the_scaler_service_too(json!({"metadata": {"annotations": {PUSH: "push"}}}), ScalerMode::Push, false, &[
@@ -862,6 +865,7 @@ fn member(patch: Value) -> LLMService {
     "delete PodDisruptionBudget chat-gateway",
     "delete Service chat",
     "delete Service chat-scaler",
+    "delete Service chat-gateway-admin",
     "delete ServiceAccount chat-gateway",
 ])]
 // Children another object controls are left alone.
@@ -881,6 +885,7 @@ fn an_accepted_service_prunes_its_own_gateway(
         view.gateway = not_owned(view.gateway.clone());
         view.gateway_pdb = not_owned(view.gateway_pdb.clone());
         view.gateway_service = not_owned(view.gateway_service.clone());
+        view.admin_service = not_owned(view.admin_service.clone());
         view.service_account = not_owned(view.service_account.clone());
     }
     let plan = planned_member(&svc, &view, Some(&accepted(scaler)));
@@ -918,6 +923,7 @@ fn a_service_leaving_gets_its_own_gateway_back_before_its_scaled_object_moves(
             "apply ServiceAccount chat-gateway",
             "apply RoleBinding chat-gateway",
             "apply Service chat",
+            "apply Service chat-gateway-admin",
             "apply Deployment chat-gateway",
             "apply PodDisruptionBudget chat-gateway",
             "apply ScaledObject chat",

@@ -1,0 +1,429 @@
+//! The bearer tokens of the gateways' admin ports ([`hearth_crds::admin`]), all derived from
+//! one key the controller keeps.
+//!
+//! The key: 32 random bytes in the Secret `--admin-keys-secret` (default
+//! `hearth-controller-keys`, key [`KEY_FIELD`]) of the controller's namespace, the one Secret
+//! the controller reads (the chart grants `get` and `update` on that name only). The first
+//! controller to start with an empty or missing Secret writes it, with the resourceVersion it
+//! read, so two replicas starting at once agree on one key.
+//!
+//! Each token is HMAC-SHA256(key, label) in hex (64 digits):
+//! - `controller`: the controller's own, held in memory only ([`Scope::Admin`] at every
+//!   gateway: demand for the device handover, metering, failed adapter loads);
+//! - `keda`: KEDA's ([`Scope::Scaler`]), written to the Secret of `--keda-token-secret`, which
+//!   the chart's ClusterTriggerAuthentication hands to every `metrics-api` trigger;
+//! - `prometheus`: the scrapers' ([`Scope::Metrics`]), written to the Secret of
+//!   `--metrics-token-secret`, which the chart's PodMonitor sends;
+//! - `gateway/<uid>`: one gateway's own, for its owner's UID (the LLMService or LLMEndpoint),
+//!   which its replicas send each other.
+//!
+//! Each gateway gets the Secret `<gateway>-admin` ([`gateway_secret`]): its own token and the
+//! digests of the other three, never the tokens themselves. A new key (delete the key Secret's
+//! data and restart the controller) changes every token; the gateways read their Secrets again
+//! within the kubelet's volume refresh (about a minute).
+
+use std::collections::BTreeMap;
+
+use hearth_crds::admin::{
+    AUTHORIZED_KEY, AuthorizedToken, AuthorizedTokens, Scope, TOKEN_KEY, digest_hex,
+};
+use hearth_crds::wellknown::FIELD_MANAGER;
+use k8s_openapi::{
+    ByteString,
+    api::core::v1::Secret,
+    apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference},
+};
+use kube::{
+    Api, Client, ResourceExt,
+    api::{Patch, PatchParams, PostParams},
+};
+
+use crate::{
+    labels::{self, Component},
+    names,
+    reconcile::{Context, Error, kube_err},
+};
+
+/// The key Secret's data key.
+pub const KEY_FIELD: &str = "admin-key";
+/// Bytes of a new key.
+const KEY_LEN: usize = 32;
+
+/// Why the key could not be loaded or a token Secret written.
+#[derive(Debug, thiserror::Error)]
+pub enum AdminTokenError {
+    /// The API refused or failed.
+    #[error("{what}: {source}")]
+    Api {
+        /// What was being done, naming the Secret.
+        what: String,
+        /// The error.
+        source: kube::Error,
+    },
+    /// The key in the Secret is too short to be one this controller wrote.
+    #[error(
+        "Secret {secret} holds a {len}-byte {KEY_FIELD}; it must be at least 32 random bytes (delete the key from the Secret and restart the controller to make a new one)"
+    )]
+    ShortKey {
+        /// `<namespace>/<name>`.
+        secret: String,
+        /// Its length.
+        len: usize,
+    },
+    /// Every write met another writer's.
+    #[error(
+        "Secret {secret} changed under every attempt to write the key; check what else writes it"
+    )]
+    Conflicts {
+        /// `<namespace>/<name>`.
+        secret: String,
+    },
+    /// No randomness.
+    #[error("the system random generator failed")]
+    Random,
+}
+
+/// The tokens of one key.
+#[derive(Clone)]
+pub struct AdminTokens {
+    key: ring::hmac::Key,
+}
+
+impl std::fmt::Debug for AdminTokens {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("AdminTokens(..)")
+    }
+}
+
+impl AdminTokens {
+    /// The tokens of `key`.
+    pub fn from_key(key: &[u8]) -> Self {
+        Self {
+            key: ring::hmac::Key::new(ring::hmac::HMAC_SHA256, key),
+        }
+    }
+
+    fn token(&self, label: &str) -> String {
+        ring::hmac::sign(&self.key, label.as_bytes())
+            .as_ref()
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect()
+    }
+
+    /// The controller's own token.
+    pub fn controller(&self) -> String {
+        self.token("controller")
+    }
+
+    /// KEDA's token.
+    pub fn keda(&self) -> String {
+        self.token("keda")
+    }
+
+    /// The scrapers' token.
+    pub fn metrics(&self) -> String {
+        self.token("prometheus")
+    }
+
+    /// The own token of the gateway whose owner (LLMService or LLMEndpoint) has UID `uid`.
+    pub fn gateway(&self, uid: &str) -> String {
+        self.token(&format!("gateway/{uid}"))
+    }
+
+    /// What every gateway accepts besides its own token.
+    pub fn authorized(&self) -> AuthorizedTokens {
+        let entry = |name: &str, token: String, scope| AuthorizedToken {
+            name: name.to_owned(),
+            sha256: digest_hex(&token),
+            scope,
+        };
+        AuthorizedTokens {
+            tokens: vec![
+                entry("controller", self.controller(), Scope::Admin),
+                entry("keda", self.keda(), Scope::Scaler),
+                entry("prometheus", self.metrics(), Scope::Metrics),
+            ],
+        }
+    }
+
+    /// A digest of [`AdminTokens::authorized`]: changes with the key.
+    fn authorized_digest(&self) -> String {
+        digest_hex(&self.controller())
+    }
+
+    /// `Authorization: Bearer <controller token>`.
+    pub fn controller_authorization(&self) -> http::HeaderValue {
+        http::HeaderValue::from_str(&format!("Bearer {}", self.controller()))
+            .unwrap_or_else(|_| http::HeaderValue::from_static(""))
+    }
+
+    /// Loads the key from Secret `name` in `namespace`, writing a new one when the Secret is
+    /// missing or has none.
+    ///
+    /// # Errors
+    /// [`AdminTokenError`]: the API (RBAC: `get`, `update` on that Secret, `create` on
+    /// Secrets), a key that is too short, no randomness.
+    pub async fn load_or_init(
+        client: Client,
+        namespace: &str,
+        name: &str,
+    ) -> Result<Self, AdminTokenError> {
+        let api: Api<Secret> = Api::namespaced(client, namespace);
+        let api_err = |what: &str| {
+            let what = format!("{what} Secret {namespace}/{name}");
+            move |source| AdminTokenError::Api { what, source }
+        };
+        // A conflict means another replica wrote first: read again and take its key.
+        for _ in 0..5 {
+            let live = api.get_opt(name).await.map_err(api_err("reading"))?;
+            if let Some(key) = live
+                .as_ref()
+                .and_then(|s| s.data.as_ref())
+                .and_then(|d| d.get(KEY_FIELD))
+            {
+                if key.0.len() < KEY_LEN {
+                    return Err(AdminTokenError::ShortKey {
+                        secret: format!("{namespace}/{name}"),
+                        len: key.0.len(),
+                    });
+                }
+                return Ok(Self::from_key(&key.0));
+            }
+            let mut key = [0u8; KEY_LEN];
+            ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut key)
+                .map_err(|_| AdminTokenError::Random)?;
+            let written = match live {
+                Some(mut s) => {
+                    s.data
+                        .get_or_insert_with(BTreeMap::new)
+                        .insert(KEY_FIELD.to_owned(), ByteString(key.to_vec()));
+                    api.replace(name, &PostParams::default(), &s).await
+                }
+                None => {
+                    let s = Secret {
+                        metadata: ObjectMeta {
+                            name: Some(name.to_owned()),
+                            namespace: Some(namespace.to_owned()),
+                            ..Default::default()
+                        },
+                        data: Some(BTreeMap::from([(
+                            KEY_FIELD.to_owned(),
+                            ByteString(key.to_vec()),
+                        )])),
+                        ..Default::default()
+                    };
+                    api.create(&PostParams::default(), &s).await
+                }
+            };
+            match written {
+                Ok(_) => {
+                    tracing::info!(secret = %format!("{namespace}/{name}"), "new admin token key written");
+                    return Ok(Self::from_key(&key));
+                }
+                Err(kube::Error::Api(e)) if e.code == 409 => continue,
+                Err(e) => return Err(api_err("writing")(e)),
+            }
+        }
+        Err(AdminTokenError::Conflicts {
+            secret: format!("{namespace}/{name}"),
+        })
+    }
+}
+
+/// The admin Secret `secret_name` of the gateway whose owner has UID `owner_uid`: its own token
+/// ([`TOKEN_KEY`]) and [`AdminTokens::authorized`] ([`AUTHORIZED_KEY`]).
+pub fn gateway_secret(
+    tokens: &AdminTokens,
+    secret_name: String,
+    namespace: &str,
+    labels: BTreeMap<String, String>,
+    owner: Option<OwnerReference>,
+    owner_uid: &str,
+) -> Secret {
+    let authorized = serde_json::to_string(&tokens.authorized()).unwrap_or_default();
+    Secret {
+        metadata: ObjectMeta {
+            name: Some(secret_name),
+            namespace: Some(namespace.to_owned()),
+            labels: Some(labels),
+            owner_references: owner.map(|o| vec![o]),
+            ..Default::default()
+        },
+        type_: Some("Opaque".to_owned()),
+        data: Some(BTreeMap::from([
+            (
+                TOKEN_KEY.to_owned(),
+                ByteString(tokens.gateway(owner_uid).into_bytes()),
+            ),
+            (
+                AUTHORIZED_KEY.to_owned(),
+                ByteString(authorized.into_bytes()),
+            ),
+        ])),
+        ..Default::default()
+    }
+}
+
+/// A Secret `namespace/name` holding `token` under `token` (what KEDA's and Prometheus' Secret
+/// references read).
+pub fn token_secret(namespace: &str, name: &str, token: String) -> Secret {
+    Secret {
+        metadata: ObjectMeta {
+            name: Some(name.to_owned()),
+            namespace: Some(namespace.to_owned()),
+            ..Default::default()
+        },
+        data: Some(BTreeMap::from([(
+            "token".to_owned(),
+            ByteString(token.into_bytes()),
+        )])),
+        ..Default::default()
+    }
+}
+
+/// Server-side apply of `secret`, not forced: a Secret of that name whose keys another manager
+/// wrote is not overwritten (the API's conflict is the error).
+///
+/// # Errors
+/// [`AdminTokenError::Api`] naming the Secret.
+pub async fn apply(client: Client, secret: &Secret) -> Result<(), AdminTokenError> {
+    patch(client, secret)
+        .await
+        .map_err(|source| AdminTokenError::Api {
+            what: format!(
+                "applying Secret {}/{}",
+                secret.namespace().unwrap_or_default(),
+                secret.name_any()
+            ),
+            source,
+        })
+}
+
+async fn patch(client: Client, secret: &Secret) -> Result<(), kube::Error> {
+    let namespace = secret.namespace().unwrap_or_default();
+    Api::<Secret>::namespaced(client, &namespace)
+        .patch(
+            &secret.name_any(),
+            &PatchParams::apply(FIELD_MANAGER),
+            &Patch::Apply(secret),
+        )
+        .await
+        .map(drop)
+}
+
+/// Writes KEDA's and the scrapers' token Secrets (each `Some((namespace, name))`) now and then
+/// every `every`, so a deleted one comes back; failures are logged and retried.
+pub async fn publish(
+    client: Client,
+    tokens: AdminTokens,
+    keda: Option<(String, String)>,
+    metrics: Option<(String, String)>,
+    every: std::time::Duration,
+) {
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        for (target, token, whose) in [
+            (&keda, tokens.keda(), "KEDA's metrics-api triggers"),
+            (&metrics, tokens.metrics(), "the gateways' scrapers"),
+        ] {
+            let Some((ns, name)) = target else {
+                continue;
+            };
+            if let Err(e) = apply(client.clone(), &token_secret(ns, name, token)).await {
+                tracing::error!(error = %e, "the admin token of {whose} could not be written; they are refused by the gateways until it is (check the namespace exists and the controller's RBAC)");
+            }
+        }
+    }
+}
+
+/// The reconcile step of an owner of a gateway (an LLMService with its own gateway, an
+/// LLMEndpoint): writes the gateway's admin Secret `<name>-gateway-admin`, owned by `owner`,
+/// when admin tokens are on; at most once per resync period unless its content changed (it is
+/// not watched: the controller does not read Secrets).
+///
+/// # Errors
+/// The API's, naming the Secret.
+pub(crate) async fn step<K>(ctx: &Context, owner: &K) -> Result<(), Error>
+where
+    K: kube::Resource<DynamicType = ()>,
+{
+    let Some(tokens) = &ctx.admin_tokens else {
+        return Ok(());
+    };
+    let namespace = owner.namespace().unwrap_or_default();
+    let name = owner.name_any();
+    let uid = owner.uid().unwrap_or_default();
+    let secret_name = names::gateway_admin(&name);
+    let secret = gateway_secret(
+        tokens,
+        secret_name.clone(),
+        &namespace,
+        labels::labels(&name, Component::Gateway),
+        owner.controller_owner_ref(&()),
+        &uid,
+    );
+    let digest = crate::scaler_tls::digest(&[&uid, &tokens.authorized_digest()]);
+    if !ctx
+        .admin_secrets
+        .stale(&namespace, &secret_name, &digest, ctx.requeue)
+    {
+        return Ok(());
+    }
+    patch(ctx.client.clone(), &secret)
+        .await
+        .map_err(kube_err(format!(
+            "apply the gateway's admin Secret {namespace}/{secret_name}"
+        )))?;
+    ctx.admin_secrets.record(&namespace, &secret_name, digest);
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tokens_are_stable_distinct_and_only_digests_reach_a_gateway() {
+        let t = AdminTokens::from_key(&[7u8; 32]);
+        let again = AdminTokens::from_key(&[7u8; 32]);
+        assert_eq!(t.controller(), again.controller());
+        assert_eq!(t.controller().len(), 64);
+        let all = [
+            t.controller(),
+            t.keda(),
+            t.metrics(),
+            t.gateway("uid-a"),
+            t.gateway("uid-b"),
+        ];
+        for (i, a) in all.iter().enumerate() {
+            for b in &all[i + 1..] {
+                assert_ne!(a, b);
+            }
+        }
+        assert_ne!(
+            AdminTokens::from_key(&[8u8; 32]).controller(),
+            t.controller()
+        );
+        let s = gateway_secret(
+            &t,
+            "m-gateway-admin".into(),
+            "ns",
+            BTreeMap::new(),
+            None,
+            "uid-a",
+        );
+        let data = s.data.unwrap();
+        assert_eq!(data[TOKEN_KEY].0, t.gateway("uid-a").into_bytes());
+        let authorized = String::from_utf8(data[AUTHORIZED_KEY].0.clone()).unwrap();
+        for secret in [t.controller(), t.keda(), t.metrics()] {
+            assert!(!authorized.contains(&secret), "{authorized}");
+            assert!(authorized.contains(&digest_hex(&secret)), "{authorized}");
+        }
+        let parsed: AuthorizedTokens = serde_json::from_str(&authorized).unwrap();
+        let scopes: Vec<_> = parsed.tokens.iter().map(|t| t.scope).collect();
+        assert_eq!(scopes, [Scope::Admin, Scope::Scaler, Scope::Metrics]);
+    }
+}
