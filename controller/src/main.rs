@@ -47,9 +47,9 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Run the controller against the cluster of the current kubeconfig (or in-cluster config).
-    Run(RunArgs),
+    Run(Box<RunArgs>),
     /// Print the children of one LLMService as YAML, without a cluster.
-    Render(RenderArgs),
+    Render(Box<RenderArgs>),
 }
 
 #[derive(Args)]
@@ -243,7 +243,7 @@ struct RenderArgs {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
-        Command::Render(args) => process::exit_code(render(args)),
+        Command::Render(args) => process::exit_code(render(*args)),
         Command::Run(args) => {
             let setup = Setup {
                 log_format: if args.log_json {
@@ -253,7 +253,7 @@ fn main() -> ExitCode {
                 },
                 default_filter: "info,kube=warn",
             };
-            process::main(setup, run(args))
+            process::main(setup, run(*args))
         }
     }
 }

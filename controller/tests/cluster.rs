@@ -82,6 +82,11 @@ async fn connect() -> Result<Cluster> {
 fn start(client: Client, namespace: &str, render: RenderConfig, requeue: Duration) -> Running {
     let metrics = Metrics::new();
     let (tx, rx) = oneshot::channel::<()>();
+    // A fixed key: the gateways get their admin Secrets as from an installed controller.
+    let admin_tokens = render
+        .admin_auth
+        .as_ref()
+        .map(|_| hearth_controller::admin_tokens::AdminTokens::from_key(&[0x42; 32]));
     let cfg = RunConfig {
         render,
         namespace: Some(namespace.to_owned()),
@@ -91,6 +96,7 @@ fn start(client: Client, namespace: &str, render: RenderConfig, requeue: Duratio
         cluster_policies: true,
         device_handover: true,
         scaler_tls: Default::default(),
+        admin_tokens,
     };
     let m = metrics.clone();
     let task = tokio::spawn(async move {
