@@ -210,12 +210,16 @@ egress:
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["list", "watch"]
-{{- if .Values.controller.scalerTLS.enabled }}
-# The ExternalScaler's certificates (mutual TLS with KEDA): the Secrets N-scaler-tls and
-# N-scaler-client-tls, written and never read, and the TriggerAuthentication N-scaler.
+{{- if or .Values.controller.scalerTLS.enabled .Values.gateway.adminAuth.enabled }}
+# Secrets written and never read: the ExternalScaler's certificates (mutual TLS with KEDA,
+# N-scaler-tls and N-scaler-client-tls), each gateway's admin Secret (N-gateway-admin) and the
+# token Secrets of KEDA and the scrapers.
 - apiGroups: [""]
   resources: ["secrets"]
   verbs: ["create", "patch", "delete"]
+{{- end }}
+{{- if .Values.controller.scalerTLS.enabled }}
+# The TriggerAuthentication N-scaler, through which KEDA reads its client certificate.
 - apiGroups: ["keda.sh"]
   resources: ["triggerauthentications"]
   verbs: ["create", "patch", "delete"]
@@ -231,4 +235,14 @@ namespace-scoped installation may not list). Empty when off.
 {{- if and .Values.controller.deviceHandover.enabled (not .Values.controller.watchNamespace) -}}
 true
 {{- end -}}
+{{- end -}}
+
+{{- /* The Secret of the key every gateway admin token derives from (controller/src/admin_tokens.rs). */ -}}
+{{- define "hearth.adminKeysSecret" -}}
+{{- printf "%s-keys" (include "hearth.controllerName" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- /* The Secret of the scrapers' gateway admin token, read by the hearth-gateways PodMonitor. */ -}}
+{{- define "hearth.gatewayMetricsSecret" -}}
+hearth-gateway-metrics
 {{- end -}}
