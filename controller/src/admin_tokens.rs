@@ -265,41 +265,8 @@ pub fn gateway_secret(
     }
 }
 
-/// A Secret `namespace/name` holding `token` under `token` (what KEDA's and Prometheus' Secret
-/// references read).
-pub fn token_secret(namespace: &str, name: &str, token: String) -> Secret {
-    Secret {
-        metadata: ObjectMeta {
-            name: Some(name.to_owned()),
-            namespace: Some(namespace.to_owned()),
-            ..Default::default()
-        },
-        data: Some(BTreeMap::from([(
-            "token".to_owned(),
-            ByteString(token.into_bytes()),
-        )])),
-        ..Default::default()
-    }
-}
-
 /// Server-side apply of `secret`, not forced: a Secret of that name whose keys another manager
 /// wrote is not overwritten (the API's conflict is the error).
-///
-/// # Errors
-/// [`AdminTokenError::Api`] naming the Secret.
-pub async fn apply(client: Client, secret: &Secret) -> Result<(), AdminTokenError> {
-    patch(client, secret)
-        .await
-        .map_err(|source| AdminTokenError::Api {
-            what: format!(
-                "applying Secret {}/{}",
-                secret.namespace().unwrap_or_default(),
-                secret.name_any()
-            ),
-            source,
-        })
-}
-
 async fn patch(client: Client, secret: &Secret) -> Result<(), kube::Error> {
     let namespace = secret.namespace().unwrap_or_default();
     Api::<Secret>::namespaced(client, &namespace)
@@ -312,8 +279,10 @@ async fn patch(client: Client, secret: &Secret) -> Result<(), kube::Error> {
         .map(drop)
 }
 
-/// Writes KEDA's and the scrapers' token Secrets (each `Some((namespace, name))`) now and then
-/// every `every`, so a deleted one comes back; failures are logged and retried.
+/// Writes KEDA's and the scrapers' tokens into their Secrets (each `Some((namespace, name))`,
+/// made empty by the chart) now and then every `every`, so a token edited away comes back.
+/// A merge patch, never a create: a Secret that is gone (the release being uninstalled) stays
+/// gone. Failures are logged, naming the Secret, and retried.
 pub async fn publish(
     client: Client,
     tokens: AdminTokens,
@@ -332,8 +301,16 @@ pub async fn publish(
             let Some((ns, name)) = target else {
                 continue;
             };
-            if let Err(e) = apply(client.clone(), &token_secret(ns, name, token)).await {
-                tracing::error!(error = %e, "the admin token of {whose} could not be written; they are refused by the gateways until it is (check the namespace exists and the controller's RBAC)");
+            let patch = serde_json::json!({"data": {"token": ByteString(token.into_bytes())}});
+            let written = Api::<Secret>::namespaced(client.clone(), ns)
+                .patch(
+                    name,
+                    &PatchParams::default(),
+                    &Patch::Merge(&patch),
+                )
+                .await;
+            if let Err(e) = written {
+                tracing::error!(secret = %format!("{ns}/{name}"), error = %e, "the admin token of {whose} could not be written, so the gateways refuse them (the chart makes this Secret; check it exists and the controller's RBAC)");
             }
         }
     }

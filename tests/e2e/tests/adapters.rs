@@ -35,7 +35,7 @@ mod stack;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
-use hearth_e2e_harness::client;
+use hearth_e2e_harness::{admin, client};
 use hearth_e2e_harness::stack::{self as harness, ScalerMode};
 use hearth_test_support::{Observed, wait_until};
 use k8s_openapi::api::batch::v1::Job;
@@ -204,13 +204,15 @@ async fn gateway_metric(d: &stack::Deployed, metric: &str) -> Result<f64> {
     let list = pods
         .list(&ListParams::default().labels(&format!("serving.hearth.dev/gateway={SERVICE}")))
         .await?;
+    let token = admin::token(&d.cluster.client(), d.ns.name(), SERVICE).await?;
     let mut sum = 0.0;
     for p in list.items {
         let Some(ip) = p.status.and_then(|s| s.pod_ip) else {
             continue;
         };
-        let (_, text) = client::get(
-            &format!("http://{ip}:8080/metrics"),
+        let (_, text) = admin::get(
+            &format!("{}/metrics", admin::url(&ip)),
+            &token,
             Duration::from_secs(10),
         )
         .await?;

@@ -781,8 +781,8 @@ fn assert_secure_pods(docs: &[Value]) -> Result<()> {
 }
 
 /// No ClusterRole lets anyone read Secrets (get, list, watch, or a wildcard), and none grants
-/// anything on them but the controller's writes of the ExternalScaler certificates (create,
-/// patch, delete).
+/// anything on them but the controller's writes (create, patch, delete: the ExternalScaler
+/// certificates, the gateways' admin Secrets, the token Secrets).
 fn assert_no_cluster_secret_access(docs: &[Value]) -> Result<()> {
     for cr in of_kind(docs, "ClusterRole") {
         for rule in cr["rules"].as_array().into_iter().flatten() {
@@ -939,8 +939,54 @@ fn value_sets() -> Vec<ValueSet> {
                 ("ValidatingWebhookConfiguration", "hearth"),
                 ("ServingPolicy", "hearth-serving-defaults"),
                 ("ClusterRole", "chart-metrics-reader"),
+                ("Secret", "hearth-controller-keys"),
+                ("Secret", "hearth-gateway-metrics"),
+                ("Secret", "hearth-gateway-keda"),
+                ("ClusterTriggerAuthentication", "chart-gateway-admin"),
+                ("Role", "hearth-controller-keys"),
             ],
             check: |docs, _| {
+                // The gateways' admin tokens: Secrets made empty (the controller writes their
+                // data), KEDA's in KEDA's namespace, read through the ClusterTriggerAuthentication
+                // the controller names in its metrics-api triggers; the key's Secret readable by
+                // name only.
+                for name in [
+                    "hearth-controller-keys",
+                    "hearth-gateway-metrics",
+                    "hearth-gateway-keda",
+                ] {
+                    let secret = find(docs, "Secret", name)?;
+                    ensure!(secret.get("data").is_none(), "{name} is rendered empty");
+                }
+                ensure!(
+                    find(docs, "Secret", "hearth-gateway-keda")?["metadata"]["namespace"]
+                        == "keda"
+                );
+                let cta = find(docs, "ClusterTriggerAuthentication", "chart-gateway-admin")?;
+                ensure!(
+                    cta["spec"]["secretTargetRef"]
+                        == json!([{"parameter": "bearerToken", "name": "hearth-gateway-keda",
+                                   "key": "token"}]),
+                    "{cta}"
+                );
+                let keys = find(docs, "Role", "hearth-controller-keys")?;
+                ensure!(
+                    keys["rules"]
+                        == json!([{"apiGroups": [""], "resources": ["secrets"],
+                                   "resourceNames": ["hearth-controller-keys"],
+                                   "verbs": ["get", "update"]}]),
+                    "{keys}"
+                );
+                let args = container_args(find(docs, "Deployment", "hearth-controller")?);
+                for flag in [
+                    "--gateway-admin-auth=true",
+                    "--admin-keys-secret=hearth-controller-keys",
+                    "--keda-token-secret=keda/hearth-gateway-keda",
+                    "--metrics-token-secret=hearth-gateway-metrics",
+                    "--gateway-admin-trigger-auth=chart-gateway-admin",
+                ] {
+                    ensure!(args.contains(&flag.to_owned()), "{flag} not in {args:?}");
+                }
                 let reader = find(docs, "ClusterRole", "chart-metrics-reader")?;
                 ensure!(
                     reader["rules"] == json!([{"nonResourceURLs": ["/metrics"], "verbs": ["get"]}]),
@@ -1093,9 +1139,9 @@ fn value_sets() -> Vec<ValueSet> {
                     })
                     };
                 // The device handover, metering and the adapters' observer ask the gateways on
-                // their http port (with or without the handover); the observer asks the engines
-                // for their /v1/models.
-                for (component, port) in [("gateway", Some(8080)), ("backend", None)] {
+                // their admin port (with or without the handover); the observer asks the
+                // engines for their /v1/models.
+                for (component, port) in [("gateway", Some(9091)), ("backend", None)] {
                     ensure!(
                         egress_to(component, port),
                         "no egress to the {component} pods: {}",
@@ -1138,9 +1184,9 @@ fn value_sets() -> Vec<ValueSet> {
                 }
                 // The gateways and backends in every namespace, selected by labels that do not
                 // name the controller (app.kubernetes.io/managed-by changes value).
-                for (name, component) in [
-                    ("hearth-gateways", "gateway"),
-                    ("hearth-backends", "backend"),
+                for (name, component, port) in [
+                    ("hearth-gateways", "gateway", "admin"),
+                    ("hearth-backends", "backend", "http"),
                 ] {
                     let pm = &find(docs, "PodMonitor", name)?["spec"];
                     ensure!(
@@ -1154,7 +1200,16 @@ fn value_sets() -> Vec<ValueSet> {
                         "{name}: {pm}"
                     );
                     ensure!(
-                        pm["podMetricsEndpoints"][0]["port"] == "http",
+                        pm["podMetricsEndpoints"][0]["port"] == port,
+                        "{name}: {pm}"
+                    );
+                    // The gateway's admin port wants the scrapers' token.
+                    let auth = &pm["podMetricsEndpoints"][0]["authorization"];
+                    ensure!(
+                        (component == "gateway")
+                            == (*auth
+                                == json!({"type": "Bearer", "credentials":
+                                    {"name": "hearth-gateway-metrics", "key": "token"}})),
                         "{name}: {pm}"
                     );
                     ensure!(
@@ -1680,7 +1735,24 @@ fn matrix(release_ns: &str) -> Vec<Check> {
         own(),
         true,
     );
+    add(
+        c,
+        &["get", "update"],
+        "secrets/hearth-controller-keys",
+        None,
+        own(),
+        true,
+    );
     // And nothing like this.
+    add(c, &["get", "update"], "secrets/hearth-webhook-tls", None, own(), false);
+    add(
+        c,
+        &["get"],
+        "secrets/hearth-controller-keys",
+        None,
+        team(),
+        false,
+    );
     add(c, &["get", "list", "watch"], "secrets", None, None, false);
     add(c, &["get", "list"], "secrets", None, team(), false);
     add(c, &["get", "list"], "secrets", None, own(), false);
@@ -1868,6 +1940,14 @@ fn matrix(release_ns: &str) -> Vec<Check> {
         w,
         &["get", "update", "delete"],
         "secrets/hearth-controller-token",
+        None,
+        own(),
+        false,
+    );
+    add(
+        w,
+        &["get", "update"],
+        "secrets/hearth-controller-keys",
         None,
         own(),
         false,
@@ -2181,6 +2261,8 @@ async fn rbac_matrix_each_account_can_do_what_it_needs_and_nothing_more() -> Res
     ];
     let controller_own = [
         "leases.coordination.k8s.io [hearth-controller] [get update]",
+        // The key of the gateways' admin tokens: the one Secret it reads.
+        "secrets [hearth-controller-keys] [get update]",
         "leases.coordination.k8s.io [] [create]",
         // The runtime image pre-pull DaemonSets, in the release namespace only.
         "daemonsets.apps [] [create delete get list patch watch]",

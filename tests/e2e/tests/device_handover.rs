@@ -36,7 +36,7 @@ use std::{
 
 use anyhow::{Context, Result, bail, ensure};
 use hearth_e2e_harness::{
-    client,
+    admin, client,
     stack::{self as hstack, RELEASE_NAMESPACE, ScalerMode},
 };
 use hearth_test_support::{Cluster, Observed, wait_until};
@@ -208,18 +208,25 @@ async fn phase(client: &kube::Client, ns: &str, name: &str) -> Result<String> {
     Ok(hstack::phase(client, ns, name).await?.unwrap_or_default())
 }
 
-/// Waits until the demand a gateway reports at `url` + `path` (`{"pending": N}`, summed over
-/// its replicas) satisfies `ok`.
-async fn wait_demand(url: &str, path: &str, what: &str, ok: fn(u64) -> bool) -> Result<()> {
-    let queue = format!("{url}{path}");
+/// Waits until the demand the gateway of `owner` (a service, or the endpoint) reports at
+/// `path` of its admin port (`{"pending": N}`, summed over its replicas) satisfies `ok`.
+async fn wait_demand(
+    client: &kube::Client,
+    ns: &str,
+    owner: &str,
+    path: &str,
+    what: &str,
+    ok: fn(u64) -> bool,
+) -> Result<()> {
     wait_until(what, Duration::from_secs(60), || async {
-        let (status, body) = client::get(&queue, Duration::from_secs(5)).await?;
+        let (status, body) =
+            admin::get_owner(client, ns, owner, path, Duration::from_secs(5)).await?;
         let pending = serde_json::from_str::<Value>(&body)
             .ok()
             .and_then(|v| v["pending"].as_u64());
         Ok(match pending {
             Some(d) if status == 200 && ok(d) => Observed::Ready(()),
-            _ => Observed::NotYet(format!("{queue}: {status} {body}")),
+            _ => Observed::NotYet(format!("{owner} {path}: {status} {body}")),
         })
     })
     .await
@@ -575,12 +582,12 @@ async fn scenarios(
     chat_ok(&urls["batch"], "batch").await?;
     // Until their gateways' activation leases end (10 s after a cold start's backend turned
     // Ready demand stays 1: the model counts as serving), which is past the 6 s residency.
-    wait_demand(&urls["batch"], "/hearth/queue/local", "batch idle", |d| {
+    wait_demand(&client, n, "batch", "/hearth/queue/local", "batch idle", |d| {
         d == 0
     })
     .await?;
     let m2_queue = format!("/hearth/queue/{n}/m2");
-    wait_demand(&urls["m2"], &m2_queue, "m2 idle", |d| d == 0).await?;
+    wait_demand(&client, n, ENDPOINT, &m2_queue, "m2 idle", |d| d == 0).await?;
     chat_ok(&urls["batch"], "batch").await?;
     let t = chat_ok(&urls["urgent"], "urgent").await?;
     println!(
@@ -608,7 +615,7 @@ async fn scenarios(
         )
         .await
     });
-    wait_demand(&urls["m2"], &m2_queue, "m2 streaming", |d| d >= 1).await?;
+    wait_demand(&client, n, ENDPOINT, &m2_queue, "m2 streaming", |d| d >= 1).await?;
     let m1_url = urls["m1"].clone();
     let m1 = tokio::spawn(async move { chat_ok(&m1_url, "m1").await });
     let trace = stream.await?.context("m2's stream")?;
@@ -637,7 +644,7 @@ async fn scenarios(
     // 3. A controller restart during a handover: m2 is cold again; the controller pod is
     // deleted as soon as the victim's record appears. First m1's lease ends (see above).
     let m1_queue = format!("/hearth/queue/{n}/m1");
-    wait_demand(&urls["m1"], &m1_queue, "m1 idle", |d| d == 0).await?;
+    wait_demand(&client, n, ENDPOINT, &m1_queue, "m1 idle", |d| d == 0).await?;
     let m2_url = urls["m2"].clone();
     let m2 = tokio::spawn(async move { chat_ok(&m2_url, "m2").await });
     let h = next_handover(handovers, 2).await?;

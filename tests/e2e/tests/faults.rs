@@ -20,9 +20,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
-use hearth_e2e_harness::client;
 use hearth_e2e_harness::faults::{self, Kind, Ledger, Load, LoadConfig, Outcome, Record, Row};
 use hearth_e2e_harness::stack::{RELEASE_NAMESPACE, ScalerMode};
+use hearth_e2e_harness::{admin, client};
 use hearth_test_support::{Cluster, Observed, TestNamespace, wait_until};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::coordination::v1::Lease;
@@ -136,11 +136,12 @@ fn pod_url(ip: &str) -> String {
     }
 }
 
-/// `/hearth/queue` of one replica: `Some(total)`, or None while the total is unknown (503) or
-/// the replica does not answer.
-async fn queue_total(ip: &str, scope: &str) -> Option<i64> {
-    let (status, body) = client::get(
-        &format!("{}/hearth/queue{scope}", pod_url(ip)),
+/// `/hearth/queue` of one replica's admin port, with the gateway's own `token`: `Some(total)`,
+/// or None while the total is unknown (503) or the replica does not answer.
+async fn queue_total(ip: &str, token: &str, scope: &str) -> Option<i64> {
+    let (status, body) = admin::get(
+        &format!("{}/hearth/queue{scope}", admin::url(ip)),
+        token,
         Duration::from_secs(3),
     )
     .await
@@ -327,6 +328,7 @@ async fn gateway_fault(
     let pods_api = d.ns.api::<Pod>();
     let pods = wait_gateways(&pods_api, 2).await?;
     let (victim, survivor) = (&pods[0], &pods[1]);
+    let token = admin::token(&d.cluster.client(), d.ns.name(), SERVICE).await?;
     let start = Instant::now();
     let pinned = Ledger::default();
     let on_survivor = Arc::new(AtomicUsize::new(0));
@@ -355,8 +357,8 @@ async fn gateway_fault(
         "two pinned streams in flight on each replica",
         Duration::from_secs(30),
         || async {
-            let v = queue_total(&victim.1, "?scope=local").await;
-            let s = queue_total(&survivor.1, "?scope=local").await;
+            let v = queue_total(&victim.1, &token, "?scope=local").await;
+            let s = queue_total(&survivor.1, &token, "?scope=local").await;
             Ok(if v >= Some(2) && s >= Some(2) {
                 Observed::Ready(())
             } else {
@@ -369,8 +371,9 @@ async fn gateway_fault(
     // and KEDA's external metric (the push stream, through the apiserver).
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let sampler = {
-        let (ip, count, client, ns, metric) = (
+        let (ip, token, count, client, ns, metric) = (
             survivor.1.clone(),
+            token.clone(),
             on_survivor.clone(),
             d.cluster.client(),
             d.ns.name().to_owned(),
@@ -379,7 +382,7 @@ async fn gateway_fault(
         tokio::spawn(async move {
             let mut samples = Vec::new();
             while !*stop_rx.borrow() {
-                let value = queue_total(&ip, "").await;
+                let value = queue_total(&ip, &token, "").await;
                 samples.push(DemandSample {
                     at: start.elapsed().as_secs_f64(),
                     source: "survivor /hearth/queue",

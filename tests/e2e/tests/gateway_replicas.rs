@@ -3,7 +3,10 @@
 //! external metrics API, sees the demand of both summed; one cold request on each replica
 //! scales the backend 0 → 1 at target 2), and API keys from a Secret (401 with an OpenAI error
 //! without or with a wrong key, 200 with the key, and a rotation of the Secret taking effect
-//! in both replicas without a gateway pod restarting); then two evictions at once through the
+//! in both replicas without a gateway pod restarting); the admin ports (the replicas read each
+//! other's demand there with the gateway's own token) refuse a scrape without a token or with
+//! one of the wrong scope and serve /metrics to the scrapers' token, and the client port serves
+//! none of it; then two evictions at once through the
 //! PodDisruptionBudget: one granted, the other refused with 429, and the Service answering
 //! meanwhile.
 
@@ -13,7 +16,7 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
-use hearth_e2e_harness::client;
+use hearth_e2e_harness::{admin, client};
 use hearth_e2e_harness::stack::ScalerMode;
 use hearth_test_support::{Observed, wait_until};
 use k8s_openapi::api::core::v1::{Pod, Secret};
@@ -63,16 +66,12 @@ async fn gateway_pods(
         .collect())
 }
 
-/// `GET /hearth/queue` of one replica: `Some(pending)` (the total over the replicas), `None`
-/// while it answers anything else (the total unknown).
-async fn queue_of(ip: &str) -> Option<i64> {
-    let host = if ip.contains(':') {
-        format!("[{ip}]")
-    } else {
-        ip.to_owned()
-    };
-    let (status, body) = client::get(
-        &format!("http://{host}:8080/hearth/queue"),
+/// `GET /hearth/queue` of one replica's admin port with `token`: `Some(pending)` (the total
+/// over the replicas), `None` while it answers anything else (the total unknown).
+async fn queue_of(ip: &str, token: &str) -> Option<i64> {
+    let (status, body) = admin::get(
+        &format!("{}/hearth/queue", admin::url(ip)),
+        token,
         Duration::from_secs(5),
     )
     .await
@@ -81,6 +80,47 @@ async fn queue_of(ip: &str) -> Option<i64> {
         return None;
     }
     serde_json::from_str::<Value>(&body).ok()?["pending"].as_i64()
+}
+
+/// The admin port of each replica refuses a scrape without a token (401) and a token of the
+/// wrong scope (the scrapers' on /hearth/queue: 403), serves /metrics to the scrapers' token
+/// (Secret hearth-gateway-metrics, as the chart's PodMonitor sends it); the client port does
+/// not serve the admin paths at all (404).
+async fn admin_port_is_guarded(d: &stack::Deployed, ips: &[String]) -> Result<String> {
+    let secrets = kube::Api::<Secret>::namespaced(d.cluster.client(), "hearth-system");
+    let scrape = secrets
+        .get("hearth-gateway-metrics")
+        .await
+        .context("the scrapers' token Secret")?
+        .data
+        .and_then(|d| d.get("token").cloned())
+        .context("the controller wrote no token into hearth-gateway-metrics")?;
+    let scrape = String::from_utf8(scrape.0)?;
+    let mut seen = Vec::new();
+    for ip in ips {
+        let base = admin::url(ip);
+        let t = Duration::from_secs(5);
+        let (open, _) = client::get(&format!("{base}/metrics"), t).await?;
+        let (wrong, _) = admin::get(&format!("{base}/metrics"), "not-a-token", t).await?;
+        let (scraped, body) = admin::get(&format!("{base}/metrics"), &scrape, t).await?;
+        let (scoped, _) = admin::get(&format!("{base}/hearth/queue"), &scrape, t).await?;
+        let client_port = if ip.contains(':') {
+            format!("http://[{ip}]:8080")
+        } else {
+            format!("http://{ip}:8080")
+        };
+        let (on_client, _) = client::get(&format!("{client_port}/metrics"), t).await?;
+        ensure!(
+            (open, wrong, scraped, scoped, on_client) == (401, 401, 200, 403, 404),
+            "{ip}: no token {open}, bad token {wrong}, scrapers' token {scraped} on /metrics and {scoped} on /hearth/queue, client port {on_client}"
+        );
+        ensure!(
+            body.contains("hearth_gateway_"),
+            "{ip}: /metrics without the gateway's series: {body}"
+        );
+        seen.push(format!("{ip}: 401/401/200/403/404"));
+    }
+    Ok(seen.join(", "))
 }
 
 /// Status of `GET /v1/models` through the gateway Service with `key` (or none).
@@ -183,13 +223,16 @@ async fn two_push_mode_gateways_sum_demand_and_api_keys_rotate_without_restarts(
             .await
         }));
     }
+    // The replicas read each other's demand with the gateway's own token (its admin Secret);
+    // the test reads it the same way.
+    let token = admin::token(&d.cluster.client(), d.ns.name(), SERVICE).await?;
     let totals = wait_until(
         "every gateway replica answering total demand 2",
         Duration::from_secs(60),
         || async {
             let mut totals = Vec::new();
             for ip in &ips {
-                totals.push(queue_of(ip).await);
+                totals.push(queue_of(ip, &token).await);
             }
             Ok(if totals.iter().all(|t| *t == Some(2)) {
                 Observed::Ready(totals)
@@ -314,6 +357,8 @@ async fn two_push_mode_gateways_sum_demand_and_api_keys_rotate_without_restarts(
         after.len() == 2,
         "gateway pods after the rotation: {after:?}"
     );
+    let guarded = admin_port_is_guarded(&d, &ips).await?;
+    println!("[push, 2 gateways] admin ports: {guarded}");
     println!(
         "[push, 2 gateways] /hearth/queue {totals:?}, KEDA {keda_value}, rotation effective after {:.1}s with no gateway restart; timeline: {tl}",
         took.as_secs_f64()

@@ -23,7 +23,7 @@ mod stack;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
-use hearth_e2e_harness::client;
+use hearth_e2e_harness::{admin, client};
 use hearth_e2e_harness::stack::{self as hstack, ScalerMode};
 use hearth_test_support::{Cluster, Observed, TestNamespace, wait_until};
 use k8s_openapi::api::core::v1::Namespace;
@@ -376,8 +376,11 @@ async fn run(cluster: &Cluster, absent_runtime: &str) -> Result<()> {
         "stuck-model's queue holds 100",
         Duration::from_secs(30),
         || async {
-            let (s, body) = client::get(
-                &format!("{url}/hearth/queue/{stuck_key}/local"),
+            let (s, body) = admin::get_owner(
+                &client,
+                na,
+                ENDPOINT,
+                &format!("/hearth/queue/{stuck_key}/local"),
                 Duration::from_secs(5),
             )
             .await?;
@@ -470,12 +473,14 @@ async fn run(cluster: &Cluster, absent_runtime: &str) -> Result<()> {
         })
     };
     // The stream is admitted (in flight through the endpoint) before phi leaves.
-    let phi_queue = format!("{url}/hearth/queue/{nb}/phi/local");
+    let phi_queue = format!("/hearth/queue/{nb}/phi/local");
     wait_until(
         "phi's stream in flight through the endpoint",
         Duration::from_secs(10),
         || async {
-            let (s, body) = client::get(&phi_queue, Duration::from_secs(5)).await?;
+            let (s, body) =
+                admin::get_owner(&client, na, ENDPOINT, &phi_queue, Duration::from_secs(5))
+                    .await?;
             let pending = serde_json::from_str::<Value>(&body)
                 .ok()
                 .and_then(|v| v["pending"].as_u64());

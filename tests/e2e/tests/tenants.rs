@@ -20,6 +20,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
+use hearth_e2e_harness::admin;
 use hearth_e2e_harness::client::{self, Trace};
 use hearth_e2e_harness::stack::ScalerMode;
 use hearth_test_support::{Observed, wait_until};
@@ -112,9 +113,14 @@ async fn interactive(base: &str, n: usize) -> Result<(Vec<f64>, Vec<f64>)> {
     Ok((waits, ttft))
 }
 
-/// `GET /metrics` of a replica.
-async fn metrics(base: &str) -> Result<String> {
-    let (status, body) = client::get(&format!("{base}/metrics"), Duration::from_secs(10)).await?;
+/// `GET /metrics` of a replica's admin port (`ip`), with the gateway's own `token`.
+async fn metrics(ip: &str, token: &str) -> Result<String> {
+    let (status, body) = admin::get(
+        &format!("{}/metrics", admin::url(ip)),
+        token,
+        Duration::from_secs(10),
+    )
+    .await?;
     ensure!(status == 200, "/metrics: {status}");
     Ok(body)
 }
@@ -171,6 +177,7 @@ async fn tenants_share_a_saturated_model_by_band_and_fair_share_within_their_quo
         }
     };
     let (gw1, gw2) = (base(&ips[0]), base(&ips[1]));
+    let token = admin::token(&d.cluster.client(), d.ns.name(), SERVICE).await?;
 
     // Wake the model. (The places are shared: 8 per backend over 2 replicas, 4 on each, of
     // which one tenant holds at most 3 while there are several.)
@@ -199,7 +206,7 @@ async fn tenants_share_a_saturated_model_by_band_and_fair_share_within_their_quo
         "team-a's requests waiting on the replica",
         Duration::from_secs(30),
         || async {
-            let text = metrics(&gw1).await?;
+            let text = metrics(&ips[0], &token).await?;
             let queued = queued_of(&text, "team-a");
             Ok(if queued >= 3.0 {
                 Observed::Ready(())
@@ -328,7 +335,7 @@ async fn tenants_share_a_saturated_model_by_band_and_fair_share_within_their_quo
     }
 
     // Per-tenant series on the replica the load went through.
-    let text = metrics(&gw1).await?;
+    let text = metrics(&ips[0], &token).await?;
     for tenant in ["team-a", "team-b", "vip"] {
         let tokens = series_sum(&text, "hearth_gateway_tenant_tokens_total", tenant);
         ensure!(tokens > 0.0, "no tokens counted for {tenant}");

@@ -5,6 +5,7 @@
 //! a Deployment's replicas and of its pods. The demo's steps live in [`demo`], run by the
 //! `hearth-demo` binary and checked by the suite `tests/e2e/tests/demo.rs`. See docs/e2e.md.
 
+pub mod admin;
 pub mod client;
 pub mod demo;
 pub mod faults;
