@@ -303,11 +303,7 @@ pub async fn publish(
             };
             let patch = serde_json::json!({"data": {"token": ByteString(token.into_bytes())}});
             let written = Api::<Secret>::namespaced(client.clone(), ns)
-                .patch(
-                    name,
-                    &PatchParams::default(),
-                    &Patch::Merge(&patch),
-                )
+                .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
                 .await;
             if let Err(e) = written {
                 tracing::error!(secret = %format!("{ns}/{name}"), error = %e, "the admin token of {whose} could not be written, so the gateways refuse them (the chart makes this Secret; check it exists and the controller's RBAC)");

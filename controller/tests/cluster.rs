@@ -1307,8 +1307,8 @@ async fn deleting_the_service_removes_every_child() -> Result<()> {
     .await?;
     let count = assert_children(&ns, &svc, &rt).await?;
     assert!(
-        count == 12,
-        "push mode with prewarm renders 12 children (no claim with HostPath; the gateway's PodDisruptionBudget; the ExternalScaler's TriggerAuthentication), got {count}"
+        count == 13,
+        "push mode with prewarm renders 13 children (no claim with HostPath; the gateway's PodDisruptionBudget and admin Service; the ExternalScaler's TriggerAuthentication), got {count}"
     );
 
     let api: Api<LLMService> = ns.api();

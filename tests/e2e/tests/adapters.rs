@@ -35,8 +35,8 @@ mod stack;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
-use hearth_e2e_harness::{admin, client};
 use hearth_e2e_harness::stack::{self as harness, ScalerMode};
+use hearth_e2e_harness::{admin, client};
 use hearth_test_support::{Observed, wait_until};
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod};

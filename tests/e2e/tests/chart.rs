@@ -959,8 +959,7 @@ fn value_sets() -> Vec<ValueSet> {
                     ensure!(secret.get("data").is_none(), "{name} is rendered empty");
                 }
                 ensure!(
-                    find(docs, "Secret", "hearth-gateway-keda")?["metadata"]["namespace"]
-                        == "keda"
+                    find(docs, "Secret", "hearth-gateway-keda")?["metadata"]["namespace"] == "keda"
                 );
                 let cta = find(docs, "ClusterTriggerAuthentication", "chart-gateway-admin")?;
                 ensure!(
@@ -1199,10 +1198,7 @@ fn value_sets() -> Vec<ValueSet> {
                                       "app.kubernetes.io/component": component}),
                         "{name}: {pm}"
                     );
-                    ensure!(
-                        pm["podMetricsEndpoints"][0]["port"] == port,
-                        "{name}: {pm}"
-                    );
+                    ensure!(pm["podMetricsEndpoints"][0]["port"] == port, "{name}: {pm}");
                     // The gateway's admin port wants the scrapers' token.
                     let auth = &pm["podMetricsEndpoints"][0]["authorization"];
                     ensure!(
@@ -1744,7 +1740,14 @@ fn matrix(release_ns: &str) -> Vec<Check> {
         true,
     );
     // And nothing like this.
-    add(c, &["get", "update"], "secrets/hearth-webhook-tls", None, own(), false);
+    add(
+        c,
+        &["get", "update"],
+        "secrets/hearth-webhook-tls",
+        None,
+        own(),
+        false,
+    );
     add(
         c,
         &["get"],

@@ -582,9 +582,14 @@ async fn scenarios(
     chat_ok(&urls["batch"], "batch").await?;
     // Until their gateways' activation leases end (10 s after a cold start's backend turned
     // Ready demand stays 1: the model counts as serving), which is past the 6 s residency.
-    wait_demand(&client, n, "batch", "/hearth/queue/local", "batch idle", |d| {
-        d == 0
-    })
+    wait_demand(
+        &client,
+        n,
+        "batch",
+        "/hearth/queue/local",
+        "batch idle",
+        |d| d == 0,
+    )
     .await?;
     let m2_queue = format!("/hearth/queue/{n}/m2");
     wait_demand(&client, n, ENDPOINT, &m2_queue, "m2 idle", |d| d == 0).await?;

@@ -16,8 +16,8 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
-use hearth_e2e_harness::{admin, client};
 use hearth_e2e_harness::stack::ScalerMode;
+use hearth_e2e_harness::{admin, client};
 use hearth_test_support::{Observed, wait_until};
 use k8s_openapi::api::core::v1::{Pod, Secret};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;

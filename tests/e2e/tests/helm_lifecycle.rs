@@ -1110,6 +1110,41 @@ async fn assert_uninstalled(client: &Client, test_ns: &str) -> Result<()> {
         );
         kept.push(format!("Lease {name}"));
     }
+    // Kept for the models (docs/install.md, "Uninstall"): the key of the gateways' admin tokens,
+    // KEDA's token and the ClusterTriggerAuthentication its metrics-api triggers name, so KEDA
+    // keeps scaling poll-mode models and a new install finds the same key. The scrapers' token
+    // goes with the release.
+    let keys = secrets
+        .get_opt("hearth-controller-keys")
+        .await?
+        .context("the admin token key was deleted by the uninstall")?;
+    ensure!(
+        keys.data.is_some_and(|d| d.contains_key("admin-key")),
+        "the admin token key Secret lost its key"
+    );
+    let keda = Api::<Secret>::namespaced(client.clone(), "keda")
+        .get_opt("hearth-gateway-keda")
+        .await?
+        .context("KEDA's token was deleted by the uninstall")?;
+    ensure!(
+        keda.data.is_some_and(|d| d.contains_key("token")),
+        "KEDA's token Secret lost its token"
+    );
+    let cta = ApiResource::from_gvk_with_plural(
+        &GroupVersionKind::gvk("keda.sh", "v1alpha1", "ClusterTriggerAuthentication"),
+        "clustertriggerauthentications",
+    );
+    ensure!(
+        Api::<DynamicObject>::all_with(client.clone(), &cta)
+            .get_opt(&format!("{RELEASE}-gateway-admin"))
+            .await?
+            .is_some(),
+        "the ClusterTriggerAuthentication of the models' poll triggers was deleted"
+    );
+    ensure!(
+        secrets.get_opt("hearth-gateway-metrics").await?.is_none(),
+        "the scrapers' token Secret is left"
+    );
     println!("left in {RELEASE_NAMESPACE} after the uninstall: {kept:?}");
     // The release's pods stop (preStop sleep, then the server's drain).
     let pods: Api<Pod> = Api::namespaced(client.clone(), RELEASE_NAMESPACE);

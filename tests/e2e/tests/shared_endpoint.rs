@@ -23,8 +23,8 @@ mod stack;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
-use hearth_e2e_harness::{admin, client};
 use hearth_e2e_harness::stack::{self as hstack, ScalerMode};
+use hearth_e2e_harness::{admin, client};
 use hearth_test_support::{Cluster, Observed, TestNamespace, wait_until};
 use k8s_openapi::api::core::v1::Namespace;
 use kube::api::{Api, ApiResource, DeleteParams, DynamicObject, Patch, PatchParams};
@@ -479,8 +479,7 @@ async fn run(cluster: &Cluster, absent_runtime: &str) -> Result<()> {
         Duration::from_secs(10),
         || async {
             let (s, body) =
-                admin::get_owner(&client, na, ENDPOINT, &phi_queue, Duration::from_secs(5))
-                    .await?;
+                admin::get_owner(&client, na, ENDPOINT, &phi_queue, Duration::from_secs(5)).await?;
             let pending = serde_json::from_str::<Value>(&body)
                 .ok()
                 .and_then(|v| v["pending"].as_u64());

@@ -65,7 +65,10 @@ pub async fn pod_ips(client: &Client, namespace: &str, owner: &str) -> Result<Ve
     use k8s_openapi::api::core::v1::Pod;
     let pods: Api<Pod> = Api::namespaced(client.clone(), namespace);
     let list = pods
-        .list(&kube::api::ListParams::default().labels(&format!("serving.hearth.dev/gateway={owner}")))
+        .list(
+            &kube::api::ListParams::default()
+                .labels(&format!("serving.hearth.dev/gateway={owner}")),
+        )
         .await
         .with_context(|| format!("listing the gateway pods of {namespace}/{owner}"))?;
     Ok(list
