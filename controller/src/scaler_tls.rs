@@ -397,8 +397,9 @@ async fn remove(ctx: &Context, namespace: &str, name: &str) -> Result<(), Error>
 
 type Key = (String, String);
 
-/// Memory of the TriggerAuthentications applied, by namespace and service: the digest and
-/// when, so an unchanged one is applied again only once per resync period (it is not watched).
+/// Memory of objects written but not watched (the TriggerAuthentications, the gateways' admin
+/// Secrets), by namespace and name: the digest of what was written and when, so an unchanged
+/// one is written again only once per resync period.
 #[derive(Debug, Default)]
 pub struct Applied(std::sync::Mutex<HashMap<Key, (String, Instant)>>);
 
