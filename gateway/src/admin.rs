@@ -211,19 +211,14 @@ impl AdminAuth {
         let Some(inner) = self.inner.clone() else {
             return;
         };
-        let mut tick = tokio::time::interval(RELOAD_INTERVAL);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        tick.tick().await;
-        loop {
-            tick.tick().await;
-            match self.reload() {
-                Ok(true) => tracing::info!(dir = %inner.dir.display(), "admin tokens reloaded"),
-                Ok(false) => {}
-                Err(e) => {
-                    tracing::warn!(error = %e, "admin token files changed but do not load; the previous tokens stay in force")
-                }
-            }
-        }
+        let changed = format!("admin tokens reloaded from {}", inner.dir.display());
+        crate::reload::every(
+            RELOAD_INTERVAL,
+            &changed,
+            "admin token files changed but do not load; the previous tokens stay in force",
+            || self.reload(),
+        )
+        .await;
     }
 }
 

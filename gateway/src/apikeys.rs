@@ -280,17 +280,13 @@ impl ApiKeys {
         } else {
             interval
         };
-        let mut tick = tokio::time::interval(interval);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        tick.tick().await;
-        loop {
-            tick.tick().await;
-            match self.reload() {
-                Ok(true) => tracing::info!("API keys reloaded"),
-                Ok(false) => {}
-                Err(e) => tracing::warn!(error = %e, "keeping the previous API keys"),
-            }
-        }
+        crate::reload::every(
+            interval,
+            "API keys reloaded",
+            "keeping the previous API keys",
+            || self.reload(),
+        )
+        .await;
     }
 }
 

@@ -45,6 +45,7 @@ pub mod peers;
 pub mod proxy;
 pub mod quota;
 pub mod reject;
+pub(crate) mod reload;
 pub mod routes;
 pub mod scaler;
 pub mod scaler_tls;

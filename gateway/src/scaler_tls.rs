@@ -102,21 +102,17 @@ impl ScalerTls {
 
     /// Reloads every [`RELOAD_INTERVAL`] until the task is dropped.
     pub async fn watch(self: Arc<Self>) {
-        let mut tick = tokio::time::interval(RELOAD_INTERVAL);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        tick.tick().await;
-        loop {
-            tick.tick().await;
-            match self.reload() {
-                Ok(true) => {
-                    tracing::info!(dir = %self.dir.display(), "ExternalScaler certificate and CA bundle reloaded")
-                }
-                Ok(false) => {}
-                Err(e) => {
-                    tracing::warn!(error = %e, "ExternalScaler TLS files changed but do not load; still serving the previous ones")
-                }
-            }
-        }
+        let changed = format!(
+            "ExternalScaler certificate and CA bundle reloaded from {}",
+            self.dir.display()
+        );
+        crate::reload::every(
+            RELOAD_INTERVAL,
+            &changed,
+            "ExternalScaler TLS files changed but do not load; still serving the previous ones",
+            || self.reload(),
+        )
+        .await;
     }
 
     /// The connections of `listener` once their handshake succeeded, for tonic's
