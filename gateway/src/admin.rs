@@ -10,7 +10,11 @@
 //! keys are, [`crate::apikeys`]).
 //!
 //! The files are re-read every [`RELOAD_INTERVAL`] (a Secret volume changes by an atomic
-//! symlink swap); files that do not load keep the previous table and are logged. Without
+//! symlink swap); files that do not load keep the previous table and are logged. A token is
+//! checked when a request arrives: a long-lived `/hearth/local-demand` stream opened with a
+//! token that is then rotated away goes on until it ends (the peer reconnects with the new
+//! one). A token must be printable ASCII; a digest listed twice, more than
+//! [`MAX_AUTHORIZED`] entries or a file over [`MAX_FILE_BYTES`] do not load. Without
 //! `--admin-auth-dir` the admin port is open to anyone who reaches it, which the gateway logs
 //! at start: the controller always sets it.
 
@@ -32,21 +36,34 @@ use crate::apikeys::{Digest, bearer, digest};
 
 /// How often the directory is re-read.
 pub const RELOAD_INTERVAL: Duration = Duration::from_secs(10);
+/// Largest file read from the directory (the controller's are about 500 bytes).
+pub const MAX_FILE_BYTES: u64 = 64 * 1024;
+/// Most entries in `authorized.json` (the controller writes 3).
+pub const MAX_AUTHORIZED: usize = 64;
 
 /// Why the directory could not be used.
 #[derive(Debug, thiserror::Error)]
 pub enum AdminAuthError {
-    /// A file could not be read.
-    #[error("reading {path}: {source} (check --admin-auth-dir and the admin Secret's mount)")]
+    /// A file could not be read (or is larger than [`MAX_FILE_BYTES`]).
+    #[error("reading {path}: {error} (check --admin-auth-dir and the admin Secret's mount)")]
     Read {
         /// The file.
         path: PathBuf,
-        /// The I/O error.
-        source: std::io::Error,
+        /// What went wrong (the I/O error, or the size).
+        error: String,
     },
     /// `token` is empty.
     #[error("{path} holds no token (the admin Secret's key `token` must not be empty)")]
     EmptyToken {
+        /// The file.
+        path: PathBuf,
+    },
+    /// `token` holds a character an HTTP header cannot carry as is (the token is sent to the
+    /// peer replicas in `Authorization`).
+    #[error(
+        "{path} holds a token with a character outside printable ASCII (0x21-0x7E); the controller writes 64 hex digits"
+    )]
+    TokenCharacters {
         /// The file.
         path: PathBuf,
     },
@@ -225,7 +242,19 @@ impl AdminAuth {
 fn read(dir: &Path) -> Result<(String, String), AdminAuthError> {
     let file = |key: &str| {
         let path = dir.join(key);
-        std::fs::read_to_string(&path).map_err(|source| AdminAuthError::Read { path, source })
+        let fail = |error: String| AdminAuthError::Read {
+            path: path.clone(),
+            error,
+        };
+        let len = std::fs::metadata(&path)
+            .map_err(|e| fail(e.to_string()))?
+            .len();
+        if len > MAX_FILE_BYTES {
+            return Err(fail(format!(
+                "{len} bytes, more than the {MAX_FILE_BYTES} a token file may hold"
+            )));
+        }
+        std::fs::read_to_string(&path).map_err(|e| fail(e.to_string()))
     };
     Ok((file(TOKEN_KEY)?, file(AUTHORIZED_KEY)?))
 }
@@ -237,12 +266,23 @@ fn table(dir: &Path, token: &str, authorized: &str) -> Result<Table, AdminAuthEr
             path: dir.join(TOKEN_KEY),
         });
     }
+    if !own.bytes().all(|b| b.is_ascii_graphic()) {
+        return Err(AdminAuthError::TokenCharacters {
+            path: dir.join(TOKEN_KEY),
+        });
+    }
     let wrong = |reason: String| AdminAuthError::Authorized {
         path: dir.join(AUTHORIZED_KEY),
         reason,
     };
     let parsed: AuthorizedTokens =
         serde_json::from_str(authorized).map_err(|e| wrong(e.to_string()))?;
+    if parsed.tokens.len() > MAX_AUTHORIZED {
+        return Err(wrong(format!(
+            "{} tokens, more than {MAX_AUTHORIZED}",
+            parsed.tokens.len()
+        )));
+    }
     let mut entries = vec![(
         digest(own),
         Caller {
@@ -257,6 +297,13 @@ fn table(dir: &Path, token: &str, authorized: &str) -> Result<Table, AdminAuthEr
                 t.sha256
             ))
         })?;
+        // One scope per token: a digest listed twice (or the gateway's own) is ambiguous.
+        if let Some((_, other)) = entries.iter().find(|(e, _)| *e == d) {
+            return Err(wrong(format!(
+                "tokens[{i}] ({}) has the digest of {} listed before it: list each token once",
+                t.name, other.name
+            )));
+        }
         entries.push((
             d,
             Caller {
@@ -272,7 +319,7 @@ fn table(dir: &Path, token: &str, authorized: &str) -> Result<Table, AdminAuthEr
 }
 
 fn parse_digest(hex: &str) -> Option<Digest> {
-    if hex.len() != 64 {
+    if hex.len() != 64 || !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
         return None;
     }
     let mut out = [0u8; 32];
@@ -424,6 +471,45 @@ mod tests {
         .unwrap();
         let e = AdminAuth::load(dir.path()).unwrap_err().to_string();
         assert!(e.contains("tokens[0].sha256 must be 64 hex digits"), "{e}");
+    }
+
+    #[test]
+    fn ambiguous_or_unsendable_files_do_not_load() {
+        let dir = tempfile::tempdir().unwrap();
+        let load = |token: &str, authorized: &str| {
+            std::fs::write(dir.path().join(TOKEN_KEY), token).unwrap();
+            std::fs::write(dir.path().join(AUTHORIZED_KEY), authorized).unwrap();
+            AdminAuth::load(dir.path())
+                .map(|_| ())
+                .map_err(|e| e.to_string())
+        };
+        let entry = |name: &str, sha: &str, scope: &str| {
+            format!(r#"{{"name":"{name}","sha256":"{sha}","scope":"{scope}"}}"#)
+        };
+        let list = |entries: &[String]| format!(r#"{{"tokens":[{}]}}"#, entries.join(","));
+        let d = digest_hex("t");
+        assert!(load("own", &list(&[entry("a", &d, "metrics")])).is_ok());
+        let e = load(
+            "own",
+            &list(&[entry("a", &d, "metrics"), entry("b", &d, "admin")]),
+        )
+        .unwrap_err();
+        assert!(e.contains("tokens[1] (b) has the digest of a"), "{e}");
+        let e = load("own", &list(&[entry("x", &digest_hex("own"), "metrics")])).unwrap_err();
+        assert!(e.contains("has the digest of gateway"), "{e}");
+        let plus = format!("+{}", &d[1..]);
+        let e = load("own", &list(&[entry("a", &plus, "metrics")])).unwrap_err();
+        assert!(e.contains("64 hex digits"), "{e}");
+        for token in ["line1\nline2", "t\u{f6}ken", "to\u{a0}k"] {
+            let e = load(token, &list(&[])).unwrap_err();
+            assert!(e.contains("printable ASCII"), "{token:?}: {e}");
+        }
+        let many: Vec<String> = (0..=MAX_AUTHORIZED)
+            .map(|i| entry("x", &digest_hex(&i.to_string()), "metrics"))
+            .collect();
+        assert!(load("own", &list(&many)).unwrap_err().contains("more than"));
+        let e = load("own", &" ".repeat(MAX_FILE_BYTES as usize + 1)).unwrap_err();
+        assert!(e.contains("bytes, more than"), "{e}");
     }
 
     #[test]

@@ -98,9 +98,60 @@ pub fn is_admin_path(path: &str) -> bool {
 }
 
 /// Whether the client port answers `path` itself ([`CLIENT_PATHS`], and a `404` for an admin
-/// path) instead of proxying it.
+/// path, also in disguise: [`names_admin_path`]) instead of proxying it.
 pub fn is_own_path(path: &str) -> bool {
-    CLIENT_PATHS.contains(&path) || is_admin_path(path)
+    CLIENT_PATHS.contains(&path) || names_admin_path(path)
+}
+
+/// Whether `path` names an admin path as the backend may read it: as written, or once
+/// percent-decoded with empty and `.` segments dropped and `..` resolved (`/metrics/`,
+/// `//metrics`, `/%6Detrics`, `/x/../metrics`). The client port refuses such a path rather
+/// than proxy it: an engine that normalizes paths would otherwise serve its own `/metrics`.
+/// Paths without `%`, `//`, `/.` or a trailing `/` are checked as written, without allocating.
+pub fn names_admin_path(path: &str) -> bool {
+    if is_admin_path(path) {
+        return true;
+    }
+    let disguised =
+        path.contains('%') || path.contains("//") || path.contains("/.") || path.ends_with('/');
+    disguised && is_admin_path(&normalized(path))
+}
+
+/// `path` percent-decoded (an encoded `/` counts as one), its empty and `.` segments dropped
+/// and `..` resolved, as `/a/b`.
+fn normalized(path: &str) -> String {
+    let bytes = path.as_bytes();
+    let mut decoded = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = |b: u8| char::from(b).to_digit(16);
+        match (
+            bytes[i],
+            bytes.get(i + 1).copied(),
+            bytes.get(i + 2).copied(),
+        ) {
+            (b'%', Some(h), Some(l)) if hex(h).is_some() && hex(l).is_some() => {
+                decoded.push((hex(h).unwrap_or(0) * 16 + hex(l).unwrap_or(0)) as u8);
+                i += 3;
+            }
+            (b, _, _) => {
+                decoded.push(b);
+                i += 1;
+            }
+        }
+    }
+    let decoded = String::from_utf8_lossy(&decoded);
+    let mut segments: Vec<&str> = Vec::new();
+    for seg in decoded.split('/') {
+        match seg {
+            "" | "." => {}
+            ".." => {
+                segments.pop();
+            }
+            s => segments.push(s),
+        }
+    }
+    format!("/{}", segments.join("/"))
 }
 
 /// State shared by all handlers of one replica.
@@ -494,14 +545,7 @@ impl Gateway {
     /// to `X-Forwarded-For`.
     pub fn router(&self) -> Router {
         let [healthz, readyz_path] = CLIENT_PATHS;
-        let elsewhere = || async {
-            crate::openai::error_response(
-                StatusCode::NOT_FOUND,
-                "this path is served on the gateway's admin port (--admin-listen, port name admin), not the client port",
-                "invalid_request_error",
-                Some("admin_port"),
-            )
-        };
+        let elsewhere = || async { admin_port_only() };
         let mut router = Router::new()
             .route(healthz, get(|| async { "ok" }))
             .route(readyz_path, get(readyz))
@@ -512,12 +556,15 @@ impl Gateway {
         router
             .method_not_allowed_fallback(own_endpoints_are_read_only)
             .fallback(
-                |State(shared): State<Arc<Shared>>, req: axum::extract::Request| {
+                |State(shared): State<Arc<Shared>>, req: axum::extract::Request| async move {
+                    if names_admin_path(req.uri().path()) {
+                        return admin_port_only();
+                    }
                     let peer_ip = req
                         .extensions()
                         .get::<ClientAddr>()
                         .and_then(|a| proxy::peer_ip_value(a.0));
-                    proxy::proxy(shared, req, peer_ip)
+                    proxy::proxy(shared, req, peer_ip).await
                 },
             )
             .with_state(self.shared.clone())
@@ -873,6 +920,16 @@ pub async fn spawn_with_admin(
     })
 }
 
+/// The client port's `404` for an admin path (`code: admin_port`), naming the admin port.
+fn admin_port_only() -> Response {
+    crate::openai::error_response(
+        StatusCode::NOT_FOUND,
+        "this path is served on the gateway's admin port (--admin-listen, port name admin), not the client port",
+        "invalid_request_error",
+        Some("admin_port"),
+    )
+}
+
 /// `405` for a method other than GET on the gateway's own endpoints (axum's would have an
 /// empty body).
 async fn own_endpoints_are_read_only() -> Response {
@@ -1128,4 +1185,36 @@ async fn metrics(State(shared): State<Arc<Shared>>) -> Response {
         HeaderValue::from_static("application/openmetrics-text; version=1.0.0; charset=utf-8"),
     );
     resp
+}
+
+#[cfg(test)]
+mod path_tests {
+    use super::*;
+
+    #[test]
+    fn admin_paths_are_recognised_in_disguise_and_others_are_not() {
+        for (path, admin) in [
+            ("/metrics", true),
+            ("/metrics/", true),
+            ("//metrics", true),
+            ("/%6Detrics", true),
+            ("/%6detrics", true),
+            ("/./metrics", true),
+            ("/x/../metrics", true),
+            ("/metrics%2F", true),
+            ("/hearth//queue", true),
+            ("/hearth/%71ueue", true),
+            ("/hearth/queue/", true),
+            ("/hearth/queue%2F..%2F..%2Fhearth%2Fmetering", true),
+            ("/v1/chat/completions", false),
+            ("/v1/models/", false),
+            ("/v1/metrics", false),
+            ("/metricsx", false),
+            ("/%zz/metrics", false),
+            ("/health", false),
+            ("/", false),
+        ] {
+            assert_eq!(names_admin_path(path), admin, "{path}");
+        }
+    }
 }

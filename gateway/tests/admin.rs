@@ -127,6 +127,12 @@ async fn each_token_opens_its_own_paths_and_the_client_port_serves_none() {
         "/hearth/queue",
         "/hearth/queue/local",
         "/hearth/metering",
+        // As an engine that normalizes paths would read them.
+        "/metrics/",
+        "//metrics",
+        "/%6Detrics",
+        "/v1/../metrics",
+        "/hearth/queue/",
     ] {
         let (status, _, body) = get_as(&c, &format!("{}{path}", g.url()), Some("ctl-token")).await;
         assert_eq!(status, StatusCode::NOT_FOUND, "{path}: {body}");
