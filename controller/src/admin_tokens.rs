@@ -87,6 +87,9 @@ pub enum AdminTokenError {
 #[derive(Clone)]
 pub struct AdminTokens {
     key: ring::hmac::Key,
+    /// [`AdminTokens::authorized`] as the JSON of every gateway's admin Secret: fixed by the
+    /// key, so made once.
+    authorized_json: String,
 }
 
 impl std::fmt::Debug for AdminTokens {
@@ -98,9 +101,12 @@ impl std::fmt::Debug for AdminTokens {
 impl AdminTokens {
     /// The tokens of `key`.
     pub fn from_key(key: &[u8]) -> Self {
-        Self {
+        let mut tokens = Self {
             key: ring::hmac::Key::new(ring::hmac::HMAC_SHA256, key),
-        }
+            authorized_json: String::new(),
+        };
+        tokens.authorized_json = serde_json::to_string(&tokens.authorized()).unwrap_or_default();
+        tokens
     }
 
     fn token(&self, label: &str) -> String {
@@ -145,11 +151,6 @@ impl AdminTokens {
                 entry("prometheus", self.metrics(), Scope::Metrics),
             ],
         }
-    }
-
-    /// A digest of [`AdminTokens::authorized`]: changes with the key.
-    fn authorized_digest(&self) -> String {
-        digest_hex(&self.controller())
     }
 
     /// `Authorization: Bearer <controller token>`.
@@ -241,7 +242,6 @@ pub fn gateway_secret(
     owner: Option<OwnerReference>,
     owner_uid: &str,
 ) -> Secret {
-    let authorized = serde_json::to_string(&tokens.authorized()).unwrap_or_default();
     Secret {
         metadata: ObjectMeta {
             name: Some(secret_name),
@@ -258,7 +258,7 @@ pub fn gateway_secret(
             ),
             (
                 AUTHORIZED_KEY.to_owned(),
-                ByteString(authorized.into_bytes()),
+                ByteString(tokens.authorized_json.clone().into_bytes()),
             ),
         ])),
         ..Default::default()
@@ -330,6 +330,14 @@ where
     let name = owner.name_any();
     let uid = owner.uid().unwrap_or_default();
     let secret_name = names::gateway_admin(&name);
+    // The content follows from the UID and the key (whose digests the JSON holds).
+    let digest = crate::scaler_tls::digest(&[&uid, &tokens.authorized_json]);
+    if !ctx
+        .admin_secrets
+        .stale(&namespace, &secret_name, &digest, ctx.requeue)
+    {
+        return Ok(());
+    }
     let secret = gateway_secret(
         tokens,
         secret_name.clone(),
@@ -338,13 +346,6 @@ where
         owner.controller_owner_ref(&()),
         &uid,
     );
-    let digest = crate::scaler_tls::digest(&[&uid, &tokens.authorized_digest()]);
-    if !ctx
-        .admin_secrets
-        .stale(&namespace, &secret_name, &digest, ctx.requeue)
-    {
-        return Ok(());
-    }
     patch(ctx.client.clone(), &secret)
         .await
         .map_err(kube_err(format!(

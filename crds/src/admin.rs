@@ -44,10 +44,16 @@ impl Scope {
     pub fn allows(self, path: &str) -> bool {
         match self {
             Self::Admin => true,
-            Self::Scaler => path == "/hearth/queue" || path.starts_with("/hearth/queue/"),
+            Self::Scaler => is_queue_path(path),
             Self::Metrics => path == "/metrics",
         }
     }
+}
+
+/// Whether `path` is a demand path: `/hearth/queue` or one of its `/hearth/queue/...` forms
+/// (local, per model).
+pub fn is_queue_path(path: &str) -> bool {
+    path == "/hearth/queue" || path.starts_with("/hearth/queue/")
 }
 
 /// One caller's token, as the gateway knows it.

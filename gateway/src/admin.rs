@@ -100,7 +100,8 @@ pub enum Refusal {
 
 #[derive(Debug, Default)]
 struct Table {
-    own: Option<String>,
+    /// The gateway's own token, and `Bearer <token>` for its calls to peers.
+    own: Option<(String, HeaderValue)>,
     entries: Vec<(Digest, Caller)>,
 }
 
@@ -167,13 +168,18 @@ impl AdminAuth {
             .read()
             .unwrap_or_else(|e| e.into_inner())
             .clone();
-        table.own.clone()
+        table.own.as_ref().map(|(t, _)| t.clone())
     }
 
     /// `Authorization: Bearer <own token>` for calls to peers, when authentication is on.
     pub fn authorization(&self) -> Option<HeaderValue> {
-        let token = self.own_token()?;
-        HeaderValue::from_str(&format!("Bearer {token}")).ok()
+        let inner = self.inner.as_ref()?;
+        let table = inner
+            .table
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        table.own.as_ref().map(|(_, h)| h.clone())
     }
 
     /// Checks an `Authorization` header value for a `GET` of `path`.
@@ -266,11 +272,13 @@ fn table(dir: &Path, token: &str, authorized: &str) -> Result<Table, AdminAuthEr
             path: dir.join(TOKEN_KEY),
         });
     }
+    let unsendable = || AdminAuthError::TokenCharacters {
+        path: dir.join(TOKEN_KEY),
+    };
     if !own.bytes().all(|b| b.is_ascii_graphic()) {
-        return Err(AdminAuthError::TokenCharacters {
-            path: dir.join(TOKEN_KEY),
-        });
+        return Err(unsendable());
     }
+    let header = HeaderValue::from_str(&format!("Bearer {own}")).map_err(|_| unsendable())?;
     let wrong = |reason: String| AdminAuthError::Authorized {
         path: dir.join(AUTHORIZED_KEY),
         reason,
@@ -313,7 +321,7 @@ fn table(dir: &Path, token: &str, authorized: &str) -> Result<Table, AdminAuthEr
         ));
     }
     Ok(Table {
-        own: Some(own.to_owned()),
+        own: Some((own.to_owned(), header)),
         entries,
     })
 }

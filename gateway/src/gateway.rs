@@ -92,9 +92,9 @@ pub const ADMIN_PATHS: [&str; 6] = [
 pub const QUEUE_LOCAL_PATH: &str = "/hearth/queue/local";
 
 /// Whether `path` is served on the admin port: [`ADMIN_PATHS`] and the `/hearth/queue/...`
-/// forms.
+/// forms ([`hearth_crds::admin::is_queue_path`]).
 pub fn is_admin_path(path: &str) -> bool {
-    ADMIN_PATHS.contains(&path) || path.starts_with("/hearth/queue/")
+    ADMIN_PATHS.contains(&path) || hearth_crds::admin::is_queue_path(path)
 }
 
 /// Whether the client port answers `path` itself ([`CLIENT_PATHS`], and a `404` for an admin
@@ -124,14 +124,10 @@ fn normalized(path: &str) -> String {
     let mut decoded = Vec::with_capacity(bytes.len());
     let mut i = 0;
     while i < bytes.len() {
-        let hex = |b: u8| char::from(b).to_digit(16);
-        match (
-            bytes[i],
-            bytes.get(i + 1).copied(),
-            bytes.get(i + 2).copied(),
-        ) {
-            (b'%', Some(h), Some(l)) if hex(h).is_some() && hex(l).is_some() => {
-                decoded.push((hex(h).unwrap_or(0) * 16 + hex(l).unwrap_or(0)) as u8);
+        let hex = |b: Option<&u8>| b.and_then(|b| char::from(*b).to_digit(16));
+        match (bytes[i], hex(bytes.get(i + 1)), hex(bytes.get(i + 2))) {
+            (b'%', Some(h), Some(l)) => {
+                decoded.push((h * 16 + l) as u8);
                 i += 3;
             }
             (b, _, _) => {

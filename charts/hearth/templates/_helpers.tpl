@@ -246,3 +246,8 @@ true
 {{- define "hearth.gatewayMetricsSecret" -}}
 hearth-gateway-metrics
 {{- end -}}
+
+{{- /* The Secret of KEDA's gateway admin token, in gateway.adminAuth.kedaNamespace. */ -}}
+{{- define "hearth.gatewayKedaSecret" -}}
+hearth-gateway-keda
+{{- end -}}
