@@ -19,6 +19,7 @@ pub mod llmservice;
 pub mod metering;
 pub mod model_uri;
 pub mod naming;
+pub mod path;
 pub mod quantity;
 pub mod rules;
 pub mod servingpolicy;

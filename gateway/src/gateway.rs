@@ -137,17 +137,7 @@ fn normalized(path: &str) -> String {
         }
     }
     let decoded = String::from_utf8_lossy(&decoded);
-    let mut segments: Vec<&str> = Vec::new();
-    for seg in decoded.split('/') {
-        match seg {
-            "" | "." => {}
-            ".." => {
-                segments.pop();
-            }
-            s => segments.push(s),
-        }
-    }
-    format!("/{}", segments.join("/"))
+    format!("/{}", hearth_crds::path::segments(&decoded).join("/"))
 }
 
 /// State shared by all handlers of one replica.

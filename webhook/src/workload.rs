@@ -340,16 +340,7 @@ pub fn member_findings(object: &serde_json::Value, runtime: &InferenceRuntime) -
 /// Whether a hostPath gives access to the node's devices: `/dev`, anything below it, or an
 /// ancestor of it (`/`), compared after removing `.`, `..` and repeated slashes.
 fn reaches_dev(path: &str) -> bool {
-    let mut parts: Vec<&str> = Vec::new();
-    for seg in path.split('/') {
-        match seg {
-            "" | "." => {}
-            ".." => {
-                parts.pop();
-            }
-            s => parts.push(s),
-        }
-    }
+    let parts = hearth_crds::path::segments(path);
     parts.is_empty() || parts[0] == "dev"
 }
 
