@@ -19,6 +19,8 @@ require_packages() {
   need /usr/lib/cni/bridge containernetworking-plugins
   need /usr/sbin/iptables iptables
   need /usr/sbin/conntrack conntrack
+  # kube-router's network policy controller drives ipsets with the ipset command.
+  need /usr/sbin/ipset ipset
   need /usr/bin/buildah buildah
   need_package busybox-static
   need /usr/bin/musl-gcc musl-tools

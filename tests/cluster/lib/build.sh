@@ -82,6 +82,7 @@ build_all() {
   [[ -x "$HELM" ]] || need+=(helm)
   [[ -x "$KUBELET" && -x "$KUBE_PROXY" ]] || need+=(kube-node)
   [[ -x "$COREDNS" ]] || need+=(coredns)
+  [[ -x "$KUBE_ROUTER" ]] || need+=(kube-router)
   [[ -x "$PAUSE" ]] || need+=(pause)
   if ((${#need[@]} == 0)); then
     return 0
@@ -130,6 +131,14 @@ build_all() {
           "-s -w -X github.com/coredns/coredns/coremain.GitCommit=$COREDNS_VERSION" \
           "$tmp/coredns" hearth.test/cluster/coredns
         install_bin "$tmp/coredns/coredns" "$COREDNS"
+        ;;
+      kube-router)
+        # Its k8s.io modules are raised to the cluster's (go.mod), so after the Kubernetes build
+        # they come from Go's build cache.
+        go_build kube-router kube-router \
+          "-s -w -X github.com/cloudnativelabs/kube-router/v2/pkg/version.Version=$KUBE_ROUTER_VERSION" \
+          "$tmp/kube-router" github.com/cloudnativelabs/kube-router/v2/cmd/kube-router
+        install_bin "$tmp/kube-router/kube-router" "$KUBE_ROUTER"
         ;;
       pause)
         # The pod sandbox: Kubernetes' own pause.c from the same module, compiled the way its

@@ -86,6 +86,8 @@ make_pki() {
   issue "$d" ca apiserver-kubelet-client "/CN=kube-apiserver-kubelet-client" clientAuth
   issue "$d" ca kube-proxy "/CN=system:kube-proxy" clientAuth
   issue "$d" ca controller-manager "/CN=system:kube-controller-manager" clientAuth
+  # kube-router's network policy controller (node/cluster.yaml binds its ClusterRole).
+  issue "$d" ca kube-router "/CN=system:kube-router" clientAuth
   issue "$d" ca scheduler "/CN=system:kube-scheduler" clientAuth
   # kwok plays the kubelet of many nodes at once; the Node authorizer would confine one
   # identity to one node, so it gets admin rights.
@@ -103,4 +105,5 @@ make_pki() {
   write_kubeconfig "$STATE/kubeconfigs/kwok" "$d" kwok hearth-kwok
   write_kubeconfig "$STATE/kubeconfigs/kubelet" "$d" kubelet "system:node:$NODE_NAME"
   write_kubeconfig "$STATE/kubeconfigs/kube-proxy" "$d" kube-proxy system:kube-proxy
+  write_kubeconfig "$STATE/kubeconfigs/kube-router" "$d" kube-router system:kube-router
 }

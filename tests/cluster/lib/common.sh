@@ -68,6 +68,7 @@ SERVICE_FIRST_IP="198.$node_b.$((node_c + 16)).1"
 CLUSTER_DNS_IP="198.$node_b.$((node_c + 16)).10"
 APISERVER_IP="$NODE_HOST_IP"
 KUBELET_PORT=10250
+KUBE_ROUTER_HEALTH_PORT=20244
 
 # Versions come from our go.mod files, so there is one place to change them.
 gomod_version() { # <dir under go/> <module path>
@@ -86,6 +87,7 @@ KWOK_VERSION="$(gomod_version kwok sigs.k8s.io/kwok)"
 KEDA_VERSION="$(gomod_version keda github.com/kedacore/keda/v2)"
 HELM_VERSION="$(gomod_version helm helm.sh/helm/v4)"
 COREDNS_VERSION="$(gomod_version coredns github.com/coredns/coredns)"
+KUBE_ROUTER_VERSION="$(gomod_version kube-router github.com/cloudnativelabs/kube-router/v2)"
 
 ETCD="$BIN/etcd-$ETCD_VERSION"
 KUBE_APISERVER="$BIN/kube-apiserver-$KUBE_VERSION"
@@ -95,6 +97,8 @@ KUBECTL="$BIN/kubectl-$KUBE_VERSION"
 KUBELET="$BIN/kubelet-$KUBE_VERSION"
 KUBE_PROXY="$BIN/kube-proxy-$KUBE_VERSION"
 COREDNS="$BIN/coredns-$COREDNS_VERSION"
+# The real node's NetworkPolicy implementation: kube-router's network policy controller alone.
+KUBE_ROUTER="$BIN/kube-router-$KUBE_ROUTER_VERSION"
 # The pod sandbox ("pause") binary, compiled from build/pause of the same Kubernetes module.
 PAUSE="$BIN/pause-$KUBE_VERSION"
 KWOK="$BIN/kwok-$KWOK_VERSION"
@@ -136,9 +140,9 @@ LOGS="$STATE/logs"
 # Processes in start order; `down` stops them in reverse. (CoreDNS and KEDA are pods on the
 # real node: `down` ends them with the node.)
 COMPONENTS=(etcd kube-apiserver kube-controller-manager kube-scheduler kwok
-  containerd kubelet kube-proxy device-plugin)
+  containerd kubelet kube-proxy device-plugin kube-router)
 # The real node's daemons, in the order `down` stops them.
-NODE_COMPONENTS=(device-plugin kube-proxy kubelet containerd)
+NODE_COMPONENTS=(kube-router device-plugin kube-proxy kubelet containerd)
 
 log() { printf '[cluster %5ss] %s\n' "$SECONDS" "$*" >&2; }
 die() {
@@ -158,6 +162,7 @@ component_binary() {
     kubelet) echo "$KUBELET" ;;
     kube-proxy) echo "$KUBE_PROXY" ;;
     device-plugin) echo "$DEVICE_PLUGIN" ;;
+    kube-router) echo "$KUBE_ROUTER" ;;
     *) die "unknown component $1" ;;
   esac
 }

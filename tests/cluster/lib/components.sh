@@ -200,6 +200,16 @@ start_component() {
   kube-proxy)
     start_in_node kube-proxy PATH=/usr/sbin:/usr/bin:/sbin:/bin -- --config="$NODE_DIR/kube-proxy.yaml"
     ;;
+  kube-router)
+    # NetworkPolicies: kube-router's network policy controller alone (no routing, no Service
+    # proxy, no CNI: the bridge plugin and kube-proxy do those), with iptables and ipsets in the
+    # node's network namespace, where they die with it. Needs the node object (its InternalIP).
+    start_in_node kube-router PATH=/usr/sbin:/usr/bin:/sbin:/bin -- \
+      --kubeconfig="$STATE/kubeconfigs/kube-router" --hostname-override="$NODE_NAME" \
+      --run-firewall=true --run-router=false --run-service-proxy=false --enable-cni=false \
+      --service-cluster-ip-range="$SERVICE_CIDR" \
+      --health-port="$KUBE_ROUTER_HEALTH_PORT" --metrics-port=0
+    ;;
   *) die "unknown component $1" ;;
   esac
 }
@@ -230,6 +240,11 @@ await_component() {
   device-plugin)
     wait_until 60 "node $NODE_NAME to advertise its fake devices (device plugin)" device-plugin \
       node_has_devices
+    ;;
+  kube-router)
+    # Healthy once its first full sync of the policies into iptables and ipsets is done.
+    wait_until 60 "kube-router to serve http://$NODE_IP:$KUBE_ROUTER_HEALTH_PORT/healthz (network policies synced)" \
+      kube-router busybox wget -q -O /dev/null "http://$NODE_IP:$KUBE_ROUTER_HEALTH_PORT/healthz"
     ;;
   *) ;;
   esac

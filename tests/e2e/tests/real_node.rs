@@ -1,6 +1,7 @@
-//! The cluster's real node (kubelet, containerd + runc, CNI, kube-proxy, CoreDNS, the fake device
-//! plugin) behaves as the Kubernetes documentation says: volumes, probes, hooks, native
-//! sidecars, Service VIPs and DNS names, device plugin allocation and `runAsNonRoot`.
+//! The cluster's real node (kubelet, containerd + runc, CNI, kube-proxy, kube-router's network
+//! policy controller, CoreDNS, the fake device plugin) behaves as the Kubernetes documentation
+//! says: volumes, probes, hooks, native sidecars, Service VIPs and DNS names, NetworkPolicies,
+//! device plugin allocation and `runAsNonRoot`.
 //!
 //! Every pod here is pinned to the real node ([`RealNode::place`]) and runs the cluster's
 //! busybox image, except the stub test, which runs `hearth.dev/vllm-stub:e2e` built by
@@ -14,6 +15,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, ensure};
 use hearth_test_support::{Cluster, EventSink, Observed, RealNode, TestNamespace, wait_until};
 use k8s_openapi::api::core::v1::{ConfigMap, Event, Pod, Secret, Service};
+use k8s_openapi::api::networking::v1::NetworkPolicy;
 use kube::Api;
 use kube::api::{DeleteParams, ListParams, LogParams, PostParams};
 use serde_json::{Value, json};
@@ -427,6 +429,154 @@ async fn pods_reach_a_service_by_its_dns_name() -> Result<()> {
     ensure!(
         body.contains(&token),
         "GET http://{cluster_ip}/ from the host: {body:?}"
+    );
+    Ok(())
+}
+
+/// NetworkPolicies are enforced on the node with real packets: with none, the host and every pod
+/// reach a web pod; once a policy admits only pods labelled `role: allowed` on its port, the host
+/// and a pod labelled otherwise are cut off (their connections time out or are refused) while an
+/// allowed pod gets through; with the policy deleted, everyone reaches it again.
+#[tokio::test]
+async fn network_policies_allow_and_deny_with_real_packets() -> Result<()> {
+    let (node, ns) = on_real_node("node-netpol").await?;
+    let server =
+        "mkdir -p /tmp/www && echo hello >/tmp/www/index.html && exec httpd -f -p 8080 -h /tmp/www";
+    create_pod(
+        &ns,
+        &pod(
+            &node,
+            "web",
+            json!({
+                "containers": [{
+                    "name": "web",
+                    "image": node.tools_image,
+                    "command": ["sh", "-c", server],
+                    "readinessProbe": { "tcpSocket": { "port": 8080 }, "periodSeconds": 1 },
+                }],
+            }),
+        )?,
+    )
+    .await?;
+    let web = wait_pod(&ns, "web", "Ready", START_TIMEOUT, |p| {
+        condition(p, "Ready")
+    })
+    .await?;
+    let ip = web
+        .status
+        .and_then(|s| s.pod_ip)
+        .context("the web pod has no IP")?;
+    let addr = format!("{ip}:8080");
+    // No policy selects the pod: the host gets through.
+    let body = http_get(&addr).await?;
+    ensure!(
+        body.contains("hello"),
+        "GET http://{addr}/ from the host before any policy: {body:?}"
+    );
+
+    let policy: NetworkPolicy = serde_json::from_value(json!({
+        "metadata": { "name": "web-from-allowed" },
+        "spec": {
+            "podSelector": { "matchLabels": { "app": "web" } },
+            "policyTypes": ["Ingress"],
+            "ingress": [{
+                "from": [{ "podSelector": { "matchLabels": { "role": "allowed" } } }],
+                "ports": [{ "protocol": "TCP", "port": 8080 }],
+            }],
+        },
+    }))?;
+    let policies = ns.api::<NetworkPolicy>();
+    policies.create(&PostParams::default(), &policy).await?;
+    // Enforced once the host, which no peer of the policy matches, is cut off.
+    let started = Instant::now();
+    wait_until(
+        format!("the policy to cut the host off from {addr}"),
+        Duration::from_secs(60),
+        || async {
+            Ok(match http_get(&addr).await {
+                Err(e) => Observed::Ready(format!("{e:#}")),
+                Ok(body) => Observed::NotYet(format!("still answered: {body:?}")),
+            })
+        },
+    )
+    .await?;
+    let enforced_after = started.elapsed();
+
+    // Two clients that try once a second and log each outcome.
+    let client = format!(
+        "i=0; while true; do i=$((i+1)); if timeout 2 wget -q -O /dev/null http://{addr}/; \
+         then echo \"attempt $i ok\"; else echo \"attempt $i fail\"; fi; sleep 1; done"
+    );
+    for (name, role) in [("allowed", "allowed"), ("denied", "other")] {
+        let mut client_pod = pod(
+            &node,
+            name,
+            json!({
+                "containers": [{ "name": "client", "image": node.tools_image, "command": ["sh", "-c", &client] }],
+            }),
+        )?;
+        client_pod
+            .metadata
+            .labels
+            .get_or_insert_default()
+            .insert("role".into(), role.into());
+        create_pod(&ns, &client_pod).await?;
+    }
+    let outcomes = |log: &str| -> (usize, usize) {
+        let ok = log.lines().filter(|l| l.ends_with(" ok")).count();
+        let fail = log.lines().filter(|l| l.ends_with(" fail")).count();
+        (ok, fail)
+    };
+    wait_until(
+        "the allowed client to reach the web pod",
+        Duration::from_secs(60),
+        || async {
+            let log = logs(&ns, "allowed", None).await.unwrap_or_default();
+            Ok(match outcomes(&log) {
+                (ok, _) if ok > 0 => Observed::Ready(()),
+                (_, fail) => Observed::NotYet(format!("{fail} attempts failed")),
+            })
+        },
+    )
+    .await?;
+    let denied = wait_until(
+        "the other client to try 5 times",
+        Duration::from_secs(60),
+        || async {
+            let log = logs(&ns, "denied", None).await.unwrap_or_default();
+            let (ok, fail) = outcomes(&log);
+            Ok(if ok + fail >= 5 {
+                Observed::Ready(log)
+            } else {
+                Observed::NotYet(format!("{} attempts", ok + fail))
+            })
+        },
+    )
+    .await?;
+    ensure!(
+        outcomes(&denied).0 == 0,
+        "a pod the policy does not admit reached {addr}: {denied}"
+    );
+
+    // Without the policy, the same pod gets through.
+    policies
+        .delete("web-from-allowed", &DeleteParams::default())
+        .await?;
+    wait_until(
+        "the other client to reach the web pod once the policy is gone",
+        Duration::from_secs(60),
+        || async {
+            let log = logs(&ns, "denied", None).await.unwrap_or_default();
+            Ok(match outcomes(&log) {
+                (ok, _) if ok > 0 => Observed::Ready(()),
+                (_, fail) => Observed::NotYet(format!("{fail} attempts failed")),
+            })
+        },
+    )
+    .await?;
+    println!(
+        "network policy enforced {:.1} s after it was created",
+        enforced_after.as_secs_f64()
     );
     Ok(())
 }
