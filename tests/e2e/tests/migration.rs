@@ -134,7 +134,14 @@ async fn upstream_shaped_services_render_upstreams_children_and_are_adopted() ->
         .and_then(|r| r.get("storage").cloned())
         .context("claim without a size")?;
     ensure!(size.0 == "50Gi", "default cache size {}", size.0);
-    let gateway = deployments.get("shaped-gateway").await?;
+    // The gateway comes after its admin Secret in the same reconcile: waited for, not assumed.
+    let gateway = wait_until("gateway Deployment shaped-gateway", WAIT, || async {
+        Ok(match deployments.get_opt("shaped-gateway").await? {
+            Some(d) => Observed::Ready(d),
+            None => Observed::NotYet("absent".into()),
+        })
+    })
+    .await?;
     let pod_labels = labels_of(
         gateway
             .spec
