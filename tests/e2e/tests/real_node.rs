@@ -143,6 +143,30 @@ async fn logs(ns: &TestNamespace, pod: &str, container: Option<&str>) -> Result<
         .with_context(|| format!("reading the logs of pod {pod} through the apiserver and kubelet"))
 }
 
+/// Creates the pod `web` (label `app: web`): busybox httpd serving `body` at `/` on port 8080,
+/// ready once the port accepts.
+async fn create_web_pod(node: &RealNode, ns: &TestNamespace, body: &str) -> Result<()> {
+    let server = format!(
+        "mkdir -p /tmp/www && echo {body} >/tmp/www/index.html && exec httpd -f -p 8080 -h /tmp/www"
+    );
+    create_pod(
+        ns,
+        &pod(
+            node,
+            "web",
+            json!({
+                "containers": [{
+                    "name": "web",
+                    "image": node.tools_image,
+                    "command": ["sh", "-c", server],
+                    "readinessProbe": { "tcpSocket": { "port": 8080 }, "periodSeconds": 1 },
+                }],
+            }),
+        )?,
+    )
+    .await
+}
+
 /// Index of `name` in `events`, for ordering assertions.
 fn position(events: &[String], name: &str) -> Result<usize> {
     events
@@ -352,25 +376,7 @@ async fn pod_lifecycle_volumes_probes_hooks_and_sidecar() -> Result<()> {
 async fn pods_reach_a_service_by_its_dns_name() -> Result<()> {
     let (node, ns) = on_real_node("node-dns").await?;
     let token = format!("served-by-{}", ns.name());
-    let server = format!(
-        "mkdir -p /tmp/www && echo {token} >/tmp/www/index.html && exec httpd -f -p 8080 -h /tmp/www"
-    );
-    create_pod(
-        &ns,
-        &pod(
-            &node,
-            "web",
-            json!({
-                "containers": [{
-                    "name": "web",
-                    "image": node.tools_image,
-                    "command": ["sh", "-c", server],
-                    "readinessProbe": { "tcpSocket": { "port": 8080 }, "periodSeconds": 1 },
-                }],
-            }),
-        )?,
-    )
-    .await?;
+    create_web_pod(&node, &ns, &token).await?;
     let service: Service = serde_json::from_value(json!({
         "metadata": { "name": "web" },
         "spec": { "selector": { "app": "web" }, "ports": [{ "port": 80, "targetPort": 8080 }] },
@@ -440,24 +446,7 @@ async fn pods_reach_a_service_by_its_dns_name() -> Result<()> {
 #[tokio::test]
 async fn network_policies_allow_and_deny_with_real_packets() -> Result<()> {
     let (node, ns) = on_real_node("node-netpol").await?;
-    let server =
-        "mkdir -p /tmp/www && echo hello >/tmp/www/index.html && exec httpd -f -p 8080 -h /tmp/www";
-    create_pod(
-        &ns,
-        &pod(
-            &node,
-            "web",
-            json!({
-                "containers": [{
-                    "name": "web",
-                    "image": node.tools_image,
-                    "command": ["sh", "-c", server],
-                    "readinessProbe": { "tcpSocket": { "port": 8080 }, "periodSeconds": 1 },
-                }],
-            }),
-        )?,
-    )
-    .await?;
+    create_web_pod(&node, &ns, "hello").await?;
     let web = wait_pod(&ns, "web", "Ready", START_TIMEOUT, |p| {
         condition(p, "Ready")
     })
@@ -522,23 +511,7 @@ async fn network_policies_allow_and_deny_with_real_packets() -> Result<()> {
             .insert("role".into(), role.into());
         create_pod(&ns, &client_pod).await?;
     }
-    let outcomes = |log: &str| -> (usize, usize) {
-        let ok = log.lines().filter(|l| l.ends_with(" ok")).count();
-        let fail = log.lines().filter(|l| l.ends_with(" fail")).count();
-        (ok, fail)
-    };
-    wait_until(
-        "the allowed client to reach the web pod",
-        Duration::from_secs(60),
-        || async {
-            let log = logs(&ns, "allowed", None).await.unwrap_or_default();
-            Ok(match outcomes(&log) {
-                (ok, _) if ok > 0 => Observed::Ready(()),
-                (_, fail) => Observed::NotYet(format!("{fail} attempts failed")),
-            })
-        },
-    )
-    .await?;
+    wait_reached(&ns, "allowed").await?;
     let denied = wait_until(
         "the other client to try 5 times",
         Duration::from_secs(60),
@@ -562,23 +535,35 @@ async fn network_policies_allow_and_deny_with_real_packets() -> Result<()> {
     policies
         .delete("web-from-allowed", &DeleteParams::default())
         .await?;
+    wait_reached(&ns, "denied").await?;
+    println!(
+        "network policy enforced {:.1} s after it was created",
+        enforced_after.as_secs_f64()
+    );
+    Ok(())
+}
+
+/// The (ok, failed) attempts in a NetworkPolicy client's log (`attempt <n> ok|fail` lines).
+fn outcomes(log: &str) -> (usize, usize) {
+    let ok = log.lines().filter(|l| l.ends_with(" ok")).count();
+    let fail = log.lines().filter(|l| l.ends_with(" fail")).count();
+    (ok, fail)
+}
+
+/// Waits up to 60 s for the NetworkPolicy client `pod` to log a successful attempt.
+async fn wait_reached(ns: &TestNamespace, pod: &str) -> Result<()> {
     wait_until(
-        "the other client to reach the web pod once the policy is gone",
+        format!("client {pod} to reach the web pod"),
         Duration::from_secs(60),
         || async {
-            let log = logs(&ns, "denied", None).await.unwrap_or_default();
+            let log = logs(ns, pod, None).await.unwrap_or_default();
             Ok(match outcomes(&log) {
                 (ok, _) if ok > 0 => Observed::Ready(()),
                 (_, fail) => Observed::NotYet(format!("{fail} attempts failed")),
             })
         },
     )
-    .await?;
-    println!(
-        "network policy enforced {:.1} s after it was created",
-        enforced_after.as_secs_f64()
-    );
-    Ok(())
+    .await
 }
 
 /// A plain HTTP/1.0 GET of `/` from the test process; returns the whole response.
