@@ -133,6 +133,13 @@ struct Inner {
     seen: std::sync::Mutex<(String, String)>,
 }
 
+impl Inner {
+    /// The tokens loaded last (a reload swaps the whole table; a poisoned lock still holds one).
+    fn snapshot(&self) -> Arc<Table> {
+        self.table.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+}
+
 impl AdminAuth {
     /// No authentication: every caller gets every admin path.
     pub fn open() -> Self {
@@ -163,22 +170,14 @@ impl AdminAuth {
     /// The gateway's own token (to call its peers), when authentication is on.
     pub fn own_token(&self) -> Option<String> {
         let inner = self.inner.as_ref()?;
-        let table = inner
-            .table
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone();
+        let table = inner.snapshot();
         table.own.as_ref().map(|(t, _)| t.clone())
     }
 
     /// `Authorization: Bearer <own token>` for calls to peers, when authentication is on.
     pub fn authorization(&self) -> Option<HeaderValue> {
         let inner = self.inner.as_ref()?;
-        let table = inner
-            .table
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone();
+        let table = inner.snapshot();
         table.own.as_ref().map(|(_, h)| h.clone())
     }
 
@@ -197,11 +196,7 @@ impl AdminAuth {
             .and_then(|v| std::str::from_utf8(v).ok())
             .and_then(bearer)
             .ok_or(Refusal::Unauthenticated)?;
-        let table = inner
-            .table
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone();
+        let table = inner.snapshot();
         let caller = table.caller(token).ok_or(Refusal::Unauthenticated)?;
         if caller.scope.allows(path) {
             Ok(caller)
