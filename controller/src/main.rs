@@ -73,6 +73,13 @@ struct ImageArgs {
         default_value = "/var/lib/hearth/models"
     )]
     host_path_root: String,
+    /// NetworkPolicies on the gateway and backend pods of every LLMService and LLMEndpoint
+    /// (`N-gateway`, `N-backend`), as JSON: `{"clientsFrom": [peer], "metricsFrom": [peer],
+    /// "kedaNamespace": "keda", "controllerNamespace": "...", "controllerPodLabels": {...}}`
+    /// (peers as in a NetworkPolicy; the chart writes it from `networkPolicy.models`); unset:
+    /// none, and those written before are deleted.
+    #[arg(long, env = "HEARTH_MODEL_NETWORK_POLICIES", value_parser = render::ModelNetworkPolicies::parse)]
+    model_network_policies: Option<render::ModelNetworkPolicies>,
 }
 
 impl ImageArgs {
@@ -97,6 +104,7 @@ impl ImageArgs {
             gateway_resources,
             drain_image,
             host_path_root: self.host_path_root.clone(),
+            network_policies: self.model_network_policies.clone(),
             ..RenderConfig::builtin()?
         })
     }

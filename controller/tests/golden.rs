@@ -153,6 +153,21 @@ fn gateway_replicas_and_api_keys_push_mode() {
     );
 }
 
+/// The data plane's NetworkPolicies, with the flag as the chart writes it: clients from one
+/// namespace, scrapers from another.
+#[test]
+fn network_policies_push_mode() {
+    check(
+        "network-policies",
+        input("gateway-replicas-apikey-llmservice.yaml"),
+        upstream("stub-inferenceruntime.yaml"),
+        &[
+            "--model-network-policies",
+            r#"{"clientsFrom":[{"namespaceSelector":{"matchLabels":{"kubernetes.io/metadata.name":"ingress"}}}],"controllerNamespace":"hearth-system","controllerPodLabels":{"app.kubernetes.io/component":"controller","app.kubernetes.io/instance":"hearth","app.kubernetes.io/name":"hearth"},"kedaNamespace":"keda","metricsFrom":[{"namespaceSelector":{"matchLabels":{"kubernetes.io/metadata.name":"monitoring"}}}]}"#,
+        ],
+    );
+}
+
 #[test]
 fn prestaged_pvc() {
     check(

@@ -201,6 +201,11 @@ egress:
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
   verbs: ["list", "watch", "create", "patch", "get", "delete"]
+# The gateways' and backends' NetworkPolicies (networkPolicy.models); watched whether on or
+# off, so those written while it was on are deleted once it is off.
+- apiGroups: ["networking.k8s.io"]
+  resources: ["networkpolicies"]
+  verbs: ["list", "watch", "create", "patch", "get", "delete"]
 - apiGroups: ["events.k8s.io"]
   resources: ["events"]
   verbs: ["create", "patch"]

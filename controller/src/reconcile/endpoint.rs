@@ -27,6 +27,7 @@ use k8s_openapi::{
     api::{
         apps::v1::Deployment,
         core::v1::{ConfigMap, Service, ServiceAccount},
+        networking::v1::NetworkPolicy,
         policy::v1::PodDisruptionBudget,
         rbac::v1::{Role, RoleBinding},
     },
@@ -40,7 +41,7 @@ use tracing::{Instrument, info_span};
 
 use super::{
     CACHE_SYNC_RETRY, Context, Error, kube_err, member,
-    plan::{apply_cached, delete_if_owned},
+    plan::{apply_cached, apply_or_delete},
     write::{Kind, Target, Write},
 };
 use crate::{
@@ -80,6 +81,8 @@ pub struct EndpointView {
     pub gateway: Option<Arc<Deployment>>,
     /// PodDisruptionBudget `<ep>-gateway`.
     pub gateway_pdb: Option<Arc<PodDisruptionBudget>>,
+    /// NetworkPolicy `<ep>-gateway`.
+    pub gateway_network_policy: Option<Arc<NetworkPolicy>>,
 }
 
 /// What one endpoint reconcile does: the writes, in order, and the status.
@@ -312,18 +315,23 @@ pub fn plan_endpoint(
     apply_cached(w, children.role_binding, view.role_binding.as_deref());
     // The table before the gateway that reads it.
     apply_cached(w, children.routes, view.routes.as_deref());
+    let name = ep.name_any();
+    apply_or_delete(
+        w,
+        children.gateway_network_policy,
+        Target::new(Kind::NetworkPolicy, names::gateway(&name)),
+        view.gateway_network_policy.as_deref(),
+        ep,
+    );
     apply_cached(w, children.gateway_service, view.gateway_service.as_deref());
     apply_cached(w, children.admin_service, view.admin_service.as_deref());
-    let name = ep.name_any();
-    match children.scaler_service {
-        Some(s) => apply_cached(w, s, view.scaler_service.as_deref()),
-        None => delete_if_owned(
-            w,
-            Target::new(Kind::Service, names::scaler_service(&name)),
-            view.scaler_service.as_deref(),
-            ep,
-        ),
-    }
+    apply_or_delete(
+        w,
+        children.scaler_service,
+        Target::new(Kind::Service, names::scaler_service(&name)),
+        view.scaler_service.as_deref(),
+        ep,
+    );
     apply_cached(w, children.gateway, view.gateway.as_deref());
     apply_cached(w, children.gateway_pdb, view.gateway_pdb.as_deref());
 

@@ -7,6 +7,7 @@ use k8s_openapi::api::{
     apps::v1::Deployment,
     batch::v1::Job,
     core::v1::{ConfigMap, PersistentVolumeClaim, Service, ServiceAccount},
+    networking::v1::NetworkPolicy,
     policy::v1::PodDisruptionBudget,
     rbac::v1::{Role, RoleBinding},
 };
@@ -151,5 +152,6 @@ fn resource(kind: Kind, keda: &ApiResource) -> ApiResource {
         Kind::PodDisruptionBudget => ApiResource::erase::<PodDisruptionBudget>(&()),
         Kind::ScaledObject => keda.clone(),
         Kind::ConfigMap => ApiResource::erase::<ConfigMap>(&()),
+        Kind::NetworkPolicy => ApiResource::erase::<NetworkPolicy>(&()),
     }
 }

@@ -54,6 +54,7 @@ use k8s_openapi::{
             ConfigMap, Event as CoreEvent, Namespace, PersistentVolumeClaim, Pod, Service,
             ServiceAccount,
         },
+        networking::v1::NetworkPolicy,
         policy::v1::PodDisruptionBudget,
         rbac::v1::{Role, RoleBinding},
     },
@@ -274,6 +275,8 @@ pub struct Context {
     roles: Store<Role>,
     role_bindings: Store<RoleBinding>,
     pdbs: Store<PodDisruptionBudget>,
+    /// The gateways' and backends' NetworkPolicies.
+    network_policies: Store<NetworkPolicy>,
     /// Backend pods ([`labels::backend_pod_selector`]): activations are read from them.
     pods: Store<Pod>,
     /// The image pulls the kubelet's Events say failed, by pod UID ([`PullFailures`]).
@@ -359,6 +362,7 @@ impl Context {
             && synced(&self.roles)
             && synced(&self.role_bindings)
             && synced(&self.pdbs)
+            && synced(&self.network_policies)
             && synced(&self.pods)
             && synced(&self.config_maps)
             && synced(&self.endpoints)
@@ -583,6 +587,7 @@ impl Context {
             admin_service: get_in(&self.services, ns, &names::gateway_admin(name)),
             gateway: get_in(&self.deployments, ns, &names::gateway(name)),
             gateway_pdb: get_in(&self.pdbs, ns, &names::gateway(name)),
+            gateway_network_policy: get_in(&self.network_policies, ns, &names::gateway(name)),
         }
     }
 
@@ -623,6 +628,16 @@ impl Context {
             legacy_backend: get_in(&self.deployments, namespace, &names::legacy_backend(name)),
             gateway: get_in(&self.deployments, namespace, &names::gateway(name)),
             gateway_pdb: get_in(&self.pdbs, namespace, &names::gateway(name)),
+            gateway_network_policy: get_in(
+                &self.network_policies,
+                namespace,
+                &names::gateway(name),
+            ),
+            backend_network_policy: get_in(
+                &self.network_policies,
+                namespace,
+                &names::backend_service(name),
+            ),
             adapters_config_map: get_in(&self.config_maps, namespace, &names::adapters(name)),
             keda_installed,
             scaled_object: keda_installed
@@ -1097,6 +1112,8 @@ pub async fn run(
     let (pdb_store, pdb_stream) =
         cached_watch::<PodDisruptionBudget>(&client, ns, &managed, Some(|p| relevant(p, &())));
     let pdb_stream = tap_endpoint_owners(pdb_stream, endpoint_tx.clone());
+    let (np_store, np_stream) = cached_watch::<NetworkPolicy>(&client, ns, &managed, None);
+    let np_stream = tap_endpoint_owners(np_stream, endpoint_tx.clone());
     let (cm_store, cm_stream) = cached_watch::<ConfigMap>(&client, ns, &managed, None);
     // Backend pods trigger their service's reconcile when they turn Ready (or stop being so):
     // that is when an activation is recorded; and when a pod starts or stops failing to come
@@ -1222,6 +1239,7 @@ pub async fn run(
         roles: roles_store,
         role_bindings: rb_store,
         pdbs: pdb_store,
+        network_policies: np_store,
         pods: pods_store,
         pull_failures,
         config_maps: cm_store,
@@ -1430,6 +1448,7 @@ pub async fn run(
         .owns_stream(roles_stream)
         .owns_stream(rb_stream)
         .owns_stream(pdb_stream)
+        .owns_stream(np_stream)
         .watches_stream(pods_stream, |pod: Pod| {
             let service = pod.labels().get(LLMSERVICE_LABEL)?.clone();
             Some(ObjectRef::<LLMService>::new(&service).within(&pod.namespace()?))

@@ -27,6 +27,7 @@ use k8s_openapi::{
         apps::v1::Deployment,
         batch::v1::Job,
         core::v1::{ConfigMap, PersistentVolumeClaim, Pod, Service, ServiceAccount},
+        networking::v1::NetworkPolicy,
         policy::v1::PodDisruptionBudget,
         rbac::v1::{Role, RoleBinding},
     },
@@ -85,6 +86,10 @@ pub struct View {
     pub gateway: Option<Arc<Deployment>>,
     /// PodDisruptionBudget `N-gateway`.
     pub gateway_pdb: Option<Arc<PodDisruptionBudget>>,
+    /// NetworkPolicy `N-gateway`.
+    pub gateway_network_policy: Option<Arc<NetworkPolicy>>,
+    /// NetworkPolicy `N-backend`.
+    pub backend_network_policy: Option<Arc<NetworkPolicy>>,
     /// ConfigMap `N-adapters`.
     pub adapters_config_map: Option<Arc<ConfigMap>>,
     /// The gateway Deployment of the LLMEndpoint the service is attached to (read only then).
@@ -457,17 +462,22 @@ pub fn plan(svc: &LLMService, desired: Desired, view: &View, cfg: &RenderConfig)
     let waits_for = wait_for_prewarm(svc, &conds, view.backend.as_deref());
 
     // The adapter table, before the gateway that reads it.
-    match children.adapters_config_map {
-        Some(cm) => apply_cached(writes, cm, view.adapters_config_map.as_deref()),
-        None => delete_if_owned(
-            writes,
-            Target::new(Kind::ConfigMap, names::adapters(&name)),
-            view.adapters_config_map.as_deref(),
-            svc,
-        ),
-    }
+    apply_or_delete(
+        writes,
+        children.adapters_config_map,
+        Target::new(Kind::ConfigMap, names::adapters(&name)),
+        view.adapters_config_map.as_deref(),
+        svc,
+    );
 
-    // Backend.
+    // Backend: its NetworkPolicy first, so no pod runs unguarded.
+    apply_or_delete(
+        writes,
+        children.backend_network_policy,
+        Target::new(Kind::NetworkPolicy, names::backend_service(&name)),
+        view.backend_network_policy.as_deref(),
+        svc,
+    );
     apply_cached(
         writes,
         children.backend_service,
@@ -510,21 +520,26 @@ pub fn plan(svc: &LLMService, desired: Desired, view: &View, cfg: &RenderConfig)
     // Gateway.
     match children.gateway {
         Some(gateway) => {
+            apply_or_delete(
+                writes,
+                children.gateway_network_policy,
+                Target::new(Kind::NetworkPolicy, names::gateway(&name)),
+                view.gateway_network_policy.as_deref(),
+                svc,
+            );
             if let Some(s) = children.gateway_service {
                 apply_cached(writes, s, view.gateway_service.as_deref());
             }
             if let Some(s) = children.admin_service {
                 apply_cached(writes, s, view.admin_service.as_deref());
             }
-            match children.scaler_service {
-                Some(s) => apply_cached(writes, s, view.scaler_service.as_deref()),
-                None => delete_if_owned(
-                    writes,
-                    Target::new(Kind::Service, names::scaler_service(&name)),
-                    view.scaler_service.as_deref(),
-                    svc,
-                ),
-            }
+            apply_or_delete(
+                writes,
+                children.scaler_service,
+                Target::new(Kind::Service, names::scaler_service(&name)),
+                view.scaler_service.as_deref(),
+                svc,
+            );
             // A Deployment's selector is immutable: a gateway an earlier version of this
             // controller wrote with other selector labels is replaced (it holds no state).
             if let Some(live) = view.gateway.as_deref()
@@ -556,6 +571,12 @@ pub fn plan(svc: &LLMService, desired: Desired, view: &View, cfg: &RenderConfig)
                 &mut prune,
                 Target::new(Kind::PodDisruptionBudget, &gateway),
                 view.gateway_pdb.as_deref(),
+                svc,
+            );
+            delete_if_owned(
+                &mut prune,
+                Target::new(Kind::NetworkPolicy, &gateway),
+                view.gateway_network_policy.as_deref(),
                 svc,
             );
             delete_if_owned(
@@ -686,6 +707,25 @@ where
         writes.push(Write::Adopt(object.target()));
     }
     writes.push(Write::Apply(object));
+}
+
+/// Apply `desired` ([`apply_cached`]), or without it delete `target` ([`delete_if_owned`]): an
+/// optional child that comes and goes with a setting.
+pub(super) fn apply_or_delete<K, O>(
+    writes: &mut Vec<Write>,
+    desired: Option<K>,
+    target: Target,
+    cached: Option<&K>,
+    owner: &O,
+) where
+    K: Resource + Serialize,
+    Object: From<K>,
+    O: Resource,
+{
+    match desired {
+        Some(d) => apply_cached(writes, d, cached),
+        None => delete_if_owned(writes, target, cached, owner),
+    }
 }
 
 /// Delete `target` if the cache holds it (`cached`) and `owner` controls it (the cache answers "is it there?";

@@ -7,6 +7,7 @@ use k8s_openapi::api::{
     apps::v1::Deployment,
     batch::v1::Job,
     core::v1::{ConfigMap, PersistentVolumeClaim, Service, ServiceAccount},
+    networking::v1::NetworkPolicy,
     policy::v1::PodDisruptionBudget,
     rbac::v1::{Role, RoleBinding},
 };
@@ -36,6 +37,8 @@ pub enum Kind {
     ScaledObject,
     /// `v1` ConfigMap (an endpoint's routing table).
     ConfigMap,
+    /// `networking.k8s.io/v1` NetworkPolicy (the gateway's and the backend's).
+    NetworkPolicy,
 }
 
 impl Kind {
@@ -52,6 +55,7 @@ impl Kind {
             Kind::PodDisruptionBudget => "PodDisruptionBudget",
             Kind::ScaledObject => "ScaledObject",
             Kind::ConfigMap => "ConfigMap",
+            Kind::NetworkPolicy => "NetworkPolicy",
         }
     }
 }
@@ -90,6 +94,7 @@ pub enum Object {
     PodDisruptionBudget(Box<PodDisruptionBudget>),
     ScaledObject(Box<DynamicObject>),
     ConfigMap(Box<ConfigMap>),
+    NetworkPolicy(Box<NetworkPolicy>),
 }
 
 impl Object {
@@ -106,6 +111,7 @@ impl Object {
             Object::PodDisruptionBudget(o) => (Kind::PodDisruptionBudget, &o.metadata),
             Object::ScaledObject(o) => (Kind::ScaledObject, &o.metadata),
             Object::ConfigMap(o) => (Kind::ConfigMap, &o.metadata),
+            Object::NetworkPolicy(o) => (Kind::NetworkPolicy, &o.metadata),
         };
         Target::new(kind, meta.name.clone().unwrap_or_default())
     }
@@ -132,6 +138,7 @@ object_from! {
     PodDisruptionBudget: PodDisruptionBudget,
     ScaledObject: DynamicObject,
     ConfigMap: ConfigMap,
+    NetworkPolicy: NetworkPolicy,
 }
 
 /// One API write, in the namespace of the service (or endpoint) it is planned for. A replace is a [`Write::Delete`] followed by the

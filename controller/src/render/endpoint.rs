@@ -15,6 +15,7 @@ use hearth_crds::{
 use k8s_openapi::api::{
     apps::v1::Deployment,
     core::v1::{ConfigMap, Service, ServiceAccount},
+    networking::v1::NetworkPolicy,
     policy::v1::PodDisruptionBudget,
     rbac::v1::{Role, RoleBinding},
 };
@@ -27,6 +28,7 @@ use super::{
         Gateway, Routing, admin_service, endpoint_rbac, gateway_deployment, gateway_pdb,
         gateway_service, gateway_service_account, scaler_service,
     },
+    network::gateway_network_policy,
 };
 use crate::labels::ENDPOINT_LABEL;
 
@@ -52,6 +54,9 @@ pub struct EndpointChildren {
     pub gateway: Deployment,
     /// Keeps all but one gateway replica up through voluntary disruptions.
     pub gateway_pdb: PodDisruptionBudget,
+    /// NetworkPolicy `<ep>-gateway` on the gateway pods (`super::network`); `None` without
+    /// [`RenderConfig::network_policies`].
+    pub gateway_network_policy: Option<NetworkPolicy>,
 }
 
 impl EndpointChildren {
@@ -65,9 +70,12 @@ impl EndpointChildren {
             v(&self.role)?,
             v(&self.role_binding)?,
             v(&self.routes)?,
-            v(&self.gateway_service)?,
-            v(&self.admin_service)?,
         ];
+        if let Some(p) = &self.gateway_network_policy {
+            out.push(v(p)?);
+        }
+        out.push(v(&self.gateway_service)?);
+        out.push(v(&self.admin_service)?);
         if let Some(s) = &self.scaler_service {
             out.push(v(s)?);
         }
@@ -154,5 +162,6 @@ pub fn render_endpoint(
             .then(|| scaler_service(&g, cfg)),
         gateway: gateway_deployment(&g, cfg)?,
         gateway_pdb: gateway_pdb(&g),
+        gateway_network_policy: gateway_network_policy(&g, cfg),
     })
 }

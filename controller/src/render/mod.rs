@@ -33,6 +33,7 @@ use k8s_openapi::{
             ConfigMap, EnvFromSource, PersistentVolumeClaim, ResourceRequirements, SecretEnvSource,
             Service, ServiceAccount, ServicePort, ServiceSpec,
         },
+        networking::v1::NetworkPolicy,
         policy::v1::PodDisruptionBudget,
         rbac::v1::{Role, RoleBinding},
     },
@@ -60,6 +61,7 @@ mod endpoint;
 mod gateway;
 mod keda;
 mod member;
+pub mod network;
 #[cfg(test)]
 mod tests;
 
@@ -71,6 +73,7 @@ use self::{
         gateway_service, gateway_service_account, own_gateway, scaler_service,
     },
     keda::scaled_object,
+    network::{backend_network_policy, gateway_network_policy},
 };
 pub use adapters::{
     ADAPTERS_CACHE_DIR, ADAPTERS_MOUNT_ROOT, RenderedAdapters, ServiceAdapters, fetch_job_name,
@@ -86,6 +89,7 @@ pub use keda::{
     TLS_DIGEST_KEY, scaled_object_resource, set_tls_digest, trigger_authentication_resource,
 };
 pub use member::{MemberChildren, member_route, render_member};
+pub use network::ModelNetworkPolicies;
 
 /// Annotation on create-once children (cache claim, prewarm Job) recording a hash of the
 /// fields that cannot change after creation, so a changed spec is detected and reported.
@@ -124,6 +128,9 @@ pub struct RenderConfig {
     /// KEDA's `metrics-api` trigger authenticates through the ClusterTriggerAuthentication of
     /// this name (`bearer`). `None`: admin ports open, triggers without authentication.
     pub admin_auth: Option<String>,
+    /// The data plane's NetworkPolicies (`N-gateway`, `N-backend`; see [`network`]); `None`:
+    /// none are written (and those written before are deleted).
+    pub network_policies: Option<ModelNetworkPolicies>,
 }
 
 impl RenderConfig {
@@ -142,6 +149,7 @@ impl RenderConfig {
             scaler_tls: true,
             admin_port: hearth_crds::admin::PORT,
             admin_auth: Some(DEFAULT_ADMIN_TRIGGER_AUTH.to_owned()),
+            network_policies: None,
         })
     }
 }
@@ -244,6 +252,12 @@ pub struct Children {
     /// ConfigMap `N-adapters`: the adapters the service's own gateway routes and loads; `None`
     /// without adapters, or when attached (the endpoint's route table carries them).
     pub adapters_config_map: Option<ConfigMap>,
+    /// NetworkPolicy `N-gateway` on the service's own gateway pods ([`network`]); `None` when
+    /// attached or without [`RenderConfig::network_policies`].
+    pub gateway_network_policy: Option<NetworkPolicy>,
+    /// NetworkPolicy `N-backend` on the backend pods ([`network`]); `None` without
+    /// [`RenderConfig::network_policies`].
+    pub backend_network_policy: Option<NetworkPolicy>,
 }
 
 impl Children {
@@ -270,8 +284,14 @@ impl Children {
         if let Some(c) = &self.adapters_config_map {
             out.push(v(c)?);
         }
+        if let Some(p) = &self.backend_network_policy {
+            out.push(v(p)?);
+        }
         out.push(v(&self.backend_service)?);
         out.push(v(&self.backend)?);
+        if let Some(p) = &self.gateway_network_policy {
+            out.push(v(p)?);
+        }
         if let Some(s) = &self.gateway_service {
             out.push(v(s)?);
         }
@@ -578,6 +598,8 @@ pub fn render_with_adapters(
             .map(|g| gateway_deployment(g, cfg))
             .transpose()?,
         gateway_pdb: own.as_ref().map(gateway_pdb),
+        gateway_network_policy: own.as_ref().and_then(|g| gateway_network_policy(g, cfg)),
+        backend_network_policy: backend_network_policy(&ctx),
         scaled_object: scaled_object(&ctx)?,
         trigger_authentication: (matches!(placement, Placement::Own)
             && scaler == ScalerMode::Push

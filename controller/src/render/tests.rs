@@ -73,7 +73,7 @@ fn gateway_resources_from_json_name_the_bad_field() {
     assert!(parse_gateway_resources(r#"{"limits":{"memory":"16Mi"}}"#).is_ok());
 }
 
-fn service_and_runtime(endpoint: serde_json::Value) -> (LLMService, InferenceRuntime) {
+pub(super) fn service_and_runtime(endpoint: serde_json::Value) -> (LLMService, InferenceRuntime) {
     let svc = serde_json::from_value(json!({
         "apiVersion": "serving.hearth.dev/v1alpha1",
         "kind": "LLMService",
@@ -682,7 +682,10 @@ fn an_attached_service_renders_member_rbac_and_no_gateway_of_its_own() {
     );
 }
 
-fn llm_endpoint(metadata: serde_json::Value, spec: serde_json::Value) -> hearth_crds::LLMEndpoint {
+pub(super) fn llm_endpoint(
+    metadata: serde_json::Value,
+    spec: serde_json::Value,
+) -> hearth_crds::LLMEndpoint {
     let mut meta = json!({"name": "shared", "namespace": "platform", "uid": "ep-uid"});
     hearth_test_support::merge_json(&mut meta, metadata);
     serde_json::from_value(json!({

@@ -1113,7 +1113,9 @@ fn value_sets() -> Vec<ValueSet> {
             values: |_| {
                 json!({"networkPolicy": {"enabled": true, "metricsFrom": [
                     {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
-                ]}})
+                ], "models": {"enabled": true, "clientsFrom": [
+                    {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ingress"}}}
+                ]}}})
             },
             renders: vec![
                 ("NetworkPolicy", "hearth-webhook"),
@@ -1147,6 +1149,33 @@ fn value_sets() -> Vec<ValueSet> {
                         ctrl["spec"]["egress"]
                     );
                 }
+                // The models' policies: the controller's flag names its own pods, KEDA and
+                // the peers of the values.
+                let deployment = find(docs, "Deployment", "hearth-controller")?;
+                let flag =
+                    strings(&deployment["spec"]["template"]["spec"]["containers"][0]["args"])
+                        .into_iter()
+                        .find_map(|a| {
+                            a.strip_prefix("--model-network-policies=")
+                                .map(str::to_owned)
+                        })
+                        .context("no --model-network-policies flag")?;
+                let flag: Value = serde_json::from_str(&flag)?;
+                ensure!(flag["controllerNamespace"] == ns, "{flag}");
+                ensure!(flag["kedaNamespace"] == "keda", "{flag}");
+                ensure!(
+                    flag["controllerPodLabels"] == deployment["spec"]["selector"]["matchLabels"],
+                    "{flag}"
+                );
+                ensure!(
+                    flag["clientsFrom"][0]["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"]
+                        == "ingress",
+                    "{flag}"
+                );
+                ensure!(
+                    flag["metricsFrom"] == ctrl["spec"]["ingress"][0]["from"],
+                    "{flag}"
+                );
                 Ok(())
             },
         },
@@ -1634,6 +1663,14 @@ fn matrix(release_ns: &str) -> Vec<Check> {
         c,
         &["create", "patch", "delete"],
         "poddisruptionbudgets.policy",
+        None,
+        team(),
+        true,
+    );
+    add(
+        c,
+        &["list", "watch", "create", "patch", "get", "delete"],
+        "networkpolicies.networking.k8s.io",
         None,
         team(),
         true,
@@ -2241,6 +2278,7 @@ async fn rbac_matrix_each_account_can_do_what_it_needs_and_nothing_more() -> Res
         "rolebindings.rbac.authorization.k8s.io [] [create delete get list patch watch]",
         "scaledobjects.keda.sh [] [create delete get list patch watch]",
         "poddisruptionbudgets.policy [] [create delete get list patch watch]",
+        "networkpolicies.networking.k8s.io [] [create delete get list patch watch]",
         "endpointslices.discovery.k8s.io [] [get list watch]",
         "customresourcedefinitions.apiextensions.k8s.io [scaledobjects.keda.sh] [get list watch]",
         "namespaces [] [get list watch]",

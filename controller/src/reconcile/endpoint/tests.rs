@@ -101,6 +101,9 @@ fn steady(ep: &LLMEndpoint, routes: &RouteTable) -> EndpointView {
         admin_service: Some(Arc::new(crate::diff::stamped(c.admin_service))),
         gateway: Some(Arc::new(crate::diff::stamped(c.gateway))),
         gateway_pdb: Some(Arc::new(crate::diff::stamped(c.gateway_pdb))),
+        gateway_network_policy: c
+            .gateway_network_policy
+            .map(|o| Arc::new(crate::diff::stamped(o))),
     }
 }
 

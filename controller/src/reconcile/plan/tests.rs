@@ -75,6 +75,12 @@ fn steady(svc: &LLMService) -> View {
         legacy_backend: None,
         gateway: c.gateway.map(|o| Arc::new(crate::diff::stamped(o))),
         gateway_pdb: c.gateway_pdb.map(|o| Arc::new(crate::diff::stamped(o))),
+        gateway_network_policy: c
+            .gateway_network_policy
+            .map(|o| Arc::new(crate::diff::stamped(o))),
+        backend_network_policy: c
+            .backend_network_policy
+            .map(|o| Arc::new(crate::diff::stamped(o))),
         adapters_config_map: c
             .adapters_config_map
             .map(|o| Arc::new(crate::diff::stamped(o))),
@@ -246,6 +252,69 @@ fn a_new_backend_is_created_with_replicas_and_an_existing_one_applied_without() 
 }
 
 /// The ScaledObject a plan applies, if any.
+/// The data plane's NetworkPolicies come with the setting, before the pods they guard, and go
+/// with it; a service that joins an endpoint drops its gateway's.
+#[test]
+fn network_policies_follow_the_setting() {
+    let svc = service(json!({}));
+    let mut on = cfg();
+    on.network_policies = Some(
+        crate::render::ModelNetworkPolicies::parse(
+            r#"{"kedaNamespace":"keda","controllerNamespace":"hearth-system","controllerPodLabels":{"app.kubernetes.io/name":"hearth"}}"#,
+        )
+        .unwrap(),
+    );
+    let w = writes(&plan_with(&svc, &steady(&svc), &on));
+    assert_eq!(
+        w,
+        [
+            "apply NetworkPolicy chat-backend",
+            "apply NetworkPolicy chat-gateway"
+        ]
+    );
+    // Each before what it guards.
+    let all = writes(&plan_with(
+        &svc,
+        &View {
+            keda_installed: true,
+            ..View::default()
+        },
+        &on,
+    ));
+    let at = |w: &str| all.iter().position(|x| x == w).unwrap();
+    assert!(at("apply NetworkPolicy chat-backend") < at("create Deployment chat"));
+    assert!(at("apply NetworkPolicy chat-gateway") < at("apply Deployment chat-gateway"));
+
+    // Steady with the setting on: nothing; switched off: both deleted.
+    let view = {
+        let c = render(&svc, &runtime(), &on, false).unwrap();
+        View {
+            gateway_network_policy: c
+                .gateway_network_policy
+                .map(|o| Arc::new(crate::diff::stamped(o))),
+            backend_network_policy: c
+                .backend_network_policy
+                .map(|o| Arc::new(crate::diff::stamped(o))),
+            ..steady(&svc)
+        }
+    };
+    assert!(writes(&plan_with(&svc, &view, &on)).is_empty());
+    assert_eq!(
+        writes(&plan_with(&svc, &view, &cfg())),
+        [
+            "delete NetworkPolicy chat-backend",
+            "delete NetworkPolicy chat-gateway"
+        ]
+    );
+    // Another manager's policy of that name is left alone.
+    let foreign_view = View {
+        backend_network_policy: not_owned(view.backend_network_policy.clone()),
+        gateway_network_policy: None,
+        ..view
+    };
+    assert!(writes(&plan_with(&svc, &foreign_view, &cfg())).is_empty());
+}
+
 fn applied_scaled_object(plan: &Plan) -> Option<&DynamicObject> {
     plan.writes.iter().find_map(|w| match w {
         Write::Apply(Object::ScaledObject(so)) => Some(&**so),

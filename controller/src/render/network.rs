@@ -1,0 +1,402 @@
+//! The data plane's NetworkPolicies (opt-in: chart value `networkPolicy.models.enabled`, flag
+//! `--model-network-policies`): ingress rules for the pods the controller renders, so only the
+//! traffic Hearth needs reaches them.
+//!
+//! - `N-gateway` selects a gateway's pods (a service's own, or an `LLMEndpoint`'s):
+//!   - the client port (`http`) from [`ModelNetworkPolicies::clients_from`] (empty: any source);
+//!   - the admin port from the gateway's own replicas (their demand reports to each other), KEDA's
+//!     namespace (the `metrics-api` trigger), the controller (device handover, metering, adapter
+//!     failures) and [`ModelNetworkPolicies::metrics_from`] (empty: any source; the port asks
+//!     every caller for a bearer token anyway);
+//!   - the ExternalScaler port (`grpc-scaler`) from KEDA's namespace.
+//! - `N-backend` selects a service's backend pods: the runtime's port from the gateway that
+//!   serves the model (its own, or the endpoint's, in the endpoint's namespace), the controller
+//!   (LoRA adapters' `GET /v1/models`) and, when listed, [`ModelNetworkPolicies::metrics_from`]
+//!   (the engine's own `/metrics`). Nothing else reaches an engine.
+//!
+//! Traffic from the pod's own node (the kubelet's probes) is admitted by common implementations
+//! (Calico, Cilium, kube-router) whatever the policy says. Egress is left open: a gateway
+//! reaches the apiserver and its backends, a backend its model hub.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::{
+    api::networking::v1::{
+        NetworkPolicy, NetworkPolicyIngressRule, NetworkPolicyPeer, NetworkPolicyPort,
+        NetworkPolicySpec,
+    },
+    apimachinery::pkg::{
+        apis::meta::v1::{LabelSelector, ObjectMeta},
+        util::intstr::IntOrString,
+    },
+};
+use serde::{Deserialize, Serialize};
+
+use super::{Ctx, Placement, RenderConfig, gateway::Gateway};
+use crate::{
+    labels::{self, Component},
+    names,
+};
+
+/// The namespace label every namespace carries (Kubernetes sets it from the name).
+const NAMESPACE_NAME_LABEL: &str = "kubernetes.io/metadata.name";
+
+/// Who may reach the data plane, as the controller's flag `--model-network-policies` carries it
+/// (JSON, camelCase; the chart writes it from `networkPolicy`). Peers are NetworkPolicy peers
+/// (`podSelector`, `namespaceSelector`, `ipBlock`), as in any NetworkPolicy.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ModelNetworkPolicies {
+    /// Who may call the gateways' client port (the OpenAI API): an ingress controller's
+    /// namespace, the clients' namespaces. Empty: any source.
+    #[serde(default)]
+    pub clients_from: Vec<NetworkPolicyPeer>,
+    /// Who scrapes metrics (Prometheus): the gateways' admin port (empty: any source) and the
+    /// engines' port (empty: nobody beyond the gateway and the controller).
+    #[serde(default)]
+    pub metrics_from: Vec<NetworkPolicyPeer>,
+    /// KEDA's namespace: its operator polls the admin port and calls the ExternalScaler.
+    pub keda_namespace: String,
+    /// The controller's namespace.
+    pub controller_namespace: String,
+    /// Labels that select the controller's pods in [`Self::controller_namespace`].
+    pub controller_pod_labels: BTreeMap<String, String>,
+}
+
+impl ModelNetworkPolicies {
+    /// Parses the flag's JSON.
+    ///
+    /// # Errors
+    /// Not JSON of this shape (the message names the field), or an empty
+    /// `kedaNamespace`, `controllerNamespace` or `controllerPodLabels` (a peer that selects
+    /// nothing, or every pod of the namespace).
+    pub fn parse(json: &str) -> Result<Self, String> {
+        let p: Self = serde_json::from_str(json).map_err(|e| {
+            format!("--model-network-policies: {e}; expected {{\"clientsFrom\": [NetworkPolicyPeer], \"metricsFrom\": [...], \"kedaNamespace\": \"keda\", \"controllerNamespace\": \"...\", \"controllerPodLabels\": {{...}}}}")
+        })?;
+        for (field, empty) in [
+            ("kedaNamespace", p.keda_namespace.is_empty()),
+            ("controllerNamespace", p.controller_namespace.is_empty()),
+            ("controllerPodLabels", p.controller_pod_labels.is_empty()),
+        ] {
+            if empty {
+                return Err(format!(
+                    "--model-network-policies: {field} is empty; set it (the chart fills it from its release)"
+                ));
+            }
+        }
+        Ok(p)
+    }
+
+    fn keda(&self) -> NetworkPolicyPeer {
+        namespace_peer(&self.keda_namespace, None)
+    }
+
+    fn controller(&self) -> NetworkPolicyPeer {
+        namespace_peer(
+            &self.controller_namespace,
+            Some(self.controller_pod_labels.clone()),
+        )
+    }
+}
+
+/// Pods matching `pods` (all when `None`) in the namespace `namespace`.
+fn namespace_peer(namespace: &str, pods: Option<BTreeMap<String, String>>) -> NetworkPolicyPeer {
+    NetworkPolicyPeer {
+        namespace_selector: Some(match_labels(BTreeMap::from([(
+            NAMESPACE_NAME_LABEL.to_owned(),
+            namespace.to_owned(),
+        )]))),
+        pod_selector: pods.map(match_labels),
+        ..Default::default()
+    }
+}
+
+fn match_labels(labels: BTreeMap<String, String>) -> LabelSelector {
+    LabelSelector {
+        match_labels: Some(labels),
+        ..Default::default()
+    }
+}
+
+/// One ingress rule: TCP `port` from `from` (`None`: any source).
+fn rule(port: i32, from: Option<Vec<NetworkPolicyPeer>>) -> NetworkPolicyIngressRule {
+    NetworkPolicyIngressRule {
+        from,
+        ports: Some(vec![NetworkPolicyPort {
+            port: Some(IntOrString::Int(port)),
+            protocol: Some("TCP".to_owned()),
+            ..Default::default()
+        }]),
+    }
+}
+
+/// `Some(peers)`, or `None` (any source) when `peers` is empty.
+fn listed(peers: &[NetworkPolicyPeer]) -> Option<Vec<NetworkPolicyPeer>> {
+    (!peers.is_empty()).then(|| peers.to_vec())
+}
+
+fn ingress_policy(
+    metadata: ObjectMeta,
+    pods: BTreeMap<String, String>,
+    ingress: Vec<NetworkPolicyIngressRule>,
+) -> NetworkPolicy {
+    NetworkPolicy {
+        metadata,
+        spec: Some(NetworkPolicySpec {
+            pod_selector: Some(match_labels(pods)),
+            policy_types: Some(vec!["Ingress".to_owned()]),
+            ingress: Some(ingress),
+            ..Default::default()
+        }),
+    }
+}
+
+/// `N-gateway` for the gateway `g` (see the module doc); `None` unless
+/// [`RenderConfig::network_policies`].
+pub(super) fn gateway_network_policy(g: &Gateway<'_>, cfg: &RenderConfig) -> Option<NetworkPolicy> {
+    let p = cfg.network_policies.as_ref()?;
+    let replicas = NetworkPolicyPeer {
+        pod_selector: Some(match_labels(labels::selector(g.name, Component::Gateway))),
+        ..Default::default()
+    };
+    let admin_from = (!p.metrics_from.is_empty()).then(|| {
+        let mut from = vec![replicas, p.keda(), p.controller()];
+        from.extend(p.metrics_from.iter().cloned());
+        from
+    });
+    Some(ingress_policy(
+        g.meta(names::gateway(g.name)),
+        labels::selector(g.name, Component::Gateway),
+        vec![
+            rule(cfg.gateway_port, listed(&p.clients_from)),
+            rule(cfg.admin_port, admin_from),
+            rule(cfg.scaler_port, Some(vec![p.keda()])),
+        ],
+    ))
+}
+
+/// `N-backend` for the backend pods of the service being rendered, served by the gateway of
+/// its placement (its own, or its endpoint's); see the module doc. `None` unless
+/// [`RenderConfig::network_policies`].
+pub(super) fn backend_network_policy(ctx: &Ctx<'_>) -> Option<NetworkPolicy> {
+    let p = ctx.cfg.network_policies.as_ref()?;
+    let (gateway, namespace) = match ctx.placement {
+        Placement::Own => (ctx.name.as_str(), ctx.namespace.as_str()),
+        Placement::Shared(s) => (s.endpoint.as_str(), s.namespace.as_str()),
+    };
+    let gateway_pods = labels::selector(gateway, Component::Gateway);
+    let gateway_peer = if namespace == ctx.namespace {
+        NetworkPolicyPeer {
+            pod_selector: Some(match_labels(gateway_pods)),
+            ..Default::default()
+        }
+    } else {
+        namespace_peer(namespace, Some(gateway_pods))
+    };
+    let mut from = vec![gateway_peer, p.controller()];
+    from.extend(p.metrics_from.iter().cloned());
+    Some(ingress_policy(
+        ctx.meta(names::backend_service(&ctx.name), Component::Backend),
+        labels::selector(&ctx.name, Component::Backend),
+        vec![rule(ctx.rt.spec.container.port.container_port, Some(from))],
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+    use crate::render::{
+        RenderConfig, SharedGateway, render, render_endpoint, render_placed,
+        tests::{llm_endpoint, service_and_runtime},
+    };
+
+    fn enabled(metrics_from: serde_json::Value) -> RenderConfig {
+        let mut cfg = RenderConfig::builtin().unwrap();
+        cfg.network_policies = Some(
+            ModelNetworkPolicies::parse(
+                &json!({
+                    "clientsFrom": [{"namespaceSelector": {"matchLabels": {"team": "a"}}}],
+                    "metricsFrom": metrics_from,
+                    "kedaNamespace": "keda",
+                    "controllerNamespace": "hearth-system",
+                    "controllerPodLabels": {"app.kubernetes.io/name": "hearth"},
+                })
+                .to_string(),
+            )
+            .unwrap(),
+        );
+        cfg
+    }
+
+    /// `(port, from)` of each ingress rule, `from` as JSON (`null`: any source).
+    fn rules(p: &NetworkPolicy) -> Vec<(i32, serde_json::Value)> {
+        p.spec
+            .as_ref()
+            .unwrap()
+            .ingress
+            .iter()
+            .flatten()
+            .map(|r| {
+                let port = match &r.ports.as_ref().unwrap()[0].port {
+                    Some(IntOrString::Int(p)) => *p,
+                    other => panic!("port {other:?}"),
+                };
+                (port, serde_json::to_value(&r.from).unwrap())
+            })
+            .collect()
+    }
+
+    fn keda() -> serde_json::Value {
+        json!({"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "keda"}}})
+    }
+
+    fn controller() -> serde_json::Value {
+        json!({
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "hearth-system"}},
+            "podSelector": {"matchLabels": {"app.kubernetes.io/name": "hearth"}},
+        })
+    }
+
+    fn gateway_pods(name: &str) -> serde_json::Value {
+        json!({"matchLabels": {
+            "app.kubernetes.io/managed-by": "hearth",
+            "app.kubernetes.io/name": format!("{name}-gateway"),
+            "serving.hearth.dev/gateway": name,
+        }})
+    }
+
+    #[test]
+    fn off_by_default() {
+        let (svc, rt) = service_and_runtime(json!({}));
+        let c = render(&svc, &rt, &RenderConfig::builtin().unwrap(), true).unwrap();
+        assert!(c.gateway_network_policy.is_none() && c.backend_network_policy.is_none());
+    }
+
+    #[test]
+    fn a_services_gateway_and_backend_admit_only_their_peers() {
+        let (svc, rt) = service_and_runtime(json!({}));
+        let scraper = json!({"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}});
+        let c = render(&svc, &rt, &enabled(json!([scraper])), true).unwrap();
+        let gateway = c.gateway_network_policy.unwrap();
+        assert_eq!(gateway.metadata.name.as_deref(), Some("chat-gateway"));
+        assert_eq!(
+            serde_json::to_value(&gateway.spec.as_ref().unwrap().pod_selector).unwrap(),
+            gateway_pods("chat")
+        );
+        assert_eq!(
+            rules(&gateway),
+            [
+                (
+                    8080,
+                    json!([{"namespaceSelector": {"matchLabels": {"team": "a"}}}])
+                ),
+                (
+                    9091,
+                    json!([{"podSelector": gateway_pods("chat")}, keda(), controller(), scraper])
+                ),
+                (9090, json!([keda()])),
+            ]
+        );
+        let backend = c.backend_network_policy.unwrap();
+        assert_eq!(backend.metadata.name.as_deref(), Some("chat-backend"));
+        assert_eq!(
+            rules(&backend),
+            [(
+                rt.spec.container.port.container_port,
+                json!([{"podSelector": gateway_pods("chat")}, controller(), scraper])
+            )]
+        );
+        assert_eq!(
+            backend.spec.unwrap().policy_types,
+            Some(vec!["Ingress".to_owned()])
+        );
+    }
+
+    #[test]
+    fn without_scrapers_the_admin_port_is_open_and_engines_are_not() {
+        let (svc, rt) = service_and_runtime(json!({}));
+        let c = render(&svc, &rt, &enabled(json!([])), true).unwrap();
+        assert_eq!(
+            rules(&c.gateway_network_policy.unwrap())[1],
+            (9091, json!(null))
+        );
+        assert_eq!(
+            rules(&c.backend_network_policy.unwrap())[0].1,
+            json!([{"podSelector": gateway_pods("chat")}, controller()])
+        );
+    }
+
+    #[test]
+    fn an_attached_backend_admits_its_endpoints_gateway_across_namespaces() {
+        let (svc, rt) = service_and_runtime(json!({}));
+        let cfg = enabled(json!([]));
+        let other = Placement::Shared(SharedGateway {
+            endpoint: "shared".to_owned(),
+            namespace: "platform".to_owned(),
+            peers: false,
+        });
+        let c = render_placed(&svc, &rt, &cfg, true, &other).unwrap();
+        assert!(c.gateway_network_policy.is_none());
+        assert_eq!(
+            rules(&c.backend_network_policy.unwrap())[0].1[0],
+            json!({
+                "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "platform"}},
+                "podSelector": gateway_pods("shared"),
+            })
+        );
+        let same = Placement::Shared(SharedGateway {
+            endpoint: "shared".to_owned(),
+            namespace: "team-a".to_owned(),
+            peers: false,
+        });
+        let c = render_placed(&svc, &rt, &cfg, true, &same).unwrap();
+        assert_eq!(
+            rules(&c.backend_network_policy.unwrap())[0].1[0],
+            json!({"podSelector": gateway_pods("shared")})
+        );
+    }
+
+    #[test]
+    fn an_endpoints_gateway_gets_the_gateway_policy() {
+        let ep = llm_endpoint(json!({}), json!({}));
+        let c = render_endpoint(&ep, &Default::default(), false, &enabled(json!([]))).unwrap();
+        let p = c.gateway_network_policy.unwrap();
+        assert_eq!(p.metadata.name.as_deref(), Some("shared-gateway"));
+        assert_eq!(p.metadata.namespace.as_deref(), Some("platform"));
+        assert_eq!(rules(&p)[1].0, 9091);
+        assert_eq!(rules(&p)[2], (9090, json!([keda()])));
+    }
+
+    #[test]
+    fn a_bad_flag_names_the_field() {
+        for (json, want) in [
+            ("{", "--model-network-policies: EOF"),
+            (
+                r#"{"kedaNamespace":"keda","controllerNamespace":"h","controllerPodLabels":{"a":"b"},"clientFrom":[]}"#,
+                "unknown field `clientFrom`",
+            ),
+            (
+                r#"{"kedaNamespace":"","controllerNamespace":"h","controllerPodLabels":{"a":"b"}}"#,
+                "kedaNamespace is empty",
+            ),
+            (
+                r#"{"kedaNamespace":"keda","controllerNamespace":"h","controllerPodLabels":{}}"#,
+                "controllerPodLabels is empty",
+            ),
+            (
+                r#"{"kedaNamespace":"keda","controllerPodLabels":{"a":"b"}}"#,
+                "missing field `controllerNamespace`",
+            ),
+            (
+                r#"{"kedaNamespace":"keda","controllerNamespace":"h","controllerPodLabels":{"a":"b"},"clientsFrom":[{"podSelector":"x"}]}"#,
+                "clientsFrom",
+            ),
+        ] {
+            let e = ModelNetworkPolicies::parse(json).unwrap_err();
+            assert!(e.contains(want), "{json}: {e}");
+        }
+    }
+}

@@ -1,0 +1,268 @@
+//! The data plane's NetworkPolicies (`networkPolicy.models`), enforced by kube-router on the
+//! real node, with real packets. The local cluster installs Hearth with them on
+//! (tests/cluster/install-hearth): clients from the host and from namespaces labelled
+//! `tests.hearth.dev/clients: "true"`, scrapers from the host and from namespaces labelled
+//! `tests.hearth.dev/monitoring: "true"`. Every end-to-end suite therefore runs under them; this
+//! one checks each profile's allowed and denied connections from pods:
+//!
+//! | probe pod | client port | admin port | scaler port | engine port |
+//! |---|---|---|---|---|
+//! | listed clients' namespace | allowed | denied | denied | denied |
+//! | listed scrapers' namespace | denied | allowed | denied | allowed |
+//! | the gateway's own replicas (its labels) | denied | allowed | denied | allowed |
+//! | any other pod, even in the model's namespace | denied | denied | denied | denied |
+//!
+//! and KEDA's side through a cold request in push mode (KEDA → the ExternalScaler port, the
+//! gateway → the engine). A probe connects with `nc` (a TCP handshake, whatever the protocol);
+//! a denied connection times out or is refused.
+
+mod stack;
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, ensure};
+use hearth_e2e_harness::client;
+use hearth_e2e_harness::stack::{ScalerMode, llm_services};
+use hearth_test_support::RealNode;
+use hearth_test_support::{Observed, TestNamespace, wait_until};
+use k8s_openapi::api::core::v1::{Namespace, Pod};
+use k8s_openapi::api::networking::v1::NetworkPolicy;
+use kube::Api;
+use kube::api::{ListParams, LogParams, Patch, PatchParams, PostParams};
+use serde_json::json;
+
+use stack::SERVICE;
+
+const CLIENTS_LABEL: &str = "tests.hearth.dev/clients";
+const MONITORING_LABEL: &str = "tests.hearth.dev/monitoring";
+/// The ports the profiles name: the gateway's client, admin and ExternalScaler ports, and the
+/// stub runtime's engine port.
+const TARGETS: [(&str, Target, u16); 4] = [
+    ("client", Target::Gateway, 8080),
+    ("admin", Target::Gateway, 9091),
+    ("scaler", Target::Gateway, 9090),
+    ("engine", Target::Backend, 8000),
+];
+/// Rounds of attempts each probe makes before its log is read.
+const ROUNDS: usize = 3;
+
+#[derive(Clone, Copy)]
+enum Target {
+    Gateway,
+    Backend,
+}
+
+#[tokio::test]
+async fn each_profile_admits_its_peers_and_refuses_the_rest() -> Result<()> {
+    // Push mode: KEDA reaches the gateway's ExternalScaler port through the gateway's policy.
+    let d = stack::deploy("e2e-netpol", ScalerMode::Push, |_| {}).await?;
+    let client = d.cluster.client();
+    let policies = d.ns.api::<NetworkPolicy>();
+    for name in [format!("{SERVICE}-gateway"), format!("{SERVICE}-backend")] {
+        let p = policies
+            .get_opt(&name)
+            .await?
+            .with_context(|| format!("the controller wrote no NetworkPolicy {name}"))?;
+        ensure!(
+            p.metadata
+                .owner_references
+                .iter()
+                .flatten()
+                .any(|o| o.kind == "LLMService" && o.name == SERVICE),
+            "NetworkPolicy {name} is not owned by the LLMService"
+        );
+    }
+
+    // A cold request from the host, a listed client: KEDA's push through the scaler port, then
+    // the gateway to the engine, both through the policies.
+    let t0 = Instant::now();
+    let trace = client::chat(&d.url, SERVICE, false, Duration::from_secs(150)).await?;
+    ensure!(
+        trace.status == 200,
+        "cold request under the policies answered {} ({})",
+        trace.status,
+        d.timeline_text(t0)
+    );
+    println!(
+        "cold request under the policies: 200 after {:.1} s",
+        t0.elapsed().as_secs_f64()
+    );
+    // The engine stays up while it is probed.
+    llm_services(&client, d.ns.name())
+        .patch(
+            SERVICE,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"scaling": {"min": 1}}})),
+        )
+        .await?;
+
+    let gateway = pod_ip(&d.ns, &format!("serving.hearth.dev/gateway={SERVICE}")).await?;
+    let backend = pod_ip(&d.ns, &stack::backend_selector()).await?;
+    let node = RealNode::load()?;
+    let script = probe_script(&gateway, &backend);
+
+    let clients = labelled(&d, "e2e-netpol-clients", CLIENTS_LABEL).await?;
+    let monitoring = labelled(&d, "e2e-netpol-scrapers", MONITORING_LABEL).await?;
+    let replica_labels: BTreeMap<String, String> =
+        d.ns.api::<Pod>()
+            .list(&ListParams::default().labels(&format!("serving.hearth.dev/gateway={SERVICE}")))
+            .await?
+            .items
+            .first()
+            .and_then(|p| p.metadata.labels.clone())
+            .context("no gateway pod")?
+            .into_iter()
+            // Its selector labels, not the ReplicaSet's pod-template-hash (which would let the
+            // ReplicaSet adopt the probe).
+            .filter(|(k, _)| k != "pod-template-hash")
+            .collect();
+    // Four probes; each row: where it runs, its labels, what it may reach.
+    let probes: [(&str, &TestNamespace, BTreeMap<String, String>, [bool; 4]); 4] = [
+        (
+            "clients",
+            &clients,
+            BTreeMap::new(),
+            [true, false, false, false],
+        ),
+        (
+            "scrapers",
+            &monitoring,
+            BTreeMap::new(),
+            [false, true, false, true],
+        ),
+        ("replica", &d.ns, replica_labels, [false, true, false, true]),
+        (
+            "outsider",
+            &d.ns,
+            BTreeMap::new(),
+            [false, false, false, false],
+        ),
+    ];
+    for (name, ns, labels, _) in &probes {
+        let pod: Pod = serde_json::from_value(json!({
+            "metadata": {"name": format!("probe-{name}"), "labels": labels},
+            "spec": node.place(json!({
+                "restartPolicy": "Never",
+                "terminationGracePeriodSeconds": 0,
+                "containers": [{
+                    "name": "probe",
+                    "image": node.tools_image,
+                    "command": ["sh", "-c", script],
+                }],
+            })),
+        }))?;
+        ns.api::<Pod>().create(&PostParams::default(), &pod).await?;
+    }
+
+    let mut table = vec!["| probe | client | admin | scaler | engine |".to_owned()];
+    let mut wrong = Vec::new();
+    for (name, ns, _, want) in &probes {
+        let log = probe_log(ns, &format!("probe-{name}")).await?;
+        let mut row = format!("| {name} |");
+        for ((target, _, _), allowed) in TARGETS.iter().zip(want) {
+            let (ok, fail) = outcomes(&log, target);
+            let got = if ok == ROUNDS {
+                "allowed"
+            } else if fail == ROUNDS {
+                "denied"
+            } else {
+                "mixed"
+            };
+            row.push_str(&format!(" {got} |"));
+            if got != if *allowed { "allowed" } else { "denied" } {
+                wrong.push(format!("{name} → {target}: {got} ({ok} ok, {fail} failed)"));
+            }
+        }
+        table.push(row);
+    }
+    println!("{}", table.join("\n"));
+    ensure!(
+        wrong.is_empty(),
+        "connections the profiles decide otherwise: {wrong:?}\n{}",
+        table.join("\n")
+    );
+    Ok(())
+}
+
+/// The IP of the first running pod matching `selector` in `ns`.
+async fn pod_ip(ns: &TestNamespace, selector: &str) -> Result<String> {
+    let pods = ns.api::<Pod>();
+    wait_until(
+        format!("a running pod {selector} with an IP"),
+        Duration::from_secs(120),
+        || async {
+            let list = pods.list(&ListParams::default().labels(selector)).await?;
+            Ok(
+                match list.items.iter().find_map(|p| {
+                    let st = p.status.as_ref()?;
+                    (st.phase.as_deref() == Some("Running")).then(|| st.pod_ip.clone())?
+                }) {
+                    Some(ip) => Observed::Ready(ip),
+                    None => Observed::NotYet(format!("{} pods", list.items.len())),
+                },
+            )
+        },
+    )
+    .await
+}
+
+/// A namespace for probes, labelled `label: "true"` (as the cluster's values list it).
+async fn labelled(d: &stack::Deployed, prefix: &str, label: &str) -> Result<TestNamespace> {
+    let ns = d.cluster.namespace(prefix).await?;
+    Api::<Namespace>::all(d.cluster.client())
+        .patch(
+            ns.name(),
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"labels": {label: "true"}}})),
+        )
+        .await?;
+    Ok(ns)
+}
+
+/// Tries each target [`ROUNDS`] times (a TCP handshake with a 2 s timeout) and logs
+/// `<target> ok|fail` per attempt, then `done`.
+fn probe_script(gateway: &str, backend: &str) -> String {
+    let mut script = format!("for r in $(seq {ROUNDS}); do ");
+    for (name, target, port) in TARGETS {
+        let ip = match target {
+            Target::Gateway => gateway,
+            Target::Backend => backend,
+        };
+        script.push_str(&format!(
+            "if timeout 5 nc -w 2 {ip} {port} -e true; then echo '{name} ok'; else echo '{name} fail'; fi; "
+        ));
+    }
+    script.push_str("done; echo done; sleep 3600");
+    script
+}
+
+/// The probe's log once it has logged `done`.
+async fn probe_log(ns: &TestNamespace, pod: &str) -> Result<String> {
+    let pods = ns.api::<Pod>();
+    wait_until(
+        format!("probe {}/{pod} to finish its attempts", ns.name()),
+        Duration::from_secs(180),
+        || async {
+            let log = pods
+                .logs(pod, &LogParams::default())
+                .await
+                .unwrap_or_default();
+            Ok(if log.lines().any(|l| l == "done") {
+                Observed::Ready(log)
+            } else {
+                Observed::NotYet(format!("{} attempts", log.lines().count()))
+            })
+        },
+    )
+    .await
+}
+
+/// `(ok, failed)` attempts at `target` in a probe's log.
+fn outcomes(log: &str, target: &str) -> (usize, usize) {
+    let count = |outcome: &str| {
+        let line = format!("{target} {outcome}");
+        log.lines().filter(|l| *l == line).count()
+    };
+    (count("ok"), count("fail"))
+}
