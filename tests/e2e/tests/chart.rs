@@ -1121,7 +1121,7 @@ fn value_sets() -> Vec<ValueSet> {
                 ("NetworkPolicy", "hearth-webhook"),
                 ("NetworkPolicy", "hearth-controller"),
             ],
-            check: |docs, _| {
+            check: |docs, ns| {
                 for np in of_kind(docs, "NetworkPolicy") {
                     ensure!(strings(&np["spec"]["policyTypes"]) == ["Ingress", "Egress"]);
                 }

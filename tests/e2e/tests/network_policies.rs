@@ -47,6 +47,14 @@ const TARGETS: [(&str, Target, u16); 4] = [
 /// Rounds of attempts each probe makes before its log is read.
 const ROUNDS: usize = 3;
 
+/// A probe pod: its name, namespace and labels, and which of [`TARGETS`] it may reach.
+type Probe<'a> = (
+    &'a str,
+    &'a TestNamespace,
+    BTreeMap<String, String>,
+    [bool; 4],
+);
+
 #[derive(Clone, Copy)]
 enum Target {
     Gateway,
@@ -118,7 +126,7 @@ async fn each_profile_admits_its_peers_and_refuses_the_rest() -> Result<()> {
             .filter(|(k, _)| k != "pod-template-hash")
             .collect();
     // Four probes; each row: where it runs, its labels, what it may reach.
-    let probes: [(&str, &TestNamespace, BTreeMap<String, String>, [bool; 4]); 4] = [
+    let probes: [Probe<'_>; 4] = [
         (
             "clients",
             &clients,
