@@ -1,11 +1,8 @@
 //! The bearer tokens of the gateways' admin ports ([`hearth_crds::admin`]), all derived from
 //! one key the controller keeps.
 //!
-//! The key: 32 random bytes in the Secret `--admin-keys-secret` (default
-//! `hearth-controller-keys`, key [`KEY_FIELD`]) of the controller's namespace, the one Secret
-//! the controller reads (the chart grants `get` and `update` on that name only). The first
-//! controller to start with an empty or missing Secret writes it, with the resourceVersion it
-//! read, so two replicas starting at once agree on one key.
+//! The key: 32 random bytes in the controller's keys Secret (`crate::keys`, field
+//! `admin-key`).
 //!
 //! Each token is HMAC-SHA256(key, label) in hex (64 digits):
 //! - `controller`: the controller's own, held in memory only ([`Scope::Admin`] at every
@@ -35,7 +32,7 @@ use k8s_openapi::{
 };
 use kube::{
     Api, Client, ResourceExt,
-    api::{Patch, PatchParams, PostParams},
+    api::{Patch, PatchParams},
 };
 
 use crate::{
@@ -43,45 +40,6 @@ use crate::{
     names,
     reconcile::{Context, Error, kube_err},
 };
-
-/// The key Secret's data key.
-pub const KEY_FIELD: &str = "admin-key";
-/// Bytes of a new key.
-const KEY_LEN: usize = 32;
-
-/// Why the key could not be loaded or a token Secret written.
-#[derive(Debug, thiserror::Error)]
-pub enum AdminTokenError {
-    /// The API refused or failed.
-    #[error("{what}: {source}")]
-    Api {
-        /// What was being done, naming the Secret.
-        what: String,
-        /// The error.
-        source: kube::Error,
-    },
-    /// The key in the Secret is too short to be one this controller wrote.
-    #[error(
-        "Secret {secret} holds a {len}-byte {KEY_FIELD}; it must be at least 32 random bytes (delete the key from the Secret and restart the controller to make a new one)"
-    )]
-    ShortKey {
-        /// `<namespace>/<name>`.
-        secret: String,
-        /// Its length.
-        len: usize,
-    },
-    /// Every write met another writer's.
-    #[error(
-        "Secret {secret} changed under every attempt to write the key; check what else writes it"
-    )]
-    Conflicts {
-        /// `<namespace>/<name>`.
-        secret: String,
-    },
-    /// No randomness.
-    #[error("the system random generator failed")]
-    Random,
-}
 
 /// The tokens of one key.
 #[derive(Clone)]
@@ -157,78 +115,6 @@ impl AdminTokens {
     pub fn controller_authorization(&self) -> http::HeaderValue {
         http::HeaderValue::from_str(&format!("Bearer {}", self.controller()))
             .unwrap_or_else(|_| http::HeaderValue::from_static(""))
-    }
-
-    /// Loads the key from Secret `name` in `namespace`, writing a new one when the Secret is
-    /// missing or has none.
-    ///
-    /// # Errors
-    /// [`AdminTokenError`]: the API (RBAC: `get`, `update` on that Secret, `create` on
-    /// Secrets), a key that is too short, no randomness.
-    pub async fn load_or_init(
-        client: Client,
-        namespace: &str,
-        name: &str,
-    ) -> Result<Self, AdminTokenError> {
-        let api: Api<Secret> = Api::namespaced(client, namespace);
-        let api_err = |what: &str| {
-            let what = format!("{what} Secret {namespace}/{name}");
-            move |source| AdminTokenError::Api { what, source }
-        };
-        // A conflict means another replica wrote first: read again and take its key.
-        for _ in 0..5 {
-            let live = api.get_opt(name).await.map_err(api_err("reading"))?;
-            if let Some(key) = live
-                .as_ref()
-                .and_then(|s| s.data.as_ref())
-                .and_then(|d| d.get(KEY_FIELD))
-            {
-                if key.0.len() < KEY_LEN {
-                    return Err(AdminTokenError::ShortKey {
-                        secret: format!("{namespace}/{name}"),
-                        len: key.0.len(),
-                    });
-                }
-                return Ok(Self::from_key(&key.0));
-            }
-            let mut key = [0u8; KEY_LEN];
-            ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut key)
-                .map_err(|_| AdminTokenError::Random)?;
-            let written = match live {
-                Some(mut s) => {
-                    s.data
-                        .get_or_insert_with(BTreeMap::new)
-                        .insert(KEY_FIELD.to_owned(), ByteString(key.to_vec()));
-                    api.replace(name, &PostParams::default(), &s).await
-                }
-                None => {
-                    let s = Secret {
-                        metadata: ObjectMeta {
-                            name: Some(name.to_owned()),
-                            namespace: Some(namespace.to_owned()),
-                            ..Default::default()
-                        },
-                        data: Some(BTreeMap::from([(
-                            KEY_FIELD.to_owned(),
-                            ByteString(key.to_vec()),
-                        )])),
-                        ..Default::default()
-                    };
-                    api.create(&PostParams::default(), &s).await
-                }
-            };
-            match written {
-                Ok(_) => {
-                    tracing::info!(secret = %format!("{namespace}/{name}"), "new admin token key written");
-                    return Ok(Self::from_key(&key));
-                }
-                Err(kube::Error::Api(e)) if e.code == 409 => continue,
-                Err(e) => return Err(api_err("writing")(e)),
-            }
-        }
-        Err(AdminTokenError::Conflicts {
-            secret: format!("{namespace}/{name}"),
-        })
     }
 }
 

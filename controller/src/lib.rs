@@ -21,6 +21,7 @@ pub mod adopt;
 pub mod attach;
 pub mod diff;
 pub mod handover;
+pub mod keys;
 pub mod labels;
 pub mod leader;
 pub mod metering;

@@ -16,7 +16,6 @@ use anyhow::{Context as _, bail};
 use clap::{Args, Parser, Subcommand};
 use futures::FutureExt as _;
 use hearth_controller::{
-    admin_tokens::AdminTokens,
     leader::{self, LeaseConfig},
     metrics::{Metrics, Serving},
     prepull::PrePullConfig,
@@ -167,14 +166,19 @@ struct RunArgs {
     #[arg(long, env = "HEARTH_DEVICE_HANDOVER", default_value_t = true, action = clap::ArgAction::Set)]
     device_handover: bool,
     /// Mutual TLS between KEDA and a push-mode service's own gateway: the controller issues the
-    /// gateway's certificate and KEDA's from a new CA each time (Secrets `N-scaler-tls` and
+    /// gateway's certificate and KEDA's from its scaler CA (Secrets `N-scaler-tls` and
     /// `N-scaler-client-tls`, TriggerAuthentication `N-scaler`); false: plain gRPC.
     #[arg(long, env = "HEARTH_SCALER_TLS", default_value_t = true, action = clap::ArgAction::Set)]
     scaler_tls: bool,
-    /// Lifetime of the ExternalScaler certificates and of the CA made for each issuance (issued
-    /// again two thirds into it; at least 1h).
+    /// Lifetime of the ExternalScaler certificates (issued again two thirds into it; at least
+    /// 1h).
     #[arg(long, env = "HEARTH_SCALER_CERT_VALIDITY", default_value = "2160h", value_parser = go_duration)]
     scaler_cert_validity: Duration,
+    /// Lifetime of the scaler CA, made when the keys Secret (--admin-keys-secret) has none
+    /// (fields `scaler-ca.crt`, `scaler-ca.key`, `scaler-ca.not-after`); at least twice
+    /// --scaler-cert-validity.
+    #[arg(long, env = "HEARTH_SCALER_CA_VALIDITY", default_value = "87600h", value_parser = go_duration)]
+    scaler_ca_validity: Duration,
     /// Bearer tokens on the gateways' admin ports: each gateway gets its admin Secret
     /// (`N-gateway-admin`), KEDA's `metrics-api` triggers authenticate through the
     /// ClusterTriggerAuthentication --gateway-admin-trigger-auth; false: admin ports open to
@@ -182,8 +186,9 @@ struct RunArgs {
     #[arg(long, env = "HEARTH_GATEWAY_ADMIN_AUTH", default_value_t = true, action = clap::ArgAction::Set)]
     gateway_admin_auth: bool,
     /// The Secret in the controller's namespace (--leader-election-namespace, POD_NAMESPACE)
-    /// holding the key every admin token derives from (key `admin-key`); written with a new
-    /// key when missing or empty (RBAC: get and update on this name, create on Secrets).
+    /// holding the controller's keys: the one every admin token derives from (`admin-key`,
+    /// with --gateway-admin-auth) and the scaler CA (with --scaler-tls); a missing or empty
+    /// one is written anew (RBAC: get and update on this name, create on Secrets).
     #[arg(
         long,
         env = "HEARTH_ADMIN_KEYS_SECRET",
@@ -416,11 +421,26 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
             args.scaler_cert_validity
         );
     }
-    let admin_tokens = if args.gateway_admin_auth {
-        let ns = &args.leader_election_namespace;
-        let tokens = AdminTokens::load_or_init(client.clone(), ns, &args.admin_keys_secret)
-            .await
-            .context("--admin-keys-secret")?;
+    if args.scaler_tls && args.scaler_ca_validity < 2 * args.scaler_cert_validity {
+        bail!(
+            "--scaler-ca-validity ({:?}) must be at least twice --scaler-cert-validity ({:?}): certificates never outlive their CA",
+            args.scaler_ca_validity,
+            args.scaler_cert_validity
+        );
+    }
+    let ns = &args.leader_election_namespace;
+    let keys = hearth_controller::keys::load_or_init(
+        client.clone(),
+        ns,
+        &args.admin_keys_secret,
+        hearth_controller::keys::Wanted {
+            admin: args.gateway_admin_auth,
+            scaler_ca: args.scaler_tls.then_some(args.scaler_ca_validity),
+        },
+    )
+    .await
+    .context("--admin-keys-secret")?;
+    let admin_tokens = if let Some(tokens) = keys.admin {
         let keda = secret_ref(&args.keda_token_secret, ns).context("--keda-token-secret")?;
         let metrics =
             secret_ref(&args.metrics_token_secret, ns).context("--metrics-token-secret")?;
@@ -453,6 +473,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         device_handover: args.device_handover,
         scaler_tls: hearth_controller::scaler_tls::ScalerTlsConfig {
             cert_validity: args.scaler_cert_validity,
+            ca: keys.scaler_ca,
         },
     };
     // Both loops stop on the same signal (or lost lease).

@@ -68,6 +68,13 @@ pub fn scaler_client_tls(service: &str) -> String {
     format!("{service}-scaler-client-tls")
 }
 
+/// The DNS name in KEDA's client certificate for the ExternalScaler of service `service` in
+/// `namespace`: `keda.<service>-scaler.<namespace>` (not a Service's name; the gateway checks
+/// it, `hearth-gateway --scaler-client-name`).
+pub fn scaler_client(service: &str, namespace: &str) -> String {
+    format!("keda.{}.{namespace}", scaler_service(service))
+}
+
 /// The NodeLocalPVC model cache claim: `<name>-cache`, as upstream Hearth names it (an
 /// upstream installation's cache is adopted with its contents).
 pub fn cache_claim(service: &str) -> String {

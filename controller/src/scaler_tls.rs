@@ -7,25 +7,31 @@
 //!   `N-scaler.ns`, `N-scaler.ns.svc` and `N-scaler.ns.svc.cluster.local`) and the bundle it
 //!   trusts (`ca.crt`); the gateway mounts it and re-reads it (`hearth-gateway
 //!   --scaler-tls-dir`).
-//! - `N-scaler-client-tls`: KEDA's client certificate (`clientAuth`) and the same `ca.crt` to
-//!   check the gateway with; the TriggerAuthentication `N-scaler` hands the three keys to KEDA's
-//!   ExternalScaler (`caCert`, `tlsClientCert`, `tlsClientKey`).
+//! - `N-scaler-client-tls`: KEDA's client certificate (`clientAuth`, for the DNS name
+//!   [`names::scaler_client`], `keda.N-scaler.ns`) and the same `ca.crt` to check the gateway
+//!   with; the TriggerAuthentication `N-scaler` hands the three keys to KEDA's ExternalScaler
+//!   (`caCert`, `tlsClientCert`, `tlsClientKey`).
 //!
-//! Every issuance makes a new CA, signs the two certificates with it and drops its key: no CA
-//! key is kept anywhere, and a certificate of one service, or of one generation, gets nowhere
-//! else. The bundle holds the new CA and the one before it, so while the new files reach the
-//! gateway (the kubelet's volume refresh) and KEDA (below), each side still trusts the other's
-//! previous certificate: a rotation fails no connection. Certificates are issued again two
-//! thirds into their life (cert-manager's default).
+//! Both are signed by the controller's scaler CA, one long-lived CA kept in its keys Secret
+//! ([`crate::keys`]). A renewal signs new certificates with the same CA, so neither side's trust
+//! bundle changes: KEDA connects with its new certificate at once, while the gateway still
+//! serves its previous one until the kubelet refreshes the mounted Secret (about a minute), and
+//! every combination verifies. No connection waits. Because one CA signs every service's
+//! certificates, the gateway also checks the name in KEDA's certificate
+//! (`hearth-gateway --scaler-client-name`): a client certificate of another service is refused.
+//! When the CA itself changes (a new keys Secret), the bundle holds the new CA and the previous
+//! one, as it did for the generation before, and the gateway trusts KEDA's new certificate only
+//! once the kubelet has refreshed its files. Certificates are issued again two thirds into
+//! their life (cert-manager's default).
 //!
 //! What was issued last is recorded on the gateway Deployment, in the annotation
 //! [`RECORD_ANNOTATION`] (the CA certificate and the expiry, nothing secret), which the
 //! controller already caches; so the controller needs only create, patch and delete on Secrets.
 //! Removing the annotation re-issues everything.
 //!
-//! KEDA caches a scaler, with its TLS material, by the ScaledObject's generation: the digest of
-//! the CA goes into the trigger's metadata ([`render::TLS_DIGEST_KEY`]), so a new certificate
-//! changes the ScaledObject and KEDA connects with it.
+//! KEDA caches a scaler, with its TLS material, by the ScaledObject's generation: a digest of
+//! the issuance (its CA and expiry) goes into the trigger's metadata ([`render::TLS_DIGEST_KEY`]),
+//! so a new certificate changes the ScaledObject and KEDA connects with it.
 
 use std::{
     collections::{BTreeMap, HashMap},
@@ -47,6 +53,7 @@ use serde::{Deserialize, Serialize};
 use time::{OffsetDateTime, format_description::well_known::Rfc3339};
 
 use crate::{
+    keys::SCALER_CA_NAME,
     labels::{self, Component},
     names,
     reconcile::{Context, Desired, Error, View, kube_err},
@@ -56,26 +63,30 @@ use crate::{
 /// Annotation on the gateway Deployment recording the last issuance ([`Record`], JSON).
 pub const RECORD_ANNOTATION: &str = "serving.hearth.dev/scaler-tls";
 
-/// Common name of every ExternalScaler CA.
-const CA_NAME: &str = "hearth-scaler-ca";
-/// Common name of KEDA's client certificates.
-const CLIENT_NAME: &str = "keda-operator";
-
-/// Lifetime of the ExternalScaler certificates (`hearth-controller --scaler-cert-validity`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// The ExternalScaler certificates' CA and lifetime.
+#[derive(Clone, Debug)]
 pub struct ScalerTlsConfig {
-    /// Lifetime of each CA and the two certificates it signs; issued again after two thirds.
+    /// Lifetime of the two certificates (`hearth-controller --scaler-cert-validity`); issued
+    /// again after two thirds.
     pub cert_validity: Duration,
+    /// The CA that signs them ([`crate::keys`]); `None`: the controller makes one when it
+    /// starts, kept in memory only (tests; `hearth-controller run` always loads it).
+    pub ca: Option<Issued>,
 }
 
 impl Default for ScalerTlsConfig {
-    /// 90 days.
+    /// 90 days, no CA.
     fn default() -> Self {
         Self {
             cert_validity: Duration::from_secs(90 * 86_400),
+            ca: None,
         }
     }
 }
+
+/// Default lifetime of the scaler CA made when the keys Secret has none
+/// (`hearth-controller --scaler-ca-validity`): 10 years.
+pub const DEFAULT_CA_VALIDITY: Duration = Duration::from_secs(10 * 365 * 86_400);
 
 /// The last issuance, as recorded on the gateway Deployment: public facts only.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -94,17 +105,18 @@ impl Record {
         serde_json::from_str(v).ok()
     }
 
-    /// Whether to issue again at `now`: two thirds into the certificates' life, or when the
-    /// expiry does not parse.
-    pub fn due(&self, cfg: &ScalerTlsConfig, now: OffsetDateTime) -> bool {
-        OffsetDateTime::parse(&self.not_after, &Rfc3339)
-            .map_or(true, |t| t - cfg.cert_validity / 3 <= now)
+    /// Whether to issue again at `now`, signing with `ca` (PEM): two thirds into the
+    /// certificates' life, when the expiry does not parse, or when another CA signed them.
+    pub fn due(&self, cfg: &ScalerTlsConfig, ca: &str, now: OffsetDateTime) -> bool {
+        self.ca != ca
+            || OffsetDateTime::parse(&self.not_after, &Rfc3339)
+                .map_or(true, |t| t - cfg.cert_validity / 3 <= now)
     }
 
-    /// SHA-256 of the CA, the first 16 hex digits: what changes when KEDA must read its
-    /// Secret again.
+    /// SHA-256 of the CA and the expiry, the first 16 hex digits: what changes with each
+    /// issuance, when KEDA must read its Secret again.
     pub fn digest(&self) -> String {
-        digest(&[&self.ca])
+        digest(&[&self.ca, &self.not_after])
     }
 
     fn annotation(&self) -> String {
@@ -112,12 +124,12 @@ impl Record {
     }
 }
 
-/// One issuance: a new CA's two certificates, and the bundle both sides trust.
+/// One issuance: the CA's two certificates, and the bundle both sides trust.
 #[derive(Clone, Debug)]
 pub struct Material {
-    /// The CA certificate (PEM); its key is dropped once both are signed.
+    /// The CA certificate (PEM).
     pub ca: String,
-    /// The new CA, then the previous one (if any).
+    /// The CA, then the one that signed the previous certificates when it was another.
     pub bundle: String,
     /// The gateway's serving certificate.
     pub server: Issued,
@@ -126,35 +138,37 @@ pub struct Material {
 }
 
 impl Material {
-    /// Issues from a new CA for the gateway's `sans`, trusting `previous_ca` (PEM) besides.
+    /// Issues from `ca` the gateway's certificate for `sans` and KEDA's for `client_name`,
+    /// trusting `previous_ca` (PEM) besides when another CA signed the previous ones.
     ///
     /// # Errors
-    /// Certificate generation failed.
+    /// Certificate generation failed (a key that does not parse, a name that is not DNS).
     pub fn issue(
+        ca: &Issued,
         previous_ca: Option<&str>,
         sans: &[String],
+        client_name: &str,
         cfg: &ScalerTlsConfig,
     ) -> Result<Self, PkiError> {
-        let ca = pki::generate_ca(CA_NAME, cfg.cert_validity)?;
-        let leaf = |usage, cn, sans: &[String]| {
+        let leaf = |usage, sans: &[String]| {
             pki::issue(
-                CA_NAME,
+                SCALER_CA_NAME,
                 &ca.key,
                 ca.not_after,
                 usage,
-                cn,
+                SCALER_CA_NAME,
                 sans,
                 cfg.cert_validity,
             )
         };
-        let server = leaf(Usage::Server, CA_NAME, sans)?;
-        let client = leaf(Usage::Client, CLIENT_NAME, &[])?;
+        let server = leaf(Usage::Server, sans)?;
+        let client = leaf(Usage::Client, &[client_name.to_owned()])?;
         let bundle = match previous_ca {
             Some(p) if p != ca.cert => format!("{}{p}", ca.cert),
             _ => ca.cert.clone(),
         };
         Ok(Self {
-            ca: ca.cert,
+            ca: ca.cert.clone(),
             bundle,
             server,
             client,
@@ -285,14 +299,19 @@ pub async fn step(
         return Ok(());
     };
     let now = OffsetDateTime::now_utc();
-    let cfg = ctx.scaler_tls;
+    let cfg = &ctx.scaler_tls;
+    let ca = cfg.ca.as_ref().ok_or_else(|| {
+        Error::Certificate("the controller has no scaler CA (see its start-up log)".to_owned())
+    })?;
     let record = match ctx.scaler_records.newest(&namespace, &name, cached) {
-        Some(r) if !r.due(&cfg, now) => r,
+        Some(r) if !r.due(cfg, &ca.cert, now) => r,
         previous => {
             let m = Material::issue(
+                ca,
                 previous.as_ref().map(|r| r.ca.as_str()),
                 &scaler_sans(&name, &namespace),
-                &cfg,
+                &names::scaler_client(&name, &namespace),
+                cfg,
             )
             .map_err(|e| Error::Certificate(e.to_string()))?;
             let owner = svc.controller_owner_ref(&());
@@ -317,7 +336,7 @@ pub async fn step(
             let record = m.record();
             ctx.scaler_records
                 .remember(&namespace, &name, record.clone());
-            tracing::info!(service = %name, %namespace, not_after = %record.not_after, "ExternalScaler certificates issued from a new CA");
+            tracing::info!(service = %name, %namespace, not_after = %record.not_after, "ExternalScaler certificates issued");
             record
         }
     };
@@ -468,33 +487,52 @@ mod tests {
     fn cfg() -> ScalerTlsConfig {
         ScalerTlsConfig {
             cert_validity: Duration::from_secs(3 * 86_400),
+            ca: Some(ca()),
         }
+    }
+
+    fn ca() -> Issued {
+        pki::generate_ca(SCALER_CA_NAME, Duration::from_secs(30 * 86_400)).unwrap()
     }
 
     fn sans() -> Vec<String> {
         scaler_sans("chat", "team-a")
     }
 
+    fn issue(ca: &Issued, previous: Option<&str>) -> Material {
+        let client = names::scaler_client("chat", "team-a");
+        Material::issue(ca, previous, &sans(), &client, &cfg()).unwrap()
+    }
+
     #[test]
-    fn each_issuance_is_a_new_ca_whose_bundle_keeps_the_previous_one() {
-        let first = Material::issue(None, &sans(), &cfg()).unwrap();
-        assert_eq!(first.bundle, first.ca);
+    fn renewals_keep_the_ca_and_a_new_ca_is_trusted_beside_the_previous_one() {
+        let ca = ca();
+        let first = issue(&ca, None);
+        assert_eq!(first.bundle, ca.cert);
         pki::certified_key(first.server.cert.as_bytes(), first.server.key.as_bytes()).unwrap();
         pki::certified_key(first.client.cert.as_bytes(), first.client.key.as_bytes()).unwrap();
         let r1 = first.record();
-        let second = Material::issue(Some(&r1.ca), &sans(), &cfg()).unwrap();
-        assert_ne!(second.ca, first.ca);
-        assert_eq!(second.bundle, format!("{}{}", second.ca, first.ca));
-        assert_ne!(second.record().digest(), r1.digest());
+        // A renewal: the same CA, the same bundle, new certificates, a new digest for KEDA.
+        let second = issue(&ca, Some(&r1.ca));
+        assert_eq!(second.bundle, ca.cert);
+        assert_ne!(second.client.cert, first.client.cert);
+        std::thread::sleep(Duration::from_millis(1100));
+        assert_ne!(issue(&ca, Some(&r1.ca)).record().digest(), r1.digest());
+        // Another CA: the previous one stays trusted.
+        let other = self::ca();
+        let third = issue(&other, Some(&r1.ca));
+        assert_eq!(third.bundle, format!("{}{}", other.cert, ca.cert));
+        assert!(r1.due(&cfg(), &other.cert, OffsetDateTime::now_utc()));
     }
 
     #[test]
     fn a_record_is_due_two_thirds_into_its_life_and_round_trips_on_the_deployment() {
-        let m = Material::issue(None, &sans(), &cfg()).unwrap();
+        let ca = ca();
+        let m = issue(&ca, None);
         let r = m.record();
         let now = OffsetDateTime::now_utc();
-        assert!(!r.due(&cfg(), now));
-        assert!(r.due(&cfg(), now + Duration::from_secs(2 * 86_400 + 60)));
+        assert!(!r.due(&cfg(), &ca.cert, now));
+        assert!(r.due(&cfg(), &ca.cert, now + Duration::from_secs(2 * 86_400 + 60)));
         let mut d = Deployment::default();
         d.metadata.annotations = Some(BTreeMap::from([(
             RECORD_ANNOTATION.to_owned(),
@@ -505,7 +543,7 @@ mod tests {
             not_after: "soon".into(),
             ..r
         };
-        assert!(broken.due(&cfg(), now));
+        assert!(broken.due(&cfg(), &ca.cert, now));
     }
 
     #[test]
@@ -532,7 +570,7 @@ mod tests {
 
     #[test]
     fn the_secrets_hold_the_bundle_and_one_leaf_each() {
-        let m = Material::issue(None, &sans(), &cfg()).unwrap();
+        let m = issue(&ca(), None);
         let s = secret(
             "chat-scaler-tls".into(),
             "team-a",

@@ -188,6 +188,11 @@ pub struct ServeArgs {
     /// every 10s. Absent: plain gRPC.
     #[arg(long, env = "HEARTH_SCALER_TLS_DIR")]
     pub scaler_tls_dir: Option<PathBuf>,
+    /// With --scaler-tls-dir: the DNS name a client certificate must be valid for (its
+    /// subjectAltName), besides chaining to the bundle; the controller's is
+    /// `keda.<service>-scaler.<namespace>`. Absent: any client certificate the bundle signed.
+    #[arg(long, env = "HEARTH_SCALER_CLIENT_NAME", requires = "scaler_tls_dir")]
+    pub scaler_client_name: Option<String>,
     /// Namespace of the backend and gateway Services (and of the routes ConfigMap).
     #[arg(long, env = "POD_NAMESPACE", default_value = "default")]
     pub namespace: String,

@@ -143,7 +143,9 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let scaler_tls = args
         .scaler_tls_dir
         .as_deref()
-        .map(hearth_gateway::scaler_tls::ScalerTls::load)
+        .map(|dir| {
+            hearth_gateway::scaler_tls::ScalerTls::load(dir, args.scaler_client_name.as_deref())
+        })
         .transpose()
         .context("--scaler-tls-dir")?;
     if let Some(tls) = &scaler_tls {

@@ -1,6 +1,7 @@
 //! Mutual TLS on the ExternalScaler port (`--scaler-tls-dir`): KEDA connects with the client
 //! certificate of its TriggerAuthentication, and a connection without a certificate that the
-//! directory's CA bundle signed for client authentication is refused in the handshake.
+//! directory's CA bundle signed for client authentication, valid for the name
+//! `--scaler-client-name` when given, is refused in the handshake.
 //!
 //! The directory is a mounted Secret (`ca.crt`, `tls.crt`, `tls.key`; the controller's
 //! `<service>-scaler-tls`). It is re-read every [`RELOAD_INTERVAL`]; when its content changed and
@@ -18,7 +19,11 @@ use futures::Stream;
 use hearth_net::pki::{self, PkiError};
 use rustls::RootCertStore;
 use rustls::ServerConfig;
+use rustls::client::danger::HandshakeSignatureValid;
+use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
 use rustls::server::WebPkiClientVerifier;
+use rustls::server::danger::{ClientCertVerified, ClientCertVerifier};
+use rustls::{DigitallySignedStruct, DistinguishedName, SignatureScheme};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Semaphore, mpsc};
 use tokio_rustls::TlsAcceptor;
@@ -63,21 +68,34 @@ pub enum ScalerTlsError {
 #[derive(Debug)]
 pub struct ScalerTls {
     dir: PathBuf,
+    /// The DNS name client certificates must be valid for.
+    client_name: Option<ServerName<'static>>,
     current: ArcSwap<ServerConfig>,
     /// The files' content the current configuration was made from.
     seen: std::sync::Mutex<Vec<u8>>,
 }
 
 impl ScalerTls {
-    /// Reads `dir` (`ca.crt`, `tls.crt`, `tls.key`).
+    /// Reads `dir` (`ca.crt`, `tls.crt`, `tls.key`); client certificates must also be valid
+    /// for the DNS name `client_name` when given.
     ///
     /// # Errors
-    /// [`ScalerTlsError`] naming the directory and the file or PEM that is wrong.
-    pub fn load(dir: &Path) -> Result<Arc<Self>, ScalerTlsError> {
+    /// [`ScalerTlsError`] naming the directory and the file or PEM that is wrong, or a
+    /// `client_name` that is not a DNS name.
+    pub fn load(dir: &Path, client_name: Option<&str>) -> Result<Arc<Self>, ScalerTlsError> {
+        let client_name = client_name
+            .map(|n| {
+                ServerName::try_from(n.to_owned()).map_err(|e| ScalerTlsError::Rustls {
+                    dir: dir.to_owned(),
+                    message: format!("--scaler-client-name {n:?}: {e}"),
+                })
+            })
+            .transpose()?;
         let content = read_all(dir)?;
-        let config = server_config(dir, &content)?;
+        let config = server_config(dir, &content, client_name.as_ref())?;
         Ok(Arc::new(Self {
             dir: dir.to_owned(),
+            client_name,
             current: ArcSwap::from_pointee(config),
             seen: std::sync::Mutex::new(content.concat()),
         }))
@@ -94,7 +112,7 @@ impl ScalerTls {
         if *seen == joined {
             return Ok(false);
         }
-        let config = server_config(&self.dir, &content)?;
+        let config = server_config(&self.dir, &content, self.client_name.as_ref())?;
         self.current.store(Arc::new(config));
         *seen = joined;
         Ok(true)
@@ -179,6 +197,7 @@ fn read_all(dir: &Path) -> Result<[Vec<u8>; 3], ScalerTlsError> {
 fn server_config(
     dir: &Path,
     [ca, cert, key]: &[Vec<u8>; 3],
+    client_name: Option<&ServerName<'static>>,
 ) -> Result<ServerConfig, ScalerTlsError> {
     let pki_err = |source| ScalerTlsError::Pki {
         dir: dir.to_owned(),
@@ -193,9 +212,16 @@ fn server_config(
         roots.add(c).map_err(|e| rustls_err(&e))?;
     }
     let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider.clone())
-        .build()
-        .map_err(|e| rustls_err(&e))?;
+    let mut verifier =
+        WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider.clone())
+            .build()
+            .map_err(|e| rustls_err(&e))?;
+    if let Some(name) = client_name {
+        verifier = Arc::new(NamedClient {
+            inner: verifier,
+            name: name.clone(),
+        });
+    }
     let key = pki::certified_key(cert, key).map_err(pki_err)?;
     let mut cfg = ServerConfig::builder_with_provider(provider)
         .with_safe_default_protocol_versions()
@@ -205,4 +231,68 @@ fn server_config(
     // gRPC is HTTP/2 only.
     cfg.alpn_protocols = vec![b"h2".to_vec()];
     Ok(cfg)
+}
+
+/// A client verifier that also wants the end-entity certificate valid for `name` (a
+/// subjectAltName, as a server name is checked): one CA signs the certificates of KEDA for
+/// every service, so the name says which service's scaler it may ask.
+#[derive(Debug)]
+struct NamedClient {
+    inner: Arc<dyn ClientCertVerifier>,
+    name: ServerName<'static>,
+}
+
+impl ClientCertVerifier for NamedClient {
+    fn offer_client_auth(&self) -> bool {
+        self.inner.offer_client_auth()
+    }
+
+    fn client_auth_mandatory(&self) -> bool {
+        self.inner.client_auth_mandatory()
+    }
+
+    fn root_hint_subjects(&self) -> &[DistinguishedName] {
+        self.inner.root_hint_subjects()
+    }
+
+    fn verify_client_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        now: UnixTime,
+    ) -> Result<ClientCertVerified, rustls::Error> {
+        let verified = self
+            .inner
+            .verify_client_cert(end_entity, intermediates, now)?;
+        webpki::EndEntityCert::try_from(end_entity)
+            .and_then(|cert| cert.verify_is_valid_for_subject_name(&self.name))
+            .map_err(|e| {
+                rustls::Error::InvalidCertificate(rustls::CertificateError::Other(
+                    rustls::OtherError(Arc::new(e)),
+                ))
+            })?;
+        Ok(verified)
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.inner.verify_tls12_signature(message, cert, dss)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.inner.verify_tls13_signature(message, cert, dss)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.inner.supported_verify_schemes()
+    }
 }

@@ -1,6 +1,8 @@
-//! The ExternalScaler over mutual TLS (`--scaler-tls-dir`) through a real tonic client: the
-//! client certificate of the directory's CA gets in; none, or one another CA signed, is refused
-//! in the handshake; a rotation of the files (a new CA) is served without a restart.
+//! The ExternalScaler over mutual TLS (`--scaler-tls-dir`, `--scaler-client-name`) through a
+//! real tonic client: the client certificate of the directory's CA for the expected name gets
+//! in; none, one another CA signed, or one of the same CA for another name (another service's)
+//! is refused in the handshake; a renewal from the same CA and a rotation of the files to a new
+//! CA are served without a restart.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;
@@ -15,23 +17,45 @@ use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
 
 const DAY: Duration = Duration::from_secs(86_400);
 const HOST: &str = "chat-scaler.team-a.svc";
+/// The name KEDA's certificate for this service carries (the controller's
+/// `keda.<service>-scaler.<namespace>`).
+const CLIENT: &str = "keda.chat-scaler.team-a";
 
 struct Ca {
+    name: String,
     ca: Issued,
     server: Issued,
     client: Issued,
 }
 
+impl Ca {
+    /// A certificate of this CA for `usage` and `sans`.
+    fn leaf(&self, usage: Usage, sans: &[&str]) -> Issued {
+        let sans: Vec<String> = sans.iter().map(|s| (*s).to_owned()).collect();
+        pki::issue(
+            &self.name,
+            &self.ca.key,
+            self.ca.not_after,
+            usage,
+            "keda",
+            &sans,
+            DAY,
+        )
+        .unwrap()
+    }
+}
+
 fn ca(name: &str) -> Ca {
     let ca = pki::generate_ca(name, DAY).unwrap();
-    let leaf = |usage, sans: &[String]| {
-        pki::issue(name, &ca.key, ca.not_after, usage, "keda", sans, DAY).unwrap()
-    };
-    Ca {
-        server: leaf(Usage::Server, &[HOST.to_owned()]),
-        client: leaf(Usage::Client, &[]),
+    let mut c = Ca {
+        name: name.to_owned(),
+        server: ca.clone(),
+        client: ca.clone(),
         ca,
-    }
+    };
+    c.server = c.leaf(Usage::Server, &[HOST]);
+    c.client = c.leaf(Usage::Client, &[CLIENT]);
+    c
 }
 
 fn write(dir: &Path, c: &Ca) {
@@ -72,7 +96,7 @@ async fn only_a_client_certificate_of_the_bundle_gets_in_and_a_rotation_needs_no
     let dir = tempfile::tempdir().unwrap();
     let first = ca("first-ca");
     write(dir.path(), &first);
-    let tls = ScalerTls::load(dir.path()).unwrap();
+    let tls = ScalerTls::load(dir.path(), Some(CLIENT)).unwrap();
     let gw = Gateway::new(config(), EndpointSet::new(), ApiKeys::disabled()).unwrap();
     let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = l.local_addr().unwrap();
@@ -90,6 +114,23 @@ async fn only_a_client_certificate_of_the_bundle_gets_in_and_a_rotation_needs_no
     connect(addr, &first, Some(&other.client))
         .await
         .unwrap_err();
+    // The same CA, but another service's name, or none: refused.
+    for sans in [&["keda.other-scaler.team-a"][..], &[]] {
+        let stranger = first.leaf(Usage::Client, sans);
+        connect(addr, &first, Some(&stranger))
+            .await
+            .expect_err("a client certificate for another name got in");
+    }
+    // A renewal from the same CA: the new client certificate gets in while the gateway still
+    // serves its previous files (no reload needed), and after they are replaced too.
+    let renewed = first.leaf(Usage::Client, &[CLIENT]);
+    assert_eq!(connect(addr, &first, Some(&renewed)).await, Ok(false));
+    let renewed_server = first.leaf(Usage::Server, &[HOST]);
+    std::fs::write(dir.path().join("tls.crt"), &renewed_server.cert).unwrap();
+    std::fs::write(dir.path().join("tls.key"), &renewed_server.key).unwrap();
+    assert!(tls.reload().unwrap());
+    assert_eq!(connect(addr, &first, Some(&renewed)).await, Ok(false));
+    assert_eq!(connect(addr, &first, Some(&first.client)).await, Ok(false));
     // Plain text gets no gRPC answer either.
     let plain = Channel::from_shared(format!("http://{addr}"))
         .unwrap()
@@ -123,9 +164,14 @@ async fn only_a_client_certificate_of_the_bundle_gets_in_and_a_rotation_needs_no
 }
 
 #[test]
-fn a_missing_file_names_the_directory_and_the_file() {
+fn a_missing_file_or_a_bad_client_name_is_named() {
     let dir = tempfile::tempdir().unwrap();
-    let err = ScalerTls::load(dir.path()).unwrap_err().to_string();
+    let err = ScalerTls::load(dir.path(), None).unwrap_err().to_string();
     assert!(err.contains("ca.crt"), "{err}");
     assert!(err.contains(&dir.path().display().to_string()), "{err}");
+    write(dir.path(), &ca("some-ca"));
+    let err = ScalerTls::load(dir.path(), Some("not a name"))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("--scaler-client-name \"not a name\""), "{err}");
 }

@@ -231,7 +231,7 @@ pub struct RunConfig {
     /// Device handover (`crate::handover`): a cold service whose backend waits for its
     /// accelerator may take an idle service's. `false` only stops new handovers.
     pub device_handover: bool,
-    /// Lifetime of the ExternalScaler certificates (`crate::scaler_tls`; on with
+    /// The ExternalScaler certificates' CA and lifetime (`crate::scaler_tls`; on with
     /// `render.scaler_tls`).
     pub scaler_tls: crate::scaler_tls::ScalerTlsConfig,
     /// The admin tokens (`crate::admin_tokens`); required with `render.admin_auth`, whose
@@ -1260,7 +1260,22 @@ pub async fn run(
                 .as_ref()
                 .map(crate::admin_tokens::AdminTokens::controller_authorization),
         ),
-        scaler_tls: cfg.scaler_tls,
+        scaler_tls: {
+            let mut tls = cfg.scaler_tls.clone();
+            if cfg.render.scaler_tls && tls.ca.is_none() {
+                tls.ca = Some(
+                    hearth_net::pki::generate_ca(
+                        crate::keys::SCALER_CA_NAME,
+                        crate::scaler_tls::DEFAULT_CA_VALIDITY,
+                    )
+                    .map_err(|e| Error::Certificate(e.to_string()))?,
+                );
+                tracing::warn!(
+                    "no scaler CA given: made one for this process only (a restart issues every push-mode service's certificates again)"
+                );
+            }
+            tls
+        },
         trigger_auths: crate::scaler_tls::Applied::default(),
         scaler_records: crate::scaler_tls::Records::default(),
         admin_tokens: cfg.admin_tokens.clone(),

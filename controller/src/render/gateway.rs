@@ -144,8 +144,8 @@ pub(super) struct Gateway<'a> {
     pub tenants: &'a [TenantSpec],
     /// How KEDA learns the demand: push adds the ExternalScaler port and Service.
     pub scaler: ScalerMode,
-    /// Push mode over mutual TLS: the Secret `N-scaler-tls` mounted at [`SCALER_TLS_DIR`] and
-    /// `--scaler-tls-dir`.
+    /// Push mode over mutual TLS: the Secret `N-scaler-tls` mounted at [`SCALER_TLS_DIR`],
+    /// `--scaler-tls-dir`, and the name KEDA's certificate must carry, `--scaler-client-name`.
     pub scaler_tls: bool,
     /// Whether the replicas sum their demand over each other (`--peer-service`).
     pub peers: bool,
@@ -877,6 +877,10 @@ fn gateway_extensions(g: &Gateway<'_>, cfg: &RenderConfig, mut d: Deployment) ->
         }
         if g.scaler_tls {
             args.push(format!("--scaler-tls-dir={SCALER_TLS_DIR}"));
+            args.push(format!(
+                "--scaler-client-name={}",
+                names::scaler_client(g.name, g.namespace)
+            ));
             c.volume_mounts
                 .get_or_insert_with(Vec::new)
                 .push(VolumeMount {

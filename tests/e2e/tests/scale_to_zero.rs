@@ -112,8 +112,7 @@ async fn poll_mode_cold_start_then_back_to_zero() -> Result<()> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn push_mode_cold_start_then_back_to_zero_over_mutual_tls_through_a_ca_rotation() -> Result<()>
-{
+async fn push_mode_cold_start_then_back_to_zero_over_mutual_tls_through_a_renewal() -> Result<()> {
     let d = cold_start_then_back_to_zero(ScalerMode::Push).await?;
     let ns = d.ns.name().to_owned();
     let client = d.cluster.client();
@@ -143,103 +142,231 @@ async fn push_mode_cold_start_then_back_to_zero_over_mutual_tls_through_a_ca_rot
         !plain_h2(&addr).await?,
         "plain-text gRPC got an HTTP/2 answer from the ExternalScaler"
     );
+    let deployments = Api::<Deployment>::namespaced(client.clone(), &ns);
+    let gateway = format!("{SERVICE}-gateway");
+    let old_record = record(&deployments, &gateway).await?;
     let digest = trigger_digest(&client, &ns).await?;
     ensure!(
-        digest.as_deref() == Some(old.digest().as_str()),
-        "the ScaledObject's tlsDigest {digest:?} is not the client Secret's {}",
-        old.digest()
+        digest.as_deref() == Some(old_record.digest().as_str()),
+        "the ScaledObject's tlsDigest {digest:?} is not the issuance's {}",
+        old_record.digest()
+    );
+    // One CA signs every service's certificates, so the gateway takes only KEDA's certificate
+    // for this service: one of the same CA for another service's scaler is refused.
+    let keys = Api::<Secret>::namespaced(client.clone(), "hearth-system")
+        .get("hearth-controller-keys")
+        .await?;
+    let field = |k: &str| -> Result<String> {
+        let v = keys
+            .data
+            .as_ref()
+            .and_then(|d| d.get(k))
+            .with_context(|| format!("hearth-controller-keys has no {k}"))?;
+        Ok(String::from_utf8(v.0.clone())?)
+    };
+    let ca_not_after = time::OffsetDateTime::parse(
+        field("scaler-ca.not-after")?.trim(),
+        &time::format_description::well_known::Rfc3339,
+    )?;
+    let stranger = hearth_net::pki::issue(
+        "hearth-scaler-ca",
+        &field("scaler-ca.key")?,
+        ca_not_after,
+        hearth_net::pki::Usage::Client,
+        "keda",
+        &[format!("keda.other-scaler.{ns}")],
+        Duration::from_secs(3600),
+    )?;
+    ensure!(
+        !Material {
+            cert: stranger.cert,
+            key: stranger.key,
+            ..old.clone()
+        }
+        .probe(&addr, &host, true)
+        .await?,
+        "a client certificate of Hearth's CA for another service's scaler got in"
     );
 
     // A renewal, as two thirds into the certificates' life: the record on the gateway
-    // Deployment says they expired. The controller issues both from a new CA (the previous one
-    // stays in the bundle), the kubelet refreshes the gateway's files, the gateway reloads them.
-    let deployments = Api::<Deployment>::namespaced(client.clone(), &ns);
-    let gateway = format!("{SERVICE}-gateway");
-    let live = deployments.get(&gateway).await?;
-    let mut record: serde_json::Value = serde_json::from_str(
-        live.metadata
-            .annotations
-            .as_ref()
-            .and_then(|a| a.get(RECORD))
-            .context("the gateway Deployment has no record of the issuance")?,
-    )?;
-    record["notAfter"] = "2000-01-01T00:00:00Z".into();
+    // Deployment says they expired. The controller issues both again from the same CA, so the
+    // bundle does not change: KEDA's new certificate gets in at once, while the gateway still
+    // serves its previous files (until the kubelet refreshes them), and a cold request right
+    // away scales from zero.
+    let mut expired = serde_json::to_value(&old_record)?;
+    expired["notAfter"] = "2000-01-01T00:00:00Z".into();
     let rotated = Instant::now();
     deployments
         .patch(
             &gateway,
             &PatchParams::default(),
             &Patch::Merge(serde_json::json!({
-                "metadata": {"annotations": {RECORD: record.to_string()}}
+                "metadata": {"annotations": {RECORD: expired.to_string()}}
             })),
         )
         .await?;
-    let new = wait_until("a new CA in KEDA's Secret", Duration::from_secs(30), || {
-        let secrets = secrets.clone();
-        let (name, old_ca) = (client_secret.clone(), old.ca.clone());
-        async move {
-            let m = Material::read(&secrets, &name).await?;
-            Ok(if m.ca != old_ca {
-                Observed::Ready(m)
-            } else {
-                Observed::NotYet("still the old CA".into())
-            })
-        }
-    })
-    .await?;
-    let issued = rotated.elapsed();
-    wait_until(
-        "the gateway serving the new CA's certificate",
-        Duration::from_secs(150),
+    let new = wait_until(
+        "a new client certificate in KEDA's Secret",
+        Duration::from_secs(30),
         || {
-            let (new, addr, host) = (new.clone(), addr.clone(), host.clone());
+            let secrets = secrets.clone();
+            let (name, old_cert) = (client_secret.clone(), old.cert.clone());
             async move {
-                Ok(if new.probe(&addr, &host, true).await? {
-                    Observed::Ready(())
+                let m = Material::read(&secrets, &name).await?;
+                Ok(if m.cert != old_cert {
+                    Observed::Ready(m)
                 } else {
-                    Observed::NotYet("the new material is refused yet".into())
+                    Observed::NotYet("still the old certificate".into())
                 })
             }
         },
     )
     .await?;
-    let served = rotated.elapsed();
-    // The previous CA stays trusted for one generation, so KEDA's connection made with the
-    // old material is not cut while KEDA switches; its certificate still gets in.
+    let issued = rotated.elapsed();
     ensure!(
-        new.ca.contains(old.ca.trim()),
-        "the new bundle does not keep the previous CA"
+        new.ca == old.ca,
+        "the renewal changed the trust bundle in KEDA's Secret"
     );
-    let previous_client = Material {
-        ca: new.ca.clone(),
-        ..old.clone()
+    let server_secret = format!("{SERVICE}-scaler-tls");
+    let new_server = {
+        use rustls::pki_types::pem::PemObject;
+        let pem = Material::read(&secrets, &server_secret).await?.cert;
+        rustls::pki_types::CertificateDer::from_pem_slice(pem.as_bytes())?
+            .as_ref()
+            .to_vec()
     };
+    let served_before = served_certificate(&addr, &host, &new).await?;
     ensure!(
-        previous_client.probe(&addr, &host, true).await?,
-        "the previous CA's client certificate was refused during the rotation"
+        new.probe(&addr, &host, true).await?,
+        "KEDA's renewed client certificate was refused"
     );
-    let digest = trigger_digest(&client, &ns).await?;
-    ensure!(
-        digest.as_deref() == Some(new.digest().as_str()),
-        "the ScaledObject's tlsDigest {digest:?} did not follow the new client Secret"
-    );
+    let accepted = rotated.elapsed();
+    let new_record = wait_until(
+        "the ScaledObject's tlsDigest to follow the renewal",
+        Duration::from_secs(30),
+        || {
+            let (client, ns, deployments, gateway) = (
+                client.clone(),
+                ns.clone(),
+                deployments.clone(),
+                gateway.clone(),
+            );
+            let old_digest = old_record.digest();
+            async move {
+                let r = record(&deployments, &gateway).await?;
+                let digest = trigger_digest(&client, &ns).await?;
+                Ok(
+                    if r.digest() != old_digest && digest.as_deref() == Some(r.digest().as_str()) {
+                        Observed::Ready(r)
+                    } else {
+                        Observed::NotYet(format!("tlsDigest {digest:?}"))
+                    },
+                )
+            }
+        },
+    )
+    .await?;
+    ensure!(new_record.ca == old_record.ca, "the renewal changed the CA");
 
-    // KEDA reconnects with the new material: a cold request scales the backend from zero.
+    // KEDA reconnects with the new material at once: a cold request scales the backend from
+    // zero, whatever the gateway serves yet.
     let trace = client::chat(&d.url, SERVICE, true, Duration::from_secs(150)).await?;
     ensure!(
         trace.status == 200 && trace.complete(),
-        "the cold request after the rotation: {} {:?} ({})",
+        "the cold request after the renewal: {} {:?} ({})",
         trace.status,
         trace.events,
         d.timeline_text(trace.sent)
     );
+    let cold = rotated.elapsed();
+    wait_until(
+        "the gateway serving its renewed certificate",
+        Duration::from_secs(150),
+        || {
+            let (addr, host, new, want) =
+                (addr.clone(), host.clone(), new.clone(), new_server.clone());
+            async move {
+                Ok(
+                    if served_certificate(&addr, &host, &new).await? == Some(want) {
+                        Observed::Ready(())
+                    } else {
+                        Observed::NotYet("the previous certificate is served yet".into())
+                    },
+                )
+            }
+        },
+    )
+    .await?;
+    let served = rotated.elapsed();
+    // Both client certificates of the CA for this scaler keep getting in.
+    ensure!(
+        old.probe(&addr, &host, true).await?,
+        "the previous client certificate was refused after the renewal"
+    );
     println!(
-        "[push, mutual TLS] renewed: new CA in KEDA's Secret {:.1}s after the record said expired, served by the gateway {:.1}s after it; cold request after the rotation: first token {:.2}s",
+        "[push, mutual TLS] renewed: new certificates in KEDA's Secret {:.1}s after the record said expired, KEDA's accepted {:.1}s after it (the gateway then served the {} certificate), cold request after the renewal answered by {:.1}s (first token {:.2}s after it was sent), the gateway serving its new certificate {:.1}s after the renewal",
         issued.as_secs_f64(),
-        served.as_secs_f64(),
+        accepted.as_secs_f64(),
+        if served_before.as_ref() == Some(&new_server) {
+            "new"
+        } else {
+            "previous"
+        },
+        cold.as_secs_f64(),
         (trace.first_token().unwrap_or(trace.sent) - trace.sent).as_secs_f64(),
+        served.as_secs_f64(),
     );
     Ok(())
+}
+
+/// The issuance recorded on the gateway Deployment `gateway`.
+async fn record(
+    deployments: &Api<Deployment>,
+    gateway: &str,
+) -> Result<hearth_controller::scaler_tls::Record> {
+    let live = deployments.get(gateway).await?;
+    hearth_controller::scaler_tls::Record::of(&live)
+        .context("the gateway Deployment has no record of the issuance")
+}
+
+/// The certificate (DER) the gateway serves at `addr` for `host`, read in a handshake with
+/// `material` (KEDA's); `None` when the handshake fails.
+async fn served_certificate(
+    addr: &str,
+    host: &str,
+    material: &Material,
+) -> Result<Option<Vec<u8>>> {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut roots = rustls::RootCertStore::empty();
+    for c in CertificateDer::pem_slice_iter(material.ca.as_bytes()) {
+        roots.add(c?)?;
+    }
+    let chain =
+        CertificateDer::pem_slice_iter(material.cert.as_bytes()).collect::<Result<Vec<_>, _>>()?;
+    let mut config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()?
+        .with_root_certificates(roots)
+        .with_client_auth_cert(
+            chain,
+            PrivateKeyDer::from_pem_slice(material.key.as_bytes())?,
+        )?;
+    config.alpn_protocols = vec![b"h2".to_vec()];
+    let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
+    let tcp = tokio::net::TcpStream::connect(addr).await?;
+    let name = ServerName::try_from(host.to_owned())?;
+    let Ok(Ok(tls)) =
+        tokio::time::timeout(Duration::from_secs(5), connector.connect(name, tcp)).await
+    else {
+        return Ok(None);
+    };
+    Ok(tls
+        .get_ref()
+        .1
+        .peer_certificates()
+        .and_then(|c| c.first())
+        .map(|c| c.as_ref().to_vec()))
 }
 
 /// The annotation recording the ExternalScaler certificates' issuance.
@@ -268,17 +395,6 @@ impl Material {
             cert: field("tls.crt")?,
             key: field("tls.key")?,
         })
-    }
-
-    /// The controller's digest of it (`hearth_controller::scaler_tls::Record::digest`): of the
-    /// CA that signed it, the bundle's first certificate.
-    fn digest(&self) -> String {
-        const END: &str = "-----END CERTIFICATE-----\n";
-        let first = self
-            .ca
-            .find(END)
-            .map_or(self.ca.as_str(), |i| &self.ca[..i + END.len()]);
-        hearth_controller::scaler_tls::digest(&[first])
     }
 
     /// Whether a TLS connection checking `host` against the CA bundle, with the client

@@ -1,0 +1,339 @@
+//! The controller's own keys, kept in one Secret of its namespace (`--admin-keys-secret`,
+//! default `hearth-controller-keys`), the one Secret it reads (the chart grants `get` and
+//! `update` on that name only):
+//!
+//! - `admin-key`: 32 random bytes every gateway admin token derives from
+//!   ([`crate::admin_tokens`]);
+//! - `scaler-ca.crt`, `scaler-ca.key`, `scaler-ca.not-after`: the CA that signs the
+//!   ExternalScaler's certificates of every push-mode service ([`crate::scaler_tls`]), PEM and
+//!   its expiry (RFC 3339). One long-lived CA, so renewing a service's certificates changes no
+//!   trust bundle and no connection waits for the kubelet to refresh a mounted file.
+//!
+//! The first controller to start without a field it needs writes it, with the
+//! resourceVersion it read, so two replicas starting at once agree. Deleting a field (and
+//! restarting the controller) makes a new one.
+
+use std::{collections::BTreeMap, time::Duration};
+
+use hearth_net::pki::{self, Issued};
+use k8s_openapi::{
+    ByteString, api::core::v1::Secret, apimachinery::pkg::apis::meta::v1::ObjectMeta,
+};
+use kube::{Api, Client, api::PostParams};
+use time::{OffsetDateTime, format_description::well_known::Rfc3339};
+
+use crate::admin_tokens::AdminTokens;
+
+/// The admin key's data key.
+pub const ADMIN_KEY_FIELD: &str = "admin-key";
+/// The scaler CA's certificate (PEM).
+pub const SCALER_CA_CERT_FIELD: &str = "scaler-ca.crt";
+/// The scaler CA's private key (PEM).
+pub const SCALER_CA_KEY_FIELD: &str = "scaler-ca.key";
+/// When the scaler CA expires (RFC 3339).
+pub const SCALER_CA_NOT_AFTER_FIELD: &str = "scaler-ca.not-after";
+/// Common name of the scaler CA.
+pub const SCALER_CA_NAME: &str = "hearth-scaler-ca";
+/// Bytes of a new admin key.
+const KEY_LEN: usize = 32;
+
+/// Why the keys could not be loaded or made.
+#[derive(Debug, thiserror::Error)]
+pub enum KeysError {
+    /// The API refused or failed.
+    #[error("{what}: {source}")]
+    Api {
+        /// What was being done, naming the Secret.
+        what: String,
+        /// The error.
+        source: kube::Error,
+    },
+    /// The admin key in the Secret is too short to be one this controller wrote.
+    #[error(
+        "Secret {secret} holds a {len}-byte {ADMIN_KEY_FIELD}; it must be at least 32 random bytes (delete the key from the Secret and restart the controller to make a new one)"
+    )]
+    ShortKey {
+        /// `<namespace>/<name>`.
+        secret: String,
+        /// Its length.
+        len: usize,
+    },
+    /// The scaler CA's fields do not make a CA.
+    #[error(
+        "Secret {secret}: the scaler CA ({SCALER_CA_CERT_FIELD}, {SCALER_CA_KEY_FIELD}, {SCALER_CA_NOT_AFTER_FIELD}) {problem}; delete the three fields and restart the controller to make a new CA (every push-mode service's certificates are issued again)"
+    )]
+    BadCa {
+        /// `<namespace>/<name>`.
+        secret: String,
+        /// What is wrong.
+        problem: String,
+    },
+    /// Every write met another writer's.
+    #[error(
+        "Secret {secret} changed under every attempt to write the keys; check what else writes it"
+    )]
+    Conflicts {
+        /// `<namespace>/<name>`.
+        secret: String,
+    },
+    /// No randomness, or the CA could not be generated.
+    #[error("making a key failed: {0}")]
+    Generate(String),
+}
+
+/// Which keys to load (and make when missing).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Wanted {
+    /// The admin key (`--gateway-admin-auth`).
+    pub admin: bool,
+    /// The scaler CA, made valid for this long when missing (`--scaler-tls`).
+    pub scaler_ca: Option<Duration>,
+}
+
+/// The keys loaded.
+#[derive(Clone, Debug, Default)]
+pub struct ControllerKeys {
+    /// The admin tokens, when wanted.
+    pub admin: Option<AdminTokens>,
+    /// The scaler CA (certificate, key, expiry), when wanted.
+    pub scaler_ca: Option<Issued>,
+}
+
+/// Loads the [`Wanted`] keys from Secret `name` in `namespace`, writing those that are missing
+/// (and the Secret when it is missing); with nothing wanted, reads nothing.
+///
+/// # Errors
+/// [`KeysError`]: the API (RBAC: `get`, `update` on that Secret, `create` on Secrets), a key
+/// that is too short, a CA that does not parse, no randomness.
+pub async fn load_or_init(
+    client: Client,
+    namespace: &str,
+    name: &str,
+    wanted: Wanted,
+) -> Result<ControllerKeys, KeysError> {
+    if !wanted.admin && wanted.scaler_ca.is_none() {
+        return Ok(ControllerKeys::default());
+    }
+    let api: Api<Secret> = Api::namespaced(client, namespace);
+    let secret = format!("{namespace}/{name}");
+    let api_err = |what: &str| {
+        let what = format!("{what} Secret {secret}");
+        move |source| KeysError::Api { what, source }
+    };
+    // A conflict means another replica wrote first: read again and take its keys.
+    for _ in 0..5 {
+        let live = api.get_opt(name).await.map_err(api_err("reading"))?;
+        let mut data = live
+            .as_ref()
+            .and_then(|s| s.data.clone())
+            .unwrap_or_default();
+        let added = add_missing(&mut data, wanted)?;
+        if added.is_empty() {
+            return parse(&data, wanted, &secret);
+        }
+        let written = match live {
+            Some(mut s) => {
+                s.data = Some(data.clone());
+                api.replace(name, &PostParams::default(), &s).await
+            }
+            None => {
+                let s = Secret {
+                    metadata: ObjectMeta {
+                        name: Some(name.to_owned()),
+                        namespace: Some(namespace.to_owned()),
+                        ..Default::default()
+                    },
+                    data: Some(data.clone()),
+                    ..Default::default()
+                };
+                api.create(&PostParams::default(), &s).await
+            }
+        };
+        match written {
+            Ok(_) => {
+                tracing::info!(%secret, fields = ?added, "new controller keys written");
+                return parse(&data, wanted, &secret);
+            }
+            Err(kube::Error::Api(e)) if e.code == 409 => continue,
+            Err(e) => return Err(api_err("writing")(e)),
+        }
+    }
+    Err(KeysError::Conflicts { secret })
+}
+
+/// Makes the wanted fields `data` lacks (a field present but empty counts as missing); returns
+/// their names.
+fn add_missing(
+    data: &mut BTreeMap<String, ByteString>,
+    wanted: Wanted,
+) -> Result<Vec<&'static str>, KeysError> {
+    let missing =
+        |data: &BTreeMap<String, ByteString>, f: &str| data.get(f).is_none_or(|v| v.0.is_empty());
+    let mut added = Vec::new();
+    if wanted.admin && missing(data, ADMIN_KEY_FIELD) {
+        let mut key = [0u8; KEY_LEN];
+        ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut key)
+            .map_err(|_| KeysError::Generate("the system random generator failed".into()))?;
+        data.insert(ADMIN_KEY_FIELD.to_owned(), ByteString(key.to_vec()));
+        added.push(ADMIN_KEY_FIELD);
+    }
+    if let Some(validity) = wanted.scaler_ca
+        && [
+            SCALER_CA_CERT_FIELD,
+            SCALER_CA_KEY_FIELD,
+            SCALER_CA_NOT_AFTER_FIELD,
+        ]
+        .iter()
+        .any(|f| missing(data, f))
+    {
+        let ca = pki::generate_ca(SCALER_CA_NAME, validity)
+            .map_err(|e| KeysError::Generate(e.to_string()))?;
+        let not_after = ca
+            .not_after
+            .format(&Rfc3339)
+            .map_err(|e| KeysError::Generate(e.to_string()))?;
+        for (field, value) in [
+            (SCALER_CA_CERT_FIELD, ca.cert),
+            (SCALER_CA_KEY_FIELD, ca.key),
+            (SCALER_CA_NOT_AFTER_FIELD, not_after),
+        ] {
+            data.insert(field.to_owned(), ByteString(value.into_bytes()));
+        }
+        added.push(SCALER_CA_CERT_FIELD);
+    }
+    Ok(added)
+}
+
+fn parse(
+    data: &BTreeMap<String, ByteString>,
+    wanted: Wanted,
+    secret: &str,
+) -> Result<ControllerKeys, KeysError> {
+    let mut keys = ControllerKeys::default();
+    if wanted.admin {
+        let key = data
+            .get(ADMIN_KEY_FIELD)
+            .map(|k| k.0.as_slice())
+            .unwrap_or_default();
+        if key.len() < KEY_LEN {
+            return Err(KeysError::ShortKey {
+                secret: secret.to_owned(),
+                len: key.len(),
+            });
+        }
+        keys.admin = Some(AdminTokens::from_key(key));
+    }
+    if wanted.scaler_ca.is_some() {
+        let bad = |problem: String| KeysError::BadCa {
+            secret: secret.to_owned(),
+            problem,
+        };
+        let text = |f: &str| {
+            data.get(f)
+                .map(|v| String::from_utf8_lossy(&v.0).into_owned())
+                .unwrap_or_default()
+        };
+        let ca = Issued {
+            cert: text(SCALER_CA_CERT_FIELD),
+            key: text(SCALER_CA_KEY_FIELD),
+            not_after: OffsetDateTime::parse(text(SCALER_CA_NOT_AFTER_FIELD).trim(), &Rfc3339)
+                .map_err(|e| bad(format!("has an expiry that is not RFC 3339: {e}")))?,
+        };
+        pki::certified_key(ca.cert.as_bytes(), ca.key.as_bytes())
+            .map_err(|e| bad(format!("does not load: {e}")))?;
+        if ca.not_after <= OffsetDateTime::now_utc() {
+            return Err(bad(format!(
+                "expired at {}",
+                text(SCALER_CA_NOT_AFTER_FIELD)
+            )));
+        }
+        keys.scaler_ca = Some(ca);
+    }
+    Ok(keys)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const DAY: Duration = Duration::from_secs(86_400);
+
+    #[test]
+    fn missing_fields_are_made_and_present_ones_kept() {
+        let both = Wanted {
+            admin: true,
+            scaler_ca: Some(DAY),
+        };
+        let mut data = BTreeMap::new();
+        assert_eq!(
+            add_missing(&mut data, both).unwrap(),
+            [ADMIN_KEY_FIELD, SCALER_CA_CERT_FIELD]
+        );
+        let keys = parse(&data, both, "ns/keys").unwrap();
+        assert!(keys.admin.is_some());
+        let ca = keys.scaler_ca.unwrap();
+        assert!(ca.not_after > OffsetDateTime::now_utc() + DAY / 2);
+        // Nothing more to make: the same keys again.
+        let before = data.clone();
+        assert!(add_missing(&mut data, both).unwrap().is_empty());
+        assert_eq!(data, before);
+        // An emptied field is made again, the other kept.
+        data.insert(SCALER_CA_KEY_FIELD.into(), ByteString(Vec::new()));
+        assert_eq!(
+            add_missing(&mut data, both).unwrap(),
+            [SCALER_CA_CERT_FIELD]
+        );
+        assert_eq!(data[ADMIN_KEY_FIELD], before[ADMIN_KEY_FIELD]);
+        assert_ne!(data[SCALER_CA_CERT_FIELD], before[SCALER_CA_CERT_FIELD]);
+        // Only what is wanted.
+        let mut only_admin = BTreeMap::new();
+        add_missing(
+            &mut only_admin,
+            Wanted {
+                admin: true,
+                scaler_ca: None,
+            },
+        )
+        .unwrap();
+        assert_eq!(only_admin.keys().collect::<Vec<_>>(), [ADMIN_KEY_FIELD]);
+    }
+
+    #[test]
+    fn bad_keys_name_the_secret_the_field_and_the_fix() {
+        let ca_only = Wanted {
+            admin: false,
+            scaler_ca: Some(DAY),
+        };
+        let mut data = BTreeMap::new();
+        add_missing(&mut data, ca_only).unwrap();
+        let mut broken = data.clone();
+        broken.insert(
+            SCALER_CA_KEY_FIELD.into(),
+            ByteString(b"not a key".to_vec()),
+        );
+        let e = parse(&broken, ca_only, "ns/keys").unwrap_err().to_string();
+        assert!(e.starts_with("Secret ns/keys: the scaler CA"), "{e}");
+        assert!(e.contains("does not load"), "{e}");
+        assert!(e.contains("delete the three fields and restart"), "{e}");
+        let mut expired = data.clone();
+        expired.insert(
+            SCALER_CA_NOT_AFTER_FIELD.into(),
+            ByteString(b"2020-01-01T00:00:00Z".to_vec()),
+        );
+        let e = parse(&expired, ca_only, "ns/keys").unwrap_err().to_string();
+        assert!(e.contains("expired at 2020-01-01T00:00:00Z"), "{e}");
+        let mut short = BTreeMap::new();
+        short.insert(ADMIN_KEY_FIELD.into(), ByteString(vec![1; 8]));
+        let e = parse(
+            &short,
+            Wanted {
+                admin: true,
+                scaler_ca: None,
+            },
+            "ns/keys",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("8-byte admin-key"), "{e}");
+    }
+}
