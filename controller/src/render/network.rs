@@ -85,6 +85,15 @@ impl ModelNetworkPolicies {
                 ));
             }
         }
+        for (field, peers) in [
+            ("clientsFrom", &p.clients_from),
+            ("metricsFrom", &p.metrics_from),
+        ] {
+            for (i, peer) in peers.iter().enumerate() {
+                check_peer(peer)
+                    .map_err(|e| format!("--model-network-policies: {field}[{i}]: {e}"))?;
+            }
+        }
         Ok(p)
     }
 
@@ -98,6 +107,47 @@ impl ModelNetworkPolicies {
             Some(self.controller_pod_labels.clone()),
         )
     }
+}
+
+/// What the apiserver's NetworkPolicy validation asks of a peer, checked before any policy is
+/// written: one of `podSelector`, `namespaceSelector` (together allowed) or `ipBlock` alone
+/// (field names of unknown spelling are dropped when parsed, leaving an empty peer), and a
+/// CIDR (`a.b.c.d/n` or IPv6) in `ipBlock.cidr` and each `except`.
+fn check_peer(peer: &NetworkPolicyPeer) -> Result<(), String> {
+    let selects = peer.pod_selector.is_some() || peer.namespace_selector.is_some();
+    match &peer.ip_block {
+        None if !selects => Err(
+            "a peer needs podSelector, namespaceSelector or ipBlock (check the field names)"
+                .to_owned(),
+        ),
+        None => Ok(()),
+        Some(_) if selects => {
+            Err("ipBlock cannot be combined with podSelector or namespaceSelector".to_owned())
+        }
+        Some(b) => {
+            for (field, cidr) in std::iter::once(("ipBlock.cidr", &b.cidr))
+                .chain(b.except.iter().flatten().map(|c| ("ipBlock.except", c)))
+            {
+                if !is_cidr(cidr) {
+                    return Err(format!(
+                        "{field} {cidr:?} is not a CIDR (such as 198.51.100.0/24 or 2001:db8::/32)"
+                    ));
+                }
+            }
+            Ok(())
+        }
+    }
+}
+
+/// Whether `s` is `<IP address>/<prefix length>` with a prefix the address family allows.
+fn is_cidr(s: &str) -> bool {
+    let Some((ip, len)) = s.split_once('/') else {
+        return false;
+    };
+    let (Ok(ip), Ok(len)) = (ip.parse::<std::net::IpAddr>(), len.parse::<u8>()) else {
+        return false;
+    };
+    len <= if ip.is_ipv4() { 32 } else { 128 }
 }
 
 /// Pods matching `pods` (all when `None`) in the namespace `namespace`.
@@ -394,9 +444,30 @@ mod tests {
                 r#"{"kedaNamespace":"keda","controllerNamespace":"h","controllerPodLabels":{"a":"b"},"clientsFrom":[{"podSelector":"x"}]}"#,
                 "clientsFrom",
             ),
+            (
+                r#"{"kedaNamespace":"keda","controllerNamespace":"h","controllerPodLabels":{"a":"b"},"metricsFrom":[{"namespaceSelectr":{}}]}"#,
+                "metricsFrom[0]: a peer needs podSelector, namespaceSelector or ipBlock",
+            ),
+            (
+                r#"{"kedaNamespace":"keda","controllerNamespace":"h","controllerPodLabels":{"a":"b"},"clientsFrom":[{"ipBlock":{"cidr":"10.0.0.0/8"}},{"ipBlock":{"cidr":"198.51.100.7"}}]}"#,
+                "clientsFrom[1]: ipBlock.cidr \"198.51.100.7\" is not a CIDR",
+            ),
+            (
+                r#"{"kedaNamespace":"keda","controllerNamespace":"h","controllerPodLabels":{"a":"b"},"clientsFrom":[{"ipBlock":{"cidr":"198.51.100.0/24","except":["198.51.100.0/33"]}}]}"#,
+                "ipBlock.except \"198.51.100.0/33\" is not a CIDR",
+            ),
+            (
+                r#"{"kedaNamespace":"keda","controllerNamespace":"h","controllerPodLabels":{"a":"b"},"clientsFrom":[{"ipBlock":{"cidr":"2001:db8::/32"},"podSelector":{}}]}"#,
+                "ipBlock cannot be combined",
+            ),
         ] {
             let e = ModelNetworkPolicies::parse(json).unwrap_err();
             assert!(e.contains(want), "{json}: {e}");
         }
+        let ok = r#"{"kedaNamespace":"keda","controllerNamespace":"h","controllerPodLabels":{"a":"b"},"clientsFrom":[{"ipBlock":{"cidr":"2001:db8::/32"}},{"namespaceSelector":{},"podSelector":{"matchLabels":{"a":"b"}}}]}"#;
+        assert_eq!(
+            ModelNetworkPolicies::parse(ok).unwrap().clients_from.len(),
+            2
+        );
     }
 }

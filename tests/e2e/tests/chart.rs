@@ -335,6 +335,12 @@ fn schema_rejects_bad_values_naming_the_field() -> Result<()> {
         ("gateway.resources.limits.memory=512MB", "limits/memory"),
         ("gateway.resources.requests.cpu=-1", "requests/cpu"),
         ("controller.resources.limits.memory=lots", "limits/memory"),
+        (
+            "networkPolicy.models.clientsFrom[0].namespaceSelectr.x=y",
+            "namespaceSelectr",
+        ),
+        ("networkPolicy.metricsFrom[0].ipBlock.except[0]=x", "cidr"),
+        ("controller.scalerTLS.caValidity=10y", "caValidity"),
     ] {
         let out = helm()?
             .args(["template", "hearth"])

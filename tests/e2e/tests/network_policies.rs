@@ -5,16 +5,18 @@
 //! `tests.hearth.dev/monitoring: "true"`. Every end-to-end suite therefore runs under them; this
 //! one checks each profile's allowed and denied connections from pods:
 //!
-//! | probe pod | client port | admin port | scaler port | engine port |
-//! |---|---|---|---|---|
-//! | listed clients' namespace | allowed | denied | denied | denied |
-//! | listed scrapers' namespace | denied | allowed | denied | allowed |
-//! | the gateway's own replicas (its labels) | denied | allowed | denied | allowed |
-//! | any other pod, even in the model's namespace | denied | denied | denied | denied |
+//! | probe pod | client port | admin port | scaler port | engine port | controller's metrics | webhook |
+//! |---|---|---|---|---|---|---|
+//! | listed clients' namespace | allowed | denied | denied | denied | denied | allowed |
+//! | listed scrapers' namespace | denied | allowed | denied | allowed | allowed | allowed |
+//! | the gateway's own replicas (its labels) | denied | allowed | denied | allowed | denied | allowed |
+//! | any other pod, even in the model's namespace | denied | denied | denied | denied | denied | allowed |
 //!
-//! and KEDA's side through a cold request in push mode (KEDA → the ExternalScaler port, the
-//! gateway → the engine). A probe connects with `nc` (a TCP handshake, whatever the protocol);
-//! a denied connection times out or is refused.
+//! (the last two are the chart's own policies, `networkPolicy.enabled`: the controller's
+//! metrics port admits `metricsFrom`, the webhook's port anyone, since the apiserver calls it
+//! from outside the pod network), and KEDA's side through a cold request in push mode (KEDA →
+//! the ExternalScaler port, the gateway → the engine). A probe connects with `nc` (a TCP
+//! handshake, whatever the protocol); a denied connection times out or is refused.
 
 mod stack;
 
@@ -36,14 +38,19 @@ use stack::SERVICE;
 
 const CLIENTS_LABEL: &str = "tests.hearth.dev/clients";
 const MONITORING_LABEL: &str = "tests.hearth.dev/monitoring";
-/// The ports the profiles name: the gateway's client, admin and ExternalScaler ports, and the
-/// stub runtime's engine port.
-const TARGETS: [(&str, Target, u16); 4] = [
+/// The ports the profiles name: the gateway's client, admin and ExternalScaler ports, the stub
+/// runtime's engine port, the controller's metrics port and the webhook's port (the chart's
+/// defaults).
+const TARGETS: [(&str, Target, u16); 6] = [
     ("client", Target::Gateway, 8080),
     ("admin", Target::Gateway, 9091),
     ("scaler", Target::Gateway, 9090),
     ("engine", Target::Backend, 8000),
+    ("controller", Target::Controller, 8080),
+    ("webhook", Target::Webhook, 8443),
 ];
+/// The release's namespace (tests/cluster/install-hearth).
+const RELEASE_NAMESPACE: &str = "hearth-system";
 /// Rounds of attempts each probe makes before its log is read.
 const ROUNDS: usize = 3;
 
@@ -52,13 +59,15 @@ type Probe<'a> = (
     &'a str,
     &'a TestNamespace,
     BTreeMap<String, String>,
-    [bool; 4],
+    [bool; 6],
 );
 
 #[derive(Clone, Copy)]
 enum Target {
     Gateway,
     Backend,
+    Controller,
+    Webhook,
 }
 
 #[tokio::test]
@@ -107,8 +116,16 @@ async fn each_profile_admits_its_peers_and_refuses_the_rest() -> Result<()> {
 
     let gateway = pod_ip(&d.ns, &format!("serving.hearth.dev/gateway={SERVICE}")).await?;
     let backend = pod_ip(&d.ns, &stack::backend_selector()).await?;
+    let release = Api::<Pod>::namespaced(client.clone(), RELEASE_NAMESPACE);
+    let controller = release_pod_ip(&release, "controller").await?;
+    let webhook = release_pod_ip(&release, "webhook").await?;
     let node = RealNode::load()?;
-    let script = probe_script(&gateway, &backend);
+    let script = probe_script(|t| match t {
+        Target::Gateway => gateway.as_str(),
+        Target::Backend => backend.as_str(),
+        Target::Controller => controller.as_str(),
+        Target::Webhook => webhook.as_str(),
+    });
 
     let clients = labelled(&d, "e2e-netpol-clients", CLIENTS_LABEL).await?;
     let monitoring = labelled(&d, "e2e-netpol-scrapers", MONITORING_LABEL).await?;
@@ -131,20 +148,25 @@ async fn each_profile_admits_its_peers_and_refuses_the_rest() -> Result<()> {
             "clients",
             &clients,
             BTreeMap::new(),
-            [true, false, false, false],
+            [true, false, false, false, false, true],
         ),
         (
             "scrapers",
             &monitoring,
             BTreeMap::new(),
-            [false, true, false, true],
+            [false, true, false, true, true, true],
         ),
-        ("replica", &d.ns, replica_labels, [false, true, false, true]),
+        (
+            "replica",
+            &d.ns,
+            replica_labels,
+            [false, true, false, true, false, true],
+        ),
         (
             "outsider",
             &d.ns,
             BTreeMap::new(),
-            [false, false, false, false],
+            [false, false, false, false, false, true],
         ),
     ];
     for (name, ns, labels, _) in &probes {
@@ -163,14 +185,24 @@ async fn each_profile_admits_its_peers_and_refuses_the_rest() -> Result<()> {
         ns.api::<Pod>().create(&PostParams::default(), &pod).await?;
     }
 
-    let mut table = vec!["| probe | client | admin | scaler | engine |".to_owned()];
+    let mut table = vec![format!(
+        "| probe | {} |",
+        TARGETS.map(|(name, _, _)| name).join(" | ")
+    )];
     let mut wrong = Vec::new();
     for (name, ns, _, want) in &probes {
         let log = probe_log(ns, &format!("probe-{name}")).await?;
         let mut row = format!("| {name} |");
         for ((target, _, _), allowed) in TARGETS.iter().zip(want) {
-            let (ok, fail) = outcomes(&log, target);
-            let got = if ok == ROUNDS {
+            let attempts = outcomes(&log, target);
+            let (ok, fail) = (
+                attempts.iter().filter(|a| **a).count(),
+                attempts.iter().filter(|a| !**a).count(),
+            );
+            // The last attempt decides "allowed" (kube-router admits a new pod's address
+            // within a fraction of a second, which its first attempt may precede); "denied"
+            // needs every attempt refused.
+            let got = if attempts.last() == Some(&true) {
                 "allowed"
             } else if fail == ROUNDS {
                 "denied"
@@ -228,15 +260,27 @@ async fn labelled(d: &stack::Deployed, prefix: &str, label: &str) -> Result<Test
     Ok(ns)
 }
 
-/// Tries each target [`ROUNDS`] times (a TCP handshake with a 2 s timeout) and logs
-/// `<target> ok|fail` per attempt, then `done`.
-fn probe_script(gateway: &str, backend: &str) -> String {
+/// The IP of the running pod of the release's `component` (`controller`, `webhook`).
+async fn release_pod_ip(release: &Api<Pod>, component: &str) -> Result<String> {
+    let selector = format!("app.kubernetes.io/name=hearth,app.kubernetes.io/component={component}");
+    release
+        .list(&ListParams::default().labels(&selector))
+        .await?
+        .items
+        .iter()
+        .find_map(|p| {
+            let st = p.status.as_ref()?;
+            (st.phase.as_deref() == Some("Running")).then(|| st.pod_ip.clone())?
+        })
+        .with_context(|| format!("no running {component} pod in {RELEASE_NAMESPACE}"))
+}
+
+/// Tries each target (at the IP `ip_of` gives) [`ROUNDS`] times (a TCP handshake with a 2 s
+/// timeout) and logs `<target> ok|fail` per attempt, then `done`.
+fn probe_script<'a>(ip_of: impl Fn(Target) -> &'a str) -> String {
     let mut script = format!("for r in $(seq {ROUNDS}); do ");
     for (name, target, port) in TARGETS {
-        let ip = match target {
-            Target::Gateway => gateway,
-            Target::Backend => backend,
-        };
+        let ip = ip_of(target);
         script.push_str(&format!(
             "if timeout 5 nc -w 2 {ip} {port} -e true; then echo '{name} ok'; else echo '{name} fail'; fi; "
         ));
@@ -266,11 +310,18 @@ async fn probe_log(ns: &TestNamespace, pod: &str) -> Result<String> {
     .await
 }
 
-/// `(ok, failed)` attempts at `target` in a probe's log.
-fn outcomes(log: &str, target: &str) -> (usize, usize) {
-    let count = |outcome: &str| {
-        let line = format!("{target} {outcome}");
-        log.lines().filter(|l| *l == line).count()
-    };
-    (count("ok"), count("fail"))
+/// The outcomes of the attempts at `target` in a probe's log, in order (`true`: connected).
+fn outcomes(log: &str, target: &str) -> Vec<bool> {
+    let (ok, fail) = (format!("{target} ok"), format!("{target} fail"));
+    log.lines()
+        .filter_map(|l| {
+            if l == ok {
+                Some(true)
+            } else if l == fail {
+                Some(false)
+            } else {
+                None
+            }
+        })
+        .collect()
 }
