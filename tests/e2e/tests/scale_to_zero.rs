@@ -126,6 +126,7 @@ async fn push_mode_cold_start_then_back_to_zero_over_mutual_tls_through_a_renewa
     let addr = format!("{scaler_ip}:9090");
     let host = format!("{SERVICE}-scaler.{ns}.svc");
     let client_secret = format!("{SERVICE}-scaler-client-tls");
+    open_scaler_port_to_the_host(&d.ns, &addr).await?;
 
     // KEDA's material gets in, checking the gateway's name against the CA as KEDA does; no
     // client certificate, or plain text, does not.
@@ -317,6 +318,50 @@ async fn push_mode_cold_start_then_back_to_zero_over_mutual_tls_through_a_renewa
         served.as_secs_f64(),
     );
     Ok(())
+}
+
+/// The gateway's NetworkPolicy (the cluster installs Hearth with `networkPolicy.models`) admits
+/// only KEDA's namespace on the scaler port; this suite probes it from the host, so it adds a
+/// policy of its own admitting the host's address there (policies add up), and waits until a
+/// TCP connection gets through.
+async fn open_scaler_port_to_the_host(
+    ns: &hearth_test_support::TestNamespace,
+    addr: &str,
+) -> Result<()> {
+    let node = hearth_test_support::RealNode::load()?;
+    let policy: k8s_openapi::api::networking::v1::NetworkPolicy =
+        serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "e2e-host-to-scaler"},
+            "spec": {
+                "podSelector": {"matchLabels": {"serving.hearth.dev/gateway": SERVICE}},
+                "policyTypes": ["Ingress"],
+                "ingress": [{
+                    "from": [{"ipBlock": {"cidr": format!("{}/32", node.host_ip)}}],
+                    "ports": [{"protocol": "TCP", "port": 9090}],
+                }],
+            },
+        }))?;
+    ns.api::<k8s_openapi::api::networking::v1::NetworkPolicy>()
+        .create(&kube::api::PostParams::default(), &policy)
+        .await?;
+    wait_until(
+        format!("the host to reach the scaler port {addr}"),
+        Duration::from_secs(30),
+        || async {
+            Ok(
+                match tokio::time::timeout(
+                    Duration::from_secs(2),
+                    tokio::net::TcpStream::connect(addr),
+                )
+                .await
+                {
+                    Ok(Ok(_)) => Observed::Ready(()),
+                    other => Observed::NotYet(format!("{other:?}")),
+                },
+            )
+        },
+    )
+    .await
 }
 
 /// The issuance recorded on the gateway Deployment `gateway`.

@@ -39,8 +39,11 @@ const KEYS: [(&str, &str); 4] = [
 ];
 /// The stub's delay before each token (a request of `n` tokens takes about `n` × this).
 const TOKEN_DELAY: &str = "100ms";
-/// Waits below this are timer and scheduling noise: counted as this much in the ratio.
-const WAIT_FLOOR_MS: f64 = 1.0;
+/// Waits below this are timer and scheduling noise: counted as this much in the ratio. A run
+/// with the whole suite's step on two cores saw one interactive request of twenty wait 3.6 ms
+/// beside the flood (p95; the flood's own p50 was 2 s), so a few milliseconds say nothing about
+/// starvation.
+const WAIT_FLOOR_MS: f64 = 5.0;
 
 fn key(tenant: &str) -> &'static str {
     KEYS.iter()
