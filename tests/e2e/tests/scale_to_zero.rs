@@ -381,37 +381,13 @@ async fn served_certificate(
     host: &str,
     material: &Material,
 ) -> Result<Option<Vec<u8>>> {
-    use rustls::pki_types::pem::PemObject;
-    use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let mut roots = rustls::RootCertStore::empty();
-    for c in CertificateDer::pem_slice_iter(material.ca.as_bytes()) {
-        roots.add(c?)?;
-    }
-    let chain =
-        CertificateDer::pem_slice_iter(material.cert.as_bytes()).collect::<Result<Vec<_>, _>>()?;
-    let mut config = rustls::ClientConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()?
-        .with_root_certificates(roots)
-        .with_client_auth_cert(
-            chain,
-            PrivateKeyDer::from_pem_slice(material.key.as_bytes())?,
-        )?;
-    config.alpn_protocols = vec![b"h2".to_vec()];
-    let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
-    let tcp = tokio::net::TcpStream::connect(addr).await?;
-    let name = ServerName::try_from(host.to_owned())?;
-    let Ok(Ok(tls)) =
-        tokio::time::timeout(Duration::from_secs(5), connector.connect(name, tcp)).await
-    else {
-        return Ok(None);
-    };
-    Ok(tls
-        .get_ref()
-        .1
-        .peer_certificates()
-        .and_then(|c| c.first())
-        .map(|c| c.as_ref().to_vec()))
+    Ok(material.connect(addr, host, true).await?.and_then(|tls| {
+        tls.get_ref()
+            .1
+            .peer_certificates()
+            .and_then(|c| c.first())
+            .map(|c| c.as_ref().to_vec())
+    }))
 }
 
 /// The annotation recording the ExternalScaler certificates' issuance.
@@ -446,6 +422,20 @@ impl Material {
     /// certificate when `identify`, gets an HTTP/2 SETTINGS frame back: the gateway took the
     /// connection (with TLS 1.3 a refused client certificate shows only after the handshake).
     async fn probe(&self, addr: &str, host: &str, identify: bool) -> Result<bool> {
+        match self.connect(addr, host, identify).await? {
+            Some(tls) => h2_settings(tls).await,
+            None => Ok(false),
+        }
+    }
+
+    /// A TLS connection (ALPN `h2`) to `addr` checking `host` against the CA bundle, with the
+    /// client certificate when `identify`; `None` when the handshake fails within 5 s.
+    async fn connect(
+        &self,
+        addr: &str,
+        host: &str,
+        identify: bool,
+    ) -> Result<Option<tokio_rustls::client::TlsStream<tokio::net::TcpStream>>> {
         use rustls::pki_types::pem::PemObject;
         use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
         let provider = Arc::new(rustls::crypto::ring::default_provider());
@@ -468,12 +458,12 @@ impl Material {
         let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
         let tcp = tokio::net::TcpStream::connect(addr).await?;
         let name = ServerName::try_from(host.to_owned())?;
-        let Ok(Ok(tls)) =
-            tokio::time::timeout(Duration::from_secs(5), connector.connect(name, tcp)).await
-        else {
-            return Ok(false);
-        };
-        h2_settings(tls).await
+        Ok(
+            tokio::time::timeout(Duration::from_secs(5), connector.connect(name, tcp))
+                .await
+                .ok()
+                .and_then(Result::ok),
+        )
     }
 }
 

@@ -53,7 +53,12 @@ fn cfg() -> RenderConfig {
 
 /// The caches after the controller applied everything `svc` asks for, with KEDA installed.
 fn steady(svc: &LLMService) -> View {
-    let c = render(svc, &runtime(), &cfg(), false).unwrap();
+    steady_with(svc, &cfg())
+}
+
+/// [`steady`] with the children rendered with `cfg`.
+fn steady_with(svc: &LLMService, cfg: &RenderConfig) -> View {
+    let c = render(svc, &runtime(), cfg, false).unwrap();
     View {
         service_account: c
             .gateway_service_account
@@ -286,18 +291,7 @@ fn network_policies_follow_the_setting() {
     assert!(at("apply NetworkPolicy chat-gateway") < at("apply Deployment chat-gateway"));
 
     // Steady with the setting on: nothing; switched off: both deleted.
-    let view = {
-        let c = render(&svc, &runtime(), &on, false).unwrap();
-        View {
-            gateway_network_policy: c
-                .gateway_network_policy
-                .map(|o| Arc::new(crate::diff::stamped(o))),
-            backend_network_policy: c
-                .backend_network_policy
-                .map(|o| Arc::new(crate::diff::stamped(o))),
-            ..steady(&svc)
-        }
-    };
+    let view = steady_with(&svc, &on);
     assert!(writes(&plan_with(&svc, &view, &on)).is_empty());
     assert_eq!(
         writes(&plan_with(&svc, &view, &cfg())),
