@@ -88,6 +88,9 @@ pub struct Wanted {
     pub admin: bool,
     /// The scaler CA, made valid for this long when missing (`--scaler-tls`).
     pub scaler_ca: Option<Duration>,
+    /// A scaler CA with less life left than this is replaced by a new one (the certificates'
+    /// lifetime, `--scaler-cert-validity`: they never outlive their CA).
+    pub scaler_ca_min_left: Duration,
 }
 
 /// The keys loaded.
@@ -177,15 +180,27 @@ fn add_missing(
         data.insert(ADMIN_KEY_FIELD.to_owned(), ByteString(key.to_vec()));
         added.push(ADMIN_KEY_FIELD);
     }
+    let ending = |data: &BTreeMap<String, ByteString>| {
+        data.get(SCALER_CA_NOT_AFTER_FIELD)
+            .and_then(|v| std::str::from_utf8(&v.0).ok())
+            .and_then(|t| OffsetDateTime::parse(t.trim(), &Rfc3339).ok())
+            .is_some_and(|t| t - wanted.scaler_ca_min_left <= OffsetDateTime::now_utc())
+    };
     if let Some(validity) = wanted.scaler_ca
-        && [
+        && ([
             SCALER_CA_CERT_FIELD,
             SCALER_CA_KEY_FIELD,
             SCALER_CA_NOT_AFTER_FIELD,
         ]
         .iter()
         .any(|f| missing(data, f))
+            || ending(data))
     {
+        if ending(data) {
+            tracing::warn!(
+                "the scaler CA expires within --scaler-cert-validity: a new CA is made, and every push-mode service's certificates are issued again from it"
+            );
+        }
         let ca = pki::generate_ca(SCALER_CA_NAME, validity)
             .map_err(|e| KeysError::Generate(e.to_string()))?;
         let not_after = ca
@@ -263,6 +278,7 @@ mod tests {
         let both = Wanted {
             admin: true,
             scaler_ca: Some(DAY),
+            scaler_ca_min_left: Duration::from_secs(3600),
         };
         let mut data = BTreeMap::new();
         assert_eq!(
@@ -285,13 +301,28 @@ mod tests {
         );
         assert_eq!(data[ADMIN_KEY_FIELD], before[ADMIN_KEY_FIELD]);
         assert_ne!(data[SCALER_CA_CERT_FIELD], before[SCALER_CA_CERT_FIELD]);
+        // A CA with less than the minimum left is replaced, the admin key kept.
+        let soon = (OffsetDateTime::now_utc() + Duration::from_secs(1800))
+            .format(&Rfc3339)
+            .unwrap();
+        data.insert(
+            SCALER_CA_NOT_AFTER_FIELD.into(),
+            ByteString(soon.into_bytes()),
+        );
+        let before = data.clone();
+        assert_eq!(
+            add_missing(&mut data, both).unwrap(),
+            [SCALER_CA_CERT_FIELD]
+        );
+        assert_ne!(data[SCALER_CA_CERT_FIELD], before[SCALER_CA_CERT_FIELD]);
+        assert_eq!(data[ADMIN_KEY_FIELD], before[ADMIN_KEY_FIELD]);
         // Only what is wanted.
         let mut only_admin = BTreeMap::new();
         add_missing(
             &mut only_admin,
             Wanted {
                 admin: true,
-                scaler_ca: None,
+                ..Wanted::default()
             },
         )
         .unwrap();
@@ -301,8 +332,8 @@ mod tests {
     #[test]
     fn bad_keys_name_the_secret_the_field_and_the_fix() {
         let ca_only = Wanted {
-            admin: false,
             scaler_ca: Some(DAY),
+            ..Wanted::default()
         };
         let mut data = BTreeMap::new();
         add_missing(&mut data, ca_only).unwrap();
@@ -328,7 +359,7 @@ mod tests {
             &short,
             Wanted {
                 admin: true,
-                scaler_ca: None,
+                ..Wanted::default()
             },
             "ns/keys",
         )

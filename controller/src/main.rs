@@ -355,6 +355,34 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     let client: Client = ClientBuilder::try_from(config)?
         .with_layer(&metrics.request_counter())
         .build();
+    // Flags and keys before /readyz is served: a controller that cannot start never looks
+    // ready, so a rollout keeps the running one.
+    if args.scaler_cert_validity < Duration::from_secs(3600) {
+        bail!(
+            "--scaler-cert-validity ({:?}) must be at least 1h: certificates are issued again two thirds into it",
+            args.scaler_cert_validity
+        );
+    }
+    if args.scaler_tls && args.scaler_ca_validity < 2 * args.scaler_cert_validity {
+        bail!(
+            "--scaler-ca-validity ({:?}) must be at least twice --scaler-cert-validity ({:?}): certificates never outlive their CA",
+            args.scaler_ca_validity,
+            args.scaler_cert_validity
+        );
+    }
+    let ns = &args.leader_election_namespace;
+    let keys = hearth_controller::keys::load_or_init(
+        client.clone(),
+        ns,
+        &args.admin_keys_secret,
+        hearth_controller::keys::Wanted {
+            admin: args.gateway_admin_auth,
+            scaler_ca: args.scaler_tls.then_some(args.scaler_ca_validity),
+            scaler_ca_min_left: args.scaler_cert_validity,
+        },
+    )
+    .await
+    .context("--admin-keys-secret")?;
 
     let listener = hearth_net::listen(args.metrics_addr, hearth_net::ListenOptions::default())
         .context("--metrics-addr")?;
@@ -415,31 +443,6 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
             }
         }
     };
-    if args.scaler_cert_validity < Duration::from_secs(3600) {
-        bail!(
-            "--scaler-cert-validity ({:?}) must be at least 1h: certificates are issued again two thirds into it",
-            args.scaler_cert_validity
-        );
-    }
-    if args.scaler_tls && args.scaler_ca_validity < 2 * args.scaler_cert_validity {
-        bail!(
-            "--scaler-ca-validity ({:?}) must be at least twice --scaler-cert-validity ({:?}): certificates never outlive their CA",
-            args.scaler_ca_validity,
-            args.scaler_cert_validity
-        );
-    }
-    let ns = &args.leader_election_namespace;
-    let keys = hearth_controller::keys::load_or_init(
-        client.clone(),
-        ns,
-        &args.admin_keys_secret,
-        hearth_controller::keys::Wanted {
-            admin: args.gateway_admin_auth,
-            scaler_ca: args.scaler_tls.then_some(args.scaler_ca_validity),
-        },
-    )
-    .await
-    .context("--admin-keys-secret")?;
     let admin_tokens = if let Some(tokens) = keys.admin {
         let keda = secret_ref(&args.keda_token_secret, ns).context("--keda-token-secret")?;
         let metrics =

@@ -105,12 +105,15 @@ impl Record {
         serde_json::from_str(v).ok()
     }
 
-    /// Whether to issue again at `now`, signing with `ca` (PEM): two thirds into the
-    /// certificates' life, when the expiry does not parse, or when another CA signed them.
-    pub fn due(&self, cfg: &ScalerTlsConfig, ca: &str, now: OffsetDateTime) -> bool {
-        self.ca != ca
-            || OffsetDateTime::parse(&self.not_after, &Rfc3339)
-                .map_or(true, |t| t - cfg.cert_validity / 3 <= now)
+    /// Whether to issue again at `now`, signing with `ca`: when another CA signed them, when
+    /// the expiry does not parse, or two thirds into the certificates' life, unless they
+    /// already end with the CA (certificates never outlive it, so issuing again would give
+    /// the same expiry: the controller replaces a CA that close to its end when it starts).
+    pub fn due(&self, cfg: &ScalerTlsConfig, ca: &Issued, now: OffsetDateTime) -> bool {
+        self.ca != ca.cert
+            || OffsetDateTime::parse(&self.not_after, &Rfc3339).map_or(true, |t| {
+                t - cfg.cert_validity / 3 <= now && t + Duration::from_secs(60) < ca.not_after
+            })
     }
 
     /// SHA-256 of the CA and the expiry, the first 16 hex digits: what changes with each
@@ -303,8 +306,14 @@ pub async fn step(
     let ca = cfg.ca.as_ref().ok_or_else(|| {
         Error::Certificate("the controller has no scaler CA (see its start-up log)".to_owned())
     })?;
+    if ca.not_after <= now {
+        return Err(Error::Certificate(format!(
+            "the scaler CA expired at {}: restart the controller, which makes a new one",
+            ca.not_after.format(&Rfc3339).unwrap_or_default()
+        )));
+    }
     let record = match ctx.scaler_records.newest(&namespace, &name, cached) {
-        Some(r) if !r.due(cfg, &ca.cert, now) => r,
+        Some(r) if !r.due(cfg, ca, now) => r,
         previous => {
             let m = Material::issue(
                 ca,
@@ -522,7 +531,7 @@ mod tests {
         let other = self::ca();
         let third = issue(&other, Some(&r1.ca));
         assert_eq!(third.bundle, format!("{}{}", other.cert, ca.cert));
-        assert!(r1.due(&cfg(), &other.cert, OffsetDateTime::now_utc()));
+        assert!(r1.due(&cfg(), &other, OffsetDateTime::now_utc()));
     }
 
     #[test]
@@ -531,8 +540,13 @@ mod tests {
         let m = issue(&ca, None);
         let r = m.record();
         let now = OffsetDateTime::now_utc();
-        assert!(!r.due(&cfg(), &ca.cert, now));
-        assert!(r.due(&cfg(), &ca.cert, now + Duration::from_secs(2 * 86_400 + 60)));
+        assert!(!r.due(&cfg(), &ca, now));
+        assert!(r.due(&cfg(), &ca, now + Duration::from_secs(2 * 86_400 + 60)));
+        // Certificates that end with their CA are not issued again (the same expiry would
+        // come out), however late it is.
+        let ending = pki::generate_ca(SCALER_CA_NAME, Duration::from_secs(86_400)).unwrap();
+        let capped = issue(&ending, None).record();
+        assert!(!capped.due(&cfg(), &ending, now + Duration::from_secs(80_000)));
         let mut d = Deployment::default();
         d.metadata.annotations = Some(BTreeMap::from([(
             RECORD_ANNOTATION.to_owned(),
@@ -543,7 +557,7 @@ mod tests {
             not_after: "soon".into(),
             ..r
         };
-        assert!(broken.due(&cfg(), &ca.cert, now));
+        assert!(broken.due(&cfg(), &ca, now));
     }
 
     #[test]

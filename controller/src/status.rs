@@ -38,6 +38,9 @@ pub const VALIDATED: &str = "Validated";
 /// `EndpointAccepted`: with `spec.endpoint.sharedEndpointRef`, whether the LLMEndpoint accepts
 /// the service (reasons: [`hearth_crds::llmendpoint::AttachReason`]).
 pub const ENDPOINT_ACCEPTED: &str = hearth_crds::llmendpoint::CONDITION_ENDPOINT_ACCEPTED;
+/// `NetworkPolicyReady`: with the models' NetworkPolicies on (`--model-network-policies`),
+/// whether the apiserver took them; absent when they are off.
+pub const NETWORK_POLICY_READY: &str = "NetworkPolicyReady";
 /// The `Validated=True` reason of a spec without findings.
 pub const VALID: &str = "Valid";
 /// `Ready=False` reason (and phase) while a backend pod waits for its accelerator; the device

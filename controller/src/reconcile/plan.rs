@@ -471,6 +471,14 @@ pub fn plan(svc: &LLMService, desired: Desired, view: &View, cfg: &RenderConfig)
     );
 
     // Backend: its NetworkPolicy first, so no pod runs unguarded.
+    if children.backend_network_policy.is_some() {
+        conds.push(Cond::new(
+            status::NETWORK_POLICY_READY,
+            Some(true),
+            "Applied",
+            "the gateway's and the backend's NetworkPolicies are written (--model-network-policies)",
+        ));
+    }
     apply_or_delete(
         writes,
         children.backend_network_policy,
@@ -827,6 +835,18 @@ pub fn recovery<'a>(write: &'a Write, e: &Status) -> Recovery<'a> {
         (Write::Apply(Object::ScaledObject(_)), 404) => {
             Recovery::Report(status::autoscaling(false, None))
         }
+        // A policy the apiserver refuses (a value of --model-network-policies that its checks
+        // missed) is reported; the service's other children are still written.
+        (Write::Apply(Object::NetworkPolicy(p)), 422) => Recovery::Report(Cond::new(
+            status::NETWORK_POLICY_READY,
+            Some(false),
+            "Refused",
+            format!(
+                "the apiserver refused NetworkPolicy {}: {}; it is made from the controller's --model-network-policies (chart values networkPolicy.models and networkPolicy.metricsFrom): fix the value there",
+                p.name_any(),
+                e.message
+            ),
+        )),
         (Write::Create(backend), 409) => Recovery::ReadBackend(backend),
         (Write::Delete(_), 404) => Recovery::Done,
         _ => Recovery::Fail,

@@ -37,6 +37,7 @@ use crate::{
     labels::{self, Component},
     names,
 };
+use hearth_crds::naming;
 
 /// The namespace label every namespace carries (Kubernetes sets it from the name).
 const NAMESPACE_NAME_LABEL: &str = "kubernetes.io/metadata.name";
@@ -74,17 +75,24 @@ impl ModelNetworkPolicies {
         let p: Self = serde_json::from_str(json).map_err(|e| {
             format!("--model-network-policies: {e}; expected {{\"clientsFrom\": [NetworkPolicyPeer], \"metricsFrom\": [...], \"kedaNamespace\": \"keda\", \"controllerNamespace\": \"...\", \"controllerPodLabels\": {{...}}}}")
         })?;
-        for (field, empty) in [
-            ("kedaNamespace", p.keda_namespace.is_empty()),
-            ("controllerNamespace", p.controller_namespace.is_empty()),
-            ("controllerPodLabels", p.controller_pod_labels.is_empty()),
+        let err = |e: String| format!("--model-network-policies: {e}");
+        for (field, ns) in [
+            ("kedaNamespace", &p.keda_namespace),
+            ("controllerNamespace", &p.controller_namespace),
         ] {
-            if empty {
-                return Err(format!(
-                    "--model-network-policies: {field} is empty; set it (the chart fills it from its release)"
-                ));
+            if !naming::is_dns1123_label(ns) {
+                return Err(err(format!(
+                    "{field} {ns:?} is not a namespace name (a DNS-1123 label: lowercase letters, digits, '-'); the chart fills it from its release and gateway.adminAuth.kedaNamespace"
+                )));
             }
         }
+        if p.controller_pod_labels.is_empty() {
+            return Err(err(
+                "controllerPodLabels is empty; set it (the chart fills it from its release)".into(),
+            ));
+        }
+        check_labels(&p.controller_pod_labels)
+            .map_err(|e| err(format!("controllerPodLabels: {e}")))?;
         for (field, peers) in [
             ("clientsFrom", &p.clients_from),
             ("metricsFrom", &p.metrics_from),
@@ -110,10 +118,20 @@ impl ModelNetworkPolicies {
 }
 
 /// What the apiserver's NetworkPolicy validation asks of a peer, checked before any policy is
-/// written: one of `podSelector`, `namespaceSelector` (together allowed) or `ipBlock` alone
-/// (field names of unknown spelling are dropped when parsed, leaving an empty peer), and a
-/// CIDR (`a.b.c.d/n` or IPv6) in `ipBlock.cidr` and each `except`.
+/// written (a policy it refuses would stop every reconcile): one of `podSelector`,
+/// `namespaceSelector` (together allowed) or `ipBlock` alone (field names of unknown spelling
+/// are dropped when parsed, leaving an empty peer); selectors of valid label keys and values,
+/// and expressions whose operator and values go together; a CIDR in `ipBlock.cidr` and each
+/// `except` a strict subset of it.
 fn check_peer(peer: &NetworkPolicyPeer) -> Result<(), String> {
+    for (field, selector) in [
+        ("podSelector", &peer.pod_selector),
+        ("namespaceSelector", &peer.namespace_selector),
+    ] {
+        if let Some(s) = selector {
+            check_selector(s).map_err(|e| format!("{field}: {e}"))?;
+        }
+    }
     let selects = peer.pod_selector.is_some() || peer.namespace_selector.is_some();
     match &peer.ip_block {
         None if !selects => Err(
@@ -125,12 +143,16 @@ fn check_peer(peer: &NetworkPolicyPeer) -> Result<(), String> {
             Err("ipBlock cannot be combined with podSelector or namespaceSelector".to_owned())
         }
         Some(b) => {
-            for (field, cidr) in std::iter::once(("ipBlock.cidr", &b.cidr))
-                .chain(b.except.iter().flatten().map(|c| ("ipBlock.except", c)))
-            {
-                if !is_cidr(cidr) {
+            let not_cidr = |field: &str, c: &str| {
+                format!("{field} {c:?} is not a CIDR (such as 198.51.100.0/24 or 2001:db8::/32)")
+            };
+            let block = cidr(&b.cidr).ok_or_else(|| not_cidr("ipBlock.cidr", &b.cidr))?;
+            for e in b.except.iter().flatten() {
+                let inner = cidr(e).ok_or_else(|| not_cidr("ipBlock.except", e))?;
+                if !block.strictly_contains(&inner) {
                     return Err(format!(
-                        "{field} {cidr:?} is not a CIDR (such as 198.51.100.0/24 or 2001:db8::/32)"
+                        "ipBlock.except {e:?} is not a strict subset of ipBlock.cidr {:?}",
+                        b.cidr
                     ));
                 }
             }
@@ -139,15 +161,78 @@ fn check_peer(peer: &NetworkPolicyPeer) -> Result<(), String> {
     }
 }
 
-/// Whether `s` is `<IP address>/<prefix length>` with a prefix the address family allows.
-fn is_cidr(s: &str) -> bool {
-    let Some((ip, len)) = s.split_once('/') else {
-        return false;
+/// A label selector as the apiserver validates one.
+fn check_selector(s: &LabelSelector) -> Result<(), String> {
+    if let Some(l) = &s.match_labels {
+        check_labels(l)?;
+    }
+    for (i, e) in s.match_expressions.iter().flatten().enumerate() {
+        let at = format!("matchExpressions[{i}]");
+        naming::check_qualified_name(&e.key)
+            .map_err(|why| format!("{at}.key {:?}: {why}", e.key))?;
+        let values = e.values.as_deref().unwrap_or_default();
+        match (e.operator.as_str(), values.is_empty()) {
+            ("In" | "NotIn", false) | ("Exists" | "DoesNotExist", true) => {}
+            ("In" | "NotIn", true) => {
+                return Err(format!("{at}: operator {} needs values", e.operator));
+            }
+            ("Exists" | "DoesNotExist", false) => {
+                return Err(format!("{at}: operator {} takes no values", e.operator));
+            }
+            (op, _) => {
+                return Err(format!(
+                    "{at}.operator {op:?} is not In, NotIn, Exists or DoesNotExist"
+                ));
+            }
+        }
+        if let Some(v) = values.iter().find(|v| !naming::is_label_value(v)) {
+            return Err(format!("{at}.values: {v:?} is not a label value"));
+        }
+    }
+    Ok(())
+}
+
+/// Label keys (qualified names) and values as the apiserver validates them.
+fn check_labels(labels: &BTreeMap<String, String>) -> Result<(), String> {
+    for (k, v) in labels {
+        naming::check_qualified_name(k).map_err(|why| format!("label key {k:?}: {why}"))?;
+        if !naming::is_label_value(v) {
+            return Err(format!(
+                "label {k:?}: value {v:?} is not a label value (at most 63 letters, digits, '-', '_', '.', starting and ending alphanumeric)"
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// An address block: the address as bits, its width (32 or 128) and the prefix length.
+#[derive(Clone, Copy, Debug)]
+struct Cidr {
+    bits: u128,
+    width: u8,
+    len: u8,
+}
+
+impl Cidr {
+    /// Whether `inner` lies inside this block, of the same family, with a longer prefix.
+    fn strictly_contains(&self, inner: &Cidr) -> bool {
+        let mask = match self.len {
+            0 => 0,
+            l => u128::MAX << (u32::from(self.width) - u32::from(l)),
+        };
+        self.width == inner.width && inner.len > self.len && inner.bits & mask == self.bits & mask
+    }
+}
+
+/// `<IP address>/<prefix length>` with a prefix the address family allows.
+fn cidr(s: &str) -> Option<Cidr> {
+    let (ip, len) = s.split_once('/')?;
+    let len = len.parse::<u8>().ok()?;
+    let (bits, width) = match ip.parse::<std::net::IpAddr>().ok()? {
+        std::net::IpAddr::V4(v4) => (u128::from(u32::from(v4)), 32),
+        std::net::IpAddr::V6(v6) => (u128::from(v6), 128),
     };
-    let (Ok(ip), Ok(len)) = (ip.parse::<std::net::IpAddr>(), len.parse::<u8>()) else {
-        return false;
-    };
-    len <= if ip.is_ipv4() { 32 } else { 128 }
+    (len <= width).then_some(Cidr { bits, width, len })
 }
 
 /// Pods matching `pods` (all when `None`) in the namespace `namespace`.
@@ -430,7 +515,7 @@ mod tests {
             ),
             (
                 r#"{"kedaNamespace":"","controllerNamespace":"h","controllerPodLabels":{"a":"b"}}"#,
-                "kedaNamespace is empty",
+                "kedaNamespace \"\" is not a namespace name",
             ),
             (
                 r#"{"kedaNamespace":"keda","controllerNamespace":"h","controllerPodLabels":{}}"#,
@@ -460,14 +545,46 @@ mod tests {
                 r#"{"kedaNamespace":"keda","controllerNamespace":"h","controllerPodLabels":{"a":"b"},"clientsFrom":[{"ipBlock":{"cidr":"2001:db8::/32"},"podSelector":{}}]}"#,
                 "ipBlock cannot be combined",
             ),
+            (
+                r#"{"kedaNamespace":"keda","controllerNamespace":"h","controllerPodLabels":{"a":"b"},"clientsFrom":[{"ipBlock":{"cidr":"10.0.0.0/8","except":["192.168.0.0/16"]}}]}"#,
+                "ipBlock.except \"192.168.0.0/16\" is not a strict subset of ipBlock.cidr \"10.0.0.0/8\"",
+            ),
+            (
+                r#"{"kedaNamespace":"keda","controllerNamespace":"h","controllerPodLabels":{"a":"b"},"clientsFrom":[{"ipBlock":{"cidr":"10.0.0.0/8","except":["2001:db8::/32"]}}]}"#,
+                "not a strict subset",
+            ),
+            (
+                r#"{"kedaNamespace":"keda","controllerNamespace":"h","controllerPodLabels":{"a":"b"},"clientsFrom":[{"ipBlock":{"cidr":"10.0.0.0/8","except":["10.0.0.0/8"]}}]}"#,
+                "not a strict subset",
+            ),
+            (
+                r#"{"kedaNamespace":"keda","controllerNamespace":"h","controllerPodLabels":{"a":"b"},"clientsFrom":[{"namespaceSelector":{"matchLabels":{"bad key!":"x"}}}]}"#,
+                "clientsFrom[0]: namespaceSelector: label key \"bad key!\"",
+            ),
+            (
+                r#"{"kedaNamespace":"keda","controllerNamespace":"h","controllerPodLabels":{"a":"b"},"clientsFrom":[{"podSelector":{"matchLabels":{"a":"not ok"}}}]}"#,
+                "value \"not ok\" is not a label value",
+            ),
+            (
+                r#"{"kedaNamespace":"keda","controllerNamespace":"h","controllerPodLabels":{"a":"b"},"metricsFrom":[{"podSelector":{"matchExpressions":[{"key":"a","operator":"Bogus"}]}}]}"#,
+                "matchExpressions[0].operator \"Bogus\"",
+            ),
+            (
+                r#"{"kedaNamespace":"keda","controllerNamespace":"h","controllerPodLabels":{"a":"b"},"metricsFrom":[{"podSelector":{"matchExpressions":[{"key":"a","operator":"In"}]}}]}"#,
+                "operator In needs values",
+            ),
+            (
+                r#"{"kedaNamespace":"KEDA NS","controllerNamespace":"h","controllerPodLabels":{"a":"b"}}"#,
+                "kedaNamespace \"KEDA NS\" is not a namespace name",
+            ),
         ] {
             let e = ModelNetworkPolicies::parse(json).unwrap_err();
             assert!(e.contains(want), "{json}: {e}");
         }
-        let ok = r#"{"kedaNamespace":"keda","controllerNamespace":"h","controllerPodLabels":{"a":"b"},"clientsFrom":[{"ipBlock":{"cidr":"2001:db8::/32"}},{"namespaceSelector":{},"podSelector":{"matchLabels":{"a":"b"}}}]}"#;
+        let ok = r#"{"kedaNamespace":"keda","controllerNamespace":"h","controllerPodLabels":{"a":"b"},"clientsFrom":[{"ipBlock":{"cidr":"2001:db8::/32","except":["2001:db8:1::/48"]}},{"namespaceSelector":{},"podSelector":{"matchLabels":{"a":"b"},"matchExpressions":[{"key":"example.com/tier","operator":"Exists"}]}},{"ipBlock":{"cidr":"0.0.0.0/0","except":["198.51.100.0/24"]}}]}"#;
         assert_eq!(
             ModelNetworkPolicies::parse(ok).unwrap().clients_from.len(),
-            2
+            3
         );
     }
 }

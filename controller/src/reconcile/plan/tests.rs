@@ -269,7 +269,33 @@ fn network_policies_follow_the_setting() {
         )
         .unwrap(),
     );
-    let w = writes(&plan_with(&svc, &steady(&svc), &on));
+    let p = plan_with(&svc, &steady(&svc), &on);
+    assert!(cond(&p, status::NETWORK_POLICY_READY).is_true());
+    assert!(
+        planned(&svc, &steady(&svc))
+            .condition(status::NETWORK_POLICY_READY)
+            .is_none()
+    );
+    // A policy the apiserver refuses is reported, and does not stop the reconcile.
+    let refused = recovery(
+        &p.writes[0],
+        &Status {
+            code: 422,
+            message: "spec.ingress[0].from[0].ipBlock.except[0]: Invalid value".into(),
+            ..Status::default()
+        },
+    );
+    let Recovery::Report(c) = refused else {
+        panic!("{refused:?}")
+    };
+    assert_eq!(c.type_, status::NETWORK_POLICY_READY);
+    assert!(
+        c.message
+            .contains("NetworkPolicy chat-backend: spec.ingress[0]"),
+        "{}",
+        c.message
+    );
+    let w = writes(&p);
     assert_eq!(
         w,
         [
