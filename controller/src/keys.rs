@@ -180,12 +180,12 @@ fn add_missing(
         data.insert(ADMIN_KEY_FIELD.to_owned(), ByteString(key.to_vec()));
         added.push(ADMIN_KEY_FIELD);
     }
-    let ending = |data: &BTreeMap<String, ByteString>| {
-        data.get(SCALER_CA_NOT_AFTER_FIELD)
-            .and_then(|v| std::str::from_utf8(&v.0).ok())
-            .and_then(|t| OffsetDateTime::parse(t.trim(), &Rfc3339).ok())
-            .is_some_and(|t| t - wanted.scaler_ca_min_left <= OffsetDateTime::now_utc())
-    };
+    // A CA too close to its end for a certificate's full life is made anew.
+    let ending = data
+        .get(SCALER_CA_NOT_AFTER_FIELD)
+        .and_then(|v| std::str::from_utf8(&v.0).ok())
+        .and_then(|t| OffsetDateTime::parse(t.trim(), &Rfc3339).ok())
+        .is_some_and(|t| t - wanted.scaler_ca_min_left <= OffsetDateTime::now_utc());
     if let Some(validity) = wanted.scaler_ca
         && ([
             SCALER_CA_CERT_FIELD,
@@ -194,9 +194,9 @@ fn add_missing(
         ]
         .iter()
         .any(|f| missing(data, f))
-            || ending(data))
+            || ending)
     {
-        if ending(data) {
+        if ending {
             tracing::warn!(
                 "the scaler CA expires within --scaler-cert-validity: a new CA is made, and every push-mode service's certificates are issued again from it"
             );

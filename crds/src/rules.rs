@@ -1112,6 +1112,14 @@ pub fn container_concurrency(svc: &LLMService, rt: Option<&InferenceRuntime>) ->
     found
 }
 
+/// The findings of [`label_selector`] for `sel` at `field`, for a selector that comes from a
+/// flag rather than an object (the controller's `--model-network-policies`).
+pub fn check_label_selector(field: &str, sel: &LabelSelector) -> Findings {
+    let mut f = Findings::default();
+    label_selector(&mut f, field, sel);
+    f
+}
+
 /// A `metav1.LabelSelector` the apiserver's `LabelSelectorAsSelector` accepts: qualified label
 /// keys, label values, the four operators, values exactly with `In` and `NotIn`.
 fn label_selector(f: &mut Findings, field: &str, sel: &LabelSelector) {

@@ -37,7 +37,7 @@ use crate::{
     labels::{self, Component},
     names,
 };
-use hearth_crds::naming;
+use hearth_crds::{naming, rules};
 
 /// The namespace label every namespace carries (Kubernetes sets it from the name).
 const NAMESPACE_NAME_LABEL: &str = "kubernetes.io/metadata.name";
@@ -91,15 +91,17 @@ impl ModelNetworkPolicies {
                 "controllerPodLabels is empty; set it (the chart fills it from its release)".into(),
             ));
         }
-        check_labels(&p.controller_pod_labels)
-            .map_err(|e| err(format!("controllerPodLabels: {e}")))?;
+        check_selector(
+            "controllerPodLabels",
+            &match_labels(p.controller_pod_labels.clone()),
+        )
+        .map_err(err)?;
         for (field, peers) in [
             ("clientsFrom", &p.clients_from),
             ("metricsFrom", &p.metrics_from),
         ] {
             for (i, peer) in peers.iter().enumerate() {
-                check_peer(peer)
-                    .map_err(|e| format!("--model-network-policies: {field}[{i}]: {e}"))?;
+                check_peer(&format!("{field}[{i}]"), peer).map_err(err)?;
             }
         }
         Ok(p)
@@ -123,35 +125,36 @@ impl ModelNetworkPolicies {
 /// are dropped when parsed, leaving an empty peer); selectors of valid label keys and values,
 /// and expressions whose operator and values go together; a CIDR in `ipBlock.cidr` and each
 /// `except` a strict subset of it.
-fn check_peer(peer: &NetworkPolicyPeer) -> Result<(), String> {
+fn check_peer(at: &str, peer: &NetworkPolicyPeer) -> Result<(), String> {
     for (field, selector) in [
         ("podSelector", &peer.pod_selector),
         ("namespaceSelector", &peer.namespace_selector),
     ] {
         if let Some(s) = selector {
-            check_selector(s).map_err(|e| format!("{field}: {e}"))?;
+            check_selector(&format!("{at}.{field}"), s)?;
         }
     }
     let selects = peer.pod_selector.is_some() || peer.namespace_selector.is_some();
     match &peer.ip_block {
-        None if !selects => Err(
-            "a peer needs podSelector, namespaceSelector or ipBlock (check the field names)"
-                .to_owned(),
-        ),
+        None if !selects => Err(format!(
+            "{at}: a peer needs podSelector, namespaceSelector or ipBlock (check the field names)"
+        )),
         None => Ok(()),
-        Some(_) if selects => {
-            Err("ipBlock cannot be combined with podSelector or namespaceSelector".to_owned())
-        }
+        Some(_) if selects => Err(format!(
+            "{at}: ipBlock cannot be combined with podSelector or namespaceSelector"
+        )),
         Some(b) => {
             let not_cidr = |field: &str, c: &str| {
-                format!("{field} {c:?} is not a CIDR (such as 198.51.100.0/24 or 2001:db8::/32)")
+                format!(
+                    "{at}: {field} {c:?} is not a CIDR (such as 198.51.100.0/24 or 2001:db8::/32)"
+                )
             };
             let block = cidr(&b.cidr).ok_or_else(|| not_cidr("ipBlock.cidr", &b.cidr))?;
             for e in b.except.iter().flatten() {
                 let inner = cidr(e).ok_or_else(|| not_cidr("ipBlock.except", e))?;
                 if !block.strictly_contains(&inner) {
                     return Err(format!(
-                        "ipBlock.except {e:?} is not a strict subset of ipBlock.cidr {:?}",
+                        "{at}: ipBlock.except {e:?} is not a strict subset of ipBlock.cidr {:?}",
                         b.cidr
                     ));
                 }
@@ -161,48 +164,13 @@ fn check_peer(peer: &NetworkPolicyPeer) -> Result<(), String> {
     }
 }
 
-/// A label selector as the apiserver validates one.
-fn check_selector(s: &LabelSelector) -> Result<(), String> {
-    if let Some(l) = &s.match_labels {
-        check_labels(l)?;
+/// A label selector as the apiserver validates one ([`rules::check_label_selector`]): the first
+/// error, naming its field under `at`.
+fn check_selector(at: &str, s: &LabelSelector) -> Result<(), String> {
+    match rules::check_label_selector(at, s).first_error() {
+        Some(e) => Err(e.to_string()),
+        None => Ok(()),
     }
-    for (i, e) in s.match_expressions.iter().flatten().enumerate() {
-        let at = format!("matchExpressions[{i}]");
-        naming::check_qualified_name(&e.key)
-            .map_err(|why| format!("{at}.key {:?}: {why}", e.key))?;
-        let values = e.values.as_deref().unwrap_or_default();
-        match (e.operator.as_str(), values.is_empty()) {
-            ("In" | "NotIn", false) | ("Exists" | "DoesNotExist", true) => {}
-            ("In" | "NotIn", true) => {
-                return Err(format!("{at}: operator {} needs values", e.operator));
-            }
-            ("Exists" | "DoesNotExist", false) => {
-                return Err(format!("{at}: operator {} takes no values", e.operator));
-            }
-            (op, _) => {
-                return Err(format!(
-                    "{at}.operator {op:?} is not In, NotIn, Exists or DoesNotExist"
-                ));
-            }
-        }
-        if let Some(v) = values.iter().find(|v| !naming::is_label_value(v)) {
-            return Err(format!("{at}.values: {v:?} is not a label value"));
-        }
-    }
-    Ok(())
-}
-
-/// Label keys (qualified names) and values as the apiserver validates them.
-fn check_labels(labels: &BTreeMap<String, String>) -> Result<(), String> {
-    for (k, v) in labels {
-        naming::check_qualified_name(k).map_err(|why| format!("label key {k:?}: {why}"))?;
-        if !naming::is_label_value(v) {
-            return Err(format!(
-                "label {k:?}: value {v:?} is not a label value (at most 63 letters, digits, '-', '_', '.', starting and ending alphanumeric)"
-            ));
-        }
-    }
-    Ok(())
 }
 
 /// An address block: the address as bits, its width (32 or 128) and the prefix length.
@@ -559,7 +527,7 @@ mod tests {
             ),
             (
                 r#"{"kedaNamespace":"keda","controllerNamespace":"h","controllerPodLabels":{"a":"b"},"clientsFrom":[{"namespaceSelector":{"matchLabels":{"bad key!":"x"}}}]}"#,
-                "clientsFrom[0]: namespaceSelector: label key \"bad key!\"",
+                "clientsFrom[0].namespaceSelector.matchLabels[\"bad key!\"]: the key",
             ),
             (
                 r#"{"kedaNamespace":"keda","controllerNamespace":"h","controllerPodLabels":{"a":"b"},"clientsFrom":[{"podSelector":{"matchLabels":{"a":"not ok"}}}]}"#,
@@ -567,11 +535,11 @@ mod tests {
             ),
             (
                 r#"{"kedaNamespace":"keda","controllerNamespace":"h","controllerPodLabels":{"a":"b"},"metricsFrom":[{"podSelector":{"matchExpressions":[{"key":"a","operator":"Bogus"}]}}]}"#,
-                "matchExpressions[0].operator \"Bogus\"",
+                "metricsFrom[0].podSelector.matchExpressions[0].operator: \"Bogus\" is not an operator",
             ),
             (
                 r#"{"kedaNamespace":"keda","controllerNamespace":"h","controllerPodLabels":{"a":"b"},"metricsFrom":[{"podSelector":{"matchExpressions":[{"key":"a","operator":"In"}]}}]}"#,
-                "operator In needs values",
+                "matchExpressions[0].values: must not be empty with operator In",
             ),
             (
                 r#"{"kedaNamespace":"KEDA NS","controllerNamespace":"h","controllerPodLabels":{"a":"b"}}"#,
