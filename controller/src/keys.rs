@@ -8,6 +8,11 @@
 //!   ExternalScaler's certificates of every push-mode service ([`crate::scaler_tls`]), PEM and
 //!   its expiry (RFC 3339). One long-lived CA, so renewing a service's certificates changes no
 //!   trust bundle and no connection waits for the kubelet to refresh a mounted file.
+//! - `scaler-shared-client.crt`, `scaler-shared-client.key`, `scaler-shared-client.record`:
+//!   KEDA's client certificate for the shared gateways' ExternalScalers
+//!   ([`crate::scaler_tls::SharedClient`]), PEM, and its [`crate::scaler_tls::Record`] (JSON:
+//!   the CA that signed it and its expiry). Issued again two thirds into its life, or when the
+//!   CA changed.
 //!
 //! The first controller to start without a field it needs writes it, with the
 //! resourceVersion it read, so two replicas starting at once agree. Deleting a field (and
@@ -22,7 +27,10 @@ use k8s_openapi::{
 use kube::{Api, Client, api::PostParams};
 use time::{OffsetDateTime, format_description::well_known::Rfc3339};
 
-use crate::admin_tokens::AdminTokens;
+use crate::{
+    admin_tokens::AdminTokens,
+    scaler_tls::{Record, SharedClient},
+};
 
 /// The admin key's data key.
 pub const ADMIN_KEY_FIELD: &str = "admin-key";
@@ -32,6 +40,12 @@ pub const SCALER_CA_CERT_FIELD: &str = "scaler-ca.crt";
 pub const SCALER_CA_KEY_FIELD: &str = "scaler-ca.key";
 /// When the scaler CA expires (RFC 3339).
 pub const SCALER_CA_NOT_AFTER_FIELD: &str = "scaler-ca.not-after";
+/// KEDA's client certificate for the shared gateways (PEM).
+pub const SHARED_CLIENT_CERT_FIELD: &str = "scaler-shared-client.crt";
+/// Its private key (PEM).
+pub const SHARED_CLIENT_KEY_FIELD: &str = "scaler-shared-client.key";
+/// Its record (JSON: the signing CA and the expiry).
+pub const SHARED_CLIENT_RECORD_FIELD: &str = "scaler-shared-client.record";
 /// Common name of the scaler CA.
 pub const SCALER_CA_NAME: &str = "hearth-scaler-ca";
 /// Bytes of a new admin key.
@@ -68,6 +82,16 @@ pub enum KeysError {
         /// What is wrong.
         problem: String,
     },
+    /// KEDA's client certificate for the shared gateways does not load.
+    #[error(
+        "Secret {secret}: KEDA's client certificate for the shared gateways ({SHARED_CLIENT_CERT_FIELD}, {SHARED_CLIENT_KEY_FIELD}, {SHARED_CLIENT_RECORD_FIELD}) {problem}; delete the three fields and restart the controller to issue a new one"
+    )]
+    BadSharedClient {
+        /// `<namespace>/<name>`.
+        secret: String,
+        /// What is wrong.
+        problem: String,
+    },
     /// Every write met another writer's.
     #[error(
         "Secret {secret} changed under every attempt to write the keys; check what else writes it"
@@ -91,6 +115,10 @@ pub struct Wanted {
     /// A scaler CA with less life left than this is replaced by a new one (the certificates'
     /// lifetime, `--scaler-cert-validity`: they never outlive their CA).
     pub scaler_ca_min_left: Duration,
+    /// KEDA's client certificate for the shared gateways, issued from the scaler CA for this
+    /// long (`--scaler-cert-validity`) when missing, signed by another CA, or two thirds into
+    /// its life ([`crate::scaler_tls::Record::due`]); needs `scaler_ca`.
+    pub shared_client: Option<Duration>,
 }
 
 /// The keys loaded.
@@ -100,6 +128,8 @@ pub struct ControllerKeys {
     pub admin: Option<AdminTokens>,
     /// The scaler CA (certificate, key, expiry), when wanted.
     pub scaler_ca: Option<Issued>,
+    /// KEDA's client certificate for the shared gateways, when wanted.
+    pub shared_client: Option<SharedClient>,
 }
 
 /// Loads the [`Wanted`] keys from Secret `name` in `namespace`, writing those that are missing
@@ -216,7 +246,66 @@ fn add_missing(
         }
         added.push(SCALER_CA_CERT_FIELD);
     }
+    if let (Some(validity), Some(_)) = (wanted.shared_client, wanted.scaler_ca) {
+        // A CA that does not load is parse()'s to report.
+        if let Ok(ca) = ca_of(data) {
+            let due = added.contains(&SCALER_CA_CERT_FIELD)
+                || shared_client_of(data).is_none_or(|c| {
+                    c.record.due(validity, &ca, OffsetDateTime::now_utc())
+                        || [SHARED_CLIENT_CERT_FIELD, SHARED_CLIENT_KEY_FIELD]
+                            .iter()
+                            .any(|f| missing(data, f))
+                });
+            if due {
+                let c = SharedClient::issue(&ca, validity)
+                    .map_err(|e| KeysError::Generate(e.to_string()))?;
+                let record = serde_json::to_string(&c.record)
+                    .map_err(|e| KeysError::Generate(e.to_string()))?;
+                for (field, value) in [
+                    (SHARED_CLIENT_CERT_FIELD, c.leaf.cert),
+                    (SHARED_CLIENT_KEY_FIELD, c.leaf.key),
+                    (SHARED_CLIENT_RECORD_FIELD, record),
+                ] {
+                    data.insert(field.to_owned(), ByteString(value.into_bytes()));
+                }
+                added.push(SHARED_CLIENT_CERT_FIELD);
+            }
+        }
+    }
     Ok(added)
+}
+
+fn text(data: &BTreeMap<String, ByteString>, field: &str) -> String {
+    data.get(field)
+        .map(|v| String::from_utf8_lossy(&v.0).into_owned())
+        .unwrap_or_default()
+}
+
+/// The scaler CA of `data`, or what is wrong with it.
+fn ca_of(data: &BTreeMap<String, ByteString>) -> Result<Issued, String> {
+    let ca = Issued {
+        cert: text(data, SCALER_CA_CERT_FIELD),
+        key: text(data, SCALER_CA_KEY_FIELD),
+        not_after: OffsetDateTime::parse(text(data, SCALER_CA_NOT_AFTER_FIELD).trim(), &Rfc3339)
+            .map_err(|e| format!("has an expiry that is not RFC 3339: {e}"))?,
+    };
+    pki::certified_key(ca.cert.as_bytes(), ca.key.as_bytes())
+        .map_err(|e| format!("does not load: {e}"))?;
+    Ok(ca)
+}
+
+/// KEDA's client certificate for the shared gateways in `data`, when its record parses.
+fn shared_client_of(data: &BTreeMap<String, ByteString>) -> Option<SharedClient> {
+    let record: Record = serde_json::from_str(&text(data, SHARED_CLIENT_RECORD_FIELD)).ok()?;
+    let not_after = OffsetDateTime::parse(&record.not_after, &Rfc3339).ok()?;
+    Some(SharedClient {
+        leaf: Issued {
+            cert: text(data, SHARED_CLIENT_CERT_FIELD),
+            key: text(data, SHARED_CLIENT_KEY_FIELD),
+            not_after,
+        },
+        record,
+    })
 }
 
 fn parse(
@@ -243,24 +332,23 @@ fn parse(
             secret: secret.to_owned(),
             problem,
         };
-        let text = |f: &str| {
-            data.get(f)
-                .map(|v| String::from_utf8_lossy(&v.0).into_owned())
-                .unwrap_or_default()
-        };
-        let ca = Issued {
-            cert: text(SCALER_CA_CERT_FIELD),
-            key: text(SCALER_CA_KEY_FIELD),
-            not_after: OffsetDateTime::parse(text(SCALER_CA_NOT_AFTER_FIELD).trim(), &Rfc3339)
-                .map_err(|e| bad(format!("has an expiry that is not RFC 3339: {e}")))?,
-        };
-        pki::certified_key(ca.cert.as_bytes(), ca.key.as_bytes())
-            .map_err(|e| bad(format!("does not load: {e}")))?;
+        let ca = ca_of(data).map_err(bad)?;
         if ca.not_after <= OffsetDateTime::now_utc() {
             return Err(bad(format!(
                 "expired at {}",
-                text(SCALER_CA_NOT_AFTER_FIELD)
+                text(data, SCALER_CA_NOT_AFTER_FIELD)
             )));
+        }
+        if wanted.shared_client.is_some() {
+            let bad = |problem: &str| KeysError::BadSharedClient {
+                secret: secret.to_owned(),
+                problem: problem.to_owned(),
+            };
+            let client =
+                shared_client_of(data).ok_or_else(|| bad("has a record that does not parse"))?;
+            pki::certified_key(client.leaf.cert.as_bytes(), client.leaf.key.as_bytes())
+                .map_err(|e| bad(&format!("does not load: {e}")))?;
+            keys.shared_client = Some(client);
         }
         keys.scaler_ca = Some(ca);
     }
@@ -279,6 +367,7 @@ mod tests {
             admin: true,
             scaler_ca: Some(DAY),
             scaler_ca_min_left: Duration::from_secs(3600),
+            shared_client: None,
         };
         let mut data = BTreeMap::new();
         assert_eq!(
@@ -327,6 +416,79 @@ mod tests {
         )
         .unwrap();
         assert_eq!(only_admin.keys().collect::<Vec<_>>(), [ADMIN_KEY_FIELD]);
+    }
+
+    #[test]
+    fn keda_shared_client_is_issued_with_the_ca_and_again_when_due_or_the_ca_changes() {
+        let wanted = Wanted {
+            scaler_ca: Some(10 * DAY),
+            scaler_ca_min_left: DAY,
+            shared_client: Some(3 * DAY),
+            ..Wanted::default()
+        };
+        let mut data = BTreeMap::new();
+        assert_eq!(
+            add_missing(&mut data, wanted).unwrap(),
+            [SCALER_CA_CERT_FIELD, SHARED_CLIENT_CERT_FIELD]
+        );
+        let keys = parse(&data, wanted, "ns/keys").unwrap();
+        let ca = keys.scaler_ca.unwrap();
+        let first = keys.shared_client.unwrap();
+        assert_eq!(first.record.ca, ca.cert);
+        assert_eq!(first.secret_data()["ca.crt"].0, ca.cert.as_bytes());
+        // Not due: nothing is made, a restart loads the same certificate.
+        assert!(add_missing(&mut data, wanted).unwrap().is_empty());
+        assert_eq!(
+            parse(&data, wanted, "ns/keys").unwrap().shared_client,
+            Some(first.clone())
+        );
+        // Two thirds into its life: issued again from the same CA.
+        let mut late = first.record.clone();
+        late.not_after = (OffsetDateTime::now_utc() + DAY / 2)
+            .format(&Rfc3339)
+            .unwrap();
+        data.insert(
+            SHARED_CLIENT_RECORD_FIELD.into(),
+            ByteString(serde_json::to_vec(&late).unwrap()),
+        );
+        assert_eq!(
+            add_missing(&mut data, wanted).unwrap(),
+            [SHARED_CLIENT_CERT_FIELD]
+        );
+        let second = parse(&data, wanted, "ns/keys")
+            .unwrap()
+            .shared_client
+            .unwrap();
+        assert_ne!(second.leaf.cert, first.leaf.cert);
+        assert_eq!(second.record.ca, ca.cert);
+        // A new CA: a new client certificate signed by it.
+        data.remove(SCALER_CA_KEY_FIELD);
+        assert_eq!(
+            add_missing(&mut data, wanted).unwrap(),
+            [SCALER_CA_CERT_FIELD, SHARED_CLIENT_CERT_FIELD]
+        );
+        let keys = parse(&data, wanted, "ns/keys").unwrap();
+        assert_eq!(
+            keys.shared_client.unwrap().record.ca,
+            keys.scaler_ca.unwrap().cert
+        );
+        // A record that does not parse is made again; a certificate that does not load is
+        // reported with the fix.
+        data.insert(SHARED_CLIENT_RECORD_FIELD.into(), ByteString(b"{".to_vec()));
+        assert_eq!(
+            add_missing(&mut data, wanted).unwrap(),
+            [SHARED_CLIENT_CERT_FIELD]
+        );
+        data.insert(
+            SHARED_CLIENT_CERT_FIELD.into(),
+            ByteString(b"not a certificate".to_vec()),
+        );
+        let e = parse(&data, wanted, "ns/keys").unwrap_err().to_string();
+        assert!(
+            e.starts_with("Secret ns/keys: KEDA's client certificate"),
+            "{e}"
+        );
+        assert!(e.contains("delete the three fields and restart"), "{e}");
     }
 
     #[test]

@@ -212,6 +212,21 @@ struct RunArgs {
         default_value = "hearth-gateway-metrics"
     )]
     metrics_token_secret: String,
+    /// `NAMESPACE/NAME` of the Secret (in KEDA's namespace, made empty by the chart) the
+    /// controller writes KEDA's client certificate for every LLMEndpoint's shared gateway into
+    /// (`ca.crt`, `tls.crt`, `tls.key`; kept in --admin-keys-secret), read by the
+    /// ClusterTriggerAuthentication --shared-scaler-trigger-auth; with --scaler-tls. Empty: the
+    /// shared gateways serve the ExternalScaler in plain gRPC.
+    #[arg(
+        long,
+        env = "HEARTH_KEDA_SCALER_SECRET",
+        default_value = "keda/hearth-scaler-keda"
+    )]
+    keda_scaler_secret: String,
+    /// Name of the ClusterTriggerAuthentication the push triggers of models on shared gateways
+    /// use (mutual TLS, see --keda-scaler-secret).
+    #[arg(long, env = "HEARTH_SHARED_SCALER_TRIGGER_AUTH", default_value = hearth_controller::render::DEFAULT_SHARED_SCALER_TRIGGER_AUTH)]
+    shared_scaler_trigger_auth: String,
     /// Name of the ClusterTriggerAuthentication KEDA's `metrics-api` triggers use.
     #[arg(long, env = "HEARTH_GATEWAY_ADMIN_TRIGGER_AUTH", default_value = hearth_controller::render::DEFAULT_ADMIN_TRIGGER_AUTH)]
     gateway_admin_trigger_auth: String,
@@ -371,6 +386,9 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         );
     }
     let ns = &args.leader_election_namespace;
+    let keda_scaler_secret = secret_ref(&args.keda_scaler_secret, ns)
+        .context("--keda-scaler-secret")?
+        .filter(|_| args.scaler_tls);
     let keys = hearth_controller::keys::load_or_init(
         client.clone(),
         ns,
@@ -379,6 +397,9 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
             admin: args.gateway_admin_auth,
             scaler_ca: args.scaler_tls.then_some(args.scaler_ca_validity),
             scaler_ca_min_left: args.scaler_cert_validity,
+            shared_client: keda_scaler_secret
+                .is_some()
+                .then_some(args.scaler_cert_validity),
         },
     )
     .await
@@ -465,8 +486,18 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
             render.admin_auth = args
                 .gateway_admin_auth
                 .then(|| args.gateway_admin_trigger_auth.clone());
+            render.shared_scaler_auth = keda_scaler_secret
+                .is_some()
+                .then(|| args.shared_scaler_trigger_auth.clone());
             render
         },
+        shared_client_home: keda_scaler_secret.map(|keda| {
+            hearth_controller::scaler_tls::SharedClientHome {
+                keys: (ns.clone(), args.admin_keys_secret.clone()),
+                keda,
+                ca_validity: args.scaler_ca_validity,
+            }
+        }),
         admin_tokens,
         namespace: args.namespace,
         requeue: Duration::from_secs(args.resync_seconds),
@@ -477,6 +508,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         scaler_tls: hearth_controller::scaler_tls::ScalerTlsConfig {
             cert_validity: args.scaler_cert_validity,
             ca: keys.scaler_ca,
+            shared_client: keys.shared_client,
         },
     };
     // Both loops stop on the same signal (or lost lease).

@@ -75,6 +75,11 @@ pub fn scaler_client(service: &str, namespace: &str) -> String {
     format!("keda.{}.{namespace}", scaler_service(service))
 }
 
+/// The DNS name in KEDA's one client certificate for the ExternalScaler of every
+/// `LLMEndpoint`'s shared gateway (`crate::scaler_tls::SharedClient`; not a Service's name).
+/// Those gateways take no other, and a service's own gateway does not take it.
+pub const SHARED_SCALER_CLIENT: &str = "keda.llmendpoints.serving.hearth.dev";
+
 /// The NodeLocalPVC model cache claim: `<name>-cache`, as upstream Hearth names it (an
 /// upstream installation's cache is adopted with its contents).
 pub fn cache_claim(service: &str) -> String {

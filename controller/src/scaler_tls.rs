@@ -32,13 +32,23 @@
 //! KEDA caches a scaler, with its TLS material, by the ScaledObject's generation: a digest of
 //! the issuance (its CA and expiry) goes into the trigger's metadata ([`render::TLS_DIGEST_KEY`]),
 //! so a new certificate changes the ScaledObject and KEDA connects with it.
+//!
+//! An `LLMEndpoint`'s shared gateway serves the ExternalScaler of models in many namespaces
+//! (attached LLMServices, joined Deployments). Its serving certificate is issued the same way
+//! ([`endpoint_step`]: Secret `<ep>-scaler-tls`, owned by the endpoint, recorded on its gateway
+//! Deployment), but KEDA has one client certificate for every shared gateway, [`SharedClient`]
+//! for the name [`names::SHARED_SCALER_CLIENT`]: kept in the controller's keys Secret, issued
+//! again there two thirds into its life, and published to KEDA's namespace ([`maintain_shared`])
+//! where the chart's ClusterTriggerAuthentication hands it to every push trigger on a shared
+//! gateway (`authenticationRef` of kind `ClusterTriggerAuthentication`, and its digest as
+//! `tlsDigest`, [`stamp_shared`]). No tenant can read it: it never lives in a model's namespace.
 
 use std::{
     collections::{BTreeMap, HashMap},
     time::{Duration, Instant},
 };
 
-use hearth_crds::{LLMService, wellknown::FIELD_MANAGER};
+use hearth_crds::{LLMEndpoint, LLMService, wellknown::FIELD_MANAGER};
 use hearth_net::pki::{self, Issued, PkiError, Usage};
 use k8s_openapi::{
     ByteString,
@@ -72,6 +82,9 @@ pub struct ScalerTlsConfig {
     /// The CA that signs them ([`crate::keys`]); `None`: the controller makes one when it
     /// starts, kept in memory only (tests; `hearth-controller run` always loads it).
     pub ca: Option<Issued>,
+    /// KEDA's client certificate for the shared gateways, as loaded ([`crate::keys`]); `None`:
+    /// issued from the CA in memory when shared gateways use mutual TLS.
+    pub shared_client: Option<SharedClient>,
 }
 
 impl Default for ScalerTlsConfig {
@@ -80,6 +93,7 @@ impl Default for ScalerTlsConfig {
         Self {
             cert_validity: Duration::from_secs(90 * 86_400),
             ca: None,
+            shared_client: None,
         }
     }
 }
@@ -105,15 +119,24 @@ impl Record {
         serde_json::from_str(v).ok()
     }
 
-    /// Whether to issue again at `now`, signing with `ca`: when another CA signed them, when
-    /// the expiry does not parse, or two thirds into the certificates' life, unless they
-    /// already end with the CA (certificates never outlive it, so issuing again would give
-    /// the same expiry: the controller replaces a CA that close to its end when it starts).
-    pub fn due(&self, cfg: &ScalerTlsConfig, ca: &Issued, now: OffsetDateTime) -> bool {
+    /// Whether to issue again at `now`, signing with `ca`, certificates valid for
+    /// `cert_validity`: when another CA signed them, when the expiry does not parse, or two
+    /// thirds into their life, unless they already end with the CA (certificates never outlive
+    /// it, so issuing again would give the same expiry: the controller replaces a CA that
+    /// close to its end when it starts).
+    pub fn due(&self, cert_validity: Duration, ca: &Issued, now: OffsetDateTime) -> bool {
         self.ca != ca.cert
             || OffsetDateTime::parse(&self.not_after, &Rfc3339).map_or(true, |t| {
-                t - cfg.cert_validity / 3 <= now && t + Duration::from_secs(60) < ca.not_after
+                t - cert_validity / 3 <= now && t + Duration::from_secs(60) < ca.not_after
             })
+    }
+
+    /// The record of certificates signed by `ca` that expire at `not_after`.
+    pub fn new(ca: &Issued, not_after: OffsetDateTime) -> Self {
+        Self {
+            ca: ca.cert.clone(),
+            not_after: not_after.format(&Rfc3339).unwrap_or_default(),
+        }
     }
 
     /// SHA-256 of the CA and the expiry, the first 16 hex digits: what changes with each
@@ -124,6 +147,15 @@ impl Record {
 
     fn annotation(&self) -> String {
         serde_json::to_string(self).unwrap_or_default()
+    }
+
+    /// Records it on `gateway` (the desired gateway Deployment), [`RECORD_ANNOTATION`].
+    pub fn annotate(&self, gateway: &mut Deployment) {
+        gateway
+            .metadata
+            .annotations
+            .get_or_insert_with(Default::default)
+            .insert(RECORD_ANNOTATION.to_owned(), self.annotation());
     }
 }
 
@@ -136,13 +168,15 @@ pub struct Material {
     pub bundle: String,
     /// The gateway's serving certificate.
     pub server: Issued,
-    /// KEDA's client certificate.
-    pub client: Issued,
+    /// KEDA's client certificate for this gateway alone (a service's own gateway); `None` for
+    /// a shared gateway, which KEDA reaches with its [`SharedClient`].
+    pub client: Option<Issued>,
 }
 
 impl Material {
-    /// Issues from `ca` the gateway's certificate for `sans` and KEDA's for `client_name`,
-    /// trusting `previous_ca` (PEM) besides when another CA signed the previous ones.
+    /// Issues from `ca` the gateway's certificate for `sans` and, with `client_name`, KEDA's
+    /// for that name, trusting `previous_ca` (PEM) besides when another CA signed the previous
+    /// ones.
     ///
     /// # Errors
     /// Certificate generation failed (a key that does not parse, a name that is not DNS).
@@ -150,7 +184,7 @@ impl Material {
         ca: &Issued,
         previous_ca: Option<&str>,
         sans: &[String],
-        client_name: &str,
+        client_name: Option<&str>,
         cfg: &ScalerTlsConfig,
     ) -> Result<Self, PkiError> {
         let leaf = |usage, sans: &[String]| {
@@ -165,7 +199,9 @@ impl Material {
             )
         };
         let server = leaf(Usage::Server, sans)?;
-        let client = leaf(Usage::Client, &[client_name.to_owned()])?;
+        let client = client_name
+            .map(|n| leaf(Usage::Client, &[n.to_owned()]))
+            .transpose()?;
         let bundle = match previous_ca {
             Some(p) if p != ca.cert => format!("{}{p}", ca.cert),
             _ => ca.cert.clone(),
@@ -180,15 +216,61 @@ impl Material {
 
     /// What is recorded of it.
     pub fn record(&self) -> Record {
+        let not_after = self.client.as_ref().map_or(self.server.not_after, |c| {
+            c.not_after.min(self.server.not_after)
+        });
         Record {
             ca: self.ca.clone(),
-            not_after: self
-                .server
-                .not_after
-                .min(self.client.not_after)
-                .format(&Rfc3339)
-                .unwrap_or_default(),
+            not_after: not_after.format(&Rfc3339).unwrap_or_default(),
         }
+    }
+}
+
+/// KEDA's client certificate for the ExternalScaler of every `LLMEndpoint`'s gateway, for the
+/// DNS name [`names::SHARED_SCALER_CLIENT`] (the name those gateways check,
+/// `hearth-gateway --scaler-client-name`); kept in the controller's keys Secret
+/// ([`crate::keys`]) and published to KEDA's namespace ([`maintain_shared`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SharedClient {
+    /// The certificate, its key and expiry.
+    pub leaf: Issued,
+    /// The CA that signed it (which KEDA checks the gateways' certificates against) and the
+    /// expiry: [`Record::due`] says when to issue it again, [`Record::digest`] goes into the
+    /// push triggers on shared gateways.
+    pub record: Record,
+}
+
+impl SharedClient {
+    /// Issues it from `ca`, valid for `validity` (never past the CA).
+    ///
+    /// # Errors
+    /// Certificate generation failed (a CA key that does not parse).
+    pub fn issue(ca: &Issued, validity: Duration) -> Result<Self, PkiError> {
+        let leaf = pki::issue(
+            SCALER_CA_NAME,
+            &ca.key,
+            ca.not_after,
+            Usage::Client,
+            SCALER_CA_NAME,
+            &[names::SHARED_SCALER_CLIENT.to_owned()],
+            validity,
+        )?;
+        let record = Record::new(ca, leaf.not_after);
+        Ok(Self { leaf, record })
+    }
+
+    /// The data of KEDA's Secret (`ca.crt`, `tls.crt`, `tls.key`), which the
+    /// ClusterTriggerAuthentication hands to the triggers as `caCert`, `tlsClientCert`,
+    /// `tlsClientKey`.
+    pub fn secret_data(&self) -> BTreeMap<String, ByteString> {
+        [
+            ("ca.crt", &self.record.ca),
+            ("tls.crt", &self.leaf.cert),
+            ("tls.key", &self.leaf.key),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), ByteString(v.as_bytes().to_vec())))
+        .collect()
     }
 }
 
@@ -278,7 +360,8 @@ async fn write(ctx: &Context, namespace: &str, desired: Secret) -> Result<(), Er
 /// the ScaledObject's trigger, and applies the TriggerAuthentication (when KEDA is installed: at
 /// most once per resync period unless the digest changed). When they hold none and the live
 /// gateway has a record, removes the Secrets and the TriggerAuthentication. Takes the
-/// TriggerAuthentication out of `desired`.
+/// TriggerAuthentication out of `desired`. A push trigger on a shared gateway gets the
+/// [`SharedClient`]'s digest ([`stamp_shared`]).
 ///
 /// # Errors
 /// API failures, a Secret of that name that is not Hearth's ([`Error::Certificate`]), or a
@@ -294,15 +377,133 @@ pub async fn step(
     let Some(children) = desired.children.as_mut() else {
         return Ok(());
     };
+    stamp_shared(ctx, &mut children.scaled_object);
     let cached = view.gateway.as_deref().and_then(Record::of);
     let Some(trigger_auth) = children.trigger_authentication.take() else {
         if cached.is_some() {
-            remove(ctx, &namespace, &name).await?;
+            remove(ctx, &namespace, &name, true).await?;
         }
         return Ok(());
     };
+    let client_name = names::scaler_client(&name, &namespace);
+    let owner = svc.controller_owner_ref(&());
+    let record = issue_when_due(ctx, &namespace, &name, owner, cached, Some(&client_name)).await?;
+    if let Some(g) = children.gateway.as_mut() {
+        record.annotate(g);
+    }
+    let digest = record.digest();
+    render::set_tls_digest(&mut children.scaled_object, &digest);
+    if ctx.keda_installed() && ctx.trigger_auth_stale(&namespace, &name, &digest) {
+        apply_trigger_auth(ctx, &namespace, &trigger_auth).await?;
+        ctx.trigger_auth_applied(&namespace, &name, digest);
+    }
+    Ok(())
+}
+
+/// The reconcile step of an `LLMEndpoint` (before its gateway is planned): with mutual TLS on
+/// shared gateways (`on`: [`crate::render::RenderConfig::shared_scaler_tls`]), issues its
+/// gateway's serving certificate when there is none or it is due (Secret `<ep>-scaler-tls`,
+/// owned by the endpoint) and returns the record for the desired gateway Deployment
+/// ([`Record::annotate`]); off, removes that Secret when the live gateway (`live`) has a record.
+///
+/// # Errors
+/// As [`step`].
+pub async fn endpoint_step(
+    ctx: &Context,
+    ep: &LLMEndpoint,
+    live: Option<&Deployment>,
+    on: bool,
+) -> Result<Option<Record>, Error> {
+    let namespace = ep.namespace().unwrap_or_default();
+    let name = ep.name_any();
+    let cached = live.and_then(Record::of);
+    if !on {
+        if cached.is_some() {
+            remove(ctx, &namespace, &name, false).await?;
+        }
+        return Ok(None);
+    }
+    let owner = ep.controller_owner_ref(&());
+    issue_when_due(ctx, &namespace, &name, owner, cached, None)
+        .await
+        .map(Some)
+}
+
+/// Sets the [`SharedClient`]'s digest as the `tlsDigest` of a rendered ScaledObject whose push
+/// trigger authenticates with the shared ClusterTriggerAuthentication (a model on a shared
+/// gateway), so KEDA reads the client Secret again after each renewal; others are left alone.
+pub fn stamp_shared(ctx: &Context, scaled_object: &mut DynamicObject) {
+    let shared = scaled_object
+        .data
+        .pointer("/spec/triggers/0/authenticationRef/kind")
+        .and_then(|k| k.as_str())
+        == Some("ClusterTriggerAuthentication")
+        && scaled_object
+            .data
+            .pointer("/spec/triggers/0/type")
+            .and_then(|t| t.as_str())
+            == Some("external-push");
+    if let Some(digest) = shared.then(|| ctx.shared_client_digest()).flatten() {
+        render::set_tls_digest(scaled_object, &digest);
+    }
+}
+
+/// Issues gateway `name`'s certificates (a service's own, or an endpoint's) when there are none
+/// or they are due: the serving one into `N-scaler-tls` and, with `client_name`, KEDA's into
+/// `N-scaler-client-tls`, both owned by `owner`; returns what is issued now (the record the
+/// newest of `cached` and this process' memory holds when nothing is due).
+async fn issue_when_due(
+    ctx: &Context,
+    namespace: &str,
+    name: &str,
+    owner: Option<OwnerReference>,
+    cached: Option<Record>,
+    client_name: Option<&str>,
+) -> Result<Record, Error> {
     let now = OffsetDateTime::now_utc();
     let cfg = &ctx.scaler_tls;
+    let ca = usable_ca(cfg, now)?;
+    match ctx.scaler_records.newest(namespace, name, cached) {
+        Some(r) if !r.due(cfg.cert_validity, ca, now) => Ok(r),
+        previous => {
+            let m = Material::issue(
+                ca,
+                previous.as_ref().map(|r| r.ca.as_str()),
+                &scaler_sans(name, namespace),
+                client_name,
+                cfg,
+            )
+            .map_err(|e| Error::Certificate(e.to_string()))?;
+            let server = secret(
+                names::scaler_tls(name),
+                namespace,
+                name,
+                owner.clone(),
+                &m.bundle,
+                &m.server,
+            );
+            write(ctx, namespace, server).await?;
+            if let Some(c) = &m.client {
+                let client = secret(
+                    names::scaler_client_tls(name),
+                    namespace,
+                    name,
+                    owner,
+                    &m.bundle,
+                    c,
+                );
+                write(ctx, namespace, client).await?;
+            }
+            let record = m.record();
+            ctx.scaler_records.remember(namespace, name, record.clone());
+            tracing::info!(gateway = %name, %namespace, not_after = %record.not_after, "ExternalScaler certificates issued");
+            Ok(record)
+        }
+    }
+}
+
+/// The scaler CA, unless missing or expired at `now`.
+fn usable_ca(cfg: &ScalerTlsConfig, now: OffsetDateTime) -> Result<&Issued, Error> {
     let ca = cfg.ca.as_ref().ok_or_else(|| {
         Error::Certificate("the controller has no scaler CA (see its start-up log)".to_owned())
     })?;
@@ -312,56 +513,7 @@ pub async fn step(
             ca.not_after.format(&Rfc3339).unwrap_or_default()
         )));
     }
-    let record = match ctx.scaler_records.newest(&namespace, &name, cached) {
-        Some(r) if !r.due(cfg, ca, now) => r,
-        previous => {
-            let m = Material::issue(
-                ca,
-                previous.as_ref().map(|r| r.ca.as_str()),
-                &scaler_sans(&name, &namespace),
-                &names::scaler_client(&name, &namespace),
-                cfg,
-            )
-            .map_err(|e| Error::Certificate(e.to_string()))?;
-            let owner = svc.controller_owner_ref(&());
-            let server = secret(
-                names::scaler_tls(&name),
-                &namespace,
-                &name,
-                owner.clone(),
-                &m.bundle,
-                &m.server,
-            );
-            let client = secret(
-                names::scaler_client_tls(&name),
-                &namespace,
-                &name,
-                owner,
-                &m.bundle,
-                &m.client,
-            );
-            write(ctx, &namespace, server).await?;
-            write(ctx, &namespace, client).await?;
-            let record = m.record();
-            ctx.scaler_records
-                .remember(&namespace, &name, record.clone());
-            tracing::info!(service = %name, %namespace, not_after = %record.not_after, "ExternalScaler certificates issued");
-            record
-        }
-    };
-    if let Some(g) = children.gateway.as_mut() {
-        g.metadata
-            .annotations
-            .get_or_insert_with(Default::default)
-            .insert(RECORD_ANNOTATION.to_owned(), record.annotation());
-    }
-    let digest = record.digest();
-    render::set_tls_digest(&mut children.scaled_object, &digest);
-    if ctx.keda_installed() && ctx.trigger_auth_stale(&namespace, &name, &digest) {
-        apply_trigger_auth(ctx, &namespace, &trigger_auth).await?;
-        ctx.trigger_auth_applied(&namespace, &name, digest);
-    }
-    Ok(())
+    Ok(ca)
 }
 
 async fn apply_trigger_auth(
@@ -387,9 +539,10 @@ async fn apply_trigger_auth(
     )))
 }
 
-/// Deletes the TriggerAuthentication and the two Secrets of service `name`, once it no longer
-/// needs them (poll mode, attached to an endpoint); gone already is done.
-async fn remove(ctx: &Context, namespace: &str, name: &str) -> Result<(), Error> {
+/// Deletes the Secrets of gateway `name` once it no longer needs them (a service in poll mode
+/// or attached to an endpoint, mutual TLS turned off), and with `own` (a service's own gateway)
+/// its TriggerAuthentication and KEDA's Secret; gone already is done.
+async fn remove(ctx: &Context, namespace: &str, name: &str, own: bool) -> Result<(), Error> {
     async fn delete<K>(api: Api<K>, what: &str, namespace: &str, n: &str) -> Result<(), Error>
     where
         K: Clone + serde::de::DeserializeOwned + std::fmt::Debug,
@@ -400,7 +553,7 @@ async fn remove(ctx: &Context, namespace: &str, name: &str) -> Result<(), Error>
             Err(e) => Err(kube_err(format!("delete {what} {namespace}/{n}"))(e)),
         }
     }
-    if ctx.keda_installed() {
+    if own && ctx.keda_installed() {
         let api: Api<DynamicObject> = Api::namespaced_with(
             ctx.client.clone(),
             namespace,
@@ -416,11 +569,83 @@ async fn remove(ctx: &Context, namespace: &str, name: &str) -> Result<(), Error>
     }
     ctx.trigger_auth_forget(namespace, name);
     ctx.scaler_records.forget(namespace, name);
-    for n in [names::scaler_tls(name), names::scaler_client_tls(name)] {
+    let mut secrets = vec![names::scaler_tls(name)];
+    if own {
+        secrets.push(names::scaler_client_tls(name));
+    }
+    for n in secrets {
         let api: Api<Secret> = Api::namespaced(ctx.client.clone(), namespace);
         delete(api, "Secret", namespace, &n).await?;
     }
     Ok(())
+}
+
+/// Where [`maintain_shared`] keeps and publishes the [`SharedClient`].
+#[derive(Clone, Debug)]
+pub struct SharedClientHome {
+    /// The controller's keys Secret (`--admin-keys-secret`), `(namespace, name)`.
+    pub keys: (String, String),
+    /// KEDA's Secret (`--keda-scaler-secret`, made empty by the chart in KEDA's namespace),
+    /// `(namespace, name)`.
+    pub keda: (String, String),
+    /// The life of a CA made when the keys Secret has lost its own (`--scaler-ca-validity`).
+    pub ca_validity: Duration,
+}
+
+/// Keeps KEDA's [`SharedClient`] current, every `every`: issues it again in the keys Secret
+/// when due ([`crate::keys::load_or_init`], which takes another replica's renewal instead of
+/// making a second), writes it into KEDA's Secret (a merge patch, never a create: a Secret
+/// that is gone, the release being uninstalled, stays gone; one edited away comes back), and
+/// hands a renewal to the reconciles ([`Context::set_shared_client`]), which stamp the new
+/// digest on the push triggers at their next run. A keys Secret whose CA is no longer the one
+/// this process signs with is reported and left alone (restart the controller). Failures are
+/// logged, naming the Secret, and retried.
+pub async fn maintain_shared(
+    ctx: std::sync::Arc<Context>,
+    home: SharedClientHome,
+    every: Duration,
+) {
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let Some(mut current) = ctx.shared_client() else {
+            return;
+        };
+        let (keys_ns, keys_name) = &home.keys;
+        let wanted = crate::keys::Wanted {
+            scaler_ca: Some(home.ca_validity),
+            // Never a new CA while running: this process signs with the one it loaded.
+            scaler_ca_min_left: Duration::ZERO,
+            shared_client: Some(ctx.scaler_tls.cert_validity),
+            ..Default::default()
+        };
+        match crate::keys::load_or_init(ctx.client.clone(), keys_ns, keys_name, wanted).await {
+            Ok(keys) => match (keys.scaler_ca, keys.shared_client) {
+                (Some(ca), Some(client)) if Some(&ca) == ctx.scaler_tls.ca.as_ref() => {
+                    if client != current {
+                        tracing::info!(not_after = %client.record.not_after, "KEDA's client certificate for the shared gateways issued again");
+                        ctx.set_shared_client(client.clone());
+                        current = client;
+                    }
+                }
+                _ => {
+                    tracing::error!(secret = %format!("{keys_ns}/{keys_name}"), "the scaler CA in the keys Secret is not the one this controller signs with: restart the controller")
+                }
+            },
+            Err(e) => {
+                tracing::error!(error = %e, "KEDA's client certificate for the shared gateways could not be checked for renewal")
+            }
+        }
+        let (ns, name) = &home.keda;
+        let patch = serde_json::json!({ "data": current.secret_data() });
+        if let Err(e) = Api::<Secret>::namespaced(ctx.client.clone(), ns)
+            .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+        {
+            tracing::error!(secret = %format!("{ns}/{name}"), error = %e, "KEDA's client certificate for the shared gateways could not be written, so their ExternalScalers refuse KEDA (the chart makes this Secret; check it exists and the controller's RBAC)");
+        }
+    }
 }
 
 type Key = (String, String);
@@ -497,6 +722,7 @@ mod tests {
         ScalerTlsConfig {
             cert_validity: Duration::from_secs(3 * 86_400),
             ca: Some(ca()),
+            shared_client: None,
         }
     }
 
@@ -510,7 +736,7 @@ mod tests {
 
     fn issue(ca: &Issued, previous: Option<&str>) -> Material {
         let client = names::scaler_client("chat", "team-a");
-        Material::issue(ca, previous, &sans(), &client, &cfg()).unwrap()
+        Material::issue(ca, previous, &sans(), Some(&client), &cfg()).unwrap()
     }
 
     #[test]
@@ -519,19 +745,20 @@ mod tests {
         let first = issue(&ca, None);
         assert_eq!(first.bundle, ca.cert);
         pki::certified_key(first.server.cert.as_bytes(), first.server.key.as_bytes()).unwrap();
-        pki::certified_key(first.client.cert.as_bytes(), first.client.key.as_bytes()).unwrap();
+        let client = first.client.clone().unwrap();
+        pki::certified_key(client.cert.as_bytes(), client.key.as_bytes()).unwrap();
         let r1 = first.record();
         // A renewal: the same CA, the same bundle, new certificates, a new digest for KEDA.
         let second = issue(&ca, Some(&r1.ca));
         assert_eq!(second.bundle, ca.cert);
-        assert_ne!(second.client.cert, first.client.cert);
+        assert_ne!(second.client.unwrap().cert, client.cert);
         std::thread::sleep(Duration::from_millis(1100));
         assert_ne!(issue(&ca, Some(&r1.ca)).record().digest(), r1.digest());
         // Another CA: the previous one stays trusted.
         let other = self::ca();
         let third = issue(&other, Some(&r1.ca));
         assert_eq!(third.bundle, format!("{}{}", other.cert, ca.cert));
-        assert!(r1.due(&cfg(), &other, OffsetDateTime::now_utc()));
+        assert!(r1.due(cfg().cert_validity, &other, OffsetDateTime::now_utc()));
     }
 
     #[test]
@@ -540,13 +767,21 @@ mod tests {
         let m = issue(&ca, None);
         let r = m.record();
         let now = OffsetDateTime::now_utc();
-        assert!(!r.due(&cfg(), &ca, now));
-        assert!(r.due(&cfg(), &ca, now + Duration::from_secs(2 * 86_400 + 60)));
+        assert!(!r.due(cfg().cert_validity, &ca, now));
+        assert!(r.due(
+            cfg().cert_validity,
+            &ca,
+            now + Duration::from_secs(2 * 86_400 + 60)
+        ));
         // Certificates that end with their CA are not issued again (the same expiry would
         // come out), however late it is.
         let ending = pki::generate_ca(SCALER_CA_NAME, Duration::from_secs(86_400)).unwrap();
         let capped = issue(&ending, None).record();
-        assert!(!capped.due(&cfg(), &ending, now + Duration::from_secs(80_000)));
+        assert!(!capped.due(
+            cfg().cert_validity,
+            &ending,
+            now + Duration::from_secs(80_000)
+        ));
         let mut d = Deployment::default();
         d.metadata.annotations = Some(BTreeMap::from([(
             RECORD_ANNOTATION.to_owned(),
@@ -557,7 +792,7 @@ mod tests {
             not_after: "soon".into(),
             ..r
         };
-        assert!(broken.due(&cfg(), &ca, now));
+        assert!(broken.due(cfg().cert_validity, &ca, now));
     }
 
     #[test]

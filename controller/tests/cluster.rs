@@ -97,6 +97,7 @@ fn start(client: Client, namespace: &str, render: RenderConfig, requeue: Duratio
         device_handover: true,
         scaler_tls: Default::default(),
         admin_tokens,
+        shared_client_home: None,
     };
     let m = metrics.clone();
     let task = tokio::spawn(async move {

@@ -256,3 +256,9 @@ hearth-gateway-metrics
 {{- define "hearth.gatewayKedaSecret" -}}
 hearth-gateway-keda
 {{- end -}}
+
+{{- /* The Secret of KEDA's client certificate for the shared gateways' ExternalScalers, in
+gateway.adminAuth.kedaNamespace. */ -}}
+{{- define "hearth.scalerKedaSecret" -}}
+hearth-scaler-keda
+{{- end -}}

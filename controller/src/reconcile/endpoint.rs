@@ -257,13 +257,15 @@ fn name_in_use(ep: &LLMEndpoint, view: &EndpointView) -> Option<String> {
 
 /// Decides every write of `ep` and its conditions: its children rendered with `routes`, against
 /// what the caches hold (`view`); `attachment` holds the verdicts, and with the held routes what
-/// the gateway routes (`status.models`).
+/// the gateway routes (`status.models`). `scaler_record`: the ExternalScaler certificates'
+/// issuance, recorded on the gateway Deployment (`crate::scaler_tls::endpoint_step`).
 pub fn plan_endpoint(
     ep: &LLMEndpoint,
     attachment: &Attachment,
     routes: &EndpointRoutes,
     view: &EndpointView,
     cfg: &RenderConfig,
+    scaler_record: Option<&crate::scaler_tls::Record>,
 ) -> EndpointPlan {
     let mut models = attachment.models.clone();
     models.extend(routes.held.iter().cloned());
@@ -282,7 +284,7 @@ pub fn plan_endpoint(
             format!("nothing is rendered: {message}"),
         )
     };
-    let children = match render_endpoint(ep, &routes.table, routes.push_services, cfg) {
+    let mut children = match render_endpoint(ep, &routes.table, routes.push_services, cfg) {
         Ok(c) => c,
         Err(e) => {
             let reason = match &e {
@@ -308,6 +310,9 @@ pub fn plan_endpoint(
             not_ready("see the Accepted condition"),
         ];
         return plan;
+    }
+    if let Some(r) = scaler_record {
+        r.annotate(&mut children.gateway);
     }
     let w = &mut plan.writes;
     apply_cached(w, children.service_account, view.service_account.as_deref());
@@ -523,7 +528,19 @@ async fn reconcile_endpoint_inner(ep: &LLMEndpoint, ctx: &Context) -> Result<Act
                 .any(|s| rules::scaler_mode(s) == Ok(rules::ScalerMode::Push)),
     };
     let view = ctx.endpoint_view(&key);
-    let mut plan = plan_endpoint(ep, &attachment, &routes, &view, &ctx.render_config());
+    let cfg = ctx.render_config();
+    // Before the gateway Deployment that mounts it, which carries its record.
+    let scaler_record =
+        crate::scaler_tls::endpoint_step(ctx, ep, view.gateway.as_deref(), cfg.shared_scaler_tls())
+            .await?;
+    let mut plan = plan_endpoint(
+        ep,
+        &attachment,
+        &routes,
+        &view,
+        &cfg,
+        scaler_record.as_ref(),
+    );
     let namespace = key.namespace.as_str();
     if !plan.writes.is_empty() {
         // Before the gateway Deployment that mounts it.

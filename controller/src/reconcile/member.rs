@@ -425,7 +425,7 @@ async fn reconcile_member_inner(d: &Deployment, ctx: &Context) -> Result<Action,
         .map(|r| r.as_ref().clone())
         .collect();
     let view = ctx.member_view(&namespace, &name);
-    let outcome = decide_member(
+    let mut outcome = decide_member(
         d,
         verdict.as_ref(),
         endpoint.as_deref(),
@@ -433,6 +433,9 @@ async fn reconcile_member_inner(d: &Deployment, ctx: &Context) -> Result<Action,
         &view,
         &ctx.render_config(),
     );
+    if let MemberDecision::Join(children) = &mut outcome.decision {
+        crate::scaler_tls::stamp_shared(ctx, &mut children.scaled_object);
+    }
     for write in plan_member(&name, &outcome.decision, &view) {
         send(ctx, &namespace, &write).await?;
     }

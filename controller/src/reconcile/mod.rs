@@ -237,6 +237,10 @@ pub struct RunConfig {
     /// The admin tokens (`crate::admin_tokens`); required with `render.admin_auth`, whose
     /// gateways need their admin Secrets.
     pub admin_tokens: Option<crate::admin_tokens::AdminTokens>,
+    /// Where KEDA's client certificate for the shared gateways is kept and published
+    /// ([`crate::scaler_tls::maintain_shared`], with `render.shared_scaler_auth`); `None`: held
+    /// in memory only (tests).
+    pub shared_client_home: Option<crate::scaler_tls::SharedClientHome>,
 }
 
 impl RunConfig {
@@ -252,6 +256,7 @@ impl RunConfig {
             device_handover: true,
             scaler_tls: crate::scaler_tls::ScalerTlsConfig::default(),
             admin_tokens: None,
+            shared_client_home: None,
         }
     }
 }
@@ -314,6 +319,9 @@ pub struct Context {
     trigger_auths: crate::scaler_tls::Applied,
     /// The ExternalScaler certificates this process issued ([`crate::scaler_tls::Records`]).
     pub(crate) scaler_records: crate::scaler_tls::Records,
+    /// KEDA's client certificate for the shared gateways, when they use mutual TLS
+    /// ([`crate::scaler_tls::maintain_shared`] renews it).
+    shared_client: std::sync::RwLock<Option<crate::scaler_tls::SharedClient>>,
     /// The admin tokens, when the gateways' admin ports check them.
     pub(crate) admin_tokens: Option<crate::admin_tokens::AdminTokens>,
     /// The gateways' admin Secrets written ([`crate::admin_tokens::step`]).
@@ -335,6 +343,31 @@ impl Context {
     /// Records the TriggerAuthentication of service `ns/name` as applied with `digest`.
     pub(crate) fn trigger_auth_applied(&self, ns: &str, name: &str, digest: String) {
         self.trigger_auths.record(ns, name, digest);
+    }
+
+    /// KEDA's client certificate for the shared gateways, when they use mutual TLS.
+    pub(crate) fn shared_client(&self) -> Option<crate::scaler_tls::SharedClient> {
+        self.shared_client
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Its digest, the `tlsDigest` of push triggers on shared gateways.
+    pub(crate) fn shared_client_digest(&self) -> Option<String> {
+        self.shared_client
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .map(|c| c.record.digest())
+    }
+
+    /// Replaces it (a renewal).
+    pub(crate) fn set_shared_client(&self, client: crate::scaler_tls::SharedClient) {
+        *self
+            .shared_client
+            .write()
+            .unwrap_or_else(|e| e.into_inner()) = Some(client);
     }
 
     /// Forgets the TriggerAuthentication of service `ns/name` (deleted).
@@ -1225,6 +1258,28 @@ pub async fn run(
         adapter_writer.apply_watcher_event(&watcher::Event::InitDone);
     }
 
+    let mut scaler_tls = cfg.scaler_tls.clone();
+    if cfg.render.scaler_tls && scaler_tls.ca.is_none() {
+        scaler_tls.ca = Some(
+            hearth_net::pki::generate_ca(
+                crate::keys::SCALER_CA_NAME,
+                crate::scaler_tls::DEFAULT_CA_VALIDITY,
+            )
+            .map_err(|e| Error::Certificate(e.to_string()))?,
+        );
+        tracing::warn!(
+            "no scaler CA given: made one for this process only (a restart issues every push-mode service's certificates again)"
+        );
+    }
+    let shared_client = match (&scaler_tls.shared_client, &scaler_tls.ca) {
+        _ if !cfg.render.shared_scaler_tls() => None,
+        (Some(c), _) => Some(c.clone()),
+        (None, Some(ca)) => Some(
+            crate::scaler_tls::SharedClient::issue(ca, scaler_tls.cert_validity)
+                .map_err(|e| Error::Certificate(e.to_string()))?,
+        ),
+        (None, None) => None,
+    };
     let ctx = Arc::new(Context {
         client: client.clone(),
         render: cfg.render.clone(),
@@ -1260,24 +1315,10 @@ pub async fn run(
                 .as_ref()
                 .map(crate::admin_tokens::AdminTokens::controller_authorization),
         ),
-        scaler_tls: {
-            let mut tls = cfg.scaler_tls.clone();
-            if cfg.render.scaler_tls && tls.ca.is_none() {
-                tls.ca = Some(
-                    hearth_net::pki::generate_ca(
-                        crate::keys::SCALER_CA_NAME,
-                        crate::scaler_tls::DEFAULT_CA_VALIDITY,
-                    )
-                    .map_err(|e| Error::Certificate(e.to_string()))?,
-                );
-                tracing::warn!(
-                    "no scaler CA given: made one for this process only (a restart issues every push-mode service's certificates again)"
-                );
-            }
-            tls
-        },
+        scaler_tls,
         trigger_auths: crate::scaler_tls::Applied::default(),
         scaler_records: crate::scaler_tls::Records::default(),
+        shared_client: std::sync::RwLock::new(shared_client),
         admin_tokens: cfg.admin_tokens.clone(),
         admin_secrets: crate::scaler_tls::Applied::default(),
         recorder: Recorder::new(
@@ -1603,9 +1644,20 @@ pub async fn run(
     };
     let meter = tokio::spawn(metering::run(ctx.clone(), gone));
     let adapter_observer = tokio::spawn(adapter::observe(ctx.clone()));
+    let shared_client = match (&cfg.shared_client_home, ctx.shared_client()) {
+        (Some(home), Some(_)) => Some(tokio::spawn(crate::scaler_tls::maintain_shared(
+            ctx.clone(),
+            home.clone(),
+            ctx.requeue.max(Duration::from_secs(60)),
+        ))),
+        _ => None,
+    };
     let sweeper = tokio::spawn(member::sweep(ctx, sweep_rx));
     futures::future::join4(services, endpoints, members, adapters).await;
     sweeper.abort();
+    if let Some(task) = shared_client {
+        task.abort();
+    }
     meter.abort();
     adapter_observer.abort();
     Ok(())

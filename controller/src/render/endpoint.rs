@@ -137,8 +137,10 @@ pub fn render_endpoint(
         tenants: &ep.spec.tenants,
         // The ExternalScaler port and flag, whatever the mode (see above).
         scaler: ScalerMode::Push,
-        // A shared gateway serves its models' ExternalScaler in plain gRPC.
-        scaler_tls: false,
+        // KEDA's one client certificate for every shared gateway (`crate::scaler_tls`).
+        scaler_client: cfg
+            .shared_scaler_tls()
+            .then(|| crate::names::SHARED_SCALER_CLIENT.to_owned()),
         peers: endpoint_peers(ep),
         pull_secrets: None,
         drain_timeout: &drain_timeout,

@@ -144,9 +144,11 @@ pub(super) struct Gateway<'a> {
     pub tenants: &'a [TenantSpec],
     /// How KEDA learns the demand: push adds the ExternalScaler port and Service.
     pub scaler: ScalerMode,
-    /// Push mode over mutual TLS: the Secret `N-scaler-tls` mounted at [`SCALER_TLS_DIR`],
-    /// `--scaler-tls-dir`, and the name KEDA's certificate must carry, `--scaler-client-name`.
-    pub scaler_tls: bool,
+    /// Push mode over mutual TLS, with the DNS name KEDA's client certificate must carry
+    /// (`--scaler-client-name`: [`names::scaler_client`] for a service's own gateway,
+    /// [`names::SHARED_SCALER_CLIENT`] for a shared one): the Secret `N-scaler-tls` mounted at
+    /// [`SCALER_TLS_DIR`], `--scaler-tls-dir`. `None`: plain gRPC.
+    pub scaler_client: Option<String>,
     /// Whether the replicas sum their demand over each other (`--peer-service`).
     pub peers: bool,
     /// `imagePullSecrets` of the pods.
@@ -511,7 +513,8 @@ pub(super) fn own_gateway<'a>(
         api_key: svc.spec.endpoint.api_key_secret_ref.as_ref(),
         tenants: &svc.spec.endpoint.tenants,
         scaler: ctx.scaler,
-        scaler_tls: ctx.scaler == ScalerMode::Push && ctx.cfg.scaler_tls,
+        scaler_client: (ctx.scaler == ScalerMode::Push && ctx.cfg.scaler_tls)
+            .then(|| names::scaler_client(&ctx.name, &ctx.namespace)),
         peers: ctx.gateway_peers(),
         pull_secrets: ctx.pull_secrets(),
         drain_timeout: &s.drain_timeout,
@@ -830,7 +833,7 @@ fn gateway_extensions(g: &Gateway<'_>, cfg: &RenderConfig, mut d: Deployment) ->
             ..Default::default()
         });
     }
-    if g.scaler_tls {
+    if g.scaler_client.is_some() {
         // Only what the gateway serves with: the CA's signing key stays in the Secret.
         let item = |key: &str| KeyToPath {
             key: key.to_owned(),
@@ -875,12 +878,9 @@ fn gateway_extensions(g: &Gateway<'_>, cfg: &RenderConfig, mut d: Deployment) ->
                     ..Default::default()
                 });
         }
-        if g.scaler_tls {
+        if let Some(client) = &g.scaler_client {
             args.push(format!("--scaler-tls-dir={SCALER_TLS_DIR}"));
-            args.push(format!(
-                "--scaler-client-name={}",
-                names::scaler_client(g.name, g.namespace)
-            ));
+            args.push(format!("--scaler-client-name={client}"));
             c.volume_mounts
                 .get_or_insert_with(Vec::new)
                 .push(VolumeMount {

@@ -34,15 +34,21 @@ pub(super) struct Demand {
     /// `<namespace>/<name>`, the model's key on a shared gateway (`/hearth/queue/<key>` of the
     /// poll, `service` of the push trigger); `None` on a service's own gateway.
     model: Option<String>,
-    /// The TriggerAuthentication the push trigger connects with (mutual TLS, see
-    /// [`trigger_authentication`]); `None`: plain gRPC.
-    authentication: Option<String>,
+    /// The push trigger's `authenticationRef` (mutual TLS): the service's own
+    /// TriggerAuthentication ([`trigger_authentication`]), or on a shared gateway the
+    /// ClusterTriggerAuthentication of [`RenderConfig::shared_scaler_auth`]; `None`: plain gRPC.
+    authentication: Option<serde_json::Value>,
 }
 
 impl Demand {
     /// The demand of model `model` (`<namespace>/<name>`) on the shared gateway `shared`;
     /// `peers` as for the model's own gateway, or'ed with the shared replicas being peers.
-    pub(super) fn shared(shared: &SharedGateway, model: String, peers: bool) -> Self {
+    pub(super) fn shared(
+        shared: &SharedGateway,
+        model: String,
+        peers: bool,
+        cfg: &RenderConfig,
+    ) -> Self {
         Self {
             host: format!(
                 "{}.{}",
@@ -56,7 +62,11 @@ impl Demand {
             ),
             peers: peers || shared.peers,
             model: Some(model),
-            authentication: None,
+            authentication: cfg
+                .shared_scaler_auth
+                .as_ref()
+                .filter(|_| cfg.shared_scaler_tls())
+                .map(|name| json!({"name": name, "kind": "ClusterTriggerAuthentication"})),
         }
     }
 }
@@ -90,13 +100,14 @@ pub(super) fn scaled_object(ctx: &Ctx<'_>) -> Result<DynamicObject, RenderError>
             peers: ctx.gateway_peers(),
             model: None,
             authentication: (ctx.scaler == ScalerMode::Push && ctx.cfg.scaler_tls)
-                .then(|| names::scaler_service(&ctx.name)),
+                .then(|| json!({"name": names::scaler_service(&ctx.name)})),
         },
         // As for the service's own gateway, and whenever the shared replicas are peers.
         Placement::Shared(shared) => Demand::shared(
             shared,
             format!("{}/{}", ctx.namespace, ctx.name),
             ctx.gateway_peers(),
+            ctx.cfg,
         ),
     };
     scaled_object_of(
@@ -183,8 +194,8 @@ pub(super) fn scaled_object_of(
                 "metricType": "AverageValue",
                 "metadata": metadata,
             });
-            if let Some(name) = authentication {
-                trigger["authenticationRef"] = json!({"name": name});
+            if let Some(r) = authentication {
+                trigger["authenticationRef"] = r.clone();
             }
             trigger
         }

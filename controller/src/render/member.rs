@@ -136,6 +136,7 @@ pub fn render_member(
                 shared,
                 format!("{namespace}/{name}"),
                 member.scaler == ScalerMode::Push,
+                cfg,
             ),
             restore_to_original: true,
         },

@@ -121,6 +121,13 @@ pub struct RenderConfig {
     /// ExternalScaler with the Secret `N-scaler-tls`, and KEDA connects through the
     /// TriggerAuthentication `N-scaler` (see `crate::scaler_tls`). `false`: plain gRPC.
     pub scaler_tls: bool,
+    /// With `scaler_tls`, mutual TLS on the `LLMEndpoint`s' shared gateways too: each serves
+    /// the ExternalScaler with the Secret `<ep>-scaler-tls` and takes only KEDA's shared client
+    /// certificate (`crate::names::SHARED_SCALER_CLIENT`), and the push trigger of every model
+    /// on a shared gateway connects through the ClusterTriggerAuthentication of this name
+    /// (`caCert`, `tlsClientCert`, `tlsClientKey` from a Secret in KEDA's namespace). `None`:
+    /// shared gateways serve it in plain gRPC.
+    pub shared_scaler_auth: Option<String>,
     /// The gateway's admin port ([`hearth_crds::admin::PORT`]): demand, metrics, metering.
     pub admin_port: i32,
     /// Bearer tokens on the gateways' admin ports: each gateway mounts its admin Secret
@@ -147,6 +154,7 @@ impl RenderConfig {
             keda_api: scaled_object_resource(),
             engine: policy::Engine::builtin()?,
             scaler_tls: true,
+            shared_scaler_auth: Some(DEFAULT_SHARED_SCALER_TRIGGER_AUTH.to_owned()),
             admin_port: hearth_crds::admin::PORT,
             admin_auth: Some(DEFAULT_ADMIN_TRIGGER_AUTH.to_owned()),
             network_policies: None,
@@ -155,6 +163,12 @@ impl RenderConfig {
 }
 
 impl RenderConfig {
+    /// Whether the shared gateways serve the ExternalScaler over mutual TLS: `scaler_tls` and
+    /// [`RenderConfig::shared_scaler_auth`].
+    pub fn shared_scaler_tls(&self) -> bool {
+        self.scaler_tls && self.shared_scaler_auth.is_some()
+    }
+
     /// What the backend's policies see as `settings`.
     pub fn policy_settings(&self) -> hearth_policies::PolicySettings {
         hearth_policies::PolicySettings {
@@ -166,6 +180,10 @@ impl RenderConfig {
 /// The ClusterTriggerAuthentication the chart installs for KEDA's `metrics-api` triggers
 /// (`bearerToken` from the Secret of KEDA's token, in KEDA's namespace).
 pub const DEFAULT_ADMIN_TRIGGER_AUTH: &str = "hearth-gateway-admin";
+
+/// The ClusterTriggerAuthentication the chart installs for the push triggers of models on shared
+/// gateways (KEDA's client certificate from a Secret in KEDA's namespace).
+pub const DEFAULT_SHARED_SCALER_TRIGGER_AUTH: &str = "hearth-scaler";
 
 /// The default gateway image: Hearth's registry, tagged with this controller's version.
 pub fn default_gateway_image() -> String {

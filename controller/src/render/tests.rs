@@ -584,7 +584,9 @@ fn demand_trigger(c: &Children) -> serde_json::Value {
         "scalerAddress": "shared-scaler.platform.svc:9090",
         "targetSize": "10",
         "service": "team-a/chat",
-    }
+    },
+    // KEDA's one client certificate for the shared gateways, from KEDA's namespace.
+    "authenticationRef": {"name": "hearth-scaler", "kind": "ClusterTriggerAuthentication"}
 }))]
 fn an_attached_service_asks_the_endpoints_gateway_for_its_demand(
     #[case] placement: Placement,
@@ -791,6 +793,8 @@ fn a_routes_table_entry_holds_what_the_services_own_gateway_takes_as_flags() {
     "--scaler-listen=[::]:9090",
     "--admin-listen=[::]:9091",
     "--admin-auth-dir=/etc/hearth/admin",
+    "--scaler-tls-dir=/etc/hearth/scaler-tls",
+    "--scaler-client-name=keda.llmendpoints.serving.hearth.dev",
 ][..], false)]
 // A service in push mode attached: the scaler Service, and the same pod template.
 #[case::a_push_service_attached(json!({}), json!({}), true, &[
@@ -800,6 +804,8 @@ fn a_routes_table_entry_holds_what_the_services_own_gateway_takes_as_flags() {
     "--scaler-listen=[::]:9090",
     "--admin-listen=[::]:9091",
     "--admin-auth-dir=/etc/hearth/admin",
+    "--scaler-tls-dir=/etc/hearth/scaler-tls",
+    "--scaler-client-name=keda.llmendpoints.serving.hearth.dev",
 ][..], true)]
 #[case::replicas_are_peers(json!({}), json!({"replicas": 2}), false, &[
     "--listen=[::]:8080",
@@ -809,6 +815,8 @@ fn a_routes_table_entry_holds_what_the_services_own_gateway_takes_as_flags() {
     "--admin-listen=[::]:9091",
     "--peer-service=shared-gateway-admin",
     "--admin-auth-dir=/etc/hearth/admin",
+    "--scaler-tls-dir=/etc/hearth/scaler-tls",
+    "--scaler-client-name=keda.llmendpoints.serving.hearth.dev",
     "--peer-port-name=admin",
 ][..], false)]
 #[case::push_with_api_keys(json!({"annotations": {"serving.hearth.dev/scaler": "push"}}), json!({"replicas": 3, "apiKeySecretRef": {"name": "keys"}}), false, &[
@@ -819,6 +827,8 @@ fn a_routes_table_entry_holds_what_the_services_own_gateway_takes_as_flags() {
     "--admin-listen=[::]:9091",
     "--peer-service=shared-gateway-admin",
     "--admin-auth-dir=/etc/hearth/admin",
+    "--scaler-tls-dir=/etc/hearth/scaler-tls",
+    "--scaler-client-name=keda.llmendpoints.serving.hearth.dev",
     "--peer-port-name=admin",
     "--api-key-file=/etc/hearth/api-keys/keys",
 ][..], true)]
@@ -906,6 +916,29 @@ fn the_shared_gateway_takes_its_routes_from_the_config_map(
         .map(|p| p.name.clone().unwrap())
         .collect();
     assert_eq!(ports, ["http", "grpc-scaler", "admin"]);
+    // The ExternalScaler's serving certificate, the endpoint's Secret; without the shared
+    // ClusterTriggerAuthentication, plain gRPC and no Secret.
+    let scaler_secret = |p: &k8s_openapi::api::core::v1::PodSpec| {
+        p.volumes
+            .iter()
+            .flatten()
+            .find(|v| v.name == "scaler-tls")
+            .and_then(|v| v.secret.as_ref()?.secret_name.clone())
+    };
+    assert_eq!(scaler_secret(p).as_deref(), Some("shared-scaler-tls"));
+    let plain_cfg = RenderConfig {
+        shared_scaler_auth: None,
+        ..cfg.clone()
+    };
+    let plain = render_endpoint(&ep, &table, push_services, &plain_cfg).unwrap();
+    assert_eq!(scaler_secret(pod(&plain.gateway)), None);
+    assert!(
+        !container_args(&plain.gateway)
+            .iter()
+            .any(|a| a.starts_with("--scaler-tls-dir") || a.starts_with("--scaler-client-name")),
+        "{:?}",
+        container_args(&plain.gateway)
+    );
     assert_eq!(
         p.volumes.iter().flatten().any(|v| v.name == "api-keys"),
         spec.get("apiKeySecretRef").is_some(),

@@ -950,6 +950,8 @@ fn value_sets() -> Vec<ValueSet> {
                 ("Secret", "hearth-gateway-keda"),
                 ("ClusterTriggerAuthentication", "chart-gateway-admin"),
                 ("Role", "hearth-controller-keys"),
+                ("Secret", "hearth-scaler-keda"),
+                ("ClusterTriggerAuthentication", "chart-scaler"),
             ],
             check: |docs, _| {
                 // The gateways' admin tokens: Secrets made empty (the controller writes their
@@ -960,12 +962,24 @@ fn value_sets() -> Vec<ValueSet> {
                     "hearth-controller-keys",
                     "hearth-gateway-metrics",
                     "hearth-gateway-keda",
+                    "hearth-scaler-keda",
                 ] {
                     let secret = find(docs, "Secret", name)?;
                     ensure!(secret.get("data").is_none(), "{name} is rendered empty");
                 }
+                for keda in ["hearth-gateway-keda", "hearth-scaler-keda"] {
+                    ensure!(find(docs, "Secret", keda)?["metadata"]["namespace"] == "keda");
+                }
+                // KEDA's client certificate for the shared gateways' ExternalScalers.
+                let scaler = find(docs, "ClusterTriggerAuthentication", "chart-scaler")?;
                 ensure!(
-                    find(docs, "Secret", "hearth-gateway-keda")?["metadata"]["namespace"] == "keda"
+                    scaler["spec"]["secretTargetRef"]
+                        == json!([
+                            {"parameter": "caCert", "name": "hearth-scaler-keda", "key": "ca.crt"},
+                            {"parameter": "tlsClientCert", "name": "hearth-scaler-keda", "key": "tls.crt"},
+                            {"parameter": "tlsClientKey", "name": "hearth-scaler-keda", "key": "tls.key"},
+                        ]),
+                    "{scaler}"
                 );
                 let cta = find(docs, "ClusterTriggerAuthentication", "chart-gateway-admin")?;
                 ensure!(
@@ -989,6 +1003,8 @@ fn value_sets() -> Vec<ValueSet> {
                     "--keda-token-secret=keda/hearth-gateway-keda",
                     "--metrics-token-secret=hearth-gateway-metrics",
                     "--gateway-admin-trigger-auth=chart-gateway-admin",
+                    "--keda-scaler-secret=keda/hearth-scaler-keda",
+                    "--shared-scaler-trigger-auth=chart-scaler",
                 ] {
                     ensure!(args.contains(&flag.to_owned()), "{flag} not in {args:?}");
                 }
@@ -1273,6 +1289,8 @@ fn value_sets() -> Vec<ValueSet> {
             renders: vec![
                 ("Deployment", "hearth-webhook"),
                 ("Role", "hearth-controller"),
+                // KEDA's Secrets, by name, in KEDA's namespace.
+                ("Role", "hearth-controller-keda"),
             ],
             check: |docs, ns| {
                 let image = |d: &str| -> Result<String> {

@@ -1130,17 +1130,31 @@ async fn assert_uninstalled(client: &Client, test_ns: &str) -> Result<()> {
         keda.data.is_some_and(|d| d.contains_key("token")),
         "KEDA's token Secret lost its token"
     );
+    // And KEDA's client certificate for the shared gateways' ExternalScalers, with the
+    // ClusterTriggerAuthentication their push triggers name.
+    let scaler = Api::<Secret>::namespaced(client.clone(), "keda")
+        .get_opt("hearth-scaler-keda")
+        .await?
+        .context(
+            "KEDA's client certificate for the shared gateways was deleted by the uninstall",
+        )?;
+    ensure!(
+        scaler.data.is_some_and(|d| d.contains_key("tls.crt")),
+        "KEDA's client certificate Secret lost its certificate"
+    );
     let cta = ApiResource::from_gvk_with_plural(
         &GroupVersionKind::gvk("keda.sh", "v1alpha1", "ClusterTriggerAuthentication"),
         "clustertriggerauthentications",
     );
-    ensure!(
-        Api::<DynamicObject>::all_with(client.clone(), &cta)
-            .get_opt(&format!("{RELEASE}-gateway-admin"))
-            .await?
-            .is_some(),
-        "the ClusterTriggerAuthentication of the models' poll triggers was deleted"
-    );
+    for (name, whose) in [("gateway-admin", "poll"), ("scaler", "shared push")] {
+        ensure!(
+            Api::<DynamicObject>::all_with(client.clone(), &cta)
+                .get_opt(&format!("{RELEASE}-{name}"))
+                .await?
+                .is_some(),
+            "the ClusterTriggerAuthentication of the models' {whose} triggers was deleted"
+        );
+    }
     ensure!(
         secrets.get_opt("hearth-gateway-metrics").await?.is_none(),
         "the scrapers' token Secret is left"

@@ -3,14 +3,13 @@
 //! while the backend goes 0 → 1 → tokens → 200; then idle → back to 0, the idle pod leaving
 //! as soon as its drain sidecar sees the engine idle (not after the whole `drainTimeout`).
 //! In push mode KEDA reaches the gateway's ExternalScaler over mutual TLS: a client without
-//! KEDA's certificate is refused, and after the certificates are issued again from a new CA a
-//! cold request scales it from zero again.
+//! KEDA's certificate for this service is refused, and after the certificates are issued again
+//! (a renewal, from the same CA) a cold request scales it from zero again.
 //! Hearth is installed with its chart and every pod runs on the real node of `tests/cluster/up`
 //! (needs root); see docs/e2e.md.
 
 mod stack;
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
@@ -21,8 +20,10 @@ use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{Secret, Service};
 use kube::Api;
 use kube::api::{DynamicObject, Patch, PatchParams};
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
+use stack::scaler_tls::{
+    Material, RECORD, open_scaler_port_to_the_host, plain_h2, signed_by_the_scaler_ca,
+};
 use stack::{SERVICE, TOKENS};
 
 async fn cold_start_then_back_to_zero(mode: ScalerMode) -> Result<stack::Deployed> {
@@ -126,7 +127,7 @@ async fn push_mode_cold_start_then_back_to_zero_over_mutual_tls_through_a_renewa
     let addr = format!("{scaler_ip}:9090");
     let host = format!("{SERVICE}-scaler.{ns}.svc");
     let client_secret = format!("{SERVICE}-scaler-client-tls");
-    open_scaler_port_to_the_host(&d.ns, &addr).await?;
+    open_scaler_port_to_the_host(&d.ns, SERVICE, &addr).await?;
 
     // KEDA's material gets in, checking the gateway's name against the CA as KEDA does; no
     // client certificate, or plain text, does not.
@@ -153,41 +154,20 @@ async fn push_mode_cold_start_then_back_to_zero_over_mutual_tls_through_a_renewa
         old_record.digest()
     );
     // One CA signs every service's certificates, so the gateway takes only KEDA's certificate
-    // for this service: one of the same CA for another service's scaler is refused.
-    let keys = Api::<Secret>::namespaced(client.clone(), "hearth-system")
-        .get("hearth-controller-keys")
-        .await?;
-    let field = |k: &str| -> Result<String> {
-        let v = keys
-            .data
-            .as_ref()
-            .and_then(|d| d.get(k))
-            .with_context(|| format!("hearth-controller-keys has no {k}"))?;
-        Ok(String::from_utf8(v.0.clone())?)
-    };
-    let ca_not_after = time::OffsetDateTime::parse(
-        field("scaler-ca.not-after")?.trim(),
-        &time::format_description::well_known::Rfc3339,
-    )?;
-    let stranger = hearth_net::pki::issue(
-        "hearth-scaler-ca",
-        &field("scaler-ca.key")?,
-        ca_not_after,
-        hearth_net::pki::Usage::Client,
-        "keda",
-        &[format!("keda.other-scaler.{ns}")],
-        Duration::from_secs(3600),
-    )?;
-    ensure!(
-        !Material {
-            cert: stranger.cert,
-            key: stranger.key,
-            ..old.clone()
-        }
-        .probe(&addr, &host, true)
-        .await?,
-        "a client certificate of Hearth's CA for another service's scaler got in"
-    );
+    // for this service: one of the same CA for another service's scaler is refused, and so is
+    // KEDA's certificate for the shared gateways.
+    for name in [
+        format!("keda.other-scaler.{ns}"),
+        hearth_controller::names::SHARED_SCALER_CLIENT.to_owned(),
+    ] {
+        ensure!(
+            !signed_by_the_scaler_ca(&client, &name, &old)
+                .await?
+                .probe(&addr, &host, true)
+                .await?,
+            "a client certificate of Hearth's CA for {name} got in"
+        );
+    }
 
     // A renewal, as two thirds into the certificates' life: the record on the gateway
     // Deployment says they expired. The controller issues both again from the same CA, so the
@@ -320,50 +300,6 @@ async fn push_mode_cold_start_then_back_to_zero_over_mutual_tls_through_a_renewa
     Ok(())
 }
 
-/// The gateway's NetworkPolicy (the cluster installs Hearth with `networkPolicy.models`) admits
-/// only KEDA's namespace on the scaler port; this suite probes it from the host, so it adds a
-/// policy of its own admitting the host's address there (policies add up), and waits until a
-/// TCP connection gets through.
-async fn open_scaler_port_to_the_host(
-    ns: &hearth_test_support::TestNamespace,
-    addr: &str,
-) -> Result<()> {
-    let node = hearth_test_support::RealNode::load()?;
-    let policy: k8s_openapi::api::networking::v1::NetworkPolicy =
-        serde_json::from_value(serde_json::json!({
-            "metadata": {"name": "e2e-host-to-scaler"},
-            "spec": {
-                "podSelector": {"matchLabels": {"serving.hearth.dev/gateway": SERVICE}},
-                "policyTypes": ["Ingress"],
-                "ingress": [{
-                    "from": [{"ipBlock": {"cidr": format!("{}/32", node.host_ip)}}],
-                    "ports": [{"protocol": "TCP", "port": 9090}],
-                }],
-            },
-        }))?;
-    ns.api::<k8s_openapi::api::networking::v1::NetworkPolicy>()
-        .create(&kube::api::PostParams::default(), &policy)
-        .await?;
-    wait_until(
-        format!("the host to reach the scaler port {addr}"),
-        Duration::from_secs(30),
-        || async {
-            Ok(
-                match tokio::time::timeout(
-                    Duration::from_secs(2),
-                    tokio::net::TcpStream::connect(addr),
-                )
-                .await
-                {
-                    Ok(Ok(_)) => Observed::Ready(()),
-                    other => Observed::NotYet(format!("{other:?}")),
-                },
-            )
-        },
-    )
-    .await
-}
-
 /// The issuance recorded on the gateway Deployment `gateway`.
 async fn record(
     deployments: &Api<Deployment>,
@@ -388,103 +324,6 @@ async fn served_certificate(
             .and_then(|c| c.first())
             .map(|c| c.as_ref().to_vec())
     }))
-}
-
-/// The annotation recording the ExternalScaler certificates' issuance.
-const RECORD: &str = hearth_controller::scaler_tls::RECORD_ANNOTATION;
-
-/// KEDA's TLS material, as its TriggerAuthentication reads it from the client Secret.
-#[derive(Clone)]
-struct Material {
-    ca: String,
-    cert: String,
-    key: String,
-}
-
-impl Material {
-    async fn read(secrets: &Api<Secret>, name: &str) -> Result<Self> {
-        let s = secrets.get(name).await?;
-        let data = s.data.unwrap_or_default();
-        let field = |k: &str| -> Result<String> {
-            let v = data
-                .get(k)
-                .with_context(|| format!("Secret {name} has no {k}"))?;
-            Ok(String::from_utf8(v.0.clone())?)
-        };
-        Ok(Self {
-            ca: field("ca.crt")?,
-            cert: field("tls.crt")?,
-            key: field("tls.key")?,
-        })
-    }
-
-    /// Whether a TLS connection checking `host` against the CA bundle, with the client
-    /// certificate when `identify`, gets an HTTP/2 SETTINGS frame back: the gateway took the
-    /// connection (with TLS 1.3 a refused client certificate shows only after the handshake).
-    async fn probe(&self, addr: &str, host: &str, identify: bool) -> Result<bool> {
-        match self.connect(addr, host, identify).await? {
-            Some(tls) => h2_settings(tls).await,
-            None => Ok(false),
-        }
-    }
-
-    /// A TLS connection (ALPN `h2`) to `addr` checking `host` against the CA bundle, with the
-    /// client certificate when `identify`; `None` when the handshake fails within 5 s.
-    async fn connect(
-        &self,
-        addr: &str,
-        host: &str,
-        identify: bool,
-    ) -> Result<Option<tokio_rustls::client::TlsStream<tokio::net::TcpStream>>> {
-        use rustls::pki_types::pem::PemObject;
-        use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
-        let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let mut roots = rustls::RootCertStore::empty();
-        for c in CertificateDer::pem_slice_iter(self.ca.as_bytes()) {
-            roots.add(c?)?;
-        }
-        let builder = rustls::ClientConfig::builder_with_provider(provider)
-            .with_safe_default_protocol_versions()?
-            .with_root_certificates(roots);
-        let mut config = if identify {
-            let chain = CertificateDer::pem_slice_iter(self.cert.as_bytes())
-                .collect::<Result<Vec<_>, _>>()?;
-            builder
-                .with_client_auth_cert(chain, PrivateKeyDer::from_pem_slice(self.key.as_bytes())?)?
-        } else {
-            builder.with_no_client_auth()
-        };
-        config.alpn_protocols = vec![b"h2".to_vec()];
-        let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
-        let tcp = tokio::net::TcpStream::connect(addr).await?;
-        let name = ServerName::try_from(host.to_owned())?;
-        Ok(
-            tokio::time::timeout(Duration::from_secs(5), connector.connect(name, tcp))
-                .await
-                .ok()
-                .and_then(Result::ok),
-        )
-    }
-}
-
-/// Sends the HTTP/2 preface and an empty SETTINGS frame on `io`; whether a SETTINGS frame
-/// comes back within 5 s.
-async fn h2_settings(mut io: impl AsyncRead + AsyncWrite + Unpin) -> Result<bool> {
-    const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0";
-    if io.write_all(PREFACE).await.is_err() {
-        return Ok(false);
-    }
-    let mut header = [0u8; 9];
-    match tokio::time::timeout(Duration::from_secs(5), io.read_exact(&mut header)).await {
-        Ok(Ok(_)) => Ok(header[3] == 0x4),
-        _ => Ok(false),
-    }
-}
-
-/// Whether plain-text HTTP/2 to `addr` gets a SETTINGS frame back.
-async fn plain_h2(addr: &str) -> Result<bool> {
-    let tcp = tokio::net::TcpStream::connect(addr).await?;
-    h2_settings(tcp).await
 }
 
 /// The `tlsDigest` of the ScaledObject's demand trigger.

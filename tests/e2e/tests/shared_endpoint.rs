@@ -11,6 +11,9 @@
 //!   admit gets `NotAllowedByEndpoint`;
 //! - a service leaving the endpoint gets its own gateway back, and the stream it had in flight
 //!   through the endpoint completes;
+//! - KEDA reaches the shared gateway's ExternalScaler over mutual TLS with its one certificate
+//!   for the shared gateways (a ClusterTriggerAuthentication; refused: no certificate, plain
+//!   text, a certificate of Hearth's CA for a service's own scaler);
 //! - a plain Deployment annotated for Hearth joins with its model name in an annotation, is
 //!   woken from zero through the endpoint, and taking the annotation away gives it back as it
 //!   was (its ScaledObject gone, its replicas what they were).
@@ -50,6 +53,122 @@ fn services(client: &kube::Client, ns: &str) -> Api<DynamicObject> {
 
 fn endpoints(client: &kube::Client, ns: &str) -> Api<DynamicObject> {
     api(client, ns, "LLMEndpoint", "llmendpoints")
+}
+
+/// The shared gateway's ExternalScaler over mutual TLS, probed from the host (a NetworkPolicy of
+/// the suite's own admits it there): the push trigger of mistral (namespace `nb`) names the
+/// chart's ClusterTriggerAuthentication, whose Secret in KEDA's namespace holds KEDA's
+/// certificate for the shared gateways, with the digest of its record in the keys Secret as
+/// `tlsDigest`; that material gets an HTTP/2 SETTINGS frame; no client certificate, plain text,
+/// or a certificate of Hearth's CA for a service's own scaler (`keda.mistral-scaler.<nb>`) get
+/// none. The gateway's serving certificate is the endpoint's Secret, its issuance recorded on
+/// the gateway Deployment.
+async fn shared_scaler_mutual_tls(
+    client: &kube::Client,
+    a: &TestNamespace,
+    nb: &str,
+) -> Result<()> {
+    use k8s_openapi::api::apps::v1::Deployment;
+    use k8s_openapi::api::core::v1::{Secret, Service};
+    use stack::scaler_tls::{
+        Material, RECORD, open_scaler_port_to_the_host, plain_h2, signed_by_the_scaler_ca,
+    };
+    let na = a.name();
+    let so = Api::<DynamicObject>::namespaced_with(
+        client.clone(),
+        nb,
+        &hearth_controller::render::scaled_object_resource(),
+    )
+    .get("mistral")
+    .await?;
+    let trigger = &so.data["spec"]["triggers"][0];
+    let auth = &trigger["authenticationRef"];
+    ensure!(
+        auth["kind"] == "ClusterTriggerAuthentication",
+        "mistral's push trigger does not authenticate through the shared ClusterTriggerAuthentication: {trigger}"
+    );
+    let cta = Api::<DynamicObject>::all_with(
+        client.clone(),
+        &ApiResource::from_gvk_with_plural(
+            &kube::api::GroupVersionKind::gvk(
+                "keda.sh",
+                "v1alpha1",
+                "ClusterTriggerAuthentication",
+            ),
+            "clustertriggerauthentications",
+        ),
+    )
+    .get(auth["name"].as_str().unwrap_or_default())
+    .await?;
+    let secret = cta.data["spec"]["secretTargetRef"][0]["name"]
+        .as_str()
+        .context("the ClusterTriggerAuthentication names no Secret")?
+        .to_owned();
+    let keda = Material::read(&Api::<Secret>::namespaced(client.clone(), "keda"), &secret).await?;
+    let keys = Api::<Secret>::namespaced(client.clone(), "hearth-system")
+        .get("hearth-controller-keys")
+        .await?;
+    let record: hearth_controller::scaler_tls::Record = serde_json::from_slice(
+        &keys
+            .data
+            .as_ref()
+            .and_then(|d| d.get("scaler-shared-client.record"))
+            .context("the keys Secret has no record of KEDA's shared client certificate")?
+            .0,
+    )?;
+    ensure!(
+        trigger["metadata"]["tlsDigest"] == record.digest().as_str(),
+        "mistral's tlsDigest is not the digest of KEDA's shared certificate {}: {trigger}",
+        record.digest()
+    );
+    let gateway = Api::<Deployment>::namespaced(client.clone(), na)
+        .get(&format!("{ENDPOINT}-gateway"))
+        .await?;
+    ensure!(
+        gateway
+            .metadata
+            .annotations
+            .as_ref()
+            .is_some_and(|a| a.contains_key(RECORD)),
+        "the shared gateway Deployment has no record of its serving certificate"
+    );
+    Api::<Secret>::namespaced(client.clone(), na)
+        .get(&format!("{ENDPOINT}-scaler-tls"))
+        .await
+        .context("the shared gateway's serving certificate Secret")?;
+    let ip = Api::<Service>::namespaced(client.clone(), na)
+        .get(&format!("{ENDPOINT}-scaler"))
+        .await?
+        .spec
+        .and_then(|s| s.cluster_ip)
+        .context("the shared scaler Service has no ClusterIP")?;
+    let addr = format!("{ip}:9090");
+    let host = format!("{ENDPOINT}-scaler.{na}.svc");
+    open_scaler_port_to_the_host(a, ENDPOINT, &addr).await?;
+    ensure!(
+        keda.probe(&addr, &host, true).await?,
+        "KEDA's shared client certificate was refused by the shared ExternalScaler"
+    );
+    ensure!(
+        !keda.probe(&addr, &host, false).await?,
+        "a client without a certificate got an HTTP/2 answer from the shared ExternalScaler"
+    );
+    ensure!(
+        !plain_h2(&addr).await?,
+        "plain-text gRPC got an HTTP/2 answer from the shared ExternalScaler"
+    );
+    let own = format!("keda.mistral-scaler.{nb}");
+    ensure!(
+        !signed_by_the_scaler_ca(client, &own, &keda)
+            .await?
+            .probe(&addr, &host, true)
+            .await?,
+        "a client certificate of Hearth's CA for {own} got into the shared ExternalScaler"
+    );
+    println!(
+        "[shared endpoint] ExternalScaler over mutual TLS: KEDA's shared certificate taken, no certificate / plain text / {own} refused"
+    );
+    Ok(())
 }
 
 /// The upstream stub service renamed to `name` (its served model name) in `ns`, in scaler mode
@@ -440,6 +559,9 @@ async fn run(cluster: &Cluster, absent_runtime: &str) -> Result<()> {
     let (m, p) = tokio::join!(chat_ok(&url, "mistral", true), chat_ok(&url, "phi", false));
     m?;
     p?;
+    // mistral (push, namespace B) woke through the shared gateway's ExternalScaler, which takes
+    // only KEDA's certificate for the shared gateways.
+    shared_scaler_mutual_tls(&client, &a, nb).await?;
     wait_until(
         "llama-tools served after its 503",
         Duration::from_secs(120),

@@ -162,7 +162,7 @@ fn writes_per_case(
     let routes = table(models);
     let mut view = steady(&ep, &routes);
     edit(&mut view);
-    let plan = plan_endpoint(&ep, &attachment(), &of(routes), &view, &cfg());
+    let plan = plan_endpoint(&ep, &attachment(), &of(routes), &view, &cfg(), None);
     assert_eq!(writes(&plan), want);
     assert_eq!(cond(&plan, ACCEPTED), ("True", "Accepted"));
 }
@@ -176,6 +176,7 @@ fn an_endpoint_breaking_the_rules_is_not_accepted_and_writes_nothing() {
         &of(table(&[])),
         &EndpointView::default(),
         &cfg(),
+        None,
     );
     assert!(plan.writes.is_empty());
     assert_eq!(cond(&plan, ACCEPTED), ("False", "InvalidSpec"));
@@ -202,7 +203,7 @@ fn an_endpoint_named_like_a_service_of_its_namespace_takes_none_of_its_children(
         block_owner_deletion: None,
     }]);
     view.gateway_service = Some(Arc::new(s));
-    let plan = plan_endpoint(&ep, &attachment(), &of(routes.clone()), &view, &cfg());
+    let plan = plan_endpoint(&ep, &attachment(), &of(routes.clone()), &view, &cfg(), None);
     assert!(plan.writes.is_empty(), "{:?}", writes(&plan));
     assert_eq!(cond(&plan, ACCEPTED), ("False", "NameInUse"));
     let msg = &plan.condition(ACCEPTED).unwrap().message;
@@ -217,7 +218,7 @@ fn ready_is_an_available_gateway_replica_and_the_status_lists_models_and_conflic
     let ep = endpoint(json!({"spec": {"apiKeySecretRef": {"name": "keys"}}}));
     let routes = table(&["chat", "code"]);
     let mut view = steady(&ep, &routes);
-    let plan = plan_endpoint(&ep, &attachment(), &of(routes.clone()), &view, &cfg());
+    let plan = plan_endpoint(&ep, &attachment(), &of(routes.clone()), &view, &cfg(), None);
     assert_eq!(cond(&plan, status::READY), ("False", "GatewayNotReady"));
     assert!(
         plan.condition(status::READY)
@@ -231,7 +232,7 @@ fn ready_is_an_available_gateway_replica_and_the_status_lists_models_and_conflic
         ..Default::default()
     });
     view.gateway = Some(Arc::new(d));
-    let plan = plan_endpoint(&ep, &attachment(), &of(routes.clone()), &view, &cfg());
+    let plan = plan_endpoint(&ep, &attachment(), &of(routes.clone()), &view, &cfg(), None);
     assert_eq!(cond(&plan, status::READY), ("True", "GatewayAvailable"));
     let now = Time(k8s_openapi::jiff::Timestamp::UNIX_EPOCH);
     let st = plan.status(&ep, &now);
@@ -250,7 +251,7 @@ fn ready_is_an_available_gateway_replica_and_the_status_lists_models_and_conflic
         held: vec![model("team-d", "old")],
         ..of(routes)
     };
-    let plan = plan_endpoint(&ep, &attachment(), &held, &view, &cfg());
+    let plan = plan_endpoint(&ep, &attachment(), &held, &view, &cfg(), None);
     let names: Vec<_> = plan.models.iter().map(|m| m.name.as_str()).collect();
     assert_eq!(names, ["chat", "code", "old"]);
 }
@@ -346,7 +347,7 @@ fn a_push_service_attached_gets_the_scaler_service_without_rolling_the_gateway()
         push_services: true,
         ..of(routes)
     };
-    let plan = plan_endpoint(&ep, &attachment(), &push, &view, &cfg());
+    let plan = plan_endpoint(&ep, &attachment(), &push, &view, &cfg(), None);
     assert_eq!(writes(&plan), ["apply Service shared-scaler"]);
 }
 

@@ -5,6 +5,7 @@
 
 #![allow(dead_code)] // Each suite uses a different part.
 
+pub mod scaler_tls;
 pub mod volumes;
 
 use std::time::Duration;
