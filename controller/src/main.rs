@@ -496,6 +496,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
                 keys: (ns.clone(), args.admin_keys_secret.clone()),
                 keda,
                 ca_validity: args.scaler_ca_validity,
+                every: Duration::from_secs(args.resync_seconds.max(60)),
             }
         }),
         admin_tokens,

@@ -590,9 +590,12 @@ pub struct SharedClientHome {
     pub keda: (String, String),
     /// The life of a CA made when the keys Secret has lost its own (`--scaler-ca-validity`).
     pub ca_validity: Duration,
+    /// How often the certificate is checked and copied (the resync period, at least a
+    /// minute, in `hearth-controller run`).
+    pub every: Duration,
 }
 
-/// Keeps KEDA's [`SharedClient`] current, every `every`: issues it again in the keys Secret
+/// Keeps KEDA's [`SharedClient`] current, every [`SharedClientHome::every`]: issues it again in the keys Secret
 /// when due ([`crate::keys::load_or_init`], which takes another replica's renewal instead of
 /// making a second), writes it into KEDA's Secret (a merge patch, never a create: a Secret
 /// that is gone, the release being uninstalled, stays gone; one edited away comes back), and
@@ -600,12 +603,8 @@ pub struct SharedClientHome {
 /// digest on the push triggers at their next run. A keys Secret whose CA is no longer the one
 /// this process signs with is reported and left alone (restart the controller). Failures are
 /// logged, naming the Secret, and retried.
-pub async fn maintain_shared(
-    ctx: std::sync::Arc<Context>,
-    home: SharedClientHome,
-    every: Duration,
-) {
-    let mut tick = tokio::time::interval(every);
+pub async fn maintain_shared(ctx: std::sync::Arc<Context>, home: SharedClientHome) {
+    let mut tick = tokio::time::interval(home.every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;

@@ -80,25 +80,32 @@ async fn connect() -> Result<Cluster> {
 }
 
 fn start(client: Client, namespace: &str, render: RenderConfig, requeue: Duration) -> Running {
-    let metrics = Metrics::new();
-    let (tx, rx) = oneshot::channel::<()>();
     // A fixed key: the gateways get their admin Secrets as from an installed controller.
     let admin_tokens = render
         .admin_auth
         .as_ref()
         .map(|_| hearth_controller::admin_tokens::AdminTokens::from_key(&[0x42; 32]));
-    let cfg = RunConfig {
-        render,
-        namespace: Some(namespace.to_owned()),
-        requeue,
-        concurrency: 4,
-        instance: format!("test-{namespace}"),
-        cluster_policies: true,
-        device_handover: true,
-        scaler_tls: Default::default(),
-        admin_tokens,
-        shared_client_home: None,
-    };
+    start_with(
+        client,
+        RunConfig {
+            render,
+            namespace: Some(namespace.to_owned()),
+            requeue,
+            concurrency: 4,
+            instance: format!("test-{namespace}"),
+            cluster_policies: true,
+            device_handover: true,
+            scaler_tls: Default::default(),
+            admin_tokens,
+            shared_client_home: None,
+        },
+    )
+}
+
+/// Runs the controller with `cfg` in this process.
+fn start_with(client: Client, cfg: RunConfig) -> Running {
+    let metrics = Metrics::new();
+    let (tx, rx) = oneshot::channel::<()>();
     let m = metrics.clone();
     let task = tokio::spawn(async move {
         let shutdown = async move {
@@ -1705,4 +1712,132 @@ async fn adapters_are_accepted_by_the_rule_rendered_and_removed() -> Result<()> 
         .delete(&rt_name, &DeleteParams::default())
         .await;
     result
+}
+
+/// KEDA's client certificate for the shared gateways, as the leader keeps it: one two thirds
+/// into its life in the keys Secret is issued again there from the same CA (the record
+/// updated), and copied into KEDA's Secret (made empty beforehand, as the chart does) with the
+/// CA it checks the gateways against.
+#[tokio::test]
+async fn keda_shared_client_certificate_is_renewed_in_the_keys_and_published() -> Result<()> {
+    use hearth_controller::scaler_tls::{Record, ScalerTlsConfig, SharedClient, SharedClientHome};
+    use k8s_openapi::{ByteString, api::core::v1::Secret};
+    use std::collections::BTreeMap;
+    use time::{OffsetDateTime, format_description::well_known::Rfc3339};
+
+    let (client, ns) = setup("shared-client").await?;
+    let validity = Duration::from_secs(3 * 3600);
+    let ca = hearth_net::pki::generate_ca(
+        hearth_controller::keys::SCALER_CA_NAME,
+        Duration::from_secs(30 * 86_400),
+    )?;
+    // Issued for three hours, recorded as ending in half an hour: due.
+    let stale = SharedClient::issue(&ca, validity)?;
+    let due = Record::new(&ca, OffsetDateTime::now_utc() + Duration::from_secs(1800));
+    let bytes = |v: &str| ByteString(v.as_bytes().to_vec());
+    let keys = Secret {
+        metadata: kube::api::ObjectMeta {
+            name: Some("keys".into()),
+            ..Default::default()
+        },
+        data: Some(BTreeMap::from([
+            ("scaler-ca.crt".to_owned(), bytes(&ca.cert)),
+            ("scaler-ca.key".to_owned(), bytes(&ca.key)),
+            (
+                "scaler-ca.not-after".to_owned(),
+                bytes(&ca.not_after.format(&Rfc3339)?),
+            ),
+            (
+                "scaler-shared-client.crt".to_owned(),
+                bytes(&stale.leaf.cert),
+            ),
+            (
+                "scaler-shared-client.key".to_owned(),
+                bytes(&stale.leaf.key),
+            ),
+            (
+                "scaler-shared-client.record".to_owned(),
+                bytes(&serde_json::to_string(&due)?),
+            ),
+        ])),
+        ..Default::default()
+    };
+    let secrets = ns.api::<Secret>();
+    secrets.create(&PostParams::default(), &keys).await?;
+    let keda = Secret {
+        metadata: kube::api::ObjectMeta {
+            name: Some("keda-scaler".into()),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    secrets.create(&PostParams::default(), &keda).await?;
+
+    let running = start_with(
+        client.clone(),
+        RunConfig {
+            namespace: Some(ns.name().to_owned()),
+            scaler_tls: ScalerTlsConfig {
+                cert_validity: validity,
+                ca: Some(ca.clone()),
+                shared_client: Some(SharedClient {
+                    leaf: stale.leaf.clone(),
+                    record: due.clone(),
+                }),
+            },
+            shared_client_home: Some(SharedClientHome {
+                keys: (ns.name().to_owned(), "keys".into()),
+                keda: (ns.name().to_owned(), "keda-scaler".into()),
+                ca_validity: Duration::from_secs(30 * 86_400),
+                every: Duration::from_secs(1),
+            }),
+            ..RunConfig::new(test_render_config())
+        },
+    );
+    let field = |s: &Secret, k: &str| -> String {
+        s.data
+            .as_ref()
+            .and_then(|d| d.get(k))
+            .map(|v| String::from_utf8_lossy(&v.0).into_owned())
+            .unwrap_or_default()
+    };
+    let (renewed, published) = wait_until("a renewed certificate in KEDA's Secret", WAIT, || {
+        let secrets = secrets.clone();
+        let stale = stale.leaf.cert.clone();
+        async move {
+            let keys = secrets.get("keys").await?;
+            let keda = secrets.get("keda-scaler").await?;
+            let cert = field(&keda, "tls.crt");
+            Ok(
+                if !cert.is_empty()
+                    && cert != stale
+                    && cert == field(&keys, "scaler-shared-client.crt")
+                {
+                    Observed::Ready((keys, keda))
+                } else {
+                    Observed::NotYet(format!(
+                        "KEDA's Secret holds {} bytes of certificate",
+                        cert.len()
+                    ))
+                },
+            )
+        }
+    })
+    .await?;
+    running.stop().await;
+    let record: Record = serde_json::from_str(&field(&renewed, "scaler-shared-client.record"))?;
+    assert_eq!(record.ca, ca.cert, "renewed from the same CA");
+    assert!(
+        OffsetDateTime::parse(&record.not_after, &Rfc3339)?
+            > OffsetDateTime::now_utc() + validity / 2,
+        "the record says the new expiry: {record:?}"
+    );
+    assert_eq!(field(&published, "ca.crt"), ca.cert);
+    assert_eq!(
+        field(&published, "tls.key"),
+        field(&renewed, "scaler-shared-client.key")
+    );
+    // The CA's fields are untouched.
+    assert_eq!(field(&renewed, "scaler-ca.key"), ca.key);
+    Ok(())
 }

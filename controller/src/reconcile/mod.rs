@@ -1648,7 +1648,6 @@ pub async fn run(
         (Some(home), Some(_)) => Some(tokio::spawn(crate::scaler_tls::maintain_shared(
             ctx.clone(),
             home.clone(),
-            ctx.requeue.max(Duration::from_secs(60)),
         ))),
         _ => None,
     };
