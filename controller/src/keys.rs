@@ -119,6 +119,9 @@ pub struct Wanted {
     /// long (`--scaler-cert-validity`) when missing, signed by another CA, or two thirds into
     /// its life ([`crate::scaler_tls::Record::due`]); needs `scaler_ca`.
     pub shared_client: Option<Duration>,
+    /// Never make or replace the scaler CA (a running controller signs with the CA it loaded):
+    /// a missing one is an error, an ending one is kept.
+    pub keep_ca: bool,
 }
 
 /// The keys loaded.
@@ -217,6 +220,7 @@ fn add_missing(
         .and_then(|t| OffsetDateTime::parse(t.trim(), &Rfc3339).ok())
         .is_some_and(|t| t - wanted.scaler_ca_min_left <= OffsetDateTime::now_utc());
     if let Some(validity) = wanted.scaler_ca
+        && !wanted.keep_ca
         && ([
             SCALER_CA_CERT_FIELD,
             SCALER_CA_KEY_FIELD,
@@ -472,6 +476,15 @@ mod tests {
             keys.shared_client.unwrap().record.ca,
             keys.scaler_ca.unwrap().cert
         );
+        // While running, the CA is never made: a missing one is an error, and nothing is made.
+        let running = Wanted {
+            keep_ca: true,
+            ..wanted
+        };
+        let mut lost = data.clone();
+        lost.remove(SCALER_CA_KEY_FIELD);
+        assert!(add_missing(&mut lost, running).unwrap().is_empty());
+        assert!(parse(&lost, running, "ns/keys").is_err());
         // A record that does not parse is made again; a certificate that does not load is
         // reported with the fix.
         data.insert(SHARED_CLIENT_RECORD_FIELD.into(), ByteString(b"{".to_vec()));

@@ -389,6 +389,11 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     let keda_scaler_secret = secret_ref(&args.keda_scaler_secret, ns)
         .context("--keda-scaler-secret")?
         .filter(|_| args.scaler_tls);
+    if keda_scaler_secret.is_some() && args.shared_scaler_trigger_auth.is_empty() {
+        bail!(
+            "--shared-scaler-trigger-auth is empty: name the ClusterTriggerAuthentication that hands --keda-scaler-secret to KEDA, or set --keda-scaler-secret= to serve the shared gateways in plain gRPC"
+        );
+    }
     let keys = hearth_controller::keys::load_or_init(
         client.clone(),
         ns,

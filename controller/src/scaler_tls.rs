@@ -299,11 +299,11 @@ pub fn scaler_sans(service: &str, namespace: &str) -> Vec<String> {
     ]
 }
 
-/// A `kubernetes.io/tls` Secret of service `service`: `ca.crt` = `bundle`, and `leaf`.
+/// A `kubernetes.io/tls` Secret labelled `labels`: `ca.crt` = `bundle`, and `leaf`.
 pub fn secret(
     name: String,
     namespace: &str,
-    service: &str,
+    labels: BTreeMap<String, String>,
     owner: Option<OwnerReference>,
     bundle: &str,
     leaf: &Issued,
@@ -317,7 +317,7 @@ pub fn secret(
         metadata: ObjectMeta {
             name: Some(name),
             namespace: Some(namespace.to_owned()),
-            labels: Some(labels::labels(service, Component::Autoscaler)),
+            labels: Some(labels),
             owner_references: owner.map(|o| vec![o]),
             ..Default::default()
         },
@@ -381,12 +381,15 @@ pub async fn step(
     let cached = view.gateway.as_deref().and_then(Record::of);
     let Some(trigger_auth) = children.trigger_authentication.take() else {
         if cached.is_some() {
-            remove(ctx, &namespace, &name, true).await?;
+            remove(ctx, &namespace, &name, true).await;
         }
         return Ok(());
     };
     let client_name = names::scaler_client(&name, &namespace);
-    let owner = svc.controller_owner_ref(&());
+    let owner = (
+        svc.controller_owner_ref(&()),
+        labels::labels(&name, Component::Autoscaler),
+    );
     let record = issue_when_due(ctx, &namespace, &name, owner, cached, Some(&client_name)).await?;
     if let Some(g) = children.gateway.as_mut() {
         record.annotate(g);
@@ -419,11 +422,13 @@ pub async fn endpoint_step(
     let cached = live.and_then(Record::of);
     if !on {
         if cached.is_some() {
-            remove(ctx, &namespace, &name, false).await?;
+            remove(ctx, &namespace, &name, false).await;
         }
         return Ok(None);
     }
-    let owner = ep.controller_owner_ref(&());
+    let mut labels = labels::labels(&name, Component::Gateway);
+    labels.insert(labels::ENDPOINT_LABEL.to_owned(), name.clone());
+    let owner = (ep.controller_owner_ref(&()), labels);
     issue_when_due(ctx, &namespace, &name, owner, cached, None)
         .await
         .map(Some)
@@ -450,16 +455,17 @@ pub fn stamp_shared(ctx: &Context, scaled_object: &mut DynamicObject) {
 
 /// Issues gateway `name`'s certificates (a service's own, or an endpoint's) when there are none
 /// or they are due: the serving one into `N-scaler-tls` and, with `client_name`, KEDA's into
-/// `N-scaler-client-tls`, both owned by `owner`; returns what is issued now (the record the
+/// `N-scaler-client-tls`, both with `owner`'s reference and labels; returns what is issued now (the record the
 /// newest of `cached` and this process' memory holds when nothing is due).
 async fn issue_when_due(
     ctx: &Context,
     namespace: &str,
     name: &str,
-    owner: Option<OwnerReference>,
+    owner: (Option<OwnerReference>, BTreeMap<String, String>),
     cached: Option<Record>,
     client_name: Option<&str>,
 ) -> Result<Record, Error> {
+    let (owner, labels) = owner;
     let now = OffsetDateTime::now_utc();
     let cfg = &ctx.scaler_tls;
     let ca = usable_ca(cfg, now)?;
@@ -477,7 +483,7 @@ async fn issue_when_due(
             let server = secret(
                 names::scaler_tls(name),
                 namespace,
-                name,
+                labels.clone(),
                 owner.clone(),
                 &m.bundle,
                 &m.server,
@@ -487,7 +493,7 @@ async fn issue_when_due(
                 let client = secret(
                     names::scaler_client_tls(name),
                     namespace,
-                    name,
+                    labels,
                     owner,
                     &m.bundle,
                     c,
@@ -541,16 +547,21 @@ async fn apply_trigger_auth(
 
 /// Deletes the Secrets of gateway `name` once it no longer needs them (a service in poll mode
 /// or attached to an endpoint, mutual TLS turned off), and with `own` (a service's own gateway)
-/// its TriggerAuthentication and KEDA's Secret; gone already is done.
-async fn remove(ctx: &Context, namespace: &str, name: &str, own: bool) -> Result<(), Error> {
-    async fn delete<K>(api: Api<K>, what: &str, namespace: &str, n: &str) -> Result<(), Error>
+/// its TriggerAuthentication and KEDA's Secret; gone already is done. Best effort: a failure
+/// (RBAC taken away with the chart value that granted it) is logged and not retried, since
+/// the gateway written next no longer carries the record that asked for it; the objects stay
+/// until their owner is deleted.
+async fn remove(ctx: &Context, namespace: &str, name: &str, own: bool) {
+    async fn delete<K>(api: Api<K>, what: &str, namespace: &str, n: &str)
     where
         K: Clone + serde::de::DeserializeOwned + std::fmt::Debug,
     {
         match api.delete(n, &DeleteParams::default()).await {
-            Ok(_) => Ok(()),
-            Err(kube::Error::Api(e)) if e.code == 404 => Ok(()),
-            Err(e) => Err(kube_err(format!("delete {what} {namespace}/{n}"))(e)),
+            Ok(_) => {}
+            Err(kube::Error::Api(e)) if e.code == 404 => {}
+            Err(e) => {
+                tracing::warn!(error = %e, "{what} {namespace}/{n} is no longer used and could not be deleted; it stays until its owner is deleted")
+            }
         }
     }
     if own && ctx.keda_installed() {
@@ -565,7 +576,7 @@ async fn remove(ctx: &Context, namespace: &str, name: &str, own: bool) -> Result
             namespace,
             &names::scaler_service(name),
         )
-        .await?;
+        .await;
     }
     ctx.trigger_auth_forget(namespace, name);
     ctx.scaler_records.forget(namespace, name);
@@ -575,9 +586,8 @@ async fn remove(ctx: &Context, namespace: &str, name: &str, own: bool) -> Result
     }
     for n in secrets {
         let api: Api<Secret> = Api::namespaced(ctx.client.clone(), namespace);
-        delete(api, "Secret", namespace, &n).await?;
+        delete(api, "Secret", namespace, &n).await;
     }
-    Ok(())
 }
 
 /// Where [`maintain_shared`] keeps and publishes the [`SharedClient`].
@@ -595,55 +605,67 @@ pub struct SharedClientHome {
     pub every: Duration,
 }
 
-/// Keeps KEDA's [`SharedClient`] current, every [`SharedClientHome::every`]: issues it again in the keys Secret
-/// when due ([`crate::keys::load_or_init`], which takes another replica's renewal instead of
-/// making a second), writes it into KEDA's Secret (a merge patch, never a create: a Secret
-/// that is gone, the release being uninstalled, stays gone; one edited away comes back), and
-/// hands a renewal to the reconciles ([`Context::set_shared_client`]), which stamp the new
-/// digest on the push triggers at their next run. A keys Secret whose CA is no longer the one
-/// this process signs with is reported and left alone (restart the controller). Failures are
-/// logged, naming the Secret, and retried.
+/// Keeps KEDA's [`SharedClient`] current: [`refresh_shared`] every [`SharedClientHome::every`]
+/// (at least a second), from the first period on ([`crate::run`] refreshes it once before any
+/// reconcile).
 pub async fn maintain_shared(ctx: std::sync::Arc<Context>, home: SharedClientHome) {
-    let mut tick = tokio::time::interval(home.every);
+    let mut tick = tokio::time::interval(home.every.max(Duration::from_secs(1)));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // The first tick is now: refreshed already.
+    tick.tick().await;
     loop {
         tick.tick().await;
-        let Some(mut current) = ctx.shared_client() else {
-            return;
-        };
-        let (keys_ns, keys_name) = &home.keys;
-        let wanted = crate::keys::Wanted {
-            scaler_ca: Some(home.ca_validity),
-            // Never a new CA while running: this process signs with the one it loaded.
-            scaler_ca_min_left: Duration::ZERO,
-            shared_client: Some(ctx.scaler_tls.cert_validity),
-            ..Default::default()
-        };
-        match crate::keys::load_or_init(ctx.client.clone(), keys_ns, keys_name, wanted).await {
-            Ok(keys) => match (keys.scaler_ca, keys.shared_client) {
-                (Some(ca), Some(client)) if Some(&ca) == ctx.scaler_tls.ca.as_ref() => {
-                    if client != current {
-                        tracing::info!(not_after = %client.record.not_after, "KEDA's client certificate for the shared gateways issued again");
-                        ctx.set_shared_client(client.clone());
-                        current = client;
-                    }
-                }
-                _ => {
-                    tracing::error!(secret = %format!("{keys_ns}/{keys_name}"), "the scaler CA in the keys Secret is not the one this controller signs with: restart the controller")
-                }
-            },
-            Err(e) => {
-                tracing::error!(error = %e, "KEDA's client certificate for the shared gateways could not be checked for renewal")
+        refresh_shared(&ctx, &home).await;
+    }
+}
+
+/// Reads KEDA's [`SharedClient`] from the keys Secret, issuing it again there when due
+/// ([`crate::keys::load_or_init`], which takes another replica's renewal instead of making a
+/// second, and never makes a CA while running), writes it into KEDA's Secret (a merge patch,
+/// never a create: a Secret that is gone, the release being uninstalled, stays gone; one
+/// edited away comes back), and only then hands a new one to the reconciles
+/// ([`Context::set_shared_client`]), which stamp its digest on the push triggers at their next
+/// run: KEDA never reconnects before its Secret holds the certificate. Nothing is written when
+/// the keys cannot be read, or when their CA is no longer the one this process signs with
+/// (restart the controller). Failures are logged, naming the Secret, and retried at the next
+/// period.
+pub async fn refresh_shared(ctx: &Context, home: &SharedClientHome) {
+    let (keys_ns, keys_name) = &home.keys;
+    let keys_secret = format!("{keys_ns}/{keys_name}");
+    let wanted = crate::keys::Wanted {
+        scaler_ca: Some(home.ca_validity),
+        scaler_ca_min_left: Duration::ZERO,
+        shared_client: Some(ctx.scaler_tls.cert_validity),
+        keep_ca: true,
+        ..Default::default()
+    };
+    let loaded = match crate::keys::load_or_init(ctx.client.clone(), keys_ns, keys_name, wanted)
+        .await
+    {
+        Ok(keys) => match (keys.scaler_ca, keys.shared_client) {
+            (Some(ca), Some(client)) if Some(&ca) == ctx.scaler_tls.ca.as_ref() => client,
+            _ => {
+                tracing::error!(secret = %keys_secret, "the scaler CA in the keys Secret is not the one this controller signs with: restart the controller");
+                return;
             }
+        },
+        Err(e) => {
+            tracing::error!(error = %e, "KEDA's client certificate for the shared gateways could not be read or renewed");
+            return;
         }
-        let (ns, name) = &home.keda;
-        let patch = serde_json::json!({ "data": current.secret_data() });
-        if let Err(e) = Api::<Secret>::namespaced(ctx.client.clone(), ns)
-            .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
-            .await
-        {
-            tracing::error!(secret = %format!("{ns}/{name}"), error = %e, "KEDA's client certificate for the shared gateways could not be written, so their ExternalScalers refuse KEDA (the chart makes this Secret; check it exists and the controller's RBAC)");
-        }
+    };
+    let (ns, name) = &home.keda;
+    let patch = serde_json::json!({ "data": loaded.secret_data() });
+    if let Err(e) = Api::<Secret>::namespaced(ctx.client.clone(), ns)
+        .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+    {
+        tracing::error!(secret = %format!("{ns}/{name}"), error = %e, "KEDA's client certificate for the shared gateways could not be written, so their ExternalScalers refuse KEDA (the chart makes this Secret; check it exists and the controller's RBAC)");
+        return;
+    }
+    if ctx.shared_client().as_ref() != Some(&loaded) {
+        tracing::info!(not_after = %loaded.record.not_after, "KEDA's client certificate for the shared gateways renewed");
+        ctx.set_shared_client(loaded);
     }
 }
 
@@ -822,7 +844,7 @@ mod tests {
         let s = secret(
             "chat-scaler-tls".into(),
             "team-a",
-            "chat",
+            labels::labels("chat", Component::Autoscaler),
             None,
             &m.bundle,
             &m.server,

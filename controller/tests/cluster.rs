@@ -1714,27 +1714,33 @@ async fn adapters_are_accepted_by_the_rule_rendered_and_removed() -> Result<()> 
     result
 }
 
-/// KEDA's client certificate for the shared gateways, as the leader keeps it: one two thirds
-/// into its life in the keys Secret is issued again there from the same CA (the record
-/// updated), and copied into KEDA's Secret (made empty beforehand, as the chart does) with the
-/// CA it checks the gateways against.
+/// KEDA's client certificate for the shared gateways, as the leader keeps it, and where it
+/// reaches: an LLMEndpoint's gateway serves the ExternalScaler with its own certificate (Secret
+/// `<ep>-scaler-tls`, its record on the gateway Deployment) and takes only the shared name; an
+/// attached push-mode service's trigger authenticates through the shared
+/// ClusterTriggerAuthentication with the certificate's digest; KEDA's Secret (made empty, as
+/// the chart does) holds it. Then, recorded as two thirds into its life, it is issued again in
+/// the keys Secret from the same CA, copied into KEDA's Secret, and the trigger's digest
+/// follows.
 #[tokio::test]
-async fn keda_shared_client_certificate_is_renewed_in_the_keys_and_published() -> Result<()> {
-    use hearth_controller::scaler_tls::{Record, ScalerTlsConfig, SharedClient, SharedClientHome};
+async fn keda_shared_client_certificate_reaches_the_shared_triggers_and_is_renewed() -> Result<()> {
+    use hearth_controller::scaler_tls::{
+        RECORD_ANNOTATION, Record, ScalerTlsConfig, SharedClient, SharedClientHome,
+    };
     use k8s_openapi::{ByteString, api::core::v1::Secret};
     use std::collections::BTreeMap;
     use time::{OffsetDateTime, format_description::well_known::Rfc3339};
 
     let (client, ns) = setup("shared-client").await?;
+    apply_stub_runtime(&client).await?;
     let validity = Duration::from_secs(3 * 3600);
     let ca = hearth_net::pki::generate_ca(
         hearth_controller::keys::SCALER_CA_NAME,
         Duration::from_secs(30 * 86_400),
     )?;
-    // Issued for three hours, recorded as ending in half an hour: due.
-    let stale = SharedClient::issue(&ca, validity)?;
-    let due = Record::new(&ca, OffsetDateTime::now_utc() + Duration::from_secs(1800));
+    let first = SharedClient::issue(&ca, validity)?;
     let bytes = |v: &str| ByteString(v.as_bytes().to_vec());
+    let record_field = |r: &Record| -> Result<ByteString> { Ok(bytes(&serde_json::to_string(r)?)) };
     let keys = Secret {
         metadata: kube::api::ObjectMeta {
             name: Some("keys".into()),
@@ -1747,17 +1753,11 @@ async fn keda_shared_client_certificate_is_renewed_in_the_keys_and_published() -
                 "scaler-ca.not-after".to_owned(),
                 bytes(&ca.not_after.format(&Rfc3339)?),
             ),
-            (
-                "scaler-shared-client.crt".to_owned(),
-                bytes(&stale.leaf.cert),
-            ),
-            (
-                "scaler-shared-client.key".to_owned(),
-                bytes(&stale.leaf.key),
-            ),
+            ("scaler-shared-client.crt".to_owned(), bytes(&first.leaf.cert)),
+            ("scaler-shared-client.key".to_owned(), bytes(&first.leaf.key)),
             (
                 "scaler-shared-client.record".to_owned(),
-                bytes(&serde_json::to_string(&due)?),
+                record_field(&first.record)?,
             ),
         ])),
         ..Default::default()
@@ -1777,13 +1777,11 @@ async fn keda_shared_client_certificate_is_renewed_in_the_keys_and_published() -
         client.clone(),
         RunConfig {
             namespace: Some(ns.name().to_owned()),
+            requeue: Duration::from_secs(2),
             scaler_tls: ScalerTlsConfig {
                 cert_validity: validity,
                 ca: Some(ca.clone()),
-                shared_client: Some(SharedClient {
-                    leaf: stale.leaf.clone(),
-                    record: due.clone(),
-                }),
+                shared_client: Some(first.clone()),
             },
             shared_client_home: Some(SharedClientHome {
                 keys: (ns.name().to_owned(), "keys".into()),
@@ -1794,6 +1792,27 @@ async fn keda_shared_client_certificate_is_renewed_in_the_keys_and_published() -
             ..RunConfig::new(test_render_config())
         },
     );
+    // An endpoint, and a push-mode service attached to it.
+    let endpoints = Api::<DynamicObject>::namespaced_with(
+        client.clone(),
+        ns.name(),
+        &ApiResource::erase::<hearth_crds::LLMEndpoint>(&()),
+    );
+    endpoints
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({
+                "apiVersion": "serving.hearth.dev/v1alpha1", "kind": "LLMEndpoint",
+                "metadata": {"name": "models"}, "spec": {},
+            }))?,
+        )
+        .await?;
+    let mut svc: Value = read_yaml(&upstream("stub-llmservice.yaml"))?;
+    svc["metadata"]["name"] = json!("chat");
+    svc["metadata"]["annotations"] = json!({"serving.hearth.dev/scaler": "push"});
+    svc["spec"]["endpoint"]["sharedEndpointRef"] = json!({"name": "models"});
+    create_service(&ns, serde_json::from_value(svc)?).await?;
+
     let field = |s: &Secret, k: &str| -> String {
         s.data
             .as_ref()
@@ -1801,30 +1820,80 @@ async fn keda_shared_client_certificate_is_renewed_in_the_keys_and_published() -
             .map(|v| String::from_utf8_lossy(&v.0).into_owned())
             .unwrap_or_default()
     };
-    let (renewed, published) = wait_until("a renewed certificate in KEDA's Secret", WAIT, || {
+    let scaled_objects =
+        Api::<DynamicObject>::namespaced_with(client.clone(), ns.name(), &scaled_object_resource());
+    let trigger = |digest: String| {
+        let scaled_objects = scaled_objects.clone();
+        async move {
+            let so = scaled_objects.get_opt("chat").await?;
+            let t = so.map(|o| o.data["spec"]["triggers"][0].clone()).unwrap_or_default();
+            Ok::<_, anyhow::Error>(
+                if t["authenticationRef"]
+                    == json!({"name": "hearth-scaler", "kind": "ClusterTriggerAuthentication"})
+                    && t["metadata"]["tlsDigest"] == digest.as_str()
+                {
+                    Observed::Ready(())
+                } else {
+                    Observed::NotYet(format!("trigger {t}"))
+                },
+            )
+        }
+    };
+    wait_until("the shared trigger with the certificate's digest", WAIT, || {
+        trigger(first.record.digest())
+    })
+    .await?;
+    let published = secrets.get("keda-scaler").await?;
+    assert_eq!(field(&published, "tls.crt"), first.leaf.cert);
+    assert_eq!(field(&published, "ca.crt"), ca.cert);
+    let gateway = wait_until("the shared gateway with its certificate", WAIT, || {
+        let (deployments, secrets) = (ns.api::<Deployment>(), secrets.clone());
+        async move {
+            let d = deployments.get_opt("models-gateway").await?;
+            let served = secrets.get_opt("models-scaler-tls").await?.is_some();
+            Ok(match d {
+                Some(d) if served && d.annotations().contains_key(RECORD_ANNOTATION) => {
+                    Observed::Ready(d)
+                }
+                _ => Observed::NotYet(format!("Secret models-scaler-tls: {served}")),
+            })
+        }
+    })
+    .await?;
+    let args = gateway.spec.and_then(|s| s.template.spec).map(|p| p.containers[0].args.clone().unwrap_or_default()).unwrap_or_default();
+    assert!(
+        args.contains(&format!(
+            "--scaler-client-name={}",
+            hearth_controller::names::SHARED_SCALER_CLIENT
+        )),
+        "{args:?}"
+    );
+
+    // Two thirds into its life: issued again, published, and the trigger follows.
+    let due = Record::new(&ca, OffsetDateTime::now_utc() + Duration::from_secs(1800));
+    secrets
+        .patch(
+            "keys",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"data": {"scaler-shared-client.record": record_field(&due)?}})),
+        )
+        .await?;
+    let renewed = wait_until("a renewed certificate in KEDA's Secret", WAIT, || {
         let secrets = secrets.clone();
-        let stale = stale.leaf.cert.clone();
+        let first = first.leaf.cert.clone();
         async move {
             let keys = secrets.get("keys").await?;
-            let keda = secrets.get("keda-scaler").await?;
-            let cert = field(&keda, "tls.crt");
+            let cert = field(&secrets.get("keda-scaler").await?, "tls.crt");
             Ok(
-                if !cert.is_empty()
-                    && cert != stale
-                    && cert == field(&keys, "scaler-shared-client.crt")
-                {
-                    Observed::Ready((keys, keda))
+                if cert != first && cert == field(&keys, "scaler-shared-client.crt") {
+                    Observed::Ready(keys)
                 } else {
-                    Observed::NotYet(format!(
-                        "KEDA's Secret holds {} bytes of certificate",
-                        cert.len()
-                    ))
+                    Observed::NotYet("KEDA's Secret holds the first certificate".into())
                 },
             )
         }
     })
     .await?;
-    running.stop().await;
     let record: Record = serde_json::from_str(&field(&renewed, "scaler-shared-client.record"))?;
     assert_eq!(record.ca, ca.cert, "renewed from the same CA");
     assert!(
@@ -1832,12 +1901,11 @@ async fn keda_shared_client_certificate_is_renewed_in_the_keys_and_published() -
             > OffsetDateTime::now_utc() + validity / 2,
         "the record says the new expiry: {record:?}"
     );
-    assert_eq!(field(&published, "ca.crt"), ca.cert);
-    assert_eq!(
-        field(&published, "tls.key"),
-        field(&renewed, "scaler-shared-client.key")
-    );
-    // The CA's fields are untouched.
-    assert_eq!(field(&renewed, "scaler-ca.key"), ca.key);
+    assert_eq!(field(&renewed, "scaler-ca.key"), ca.key, "the CA is untouched");
+    wait_until("the shared trigger with the renewed digest", WAIT, || {
+        trigger(record.digest())
+    })
+    .await?;
+    running.stop().await;
     Ok(())
 }

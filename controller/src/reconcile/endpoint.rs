@@ -529,10 +529,17 @@ async fn reconcile_endpoint_inner(ep: &LLMEndpoint, ctx: &Context) -> Result<Act
     };
     let view = ctx.endpoint_view(&key);
     let cfg = ctx.render_config();
-    // Before the gateway Deployment that mounts it, which carries its record.
-    let scaler_record =
+    // Before the gateway Deployment that mounts it, which carries its record; only for a
+    // gateway this endpoint renders and controls (a service of the same name keeps its own
+    // certificates, and an endpoint that renders nothing gets none).
+    let renders =
+        !rules::check_llmendpoint(ep).blocks_rendering() && name_in_use(ep, &view).is_none();
+    let scaler_record = if renders {
         crate::scaler_tls::endpoint_step(ctx, ep, view.gateway.as_deref(), cfg.shared_scaler_tls())
-            .await?;
+            .await?
+    } else {
+        None
+    };
     let mut plan = plan_endpoint(
         ep,
         &attachment,

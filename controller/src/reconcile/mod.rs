@@ -1644,11 +1644,17 @@ pub async fn run(
     };
     let meter = tokio::spawn(metering::run(ctx.clone(), gone));
     let adapter_observer = tokio::spawn(adapter::observe(ctx.clone()));
+    // KEDA's certificate for the shared gateways as the keys Secret holds it now (a standby
+    // promoted later may have loaded one since renewed), published before any reconcile stamps
+    // its digest.
     let shared_client = match (&cfg.shared_client_home, ctx.shared_client()) {
-        (Some(home), Some(_)) => Some(tokio::spawn(crate::scaler_tls::maintain_shared(
-            ctx.clone(),
-            home.clone(),
-        ))),
+        (Some(home), Some(_)) => {
+            crate::scaler_tls::refresh_shared(&ctx, home).await;
+            Some(tokio::spawn(crate::scaler_tls::maintain_shared(
+                ctx.clone(),
+                home.clone(),
+            )))
+        }
         _ => None,
     };
     let sweeper = tokio::spawn(member::sweep(ctx, sweep_rx));

@@ -154,8 +154,16 @@ async fn push_mode_cold_start_then_back_to_zero_over_mutual_tls_through_a_renewa
         old_record.digest()
     );
     // One CA signs every service's certificates, so the gateway takes only KEDA's certificate
-    // for this service: one of the same CA for another service's scaler is refused, and so is
-    // KEDA's certificate for the shared gateways.
+    // for this service: one the test signs with the CA for this service's name gets in, one
+    // for another service's scaler is refused, and so is one for the shared gateways.
+    let mine = format!("keda.{SERVICE}-scaler.{ns}");
+    ensure!(
+        signed_by_the_scaler_ca(&client, &mine, &old)
+            .await?
+            .probe(&addr, &host, true)
+            .await?,
+        "a client certificate of Hearth's CA for {mine} was refused"
+    );
     for name in [
         format!("keda.other-scaler.{ns}"),
         hearth_controller::names::SHARED_SCALER_CLIENT.to_owned(),

@@ -59,9 +59,9 @@ fn endpoints(client: &kube::Client, ns: &str) -> Api<DynamicObject> {
 /// the suite's own admits it there): the push trigger of mistral (namespace `nb`) names the
 /// chart's ClusterTriggerAuthentication, whose Secret in KEDA's namespace holds KEDA's
 /// certificate for the shared gateways, with the digest of its record in the keys Secret as
-/// `tlsDigest`; that material gets an HTTP/2 SETTINGS frame; no client certificate, plain text,
-/// or a certificate of Hearth's CA for a service's own scaler (`keda.mistral-scaler.<nb>`) get
-/// none. The gateway's serving certificate is the endpoint's Secret, its issuance recorded on
+/// `tlsDigest`; that material, and a certificate the test signs with Hearth's CA for the shared
+/// name, get an HTTP/2 SETTINGS frame; no client certificate, plain text, or a certificate
+/// signed the same way for a service's own scaler (`keda.mistral-scaler.<nb>`) get none. The gateway's serving certificate is the endpoint's Secret, its issuance recorded on
 /// the gateway Deployment.
 async fn shared_scaler_mutual_tls(
     client: &kube::Client,
@@ -156,6 +156,16 @@ async fn shared_scaler_mutual_tls(
     ensure!(
         !plain_h2(&addr).await?,
         "plain-text gRPC got an HTTP/2 answer from the shared ExternalScaler"
+    );
+    // Signed the same way, the shared name gets in and a service's own scaler name does not:
+    // the refusal is the name's.
+    let shared = hearth_controller::names::SHARED_SCALER_CLIENT;
+    ensure!(
+        signed_by_the_scaler_ca(client, shared, &keda)
+            .await?
+            .probe(&addr, &host, true)
+            .await?,
+        "a client certificate of Hearth's CA for {shared} was refused by the shared ExternalScaler"
     );
     let own = format!("keda.mistral-scaler.{nb}");
     ensure!(
@@ -559,9 +569,6 @@ async fn run(cluster: &Cluster, absent_runtime: &str) -> Result<()> {
     let (m, p) = tokio::join!(chat_ok(&url, "mistral", true), chat_ok(&url, "phi", false));
     m?;
     p?;
-    // mistral (push, namespace B) woke through the shared gateway's ExternalScaler, which takes
-    // only KEDA's certificate for the shared gateways.
-    shared_scaler_mutual_tls(&client, &a, nb).await?;
     wait_until(
         "llama-tools served after its 503",
         Duration::from_secs(120),
@@ -586,6 +593,10 @@ async fn run(cluster: &Cluster, absent_runtime: &str) -> Result<()> {
         now.get("stuck-model").map(state) == Some("activating"),
         "stuck-model should be activating: {now:?}"
     );
+    // mistral (push, namespace B) woke through the shared gateway's ExternalScaler, which takes
+    // only KEDA's certificate for the shared gateways. (After the check above: the stuck
+    // model's activation times out after 90 s.)
+    shared_scaler_mutual_tls(&client, &a, nb).await?;
 
     // phi leaves the endpoint while a stream is in flight through it.
     let in_flight = {
