@@ -197,6 +197,12 @@ pub struct BackendState {
     /// A backend pod the scheduler cannot place for lack of its accelerator
     /// ([`crate::handover::waiting_for`]): `pod P: <the scheduler's message>`.
     pub waiting_for_devices: Option<String>,
+    /// The Deployment's current template has no pod yet: its controller has not observed the
+    /// latest spec (`status.observedGeneration` below `metadata.generation`), or none of its
+    /// pods has the template (`status.updatedReplicas` 0 while it has pods). The pods there
+    /// are an earlier template's, about to be replaced: what keeps them from coming up is no
+    /// longer the answer (a corrected runtime is not answered with the old failure).
+    pub template_pending: bool,
 }
 
 /// Why a backend cannot come up: one of [`hearth_crds::ACTIVATION_FAILED_REASONS`], which
@@ -464,6 +470,12 @@ impl BackendState {
             return Self::default();
         };
         let status = d.status.as_ref();
+        let unobserved = matches!(
+            (d.metadata.generation, status.and_then(|s| s.observed_generation)),
+            (Some(g), Some(o)) if o < g
+        );
+        let pods = status.and_then(|s| s.replicas).unwrap_or(0);
+        let updated = status.and_then(|s| s.updated_replicas).unwrap_or(0);
         Self {
             exists: true,
             desired: d.spec.as_ref().and_then(|s| s.replicas).unwrap_or(1),
@@ -471,13 +483,15 @@ impl BackendState {
             stuck: deployment_failure(d),
             failing: None,
             waiting_for_devices: None,
+            template_pending: unobserved || (pods > 0 && updated == 0),
         }
     }
 
     /// Adds why the newest of the backend's `pods` not being deleted cannot come up
     /// ([`pod_failure`], else an image pull the kubelet's Event in `pulls` (pod UID → message)
     /// says failed, [`pull_failed`]): it is the current attempt (during a rollout it has the
-    /// current template, and older pods wait for it), and the first pod waiting for devices
+    /// current template, and older pods wait for it); none while the current template has no
+    /// pod yet ([`BackendState::template_pending`]). And the first pod waiting for devices
     /// ([`crate::handover::waiting_for`]).
     pub fn with_pods<'a>(
         mut self,
@@ -493,7 +507,7 @@ impl BackendState {
                     .creation_timestamp
                     .cmp(&b.metadata.creation_timestamp)
             });
-        self.failing = newest.and_then(|p| {
+        self.failing = newest.filter(|_| !self.template_pending).and_then(|p| {
             pod_failure(p).or_else(|| {
                 let uid = p.metadata.uid.as_deref()?;
                 pull_failed(p, pulls.get(uid)?)
@@ -1154,6 +1168,36 @@ mod tests {
         starting.metadata.creation_timestamp = Some(t(9));
         let b = BackendState::default().with_pods([&old, &new, &starting], &Default::default());
         assert_eq!(b.failing, None);
+    }
+
+    #[test]
+    fn pods_of_an_earlier_template_are_not_diagnosed() {
+        let crashing = pod_with(container(
+            serde_json::json!({"waiting": {"reason": "CrashLoopBackOff"}}),
+            serde_json::json!({"terminated": {"reason": "OOMKilled", "exitCode": 137}}),
+            1,
+        ));
+        let deployment = |generation: i64, observed: i64, updated: i32| -> Deployment {
+            serde_json::from_value(serde_json::json!({
+                "metadata": {"generation": generation},
+                "spec": {"replicas": 1},
+                "status": {"observedGeneration": observed, "replicas": 1,
+                           "updatedReplicas": updated},
+            }))
+            .unwrap()
+        };
+        let diagnosed = |d: &Deployment| {
+            BackendState::of(Some(d))
+                .with_pods([&crashing], &Default::default())
+                .failing
+                .map(|f| f.reason)
+        };
+        // The pod has the current template: its failure is the answer.
+        assert_eq!(diagnosed(&deployment(3, 3, 1)), Some("OOMKilled"));
+        // The runtime was corrected: the Deployment's controller has not seen it yet, then no
+        // pod has the new template; the old pod's failure is not the answer meanwhile.
+        assert_eq!(diagnosed(&deployment(4, 3, 1)), None);
+        assert_eq!(diagnosed(&deployment(4, 4, 0)), None);
     }
 
     #[test]
