@@ -335,6 +335,9 @@ fn schema_rejects_bad_values_naming_the_field() -> Result<()> {
         ("gateway.resources.limits.memory=512MB", "limits/memory"),
         ("gateway.resources.requests.cpu=-1", "requests/cpu"),
         ("controller.resources.limits.memory=lots", "limits/memory"),
+        ("controller.resources.request.cpu=1", "request"),
+        ("webhook.resources.limit.memory=1Gi", "limit"),
+        ("rbac.platformAdmins[0].kind=Robot", "kind"),
         (
             "networkPolicy.models.clientsFrom[0].namespaceSelectr.x=y",
             "namespaceSelectr",
@@ -952,6 +955,11 @@ fn value_sets() -> Vec<ValueSet> {
                 ("Role", "hearth-controller-keys"),
                 ("Secret", "hearth-scaler-keda"),
                 ("ClusterTriggerAuthentication", "chart-scaler"),
+                ("ClusterRole", "chart-view"),
+                ("ClusterRole", "chart-edit"),
+                ("ClusterRole", "chart-admin"),
+                ("ClusterRole", "chart-runtime-viewer"),
+                ("ClusterRole", "chart-platform-admin"),
             ],
             check: |docs, _| {
                 // The gateways' admin tokens: Secrets made empty (the controller writes their
@@ -1008,6 +1016,33 @@ fn value_sets() -> Vec<ValueSet> {
                 ] {
                     ensure!(args.contains(&flag.to_owned()), "{flag} not in {args:?}");
                 }
+                // Roles for users: the namespace roles aggregate into the built-in ones, the
+                // platform roles into none, and nobody is bound to those by default.
+                for (role, into) in [
+                    ("view", &["view", "edit", "admin"][..]),
+                    ("edit", &["edit", "admin"][..]),
+                    ("admin", &["admin"][..]),
+                    ("runtime-viewer", &[][..]),
+                    ("platform-admin", &[][..]),
+                ] {
+                    let cr = find(docs, "ClusterRole", &format!("chart-{role}"))?;
+                    let labels = cr["metadata"]["labels"].as_object().cloned().unwrap_or_default();
+                    let aggregated: Vec<&str> = labels
+                        .iter()
+                        .filter(|(_, v)| *v == "true")
+                        .filter_map(|(k, _)| k.strip_prefix("rbac.authorization.k8s.io/aggregate-to-"))
+                        .collect();
+                    ensure!(aggregated == into, "chart-{role} aggregates into {aggregated:?}, not {into:?}");
+                    ensure!(
+                        !docs.iter().any(|d| kind(d) == "ClusterRoleBinding"
+                            && name(d) == format!("chart-{role}")),
+                        "chart-{role} is bound by default"
+                    );
+                }
+                ensure!(
+                    !find(docs, "ClusterRole", "chart-edit")?.to_string().contains("inferenceruntimes"),
+                    "namespace editors get no InferenceRuntime rights"
+                );
                 let reader = find(docs, "ClusterRole", "chart-metrics-reader")?;
                 ensure!(
                     reader["rules"] == json!([{"nonResourceURLs": ["/metrics"], "verbs": ["get"]}]),
@@ -1239,6 +1274,20 @@ fn value_sets() -> Vec<ValueSet> {
                     ("hearth-backends", "backend", "http"),
                 ] {
                     let pm = &find(docs, "PodMonitor", name)?["spec"];
+                    // Every series says its LLMService: a backend's label, and a service's own
+                    // gateway's gateway label (an endpoint's gateway says its endpoint).
+                    let targets: Vec<&str> = pm["podMetricsEndpoints"][0]["relabelings"]
+                        .as_array()
+                        .into_iter()
+                        .flatten()
+                        .filter_map(|r| r["targetLabel"].as_str())
+                        .collect();
+                    let want: &[&str] = if component == "gateway" {
+                        &["llmservice", "llmendpoint", "llmservice"]
+                    } else {
+                        &["llmservice", "llmendpoint"]
+                    };
+                    ensure!(targets == want, "{name}: relabelings {targets:?}");
                     ensure!(
                         pm["namespaceSelector"] == json!({"any": true}),
                         "{name}: {pm}"
@@ -1267,6 +1316,41 @@ fn value_sets() -> Vec<ValueSet> {
                 let binding = find(docs, "ClusterRoleBinding", "chart-metrics-reader")?;
                 ensure!(binding["roleRef"]["name"] == "chart-metrics-reader");
                 ensure!(binding["subjects"][0]["name"] == "prometheus");
+                Ok(())
+            },
+        },
+        ValueSet {
+            name: "user-roles",
+            // No aggregation into the built-in roles; the platform roles bound to their teams.
+            values: |_| {
+                json!({"rbac": {
+                    "aggregate": false,
+                    "runtimeViewers": [{"kind": "Group", "name": "system:authenticated",
+                                        "apiGroup": "rbac.authorization.k8s.io"}],
+                    "platformAdmins": [{"kind": "Group", "name": "platform-team",
+                                        "apiGroup": "rbac.authorization.k8s.io"}],
+                }})
+            },
+            renders: vec![
+                ("ClusterRole", "chart-runtime-viewer"),
+                ("ClusterRoleBinding", "chart-runtime-viewer"),
+                ("ClusterRole", "chart-platform-admin"),
+                ("ClusterRoleBinding", "chart-platform-admin"),
+            ],
+            check: |docs, _| {
+                for role in ["view", "edit", "admin"] {
+                    ensure!(
+                        !docs.iter().any(|d| kind(d) == "ClusterRole"
+                            && name(d) == format!("chart-{role}")),
+                        "chart-{role} rendered with rbac.aggregate false"
+                    );
+                }
+                let admins = find(docs, "ClusterRoleBinding", "chart-platform-admin")?;
+                ensure!(
+                    admins["roleRef"]["name"] == "chart-platform-admin"
+                        && admins["subjects"][0]["name"] == "platform-team",
+                    "{admins}"
+                );
                 Ok(())
             },
         },
