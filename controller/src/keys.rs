@@ -372,6 +372,7 @@ mod tests {
             scaler_ca: Some(DAY),
             scaler_ca_min_left: Duration::from_secs(3600),
             shared_client: None,
+            keep_ca: false,
         };
         let mut data = BTreeMap::new();
         assert_eq!(

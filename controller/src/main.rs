@@ -405,6 +405,8 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
             shared_client: keda_scaler_secret
                 .is_some()
                 .then_some(args.scaler_cert_validity),
+            // At start the CA is made when missing and replaced when ending.
+            keep_ca: false,
         },
     )
     .await

@@ -1753,8 +1753,14 @@ async fn keda_shared_client_certificate_reaches_the_shared_triggers_and_is_renew
                 "scaler-ca.not-after".to_owned(),
                 bytes(&ca.not_after.format(&Rfc3339)?),
             ),
-            ("scaler-shared-client.crt".to_owned(), bytes(&first.leaf.cert)),
-            ("scaler-shared-client.key".to_owned(), bytes(&first.leaf.key)),
+            (
+                "scaler-shared-client.crt".to_owned(),
+                bytes(&first.leaf.cert),
+            ),
+            (
+                "scaler-shared-client.key".to_owned(),
+                bytes(&first.leaf.key),
+            ),
             (
                 "scaler-shared-client.record".to_owned(),
                 record_field(&first.record)?,
@@ -1826,7 +1832,9 @@ async fn keda_shared_client_certificate_reaches_the_shared_triggers_and_is_renew
         let scaled_objects = scaled_objects.clone();
         async move {
             let so = scaled_objects.get_opt("chat").await?;
-            let t = so.map(|o| o.data["spec"]["triggers"][0].clone()).unwrap_or_default();
+            let t = so
+                .map(|o| o.data["spec"]["triggers"][0].clone())
+                .unwrap_or_default();
             Ok::<_, anyhow::Error>(
                 if t["authenticationRef"]
                     == json!({"name": "hearth-scaler", "kind": "ClusterTriggerAuthentication"})
@@ -1839,9 +1847,11 @@ async fn keda_shared_client_certificate_reaches_the_shared_triggers_and_is_renew
             )
         }
     };
-    wait_until("the shared trigger with the certificate's digest", WAIT, || {
-        trigger(first.record.digest())
-    })
+    wait_until(
+        "the shared trigger with the certificate's digest",
+        WAIT,
+        || trigger(first.record.digest()),
+    )
     .await?;
     let published = secrets.get("keda-scaler").await?;
     assert_eq!(field(&published, "tls.crt"), first.leaf.cert);
@@ -1860,7 +1870,11 @@ async fn keda_shared_client_certificate_reaches_the_shared_triggers_and_is_renew
         }
     })
     .await?;
-    let args = gateway.spec.and_then(|s| s.template.spec).map(|p| p.containers[0].args.clone().unwrap_or_default()).unwrap_or_default();
+    let args = gateway
+        .spec
+        .and_then(|s| s.template.spec)
+        .map(|p| p.containers[0].args.clone().unwrap_or_default())
+        .unwrap_or_default();
     assert!(
         args.contains(&format!(
             "--scaler-client-name={}",
@@ -1901,7 +1915,11 @@ async fn keda_shared_client_certificate_reaches_the_shared_triggers_and_is_renew
             > OffsetDateTime::now_utc() + validity / 2,
         "the record says the new expiry: {record:?}"
     );
-    assert_eq!(field(&renewed, "scaler-ca.key"), ca.key, "the CA is untouched");
+    assert_eq!(
+        field(&renewed, "scaler-ca.key"),
+        ca.key,
+        "the CA is untouched"
+    );
     wait_until("the shared trigger with the renewed digest", WAIT, || {
         trigger(record.digest())
     })

@@ -1026,13 +1026,21 @@ fn value_sets() -> Vec<ValueSet> {
                     ("platform-admin", &[][..]),
                 ] {
                     let cr = find(docs, "ClusterRole", &format!("chart-{role}"))?;
-                    let labels = cr["metadata"]["labels"].as_object().cloned().unwrap_or_default();
+                    let labels = cr["metadata"]["labels"]
+                        .as_object()
+                        .cloned()
+                        .unwrap_or_default();
                     let aggregated: Vec<&str> = labels
                         .iter()
                         .filter(|(_, v)| *v == "true")
-                        .filter_map(|(k, _)| k.strip_prefix("rbac.authorization.k8s.io/aggregate-to-"))
+                        .filter_map(|(k, _)| {
+                            k.strip_prefix("rbac.authorization.k8s.io/aggregate-to-")
+                        })
                         .collect();
-                    ensure!(aggregated == into, "chart-{role} aggregates into {aggregated:?}, not {into:?}");
+                    ensure!(
+                        aggregated == into,
+                        "chart-{role} aggregates into {aggregated:?}, not {into:?}"
+                    );
                     ensure!(
                         !docs.iter().any(|d| kind(d) == "ClusterRoleBinding"
                             && name(d) == format!("chart-{role}")),
@@ -1040,7 +1048,9 @@ fn value_sets() -> Vec<ValueSet> {
                     );
                 }
                 ensure!(
-                    !find(docs, "ClusterRole", "chart-edit")?.to_string().contains("inferenceruntimes"),
+                    !find(docs, "ClusterRole", "chart-edit")?
+                        .to_string()
+                        .contains("inferenceruntimes"),
                     "namespace editors get no InferenceRuntime rights"
                 );
                 let reader = find(docs, "ClusterRole", "chart-metrics-reader")?;

@@ -109,7 +109,12 @@ async fn namespace_roles_and_platform_roles_grant_what_the_docs_say() -> Result<
             .with_context(|| format!("binding {} to {RELEASE}-{role}", user(role)))?;
     }
     let mut delete = cluster.kubectl()?;
-    delete.args(["delete", "clusterrolebinding", "--ignore-not-found", "--wait=false"]);
+    delete.args([
+        "delete",
+        "clusterrolebinding",
+        "--ignore-not-found",
+        "--wait=false",
+    ]);
     delete.args(cluster_roles.map(binding));
     let _bindings = Bindings(delete);
 
@@ -132,13 +137,43 @@ async fn namespace_roles_and_platform_roles_grant_what_the_docs_say() -> Result<
         (user("admin"), "create", "llmendpoints", here_ns, true),
         (user("admin"), "create", "servingpolicies", None, false),
         (user("admin"), "list", "inferenceruntimes", None, false),
-        (user("runtime-viewer"), "list", "inferenceruntimes", None, true),
+        (
+            user("runtime-viewer"),
+            "list",
+            "inferenceruntimes",
+            None,
+            true,
+        ),
         (user("runtime-viewer"), "get", "servingpolicies", None, true),
-        (user("runtime-viewer"), "create", "inferenceruntimes", None, false),
+        (
+            user("runtime-viewer"),
+            "create",
+            "inferenceruntimes",
+            None,
+            false,
+        ),
         (user("runtime-viewer"), "get", "llmservices", here_ns, false),
-        (user("platform-admin"), "create", "inferenceruntimes", None, true),
-        (user("platform-admin"), "delete", "servingpolicies", None, true),
-        (user("platform-admin"), "create", "llmservices", here_ns, false),
+        (
+            user("platform-admin"),
+            "create",
+            "inferenceruntimes",
+            None,
+            true,
+        ),
+        (
+            user("platform-admin"),
+            "delete",
+            "servingpolicies",
+            None,
+            true,
+        ),
+        (
+            user("platform-admin"),
+            "create",
+            "llmservices",
+            here_ns,
+            false,
+        ),
         (user("nobody"), "get", "llmservices", here_ns, false),
         (user("nobody"), "list", "inferenceruntimes", None, false),
     ];
@@ -168,6 +203,9 @@ async fn namespace_roles_and_platform_roles_grant_what_the_docs_say() -> Result<
         },
     )
     .await?;
-    println!("[user roles] {} access reviews answered as documented", table.len());
+    println!(
+        "[user roles] {} access reviews answered as documented",
+        table.len()
+    );
     Ok(())
 }
