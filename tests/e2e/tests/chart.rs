@@ -1019,8 +1019,9 @@ fn value_sets() -> Vec<ValueSet> {
                 // Roles for users: the namespace roles aggregate into the built-in ones, the
                 // platform roles into none, and nobody is bound to those by default.
                 for (role, into) in [
-                    ("view", &["view", "edit", "admin"][..]),
-                    ("edit", &["edit", "admin"][..]),
+                    // Sorted, as the labels are.
+                    ("view", &["admin", "edit", "view"][..]),
+                    ("edit", &["admin", "edit"][..]),
                     ("admin", &["admin"][..]),
                     ("runtime-viewer", &[][..]),
                     ("platform-admin", &[][..]),
