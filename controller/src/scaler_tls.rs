@@ -607,15 +607,18 @@ pub struct SharedClientHome {
 
 /// Keeps KEDA's [`SharedClient`] current: [`refresh_shared`] every [`SharedClientHome::every`]
 /// (at least a second), from the first period on ([`crate::run`] refreshes it once before any
-/// reconcile).
-pub async fn maintain_shared(ctx: std::sync::Arc<Context>, home: SharedClientHome) {
+/// reconcile). Returns only when the keys Secret's CA is no longer the one this process signs
+/// with ([`Error::Certificate`]): `run` then stops with that error, so the restart loads it.
+pub async fn maintain_shared(ctx: std::sync::Arc<Context>, home: SharedClientHome) -> Error {
     let mut tick = tokio::time::interval(home.every.max(Duration::from_secs(1)));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     // The first tick is now: refreshed already.
     tick.tick().await;
     loop {
         tick.tick().await;
-        refresh_shared(&ctx, &home).await;
+        if let Err(e) = refresh_shared(&ctx, &home).await {
+            return e;
+        }
     }
 }
 
@@ -626,10 +629,13 @@ pub async fn maintain_shared(ctx: std::sync::Arc<Context>, home: SharedClientHom
 /// edited away comes back), and only then hands a new one to the reconciles
 /// ([`Context::set_shared_client`]), which stamp its digest on the push triggers at their next
 /// run: KEDA never reconnects before its Secret holds the certificate. Nothing is written when
-/// the keys cannot be read, or when their CA is no longer the one this process signs with
-/// (restart the controller). Failures are logged, naming the Secret, and retried at the next
-/// period.
-pub async fn refresh_shared(ctx: &Context, home: &SharedClientHome) {
+/// the keys cannot be read or written (logged, naming the Secret, and retried at the next
+/// period).
+///
+/// # Errors
+/// [`Error::Certificate`] when the keys Secret's CA is no longer the one this process signs
+/// with (another replica replaced a CA near its end when it started): only a restart loads it.
+pub async fn refresh_shared(ctx: &Context, home: &SharedClientHome) -> Result<(), Error> {
     let (keys_ns, keys_name) = &home.keys;
     let keys_secret = format!("{keys_ns}/{keys_name}");
     let wanted = crate::keys::Wanted {
@@ -645,13 +651,14 @@ pub async fn refresh_shared(ctx: &Context, home: &SharedClientHome) {
         Ok(keys) => match (keys.scaler_ca, keys.shared_client) {
             (Some(ca), Some(client)) if Some(&ca) == ctx.scaler_tls.ca.as_ref() => client,
             _ => {
-                tracing::error!(secret = %keys_secret, "the scaler CA in the keys Secret is not the one this controller signs with: restart the controller");
-                return;
+                return Err(Error::Certificate(format!(
+                    "the scaler CA in Secret {keys_secret} is no longer the one this controller signs with (another replica replaced it): restarting to load it"
+                )));
             }
         },
         Err(e) => {
             tracing::error!(error = %e, "KEDA's client certificate for the shared gateways could not be read or renewed");
-            return;
+            return Ok(());
         }
     };
     let (ns, name) = &home.keda;
@@ -661,12 +668,13 @@ pub async fn refresh_shared(ctx: &Context, home: &SharedClientHome) {
         .await
     {
         tracing::error!(secret = %format!("{ns}/{name}"), error = %e, "KEDA's client certificate for the shared gateways could not be written, so their ExternalScalers refuse KEDA (the chart makes this Secret; check it exists and the controller's RBAC)");
-        return;
+        return Ok(());
     }
     if ctx.shared_client().as_ref() != Some(&loaded) {
         tracing::info!(not_after = %loaded.record.not_after, "KEDA's client certificate for the shared gateways renewed");
         ctx.set_shared_client(loaded);
     }
+    Ok(())
 }
 
 type Key = (String, String);

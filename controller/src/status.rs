@@ -199,9 +199,10 @@ pub struct BackendState {
     pub waiting_for_devices: Option<String>,
     /// The Deployment's current template has no pod yet: its controller has not observed the
     /// latest spec (`status.observedGeneration` below `metadata.generation`), or none of its
-    /// pods has the template (`status.updatedReplicas` 0 while it has pods). The pods there
-    /// are an earlier template's, about to be replaced: what keeps them from coming up is no
-    /// longer the answer (a corrected runtime is not answered with the old failure).
+    /// pods has the template (`status.updatedReplicas` 0 while it has pods, unless paused).
+    /// The pods there are an earlier template's, about to be replaced: what keeps them from
+    /// coming up is no longer the answer (a corrected runtime is not answered with the old
+    /// failure). A change of it triggers a reconcile (the Deployment watch's filter).
     pub template_pending: bool,
 }
 
@@ -476,6 +477,8 @@ impl BackendState {
         );
         let pods = status.and_then(|s| s.replicas).unwrap_or(0);
         let updated = status.and_then(|s| s.updated_replicas).unwrap_or(0);
+        // A paused Deployment makes no pod of a new template: its pods are the answer.
+        let paused = d.spec.as_ref().and_then(|s| s.paused).unwrap_or(false);
         Self {
             exists: true,
             desired: d.spec.as_ref().and_then(|s| s.replicas).unwrap_or(1),
@@ -483,7 +486,7 @@ impl BackendState {
             stuck: deployment_failure(d),
             failing: None,
             waiting_for_devices: None,
-            template_pending: unobserved || (pods > 0 && updated == 0),
+            template_pending: unobserved || (pods > 0 && updated == 0 && !paused),
         }
     }
 
@@ -1198,6 +1201,10 @@ mod tests {
         // pod has the new template; the old pod's failure is not the answer meanwhile.
         assert_eq!(diagnosed(&deployment(4, 3, 1)), None);
         assert_eq!(diagnosed(&deployment(4, 4, 0)), None);
+        // Paused, no pod of a new template comes: the old pods' failure is the answer.
+        let mut paused = deployment(4, 4, 0);
+        paused.spec.as_mut().unwrap().paused = Some(true);
+        assert_eq!(diagnosed(&paused), Some("OOMKilled"));
     }
 
     #[test]

@@ -1090,6 +1090,8 @@ pub async fn run(
                     b.desired,
                     b.ready,
                     b.stuck,
+                    // Its pods' failures count again once it is over: a reconcile then.
+                    b.template_pending,
                     d.status.as_ref().and_then(|s| s.available_replicas),
                 ),
             )
@@ -1649,7 +1651,7 @@ pub async fn run(
     // its digest.
     let shared_client = match (&cfg.shared_client_home, ctx.shared_client()) {
         (Some(home), Some(_)) => {
-            crate::scaler_tls::refresh_shared(&ctx, home).await;
+            crate::scaler_tls::refresh_shared(&ctx, home).await?;
             Some(tokio::spawn(crate::scaler_tls::maintain_shared(
                 ctx.clone(),
                 home.clone(),
@@ -1658,14 +1660,33 @@ pub async fn run(
         _ => None,
     };
     let sweeper = tokio::spawn(member::sweep(ctx, sweep_rx));
-    futures::future::join4(services, endpoints, members, adapters).await;
+    let controllers = futures::future::join4(services, endpoints, members, adapters);
+    // The controllers run until shutdown; a scaler CA replaced under this process stops them
+    // with its error (the restart loads it).
+    let stopped = match shared_client {
+        Some(mut task) => {
+            tokio::select! {
+                _ = controllers => {
+                    task.abort();
+                    Ok(())
+                }
+                ended = &mut task => match ended {
+                    Ok(e) => Err(e),
+                    Err(e) => Err(Error::Certificate(format!(
+                        "the shared scaler client's task ended: {e}"
+                    ))),
+                },
+            }
+        }
+        None => {
+            controllers.await;
+            Ok(())
+        }
+    };
     sweeper.abort();
-    if let Some(task) = shared_client {
-        task.abort();
-    }
     meter.abort();
     adapter_observer.abort();
-    Ok(())
+    stopped
 }
 
 /// `stream` (the Jobs' watch) with the endpoint of each hub adapter fetch Job's service

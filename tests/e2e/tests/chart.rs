@@ -339,6 +339,10 @@ fn schema_rejects_bad_values_naming_the_field() -> Result<()> {
         ("webhook.resources.limit.memory=1Gi", "limit"),
         ("rbac.platformAdmins[0].kind=Robot", "kind"),
         (
+            "metricsReader.subjects[0].kind=ServiceAccount,metricsReader.subjects[0].name=prom",
+            "namespace",
+        ),
+        (
             "networkPolicy.models.clientsFrom[0].namespaceSelectr.x=y",
             "namespaceSelectr",
         ),
