@@ -1897,9 +1897,14 @@ async fn keda_shared_client_certificate_reaches_the_shared_triggers_and_is_renew
         let first = first.leaf.cert.clone();
         async move {
             let keys = secrets.get("keys").await?;
-            let cert = field(&secrets.get("keda-scaler").await?, "tls.crt");
+            let keda = secrets.get("keda-scaler").await?;
+            let cert = field(&keda, "tls.crt");
+            // The key that goes with it, too.
             Ok(
-                if cert != first && cert == field(&keys, "scaler-shared-client.crt") {
+                if cert != first
+                    && cert == field(&keys, "scaler-shared-client.crt")
+                    && field(&keda, "tls.key") == field(&keys, "scaler-shared-client.key")
+                {
                     Observed::Ready(keys)
                 } else {
                     Observed::NotYet("KEDA's Secret holds the first certificate".into())
