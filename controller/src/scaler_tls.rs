@@ -131,10 +131,11 @@ impl Record {
             })
     }
 
-    /// The record of certificates signed by `ca` that expire at `not_after`.
-    pub fn new(ca: &Issued, not_after: OffsetDateTime) -> Self {
+    /// The record of certificates signed by the CA whose certificate (PEM) is `ca` that expire
+    /// at `not_after`.
+    pub fn new(ca: &str, not_after: OffsetDateTime) -> Self {
         Self {
-            ca: ca.cert.clone(),
+            ca: ca.to_owned(),
             not_after: not_after.format(&Rfc3339).unwrap_or_default(),
         }
     }
@@ -219,10 +220,7 @@ impl Material {
         let not_after = self.client.as_ref().map_or(self.server.not_after, |c| {
             c.not_after.min(self.server.not_after)
         });
-        Record {
-            ca: self.ca.clone(),
-            not_after: not_after.format(&Rfc3339).unwrap_or_default(),
-        }
+        Record::new(&self.ca, not_after)
     }
 }
 
@@ -255,7 +253,7 @@ impl SharedClient {
             &[names::SHARED_SCALER_CLIENT.to_owned()],
             validity,
         )?;
-        let record = Record::new(ca, leaf.not_after);
+        let record = Record::new(&ca.cert, leaf.not_after);
         Ok(Self { leaf, record })
     }
 
@@ -263,15 +261,21 @@ impl SharedClient {
     /// ClusterTriggerAuthentication hands to the triggers as `caCert`, `tlsClientCert`,
     /// `tlsClientKey`.
     pub fn secret_data(&self) -> BTreeMap<String, ByteString> {
-        [
-            ("ca.crt", &self.record.ca),
-            ("tls.crt", &self.leaf.cert),
-            ("tls.key", &self.leaf.key),
-        ]
-        .into_iter()
-        .map(|(k, v)| (k.to_owned(), ByteString(v.as_bytes().to_vec())))
-        .collect()
+        tls_data(&self.record.ca, &self.leaf)
     }
+}
+
+/// The data of a `kubernetes.io/tls` Secret as KEDA's `external-push` scaler and the gateway
+/// read it: `ca.crt` = `bundle`, `tls.crt` and `tls.key` of `leaf`.
+fn tls_data(bundle: &str, leaf: &Issued) -> BTreeMap<String, ByteString> {
+    [
+        ("ca.crt", bundle),
+        ("tls.crt", &leaf.cert),
+        ("tls.key", &leaf.key),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_owned(), ByteString(v.as_bytes().to_vec())))
+    .collect()
 }
 
 /// SHA-256 of `parts` in order, the first 16 hex digits.
@@ -308,11 +312,6 @@ pub fn secret(
     bundle: &str,
     leaf: &Issued,
 ) -> Secret {
-    let data = BTreeMap::from([
-        ("ca.crt".to_owned(), bundle),
-        ("tls.crt".to_owned(), leaf.cert.as_str()),
-        ("tls.key".to_owned(), leaf.key.as_str()),
-    ]);
     Secret {
         metadata: ObjectMeta {
             name: Some(name),
@@ -322,11 +321,7 @@ pub fn secret(
             ..Default::default()
         },
         type_: Some("kubernetes.io/tls".to_owned()),
-        data: Some(
-            data.into_iter()
-                .map(|(k, v)| (k, ByteString(v.as_bytes().to_vec())))
-                .collect(),
-        ),
+        data: Some(tls_data(bundle, leaf)),
         ..Default::default()
     }
 }

@@ -1884,7 +1884,10 @@ async fn keda_shared_client_certificate_reaches_the_shared_triggers_and_is_renew
     );
 
     // Two thirds into its life: issued again, published, and the trigger follows.
-    let due = Record::new(&ca, OffsetDateTime::now_utc() + Duration::from_secs(1800));
+    let due = Record::new(
+        &ca.cert,
+        OffsetDateTime::now_utc() + Duration::from_secs(1800),
+    );
     secrets
         .patch(
             "keys",
