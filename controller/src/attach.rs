@@ -166,6 +166,8 @@ struct Claimant {
     deleting: bool,
     /// The model name it claims, or (a Deployment whose annotations cannot join) why not.
     model: Result<String, String>,
+    /// The other names it claims (an LLMService's `spec.model.aliases`).
+    aliases: Vec<String>,
     /// The model it asked for, as the endpoint's `status.conflicts` lists it.
     asked: String,
 }
@@ -179,6 +181,7 @@ impl Claimant {
             created: s.metadata.creation_timestamp.as_ref().map(|t| t.0),
             deleting: s.metadata.deletion_timestamp.is_some(),
             model: Ok(s.name_any()),
+            aliases: rules::served_aliases(s),
             asked: s.name_any(),
         }
     }
@@ -205,6 +208,7 @@ impl Claimant {
                     rules::Findings(check.findings.errors().cloned().collect())
                 )),
             },
+            aliases: Vec::new(),
             asked,
         }
     }
@@ -318,9 +322,15 @@ pub fn attach<'a, 'b>(
                         name = c.name,
                     ),
                 },
-                Ok(()) => match holders.get(model) {
-                    Some((hkind, hns, hname)) => {
+                Ok(()) => match std::iter::once(model)
+                    .chain(&c.aliases)
+                    .find_map(|n| Some((n, holders.get(n)?)))
+                {
+                    Some((taken, (hkind, hns, hname))) => {
                         let fix = match c.kind {
+                            MemberKind::LLMService if taken != model => {
+                                "remove it from this service's spec.model.aliases"
+                            }
                             MemberKind::LLMService => {
                                 "rename this service (its name is its model name)"
                             }
@@ -337,16 +347,18 @@ pub fn attach<'a, 'b>(
                         Verdict {
                             reason: AttachReason::ModelNameConflict,
                             message: format!(
-                                "model name {model:?} is already served on LLMEndpoint {key} by the older {hkind} {hns}/{hname}: {fix} or take one of the two off the endpoint; {meanwhile}"
+                                "model name {taken:?} is already served on LLMEndpoint {key} by the older {hkind} {hns}/{hname}: {fix} or take one of the two off the endpoint; {meanwhile}"
                             ),
                         }
                     }
                     None => {
                         if !c.deleting {
-                            holders.insert(
-                                model.clone(),
-                                (c.kind, c.namespace.clone(), c.name.clone()),
-                            );
+                            for n in std::iter::once(model).chain(&c.aliases) {
+                                holders.insert(
+                                    n.clone(),
+                                    (c.kind, c.namespace.clone(), c.name.clone()),
+                                );
+                            }
                             out.models.push(EndpointModel {
                                 name: model.clone(),
                                 namespace: c.namespace.clone(),

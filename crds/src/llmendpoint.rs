@@ -317,6 +317,10 @@ pub struct RouteTable {
 pub struct ModelRoute {
     /// The OpenAI model name (the service's served model name).
     pub model: String,
+    /// More names clients may send in `model` for it (the LLMService's `spec.model.aliases`):
+    /// routed like `model`, and forwarded with `model` set to `model`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub aliases: Vec<String>,
     /// The LLMService's (or Deployment's) namespace (where its backend Service is).
     pub namespace: String,
     /// The LLMService's (or Deployment's) name. `<namespace>/<service>` identifies the model to

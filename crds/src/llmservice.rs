@@ -120,6 +120,21 @@ pub struct ModelSpec {
     /// source is the inline model location.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub source: Option<ModelSource>,
+
+    /// aliases are more names clients may send in a request's `model` for this model, besides
+    /// the LLMService's name: for example the hub id they already use
+    /// (`Qwen/Qwen2.5-0.5B-Instruct`). The gateway answers to them while the model is cold too,
+    /// lists them in `GET /v1/models`, and forwards such a request with `model` set to the
+    /// service's name, the one the engine serves (answers name the model that way). On a shared
+    /// LLMEndpoint they are claimed like the service's name. Each is 1 to 256 characters
+    /// without whitespace or commas. Hearth extension.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(
+        length(max = 16),
+        inner(length(min = 1, max = 256), regex(pattern = r"^[^\s,]+$")),
+        extend("x-kubernetes-list-type" = "set")
+    )]
+    pub aliases: Vec<String>,
 }
 
 /// An inline model location and optional credentials.

@@ -344,6 +344,71 @@ pub fn cache_claim_size(cache: &CacheSpec) -> Quantity {
     cache.size_or_default()
 }
 
+/// Most names in `spec.model.aliases` (the CRD's `maxItems`).
+pub const MAX_MODEL_ALIASES: usize = 16;
+/// Longest name in `spec.model.aliases` (the CRD's `maxLength`).
+pub const MAX_MODEL_ALIAS_LEN: usize = 256;
+
+/// The aliases a service's gateway answers to (`spec.model.aliases`): each once, without the
+/// service's own name (see [`model_aliases`] for the checks).
+pub fn served_aliases(svc: &LLMService) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    for a in &svc.spec.model.aliases {
+        if svc.metadata.name.as_deref() != Some(a.as_str()) && !out.contains(a) {
+            out.push(a.clone());
+        }
+    }
+    out
+}
+
+/// `spec.model.aliases`: at most [`MAX_MODEL_ALIASES`] names of 1 to [`MAX_MODEL_ALIAS_LEN`]
+/// characters without whitespace or commas (the gateway takes them as one comma-separated
+/// flag), each once (the CRD's `pattern` and list type `set`); an alias that is the service's
+/// own name is a warning (it is answered to anyway).
+fn model_aliases(f: &mut Findings, svc: &LLMService) {
+    let aliases = &svc.spec.model.aliases;
+    if aliases.len() > MAX_MODEL_ALIASES {
+        f.error(
+            Reason::InvalidSpec,
+            "spec.model.aliases",
+            format!(
+                "has {} names, more than {MAX_MODEL_ALIASES}; keep the names clients use",
+                aliases.len()
+            ),
+        );
+    }
+    for (i, alias) in aliases.iter().enumerate() {
+        let field = format!("spec.model.aliases[{i}]");
+        if alias.is_empty() || alias.len() > MAX_MODEL_ALIAS_LEN {
+            f.error(
+                Reason::InvalidSpec,
+                &field,
+                format!("must be 1 to {MAX_MODEL_ALIAS_LEN} characters"),
+            );
+        } else if alias.chars().any(|c| c.is_whitespace() || c == ',') {
+            f.error(
+                Reason::InvalidSpec,
+                &field,
+                format!(
+                    "{alias:?} holds whitespace or a comma; use the model name clients send, like \"Qwen/Qwen2.5-0.5B-Instruct\""
+                ),
+            );
+        } else if aliases[..i].contains(alias) {
+            f.error(
+                Reason::InvalidSpec,
+                &field,
+                format!("{alias:?} is listed twice; remove one"),
+            );
+        } else if svc.metadata.name.as_deref() == Some(alias.as_str()) {
+            f.warn(
+                Reason::FieldIgnored,
+                &field,
+                format!("{alias:?} is the service's name, which clients may use anyway; remove it"),
+            );
+        }
+    }
+}
+
 /// Checks whether `svc` can be rendered with `runtime` (its resolved `InferenceRuntime`, or
 /// `None` when it has none yet: then the runtime's own checks are skipped).
 pub fn check_llmservice(svc: &LLMService, runtime: Option<&InferenceRuntime>) -> Findings {
@@ -418,6 +483,8 @@ pub fn check_llmservice(svc: &LLMService, runtime: Option<&InferenceRuntime>) ->
     {
         object_name(&mut f, "spec.model.source.secretRef.name", &secret.name);
     }
+
+    model_aliases(&mut f, svc);
 
     // Runtime selection.
     let sel = &spec.runtime;

@@ -205,7 +205,7 @@ pub struct ServeArgs {
         env = "HEARTH_ROUTES_CONFIGMAP",
         value_name = "NAME",
         conflicts_with_all = [
-            "backend_service", "backend_url", "served_model_name", "backend_port",
+            "backend_service", "backend_url", "served_model_name", "model_alias", "backend_port",
             "backend_port_name", "max_queue", "cold_start", "heartbeat_interval",
             "activation_timeout", "metric_target", "sleep_after", "sleep_level", "sleep_path",
             "is_sleeping_path", "wake_up_calls", "llmservice", "llmservice_uid", "service_key",
@@ -249,6 +249,16 @@ pub struct ServeArgs {
         value_delimiter = ','
     )]
     pub served_model_name: Vec<String>,
+    /// More names clients may send in `model` (the LLMService's `spec.model.aliases`, such as
+    /// the hub id): answered like --served-model-name, cold or warm, and forwarded with `model`
+    /// set to the first --served-model-name, the name the engine serves.
+    #[arg(
+        long = "model-alias",
+        env = "HEARTH_MODEL_ALIAS",
+        value_delimiter = ',',
+        requires = "served_model_name"
+    )]
+    pub model_alias: Vec<String>,
     /// Requests admitted at once (held + in flight); beyond it, 429 with Retry-After.
     #[arg(long, env = "HEARTH_MAX_QUEUE", default_value_t = 1000)]
     pub max_queue: u64,
@@ -476,6 +486,19 @@ impl ServeArgs {
         if self.served_model_name.iter().any(|n| n.trim().is_empty()) {
             return Err(err("--served-model-name", "names must not be empty"));
         }
+        for alias in &self.model_alias {
+            if alias.trim().is_empty() {
+                return Err(err("--model-alias", "names must not be empty"));
+            }
+            if self.served_model_name.contains(alias) {
+                return Err(err(
+                    "--model-alias",
+                    format!(
+                        "{alias:?} is a --served-model-name already; leave it out of the aliases"
+                    ),
+                ));
+            }
+        }
         if self.peer_service.is_some() && self.pod_ips.is_empty() {
             return Err(err(
                 "--pod-ip",
@@ -514,6 +537,7 @@ impl ServeArgs {
         Ok(GatewayConfig {
             service_key: self.service_key()?,
             served_model_names: self.served_model_name.clone(),
+            model_aliases: self.model_alias.clone(),
             max_queue: self.max_queue,
             container_concurrency: self.container_concurrency,
             tenants,

@@ -32,6 +32,10 @@ pub struct GatewayConfig {
     /// is answered by the gateway while no backend is ready, and a request naming another
     /// model gets 404 without waking a backend. Empty: every request is forwarded.
     pub served_model_names: Vec<String>,
+    /// More names clients may send in `model` (`--model-alias`, the LLMService's
+    /// `spec.model.aliases`): answered like the served names, cold or warm, and forwarded with
+    /// `model` set to the first served name (the engine serves only that).
+    pub model_aliases: Vec<String>,
     /// Requests admitted at once (held + in flight); beyond it, 429 with `Retry-After`.
     pub max_queue: u64,
     /// Cold-start behaviour.
@@ -93,6 +97,7 @@ impl Default for GatewayConfig {
         Self {
             service_key: None,
             served_model_names: Vec::new(),
+            model_aliases: Vec::new(),
             max_queue: 1000,
             cold_start: ColdStartMode::Keepalive,
             heartbeat_interval: Duration::from_secs(5),
@@ -128,6 +133,9 @@ pub struct ModelConfig {
     /// `model`); a single-service gateway checks a cold request's `model` against them (empty:
     /// not checked).
     pub served_model_names: Vec<String>,
+    /// More names clients may send in `model` for this model: routed and checked like its
+    /// served names, and forwarded with `model` set to the first served name.
+    pub aliases: Vec<String>,
     /// Requests admitted at once (held + in flight); beyond it, 429 with `Retry-After`.
     pub max_queue: u64,
     /// Cold-start behaviour.
@@ -154,6 +162,7 @@ impl ModelConfig {
         Self {
             key: cfg.service_key.clone().unwrap_or_default(),
             served_model_names: cfg.served_model_names.clone(),
+            aliases: cfg.model_aliases.clone(),
             max_queue: cfg.max_queue,
             cold_start: cfg.cold_start,
             heartbeat_interval: cfg.heartbeat_interval,

@@ -82,6 +82,27 @@ impl Model {
         self.cfg.served_model_names.first().map(String::as_str)
     }
 
+    /// Whether clients may call it `name`: one of its served names or aliases.
+    pub fn answers_to(&self, name: &str) -> bool {
+        self.cfg.served_model_names.iter().any(|n| n == name)
+            || self.cfg.aliases.iter().any(|n| n == name)
+    }
+
+    /// The name a request calling it `name` is forwarded under: its first served name when
+    /// `name` is one of its aliases, else `None` (sent as it came).
+    pub fn renamed_from(&self, name: &str) -> Option<&str> {
+        if self.cfg.aliases.iter().any(|a| a == name) {
+            self.name()
+        } else {
+            None
+        }
+    }
+
+    /// Its served names, then its aliases: the names `GET /v1/models` lists.
+    fn all_names(&self) -> impl Iterator<Item = &String> {
+        self.cfg.served_model_names.iter().chain(&self.cfg.aliases)
+    }
+
     /// The endpoints its requests go to (with the sleeping tier, the awake engines).
     pub fn backends(&self) -> &EndpointSet {
         &self.state.backends
@@ -198,7 +219,7 @@ impl Model {
     /// The `/v1/models/{id}` answer of `id`: the model itself under one of its names, or one of
     /// its adapters.
     pub fn entry_for<'a>(&'a self, id: &'a str) -> Option<ListEntry<'a>> {
-        if self.cfg.served_model_names.iter().any(|n| n == id) {
+        if self.answers_to(id) {
             return Some(ListEntry::Model(self.entry_named(id)));
         }
         let catalog = self.state.adapters.catalog();
@@ -223,28 +244,37 @@ impl Model {
 pub struct ModelList<'a> {
     /// Always `list`.
     pub object: &'static str,
-    /// One entry per model of the route table, sorted by name, each followed by its adapters.
+    /// One entry per model of the route table, sorted by name, each followed by
+    /// its aliases and its adapters.
     pub data: Vec<ListEntry<'a>>,
 }
 
 impl<'a> ModelList<'a> {
-    /// The list of `models` (a shared gateway's), each model followed by its adapters.
+    /// The list of `models` (a shared gateway's), each model followed by its aliases and
+    /// its adapters.
     pub fn of(models: &'a [Arc<Model>]) -> Self {
         Self {
             object: "list",
             data: models
                 .iter()
                 .flat_map(|m| {
-                    std::iter::once(ListEntry::Model(m.entry())).chain(m.adapter_entries())
+                    std::iter::once(ListEntry::Model(m.entry()))
+                        .chain(
+                            m.cfg
+                                .aliases
+                                .iter()
+                                .map(|a| ListEntry::Model(m.entry_named(a))),
+                        )
+                        .chain(m.adapter_entries())
                 })
                 .collect(),
         }
     }
 
-    /// The list of a single-service gateway's model with adapters: one entry per served name,
-    /// then the adapters.
+    /// The list of a single-service gateway's model with adapters or aliases: one entry per
+    /// served name and alias, then the adapters.
     pub fn single(model: &'a Model) -> Self {
-        let names = model.cfg.served_model_names.iter();
+        let names = model.all_names();
         Self {
             object: "list",
             data: names

@@ -162,6 +162,33 @@ impl RequestHints {
     }
 }
 
+/// `body` (a JSON object) with its `model` set to `name`: the bytes of the value vLLM reads (the
+/// last `model` key, as [`RequestHints::from_body`] reads it) replaced by `name` as a JSON
+/// string, everything else unchanged. `None` when the body has no string `model` (then
+/// nothing is renamed and the engine answers as it would).
+///
+/// Used for a model's aliases (`spec.model.aliases`): the engine serves only the service's
+/// name, so a request naming an alias is forwarded under that name, as the Gateway API
+/// inference extension rewrites a request's model.
+pub fn with_model(body: &[u8], name: &str) -> Option<Bytes> {
+    let start = body.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(body);
+    let fields = serde_json::from_slice::<
+        std::collections::HashMap<std::borrow::Cow<'_, str>, &serde_json::value::RawValue>,
+    >(start)
+    .ok()?;
+    let raw = fields.get("model")?.get();
+    serde_json::from_str::<String>(raw).ok()?;
+    // The raw value borrows from `body`: its offset is where the old value starts.
+    let at = (raw.as_ptr() as usize).checked_sub(body.as_ptr() as usize)?;
+    let end = at.checked_add(raw.len()).filter(|e| *e <= body.len())?;
+    let quoted = serde_json::to_vec(name).ok()?;
+    let mut out = Vec::with_capacity(body.len() - raw.len() + quoted.len());
+    out.extend_from_slice(&body[..at]);
+    out.extend_from_slice(&quoted);
+    out.extend_from_slice(&body[end..]);
+    Some(out.into())
+}
+
 /// Whether a JSON value is true as a pydantic (v2, lax) `bool` reads it: `true`, `1`, `1.0`,
 /// or one of the strings `1`, `on`, `t`, `true`, `y`, `yes` in any case.
 fn lax_true(raw: &str) -> bool {
@@ -212,6 +239,38 @@ mod tests {
             assert_eq!(h.stream, stream, "{shown}");
             assert_eq!(h.model.as_deref(), model, "{shown}");
         }
+    }
+
+    #[test]
+    fn with_model_replaces_the_value_vllm_reads_and_nothing_else() {
+        for (body, out) in [
+            (
+                &br#"{"model":"Qwen/Qwen2.5","messages":[{"role":"user","content":"model"}]}"#[..],
+                Some(&br#"{"model":"chat","messages":[{"role":"user","content":"model"}]}"#[..]),
+            ),
+            // The last key is the one vLLM reads.
+            (
+                br#"{"model":"a", "model" : "b" ,"stream":true}"#,
+                Some(br#"{"model":"a", "model" : "chat" ,"stream":true}"#),
+            ),
+            (
+                b"\xEF\xBB\xBF{\"model\":\"a\"}",
+                Some(b"\xEF\xBB\xBF{\"model\":\"chat\"}"),
+            ),
+            (br#"{"model":"\u0061"}"#, Some(br#"{"model":"chat"}"#)),
+            (br#"{"model":3}"#, None),
+            (br#"{"messages":[]}"#, None),
+            (b"not json", None),
+            (br#"["model"]"#, None),
+        ] {
+            let got = with_model(body, "chat");
+            assert_eq!(got.as_deref(), out, "{}", String::from_utf8_lossy(body));
+        }
+        let quoted = with_model(br#"{"model":"a"}"#, "x\"y").unwrap();
+        assert_eq!(
+            RequestHints::from_body(&quoted).model.as_deref(),
+            Some("x\"y")
+        );
     }
 
     #[test]

@@ -104,15 +104,26 @@ pub fn model_configs(table: &RouteTable) -> Result<Vec<ModelConfig>, RoutesError
     let mut out = Vec::with_capacity(table.models.len());
     for (i, route) in table.models.iter().enumerate() {
         let cfg = model_config(i, route)?;
-        if let Some(j) = names.insert(&route.model, i) {
-            return Err(invalid(
-                i,
-                "model",
-                format!(
-                    "{:?} is also the model of models[{j}]: model names are unique on an endpoint",
-                    route.model
-                ),
-            ));
+        let fields = std::iter::once(("model".to_owned(), &route.model)).chain(
+            route
+                .aliases
+                .iter()
+                .enumerate()
+                .map(|(k, a)| (format!("aliases[{k}]"), a)),
+        );
+        for (field, name) in fields {
+            if name.is_empty() {
+                return Err(invalid(i, &field, "must not be empty"));
+            }
+            if let Some(j) = names.insert(name, i) {
+                return Err(invalid(
+                    i,
+                    &field,
+                    format!(
+                        "{name:?} is also a name of models[{j}]: model names and aliases are unique on an endpoint"
+                    ),
+                ));
+            }
         }
         if let Some(j) = keys.insert(cfg.key.clone(), i) {
             return Err(invalid(
@@ -251,6 +262,7 @@ fn model_config(i: usize, r: &ModelRoute) -> Result<ModelConfig, RoutesError> {
     Ok(ModelConfig {
         key: r.key(),
         served_model_names: vec![r.model.clone()],
+        aliases: r.aliases.clone(),
         max_queue: r.max_queue,
         cold_start: match r.cold_start {
             hearth_crds::llmservice::ColdStartMode::Keepalive => ColdStartMode::Keepalive,
@@ -275,6 +287,7 @@ fn model_config(i: usize, r: &ModelRoute) -> Result<ModelConfig, RoutesError> {
 pub fn default_route(namespace: &str, service: &str, model: &str) -> ModelRoute {
     ModelRoute {
         model: model.to_owned(),
+        aliases: Vec::new(),
         namespace: namespace.to_owned(),
         service: service.to_owned(),
         uid: None,
@@ -457,7 +470,7 @@ impl Table {
     fn new(models: Vec<Arc<Model>>) -> Self {
         let mut t = Table::default();
         for m in models {
-            for name in &m.cfg.served_model_names {
+            for name in m.cfg.served_model_names.iter().chain(&m.cfg.aliases) {
                 t.by_name.insert(name.clone(), m.clone());
             }
             if !m.cfg.key.is_empty() {
@@ -1016,6 +1029,43 @@ mod tests {
         let t = table(vec![route("a")]);
         let json = serde_json::to_string(&t).unwrap();
         assert_eq!(parse_route_table(&json).unwrap(), t);
+    }
+
+    #[test]
+    fn aliases_are_unique_among_every_name_of_the_table() {
+        let with_aliases = |service: &str, aliases: &[&str]| ModelRoute {
+            aliases: aliases.iter().map(|a| (*a).to_owned()).collect(),
+            ..route(service)
+        };
+        let ok = table(vec![
+            with_aliases("a", &["org/a"]),
+            with_aliases("b", &["org/b"]),
+        ]);
+        let cfgs = model_configs(&ok).unwrap();
+        assert_eq!(cfgs[0].aliases, ["org/a"]);
+        for (t, path) in [
+            (
+                table(vec![with_aliases("a", &["b"]), route("b")]),
+                "models[1].model",
+            ),
+            (
+                table(vec![with_aliases("a", &["x"]), with_aliases("b", &["x"])]),
+                "models[1].aliases[0]",
+            ),
+            (
+                table(vec![with_aliases("a", &["a"])]),
+                "models[0].aliases[0]",
+            ),
+            (
+                table(vec![with_aliases("a", &[""])]),
+                "models[0].aliases[0]",
+            ),
+        ] {
+            match model_configs(&t) {
+                Err(RoutesError::Invalid { path: p, .. }) => assert_eq!(p, path),
+                other => panic!("{path}: {other:?}"),
+            }
+        }
     }
 
     #[test]

@@ -682,3 +682,29 @@ fn a_deployments_reference_resolves_in_its_namespace_by_default() {
     let plain = dep("team-a", "x", 1, json!({}), false);
     assert_eq!(deployment_endpoint_key(&plain), None);
 }
+
+#[test]
+fn aliases_are_claimed_like_names_by_the_older_claimant() {
+    let ep = endpoint(json!({"from": "All"})).unwrap();
+    let with_aliases = |mut s: LLMService, aliases: &[&str]| {
+        s.spec.model.aliases = aliases.iter().map(|a| (*a).to_owned()).collect();
+        s
+    };
+    let services = [
+        with_aliases(live("team-a", "chat", 1, "platform/shared"), &["org/chat"]),
+        // A newer alias naming an older model, and a newer model named like an older alias.
+        with_aliases(live("team-b", "code", 2, "platform/shared"), &["chat"]),
+        live("team-c", "org-chat", 3, "platform/shared"),
+        with_aliases(live("team-d", "sql", 4, "platform/shared"), &["org/chat"]),
+    ];
+    let deployments = [joined("team-e", "vllm", 5, "platform/shared", "org/chat")];
+    let a = attach(&key(), Some(&ep), &services, &deployments, &namespaces());
+    assert!(a.verdict("team-a", "chat").unwrap().accepted());
+    assert_eq!(
+        a.verdict("team-b", "code").unwrap().message,
+        "model name \"chat\" is already served on LLMEndpoint platform/shared by the older LLMService team-a/chat: remove it from this service's spec.model.aliases or take one of the two off the endpoint; meanwhile this service runs its own gateway"
+    );
+    assert!(a.verdict("team-c", "org-chat").unwrap().accepted());
+    assert!(!a.verdict("team-d", "sql").unwrap().accepted());
+    assert!(!a.deployment_verdict("team-e", "vllm").unwrap().accepted());
+}

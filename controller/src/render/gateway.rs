@@ -476,7 +476,7 @@ pub(super) fn own_gateway<'a>(
     let cold = &svc.spec.endpoint.cold_start;
     check_model_durations(svc)?;
     let backend_port = &ctx.rt.spec.container.port;
-    let before_drain = vec![
+    let mut before_drain = vec![
         format!("--backend-service={}", names::backend_service(&ctx.name)),
         format!("--backend-port={BACKEND_SERVICE_PORT}"),
         format!("--backend-port-name={}", backend_port.name),
@@ -489,6 +489,11 @@ pub(super) fn own_gateway<'a>(
         format!("--heartbeat-interval={}", cold.heartbeat_interval),
         format!("--activation-timeout={}", s.activation_timeout),
     ];
+    // The names clients may use besides the service's; forwarded under the service's name.
+    let aliases = hearth_crds::rules::served_aliases(svc);
+    if !aliases.is_empty() {
+        before_drain.push(format!("--model-alias={}", aliases.join(",")));
+    }
     let mut after_peers = Vec::new();
     if let Some(route) = ctx.sleep_tier().and_then(|t| sleep_route(svc, &t)) {
         after_peers = sleep_args(&route);
@@ -547,6 +552,7 @@ pub fn model_route(
     Ok(ModelRoute {
         // The runtime templates serve the model under the service name.
         model: name.clone(),
+        aliases: hearth_crds::rules::served_aliases(svc),
         namespace: svc.namespace().ok_or(RenderError::NoNamespace)?,
         service: name.clone(),
         uid: svc.metadata.uid.clone(),

@@ -166,6 +166,7 @@ pub fn member_route(
     let cold = member.cold_start();
     Ok(ModelRoute {
         model: member.model.clone(),
+        aliases: Vec::new(),
         namespace: d.namespace().ok_or(RenderError::NoNamespace)?,
         service: name.clone(),
         uid: None,

@@ -779,6 +779,26 @@ fn a_routes_table_entry_holds_what_the_services_own_gateway_takes_as_flags() {
     ] {
         assert!(args.contains(&flag.to_owned()), "{flag} not in {args:?}");
     }
+    assert!(
+        !args.iter().any(|a| a.starts_with("--model-alias")),
+        "{args:?}"
+    );
+    // Aliases: one flag, and the route's list; the service's own name is left out.
+    let aliases =
+        json!({"spec": {"model": {"aliases": ["Qwen/Qwen2.5-0.5B-Instruct", "chat", "qwen"]}}});
+    assert_eq!(
+        route_of(aliases.clone()).aliases,
+        ["Qwen/Qwen2.5-0.5B-Instruct", "qwen"]
+    );
+    let mut v = serde_json::to_value(&svc).unwrap();
+    hearth_test_support::merge_json(&mut v, aliases);
+    let svc: LLMService = serde_json::from_value(v).unwrap();
+    let own = render(&svc, &rt, &RenderConfig::builtin().unwrap(), true).unwrap();
+    let args = container_args(own.gateway.as_ref().unwrap());
+    assert!(
+        args.contains(&"--model-alias=Qwen/Qwen2.5-0.5B-Instruct,qwen".to_owned()),
+        "{args:?}"
+    );
     // Without a sleeping tier or an activation yet: neither in the route.
     let plain = route_of(json!({}));
     assert_eq!((plain.sleep, plain.last_activation), (None, None));

@@ -115,7 +115,8 @@ pub(super) fn admit(
 }
 
 /// Whether `model` serves the model `hints` names (any, when it names none or the served
-/// model names are not configured), itself or as one of its adapters; else
+/// model names are not configured), under one of its names or aliases, or as one of its
+/// adapters; else
 /// [`Rejection::UnknownModel`], answered `404` as vLLM does. Checked for a request that is or
 /// turns cold: a ready engine checks it itself.
 pub(super) fn serves(model: &Model, hints: &RequestHints) -> Result<(), Rejection> {
@@ -123,7 +124,7 @@ pub(super) fn serves(model: &Model, hints: &RequestHints) -> Result<(), Rejectio
     match &hints.model {
         Some(name)
             if !served.is_empty()
-                && !served.contains(name)
+                && !model.answers_to(name)
                 && model.state.adapters.catalog().get(name).is_none() =>
         {
             Err(Rejection::UnknownModel {

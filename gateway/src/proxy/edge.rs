@@ -162,7 +162,11 @@ pub(super) fn own_answer(shared: &Shared, parts: &Parts) -> Option<Result<Respon
         return Some(entry.ok_or(Rejection::UnknownModel { model: id }));
     };
     let names = &model.cfg.served_model_names;
-    if path == "/v1/models" && !names.is_empty() && !model.state.adapters.is_empty() {
+    // With adapters or aliases the gateway lists them, warm too: the engine knows neither.
+    if path == "/v1/models"
+        && !names.is_empty()
+        && !(model.state.adapters.is_empty() && model.cfg.aliases.is_empty())
+    {
         let list = crate::model::ModelList::single(model);
         return Some(Ok(json_response(serde_json::to_vec(&list))));
     }

@@ -9,7 +9,8 @@
 //! 2. `body`: the body read whole, bounded in size, read time and memory (413, 408, 503);
 //! 3. `route`: the request's model. A single-service gateway has one; a shared gateway reads
 //!    the body's `model` and looks it up in its route table (400 without one, 404 for a model
-//!    it does not serve). A LoRA adapter's name leads to its base model, and the adapter is
+//!    it does not serve). A request that calls a model by one of its aliases is forwarded with
+//!    `model` set to the model's served name. A LoRA adapter's name leads to its base model, and the adapter is
 //!    loaded into the engine the request is sent to, on demand ([`crate::adapters`]); a
 //!    single-service gateway reads the body's `model` only when its model has adapters. An
 //!    adapter its engines cannot load yet (its route's `unavailable`) is answered `503` here,
@@ -32,7 +33,7 @@
 //! A cold request's body is checked for its model name before admission, so a misdirected
 //! request never raises demand and never wakes a model; a ready backend answers that check
 //! itself (vLLM's `404 The model ... does not exist`), so a single-service gateway forwards a
-//! warm request without parsing its body (unless its model has adapters). A shared gateway parses every body (it routes by it)
+//! warm request without parsing its body (unless its model has adapters or aliases). A shared gateway parses every body (it routes by it)
 //! and forwards the bytes unchanged.
 
 mod admit;
@@ -170,6 +171,8 @@ where
     if shared.single.is_none() {
         tracker.metrics = model.state.metrics.clone();
     }
+    // A request calling the model by an alias is forwarded under its served name.
+    let body = route::renamed(&model, hints.as_ref(), &body).unwrap_or(body);
     if let Err(rejection) = route::available(adapter.as_ref()) {
         return refuse(&shared, tracker, rejection);
     }

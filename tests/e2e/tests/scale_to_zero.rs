@@ -2,6 +2,9 @@
 //! apply → ScaledToZero with no backend pod; a cold streaming chat completion → SSE heartbeats
 //! while the backend goes 0 → 1 → tokens → 200; then idle → back to 0, the idle pod leaving
 //! as soon as its drain sidecar sees the engine idle (not after the whole `drainTimeout`).
+//! In poll mode the service has an alias (`spec.model.aliases`, the hub id): `/v1/models` lists
+//! it while the model is at zero, and the cold request calls the model by it (the stub engine
+//! serves only the service's name, so an answer shows the gateway forwarded it under that name).
 //! In push mode KEDA reaches the gateway's ExternalScaler over mutual TLS: a client without
 //! KEDA's certificate for this service is refused, and after the certificates are issued again
 //! (a renewal, from the same CA) a cold request scales it from zero again.
@@ -26,15 +29,45 @@ use stack::scaler_tls::{
 };
 use stack::{SERVICE, TOKENS};
 
+/// The alias the poll-mode service answers to: the hub id clients already use.
+const ALIAS: &str = "Qwen/Qwen2.5-0.5B-Instruct";
+
 async fn cold_start_then_back_to_zero(mode: ScalerMode) -> Result<stack::Deployed> {
-    let d = stack::deploy(&format!("e2e-zero-{}", mode.annotation()), mode, |_| {}).await?;
+    let alias = (mode == ScalerMode::Poll).then_some(ALIAS);
+    let d = stack::deploy(&format!("e2e-zero-{}", mode.annotation()), mode, |o| {
+        if let Some(alias) = alias {
+            o["spec"]["model"]["aliases"] = serde_json::json!([alias]);
+        }
+    })
+    .await?;
     // apply → ScaledToZero, and no backend pod exists.
     ensure!(
         d.backend_pods().await?.is_empty(),
         "a backend pod exists while ScaledToZero"
     );
+    let model = match alias {
+        Some(alias) => {
+            // Listed while cold, beside the service's own name.
+            let (status, body) =
+                client::get(&format!("{}/v1/models", d.url), Duration::from_secs(10)).await?;
+            let listed: serde_json::Value = serde_json::from_str(&body)
+                .with_context(|| format!("/v1/models answered {status}: {body}"))?;
+            let ids: Vec<&str> = listed["data"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|m| m["id"].as_str())
+                .collect();
+            ensure!(
+                status == 200 && ids == [SERVICE, alias],
+                "/v1/models while cold: {status} {body}"
+            );
+            alias
+        }
+        None => SERVICE,
+    };
 
-    let trace = client::chat(&d.url, SERVICE, true, Duration::from_secs(150)).await?;
+    let trace = client::chat(&d.url, model, true, Duration::from_secs(150)).await?;
     let t0 = trace.sent;
     let tl = d.timeline_text(t0);
     ensure!(

@@ -4,7 +4,8 @@
 //!
 //! - each cold model wakes from its own request, at the endpoint's URL, and only it wakes;
 //! - a flood to one cold model (its queue full: 429s) leaves another cold model served;
-//! - `/v1/models` lists every accepted model with its state;
+//! - `/v1/models` lists every accepted model with its state, and a model's alias
+//!   (`spec.model.aliases`) beside it; a cold model called by its alias wakes and answers;
 //! - an unknown model gets OpenAI's 404 `model_not_found` at once;
 //! - a second service claiming a model name is reported (`ModelNameConflict`, and in the
 //!   endpoint's `status.conflicts`) and keeps its own gateway; a namespace the endpoint does not
@@ -183,6 +184,9 @@ async fn shared_scaler_mutual_tls(
 
 /// The upstream stub service renamed to `name` (its served model name) in `ns`, in scaler mode
 /// `mode`, joining the endpoint in `endpoint_ns`.
+/// The alias mistral answers to on the endpoint (`spec.model.aliases`).
+const MISTRAL_ALIAS: &str = "mistralai/Mistral-7B-Instruct-v0.3";
+
 fn member(ns: &str, name: &str, mode: ScalerMode, endpoint_ns: &str) -> Result<Value> {
     let mut o = hstack::stub_service(ns, mode)?;
     o["metadata"]["name"] = Value::from(name);
@@ -363,11 +367,14 @@ async fn run(cluster: &Cluster, absent_runtime: &str) -> Result<()> {
     stuck["spec"]["scaling"]["activationTimeout"] = Value::from("90s");
     let mut tools = member(na, "llama-tools", ScalerMode::Poll, na)?;
     tools["spec"]["endpoint"]["coldStart"]["mode"] = Value::from("reject");
+    // mistral answers to its hub id too, and is woken by it.
+    let mut mistral = member(nb, "mistral", ScalerMode::Push, na)?;
+    mistral["spec"]["model"]["aliases"] = json!([MISTRAL_ALIAS]);
     for o in [
         member(na, "qwen-chat", ScalerMode::Push, na)?,
         tools,
         stuck,
-        member(nb, "mistral", ScalerMode::Push, na)?,
+        mistral,
         member(nb, "phi", ScalerMode::Poll, na)?,
     ] {
         hstack::apply(&client, o, None).await?;
@@ -454,11 +461,11 @@ async fn run(cluster: &Cluster, absent_runtime: &str) -> Result<()> {
     );
     // The gateway has read its routes once /v1/models lists them all.
     let listed = wait_until(
-        "/v1/models lists the 6 accepted models, all at zero",
+        "/v1/models lists the 6 accepted models and mistral's alias, all at zero",
         Duration::from_secs(60),
         || async {
             let m = models(&url).await?;
-            Ok(if m.len() == 6 && m.values().all(|e| state(e) == "zero") {
+            Ok(if m.len() == 7 && m.values().all(|e| state(e) == "zero") {
                 Observed::Ready(m)
             } else {
                 Observed::NotYet(format!("{m:?}"))
@@ -473,6 +480,7 @@ async fn run(cluster: &Cluster, absent_runtime: &str) -> Result<()> {
         "mistral",
         "phi",
         "plain-stub",
+        MISTRAL_ALIAS,
     ] {
         ensure!(listed.contains_key(id), "/v1/models lacks {id}: {listed:?}");
     }
@@ -566,7 +574,12 @@ async fn run(cluster: &Cluster, absent_runtime: &str) -> Result<()> {
         t.status,
         t.retry_after
     );
-    let (m, p) = tokio::join!(chat_ok(&url, "mistral", true), chat_ok(&url, "phi", false));
+    // mistral is called by its alias: the stub engine serves only "mistral", so an answer
+    // shows the gateway forwarded the request under the service's name.
+    let (m, p) = tokio::join!(
+        chat_ok(&url, MISTRAL_ALIAS, true),
+        chat_ok(&url, "phi", false)
+    );
     m?;
     p?;
     wait_until(
