@@ -431,25 +431,35 @@ pub fn pull_failed(pod: &Pod, message: &str) -> Option<Failure> {
     })
 }
 
-/// What the backend Deployment says keeps its pods from coming up: `ReplicaFailure=True`
-/// (`FailedCreate`: the apiserver refused the ReplicaSet's pods, for Pod Security, a quota or
-/// a webhook) or `Progressing=False` (`ProgressDeadlineExceeded`).
-pub fn deployment_failure(d: &Deployment) -> Option<Failure> {
-    let conditions = d.status.as_ref()?.conditions.as_ref()?;
-    if let Some(c) = conditions
+/// `FailedCreate` when Deployment `d` says `ReplicaFailure=True`: the apiserver refused its
+/// ReplicaSet's pods (a namespace's Pod Security level, a ResourceQuota, a LimitRange or an
+/// admission webhook), with the refusal's message; `what` names the pods ("the backend's").
+fn replica_failure(d: &Deployment, what: &str) -> Option<Failure> {
+    let c = d
+        .status
+        .as_ref()?
+        .conditions
+        .as_ref()?
         .iter()
-        .find(|c| c.type_ == "ReplicaFailure" && c.status == "True")
-    {
-        let said = first_chars(c.message.as_deref().unwrap_or_default());
-        return Some(Failure {
-            reason: "FailedCreate",
-            pod: None,
-            phase: "scaleDecision",
-            message: format!(
-                "the backend's pods cannot be created: {said} (a namespace's Pod Security level, a ResourceQuota or an admission webhook refuses them; see docs/operations.md)"
-            ),
-        });
+        .find(|c| c.type_ == "ReplicaFailure" && c.status == "True")?;
+    let said = first_chars(c.message.as_deref().unwrap_or_default());
+    Some(Failure {
+        reason: "FailedCreate",
+        pod: None,
+        phase: "scaleDecision",
+        message: format!(
+            "{what} pods cannot be created: {said} (a namespace's Pod Security level, a ResourceQuota, a LimitRange or an admission webhook refuses them; see docs/operations.md)"
+        ),
+    })
+}
+
+/// What the backend Deployment says keeps its pods from coming up: `ReplicaFailure=True`
+/// (`FailedCreate`, [`replica_failure`]) or `Progressing=False` (`ProgressDeadlineExceeded`).
+pub fn deployment_failure(d: &Deployment) -> Option<Failure> {
+    if let Some(f) = replica_failure(d, "the backend's") {
+        return Some(f);
     }
+    let conditions = d.status.as_ref()?.conditions.as_ref()?;
     conditions
         .iter()
         .find(|c| c.type_ == "Progressing" && c.status == "False")
@@ -538,6 +548,30 @@ pub fn gateway_ready(deployment: Option<&Deployment>) -> i32 {
         .and_then(|d| d.status.as_ref())
         .and_then(|s| s.ready_replicas)
         .unwrap_or(0)
+}
+
+/// The gateway's picture from its Deployment (a service's own, or its endpoint's).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct GatewayState {
+    /// `status.readyReplicas`.
+    pub ready: i32,
+    /// Its pods refused by admission (`FailedCreate`, see [`replica_failure`]).
+    pub stuck: Option<Failure>,
+}
+
+impl GatewayState {
+    /// Reads the gateway Deployment.
+    pub fn of(deployment: Option<&Deployment>) -> Self {
+        Self {
+            ready: gateway_ready(deployment),
+            stuck: deployment.and_then(|d| replica_failure(d, "the gateway's")),
+        }
+    }
+
+    /// A gateway with `ready` ready replicas and nothing refused.
+    pub fn ready(ready: i32) -> Self {
+        Self { ready, stuck: None }
+    }
 }
 
 /// `AutoscalingReady` from KEDA's presence and the ScaledObject's own `Ready` condition.
@@ -691,9 +725,10 @@ pub fn job_state(job: &Job) -> JobState {
 /// Phase and `Ready` from the backend, gateway and the other conditions.
 pub fn phase_and_ready(
     backend: BackendState,
-    gateway_ready: i32,
+    gateway: &GatewayState,
     others: &[Cond],
 ) -> (LLMServicePhase, Cond) {
+    let gateway_ready = gateway.ready;
     let failed = |t: &str, r: &str| others.iter().any(|c| c.type_ == t && c.reason == r);
     let autoscaling_ok = others
         .iter()
@@ -718,6 +753,13 @@ pub fn phase_and_ready(
                 "Creating",
                 "the backend Deployment is being created",
             ),
+        );
+    }
+    // No gateway can come up: nothing reaches the model, whatever the backend does.
+    if let Some(f) = gateway.stuck.as_ref().filter(|_| gateway_ready == 0) {
+        return (
+            LLMServicePhase::Degraded,
+            Cond::new(READY, Some(false), f.reason, f.message.clone()),
         );
     }
     if backend.ready > 0 {
@@ -884,21 +926,21 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(
-            phase_and_ready(b(false, 0, 0), 1, &[]).0,
+            phase_and_ready(b(false, 0, 0), &GatewayState::ready(1), &[]).0,
             LLMServicePhase::Pending
         );
-        let (p, r) = phase_and_ready(b(true, 0, 0), 1, &autoscaling_ok());
+        let (p, r) = phase_and_ready(b(true, 0, 0), &GatewayState::ready(1), &autoscaling_ok());
         assert_eq!((p, r.is_true()), (LLMServicePhase::ScaledToZero, true));
-        let (p, r) = phase_and_ready(b(true, 0, 0), 1, &[]);
+        let (p, r) = phase_and_ready(b(true, 0, 0), &GatewayState::ready(1), &[]);
         assert_eq!(
             (p, r.reason.as_str()),
             (LLMServicePhase::ScaledToZero, "AutoscalingNotReady")
         );
         assert_eq!(
-            phase_and_ready(b(true, 1, 0), 1, &[]).0,
+            phase_and_ready(b(true, 1, 0), &GatewayState::ready(1), &[]).0,
             LLMServicePhase::Loading
         );
-        let (p, r) = phase_and_ready(b(true, 1, 1), 1, &[]);
+        let (p, r) = phase_and_ready(b(true, 1, 1), &GatewayState::ready(1), &[]);
         assert_eq!((p, r.is_true()), (LLMServicePhase::Ready, true));
         let deadline: Deployment = serde_json::from_value(serde_json::json!({
             "spec": {"replicas": 1},
@@ -907,14 +949,18 @@ mod tests {
                 "message": "ReplicaSet \"m-1\" has timed out progressing."}]},
         }))
         .unwrap();
-        let (p, r) = phase_and_ready(BackendState::of(Some(&deadline)), 1, &[]);
+        let (p, r) = phase_and_ready(
+            BackendState::of(Some(&deadline)),
+            &GatewayState::ready(1),
+            &[],
+        );
         assert_eq!(
             (p, r.reason.as_str()),
             (LLMServicePhase::Degraded, "ProgressDeadlineExceeded")
         );
         let failing =
             b(true, 1, 0).with_pods([&waiting_pod("CreateContainerError")], &Default::default());
-        let (p, r) = phase_and_ready(failing, 1, &autoscaling_ok());
+        let (p, r) = phase_and_ready(failing, &GatewayState::ready(1), &autoscaling_ok());
         assert_eq!(
             (p, r.reason.as_str(), r.message.as_str()),
             (
@@ -926,7 +972,7 @@ mod tests {
         let creating =
             b(true, 1, 0).with_pods([&waiting_pod("ContainerCreating")], &Default::default());
         assert_eq!(
-            phase_and_ready(creating, 1, &[]).0,
+            phase_and_ready(creating, &GatewayState::ready(1), &[]).0,
             LLMServicePhase::Loading
         );
         let unschedulable: Pod = serde_json::from_value(serde_json::json!({
@@ -939,7 +985,7 @@ mod tests {
         }))
         .unwrap();
         let waiting = b(true, 1, 0).with_pods([&unschedulable], &Default::default());
-        let (p, r) = phase_and_ready(waiting, 1, &autoscaling_ok());
+        let (p, r) = phase_and_ready(waiting, &GatewayState::ready(1), &autoscaling_ok());
         assert_eq!(
             (p, r.reason.as_str(), r.message.as_str()),
             (
@@ -955,15 +1001,41 @@ mod tests {
                 "message": "pods \"m-1-x\" is forbidden: violates PodSecurity \"restricted:latest\": runAsNonRoot != true"}]},
         }))
         .unwrap();
-        let (p, r) = phase_and_ready(BackendState::of(Some(&refused)), 1, &[]);
+        let (p, r) = phase_and_ready(
+            BackendState::of(Some(&refused)),
+            &GatewayState::ready(1),
+            &[],
+        );
         assert_eq!(
             (p, r.reason.as_str()),
             (LLMServicePhase::Degraded, "FailedCreate")
         );
         assert!(r.message.contains("violates PodSecurity"), "{}", r.message);
+        // The gateway's pods refused: nothing reaches the model, even with a backend ready.
+        let gateway = GatewayState::of(Some(&refused));
+        assert_eq!(gateway.ready, 0);
+        let (p, r) = phase_and_ready(b(true, 1, 1), &gateway, &autoscaling_ok());
+        assert_eq!(
+            (p, r.reason.as_str()),
+            (LLMServicePhase::Degraded, "FailedCreate")
+        );
+        assert!(
+            r.message.starts_with("the gateway's pods cannot be created: pods \"m-1-x\" is forbidden: violates PodSecurity"),
+            "{}",
+            r.message
+        );
+        // Once a replica runs (a later pod refused by a quota, say), it serves.
+        let serving = GatewayState {
+            ready: 1,
+            ..gateway
+        };
+        assert_eq!(
+            phase_and_ready(b(true, 1, 1), &serving, &autoscaling_ok()).0,
+            LLMServicePhase::Ready
+        );
         let failed = [Cond::new(PREWARMED, Some(false), "PrewarmFailed", "")];
         assert_eq!(
-            phase_and_ready(b(true, 0, 0), 1, &failed).0,
+            phase_and_ready(b(true, 0, 0), &GatewayState::ready(1), &failed).0,
             LLMServicePhase::Degraded
         );
     }

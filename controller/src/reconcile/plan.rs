@@ -130,7 +130,7 @@ struct Readiness {
     backend: BackendState,
     /// The prewarm Job a `SharedPVC` backend at zero waits for (see [`wait_for_prewarm`]).
     waits_for: Option<String>,
-    gateway_ready: i32,
+    gateway_state: status::GatewayState,
     gateway: String,
     /// Key and Secret of `spec.endpoint.apiKeySecretRef`.
     api_key: Option<(String, String)>,
@@ -218,7 +218,7 @@ impl Plan {
         if let Some(r) = &self.readiness {
             self.conds.retain(|c| c.type_ != status::READY);
             let (phase, mut ready) =
-                status::phase_and_ready(r.backend.clone(), r.gateway_ready, &self.conds);
+                status::phase_and_ready(r.backend.clone(), &r.gateway_state, &self.conds);
             // KEDA paused by the controller may report its ScaledObject not Ready: the wait is
             // what the user needs to know (a gateway not ready is a fault of its own).
             if phase == LLMServicePhase::ScaledToZero
@@ -662,7 +662,7 @@ pub fn plan(svc: &LLMService, desired: Desired, view: &View, cfg: &RenderConfig)
         None => Readiness {
             backend,
             waits_for,
-            gateway_ready: status::gateway_ready(view.gateway.as_deref()),
+            gateway_state: status::GatewayState::of(view.gateway.as_deref()),
             gateway: names::gateway(&name),
             api_key: svc
                 .spec
@@ -675,7 +675,7 @@ pub fn plan(svc: &LLMService, desired: Desired, view: &View, cfg: &RenderConfig)
         Some(g) => Readiness {
             backend,
             waits_for,
-            gateway_ready: status::gateway_ready(view.endpoint_gateway.as_deref()),
+            gateway_state: status::GatewayState::of(view.endpoint_gateway.as_deref()),
             gateway: names::gateway(&g.endpoint),
             api_key: None,
             endpoint: Some(format!("{}/{}", g.namespace, g.endpoint)),

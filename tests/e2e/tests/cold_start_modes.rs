@@ -322,7 +322,7 @@ async fn backend_failures_answer_held_requests_with_the_reason_then_the_fix_serv
                 wait_applied(&deployments, before.clone()).await?;
             }
             if let Some(prev) = previous {
-                wait_ready_reason(&services, |r| r != prev, Duration::from_secs(120))
+                stack::wait_ready_reason(&services, |r| r != prev, Duration::from_secs(120))
                     .await
                     .with_context(|| format!("{}: the service still reports {prev}", step.what))?;
             }
@@ -453,7 +453,7 @@ async fn backend_failures_answer_held_requests_with_the_reason_then_the_fix_serv
             .await?;
         wait_applied(&deployments, before).await?;
         if let Some(prev) = previous {
-            wait_ready_reason(&services, |r| r != prev, Duration::from_secs(120)).await?;
+            stack::wait_ready_reason(&services, |r| r != prev, Duration::from_secs(120)).await?;
         }
         let t = client::chat(&d.url, SERVICE, true, Duration::from_secs(150)).await?;
         ensure!(
@@ -502,29 +502,5 @@ async fn wait_applied(
             })
         },
     )
-    .await
-}
-
-/// Waits until the LLMService's `Ready` reason passes `ok`.
-async fn wait_ready_reason(
-    services: &kube::Api<kube::api::DynamicObject>,
-    ok: impl Fn(&str) -> bool,
-    timeout: Duration,
-) -> Result<()> {
-    use hearth_test_support::{Observed, wait_until};
-    wait_until("the LLMService's Ready reason", timeout, || async {
-        let svc = services.get(SERVICE).await?;
-        let reason = svc.data["status"]["conditions"]
-            .as_array()
-            .and_then(|cs| cs.iter().find(|c| c["type"] == "Ready"))
-            .and_then(|c| c["reason"].as_str())
-            .unwrap_or_default()
-            .to_owned();
-        Ok(if ok(&reason) {
-            Observed::Ready(())
-        } else {
-            Observed::NotYet(reason)
-        })
-    })
     .await
 }

@@ -341,3 +341,26 @@ fn describe_workload(kind: &str, workload: &(impl serde::Serialize + ResourceExt
         conditions.join("; ")
     )
 }
+
+/// Waits until the LLMService's `Ready` reason passes `ok`.
+pub async fn wait_ready_reason(
+    services: &kube::Api<kube::api::DynamicObject>,
+    ok: impl Fn(&str) -> bool,
+    timeout: Duration,
+) -> Result<()> {
+    wait_until("the LLMService's Ready reason", timeout, || async {
+        let svc = services.get(SERVICE).await?;
+        let reason = svc.data["status"]["conditions"]
+            .as_array()
+            .and_then(|cs| cs.iter().find(|c| c["type"] == "Ready"))
+            .and_then(|c| c["reason"].as_str())
+            .unwrap_or_default()
+            .to_owned();
+        Ok(if ok(&reason) {
+            Observed::Ready(())
+        } else {
+            Observed::NotYet(reason)
+        })
+    })
+    .await
+}
