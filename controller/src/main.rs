@@ -79,6 +79,13 @@ struct ImageArgs {
     /// none, and those written before are deleted.
     #[arg(long, env = "HEARTH_MODEL_NETWORK_POLICIES", value_parser = render::ModelNetworkPolicies::parse)]
     model_network_policies: Option<render::ModelNetworkPolicies>,
+    /// Model sources for the whole cluster, as JSON: `{"env": [{"name": "HF_ENDPOINT", "value":
+    /// "https://hf-mirror.example"}], "caBundle": {"configMap": "corp-ca", "key": "ca.crt"}}`:
+    /// variables (a hub mirror, a proxy) for every engine, prewarm Job and adapter fetch Job,
+    /// and a CA bundle ConfigMap of that name in each model namespace they trust (the chart
+    /// writes it from `modelSources`); unset: none.
+    #[arg(long, env = "HEARTH_MODEL_SOURCES", value_parser = render::ModelSources::parse)]
+    model_sources: Option<render::ModelSources>,
 }
 
 impl ImageArgs {
@@ -104,6 +111,7 @@ impl ImageArgs {
             drain_image,
             host_path_root: self.host_path_root.clone(),
             network_policies: self.model_network_policies.clone(),
+            model_sources: self.model_sources.clone().unwrap_or_default(),
             ..RenderConfig::builtin()?
         })
     }

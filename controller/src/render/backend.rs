@@ -8,8 +8,8 @@ use k8s_openapi::{
     api::{
         apps::v1::{Deployment, DeploymentSpec, DeploymentStrategy, RollingUpdateDeployment},
         core::v1::{
-            Capabilities, Container, ContainerPort, PodSpec, PodTemplateSpec, ResourceRequirements,
-            SeccompProfile, SecurityContext, Service, Volume, VolumeMount,
+            Capabilities, Container, ContainerPort, EnvVar, PodSpec, PodTemplateSpec,
+            ResourceRequirements, SeccompProfile, SecurityContext, Service, Volume, VolumeMount,
         },
     },
     apimachinery::pkg::{
@@ -34,6 +34,40 @@ pub fn serving_container(runtime: &InferenceRuntime) -> String {
         Ok(serde_json::Value::String(s)) => s,
         _ => "server".to_owned(),
     }
+}
+
+/// The runtime's `container.env` with the templates of its values rendered (`.Model.Path`,
+/// `.Service.Name`, `.Service.Namespace`), as the engine gets it.
+///
+/// # Errors
+/// [`RenderError::Template`] naming the runtime and the entry.
+pub(super) fn runtime_env(ctx: &Ctx<'_>) -> Result<Vec<EnvVar>, RenderError> {
+    let model_path = ctx.model_path();
+    let values = TemplateValues {
+        model_path: &model_path,
+        service_name: &ctx.name,
+        service_namespace: &ctx.namespace,
+    };
+    ctx.rt
+        .spec
+        .container
+        .env
+        .iter()
+        .enumerate()
+        .map(|(i, e)| {
+            let mut e = e.clone();
+            if let Some(v) = &e.value {
+                e.value = Some(
+                    template::render(v, &values, &format!("spec.container.env[{i}].value"))
+                        .map_err(|source| RenderError::Template {
+                            runtime: ctx.rt.name_any(),
+                            source,
+                        })?,
+                );
+            }
+            Ok(e)
+        })
+        .collect()
 }
 
 /// The plain backend Deployment before the policy step.
@@ -95,17 +129,7 @@ pub(super) fn backend_skeleton(
     }
 
     let cached = volume.is_some() && !ctx.source.is_staged();
-    let mut env = Vec::with_capacity(rt.container.env.len() + 2);
-    for (i, e) in rt.container.env.iter().enumerate() {
-        let mut e = e.clone();
-        if let Some(v) = &e.value {
-            e.value = Some(
-                template::render(v, &values, &format!("spec.container.env[{i}].value"))
-                    .map_err(terr)?,
-            );
-        }
-        env.push(e);
-    }
+    let mut env = runtime_env(ctx)?;
     let sleep_env = sleep.iter().flat_map(|t| t.mode.env.iter().cloned());
     let adapter_env = adapters.iter().flat_map(|a| a.env.iter().cloned());
     for e in ctx
@@ -119,6 +143,12 @@ pub(super) fn backend_skeleton(
             env.push(e);
         }
     }
+    // The cluster's model sources, where the runtime did not set the name.
+    let cluster = ctx
+        .cfg
+        .model_sources
+        .env(|n| env.iter().any(|x| x.name == n));
+    env.extend(cluster);
 
     let mut requests = BTreeMap::new();
     let mut limits = BTreeMap::new();
@@ -164,6 +194,25 @@ pub(super) fn backend_skeleton(
         ..Default::default()
     };
     let selector = labels::selector(&ctx.name, Component::Backend);
+    let mut pod = PodSpec {
+        containers: vec![container],
+        volumes: Some(
+            volume
+                .into_iter()
+                .chain(adapters.iter().flat_map(|a| a.volumes.iter().cloned()))
+                .collect::<Vec<_>>(),
+        )
+        .filter(|v| !v.is_empty()),
+        image_pull_secrets: ctx.pull_secrets(),
+        enable_service_links: Some(false),
+        // The engine never calls the apiserver: no token in the pod (a platform
+        // ServingPolicy that needs one sets it back to true).
+        automount_service_account_token: Some(false),
+        ..Default::default()
+    };
+    ctx.cfg
+        .model_sources
+        .mount_ca(&mut pod, &serving_container(ctx.rt));
     Ok(Deployment {
         metadata: ctx.meta(names::backend(&ctx.name), Component::Backend),
         spec: Some(DeploymentSpec {
@@ -187,22 +236,7 @@ pub(super) fn backend_skeleton(
                     labels: Some(labels::labels(&ctx.name, Component::Backend)),
                     ..Default::default()
                 }),
-                spec: Some(PodSpec {
-                    containers: vec![container],
-                    volumes: Some(
-                        volume
-                            .into_iter()
-                            .chain(adapters.iter().flat_map(|a| a.volumes.iter().cloned()))
-                            .collect::<Vec<_>>(),
-                    )
-                    .filter(|v| !v.is_empty()),
-                    image_pull_secrets: ctx.pull_secrets(),
-                    enable_service_links: Some(false),
-                    // The engine never calls the apiserver: no token in the pod (a platform
-                    // ServingPolicy that needs one sets it back to true).
-                    automount_service_account_token: Some(false),
-                    ..Default::default()
-                }),
+                spec: Some(pod),
             },
             ..Default::default()
         }),

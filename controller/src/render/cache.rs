@@ -201,6 +201,26 @@ fn prewarm_env(ctx: &Ctx<'_>) -> Vec<EnvVar> {
     env
 }
 
+/// Adds to the Job's `container` of `pod` the runtime's download settings, then the cluster's
+/// model sources, each where the name is not set yet, and the cluster's CA bundle
+/// ([`super::sources`]). A runtime whose templates do not render gets no backend either: its
+/// error is the render's.
+fn download_settings(ctx: &Ctx<'_>, pod: &mut PodSpec, container: &str) {
+    let runtime = super::backend::runtime_env(ctx).unwrap_or_default();
+    let sources = &ctx.cfg.model_sources;
+    if let Some(c) = pod.containers.iter_mut().find(|c| c.name == container) {
+        let env = c.env.get_or_insert_with(Vec::new);
+        for e in super::sources::runtime_download_env(&runtime) {
+            if !env.iter().any(|x| x.name == e.name) {
+                env.push(e);
+            }
+        }
+        let cluster = sources.env(|n| env.iter().any(|x| x.name == n));
+        env.extend(cluster);
+    }
+    sources.mount_ca(pod, container);
+}
+
 /// `TORCH_DEVICE_BACKEND_AUTOLOAD=0`: a Job that only downloads files loads no device backend.
 pub(super) fn no_device_backend() -> EnvVar {
     EnvVar {
@@ -298,6 +318,9 @@ pub(super) fn cache_job(
     // Job made before this field was set keeps matching its template (no ReplaceRequired).
     if let Some(spec) = template.spec.as_mut() {
         spec.automount_service_account_token = Some(false);
+        // Where to fetch from (a mirror, a proxy, a CA): the same files whatever the address,
+        // so not part of the hash either (`super::sources`).
+        download_settings(ctx, spec, container_name);
     }
     Job {
         metadata: with_hash(ctx.meta(name, component), hash),

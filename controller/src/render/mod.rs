@@ -62,6 +62,7 @@ mod gateway;
 mod keda;
 mod member;
 pub mod network;
+pub mod sources;
 #[cfg(test)]
 mod tests;
 
@@ -90,6 +91,7 @@ pub use keda::{
 };
 pub use member::{MemberChildren, member_route, render_member};
 pub use network::ModelNetworkPolicies;
+pub use sources::ModelSources;
 
 /// Annotation on create-once children (cache claim, prewarm Job) recording a hash of the
 /// fields that cannot change after creation, so a changed spec is detected and reported.
@@ -138,6 +140,9 @@ pub struct RenderConfig {
     /// The data plane's NetworkPolicies (`N-gateway`, `N-backend`; see [`network`]); `None`:
     /// none are written (and those written before are deleted).
     pub network_policies: Option<ModelNetworkPolicies>,
+    /// Model sources for the whole cluster (`--model-sources`): a hub mirror, a proxy, a CA
+    /// bundle, for every engine and every Job that fetches weights ([`sources`]).
+    pub model_sources: ModelSources,
 }
 
 impl RenderConfig {
@@ -158,6 +163,7 @@ impl RenderConfig {
             admin_port: hearth_crds::admin::PORT,
             admin_auth: Some(DEFAULT_ADMIN_TRIGGER_AUTH.to_owned()),
             network_policies: None,
+            model_sources: ModelSources::default(),
         })
     }
 }

@@ -280,6 +280,102 @@ fn only_pods_that_call_the_apiserver_get_a_service_account_token() {
     assert_ne!(pod(&gateway).automount_service_account_token, Some(false));
 }
 
+/// Model sources: the runtime's download settings and the cluster's reach the prewarm Job as
+/// well as the engine, the cluster's CA bundle is mounted in both, and the Job's template hash
+/// does not change with them (a finished Job is not `ReplaceRequired` for a new mirror).
+#[test]
+fn model_sources_reach_the_prewarm_job_and_the_engine() {
+    let (mut svc, mut rt) = service_and_runtime(json!({}));
+    svc.spec.cache =
+        serde_json::from_value(json!({"strategy": "SharedPVC", "prewarm": true})).unwrap();
+    svc.spec.model.source.as_mut().unwrap().secret_ref =
+        Some(serde_json::from_value(json!({"name": "hub-token"})).unwrap());
+    let plain = render(&svc, &rt, &RenderConfig::builtin().unwrap(), true).unwrap();
+    rt.spec.container.env = serde_json::from_value(json!([
+        {"name": "HF_ENDPOINT", "value": "http://mirror.{{ .Service.Namespace }}.svc"},
+        {"name": "VLLM_LOGGING_LEVEL", "value": "DEBUG"},
+    ]))
+    .unwrap();
+    let cfg = RenderConfig {
+        model_sources: crate::render::ModelSources::parse(
+            r#"{"env": [{"name": "HF_ENDPOINT", "value": "http://cluster-mirror"}, {"name": "HTTPS_PROXY", "value": "http://proxy:3128"}], "caBundle": {"configMap": "corp-ca", "key": "bundle.pem"}}"#,
+        )
+        .unwrap(),
+        ..RenderConfig::builtin().unwrap()
+    };
+    let c = render(&svc, &rt, &cfg, true).unwrap();
+    let env_of = |p: &k8s_openapi::api::core::v1::PodSpec| -> Vec<(String, String)> {
+        p.containers[0]
+            .env
+            .iter()
+            .flatten()
+            .map(|e| (e.name.clone(), e.value.clone().unwrap_or_default()))
+            .collect()
+    };
+    let job = c.prewarm_job.as_ref().expect("a prewarm Job");
+    let job_pod = job.spec.as_ref().unwrap().template.spec.as_ref().unwrap();
+    let job_env = env_of(job_pod);
+    let ns = svc.metadata.namespace.clone().unwrap();
+    for (name, value) in [
+        ("HF_ENDPOINT", format!("http://mirror.{ns}.svc")),
+        ("HTTPS_PROXY", "http://proxy:3128".to_owned()),
+        (
+            "SSL_CERT_FILE",
+            "/etc/hearth/model-source-ca/ca.crt".to_owned(),
+        ),
+        (
+            "REQUESTS_CA_BUNDLE",
+            "/etc/hearth/model-source-ca/ca.crt".to_owned(),
+        ),
+    ] {
+        let got: Vec<&String> = job_env
+            .iter()
+            .filter(|(n, _)| n == name)
+            .map(|(_, v)| v)
+            .collect();
+        assert_eq!(got, [&value], "{name} on the Job: {job_env:?}");
+    }
+    assert!(
+        !job_env.iter().any(|(n, _)| n == "VLLM_LOGGING_LEVEL"),
+        "{job_env:?}"
+    );
+    // The service's Secret stays envFrom, on both.
+    assert!(job_pod.containers[0].env_from.is_some());
+    let ca = job_pod
+        .volumes
+        .iter()
+        .flatten()
+        .find(|v| v.name == "model-source-ca")
+        .expect("the CA volume on the Job");
+    let cm = ca.config_map.as_ref().unwrap();
+    assert_eq!((cm.name.as_str(), cm.optional), ("corp-ca", Some(true)));
+    assert_eq!(cm.items.as_ref().unwrap()[0].key, "bundle.pem");
+    let hash = |j: &k8s_openapi::api::batch::v1::Job| {
+        j.metadata.annotations.as_ref().unwrap()[crate::render::TEMPLATE_HASH_ANNOTATION].clone()
+    };
+    assert_eq!(hash(job), hash(plain.prewarm_job.as_ref().unwrap()));
+    // The engine: the runtime's own HF_ENDPOINT, the cluster's proxy and CA, mounted.
+    let backend = pod(&c.backend);
+    let engine_env = env_of(&backend);
+    assert!(engine_env.contains(&("HF_ENDPOINT".to_owned(), format!("http://mirror.{ns}.svc"))));
+    assert!(engine_env.contains(&("HTTPS_PROXY".to_owned(), "http://proxy:3128".to_owned())));
+    assert!(engine_env.iter().any(|(n, _)| n == "SSL_CERT_FILE"));
+    assert!(
+        backend.containers[0]
+            .volume_mounts
+            .iter()
+            .flatten()
+            .any(|m| m.mount_path == "/etc/hearth/model-source-ca" && m.read_only == Some(true))
+    );
+    // Without settings nothing changes.
+    let plain_env = env_of(&pod(&plain.backend));
+    assert!(
+        !plain_env
+            .iter()
+            .any(|(n, _)| n == "HTTPS_PROXY" || n == "SSL_CERT_FILE")
+    );
+}
+
 #[test]
 fn the_default_gateway_resources_parse_back() {
     let json = serde_json::to_string(&default_gateway_resources()).unwrap();

@@ -1,6 +1,7 @@
 //! Admission refusals on the real node: a backend pod that the apiserver refuses (here Pod
-//! Security `restricted`, which the gateway's pods meet and the stub engine, running as root as
-//! vLLM's image does, does not) is on the LLMService as `Ready=False` `FailedCreate` with the
+//! Security `restricted`, which the gateway's pods meet and the engine's does not: Hearth's
+//! default security context for the engine leaves out `runAsNonRoot`, since vLLM's images run
+//! as root) is on the LLMService as `Ready=False` `FailedCreate` with the
 //! apiserver's message and a Warning Event within 10 s of the ReplicaSet's refusal, a held
 //! request is answered with it, and with the namespace at `baseline` the same service serves.
 
@@ -16,7 +17,7 @@ use serde_json::Value;
 use stack::SERVICE;
 
 /// A backend pod refused by admission: the namespace enforces Pod Security `restricted`, which
-/// the gateway's pods meet and the stub engine's (root, as vLLM's image runs) does not. The
+/// the gateway's pods meet and the engine's (without `runAsNonRoot`) does not. The
 /// ReplicaSet's pods are refused (`FailedCreate`); within 10 s of its Event the LLMService says
 /// `Ready=False` `FailedCreate` with the apiserver's message, a Warning Event says so too, and
 /// a held request is answered with it. With the namespace at `baseline`, the same service

@@ -447,6 +447,141 @@ async fn prewarmed_claim_served(strategy: &str, fixture_ns: &str, service_ns: &s
     Ok(())
 }
 
+/// A hub mirror on the test network, named by the runtime, with no public hub reachable: the
+/// stub as `hub-mirror` (the Hugging Face Hub's HTTP API over the stub's repositories) behind a
+/// Service in the model's namespace, and a copy of the stub runtime whose `container.env` sets
+/// `HF_ENDPOINT=http://hub-mirror.{{ .Service.Namespace }}.svc`. The prewarm Job gets it
+/// (a runtime's download settings reach the Jobs, not only the engine), fetches the run's own
+/// repository through the mirror (its request log lists the model info and every file), and the
+/// backend serves a cold request from that snapshot on a NodeLocalPVC.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prewarm_fetches_through_a_hub_mirror_the_runtime_names() -> Result<()> {
+    use hearth_e2e_harness::stack as hstack;
+    let t0 = Instant::now();
+    let mut fx = Fixture::new("e2e-mirror-fx").await?;
+    let class = fx.local_volume("ReadWriteOnce").await?;
+    let client = fx.cluster.client();
+    hstack::ensure_hearth(&client, fx.cluster.kubeconfig()).await?;
+    let mut rt = hstack::first_manifest(&hearth_test_support::upstream_file(
+        "stub-inferenceruntime.yaml",
+    ))?;
+    let runtime = format!("vllm-stub-mirror-{}", std::process::id());
+    rt["metadata"]["name"] = json!(runtime);
+    // Below the upstream runtime: no service that names none resolves to this copy.
+    rt["spec"]["priority"] = json!(1);
+    rt["spec"]["container"]["env"]
+        .as_array_mut()
+        .context("the stub runtime's env")?
+        .push(json!({"name": "HF_ENDPOINT", "value": "http://hub-mirror.{{ .Service.Namespace }}.svc"}));
+    hstack::apply(&client, rt, None).await?;
+    let runtimes = hstack::inference_runtimes(&client);
+    let result = async {
+        // A repository of this run only: nothing of it is cached anywhere.
+        let repo = format!("hearth-e2e/mirror-{}", fx.id.rsplit('-').next().unwrap_or("x"));
+        let labels = json!({"app": "hub-mirror"});
+        let mirror = vec![
+            json!({
+                "apiVersion": "apps/v1", "kind": "Deployment",
+                "metadata": {"name": "hub-mirror"},
+                "spec": {
+                    "selector": {"matchLabels": labels},
+                    "template": {
+                        "metadata": {"labels": labels},
+                        "spec": {
+                            "nodeSelector": {"tests.hearth.dev/real-node": "true"},
+                            "containers": [{
+                                "name": "mirror",
+                                "image": STUB_IMAGE,
+                                "args": ["hub-mirror", "--port", "8080"],
+                                "ports": [{"name": "http", "containerPort": 8080}],
+                                "readinessProbe": {"tcpSocket": {"port": 8080}, "periodSeconds": 1},
+                            }],
+                        },
+                    },
+                },
+            }),
+            json!({
+                "apiVersion": "v1", "kind": "Service",
+                "metadata": {"name": "hub-mirror"},
+                "spec": {"selector": labels, "ports": [{"name": "http", "port": 80, "targetPort": "http"}]},
+            }),
+        ];
+        let d = stack::deploy_with("e2e-mirror", ScalerMode::Poll, mirror, |o| {
+            o["spec"]["runtime"]["name"] = json!(runtime);
+            o["spec"]["model"]["source"]["uri"] = json!(format!("hf://{repo}"));
+            o["spec"]["cache"] = json!({
+                "strategy": "NodeLocalPVC",
+                "size": "512Mi",
+                "storageClassName": class,
+                "prewarm": true,
+            });
+        })
+        .await?;
+        let ns = d.ns.name().to_owned();
+        let endpoint = format!("http://hub-mirror.{ns}.svc");
+        let job = format!("{SERVICE}-prewarm");
+        let pod = wait_job(&d.ns, &job, Duration::from_secs(180)).await?;
+        let prewarmed = secs(t0);
+        let spec = check_prewarm_pod(&pod, &fx.node, &repo)?;
+        let job_endpoint = spec.containers[0]
+            .env
+            .iter()
+            .flatten()
+            .find(|e| e.name == "HF_ENDPOINT")
+            .and_then(|e| e.value.clone());
+        ensure!(
+            job_endpoint.as_deref() == Some(endpoint.as_str()),
+            "the prewarm Job's HF_ENDPOINT is {job_endpoint:?}, not the runtime's {endpoint}"
+        );
+        let (snapshot, prewarm_log) = prewarm_snapshot(&d.ns, &pod).await?;
+        ensure!(
+            prewarm_log.contains(&format!("from {endpoint}")),
+            "the prewarm did not fetch from the mirror:\n{prewarm_log}"
+        );
+        // The mirror's own log of what it answered.
+        let ip = d
+            .ns
+            .api::<k8s_openapi::api::core::v1::Service>()
+            .get("hub-mirror")
+            .await?
+            .spec
+            .and_then(|s| s.cluster_ip)
+            .context("the mirror Service's clusterIP")?;
+        let (status, body) =
+            client::get(&format!("http://{ip}/mirror/requests"), Duration::from_secs(10)).await?;
+        ensure!(status == 200, "the mirror's request log: {status} {body}");
+        let served: Vec<String> = serde_json::from_str(&body)?;
+        let revision = snapshot.rsplit('/').next().unwrap_or_default().to_owned();
+        for want in [
+            format!("GET /api/models/{repo}/revision/main 200"),
+            format!("GET /{repo}/resolve/{revision}/config.json 200"),
+            format!("GET /{repo}/resolve/{revision}/model.safetensors 200"),
+        ] {
+            ensure!(served.contains(&want), "the mirror did not serve {want:?}: {served:?}");
+        }
+        wait_condition(&d, "Prewarmed", "Downloaded").await?;
+        let (first_token, done) = cold_chat(&d).await?;
+        let backend = backend_pod(&d).await?;
+        let loaded = model_loaded(&d, &backend).await?;
+        ensure!(
+            loaded["dir"] == snapshot.as_str() && loaded["name_or_path"] == repo.as_str(),
+            "the backend did not load the snapshot fetched through the mirror {snapshot}: {loaded}"
+        );
+        fx.remove_local_volume().await?;
+        println!(
+            "[mirror] prewarm Job done {prewarmed:.1}s after apply, {} requests to the mirror; cold request: first token +{first_token:.2}s, [DONE] +{done:.2}s; prewarm said:\n{}",
+            served.len(),
+            prewarm_log.trim_end()
+        );
+        Ok(())
+    }
+    .await;
+    let _ = runtimes
+        .delete(&runtime, &kube::api::DeleteParams::default())
+        .await;
+    result
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn host_path_cache_prewarmed_on_the_node() -> Result<()> {
     let t0 = Instant::now();

@@ -127,6 +127,9 @@ pub enum HubError {
         "LocalEntryNotFoundError: Cannot find an appropriate cached snapshot folder for the specified revision on the local disk and outgoing traffic has been disabled. To enable repo look-ups and downloads online, set 'HF_HUB_OFFLINE=0' as environment variable. ({repo}: local_dir {local_dir} is empty or absent)"
     )]
     OfflineLocalDir { repo: String, local_dir: PathBuf },
+    /// The hub at `HF_ENDPOINT` could not be read ([`crate::mirror::fetch`]).
+    #[error("{message} ({url})")]
+    Http { url: String, message: String },
     /// Writing the files failed.
     #[error("OSError: {what} {path}: {source}")]
     Io {
@@ -342,6 +345,32 @@ fn check_repo(repo: &str) -> Result<(), HubError> {
     }
 }
 
+/// Where a download reads the repository from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Hub {
+    /// The stub's own hub, in the process (the test cluster reaches no hub).
+    BuiltIn,
+    /// The hub at this endpoint (`HF_ENDPOINT`), over HTTP ([`crate::mirror::fetch`]); an
+    /// endpoint that cannot be read fails the download.
+    Endpoint(String),
+}
+
+/// The files and revision of `repo` on `hub`, checking the revision asked for (`None`, `main`
+/// or the commit hash itself).
+fn resolve_on(
+    hub: &Hub,
+    repo: &str,
+    revision_wanted: Option<&str>,
+) -> Result<(Vec<RepoFile>, String), HubError> {
+    match hub {
+        Hub::BuiltIn => resolve(repo, revision_wanted),
+        Hub::Endpoint(endpoint) => {
+            check_repo(repo)?;
+            crate::mirror::fetch(endpoint, repo, revision_wanted)
+        }
+    }
+}
+
 /// The files and revision of `repo`, checking the revision asked for (`None`, `main` or the
 /// commit hash itself).
 fn resolve(repo: &str, revision_wanted: Option<&str>) -> Result<(Vec<RepoFile>, String), HubError> {
@@ -404,7 +433,22 @@ pub fn download_hf(
     revision_wanted: Option<&str>,
     offline: bool,
 ) -> Result<Download, HubError> {
-    let (files, rev) = resolve(repo, revision_wanted)?;
+    download_hf_via(&Hub::BuiltIn, cache, repo, revision_wanted, offline)
+}
+
+/// [`download_hf`] from `hub`. Offline, the hub is not contacted.
+///
+/// # Errors
+/// As [`download_hf`], and [`HubError::Http`] from an endpoint.
+pub fn download_hf_via(
+    hub: &Hub,
+    cache: &Path,
+    repo: &str,
+    revision_wanted: Option<&str>,
+    offline: bool,
+) -> Result<Download, HubError> {
+    let hub = if offline { &Hub::BuiltIn } else { hub };
+    let (files, rev) = resolve_on(hub, repo, revision_wanted)?;
     let repo_dir = model::hf_repo_dir(cache, repo);
     let snapshot = repo_dir.join("snapshots").join(&rev);
     let mut d = Download::new(snapshot.clone(), rev.clone());
@@ -499,7 +543,30 @@ pub fn download_hf_local_dir(
     revision_wanted: Option<&str>,
     offline: bool,
 ) -> Result<Download, HubError> {
-    let (files, rev) = resolve(repo, revision_wanted)?;
+    download_hf_local_dir_via(
+        &Hub::BuiltIn,
+        cache,
+        local_dir,
+        repo,
+        revision_wanted,
+        offline,
+    )
+}
+
+/// [`download_hf_local_dir`] from `hub`. Offline, the hub is not contacted.
+///
+/// # Errors
+/// As [`download_hf_local_dir`], and [`HubError::Http`] from an endpoint.
+pub fn download_hf_local_dir_via(
+    hub: &Hub,
+    cache: &Path,
+    local_dir: &Path,
+    repo: &str,
+    revision_wanted: Option<&str>,
+    offline: bool,
+) -> Result<Download, HubError> {
+    let hub = if offline { &Hub::BuiltIn } else { hub };
+    let (files, rev) = resolve_on(hub, repo, revision_wanted)?;
     if offline {
         let non_empty = std::fs::read_dir(local_dir).is_ok_and(|mut d| d.next().is_some());
         if !non_empty {

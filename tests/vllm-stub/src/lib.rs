@@ -53,6 +53,7 @@
 
 pub mod hub;
 pub mod lora;
+pub mod mirror;
 pub mod model;
 pub mod prewarm;
 pub mod sha256;

@@ -139,6 +139,22 @@ fn main() -> anyhow::Result<()> {
         );
         std::process::exit(code);
     }
+    // `vllm-stub hub-mirror [--port N]`: the stub's hub over HTTP (vllm_stub::mirror).
+    let rest: Vec<String> = std::env::args().skip(1).collect();
+    if rest.first().map(String::as_str) == Some("hub-mirror") {
+        let port = match rest.get(1..).unwrap_or_default() {
+            [] => 8080,
+            [flag, port] if flag == "--port" => port.parse().context("--port")?,
+            other => anyhow::bail!("usage: vllm-stub hub-mirror [--port N], got {other:?}"),
+        };
+        tracing_subscriber::fmt().init();
+        return tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .build()
+            .context("starting the runtime")?
+            .block_on(vllm_stub::mirror::serve(port))
+            .context("serving the hub mirror");
+    }
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

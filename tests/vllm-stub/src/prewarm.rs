@@ -311,21 +311,37 @@ pub fn python_main(
                 .unwrap_or_else(|| Path::new(&home()).join(".cache/huggingface/hub"));
             let offline = truthy(env("HF_HUB_OFFLINE"));
             let into = local_dir.as_ref().unwrap_or(&cache);
+            // HF_ENDPOINT (a mirror) as huggingface_hub reads it; without it the built-in hub.
+            let source = match env("HF_ENDPOINT").filter(|e| !e.is_empty()) {
+                Some(e) => hub::Hub::Endpoint(e),
+                None => hub::Hub::BuiltIn,
+            };
+            let from = match &source {
+                hub::Hub::Endpoint(e) => format!(" from {e}"),
+                hub::Hub::BuiltIn => String::new(),
+            };
             let _ = writeln!(
                 err,
-                "vllm-stub hub: snapshot_download({:?}) into {}",
+                "vllm-stub hub: snapshot_download({:?}) into {}{from}",
                 call.repo,
                 into.display()
             );
             match &local_dir {
-                Some(dir) => hub::download_hf_local_dir(
+                Some(dir) => hub::download_hf_local_dir_via(
+                    &source,
                     &cache,
                     dir,
                     &call.repo,
                     call.revision.as_deref(),
                     offline,
                 ),
-                None => hub::download_hf(&cache, &call.repo, call.revision.as_deref(), offline),
+                None => hub::download_hf_via(
+                    &source,
+                    &cache,
+                    &call.repo,
+                    call.revision.as_deref(),
+                    offline,
+                ),
             }
         }
         Library::ModelScope => {
