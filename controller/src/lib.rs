@@ -37,6 +37,7 @@ pub mod scaler_tls;
 pub mod status;
 pub mod template;
 pub mod upgrade;
+pub mod versions;
 
 pub use reconcile::{Context, Error, run};
 pub use render::{Children, RenderConfig, render};

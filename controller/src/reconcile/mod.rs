@@ -196,6 +196,8 @@ pub const ERROR_RETRY: Duration = Duration::from_secs(15);
 pub struct KedaState {
     api: kube::api::ApiResource,
     installed: AtomicBool,
+    /// Its version, from the CRD's label; the render reads the same handle.
+    version: crate::versions::KedaVersion,
     store: RwLock<Option<Store<DynamicObject>>>,
 }
 
@@ -203,6 +205,26 @@ impl KedaState {
     /// Whether the ScaledObject CRD is installed and established.
     pub fn installed(&self) -> bool {
         self.installed.load(Ordering::SeqCst)
+    }
+
+    /// Records KEDA's version from its CRD `crd` ([`crate::versions::keda_version_of`]);
+    /// whether what KEDA can do changed (the ScaledObjects are then rendered again).
+    fn learn_version(&self, crd: &CustomResourceDefinition) -> bool {
+        let version = crate::versions::keda_version_of(crd);
+        if version != self.version.get() {
+            match version {
+                Some(v) if v < crate::versions::KEDA_ENDPOINT_AGGREGATION => tracing::warn!(
+                    keda = %v,
+                    "KEDA is older than {}: poll triggers ask one gateway replica for the demand summed over its peers, instead of KEDA summing every replica's (aggregateFromKubeServiceEndpoints); upgrade KEDA to 2.18 or later",
+                    crate::versions::KEDA_ENDPOINT_AGGREGATION
+                ),
+                Some(v) => tracing::info!(keda = %v, "KEDA version"),
+                None => tracing::info!(
+                    "KEDA's CRD carries no release version label (app.kubernetes.io/version): assuming KEDA 2.18 or later"
+                ),
+            }
+        }
+        self.version.set(version)
     }
 
     fn get(&self, namespace: &str, name: &str) -> Option<Arc<DynamicObject>> {
@@ -1207,6 +1229,7 @@ pub async fn run(
     let keda = Arc::new(KedaState {
         api: cfg.render.keda_api.clone(),
         installed: AtomicBool::new(false),
+        version: cfg.render.keda_version.clone(),
         store: RwLock::new(None),
     });
     let crd_api: Api<CustomResourceDefinition> = Api::all(client.clone());
@@ -1217,6 +1240,9 @@ pub async fn run(
         .map_err(kube_err(format!("get CustomResourceDefinition {crd}")))?;
     keda.installed
         .store(initial.as_ref().is_some_and(established), Ordering::SeqCst);
+    if let Some(crd) = &initial {
+        keda.learn_version(crd);
+    }
     let (all_tx, all_rx) = mpsc::unbounded::<()>();
     let (one_tx, one_rx) = mpsc::unbounded::<ObjectRef<LLMService>>();
     tokio::spawn(watch_keda(

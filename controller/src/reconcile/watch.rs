@@ -298,8 +298,10 @@ pub(super) async fn watch_keda(
     let mut events = watcher(crds, cfg).default_backoff().boxed();
     let mut cache_started = false;
     while let Some(event) = events.next().await {
+        let mut version_changed = false;
         let now_installed = match event {
             Ok(watcher::Event::Apply(crd)) | Ok(watcher::Event::InitApply(crd)) => {
+                version_changed = keda.learn_version(&crd);
                 established(&crd)
             }
             Ok(watcher::Event::Delete(_)) => false,
@@ -354,7 +356,8 @@ pub(super) async fn watch_keda(
                 }
             });
         }
-        if keda.installed.swap(now_installed, Ordering::SeqCst) != now_installed {
+        if keda.installed.swap(now_installed, Ordering::SeqCst) != now_installed || version_changed
+        {
             tracing::info!(installed = now_installed, "KEDA ScaledObject CRD changed");
             let _ = all_tx.unbounded_send(());
             for d in members.store.state() {

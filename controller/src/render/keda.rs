@@ -148,13 +148,16 @@ pub(super) fn scaled_object_of(
         ScalerMode::Poll => {
             // KEDA sums over the replicas: each serves its own demand (with peers, the plain
             // path would serve the total, counted once per replica). In the path: KEDA asks
-            // each endpoint for the URL's path and drops its query.
+            // each endpoint for the URL's path and drops its query. A KEDA older than 2.18
+            // cannot sum: it asks the (headless) Service's one address it resolves, and that
+            // replica answers the total over its peers (the plain path).
+            let aggregate = cfg.keda_version.aggregates_endpoints();
             let mut path = "/hearth/queue".to_owned();
             if let Some(m) = model {
                 path.push('/');
                 path.push_str(m);
             }
-            if *peers {
+            if *peers && aggregate {
                 path.push_str("/local");
             }
             let mut trigger = json!({
@@ -168,10 +171,12 @@ pub(super) fn scaled_object_of(
                     "format": "json",
                     "valueLocation": "pending",
                     "targetValue": sc.target.to_string(),
-                    "aggregateFromKubeServiceEndpoints": "true",
-                    "aggregationType": "sum",
                 }
             });
+            if aggregate {
+                trigger["metadata"]["aggregateFromKubeServiceEndpoints"] = json!("true");
+                trigger["metadata"]["aggregationType"] = json!("sum");
+            }
             if let Some(cta) = &cfg.admin_auth {
                 trigger["metadata"]["authModes"] = json!("bearer");
                 trigger["authenticationRef"] =

@@ -143,6 +143,9 @@ pub struct RenderConfig {
     /// Model sources for the whole cluster (`--model-sources`): a hub mirror, a proxy, a CA
     /// bundle, for every engine and every Job that fetches weights ([`sources`]).
     pub model_sources: ModelSources,
+    /// KEDA's version as the controller found it ([`crate::versions`]): an older KEDA gets the
+    /// poll trigger it can run.
+    pub keda_version: crate::versions::KedaVersion,
 }
 
 impl RenderConfig {
@@ -164,6 +167,7 @@ impl RenderConfig {
             admin_auth: Some(DEFAULT_ADMIN_TRIGGER_AUTH.to_owned()),
             network_policies: None,
             model_sources: ModelSources::default(),
+            keda_version: crate::versions::KedaVersion::default(),
         })
     }
 }

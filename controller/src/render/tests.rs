@@ -709,6 +709,42 @@ fn an_attached_service_asks_the_endpoints_gateway_for_its_demand(
     assert_eq!(so, own.scaled_object.data);
 }
 
+/// KEDA older than 2.18 cannot sum over the endpoints: the poll trigger asks one replica of
+/// the headless admin Service for its peers' total; push is the same on every KEDA.
+#[test]
+fn an_older_keda_polls_one_replica_for_the_total() {
+    use crate::versions::{KedaVersion, Version};
+    let (svc, rt) = service_and_runtime(json!({}));
+    let old = RenderConfig {
+        keda_version: KedaVersion::known(Some(Version::new(2, 17, 0))),
+        ..RenderConfig::builtin().unwrap()
+    };
+    let c = render_placed(&svc, &rt, &old, true, &shared(true)).unwrap();
+    assert_eq!(
+        demand_trigger(&c)["metadata"],
+        json!({
+            "url": "http://shared-gateway-admin.platform.svc:9091/hearth/queue/team-a/chat",
+            "format": "json", "valueLocation": "pending", "targetValue": "10",
+            "authModes": "bearer",
+        })
+    );
+    let current = RenderConfig {
+        keda_version: KedaVersion::known(Some(Version::new(2, 20, 2))),
+        ..RenderConfig::builtin().unwrap()
+    };
+    let c = render_placed(&svc, &rt, &current, true, &shared(true)).unwrap();
+    assert_eq!(
+        demand_trigger(&c)["metadata"]["aggregateFromKubeServiceEndpoints"],
+        "true"
+    );
+    let mut push = svc.clone();
+    annotate_push(&mut push);
+    assert_eq!(
+        demand_trigger(&render(&push, &rt, &old, true).unwrap()),
+        demand_trigger(&render(&push, &rt, &current, true).unwrap())
+    );
+}
+
 #[test]
 fn an_attached_service_renders_member_rbac_and_no_gateway_of_its_own() {
     let (mut svc, mut rt) = service_and_runtime(json!({}));
