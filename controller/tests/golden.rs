@@ -2,12 +2,18 @@
 //! examples (unchanged) and on our own inputs under `tests/golden/inputs`, compared byte for
 //! byte with `tests/golden/<case>.yaml`. `HEARTH_UPDATE_GOLDEN=1` rewrites the expected files
 //! (review the diff before committing).
+//!
+//! `example_runtimes_pass_the_webhook_and_render_as_their_comments_say` renders the upstream
+//! NVIDIA service on each runtime of `examples/runtimes/` and holds each runtime's comment
+//! header to the Pod Security level its rendered backend needs.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::{
     path::{Path, PathBuf},
     process::Command,
 };
+
+use serde_json::{Value, json};
 
 fn here() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -293,4 +299,116 @@ fn bad_input_is_a_clear_error_not_a_panic() {
         "spec.cache.prewarm: must be true with strategy SharedPVC",
     );
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The Pod Security level a runtime's backend pods need, from the rendered pod spec: a
+/// hostPath volume needs `privileged`; a container that may run as root (no `runAsNonRoot` on
+/// it or the pod) `baseline`; else `restricted` (the other checks of "restricted" are those of
+/// the backend's default security context, which a runtime's own may drop: not judged here).
+fn pod_security_level(pod: &Value) -> &'static str {
+    let volumes = pod["volumes"].as_array().cloned().unwrap_or_default();
+    if volumes.iter().any(|v| v.get("hostPath").is_some()) {
+        return "privileged";
+    }
+    let pod_non_root = pod["securityContext"]["runAsNonRoot"] == true;
+    let all_non_root = pod["containers"]
+        .as_array()
+        .into_iter()
+        .chain(pod["initContainers"].as_array())
+        .flatten()
+        .all(|c| pod_non_root || c["securityContext"]["runAsNonRoot"] == true);
+    if all_non_root {
+        "restricted"
+    } else {
+        "baseline"
+    }
+}
+
+/// Every runtime of `examples/runtimes/` passes the admission webhook's checks, renders an
+/// LLMService (the upstream NVIDIA example pinned to it) through the built-in policies with
+/// its device, node selector and tolerations on the backend, and its comment header names the
+/// device plugin, who sets the node labels it selects, and the Pod Security level its backend
+/// pods need, which is the level the rendered pod needs; the gateway's pod needs "restricted".
+#[test]
+fn example_runtimes_pass_the_webhook_and_render_as_their_comments_say() {
+    use hearth_crds::{InferenceRuntime, LLMService};
+
+    let dir = here().join("../examples/runtimes");
+    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| {
+            p.extension().is_some_and(|e| e == "yaml")
+                && p.file_name().unwrap() != "hearth-test.yaml"
+        })
+        .collect();
+    files.sort();
+    assert!(files.len() >= 7, "{files:?}");
+    let svc_text = std::fs::read_to_string(upstream("nvidia-a10-llmservice.yaml")).unwrap();
+    let cfg = hearth_controller::RenderConfig::builtin().unwrap();
+    for f in files {
+        let text = std::fs::read_to_string(&f).unwrap();
+        let what = f.file_name().unwrap().to_string_lossy().into_owned();
+        let rt: InferenceRuntime = serde_yaml::from_str(&text).unwrap();
+        let checked = hearth_webhook::validate::inference_runtime(&rt);
+        assert!(
+            checked.denials.is_empty() && checked.warnings.is_empty(),
+            "{what}: the webhook says {:?} {:?}",
+            checked
+                .denials
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>(),
+            checked
+                .warnings
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+        );
+        let mut svc: LLMService = serde_yaml::from_str(&svc_text).unwrap();
+        svc.metadata.namespace = Some("ml".to_owned());
+        svc.spec.runtime.name = rt.metadata.name.clone();
+        let children = hearth_controller::render(&svc, &rt, &cfg, true)
+            .unwrap_or_else(|e| panic!("{what}: {e}"));
+        let backend = serde_json::to_value(&children.backend).unwrap();
+        let pod = &backend["spec"]["template"]["spec"];
+        let acc = &rt.spec.accelerator;
+        assert_eq!(
+            pod["containers"][0]["resources"]["limits"][&acc.resource_name], "1",
+            "{what}: {pod}"
+        );
+        assert_eq!(pod["nodeSelector"], json!(acc.node_selector), "{what}");
+        for t in &acc.tolerations {
+            let t = serde_json::to_value(t).unwrap();
+            assert!(
+                pod["tolerations"].as_array().unwrap().contains(&t),
+                "{what}: {t} not among {}",
+                pod["tolerations"]
+            );
+        }
+        let header: String = text
+            .lines()
+            .take_while(|l| l.starts_with('#'))
+            .collect::<Vec<_>>()
+            .join("\n");
+        for part in ["# Device plugin:", "# Node labels:"] {
+            assert!(header.contains(part), "{what}: no {part:?} in its comment");
+        }
+        let level = header
+            .split("# Pod Security: ")
+            .nth(1)
+            .and_then(|s| s.split_whitespace().next())
+            .unwrap_or_else(|| panic!("{what}: no \"# Pod Security: <level>\" in its comment"));
+        assert_eq!(
+            level,
+            pod_security_level(pod),
+            "{what}: the comment's Pod Security level is not what the rendered backend needs"
+        );
+        let gateway = serde_json::to_value(children.gateway.as_ref().unwrap()).unwrap();
+        assert_eq!(
+            pod_security_level(&gateway["spec"]["template"]["spec"]),
+            "restricted",
+            "{what}: the gateway's pod"
+        );
+    }
 }
