@@ -37,7 +37,7 @@ struct Shipped {
 fn shipped() -> Shipped {
     let r = root();
     let examples = r.join("../examples");
-    let dirs = ["ascend", "cambricon", "hami", "native"];
+    let dirs = ["ascend", "cambricon", "hami", "native", "runtimes"];
     let mut paths = vec![r.join("builtin"), r.join("benches/platform-policies.yaml")];
     paths.extend(dirs.iter().map(|d| examples.join(d)));
     let policies = load(&paths);

@@ -315,6 +315,62 @@ fn packaged_chart_carries_crds_and_renders_the_same() -> Result<()> {
     result
 }
 
+/// GitOps tools render the chart again on every refresh (Argo CD with `helm template`, CRDs
+/// included) and compare the result with the cluster: a value that changes from one render to
+/// the next (a random string, a generated certificate, a timestamp) would leave the
+/// application out of sync for ever (docs/gitops.md). Every value set, rendered twice with the
+/// same values, gives the same bytes.
+#[test]
+fn chart_renders_byte_identical_twice() -> Result<()> {
+    let namespace = "hearth-system";
+    for set in value_sets() {
+        let file = std::env::temp_dir().join(format!(
+            "hearth-chart-twice-{}-{}.json",
+            std::process::id(),
+            set.name
+        ));
+        std::fs::write(&file, serde_json::to_vec(&(set.values)(namespace))?)?;
+        let render = || -> Result<Vec<u8>> {
+            Ok(run(
+                helm()?
+                    .args(["template", "hearth"])
+                    .arg(chart_dir())
+                    .args(["--namespace", namespace, "--include-crds", "--values"])
+                    .arg(&file),
+                &format!("helm template (value set {})", set.name),
+            )?
+            .stdout)
+        };
+        let (first, second) = (render(), render());
+        let _ = std::fs::remove_file(&file);
+        let (first, second) = (first?, second?);
+        ensure!(
+            !first.is_empty(),
+            "value set {}: nothing rendered",
+            set.name
+        );
+        if first != second {
+            let (a, b) = (
+                String::from_utf8_lossy(&first),
+                String::from_utf8_lossy(&second),
+            );
+            let line = a
+                .lines()
+                .zip(b.lines())
+                .position(|(x, y)| x != y)
+                .unwrap_or_else(|| a.lines().count().min(b.lines().count()));
+            bail!(
+                "value set {}: two renders differ at line {}:\n  first:  {:?}\n  second: {:?}",
+                set.name,
+                line + 1,
+                a.lines().nth(line),
+                b.lines().nth(line)
+            );
+        }
+    }
+    Ok(())
+}
+
 #[test]
 fn schema_rejects_bad_values_naming_the_field() -> Result<()> {
     for (set, field) in [
