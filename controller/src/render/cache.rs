@@ -321,6 +321,22 @@ pub(super) fn cache_job(
         // Where to fetch from (a mirror, a proxy, a CA): the same files whatever the address,
         // so not part of the hash either (`super::sources`).
         download_settings(ctx, spec, container_name);
+        // The engine's security context (the runtime's, else Hearth's default): a namespace
+        // that admits the engine admits its Jobs.
+        if let Some(c) = spec
+            .containers
+            .iter_mut()
+            .find(|c| c.name == container_name)
+        {
+            c.security_context = Some(
+                ctx.rt
+                    .spec
+                    .container
+                    .security_context
+                    .clone()
+                    .unwrap_or_else(super::backend::default_backend_security_context),
+            );
+        }
     }
     Job {
         metadata: with_hash(ctx.meta(name, component), hash),

@@ -356,7 +356,7 @@ fn model_sources_reach_the_prewarm_job_and_the_engine() {
     assert_eq!(hash(job), hash(plain.prewarm_job.as_ref().unwrap()));
     // The engine: the runtime's own HF_ENDPOINT, the cluster's proxy and CA, mounted.
     let backend = pod(&c.backend);
-    let engine_env = env_of(&backend);
+    let engine_env = env_of(backend);
     assert!(engine_env.contains(&("HF_ENDPOINT".to_owned(), format!("http://mirror.{ns}.svc"))));
     assert!(engine_env.contains(&("HTTPS_PROXY".to_owned(), "http://proxy:3128".to_owned())));
     assert!(engine_env.iter().any(|(n, _)| n == "SSL_CERT_FILE"));
@@ -368,7 +368,7 @@ fn model_sources_reach_the_prewarm_job_and_the_engine() {
             .any(|m| m.mount_path == "/etc/hearth/model-source-ca" && m.read_only == Some(true))
     );
     // Without settings nothing changes.
-    let plain_env = env_of(&pod(&plain.backend));
+    let plain_env = env_of(pod(&plain.backend));
     assert!(
         !plain_env
             .iter()

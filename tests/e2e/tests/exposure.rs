@@ -452,8 +452,11 @@ async fn exposure_examples_pass_server_dry_run() -> Result<()> {
     for doc in &mut docs {
         let ns = map(namespace(doc))?;
         doc["metadata"]["namespace"] = json!(ns);
-        for parent in doc["spec"]["parentRefs"]
-            .as_array_mut()
+        // `get_mut`: indexing would add a null `parentRefs` to a Gateway.
+        for parent in doc
+            .get_mut("spec")
+            .and_then(|s| s.get_mut("parentRefs"))
+            .and_then(Value::as_array_mut)
             .into_iter()
             .flatten()
         {
@@ -462,11 +465,10 @@ async fn exposure_examples_pass_server_dry_run() -> Result<()> {
             }
         }
     }
-    let mut stream = String::new();
-    for doc in &docs {
-        stream.push_str("---\n");
-        stream.push_str(&serde_yaml::to_string(doc)?);
-    }
+    // As JSON: YAML written here would be read by kubectl as YAML 1.1, where an annotation
+    // value such as `off` is a bool.
+    let stream =
+        serde_json::to_string(&json!({"apiVersion": "v1", "kind": "List", "items": docs}))?;
     let out = run(
         cluster.kubectl()?.args([
             "apply",

@@ -87,21 +87,19 @@ fn not_found(code: &'static str, message: String) -> Response {
     r
 }
 
-/// The repository `repo` at `revision` (`main` or its commit), or the mirror's `404`.
-fn repository(repo: &str, revision: &str) -> Result<(Vec<RepoFile>, String), Response> {
+/// The repository `repo` at `revision` (`main` or its commit), or the mirror's `404` (its
+/// `X-Error-Code` and message).
+fn repository(
+    repo: &str,
+    revision: &str,
+) -> Result<(Vec<RepoFile>, String), (&'static str, String)> {
     if !crate::model::is_repo_id(repo) || !repo.contains('/') {
-        return Err(not_found(
-            "RepoNotFound",
-            format!("Repository {repo:?} not found"),
-        ));
+        return Err(("RepoNotFound", format!("Repository {repo:?} not found")));
     }
     let files = hub::repo_files(repo);
     let sha = hub::revision(&files);
     if revision != "main" && revision != sha {
-        return Err(not_found(
-            "RevisionNotFound",
-            format!("Invalid rev id: {revision}"),
-        ));
+        return Err(("RevisionNotFound", format!("Invalid rev id: {revision}")));
     }
     Ok((files, sha))
 }
@@ -124,7 +122,7 @@ fn route(served: &Served, method: &Method, path: &str) -> Response {
                 "siblings": files.iter().map(|f| serde_json::json!({"rfilename": f.name})).collect::<Vec<_>>(),
             }))
             .into_response(),
-            Err(r) => r,
+            Err((code, message)) => not_found(code, message),
         };
     }
     let Some((repo, rest)) = path.trim_start_matches('/').split_once("/resolve/") else {
@@ -138,7 +136,7 @@ fn route(served: &Served, method: &Method, path: &str) -> Response {
     };
     let (files, sha) = match repository(repo, revision) {
         Ok(r) => r,
-        Err(r) => return r,
+        Err((code, message)) => return not_found(code, message),
     };
     let Some(f) = files.into_iter().find(|f| f.name == file) else {
         return not_found(
