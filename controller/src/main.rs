@@ -369,6 +369,30 @@ fn render(args: RenderArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Logs the apiserver's version, and what an older one than Hearth supports lacks
+/// ([`hearth_controller::versions::OLDEST_KUBERNETES`]; the chart refuses to install there).
+/// A `/version` that cannot be read is logged and not fatal: every later call says more.
+async fn check_kubernetes_version(client: &Client) {
+    use hearth_controller::versions::{OLDEST_KUBERNETES, Version};
+    let info = match client.apiserver_version().await {
+        Ok(info) => info,
+        Err(e) => {
+            tracing::warn!(error = %e, "reading the apiserver's /version");
+            return;
+        }
+    };
+    match info.git_version.parse::<Version>() {
+        Ok(v) if v < OLDEST_KUBERNETES => tracing::error!(
+            kubernetes = %info.git_version,
+            "Kubernetes {v} is older than {OLDEST_KUBERNETES}, the oldest Hearth supports: the webhooks' matchConditions (GA in 1.30), the backends' drain sidecar (native sidecars) and the sleep preStop action may be refused or ignored; upgrade the cluster (docs/versioning.md)"
+        ),
+        Ok(_) => tracing::info!(kubernetes = %info.git_version, "Kubernetes version"),
+        Err(e) => {
+            tracing::warn!(kubernetes = %info.git_version, error = %e, "unrecognised Kubernetes version")
+        }
+    }
+}
+
 async fn run(args: RunArgs) -> anyhow::Result<()> {
     let mut signals = Signals::install()?;
     let metrics = Metrics::new();
@@ -393,6 +417,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
             args.scaler_cert_validity
         );
     }
+    check_kubernetes_version(&client).await;
     let ns = &args.leader_election_namespace;
     let keda_scaler_secret = secret_ref(&args.keda_scaler_secret, ns)
         .context("--keda-scaler-secret")?

@@ -621,6 +621,20 @@ pub fn autoscaling(keda_installed: bool, scaled_object: Option<&DynamicObject>) 
     }
 }
 
+/// Adds to a poll-mode service's `AutoscalingReady` message what an older KEDA changes: without
+/// endpoint aggregation ([`crate::versions::KEDA_ENDPOINT_AGGREGATION`]) its trigger asks one
+/// gateway replica for the demand summed over its peers. Nothing for a KEDA that aggregates.
+pub fn note_keda_version(cond: &mut Cond, keda: &crate::versions::KedaVersion) {
+    let Some(v) = keda.get().filter(|_| !keda.aggregates_endpoints()) else {
+        return;
+    };
+    cond.message = format!(
+        "{}; KEDA {v} cannot sum a trigger over the gateway's replicas (aggregateFromKubeServiceEndpoints needs KEDA >= {}): the poll trigger asks one replica for the demand summed over its peers; upgrade KEDA, or use push mode (serving.hearth.dev/scaler: push)",
+        cond.message,
+        crate::versions::KEDA_ENDPOINT_AGGREGATION
+    );
+}
+
 /// `CacheReady` for a NodeLocalPVC or SharedPVC claim.
 pub fn cache_claim(claim: Option<&PersistentVolumeClaim>, name: &str) -> Cond {
     match claim
@@ -1011,6 +1025,27 @@ mod tests {
             (LLMServicePhase::Degraded, "FailedCreate")
         );
         assert!(r.message.contains("violates PodSecurity"), "{}", r.message);
+        // An older KEDA is named on a poll service's AutoscalingReady; a current one is not.
+        let mut c = Cond::new(
+            AUTOSCALING_READY,
+            Some(true),
+            "ScaledObjectReady",
+            "KEDA reports the ScaledObject Ready",
+        );
+        crate::status::note_keda_version(
+            &mut c,
+            &crate::versions::KedaVersion::known(Some(crate::versions::Version::new(2, 20, 2))),
+        );
+        assert_eq!(c.message, "KEDA reports the ScaledObject Ready");
+        crate::status::note_keda_version(
+            &mut c,
+            &crate::versions::KedaVersion::known(Some(crate::versions::Version::new(2, 17, 0))),
+        );
+        assert!(
+            c.message.contains("KEDA 2.17.0 cannot sum") && c.message.contains(">= 2.18.0"),
+            "{}",
+            c.message
+        );
         // The gateway's pods refused: nothing reaches the model, even with a backend ready.
         let gateway = GatewayState::of(Some(&refused));
         assert_eq!(gateway.ready, 0);

@@ -636,7 +636,13 @@ pub fn plan(svc: &LLMService, desired: Desired, view: &View, cfg: &RenderConfig)
         } else {
             apply_cached(writes, scaled_object, cached);
         }
-        status::autoscaling(true, cached)
+        let mut autoscaling = status::autoscaling(true, cached);
+        if hearth_crds::rules::scaler_mode(svc)
+            .is_ok_and(|m| m == hearth_crds::rules::ScalerMode::Poll)
+        {
+            status::note_keda_version(&mut autoscaling, &cfg.keda_version);
+        }
+        autoscaling
     } else {
         status::autoscaling(false, None)
     });
