@@ -145,6 +145,12 @@ struct RunArgs {
     /// PEM private key of --metrics-cert-file.
     #[arg(long, requires = "metrics_cert_file")]
     metrics_key_file: Option<PathBuf>,
+    /// Without --metrics-cert-file and with the scaler CA (--scaler-tls): issue the metrics
+    /// server's certificate from that CA, and publish the CA (`ca.crt`) in this ConfigMap of
+    /// the controller's namespace, for scrapers to verify the server with (the chart's
+    /// ServiceMonitor); empty: a self-signed certificate, published nowhere.
+    #[arg(long, env = "HEARTH_METRICS_CA_CONFIGMAP", default_value = "")]
+    metrics_ca_configmap: String,
     /// Take a coordination.k8s.io Lease before reconciling, so only one replica works.
     #[arg(long, env = "HEARTH_LEADER_ELECT", default_value_t = true, action = clap::ArgAction::Set)]
     leader_elect: bool,
@@ -447,7 +453,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
 
     let listener = hearth_net::listen(args.metrics_addr, hearth_net::ListenOptions::default())
         .context("--metrics-addr")?;
-    let serving = metrics_serving(&args, &client)?;
+    let serving = metrics_serving(&args, &client, keys.scaler_ca.as_ref()).await?;
     tracing::info!(
         addr = %listener.local_addr()?,
         secure = args.metrics_secure,
@@ -606,29 +612,78 @@ fn secret_ref(v: &str, default_ns: &str) -> anyhow::Result<Option<(String, Strin
 }
 
 /// How /metrics is served (see `--metrics-secure`).
-fn metrics_serving(args: &RunArgs, client: &Client) -> anyhow::Result<Serving> {
+async fn metrics_serving(
+    args: &RunArgs,
+    client: &Client,
+    ca: Option<&hearth_net::pki::Issued>,
+) -> anyhow::Result<Serving> {
     use hearth_net::secure_metrics;
     if !args.metrics_secure {
         return Ok(Serving::Plain);
     }
-    let tls = match (&args.metrics_cert_file, &args.metrics_key_file) {
-        (Some(cert), Some(key)) => secure_metrics::load_pem(cert, key)
+    let ns = &args.leader_election_namespace;
+    let names = [
+        "hearth-controller-metrics".to_owned(),
+        format!("hearth-controller-metrics.{ns}.svc"),
+        format!("hearth-controller-metrics.{ns}.svc.cluster.local"),
+        "localhost".to_owned(),
+    ];
+    let tls = match (&args.metrics_cert_file, &args.metrics_key_file, ca) {
+        (Some(cert), Some(key), _) => secure_metrics::load_pem(cert, key)
             .context("--metrics-cert-file / --metrics-key-file")?,
-        _ => {
-            let ns = &args.leader_election_namespace;
-            let names = [
-                "hearth-controller-metrics".to_owned(),
-                format!("hearth-controller-metrics.{ns}.svc"),
-                format!("hearth-controller-metrics.{ns}.svc.cluster.local"),
-                "localhost".to_owned(),
-            ];
-            secure_metrics::self_signed(&names).context("the metrics certificate")?
+        // From the scaler CA, valid as long as it (a new CA restarts the controller), and the
+        // CA published for the scrapers: every replica's certificate verifies against it.
+        (_, _, Some(ca)) if !args.metrics_ca_configmap.is_empty() => {
+            let leaf = hearth_controller::scaler_tls::issue_leaf(
+                ca,
+                hearth_net::pki::Usage::Server,
+                &names,
+                Duration::from_secs(100 * 365 * 86_400),
+            )
+            .context("the metrics certificate")?;
+            let tls = secure_metrics::from_pem(leaf.cert.as_bytes(), leaf.key.as_bytes())
+                .context("the metrics certificate")?;
+            publish_metrics_ca(client, ns, &args.metrics_ca_configmap, &ca.cert)
+                .await
+                .context("--metrics-ca-configmap")?;
+            tls
         }
+        _ => secure_metrics::self_signed(&names).context("the metrics certificate")?,
     };
     Ok(Serving::Secure {
         tls,
         auth: secure_metrics::MetricsAuth::kube(client.clone()),
     })
+}
+
+/// Writes Hearth's CA certificate `ca_pem` as `ca.crt` of ConfigMap `name` in `namespace`
+/// (server-side apply), where scrapers read it to verify the metrics server.
+///
+/// # Errors
+/// The apply was refused (RBAC: the chart's Role in the release namespace grants it).
+async fn publish_metrics_ca(
+    client: &Client,
+    namespace: &str,
+    name: &str,
+    ca_pem: &str,
+) -> anyhow::Result<()> {
+    use k8s_openapi::api::core::v1::ConfigMap;
+    use kube::api::{Api, Patch, PatchParams};
+    let cm = serde_json::json!({
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": name, "namespace": namespace},
+        "data": {"ca.crt": ca_pem},
+    });
+    Api::<ConfigMap>::namespaced(client.clone(), namespace)
+        .patch(
+            name,
+            &PatchParams::apply(hearth_crds::wellknown::FIELD_MANAGER).force(),
+            &Patch::Apply(cm),
+        )
+        .await
+        .with_context(|| format!("applying ConfigMap {namespace}/{name}"))?;
+    Ok(())
 }
 
 /// Parses a Go-style duration (`"2160h"`) for clap.

@@ -160,6 +160,29 @@ impl Record {
     }
 }
 
+/// A certificate for `sans` and `usage` from Hearth's CA `ca` (the keys Secret's), valid for
+/// `validity`, never past the CA: the gateways' and KEDA's, and the controller's metrics
+/// server's (`hearth-controller run`).
+///
+/// # Errors
+/// Certificate generation failed (a CA key that does not parse, a name that is not DNS).
+pub fn issue_leaf(
+    ca: &Issued,
+    usage: Usage,
+    sans: &[String],
+    validity: Duration,
+) -> Result<Issued, PkiError> {
+    pki::issue(
+        SCALER_CA_NAME,
+        &ca.key,
+        ca.not_after,
+        usage,
+        SCALER_CA_NAME,
+        sans,
+        validity,
+    )
+}
+
 /// One issuance: the CA's two certificates, and the bundle both sides trust.
 #[derive(Clone, Debug)]
 pub struct Material {
@@ -188,20 +211,9 @@ impl Material {
         client_name: Option<&str>,
         cfg: &ScalerTlsConfig,
     ) -> Result<Self, PkiError> {
-        let leaf = |usage, sans: &[String]| {
-            pki::issue(
-                SCALER_CA_NAME,
-                &ca.key,
-                ca.not_after,
-                usage,
-                SCALER_CA_NAME,
-                sans,
-                cfg.cert_validity,
-            )
-        };
-        let server = leaf(Usage::Server, sans)?;
+        let server = issue_leaf(ca, Usage::Server, sans, cfg.cert_validity)?;
         let client = client_name
-            .map(|n| leaf(Usage::Client, &[n.to_owned()]))
+            .map(|n| issue_leaf(ca, Usage::Client, &[n.to_owned()], cfg.cert_validity))
             .transpose()?;
         let bundle = match previous_ca {
             Some(p) if p != ca.cert => format!("{}{p}", ca.cert),
@@ -244,12 +256,9 @@ impl SharedClient {
     /// # Errors
     /// Certificate generation failed (a CA key that does not parse).
     pub fn issue(ca: &Issued, validity: Duration) -> Result<Self, PkiError> {
-        let leaf = pki::issue(
-            SCALER_CA_NAME,
-            &ca.key,
-            ca.not_after,
+        let leaf = issue_leaf(
+            ca,
             Usage::Client,
-            SCALER_CA_NAME,
             &[names::SHARED_SCALER_CLIENT.to_owned()],
             validity,
         )?;

@@ -404,6 +404,15 @@ pub fn load_pem(cert: &Path, key: &Path) -> Result<Arc<ServerConfig>, CertError>
     config(&read(cert)?, &read(key)?)
 }
 
+/// A server configuration with the PEM certificate chain `cert_pem` (leaf first) and PEM key
+/// `key_pem` (such as a certificate the controller issues from its own CA).
+///
+/// # Errors
+/// [`CertError`] naming what does not parse or fit.
+pub fn from_pem(cert_pem: &[u8], key_pem: &[u8]) -> Result<Arc<ServerConfig>, CertError> {
+    config(cert_pem, key_pem)
+}
+
 fn config(cert_pem: &[u8], key_pem: &[u8]) -> Result<Arc<ServerConfig>, CertError> {
     let chain = CertificateDer::pem_slice_iter(cert_pem)
         .collect::<Result<Vec<_>, _>>()

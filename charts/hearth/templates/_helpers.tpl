@@ -262,3 +262,9 @@ gateway.adminAuth.kedaNamespace. */ -}}
 {{- define "hearth.scalerKedaSecret" -}}
 hearth-scaler-keda
 {{- end -}}
+
+{{- /* The ConfigMap where the controller publishes the CA of its metrics certificate
+(controller.scalerTLS.enabled: issued from the scaler CA; the ServiceMonitor verifies with it). */ -}}
+{{- define "hearth.controllerMetricsCA" -}}
+{{- printf "%s-metrics-ca" (include "hearth.controllerName" .) -}}
+{{- end -}}

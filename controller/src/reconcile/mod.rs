@@ -1007,6 +1007,15 @@ const EXPECTED_AT_START: &[&str] = &[
     "Downloading",
 ];
 
+/// `False` reasons that are progress, not trouble: their Events are Normal (a backend loading
+/// at every activation is no warning).
+const PROGRESS: &[&str] = &[
+    "Creating",
+    "BackendLoading",
+    "ScaledObjectPending",
+    "Downloading",
+];
+
 /// Events on phase changes and on conditions changing status or reason.
 async fn emit_transitions(
     ctx: &Context,
@@ -1045,7 +1054,10 @@ async fn emit_transitions(
         {
             continue;
         }
-        let type_ = if warns || c.status == "False" && c.type_ != status::PREWARMED {
+        let trouble = c.status == "False"
+            && c.type_ != status::PREWARMED
+            && !PROGRESS.contains(&c.reason.as_str());
+        let type_ = if warns || trouble {
             EventType::Warning
         } else {
             EventType::Normal

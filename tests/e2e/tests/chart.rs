@@ -1332,6 +1332,17 @@ fn value_sets() -> Vec<ValueSet> {
                     sm["spec"]["endpoints"][0]["tlsConfig"]["serverName"]
                         == format!("hearth-webhook.{ns}.svc").as_str()
                 );
+                // The controller's certificate is verified against the CA it publishes.
+                let tls = &find(docs, "ServiceMonitor", "hearth-controller")?["spec"]["endpoints"]
+                    [0]["tlsConfig"];
+                ensure!(
+                    tls["serverName"] == format!("hearth-controller-metrics.{ns}.svc").as_str()
+                        && tls["ca"]["configMap"]["name"] == "hearth-controller-metrics-ca"
+                        && tls["ca"]["configMap"]["key"] == "ca.crt"
+                        && tls.get("insecureSkipVerify").is_none(),
+                    "the controller's ServiceMonitor TLS: {tls}"
+                );
+                find(docs, "ConfigMap", "hearth-controller-metrics-ca")?;
                 const TOKEN: &str = "/var/run/secrets/kubernetes.io/serviceaccount/token";
                 for name in ["hearth-webhook", "hearth-controller"] {
                     let ep = &find(docs, "ServiceMonitor", name)?["spec"]["endpoints"][0];

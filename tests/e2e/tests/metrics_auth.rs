@@ -23,6 +23,7 @@ use k8s_openapi::api::rbac::v1::ClusterRoleBinding;
 use kube::Api;
 use kube::api::PostParams;
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
+use rustls::pki_types::pem::PemObject as _;
 use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
 use rustls::{DigitallySignedStruct, SignatureScheme};
 use serde_json::json;
@@ -89,11 +90,41 @@ async fn get(addr: &str, path: &str, token: Option<&str>) -> Result<(u16, String
         .dangerous()
         .with_custom_certificate_verifier(Arc::new(AnyCertificate(provider)))
         .with_no_client_auth();
+    get_with(addr, path, token, config, "hearth.invalid").await
+}
+
+/// [`get`] verifying the server's certificate against `ca_pem` for the name `server_name`, as
+/// the chart's ServiceMonitor does.
+async fn get_verified(
+    addr: &str,
+    path: &str,
+    ca_pem: &str,
+    server_name: &str,
+) -> Result<(u16, String)> {
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in CertificateDer::pem_slice_iter(ca_pem.as_bytes()) {
+        roots.add(cert?)?;
+    }
+    let config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    get_with(addr, path, None, config, server_name).await
+}
+
+async fn get_with(
+    addr: &str,
+    path: &str,
+    token: Option<&str>,
+    config: rustls::ClientConfig,
+    server_name: &str,
+) -> Result<(u16, String)> {
     let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
     let work = async {
         let tcp = tokio::net::TcpStream::connect(addr).await?;
         let mut tls = connector
-            .connect(ServerName::try_from("hearth.invalid")?.to_owned(), tcp)
+            .connect(ServerName::try_from(server_name)?.to_owned(), tcp)
             .await?;
         let auth = token
             .map(|t| format!("Authorization: Bearer {t}\r\n"))
@@ -274,6 +305,32 @@ async fn metrics_need_a_token_allowed_to_get_them() -> Result<()> {
             "{service:<26} {addr:<22} none 401, bad 401, unbound 403, bound 200 ({metric})"
         ));
     }
+    // The controller's certificate verifies against the CA it publishes (the chart's
+    // ServiceMonitor scrapes that way), for the metrics Service's name and no other.
+    let ca =
+        Api::<k8s_openapi::api::core::v1::ConfigMap>::namespaced(client.clone(), RELEASE_NAMESPACE)
+            .get("hearth-controller-metrics-ca")
+            .await
+            .context("ConfigMap hearth-controller-metrics-ca")?
+            .data
+            .and_then(|d| d.get("ca.crt").cloned())
+            .context("no ca.crt in ConfigMap hearth-controller-metrics-ca")?;
+    let addr = service_addr(&client, "hearth-controller-metrics").await?;
+    let name = format!("hearth-controller-metrics.{RELEASE_NAMESPACE}.svc");
+    let (status, _) = get_verified(&addr, "/healthz", &ca, &name).await?;
+    ensure!(
+        status == 200,
+        "verified /healthz of the controller: {status}"
+    );
+    ensure!(
+        get_verified(&addr, "/healthz", &ca, "hearth-webhook.hearth-system.svc")
+            .await
+            .is_err(),
+        "the controller's certificate verified for another name"
+    );
+    table.push(format!(
+        "hearth-controller-metrics  {addr:<22} certificate verified against ConfigMap hearth-controller-metrics-ca for {name}"
+    ));
     eprintln!("{}", table.join("\n"));
     Ok(())
 }
