@@ -940,27 +940,7 @@ async fn install_crds(cluster: &Cluster) -> Result<()> {
         }
         names.push(n);
     }
-    for n in names {
-        wait_until(
-            format!("CRD {n} established"),
-            Duration::from_secs(30),
-            || async {
-                let crd = crds.get(&n).await?;
-                let ok = crd
-                    .status
-                    .and_then(|s| s.conditions)
-                    .into_iter()
-                    .flatten()
-                    .any(|c| c.type_ == "Established" && c.status == "True");
-                Ok(if ok {
-                    Observed::Ready(())
-                } else {
-                    Observed::NotYet("not established".into())
-                })
-            },
-        )
-        .await?;
-    }
+    hearth_test_support::wait_crds_established(&cluster.client(), &names).await?;
     Ok(())
 }
 

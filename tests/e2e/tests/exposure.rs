@@ -21,7 +21,7 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail, ensure};
 use hearth_crds::llmservice::{ColdStartSpec, ScalingSpec};
 use hearth_crds::{InferenceRuntime, LLMEndpoint, LLMService};
-use hearth_test_support::{Cluster, Observed, TestNamespace, upstream_examples, wait_until};
+use hearth_test_support::{Cluster, TestNamespace, upstream_examples};
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::Api;
@@ -394,27 +394,8 @@ async fn install_gateway_api(cluster: &Cluster) -> Result<()> {
             )?;
         }
     }
-    for n in wanted {
-        wait_until(
-            format!("CRD {n} established"),
-            Duration::from_secs(30),
-            || async {
-                let crd = crds.get(n).await?;
-                let ok = crd
-                    .status
-                    .and_then(|s| s.conditions)
-                    .into_iter()
-                    .flatten()
-                    .any(|c| c.type_ == "Established" && c.status == "True");
-                Ok(if ok {
-                    Observed::Ready(())
-                } else {
-                    Observed::NotYet("not established".into())
-                })
-            },
-        )
-        .await?;
-    }
+    let wanted: Vec<String> = wanted.iter().map(|n| (*n).to_owned()).collect();
+    hearth_test_support::wait_crds_established(&cluster.client(), &wanted).await?;
     Ok(())
 }
 

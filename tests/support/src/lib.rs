@@ -23,7 +23,7 @@ pub use images::hearth_image;
 pub use metric_server::MetricServer;
 pub use node::{Event, EventSink, RealNode};
 pub use upstream::{UPSTREAM_EXAMPLES_ENV, upstream_dir, upstream_examples, upstream_file};
-pub use wait::{Observed, wait_until};
+pub use wait::{Observed, wait_crds_established, wait_until};
 
 /// An LLMService manifest (`serving.hearth.dev/v1alpha1`) named `name`: `defaults` as its spec,
 /// with `spec` deep-merged over them ([`merge_json`]).

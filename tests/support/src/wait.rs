@@ -43,6 +43,38 @@ where
     }
 }
 
+/// Waits until each CustomResourceDefinition of `names` is `Established` (its API is served),
+/// up to 30 s each.
+///
+/// # Errors
+/// A CRD that is not established in time, naming it and what was seen.
+pub async fn wait_crds_established(client: &kube::Client, names: &[String]) -> Result<()> {
+    use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+    let crds: kube::Api<CustomResourceDefinition> = kube::Api::all(client.clone());
+    for n in names {
+        wait_until(
+            format!("CRD {n} established"),
+            Duration::from_secs(30),
+            || async {
+                let crd = crds.get(n).await?;
+                let ok = crd
+                    .status
+                    .and_then(|s| s.conditions)
+                    .into_iter()
+                    .flatten()
+                    .any(|c| c.type_ == "Established" && c.status == "True");
+                Ok(if ok {
+                    Observed::Ready(())
+                } else {
+                    Observed::NotYet("not established".into())
+                })
+            },
+        )
+        .await?;
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
