@@ -97,22 +97,7 @@ async fn a_pod_security_refusal_is_reported_within_seconds_then_the_fix_serves()
         after <= 10.0,
         "reported at {reported}, {after:.0}s after the ReplicaSet's first FailedCreate Event at {refused}"
     );
-    let told = ListParams::default().fields(&format!(
-        "involvedObject.name={SERVICE},involvedObject.kind=LLMService,reason=FailedCreate,type=Warning"
-    ));
-    hearth_test_support::wait_until(
-        "a FailedCreate Warning Event on the LLMService",
-        Duration::from_secs(10),
-        || async {
-            let n = events.list(&told).await?.items.len();
-            Ok(if n > 0 {
-                hearth_test_support::Observed::Ready(())
-            } else {
-                hearth_test_support::Observed::NotYet("none yet".to_owned())
-            })
-        },
-    )
-    .await?;
+    stack::wait_warning_event(&events, "FailedCreate").await?;
 
     // The fix the message names: a level the engine meets. The ReplicaSet retries (with its
     // controller's backoff) and the same service serves.

@@ -415,23 +415,9 @@ async fn backend_failures_answer_held_requests_with_the_reason_then_the_fix_serv
                 listed()
             );
             // The Event comes right after the status write.
-            let told = ListParams::default().fields(&format!(
-                "involvedObject.name={SERVICE},involvedObject.kind=LLMService,reason={}",
-                step.reason
-            ));
-            hearth_test_support::wait_until(
-                format!("{}: a {} Event on the LLMService", step.what, step.reason),
-                Duration::from_secs(10),
-                || async {
-                    let n = events.list(&told).await?.items.len();
-                    Ok(if n > 0 {
-                        hearth_test_support::Observed::Ready(())
-                    } else {
-                        hearth_test_support::Observed::NotYet("none yet".to_owned())
-                    })
-                },
-            )
-            .await?;
+            stack::wait_warning_event(&events, step.reason)
+                .await
+                .with_context(|| step.what.to_owned())?;
             lines.push(format!(
                 "{}: {} ({}) answered after {:.1}s held, diagnosed {after:.1}s after the pod's first {} Event",
                 step.what,

@@ -364,3 +364,27 @@ pub async fn wait_ready_reason(
     })
     .await
 }
+
+/// Waits up to 10 s for a Warning Event of `reason` on the stub LLMService in `events`'
+/// namespace (the controller writes it right after the status).
+pub async fn wait_warning_event(
+    events: &kube::Api<k8s_openapi::api::core::v1::Event>,
+    reason: &str,
+) -> Result<()> {
+    let told = ListParams::default().fields(&format!(
+        "involvedObject.name={SERVICE},involvedObject.kind=LLMService,reason={reason},type=Warning"
+    ));
+    wait_until(
+        format!("a {reason} Warning Event on the LLMService"),
+        Duration::from_secs(10),
+        || async {
+            let n = events.list(&told).await?.items.len();
+            Ok(if n > 0 {
+                Observed::Ready(())
+            } else {
+                Observed::NotYet("none yet".to_owned())
+            })
+        },
+    )
+    .await
+}
