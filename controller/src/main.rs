@@ -643,9 +643,13 @@ async fn metrics_serving(
             .context("the metrics certificate")?;
             let tls = secure_metrics::from_pem(leaf.cert.as_bytes(), leaf.key.as_bytes())
                 .context("the metrics certificate")?;
-            publish_metrics_ca(client, ns, &args.metrics_ca_configmap, &ca.cert)
-                .await
-                .context("--metrics-ca-configmap")?;
+            // In the background, retried: the chart's ConfigMap may come after this pod.
+            tokio::spawn(publish_metrics_ca(
+                client.clone(),
+                ns.clone(),
+                args.metrics_ca_configmap.clone(),
+                ca.cert.clone(),
+            ));
             tls
         }
         _ => secure_metrics::self_signed(&names).context("the metrics certificate")?,
@@ -657,16 +661,9 @@ async fn metrics_serving(
 }
 
 /// Writes Hearth's CA certificate `ca_pem` as `ca.crt` of ConfigMap `name` in `namespace`
-/// (server-side apply), where scrapers read it to verify the metrics server.
-///
-/// # Errors
-/// The apply was refused (RBAC: the chart's Role in the release namespace grants it).
-async fn publish_metrics_ca(
-    client: &Client,
-    namespace: &str,
-    name: &str,
-    ca_pem: &str,
-) -> anyhow::Result<()> {
+/// (server-side apply), where scrapers read it to verify the metrics server; a refusal (the
+/// ConfigMap not made yet, RBAC) is logged and tried again, every 10 s, until it is written.
+async fn publish_metrics_ca(client: Client, namespace: String, name: String, ca_pem: String) {
     use k8s_openapi::api::core::v1::ConfigMap;
     use kube::api::{Api, Patch, PatchParams};
     let cm = serde_json::json!({
@@ -675,15 +672,19 @@ async fn publish_metrics_ca(
         "metadata": {"name": name, "namespace": namespace},
         "data": {"ca.crt": ca_pem},
     });
-    Api::<ConfigMap>::namespaced(client.clone(), namespace)
-        .patch(
-            name,
-            &PatchParams::apply(hearth_crds::wellknown::FIELD_MANAGER).force(),
-            &Patch::Apply(cm),
-        )
-        .await
-        .with_context(|| format!("applying ConfigMap {namespace}/{name}"))?;
-    Ok(())
+    let api = Api::<ConfigMap>::namespaced(client, &namespace);
+    let params = PatchParams::apply(hearth_crds::wellknown::FIELD_MANAGER).force();
+    loop {
+        match api.patch(&name, &params, &Patch::Apply(&cm)).await {
+            Ok(_) => return,
+            Err(e) => tracing::warn!(
+                configmap = %format!("{namespace}/{name}"),
+                error = %e,
+                "publishing the metrics certificate's CA (--metrics-ca-configmap); trying again in 10s"
+            ),
+        }
+        tokio::time::sleep(Duration::from_secs(10)).await;
+    }
 }
 
 /// Parses a Go-style duration (`"2160h"`) for clap.
