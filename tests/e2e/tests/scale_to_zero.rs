@@ -141,7 +141,55 @@ async fn cold_start_then_back_to_zero(mode: ScalerMode) -> Result<stack::Deploye
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn poll_mode_cold_start_then_back_to_zero() -> Result<()> {
-    cold_start_then_back_to_zero(ScalerMode::Poll).await?;
+    let d = cold_start_then_back_to_zero(ScalerMode::Poll).await?;
+    poll_trigger_fits_the_keda_version(&d).await
+}
+
+/// The poll trigger is the one the cluster's KEDA can run (its version read as the controller
+/// reads it, from the ScaledObject CRD's label): KEDA 2.18 and later sum over the gateway's
+/// endpoints; an older KEDA asks one replica, and the service's `AutoscalingReady` says so.
+async fn poll_trigger_fits_the_keda_version(d: &stack::Deployed) -> Result<()> {
+    use hearth_controller::versions::{KEDA_ENDPOINT_AGGREGATION, Version};
+    use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+    let client = d.cluster.client();
+    let crd = Api::<CustomResourceDefinition>::all(client.clone())
+        .get("scaledobjects.keda.sh")
+        .await?;
+    let keda: Option<Version> = hearth_controller::versions::keda_version_of(&crd);
+    let so = Api::<DynamicObject>::namespaced_with(
+        client.clone(),
+        d.ns.name(),
+        &hearth_controller::render::scaled_object_resource(),
+    )
+    .get(SERVICE)
+    .await?;
+    let metadata = &so.data["spec"]["triggers"][0]["metadata"];
+    let svc = hearth_e2e_harness::stack::llm_services(&client, d.ns.name())
+        .get(SERVICE)
+        .await?;
+    let autoscaling = svc.data["status"]["conditions"]
+        .as_array()
+        .and_then(|cs| cs.iter().find(|c| c["type"] == "AutoscalingReady"))
+        .cloned()
+        .unwrap_or_default();
+    let aggregates = keda.is_none_or(|v| v >= KEDA_ENDPOINT_AGGREGATION);
+    ensure!(
+        (metadata.get("aggregateFromKubeServiceEndpoints").is_some() == aggregates)
+            && (autoscaling["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("cannot sum"))
+                != aggregates),
+        "KEDA {keda:?}: trigger {metadata}, AutoscalingReady {autoscaling}"
+    );
+    println!(
+        "[poll] KEDA {}: {}",
+        keda.map_or("of unknown version".to_owned(), |v| v.to_string()),
+        if aggregates {
+            "the trigger sums over the gateway's endpoints"
+        } else {
+            "the trigger asks one gateway replica for the total, and AutoscalingReady says so"
+        }
+    );
     Ok(())
 }
 
