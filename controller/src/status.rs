@@ -581,7 +581,7 @@ pub fn autoscaling(keda_installed: bool, scaled_object: Option<&DynamicObject>) 
             AUTOSCALING_READY,
             Some(false),
             "KEDANotInstalled",
-            "KEDA is not installed (its ScaledObject CRD is missing): install KEDA >= 2.18; the ScaledObject is created as soon as the CRD appears, without a restart",
+            "KEDA is not installed (its ScaledObject CRD is missing): install KEDA >= 2.17 (docs/versioning.md); the ScaledObject is created as soon as the CRD appears, without a restart",
         );
     }
     let Some(so) = scaled_object else {
@@ -1042,7 +1042,7 @@ mod tests {
             &crate::versions::KedaVersion::known(Some(crate::versions::Version::new(2, 17, 0))),
         );
         assert!(
-            c.message.contains("KEDA 2.17.0 cannot sum") && c.message.contains(">= 2.18.0"),
+            c.message.contains("KEDA 2.17.0 cannot sum") && c.message.contains(">= 2.19.0"),
             "{}",
             c.message
         );

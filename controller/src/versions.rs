@@ -71,9 +71,17 @@ impl FromStr for Version {
 pub const OLDEST_KUBERNETES: Version = Version::new(1, 30, 0);
 
 /// The KEDA that sums a `metrics-api` trigger over a Service's endpoints
-/// (`aggregateFromKubeServiceEndpoints`), which the poll trigger uses to read each gateway
-/// replica's own demand.
-pub const KEDA_ENDPOINT_AGGREGATION: Version = Version::new(2, 18, 0);
+/// (`aggregateFromKubeServiceEndpoints`, in `pkg/scalers/metrics_api_scaler.go` from v2.19.0,
+/// though KEDA's changelog lists it under 2.18), which the poll trigger uses to read each
+/// gateway replica's own demand.
+pub const KEDA_ENDPOINT_AGGREGATION: Version = Version::new(2, 19, 0);
+
+/// The KEDA whose `metrics-api` trigger reads `authModes` (and `authMode`); before it, only
+/// `authMode` (v2.17's `parseMetricsAPIMetadata`), so the bearer token would not be sent.
+pub const KEDA_AUTH_MODES: Version = Version::new(2, 18, 0);
+
+/// The oldest KEDA Hearth is tested with (docs/versioning.md).
+pub const OLDEST_KEDA: Version = Version::new(2, 17, 0);
 
 /// The version label KEDA puts on its objects.
 pub const VERSION_LABEL: &str = "app.kubernetes.io/version";
@@ -105,14 +113,20 @@ impl KedaVersion {
         self.0.read().ok().and_then(|v| *v)
     }
 
-    /// Records `version`; whether what KEDA can do changed ([`Self::aggregates_endpoints`]), so
-    /// that the ScaledObjects are rendered again.
+    /// Records `version`; whether what KEDA can do changed ([`Self::aggregates_endpoints`],
+    /// [`Self::reads_auth_modes`]), so that the ScaledObjects are rendered again.
     pub fn set(&self, version: Option<Version>) -> bool {
-        let before = self.aggregates_endpoints();
+        let before = (self.aggregates_endpoints(), self.reads_auth_modes());
         if let Ok(mut v) = self.0.write() {
             *v = version;
         }
-        before != self.aggregates_endpoints()
+        before != (self.aggregates_endpoints(), self.reads_auth_modes())
+    }
+
+    /// Whether the `metrics-api` trigger reads `authModes` ([`KEDA_AUTH_MODES`]); if not, it
+    /// is given `authMode`.
+    pub fn reads_auth_modes(&self) -> bool {
+        self.get().is_none_or(|v| v >= KEDA_AUTH_MODES)
     }
 
     /// Whether KEDA sums a `metrics-api` trigger over the Service's endpoints itself
@@ -147,7 +161,7 @@ mod tests {
         for s in ["main", "latest", "", "2", "2.x.1"] {
             assert!(s.parse::<Version>().is_err(), "{s}");
         }
-        assert!(Version::new(2, 17, 9) < KEDA_ENDPOINT_AGGREGATION);
+        assert!(Version::new(2, 18, 3) < KEDA_ENDPOINT_AGGREGATION);
         assert!(Version::new(1, 30, 0) >= OLDEST_KUBERNETES);
     }
 
@@ -156,9 +170,11 @@ mod tests {
         let v = KedaVersion::default();
         assert!(v.aggregates_endpoints());
         assert!(v.set(Some(Version::new(2, 17, 0))));
-        assert!(!v.aggregates_endpoints());
+        assert!(!v.aggregates_endpoints() && !v.reads_auth_modes());
         assert!(!v.set(Some(Version::new(2, 17, 1))));
         assert!(v.set(Some(Version::new(2, 18, 0))));
+        assert!(!v.aggregates_endpoints() && v.reads_auth_modes());
+        assert!(v.set(Some(Version::new(2, 19, 0))));
         assert!(!v.set(None));
         let crd: CustomResourceDefinition = serde_json::from_value(serde_json::json!({
             "metadata": {"name": "scaledobjects.keda.sh", "labels": {"app.kubernetes.io/version": "2.17.2"}},

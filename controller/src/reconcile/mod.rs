@@ -213,14 +213,20 @@ impl KedaState {
         let version = crate::versions::keda_version_of(crd);
         if version != self.version.get() {
             match version {
+                Some(v) if v < crate::versions::OLDEST_KEDA => tracing::error!(
+                    keda = %v,
+                    "KEDA is older than {}, the oldest Hearth is tested with; upgrade KEDA (docs/versioning.md)",
+                    crate::versions::OLDEST_KEDA
+                ),
                 Some(v) if v < crate::versions::KEDA_ENDPOINT_AGGREGATION => tracing::warn!(
                     keda = %v,
-                    "KEDA is older than {}: poll triggers ask one gateway replica for the demand summed over its peers, instead of KEDA summing every replica's (aggregateFromKubeServiceEndpoints); upgrade KEDA to 2.18 or later",
+                    "KEDA is older than {}: poll triggers ask one gateway replica for the demand summed over its peers, instead of KEDA summing every replica's (aggregateFromKubeServiceEndpoints); upgrade KEDA to {} or later",
+                    crate::versions::KEDA_ENDPOINT_AGGREGATION,
                     crate::versions::KEDA_ENDPOINT_AGGREGATION
                 ),
                 Some(v) => tracing::info!(keda = %v, "KEDA version"),
                 None => tracing::info!(
-                    "KEDA's CRD carries no release version label (app.kubernetes.io/version): assuming KEDA 2.18 or later"
+                    "KEDA's CRD carries no release version label (app.kubernetes.io/version): assuming a current KEDA"
                 ),
             }
         }

@@ -144,11 +144,11 @@ pub(super) fn scaled_object_of(
     let trigger = match s.scaler {
         // KEDA resolves `<service>.<namespace>` from the host (the admin Service) and polls
         // each endpoint on the URL's port, which must therefore be the gateway's container
-        // port (KEDA >= 2.18), with the bearer token of the ClusterTriggerAuthentication.
+        // port (KEDA >= 2.19), with the bearer token of the ClusterTriggerAuthentication.
         ScalerMode::Poll => {
             // KEDA sums over the replicas: each serves its own demand (with peers, the plain
             // path would serve the total, counted once per replica). In the path: KEDA asks
-            // each endpoint for the URL's path and drops its query. A KEDA older than 2.18
+            // each endpoint for the URL's path and drops its query. A KEDA older than 2.19
             // cannot sum: it asks the (headless) Service's one address it resolves, and that
             // replica answers the total over its peers (the plain path).
             let aggregate = cfg.keda_version.aggregates_endpoints();
@@ -178,7 +178,13 @@ pub(super) fn scaled_object_of(
                 trigger["metadata"]["aggregationType"] = json!("sum");
             }
             if let Some(cta) = &cfg.admin_auth {
-                trigger["metadata"]["authModes"] = json!("bearer");
+                // KEDA before 2.18 reads only the singular key.
+                let key = if cfg.keda_version.reads_auth_modes() {
+                    "authModes"
+                } else {
+                    "authMode"
+                };
+                trigger["metadata"][key] = json!("bearer");
                 trigger["authenticationRef"] =
                     json!({"name": cta, "kind": "ClusterTriggerAuthentication"});
             }

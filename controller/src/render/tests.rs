@@ -709,8 +709,9 @@ fn an_attached_service_asks_the_endpoints_gateway_for_its_demand(
     assert_eq!(so, own.scaled_object.data);
 }
 
-/// KEDA older than 2.18 cannot sum over the endpoints: the poll trigger asks one replica of
-/// the headless admin Service for its peers' total; push is the same on every KEDA.
+/// KEDA older than 2.19 cannot sum over the endpoints: the poll trigger asks one replica of
+/// the headless admin Service for its peers' total (and before 2.18 reads only `authMode`);
+/// push is the same on every KEDA.
 #[test]
 fn an_older_keda_polls_one_replica_for_the_total() {
     use crate::versions::{KedaVersion, Version};
@@ -725,8 +726,19 @@ fn an_older_keda_polls_one_replica_for_the_total() {
         json!({
             "url": "http://shared-gateway-admin.platform.svc:9091/hearth/queue/team-a/chat",
             "format": "json", "valueLocation": "pending", "targetValue": "10",
-            "authModes": "bearer",
+            "authMode": "bearer",
         })
+    );
+    let between = RenderConfig {
+        keda_version: KedaVersion::known(Some(Version::new(2, 18, 3))),
+        ..RenderConfig::builtin().unwrap()
+    };
+    let c = render_placed(&svc, &rt, &between, true, &shared(true)).unwrap();
+    assert_eq!(demand_trigger(&c)["metadata"]["authModes"], "bearer");
+    assert!(
+        demand_trigger(&c)["metadata"]
+            .get("aggregateFromKubeServiceEndpoints")
+            .is_none()
     );
     let current = RenderConfig {
         keda_version: KedaVersion::known(Some(Version::new(2, 20, 2))),

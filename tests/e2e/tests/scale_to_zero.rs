@@ -146,7 +146,7 @@ async fn poll_mode_cold_start_then_back_to_zero() -> Result<()> {
 }
 
 /// The poll trigger is the one the cluster's KEDA can run (its version read as the controller
-/// reads it, from the ScaledObject CRD's label): KEDA 2.18 and later sum over the gateway's
+/// reads it, from the ScaledObject CRD's label): KEDA 2.19 and later sum over the gateway's
 /// endpoints; an older KEDA asks one replica, and the service's `AutoscalingReady` says so.
 async fn poll_trigger_fits_the_keda_version(d: &stack::Deployed) -> Result<()> {
     use hearth_controller::versions::{KEDA_ENDPOINT_AGGREGATION, Version};
