@@ -1,7 +1,8 @@
 # shellcheck shell=bash
 # Builds the pinned upstream binaries from Go modules into $BIN (sourced after common.sh).
 # Each binary is named <name>-<version>; an existing file is reused, so only the first run
-# compiles. Module versions and go.sum files live in tests/cluster/go/<group>/.
+# compiles. Module versions and go.sum files live in tests/cluster/go/<group>/; Kubernetes' and
+# KEDA's in $KUBE_GO_DIR and $KEDA_GO_DIR, which HEARTH_CLUSTER_VERSIONS chooses (common.sh).
 
 require_go() {
   command -v go >/dev/null 2>&1 ||
@@ -110,7 +111,7 @@ build_all() {
         install_bin "$tmp/etcd/server" "$ETCD"
         ;;
       kubernetes)
-        go_build kubernetes kubernetes "$kube_ld" "$tmp/kubernetes" \
+        go_build kubernetes "$KUBE_GO_DIR" "$kube_ld" "$tmp/kubernetes" \
           k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager \
           k8s.io/kubernetes/cmd/kube-scheduler k8s.io/kubernetes/cmd/kubectl
         install_bin "$tmp/kubernetes/kube-apiserver" "$KUBE_APISERVER"
@@ -121,7 +122,7 @@ build_all() {
       kube-node)
         # The real node's kubelet and kube-proxy: same module, so the shared packages come from
         # Go's build cache.
-        go_build kube-node kubernetes "$kube_ld" "$tmp/kube-node" \
+        go_build kube-node "$KUBE_GO_DIR" "$kube_ld" "$tmp/kube-node" \
           k8s.io/kubernetes/cmd/kubelet k8s.io/kubernetes/cmd/kube-proxy
         install_bin "$tmp/kube-node/kubelet" "$KUBELET"
         install_bin "$tmp/kube-node/kube-proxy" "$KUBE_PROXY"
@@ -144,7 +145,7 @@ build_all() {
         # The pod sandbox: Kubernetes' own pause.c from the same module, compiled the way its
         # build/pause/Makefile does (static, -Os).
         local src
-        src="$(cd "$CLUSTER_DIR/go/kubernetes" && go list -m -f '{{.Dir}}' k8s.io/kubernetes)/build/pause/linux/pause.c"
+        src="$(cd "$CLUSTER_DIR/go/$KUBE_GO_DIR" && go list -m -f '{{.Dir}}' k8s.io/kubernetes)/build/pause/linux/pause.c"
         [[ -x /usr/bin/gcc && -f /usr/lib/x86_64-linux-gnu/libc.a ]] ||
           apt_install "compiling the pod sandbox (pause)" gcc libc6-dev
         mkdir -p "$tmp/pause"
@@ -166,7 +167,7 @@ build_all() {
         [[ -x "$KEDA_WEBHOOKS" ]] || pkgs+=(github.com/kedacore/keda/v2/cmd/webhooks)
         if ((${#pkgs[@]} > 0)); then
           ld="-s -w -X github.com/kedacore/keda/v2/version.Version=${KEDA_VERSION#v}"
-          go_build keda keda "$ld" "$tmp/keda" "${pkgs[@]}"
+          go_build keda "$KEDA_GO_DIR" "$ld" "$tmp/keda" "${pkgs[@]}"
           [[ -x "$KEDA_OPERATOR" ]] || install_bin "$tmp/keda/operator" "$KEDA_OPERATOR"
           [[ -x "$KEDA_ADAPTER" ]] || install_bin "$tmp/keda/adapter" "$KEDA_ADAPTER"
           [[ -x "$KEDA_WEBHOOKS" ]] || install_bin "$tmp/keda/webhooks" "$KEDA_WEBHOOKS"
@@ -175,9 +176,9 @@ build_all() {
         # from the same module version, which `up` renders with keda/kustomization.yaml. A copy,
         # so that `up` needs neither Go nor the module cache.
         # (go mod download: a no-op when the module is cached; needed when only config/ is missing.)
-        dir="$(cd "$CLUSTER_DIR/go/keda" && go mod download github.com/kedacore/keda/v2 &&
+        dir="$(cd "$CLUSTER_DIR/go/$KEDA_GO_DIR" && go mod download github.com/kedacore/keda/v2 &&
           go list -m -f '{{.Dir}}' github.com/kedacore/keda/v2)" && [[ -d "$dir/config/default" ]] ||
-          die "KEDA's module source (for config/) is not in Go's module cache: cd tests/cluster/go/keda && go mod download"
+          die "KEDA's module source (for config/) is not in Go's module cache: cd tests/cluster/go/$KEDA_GO_DIR && go mod download"
         rm -rf "$KEDA_CONFIG.tmp"
         mkdir -p "$(dirname "$KEDA_CONFIG")"
         cp -R "$dir/config" "$KEDA_CONFIG.tmp"

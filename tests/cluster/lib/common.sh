@@ -13,6 +13,12 @@
 #                         RFC 2544's benchmarking block, never a private range)
 # When neither is set and another cluster of this machine holds the defaults, `up` picks free
 # ones and records them in $STATE/addresses.env, which the other scripts read.
+#   HEARTH_CLUSTER_VERSIONS  which Kubernetes and KEDA the cluster runs: `current` (default:
+#                         go/kubernetes, go/keda) or `oldest`, the oldest versions Hearth
+#                         supports (go/kubernetes-1.30, go/keda-2.17); every other component is
+#                         the same in both. `up` records it in $STATE/versions.env, which the
+#                         other scripts read, so that `down`, `status` and `restart` find the
+#                         binaries the cluster runs without the environment.
 
 set -euo pipefail
 
@@ -32,6 +38,30 @@ if [[ -f "$ADDRESSES_FILE" ]]; then
   done <"$ADDRESSES_FILE"
 fi
 NET="${HEARTH_CLUSTER_NET:-127.100}"
+
+# The Kubernetes and KEDA of the cluster (see above). A state dir keeps the set its `up` chose
+# until `down` removes it; asking for another one there is an error, since the scripts would
+# then look for processes of binaries the cluster does not run.
+VERSIONS_FILE="$STATE/versions.env"
+recorded_versions=""
+if [[ -f "$VERSIONS_FILE" ]]; then
+  recorded_versions="$(sed -n 's/^HEARTH_CLUSTER_VERSIONS=//p' "$VERSIONS_FILE")"
+fi
+CLUSTER_VERSIONS="${HEARTH_CLUSTER_VERSIONS:-${recorded_versions:-current}}"
+if [[ -n "$recorded_versions" && "$CLUSTER_VERSIONS" != "$recorded_versions" ]]; then
+  echo "error: the cluster in $STATE runs HEARTH_CLUSTER_VERSIONS=$recorded_versions ($VERSIONS_FILE), not $CLUSTER_VERSIONS: run the scripts there without HEARTH_CLUSTER_VERSIONS (or with the recorded set), and tests/cluster/down before starting the other set" >&2
+  exit 2
+fi
+# The module dirs under go/ that the Kubernetes binaries (control plane, kubelet, kube-proxy,
+# pause) and KEDA's are built from.
+case "$CLUSTER_VERSIONS" in
+  current) KUBE_GO_DIR=kubernetes KEDA_GO_DIR=keda ;;
+  oldest) KUBE_GO_DIR=kubernetes-1.30 KEDA_GO_DIR=keda-2.17 ;;
+  *)
+    echo "error: HEARTH_CLUSTER_VERSIONS='$CLUSTER_VERSIONS' must be current or oldest" >&2
+    exit 2
+    ;;
+esac
 
 if ! [[ "$NET" =~ ^127\.([0-9]{1,3})$ ]] || ((BASH_REMATCH[1] > 255)); then
   echo "error: HEARTH_CLUSTER_NET='$NET' must be the first two octets of a loopback /16, e.g. 127.100" >&2
@@ -82,9 +112,12 @@ gomod_version() { # <dir under go/> <module path>
   printf '%s' "$v"
 }
 ETCD_VERSION="$(gomod_version etcd go.etcd.io/etcd/server/v3)"
-KUBE_VERSION="$(gomod_version kubernetes k8s.io/kubernetes)"
+KUBE_VERSION="$(gomod_version "$KUBE_GO_DIR" k8s.io/kubernetes)"
 KWOK_VERSION="$(gomod_version kwok sigs.k8s.io/kwok)"
-KEDA_VERSION="$(gomod_version keda github.com/kedacore/keda/v2)"
+KEDA_VERSION="$(gomod_version "$KEDA_GO_DIR" github.com/kedacore/keda/v2)"
+# Minor versions, for what differs between the sets (flags, kubelet config, KEDA's images).
+KUBE_MINOR="$(cut -d. -f2 <<<"$KUBE_VERSION")"
+KEDA_MINOR="$(cut -d. -f2 <<<"$KEDA_VERSION")"
 HELM_VERSION="$(gomod_version helm helm.sh/helm/v4)"
 COREDNS_VERSION="$(gomod_version coredns github.com/coredns/coredns)"
 KUBE_ROUTER_VERSION="$(gomod_version kube-router github.com/cloudnativelabs/kube-router/v2)"

@@ -126,6 +126,10 @@ start_component() {
       --unsafe-no-fsync --log-level=warn
     ;;
   kube-apiserver)
+    # The aggregator's UID header came with Kubernetes 1.32; an older apiserver refuses the flag
+    # (and sends no UID to extension apiservers).
+    local uid_headers=()
+    ((KUBE_MINOR < 32)) || uid_headers=(--requestheader-uid-headers=X-Remote-Uid)
     start kube-apiserver -- \
       --advertise-address="$APISERVER_IP" --bind-address="$APISERVER_IP" --secure-port="$APISERVER_PORT" \
       --etcd-servers="https://$CP_IP:$ETCD_CLIENT_PORT" --etcd-cafile="$pki/ca.crt" \
@@ -146,7 +150,7 @@ start_component() {
       --requestheader-allowed-names=front-proxy-client \
       --requestheader-username-headers=X-Remote-User \
       --requestheader-group-headers=X-Remote-Group \
-      --requestheader-uid-headers=X-Remote-Uid \
+      "${uid_headers[@]}" \
       --requestheader-extra-headers-prefix=X-Remote-Extra- \
       --proxy-client-cert-file="$pki/front-proxy-client.crt" \
       --proxy-client-key-file="$pki/front-proxy-client.key" \

@@ -123,8 +123,14 @@ build_cluster_images() {
       keda-metrics-apiserver)
         keda_base_rootfs "$root"
         install -m 0755 "$KEDA_ADAPTER" "$root/keda-adapter"
-        scratch_image "$KEDA_ADAPTER_IMAGE" "$archive" 65532:65532 \
-          '["/keda-adapter", "--secure-port=6443", "--zap-log-level=info", "--zap-encoder=console"]' "$root"
+        local adapter_entrypoint='["/keda-adapter", "--secure-port=6443", "--zap-log-level=info", "--zap-encoder=console"]'
+        # Before 2.18 the adapter logged with klog and knew no --zap-* flag, and KEDA's
+        # Deployment gave it only `args` (led by a path the image lacks, which the adapter takes
+        # as a positional argument), so this entrypoint runs with them: that version's own.
+        if ((KEDA_MINOR < 18)); then
+          adapter_entrypoint='["/keda-adapter", "--secure-port=6443", "--logtostderr=true", "--v=0"]'
+        fi
+        scratch_image "$KEDA_ADAPTER_IMAGE" "$archive" 65532:65532 "$adapter_entrypoint" "$root"
         ;;
       keda-admission-webhooks)
         keda_base_rootfs "$root"

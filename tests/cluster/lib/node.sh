@@ -175,10 +175,13 @@ node_network_up() {
 
 # Renders the node's configuration files from tests/cluster/node/*.
 node_configure() {
-  local f
+  local f drop=()
+  # The kubelet's failCgroupV1 came with Kubernetes 1.31; an older kubelet runs on cgroups v1
+  # anyway, and would only warn of an unknown field.
+  ((KUBE_MINOR >= 31)) || drop=(-e '/^failCgroupV1:/d')
   mkdir -p "$NODE_DIR/cni/net.d" "$NODE_DIR/cni/ipam" "$NODE_DIR/kubelet" "$NODE_DIR/containerd"
   for f in containerd.toml kubelet.yaml kube-proxy.yaml cluster.yaml; do
-    sed -e "s|@NODE_DIR@|$NODE_DIR|g" -e "s|@STATE@|$STATE|g" -e "s|@PKI@|$STATE/pki|g" \
+    sed "${drop[@]}" -e "s|@NODE_DIR@|$NODE_DIR|g" -e "s|@STATE@|$STATE|g" -e "s|@PKI@|$STATE/pki|g" \
       -e "s|@PAUSE_IMAGE@|$PAUSE_IMAGE|g" -e "s|@COREDNS_IMAGE@|$COREDNS_IMAGE|g" \
       -e "s|@CNI_BIN_DIR@|$CNI_BIN_DIR|g" -e "s|@NODE_POD_CIDR@|$NODE_POD_CIDR|g" \
       -e "s|@NODE_CGROUP@|$NODE_CGROUP|g" -e "s|@NODE_IP@|$NODE_IP|g" \
