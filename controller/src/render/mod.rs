@@ -188,7 +188,7 @@ impl RenderConfig {
 }
 
 /// The ClusterTriggerAuthentication the chart installs for KEDA's `metrics-api` triggers
-/// (`bearerToken` from the Secret of KEDA's token, in KEDA's namespace).
+/// (`token` from the Secret of KEDA's token, in KEDA's namespace).
 pub const DEFAULT_ADMIN_TRIGGER_AUTH: &str = "hearth-gateway-admin";
 
 /// The ClusterTriggerAuthentication the chart installs for the push triggers of models on shared

@@ -1032,7 +1032,7 @@ fn value_sets() -> Vec<ValueSet> {
                 let cta = find(docs, "ClusterTriggerAuthentication", "chart-gateway-admin")?;
                 ensure!(
                     cta["spec"]["secretTargetRef"]
-                        == json!([{"parameter": "bearerToken", "name": "hearth-gateway-keda",
+                        == json!([{"parameter": "token", "name": "hearth-gateway-keda",
                                    "key": "token"}]),
                     "{cta}"
                 );
