@@ -124,9 +124,20 @@ pub struct Attachment {
     /// (an endpoint that does not exist has no status to list them in: none then), sorted by
     /// namespace and name.
     pub conflicts: Vec<EndpointConflict>,
+    /// The aliases (`spec.model.aliases`) each accepted service is routed by: those no name
+    /// and no older alias on the endpoint holds.
+    pub aliases: BTreeMap<ServiceKey, Vec<String>>,
 }
 
 impl Attachment {
+    /// The aliases the endpoint routes to the service `namespace/name` (none when it is not
+    /// accepted).
+    pub fn aliases_of(&self, namespace: &str, name: &str) -> &[String] {
+        self.aliases
+            .get(&(namespace.to_owned(), name.to_owned()))
+            .map_or(&[], Vec::as_slice)
+    }
+
     /// The verdict on the service `namespace/name`, if it references the endpoint.
     pub fn verdict(&self, namespace: &str, name: &str) -> Option<&Verdict> {
         self.verdicts.get(&(namespace.to_owned(), name.to_owned()))
@@ -322,15 +333,9 @@ pub fn attach<'a, 'b>(
                         name = c.name,
                     ),
                 },
-                Ok(()) => match std::iter::once(model)
-                    .chain(&c.aliases)
-                    .find_map(|n| Some((n, holders.get(n)?)))
-                {
-                    Some((taken, (hkind, hns, hname))) => {
+                Ok(()) => match holders.get(model) {
+                    Some((hkind, hns, hname)) => {
                         let fix = match c.kind {
-                            MemberKind::LLMService if taken != model => {
-                                "remove it from this service's spec.model.aliases"
-                            }
                             MemberKind::LLMService => {
                                 "rename this service (its name is its model name)"
                             }
@@ -347,18 +352,16 @@ pub fn attach<'a, 'b>(
                         Verdict {
                             reason: AttachReason::ModelNameConflict,
                             message: format!(
-                                "model name {taken:?} is already served on LLMEndpoint {key} by the older {hkind} {hns}/{hname}: {fix} or take one of the two off the endpoint; {meanwhile}"
+                                "model name {model:?} is already served on LLMEndpoint {key} by the older {hkind} {hns}/{hname}: {fix} or take one of the two off the endpoint; {meanwhile}"
                             ),
                         }
                     }
                     None => {
                         if !c.deleting {
-                            for n in std::iter::once(model).chain(&c.aliases) {
-                                holders.insert(
-                                    n.clone(),
-                                    (c.kind, c.namespace.clone(), c.name.clone()),
-                                );
-                            }
+                            holders.insert(
+                                model.clone(),
+                                (c.kind, c.namespace.clone(), c.name.clone()),
+                            );
                             out.models.push(EndpointModel {
                                 name: model.clone(),
                                 namespace: c.namespace.clone(),
@@ -388,6 +391,40 @@ pub fn attach<'a, 'b>(
             });
         }
         out.insert(c, verdict);
+    }
+    // Aliases after every name: an alias never takes a name, nor another service's older
+    // alias; one that is taken is left out of the routes (the service stays accepted, and its
+    // verdict says which), so adding an alias can never evict a model from the endpoint.
+    for c in live.iter().filter(|c| !c.aliases.is_empty()) {
+        let key_of = (c.namespace.clone(), c.name.clone());
+        if !out.verdicts.get(&key_of).is_some_and(Verdict::accepted) {
+            continue;
+        }
+        let mut kept = Vec::new();
+        let mut left_out = Vec::new();
+        for a in &c.aliases {
+            match holders.get(a) {
+                Some((hkind, hns, hname)) => {
+                    left_out.push(format!("{a:?} (served by {hkind} {hns}/{hname})"));
+                }
+                None => {
+                    holders.insert(a.clone(), (c.kind, c.namespace.clone(), c.name.clone()));
+                    kept.push(a.clone());
+                }
+            }
+        }
+        if !left_out.is_empty()
+            && let Some(v) = out.verdicts.get_mut(&key_of)
+        {
+            v.message = format!(
+                "{}; spec.model.aliases left out, their names being taken on the endpoint: {} (remove them, or rename one of the two)",
+                v.message,
+                left_out.join(", ")
+            );
+        }
+        if !kept.is_empty() {
+            out.aliases.insert(key_of, kept);
+        }
     }
     out.models.sort_by(|a, b| {
         (&a.name, &a.namespace, &a.service, a.kind).cmp(&(

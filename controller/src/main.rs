@@ -662,7 +662,8 @@ async fn metrics_serving(
 
 /// Writes Hearth's CA certificate `ca_pem` as `ca.crt` of ConfigMap `name` in `namespace`
 /// (server-side apply), where scrapers read it to verify the metrics server; a refusal (the
-/// ConfigMap not made yet, RBAC) is logged and tried again, every 10 s, until it is written.
+/// ConfigMap not made yet, RBAC) is logged and tried again every 10 s, and once written it is
+/// applied again every 10 minutes (a `helm upgrade --force` or a GitOps replace empties it).
 async fn publish_metrics_ca(client: Client, namespace: String, name: String, ca_pem: String) {
     use k8s_openapi::api::core::v1::ConfigMap;
     use kube::api::{Api, Patch, PatchParams};
@@ -675,15 +676,18 @@ async fn publish_metrics_ca(client: Client, namespace: String, name: String, ca_
     let api = Api::<ConfigMap>::namespaced(client, &namespace);
     let params = PatchParams::apply(hearth_crds::wellknown::FIELD_MANAGER).force();
     loop {
-        match api.patch(&name, &params, &Patch::Apply(&cm)).await {
-            Ok(_) => return,
-            Err(e) => tracing::warn!(
-                configmap = %format!("{namespace}/{name}"),
-                error = %e,
-                "publishing the metrics certificate's CA (--metrics-ca-configmap); trying again in 10s"
-            ),
-        }
-        tokio::time::sleep(Duration::from_secs(10)).await;
+        let wait = match api.patch(&name, &params, &Patch::Apply(&cm)).await {
+            Ok(_) => Duration::from_secs(600),
+            Err(e) => {
+                tracing::warn!(
+                    configmap = %format!("{namespace}/{name}"),
+                    error = %e,
+                    "publishing the metrics certificate's CA (--metrics-ca-configmap); trying again in 10s"
+                );
+                Duration::from_secs(10)
+            }
+        };
+        tokio::time::sleep(wait).await;
     }
 }
 

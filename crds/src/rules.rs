@@ -379,13 +379,14 @@ fn model_aliases(f: &mut Findings, svc: &LLMService) {
     }
     for (i, alias) in aliases.iter().enumerate() {
         let field = format!("spec.model.aliases[{i}]");
-        if alias.is_empty() || alias.len() > MAX_MODEL_ALIAS_LEN {
+        // In characters, as the CRD's maxLength counts; whitespace as RE2's `\s` (ASCII).
+        if alias.is_empty() || alias.chars().count() > MAX_MODEL_ALIAS_LEN {
             f.error(
                 Reason::InvalidSpec,
                 &field,
                 format!("must be 1 to {MAX_MODEL_ALIAS_LEN} characters"),
             );
-        } else if alias.chars().any(|c| c.is_whitespace() || c == ',') {
+        } else if alias.chars().any(|c| c.is_ascii_whitespace() || c == ',') {
             f.error(
                 Reason::InvalidSpec,
                 &field,

@@ -365,9 +365,9 @@ impl Gateway {
             self.shared.metrics.adapter_table_errors.inc();
             return Err(e);
         }
-        let names = &model.cfg.served_model_names;
+        // An adapter named like the model (a served name or an alias) is left out.
         let (catalog, left_out) =
-            crate::adapters::catalog_for(table, model.key(), |n| names.iter().any(|m| m == n));
+            crate::adapters::catalog_for(table, model.key(), |n| model.answers_to(n));
         let adapters = catalog
             .adapters()
             .iter()

@@ -306,11 +306,15 @@ pub fn default_route(namespace: &str, service: &str, model: &str) -> ModelRoute 
 }
 
 /// Each route's adapter catalog (checked by [`model_configs`] already): an adapter named like
-/// any model of the table, or like an adapter of an earlier entry, is left out and logged (a
-/// model wins; names come unique from the controller, so this is a safeguard).
+/// any model or alias of the table, or like an adapter of an earlier entry, is left out and
+/// logged (a model wins; names come unique from the controller, so this is a safeguard).
 fn adapter_catalogs(table: &RouteTable) -> Vec<crate::adapters::Catalog> {
-    let models: std::collections::HashSet<&str> =
-        table.models.iter().map(|r| r.model.as_str()).collect();
+    let models: std::collections::HashSet<&str> = table
+        .models
+        .iter()
+        .flat_map(|r| std::iter::once(&r.model).chain(&r.aliases))
+        .map(String::as_str)
+        .collect();
     let mut claimed: std::collections::HashSet<String> = std::collections::HashSet::new();
     table
         .models

@@ -684,27 +684,37 @@ fn a_deployments_reference_resolves_in_its_namespace_by_default() {
 }
 
 #[test]
-fn aliases_are_claimed_like_names_by_the_older_claimant() {
+fn aliases_never_take_a_name_and_a_taken_one_is_left_out() {
     let ep = endpoint(json!({"from": "All"})).unwrap();
     let with_aliases = |mut s: LLMService, aliases: &[&str]| {
         s.spec.model.aliases = aliases.iter().map(|a| (*a).to_owned()).collect();
         s
     };
     let services = [
-        with_aliases(live("team-a", "chat", 1, "platform/shared"), &["org/chat"]),
-        // A newer alias naming an older model, and a newer model named like an older alias.
-        with_aliases(live("team-b", "code", 2, "platform/shared"), &["chat"]),
-        live("team-c", "org-chat", 3, "platform/shared"),
+        // The oldest asks for a newer service's name, a newer Deployment's model, and one
+        // that is free.
+        with_aliases(
+            live("team-a", "chat", 1, "platform/shared"),
+            &["code", "org/llama", "org/chat"],
+        ),
+        live("team-b", "code", 2, "platform/shared"),
+        // A newer one asks for the older one's alias.
         with_aliases(live("team-d", "sql", 4, "platform/shared"), &["org/chat"]),
     ];
-    let deployments = [joined("team-e", "vllm", 5, "platform/shared", "org/chat")];
+    let deployments = [joined("team-e", "vllm", 5, "platform/shared", "org/llama")];
     let a = attach(&key(), Some(&ep), &services, &deployments, &namespaces());
-    assert!(a.verdict("team-a", "chat").unwrap().accepted());
-    assert_eq!(
-        a.verdict("team-b", "code").unwrap().message,
-        "model name \"chat\" is already served on LLMEndpoint platform/shared by the older LLMService team-a/chat: remove it from this service's spec.model.aliases or take one of the two off the endpoint; meanwhile this service runs its own gateway"
+    // Every model keeps its own name; only aliases lose.
+    for (ns, name) in [("team-a", "chat"), ("team-b", "code"), ("team-d", "sql")] {
+        assert!(a.verdict(ns, name).unwrap().accepted(), "{ns}/{name}");
+    }
+    assert!(a.deployment_verdict("team-e", "vllm").unwrap().accepted());
+    assert_eq!(a.aliases_of("team-a", "chat"), ["org/chat"]);
+    assert!(a.aliases_of("team-d", "sql").is_empty());
+    let chat = &a.verdict("team-a", "chat").unwrap().message;
+    assert!(
+        chat.ends_with("spec.model.aliases left out, their names being taken on the endpoint: \"code\" (served by LLMService team-b/code), \"org/llama\" (served by Deployment team-e/vllm) (remove them, or rename one of the two)"),
+        "{chat}"
     );
-    assert!(a.verdict("team-c", "org-chat").unwrap().accepted());
-    assert!(!a.verdict("team-d", "sql").unwrap().accepted());
-    assert!(!a.deployment_verdict("team-e", "vllm").unwrap().accepted());
+    let sql = &a.verdict("team-d", "sql").unwrap().message;
+    assert!(sql.contains("\"org/chat\" (served by LLMService team-a/chat)"), "{sql}");
 }

@@ -428,7 +428,12 @@ async fn reconcile_endpoint_inner(ep: &LLMEndpoint, ctx: &Context) -> Result<Act
         if rules::check_llmservice(svc, Some(resolved.runtime)).blocks_rendering() {
             return None;
         }
-        model_route(svc, resolved.runtime, &ctx.accepted_adapters(svc)).ok()
+        let mut r = model_route(svc, resolved.runtime, &ctx.accepted_adapters(svc)).ok()?;
+        // Only the aliases the attachment gave it (none for a service held while it leaves):
+        // the gateway refuses a table where two routes share a name.
+        let aliases = attachment.aliases_of(&r.namespace, &r.service);
+        r.aliases.retain(|a| aliases.contains(a));
+        Some(r)
     };
     // The services it routed before, wherever their reference points now.
     let routed_before: Vec<Arc<LLMService>> = ep

@@ -447,10 +447,14 @@ impl<'a> Ctx<'a> {
     }
 
     /// Whether the gateway replicas sum their demand over each other (`--peer-service`): in
-    /// push mode, where each replica serves KEDA the total, and with the sleeping tier, which
-    /// puts engines to sleep only when no replica has demand.
+    /// push mode, where each replica serves KEDA the total, with the sleeping tier, which
+    /// puts engines to sleep only when no replica has demand, and with more than one replica
+    /// when KEDA cannot sum over them itself (before 2.19: its poll asks one replica).
     fn gateway_peers(&self) -> bool {
-        self.scaler == ScalerMode::Push || self.sleep_tier().is_some()
+        let replicas = self.svc.spec.endpoint.replicas.unwrap_or(1);
+        self.scaler == ScalerMode::Push
+            || self.sleep_tier().is_some()
+            || (replicas > 1 && !self.cfg.keda_version.aggregates_endpoints())
     }
 }
 

@@ -221,18 +221,33 @@ fn get(url: &str) -> Result<Vec<u8>, HubError> {
     })?;
     let (authority, path) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
     let path = if path.is_empty() { "/" } else { path };
-    let addr = if authority.contains(':') {
+    // A port after the host (after the `]` of an IPv6 literal), else 80.
+    let has_port = authority
+        .rsplit_once(']')
+        .map_or(authority, |(_, rest)| rest)
+        .contains(':');
+    let addr = if has_port {
         authority.to_owned()
     } else {
         format!("{authority}:80")
     };
-    let socket = addr
+    let sockets: Vec<_> = addr
         .to_socket_addrs()
         .map_err(|e| err(format!("ConnectionError: cannot resolve {authority}: {e}")))?
-        .next()
-        .ok_or_else(|| err(format!("ConnectionError: {authority} has no address")))?;
-    let mut conn = TcpStream::connect_timeout(&socket, CLIENT_TIMEOUT)
-        .map_err(|e| err(format!("ConnectionError: {e}")))?;
+        .collect();
+    // Every address in turn, as a client library does (`localhost` may be ::1 first).
+    let mut last = err(format!("ConnectionError: {authority} has no address"));
+    let mut connected = None;
+    for socket in sockets {
+        match TcpStream::connect_timeout(&socket, CLIENT_TIMEOUT) {
+            Ok(c) => {
+                connected = Some(c);
+                break;
+            }
+            Err(e) => last = err(format!("ConnectionError: {e}")),
+        }
+    }
+    let mut conn = connected.ok_or(last)?;
     conn.set_read_timeout(Some(CLIENT_TIMEOUT))
         .map_err(|e| err(e.to_string()))?;
     write!(
