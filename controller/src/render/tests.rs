@@ -755,6 +755,15 @@ fn an_older_keda_polls_one_replica_for_the_total() {
         demand_trigger(&render(&push, &rt, &old, true).unwrap()),
         demand_trigger(&render(&push, &rt, &current, true).unwrap())
     );
+    // A service's own two gateway replicas in poll mode: peers when KEDA asks one of them.
+    let mut two = svc.clone();
+    two.spec.endpoint.replicas = Some(2);
+    let peers = |cfg: &RenderConfig| {
+        container_args(render(&two, &rt, cfg, true).unwrap().gateway.as_ref().unwrap())
+            .iter()
+            .any(|a| a.starts_with("--peer-service"))
+    };
+    assert!(peers(&old) && !peers(&current));
 }
 
 #[test]
