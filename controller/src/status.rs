@@ -204,6 +204,12 @@ pub struct BackendState {
     /// coming up is no longer the answer (a corrected runtime is not answered with the old
     /// failure). A change of it triggers a reconcile (the Deployment watch's filter).
     pub template_pending: bool,
+    /// The ReplicaSet of the current template, as the Deployment controller names it in the
+    /// `Progressing` condition (`ReplicaSet "N-<hash>" is progressing.`, `... has successfully
+    /// progressed.`, `Created new replica set "..."`, ...); `None` when it names none (paused).
+    /// Only its pods are diagnosed: the pod cache may still hold an older template's pod
+    /// after the Deployment's status already counts the new one.
+    pub current_replica_set: Option<String>,
 }
 
 /// Why a backend cannot come up: one of [`hearth_crds::ACTIVATION_FAILED_REASONS`], which
@@ -497,6 +503,7 @@ impl BackendState {
             failing: None,
             waiting_for_devices: None,
             template_pending: unobserved || (pods > 0 && updated == 0 && !paused),
+            current_replica_set: current_replica_set(d),
         }
     }
 
@@ -512,9 +519,18 @@ impl BackendState {
         pulls: &std::collections::HashMap<String, String>,
     ) -> Self {
         let pods: Vec<&Pod> = pods.into_iter().collect();
+        let current = |p: &Pod| {
+            self.current_replica_set.as_deref().is_none_or(|rs| {
+                p.metadata
+                    .owner_references
+                    .iter()
+                    .flatten()
+                    .any(|o| o.kind == "ReplicaSet" && o.name == rs)
+            })
+        };
         let newest = pods
             .iter()
-            .filter(|p| p.metadata.deletion_timestamp.is_none())
+            .filter(|p| p.metadata.deletion_timestamp.is_none() && current(p))
             .max_by(|a, b| {
                 a.metadata
                     .creation_timestamp
@@ -540,6 +556,35 @@ impl BackendState {
         }
         self.stuck.as_ref().or(self.failing.as_ref())
     }
+}
+
+/// The ReplicaSet the Deployment controller names in `d`'s `Progressing` condition: the one of
+/// its current template (the controller's `Created new replica set %q`, `Found new replica set
+/// %q`, `ReplicaSet %q is progressing.`, `ReplicaSet %q has successfully progressed.`,
+/// `ReplicaSet %q has timed out progressing.`).
+fn current_replica_set(d: &Deployment) -> Option<String> {
+    let c = d
+        .status
+        .as_ref()?
+        .conditions
+        .as_ref()?
+        .iter()
+        .find(|c| c.type_ == "Progressing")?;
+    let reason = c.reason.as_deref()?;
+    if !matches!(
+        reason,
+        "NewReplicaSetCreated"
+            | "FoundNewReplicaSet"
+            | "ReplicaSetUpdated"
+            | "NewReplicaSetAvailable"
+            | "ProgressDeadlineExceeded"
+    ) {
+        return None;
+    }
+    let message = c.message.as_deref()?;
+    let (_, rest) = message.split_once('"')?;
+    let (name, _) = rest.split_once('"')?;
+    (!name.is_empty()).then(|| name.to_owned())
 }
 
 /// Ready replicas of the gateway Deployment.
@@ -1312,6 +1357,30 @@ mod tests {
         let mut paused = deployment(4, 4, 0);
         paused.spec.as_mut().unwrap().paused = Some(true);
         assert_eq!(diagnosed(&paused), Some("OOMKilled"));
+        // The Deployment counts a pod of the new ReplicaSet that the pod cache has not seen
+        // yet, while it still holds the old one: only the named ReplicaSet's pods count.
+        let mut crashing = crashing.clone();
+        crashing.metadata.owner_references = Some(vec![serde_json::from_value(serde_json::json!({
+            "apiVersion": "apps/v1", "kind": "ReplicaSet", "name": "m-old", "uid": "u"
+        }))
+        .unwrap()]);
+        let mut rolled = deployment(5, 5, 1);
+        rolled.status.as_mut().unwrap().conditions = Some(vec![serde_json::from_value(serde_json::json!({
+            "type": "Progressing", "status": "True", "reason": "ReplicaSetUpdated",
+            "message": "ReplicaSet \"m-new\" is progressing."
+        }))
+        .unwrap()]);
+        let with = |d: &Deployment, p: &Pod| {
+            BackendState::of(Some(d))
+                .with_pods([p], &Default::default())
+                .failing
+                .map(|f| f.reason)
+        };
+        assert_eq!(BackendState::of(Some(&rolled)).current_replica_set.as_deref(), Some("m-new"));
+        assert_eq!(with(&rolled, &crashing), None);
+        let mut current = crashing.clone();
+        current.metadata.owner_references.as_mut().unwrap()[0].name = "m-new".to_owned();
+        assert_eq!(with(&rolled, &current), Some("OOMKilled"));
     }
 
     #[test]

@@ -1132,6 +1132,7 @@ pub async fn run(
                     b.stuck,
                     // Its pods' failures count again once it is over: a reconcile then.
                     b.template_pending,
+                    b.current_replica_set,
                     d.status.as_ref().and_then(|s| s.available_replicas),
                 ),
             )
