@@ -1360,23 +1360,32 @@ mod tests {
         // The Deployment counts a pod of the new ReplicaSet that the pod cache has not seen
         // yet, while it still holds the old one: only the named ReplicaSet's pods count.
         let mut crashing = crashing.clone();
-        crashing.metadata.owner_references = Some(vec![serde_json::from_value(serde_json::json!({
-            "apiVersion": "apps/v1", "kind": "ReplicaSet", "name": "m-old", "uid": "u"
-        }))
-        .unwrap()]);
+        crashing.metadata.owner_references = Some(vec![
+            serde_json::from_value(serde_json::json!({
+                "apiVersion": "apps/v1", "kind": "ReplicaSet", "name": "m-old", "uid": "u"
+            }))
+            .unwrap(),
+        ]);
         let mut rolled = deployment(5, 5, 1);
-        rolled.status.as_mut().unwrap().conditions = Some(vec![serde_json::from_value(serde_json::json!({
-            "type": "Progressing", "status": "True", "reason": "ReplicaSetUpdated",
-            "message": "ReplicaSet \"m-new\" is progressing."
-        }))
-        .unwrap()]);
+        rolled.status.as_mut().unwrap().conditions = Some(vec![
+            serde_json::from_value(serde_json::json!({
+                "type": "Progressing", "status": "True", "reason": "ReplicaSetUpdated",
+                "message": "ReplicaSet \"m-new\" is progressing."
+            }))
+            .unwrap(),
+        ]);
         let with = |d: &Deployment, p: &Pod| {
             BackendState::of(Some(d))
                 .with_pods([p], &Default::default())
                 .failing
                 .map(|f| f.reason)
         };
-        assert_eq!(BackendState::of(Some(&rolled)).current_replica_set.as_deref(), Some("m-new"));
+        assert_eq!(
+            BackendState::of(Some(&rolled))
+                .current_replica_set
+                .as_deref(),
+            Some("m-new")
+        );
         assert_eq!(with(&rolled, &crashing), None);
         let mut current = crashing.clone();
         current.metadata.owner_references.as_mut().unwrap()[0].name = "m-new".to_owned();

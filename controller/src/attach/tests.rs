@@ -716,5 +716,8 @@ fn aliases_never_take_a_name_and_a_taken_one_is_left_out() {
         "{chat}"
     );
     let sql = &a.verdict("team-d", "sql").unwrap().message;
-    assert!(sql.contains("\"org/chat\" (served by LLMService team-a/chat)"), "{sql}");
+    assert!(
+        sql.contains("\"org/chat\" (served by LLMService team-a/chat)"),
+        "{sql}"
+    );
 }

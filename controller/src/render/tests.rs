@@ -759,9 +759,15 @@ fn an_older_keda_polls_one_replica_for_the_total() {
     let mut two = svc.clone();
     two.spec.endpoint.replicas = Some(2);
     let peers = |cfg: &RenderConfig| {
-        container_args(render(&two, &rt, cfg, true).unwrap().gateway.as_ref().unwrap())
-            .iter()
-            .any(|a| a.starts_with("--peer-service"))
+        container_args(
+            render(&two, &rt, cfg, true)
+                .unwrap()
+                .gateway
+                .as_ref()
+                .unwrap(),
+        )
+        .iter()
+        .any(|a| a.starts_with("--peer-service"))
     };
     assert!(peers(&old) && !peers(&current));
 }

@@ -395,7 +395,10 @@ fn schema_rejects_bad_values_naming_the_field() -> Result<()> {
         ("webhook.resources.limit.memory=1Gi", "limit"),
         ("rbac.platformAdmins[0].kind=Robot", "kind"),
         ("modelSources.env.HF_HOME=/x", "HF_HOME"),
-        ("modelSources.env.HF_HUB_DOWNLOAD_TIMEOUT=1000000", "HF_HUB_DOWNLOAD_TIMEOUT"),
+        (
+            "modelSources.env.HF_HUB_DOWNLOAD_TIMEOUT=1000000",
+            "HF_HUB_DOWNLOAD_TIMEOUT",
+        ),
         ("modelSources.caBundle.configMap=Corp_CA", "configMap"),
         (
             "metricsReader.subjects[0].kind=ServiceAccount,metricsReader.subjects[0].name=prom",

@@ -68,6 +68,7 @@ fn attachment() -> Attachment {
             kind: None,
         }],
         deployment_verdicts: BTreeMap::new(),
+        aliases: BTreeMap::new(),
     }
 }
 
