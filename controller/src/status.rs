@@ -441,13 +441,7 @@ pub fn pull_failed(pod: &Pod, message: &str) -> Option<Failure> {
 /// ReplicaSet's pods (a namespace's Pod Security level, a ResourceQuota, a LimitRange or an
 /// admission webhook), with the refusal's message; `what` names the pods ("the backend's").
 fn replica_failure(d: &Deployment, what: &str) -> Option<Failure> {
-    let c = d
-        .status
-        .as_ref()?
-        .conditions
-        .as_ref()?
-        .iter()
-        .find(|c| c.type_ == "ReplicaFailure" && c.status == "True")?;
+    let c = deployment_condition(d, "ReplicaFailure").filter(|c| c.status == "True")?;
     let said = first_chars(c.message.as_deref().unwrap_or_default());
     Some(Failure {
         reason: "FailedCreate",
@@ -563,13 +557,7 @@ impl BackendState {
 /// %q`, `ReplicaSet %q is progressing.`, `ReplicaSet %q has successfully progressed.`,
 /// `ReplicaSet %q has timed out progressing.`).
 fn current_replica_set(d: &Deployment) -> Option<String> {
-    let c = d
-        .status
-        .as_ref()?
-        .conditions
-        .as_ref()?
-        .iter()
-        .find(|c| c.type_ == "Progressing")?;
+    let c = deployment_condition(d, "Progressing")?;
     let reason = c.reason.as_deref()?;
     if !matches!(
         reason,
@@ -585,6 +573,19 @@ fn current_replica_set(d: &Deployment) -> Option<String> {
     let (_, rest) = message.split_once('"')?;
     let (name, _) = rest.split_once('"')?;
     (!name.is_empty()).then(|| name.to_owned())
+}
+
+/// The condition `type_` of Deployment `d`'s status.
+fn deployment_condition<'a>(
+    d: &'a Deployment,
+    type_: &str,
+) -> Option<&'a k8s_openapi::api::apps::v1::DeploymentCondition> {
+    d.status
+        .as_ref()?
+        .conditions
+        .as_ref()?
+        .iter()
+        .find(|c| c.type_ == type_)
 }
 
 /// Ready replicas of the gateway Deployment.

@@ -53,13 +53,10 @@ fn examples() -> Result<Vec<Value>> {
     let mut docs = Vec::new();
     for f in files {
         let text = std::fs::read_to_string(&f)?;
-        for de in serde_yaml::Deserializer::from_str(&text) {
-            let v: Value = serde::Deserialize::deserialize(de)
-                .with_context(|| format!("parsing {}", f.display()))?;
-            if !v.is_null() {
-                docs.push(v);
-            }
-        }
+        docs.extend(
+            hearth_e2e_harness::stack::parse_manifests(&text)
+                .map_err(|e| anyhow::anyhow!("parsing {}: {e}", f.display()))?,
+        );
     }
     Ok(docs)
 }
