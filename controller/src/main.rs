@@ -453,7 +453,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
 
     let listener = hearth_net::listen(args.metrics_addr, hearth_net::ListenOptions::default())
         .context("--metrics-addr")?;
-    let serving = metrics_serving(&args, &client, keys.scaler_ca.as_ref()).await?;
+    let serving = metrics_serving(&args, &client, keys.scaler_ca.as_ref())?;
     tracing::info!(
         addr = %listener.local_addr()?,
         secure = args.metrics_secure,
@@ -612,7 +612,7 @@ fn secret_ref(v: &str, default_ns: &str) -> anyhow::Result<Option<(String, Strin
 }
 
 /// How /metrics is served (see `--metrics-secure`).
-async fn metrics_serving(
+fn metrics_serving(
     args: &RunArgs,
     client: &Client,
     ca: Option<&hearth_net::pki::Issued>,

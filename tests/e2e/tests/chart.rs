@@ -19,10 +19,11 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail, ensure};
+use hearth_test_support::process::{run, run_stdin};
 use hearth_test_support::{Cluster, Observed, TestNamespace, state_dir, wait_until};
 use hearth_webhook::registration::Registration;
 use k8s_openapi::api::admissionregistration::v1::{
@@ -50,46 +51,6 @@ fn helm() -> Result<Command> {
         bin.display()
     );
     Ok(Command::new(bin))
-}
-
-/// Runs a command, failing with its stderr unless it exits 0.
-fn run(cmd: &mut Command, what: &str) -> Result<Output> {
-    let out = cmd.output().with_context(|| format!("running {what}"))?;
-    if !out.status.success() {
-        bail!(
-            "{what} failed ({}):\n{}{}",
-            out.status,
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-    Ok(out)
-}
-
-/// Runs a command with `input` on stdin.
-fn run_stdin(cmd: &mut Command, input: &[u8], what: &str) -> Result<Output> {
-    let mut child = cmd
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .with_context(|| format!("starting {what}"))?;
-    child
-        .stdin
-        .take()
-        .context("stdin")?
-        .write_all(input)
-        .with_context(|| format!("writing stdin of {what}"))?;
-    let out = child.wait_with_output()?;
-    if !out.status.success() {
-        bail!(
-            "{what} failed ({}):\n{}{}",
-            out.status,
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-    Ok(out)
 }
 
 /// `helm template <release> charts/hearth -n <namespace> -f <values>`: the manifest text.

@@ -13,14 +13,14 @@
 //!   own.
 
 use std::collections::BTreeMap;
-use std::io::Write as _;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::Command;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail, ensure};
 use hearth_crds::llmservice::{ColdStartSpec, ScalingSpec};
 use hearth_crds::{InferenceRuntime, LLMEndpoint, LLMService};
+use hearth_test_support::process::{run, run_stdin};
 use hearth_test_support::{Cluster, TestNamespace, upstream_examples};
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
@@ -305,35 +305,6 @@ fn gateway_api_module(version: &str) -> Result<PathBuf> {
     Ok(dir)
 }
 
-/// Runs a command, failing with its output unless it exits 0.
-fn run(cmd: &mut Command, input: Option<&[u8]>, what: &str) -> Result<Output> {
-    let mut child = cmd
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .with_context(|| format!("starting {what}"))?;
-    if let Some(input) = input {
-        child
-            .stdin
-            .take()
-            .context("stdin")?
-            .write_all(input)
-            .with_context(|| format!("writing stdin of {what}"))?;
-    }
-    drop(child.stdin.take());
-    let out = child.wait_with_output()?;
-    if !out.status.success() {
-        bail!(
-            "{what} failed ({}):\n{}{}",
-            out.status,
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-    Ok(out)
-}
-
 /// Installs the Gateway API standard CRDs of [`GATEWAY_API_VERSION`] unless the cluster has
 /// them (then those are kept, whatever their version), and waits until they are established.
 async fn install_gateway_api(cluster: &Cluster) -> Result<()> {
@@ -386,7 +357,6 @@ async fn install_gateway_api(cluster: &Cluster) -> Result<()> {
                         "-f",
                     ])
                     .arg(&f),
-                None,
                 &format!("kubectl apply of {}", f.display()),
             )?;
         }
@@ -447,7 +417,7 @@ async fn exposure_examples_pass_server_dry_run() -> Result<()> {
     // value such as `off` is a bool.
     let stream =
         serde_json::to_string(&json!({"apiVersion": "v1", "kind": "List", "items": docs}))?;
-    let out = run(
+    let out = run_stdin(
         cluster.kubectl()?.args([
             "apply",
             "--server-side",
@@ -458,7 +428,7 @@ async fn exposure_examples_pass_server_dry_run() -> Result<()> {
             "-f",
             "-",
         ]),
-        Some(stream.as_bytes()),
+        stream.as_bytes(),
         "kubectl apply --dry-run=server of examples/exposure",
     )?;
     let stderr = String::from_utf8_lossy(&out.stderr);

@@ -16,6 +16,7 @@
 mod images;
 mod metric_server;
 mod node;
+pub mod process;
 mod upstream;
 mod wait;
 

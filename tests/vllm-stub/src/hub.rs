@@ -356,18 +356,19 @@ pub enum Hub {
 }
 
 /// The files and revision of `repo` on `hub`, checking the revision asked for (`None`, `main`
-/// or the commit hash itself).
+/// or the commit hash itself). `offline` (`HF_HUB_OFFLINE`): no endpoint is contacted.
 fn resolve_on(
     hub: &Hub,
+    offline: bool,
     repo: &str,
     revision_wanted: Option<&str>,
 ) -> Result<(Vec<RepoFile>, String), HubError> {
     match hub {
-        Hub::BuiltIn => resolve(repo, revision_wanted),
-        Hub::Endpoint(endpoint) => {
+        Hub::Endpoint(endpoint) if !offline => {
             check_repo(repo)?;
             crate::mirror::fetch(endpoint, repo, revision_wanted)
         }
+        _ => resolve(repo, revision_wanted),
     }
 }
 
@@ -447,8 +448,7 @@ pub fn download_hf_via(
     revision_wanted: Option<&str>,
     offline: bool,
 ) -> Result<Download, HubError> {
-    let hub = if offline { &Hub::BuiltIn } else { hub };
-    let (files, rev) = resolve_on(hub, repo, revision_wanted)?;
+    let (files, rev) = resolve_on(hub, offline, repo, revision_wanted)?;
     let repo_dir = model::hf_repo_dir(cache, repo);
     let snapshot = repo_dir.join("snapshots").join(&rev);
     let mut d = Download::new(snapshot.clone(), rev.clone());
@@ -565,8 +565,7 @@ pub fn download_hf_local_dir_via(
     revision_wanted: Option<&str>,
     offline: bool,
 ) -> Result<Download, HubError> {
-    let hub = if offline { &Hub::BuiltIn } else { hub };
-    let (files, rev) = resolve_on(hub, repo, revision_wanted)?;
+    let (files, rev) = resolve_on(hub, offline, repo, revision_wanted)?;
     if offline {
         let non_empty = std::fs::read_dir(local_dir).is_ok_and(|mut d| d.next().is_some());
         if !non_empty {
