@@ -146,6 +146,14 @@ fn test_render_config() -> RenderConfig {
 
 /// Connects ([`connect`]), installs the CRDs and makes the test's namespace `<prefix>-<suffix>`.
 async fn setup(prefix: &str) -> Result<(Client, TestNamespace)> {
+    // The in-process controllers' warnings (RUST_LOG to change) go to the test's output, which
+    // a failing test prints.
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
+        )
+        .with_test_writer()
+        .try_init();
     let cluster = connect().await?;
     let client = cluster.client();
     install_crds(&client).await?;

@@ -238,6 +238,30 @@ impl KedaState {
         let store = guard.as_ref()?;
         store.get(&ObjectRef::new_with(name, self.api.clone()).within(namespace))
     }
+
+    /// The ScaledObject `namespace/name` read from the apiserver, for when the cache does not
+    /// hold it: just created, or the cache's watch is still starting on a CRD that has just
+    /// appeared (a list or watch refused while the apiserver readies its storage is retried
+    /// with backoff). `None` when it does not exist.
+    ///
+    /// # Errors
+    /// [`Error::Kube`] when the read fails.
+    async fn read(
+        &self,
+        client: &kube::Client,
+        namespace: &str,
+        name: &str,
+    ) -> Result<Option<Arc<DynamicObject>>, Error> {
+        let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), namespace, &self.api);
+        let found = api
+            .get_opt(name)
+            .await
+            .map_err(kube_err(format!("get ScaledObject {namespace}/{name}")))?;
+        Ok(found.map(|mut o| {
+            o.metadata.managed_fields = None;
+            Arc::new(o)
+        }))
+    }
 }
 
 /// Settings of a controller run.
@@ -725,6 +749,9 @@ where
 
 /// How soon a reconcile that found the caches still listing runs again.
 pub(crate) const CACHE_SYNC_RETRY: Duration = Duration::from_millis(500);
+/// Requeue delay while the ScaledObject cache does not hold a service's ScaledObject (it was
+/// read from the apiserver instead).
+const KEDA_CACHE_RECHECK: Duration = Duration::from_secs(5);
 
 /// Reconciles one `LLMService`.
 pub async fn reconcile(svc: Arc<LLMService>, ctx: Arc<Context>) -> Result<Action, Error> {
@@ -825,7 +852,20 @@ async fn reconcile_inner(svc: &LLMService, ctx: &Context) -> Result<Action, Erro
     let namespace = svc.namespace().unwrap_or_default();
     let membership = ctx.membership(svc);
     let placement = Membership::placement(membership.as_ref());
-    let view = ctx.view(&namespace, &svc.name_any(), &placement);
+    let mut view = ctx.view(&namespace, &svc.name_any(), &placement);
+    let keda_cache_behind = view.keda_installed && view.scaled_object.is_none();
+    if keda_cache_behind {
+        // Not in the cache (yet): what the apiserver holds decides whether to create it and
+        // what AutoscalingReady says, so neither waits on the cache's watch.
+        view.scaled_object = ctx
+            .keda
+            .read(
+                &ctx.client,
+                &namespace,
+                &names::scaled_object(&svc.name_any()),
+            )
+            .await?;
+    }
     let runtimes = ctx.runtimes.state();
     let adapters = ctx.accepted_adapters(svc);
     let desired = {
@@ -901,9 +941,18 @@ async fn reconcile_inner(svc: &LLMService, ctx: &Context) -> Result<Action, Erro
             .await;
         }
     }
-    Ok(Action::requeue(
-        handover.requeue.map_or(ctx.requeue, |r| r.min(ctx.requeue)),
-    ))
+    // KEDA's report on the ScaledObject comes by the cache's watch; while the cache does not
+    // hold it, looked at again soon, so AutoscalingReady does not wait for the resync.
+    let requeue = [
+        Some(ctx.requeue),
+        handover.requeue,
+        keda_cache_behind.then_some(KEDA_CACHE_RECHECK),
+    ]
+    .into_iter()
+    .flatten()
+    .min()
+    .unwrap_or(ctx.requeue);
+    Ok(Action::requeue(requeue))
 }
 
 /// The timeline of a backend pod of `svc` whose readiness is an activation not recorded yet

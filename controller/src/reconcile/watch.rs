@@ -340,7 +340,14 @@ pub(super) async fn watch_keda(
                 };
                 let mut churn = Churn::new(Some(what_we_read));
                 while let Some(event) = stream.next().await {
-                    let Some(obj) = event.ok().and_then(|e| churn.pass(e)) else {
+                    let event = match event {
+                        Ok(e) => e,
+                        Err(e) => {
+                            tracing::warn!(error = %e, "watching ScaledObjects (retried with backoff)");
+                            continue;
+                        }
+                    };
+                    let Some(obj) = churn.pass(event) else {
                         continue;
                     };
                     let owner = obj.labels().get(LLMSERVICE_LABEL).cloned();
