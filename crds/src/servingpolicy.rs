@@ -80,10 +80,25 @@ pub struct ServingPolicySpec {
     /// object (as MutatingAdmissionPolicy does); Never runs it once. Defaults to Never.
     #[serde(default)]
     pub reinvocation_policy: ReinvocationPolicy,
+
+    /// mutationActions says what the policy's mutations do, the way validationActions does for
+    /// its validations: Patch changes the object; Warn returns the paths they change (or would
+    /// change) as an admission warning; Audit records their JSON Patch in an audit annotation
+    /// (`<webhook>/mutation_report` in the apiserver's audit log). Without Patch the mutations
+    /// are report-only: evaluated and reported, nothing is patched (the rendered backends
+    /// included), and an evaluation error enforces nothing. Defaults to [Patch].
+    #[serde(default = "default_mutation_actions")]
+    #[schemars(length(min = 1, max = 3))]
+    #[schemars(extend("x-kubernetes-list-type" = "set"))]
+    pub mutation_actions: Vec<MutationAction>,
 }
 
 fn default_validation_actions() -> Vec<ValidationAction> {
     vec![ValidationAction::Deny]
+}
+
+fn default_mutation_actions() -> Vec<MutationAction> {
+    vec![MutationAction::Patch]
 }
 
 /// What happens when a policy fails to evaluate.
@@ -114,6 +129,17 @@ pub enum ValidationAction {
     /// Return the message as an admission warning.
     Warn,
     /// Record the failure in the audit annotations.
+    Audit,
+}
+
+/// What a policy's mutations do (`spec.mutationActions`).
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash, JsonSchema)]
+pub enum MutationAction {
+    /// Apply the mutations to the object.
+    Patch,
+    /// Return the paths the mutations change as an admission warning.
+    Warn,
+    /// Record the mutations' JSON Patch in the audit annotations.
     Audit,
 }
 

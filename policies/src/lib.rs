@@ -37,7 +37,8 @@ pub mod value;
 pub use compile::{CompiledExpr, ExprError};
 pub use engine::{
     Denial, ErrorKind, EvalError, EvalInput, GroupVersionKind, GroupVersionResource, MutateError,
-    Mutated, Outcome, PolicyLoadError, PolicySet, PolicySettings, RequestInfo, UserInfo,
+    MUTATION_REPORT, MutationReport, Mutated, Outcome, PolicyLoadError, PolicySet, PolicySettings,
+    RequestInfo, UserInfo, VALIDATION_FAILURE,
 };
 pub use limits::Limits;
 pub use resolve::{ResolveError, Selection, resolve_runtime};

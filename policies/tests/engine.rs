@@ -248,6 +248,106 @@ fn mutations_see_previous_mutations_and_reinvocation() {
     assert_eq!(obj["metadata"]["annotations"]["first-saw-second"], "yes");
 }
 
+/// A mutation adding one annotation, with `spec.mutationActions` `actions`.
+fn annotating(name: &str, actions: serde_json::Value) -> hearth_crds::ServingPolicy {
+    policy(
+        name,
+        json!({
+            "mutationActions": actions,
+            "mutations": [{"patchType": "ApplyConfiguration", "applyConfiguration": {"expression":
+                "Object{metadata: Object.metadata{annotations: {'example.com/reviewed': 'true'}}}"}}]
+        }),
+    )
+}
+
+#[test]
+fn report_only_mutations_are_reported_not_applied() {
+    let s = set(vec![annotating("defaults", json!(["Warn", "Audit"]))]);
+    let out = eval(&s, deployment());
+    assert!(out.allowed());
+    assert!(out.patch.0.is_empty(), "{:?}", out.patch);
+    assert_eq!(out.patched_object, Some(deployment()));
+    assert_eq!(
+        out.warnings,
+        ["ServingPolicy 'defaults' would change the object (report-only, not applied): add /metadata/annotations/example.com~1reviewed"]
+    );
+    let report: serde_json::Value =
+        serde_json::from_str(&out.audit_annotations[hearth_policies::MUTATION_REPORT]).unwrap();
+    assert_eq!(
+        report,
+        json!([{"policy": "defaults", "applied": false, "patch": [
+            {"op": "add", "path": "/metadata/annotations/example.com~1reviewed", "value": "true"}
+        ]}])
+    );
+    assert_eq!(out.mutation_reports.len(), 1);
+    // The render path applies nothing either, and hands the report on.
+    let mutated = s
+        .mutate(&EvalInput::for_object(deployment(), Operation::Create))
+        .unwrap();
+    assert_eq!(mutated.object, deployment());
+    assert!(mutated.patch.0.is_empty());
+    assert_eq!(mutated.reports.len(), 1);
+    assert!(!mutated.reports[0].applied);
+}
+
+#[test]
+fn applied_mutations_can_be_reported_too() {
+    let s = set(vec![annotating("defaults", json!(["Patch", "Warn", "Audit"]))]);
+    let out = eval(&s, deployment());
+    assert_eq!(
+        out.patched_object.unwrap()["metadata"]["annotations"]["example.com/reviewed"],
+        "true"
+    );
+    assert!(!out.patch.0.is_empty());
+    assert_eq!(
+        out.warnings,
+        ["ServingPolicy 'defaults' changed the object: add /metadata/annotations/example.com~1reviewed"]
+    );
+    assert!(out.mutation_reports[0].applied);
+    assert!(out.audit_annotations[hearth_policies::MUTATION_REPORT].contains("\"applied\":true"));
+    // Patch alone reports nothing; a mutation that changes nothing is not reported.
+    let quiet = set(vec![annotating("defaults", json!(["Patch"]))]);
+    let out = eval(&quiet, deployment());
+    assert!(out.warnings.is_empty() && out.mutation_reports.is_empty());
+    assert!(!out.audit_annotations.contains_key(hearth_policies::MUTATION_REPORT));
+    let done = eval(&s, eval(&quiet, deployment()).patched_object.unwrap());
+    assert!(done.mutation_reports.is_empty() && done.warnings.is_empty());
+}
+
+#[test]
+fn report_only_enforces_no_failure_and_triggers_no_reinvocation() {
+    let s = set(vec![
+        policy(
+            "first",
+            json!({
+                "reinvocationPolicy": "IfNeeded",
+                "mutations": [{"patchType": "ApplyConfiguration", "applyConfiguration": {"expression":
+                    "has(object.metadata.annotations) && 'example.com/reviewed' in object.metadata.annotations ? Object{metadata: Object.metadata{annotations: {'first-saw-it': 'yes'}}} : Object{}"}}]
+            }),
+        ),
+        annotating("later", json!(["Audit"])),
+        policy(
+            "broken",
+            json!({
+                "failurePolicy": "Fail",
+                "mutationActions": ["Audit"],
+                "mutations": [{"patchType": "JSONPatch", "jsonPatch": {"expression":
+                    "[JSONPatch{op: 'add', path: '/spec/nope/deeper', value: 1}]"}}]
+            }),
+        ),
+    ]);
+    let out = eval(&s, deployment());
+    // The report-only policy's error is recorded as ignored: nothing is enforced.
+    assert!(out.allowed(), "{:?}", out.errors);
+    assert_eq!(out.errors.len(), 1);
+    assert_eq!(out.errors[0].policy, "broken");
+    assert_eq!(out.errors[0].failure_policy, FailurePolicy::Ignore);
+    // `later` changed nothing, so `first` saw nothing to react to.
+    assert_eq!(out.patched_object, Some(deployment()));
+    assert_eq!(out.mutation_reports.len(), 1);
+    assert_eq!(out.mutation_reports[0].policy, "later");
+}
+
 #[test]
 fn mutation_may_not_change_identity() {
     let s = set(vec![policy(

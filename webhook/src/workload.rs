@@ -8,7 +8,9 @@
 //!   user hears about it at once.
 //! - `/validate` re-runs the validations on the object as it will be stored (after every
 //!   mutating webhook) and returns warnings (`Warn`) and audit annotations (`Audit`,
-//!   `auditAnnotations`).
+//!   `auditAnnotations`), under keys the apiserver records ([`audit_key`]), and the reports
+//!   of report-only mutations (`spec.mutationActions` without `Patch`).
+//! - `/mutate` also returns the reports (`Warn`, `Audit`) of the mutations it applied.
 //!
 //! A Deployment that joins an `LLMEndpoint` (`serving.hearth.dev/endpoint`) also goes through
 //! `hearth_crds::rules::check_deployment` and `check_member_serving`, the rules the controller
@@ -22,9 +24,10 @@ use hearth_crds::rules::{self, Severity};
 use hearth_crds::servingpolicy::{Operation as PolicyOperation, StatusReason};
 use hearth_crds::wellknown::{ENDPOINT_ANNOTATION, RUNTIME_ANNOTATION, VENDOR_ANNOTATION};
 use hearth_crds::{InferenceRuntime, ServingPolicy};
+use hearth_crds::servingpolicy::MutationAction;
 use hearth_policies::{
-    EvalInput, GroupVersionKind, GroupVersionResource, PolicySet, PolicySettings, RequestInfo,
-    Selection, UserInfo, resolve_runtime,
+    EvalInput, GroupVersionKind, GroupVersionResource, MUTATION_REPORT, MutationReport, PolicySet,
+    PolicySettings, RequestInfo, Selection, UserInfo, VALIDATION_FAILURE, resolve_runtime,
 };
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::Namespace;
@@ -262,6 +265,19 @@ pub(crate) fn review(
     }
     match endpoint {
         Endpoint::Mutate => {
+            // What the mutations applied here changed (`Warn`, `Audit`); report-only ones
+            // change nothing, so `/validate`, which sees the same object, reports them.
+            let applied: Vec<&MutationReport> =
+                out.mutation_reports.iter().filter(|r| r.applied).collect();
+            let warnings = applied
+                .iter()
+                .filter(|r| r.has(MutationAction::Warn))
+                .map(|r| r.warning())
+                .collect();
+            let mut base = with_warnings(base, warnings);
+            if let Some(v) = MutationReport::audit_annotation(applied.iter().copied()) {
+                base.audit_annotations.insert(audit_key(MUTATION_REPORT), v);
+            }
             if out.patch.0.is_empty() {
                 return (base, Outcome::Allowed);
             }
@@ -283,10 +299,49 @@ pub(crate) fn review(
             }
             warnings.extend(member.warnings.iter().map(ToString::to_string));
             let mut resp = with_warnings(base, warnings);
-            resp.audit_annotations.extend(out.audit_annotations);
+            resp.audit_annotations.extend(
+                out.audit_annotations
+                    .into_iter()
+                    .map(|(k, v)| (audit_key(&k), v)),
+            );
             (resp, Outcome::Allowed)
         }
     }
+}
+
+/// The key under which the webhook returns the engine's audit annotation `key`. The apiserver
+/// records a webhook's audit annotation as `<webhook name>/<key>` and drops one whose key holds
+/// a `/` or is not a qualified name's name part (at most 63 characters of `[A-Za-z0-9_.-]`,
+/// alphanumeric at both ends): `validation.policy.admission.k8s.io/validation_failure` becomes
+/// `validation_failure`, [`MUTATION_REPORT`] `mutation_report`, and a policy's
+/// `<policy>/<key>` `<policy>.<key>` (over 63 characters: the policy's first characters and an
+/// 8-hex-digit FNV-1a hash of its whole name, then the key).
+pub fn audit_key(key: &str) -> String {
+    const NAME_MAX: usize = 63;
+    if key == VALIDATION_FAILURE {
+        return "validation_failure".to_owned();
+    }
+    if key == MUTATION_REPORT {
+        return "mutation_report".to_owned();
+    }
+    let Some((policy, name)) = key.split_once('/') else {
+        return key.to_owned();
+    };
+    let joined = format!("{policy}.{name}");
+    if joined.len() <= NAME_MAX {
+        return joined;
+    }
+    // A policy name is a DNS subdomain (ASCII) and an auditAnnotations key at most 63
+    // characters of [A-Za-z0-9_.-]: the cut is at a character boundary.
+    let hash = policy
+        .bytes()
+        .fold(0x811c_9dc5_u32, |h, b| (h ^ u32::from(b)).wrapping_mul(0x0100_0193));
+    let room = NAME_MAX.saturating_sub(name.len() + 10);
+    let head: String = policy.chars().take(room).collect();
+    let head = head.trim_end_matches(['.', '-']);
+    let mut out = format!("{head}-{hash:08x}.{name}");
+    out.truncate(NAME_MAX);
+    out
 }
 
 /// The findings of `hearth_crds::rules` about a workload joining an `LLMEndpoint` with the
@@ -390,7 +445,32 @@ pub fn device_access_warnings(object: &serde_json::Value) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use rstest::rstest;
     use serde_json::json;
+
+    /// The name part of a qualified name (k8s.io/apimachinery `IsQualifiedName`).
+    fn is_name_part(s: &str) -> bool {
+        !s.is_empty()
+            && s.len() <= 63
+            && s.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
+            && s.as_bytes()[0].is_ascii_alphanumeric()
+            && s.as_bytes()[s.len() - 1].is_ascii_alphanumeric()
+    }
+
+    #[rstest]
+    #[case::validation_failure(VALIDATION_FAILURE, "validation_failure")]
+    #[case::mutation_report(MUTATION_REPORT, "mutation_report")]
+    #[case::policy_key("internal-registry/images", "internal-registry.images")]
+    #[case::own_key("skipped", "skipped")]
+    #[case::long_policy(
+        "platform.example.com.a-very-long-policy-name-that-goes-on-and-on/images",
+        "platform.example.com.a-very-long-policy-name-th-8bca855c.images"
+    )]
+    fn audit_keys_are_what_the_apiserver_records(#[case] key: &str, #[case] want: &str) {
+        let got = audit_key(key);
+        assert_eq!(got, want);
+        assert!(is_name_part(&got), "{got}");
+    }
 
     #[test]
     fn dev_paths_are_recognised_after_normalising() {

@@ -453,16 +453,14 @@ async fn wait_ready_false(
     .await
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn annotated_deployment_is_mutated_and_policy_changes_take_effect() -> Result<()> {
-    let (ns, hook) = setup("webhook-mutate", Duration::from_secs(3600)).await?;
-    let client = ns.client();
+/// Makes sure the upstream runtime `vllm-nvidia-a10` exists: it is shared cluster-wide
+/// (server-side apply, same content).
+async fn ensure_a10_runtime(client: &Client) -> Result<()> {
     let runtimes: Api<InferenceRuntime> = Api::all(client.clone());
-    // The runtime is shared cluster-wide; make sure it exists (server-side apply, same content).
     let a10 = upstream("InferenceRuntime")
         .into_iter()
         .find(|r| r["metadata"]["name"] == "vllm-nvidia-a10")
-        .unwrap();
+        .context("the upstream examples have no vllm-nvidia-a10")?;
     if runtimes.get_opt("vllm-nvidia-a10").await?.is_none() {
         let rt: InferenceRuntime = serde_json::from_value(a10)?;
         runtimes
@@ -473,6 +471,181 @@ async fn annotated_deployment_is_mutated_and_policy_changes_take_effect() -> Res
             )
             .await?;
     }
+    Ok(())
+}
+
+/// Creates `deployment` in `ns` (a server dry run when `dry_run`) as kubectl does, and returns
+/// what was stored with the admission warnings the response carried (kube's typed API drops
+/// them).
+async fn create_with_warnings(
+    client: &Client,
+    ns: &str,
+    deployment: &Deployment,
+    dry_run: bool,
+) -> Result<(Deployment, Vec<String>)> {
+    let query = if dry_run { "?dryRun=All" } else { "" };
+    let request = http::Request::post(format!("/apis/apps/v1/namespaces/{ns}/deployments{query}"))
+        .header(http::header::CONTENT_TYPE, "application/json")
+        .body(kube::client::Body::from(serde_json::to_vec(deployment)?))?;
+    let response = client.send(request).await?;
+    let status = response.status();
+    let warnings = response
+        .headers()
+        .get_all(http::header::WARNING)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .map(str::to_owned)
+        .collect();
+    let body = response.into_body().collect_bytes().await?;
+    ensure!(
+        status.is_success(),
+        "create {}: {status}: {}",
+        deployment.metadata.name.as_deref().unwrap_or_default(),
+        String::from_utf8_lossy(&body)
+    );
+    Ok((serde_json::from_slice(&body)?, warnings))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn report_only_policy_warns_the_client_and_reaches_the_audit_log() -> Result<()> {
+    let (ns, _hook) = setup("webhook-audit", Duration::from_secs(3600)).await?;
+    let cluster = Cluster::connect().await?;
+    let audit_log = cluster.audit_log();
+    ensure!(
+        audit_log.is_file(),
+        "no audit log at {}: restart the local cluster (tests/cluster/down, tests/cluster/up) so \
+         its apiserver writes one",
+        audit_log.display()
+    );
+    let client = ns.client();
+    ensure_a10_runtime(&client).await?;
+    let name = format!("{}-cost-center", ns.name());
+    let _guard = PolicyGuard {
+        client: client.clone(),
+        names: vec![name.clone()],
+    };
+    // Step 2 of a rollout (docs/policies.md): every result reported, nothing enforced.
+    let policy = scoped_policy(
+        &name,
+        ns.name(),
+        json!({
+            "validations": [{
+                "expression": "has(object.metadata.labels) && 'example.com/cost-center' in object.metadata.labels",
+                "message": "label example.com/cost-center is required"
+            }],
+            "validationActions": ["Warn", "Audit"],
+            "auditAnnotations": [{"key": "replicas", "valueExpression": "string(object.spec.replicas)"}],
+            "mutations": [{"patchType": "ApplyConfiguration", "applyConfiguration": {"expression":
+                "Object{metadata: Object.metadata{annotations: {'example.com/reviewed': 'true'}}}"}}],
+            "mutationActions": ["Warn", "Audit"]
+        }),
+    )?;
+    Api::<ServingPolicy>::all(client.clone())
+        .create(&PostParams::default(), &policy)
+        .await?;
+    let deployment = |n: &str| -> Result<Deployment> {
+        Ok(serde_json::from_value(json!({
+            "apiVersion": "apps/v1", "kind": "Deployment",
+            "metadata": {"name": n, "annotations": {"serving.hearth.dev/runtime": "vllm-nvidia-a10"}},
+            "spec": {"replicas": 0, "selector": {"matchLabels": {"app": n}},
+                     "template": {"metadata": {"labels": {"app": n}},
+                                  "spec": {"containers": [{"name": "vllm", "image": "vllm/vllm-openai:v0.25.1"}]}}}
+        }))?)
+    };
+    let would_change = format!(
+        "ServingPolicy '{name}' would change the object (report-only, not applied): add /metadata/annotations/example.com~1reviewed"
+    );
+    let validation = format!(
+        "Validation failed for ServingPolicy '{name}': label example.com/cost-center is required"
+    );
+    // The webhook picks the new policy up from its watch: dry runs until it reports.
+    let probe = deployment("probe")?;
+    wait_until("the policy's reports on a dry run", Duration::from_secs(30), || {
+        let (client, probe, want) = (client.clone(), probe.clone(), would_change.clone());
+        let ns = ns.name().to_owned();
+        async move {
+            let (_, warnings) = create_with_warnings(&client, &ns, &probe, true).await?;
+            Ok(if warnings.iter().any(|w| w.contains(&want)) {
+                Observed::Ready(())
+            } else {
+                Observed::NotYet(format!("warnings {warnings:?}"))
+            })
+        }
+    })
+    .await?;
+
+    let (stored, warnings) =
+        create_with_warnings(&client, ns.name(), &deployment("costly")?, false).await?;
+    for want in [&validation, &would_change] {
+        ensure!(
+            warnings.iter().any(|w| w.contains(want.as_str())),
+            "no warning {want:?} in {warnings:?}"
+        );
+    }
+    let annotations = stored.metadata.annotations.unwrap_or_default();
+    ensure!(
+        !annotations.contains_key("example.com/reviewed"),
+        "a report-only mutation was applied: {annotations:?}"
+    );
+
+    // The apiserver's audit event of that create carries the webhook's audit annotations, under
+    // `<webhook name>/<key>`.
+    let event = wait_until("the create's audit event", Duration::from_secs(30), || {
+        let path = audit_log.clone();
+        let ns = ns.name().to_owned();
+        async move {
+            let text = tokio::fs::read_to_string(&path).await?;
+            let found = text
+                .lines()
+                .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+                .find(|e| {
+                    e["verb"] == "create"
+                        && e["stage"] == "ResponseComplete"
+                        && e["objectRef"]["namespace"] == ns.as_str()
+                        && e["objectRef"]["name"] == "costly"
+                });
+            Ok(match found {
+                Some(e) => Observed::Ready(e),
+                None => Observed::NotYet(format!("no event in {}", path.display())),
+            })
+        }
+    })
+    .await?;
+    let recorded = |suffix: &str| -> Option<String> {
+        event["annotations"].as_object().and_then(|a| {
+            a.iter()
+                .find(|(k, _)| k.ends_with(suffix))
+                .and_then(|(_, v)| v.as_str().map(str::to_owned))
+        })
+    };
+    let failure = recorded("/validation_failure")
+        .with_context(|| format!("no validation_failure in {}", event["annotations"]))?;
+    ensure!(failure.contains("label example.com/cost-center is required"), "{failure}");
+    let report: Value = serde_json::from_str(
+        &recorded("/mutation_report")
+            .with_context(|| format!("no mutation_report in {}", event["annotations"]))?,
+    )?;
+    ensure!(
+        report[0]["policy"] == name.as_str() && report[0]["applied"] == false,
+        "{report}"
+    );
+    ensure!(
+        report[0]["patch"][0]["path"] == "/metadata/annotations/example.com~1reviewed",
+        "{report}"
+    );
+    ensure!(
+        recorded(&format!("/{name}.replicas")).as_deref() == Some("0"),
+        "no {name}.replicas in {}",
+        event["annotations"]
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn annotated_deployment_is_mutated_and_policy_changes_take_effect() -> Result<()> {
+    let (ns, hook) = setup("webhook-mutate", Duration::from_secs(3600)).await?;
+    let client = ns.client();
+    ensure_a10_runtime(&client).await?;
     let policies: Api<ServingPolicy> = Api::all(client.clone());
     let label_name = format!("{}-vendor-label", ns.name());
     let broken_name = format!("{}-broken", ns.name());

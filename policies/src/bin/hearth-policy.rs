@@ -218,6 +218,7 @@ it is evaluated with the one --params runtime, but admission (and `hearth-policy
                 "errors": out.errors,
                 "patch": out.patch,
                 "patchedObject": out.patched_object,
+                "mutationReports": out.mutation_reports,
                 "loadErrors": errors.iter().map(ToString::to_string).collect::<Vec<_>>(),
             });
             match output {

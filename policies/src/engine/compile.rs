@@ -1,8 +1,8 @@
 //! Compiling one ServingPolicy: every expression of its spec, with the field it came from.
 
 use hearth_crds::servingpolicy::{
-    FailurePolicy, MatchResources, PatchType, ReinvocationPolicy, ServingPolicy, StatusReason,
-    ValidationAction,
+    FailurePolicy, MatchResources, MutationAction, PatchType, ReinvocationPolicy, ServingPolicy,
+    StatusReason, ValidationAction,
 };
 
 use crate::{
@@ -43,6 +43,8 @@ pub(super) struct CompiledPolicy {
     pub(super) audit_annotations: Vec<Named>,
     pub(super) mutations: Vec<CompiledMutation>,
     pub(super) reinvocation: ReinvocationPolicy,
+    /// `spec.mutationActions`.
+    pub(super) mutation_actions: Vec<MutationAction>,
     /// Every expression has a native program.
     pub(super) native: bool,
     /// Root variables the native programs read (see [`native::REQUEST_ROOT`]).
@@ -217,5 +219,21 @@ pub(super) fn compile_policy(
         audit_annotations,
         mutations,
         reinvocation: spec.reinvocation_policy,
+        mutation_actions: spec.mutation_actions.clone(),
     })
+}
+
+impl CompiledPolicy {
+    /// Whether the mutations change the object (`Patch` among `spec.mutationActions`); `false`:
+    /// report-only.
+    pub(super) fn patches(&self) -> bool {
+        self.mutation_actions.contains(&MutationAction::Patch)
+    }
+
+    /// Whether the mutations are reported (`Warn` or `Audit` among `spec.mutationActions`).
+    pub(super) fn reports_mutations(&self) -> bool {
+        self.mutation_actions
+            .iter()
+            .any(|a| matches!(a, MutationAction::Warn | MutationAction::Audit))
+    }
 }

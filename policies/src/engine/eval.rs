@@ -554,7 +554,7 @@ pub(super) enum Pass<'p> {
 }
 
 /// The audit annotation collecting failed `Audit` validations (KEP-3488).
-pub(super) const VALIDATION_FAILURE: &str = "validation.policy.admission.k8s.io/validation_failure";
+pub const VALIDATION_FAILURE: &str = "validation.policy.admission.k8s.io/validation_failure";
 
 /// Adds one policy's validation results to the request's outcome. Failed `Audit` validations
 /// of all policies are collected in one JSON list.

@@ -11,21 +11,26 @@ mod types;
 
 use std::sync::Arc;
 
-use hearth_crds::servingpolicy::{FailurePolicy, ReinvocationPolicy, ServingPolicy};
+use hearth_crds::servingpolicy::{FailurePolicy, MutationAction, ReinvocationPolicy, ServingPolicy};
 use kube_cel::cel::Context;
 use serde_json::Value;
 
 use crate::{guard, limits::Limits, matching};
 
+pub use eval::VALIDATION_FAILURE;
 pub(crate) use eval::{ExprFailure, run, with_stack};
 pub use types::{
     Denial, ErrorKind, EvalError, EvalInput, GroupVersionKind, GroupVersionResource, MutateError,
-    Mutated, Outcome, PolicyLoadError, PolicySettings, RequestInfo, UserInfo,
+    MutationReport, Mutated, Outcome, PolicyLoadError, PolicySettings, RequestInfo, UserInfo,
 };
 
 use compile::{CompiledPolicy, compile_policy};
 use eval::{CelEval, EMPTY_SETTINGS, Fixed, NativeEval, PolicyRun, merge, request_context};
 use patch::mutate_passes;
+
+/// The audit annotation listing the mutations of policies with `Audit` in
+/// `spec.mutationActions`: a JSON list of [`MutationReport`]s.
+pub const MUTATION_REPORT: &str = "mutation.serving.hearth.dev/report";
 
 struct Inner {
     policies: Vec<CompiledPolicy>,
@@ -148,6 +153,7 @@ impl PolicySet {
             object: out.patched_object.unwrap_or(Value::Null),
             patch: out.patch,
             ignored,
+            reports: out.mutation_reports,
         })
     }
 
@@ -191,8 +197,8 @@ impl PolicySet {
                 if p.mutations.is_empty() {
                     continue;
                 }
-                changed |= self.mutate_policy(&rctx, &fixed, p, obj, &mut out);
-                if p.reinvocation == ReinvocationPolicy::IfNeeded {
+                changed |= self.mutate_reported(&rctx, &fixed, p, obj, &mut out);
+                if p.patches() && p.reinvocation == ReinvocationPolicy::IfNeeded {
                     after[i] = Some(obj.clone());
                 }
             }
@@ -242,6 +248,58 @@ impl PolicySet {
         }
         out.patched_object = object;
         out
+    }
+
+    /// Runs one policy's mutations as its `spec.mutationActions` say: applied to `object`
+    /// (`Patch`), reported (`Warn`: the paths as an admission warning; `Audit`: the JSON Patch
+    /// in the `mutation.serving.hearth.dev/report` audit annotation), or both. Report-only
+    /// (no `Patch`): evaluated on a copy, `object` is left as it was. Returns whether `object`
+    /// changed.
+    fn mutate_reported<'c>(
+        &self,
+        rctx: &impl Fn() -> &'c Context<'c>,
+        fixed: &Fixed,
+        p: &CompiledPolicy,
+        object: &mut Value,
+        out: &mut Outcome,
+    ) -> bool {
+        if !p.reports_mutations() && p.patches() {
+            return self.mutate_policy(rctx, fixed, p, object, out);
+        }
+        let mut after = object.clone();
+        let errors_before = out.errors.len();
+        let changed = self.mutate_policy(rctx, fixed, p, &mut after, out);
+        if !p.patches() {
+            // Report-only enforces nothing: an evaluation error is recorded as ignored.
+            for e in &mut out.errors[errors_before..] {
+                e.failure_policy = FailurePolicy::Ignore;
+            }
+        }
+        if !changed {
+            return false;
+        }
+        let report = MutationReport {
+            policy: p.name.clone(),
+            patch: json_patch::diff(object, &after),
+            applied: p.patches(),
+            actions: p.mutation_actions.clone(),
+        };
+        if report.patch.0.is_empty() {
+            return false;
+        }
+        if report.has(MutationAction::Warn) {
+            out.warnings.push(report.warning());
+        }
+        out.mutation_reports.push(report);
+        if let Some(v) = MutationReport::audit_annotation(&out.mutation_reports) {
+            out.audit_annotations.insert(MUTATION_REPORT.to_owned(), v);
+        }
+        if p.patches() {
+            *object = after;
+            true
+        } else {
+            false
+        }
     }
 
     /// Runs one policy's mutations over `object`, natively when it can, else with the

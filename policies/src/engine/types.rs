@@ -2,7 +2,7 @@
 
 use std::collections::BTreeMap;
 
-use hearth_crds::servingpolicy::{FailurePolicy, Operation, StatusReason};
+use hearth_crds::servingpolicy::{FailurePolicy, MutationAction, Operation, StatusReason};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
@@ -265,6 +265,81 @@ pub struct Outcome {
     pub errors: Vec<EvalError>,
     /// Names of the policies that matched the request.
     pub matched: Vec<String>,
+    /// What the mutations of policies with `Warn` or `Audit` in `spec.mutationActions` changed,
+    /// or, without `Patch`, would have changed (report-only), in policy order; nothing for a
+    /// policy whose mutations left the object as it was.
+    pub mutation_reports: Vec<MutationReport>,
+}
+
+/// What one policy's mutations did to a request's object, for `spec.mutationActions` `Warn`
+/// and `Audit`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MutationReport {
+    /// The policy's `metadata.name`.
+    pub policy: String,
+    /// RFC 6902 operations from the object as the policy found it to the object its
+    /// mutations made.
+    pub patch: json_patch::Patch,
+    /// Whether the patch was applied (`Patch` among the policy's mutationActions); `false`:
+    /// report-only, the object was left as it was.
+    pub applied: bool,
+    /// The policy's `spec.mutationActions`.
+    #[serde(skip)]
+    pub actions: Vec<MutationAction>,
+}
+
+/// Operations a [`MutationReport::warning`] names before it only counts the rest.
+const WARNING_PATHS: usize = 8;
+
+impl MutationReport {
+    /// The admission warning for `Warn`: `ServingPolicy '<name>' changed the object: add /a,
+    /// replace /b` (or `would change the object (report-only, not applied)`), naming at most
+    /// eight operations (their values left out: they can be long) and counting the rest.
+    pub fn warning(&self) -> String {
+        let mut paths: Vec<String> = self
+            .patch
+            .0
+            .iter()
+            .take(WARNING_PATHS)
+            .map(|op| {
+                let v = serde_json::to_value(op).unwrap_or(Value::Null);
+                format!(
+                    "{} {}",
+                    v["op"].as_str().unwrap_or_default(),
+                    v["path"].as_str().unwrap_or_default()
+                )
+            })
+            .collect();
+        if self.patch.0.len() > WARNING_PATHS {
+            paths.push(format!("and {} more", self.patch.0.len() - WARNING_PATHS));
+        }
+        format!(
+            "ServingPolicy '{}' {}: {}",
+            self.policy,
+            if self.applied {
+                "changed the object"
+            } else {
+                "would change the object (report-only, not applied)"
+            },
+            paths.join(", ")
+        )
+    }
+
+    /// Whether the policy's mutationActions include `action`.
+    pub fn has(&self, action: MutationAction) -> bool {
+        self.actions.contains(&action)
+    }
+
+    /// The value of the audit annotation [`MUTATION_REPORT`](crate::MUTATION_REPORT) for the
+    /// reports of `reports` whose policy audits (`Audit`): a JSON list of
+    /// `{"policy", "patch", "applied"}`; `None` when no report audits.
+    pub fn audit_annotation<'a>(reports: impl IntoIterator<Item = &'a Self>) -> Option<String> {
+        let audited: Vec<&Self> = reports
+            .into_iter()
+            .filter(|r| r.has(MutationAction::Audit))
+            .collect();
+        (!audited.is_empty()).then(|| serde_json::to_string(&audited).unwrap_or_default())
+    }
 }
 
 impl Outcome {
@@ -313,6 +388,9 @@ pub struct Mutated {
     pub patch: json_patch::Patch,
     /// Errors of `Ignore` policies (skipped).
     pub ignored: Vec<EvalError>,
+    /// What report-only (and reported) mutations changed or would have changed
+    /// ([`Outcome::mutation_reports`]).
+    pub reports: Vec<MutationReport>,
 }
 
 /// Why [`PolicySet::mutate`](crate::PolicySet::mutate) failed: a `Fail` policy could not be

@@ -130,7 +130,26 @@ start_component() {
     # (and sends no UID to extension apiservers).
     local uid_headers=()
     ((KUBE_MINOR < 32)) || uid_headers=(--requestheader-uid-headers=X-Remote-Uid)
+    # An audit log of the writes to the kinds Hearth's workload webhook reviews, at Metadata
+    # level (which carries the admission webhooks' audit annotations): where the tests read
+    # what ServingPolicies in Audit mode recorded. $LOGS/audit.log, at most 3 x 20 MB.
+    cat >"$STATE/audit-policy.yaml" <<'POLICY'
+apiVersion: audit.k8s.io/v1
+kind: Policy
+omitStages: [RequestReceived]
+rules:
+  - level: Metadata
+    verbs: [create, update, patch]
+    resources:
+      - group: apps
+        resources: [deployments, statefulsets]
+      - group: ""
+        resources: [pods]
+  - level: None
+POLICY
     start kube-apiserver -- \
+      --audit-policy-file="$STATE/audit-policy.yaml" --audit-log-path="$LOGS/audit.log" \
+      --audit-log-maxsize=20 --audit-log-maxbackup=2 --audit-log-format=json \
       --advertise-address="$APISERVER_IP" --bind-address="$APISERVER_IP" --secure-port="$APISERVER_PORT" \
       --etcd-servers="https://$CP_IP:$ETCD_CLIENT_PORT" --etcd-cafile="$pki/ca.crt" \
       --etcd-certfile="$pki/apiserver-etcd-client.crt" --etcd-keyfile="$pki/apiserver-etcd-client.key" \

@@ -138,6 +138,16 @@ impl Cluster {
         self.client.clone()
     }
 
+    /// The apiserver's audit log (JSON lines) of the local cluster, beside its kubeconfig in the
+    /// state dir: the writes to Deployments, StatefulSets and Pods at `Metadata` level
+    /// (`tests/cluster/lib/components.sh`), which carries admission webhooks' audit annotations.
+    pub fn audit_log(&self) -> PathBuf {
+        self.kubeconfig
+            .parent()
+            .unwrap_or_else(|| std::path::Path::new("."))
+            .join("logs/audit.log")
+    }
+
     /// Like [`Cluster::client`], without kube's default retries of `429`, `503` and `504`:
     /// for calls whose refusal is the answer under test (an eviction the PodDisruptionBudget
     /// refuses with `429` would otherwise be sent again until it is granted).
