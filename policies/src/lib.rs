@@ -36,9 +36,9 @@ pub mod value;
 
 pub use compile::{CompiledExpr, ExprError};
 pub use engine::{
-    Denial, ErrorKind, EvalError, EvalInput, GroupVersionKind, GroupVersionResource, MutateError,
-    MUTATION_REPORT, MutationReport, Mutated, Outcome, PolicyLoadError, PolicySet, PolicySettings,
-    RequestInfo, UserInfo, VALIDATION_FAILURE,
+    Denial, ErrorKind, EvalError, EvalInput, GroupVersionKind, GroupVersionResource,
+    MUTATION_REPORT, MutateError, Mutated, MutationReport, Outcome, PolicyLoadError, PolicySet,
+    PolicySettings, RequestInfo, UserInfo, VALIDATION_FAILURE,
 };
 pub use limits::Limits;
 pub use resolve::{ResolveError, Selection, resolve_runtime};

@@ -269,7 +269,9 @@ fn report_only_mutations_are_reported_not_applied() {
     assert_eq!(out.patched_object, Some(deployment()));
     assert_eq!(
         out.warnings,
-        ["ServingPolicy 'defaults' would change the object (report-only, not applied): add /metadata/annotations/example.com~1reviewed"]
+        [
+            "ServingPolicy 'defaults' would change the object (report-only, not applied): add /metadata/annotations/example.com~1reviewed"
+        ]
     );
     let report: serde_json::Value =
         serde_json::from_str(&out.audit_annotations[hearth_policies::MUTATION_REPORT]).unwrap();
@@ -292,7 +294,10 @@ fn report_only_mutations_are_reported_not_applied() {
 
 #[test]
 fn applied_mutations_can_be_reported_too() {
-    let s = set(vec![annotating("defaults", json!(["Patch", "Warn", "Audit"]))]);
+    let s = set(vec![annotating(
+        "defaults",
+        json!(["Patch", "Warn", "Audit"]),
+    )]);
     let out = eval(&s, deployment());
     assert_eq!(
         out.patched_object.unwrap()["metadata"]["annotations"]["example.com/reviewed"],
@@ -301,7 +306,9 @@ fn applied_mutations_can_be_reported_too() {
     assert!(!out.patch.0.is_empty());
     assert_eq!(
         out.warnings,
-        ["ServingPolicy 'defaults' changed the object: add /metadata/annotations/example.com~1reviewed"]
+        [
+            "ServingPolicy 'defaults' changed the object: add /metadata/annotations/example.com~1reviewed"
+        ]
     );
     assert!(out.mutation_reports[0].applied);
     assert!(out.audit_annotations[hearth_policies::MUTATION_REPORT].contains("\"applied\":true"));
@@ -309,7 +316,10 @@ fn applied_mutations_can_be_reported_too() {
     let quiet = set(vec![annotating("defaults", json!(["Patch"]))]);
     let out = eval(&quiet, deployment());
     assert!(out.warnings.is_empty() && out.mutation_reports.is_empty());
-    assert!(!out.audit_annotations.contains_key(hearth_policies::MUTATION_REPORT));
+    assert!(
+        !out.audit_annotations
+            .contains_key(hearth_policies::MUTATION_REPORT)
+    );
     let done = eval(&s, eval(&quiet, deployment()).patched_object.unwrap());
     assert!(done.mutation_reports.is_empty() && done.warnings.is_empty());
 }
@@ -346,6 +356,113 @@ fn report_only_enforces_no_failure_and_triggers_no_reinvocation() {
     assert_eq!(out.patched_object, Some(deployment()));
     assert_eq!(out.mutation_reports.len(), 1);
     assert_eq!(out.mutation_reports[0].policy, "later");
+}
+
+#[test]
+fn report_only_policies_see_the_object_every_applied_mutation_made() {
+    let history = |name: &str, limit: u32, actions: serde_json::Value| {
+        policy(
+            name,
+            json!({
+                "mutationActions": actions,
+                "mutations": [{"patchType": "JSONPatch", "jsonPatch": {"expression": format!(
+                    "has(object.spec.revisionHistoryLimit) ? [] : [JSONPatch{{op: 'add', path: '/spec/revisionHistoryLimit', value: {limit}}}]"
+                )}}]
+            }),
+        )
+    };
+    // The report-only policy comes first, but is evaluated after the applied one: on the object
+    // as it will be stored, where it has nothing left to change.
+    let s = set(vec![
+        history("report", 3, json!(["Warn"])),
+        history("apply", 5, json!(["Patch"])),
+    ]);
+    let out = eval(&s, deployment());
+    assert_eq!(
+        out.patched_object.unwrap()["spec"]["revisionHistoryLimit"],
+        5
+    );
+    assert!(
+        out.mutation_reports.is_empty(),
+        "{:?}",
+        out.mutation_reports
+    );
+    assert!(out.warnings.is_empty(), "{:?}", out.warnings);
+}
+
+#[test]
+fn reinvoked_mutations_are_reported_again() {
+    let s = set(vec![
+        policy(
+            "first",
+            json!({
+                "reinvocationPolicy": "IfNeeded",
+                "mutationActions": ["Patch", "Warn"],
+                "mutations": [{"patchType": "ApplyConfiguration", "applyConfiguration": {"expression":
+                    "has(object.metadata.annotations) && 'second' in object.metadata.annotations ? Object{metadata: Object.metadata{annotations: {'first-saw-second': 'yes'}}} : Object{metadata: Object.metadata{annotations: {'first': 'ran'}}}"}}]
+            }),
+        ),
+        policy(
+            "second",
+            json!({"mutations": [{"patchType": "ApplyConfiguration", "applyConfiguration": {"expression":
+                "Object{metadata: Object.metadata{annotations: {'second': 'done'}}}"}}]}),
+        ),
+    ]);
+    let out = eval(&s, deployment());
+    let reports: Vec<String> = out.mutation_reports.iter().map(|r| r.warning()).collect();
+    assert_eq!(
+        reports,
+        [
+            "ServingPolicy 'first' changed the object: add /metadata/annotations/first",
+            "ServingPolicy 'first' changed the object: add /metadata/annotations/first-saw-second"
+        ]
+    );
+    assert_eq!(out.warnings, reports);
+}
+
+#[test]
+fn errors_of_a_fail_policy_are_enforced_by_its_validation_actions() {
+    // validationActions, then: allowed, warnings, audited.
+    for (actions, allowed, warnings, audited) in [
+        (json!(["Deny"]), false, 0, false),
+        (json!(["Deny", "Audit"]), false, 0, false),
+        (json!(["Warn"]), true, 1, false),
+        (json!(["Audit"]), true, 0, true),
+        (json!(["Warn", "Audit"]), true, 1, true),
+    ] {
+        let s = set(vec![policy(
+            "broken",
+            json!({
+                "failurePolicy": "Fail",
+                "validationActions": actions,
+                "validations": [{"expression": "object.spec.nope.deeper == 1"}]
+            }),
+        )]);
+        let out = eval(&s, deployment());
+        assert_eq!(out.allowed(), allowed, "{actions}: {:?}", out.errors);
+        assert_eq!(out.errors.len(), 1, "{actions}");
+        assert_eq!(
+            out.warnings.len(),
+            warnings,
+            "{actions}: {:?}",
+            out.warnings
+        );
+        let failure = out
+            .audit_annotations
+            .get("validation.policy.admission.k8s.io/validation_failure");
+        assert_eq!(failure.is_some(), audited, "{actions}: {failure:?}");
+        if let Some(f) = failure {
+            assert!(f.contains("spec.validations[0].expression"), "{f}");
+        }
+    }
+}
+
+#[test]
+fn mutation_actions_may_not_be_empty() {
+    let p = policy("empty", json!({"mutationActions": []}));
+    let (_, errors) = PolicySet::compile(&[p]);
+    assert_eq!(errors.len(), 1);
+    assert_eq!(errors[0].field, "spec.mutationActions");
 }
 
 #[test]

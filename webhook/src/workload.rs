@@ -17,14 +17,14 @@
 //! joins it by ([`member_findings`]): errors are denied on both paths, warnings returned on
 //! `/validate`.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 use hearth_crds::rules::{self, Severity};
+use hearth_crds::servingpolicy::MutationAction;
 use hearth_crds::servingpolicy::{Operation as PolicyOperation, StatusReason};
 use hearth_crds::wellknown::{ENDPOINT_ANNOTATION, RUNTIME_ANNOTATION, VENDOR_ANNOTATION};
 use hearth_crds::{InferenceRuntime, ServingPolicy};
-use hearth_crds::servingpolicy::MutationAction;
 use hearth_policies::{
     EvalInput, GroupVersionKind, GroupVersionResource, MUTATION_REPORT, MutationReport, PolicySet,
     PolicySettings, RequestInfo, Selection, UserInfo, VALIDATION_FAILURE, resolve_runtime,
@@ -276,7 +276,7 @@ pub(crate) fn review(
                 .collect();
             let mut base = with_warnings(base, warnings);
             if let Some(v) = MutationReport::audit_annotation(applied.iter().copied()) {
-                base.audit_annotations.insert(audit_key(MUTATION_REPORT), v);
+                insert_audit(&mut base.audit_annotations, MUTATION_REPORT, v);
             }
             if out.patch.0.is_empty() {
                 return (base, Outcome::Allowed);
@@ -298,12 +298,26 @@ pub(crate) fn review(
                 warnings.extend(device_access_warnings(o));
             }
             warnings.extend(member.warnings.iter().map(ToString::to_string));
+            // Mutations applied by `/mutate` were reported there; here only the report-only
+            // ones (a non-idempotent mutation would otherwise be reported twice).
+            let applied: Vec<String> = out
+                .mutation_reports
+                .iter()
+                .filter(|r| r.applied)
+                .map(MutationReport::warning)
+                .collect();
+            warnings.retain(|w| !applied.contains(w));
             let mut resp = with_warnings(base, warnings);
-            resp.audit_annotations.extend(
-                out.audit_annotations
-                    .into_iter()
-                    .map(|(k, v)| (audit_key(&k), v)),
-            );
+            let mut audit = out.audit_annotations;
+            audit.remove(MUTATION_REPORT);
+            if let Some(v) =
+                MutationReport::audit_annotation(out.mutation_reports.iter().filter(|r| !r.applied))
+            {
+                audit.insert(MUTATION_REPORT.to_owned(), v);
+            }
+            for (k, v) in audit {
+                insert_audit(&mut resp.audit_annotations, &k, v);
+            }
             (resp, Outcome::Allowed)
         }
     }
@@ -311,37 +325,68 @@ pub(crate) fn review(
 
 /// The key under which the webhook returns the engine's audit annotation `key`. The apiserver
 /// records a webhook's audit annotation as `<webhook name>/<key>` and drops one whose key holds
-/// a `/` or is not a qualified name's name part (at most 63 characters of `[A-Za-z0-9_.-]`,
-/// alphanumeric at both ends): `validation.policy.admission.k8s.io/validation_failure` becomes
-/// `validation_failure`, [`MUTATION_REPORT`] `mutation_report`, and a policy's
-/// `<policy>/<key>` `<policy>.<key>` (over 63 characters: the policy's first characters and an
-/// 8-hex-digit FNV-1a hash of its whole name, then the key).
+/// a `/` or is not a qualified name's name part ([`is_name_part`]):
+/// `validation.policy.admission.k8s.io/validation_failure` becomes `validation_failure`,
+/// [`MUTATION_REPORT`] `mutation_report`, and a policy's `<policy>/<key>` `<policy>.<key>`;
+/// when that is not a valid name part (over 63 characters, other characters), the key's first
+/// valid characters and an FNV-1a hash of the whole key ([`hashed_audit_key`]).
 pub fn audit_key(key: &str) -> String {
-    const NAME_MAX: usize = 63;
     if key == VALIDATION_FAILURE {
         return "validation_failure".to_owned();
     }
     if key == MUTATION_REPORT {
         return "mutation_report".to_owned();
     }
-    let Some((policy, name)) = key.split_once('/') else {
-        return key.to_owned();
-    };
-    let joined = format!("{policy}.{name}");
-    if joined.len() <= NAME_MAX {
-        return joined;
+    let plain = key.replacen('/', ".", 1);
+    if is_name_part(&plain) {
+        plain
+    } else {
+        hashed_audit_key(key)
     }
-    // A policy name is a DNS subdomain (ASCII) and an auditAnnotations key at most 63
-    // characters of [A-Za-z0-9_.-]: the cut is at a character boundary.
-    let hash = policy
-        .bytes()
-        .fold(0x811c_9dc5_u32, |h, b| (h ^ u32::from(b)).wrapping_mul(0x0100_0193));
-    let room = NAME_MAX.saturating_sub(name.len() + 10);
-    let head: String = policy.chars().take(room).collect();
-    let head = head.trim_end_matches(['.', '-']);
-    let mut out = format!("{head}-{hash:08x}.{name}");
-    out.truncate(NAME_MAX);
-    out
+}
+
+/// `<head>-<hash>`: at most 54 characters of `key` (each outside `[A-Za-z0-9_.-]` as `-`,
+/// trimmed to start and end alphanumeric; `key` when none is left) and the 8 hex digits of the
+/// 32-bit FNV-1a hash of all of `key`: a valid name part of at most 63 characters for any input.
+pub fn hashed_audit_key(key: &str) -> String {
+    let hash = key.bytes().fold(0x811c_9dc5_u32, |h, b| {
+        (h ^ u32::from(b)).wrapping_mul(0x0100_0193)
+    });
+    let head: String = key
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || "-_.".contains(c) {
+                c
+            } else {
+                '-'
+            }
+        })
+        .take(54)
+        .collect();
+    let head = head.trim_matches(|c: char| !c.is_ascii_alphanumeric());
+    format!("{}-{hash:08x}", if head.is_empty() { "key" } else { head })
+}
+
+/// Whether `s` is the name part of a qualified name (k8s.io/apimachinery `IsQualifiedName`): 1
+/// to 63 characters of `[A-Za-z0-9_.-]`, alphanumeric at both ends.
+pub fn is_name_part(s: &str) -> bool {
+    let b = s.as_bytes();
+    !b.is_empty()
+        && b.len() <= 63
+        && b.iter()
+            .all(|c| c.is_ascii_alphanumeric() || b"-_.".contains(c))
+        && b[0].is_ascii_alphanumeric()
+        && b[b.len() - 1].is_ascii_alphanumeric()
+}
+
+/// Adds the engine's audit annotation `key` to a response's, under [`audit_key`]; a key taken
+/// already (two engine keys mapping to one) gets [`hashed_audit_key`], so none is lost.
+fn insert_audit(annotations: &mut HashMap<String, String>, key: &str, value: String) {
+    let mut k = audit_key(key);
+    if annotations.contains_key(&k) {
+        k = hashed_audit_key(key);
+    }
+    annotations.insert(k, value);
 }
 
 /// The findings of `hearth_crds::rules` about a workload joining an `LLMEndpoint` with the
@@ -448,15 +493,6 @@ mod tests {
     use rstest::rstest;
     use serde_json::json;
 
-    /// The name part of a qualified name (k8s.io/apimachinery `IsQualifiedName`).
-    fn is_name_part(s: &str) -> bool {
-        !s.is_empty()
-            && s.len() <= 63
-            && s.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
-            && s.as_bytes()[0].is_ascii_alphanumeric()
-            && s.as_bytes()[s.len() - 1].is_ascii_alphanumeric()
-    }
-
     #[rstest]
     #[case::validation_failure(VALIDATION_FAILURE, "validation_failure")]
     #[case::mutation_report(MUTATION_REPORT, "mutation_report")]
@@ -464,12 +500,58 @@ mod tests {
     #[case::own_key("skipped", "skipped")]
     #[case::long_policy(
         "platform.example.com.a-very-long-policy-name-that-goes-on-and-on/images",
-        "platform.example.com.a-very-long-policy-name-th-8bca855c.images"
+        "platform.example.com.a-very-long-policy-name-that-goes-00000000"
     )]
+    #[case::long_key(
+        "p/aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa_",
+        "p-aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa-00000000"
+    )]
+    #[case::non_ascii("p/éé", "p-00000000")]
+    #[case::slash_in_key("p/a/b", "p-a-b-00000000")]
+    #[case::nothing_valid("é/é", "key-00000000")]
+    #[case::empty("", "key-00000000")]
     fn audit_keys_are_what_the_apiserver_records(#[case] key: &str, #[case] want: &str) {
         let got = audit_key(key);
-        assert_eq!(got, want);
         assert!(is_name_part(&got), "{got}");
+        // The hash of a hashed key is checked against an independent FNV-1a below.
+        let (head, want_head) = (got.rsplit_once('-'), want.rsplit_once('-'));
+        if want.ends_with("-00000000") {
+            assert_eq!(head.map(|h| h.0), want_head.map(|h| h.0), "{got}");
+            assert_eq!(got, hashed_audit_key(key));
+        } else {
+            assert_eq!(got, want);
+        }
+    }
+
+    #[test]
+    fn hashed_keys_are_fnv1a_of_the_whole_key() {
+        // FNV-1a 32 of "platform.example.com.a-very-long-policy-name-that-goes-on-and-on/images",
+        // computed apart from this code.
+        let key = "platform.example.com.a-very-long-policy-name-that-goes-on-and-on/images";
+        assert!(hashed_audit_key(key).ends_with(&format!("-{:08x}", fnv_reference(key))));
+    }
+
+    /// FNV-1a 32 as its specification writes it.
+    fn fnv_reference(s: &str) -> u32 {
+        let mut h: u32 = 2_166_136_261;
+        for b in s.bytes() {
+            h ^= u32::from(b);
+            h = h.wrapping_mul(16_777_619);
+        }
+        h
+    }
+
+    #[test]
+    fn colliding_keys_are_both_kept() {
+        let mut annotations = HashMap::new();
+        insert_audit(&mut annotations, "a.b/c", "one".to_owned());
+        insert_audit(&mut annotations, "a/b.c", "two".to_owned());
+        assert_eq!(annotations.len(), 2, "{annotations:?}");
+        assert!(
+            annotations.keys().all(|k| is_name_part(k)),
+            "{annotations:?}"
+        );
+        assert_eq!(annotations["a.b.c"], "one");
     }
 
     #[test]

@@ -560,18 +560,22 @@ async fn report_only_policy_warns_the_client_and_reaches_the_audit_log() -> Resu
     );
     // The webhook picks the new policy up from its watch: dry runs until it reports.
     let probe = deployment("probe")?;
-    wait_until("the policy's reports on a dry run", Duration::from_secs(30), || {
-        let (client, probe, want) = (client.clone(), probe.clone(), would_change.clone());
-        let ns = ns.name().to_owned();
-        async move {
-            let (_, warnings) = create_with_warnings(&client, &ns, &probe, true).await?;
-            Ok(if warnings.iter().any(|w| w.contains(&want)) {
-                Observed::Ready(())
-            } else {
-                Observed::NotYet(format!("warnings {warnings:?}"))
-            })
-        }
-    })
+    wait_until(
+        "the policy's reports on a dry run",
+        Duration::from_secs(30),
+        || {
+            let (client, probe, want) = (client.clone(), probe.clone(), would_change.clone());
+            let ns = ns.name().to_owned();
+            async move {
+                let (_, warnings) = create_with_warnings(&client, &ns, &probe, true).await?;
+                Ok(if warnings.iter().any(|w| w.contains(&want)) {
+                    Observed::Ready(())
+                } else {
+                    Observed::NotYet(format!("warnings {warnings:?}"))
+                })
+            }
+        },
+    )
     .await?;
 
     let (stored, warnings) =
@@ -594,7 +598,16 @@ async fn report_only_policy_warns_the_client_and_reaches_the_audit_log() -> Resu
         let path = audit_log.clone();
         let ns = ns.name().to_owned();
         async move {
-            let text = tokio::fs::read_to_string(&path).await?;
+            // The log and the files it was rotated into (`audit-<time>.log`).
+            let mut text = String::new();
+            let dir = path.parent().context("the audit log's directory")?;
+            for entry in std::fs::read_dir(dir)? {
+                let p = entry?.path();
+                let name = p.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+                if name.starts_with("audit") && name.ends_with(".log") {
+                    text.push_str(&tokio::fs::read_to_string(&p).await?);
+                }
+            }
             let found = text
                 .lines()
                 .filter_map(|l| serde_json::from_str::<Value>(l).ok())
@@ -620,7 +633,10 @@ async fn report_only_policy_warns_the_client_and_reaches_the_audit_log() -> Resu
     };
     let failure = recorded("/validation_failure")
         .with_context(|| format!("no validation_failure in {}", event["annotations"]))?;
-    ensure!(failure.contains("label example.com/cost-center is required"), "{failure}");
+    ensure!(
+        failure.contains("label example.com/cost-center is required"),
+        "{failure}"
+    );
     let report: Value = serde_json::from_str(
         &recorded("/mutation_report")
             .with_context(|| format!("no mutation_report in {}", event["annotations"]))?,

@@ -166,6 +166,15 @@ pub(super) fn compile_policy(
             },
         ));
     }
+    if spec.mutation_actions.is_empty() {
+        return Err(err(
+            "spec.mutationActions".into(),
+            ExprError {
+                message: "needs at least one of Patch, Warn, Audit (omit it for [Patch])".into(),
+                position: None,
+            },
+        ));
+    }
     let mut mutations = Vec::new();
     for (i, m) in spec.mutations.iter().enumerate() {
         let (holder, sub) = match m.patch_type {

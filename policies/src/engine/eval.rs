@@ -5,7 +5,7 @@ use std::{
     panic::{AssertUnwindSafe, catch_unwind},
 };
 
-use hearth_crds::servingpolicy::{PatchType, ValidationAction};
+use hearth_crds::servingpolicy::{FailurePolicy, PatchType, ValidationAction};
 use kube_cel::cel::{Context, Value as CelValue};
 use serde_json::Value;
 
@@ -555,6 +555,51 @@ pub(super) enum Pass<'p> {
 
 /// The audit annotation collecting failed `Audit` validations (KEP-3488).
 pub const VALIDATION_FAILURE: &str = "validation.policy.admission.k8s.io/validation_failure";
+
+/// Handles the evaluation errors of one policy's validation phase (matchConditions, variables,
+/// validations, auditAnnotations) as ValidatingAdmissionPolicy does: with `failurePolicy: Fail`
+/// they are enforced by the policy's `validationActions` — rejected with `Deny`; without it an
+/// admission warning (`Warn`) and an entry in the validation-failure audit annotation (`Audit`),
+/// and the error itself is kept as ignored. `Ignore` errors stay ignored.
+pub(super) fn errors_by_actions(p: &CompiledPolicy, local: &mut Outcome) {
+    if p.actions.contains(&ValidationAction::Deny) {
+        return;
+    }
+    let mut audited = Vec::new();
+    for e in local
+        .errors
+        .iter_mut()
+        .filter(|e| e.failure_policy == FailurePolicy::Fail)
+    {
+        e.failure_policy = FailurePolicy::Ignore;
+        let message = format!("{}: {}", e.field, e.message);
+        if p.actions.contains(&ValidationAction::Warn) {
+            local.warnings.push(format!(
+                "Validation failed for ServingPolicy '{}': {message}",
+                p.name
+            ));
+        }
+        if p.actions.contains(&ValidationAction::Audit) {
+            audited.push(serde_json::json!({
+                "message": message,
+                "policy": p.name,
+                "validationActions": p.actions,
+            }));
+        }
+    }
+    if audited.is_empty() {
+        return;
+    }
+    let mut all: Vec<Value> = local
+        .audit_annotations
+        .get(VALIDATION_FAILURE)
+        .and_then(|v| serde_json::from_str(v).ok())
+        .unwrap_or_default();
+    all.extend(audited);
+    local
+        .audit_annotations
+        .insert(VALIDATION_FAILURE.to_owned(), Value::Array(all).to_string());
+}
 
 /// Adds one policy's validation results to the request's outcome. Failed `Audit` validations
 /// of all policies are collected in one JSON list.

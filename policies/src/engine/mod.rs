@@ -11,7 +11,9 @@ mod types;
 
 use std::sync::Arc;
 
-use hearth_crds::servingpolicy::{FailurePolicy, MutationAction, ReinvocationPolicy, ServingPolicy};
+use hearth_crds::servingpolicy::{
+    FailurePolicy, MutationAction, ReinvocationPolicy, ServingPolicy,
+};
 use kube_cel::cel::Context;
 use serde_json::Value;
 
@@ -21,11 +23,14 @@ pub use eval::VALIDATION_FAILURE;
 pub(crate) use eval::{ExprFailure, run, with_stack};
 pub use types::{
     Denial, ErrorKind, EvalError, EvalInput, GroupVersionKind, GroupVersionResource, MutateError,
-    MutationReport, Mutated, Outcome, PolicyLoadError, PolicySettings, RequestInfo, UserInfo,
+    Mutated, MutationReport, Outcome, PolicyLoadError, PolicySettings, RequestInfo, UserInfo,
 };
 
 use compile::{CompiledPolicy, compile_policy};
-use eval::{CelEval, EMPTY_SETTINGS, Fixed, NativeEval, PolicyRun, merge, request_context};
+use eval::{
+    CelEval, EMPTY_SETTINGS, Fixed, NativeEval, PolicyRun, errors_by_actions, merge,
+    request_context,
+};
 use patch::mutate_passes;
 
 /// The audit annotation listing the mutations of policies with `Audit` in
@@ -194,11 +199,11 @@ impl PolicySet {
         if let Some(obj) = object.as_mut() {
             let mut after: Vec<Option<Value>> = vec![None; matched.len()];
             for (i, p) in matched.iter().enumerate() {
-                if p.mutations.is_empty() {
+                if p.mutations.is_empty() || !p.patches() {
                     continue;
                 }
                 changed |= self.mutate_reported(&rctx, &fixed, p, obj, &mut out);
-                if p.patches() && p.reinvocation == ReinvocationPolicy::IfNeeded {
+                if p.reinvocation == ReinvocationPolicy::IfNeeded {
                     after[i] = Some(obj.clone());
                 }
             }
@@ -206,8 +211,19 @@ impl PolicySet {
                 if p.reinvocation == ReinvocationPolicy::IfNeeded
                     && after[i].as_ref().is_some_and(|a| a != obj)
                 {
-                    changed |= self.mutate_policy(&rctx, &fixed, p, obj, &mut out);
+                    changed |= self.mutate_reported(&rctx, &fixed, p, obj, &mut out);
                 }
+            }
+            // Report-only policies last, on the object every applied mutation made (the object
+            // as it will be stored, which a validating webhook sees too), and outside the
+            // request's cost budget: what they report must not decide what is enforced.
+            for p in matched
+                .iter()
+                .filter(|p| !p.mutations.is_empty() && !p.patches())
+            {
+                let left = guard::request_left();
+                self.mutate_reported(&rctx, &fixed, p, obj, &mut out);
+                guard::refund_request(left);
             }
         }
 
@@ -240,6 +256,7 @@ impl PolicySet {
                     let mut scoped = ev.scope();
                     let _ = PolicyRun::new(p).validate(&mut scoped, &mut local);
                 }
+                errors_by_actions(p, &mut local);
                 merge(&mut out, local);
             }
         }
