@@ -14,7 +14,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
 use hearth_crds::{InferenceRuntime, LLMService, ServingPolicy};
-use hearth_test_support::{Cluster, Observed, TestNamespace, run_detached, wait_until};
+use hearth_test_support::{
+    Cluster, Observed, TestNamespace, run_detached, wait_crds_established, wait_until,
+};
 use hearth_webhook::registration::{Registration, Target};
 use hearth_webhook::selfmanaged::{SelfManaged, SelfManagedConfig};
 use hearth_webhook::{AppState, Limits, Snapshot, router, serve, watch};
@@ -22,6 +24,7 @@ use k8s_openapi::api::admissionregistration::v1::{
     MutatingWebhookConfiguration, ValidatingWebhookConfiguration,
 };
 use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Api, Client};
@@ -228,6 +231,22 @@ async fn setup(prefix: &str, cert_validity: Duration) -> Result<(TestNamespace, 
     let cluster = Cluster::connect().await?;
     // An installed Hearth's webhook would admit this test's objects too.
     cluster.require_hearth_not_installed().await?;
+    // Hearth's CRDs, which the webhook watches (idempotent server-side apply; the same content
+    // as `crds/`), so the suite also runs first on a new cluster.
+    let crds: Api<CustomResourceDefinition> = Api::all(cluster.client());
+    let mut names = Vec::new();
+    for (_, crd) in hearth_crds::crds() {
+        let name = crd.metadata.name.clone().unwrap_or_default();
+        crds.patch(
+            &name,
+            &PatchParams::apply("hearth-webhook-test").force(),
+            &Patch::Apply(&crd),
+        )
+        .await
+        .with_context(|| format!("applying CRD {name}"))?;
+        names.push(name);
+    }
+    wait_crds_established(&cluster.client(), &names).await?;
     let ns = cluster.namespace(prefix).await?;
     let hook = Webhook::start(&cluster, &ns, cert_validity).await?;
     Ok((ns, hook))
@@ -453,9 +472,9 @@ async fn wait_ready_false(
     .await
 }
 
-/// Makes sure the upstream runtime `vllm-nvidia-a10` exists: it is shared cluster-wide
-/// (server-side apply, same content).
-async fn ensure_a10_runtime(client: &Client) -> Result<()> {
+/// Makes sure the upstream runtime `vllm-nvidia-a10` exists (it is shared cluster-wide:
+/// server-side apply, same content) and is in `hook`'s snapshot, which its watch fills.
+async fn ensure_a10_runtime(client: &Client, hook: &Webhook) -> Result<()> {
     let runtimes: Api<InferenceRuntime> = Api::all(client.clone());
     let a10 = upstream("InferenceRuntime")
         .into_iter()
@@ -471,7 +490,22 @@ async fn ensure_a10_runtime(client: &Client) -> Result<()> {
             )
             .await?;
     }
-    Ok(())
+    let snapshot = hook.state.snapshot.clone();
+    wait_until(
+        "vllm-nvidia-a10 in the webhook's snapshot",
+        Duration::from_secs(30),
+        || {
+            let found = snapshot.load().runtimes.contains_key("vllm-nvidia-a10");
+            async move {
+                Ok(if found {
+                    Observed::Ready(())
+                } else {
+                    Observed::NotYet("not yet".to_owned())
+                })
+            }
+        },
+    )
+    .await
 }
 
 /// Creates `deployment` in `ns` (a server dry run when `dry_run`) as kubectl does, and returns
@@ -508,7 +542,7 @@ async fn create_with_warnings(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn report_only_policy_warns_the_client_and_reaches_the_audit_log() -> Result<()> {
-    let (ns, _hook) = setup("webhook-audit", Duration::from_secs(3600)).await?;
+    let (ns, hook) = setup("webhook-audit", Duration::from_secs(3600)).await?;
     let cluster = Cluster::connect().await?;
     let audit_log = cluster.audit_log();
     ensure!(
@@ -518,7 +552,7 @@ async fn report_only_policy_warns_the_client_and_reaches_the_audit_log() -> Resu
         audit_log.display()
     );
     let client = ns.client();
-    ensure_a10_runtime(&client).await?;
+    ensure_a10_runtime(&client, &hook).await?;
     let name = format!("{}-cost-center", ns.name());
     let _guard = PolicyGuard {
         client: client.clone(),
@@ -661,7 +695,7 @@ async fn report_only_policy_warns_the_client_and_reaches_the_audit_log() -> Resu
 async fn annotated_deployment_is_mutated_and_policy_changes_take_effect() -> Result<()> {
     let (ns, hook) = setup("webhook-mutate", Duration::from_secs(3600)).await?;
     let client = ns.client();
-    ensure_a10_runtime(&client).await?;
+    ensure_a10_runtime(&client, &hook).await?;
     let policies: Api<ServingPolicy> = Api::all(client.clone());
     let label_name = format!("{}-vendor-label", ns.name());
     let broken_name = format!("{}-broken", ns.name());
