@@ -10,9 +10,11 @@
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
+use hearth_crds::wellknown::POLICY_REPORTS_ANNOTATION;
 use hearth_crds::{InferenceRuntime, LLMService, ServingPolicy, servingpolicy::Operation};
 use hearth_policies::{
-    EvalInput, MutateError, PolicySet, PolicySettings, manifest::runtime_params,
+    EvalInput, MutateError, Mutated, MutationReport, PolicySet, PolicySettings,
+    manifest::runtime_params,
 };
 use k8s_openapi::api::apps::v1::Deployment;
 
@@ -167,7 +169,9 @@ impl ClusterEngine {
 pub const DEBOUNCE: Duration = Duration::from_millis(100);
 
 /// Runs the mutations over the backend Deployment of `service` with `runtime` as `params` and
-/// `settings` as `settings`.
+/// `settings` as `settings`. The Deployment comes back with
+/// [`POLICY_REPORTS_ANNOTATION`] on its metadata when a policy reports its mutations
+/// (`spec.mutationActions` `Warn` or `Audit`; report-only ones change nothing else).
 ///
 /// A `fraction` is refused unless the runtime shares devices and some policy renders it: the
 /// backend is rendered once more without the fraction, and when both come out the same no
@@ -179,19 +183,45 @@ pub fn apply(
     runtime: &InferenceRuntime,
     settings: &PolicySettings,
 ) -> Result<Deployment, PolicyError> {
-    if service.spec.resources.fraction.is_some() {
+    let mutated = if service.spec.resources.fraction.is_some() {
         // A runtime without sharing is refused before rendering (`hearth_crds::rules`).
         let mut whole = service.clone();
         whole.spec.resources.fraction = None;
         let with = mutate(engine, &deployment, service, runtime, settings)?;
         let without = mutate(engine, &deployment, &whole, runtime, settings)?;
-        if with == without {
+        if with.object == without.object {
             return Err(PolicyError::FractionNotRendered);
         }
-        return serde_json::from_value(with).map_err(|e| PolicyError::Invalid(e.to_string()));
+        with
+    } else {
+        mutate(engine, &deployment, service, runtime, settings)?
+    };
+    let mut backend: Deployment =
+        serde_json::from_value(mutated.object).map_err(|e| PolicyError::Invalid(e.to_string()))?;
+    if !mutated.reports.is_empty() {
+        let warnings: Vec<String> = mutated
+            .reports
+            .iter()
+            .map(MutationReport::warning)
+            .collect();
+        backend.metadata.annotations.get_or_insert_default().insert(
+            POLICY_REPORTS_ANNOTATION.to_owned(),
+            serde_json::to_string(&warnings).map_err(|e| PolicyError::Invalid(e.to_string()))?,
+        );
     }
-    let mutated = mutate(engine, &deployment, service, runtime, settings)?;
-    serde_json::from_value(mutated).map_err(|e| PolicyError::Invalid(e.to_string()))
+    Ok(backend)
+}
+
+/// The reports on a rendered backend ([`POLICY_REPORTS_ANNOTATION`]); empty when it has none
+/// (or an unreadable one).
+pub fn reports_of(backend: &Deployment) -> Vec<String> {
+    backend
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(POLICY_REPORTS_ANNOTATION))
+        .and_then(|v| serde_json::from_str(v).ok())
+        .unwrap_or_default()
 }
 
 fn mutate(
@@ -200,7 +230,7 @@ fn mutate(
     service: &LLMService,
     runtime: &InferenceRuntime,
     settings: &PolicySettings,
-) -> Result<serde_json::Value, PolicyError> {
+) -> Result<Mutated, PolicyError> {
     let object =
         serde_json::to_value(deployment).map_err(|e| PolicyError::Invalid(e.to_string()))?;
     let input = EvalInput {
@@ -211,7 +241,7 @@ fn mutate(
         settings: Some(settings.to_value()),
         ..EvalInput::for_object(object, Operation::Create)
     };
-    Ok(engine.set.mutate(&input)?.object)
+    Ok(engine.set.mutate(&input)?)
 }
 
 #[cfg(test)]

@@ -988,6 +988,106 @@ async fn a_platform_policy_in_the_cluster_renders_fractions() -> Result<()> {
     result
 }
 
+/// A report-only ServingPolicy in the cluster (step 2 of a rollout, docs/policies.md): the
+/// backend is not changed, it carries the report, and the LLMService gets a `PolicyReport`
+/// Event; switched to `Patch`, the same policy changes the backend and the report says so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_report_only_policy_reports_on_the_backend_and_changes_nothing() -> Result<()> {
+    let (client, ns) = setup("ctrl-report").await?;
+    apply_stub_runtime(&client).await?;
+    let policies: Api<hearth_crds::ServingPolicy> = Api::all(client.clone());
+    let policy_name = format!("{}-team", ns.name());
+    let policy = |actions: Value| -> Result<hearth_crds::ServingPolicy> {
+        Ok(serde_json::from_value(json!({
+            "apiVersion": "serving.hearth.dev/v1alpha1", "kind": "ServingPolicy",
+            "metadata": {"name": policy_name},
+            "spec": {
+                "matchConditions": [{"name": "this-test-only", "expression":
+                    format!("service != null && service.metadata.namespace == {:?}", ns.name())}],
+                "mutationActions": actions,
+                "mutations": [{"patchType": "ApplyConfiguration", "applyConfiguration": {"expression":
+                    "Object{spec: Object.spec{template: Object.spec.template{metadata: Object.spec.template.metadata{labels: {'example.com/team': 'ml'}}}}}"}}]
+            }
+        }))?)
+    };
+    let pp = PatchParams::apply(TEST_MANAGER).force();
+    policies
+        .patch(
+            &policy_name,
+            &pp,
+            &Patch::Apply(&policy(json!(["Warn", "Audit"]))?),
+        )
+        .await?;
+    let running = start_default(&client, &ns);
+    let result = async {
+        create_service(&ns, read_yaml(&upstream("stub-llmservice.yaml"))?).await?;
+        let deployments: Api<Deployment> = ns.api();
+        let team_label = |d: &Deployment| {
+            d.spec
+                .as_ref()
+                .and_then(|s| s.template.metadata.as_ref())
+                .and_then(|m| m.labels.as_ref())
+                .and_then(|l| l.get("example.com/team").cloned())
+        };
+        let report = |d: &Deployment| hearth_controller::policy::reports_of(d);
+        let want = "ServingPolicy '{}' would change the object (report-only, not applied): add /spec/template/metadata/labels/example.com~1team"
+            .replace("{}", &policy_name);
+        let backend = wait_until("the backend with the policy's report", WAIT, || async {
+            Ok(match deployments.get_opt("stub-svc").await? {
+                Some(d) if report(&d) == [want.clone()] => Observed::Ready(d),
+                Some(d) => Observed::NotYet(format!("reports {:?}", report(&d))),
+                None => Observed::NotYet("no backend".into()),
+            })
+        })
+        .await?;
+        assert_eq!(team_label(&backend), None, "a report-only policy changed the backend");
+        let events: Api<Event> = ns.api();
+        let note = wait_until("the PolicyReport Event", WAIT, || async {
+            let list = events
+                .list(&ListParams::default().fields("involvedObject.name=stub-svc,reason=PolicyReport"))
+                .await?;
+            Ok(match list.items.first() {
+                Some(e) => Observed::Ready(e.message.clone().unwrap_or_default()),
+                None => Observed::NotYet("no PolicyReport Event".into()),
+            })
+        })
+        .await?;
+        assert!(note.contains(&want), "{note}");
+
+        // Enforced: the policy changes the backend, and the report says it did.
+        policies
+            .patch(&policy_name, &pp, &Patch::Apply(&policy(json!(["Patch", "Warn"]))?))
+            .await?;
+        let changed = want.replace("would change the object (report-only, not applied)", "changed the object");
+        wait_until("the backend changed by the policy", WAIT, || async {
+            Ok(match deployments.get_opt("stub-svc").await? {
+                Some(d) if team_label(&d).as_deref() == Some("ml") && report(&d) == [changed.clone()] => {
+                    Observed::Ready(())
+                }
+                Some(d) => Observed::NotYet(format!("label {:?}, reports {:?}", team_label(&d), report(&d))),
+                None => Observed::NotYet("no backend".into()),
+            })
+        })
+        .await?;
+        // Removed: no report left on the backend.
+        policies.delete(&policy_name, &DeleteParams::default()).await?;
+        wait_until("the report gone", WAIT, || async {
+            Ok(match deployments.get_opt("stub-svc").await? {
+                Some(d) if report(&d).is_empty() => Observed::Ready(()),
+                other => Observed::NotYet(format!("{:?}", other.map(|d| report(&d)))),
+            })
+        })
+        .await?;
+        Ok::<_, anyhow::Error>(())
+    }
+    .await;
+    running.stop().await;
+    let _ = policies
+        .delete(&policy_name, &DeleteParams::default())
+        .await;
+    result
+}
+
 /// Someone else (another field manager, forcing) applies `pod` as the pod template spec of the
 /// Deployment `name`.
 async fn edit_pod_template(ns: &TestNamespace, name: &str, pod: Value) -> Result<()> {

@@ -118,3 +118,10 @@ pub const DEFAULT_MEMBER_MAX_REPLICAS: i32 = 1;
 /// Label on the objects the controller renders for a Deployment joined to an endpoint (its
 /// Service `<name>-hearth`, Role, RoleBinding and ScaledObject), naming the Deployment.
 pub const DEPLOYMENT_LABEL: &str = "serving.hearth.dev/deployment";
+
+/// On a rendered backend Deployment (its metadata, not its pod template): what ServingPolicies
+/// whose `spec.mutationActions` say `Warn` or `Audit` changed or, report-only, would change on
+/// it, as a JSON list of their admission warnings (`ServingPolicy '<name>' would change the
+/// object (report-only, not applied): add /spec/…`). Absent when none reports. Written by the
+/// controller; a change of it is also an Event `PolicyReport` on the LLMService.
+pub const POLICY_REPORTS_ANNOTATION: &str = "serving.hearth.dev/policy-reports";

@@ -896,8 +896,34 @@ async fn reconcile_inner(svc: &LLMService, ctx: &Context) -> Result<Action, Erro
     {
         crate::admin_tokens::step(ctx, svc).await?;
     }
+    // What ServingPolicies report on the backend (`spec.mutationActions` Warn or Audit), and
+    // what its cached copy says they reported last.
+    let reports = desired
+        .children
+        .as_ref()
+        .map(|c| crate::policy::reports_of(&c.backend));
+    let reported = view
+        .backend
+        .as_deref()
+        .map(crate::policy::reports_of)
+        .unwrap_or_default();
     let mut plan = plan(svc, desired, &view, &ctx.render);
     execute(ctx, &namespace, &mut plan).await?;
+    if let Some(reports) = reports.filter(|r| !r.is_empty() && *r != reported) {
+        publish_about(
+            ctx,
+            svc,
+            EventType::Normal,
+            "PolicyReport",
+            format!(
+                "on backend {}: {}",
+                names::backend(&svc.name_any()),
+                reports.join("; ")
+            ),
+            None,
+        )
+        .await;
+    }
     let handover = handover::step(ctx, svc, &view).await;
 
     let now = Time(k8s_openapi::jiff::Timestamp::now());

@@ -264,6 +264,71 @@ fn the_runtime_security_context_replaces_the_backend_default() {
     assert_eq!(rendered(&rt), Some(hardened));
 }
 
+/// A report-only ServingPolicy (`mutationActions` without `Patch`) changes nothing on the
+/// backend but its report annotation; with `Patch` the same policy changes the pod template.
+#[test]
+fn report_only_policies_leave_the_backend_and_say_what_they_would_change() {
+    let (svc, rt) = service_and_runtime(json!({}));
+    let with_policy = |actions: serde_json::Value| {
+        let mut policies = crate::policy::builtin_policies().unwrap();
+        policies.push(
+            serde_json::from_value(json!({
+                "apiVersion": "serving.hearth.dev/v1alpha1", "kind": "ServingPolicy",
+                "metadata": {"name": "team-label"},
+                "spec": {"mutationActions": actions, "mutations": [{
+                    "patchType": "ApplyConfiguration", "applyConfiguration": {"expression":
+                    "Object{spec: Object.spec{template: Object.spec.template{metadata: Object.spec.template.metadata{labels: {'example.com/team': 'ml'}}}}}"}}]}
+            }))
+            .unwrap(),
+        );
+        RenderConfig {
+            engine: crate::policy::Engine::new(&policies).unwrap(),
+            ..RenderConfig::builtin().unwrap()
+        }
+    };
+    let plain = render(&svc, &rt, &RenderConfig::builtin().unwrap(), true)
+        .unwrap()
+        .backend;
+    let reported = render(&svc, &rt, &with_policy(json!(["Warn"])), true)
+        .unwrap()
+        .backend;
+    assert_eq!(
+        reported.spec, plain.spec,
+        "a report-only policy changed the backend"
+    );
+    assert!(crate::policy::reports_of(&plain).is_empty());
+    assert_eq!(
+        crate::policy::reports_of(&reported),
+        [
+            "ServingPolicy 'team-label' would change the object (report-only, not applied): add /spec/template/metadata/labels/example.com~1team"
+        ]
+    );
+    let applied = render(&svc, &rt, &with_policy(json!(["Patch", "Audit"])), true)
+        .unwrap()
+        .backend;
+    let labels = applied
+        .spec
+        .as_ref()
+        .unwrap()
+        .template
+        .metadata
+        .as_ref()
+        .unwrap()
+        .labels
+        .as_ref()
+        .unwrap();
+    assert_eq!(
+        labels.get("example.com/team").map(String::as_str),
+        Some("ml")
+    );
+    assert_eq!(
+        crate::policy::reports_of(&applied),
+        [
+            "ServingPolicy 'team-label' changed the object: add /spec/template/metadata/labels/example.com~1team"
+        ]
+    );
+}
+
 /// No service account token where nothing calls the apiserver: the backend's pods and the
 /// prewarm Job's. The gateway watches its ConfigMaps and writes Events, so it keeps one.
 #[test]
