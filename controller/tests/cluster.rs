@@ -552,17 +552,7 @@ async fn phases_follow_the_backend_and_replicas_belong_to_the_scaler() -> Result
             .context("created")?
             .0
     );
-    let events: Api<Event> = ns.api();
-    let note = wait_until("the Activated Event", WAIT, || async {
-        let list = events
-            .list(&ListParams::default().fields("involvedObject.name=stub-svc,reason=Activated"))
-            .await?;
-        Ok(match list.items.first() {
-            Some(e) => Observed::Ready(e.message.clone().unwrap_or_default()),
-            None => Observed::NotYet("no Activated Event".into()),
-        })
-    })
-    .await?;
+    let note = wait_event(&ns, "stub-svc", "Activated").await?;
     assert!(
         note.starts_with("0→1 in ") && note.contains(&format!("(pod {} on node ", first.pod)),
         "{note}"
@@ -631,6 +621,7 @@ async fn phases_follow_the_backend_and_replicas_belong_to_the_scaler() -> Result
     .await?;
 
     // Transitions were recorded as Events on the LLMService.
+    let events: Api<Event> = ns.api();
     let reasons: Vec<String> = wait_until("phase Events", WAIT, || async {
         let list = events
             .list(&ListParams::default().fields("involvedObject.name=stub-svc"))
@@ -988,6 +979,20 @@ async fn a_platform_policy_in_the_cluster_renders_fractions() -> Result<()> {
     result
 }
 
+/// The note of the first Event with `reason` about the object `name` of `ns`, waited for.
+async fn wait_event(ns: &TestNamespace, name: &str, reason: &str) -> Result<String> {
+    let events: Api<Event> = ns.api();
+    let fields = format!("involvedObject.name={name},reason={reason}");
+    wait_until(format!("the {reason} Event on {name}"), WAIT, || async {
+        let list = events.list(&ListParams::default().fields(&fields)).await?;
+        Ok(match list.items.first() {
+            Some(e) => Observed::Ready(e.message.clone().unwrap_or_default()),
+            None => Observed::NotYet(format!("no {reason} Event")),
+        })
+    })
+    .await
+}
+
 /// A report-only ServingPolicy in the cluster (step 2 of a rollout, docs/policies.md): the
 /// backend is not changed, it carries the report, and the LLMService gets a `PolicyReport`
 /// Event; switched to `Patch`, the same policy changes the backend and the report says so.
@@ -1041,17 +1046,7 @@ async fn a_report_only_policy_reports_on_the_backend_and_changes_nothing() -> Re
         })
         .await?;
         assert_eq!(team_label(&backend), None, "a report-only policy changed the backend");
-        let events: Api<Event> = ns.api();
-        let note = wait_until("the PolicyReport Event", WAIT, || async {
-            let list = events
-                .list(&ListParams::default().fields("involvedObject.name=stub-svc,reason=PolicyReport"))
-                .await?;
-            Ok(match list.items.first() {
-                Some(e) => Observed::Ready(e.message.clone().unwrap_or_default()),
-                None => Observed::NotYet("no PolicyReport Event".into()),
-            })
-        })
-        .await?;
+        let note = wait_event(&ns, "stub-svc", "PolicyReport").await?;
         assert!(note.contains(&want), "{note}");
 
         // Enforced: the policy changes the backend, and the report says it did.
