@@ -238,8 +238,9 @@ async fn validate_returns_warnings_and_audit_annotations() {
             .any(|w| w.as_str().unwrap().contains("capacity review")),
         "{r}"
     );
+    // The policy's `<policy>/<key>`, under a key the apiserver records (no second `/`).
     assert_eq!(
-        r["auditAnnotations"]["audit-runtime/runtime"], "vllm-ascend",
+        r["auditAnnotations"]["audit-runtime.runtime"], "vllm-ascend",
         "{r}"
     );
     // The mutating endpoint does not repeat them.
