@@ -123,5 +123,6 @@ pub const DEPLOYMENT_LABEL: &str = "serving.hearth.dev/deployment";
 /// whose `spec.mutationActions` say `Warn` or `Audit` changed or, report-only, would change on
 /// it, as a JSON list of their admission warnings (`ServingPolicy '<name>' would change the
 /// object (report-only, not applied): add /spec/…`). Absent when none reports. Written by the
-/// controller; a change of it is also an Event `PolicyReport` on the LLMService.
+/// controller; a change of it to a list that is not empty is also an Event `PolicyReport` on the
+/// LLMService.
 pub const POLICY_REPORTS_ANNOTATION: &str = "serving.hearth.dev/policy-reports";

@@ -425,7 +425,7 @@ fn errors_of_a_fail_policy_are_enforced_by_its_validation_actions() {
     // validationActions, then: allowed, warnings, audited.
     for (actions, allowed, warnings, audited) in [
         (json!(["Deny"]), false, 0, false),
-        (json!(["Deny", "Audit"]), false, 0, false),
+        (json!(["Deny", "Audit"]), false, 0, true),
         (json!(["Warn"]), true, 1, false),
         (json!(["Audit"]), true, 0, true),
         (json!(["Warn", "Audit"]), true, 1, true),

@@ -558,20 +558,21 @@ pub const VALIDATION_FAILURE: &str = "validation.policy.admission.k8s.io/validat
 
 /// Handles the evaluation errors of one policy's validation phase (matchConditions, variables,
 /// validations, auditAnnotations) as ValidatingAdmissionPolicy does: with `failurePolicy: Fail`
-/// they are enforced by the policy's `validationActions` — rejected with `Deny`; without it an
-/// admission warning (`Warn`) and an entry in the validation-failure audit annotation (`Audit`),
-/// and the error itself is kept as ignored. `Ignore` errors stay ignored.
+/// they are enforced by the policy's `validationActions` — rejected with `Deny` (the error stays
+/// a `Fail` error), an admission warning with `Warn`, an entry in the validation-failure audit
+/// annotation with `Audit`; without `Deny` the error itself is kept as ignored. `Ignore` errors
+/// stay ignored.
 pub(super) fn errors_by_actions(p: &CompiledPolicy, local: &mut Outcome) {
-    if p.actions.contains(&ValidationAction::Deny) {
-        return;
-    }
+    let deny = p.actions.contains(&ValidationAction::Deny);
     let mut audited = Vec::new();
     for e in local
         .errors
         .iter_mut()
         .filter(|e| e.failure_policy == FailurePolicy::Fail)
     {
-        e.failure_policy = FailurePolicy::Ignore;
+        if !deny {
+            e.failure_policy = FailurePolicy::Ignore;
+        }
         let message = format!("{}: {}", e.field, e.message);
         if p.actions.contains(&ValidationAction::Warn) {
             local.warnings.push(format!(

@@ -266,8 +266,9 @@ pub struct Outcome {
     /// Names of the policies that matched the request.
     pub matched: Vec<String>,
     /// What the mutations of policies with `Warn` or `Audit` in `spec.mutationActions` changed,
-    /// or, without `Patch`, would have changed (report-only), in policy order; nothing for a
-    /// policy whose mutations left the object as it was.
+    /// or, without `Patch`, would have changed (report-only): the applied policies' reports in
+    /// policy order, then the reinvocation round's (a policy may appear twice), then the
+    /// report-only policies'; nothing for a policy whose mutations left the object as it was.
     pub mutation_reports: Vec<MutationReport>,
 }
 
