@@ -970,14 +970,12 @@ async fn reconcile_inner(svc: &LLMService, ctx: &Context) -> Result<Action, Erro
     // KEDA's report on the ScaledObject comes by the cache's watch; while the cache does not
     // hold it, looked at again soon, so AutoscalingReady does not wait for the resync.
     let requeue = [
-        Some(ctx.requeue),
         handover.requeue,
         keda_cache_behind.then_some(KEDA_CACHE_RECHECK),
     ]
     .into_iter()
     .flatten()
-    .min()
-    .unwrap_or(ctx.requeue);
+    .fold(ctx.requeue, Duration::min);
     Ok(Action::requeue(requeue))
 }
 

@@ -487,10 +487,9 @@ impl<'p> PolicyRun<'p> {
                         message: message.clone(),
                         reason: v.reason,
                     }),
-                    ValidationAction::Warn => out.warnings.push(format!(
-                        "Validation failed for ServingPolicy '{}': {message}",
-                        p.name
-                    )),
+                    ValidationAction::Warn => {
+                        out.warnings.push(validation_warning(&p.name, &message))
+                    }
                     ValidationAction::Audit => audit_failures.push(serde_json::json!({
                         "message": message,
                         "policy": p.name,
@@ -500,12 +499,7 @@ impl<'p> PolicyRun<'p> {
                 }
             }
         }
-        if !audit_failures.is_empty() {
-            out.audit_annotations.insert(
-                VALIDATION_FAILURE.to_owned(),
-                Value::Array(audit_failures).to_string(),
-            );
-        }
+        append_validation_failures(&mut out.audit_annotations, audit_failures);
         for a in &p.audit_annotations {
             match self.eval(ev, &a.expr)? {
                 Ok(Got::Str(s)) if !s.is_empty() => {
@@ -575,10 +569,7 @@ pub(super) fn errors_by_actions(p: &CompiledPolicy, local: &mut Outcome) {
         }
         let message = format!("{}: {}", e.field, e.message);
         if p.actions.contains(&ValidationAction::Warn) {
-            local.warnings.push(format!(
-                "Validation failed for ServingPolicy '{}': {message}",
-                p.name
-            ));
+            local.warnings.push(validation_warning(&p.name, &message));
         }
         if p.actions.contains(&ValidationAction::Audit) {
             audited.push(serde_json::json!({
@@ -588,18 +579,29 @@ pub(super) fn errors_by_actions(p: &CompiledPolicy, local: &mut Outcome) {
             }));
         }
     }
-    if audited.is_empty() {
+    append_validation_failures(&mut local.audit_annotations, audited);
+}
+
+/// The admission warning of a failed `Warn` validation (as ValidatingAdmissionPolicy words it).
+fn validation_warning(policy: &str, message: &str) -> String {
+    format!("Validation failed for ServingPolicy '{policy}': {message}")
+}
+
+/// Appends `failures` to the JSON list of [`VALIDATION_FAILURE`] in `annotations` (made when
+/// absent; nothing when `failures` is empty).
+fn append_validation_failures(
+    annotations: &mut std::collections::BTreeMap<String, String>,
+    failures: Vec<Value>,
+) {
+    if failures.is_empty() {
         return;
     }
-    let mut all: Vec<Value> = local
-        .audit_annotations
+    let mut all: Vec<Value> = annotations
         .get(VALIDATION_FAILURE)
         .and_then(|v| serde_json::from_str(v).ok())
         .unwrap_or_default();
-    all.extend(audited);
-    local
-        .audit_annotations
-        .insert(VALIDATION_FAILURE.to_owned(), Value::Array(all).to_string());
+    all.extend(failures);
+    annotations.insert(VALIDATION_FAILURE.to_owned(), Value::Array(all).to_string());
 }
 
 /// Adds one policy's validation results to the request's outcome. Failed `Audit` validations
@@ -609,13 +611,9 @@ pub(super) fn merge(out: &mut Outcome, local: Outcome) {
     out.warnings.extend(local.warnings);
     out.errors.extend(local.errors);
     for (k, v) in local.audit_annotations {
-        if k == VALIDATION_FAILURE
-            && let Some(previous) = out.audit_annotations.get(&k)
-        {
-            let mut all: Vec<Value> = serde_json::from_str(previous).unwrap_or_default();
-            all.extend(serde_json::from_str::<Vec<Value>>(&v).unwrap_or_default());
-            out.audit_annotations
-                .insert(k, Value::Array(all).to_string());
+        if k == VALIDATION_FAILURE {
+            let failures = serde_json::from_str(&v).unwrap_or_default();
+            append_validation_failures(&mut out.audit_annotations, failures);
         } else {
             out.audit_annotations.insert(k, v);
         }

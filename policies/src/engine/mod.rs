@@ -226,6 +226,9 @@ impl PolicySet {
                 guard::refund_request(left);
             }
         }
+        if let Some(v) = MutationReport::audit_annotation(&out.mutation_reports) {
+            out.audit_annotations.insert(MUTATION_REPORT.to_owned(), v);
+        }
 
         if validate {
             let mut interpreted: Option<CelEval> = None;
@@ -268,8 +271,9 @@ impl PolicySet {
     }
 
     /// Runs one policy's mutations as its `spec.mutationActions` say: applied to `object`
-    /// (`Patch`), reported (`Warn`: the paths as an admission warning; `Audit`: the JSON Patch
-    /// in the `mutation.serving.hearth.dev/report` audit annotation), or both. Report-only
+    /// (`Patch`), reported (a [`MutationReport`]; `Warn`: the paths as an admission warning,
+    /// `Audit`: the JSON Patch in the [`MUTATION_REPORT`] audit annotation, written once the
+    /// mutations are done), or both. Report-only
     /// (no `Patch`): evaluated on a copy, `object` is left as it was. Returns whether `object`
     /// changed.
     fn mutate_reported<'c>(
@@ -308,9 +312,6 @@ impl PolicySet {
             out.warnings.push(report.warning());
         }
         out.mutation_reports.push(report);
-        if let Some(v) = MutationReport::audit_annotation(&out.mutation_reports) {
-            out.audit_annotations.insert(MUTATION_REPORT.to_owned(), v);
-        }
         if p.patches() {
             *object = after;
             true

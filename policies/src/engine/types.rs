@@ -303,12 +303,16 @@ impl MutationReport {
             .iter()
             .take(WARNING_PATHS)
             .map(|op| {
-                let v = serde_json::to_value(op).unwrap_or(Value::Null);
-                format!(
-                    "{} {}",
-                    v["op"].as_str().unwrap_or_default(),
-                    v["path"].as_str().unwrap_or_default()
-                )
+                use json_patch::PatchOperation as Op;
+                let verb = match op {
+                    Op::Add(_) => "add",
+                    Op::Remove(_) => "remove",
+                    Op::Replace(_) => "replace",
+                    Op::Move(_) => "move",
+                    Op::Copy(_) => "copy",
+                    Op::Test(_) => "test",
+                };
+                format!("{verb} {}", op.path())
             })
             .collect();
         if self.patch.0.len() > WARNING_PATHS {
