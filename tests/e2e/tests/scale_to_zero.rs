@@ -13,7 +13,7 @@
 
 mod stack;
 
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::{Context, Result, ensure};
 use hearth_e2e_harness::client::{self, Event};
@@ -93,13 +93,19 @@ async fn cold_start_then_back_to_zero(mode: ScalerMode) -> Result<stack::Deploye
         "no SSE heartbeat before the first token: {:?}",
         trace.events
     );
-    // 0 → 1 happened after the request and the backend was ready before the first token.
+    // 0 → 1 happened after the request, and the backend pod was Ready before the first token:
+    // its Ready condition's time (whole seconds, truncated) against the token's wall-clock
+    // time. The Deployment's readyReplicas (the timeline) may follow the EndpointSlice, which
+    // the gateway forwards by, by seconds on a busy node.
+    let first_token_at = SystemTime::now() - first_token.elapsed();
+    let pod_ready_at = d.backend_ready_at().await?;
     let scaled = d.timeline.first_after(t0, |s| s.desired >= 1);
     let ready = d.timeline.first_after(t0, |s| s.ready >= 1);
     ensure!(scaled.is_some(), "the backend never scaled 0 → 1 ({tl})");
     ensure!(
-        ready.is_some_and(|r| r <= first_token),
-        "first token before any ready backend ({tl})"
+        pod_ready_at.is_some_and(|r| r <= first_token_at),
+        "first token before any Ready backend pod (Ready at {:?}, first token at {first_token_at:?}; {tl})",
+        pod_ready_at
     );
     ensure!(
         d.timeline.max_desired() == 1,

@@ -8,7 +8,7 @@
 pub mod scaler_tls;
 pub mod volumes;
 
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use anyhow::{Context, Result};
 use hearth_e2e_harness::stack::{self, ScalerMode};
@@ -232,6 +232,25 @@ impl Deployed {
             .list(&ListParams::default().labels(&backend_selector()))
             .await?
             .items)
+    }
+
+    /// When the first backend pod now listed turned Ready: the earliest `lastTransitionTime`
+    /// of a `Ready=True` condition (whole seconds, truncated). The kubelet writes it as the
+    /// readiness probe passes, before the EndpointSlice lists the pod, so before any gateway
+    /// can send it a request. The Deployment's `readyReplicas` (the [`Timeline`]) comes later,
+    /// after the ReplicaSet and Deployment controllers have each caught up, seconds later on a
+    /// busy node. `None` while no backend pod is Ready.
+    pub async fn backend_ready_at(&self) -> Result<Option<SystemTime>> {
+        Ok(self
+            .backend_pods()
+            .await?
+            .iter()
+            .filter_map(|p| p.status.as_ref()?.conditions.as_ref())
+            .flatten()
+            .filter(|c| c.type_ == "Ready" && c.status == "True")
+            .filter_map(|c| c.last_transition_time.as_ref())
+            .map(|t| SystemTime::from(t.0))
+            .min())
     }
 
     /// `GET http://<pod IP>:8000/is_sleeping` of the only backend pod, and that pod.
