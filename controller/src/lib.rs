@@ -34,6 +34,7 @@ pub mod reconcile;
 pub mod render;
 pub mod resolve;
 pub mod scaler_tls;
+pub mod scan;
 pub mod status;
 pub mod template;
 pub mod upgrade;

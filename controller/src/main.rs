@@ -173,6 +173,20 @@ struct RunArgs {
     /// evaluates them (needs list/watch on servingpolicies); false: the built-ins only.
     #[arg(long, env = "HEARTH_CLUSTER_POLICIES", default_value_t = true, action = clap::ArgAction::Set)]
     cluster_policies: bool,
+    /// Background policy scans: the workloads that already run (Deployments and StatefulSets
+    /// annotated for Hearth) evaluated against the ServingPolicies at start, when a policy
+    /// changes and every --policy-scan-interval; results in Policy Reports
+    /// (wgpolicyk8s.io/v1alpha2, when its CRD is installed) and each policy's `status.scan`.
+    /// Needs --cluster-policies.
+    #[arg(long, env = "HEARTH_POLICY_SCAN", default_value_t = true, action = clap::ArgAction::Set)]
+    policy_scan: bool,
+    /// Time between periodic policy scans; 0s: only at start and on policy changes.
+    #[arg(long, env = "HEARTH_POLICY_SCAN_INTERVAL", default_value = "1h", value_parser = go_duration)]
+    policy_scan_interval: Duration,
+    /// Workloads a policy scan evaluates per second, at most (its pace, so admission keeps
+    /// the CPU it needs).
+    #[arg(long, env = "HEARTH_POLICY_SCAN_RATE", default_value_t = 200, value_parser = clap::value_parser!(u32).range(1..))]
+    policy_scan_rate: u32,
     /// Device handover: a cold service whose backend pod cannot be scheduled for lack of its
     /// accelerator may take an idle service's (lower or equal `spec.scaling.priority`, past its
     /// `minResidency`, no request in flight) to zero through KEDA's pause; false: services
@@ -551,6 +565,12 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         concurrency: args.concurrency,
         instance: identity,
         cluster_policies: args.cluster_policies,
+        policy_scan: (args.cluster_policies && args.policy_scan).then(|| {
+            hearth_controller::scan::ScanConfig {
+                interval: args.policy_scan_interval,
+                rate: args.policy_scan_rate,
+            }
+        }),
         device_handover: args.device_handover,
         scaler_tls: hearth_controller::scaler_tls::ScalerTlsConfig {
             cert_validity: args.scaler_cert_validity,

@@ -90,33 +90,51 @@ impl Engine {
     pub fn policies(&self) -> &[ServingPolicy] {
         &self.sources
     }
+
+    /// The compiled set.
+    pub fn policy_set(&self) -> &PolicySet {
+        &self.set
+    }
 }
 
 /// The engine the controller renders with: the built-ins and the cluster's ServingPolicies
 /// (the set the webhook evaluates, built the same way by `hearth_policies::cluster`), replaced
-/// as a whole when a policy changes.
+/// as a whole when a policy changes. Each replacement counts up a generation that
+/// [`ClusterEngine::subscribe`] announces (the background scan's trigger, `crate::scan`).
 #[derive(Clone, Debug)]
-pub struct ClusterEngine(Arc<RwLock<Engine>>);
+pub struct ClusterEngine {
+    engine: Arc<RwLock<Engine>>,
+    generation: Arc<tokio::sync::watch::Sender<u64>>,
+}
 
 impl ClusterEngine {
     /// Starts with `engine` (the built-ins) until the first list of the cluster's policies.
     pub fn new(engine: Engine) -> Self {
-        Self(Arc::new(RwLock::new(engine)))
+        Self {
+            engine: Arc::new(RwLock::new(engine)),
+            generation: Arc::new(tokio::sync::watch::Sender::new(0)),
+        }
     }
 
     /// The current engine.
     pub fn current(&self) -> Engine {
-        match self.0.read() {
+        match self.engine.read() {
             Ok(e) => e.clone(),
             Err(poisoned) => poisoned.into_inner().clone(),
         }
     }
 
+    /// A receiver that sees every replacement of the engine (a generation, counting up).
+    pub fn subscribe(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.generation.subscribe()
+    }
+
     fn set(&self, engine: Engine) {
-        match self.0.write() {
+        match self.engine.write() {
             Ok(mut e) => *e = engine,
             Err(poisoned) => *poisoned.into_inner() = engine,
         }
+        self.generation.send_modify(|g| *g += 1);
     }
 
     /// Rebuilds the engine from `builtins` and the cluster's policies (each compiled on its own;

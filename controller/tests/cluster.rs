@@ -98,6 +98,7 @@ fn start(client: Client, namespace: &str, render: RenderConfig, requeue: Duratio
             scaler_tls: Default::default(),
             admin_tokens,
             shared_client_home: None,
+            policy_scan: None,
         },
     )
 }
@@ -2037,4 +2038,277 @@ async fn keda_shared_client_certificate_reaches_the_shared_triggers_and_is_renew
     .await?;
     running.stop().await;
     Ok(())
+}
+
+/// A Deployment of no replicas pinned to `runtime` (or plain without one), with `labels`.
+fn scanned_deployment(name: &str, runtime: Option<&str>, labels: Value) -> Result<Deployment> {
+    let mut annotations = serde_json::Map::new();
+    if let Some(rt) = runtime {
+        annotations.insert(
+            hearth_crds::wellknown::RUNTIME_ANNOTATION.to_owned(),
+            json!(rt),
+        );
+    }
+    Ok(serde_json::from_value(json!({
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": {"name": name, "labels": labels, "annotations": annotations},
+        "spec": {
+            "replicas": 0,
+            "selector": {"matchLabels": {"app": name}},
+            "template": {
+                "metadata": {"labels": {"app": name}},
+                "spec": {"containers": [{"name": "vllm", "image": "vllm/vllm-openai:v0.25.1"}]},
+            },
+        },
+    }))?)
+}
+
+/// The `status.scan` of ServingPolicy `name` once it describes `generation` and `done` holds.
+async fn wait_scan(
+    policies: &Api<hearth_crds::ServingPolicy>,
+    name: &str,
+    what: &str,
+    done: impl Fn(&hearth_crds::servingpolicy::ScanStatus) -> bool,
+) -> Result<hearth_crds::servingpolicy::ScanStatus> {
+    wait_until(format!("status.scan of {name}: {what}"), WAIT, || async {
+        let p = policies.get(name).await?;
+        let scan = p.status.as_ref().and_then(|s| s.scan.clone());
+        Ok(match scan {
+            Some(s) if s.observed_generation == p.metadata.generation && done(&s) => {
+                Observed::Ready(s)
+            }
+            other => Observed::NotYet(format!("{other:?}")),
+        })
+    })
+    .await
+}
+
+/// The results of `policy` in the PolicyReport of Deployment `name`, once `done` holds.
+async fn wait_report(
+    ns: &TestNamespace,
+    name: &str,
+    policy: &str,
+    done: impl Fn(&[Value]) -> bool,
+) -> Result<Value> {
+    let deployments: Api<Deployment> = ns.api();
+    let uid = deployments.get(name).await?.uid().context("uid")?;
+    let reports = Api::<DynamicObject>::namespaced_with(
+        ns.client(),
+        ns.name(),
+        &hearth_controller::scan::report_resource(),
+    );
+    let report_name = hearth_controller::scan::report_name(&uid);
+    wait_until(
+        format!("PolicyReport {report_name} of {name}"),
+        WAIT,
+        || async {
+            let Some(r) = reports.get_opt(&report_name).await? else {
+                return Ok(Observed::NotYet("no report".into()));
+            };
+            let mine: Vec<Value> = r.data["results"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter(|x| x["policy"] == policy)
+                .cloned()
+                .collect();
+            Ok(if done(&mine) {
+                Observed::Ready(serde_json::to_value(&r)?)
+            } else {
+                Observed::NotYet(format!("results {mine:?}"))
+            })
+        },
+    )
+    .await
+}
+
+/// `(rule, result)` of each result.
+fn rule_results(results: &[Value]) -> Vec<(String, String)> {
+    results
+        .iter()
+        .map(|r| {
+            (
+                r["rule"].as_str().unwrap_or_default().to_owned(),
+                r["result"].as_str().unwrap_or_default().to_owned(),
+            )
+        })
+        .collect()
+}
+
+/// A ServingPolicy added to a cluster where workloads already run (docs/policies.md, "Reports on
+/// what already runs"): the controller scans the Deployments annotated for Hearth, writes a
+/// PolicyReport for each (none for a plain Deployment) and counts the results on the policy's
+/// status; a change to the policy is scanned again and the reports follow; a Deployment that
+/// leaves Hearth loses its report.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_policy_reports_on_the_workloads_that_already_run() -> Result<()> {
+    let (client, ns) = setup("ctrl-scan").await?;
+    hearth_test_support::install_policy_report_crd(&client).await?;
+    let rt = apply_stub_runtime(&client).await?;
+    let rt_name = rt.name_any();
+    let deployments: Api<Deployment> = ns.api();
+    for d in [
+        scanned_deployment("labelled", Some(&rt_name), json!({"team": "a"}))?,
+        scanned_deployment("unlabelled", Some(&rt_name), json!({}))?,
+        scanned_deployment("plain", None, json!({}))?,
+    ] {
+        deployments.create(&PostParams::default(), &d).await?;
+    }
+    let running = start_with(
+        client.clone(),
+        RunConfig {
+            namespace: Some(ns.name().to_owned()),
+            policy_scan: Some(hearth_controller::scan::ScanConfig {
+                interval: Duration::ZERO,
+                rate: 200,
+            }),
+            ..RunConfig::new(test_render_config())
+        },
+    );
+    let policies: Api<hearth_crds::ServingPolicy> = Api::all(client.clone());
+    let name = format!("{}-team", ns.name());
+    let this_namespace = json!({
+        "name": "this-test-only",
+        "expression": format!("object.metadata.namespace == {:?}", ns.name()),
+    });
+    let team = json!({
+        "expression": "has(object.metadata.labels) && 'team' in object.metadata.labels",
+        "message": "every workload names its team",
+    });
+    let result = async {
+        // Added: one workload passes, one fails, the plain one is not Hearth's.
+        let policy: hearth_crds::ServingPolicy = serde_json::from_value(json!({
+            "apiVersion": "serving.hearth.dev/v1alpha1", "kind": "ServingPolicy",
+            "metadata": {"name": name},
+            "spec": {"matchConditions": [this_namespace], "validations": [team]},
+        }))?;
+        policies
+            .patch(&name, &PatchParams::apply(TEST_MANAGER).force(), &Patch::Apply(&policy))
+            .await?;
+        let scan = wait_scan(&policies, &name, "pass 1, fail 1", |s| {
+            s.resources == 2 && s.pass == 1 && s.fail == 1
+        })
+        .await?;
+        assert_eq!((scan.warn, scan.error, scan.would_mutate), (0, 0, 0));
+        assert!(scan.last_scan_time.is_some());
+        let report = wait_report(&ns, "unlabelled", &name, |r| {
+            rule_results(r) == [("validations".into(), "fail".into())]
+        })
+        .await?;
+        let mine = report["results"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|r| r["policy"] == name.as_str())
+            .cloned()
+            .unwrap_or_default();
+        assert_eq!(mine["message"], "every workload names its team");
+        assert_eq!(mine["source"], "hearth");
+        assert_eq!(report["scope"]["kind"], "Deployment");
+        assert_eq!(report["scope"]["name"], "unlabelled");
+        assert_eq!(report["metadata"]["ownerReferences"][0]["name"], "unlabelled");
+        wait_report(&ns, "labelled", &name, |r| {
+            rule_results(r) == [("validations".into(), "pass".into())]
+        })
+        .await?;
+        let reports = Api::<DynamicObject>::namespaced_with(
+            client.clone(),
+            ns.name(),
+            &hearth_controller::scan::report_resource(),
+        );
+        let plain_uid = deployments.get("plain").await?.uid().context("uid")?;
+        assert!(
+            reports
+                .get_opt(&hearth_controller::scan::report_name(&plain_uid))
+                .await?
+                .is_none(),
+            "a plain Deployment got a report"
+        );
+
+        // Changed: the validation only warns now, and a report-only mutation would add an
+        // annotation to both.
+        let policy: hearth_crds::ServingPolicy = serde_json::from_value(json!({
+            "apiVersion": "serving.hearth.dev/v1alpha1", "kind": "ServingPolicy",
+            "metadata": {"name": name},
+            "spec": {
+                "matchConditions": [this_namespace],
+                "validationActions": ["Warn"],
+                "validations": [team],
+                "mutationActions": ["Audit"],
+                "mutations": [{"patchType": "ApplyConfiguration", "applyConfiguration": {"expression":
+                    "Object{metadata: Object.metadata{annotations: {'example.com/reviewed': 'true'}}}"}}],
+            },
+        }))?;
+        policies
+            .patch(&name, &PatchParams::apply(TEST_MANAGER).force(), &Patch::Apply(&policy))
+            .await?;
+        let scan = wait_scan(&policies, &name, "warn 1, would mutate 2", |s| {
+            s.warn == 1 && s.would_mutate == 2
+        })
+        .await?;
+        assert_eq!((scan.resources, scan.pass, scan.fail), (2, 1, 0));
+        let report = wait_report(&ns, "unlabelled", &name, |r| {
+            rule_results(r)
+                == [
+                    ("validations".into(), "warn".into()),
+                    ("mutations".into(), "warn".into()),
+                ]
+        })
+        .await?;
+        let mutation = report["results"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|r| r["policy"] == name.as_str() && r["rule"] == "mutations")
+            .cloned()
+            .unwrap_or_default();
+        assert_eq!(mutation["properties"]["outcome"], "would-mutate");
+        assert!(
+            mutation["properties"]["patch"]
+                .as_str()
+                .is_some_and(|p| p.contains("example.com~1reviewed")),
+            "{mutation}"
+        );
+        // Report-only: nothing was changed.
+        let unlabelled = deployments.get("unlabelled").await?;
+        assert!(!unlabelled.annotations().contains_key("example.com/reviewed"));
+
+        // A workload that leaves Hearth loses its report at the next scan (the policy's
+        // next change).
+        let labelled_uid = deployments.get("labelled").await?.uid().context("uid")?;
+        deployments
+            .patch(
+                "labelled",
+                &PatchParams::default(),
+                &Patch::Merge(json!({"metadata": {"annotations": {
+                    hearth_crds::wellknown::RUNTIME_ANNOTATION: null
+                }}})),
+            )
+            .await?;
+        policies
+            .patch(
+                &name,
+                &PatchParams::default(),
+                &Patch::Merge(json!({"spec": {"validationActions": ["Audit"]}})),
+            )
+            .await?;
+        wait_scan(&policies, &name, "one workload", |s| s.resources == 1).await?;
+        wait_until("the left workload's report deleted", WAIT, || async {
+            Ok(
+                match reports
+                    .get_opt(&hearth_controller::scan::report_name(&labelled_uid))
+                    .await?
+                {
+                    None => Observed::Ready(()),
+                    Some(_) => Observed::NotYet("still there".into()),
+                },
+            )
+        })
+        .await?;
+        Ok::<_, anyhow::Error>(())
+    }
+    .await;
+    running.stop().await;
+    let _ = policies.delete(&name, &DeleteParams::default()).await;
+    result
 }

@@ -371,4 +371,46 @@ pub struct ServingPolicyStatus {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
     pub conditions: Vec<Condition>,
+
+    /// scan is what the last background scan found: this policy evaluated against the
+    /// workloads that already run (Deployments and StatefulSets annotated for Hearth), as
+    /// admission would if each were created now. One result per rule (validations,
+    /// mutations) per matched workload; each workload's results are in a Policy Report
+    /// (wgpolicyk8s.io/v1alpha2 PolicyReport `hearth-<workload uid>` in its namespace).
+    /// Written by the controller.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scan: Option<ScanStatus>,
+}
+
+/// The counts of a background scan for one ServingPolicy (`status.scan`).
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ScanStatus {
+    /// observedGeneration is the metadata.generation of the policy the scan evaluated.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// lastScanTime is when the scan ended.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_scan_time: Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Time>,
+    /// resources is how many workloads the policy matched.
+    #[serde(default)]
+    pub resources: u64,
+    /// pass counts the results with nothing to report.
+    #[serde(default)]
+    pub pass: u64,
+    /// fail counts the validations results that failed a denying validation (Deny in
+    /// validationActions): admission would reject the workload now.
+    #[serde(default)]
+    pub fail: u64,
+    /// warn counts the validations results that failed a validation the policy only warns
+    /// or audits.
+    #[serde(default)]
+    pub warn: u64,
+    /// error counts the results whose expressions did not evaluate.
+    #[serde(default)]
+    pub error: u64,
+    /// wouldMutate counts the mutations results whose mutations would change the workload
+    /// (applied at its next admission, or reported only).
+    #[serde(default)]
+    pub would_mutate: u64,
 }

@@ -12,6 +12,8 @@
 //!   [`Outcome`] separates denials, warnings, audit annotations, the JSON Patch and the
 //!   patched object, and evaluation errors (with `failurePolicy` applied).
 //! - [`PolicySet::mutate`] is the controller's render path: mutations only.
+//! - [`report::results`] is a background scan's: what each policy says of an object that
+//!   already exists, as Policy Report results.
 //! - [`resolve::resolve_runtime`] picks the InferenceRuntime for a workload.
 //! - [`Limits`] bounds what any expression may cost; see [`limits`].
 //! - [`fallback`] counts and logs the policies the native evaluator hands to the interpreter.
@@ -30,6 +32,7 @@ pub mod manifest;
 pub mod matching;
 pub mod merge;
 pub(crate) mod native;
+pub mod report;
 pub mod resolve;
 pub mod testfile;
 pub mod value;
@@ -38,7 +41,7 @@ pub use compile::{CompiledExpr, ExprError};
 pub use engine::{
     Denial, ErrorKind, EvalError, EvalInput, GroupVersionKind, GroupVersionResource,
     MUTATION_REPORT, MutateError, Mutated, MutationReport, Outcome, PolicyLoadError, PolicySet,
-    PolicySettings, RequestInfo, UserInfo, VALIDATION_FAILURE,
+    PolicySettings, RequestInfo, UserInfo, VALIDATION_FAILURE, ValidationFailure,
 };
 pub use limits::Limits;
 pub use resolve::{ResolveError, Selection, resolve_runtime};

@@ -241,16 +241,17 @@ pub(crate) fn review(
         _ => None,
     };
     let input = EvalInput {
-        request: request_info(req),
-        object: Some(object_json),
         old_object: req
             .old_object
             .as_ref()
             .and_then(|o| serde_json::to_value(o).ok()),
         namespace_object,
-        params: Some(hearth_policies::manifest::runtime_params(runtime)),
-        service: None,
-        settings: Some((*snapshot.settings).clone()),
+        ..EvalInput::for_workload(
+            request_info(req),
+            object_json,
+            runtime,
+            (*snapshot.settings).clone(),
+        )
     };
     let out = snapshot.policies.evaluate(&input);
     if !out.allowed() {

@@ -15,7 +15,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail, ensure};
 use hearth_crds::{InferenceRuntime, LLMService, ServingPolicy};
 use hearth_test_support::{
-    Cluster, Observed, TestNamespace, run_detached, wait_crds_established, wait_until,
+    Cluster, Observed, TestNamespace, audit_annotation, create_with_warnings, run_detached,
+    wait_crds_established, wait_until,
 };
 use hearth_webhook::registration::{Registration, Target};
 use hearth_webhook::selfmanaged::{SelfManaged, SelfManagedConfig};
@@ -508,38 +509,6 @@ async fn ensure_a10_runtime(client: &Client, hook: &Webhook) -> Result<()> {
     .await
 }
 
-/// Creates `deployment` in `ns` (a server dry run when `dry_run`) as kubectl does, and returns
-/// what was stored with the admission warnings the response carried (kube's typed API drops
-/// them).
-async fn create_with_warnings(
-    client: &Client,
-    ns: &str,
-    deployment: &Deployment,
-    dry_run: bool,
-) -> Result<(Deployment, Vec<String>)> {
-    let query = if dry_run { "?dryRun=All" } else { "" };
-    let request = http::Request::post(format!("/apis/apps/v1/namespaces/{ns}/deployments{query}"))
-        .header(http::header::CONTENT_TYPE, "application/json")
-        .body(kube::client::Body::from(serde_json::to_vec(deployment)?))?;
-    let response = client.send(request).await?;
-    let status = response.status();
-    let warnings = response
-        .headers()
-        .get_all(http::header::WARNING)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .map(str::to_owned)
-        .collect();
-    let body = response.into_body().collect_bytes().await?;
-    ensure!(
-        status.is_success(),
-        "create {}: {status}: {}",
-        deployment.metadata.name.as_deref().unwrap_or_default(),
-        String::from_utf8_lossy(&body)
-    );
-    Ok((serde_json::from_slice(&body)?, warnings))
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn report_only_policy_warns_the_client_and_reaches_the_audit_log() -> Result<()> {
     let (ns, hook) = setup("webhook-audit", Duration::from_secs(3600)).await?;
@@ -628,43 +597,10 @@ async fn report_only_policy_warns_the_client_and_reaches_the_audit_log() -> Resu
 
     // The apiserver's audit event of that create carries the webhook's audit annotations, under
     // `<webhook name>/<key>`.
-    let event = wait_until("the create's audit event", Duration::from_secs(30), || {
-        let path = audit_log.clone();
-        let ns = ns.name().to_owned();
-        async move {
-            // The log and the files it was rotated into (`audit-<time>.log`).
-            let mut text = String::new();
-            let dir = path.parent().context("the audit log's directory")?;
-            for entry in std::fs::read_dir(dir)? {
-                let p = entry?.path();
-                let name = p.file_name().and_then(|n| n.to_str()).unwrap_or_default();
-                if name.starts_with("audit") && name.ends_with(".log") {
-                    text.push_str(&tokio::fs::read_to_string(&p).await?);
-                }
-            }
-            let found = text
-                .lines()
-                .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-                .find(|e| {
-                    e["verb"] == "create"
-                        && e["stage"] == "ResponseComplete"
-                        && e["objectRef"]["namespace"] == ns.as_str()
-                        && e["objectRef"]["name"] == "costly"
-                });
-            Ok(match found {
-                Some(e) => Observed::Ready(e),
-                None => Observed::NotYet(format!("no event in {}", path.display())),
-            })
-        }
-    })
-    .await?;
-    let recorded = |suffix: &str| -> Option<String> {
-        event["annotations"].as_object().and_then(|a| {
-            a.iter()
-                .find(|(k, _)| k.ends_with(suffix))
-                .and_then(|(_, v)| v.as_str().map(str::to_owned))
-        })
-    };
+    let event = cluster
+        .wait_audit_event("create", ns.name(), "costly", Duration::from_secs(30))
+        .await?;
+    let recorded = |suffix: &str| audit_annotation(&event, suffix);
     let failure = recorded("/validation_failure")
         .with_context(|| format!("no validation_failure in {}", event["annotations"]))?;
     ensure!(

@@ -229,6 +229,16 @@ egress:
   resources: ["triggerauthentications"]
   verbs: ["create", "patch", "delete"]
 {{- end }}
+{{- if .Values.controller.policyScan.enabled }}
+# Policy scans: the StatefulSets annotated for Hearth (Deployments above), and one
+# PolicyReport per scanned workload (written by server-side apply, deleted when stale).
+- apiGroups: ["apps"]
+  resources: ["statefulsets"]
+  verbs: ["list"]
+- apiGroups: ["wgpolicyk8s.io"]
+  resources: ["policyreports"]
+  verbs: ["list", "create", "patch", "delete"]
+{{- end }}
 {{- end -}}
 
 {{/*

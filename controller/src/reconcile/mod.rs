@@ -110,9 +110,10 @@ pub use member::{
 pub use plan::{CONDITION_ORDER, Plan, Recovery, View, after_conflict, plan, recovery};
 pub use write::{Kind, Object, Target, Write};
 
+pub(crate) use watch::scoped;
 use watch::{
-    cached_watch, established, relevant, scoped, tap_endpoint_owners, tap_member_owners,
-    uses_runtime, watch_keda, watch_policies, without_errors,
+    cached_watch, established, relevant, tap_endpoint_owners, tap_member_owners, uses_runtime,
+    watch_keda, watch_policies, without_errors,
 };
 
 /// The name of the CRD of `api`, whose presence means KEDA is installed
@@ -293,6 +294,9 @@ pub struct RunConfig {
     /// ([`crate::scaler_tls::maintain_shared`], with `render.shared_scaler_auth`); `None`: held
     /// in memory only (tests).
     pub shared_client_home: Option<crate::scaler_tls::SharedClientHome>,
+    /// Background scans of the workloads that already run against the ServingPolicies
+    /// (`crate::scan`; with `cluster_policies`); `None`: no scans.
+    pub policy_scan: Option<crate::scan::ScanConfig>,
 }
 
 impl RunConfig {
@@ -309,6 +313,7 @@ impl RunConfig {
             scaler_tls: crate::scaler_tls::ScalerTlsConfig::default(),
             admin_tokens: None,
             shared_client_home: None,
+            policy_scan: None,
         }
     }
 }
@@ -1763,6 +1768,19 @@ pub async fn run(
             .await;
     };
     let meter = tokio::spawn(metering::run(ctx.clone(), gone));
+    let scanner = match (&cfg.policy_scan, &ctx.policies) {
+        (Some(scan), Some(engine)) => Some(tokio::spawn(crate::scan::run(
+            ctx.client.clone(),
+            cfg.namespace.clone(),
+            engine.clone(),
+            ctx.runtimes.clone(),
+            ctx.namespaces.clone(),
+            ctx.render.policy_settings().to_value(),
+            scan.clone(),
+            shutdown.clone(),
+        ))),
+        _ => None,
+    };
     let adapter_observer = tokio::spawn(adapter::observe(ctx.clone()));
     // KEDA's certificate for the shared gateways as the keys Secret holds it now (a standby
     // promoted later may have loaded one since renewed), published before any reconcile stamps
@@ -1804,6 +1822,9 @@ pub async fn run(
     sweeper.abort();
     meter.abort();
     adapter_observer.abort();
+    if let Some(scanner) = scanner {
+        scanner.abort();
+    }
     stopped
 }
 

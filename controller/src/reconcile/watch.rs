@@ -38,7 +38,7 @@ use serde::de::DeserializeOwned;
 use super::{KedaState, crd_name};
 use crate::{labels, policy, status};
 
-pub(super) fn scoped<K>(client: &Client, namespace: Option<&str>) -> Api<K>
+pub(crate) fn scoped<K>(client: &Client, namespace: Option<&str>) -> Api<K>
 where
     K: Resource<DynamicType = (), Scope = NamespaceResourceScope>,
 {

@@ -16,7 +16,7 @@ use crate::{
 };
 
 use super::compile::{CompiledMutation, CompiledPolicy, Named};
-use super::types::{Denial, ErrorKind, EvalError, Outcome, RequestInfo};
+use super::types::{Denial, ErrorKind, EvalError, Outcome, RequestInfo, ValidationFailure};
 
 /// The request's roots other than `object`, as JSON. Each evaluator reads them its own way:
 /// the native one in place, the interpreter after conversion (once per request, on first use).
@@ -442,7 +442,10 @@ impl<'p> PolicyRun<'p> {
         let p = self.policy;
         match self.conditions(ev)? {
             Ok(true) => {}
-            Ok(false) => return Ok(()),
+            Ok(false) => {
+                out.conditions_false.push(p.name.clone());
+                return Ok(());
+            }
             Err(e) => {
                 out.errors.push(e);
                 return Ok(());
@@ -480,6 +483,11 @@ impl<'p> PolicyRun<'p> {
             let message = from_expression
                 .or_else(|| v.message.clone())
                 .unwrap_or_else(|| format!("failed expression: {}", v.expr.source));
+            out.validation_failures.push(ValidationFailure {
+                policy: p.name.clone(),
+                message: message.clone(),
+                actions: p.actions.clone(),
+            });
             for action in &p.actions {
                 match action {
                     ValidationAction::Deny => out.denials.push(Denial {
@@ -609,6 +617,8 @@ fn append_validation_failures(
 pub(super) fn merge(out: &mut Outcome, local: Outcome) {
     out.denials.extend(local.denials);
     out.warnings.extend(local.warnings);
+    out.validation_failures.extend(local.validation_failures);
+    out.conditions_false.extend(local.conditions_false);
     out.errors.extend(local.errors);
     for (k, v) in local.audit_annotations {
         if k == VALIDATION_FAILURE {

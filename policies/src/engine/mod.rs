@@ -24,6 +24,7 @@ pub(crate) use eval::{ExprFailure, run, with_stack};
 pub use types::{
     Denial, ErrorKind, EvalError, EvalInput, GroupVersionKind, GroupVersionResource, MutateError,
     Mutated, MutationReport, Outcome, PolicyLoadError, PolicySettings, RequestInfo, UserInfo,
+    ValidationFailure, patch_paths,
 };
 
 use compile::{CompiledPolicy, compile_policy};
@@ -36,6 +37,17 @@ use patch::mutate_passes;
 /// The audit annotation listing the mutations of policies with `Audit` in
 /// `spec.mutationActions`: a JSON list of [`MutationReport`]s.
 pub const MUTATION_REPORT: &str = "mutation.serving.hearth.dev/report";
+
+/// What [`PolicySet::evaluate_in`] runs.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    /// An admission request: mutations, then validations.
+    Admit,
+    /// The controller's render: mutations only.
+    Render,
+    /// A background scan: as `Admit`, every policy's mutations reported.
+    Report,
+}
 
 struct Inner {
     policies: Vec<CompiledPolicy>,
@@ -138,7 +150,25 @@ impl PolicySet {
     /// then validations and audit annotations against the mutated object.
     pub fn evaluate(&self, input: &EvalInput) -> Outcome {
         let _budget = guard::Budget::enter(&self.inner.limits);
-        with_stack(|| guard::with_base(|base| self.evaluate_in(base, input, true)))
+        with_stack(|| guard::with_base(|base| self.evaluate_in(base, input, Mode::Admit)))
+    }
+
+    /// What a background scan records for an object that already exists ([`crate::report`]):
+    /// [`PolicySet::evaluate`], except that every matched policy's mutations are reported
+    /// (a [`MutationReport`] for each policy that would change the object, applied or not),
+    /// whatever its `spec.mutationActions`.
+    pub fn evaluate_for_report(&self, input: &EvalInput) -> Outcome {
+        let _budget = guard::Budget::enter(&self.inner.limits);
+        with_stack(|| guard::with_base(|base| self.evaluate_in(base, input, Mode::Report)))
+    }
+
+    /// The compiled policies' shapes, by name: whether each has validations and mutations.
+    pub(crate) fn rules_of(&self, name: &str) -> Option<(bool, bool)> {
+        self.inner
+            .policies
+            .iter()
+            .find(|p| p.name == name)
+            .map(|p| (!p.validations.is_empty(), !p.mutations.is_empty()))
     }
 
     /// The controller's render path: runs only the mutations over `input.object` and returns
@@ -146,7 +176,8 @@ impl PolicySet {
     /// patch. Errors when a `Fail` policy cannot be evaluated.
     pub fn mutate(&self, input: &EvalInput) -> Result<Mutated, MutateError> {
         let _budget = guard::Budget::enter(&self.inner.limits);
-        let out = with_stack(|| guard::with_base(|base| self.evaluate_in(base, input, false)));
+        let out =
+            with_stack(|| guard::with_base(|base| self.evaluate_in(base, input, Mode::Render)));
         let (fail, ignored): (Vec<_>, Vec<_>) = out
             .errors
             .into_iter()
@@ -162,7 +193,8 @@ impl PolicySet {
         })
     }
 
-    fn evaluate_in(&self, base: &Context<'static>, input: &EvalInput, validate: bool) -> Outcome {
+    fn evaluate_in(&self, base: &Context<'static>, input: &EvalInput, mode: Mode) -> Outcome {
+        let report_all = mode == Mode::Report;
         let mut out = Outcome::default();
         let fixed = Fixed {
             old_object: input.old_object.as_ref(),
@@ -202,7 +234,7 @@ impl PolicySet {
                 if p.mutations.is_empty() || !p.patches() {
                     continue;
                 }
-                changed |= self.mutate_reported(&rctx, &fixed, p, obj, &mut out);
+                changed |= self.mutate_reported(&rctx, &fixed, p, obj, report_all, &mut out);
                 if p.reinvocation == ReinvocationPolicy::IfNeeded {
                     after[i] = Some(obj.clone());
                 }
@@ -211,7 +243,7 @@ impl PolicySet {
                 if p.reinvocation == ReinvocationPolicy::IfNeeded
                     && after[i].as_ref().is_some_and(|a| a != obj)
                 {
-                    changed |= self.mutate_reported(&rctx, &fixed, p, obj, &mut out);
+                    changed |= self.mutate_reported(&rctx, &fixed, p, obj, report_all, &mut out);
                 }
             }
             // Report-only policies last, on the object every applied mutation made (the object
@@ -222,7 +254,7 @@ impl PolicySet {
                 .filter(|p| !p.mutations.is_empty() && !p.patches())
             {
                 let left = guard::request_left();
-                self.mutate_reported(&rctx, &fixed, p, obj, &mut out);
+                self.mutate_reported(&rctx, &fixed, p, obj, report_all, &mut out);
                 guard::refund_request(left);
             }
         }
@@ -230,10 +262,11 @@ impl PolicySet {
             out.audit_annotations.insert(MUTATION_REPORT.to_owned(), v);
         }
 
-        if validate {
+        if mode != Mode::Render {
             let mut interpreted: Option<CelEval> = None;
             for p in &matched {
-                if p.validations.is_empty() && p.audit_annotations.is_empty() {
+                // A scan asks every policy whether its matchConditions hold.
+                if p.validations.is_empty() && p.audit_annotations.is_empty() && !report_all {
                     continue;
                 }
                 let mut local = Outcome::default();
@@ -274,17 +307,18 @@ impl PolicySet {
     /// (`Patch`), reported (a [`MutationReport`]; `Warn`: the paths as an admission warning,
     /// `Audit`: the JSON Patch in the [`MUTATION_REPORT`] audit annotation, written once the
     /// mutations are done), or both. Report-only
-    /// (no `Patch`): evaluated on a copy, `object` is left as it was. Returns whether `object`
-    /// changed.
+    /// (no `Patch`): evaluated on a copy, `object` is left as it was. `report_all` reports
+    /// every policy's mutations (a background scan). Returns whether `object` changed.
     fn mutate_reported<'c>(
         &self,
         rctx: &impl Fn() -> &'c Context<'c>,
         fixed: &Fixed,
         p: &CompiledPolicy,
         object: &mut Value,
+        report_all: bool,
         out: &mut Outcome,
     ) -> bool {
-        if !p.reports_mutations() && p.patches() {
+        if !report_all && !p.reports_mutations() && p.patches() {
             return self.mutate_policy(rctx, fixed, p, object, out);
         }
         let mut after = object.clone();

@@ -203,6 +203,27 @@ impl EvalInput {
             settings: None,
         }
     }
+
+    /// The input of a workload that opted in to Hearth (a Deployment, StatefulSet or Pod with
+    /// the runtime or vendor annotation), as the webhook's reviews and the controller's
+    /// background scans evaluate it: `runtime`, the one its annotations resolve to, as
+    /// `params`; no `service`; the installation's `settings`.
+    pub fn for_workload(
+        request: RequestInfo,
+        object: Value,
+        runtime: &hearth_crds::InferenceRuntime,
+        settings: Value,
+    ) -> Self {
+        EvalInput {
+            request,
+            object: Some(object),
+            old_object: None,
+            namespace_object: None,
+            params: Some(crate::manifest::runtime_params(runtime)),
+            service: None,
+            settings: Some(settings),
+        }
+    }
 }
 
 /// A failed `Deny` validation (or a `Fail` policy's error turned into a rejection).
@@ -270,6 +291,25 @@ pub struct Outcome {
     /// policy order, then the reinvocation round's (a policy may appear twice), then the
     /// report-only policies'; nothing for a policy whose mutations left the object as it was.
     pub mutation_reports: Vec<MutationReport>,
+    /// Every failed validation of the matched policies, whatever its `validationActions` (the
+    /// admission outcome above sorts them into denials, warnings and audit annotations): what
+    /// a Policy Report records ([`crate::report`]).
+    pub validation_failures: Vec<ValidationFailure>,
+    /// Matched policies whose `matchConditions` were false on the object the validations saw
+    /// (the object as it will be stored): they did nothing there.
+    pub conditions_false: Vec<String>,
+}
+
+/// One failed validation: its policy, its message, and how the policy enforces it
+/// (`spec.validationActions`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ValidationFailure {
+    /// The policy's `metadata.name`.
+    pub policy: String,
+    /// The message (`messageExpression`, `message`, or the failed expression).
+    pub message: String,
+    /// The policy's `spec.validationActions`; `Deny` among them: the request is rejected.
+    pub actions: Vec<hearth_crds::servingpolicy::ValidationAction>,
 }
 
 /// What one policy's mutations did to a request's object, for `spec.mutationActions` `Warn`
@@ -292,32 +332,37 @@ pub struct MutationReport {
 /// Operations a [`MutationReport::warning`] names before it only counts the rest.
 const WARNING_PATHS: usize = 8;
 
+/// The operations of `patch` for people: `add /a, replace /b`, at most eight (their values
+/// left out: they can be long), then `and N more`.
+pub fn patch_paths(patch: &json_patch::Patch) -> String {
+    use json_patch::PatchOperation as Op;
+    let mut paths: Vec<String> = patch
+        .0
+        .iter()
+        .take(WARNING_PATHS)
+        .map(|op| {
+            let verb = match op {
+                Op::Add(_) => "add",
+                Op::Remove(_) => "remove",
+                Op::Replace(_) => "replace",
+                Op::Move(_) => "move",
+                Op::Copy(_) => "copy",
+                Op::Test(_) => "test",
+            };
+            format!("{verb} {}", op.path())
+        })
+        .collect();
+    if patch.0.len() > WARNING_PATHS {
+        paths.push(format!("and {} more", patch.0.len() - WARNING_PATHS));
+    }
+    paths.join(", ")
+}
+
 impl MutationReport {
     /// The admission warning for `Warn`: `ServingPolicy '<name>' changed the object: add /a,
     /// replace /b` (or `would change the object (report-only, not applied)`), naming at most
     /// eight operations (their values left out: they can be long) and counting the rest.
     pub fn warning(&self) -> String {
-        let mut paths: Vec<String> = self
-            .patch
-            .0
-            .iter()
-            .take(WARNING_PATHS)
-            .map(|op| {
-                use json_patch::PatchOperation as Op;
-                let verb = match op {
-                    Op::Add(_) => "add",
-                    Op::Remove(_) => "remove",
-                    Op::Replace(_) => "replace",
-                    Op::Move(_) => "move",
-                    Op::Copy(_) => "copy",
-                    Op::Test(_) => "test",
-                };
-                format!("{verb} {}", op.path())
-            })
-            .collect();
-        if self.patch.0.len() > WARNING_PATHS {
-            paths.push(format!("and {} more", self.patch.0.len() - WARNING_PATHS));
-        }
         format!(
             "ServingPolicy '{}' {}: {}",
             self.policy,
@@ -326,7 +371,7 @@ impl MutationReport {
             } else {
                 "would change the object (report-only, not applied)"
             },
-            paths.join(", ")
+            patch_paths(&self.patch)
         )
     }
 

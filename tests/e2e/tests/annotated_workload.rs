@@ -147,3 +147,184 @@ async fn annotated_deployment_is_mutated_and_runs_with_its_fake_gpu_and_drain_si
     );
     Ok(())
 }
+
+/// A policy rolled out where annotated Deployments already run (docs/policies.md, "Rolling out a
+/// policy" and "Reports on what already runs"), against the chart-installed webhook and
+/// controller: added in warn-and-audit mode, the controller scans the running Deployment and
+/// writes its PolicyReport; a new Deployment is admitted with the admission warning and the
+/// audit annotation; switched to deny, the policy is scanned again and both reports say `fail`.
+/// No pod runs (replicas 0).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_policy_rolled_out_reports_on_running_deployments_then_warns_and_audits_new_ones()
+-> Result<()> {
+    use hearth_crds::ServingPolicy;
+    use hearth_test_support::{audit_annotation, create_with_warnings};
+    use kube::ResourceExt;
+    use kube::api::{DynamicObject, Patch, PatchParams};
+
+    let cluster = Cluster::connect().await?;
+    let client = cluster.client();
+    stack::ensure_hearth(&client, cluster.kubeconfig()).await?;
+    stack::install_stub_runtime(&client).await?;
+    hearth_test_support::install_policy_report_crd(&client).await?;
+    let ns = cluster.namespace("e2e-rollout").await?;
+    let deployment = |name: &str| -> Result<Deployment> {
+        Ok(serde_json::from_value(json!({
+            "metadata": {"name": name, "annotations": {"serving.hearth.dev/runtime": "vllm-stub"}},
+            "spec": {"replicas": 0, "selector": {"matchLabels": {"app": name}},
+                     "template": {"metadata": {"labels": {"app": name}},
+                                  "spec": {"containers": [{"name": "vllm", "image": "hearth.dev/vllm-stub:e2e"}]}}},
+        }))?)
+    };
+    let deployments: Api<Deployment> = ns.api();
+    deployments
+        .create(&PostParams::default(), &deployment("running")?)
+        .await?;
+
+    let policies: Api<ServingPolicy> = Api::all(client.clone());
+    let name = format!("{}-team", ns.name());
+    let message = "every workload names its team (label team)";
+    let policy = |actions: serde_json::Value| -> Result<ServingPolicy> {
+        Ok(serde_json::from_value(json!({
+            "apiVersion": "serving.hearth.dev/v1alpha1", "kind": "ServingPolicy",
+            "metadata": {"name": name},
+            "spec": {
+                "matchConditions": [{"name": "this-test-only",
+                    "expression": format!("object.metadata.namespace == {:?}", ns.name())}],
+                "validations": [{"expression": "has(object.metadata.labels) && 'team' in object.metadata.labels",
+                                 "message": message}],
+                "validationActions": actions,
+            },
+        }))?)
+    };
+    let apply = |p: ServingPolicy| {
+        let policies = policies.clone();
+        let name = name.clone();
+        async move {
+            policies
+                .patch(
+                    &name,
+                    &PatchParams::apply("hearth-e2e").force(),
+                    &Patch::Apply(&p),
+                )
+                .await
+        }
+    };
+    let reports = Api::<DynamicObject>::namespaced_with(
+        client.clone(),
+        ns.name(),
+        &hearth_controller::scan::report_resource(),
+    );
+    // The result of this policy in the report of Deployment `workload`, once it is `want`.
+    let report_says = |workload: &'static str, want: &'static str| {
+        let (deployments, reports, name) = (deployments.clone(), reports.clone(), name.clone());
+        async move {
+            let uid = deployments.get(workload).await?.uid().context("uid")?;
+            let report = hearth_controller::scan::report_name(&uid);
+            wait_until(
+                format!("{report} ({workload}) saying {want}"),
+                Duration::from_secs(60),
+                || async {
+                    let got = reports.get_opt(&report).await?.and_then(|r| {
+                        r.data["results"]
+                            .as_array()?
+                            .iter()
+                            .find(|x| x["policy"] == name.as_str())
+                            .cloned()
+                    });
+                    Ok(match got {
+                        Some(r) if r["result"] == want => Observed::Ready(r),
+                        other => Observed::NotYet(format!("{other:?}")),
+                    })
+                },
+            )
+            .await
+        }
+    };
+
+    let result = async {
+        // Added in warn-and-audit mode: the Deployment that already runs is scanned.
+        let added = std::time::Instant::now();
+        apply(policy(json!(["Warn", "Audit"]))?).await?;
+        let r = report_says("running", "warn").await?;
+        ensure!(r["message"] == message && r["rule"] == "validations", "{r}");
+        let reported = added.elapsed();
+        scan_says(&policies, &name, |s| s.resources == 1 && s.warn == 1).await?;
+
+        // A new Deployment is admitted with the warning, and the audit event records it.
+        let warning = format!("Validation failed for ServingPolicy '{name}': {message}");
+        let (_, warnings) = wait_until(
+            "the webhook warning about the new policy",
+            Duration::from_secs(30),
+            || {
+                let (client, ns, warning) = (client.clone(), ns.name().to_owned(), warning.clone());
+                async move {
+                    let got =
+                        create_with_warnings(&client, &ns, &deployment("probe")?, true).await?;
+                    Ok(if got.1.iter().any(|w| w.contains(&warning)) {
+                        Observed::Ready(got)
+                    } else {
+                        Observed::NotYet(format!("warnings {:?}", got.1))
+                    })
+                }
+            },
+        )
+        .await?;
+        let (stored, warnings_on_create) =
+            create_with_warnings(&client, ns.name(), &deployment("new")?, false).await?;
+        ensure!(
+            warnings_on_create.iter().any(|w| w.contains(&warning)),
+            "no warning on create: {warnings_on_create:?} (dry run: {warnings:?})"
+        );
+        ensure!(stored.metadata.uid.is_some(), "not stored");
+        let event = cluster
+            .wait_audit_event("create", ns.name(), "new", Duration::from_secs(30))
+            .await?;
+        let failure = audit_annotation(&event, "/validation_failure")
+            .with_context(|| format!("no validation_failure in {}", event["annotations"]))?;
+        ensure!(
+            failure.contains(message) && failure.contains(&name),
+            "{failure}"
+        );
+
+        // Enforced: the change is scanned again, both reports say fail.
+        apply(policy(json!(["Deny"]))?).await?;
+        report_says("running", "fail").await?;
+        report_says("new", "fail").await?;
+        let scan = scan_says(&policies, &name, |s| s.resources == 2 && s.fail == 2).await?;
+        println!(
+            "rollout: report on the running Deployment {:.1}s after the policy was added; \
+             enforced: status.scan {scan:?}",
+            reported.as_secs_f64()
+        );
+        Ok::<_, anyhow::Error>(())
+    }
+    .await;
+    let _ = policies
+        .delete(&name, &kube::api::DeleteParams::default())
+        .await;
+    result
+}
+
+/// The `status.scan` of ServingPolicy `name` once it describes the policy's generation and
+/// `done` holds.
+async fn scan_says(
+    policies: &Api<hearth_crds::ServingPolicy>,
+    name: &str,
+    done: impl Fn(&hearth_crds::servingpolicy::ScanStatus) -> bool,
+) -> Result<hearth_crds::servingpolicy::ScanStatus> {
+    wait_until(
+        format!("status.scan of {name}"),
+        Duration::from_secs(60),
+        || async {
+            let p = policies.get(name).await?;
+            Ok(match p.status.and_then(|s| s.scan) {
+                Some(s) if s.observed_generation == p.metadata.generation && done(&s) => {
+                    Observed::Ready(s)
+                }
+                other => Observed::NotYet(format!("{other:?}")),
+            })
+        },
+    )
+    .await
+}

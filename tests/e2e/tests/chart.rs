@@ -1169,6 +1169,32 @@ fn value_sets() -> Vec<ValueSet> {
             },
         },
         ValueSet {
+            name: "policy-reports-crd",
+            values: |_| json!({"policyReports": {"installCRD": true}}),
+            renders: vec![("CustomResourceDefinition", "policyreports.wgpolicyk8s.io")],
+            check: |docs, _| {
+                let crd = find(
+                    docs,
+                    "CustomResourceDefinition",
+                    "policyreports.wgpolicyk8s.io",
+                )?;
+                ensure!(
+                    crd["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep",
+                    "the PolicyReport CRD is not kept on uninstall: {}",
+                    crd["metadata"]
+                );
+                ensure!(crd["spec"]["versions"][0]["name"] == "v1alpha2");
+                // The controller is told to scan, and may write the reports.
+                let controller = find(docs, "Deployment", "hearth-controller")?;
+                let args = container_args(controller);
+                ensure!(
+                    args.iter().any(|a| a == "--policy-scan=true"),
+                    "controller args {args:?}"
+                );
+                Ok(())
+            },
+        },
+        ValueSet {
             name: "cert-manager-issuer",
             values: |_| {
                 json!({"certificates": {"mode": "certManager",
@@ -2436,6 +2462,12 @@ async fn rbac_matrix_each_account_can_do_what_it_needs_and_nothing_more() -> Res
         "inferenceruntimes.serving.hearth.dev/status [] [patch]",
         "tokenreviews.authentication.k8s.io [] [create]",
         "subjectaccessreviews.authorization.k8s.io [] [create]",
+        // Policy scans: the StatefulSets annotated for Hearth, one PolicyReport each, the
+        // policies' status.scan, and whether the PolicyReport CRD is installed.
+        "statefulsets.apps [] [list]",
+        "policyreports.wgpolicyk8s.io [] [create delete list patch]",
+        "servingpolicies.serving.hearth.dev/status [] [patch]",
+        "customresourcedefinitions.apiextensions.k8s.io [policyreports.wgpolicyk8s.io] [get]",
     ];
     let controller_own = [
         "leases.coordination.k8s.io [hearth-controller] [get update]",

@@ -6,7 +6,8 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 
-fn chart_dir() -> PathBuf {
+/// `charts/hearth` of this checkout.
+pub(crate) fn chart_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../charts/hearth")
 }
 

@@ -24,7 +24,7 @@ pub use images::hearth_image;
 pub use metric_server::MetricServer;
 pub use node::{Event, EventSink, RealNode};
 pub use upstream::{UPSTREAM_EXAMPLES_ENV, upstream_dir, upstream_examples, upstream_file};
-pub use wait::{Observed, wait_crds_established, wait_until};
+pub use wait::{Observed, install_policy_report_crd, wait_crds_established, wait_until};
 
 /// An LLMService manifest (`serving.hearth.dev/v1alpha1`) named `name`: `defaults` as its spec,
 /// with `spec` deep-merged over them ([`merge_json`]).
@@ -146,6 +146,57 @@ impl Cluster {
             .parent()
             .unwrap_or_else(|| std::path::Path::new("."))
             .join("logs/audit.log")
+    }
+
+    /// The apiserver's audit event (stage `ResponseComplete`) of `verb` on the object
+    /// `namespace/name`, from [`Cluster::audit_log`] and the files it was rotated into
+    /// (`audit-<time>.log`), waited for up to `timeout`.
+    ///
+    /// # Errors
+    /// When the log cannot be read, or no such event is written in time.
+    pub async fn wait_audit_event(
+        &self,
+        verb: &str,
+        namespace: &str,
+        name: &str,
+        timeout: Duration,
+    ) -> Result<serde_json::Value> {
+        let path = self.audit_log();
+        let dir = path
+            .parent()
+            .context("the audit log's directory")?
+            .to_path_buf();
+        wait_until(
+            format!("the audit event of {verb} {namespace}/{name}"),
+            timeout,
+            || {
+                let (dir, path) = (dir.clone(), path.clone());
+                async move {
+                    let mut text = String::new();
+                    for entry in std::fs::read_dir(&dir)? {
+                        let p = entry?.path();
+                        let file = p.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+                        if file.starts_with("audit") && file.ends_with(".log") {
+                            text.push_str(&tokio::fs::read_to_string(&p).await?);
+                        }
+                    }
+                    let found = text
+                        .lines()
+                        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+                        .find(|e| {
+                            e["verb"] == verb
+                                && e["stage"] == "ResponseComplete"
+                                && e["objectRef"]["namespace"] == namespace
+                                && e["objectRef"]["name"] == name
+                        });
+                    Ok(match found {
+                        Some(e) => Observed::Ready(e),
+                        None => Observed::NotYet(format!("no event in {}", path.display())),
+                    })
+                }
+            },
+        )
+        .await
     }
 
     /// Like [`Cluster::client`], without kube's default retries of `429`, `503` and `504`:
@@ -339,6 +390,52 @@ impl Drop for TestNamespace {
             eprintln!("warning: deleting test namespace {}: {e:#}", self.name);
         }
     }
+}
+
+/// Creates `deployment` in `ns` (a server dry run with `dry_run`) and returns what the apiserver
+/// answered with the `Warning` headers of the response: the admission warnings of the webhooks
+/// and policies that reviewed it, which kube's typed API drops.
+///
+/// # Errors
+/// When the request fails or the apiserver refuses it (its status and body).
+pub async fn create_with_warnings(
+    client: &Client,
+    ns: &str,
+    deployment: &k8s_openapi::api::apps::v1::Deployment,
+    dry_run: bool,
+) -> Result<(k8s_openapi::api::apps::v1::Deployment, Vec<String>)> {
+    let query = if dry_run { "?dryRun=All" } else { "" };
+    let request = http::Request::post(format!("/apis/apps/v1/namespaces/{ns}/deployments{query}"))
+        .header(http::header::CONTENT_TYPE, "application/json")
+        .body(kube::client::Body::from(serde_json::to_vec(deployment)?))?;
+    let response = client.send(request).await?;
+    let status = response.status();
+    let warnings = response
+        .headers()
+        .get_all(http::header::WARNING)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .map(str::to_owned)
+        .collect();
+    let body = response.into_body().collect_bytes().await?;
+    if !status.is_success() {
+        bail!(
+            "create {}: {status}: {}",
+            deployment.metadata.name.as_deref().unwrap_or_default(),
+            String::from_utf8_lossy(&body)
+        );
+    }
+    Ok((serde_json::from_slice(&body)?, warnings))
+}
+
+/// The value of the audit annotation of an audit `event` whose key ends with `suffix` (an
+/// admission webhook's `<webhook name>/<key>`, such as `/validation_failure`).
+pub fn audit_annotation(event: &serde_json::Value, suffix: &str) -> Option<String> {
+    event["annotations"].as_object().and_then(|a| {
+        a.iter()
+            .find(|(k, _)| k.ends_with(suffix))
+            .and_then(|(_, v)| v.as_str().map(str::to_owned))
+    })
 }
 
 /// Runs `task` to completion on a thread and a current-thread runtime of its own, for the
