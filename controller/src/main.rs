@@ -565,12 +565,12 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         concurrency: args.concurrency,
         instance: identity,
         cluster_policies: args.cluster_policies,
-        policy_scan: (args.cluster_policies && args.policy_scan).then(|| {
+        policy_scan: (args.cluster_policies && args.policy_scan).then_some(
             hearth_controller::scan::ScanConfig {
                 interval: args.policy_scan_interval,
                 rate: args.policy_scan_rate,
-            }
-        }),
+            },
+        ),
         device_handover: args.device_handover,
         scaler_tls: hearth_controller::scaler_tls::ScalerTlsConfig {
             cert_validity: args.scaler_cert_validity,

@@ -75,6 +75,30 @@ pub async fn wait_crds_established(client: &kube::Client, names: &[String]) -> R
     Ok(())
 }
 
+/// Applies the Policy Reports API's PolicyReport CRD as the chart ships it
+/// (`charts/hearth/files/policyreports.wgpolicyk8s.io.yaml`, installed with
+/// `policyReports.installCRD`), as a policy engine would have installed it, and waits until it is
+/// served. Idempotent (server-side apply).
+///
+/// # Errors
+/// When the file cannot be read or the CRD is not applied and established.
+pub async fn install_policy_report_crd(client: &kube::Client) -> Result<()> {
+    use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+    let path = crate::images::chart_dir().join("files/policyreports.wgpolicyk8s.io.yaml");
+    let text = std::fs::read_to_string(&path)
+        .map_err(|e| anyhow::anyhow!("reading {}: {e}", path.display()))?;
+    let crd: CustomResourceDefinition = serde_yaml::from_str(&text)?;
+    let name = "policyreports.wgpolicyk8s.io";
+    kube::Api::<CustomResourceDefinition>::all(client.clone())
+        .patch(
+            name,
+            &kube::api::PatchParams::apply("hearth-tests").force(),
+            &kube::api::Patch::Apply(&crd),
+        )
+        .await?;
+    wait_crds_established(client, &[name.to_owned()]).await
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -124,28 +148,4 @@ mod tests {
         .to_string();
         assert!(err.contains("probe failed: connection refused"), "{err}");
     }
-}
-
-/// Applies the Policy Reports API's PolicyReport CRD as the chart ships it
-/// (`charts/hearth/files/policyreports.wgpolicyk8s.io.yaml`, installed with
-/// `policyReports.installCRD`), as a policy engine would have installed it, and waits until it is
-/// served. Idempotent (server-side apply).
-///
-/// # Errors
-/// When the file cannot be read or the CRD is not applied and established.
-pub async fn install_policy_report_crd(client: &kube::Client) -> Result<()> {
-    use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
-    let path = crate::images::chart_dir().join("files/policyreports.wgpolicyk8s.io.yaml");
-    let text = std::fs::read_to_string(&path)
-        .map_err(|e| anyhow::anyhow!("reading {}: {e}", path.display()))?;
-    let crd: CustomResourceDefinition = serde_yaml::from_str(&text)?;
-    let name = "policyreports.wgpolicyk8s.io";
-    kube::Api::<CustomResourceDefinition>::all(client.clone())
-        .patch(
-            name,
-            &kube::api::PatchParams::apply("hearth-tests").force(),
-            &kube::api::Patch::Apply(&crd),
-        )
-        .await?;
-    wait_crds_established(client, &[name.to_owned()]).await
 }
