@@ -112,8 +112,18 @@ fn both_rules_in_policy_order_and_unmatched_policies_give_none() {
             "validations": [{"expression": "false"}]
         }),
     );
+    let mutating_elsewhere = policy(
+        "mutating-elsewhere",
+        json!({
+            "matchConditions": [{"name": "other-namespace", "expression": "object.metadata.namespace == 'team-b'"}],
+            "mutations": [{"patchType": "ApplyConfiguration", "applyConfiguration": {"expression": ANNOTATE}}]
+        }),
+    );
     let passing = policy("passing", json!({"validations": [{"expression": "true"}]}));
-    let got = scan(vec![both, elsewhere, passing], deployment());
+    let got = scan(
+        vec![both, elsewhere, mutating_elsewhere, passing],
+        deployment(),
+    );
     // Admission validates the mutated object, and so does the scan: the object as it would be
     // stored if created now passes, and the mutation that gets it there is reported.
     assert_eq!(
