@@ -219,6 +219,8 @@ it is evaluated with the one --params runtime, but admission (and `hearth-policy
                 "patch": out.patch,
                 "patchedObject": out.patched_object,
                 "mutationReports": out.mutation_reports,
+                // What a background scan reports for this object if it already ran.
+                "policyResults": hearth_policies::report::results(&set, &input),
                 "loadErrors": errors.iter().map(ToString::to_string).collect::<Vec<_>>(),
             });
             match output {
