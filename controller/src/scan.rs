@@ -103,6 +103,9 @@ pub struct ScanSummary {
     pub unchanged: u64,
     /// Reports deleted (their workload is gone from scope or matches no policy).
     pub deleted: u64,
+    /// Reports whose write or deletion the apiserver refused (logged; the next scan tries
+    /// again).
+    pub failed: u64,
     /// Whether the PolicyReport CRD is installed (reports were written).
     pub reports: bool,
     /// Per cluster policy (by name): the workloads it matched and its counts.
@@ -366,8 +369,15 @@ impl Scan<'_> {
                 if self.existing.get(&key) == Some(&fresh) {
                     self.summary.unchanged += 1;
                 } else {
-                    write_report(self.client, &key.0, &key.1, &report).await?;
-                    self.summary.written += 1;
+                    match write_report(self.client, &key.0, &key.1, &report).await {
+                        Ok(()) => self.summary.written += 1,
+                        // One refused write (a namespace being deleted, a quota on objects)
+                        // does not stop the scan; the next scan writes it again.
+                        Err(e) => {
+                            self.summary.failed += 1;
+                            tracing::warn!(error = %e, "policy scan: a report was not written");
+                        }
+                    }
                 }
                 self.kept.insert(key);
             }
@@ -379,8 +389,9 @@ impl Scan<'_> {
 /// One scan of every workload in `namespace` (all when `None`) with `engine`'s current set.
 ///
 /// # Errors
-/// [`Error::Kube`] when a list or a write fails; what was written stays, the next scan
-/// resumes.
+/// [`Error::Kube`] when a list or a status write fails; what was written stays, the next scan
+/// starts over. A report the apiserver refuses is logged and counted
+/// ([`ScanSummary::failed`]), and the scan goes on.
 pub async fn scan_once(
     client: &Client,
     namespace: Option<&str>,
@@ -481,7 +492,10 @@ pub async fn scan_once(
         match api.delete(name, &DeleteParams::default()).await {
             Ok(_) => summary.deleted += 1,
             Err(kube::Error::Api(e)) if e.code == 404 => {}
-            Err(e) => return Err(kube_err(format!("delete PolicyReport {ns}/{name}"))(e)),
+            Err(e) => {
+                summary.failed += 1;
+                tracing::warn!(error = %kube_err(format!("delete PolicyReport {ns}/{name}"))(e), "policy scan: a stale report was not deleted");
+            }
         }
     }
     write_counts(client, &cluster_policies, &summary).await?;
@@ -616,6 +630,7 @@ pub async fn run(
                     written = s.written,
                     unchanged = s.unchanged,
                     deleted = s.deleted,
+                    failed = s.failed,
                     reports = s.reports,
                     "policy scan done"
                 ),
