@@ -183,8 +183,8 @@ struct RunArgs {
     /// Time between periodic policy scans; 0s: only at start and on policy changes.
     #[arg(long, env = "HEARTH_POLICY_SCAN_INTERVAL", default_value = "1h", value_parser = go_duration)]
     policy_scan_interval: Duration,
-    /// Workloads a policy scan evaluates per second, at most (its pace, so admission keeps
-    /// the CPU it needs).
+    /// Workloads a policy scan evaluates per second, at most (its pace: the controller's CPU
+    /// stays with its reconciles, and the apiserver is not flooded with report writes).
     #[arg(long, env = "HEARTH_POLICY_SCAN_RATE", default_value_t = 200, value_parser = clap::value_parser!(u32).range(1..))]
     policy_scan_rate: u32,
     /// Device handover: a cold service whose backend pod cannot be scheduled for lack of its

@@ -24,8 +24,15 @@
 //! `PolicyReport` per workload, named [`report_name`] (`hearth-<uid>`), its `scope` the
 //! workload, owned by it (deleted with it); source `hearth`, one result per rule of each
 //! matched policy (`validations`, `mutations`; see `hearth_policies::report`). A report whose
-//! workload no longer matches any policy is deleted. Without the PolicyReport CRD the counts are
-//! still written and the scan says once that reports are off.
+//! workload no longer matches any policy is deleted. Without the PolicyReport CRD (or without
+//! its `v1alpha2` served) the counts are still written, each scan's log line says
+//! `reports=false`, and the CRD is looked for every [`CRD_RECHECK`]: a scan starts when it
+//! appears.
+//!
+//! **Retries.** A scan that fails (a list refused, the apiserver away) is tried again after
+//! [`RETRY_FIRST`], doubling up to [`RETRY_MAX`]. A list whose continue token expired during a
+//! long, paced scan (`410 Gone`) starts that kind's list again, skipping the workloads already
+//! evaluated.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
@@ -64,8 +71,14 @@ pub const DIGEST_ANNOTATION: &str = "serving.hearth.dev/results-digest";
 pub const FIELD_MANAGER: &str = "hearth-controller-scan";
 /// Workloads listed per page.
 pub const PAGE: u32 = 500;
-/// How long policy changes are gathered before a scan.
+/// How long the set of policies must stay unchanged before a scan starts.
 pub const SCAN_DEBOUNCE: Duration = Duration::from_secs(2);
+/// How often the PolicyReport CRD is looked for while reports are off.
+pub const CRD_RECHECK: Duration = Duration::from_secs(60);
+/// The first wait before a failed scan is tried again.
+pub const RETRY_FIRST: Duration = Duration::from_secs(30);
+/// The longest wait between tries of a failing scan.
+pub const RETRY_MAX: Duration = Duration::from_secs(600);
 /// The most of a would-mutate patch a result's `patch` property holds (bytes of JSON).
 pub const PATCH_PROPERTY_LIMIT: usize = 4096;
 
@@ -212,6 +225,24 @@ pub fn policy_report(workload: &Value, results: &[PolicyResult], now: SystemTime
     })
 }
 
+/// What the scans read and write with, and how they run.
+pub struct Scanner {
+    /// The API client.
+    pub client: Client,
+    /// Scan only this namespace (all when `None`).
+    pub namespace: Option<String>,
+    /// The policies (their changes trigger a scan).
+    pub engine: ClusterEngine,
+    /// The InferenceRuntimes, for `params`.
+    pub runtimes: Store<InferenceRuntime>,
+    /// The namespaces' metadata, for `namespaceObject`.
+    pub namespaces: Store<PartialObjectMeta<Namespace>>,
+    /// `settings` (`crate::render::RenderConfig::policy_settings`).
+    pub settings: Value,
+    /// Interval and pace.
+    pub cfg: ScanConfig,
+}
+
 /// What a scan evaluates one workload with, besides the policies.
 pub struct Inputs<'a> {
     /// The cluster's InferenceRuntimes.
@@ -266,8 +297,15 @@ impl Pace {
         }
     }
 
-    /// Counts `n` more and sleeps until they are due.
+    /// Counts `n` more and sleeps until they are due. Time spent elsewhere (lists, writes)
+    /// earns no credit: when behind, the schedule restarts from now, so no burst follows a
+    /// stall.
     async fn step(&mut self, n: usize) {
+        let now = Instant::now();
+        let spent = Duration::from_secs_f64(self.done as f64 / f64::from(self.rate));
+        if self.start + spent < now {
+            self.start = now - spent;
+        }
         self.done += n as u64;
         let due = self.start + Duration::from_secs_f64(self.done as f64 / f64::from(self.rate));
         tokio::time::sleep_until(due.into()).await;
@@ -316,12 +354,22 @@ struct Scan<'a> {
     pace: Pace,
     chunk: usize,
     summary: ScanSummary,
+    /// The UIDs of the workloads already evaluated (a list started again after `410 Gone`
+    /// skips them).
+    seen: HashSet<String>,
 }
 
 impl Scan<'_> {
     /// Evaluates one page of workloads (on the blocking pool, `chunk` at a time, paced) and
     /// writes the reports that changed.
     async fn page(&mut self, objects: Vec<Value>) -> Result<(), Error> {
+        let objects: Vec<Value> = objects
+            .into_iter()
+            .filter(|o| {
+                let uid = o["metadata"]["uid"].as_str().unwrap_or_default();
+                self.seen.insert(uid.to_owned())
+            })
+            .collect();
         self.summary.listed += objects.len() as u64;
         let mut objects = objects.into_iter().peekable();
         while objects.peek().is_some() {
@@ -392,15 +440,17 @@ impl Scan<'_> {
 /// [`Error::Kube`] when a list or a status write fails; what was written stays, the next scan
 /// starts over. A report the apiserver refuses is logged and counted
 /// ([`ScanSummary::failed`]), and the scan goes on.
-pub async fn scan_once(
-    client: &Client,
-    namespace: Option<&str>,
-    engine: &ClusterEngine,
-    runtimes: &Store<InferenceRuntime>,
-    namespaces: &Store<PartialObjectMeta<Namespace>>,
-    settings: &Value,
-    cfg: &ScanConfig,
-) -> Result<ScanSummary, Error> {
+pub async fn scan_once(scanner: &Scanner, written: &mut Written) -> Result<ScanSummary, Error> {
+    let Scanner {
+        client,
+        namespace,
+        engine,
+        runtimes,
+        namespaces,
+        settings,
+        cfg,
+    } = scanner;
+    let namespace = namespace.as_deref();
     let engine = engine.current();
     let set = engine.policy_set().clone();
     let runtimes: Arc<[InferenceRuntime]> =
@@ -463,16 +513,30 @@ pub async fn scan_once(
         pace: Pace::new(cfg.rate),
         chunk: (cfg.rate as usize / 10).max(1),
         summary,
+        seen: HashSet::new(),
     };
     let deployments: Api<Deployment> = crate::reconcile::scoped(client, namespace);
     let statefulsets: Api<StatefulSet> = crate::reconcile::scoped(client, namespace);
     for kind in ["Deployments", "StatefulSets"] {
         let mut token: Option<String> = None;
         loop {
-            let (objects, next) = if kind == "Deployments" {
-                list_page(&deployments, kind, token.as_deref()).await?
+            let listed = if kind == "Deployments" {
+                list_page(&deployments, kind, token.as_deref()).await
             } else {
-                list_page(&statefulsets, kind, token.as_deref()).await?
+                list_page(&statefulsets, kind, token.as_deref()).await
+            };
+            let (objects, next) = match listed {
+                Ok(page) => page,
+                // The continue token expired (etcd compacted past it during a long scan): list
+                // again from the start; the workloads already evaluated are skipped.
+                Err(Error::Kube {
+                    source: kube::Error::Api(e),
+                    ..
+                }) if e.code == 410 && token.is_some() => {
+                    token = None;
+                    continue;
+                }
+                Err(e) => return Err(e),
             };
             scan.page(objects).await?;
             token = next;
@@ -498,7 +562,7 @@ pub async fn scan_once(
             }
         }
     }
-    write_counts(client, &cluster_policies, &summary).await?;
+    write_counts(client, &cluster_policies, &summary, written).await?;
     Ok(summary)
 }
 
@@ -516,11 +580,16 @@ fn record(summary: &mut ScanSummary, results: &[PolicyResult]) {
     }
 }
 
-/// Whether the PolicyReport CRD is installed.
-async fn report_crd_installed(client: &Client) -> Result<bool, Error> {
+/// Whether the PolicyReport CRD is installed and serves `v1alpha2`.
+pub async fn report_crd_installed(client: &Client) -> Result<bool, Error> {
     let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
     match crds.get_opt(REPORT_CRD).await {
-        Ok(found) => Ok(found.is_some()),
+        Ok(found) => Ok(found.is_some_and(|crd| {
+            crd.spec
+                .versions
+                .iter()
+                .any(|v| v.name == "v1alpha2" && v.served)
+        })),
         // Not allowed to read it: the chart grants it; without, reports are off.
         Err(kube::Error::Api(e)) if e.code == 403 => Ok(false),
         Err(e) => Err(kube_err(format!(
@@ -547,27 +616,39 @@ async fn write_report(
     Ok(())
 }
 
-/// Server-side applies `status.scan` of every cluster policy.
+/// What was last written on each policy's `status.scan`, by name: its UID and generation,
+/// and the counts. A scan that finds the same leaves the status alone (no write, so no update
+/// event for every watcher of ServingPolicies).
+pub type Written = HashMap<String, (Option<String>, Option<i64>, u64, Counts)>;
+
+/// Server-side applies `status.scan` of every cluster policy whose counts (or generation)
+/// changed since `written`.
 async fn write_counts(
     client: &Client,
     policies: &[&ServingPolicy],
     summary: &ScanSummary,
+    written: &mut Written,
 ) -> Result<(), Error> {
     let api: Api<ServingPolicy> = Api::all(client.clone());
     let now =
         k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(k8s_openapi::jiff::Timestamp::now());
+    let int = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
     for p in policies {
         let name = p.name_any();
         let (resources, c) = summary.policies.get(&name).cloned().unwrap_or_default();
+        let key = (p.metadata.uid.clone(), p.metadata.generation, resources, c);
+        if written.get(&name) == Some(&key) {
+            continue;
+        }
         let status = hearth_crds::servingpolicy::ScanStatus {
             observed_generation: p.metadata.generation,
             last_scan_time: Some(now.clone()),
-            resources,
-            pass: c.pass,
-            fail: c.fail,
-            warn: c.warn,
-            error: c.error,
-            would_mutate: c.would_mutate,
+            resources: int(resources),
+            pass: int(c.pass),
+            fail: int(c.fail),
+            warn: int(c.warn),
+            error: int(c.error),
+            would_mutate: int(c.would_mutate),
         };
         let patch = json!({
             "apiVersion": ServingPolicy::api_version(&()),
@@ -582,7 +663,9 @@ async fn write_counts(
             )
             .await
         {
-            Ok(_) => {}
+            Ok(_) => {
+                written.insert(name, key);
+            }
             // Deleted since the set was built.
             Err(kube::Error::Api(e)) if e.code == 404 => {}
             Err(e) => return Err(kube_err(format!("apply status of ServingPolicy {name}"))(e)),
@@ -593,51 +676,50 @@ async fn write_counts(
 
 /// Scans at start, on every change of `engine`'s set (after [`SCAN_DEBOUNCE`]) and every
 /// `cfg.interval`, until `shutdown`. Errors are logged; the next trigger scans again.
-#[allow(clippy::too_many_arguments)]
-pub async fn run(
-    client: Client,
-    namespace: Option<String>,
-    engine: ClusterEngine,
-    runtimes: Store<InferenceRuntime>,
-    namespaces: Store<PartialObjectMeta<Namespace>>,
-    settings: Value,
-    cfg: ScanConfig,
-    shutdown: impl Future<Output = ()>,
-) {
+pub async fn run(scanner: Scanner, shutdown: impl Future<Output = ()>) {
+    let Scanner {
+        client,
+        engine,
+        runtimes,
+        namespaces,
+        cfg,
+        ..
+    } = &scanner;
     let mut changes = engine.subscribe();
     changes.borrow_and_update();
     let _ = runtimes.wait_until_ready().await;
     let _ = namespaces.wait_until_ready().await;
+    let mut written = Written::new();
     let scans = async {
+        let mut retry = RETRY_FIRST;
         loop {
             let started = Instant::now();
-            match scan_once(
-                &client,
-                namespace.as_deref(),
-                &engine,
-                &runtimes,
-                &namespaces,
-                &settings,
-                &cfg,
-            )
-            .await
-            {
-                Ok(s) => tracing::info!(
-                    seconds = started.elapsed().as_secs_f64(),
-                    listed = s.listed,
-                    evaluated = s.evaluated,
-                    unresolved = s.unresolved,
-                    written = s.written,
-                    unchanged = s.unchanged,
-                    deleted = s.deleted,
-                    failed = s.failed,
-                    reports = s.reports,
-                    "policy scan done"
-                ),
-                Err(e) => {
-                    tracing::warn!(error = %e, "policy scan failed; the next one starts over")
+            let scanned = scan_once(&scanner, &mut written).await;
+            // What ends the wait for the next scan besides a policy change and the interval.
+            let (next_try, reports) = match &scanned {
+                Ok(s) => {
+                    tracing::info!(
+                        seconds = started.elapsed().as_secs_f64(),
+                        listed = s.listed,
+                        evaluated = s.evaluated,
+                        unresolved = s.unresolved,
+                        written = s.written,
+                        unchanged = s.unchanged,
+                        deleted = s.deleted,
+                        failed = s.failed,
+                        reports = s.reports,
+                        "policy scan done"
+                    );
+                    retry = RETRY_FIRST;
+                    (None, s.reports)
                 }
-            }
+                Err(e) => {
+                    tracing::warn!(error = %e, retry_seconds = retry.as_secs(), "policy scan failed; trying again");
+                    let wait = retry;
+                    retry = (retry * 2).min(RETRY_MAX);
+                    (Some(wait), true)
+                }
+            };
             let periodic = async {
                 if cfg.interval.is_zero() {
                     futures::future::pending::<()>().await
@@ -645,15 +727,42 @@ pub async fn run(
                     tokio::time::sleep(cfg.interval).await
                 }
             };
+            let again = async {
+                match next_try {
+                    Some(wait) => tokio::time::sleep(wait).await,
+                    None => futures::future::pending::<()>().await,
+                }
+            };
+            // Without the PolicyReport CRD: look for it now and then, and scan once it is here.
+            let crd_arrives = async {
+                if reports {
+                    return futures::future::pending::<()>().await;
+                }
+                loop {
+                    tokio::time::sleep(CRD_RECHECK).await;
+                    if report_crd_installed(client).await.unwrap_or(false) {
+                        return;
+                    }
+                }
+            };
             tokio::select! {
                 changed = changes.changed() => {
                     if changed.is_err() {
                         return;
                     }
-                    tokio::time::sleep(SCAN_DEBOUNCE).await;
-                    changes.borrow_and_update();
+                    // Until the set stays unchanged for SCAN_DEBOUNCE.
+                    loop {
+                        changes.borrow_and_update();
+                        match tokio::time::timeout(SCAN_DEBOUNCE, changes.changed()).await {
+                            Err(_) => break,
+                            Ok(Err(_)) => return,
+                            Ok(Ok(())) => {}
+                        }
+                    }
                 }
                 _ = periodic => {}
+                _ = again => {}
+                _ = crd_arrives => {}
             }
         }
     };

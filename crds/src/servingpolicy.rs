@@ -389,28 +389,29 @@ pub struct ScanStatus {
     /// observedGeneration is the metadata.generation of the policy the scan evaluated.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
-    /// lastScanTime is when the scan ended.
+    /// lastScanTime is when a scan last wrote these counts (at its end). A scan that finds the
+    /// same counts for the same generation leaves them, and this time, as they are.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_scan_time: Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Time>,
     /// resources is how many workloads the policy matched.
     #[serde(default)]
-    pub resources: u64,
+    pub resources: i64,
     /// pass counts the results with nothing to report.
     #[serde(default)]
-    pub pass: u64,
+    pub pass: i64,
     /// fail counts the validations results that failed a denying validation (Deny in
     /// validationActions): admission would reject the workload now.
     #[serde(default)]
-    pub fail: u64,
+    pub fail: i64,
     /// warn counts the validations results that failed a validation the policy only warns
     /// or audits.
     #[serde(default)]
-    pub warn: u64,
+    pub warn: i64,
     /// error counts the results whose expressions did not evaluate.
     #[serde(default)]
-    pub error: u64,
+    pub error: i64,
     /// wouldMutate counts the mutations results whose mutations would change the workload
     /// (applied at its next admission, or reported only).
     #[serde(default)]
-    pub would_mutate: u64,
+    pub would_mutate: i64,
 }

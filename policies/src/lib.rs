@@ -40,8 +40,8 @@ pub mod value;
 pub use compile::{CompiledExpr, ExprError};
 pub use engine::{
     Denial, ErrorKind, EvalError, EvalInput, GroupVersionKind, GroupVersionResource,
-    MUTATION_REPORT, MutateError, Mutated, MutationReport, Outcome, PolicyLoadError, PolicySet,
-    PolicySettings, RequestInfo, UserInfo, VALIDATION_FAILURE, ValidationFailure,
+    MUTATION_REPORT, MutateError, Mutated, MutationReport, Outcome, Phase, PolicyLoadError,
+    PolicySet, PolicySettings, RequestInfo, UserInfo, VALIDATION_FAILURE, ValidationFailure,
 };
 pub use limits::Limits;
 pub use resolve::{ResolveError, Selection, resolve_runtime};

@@ -4,8 +4,11 @@
 //! [`results`] evaluates an object as admission would if it were created now
 //! ([`PolicySet::evaluate_for_report`]) and gives each matched policy up to two results, one per
 //! rule: `validations` (when the policy has validations) and `mutations` (when it has
-//! mutations). A policy that does not match the object (its `matchConstraints`, or its
-//! `matchConditions` on the object as it would be stored) gives none.
+//! mutations). A rule whose policy does not match the object gives none: its
+//! `matchConstraints`, or its `matchConditions` where that rule ran (the mutations see the
+//! object as the mutations before them left it, the validations the object as it would be
+//! stored). An error of the match conditions or variables is the result of the rule that was
+//! running.
 //!
 //! | rule | result | when |
 //! |---|---|---|
@@ -19,7 +22,7 @@
 
 use serde::Serialize;
 
-use crate::engine::{EvalInput, PolicySet, patch_paths};
+use crate::engine::{EvalInput, Phase, PolicySet, patch_paths};
 use hearth_crds::servingpolicy::ValidationAction;
 
 /// A rule of a policy, as a Policy Report's `rule`.
@@ -92,20 +95,16 @@ pub struct PolicyResult {
 pub fn results(set: &PolicySet, input: &EvalInput) -> Vec<PolicyResult> {
     let out = set.evaluate_for_report(input);
     let mut results = Vec::new();
-    for policy in out
-        .matched
-        .iter()
-        .filter(|p| !out.conditions_false.contains(p))
-    {
+    for policy in &out.matched {
         let Some((validates, mutates)) = set.rules_of(policy) else {
             continue;
         };
-        let mine = |p: &str| p == policy;
-        let (mutation_errors, other_errors): (Vec<_>, Vec<_>) = out
-            .errors
-            .iter()
-            .filter(|e| mine(&e.policy))
-            .partition(|e| e.field.starts_with("spec.mutations"));
+        let errors = |phase: Phase| -> Vec<&crate::EvalError> {
+            out.errors
+                .iter()
+                .filter(|e| &e.policy == policy && e.phase == phase)
+                .collect()
+        };
         let describe = |errors: &[&crate::EvalError]| {
             errors
                 .iter()
@@ -113,14 +112,15 @@ pub fn results(set: &PolicySet, input: &EvalInput) -> Vec<PolicyResult> {
                 .collect::<Vec<_>>()
                 .join("; ")
         };
-        if validates {
+        if validates && !out.validations_unmatched.contains(policy) {
+            let errors = errors(Phase::Validation);
             let failures: Vec<_> = out
                 .validation_failures
                 .iter()
-                .filter(|f| mine(&f.policy))
+                .filter(|f| &f.policy == policy)
                 .collect();
-            let (result, message) = if !other_errors.is_empty() {
-                (Verdict::Error, describe(&other_errors))
+            let (result, message) = if !errors.is_empty() {
+                (Verdict::Error, describe(&errors))
             } else if failures.is_empty() {
                 (Verdict::Pass, String::new())
             } else {
@@ -143,27 +143,24 @@ pub fn results(set: &PolicySet, input: &EvalInput) -> Vec<PolicyResult> {
             });
         }
         if mutates {
-            // Without validations, an error of the match conditions or variables is the
-            // mutations' own.
-            let errors: Vec<_> = if validates {
-                mutation_errors
-            } else {
-                mutation_errors.into_iter().chain(other_errors).collect()
-            };
+            let errors = errors(Phase::Mutation);
             let patch: Vec<json_patch::PatchOperation> = out
                 .mutation_reports
                 .iter()
-                .filter(|r| mine(&r.policy))
+                .filter(|r| &r.policy == policy)
                 .flat_map(|r| r.patch.0.iter().cloned())
                 .collect();
             let (result, would_mutate, message) = if !errors.is_empty() {
                 (Verdict::Error, None, describe(&errors))
-            } else if patch.is_empty() {
-                (Verdict::Pass, None, String::new())
-            } else {
+            } else if !patch.is_empty() {
                 let patch = json_patch::Patch(patch);
                 let message = format!("would change the object: {}", patch_paths(&patch));
                 (Verdict::Warn, Some(patch), message)
+            } else if out.mutations_unmatched.contains(policy) {
+                // Its matchConditions kept its mutations from running.
+                continue;
+            } else {
+                (Verdict::Pass, None, String::new())
             };
             results.push(PolicyResult {
                 policy: policy.clone(),

@@ -169,3 +169,49 @@ fn counts_keep_would_mutate_apart_from_warn() {
         json!({"pass": 0, "fail": 1, "warn": 1, "error": 0, "wouldMutate": 0})
     );
 }
+
+#[test]
+fn a_mutation_guarded_by_its_own_condition_is_reported_and_skipped_once_done() {
+    // MutatingAdmissionPolicy's usual guard: mutate only while the change is missing.
+    let guarded = policy(
+        "guarded",
+        json!({
+            "matchConditions": [{"name": "not-yet", "expression":
+                "!has(object.metadata.annotations) || !('example.com/reviewed' in object.metadata.annotations)"}],
+            "mutations": [{"patchType": "ApplyConfiguration", "applyConfiguration": {"expression": ANNOTATE}}]
+        }),
+    );
+    assert_eq!(
+        verdicts(&scan(vec![guarded.clone()], deployment())),
+        [("guarded", Rule::Mutations, Verdict::Warn)]
+    );
+    let mut done = deployment();
+    done["metadata"]["annotations"]["example.com/reviewed"] = json!("true");
+    assert_eq!(verdicts(&scan(vec![guarded], done)), []);
+}
+
+#[test]
+fn a_condition_error_is_the_result_of_each_rule_that_ran() {
+    let p = policy(
+        "both",
+        json!({
+            "failurePolicy": "Ignore",
+            "matchConditions": [{"name": "broken", "expression": "object.spec.nope == 1"}],
+            "validations": [{"expression": "true"}],
+            "mutations": [{"patchType": "ApplyConfiguration", "applyConfiguration": {"expression": ANNOTATE}}]
+        }),
+    );
+    let got = scan(vec![p], deployment());
+    assert_eq!(
+        verdicts(&got),
+        [
+            ("both", Rule::Validations, Verdict::Error),
+            ("both", Rule::Mutations, Verdict::Error),
+        ]
+    );
+    assert!(
+        got.iter()
+            .all(|r| r.message.contains("spec.matchConditions[0]")),
+        "{got:?}"
+    );
+}

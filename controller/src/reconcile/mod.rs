@@ -1770,13 +1770,15 @@ pub async fn run(
     let meter = tokio::spawn(metering::run(ctx.clone(), gone));
     let scanner = match (&cfg.policy_scan, &ctx.policies) {
         (Some(scan), Some(engine)) => Some(tokio::spawn(crate::scan::run(
-            ctx.client.clone(),
-            cfg.namespace.clone(),
-            engine.clone(),
-            ctx.runtimes.clone(),
-            ctx.namespaces.clone(),
-            ctx.render.policy_settings().to_value(),
-            scan.clone(),
+            crate::scan::Scanner {
+                client: ctx.client.clone(),
+                namespace: cfg.namespace.clone(),
+                engine: engine.clone(),
+                runtimes: ctx.runtimes.clone(),
+                namespaces: ctx.namespaces.clone(),
+                settings: ctx.render.policy_settings().to_value(),
+                cfg: scan.clone(),
+            },
             shutdown.clone(),
         ))),
         _ => None,

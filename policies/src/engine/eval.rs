@@ -16,7 +16,7 @@ use crate::{
 };
 
 use super::compile::{CompiledMutation, CompiledPolicy, Named};
-use super::types::{Denial, ErrorKind, EvalError, Outcome, RequestInfo, ValidationFailure};
+use super::types::{Denial, ErrorKind, EvalError, Outcome, Phase, RequestInfo, ValidationFailure};
 
 /// The request's roots other than `object`, as JSON. Each evaluator reads them its own way:
 /// the native one in place, the interpreter after conversion (once per request, on first use).
@@ -321,11 +321,13 @@ impl<'p: 'a, 'a> Evaluator<'p> for NativeEval<'a> {
 /// One policy's evaluation against one object.
 pub(super) struct PolicyRun<'p> {
     pub(super) policy: &'p CompiledPolicy,
+    /// The part of the policy this run is for (the phase of its errors).
+    phase: Phase,
 }
 
 impl<'p> PolicyRun<'p> {
-    pub(super) fn new(policy: &'p CompiledPolicy) -> Self {
-        PolicyRun { policy }
+    pub(super) fn new(policy: &'p CompiledPolicy, phase: Phase) -> Self {
+        PolicyRun { policy, phase }
     }
 
     /// Binds the variables in order. A failing variable fails only the expressions that reach
@@ -362,6 +364,7 @@ impl<'p> PolicyRun<'p> {
             message,
             kind,
             failure_policy: self.policy.failure_policy,
+            phase: self.phase,
         }
     }
 
@@ -405,7 +408,7 @@ impl<'p> PolicyRun<'p> {
         if first {
             match self.conditions(ev)? {
                 Ok(true) => {}
-                Ok(false) => return Ok(Pass::Done),
+                Ok(false) => return Ok(Pass::Unmatched),
                 Err(e) => return Ok(Pass::Failed(e)),
             }
         }
@@ -443,7 +446,7 @@ impl<'p> PolicyRun<'p> {
         match self.conditions(ev)? {
             Ok(true) => {}
             Ok(false) => {
-                out.conditions_false.push(p.name.clone());
+                out.validations_unmatched.push(p.name.clone());
                 return Ok(());
             }
             Err(e) => {
@@ -549,6 +552,8 @@ impl Got {
 pub(super) enum Pass<'p> {
     /// Nothing (more) to apply.
     Done,
+    /// The policy's `matchConditions` are false: its mutations do not run.
+    Unmatched,
     /// A mutation's result to apply; then rebind the object and continue.
     Apply(&'p CompiledMutation, Value),
     /// A mutation failed: the policy stops here, keeping the changes made so far.
@@ -618,7 +623,8 @@ pub(super) fn merge(out: &mut Outcome, local: Outcome) {
     out.denials.extend(local.denials);
     out.warnings.extend(local.warnings);
     out.validation_failures.extend(local.validation_failures);
-    out.conditions_false.extend(local.conditions_false);
+    out.validations_unmatched
+        .extend(local.validations_unmatched);
     out.errors.extend(local.errors);
     for (k, v) in local.audit_annotations {
         if k == VALIDATION_FAILURE {

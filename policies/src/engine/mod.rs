@@ -23,8 +23,8 @@ pub use eval::VALIDATION_FAILURE;
 pub(crate) use eval::{ExprFailure, run, with_stack};
 pub use types::{
     Denial, ErrorKind, EvalError, EvalInput, GroupVersionKind, GroupVersionResource, MutateError,
-    Mutated, MutationReport, Outcome, PolicyLoadError, PolicySettings, RequestInfo, UserInfo,
-    ValidationFailure, patch_paths,
+    Mutated, MutationReport, Outcome, Phase, PolicyLoadError, PolicySettings, RequestInfo,
+    UserInfo, ValidationFailure, patch_paths,
 };
 
 use compile::{CompiledPolicy, compile_policy};
@@ -265,8 +265,7 @@ impl PolicySet {
         if mode != Mode::Render {
             let mut interpreted: Option<CelEval> = None;
             for p in &matched {
-                // A scan asks every policy whether its matchConditions hold.
-                if p.validations.is_empty() && p.audit_annotations.is_empty() && !report_all {
+                if p.validations.is_empty() && p.audit_annotations.is_empty() {
                     continue;
                 }
                 let mut local = Outcome::default();
@@ -275,7 +274,7 @@ impl PolicySet {
                     let mut ev = NativeEval {
                         env: fixed.native_env(p, object.as_ref()),
                     };
-                    match PolicyRun::new(p).validate(&mut ev, &mut local) {
+                    match PolicyRun::new(p, Phase::Validation).validate(&mut ev, &mut local) {
                         Ok(()) => true,
                         Err(fallback) => {
                             fallback.record(&p.name);
@@ -290,7 +289,7 @@ impl PolicySet {
                         interpreted.get_or_insert_with(|| CelEval::new(rctx(), object.as_ref()));
                     // Each policy's variables in a scope of their own.
                     let mut scoped = ev.scope();
-                    let _ = PolicyRun::new(p).validate(&mut scoped, &mut local);
+                    let _ = PolicyRun::new(p, Phase::Validation).validate(&mut scoped, &mut local);
                 }
                 errors_by_actions(p, &mut local);
                 merge(&mut out, local);
@@ -376,8 +375,11 @@ impl PolicySet {
                 run.mutation_pass(&mut ev, next, first)
             });
             match result {
-                Ok((changed, error)) => {
+                Ok((changed, error, matched)) => {
                     out.errors.extend(error);
+                    if !matched {
+                        out.mutations_unmatched.push(p.name.clone());
+                    }
                     return changed;
                 }
                 Err(fallback) => {
@@ -390,12 +392,15 @@ impl PolicySet {
             }
         }
         let request = rctx();
-        let (changed, error) = mutate_passes(p, object, |run, current, next, first| {
+        let (changed, error, matched) = mutate_passes(p, object, |run, current, next, first| {
             let mut ev = CelEval::new(request, Some(current));
             run.mutation_pass(&mut ev, next, first)
         })
-        .unwrap_or((false, None));
+        .unwrap_or((false, None, true));
         out.errors.extend(error);
+        if !matched {
+            out.mutations_unmatched.push(p.name.clone());
+        }
         changed
     }
 }

@@ -8,33 +8,35 @@ use crate::merge;
 
 use super::compile::CompiledPolicy;
 use super::eval::{Fallback, Pass, PolicyRun};
-use super::types::{ErrorKind, EvalError};
+use super::types::{ErrorKind, EvalError, Phase};
 
 /// Runs a policy's mutation passes over `object`, applying each result in place, until none
-/// is left: returns whether anything was applied and the error that stopped the policy.
+/// is left: returns whether anything was applied, the error that stopped the policy, and
+/// whether its `matchConditions` held (`false`: nothing ran).
 pub(super) fn mutate_passes<'p>(
     p: &'p CompiledPolicy,
     object: &mut Value,
     mut pass: impl FnMut(&mut PolicyRun<'p>, &Value, &mut usize, bool) -> Result<Pass<'p>, Fallback>,
-) -> Result<(bool, Option<EvalError>), Fallback> {
-    let mut run = PolicyRun::new(p);
+) -> Result<(bool, Option<EvalError>, bool), Fallback> {
+    let mut run = PolicyRun::new(p, Phase::Mutation);
     let mut changed = false;
     let mut next = 0;
     let mut first = true;
     while next < p.mutations.len() {
         match pass(&mut run, object, &mut next, first)? {
             Pass::Done => break,
+            Pass::Unmatched => return Ok((changed, None, false)),
             Pass::Apply(m, produced) => {
                 if let Err((msg, kind)) = apply_mutation(object, m.patch_type, produced) {
-                    return Ok((changed, Some(run.error(&m.field, &m.expr, msg, kind))));
+                    return Ok((changed, Some(run.error(&m.field, &m.expr, msg, kind)), true));
                 }
                 changed = true;
             }
-            Pass::Failed(e) => return Ok((changed, Some(e))),
+            Pass::Failed(e) => return Ok((changed, Some(e), true)),
         }
         first = false;
     }
-    Ok((changed, None))
+    Ok((changed, None, true))
 }
 
 /// The fields a mutation may not change (MutatingAdmissionPolicy forbids it too).

@@ -266,6 +266,19 @@ pub struct EvalError {
     pub kind: ErrorKind,
     /// The policy's failurePolicy: `Fail` rejected the request, `Ignore` skipped the policy.
     pub failure_policy: FailurePolicy,
+    /// Which part of the policy was running: its mutations, or its validations (with the
+    /// audit annotations). Match conditions and variables run in both.
+    pub phase: Phase,
+}
+
+/// The part of a policy an [`EvalError`] happened in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Phase {
+    /// `matchConditions`, `variables` and `mutations`, when the mutations ran.
+    Mutation,
+    /// `matchConditions`, `variables`, `validations` and `auditAnnotations`.
+    Validation,
 }
 
 /// The result of evaluating a policy set against one request.
@@ -295,9 +308,12 @@ pub struct Outcome {
     /// admission outcome above sorts them into denials, warnings and audit annotations): what
     /// a Policy Report records ([`crate::report`]).
     pub validation_failures: Vec<ValidationFailure>,
-    /// Matched policies whose `matchConditions` were false on the object the validations saw
-    /// (the object as it will be stored): they did nothing there.
-    pub conditions_false: Vec<String>,
+    /// Policies with mutations, matched by `matchConstraints`, whose `matchConditions` were false
+    /// when their mutations were to run: the mutations did not run.
+    pub mutations_unmatched: Vec<String>,
+    /// Policies with validations, matched by `matchConstraints`, whose `matchConditions` were
+    /// false on the object the validations saw (the object as it will be stored).
+    pub validations_unmatched: Vec<String>,
 }
 
 /// One failed validation: its policy, its message, and how the policy enforces it

@@ -187,7 +187,7 @@ async fn main() -> Result<()> {
                     Ok(match p.status.and_then(|s| s.scan) {
                         Some(s)
                             if s.observed_generation == p.metadata.generation
-                                && s.resources == n as u64 =>
+                                && s.resources == n as i64 =>
                         {
                             Observed::Ready(s)
                         }
