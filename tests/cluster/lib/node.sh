@@ -147,14 +147,20 @@ node_network_up() {
       ip link set lo up
       : >\"\$0/mnt.ready\"
       exec sleep infinity" "$2"' sh "$procs" "$NS_DIR" >>"$LOGS/node-namespaces.log" 2>&1 </dev/null &
-  local holder=$! i
+  local holder=$! i exe=""
   echo "$holder" >"$NS_DIR/mnt.pid"
-  for ((i = 0; i < 100; i++)); do
-    [[ -f "$NS_DIR/mnt.ready" ]] && break
+  # Ready once the mounts are made and the holder has become the `sleep` node_mnt_ns looks
+  # for: the ready file is written just before that exec, and on a busy machine the exec can
+  # come well after it.
+  for ((i = 0; i < 200; i++)); do
+    if [[ -f "$NS_DIR/mnt.ready" ]]; then
+      exe="$(readlink "/proc/$holder/exe" 2>/dev/null)" || exe=""
+      [[ "$(basename "${exe% (deleted)}")" == sleep ]] && break
+    fi
     kill -0 "$holder" 2>/dev/null || break
     sleep 0.05
   done
-  if [[ ! -f "$NS_DIR/mnt.ready" ]]; then
+  if [[ ! -f "$NS_DIR/mnt.ready" || "$(basename "${exe% (deleted)}")" != sleep ]]; then
     tail -n 20 "$LOGS/node-namespaces.log" >&2 || true
     die "creating the real node's namespaces failed (log: $LOGS/node-namespaces.log); tests/cluster/down removes what was made"
   fi

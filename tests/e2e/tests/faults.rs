@@ -1444,13 +1444,16 @@ async fn backend_oom_killed_mid_stream_error_event_and_rerouted() -> Result<()> 
             Outcome::Failed(class) => {
                 // In flight on the killed backend: a stream ends with an error event, a plain
                 // request with 502, at once; requests sent after the kill go to the other.
+                // "Network is unreachable" here means the node had no rule for the gateway
+                // Service's ClusterIP: kube-proxy's log says why (a resync, a restart).
                 ensure!(
                     r.sent < killed_at,
-                    "{:?} {} sent {:.1}s after the kill failed ({class}): {}",
+                    "{:?} {} sent {:.1}s after the kill failed ({class}): {}\nthe real node's kube-proxy, last lines:\n{}",
                     r.kind,
                     r.tag,
                     r.sent.saturating_duration_since(killed_at).as_secs_f64(),
-                    r.detail
+                    r.detail,
+                    log_tail(&d.cluster, "kube-proxy.log", 40)
                 );
                 let expected = if r.kind == Kind::Stream {
                     "error event"
@@ -1483,4 +1486,22 @@ async fn backend_oom_killed_mid_stream_error_event_and_rerouted() -> Result<()> 
         (recovered_at - killed_at).as_secs_f64()
     );
     Ok(())
+}
+
+/// The last `lines` lines of the local cluster's log `file` (its state dir's `logs/`), or why
+/// they could not be read.
+fn log_tail(cluster: &Cluster, file: &str, lines: usize) -> String {
+    let path = cluster
+        .kubeconfig()
+        .parent()
+        .unwrap_or(std::path::Path::new("."))
+        .join("logs")
+        .join(file);
+    match std::fs::read_to_string(&path) {
+        Ok(text) => {
+            let all: Vec<&str> = text.lines().collect();
+            all[all.len().saturating_sub(lines)..].join("\n")
+        }
+        Err(e) => format!("({}: {e})", path.display()),
+    }
 }
