@@ -5,7 +5,8 @@
 //! vendor annotation or label, [`Selection::from_object`]), in the watched namespace or every
 //! namespace, each evaluated as admission would if it were created now
 //! ([`hearth_policies::report::results`]): the resolved InferenceRuntime as `params`, the
-//! namespace (its metadata) as `namespaceObject`, no user. A workload whose runtime does not
+//! namespace (its metadata) as `namespaceObject`, no user. The runtimes and namespaces are read
+//! at the start of each scan (the runtimes listed, the namespaces listed as metadata). A workload whose runtime does not
 //! resolve is counted as unresolved and not reported (admission would refuse it). Backends
 //! rendered from LLMServices are not scanned: every render evaluates them, and reports on the
 //! backend itself (`serving.hearth.dev/policy-reports`, `crate::policy::apply`).
@@ -49,7 +50,6 @@ use kube::api::{
     ApiResource, DeleteParams, DynamicObject, GroupVersionKind, ListParams, Patch, PatchParams,
 };
 use kube::core::PartialObjectMeta;
-use kube::runtime::reflector::{ObjectRef, Store};
 use kube::{Api, Client, Resource, ResourceExt};
 use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
@@ -233,10 +233,6 @@ pub struct Scanner {
     pub namespace: Option<String>,
     /// The policies (their changes trigger a scan).
     pub engine: ClusterEngine,
-    /// The InferenceRuntimes, for `params`.
-    pub runtimes: Store<InferenceRuntime>,
-    /// The namespaces' metadata, for `namespaceObject`.
-    pub namespaces: Store<PartialObjectMeta<Namespace>>,
     /// `settings` (`crate::render::RenderConfig::policy_settings`).
     pub settings: Value,
     /// Interval and pace.
@@ -247,8 +243,8 @@ pub struct Scanner {
 pub struct Inputs<'a> {
     /// The cluster's InferenceRuntimes.
     pub runtimes: &'a [InferenceRuntime],
-    /// The namespaces' metadata, for `namespaceObject`.
-    pub namespaces: &'a Store<PartialObjectMeta<Namespace>>,
+    /// Each namespace as `namespaceObject` sees it (its metadata), by name.
+    pub namespaces: &'a HashMap<String, Value>,
     /// `settings`.
     pub settings: &'a Value,
 }
@@ -265,14 +261,10 @@ pub fn evaluate(
         Ok(rt) => rt,
         Err(e) => return Some(Err(e.to_string())),
     };
-    let namespace_object = object["metadata"]["namespace"].as_str().and_then(|ns| {
-        let meta = inputs.namespaces.get(&ObjectRef::new(ns))?;
-        Some(json!({
-            "apiVersion": "v1",
-            "kind": "Namespace",
-            "metadata": serde_json::to_value(&meta.metadata).ok()?,
-        }))
-    });
+    let namespace_object = object["metadata"]["namespace"]
+        .as_str()
+        .and_then(|ns| inputs.namespaces.get(ns))
+        .cloned();
     let request = RequestInfo::for_object(&object, hearth_crds::servingpolicy::Operation::Create);
     let input = EvalInput {
         namespace_object,
@@ -346,7 +338,7 @@ where
 struct Scan<'a> {
     set: PolicySet,
     runtimes: Arc<[InferenceRuntime]>,
-    namespaces: Store<PartialObjectMeta<Namespace>>,
+    namespaces: Arc<HashMap<String, Value>>,
     settings: Arc<Value>,
     client: &'a Client,
     existing: HashMap<(String, String), String>,
@@ -445,16 +437,26 @@ pub async fn scan_once(scanner: &Scanner, written: &mut Written) -> Result<ScanS
         client,
         namespace,
         engine,
-        runtimes,
-        namespaces,
         settings,
         cfg,
     } = scanner;
     let namespace = namespace.as_deref();
     let engine = engine.current();
     let set = engine.policy_set().clone();
-    let runtimes: Arc<[InferenceRuntime]> =
-        runtimes.state().iter().map(|r| (**r).clone()).collect();
+    // Read for each scan, not from the reconcilers' caches: a scan needs them whole, and
+    // there are few runtimes and, listed as metadata, small namespaces.
+    let runtimes: Arc<[InferenceRuntime]> = Api::<InferenceRuntime>::all(client.clone())
+        .list(&ListParams::default())
+        .await
+        .map_err(kube_err("list InferenceRuntimes"))?
+        .items
+        .into_iter()
+        .map(|mut r| {
+            r.metadata.managed_fields = None;
+            r
+        })
+        .collect();
+    let namespaces = Arc::new(namespace_objects(client, namespace).await?);
     let mut summary = ScanSummary {
         reports: report_crd_installed(client).await?,
         ..ScanSummary::default()
@@ -505,7 +507,7 @@ pub async fn scan_once(scanner: &Scanner, written: &mut Written) -> Result<ScanS
     let mut scan = Scan {
         set,
         runtimes,
-        namespaces: namespaces.clone(),
+        namespaces,
         settings: Arc::new(settings.clone()),
         client,
         existing,
@@ -576,6 +578,49 @@ fn record(summary: &mut ScanSummary, results: &[PolicyResult]) {
                 matched.push(&r.policy);
                 *resources += 1;
             }
+        }
+    }
+}
+
+/// Each namespace in scope (`namespace`, or all, a page at a time) as `namespaceObject` sees
+/// it: `apiVersion`, `kind` and its metadata, by name.
+async fn namespace_objects(
+    client: &Client,
+    namespace: Option<&str>,
+) -> Result<HashMap<String, Value>, Error> {
+    let api: Api<Namespace> = Api::all(client.clone());
+    let as_object = |mut m: PartialObjectMeta<Namespace>| {
+        m.metadata.managed_fields = None;
+        let name = m.name_any();
+        let object = json!({
+            "apiVersion": "v1",
+            "kind": "Namespace",
+            "metadata": serde_json::to_value(&m.metadata).unwrap_or_default(),
+        });
+        (name, object)
+    };
+    if let Some(ns) = namespace {
+        let found = api
+            .get_metadata_opt(ns)
+            .await
+            .map_err(kube_err(format!("get Namespace {ns}")))?;
+        return Ok(found.into_iter().map(as_object).collect());
+    }
+    let mut all = HashMap::new();
+    let mut token: Option<String> = None;
+    loop {
+        let mut lp = ListParams::default().limit(PAGE);
+        if let Some(t) = &token {
+            lp = lp.continue_token(t);
+        }
+        let page = api
+            .list_metadata(&lp)
+            .await
+            .map_err(kube_err("list Namespaces"))?;
+        all.extend(page.items.into_iter().map(as_object));
+        token = page.metadata.continue_.filter(|t| !t.is_empty());
+        if token.is_none() {
+            return Ok(all);
         }
     }
 }
@@ -680,15 +725,11 @@ pub async fn run(scanner: Scanner, shutdown: impl Future<Output = ()>) {
     let Scanner {
         client,
         engine,
-        runtimes,
-        namespaces,
         cfg,
         ..
     } = &scanner;
     let mut changes = engine.subscribe();
     changes.borrow_and_update();
-    let _ = runtimes.wait_until_ready().await;
-    let _ = namespaces.wait_until_ready().await;
     let mut written = Written::new();
     let scans = async {
         let mut retry = RETRY_FIRST;
@@ -776,8 +817,6 @@ pub async fn run(scanner: Scanner, shutdown: impl Future<Output = ()>) {
 mod tests {
     use super::*;
     use hearth_policies::report::{Rule, Verdict};
-    use kube::runtime::reflector;
-    use kube::runtime::watcher;
 
     fn policy(name: &str, spec: Value) -> ServingPolicy {
         serde_json::from_value(json!({
@@ -808,15 +847,12 @@ mod tests {
         })
     }
 
-    fn namespaces(labels: Value) -> Store<PartialObjectMeta<Namespace>> {
-        let (store, mut writer) = reflector::store::<PartialObjectMeta<Namespace>>();
-        let ns: PartialObjectMeta<Namespace> = serde_json::from_value(json!({
-            "apiVersion": "v1", "kind": "Namespace",
-            "metadata": {"name": "team-a", "labels": labels},
-        }))
-        .expect("a namespace");
-        writer.apply_watcher_event(&watcher::Event::Apply(ns));
-        store
+    fn namespaces(labels: Value) -> HashMap<String, Value> {
+        HashMap::from([(
+            "team-a".to_owned(),
+            json!({"apiVersion": "v1", "kind": "Namespace",
+                   "metadata": {"name": "team-a", "labels": labels}}),
+        )])
     }
 
     fn set(policies: &[ServingPolicy]) -> PolicySet {

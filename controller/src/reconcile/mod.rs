@@ -1774,8 +1774,6 @@ pub async fn run(
                 client: ctx.client.clone(),
                 namespace: cfg.namespace.clone(),
                 engine: engine.clone(),
-                runtimes: ctx.runtimes.clone(),
-                namespaces: ctx.namespaces.clone(),
                 settings: ctx.render.policy_settings().to_value(),
                 cfg: scan.clone(),
             },
