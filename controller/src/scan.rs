@@ -413,9 +413,13 @@ impl Scan<'_> {
                         Ok(()) => self.summary.written += 1,
                         // One refused write (a namespace being deleted, a quota on objects)
                         // does not stop the scan; the next scan writes it again.
+                        // The first of a scan is logged, the rest counted (a namespace being
+                        // deleted refuses every report in it).
                         Err(e) => {
+                            if self.summary.failed == 0 {
+                                tracing::warn!(error = %e, "policy scan: a report was not written (the scan's log line counts the rest as failed)");
+                            }
                             self.summary.failed += 1;
-                            tracing::warn!(error = %e, "policy scan: a report was not written");
                         }
                     }
                 }
@@ -559,8 +563,10 @@ pub async fn scan_once(scanner: &Scanner, written: &mut Written) -> Result<ScanS
             Ok(_) => summary.deleted += 1,
             Err(kube::Error::Api(e)) if e.code == 404 => {}
             Err(e) => {
+                if summary.failed == 0 {
+                    tracing::warn!(error = %kube_err(format!("delete PolicyReport {ns}/{name}"))(e), "policy scan: a stale report was not deleted (the scan's log line counts the rest as failed)");
+                }
                 summary.failed += 1;
-                tracing::warn!(error = %kube_err(format!("delete PolicyReport {ns}/{name}"))(e), "policy scan: a stale report was not deleted");
             }
         }
     }
