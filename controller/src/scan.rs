@@ -6,16 +6,18 @@
 //! namespace, each evaluated as admission would if it were created now
 //! ([`hearth_policies::report::results`]): the resolved InferenceRuntime as `params`, the
 //! namespace (its metadata) as `namespaceObject`, no user. The runtimes and namespaces are read
-//! at the start of each scan (the runtimes listed, the namespaces listed as metadata). A workload whose runtime does not
-//! resolve is counted as unresolved and not reported (admission would refuse it). Backends
-//! rendered from LLMServices are not scanned: every render evaluates them, and reports on the
-//! backend itself (`serving.hearth.dev/policy-reports`, `crate::policy::apply`).
+//! at the start of each scan (the runtimes listed; the namespaces listed as metadata, or the
+//! watched one read). A workload whose runtime does not
+//! resolve is counted as unresolved and not reported (admission would refuse it; an earlier
+//! report of it is deleted). Backends rendered from LLMServices are not scanned: every render
+//! runs the policies' mutations on them and reports those of policies with `Warn` or `Audit` on
+//! the backend itself (`serving.hearth.dev/policy-reports`, `crate::policy::apply`).
 //!
 //! **When.** Once when the controller starts leading, when the set of policies changes
 //! (created, edited, deleted; after [`SCAN_DEBOUNCE`]), and every [`ScanConfig::interval`].
 //!
-//! **Bounded.** Workloads are listed a page of [`PAGE`] at a time (the memory held is one page
-//! and the digests of the reports), evaluated on the blocking pool at most
+//! **Bounded.** Workloads are listed a page of [`PAGE`] at a time (the memory held is one page,
+//! the digests of the reports and the UIDs of the workloads evaluated), evaluated on the blocking pool at most
 //! [`ScanConfig::rate`] per second, and a report is written only when its results changed
 //! (their digest is kept on the report, [`DIGEST_ANNOTATION`]).
 //!
@@ -116,8 +118,8 @@ pub struct ScanSummary {
     pub unchanged: u64,
     /// Reports deleted (their workload is gone from scope or matches no policy).
     pub deleted: u64,
-    /// Reports whose write or deletion the apiserver refused (logged; the next scan tries
-    /// again).
+    /// Reports whose write or deletion the apiserver refused (the first logged; the next scan
+    /// tries again).
     pub failed: u64,
     /// Whether the PolicyReport CRD is installed (reports were written).
     pub reports: bool,
@@ -138,7 +140,8 @@ pub fn report_resource() -> ApiResource {
     )
 }
 
-/// The digest of `results` (SHA-256, hex): what decides whether a report is written again.
+/// The digest of `results` (the first 128 bits of their SHA-256, hex): what decides whether a
+/// report is written again.
 pub fn digest(results: &[PolicyResult]) -> String {
     let bytes = serde_json::to_vec(results).unwrap_or_default();
     let d = ring::digest::digest(&ring::digest::SHA256, &bytes);

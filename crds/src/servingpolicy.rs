@@ -374,7 +374,7 @@ pub struct ServingPolicyStatus {
 
     /// scan is what the last background scan found: this policy evaluated against the
     /// workloads that already run (Deployments and StatefulSets annotated for Hearth), as
-    /// admission would if each were created now. One result per rule (validations,
+    /// admission would if each were created now. Up to one result per rule (validations,
     /// mutations) per matched workload; each workload's results are in a Policy Report
     /// (wgpolicyk8s.io/v1alpha2 PolicyReport `hearth-<workload uid>` in its namespace).
     /// Written by the controller.
@@ -390,10 +390,12 @@ pub struct ScanStatus {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
     /// lastScanTime is when a scan last wrote these counts (at its end). A scan that finds the
-    /// same counts for the same generation leaves them, and this time, as they are.
+    /// same counts for the same generation as the controller last wrote leaves them, and this
+    /// time, as they are (a new leader writes them once).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_scan_time: Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Time>,
-    /// resources is how many workloads the policy matched.
+    /// resources is how many workloads the policy gave a result for (matched, and its
+    /// matchConditions true where a rule ran).
     #[serde(default)]
     pub resources: i64,
     /// pass counts the results with nothing to report.
@@ -407,7 +409,8 @@ pub struct ScanStatus {
     /// or audits.
     #[serde(default)]
     pub warn: i64,
-    /// error counts the results whose expressions did not evaluate.
+    /// error counts the results whose expressions did not evaluate (or whose mutation did not
+    /// apply).
     #[serde(default)]
     pub error: i64,
     /// wouldMutate counts the mutations results whose mutations would change the workload

@@ -14,7 +14,7 @@
 //! |---|---|---|
 //! | validations | `fail` | a validation failed and the policy denies (`Deny` in `validationActions`) |
 //! | validations | `warn` | a validation failed and the policy only warns or audits |
-//! | validations | `error` | an expression of the policy's validations, match conditions or variables did not evaluate |
+//! | validations | `error` | an expression of the policy's validations, audit annotations, match conditions or variables did not evaluate (this wins over failed validations) |
 //! | validations | `pass` | none of these |
 //! | mutations | `warn`, [`PolicyResult::would_mutate`] | the mutations would change the object (applied or report-only) |
 //! | mutations | `error` | a mutation did not evaluate or apply |
@@ -81,8 +81,9 @@ pub struct PolicyResult {
     pub rule: Rule,
     /// The result.
     pub result: Verdict,
-    /// What the mutations would change (RFC 6902, from the object as stored); `Some` only for a
-    /// `mutations` result of `warn`.
+    /// What the mutations would change (RFC 6902, from the object as the mutations before this
+    /// policy's left it; a reinvoked policy's passes joined); `Some` only for a `mutations`
+    /// result of `warn`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub would_mutate: Option<json_patch::Patch>,
     /// For people: the failed validations' messages, the error, or the changed paths; empty on
@@ -174,8 +175,9 @@ pub fn results(set: &PolicySet, input: &EvalInput) -> Vec<PolicyResult> {
     results
 }
 
-/// Counts of results, as a ServingPolicy's `status.scan` and a Policy Report's `summary` give
-/// them: `would_mutate` counts the `mutations` results of `warn`, which `warn` does not.
+/// Counts of results, as a ServingPolicy's `status.scan` gives them: `would_mutate` counts the
+/// `mutations` results of `warn`, which `warn` does not (a Policy Report's `summary.warn`
+/// counts both).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct Counts {

@@ -5,7 +5,7 @@
 //! them and writes one PolicyReport each.
 //!
 //! Prints two tables: the scan (seconds from the policy's creation to its `status.scan`
-//! counting every Deployment, workloads a second, reports written, the controller's resident
+//! counting every Deployment, workloads a second, its warn and wouldMutate counts, the controller's resident
 //! memory before and its peak during, from `/proc/<pid>/status` of its process on the real
 //! node), and admission (server dry-run creates of an annotated Deployment through the
 //! apiserver and Hearth's webhook, one at a time: p50 and p99 without a scan, then during it,
