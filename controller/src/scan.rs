@@ -253,13 +253,13 @@ pub struct Inputs<'a> {
 }
 
 /// The results of `object` (a workload as JSON): `None` when it did not opt in, `Some(Err)`
-/// when its runtime does not resolve.
+/// when its runtime does not resolve. Only an opted-in workload is copied (into the input).
 pub fn evaluate(
     set: &PolicySet,
     inputs: &Inputs<'_>,
-    object: Value,
+    object: &Value,
 ) -> Option<Result<Vec<PolicyResult>, String>> {
-    let selection = Selection::from_object(&object)?;
+    let selection = Selection::from_object(object)?;
     let runtime = match resolve_runtime(inputs.runtimes, &selection) {
         Ok(rt) => rt,
         Err(e) => return Some(Err(e.to_string())),
@@ -268,10 +268,10 @@ pub fn evaluate(
         .as_str()
         .and_then(|ns| inputs.namespaces.get(ns))
         .cloned();
-    let request = RequestInfo::for_object(&object, hearth_crds::servingpolicy::Operation::Create);
+    let request = RequestInfo::for_object(object, hearth_crds::servingpolicy::Operation::Create);
     let input = EvalInput {
         namespace_object,
-        ..EvalInput::for_workload(request, object, runtime, inputs.settings.clone())
+        ..EvalInput::for_workload(request, object.clone(), runtime, inputs.settings.clone())
     };
     Some(Ok(results(set, &input)))
 }
@@ -384,7 +384,7 @@ impl Scan<'_> {
                 batch
                     .into_iter()
                     .filter_map(|o| {
-                        let r = evaluate(&set, &inputs, o.clone())?;
+                        let r = evaluate(&set, &inputs, &o)?;
                         Some((o, r))
                     })
                     .collect::<Vec<_>>()
@@ -485,31 +485,16 @@ pub async fn scan_once(scanner: &Scanner, written: &mut Written) -> Result<ScanS
     // The reports written before, by namespace and name, with their digests.
     let mut existing: HashMap<(String, String), String> = HashMap::new();
     if summary.reports {
-        let mut token: Option<String> = None;
-        loop {
-            let mut lp = ListParams::default()
-                .labels(&format!("{}={}", MANAGED_BY.0, MANAGED_BY.1))
-                .limit(PAGE);
-            if let Some(t) = &token {
-                lp = lp.continue_token(t);
-            }
-            let page = reports
-                .list_metadata(&lp)
-                .await
-                .map_err(kube_err("list PolicyReports"))?;
-            for r in page.items {
-                let digest = r
-                    .annotations()
-                    .get(DIGEST_ANNOTATION)
-                    .cloned()
-                    .unwrap_or_default();
-                existing.insert((r.namespace().unwrap_or_default(), r.name_any()), digest);
-            }
-            token = page.metadata.continue_.filter(|t| !t.is_empty());
-            if token.is_none() {
-                break;
-            }
-        }
+        let managed = ListParams::default().labels(&format!("{}={}", MANAGED_BY.0, MANAGED_BY.1));
+        each_metadata(&reports, managed, "PolicyReports", |r| {
+            let digest = r
+                .annotations()
+                .get(DIGEST_ANNOTATION)
+                .cloned()
+                .unwrap_or_default();
+            existing.insert((r.namespace().unwrap_or_default(), r.name_any()), digest);
+        })
+        .await?;
     }
     let mut scan = Scan {
         set,
@@ -616,20 +601,39 @@ async fn namespace_objects(
         return Ok(found.into_iter().map(as_object).collect());
     }
     let mut all = HashMap::new();
+    each_metadata(&api, ListParams::default(), "Namespaces", |m| {
+        let (name, object) = as_object(m);
+        all.insert(name, object);
+    })
+    .await?;
+    Ok(all)
+}
+
+/// Hands each object of `api` that `lp` selects, as metadata, to `each`, listing a page of
+/// [`PAGE`] at a time (what is held is one page).
+async fn each_metadata<K>(
+    api: &Api<K>,
+    lp: ListParams,
+    what: &str,
+    mut each: impl FnMut(PartialObjectMeta<K>),
+) -> Result<(), Error>
+where
+    K: Resource + Clone + DeserializeOwned + std::fmt::Debug,
+{
     let mut token: Option<String> = None;
     loop {
-        let mut lp = ListParams::default().limit(PAGE);
+        let mut page_params = lp.clone().limit(PAGE);
         if let Some(t) = &token {
-            lp = lp.continue_token(t);
+            page_params = page_params.continue_token(t);
         }
         let page = api
-            .list_metadata(&lp)
+            .list_metadata(&page_params)
             .await
-            .map_err(kube_err("list Namespaces"))?;
-        all.extend(page.items.into_iter().map(as_object));
+            .map_err(kube_err(format!("list {what}")))?;
+        page.items.into_iter().for_each(&mut each);
         token = page.metadata.continue_.filter(|t| !t.is_empty());
         if token.is_none() {
-            return Ok(all);
+            return Ok(());
         }
     }
 }
@@ -882,16 +886,16 @@ mod tests {
             namespaces: &namespaces(json!({})),
             settings: &json!({}),
         };
-        assert!(evaluate(&set, &inputs, workload(json!({}))).is_none());
+        assert!(evaluate(&set, &inputs, &workload(json!({}))).is_none());
         let pinned = json!({"serving.hearth.dev/runtime": "rt"});
-        let got = evaluate(&set, &inputs, workload(pinned)).and_then(Result::ok);
+        let got = evaluate(&set, &inputs, &workload(pinned)).and_then(Result::ok);
         assert_eq!(
             got.map(|r| r.iter().map(|r| (r.rule, r.result)).collect::<Vec<_>>()),
             Some(vec![(Rule::Validations, Verdict::Pass)])
         );
         let unknown = json!({"serving.hearth.dev/runtime": "nope"});
         assert!(matches!(
-            evaluate(&set, &inputs, workload(unknown)),
+            evaluate(&set, &inputs, &workload(unknown)),
             Some(Err(_))
         ));
     }
@@ -919,7 +923,7 @@ mod tests {
                 namespaces: &ns,
                 settings: &json!({}),
             };
-            let got = evaluate(&set, &inputs, pinned())
+            let got = evaluate(&set, &inputs, &pinned())
                 .and_then(Result::ok)
                 .unwrap_or_default();
             assert_eq!(got.len(), 1, "{got:?}");
