@@ -20,6 +20,7 @@ pub mod admin_tokens;
 pub mod adopt;
 pub mod attach;
 pub mod diff;
+pub mod export;
 pub mod handover;
 pub mod keys;
 pub mod labels;

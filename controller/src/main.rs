@@ -187,6 +187,20 @@ struct RunArgs {
     /// stays with its reconciles, and the apiserver is not flooded with report writes).
     #[arg(long, env = "HEARTH_POLICY_SCAN_RATE", default_value_t = 200, value_parser = clap::value_parser!(u32).range(1..))]
     policy_scan_rate: u32,
+    /// Export each ServingPolicy the apiserver can run to a ValidatingAdmissionPolicy and/or
+    /// MutatingAdmissionPolicy (with bindings), so it holds without the webhook, which then
+    /// stops evaluating it; each policy's `status.export` says where it runs or why it cannot.
+    /// Needs --cluster-policies and RBAC on those kinds.
+    #[arg(long, env = "HEARTH_POLICY_EXPORT", default_value_t = false, action = clap::ArgAction::Set)]
+    policy_export: bool,
+    /// Time between export passes without a change (a pass also runs when a policy or an
+    /// InferenceRuntime changes).
+    #[arg(long, env = "HEARTH_POLICY_EXPORT_INTERVAL", default_value = "5m", value_parser = go_duration)]
+    policy_export_interval: Duration,
+    /// Export only the ServingPolicies this label selector selects (`team=ml,tier!=dev`);
+    /// empty: all.
+    #[arg(long, env = "HEARTH_POLICY_EXPORT_SELECTOR", default_value = "")]
+    policy_export_selector: String,
     /// Device handover: a cold service whose backend pod cannot be scheduled for lack of its
     /// accelerator may take an idle service's (lower or equal `spec.scaling.priority`, past its
     /// `minResidency`, no request in flight) to zero through KEDA's pause; false: services
@@ -571,6 +585,13 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
                 rate: args.policy_scan_rate,
             },
         ),
+        policy_export: (args.cluster_policies && args.policy_export).then(|| {
+            hearth_controller::export::ExportConfig {
+                own_namespace: args.leader_election_namespace.clone(),
+                interval: args.policy_export_interval.max(Duration::from_secs(10)),
+                selector: Some(args.policy_export_selector.clone()).filter(|s| !s.is_empty()),
+            }
+        }),
         device_handover: args.device_handover,
         scaler_tls: hearth_controller::scaler_tls::ScalerTlsConfig {
             cert_validity: args.scaler_cert_validity,

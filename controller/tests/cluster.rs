@@ -99,6 +99,7 @@ fn start(client: Client, namespace: &str, render: RenderConfig, requeue: Duratio
             admin_tokens,
             shared_client_home: None,
             policy_scan: None,
+            policy_export: None,
         },
     )
 }
@@ -2311,4 +2312,153 @@ async fn a_new_policy_reports_on_the_workloads_that_already_run() -> Result<()> 
     running.stop().await;
     let _ = policies.delete(&name, &DeleteParams::default()).await;
     result
+}
+
+/// The export mode (docs/policies.md, "Exporting policies to the apiserver"), one pass at a
+/// time: a policy the apiserver can run becomes a ValidatingAdmissionPolicy and its binding,
+/// owned by the policy, with `status.export` and `Exported=True`; one that reads `service` says
+/// why not, naming the field and the construct; a name taken by an object Hearth did not export
+/// is never touched; an edit that makes a policy unexportable deletes what it exported.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exportable_policies_become_admission_policies_and_the_rest_say_why() -> Result<()> {
+    use hearth_controller::export::{ExportConfig, export_once};
+    use hearth_policies::export::Kind;
+    let (client, ns) = setup("ctrl-export").await?;
+    let apis = hearth_crds::admission_apis::discover(&client).await?;
+    let dynamic = |kind: Kind| -> Result<Api<kube::api::DynamicObject>> {
+        let ar = kind.api_resource(&apis).context("not served")?;
+        Ok(Api::all_with(client.clone(), &ar))
+    };
+    let selector = format!("tests.hearth.dev/export={}", ns.name());
+    let cfg = ExportConfig {
+        own_namespace: "hearth-system".to_owned(),
+        interval: Duration::from_secs(60),
+        selector: Some(selector.clone()),
+    };
+    let policies: Api<hearth_crds::ServingPolicy> = Api::all(client.clone());
+    let policy = |name: &str, expression: &str| -> Result<hearth_crds::ServingPolicy> {
+        Ok(serde_json::from_value(json!({
+            "apiVersion": "serving.hearth.dev/v1alpha1", "kind": "ServingPolicy",
+            "metadata": {"name": name, "labels": {"tests.hearth.dev/export": ns.name()}},
+            "spec": {
+                // Only this test's namespace: nothing else in the cluster is judged by them.
+                "matchConstraints": {
+                    "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": ns.name()}},
+                },
+                "validations": [{"expression": expression, "message": "no"}],
+            },
+        }))?)
+    };
+    let plain = format!("{}-plain", ns.name());
+    let reads_service = format!("{}-service", ns.name());
+    let taken = format!("{}-taken", ns.name());
+    for p in [
+        policy(&plain, "has(object.metadata.labels)")?,
+        policy(&reads_service, "service == null")?,
+        policy(&taken, "true")?,
+    ] {
+        policies.create(&PostParams::default(), &p).await?;
+    }
+    // A ValidatingAdmissionPolicy of the platform team's own, with the name of a ServingPolicy.
+    let vaps = dynamic(Kind::ValidatingAdmissionPolicy)?;
+    let foreign: kube::api::DynamicObject = serde_json::from_value(json!({
+        "apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicy",
+        "metadata": {"name": taken},
+        "spec": {
+            "matchConstraints": {
+                "resourceRules": [{"apiGroups": ["apps"], "apiVersions": ["v1"],
+                                   "operations": ["CREATE"], "resources": ["deployments"]}],
+                "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": ns.name()}},
+            },
+            "validations": [{"expression": "true"}],
+        },
+    }))?;
+    vaps.create(&PostParams::default(), &foreign).await?;
+
+    let pass = export_once(&client, &cfg).await?;
+    assert_eq!(
+        (pass.exported, pass.not_exportable, pass.failed),
+        (1, 1, 1),
+        "{pass:?}"
+    );
+    let vap = vaps.get(&plain).await?;
+    assert_eq!(
+        vap.labels().get(hearth_policies::export::EXPORTED_FROM),
+        Some(&plain)
+    );
+    let owner = policies.get(&plain).await?;
+    assert_eq!(
+        vap.owner_references()[0].uid,
+        owner.metadata.uid.clone().unwrap_or_default()
+    );
+    dynamic(Kind::ValidatingAdmissionPolicyBinding)?
+        .get(&plain)
+        .await?;
+    let condition = |p: &hearth_crds::ServingPolicy| {
+        p.status
+            .as_ref()
+            .and_then(|s| s.conditions.iter().find(|c| c.type_ == "Exported"))
+            .map(|c| (c.status.clone(), c.reason.clone(), c.message.clone()))
+            .unwrap_or_default()
+    };
+    let exported = policies.get(&plain).await?;
+    assert_eq!(condition(&exported).0, "True", "{:?}", exported.status);
+    let kinds: Vec<String> = exported
+        .status
+        .as_ref()
+        .and_then(|s| s.export.as_ref())
+        .map(|e| e.objects.iter().map(|o| o.kind.clone()).collect())
+        .unwrap_or_default();
+    assert_eq!(
+        kinds,
+        [
+            "ValidatingAdmissionPolicy",
+            "ValidatingAdmissionPolicyBinding"
+        ]
+    );
+    let refused = policies.get(&reads_service).await?;
+    let (status, reason, _) = condition(&refused);
+    assert_eq!(
+        (status.as_str(), reason.as_str()),
+        ("False", "NotExportable")
+    );
+    let reasons = refused
+        .status
+        .and_then(|s| s.export)
+        .map(|e| e.reasons)
+        .unwrap_or_default();
+    assert_eq!(reasons[0].field, "spec.validations[0].expression");
+    assert_eq!(reasons[0].construct, "service");
+    let (status, reason, message) = condition(&policies.get(&taken).await?);
+    assert_eq!((status.as_str(), reason.as_str()), ("False", "ApplyFailed"));
+    assert!(message.contains("Hearth did not export"), "{message}");
+    assert!(
+        vaps.get(&taken)
+            .await?
+            .labels()
+            .get(hearth_policies::export::EXPORTED_FROM)
+            .is_none(),
+        "the platform team's own policy was taken over"
+    );
+
+    // The same pass again writes nothing new.
+    let again = export_once(&client, &cfg).await?;
+    assert_eq!(again.deleted, 0);
+
+    // Edited to read `service`: no longer exportable, its objects go.
+    let mut edited = policies.get(&plain).await?;
+    edited.spec.validations[0].expression = "service == null".to_owned();
+    policies
+        .replace(&plain, &PostParams::default(), &edited)
+        .await?;
+    let pass = export_once(&client, &cfg).await?;
+    assert_eq!(pass.deleted, 2, "{pass:?}");
+    assert!(vaps.get_opt(&plain).await?.is_none());
+    assert_eq!(condition(&policies.get(&plain).await?).0, "False");
+
+    for name in [&plain, &reads_service, &taken] {
+        policies.delete(name, &Default::default()).await?;
+    }
+    vaps.delete(&taken, &Default::default()).await?;
+    Ok(())
 }

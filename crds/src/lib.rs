@@ -10,6 +10,7 @@
 //! `cargo run -p hearth-crds --example crdgen` and checked fresh by this crate's tests.
 
 pub mod admin;
+pub mod admission_apis;
 pub mod cron;
 pub mod duration;
 pub mod inferenceruntime;

@@ -380,6 +380,57 @@ pub struct ServingPolicyStatus {
     /// Written by the controller.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub scan: Option<ScanStatus>,
+
+    /// export is where the apiserver runs this policy, written by the controller when its
+    /// export mode is on (`--policy-export`): the ValidatingAdmissionPolicy and
+    /// MutatingAdmissionPolicy objects (with their bindings) it was exported to, or why it
+    /// cannot be. The condition Exported says the same. While the objects listed here are in
+    /// place, Hearth's webhook does not evaluate the policy (its Ready condition then has the
+    /// reason Exported).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub export: Option<ExportStatus>,
+}
+
+/// Where the apiserver runs a ServingPolicy (`status.export`).
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ExportStatus {
+    /// observedGeneration is the metadata.generation of the policy this export describes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// objects are the exported objects (cluster-scoped, named after the policy).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub objects: Vec<ExportedObject>,
+    /// reasons say why the policy is not exported, one per field and construct.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub reasons: Vec<ExportReason>,
+}
+
+/// One exported object.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ExportedObject {
+    /// apiVersion, such as admissionregistration.k8s.io/v1beta1.
+    pub api_version: String,
+    /// kind: ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding,
+    /// MutatingAdmissionPolicy or MutatingAdmissionPolicyBinding.
+    pub kind: String,
+    /// name of the object.
+    pub name: String,
+}
+
+/// Why a ServingPolicy cannot be exported.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ExportReason {
+    /// field is the path of the field in the ServingPolicy, such as
+    /// spec.variables[3].expression.
+    pub field: String,
+    /// construct is what the apiserver cannot run there: a variable (service), a function
+    /// (cel.bind), an action (Warn).
+    pub construct: String,
+    /// message says why, and what to write instead.
+    pub message: String,
 }
 
 /// The counts of a background scan for one ServingPolicy (`status.scan`).

@@ -16,6 +16,8 @@
 //!   already exists, as Policy Report results.
 //! - [`resolve::resolve_runtime`] picks the InferenceRuntime for a workload.
 //! - [`Limits`] bounds what any expression may cost; see [`limits`].
+//! - [`export`] turns the policies the apiserver can run into ValidatingAdmissionPolicy and
+//!   MutatingAdmissionPolicy objects, and says why the others cannot be.
 //! - [`fallback`] counts and logs the policies the native evaluator hands to the interpreter.
 //!
 //! Expressions use kube-cel's Kubernetes CEL libraries through its `cel` re-export.
@@ -24,6 +26,7 @@ pub mod builtin;
 pub mod cluster;
 pub mod compile;
 pub mod engine;
+pub mod export;
 pub mod expression;
 pub mod fallback;
 pub(crate) mod guard;

@@ -10,10 +10,12 @@
 //!
 //! The wire protocol lives in [`admission`] (a pure function of the body and a [`Snapshot`],
 //! fuzzed by `webhook/fuzz`), the HTTPS server in [`server`], certificates in [`tls`] and
-//! [`selfmanaged`], the cluster watches in [`watch`], and the webhook configurations it is
+//! [`selfmanaged`], the cluster watches in [`watch`] (and, for the policies the apiserver runs as
+//! exported, [`exported`]), and the webhook configurations it is
 //! registered with in [`registration`]. See `docs/webhook.md`.
 
 pub mod admission;
+pub mod exported;
 pub mod metrics;
 pub mod registration;
 pub mod selfmanaged;

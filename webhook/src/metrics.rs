@@ -61,6 +61,9 @@ pub struct Metrics {
     pub policies: Gauge,
     /// `hearth_webhook_runtimes`: InferenceRuntimes currently known.
     pub runtimes: Gauge,
+    /// `hearth_webhook_policies_exported`: ServingPolicies the apiserver runs as exported
+    /// ValidatingAdmissionPolicies and MutatingAdmissionPolicies, which the webhook leaves out.
+    pub exported: Gauge,
     /// `hearth_webhook_snapshot_rebuilds_total`: policy/runtime snapshots swapped in.
     pub rebuilds: Counter,
 }
@@ -120,6 +123,12 @@ impl Metrics {
             "InferenceRuntimes currently known",
             runtimes.clone(),
         );
+        let exported = Gauge::default();
+        r.register(
+            "policies_exported",
+            "ServingPolicies the apiserver runs as exported admission policies, not evaluated here",
+            exported.clone(),
+        );
         let rebuilds = Counter::default();
         r.register(
             "snapshot_rebuilds",
@@ -139,6 +148,7 @@ impl Metrics {
             policy_errors,
             policies,
             runtimes,
+            exported,
             rebuilds,
         }
     }

@@ -112,10 +112,8 @@ impl Registration {
     }
 
     fn namespace_selector(&self) -> LabelSelector {
-        let mut skip = vec!["kube-system".to_owned()];
-        if self.own_namespace != "kube-system" {
-            skip.push(self.own_namespace.clone());
-        }
+        // The namespaces an exported ServingPolicy's bindings skip too.
+        let skip = hearth_policies::export::skipped_namespaces(&self.own_namespace);
         LabelSelector {
             match_expressions: Some(vec![LabelSelectorRequirement {
                 key: "kubernetes.io/metadata.name".to_owned(),

@@ -25,6 +25,7 @@ use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client, ResourceExt};
 use tokio::sync::{Notify, watch};
 
+use crate::exported::Exported;
 use crate::server::AppState;
 use hearth_policies::cluster::LastGood;
 
@@ -80,7 +81,22 @@ pub async fn run(
         tokio::spawn(ad_task),
         tokio::spawn(ep_task),
     ];
-    let abort = || tasks.iter().for_each(tokio::task::JoinHandle::abort);
+    // What the apiserver runs itself (the controller's export mode): watched only for the
+    // kinds it serves; none when discovery fails (every policy is then evaluated here).
+    let exported = Exported::default();
+    let export_tasks = match hearth_crds::admission_apis::discover(&client).await {
+        Ok(apis) => crate::exported::watch(&client, &apis, &exported, &changed),
+        Err(e) => {
+            tracing::warn!(error = %e, "could not discover the admission policy APIs; exported ServingPolicies are evaluated here too");
+            Vec::new()
+        }
+    };
+    let abort = || {
+        tasks
+            .iter()
+            .chain(&export_tasks)
+            .for_each(tokio::task::JoinHandle::abort)
+    };
 
     let ready = async {
         let _ = runtimes.wait_until_ready().await;
@@ -97,12 +113,12 @@ pub async fn run(
     // Last good compilation of each policy, by name, with the generation it came from.
     let mut last_good = LastGood::default();
     // Conditions already written, so an unchanged policy is not patched on every rebuild.
-    let mut reported: BTreeMap<String, (i64, Option<String>)> = BTreeMap::new();
+    let mut reported: BTreeMap<String, (i64, Option<String>, bool)> = BTreeMap::new();
     loop {
         rebuild(
             &client,
             &state,
-            (&runtimes, &policies, &namespaces),
+            (&runtimes, &policies, &namespaces, &exported),
             &serving,
             &builtins,
             &mut last_good,
@@ -182,15 +198,16 @@ where
 async fn rebuild(
     client: &Client,
     state: &AppState,
-    (runtimes, policies, namespaces): (
+    (runtimes, policies, namespaces, exported): (
         &Store<InferenceRuntime>,
         &Store<ServingPolicy>,
         &Store<Namespace>,
+        &Exported,
     ),
     serving: &ServingStores,
     builtins: &[ServingPolicy],
     last_good: &mut LastGood,
-    reported: &mut BTreeMap<String, (i64, Option<String>)>,
+    reported: &mut BTreeMap<String, (i64, Option<String>, bool)>,
 ) {
     let rts: BTreeMap<String, Arc<InferenceRuntime>> = runtimes
         .state()
@@ -221,7 +238,17 @@ async fn rebuild(
         }
         desired.push((st.policy, st.error));
     }
-    let all = last_good.evaluation_order(builtins);
+    // Policies the apiserver runs as exported are left out (see `crate::exported`).
+    let runtime_list: Vec<InferenceRuntime> = rts.values().map(|r| (**r).clone()).collect();
+    let digest = hearth_policies::export::runtimes_digest(&runtime_list);
+    let present = |kind, name: &str| exported.get(kind, name);
+    let (outside, all): (Vec<ServingPolicy>, Vec<ServingPolicy>) = last_good
+        .evaluation_order(builtins)
+        .into_iter()
+        .partition(|p| hearth_policies::export::is_exported(p, &digest, &present));
+    let outside: std::collections::BTreeSet<String> =
+        outside.iter().map(ResourceExt::name_any).collect();
+    state.metrics.exported.set(outside.len() as i64);
     let mut snapshot = Snapshot::new(rts, &all, Some(namespaces.clone()));
     snapshot.settings = state.snapshot.load().settings.clone();
     snapshot.serving = Some(serving.clone());
@@ -234,7 +261,8 @@ async fn rebuild(
     state.snapshot.store(Arc::new(snapshot));
     // Status writes come after the swap, so enforcement never waits on the API.
     for (p, error) in desired {
-        report(client, reported, &p, error).await;
+        let exported = error.is_none() && outside.contains(&p.name_any());
+        report(client, reported, &p, error, exported).await;
     }
 }
 
@@ -245,13 +273,14 @@ pub use hearth_policies::cluster::evaluation_order;
 /// Sets the policy's `Ready` condition unless it already says the same for this generation.
 async fn report(
     client: &Client,
-    reported: &mut BTreeMap<String, (i64, Option<String>)>,
+    reported: &mut BTreeMap<String, (i64, Option<String>, bool)>,
     p: &ServingPolicy,
     error: Option<String>,
+    exported: bool,
 ) {
     let name = p.name_any();
     let generation = p.metadata.generation.unwrap_or_default();
-    let key = (generation, error.clone());
+    let key = (generation, error.clone(), exported);
     if reported.get(&name) == Some(&key) {
         return;
     }
@@ -260,6 +289,11 @@ async fn report(
         .as_ref()
         .and_then(|s| s.conditions.iter().find(|c| c.type_ == "Ready"));
     let (status, reason, message) = match &error {
+        None if exported => (
+            "True",
+            "Exported",
+            "every expression compiled; the apiserver enforces the policy as exported (status.export), so this webhook does not evaluate it".to_owned(),
+        ),
         None => (
             "True",
             "Compiled",

@@ -297,6 +297,9 @@ pub struct RunConfig {
     /// Background scans of the workloads that already run against the ServingPolicies
     /// (`crate::scan`; with `cluster_policies`); `None`: no scans.
     pub policy_scan: Option<crate::scan::ScanConfig>,
+    /// The export of ServingPolicies to ValidatingAdmissionPolicy and MutatingAdmissionPolicy
+    /// (`crate::export`; with `cluster_policies`); `None`: not exported.
+    pub policy_export: Option<crate::export::ExportConfig>,
 }
 
 impl RunConfig {
@@ -314,6 +317,7 @@ impl RunConfig {
             admin_tokens: None,
             shared_client_home: None,
             policy_scan: None,
+            policy_export: None,
         }
     }
 }
@@ -1781,6 +1785,15 @@ pub async fn run(
         ))),
         _ => None,
     };
+    let exporter = match (&cfg.policy_export, &ctx.policies) {
+        (Some(export), Some(engine)) => Some(tokio::spawn(crate::export::run(
+            ctx.client.clone(),
+            export.clone(),
+            engine.clone(),
+            shutdown.clone(),
+        ))),
+        _ => None,
+    };
     let adapter_observer = tokio::spawn(adapter::observe(ctx.clone()));
     // KEDA's certificate for the shared gateways as the keys Secret holds it now (a standby
     // promoted later may have loaded one since renewed), published before any reconcile stamps
@@ -1824,6 +1837,9 @@ pub async fn run(
     adapter_observer.abort();
     if let Some(scanner) = scanner {
         scanner.abort();
+    }
+    if let Some(exporter) = exporter {
+        exporter.abort();
     }
     stopped
 }

@@ -7,7 +7,7 @@ use anyhow::{Context, bail};
 use clap::{Parser, Subcommand, ValueEnum};
 use hearth_crds::servingpolicy::Operation;
 use hearth_policies::{
-    EvalInput, PolicySet, PolicySettings, Selection,
+    EvalInput, PolicySet, PolicySettings, Selection, export,
     manifest::{self, Bundle},
     resolve_runtime, testfile,
 };
@@ -20,7 +20,8 @@ use serde_json::{Value, json};
     about = "Evaluate and test Hearth ServingPolicies offline",
     after_help = "Exit status: 0 allowed (eval) or every case passed (test); 1 denied, or a case failed; \
 2 bad input (a file that does not read or parse, a runtime that does not resolve); \
-3 a policy did not load (eval: the verdict then covers only the policies that loaded)."
+3 a policy did not load (eval: the verdict then covers only the policies that loaded). \
+export: 0 every policy exported, 1 one or more cannot be (the reasons are on stderr)."
 )]
 struct Cli {
     #[command(subcommand)]
@@ -78,12 +79,55 @@ enum Command {
         #[arg(long, short = 'o', value_enum, default_value = "yaml")]
         output: Format,
     },
+    /// Print the ValidatingAdmissionPolicy and MutatingAdmissionPolicy objects (with their
+    /// bindings) that run the policies in the apiserver, and on stderr why a policy cannot be
+    /// exported.
+    Export {
+        /// ServingPolicy manifests (files or directories); InferenceRuntimes found there count
+        /// as --params. Repeatable.
+        #[arg(long, short = 'p', required = true)]
+        policy: Vec<PathBuf>,
+        /// The cluster's InferenceRuntimes (their vendors and priorities resolve
+        /// `serving.hearth.dev/vendor`).
+        #[arg(long)]
+        params: Vec<PathBuf>,
+        /// The apiserver's Kubernetes version (`1.35`): which CEL it accepts and which API
+        /// versions it serves.
+        #[arg(long, default_value = "1.35", value_parser = parse_minor)]
+        kubernetes_version: u32,
+        /// Override the MutatingAdmissionPolicy API version (`none`: the apiserver serves none).
+        #[arg(long, value_enum)]
+        mutating_api: Option<MutatingApi>,
+        /// The namespace Hearth runs in (skipped by the bindings, as by the webhook).
+        #[arg(long, default_value = "hearth-system")]
+        namespace: String,
+        /// Output format.
+        #[arg(long, short = 'o', value_enum, default_value = "yaml")]
+        output: Format,
+    },
     /// Run every hearth-test.yaml under the directories, print a table, fail on any mismatch.
     Test {
         /// Directories (or test files).
         #[arg(required = true)]
         dirs: Vec<PathBuf>,
     },
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum MutatingApi {
+    V1,
+    V1beta1,
+    None,
+}
+
+/// `1.35` (or `v1.35.2`) → 35.
+fn parse_minor(s: &str) -> Result<u32, String> {
+    let t = s.trim().trim_start_matches('v');
+    let mut parts = t.split('.');
+    match (parts.next(), parts.next().map(str::parse::<u32>)) {
+        (Some("1"), Some(Ok(minor))) => Ok(minor),
+        _ => Err(format!("{s:?} is not a Kubernetes version like 1.35")),
+    }
 }
 
 fn read_object(path: &PathBuf) -> anyhow::Result<Value> {
@@ -119,6 +163,68 @@ fn run() -> anyhow::Result<ExitCode> {
             }
             print!("{}", testfile::render_table(&rows));
             Ok(if rows.iter().all(|r| r.passed()) {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::FAILURE
+            })
+        }
+        Command::Export {
+            policy,
+            params,
+            kubernetes_version,
+            mutating_api,
+            namespace,
+            output,
+        } => {
+            let mut bundle = Bundle::default();
+            for p in policy.iter().chain(&params) {
+                manifest::read_path(p, &mut bundle)?;
+            }
+            let (_, errors) = PolicySet::compile(&bundle.policies);
+            if !errors.is_empty() {
+                for e in &errors {
+                    eprintln!("load error: {e}");
+                }
+                return Ok(ExitCode::from(3));
+            }
+            let mut target = export::Target::for_kubernetes(kubernetes_version);
+            if let Some(m) = mutating_api {
+                target.mutating = match m {
+                    MutatingApi::V1 => Some(export::ApiVersion::V1),
+                    MutatingApi::V1beta1 => Some(export::ApiVersion::V1beta1),
+                    MutatingApi::None => None,
+                };
+            }
+            let skip = export::skipped_namespaces(&namespace);
+            let mut objects = Vec::new();
+            let mut refused = 0;
+            for p in &bundle.policies {
+                let name = p.metadata.name.as_deref().unwrap_or_default();
+                match export::export(p, &bundle.runtimes, &target, &skip) {
+                    Ok(o) => objects.extend(o),
+                    Err(reasons) => {
+                        refused += 1;
+                        eprintln!("{name}: not exported:");
+                        for r in reasons {
+                            eprintln!("  - {r}");
+                        }
+                    }
+                }
+            }
+            match output {
+                Format::Yaml => {
+                    for o in &objects {
+                        print!("---\n{}", serde_yaml::to_string(o)?);
+                    }
+                }
+                Format::Json => println!(
+                    "{}",
+                    serde_json::to_string_pretty(
+                        &json!({"apiVersion": "v1", "kind": "List", "items": objects})
+                    )?
+                ),
+            }
+            Ok(if refused == 0 {
                 ExitCode::SUCCESS
             } else {
                 ExitCode::FAILURE

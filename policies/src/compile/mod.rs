@@ -9,6 +9,7 @@ mod desugar;
 mod names;
 mod parse;
 mod rewrite;
+mod used;
 
 use std::{collections::BTreeSet, sync::Arc};
 
@@ -18,6 +19,7 @@ use crate::{limits::Limits, native};
 
 pub use names::ROOT_VARIABLES;
 pub(crate) use rewrite::rewrite;
+pub use used::{Used, used};
 
 use check::Checker;
 use desugar::desugar;

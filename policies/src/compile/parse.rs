@@ -25,9 +25,21 @@ use super::ExprError;
 /// an unspecified node in a parsed tree (which no successful parse should leave). A node kind
 /// added by a newer parser fails to compile here: every match is exhaustive.
 pub(super) fn parse(source: &str, depth_budget: u16) -> Result<old::IdedExpr, ExprError> {
+    parse_with(source, depth_budget, true)
+}
+
+/// [`parse`] without backtick-quoted field names, which CEL before cel-go 0.23 does not read.
+pub(super) fn parse_without_escapes(
+    source: &str,
+    depth_budget: u16,
+) -> Result<old::IdedExpr, ExprError> {
+    parse_with(source, depth_budget, false)
+}
+
+fn parse_with(source: &str, depth_budget: u16, escapes: bool) -> Result<old::IdedExpr, ExprError> {
     let parsed = cel_parser::parser::Parser::new()
         .enable_optional_syntax(true)
-        .enable_ident_escape_syntax(true)
+        .enable_ident_escape_syntax(escapes)
         .max_recursion_depth(depth_budget)
         .parse(source);
     match parsed {

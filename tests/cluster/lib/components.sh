@@ -157,6 +157,8 @@ POLICY
       --client-ca-file="$pki/ca.crt" \
       --authorization-mode=Node,RBAC \
       --enable-admission-plugins=ExtendedResourceToleration \
+      --feature-gates=MutatingAdmissionPolicy=true \
+      --runtime-config=admissionregistration.k8s.io/v1beta1=true \
       --service-account-issuer="https://$APISERVER_IP:$APISERVER_PORT" \
       --service-account-key-file="$pki/sa.pub" --service-account-signing-key-file="$pki/sa.key" \
       --service-cluster-ip-range="$SERVICE_CIDR" \

@@ -132,19 +132,44 @@ pub fn images_build_id() -> Option<String> {
 /// in the cluster's state dir, so parallel suites install once. Returns whether it installed.
 pub async fn ensure_hearth(client: &Client, kubeconfig: &Path) -> Result<bool, StackError> {
     let state = kubeconfig.parent().unwrap_or(Path::new("."));
+    let lock = lock_install(state).await?;
+    if hearth_available(client).await? && installed_build(client).await? == images_build_id() {
+        return Ok(false);
+    }
+    install_locked(kubeconfig, state).await?;
+    drop(lock);
+    Ok(true)
+}
+
+/// Installs (or upgrades) the chart with `tests/cluster/install-hearth` whatever is installed:
+/// for a suite that took part of the installation away (its webhook configurations, say).
+///
+/// # Errors
+/// As [`ensure_hearth`].
+pub async fn install_hearth(kubeconfig: &Path) -> Result<(), StackError> {
+    let state = kubeconfig.parent().unwrap_or(Path::new("."));
+    let lock = lock_install(state).await?;
+    install_locked(kubeconfig, state).await?;
+    drop(lock);
+    Ok(())
+}
+
+/// The install lock of the cluster in `state` (a file lock, held until dropped).
+async fn lock_install(state: &Path) -> Result<File, StackError> {
     let lock_path = state.join("install-hearth.lock");
     let lock = File::create(&lock_path).map_err(io(format!("creating {}", lock_path.display())))?;
     // Blocking lock on a blocking thread: another suite may hold it for a whole install.
-    let lock = tokio::task::spawn_blocking(move || lock.lock().map(|()| lock))
+    tokio::task::spawn_blocking(move || lock.lock().map(|()| lock))
         .await
         .map_err(|e| StackError::Io {
             what: "locking the install lock".into(),
             source: std::io::Error::other(e),
         })?
-        .map_err(io("locking the install lock"))?;
-    if hearth_available(client).await? && installed_build(client).await? == images_build_id() {
-        return Ok(false);
-    }
+        .map_err(io("locking the install lock"))
+}
+
+/// Runs `tests/cluster/install-hearth`, its output in `<state>/logs/install-hearth.log`.
+async fn install_locked(kubeconfig: &Path, state: &Path) -> Result<(), StackError> {
     let logs = state.join("logs");
     std::fs::create_dir_all(&logs).map_err(io("creating the logs dir"))?;
     let log_path = logs.join("install-hearth.log");
@@ -160,14 +185,13 @@ pub async fn ensure_hearth(client: &Client, kubeconfig: &Path) -> Result<bool, S
         .status()
         .await
         .map_err(io(format!("running {}", script.display())))?;
-    drop(lock);
     if !status.success() {
         return Err(StackError::Install {
             status: status.to_string(),
             log: log_path,
         });
     }
-    Ok(true)
+    Ok(())
 }
 
 /// Arguments of `tests/cluster/install-hearth` (for helm) that record the images' build id in
@@ -202,7 +226,8 @@ async fn installed_build(client: &Client) -> Result<Option<String>, StackError> 
         .and_then(|mut a| a.remove(IMAGES_ANNOTATION)))
 }
 
-/// Whether the chart's webhook and controller Deployments exist and are Available.
+/// Whether the chart's webhook and controller Deployments exist, are Available and have a
+/// ready replica (a Deployment scaled to zero counts as Available).
 pub async fn hearth_available(client: &Client) -> Result<bool, StackError> {
     let api: Api<Deployment> = Api::namespaced(client.clone(), RELEASE_NAMESPACE);
     for name in HEARTH_DEPLOYMENTS {
@@ -212,12 +237,13 @@ pub async fn hearth_available(client: &Client) -> Result<bool, StackError> {
         else {
             return Ok(false);
         };
-        let available = d
-            .status
-            .and_then(|s| s.conditions)
-            .unwrap_or_default()
-            .iter()
-            .any(|c| c.type_ == "Available" && c.status == "True");
+        let status = d.status.unwrap_or_default();
+        let available = status.ready_replicas.unwrap_or_default() >= 1
+            && status
+                .conditions
+                .unwrap_or_default()
+                .iter()
+                .any(|c| c.type_ == "Available" && c.status == "True");
         if !available {
             return Ok(false);
         }

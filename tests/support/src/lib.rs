@@ -404,12 +404,53 @@ pub async fn create_with_warnings(
     deployment: &k8s_openapi::api::apps::v1::Deployment,
     dry_run: bool,
 ) -> Result<(k8s_openapi::api::apps::v1::Deployment, Vec<String>)> {
+    let answer = create_answer(client, ns, &serde_json::to_value(deployment)?, dry_run).await?;
+    if !(200..300).contains(&answer.code) {
+        bail!(
+            "create {}: {}: {}",
+            deployment.metadata.name.as_deref().unwrap_or_default(),
+            answer.code,
+            answer.body
+        );
+    }
+    Ok((serde_json::from_value(answer.body)?, answer.warnings))
+}
+
+/// What the apiserver answered to a create: the HTTP status code, the body (the object, or
+/// the `Status` of a refusal) and the `Warning` headers.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CreateAnswer {
+    /// The HTTP status code.
+    pub code: u16,
+    /// The created object, or the refusal's `Status`.
+    pub body: serde_json::Value,
+    /// The admission warnings, as sent.
+    pub warnings: Vec<String>,
+}
+
+/// Creates `object` (a Deployment, StatefulSet or Pod as JSON) in `ns`, a server dry run with
+/// `dry_run`, and returns the answer whatever it is (a refusal is an answer, not an error).
+///
+/// # Errors
+/// When the request cannot be sent, the body is not JSON, or the kind is none of those three.
+pub async fn create_answer(
+    client: &Client,
+    ns: &str,
+    object: &serde_json::Value,
+    dry_run: bool,
+) -> Result<CreateAnswer> {
     let query = if dry_run { "?dryRun=All" } else { "" };
-    let request = http::Request::post(format!("/apis/apps/v1/namespaces/{ns}/deployments{query}"))
+    let path = match object["kind"].as_str() {
+        Some("Deployment") => format!("/apis/apps/v1/namespaces/{ns}/deployments"),
+        Some("StatefulSet") => format!("/apis/apps/v1/namespaces/{ns}/statefulsets"),
+        Some("Pod") => format!("/api/v1/namespaces/{ns}/pods"),
+        other => bail!("create_answer: kind {other:?} is not a Deployment, StatefulSet or Pod"),
+    };
+    let request = http::Request::post(format!("{path}{query}"))
         .header(http::header::CONTENT_TYPE, "application/json")
-        .body(kube::client::Body::from(serde_json::to_vec(deployment)?))?;
+        .body(kube::client::Body::from(serde_json::to_vec(object)?))?;
     let response = client.send(request).await?;
-    let status = response.status();
+    let code = response.status().as_u16();
     let warnings = response
         .headers()
         .get_all(http::header::WARNING)
@@ -417,15 +458,18 @@ pub async fn create_with_warnings(
         .filter_map(|v| v.to_str().ok())
         .map(str::to_owned)
         .collect();
-    let body = response.into_body().collect_bytes().await?;
-    if !status.is_success() {
-        bail!(
-            "create {}: {status}: {}",
-            deployment.metadata.name.as_deref().unwrap_or_default(),
-            String::from_utf8_lossy(&body)
-        );
-    }
-    Ok((serde_json::from_slice(&body)?, warnings))
+    let bytes = response.into_body().collect_bytes().await?;
+    let body = serde_json::from_slice(&bytes).with_context(|| {
+        format!(
+            "the answer is not JSON: {}",
+            String::from_utf8_lossy(&bytes)
+        )
+    })?;
+    Ok(CreateAnswer {
+        code,
+        body,
+        warnings,
+    })
 }
 
 /// The value of the audit annotation of an audit `event` whose key ends with `suffix` (an
