@@ -6,7 +6,7 @@ use std::collections::BTreeSet;
 
 use kube_cel::cel::common::ast::{EntryExpr, Expr, IdedExpr, operators};
 
-use super::names::ROOT_VARIABLES;
+use super::names::{OPERATORS, ROOT_VARIABLES};
 use super::{ExprError, parse};
 
 /// The names one expression uses.
@@ -87,7 +87,8 @@ fn walk(e: &IdedExpr, scope: &mut Vec<String>, out: &mut Used) {
                         .as_ref()
                         .map_or_else(|| name.to_owned(), |ns| format!("{ns}.{name}")),
                 };
-                if !name.starts_with('_') && !name.starts_with('@') || written.contains('?') {
+                let operator = OPERATORS.contains(&name) || name.starts_with('@');
+                if !operator || written == "?." || written == "[?]" {
                     out.functions.insert(written);
                 }
                 0

@@ -130,6 +130,13 @@ start_component() {
     # (and sends no UID to extension apiservers).
     local uid_headers=()
     ((KUBE_MINOR < 32)) || uid_headers=(--requestheader-uid-headers=X-Remote-Uid)
+    # MutatingAdmissionPolicy (v1beta1 on 1.34 and 1.35, behind its feature gate; GA in 1.36),
+    # which exported ServingPolicies use; older apiservers refuse the gate.
+    local admission_policies=()
+    ((KUBE_MINOR < 34 || KUBE_MINOR > 35)) || admission_policies=(
+      --feature-gates=MutatingAdmissionPolicy=true
+      --runtime-config=admissionregistration.k8s.io/v1beta1=true
+    )
     # An audit log of the writes to the kinds Hearth's workload webhook reviews, at Metadata
     # level (which carries the admission webhooks' audit annotations): where the tests read
     # what ServingPolicies in Audit mode recorded. $LOGS/audit.log, at most 3 x 20 MB.
@@ -157,8 +164,7 @@ POLICY
       --client-ca-file="$pki/ca.crt" \
       --authorization-mode=Node,RBAC \
       --enable-admission-plugins=ExtendedResourceToleration \
-      --feature-gates=MutatingAdmissionPolicy=true \
-      --runtime-config=admissionregistration.k8s.io/v1beta1=true \
+      "${admission_policies[@]}" \
       --service-account-issuer="https://$APISERVER_IP:$APISERVER_PORT" \
       --service-account-key-file="$pki/sa.pub" --service-account-signing-key-file="$pki/sa.key" \
       --service-cluster-ip-range="$SERVICE_CIDR" \

@@ -1195,6 +1195,41 @@ fn value_sets() -> Vec<ValueSet> {
             },
         },
         ValueSet {
+            name: "policy-export",
+            values: |_| {
+                json!({"controller": {
+                    "policyExport": {"enabled": true, "interval": "2m", "selector": "export=true"},
+                    "policyScan": {"enabled": false},
+                }})
+            },
+            renders: vec![],
+            check: |docs, _| {
+                let controller = find(docs, "Deployment", "hearth-controller")?;
+                let args = container_args(controller);
+                for want in [
+                    "--policy-export=true",
+                    "--policy-export-interval=2m",
+                    "--policy-export-selector=export=true",
+                ] {
+                    ensure!(args.iter().any(|a| a == want), "no {want} in {args:?}");
+                }
+                // The admission policy kinds it writes, and status.export without the scan's
+                // grant.
+                let cr = find(docs, "ClusterRole", "chart-controller")?.to_string();
+                for want in [
+                    "mutatingadmissionpolicybindings",
+                    "servingpolicies/status",
+                    "\"delete\"",
+                ] {
+                    ensure!(
+                        cr.contains(want),
+                        "the controller's ClusterRole lacks {want}"
+                    );
+                }
+                Ok(())
+            },
+        },
+        ValueSet {
             name: "cert-manager-issuer",
             values: |_| {
                 json!({"certificates": {"mode": "certManager",
@@ -2485,6 +2520,11 @@ async fn rbac_matrix_each_account_can_do_what_it_needs_and_nothing_more() -> Res
         "llmendpoints.serving.hearth.dev [] [list watch]",
         "servingpolicies.serving.hearth.dev/status [] [patch]",
         "namespaces [] [list watch]",
+        // The policies the apiserver runs as exported (metadata only).
+        "validatingadmissionpolicies.admissionregistration.k8s.io [] [list watch]",
+        "validatingadmissionpolicybindings.admissionregistration.k8s.io [] [list watch]",
+        "mutatingadmissionpolicies.admissionregistration.k8s.io [] [list watch]",
+        "mutatingadmissionpolicybindings.admissionregistration.k8s.io [] [list watch]",
         "mutatingwebhookconfigurations.admissionregistration.k8s.io [hearth] [get update]",
         "validatingwebhookconfigurations.admissionregistration.k8s.io [hearth] [get update]",
         "tokenreviews.authentication.k8s.io [] [create]",
