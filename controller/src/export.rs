@@ -14,11 +14,15 @@
 //!
 //! **What it writes.** Objects named after the policy, labelled
 //! `serving.hearth.dev/exported-from`, owned by the policy (deleting it deletes them), applied
-//! server-side as [`FIELD_MANAGER`]. Exported objects of a policy that is gone or no longer
-//! exports are deleted. An object of the same name that Hearth did not export is never
-//! touched: the policy's export fails, saying so. Each policy's `status.export` (objects, or
-//! the reasons) and condition `Exported` (`Exported`, `NotExportable`, `ApplyFailed` with the
-//! apiserver's message: it type-checks what Hearth does not) are written when they change.
+//! server-side as [`FIELD_MANAGER`] in phases ([`SETTLE`] apart: a new policy object, its
+//! binding, the binding marked [`ENFORCED`], after which the webhook stops evaluating the
+//! policy). Exported objects of a policy that is gone, unselected, no longer exportable or no
+//! longer compiling in Hearth are deleted; a failed apply keeps what still holds the same
+//! version. An object of the same name that no ServingPolicy owns is never touched: the
+//! policy's export fails, saying so. Each policy's `status.export` (objects, or the reasons)
+//! and condition `Exported` (`Exported`, `Pending`, `NotExportable`, `ApplyFailed` with the
+//! apiserver's message: it type-checks what Hearth does not; `NotSelected`) are written when
+//! they change.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
@@ -27,10 +31,11 @@ use futures::{Future, StreamExt};
 use hearth_crds::admission_apis::{AdmissionApis, discover};
 use hearth_crds::servingpolicy::{ExportReason, ExportStatus, ExportedObject};
 use hearth_crds::{InferenceRuntime, ServingPolicy};
-use hearth_policies::export::{self, EXPORTED_FROM, Kind, Reason, Target};
+use hearth_policies::export::{self, ENFORCED, EXPORTED_AT, EXPORTED_FROM, Kind, Reason, Target};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use k8s_openapi::jiff::Timestamp;
 use kube::api::{DeleteParams, DynamicObject, ListParams, Patch, PatchParams};
-use kube::runtime::{WatchStreamExt, watcher};
+use kube::runtime::{WatchStreamExt, predicates, watcher};
 use kube::{Api, Client, ResourceExt};
 use serde_json::{Value, json};
 
@@ -71,17 +76,51 @@ pub struct Pass {
     pub failed: usize,
     /// Stale exported objects deleted.
     pub deleted: usize,
+    /// Whether an export waits for [`SETTLE`] (the next pass comes after it).
+    pub pending: bool,
 }
 
 /// What the export of one policy came to.
 enum Outcome {
-    Exported(Vec<ExportedObject>),
+    /// Applied; `pending` while the apiserver is given [`SETTLE`] to load a new policy or
+    /// binding (the webhook evaluates the policy too until its bindings are [`ENFORCED`]).
+    Exported {
+        objects: Vec<ExportedObject>,
+        pending: bool,
+    },
     NotExportable(Vec<Reason>),
     Failed(String),
+    /// Left out by `--policy-export-selector`.
+    NotSelected,
 }
 
-/// One pass: every cluster ServingPolicy exported (or its reasons recorded), stale objects
-/// deleted.
+/// How long the apiserver is given to load an exported policy before its binding is applied,
+/// and a binding before the webhook stops evaluating the policy: the apiserver reads them (and
+/// the InferenceRuntimes, its params) through informers, which a moment after a write may not
+/// have them yet.
+pub const SETTLE: Duration = Duration::from_secs(5);
+
+/// An exported object found at the start of a pass.
+#[derive(Debug, Clone)]
+struct Existing {
+    /// The policy of its `serving.hearth.dev/exported-from` label.
+    from: String,
+    /// Whether a ServingPolicy owns it (the export mode's; one applied by hand from
+    /// `hearth-policy export` is not, and is never changed or deleted).
+    owned: bool,
+    annotations: BTreeMap<String, String>,
+}
+
+impl Existing {
+    /// How long ago it was first applied for the export it holds.
+    fn age(&self, now: Timestamp) -> Option<Duration> {
+        let at: Timestamp = self.annotations.get(EXPORTED_AT)?.parse().ok()?;
+        Duration::try_from(now.duration_since(at)).ok()
+    }
+}
+
+/// One pass: every selected cluster ServingPolicy that compiles exported (or its reasons
+/// recorded), stale objects deleted.
 ///
 /// # Errors
 ///
@@ -101,17 +140,25 @@ pub async fn export_once(client: &Client, cfg: &ExportConfig) -> Result<Pass, Er
         .await
         .map_err(kube_err("list InferenceRuntimes"))?
         .items;
-    let mut lp = ListParams::default();
-    if let Some(selector) = &cfg.selector {
-        lp = lp.labels(selector);
-    }
-    let policies = Api::<ServingPolicy>::all(client.clone())
-        .list(&lp)
+    let digest = export::runtimes_digest(&runtimes);
+    let policy_api = Api::<ServingPolicy>::all(client.clone());
+    let policies = policy_api
+        .list(&ListParams::default())
         .await
         .map_err(kube_err("list ServingPolicies"))?
         .items;
-    // Exported objects already there: (kind, name) → the policy they came from.
-    let mut existing: BTreeMap<(Kind, String), String> = BTreeMap::new();
+    let selected: BTreeSet<String> = match &cfg.selector {
+        None => policies.iter().map(ResourceExt::name_any).collect(),
+        Some(selector) => policy_api
+            .list_metadata(&ListParams::default().labels(selector))
+            .await
+            .map_err(kube_err("list ServingPolicies by --policy-export-selector"))?
+            .items
+            .iter()
+            .map(ResourceExt::name_any)
+            .collect(),
+    };
+    let mut existing: BTreeMap<(Kind, String), Existing> = BTreeMap::new();
     for kind in Kind::ALL {
         let Some(ar) = kind.api_resource(&apis) else {
             continue;
@@ -122,34 +169,70 @@ pub async fn export_once(client: &Client, cfg: &ExportConfig) -> Result<Pass, Er
             .await
             .map_err(kube_err(format!("list {}", kind.plural())))?;
         for o in list.items {
-            let from = o.labels().get(EXPORTED_FROM).cloned().unwrap_or_default();
-            existing.insert((kind, o.name_any()), from);
+            let owned = o.owner_references().iter().any(|r| {
+                r.kind == "ServingPolicy" && r.api_version.starts_with("serving.hearth.dev/")
+            });
+            existing.insert(
+                (kind, o.name_any()),
+                Existing {
+                    from: o.labels().get(EXPORTED_FROM).cloned().unwrap_or_default(),
+                    owned,
+                    annotations: o.annotations().clone(),
+                },
+            );
         }
     }
     let skip = export::skipped_namespaces(&cfg.own_namespace);
     let mut keep: BTreeSet<(Kind, String)> = BTreeSet::new();
     let mut pass = Pass::default();
+    let now = Timestamp::now();
     for p in &policies {
         let name = p.name_any();
-        let outcome = match export::export(p, &runtimes, &target, &skip) {
-            Err(reasons) => Outcome::NotExportable(reasons),
-            Ok(objects) => apply_all(client, &apis, &name, &objects, &existing).await,
+        let outcome = if !selected.contains(&name) {
+            Outcome::NotSelected
+        } else if let Err(e) = hearth_policies::cluster::Compiled::compile(p) {
+            // The webhook evaluates its last good version: exporting this one would enforce
+            // two versions at once.
+            Outcome::NotExportable(vec![Reason {
+                field: "spec".to_owned(),
+                construct: "compile error".to_owned(),
+                message: e,
+            }])
+        } else {
+            match export::export(p, &runtimes, &target, &skip) {
+                Err(reasons) => Outcome::NotExportable(reasons),
+                Ok(objects) => apply_all(client, &apis, p, &digest, objects, &existing, now).await,
+            }
         };
         match &outcome {
-            Outcome::Exported(objects) => {
+            Outcome::Exported { objects, pending } => {
                 pass.exported += 1;
+                pass.pending |= *pending;
                 for o in objects {
                     if let Some(k) = Kind::from_name(&o.kind) {
                         keep.insert((k, o.name.clone()));
                     }
                 }
             }
+            Outcome::Failed(_) => {
+                pass.failed += 1;
+                // A failure (a timeout, a refused new version) leaves in place what still
+                // holds this very version.
+                for (k, e) in &existing {
+                    if e.from == name && export::of_this_export(&e.annotations, p, &digest) {
+                        keep.insert(k.clone());
+                    }
+                }
+            }
             Outcome::NotExportable(_) => pass.not_exportable += 1,
-            Outcome::Failed(_) => pass.failed += 1,
+            Outcome::NotSelected => {}
         }
         write_status(client, p, outcome).await;
     }
-    for ((kind, name), _) in existing.iter().filter(|(k, _)| !keep.contains(*k)) {
+    for ((kind, name), _) in existing
+        .iter()
+        .filter(|(k, e)| e.owned && !keep.contains(*k))
+    {
         let Some(ar) = kind.api_resource(&apis) else {
             continue;
         };
@@ -165,20 +248,26 @@ pub async fn export_once(client: &Client, cfg: &ExportConfig) -> Result<Pass, Er
     Ok(pass)
 }
 
-/// Applies one policy's objects; the first refusal fails the policy (its objects applied so
-/// far are deleted at the end of the pass, not being kept).
+/// Applies one policy's objects in phases: a new policy object first; its binding once the
+/// policy object has existed for [`SETTLE`] (a binding already there is updated at once); the
+/// binding marked [`ENFORCED`] once it has existed for [`SETTLE`] with this export. The first
+/// refusal fails the policy.
 async fn apply_all(
     client: &Client,
     apis: &AdmissionApis,
-    policy: &str,
-    objects: &[Value],
-    existing: &BTreeMap<(Kind, String), String>,
+    policy: &ServingPolicy,
+    digest: &str,
+    objects: Vec<Value>,
+    existing: &BTreeMap<(Kind, String), Existing>,
+    now: Timestamp,
 ) -> Outcome {
+    let name = policy.name_any();
     let mut applied = Vec::new();
-    for o in objects {
-        let (Some(kind), Some(name)) = (
+    let mut pending = false;
+    for mut o in objects {
+        let (Some(kind), Some(object_name)) = (
             o["kind"].as_str().and_then(Kind::from_name),
-            o["metadata"]["name"].as_str(),
+            o["metadata"]["name"].as_str().map(str::to_owned),
         ) else {
             return Outcome::Failed("an exported object has no kind or name".to_owned());
         };
@@ -186,67 +275,125 @@ async fn apply_all(
             return Outcome::Failed(format!("the apiserver does not serve {}", kind.as_str()));
         };
         let api: Api<DynamicObject> = Api::all_with(client.clone(), &ar);
-        match existing.get(&(kind, name.to_owned())) {
-            Some(from) if from == policy => {}
-            Some(from) => {
+        let found = existing.get(&(kind, object_name.clone()));
+        match found {
+            Some(e) if e.from == name && e.owned => {}
+            Some(e) if e.from != name => {
                 return Outcome::Failed(format!(
-                    "{} {name} was exported from ServingPolicy {from}; rename one of the policies",
+                    "{} {object_name} was exported from ServingPolicy {}; rename one of the policies",
+                    kind.as_str(),
+                    e.from
+                ));
+            }
+            Some(_) => {
+                return Outcome::Failed(format!(
+                    "a {} named {object_name} exists that the export mode did not apply (no owner); delete it or rename the ServingPolicy",
                     kind.as_str()
                 ));
             }
-            None => match api.get_metadata_opt(name).await {
+            None => match api.get_metadata_opt(&object_name).await {
                 Ok(None) => {}
                 Ok(Some(_)) => {
                     return Outcome::Failed(format!(
-                        "a {} named {name} exists that Hearth did not export; rename the ServingPolicy or that object",
+                        "a {} named {object_name} exists that Hearth did not export; rename the ServingPolicy or that object",
                         kind.as_str()
                     ));
                 }
-                Err(e) => return Outcome::Failed(format!("reading {} {name}: {e}", kind.as_str())),
+                Err(e) => {
+                    return Outcome::Failed(format!(
+                        "reading {} {object_name}: {e}",
+                        kind.as_str()
+                    ));
+                }
             },
         }
+        // The same export as before keeps its time.
+        let same = found.filter(|e| export::of_this_export(&e.annotations, policy, digest));
+        let at = same
+            .and_then(|e| e.annotations.get(EXPORTED_AT).cloned())
+            .unwrap_or_else(|| now.to_string());
+        let settled =
+            |e: Option<&Existing>| e.and_then(|e| e.age(now)).is_some_and(|a| a >= SETTLE);
+        if kind.is_binding() {
+            let policy_object = existing
+                .get(&(kind.policy_kind(), object_name.clone()))
+                .filter(|e| e.from == name);
+            if found.is_none() && !settled(policy_object) {
+                // Not yet: the apiserver is given time to load the policy first.
+                pending = true;
+                continue;
+            }
+            if settled(same) {
+                o["metadata"]["annotations"][ENFORCED] = json!("true");
+            } else {
+                pending = true;
+            }
+        }
+        o["metadata"]["annotations"][EXPORTED_AT] = json!(at);
         let params = PatchParams::apply(FIELD_MANAGER).force();
-        if let Err(e) = api.patch(name, &params, &Patch::Apply(o)).await {
+        if let Err(e) = api.patch(&object_name, &params, &Patch::Apply(&o)).await {
             let message = match e {
                 kube::Error::Api(s) => s.message,
                 e => e.to_string(),
             };
             return Outcome::Failed(format!(
-                "the apiserver refused {} {name}: {message}",
+                "the apiserver refused {} {object_name}: {message}",
                 kind.as_str()
             ));
         }
         applied.push(ExportedObject {
             api_version: ar.api_version.clone(),
             kind: kind.as_str().to_owned(),
-            name: name.to_owned(),
+            name: object_name,
         });
     }
-    Outcome::Exported(applied)
+    Outcome::Exported {
+        objects: applied,
+        pending,
+    }
 }
 
 /// The condition and `status.export` of `outcome`.
 fn status_of(
     generation: i64,
     outcome: Outcome,
-) -> (ExportStatus, &'static str, &'static str, String) {
+) -> (Option<ExportStatus>, &'static str, &'static str, String) {
     let mut export = ExportStatus {
         observed_generation: Some(generation),
         ..ExportStatus::default()
     };
     let (status, reason, message) = match outcome {
-        Outcome::Exported(objects) => {
-            let message = format!(
-                "the apiserver runs this policy as {}; Hearth's webhook does not evaluate it while they exist",
-                objects
-                    .iter()
-                    .map(|o| format!("{} {}", o.kind, o.name))
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            );
+        Outcome::Exported { objects, pending } => {
+            let names = objects
+                .iter()
+                .map(|o| format!("{} {}", o.kind, o.name))
+                .collect::<Vec<_>>()
+                .join(", ");
             export.objects = objects;
-            ("True", "Exported", message)
+            if pending {
+                (
+                    "False",
+                    "Pending",
+                    format!(
+                        "exported as {names} so far; the apiserver is given {}s to load each before Hearth's webhook stops evaluating the policy",
+                        SETTLE.as_secs()
+                    ),
+                )
+            } else {
+                (
+                    "True",
+                    "Exported",
+                    format!(
+                        "the apiserver runs this policy as {names}; Hearth's webhook does not evaluate it while they exist"
+                    ),
+                )
+            }
         }
+        Outcome::NotSelected => (
+            "False",
+            "NotSelected",
+            "not exported: --policy-export-selector does not select it; Hearth's webhook evaluates it".to_owned(),
+        ),
         Outcome::NotExportable(reasons) => {
             let message = format!(
                 "not exported; Hearth's webhook evaluates it: {}",
@@ -272,6 +419,7 @@ fn status_of(
             format!("not exported; Hearth's webhook evaluates it: {m}"),
         ),
     };
+    let export = (reason != "NotSelected").then_some(export);
     (export, status, reason, message)
 }
 
@@ -281,7 +429,11 @@ async fn write_status(client: &Client, p: &ServingPolicy, outcome: Outcome) {
     let (export, status, reason, message) = status_of(generation, outcome);
     let current = p.status.as_ref();
     let existing = current.and_then(|s| s.conditions.iter().find(|c| c.type_ == CONDITION));
-    let same = current.and_then(|s| s.export.as_ref()) == Some(&export)
+    // A policy never exported says nothing about not being selected.
+    if export.is_none() && existing.is_none() {
+        return;
+    }
+    let same = current.and_then(|s| s.export.as_ref()) == export.as_ref()
         && existing.is_some_and(|c| {
             c.status == status
                 && c.reason == reason
@@ -303,10 +455,15 @@ async fn write_status(client: &Client, p: &ServingPolicy, outcome: Outcome) {
         observed_generation: Some(generation),
         last_transition_time: transition,
     };
+    // Applied without `export` (not selected), the field this manager owned goes.
+    let mut status = json!({ "conditions": [cond] });
+    if let Some(export) = export {
+        status["export"] = json!(export);
+    }
     let patch = json!({
         "apiVersion": "serving.hearth.dev/v1alpha1",
         "kind": "ServingPolicy",
-        "status": { "export": export, "conditions": [cond] },
+        "status": status,
     });
     let api: Api<ServingPolicy> = Api::all(client.clone());
     if let Err(e) = api
@@ -331,12 +488,14 @@ pub async fn run(
 ) {
     let mut policies = engine.subscribe();
     policies.borrow_and_update();
+    // Spec changes only (a status write, such as the pre-pull's, changes no vendor or priority).
     let runtime_changes = watcher(
         Api::<InferenceRuntime>::all(client.clone()),
         watcher::Config::default(),
     )
     .default_backoff()
-    .touched_objects();
+    .touched_objects()
+    .predicate_filter(predicates::generation, Default::default());
     let passes = async {
         let mut runtime_changes = std::pin::pin!(runtime_changes);
         let mut retry = RETRY_FIRST;
@@ -348,10 +507,11 @@ pub async fn run(
                         not_exportable = pass.not_exportable,
                         failed = pass.failed,
                         deleted = pass.deleted,
+                        pending = pass.pending,
                         "policy export done"
                     );
                     retry = RETRY_FIRST;
-                    cfg.interval
+                    if pass.pending { SETTLE } else { cfg.interval }
                 }
                 Err(e) => {
                     let wait = retry.min(cfg.interval);
@@ -367,7 +527,7 @@ pub async fn run(
                         return;
                     }
                 }
-                Some(_) = runtime_changes.next() => {}
+                Some(Ok(_)) = runtime_changes.next() => {}
             }
             tokio::time::sleep(DEBOUNCE).await;
             // Changes gathered during the debounce are in this pass.
@@ -392,11 +552,29 @@ mod tests {
             kind: "ValidatingAdmissionPolicy".to_owned(),
             name: "p".to_owned(),
         }];
-        let (export, status, reason, message) = status_of(3, Outcome::Exported(objects.clone()));
+        let (export, status, reason, message) = status_of(
+            3,
+            Outcome::Exported {
+                objects: objects.clone(),
+                pending: false,
+            },
+        );
         assert_eq!((status, reason), ("True", "Exported"));
+        let export = export.unwrap();
         assert_eq!(export.objects, objects);
         assert_eq!(export.observed_generation, Some(3));
         assert!(message.contains("ValidatingAdmissionPolicy p"), "{message}");
+        let (_, status, reason, _) = status_of(
+            3,
+            Outcome::Exported {
+                objects,
+                pending: true,
+            },
+        );
+        assert_eq!((status, reason), ("False", "Pending"));
+        let (export, status, reason, _) = status_of(3, Outcome::NotSelected);
+        assert_eq!((status, reason), ("False", "NotSelected"));
+        assert!(export.is_none(), "status.export is removed");
         let (export, status, reason, message) = status_of(
             3,
             Outcome::NotExportable(vec![Reason {
@@ -406,7 +584,7 @@ mod tests {
             }]),
         );
         assert_eq!((status, reason), ("False", "NotExportable"));
-        assert_eq!(export.reasons[0].construct, "service");
+        assert_eq!(export.unwrap().reasons[0].construct, "service");
         assert!(
             message.contains("spec.variables[0].expression: service"),
             "{message}"

@@ -2375,11 +2375,40 @@ async fn exportable_policies_become_admission_policies_and_the_rest_say_why() ->
     }))?;
     vaps.create(&PostParams::default(), &foreign).await?;
 
+    // In phases, each given SETTLE: the policy object, then its binding, then the binding
+    // marked enforced (the webhook evaluates the policy until then).
+    let bindings = dynamic(Kind::ValidatingAdmissionPolicyBinding)?;
     let pass = export_once(&client, &cfg).await?;
     assert_eq!(
         (pass.exported, pass.not_exportable, pass.failed),
         (1, 1, 1),
         "{pass:?}"
+    );
+    assert!(pass.pending);
+    assert!(
+        bindings.get_opt(&plain).await?.is_none(),
+        "bound before the policy settled"
+    );
+    tokio::time::sleep(hearth_controller::export::SETTLE).await;
+    let pass = export_once(&client, &cfg).await?;
+    assert!(pass.pending, "{pass:?}");
+    let binding = bindings.get(&plain).await?;
+    assert!(
+        !binding
+            .annotations()
+            .contains_key(hearth_policies::export::ENFORCED)
+    );
+    tokio::time::sleep(hearth_controller::export::SETTLE).await;
+    let pass = export_once(&client, &cfg).await?;
+    assert!(!pass.pending, "{pass:?}");
+    assert_eq!(
+        bindings
+            .get(&plain)
+            .await?
+            .annotations()
+            .get(hearth_policies::export::ENFORCED)
+            .map(String::as_str),
+        Some("true")
     );
     let vap = vaps.get(&plain).await?;
     assert_eq!(
@@ -2391,9 +2420,6 @@ async fn exportable_policies_become_admission_policies_and_the_rest_say_why() ->
         vap.owner_references()[0].uid,
         owner.metadata.uid.clone().unwrap_or_default()
     );
-    dynamic(Kind::ValidatingAdmissionPolicyBinding)?
-        .get(&plain)
-        .await?;
     let condition = |p: &hearth_crds::ServingPolicy| {
         p.status
             .as_ref()

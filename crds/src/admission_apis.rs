@@ -8,7 +8,7 @@ use kube::api::ApiResource;
 /// What discovery found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct AdmissionApis {
-    /// The apiserver's Kubernetes minor version (`35` for 1.35; `0` when unreadable).
+    /// The apiserver's Kubernetes minor version (`35` for 1.35).
     pub minor: u32,
     /// ValidatingAdmissionPolicy in `v1`.
     pub validating_v1: bool,
@@ -43,16 +43,22 @@ async fn serves(client: &Client, group_version: &str, resource: &str) -> Result<
 ///
 /// # Errors
 ///
-/// A discovery request that failed other than with 404 (a version not served).
+/// A discovery request that failed other than with 404 (a version not served), or a `/version`
+/// without a minor version.
 pub async fn discover(client: &Client) -> Result<AdmissionApis, kube::Error> {
     let version = client.apiserver_version().await?;
-    let minor = version
+    let minor: u32 = version
         .minor
         .chars()
         .take_while(char::is_ascii_digit)
         .collect::<String>()
         .parse()
-        .unwrap_or(0);
+        .map_err(|_| {
+            kube::Error::Discovery(kube::error::DiscoveryError::MissingResource(format!(
+                "a Kubernetes minor version in the apiserver's /version (minor {:?})",
+                version.minor
+            )))
+        })?;
     let v1 = "admissionregistration.k8s.io/v1";
     let v1beta1 = "admissionregistration.k8s.io/v1beta1";
     Ok(AdmissionApis {
@@ -116,6 +122,23 @@ impl Kind {
             self,
             Kind::MutatingAdmissionPolicy | Kind::MutatingAdmissionPolicyBinding
         )
+    }
+
+    /// Whether this is a binding kind.
+    pub fn is_binding(self) -> bool {
+        matches!(
+            self,
+            Kind::ValidatingAdmissionPolicyBinding | Kind::MutatingAdmissionPolicyBinding
+        )
+    }
+
+    /// The policy kind a binding kind binds (itself for a policy kind).
+    pub fn policy_kind(self) -> Kind {
+        match self {
+            Kind::ValidatingAdmissionPolicyBinding => Kind::ValidatingAdmissionPolicy,
+            Kind::MutatingAdmissionPolicyBinding => Kind::MutatingAdmissionPolicy,
+            k => k,
+        }
     }
 
     /// The resource as `apis` serve it (the newest version), `None` when not served.

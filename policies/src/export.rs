@@ -51,6 +51,14 @@ pub const EXPORTED_GENERATION: &str = "serving.hearth.dev/exported-generation";
 /// ([`runtimes_digest`]).
 pub const EXPORTED_RUNTIMES: &str = "serving.hearth.dev/exported-runtimes";
 
+/// Annotation: when this object was first applied for its policy's current generation and
+/// runtime table (RFC 3339), written by the controller's export mode.
+pub const EXPORTED_AT: &str = "serving.hearth.dev/exported-at";
+/// Annotation on a binding: `"true"` once the controller's export mode has let the apiserver
+/// load it (its policy and it existed for a settle period); until then Hearth's webhook keeps
+/// evaluating the policy too ([`is_exported`]).
+pub const ENFORCED: &str = "serving.hearth.dev/enforced";
+
 /// The match condition that keeps the workload webhook's scope.
 pub const SCOPE_CONDITION: &str = "hearth-workload";
 /// The match condition that keeps the runtime Hearth resolves.
@@ -440,6 +448,15 @@ pub fn reasons(spec: &ServingPolicySpec, target: &Target) -> Vec<Reason> {
             ));
         }
     }
+    for (i, c) in spec.match_conditions.iter().enumerate() {
+        if c.name == SCOPE_CONDITION || c.name == RUNTIME_CONDITION {
+            out.push(reason(
+                &format!("spec.matchConditions[{i}].name"),
+                &c.name,
+                "the export adds a match condition of this name: rename this one".to_owned(),
+            ));
+        }
+    }
     if spec.match_conditions.len() + 2 > MAX_MATCH_CONDITIONS {
         out.push(reason(
             "spec.matchConditions",
@@ -582,11 +599,20 @@ pub fn export(
     skip_namespaces: &[String],
 ) -> Result<Vec<Value>, Vec<Reason>> {
     let spec = &policy.spec;
-    let why = reasons(spec, target);
+    let name = policy.metadata.name.clone().unwrap_or_default();
+    let mut why = reasons(spec, target);
+    if name.len() > 63 {
+        why.push(Reason {
+            field: "metadata.name".to_owned(),
+            construct: format!("{} characters", name.len()),
+            message: format!(
+                "the exported objects carry the name in the label {EXPORTED_FROM}, whose values are at most 63 characters: shorten the name"
+            ),
+        });
+    }
     if !why.is_empty() {
         return Err(why);
     }
-    let name = policy.metadata.name.clone().unwrap_or_default();
     let mut annotations = serde_json::Map::new();
     if let Some(uid) = &policy.metadata.uid {
         annotations.insert(EXPORTED_UID.to_owned(), json!(uid));
@@ -688,24 +714,36 @@ pub type Present<'a> = &'a dyn Fn(Kind, &str) -> Option<BTreeMap<String, String>
 
 /// Whether the apiserver runs `policy` as exported for `runtimes`: every kind it
 /// [`needs`] is `present` under its name, exported from this very policy (uid, when the policy
-/// has one, and generation) with the current runtime table. The webhook skips such a policy;
-/// when one object goes (or the policy or the runtimes change), it evaluates the policy again.
+/// has one, and generation) with the current runtime table ([`of_this_export`]), its bindings
+/// marked [`ENFORCED`]. The webhook skips such a policy; when one object goes (or the policy or
+/// the runtimes change), it evaluates the policy again.
 pub fn is_exported(policy: &ServingPolicy, runtimes_digest: &str, present: Present<'_>) -> bool {
     let name = policy.metadata.name.clone().unwrap_or_default();
     let need = needs(&policy.spec);
     if !need.validating && !need.mutating {
         return false;
     }
-    let generation = policy.metadata.generation.unwrap_or_default().to_string();
     kinds(need).all(|kind| {
         present(kind, &name).is_some_and(|a| {
-            a.get(EXPORTED_GENERATION) == Some(&generation)
-                && a.get(EXPORTED_RUNTIMES).map(String::as_str) == Some(runtimes_digest)
-                && policy
-                    .metadata
-                    .uid
-                    .as_ref()
-                    .is_none_or(|uid| a.get(EXPORTED_UID) == Some(uid))
+            of_this_export(&a, policy, runtimes_digest)
+                && (!kind.is_binding() || a.get(ENFORCED).map(String::as_str) == Some("true"))
         })
     })
+}
+
+/// Whether an exported object's `annotations` say it holds `policy` as it is now (uid, when the
+/// policy has one, and generation) with the runtime table `runtimes_digest`.
+pub fn of_this_export(
+    annotations: &BTreeMap<String, String>,
+    policy: &ServingPolicy,
+    runtimes_digest: &str,
+) -> bool {
+    let generation = policy.metadata.generation.unwrap_or_default().to_string();
+    annotations.get(EXPORTED_GENERATION) == Some(&generation)
+        && annotations.get(EXPORTED_RUNTIMES).map(String::as_str) == Some(runtimes_digest)
+        && policy
+            .metadata
+            .uid
+            .as_ref()
+            .is_none_or(|uid| annotations.get(EXPORTED_UID) == Some(uid))
 }

@@ -368,20 +368,29 @@ fn a_policy_counts_as_exported_only_with_all_its_objects_of_this_generation() {
         objects[0]["metadata"]["ownerReferences"][0]["uid"],
         json!("u1")
     );
-    let stored: BTreeMap<(Kind, String), BTreeMap<String, String>> = objects
-        .iter()
-        .map(|o| {
-            (
+    let stored = |enforced: bool| -> BTreeMap<(Kind, String), BTreeMap<String, String>> {
+        objects
+            .iter()
+            .map(|o| {
+                let kind = Kind::from_name(o["kind"].as_str().unwrap()).unwrap();
+                let mut a: BTreeMap<String, String> =
+                    serde_json::from_value(o["metadata"]["annotations"].clone()).unwrap();
+                if enforced && kind.is_binding() {
+                    a.insert(export::ENFORCED.to_owned(), "true".to_owned());
+                }
                 (
-                    Kind::from_name(o["kind"].as_str().unwrap()).unwrap(),
-                    o["metadata"]["name"].as_str().unwrap().to_owned(),
-                ),
-                serde_json::from_value(o["metadata"]["annotations"].clone()).unwrap(),
-            )
-        })
-        .collect();
-    let all = |k: Kind, n: &str| stored.get(&(k, n.to_owned())).cloned();
+                    (kind, o["metadata"]["name"].as_str().unwrap().to_owned()),
+                    a,
+                )
+            })
+            .collect()
+    };
+    let (enforced, loaded) = (stored(true), stored(false));
+    let all = |k: Kind, n: &str| enforced.get(&(k, n.to_owned())).cloned();
     assert!(export::is_exported(&p, &digest, &all));
+    // Not before the export mode marks the bindings enforced.
+    let not_yet = |k: Kind, n: &str| loaded.get(&(k, n.to_owned())).cloned();
+    assert!(!export::is_exported(&p, &digest, &not_yet));
     let no_binding = |k: Kind, n: &str| {
         (k != Kind::MutatingAdmissionPolicyBinding)
             .then(|| all(k, n))
@@ -394,4 +403,19 @@ fn a_policy_counts_as_exported_only_with_all_its_objects_of_this_generation() {
     p.metadata.generation = Some(2);
     p.metadata.uid = Some("u2".to_owned());
     assert!(!export::is_exported(&p, &digest, &all));
+}
+
+#[test]
+fn names_the_export_cannot_carry_are_reasons() {
+    let long = "p".repeat(64);
+    let p = policy(&long, json!({"validations": [{"expression": "true"}]}));
+    let reasons = export::export(&p, &[], &Target::for_kubernetes(35), &[]).unwrap_err();
+    assert_eq!(reasons[0].field, "metadata.name");
+    let p = policy(
+        "p",
+        json!({"matchConditions": [{"name": "hearth-runtime", "expression": "true"}],
+               "validations": [{"expression": "true"}]}),
+    );
+    let reasons = export::reasons(&p.spec, &Target::for_kubernetes(35));
+    assert_eq!(reasons[0].field, "spec.matchConditions[0].name");
 }

@@ -83,8 +83,10 @@ pub fn watch(
                             e.remove(&(kind, o.name_any()));
                         }),
                         Err(e) => {
+                            // What can no longer be seen is not trusted: the policies this kind
+                            // held are evaluated here again until the watch lists anew.
                             tracing::warn!(kind = kind.as_str(), error = %e, "watch error; retrying");
-                            continue;
+                            exported.update(|e| e.retain(|(k, _), _| *k != kind));
                         }
                     }
                     changed.notify_one();

@@ -554,16 +554,34 @@ async fn exported_policies_admit_and_deny_as_the_webhook_does_and_outlive_it() -
                 objects.extend(o);
             }
         }
-        for o in &objects {
-            let kind = Kind::from_name(o["kind"].as_str().unwrap_or_default()).context("kind")?;
-            let name = o["metadata"]["name"].as_str().unwrap_or_default();
-            dynamic(&client, kind, &apis)?
-                .patch(name, &PatchParams::apply(MANAGER).force(), &Patch::Apply(o))
-                .await
-                .with_context(|| format!("applying {} {name}", kind.as_str()))?;
+        // As the export mode does: the policies, then (the apiserver given time to load them)
+        // the bindings, marked enforced.
+        for bindings in [false, true] {
+            for o in objects.iter_mut() {
+                let kind =
+                    Kind::from_name(o["kind"].as_str().unwrap_or_default()).context("kind")?;
+                if kind.is_binding() != bindings {
+                    continue;
+                }
+                if bindings {
+                    o["metadata"]["annotations"][export::ENFORCED] = json!("true");
+                }
+                let name = o["metadata"]["name"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_owned();
+                dynamic(&client, kind, &apis)?
+                    .patch(
+                        &name,
+                        &PatchParams::apply(MANAGER).force(),
+                        &Patch::Apply(&*o),
+                    )
+                    .await
+                    .with_context(|| format!("applying {} {name}", kind.as_str()))?;
+            }
+            settle().await;
         }
         wait_reasons(&client, &exported, "Exported").await?;
-        settle().await;
         let through_apiserver = answers(&client, ns.name(), suite).await?;
         for ((c, a), b) in suite
             .cases
