@@ -448,6 +448,7 @@ pub fn reasons(spec: &ServingPolicySpec, target: &Target) -> Vec<Reason> {
             ));
         }
     }
+    out.extend(apiserver_names(spec));
     for (i, c) in spec.match_conditions.iter().enumerate() {
         if c.name == SCOPE_CONDITION || c.name == RUNTIME_CONDITION {
             out.push(reason(
@@ -534,6 +535,99 @@ pub fn reasons(spec: &ServingPolicySpec, target: &Target) -> Vec<Reason> {
     out
 }
 
+/// CEL's reserved words, which a variable name may not be (the apiserver's check).
+const CEL_RESERVED: &[&str] = &[
+    "true",
+    "false",
+    "null",
+    "in",
+    "as",
+    "break",
+    "const",
+    "continue",
+    "else",
+    "for",
+    "function",
+    "if",
+    "import",
+    "let",
+    "loop",
+    "package",
+    "namespace",
+    "return",
+    "var",
+    "void",
+    "while",
+];
+
+/// What the apiserver's validation of ValidatingAdmissionPolicy and MutatingAdmissionPolicy
+/// refuses and a ServingPolicy allows (k8s.io/kubernetes
+/// `pkg/apis/admissionregistration/validation`): match condition names that are not qualified
+/// names or repeat, variable names that are not CEL identifiers, messages with line breaks,
+/// audit annotation keys that are not a qualified name's name part.
+fn apiserver_names(spec: &ServingPolicySpec) -> Vec<Reason> {
+    let mut out = Vec::new();
+    let mut seen = std::collections::BTreeSet::new();
+    for (i, c) in spec.match_conditions.iter().enumerate() {
+        let field = format!("spec.matchConditions[{i}].name");
+        if let Err(e) = hearth_crds::naming::check_qualified_name(&c.name) {
+            out.push(Reason {
+                field,
+                construct: c.name.clone(),
+                message: format!(
+                    "the apiserver wants a qualified name (like runtime-resolved); this one {e}"
+                ),
+            });
+        } else if !seen.insert(c.name.as_str()) {
+            out.push(Reason {
+                field,
+                construct: c.name.clone(),
+                message: "the apiserver wants each match condition named once: rename one"
+                    .to_owned(),
+            });
+        }
+    }
+    for (i, v) in spec.variables.iter().enumerate() {
+        let identifier = v
+            .name
+            .chars()
+            .next()
+            .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+            && v.name
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '_');
+        if !identifier || CEL_RESERVED.contains(&v.name.as_str()) {
+            out.push(Reason {
+                field: format!("spec.variables[{i}].name"),
+                construct: v.name.clone(),
+                message: "the apiserver wants a CEL identifier that is not a reserved word (letters, digits and _, like modelContainer)".to_owned(),
+            });
+        }
+    }
+    for (i, v) in spec.validations.iter().enumerate() {
+        if v.message
+            .as_deref()
+            .is_some_and(|m| m.contains(['\n', '\r']))
+        {
+            out.push(Reason {
+                field: format!("spec.validations[{i}].message"),
+                construct: "line break".to_owned(),
+                message: "the apiserver refuses a message with line breaks: write it on one line (YAML `>-` folds lines)".to_owned(),
+            });
+        }
+    }
+    for (i, a) in spec.audit_annotations.iter().enumerate() {
+        if a.key.contains('/') || hearth_crds::naming::check_qualified_name(&a.key).is_err() {
+            out.push(Reason {
+                field: format!("spec.auditAnnotations[{i}].key"),
+                construct: a.key.clone(),
+                message: "the apiserver wants a qualified name's name part (up to 63 of letters, digits, '-', '_', '.', alphanumeric at both ends)".to_owned(),
+            });
+        }
+    }
+    out
+}
+
 fn clip_operations(ops: &[Operation]) -> Vec<&'static str> {
     let has = |o: Operation| ops.contains(&o) || ops.contains(&Operation::All);
     let mut out = Vec::new();
@@ -601,7 +695,13 @@ pub fn export(
     let spec = &policy.spec;
     let name = policy.metadata.name.clone().unwrap_or_default();
     let mut why = reasons(spec, target);
-    if name.len() > 63 {
+    if !hearth_crds::naming::is_dns1123_subdomain(&name) {
+        why.push(Reason {
+            field: "metadata.name".to_owned(),
+            construct: name.clone(),
+            message: "the exported objects are named after the policy, and the apiserver wants a DNS subdomain (lower case, digits, '-' and '.')".to_owned(),
+        });
+    } else if name.len() > 63 {
         why.push(Reason {
             field: "metadata.name".to_owned(),
             construct: format!("{} characters", name.len()),

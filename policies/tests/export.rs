@@ -419,3 +419,23 @@ fn names_the_export_cannot_carry_are_reasons() {
     let reasons = export::reasons(&p.spec, &Target::for_kubernetes(35));
     assert_eq!(reasons[0].field, "spec.matchConditions[0].name");
 }
+
+/// What the apiserver's validation refuses and a ServingPolicy allows is a reason, not an
+/// object the apiserver would reject.
+#[rstest]
+#[case::message_line_break(json!({"validations": [{"expression": "true", "message": "a\nb"}]}), "spec.validations[0].message")]
+#[case::condition_name(json!({"matchConditions": [{"name": "Bad Name!", "expression": "true"}], "validations": [{"expression": "true"}]}), "spec.matchConditions[0].name")]
+#[case::condition_twice(json!({"matchConditions": [{"name": "a", "expression": "true"}, {"name": "a", "expression": "true"}], "validations": [{"expression": "true"}]}), "spec.matchConditions[1].name")]
+#[case::reserved_variable(json!({"variables": [{"name": "namespace", "expression": "1"}], "validations": [{"expression": "true"}]}), "spec.variables[0].name")]
+#[case::audit_key(json!({"validations": [{"expression": "true"}], "auditAnnotations": [{"key": "a/b", "valueExpression": "'x'"}]}), "spec.auditAnnotations[0].key")]
+fn what_the_apiserver_refuses_is_a_reason(#[case] spec: Value, #[case] field: &str) {
+    let p = policy("p", spec);
+    let reasons = export::reasons(&p.spec, &Target::for_kubernetes(35));
+    assert!(
+        reasons.iter().any(|r| r.field == field),
+        "no reason for {field}: {reasons:?}"
+    );
+    let upper = policy("Upper", json!({"validations": [{"expression": "true"}]}));
+    let reasons = export::export(&upper, &[], &Target::for_kubernetes(35), &[]).unwrap_err();
+    assert_eq!(reasons[0].field, "metadata.name");
+}

@@ -180,12 +180,35 @@ fn run() -> anyhow::Result<ExitCode> {
             for p in policy.iter().chain(&params) {
                 manifest::read_path(p, &mut bundle)?;
             }
+            if bundle.policies.is_empty() {
+                bail!(
+                    "no ServingPolicy in {:?} (a directory is read one level deep, its .yaml and .yml files): name the files or the directory that holds them",
+                    policy
+                );
+            }
+            let mut names = std::collections::BTreeSet::new();
+            for p in &bundle.policies {
+                let name = p.metadata.name.as_deref().unwrap_or_default();
+                if !names.insert(name) {
+                    bail!(
+                        "ServingPolicy {name} is given twice: its exported objects would overwrite each other; pass each policy once"
+                    );
+                }
+            }
+            if !hearth_crds::naming::is_dns1123_label(&namespace) {
+                bail!("--namespace {namespace:?} is not a namespace name (a DNS label)");
+            }
             let (_, errors) = PolicySet::compile(&bundle.policies);
             if !errors.is_empty() {
                 for e in &errors {
                     eprintln!("load error: {e}");
                 }
                 return Ok(ExitCode::from(3));
+            }
+            if bundle.runtimes.is_empty() {
+                eprintln!(
+                    "note: no InferenceRuntime given (--params): the exported hearth-runtime condition resolves pinned runtimes only; workloads that select by serving.hearth.dev/vendor match nothing"
+                );
             }
             let mut target = export::Target::for_kubernetes(kubernetes_version);
             if let Some(m) = mutating_api {
@@ -194,6 +217,16 @@ fn run() -> anyhow::Result<ExitCode> {
                     MutatingApi::V1beta1 => Some(export::ApiVersion::V1beta1),
                     MutatingApi::None => None,
                 };
+            }
+            match (target.mutating, kubernetes_version) {
+                (Some(export::ApiVersion::V1beta1), 34 | 35) => eprintln!(
+                    "note: MutatingAdmissionPolicy v1beta1 is served on 1.34 and 1.35 only with --feature-gates=MutatingAdmissionPolicy=true and --runtime-config=admissionregistration.k8s.io/v1beta1=true"
+                ),
+                (Some(export::ApiVersion::V1), 36..) | (None, _) => {}
+                (Some(v), minor) => eprintln!(
+                    "note: Kubernetes 1.{minor} does not serve MutatingAdmissionPolicy as {}",
+                    v.as_str()
+                ),
             }
             let skip = export::skipped_namespaces(&namespace);
             let mut objects = Vec::new();

@@ -769,6 +769,20 @@ async fn enforced_without_webhook(client: &Client, ns: &str, suite: &Suite) -> R
         .iter()
         .find(|c| c.name == "volcano-scheduling-and-npus")
         .context("examples/ascend has no case volcano-scheduling-and-npus")?;
+    // Pinned to the suite's Ascend runtime: other suites' runtimes may share its vendor (the
+    // vendor annotation could then resolve elsewhere, or tie).
+    let runtime = suite
+        .runtimes
+        .iter()
+        .find(|r| r.spec.vendor == "ascend")
+        .context("examples/ascend has no Ascend runtime")?
+        .name_any();
+    let mut base_object = base.object.clone();
+    base_object["metadata"]["annotations"] = json!({"serving.hearth.dev/runtime": runtime});
+    let base = Case {
+        name: base.name.clone(),
+        object: base_object,
+    };
     // Three NPUs asked for directly (no webhook to turn an annotation into a limit).
     let mut three = base.object.clone();
     three["metadata"]["name"] = json!("outage-three");
