@@ -270,7 +270,7 @@ pub fn required_minor(function: &str) -> Result<u32, &'static str> {
 
 /// The digest (16 hex digits) of the runtime table in [`resolution_expression`]: an exported
 /// object whose [`EXPORTED_RUNTIMES`] differs resolves vendors by an older table.
-pub fn runtimes_digest(runtimes: &[InferenceRuntime]) -> String {
+pub fn runtimes_digest<'a>(runtimes: impl IntoIterator<Item = &'a InferenceRuntime>) -> String {
     let text = resolution_expression(runtimes);
     let hash = text.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
         (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
@@ -288,7 +288,10 @@ fn quote(s: &str) -> String {
 /// resolved by the table of `runtimes`: the first listed vendor that has runtimes, its runtime
 /// of highest priority (an empty list: the highest of all), none on a tie. Uses only what every
 /// apiserver with ValidatingAdmissionPolicy v1 has (no `cel.bind`).
-pub fn resolution_expression(runtimes: &[InferenceRuntime]) -> String {
+pub fn resolution_expression<'a>(
+    runtimes: impl IntoIterator<Item = &'a InferenceRuntime>,
+) -> String {
+    let runtimes: Vec<&InferenceRuntime> = runtimes.into_iter().collect();
     let name = |r: &InferenceRuntime| r.metadata.name.clone().unwrap_or_default();
     // The unique runtime of highest priority among `rs`, or "" on a tie.
     let winner = |rs: Vec<&InferenceRuntime>| -> String {
@@ -309,7 +312,7 @@ pub fn resolution_expression(runtimes: &[InferenceRuntime]) -> String {
         }
     };
     let mut vendors: BTreeMap<&str, Vec<&InferenceRuntime>> = BTreeMap::new();
-    for r in runtimes {
+    for r in &runtimes {
         vendors.entry(r.spec.vendor.as_str()).or_default().push(r);
     }
     let table = vendors
@@ -317,7 +320,7 @@ pub fn resolution_expression(runtimes: &[InferenceRuntime]) -> String {
         .map(|(v, rs)| format!("{}: {}", quote(v), quote(&winner(rs.clone()))))
         .collect::<Vec<_>>()
         .join(", ");
-    let overall = quote(&winner(runtimes.iter().collect()));
+    let overall = quote(&winner(runtimes.clone()));
     let find = |key: &str| {
         let k = quote(key);
         let at = |m: &str| {

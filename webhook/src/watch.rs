@@ -239,8 +239,7 @@ async fn rebuild(
         desired.push((st.policy, st.error));
     }
     // Policies the apiserver runs as exported are left out (see `crate::exported`).
-    let runtime_list: Vec<InferenceRuntime> = rts.values().map(|r| (**r).clone()).collect();
-    let digest = hearth_policies::export::runtimes_digest(&runtime_list);
+    let digest = hearth_policies::export::runtimes_digest(rts.values().map(|r| &**r));
     let present = |kind, name: &str| exported.get(kind, name);
     let (outside, all): (Vec<ServingPolicy>, Vec<ServingPolicy>) = last_good
         .evaluation_order(builtins)

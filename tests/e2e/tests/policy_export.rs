@@ -692,32 +692,36 @@ async fn clear_exports(
 
 /// Sets `failurePolicy` on every webhook of Hearth's two webhook configurations.
 async fn failure_policy(client: &Client, policy: &str) -> Result<()> {
-    let mutating: Api<MutatingWebhookConfiguration> = Api::all(client.clone());
-    let validating: Api<ValidatingWebhookConfiguration> = Api::all(client.clone());
-    let ops = |n: usize| {
-        (0..n)
-            .map(|i| json!({"op": "replace", "path": format!("/webhooks/{i}/failurePolicy"), "value": policy}))
-            .collect::<Vec<_>>()
-    };
-    let n = mutating
-        .get("hearth")
-        .await?
-        .webhooks
-        .unwrap_or_default()
-        .len();
-    let patch: json_patch::Patch = serde_json::from_value(json!(ops(n)))?;
-    mutating
-        .patch("hearth", &PatchParams::default(), &Patch::<()>::Json(patch))
-        .await?;
-    let n = validating
-        .get("hearth")
-        .await?
-        .webhooks
-        .unwrap_or_default()
-        .len();
-    let patch: json_patch::Patch = serde_json::from_value(json!(ops(n)))?;
-    validating
-        .patch("hearth", &PatchParams::default(), &Patch::<()>::Json(patch))
+    set_failure_policy::<MutatingWebhookConfiguration>(client, policy, |c| {
+        c.webhooks.as_ref().map_or(0, Vec::len)
+    })
+    .await?;
+    set_failure_policy::<ValidatingWebhookConfiguration>(client, policy, |c| {
+        c.webhooks.as_ref().map_or(0, Vec::len)
+    })
+    .await
+}
+
+/// Sets `failurePolicy` on each of the `webhooks` of the configuration `hearth` of kind `K`.
+async fn set_failure_policy<K>(
+    client: &Client,
+    policy: &str,
+    webhooks: impl Fn(&K) -> usize,
+) -> Result<()>
+where
+    K: kube::Resource<DynamicType = (), Scope = k8s_openapi::ClusterResourceScope>
+        + Clone
+        + serde::de::DeserializeOwned
+        + serde::Serialize
+        + std::fmt::Debug,
+{
+    let api: Api<K> = Api::all(client.clone());
+    let n = webhooks(&api.get("hearth").await?);
+    let ops: Vec<Value> = (0..n)
+        .map(|i| json!({"op": "replace", "path": format!("/webhooks/{i}/failurePolicy"), "value": policy}))
+        .collect();
+    let patch: json_patch::Patch = serde_json::from_value(json!(ops))?;
+    api.patch("hearth", &PatchParams::default(), &Patch::<()>::Json(patch))
         .await?;
     Ok(())
 }
