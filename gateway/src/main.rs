@@ -153,14 +153,16 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     }
     // Background work (the activation lease, key reloads) runs before the first request.
     gateway.spawn_background(args.api_key_reload_interval);
+    // Every port is bound before the first answers: a port that cannot be bound ends the process
+    // before readiness is ever 200.
+    let admin = hearth_net::listen(args.admin_listen, ListenOptions::default())
+        .context("--admin-listen")?;
     let workers = args
         .http_workers
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
     let http_workers = gateway
         .serve_http_workers(args.listen, workers)
         .context("--listen")?;
-    let admin = hearth_net::listen(args.admin_listen, ListenOptions::default())
-        .context("--admin-listen")?;
     let g = gateway.clone();
     let admin_authenticated = admin_auth.enabled();
     let admin_task = tokio::spawn(async move { g.serve_admin(admin, admin_auth).await });

@@ -10,7 +10,6 @@ mod common;
 use std::{
     future::Future,
     path::{Path, PathBuf},
-    process::{Command, Stdio},
     sync::{
         Arc,
         atomic::{AtomicI64, AtomicUsize, Ordering},
@@ -1198,20 +1197,14 @@ async fn the_drain_timeout_bounds_a_request_held_cold() {
 #[tokio::test]
 async fn an_open_keda_push_stream_does_not_hold_the_process_after_sigterm() {
     let stub = stub().await;
-    let (http, grpc, admin) = (free_port(), free_port(), free_port());
-    let child = Child(
-        Command::new(env!("CARGO_BIN_EXE_hearth-gateway"))
-            .args([
-                format!("--listen=127.0.0.1:{http}"),
-                format!("--scaler-listen=127.0.0.1:{grpc}"),
-                format!("--admin-listen=127.0.0.1:{admin}"),
-                format!("--backend-url={}", stub.url()),
-                "--drain-timeout=30s".into(),
-            ])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
+    let Spawned {
+        child, http, grpc, ..
+    } = spawn_gateway_at(
+        "127.0.0.1",
+        &[
+            format!("--backend-url={}", stub.url()),
+            "--drain-timeout=30s".into(),
+        ],
     );
     let c = client();
     wait_status(

@@ -16,20 +16,12 @@ use hyper::StatusCode;
 #[tokio::test]
 async fn sigterm_turns_readiness_off_and_lets_streams_finish() {
     let stub = stub().await;
-    let (http, grpc, admin) = (free_port(), free_port(), free_port());
-    let child = Child(
-        Command::new(env!("CARGO_BIN_EXE_hearth-gateway"))
-            .args([
-                &format!("--listen=127.0.0.1:{http}"),
-                &format!("--scaler-listen=127.0.0.1:{grpc}"),
-                &format!("--admin-listen=127.0.0.1:{admin}"),
-                &format!("--backend-url={}", stub.url()),
-                "--drain-timeout=30s",
-            ])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
+    let Spawned { child, http, .. } = spawn_gateway_at(
+        "127.0.0.1",
+        &[
+            format!("--backend-url={}", stub.url()),
+            "--drain-timeout=30s".into(),
+        ],
     );
     let c = client();
     let base = format!("http://127.0.0.1:{http}");
@@ -275,20 +267,12 @@ async fn unspecified_ipv6_listens_dual_stack() {
                 .await;
         }
     });
-    let (http, grpc, admin) = (free_port(), free_port(), free_port());
-    let _child = Child(
-        Command::new(env!("CARGO_BIN_EXE_hearth-gateway"))
-            .args([
-                &format!("--listen=[::]:{http}"),
-                &format!("--scaler-listen=[::]:{grpc}"),
-                &format!("--admin-listen=[::]:{admin}"),
-                &format!("--backend-url=http://{backend_addr}"),
-            ])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
+    let Spawned {
+        child: _child,
+        http,
+        grpc,
+        ..
+    } = spawn_gateway_at("[::]", &[format!("--backend-url=http://{backend_addr}")]);
     let c = client();
     for (host, client_ip) in [("127.0.0.1", "127.0.0.1"), ("[::1]", "::1")] {
         let base = format!("http://{host}:{http}");

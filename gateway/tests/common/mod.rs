@@ -4,7 +4,10 @@
 pub mod raw;
 pub mod shared;
 
-use std::{net::SocketAddr, time::Duration};
+use std::{
+    net::SocketAddr,
+    time::{Duration, Instant},
+};
 
 use bytes::Bytes;
 use hearth_gateway::{EndpointSet, Gateway, GatewayConfig, RunningGateway, apikeys::ApiKeys};
@@ -307,26 +310,70 @@ pub fn refused<S: AsRef<std::ffi::OsStr>>(args: &[S]) -> String {
 /// Starts the `hearth-gateway` binary on free loopback ports with `args`; returns it, its
 /// HTTP base URL and its admin port's base URL (open: no `--admin-auth-dir`).
 pub fn spawn_gateway(args: &[String]) -> (Child, String, String) {
-    let (http, grpc, admin) = (free_port(), free_port(), free_port());
-    let child = Child(
-        std::process::Command::new(env!("CARGO_BIN_EXE_hearth-gateway"))
-            .args([
-                format!("--listen=127.0.0.1:{http}"),
-                format!("--scaler-listen=127.0.0.1:{grpc}"),
-                format!("--admin-listen=127.0.0.1:{admin}"),
-                "--http-workers=2".into(),
-            ])
-            .args(args)
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
+    let mut all = vec!["--http-workers=2".to_owned()];
+    all.extend_from_slice(args);
+    let g = spawn_gateway_at("127.0.0.1", &all);
     (
-        child,
-        format!("http://127.0.0.1:{http}"),
-        format!("http://127.0.0.1:{admin}"),
+        g.child,
+        format!("http://127.0.0.1:{}", g.http),
+        format!("http://127.0.0.1:{}", g.admin),
     )
+}
+
+/// A `hearth-gateway` process listening on `host` (`127.0.0.1`, `[::]`) and its three ports.
+pub struct Spawned {
+    pub child: Child,
+    pub http: u16,
+    pub grpc: u16,
+    pub admin: u16,
+}
+
+/// Starts `hearth-gateway` with `--listen`, `--scaler-listen` and `--admin-listen` on free ports
+/// of `host` and `args`, and returns once it accepts connections (every port is bound by then).
+/// A port free a moment ago may be taken (by another test's connection) before the gateway binds
+/// it; the gateway then exits at once, and the ports are drawn again (five times at most).
+pub fn spawn_gateway_at(host: &str, args: &[String]) -> Spawned {
+    for _ in 0..5 {
+        let (http, grpc, admin) = (free_port(), free_port(), free_port());
+        let mut child = Child(
+            std::process::Command::new(env!("CARGO_BIN_EXE_hearth-gateway"))
+                .args([
+                    format!("--listen={host}:{http}"),
+                    format!("--scaler-listen={host}:{grpc}"),
+                    format!("--admin-listen={host}:{admin}"),
+                ])
+                .args(args)
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::null())
+                .spawn()
+                .unwrap(),
+        );
+        if serving(&mut child, http) {
+            return Spawned {
+                child,
+                http,
+                grpc,
+                admin,
+            };
+        }
+    }
+    panic!("hearth-gateway exited at start five times (its ports taken?)");
+}
+
+/// Waits (10 s at most) until `child` accepts on `http`, the port it binds last: true; false
+/// when it exits first.
+fn serving(child: &mut Child, http: u16) -> bool {
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_secs(10) {
+        if child.0.try_wait().unwrap().is_some() {
+            return false;
+        }
+        if std::net::TcpStream::connect(("127.0.0.1", http)).is_ok() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    panic!("hearth-gateway did not listen on 127.0.0.1:{http} within 10 s");
 }
 
 /// Polls `url` with GET until it answers `want` (10 s at most).
