@@ -184,6 +184,10 @@ struct Breakage {
     phase: &'static str,
     /// The reason of the pod's Warning Event by which the kubelet or the scheduler says so.
     said_by: &'static str,
+    /// True of the backend's pod template once both patches are rendered: the runtime's and
+    /// the service's are two writes, and the controller may render the first alone (a pod of
+    /// that template may even serve).
+    applied: fn(&Value) -> bool,
 }
 
 /// The runtime copy's and the service's state as the upstream manifests have them.
@@ -254,6 +258,7 @@ async fn backend_failures_answer_held_requests_with_the_reason_then_the_fix_serv
                 reason: "ImagePullFailed",
                 said_by: "Failed",
                 phase: "imagePull",
+                applied: |_| true,
             },
             Breakage {
                 what: "an engine that exits at start",
@@ -266,6 +271,7 @@ async fn backend_failures_answer_held_requests_with_the_reason_then_the_fix_serv
                 reason: "CrashLoopBackOff",
                 said_by: "BackOff",
                 phase: "modelReady",
+                applied: |t| has_arg(t, "--no-such-flag"),
             },
             Breakage {
                 what: "weights over the memory limit",
@@ -278,6 +284,11 @@ async fn backend_failures_answer_held_requests_with_the_reason_then_the_fix_serv
                 reason: "OOMKilled",
                 said_by: "BackOff",
                 phase: "modelReady",
+                applied: |t| {
+                    !has_arg(t, "--no-such-flag")
+                        && has_env(t, "STUB_ALLOCATE_AT_START")
+                        && memory_limit_is(t, "96Mi")
+                },
             },
             Breakage {
                 what: "a node selector no node matches",
@@ -290,6 +301,7 @@ async fn backend_failures_answer_held_requests_with_the_reason_then_the_fix_serv
                 reason: "Unschedulable",
                 said_by: "FailedScheduling",
                 phase: "scheduled",
+                applied: |t| healthy_template(t) && selects(t, ABSENT_LABEL),
             },
         ];
         let mut previous: Option<&str> = None;
@@ -319,7 +331,7 @@ async fn backend_failures_answer_held_requests_with_the_reason_then_the_fix_serv
             // The controller applied the new template, and the last breakage's pods are
             // replaced (or scaled away), before the new requests.
             if previous.is_some() {
-                wait_applied(&deployments, before.clone()).await?;
+                wait_applied(&deployments, before.clone(), step.applied).await?;
             }
             if let Some(prev) = previous {
                 stack::wait_ready_reason(&services, |r| r != prev, Duration::from_secs(120))
@@ -437,7 +449,10 @@ async fn backend_failures_answer_held_requests_with_the_reason_then_the_fix_serv
                 &Patch::Merge(serde_json::json!({"spec": fixed_runtime})),
             )
             .await?;
-        wait_applied(&deployments, before).await?;
+        wait_applied(&deployments, before, |t| {
+            healthy_template(t) && !selects(t, ABSENT_LABEL)
+        })
+        .await?;
         if let Some(prev) = previous {
             stack::wait_ready_reason(&services, |r| r != prev, Duration::from_secs(120)).await?;
         }
@@ -470,23 +485,67 @@ async fn template(
     Ok(serde_json::to_value(d.spec.map(|s| s.template))?)
 }
 
-/// Waits until the backend Deployment's pod template differs from `before`: the controller
-/// applied a change of the runtime or the service.
+/// Waits until the backend Deployment's pod template differs from `before` and `applied` holds
+/// of it: the controller applied the whole change of the runtime and the service.
 async fn wait_applied(
     deployments: &kube::Api<k8s_openapi::api::apps::v1::Deployment>,
     before: Value,
+    applied: fn(&Value) -> bool,
 ) -> Result<()> {
     use hearth_test_support::{Observed, wait_until};
     wait_until(
         "the controller applying the changed template",
         Duration::from_secs(60),
         || async {
-            Ok(if template(deployments).await? != before {
-                Observed::Ready(())
-            } else {
+            let now = template(deployments).await?;
+            Ok(if now == before {
                 Observed::NotYet("the pod template is unchanged".to_owned())
+            } else if !applied(&now) {
+                Observed::NotYet(format!("the pod template is not the change's yet: {now}"))
+            } else {
+                Observed::Ready(())
             })
         },
     )
     .await
+}
+
+/// The containers of a pod template (`template()`'s JSON).
+fn containers(t: &Value) -> impl Iterator<Item = &Value> {
+    t["spec"]["containers"].as_array().into_iter().flatten()
+}
+
+/// Whether a container of `t` has the argument `arg`.
+fn has_arg(t: &Value, arg: &str) -> bool {
+    containers(t).any(|c| {
+        c["args"]
+            .as_array()
+            .is_some_and(|a| a.iter().any(|x| x == arg))
+    })
+}
+
+/// Whether a container of `t` has the environment variable `name`.
+fn has_env(t: &Value, name: &str) -> bool {
+    containers(t).any(|c| {
+        c["env"]
+            .as_array()
+            .is_some_and(|e| e.iter().any(|v| v["name"] == name))
+    })
+}
+
+/// Whether a container of `t` has the memory limit `limit`.
+fn memory_limit_is(t: &Value, limit: &str) -> bool {
+    containers(t).any(|c| c["resources"]["limits"]["memory"] == limit)
+}
+
+/// Whether `t`'s node selector has `label`.
+fn selects(t: &Value, label: &str) -> bool {
+    t["spec"]["nodeSelector"].get(label).is_some()
+}
+
+/// No breakage of the runtime's container or the service's memory is in `t`.
+fn healthy_template(t: &Value) -> bool {
+    !has_arg(t, "--no-such-flag")
+        && !has_env(t, "STUB_ALLOCATE_AT_START")
+        && !memory_limit_is(t, "96Mi")
 }
