@@ -22,6 +22,10 @@ require_packages() {
   # kube-router's network policy controller drives ipsets with the ipset command.
   need /usr/sbin/ipset ipset
   need /usr/bin/buildah buildah
+  # The local cluster's registry, its htpasswd file, and pushing images to it.
+  need /usr/bin/docker-registry docker-registry
+  need /usr/bin/htpasswd apache2-utils
+  need /usr/bin/skopeo skopeo
   need_package busybox-static
   need /usr/bin/musl-gcc musl-tools
   need /usr/bin/gcc gcc

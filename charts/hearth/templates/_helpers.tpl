@@ -35,13 +35,15 @@ app.kubernetes.io/component: {{ .component }}
 app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 
-{{/* Image reference: dict "root" $ "image" .Values.webhook.image. */}}
+{{/* Image reference: dict "root" $ "image" .Values.webhook.image: the override, else
+<registry>/<repository>:<tag>, pinned with @<digest> when the image's digest is set. */}}
 {{- define "hearth.image" -}}
 {{- if .image.override -}}
 {{- .image.override -}}
 {{- else -}}
 {{- $tag := .root.Values.image.tag | default (printf "v%s" .root.Chart.AppVersion) -}}
 {{- printf "%s/%s:%s" (.root.Values.image.registry | trimSuffix "/") .image.repository $tag -}}
+{{- with .image.digest -}}@{{ . }}{{- end -}}
 {{- end -}}
 {{- end -}}
 

@@ -92,6 +92,9 @@ make_pki() {
   # kwok plays the kubelet of many nodes at once; the Node authorizer would confine one
   # identity to one node, so it gets admin rights.
   issue "$d" ca kwok "/O=system:masters/CN=hearth-kwok" clientAuth
+  # The registry's serving certificate (lib/registry.sh): the node's containerd, skopeo and helm
+  # trust the cluster CA for it.
+  issue "$d" ca registry "/CN=hearth-registry" serverAuth "IP:$NODE_HOST_IP"
   # (KEDA makes its own certificates: its operator keeps them in the Secret keda/kedaorg-certs.)
   # Service-account token signing key pair.
   new_key "$d/sa.key"

@@ -98,6 +98,11 @@ SERVICE_FIRST_IP="198.$node_b.$((node_c + 16)).1"
 CLUSTER_DNS_IP="198.$node_b.$((node_c + 16)).10"
 APISERVER_IP="$NODE_HOST_IP"
 KUBELET_PORT=10250
+# The cluster's OCI registry (lib/registry.sh): the distribution registry, with TLS (a certificate
+# of the cluster CA) and basic auth, on the host end of the node's link, where the node and the
+# host both reach it.
+REGISTRY_PORT=5000
+REGISTRY="$NODE_HOST_IP:$REGISTRY_PORT"
 KUBE_ROUTER_HEALTH_PORT=20244
 
 # Versions come from our go.mod files, so there is one place to change them.
@@ -143,6 +148,11 @@ KEDA_ADAPTER="$BIN/keda-adapter-$KEDA_VERSION"
 KEDA_WEBHOOKS="$BIN/keda-admission-webhooks-$KEDA_VERSION"
 KEDA_CONFIG="$CACHE/share/keda-$KEDA_VERSION/config"
 HELM="$BIN/helm-$HELM_VERSION"
+# The registry: Debian's docker-registry (distribution 2.8); its storage, htpasswd file,
+# credentials (a Docker config, auth.json) and configuration live in $REGISTRY_DIR.
+REGISTRY_BIN=/usr/bin/docker-registry
+REGISTRY_DIR="$STATE/registry"
+REGISTRY_USER=hearth
 # The container runtime and CNI plugins come from Debian's packages (see README.md).
 CONTAINERD=/usr/bin/containerd
 CTR=/usr/bin/ctr
@@ -172,7 +182,7 @@ LOGS="$STATE/logs"
 
 # Processes in start order; `down` stops them in reverse. (CoreDNS and KEDA are pods on the
 # real node: `down` ends them with the node.)
-COMPONENTS=(etcd kube-apiserver kube-controller-manager kube-scheduler kwok
+COMPONENTS=(etcd kube-apiserver kube-controller-manager kube-scheduler kwok registry
   containerd kubelet kube-proxy device-plugin kube-router)
 # The real node's daemons, in the order `down` stops them.
 NODE_COMPONENTS=(kube-router device-plugin kube-proxy kubelet containerd)
@@ -191,6 +201,7 @@ component_binary() {
     kube-controller-manager) echo "$KUBE_CONTROLLER_MANAGER" ;;
     kube-scheduler) echo "$KUBE_SCHEDULER" ;;
     kwok) echo "$KWOK" ;;
+    registry) echo "$REGISTRY_BIN" ;;
     containerd) echo "$CONTAINERD" ;;
     kubelet) echo "$KUBELET" ;;
     kube-proxy) echo "$KUBE_PROXY" ;;
@@ -259,3 +270,5 @@ record_started() {
 rss_kib() { awk '/^VmRSS:/ { print $2 }' "/proc/$1/status" 2>/dev/null || echo 0; }
 
 kubectl_() { "$KUBECTL" --kubeconfig "$KUBECONFIG_PATH" "$@"; }
+
+source "$CLUSTER_DIR/lib/registry.sh"

@@ -210,6 +210,10 @@ POLICY
       "$CLUSTER_DIR/kwok/kwok.yaml" >"$STATE/kwok.yaml"
     start kwok -- --kubeconfig="$STATE/kubeconfigs/kwok" --config="$STATE/kwok.yaml"
     ;;
+  registry)
+    # On the host (the node and the host reach it at $REGISTRY): lib/registry.sh.
+    start registry -- serve "$REGISTRY_DIR/config.yml"
+    ;;
   containerd)
     start_in_node containerd PATH=/usr/sbin:/usr/bin:/sbin:/bin -- --config="$NODE_DIR/containerd.toml"
     ;;
@@ -246,7 +250,7 @@ POLICY
 }
 
 # await_component <component>: waits until a started component serves: etcd its port,
-# kube-apiserver /readyz, containerd its socket, the kubelet its /healthz and its node Ready,
+# kube-apiserver /readyz, the registry an authenticated /v2/, containerd its socket, the kubelet its /healthz and its node Ready,
 # the device plugin its devices on the node. The others are not waited for.
 await_component() {
   case "$1" in
@@ -256,6 +260,9 @@ await_component() {
   kube-apiserver)
     wait_until 120 "kube-apiserver to report ready (https://$APISERVER_IP:$APISERVER_PORT/readyz)" kube-apiserver \
       kubectl_ get --raw /readyz
+    ;;
+  registry)
+    wait_until 30 "the registry to answer https://$REGISTRY/v2/ (TLS, basic auth)" registry registry_ready
     ;;
   containerd)
     wait_until 30 "containerd to serve $NODE_DIR/containerd.sock" containerd \

@@ -192,7 +192,8 @@ node_configure() {
       -e "s|@CNI_BIN_DIR@|$CNI_BIN_DIR|g" -e "s|@NODE_POD_CIDR@|$NODE_POD_CIDR|g" \
       -e "s|@NODE_CGROUP@|$NODE_CGROUP|g" -e "s|@NODE_IP@|$NODE_IP|g" \
       -e "s|@NODE_NAME@|$NODE_NAME|g" -e "s|@KUBELET_PORT@|$KUBELET_PORT|g" \
-      -e "s|@CLUSTER_DNS_IP@|$CLUSTER_DNS_IP|g" \
+      -e "s|@CLUSTER_DNS_IP@|$CLUSTER_DNS_IP|g" -e "s|@REGISTRY@|$REGISTRY|g" \
+      -e "s|@REGISTRY_USER@|$REGISTRY_USER|g" -e "s|@REGISTRY_PASSWORD@|$(registry_password)|g" \
       "$CLUSTER_DIR/node/$f" >"$NODE_DIR/$f"
   done
   sed -e "s|@NODE_DIR@|$NODE_DIR|g" -e "s|@NODE_POD_CIDR@|$NODE_POD_CIDR|g" \

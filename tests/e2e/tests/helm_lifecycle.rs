@@ -57,8 +57,8 @@ use tokio::task::JoinHandle;
 
 const RELEASE: &str = "hearth";
 const RELEASE_NAMESPACE: &str = "hearth-system";
-/// The image tag the upgrade moves to: `install-hearth --image-tag` tags the imported images
-/// with it in the node's containerd.
+/// The image tag the upgrade moves to: `install-hearth --image-tag` pushes the images under it
+/// to the cluster's registry too (the chart keeps pinning the same digests).
 const UPGRADE_TAG: &str = "e2e-upgrade";
 /// The stub runtime's name (upstream `stub-inferenceruntime.yaml`) and its accelerator.
 const RUNTIME: &str = "vllm-stub";
@@ -528,7 +528,7 @@ async fn assert_rolled(
                 let rolled = pods.len() == want
                     && pods
                         .iter()
-                        .all(|(n, image)| !old.contains(n) && image.ends_with(&format!(":{tag}")));
+                        .all(|(n, image)| !old.contains(n) && tag_of(image) == tag);
                 if !rolled {
                     return Ok(Observed::NotYet(format!(
                         "{component}: {pods:?} (before: {:?})",
@@ -542,9 +542,11 @@ async fn assert_rolled(
     .await
 }
 
-/// The image tag of a reference (`registry/repo:tag`).
+/// The image tag of a reference (`registry/repo:tag`, or `registry/repo:tag@digest` as the
+/// pushed chart pins its images).
 fn tag_of(image: &str) -> &str {
-    image.rsplit_once(':').map_or("", |(_, t)| t)
+    let name = image.split_once('@').map_or(image, |(n, _)| n);
+    name.rsplit_once(':').map_or("", |(_, t)| t)
 }
 
 /// The gateway image the chart's controller renders (`--gateway-image`).

@@ -3,9 +3,13 @@
 //! `prePull: true` gets a DaemonSet in Hearth's namespace whose pod runs the runtime's image as
 //! an init container on that node (and nowhere else: kwok's nodes do not match) and then holds
 //! the cluster's pause image; the runtime's `ImagePrePulled` condition turns True (`Pulled`).
-//! `prePull: false` removes the DaemonSet and the condition. The node has no registry: the
-//! image is imported, so the kubelet finds it present; the pull itself is the kubelet's, as for
-//! any init container. See docs/controller.md, "Runtime image pre-pull".
+//! `prePull: false` removes the DaemonSet and the condition. The runtime's image is the stub's
+//! under a reference of the test's own in the cluster's registry, which no node has: the
+//! kubelet pulls it for real (its `Pulled` Event says "Successfully pulled"), as for any init
+//! container. See docs/controller.md, "Runtime image pre-pull".
+
+mod stack;
+
 
 use std::time::{Duration, Instant};
 
@@ -44,12 +48,14 @@ impl Drop for RuntimeGuard {
     }
 }
 
-/// The upstream stub runtime renamed to `name`, on the real node only, with `prePull`.
-fn runtime(name: &str, node: &str, pre_pull: bool) -> Result<Value> {
+/// The upstream stub runtime renamed to `name`, on the real node only, with `prePull`, its
+/// image `image`.
+fn runtime(name: &str, node: &str, image: &str, pre_pull: bool) -> Result<Value> {
     let mut rt = harness::first_manifest(&hearth_test_support::upstream_file(
         "stub-inferenceruntime.yaml",
     ))?;
     rt["metadata"] = json!({"name": name});
+    rt["spec"]["container"]["image"] = json!(image);
     rt["spec"]["accelerator"]["nodeSelector"] = json!({"kubernetes.io/hostname": node});
     rt["spec"]["prePull"] = json!(pre_pull);
     Ok(rt)
@@ -85,12 +91,12 @@ async fn pre_pull_runs_the_runtime_image_on_its_nodes_and_goes_away_when_turned_
         cluster: cluster.clone(),
         name: name.clone(),
     };
-    let rt = runtime(&name, &node.name, true)?;
-    let image = rt["spec"]["container"]["image"]
-        .as_str()
-        .unwrap_or_default()
-        .to_owned();
-    harness::apply(&client, rt, None).await?;
+    // The stub under a tag no node has pulled yet.
+    let registry = stack::registry::Registry::load()?;
+    let reference = format!("e2e-pre-pull/vllm-stub:{name}");
+    registry.copy("vllm-stub:e2e", &reference).await?;
+    let image = format!("{}/{reference}", registry.host);
+    harness::apply(&client, runtime(&name, &node.name, &image, true)?, None).await?;
 
     let ds_name = format!("hearth-pre-pull-{name}");
     let daemon_sets: Api<DaemonSet> = Api::namespaced(client.clone(), RELEASE_NAMESPACE);
@@ -163,15 +169,34 @@ async fn pre_pull_runs_the_runtime_image_on_its_nodes_and_goes_away_when_turned_
         ran == Some(0) && init[0].image.contains("vllm-stub"),
         "the runtime image did not run to completion as the init container: {init:?}"
     );
+    // A real pull: the kubelet's Pulled Event on the pre-pull pod.
+    let events: Api<k8s_openapi::api::core::v1::Event> =
+        Api::namespaced(client.clone(), RELEASE_NAMESPACE);
+    let pod_name = pod.metadata.name.clone().unwrap_or_default();
+    let said: Vec<String> = events
+        .list(&ListParams::default().fields(&format!(
+            "involvedObject.name={pod_name},reason=Pulled"
+        )))
+        .await?
+        .items
+        .into_iter()
+        .filter_map(|e| e.message)
+        .collect();
+    ensure!(
+        said.iter()
+            .any(|m| m.contains("Successfully pulled") && m.contains(&image)),
+        "the pre-pull pod's Pulled Events do not say {image} was pulled: {said:?}"
+    );
     println!(
-        "[pre-pull] {image} present on {} (pod {}), condition True after {pulled:.1}s: {}",
+        "[pre-pull] {image} pulled from the registry ({}) on {} (pod {}), condition True after {pulled:.1}s: {}",
+        said.join("; "),
         node.name,
         pod.metadata.name.clone().unwrap_or_default(),
         cond["message"]
     );
 
     // Off: the DaemonSet and the condition go.
-    harness::apply(&client, runtime(&name, &node.name, false)?, None).await?;
+    harness::apply(&client, runtime(&name, &node.name, &image, false)?, None).await?;
     wait_until(
         format!("DaemonSet {ds_name} deleted and the condition removed"),
         Duration::from_secs(60),

@@ -10,6 +10,8 @@
 //!
 //! Needs a running cluster with its real node: `tests/cluster/up` as root, or `tests/run-tests`.
 
+mod stack;
+
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
@@ -24,7 +26,8 @@ use serde_json::{Value, json};
 const START_TIMEOUT: Duration = Duration::from_secs(90);
 const TERMINATE_TIMEOUT: Duration = Duration::from_secs(60);
 
-/// The stub image `build/images` builds and `tests/cluster/load-images` imports.
+/// The stub image `build/images` builds; the node pulls it from the cluster's registry, which
+/// serves `hearth.dev/*` (tests/cluster/lib/registry.sh).
 const STUB_IMAGE: &str = "hearth.dev/vllm-stub:e2e";
 
 /// The real node and a namespace of the test's own (named `<prefix>-<suffix>`).
@@ -834,24 +837,25 @@ async fn stub_pods_start_on_the_real_node() -> Result<()> {
     Ok(())
 }
 
-/// The image references `build/images` gives Hearth's binaries: the chart's defaults,
-/// `ghcr.io/hearth-rs/<name>:v<appVersion>`.
+/// Hearth's images as `tests/cluster/install-hearth` pushed them to the cluster's registry
+/// (`build/push`): `<registry>/hearth-rs/<name>:v<appVersion>@<digest>`, pinned to the pushed
+/// digest (a tag the node pulled earlier may name an older build), pulled by the node with its
+/// own credentials for the registry (these pods name no pull Secret).
 fn hearth_images() -> Result<Vec<(&'static str, String)>> {
-    let chart = std::fs::read_to_string(
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../charts/hearth/Chart.yaml"),
-    )?;
-    let app_version = chart
-        .lines()
-        .find_map(|l| l.strip_prefix("appVersion:"))
-        .map(|v| v.trim().trim_matches('"').to_string())
-        .context("charts/hearth/Chart.yaml has no appVersion")?;
-    Ok(["hearth-webhook", "hearth-controller", "hearth-gateway"]
+    let pushed = stack::registry::pushed()?;
+    ["hearth-webhook", "hearth-controller", "hearth-gateway"]
         .into_iter()
-        .map(|name| (name, format!("ghcr.io/hearth-rs/{name}:v{app_version}")))
-        .collect())
+        .map(|name| {
+            pushed
+                .iter()
+                .find(|(n, ..)| n == name)
+                .map(|(_, reference, digest)| (name, format!("{reference}@{digest}")))
+                .with_context(|| format!("build/push pushed no {name}"))
+        })
+        .collect()
 }
 
-/// Hearth's images, as the chart references them, are on the node without a pull and start in
+/// Hearth's images, pulled from the cluster's registry, start in
 /// the most restricted pod a cluster can ask for: non-root (the image's own UID), a read-only
 /// root filesystem, no capabilities. `--version` prints the version they were built with
 /// (build/version).
@@ -908,7 +912,7 @@ async fn hearth_images_run_non_root_on_a_read_only_root() -> Result<()> {
         ensure!(
             phase(&done) == "Succeeded" && out.trim() == format!("{name} {version}"),
             "{image} --version: expected {name:?} {version:?}, got {out:?} ({}); images older \
-             than this checkout are rebuilt by build/images and loaded by tests/cluster/load-images \
+             than this checkout are rebuilt by build/images and pushed by tests/cluster/install-hearth \
              (tests/run-tests does both)",
             describe(&done)
         );

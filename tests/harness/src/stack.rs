@@ -69,7 +69,7 @@ pub const GATEWAY_PODS: &str = "app.kubernetes.io/component=gateway";
 #[derive(Debug, thiserror::Error)]
 pub enum StackError {
     #[error(
-        "installing Hearth with tests/cluster/install-hearth failed ({status}); see {log} (the images come from build/images, imported by tests/cluster/load-images)"
+        "installing Hearth with tests/cluster/install-hearth failed ({status}); see {log} (the images come from build/images, pushed to the cluster's registry with the chart by build/push)"
     )]
     Install { status: String, log: PathBuf },
     #[error("{what}: {source}")]
@@ -126,9 +126,9 @@ pub fn images_build_id() -> Option<String> {
 
 /// Installs Hearth with its chart unless the release is deployed, both Deployments Available,
 /// and running the images `build/images` built last (their build id in the pod annotation
-/// [`IMAGES_ANNOTATION`]): runs `tests/cluster/install-hearth` (images imported into the node,
-/// then `helm upgrade --install --wait`, which rolls the pods to re-imported images because the
-/// annotation changes), logging to `<state>/logs/install-hearth.log`. Serialized by a lock file
+/// [`IMAGES_ANNOTATION`]): runs `tests/cluster/install-hearth` (images and chart pushed to the
+/// cluster's registry, the chart pinning the images by digest, then `helm upgrade --install
+/// oci://… --wait`, which rolls the pods to the new digests), logging to `<state>/logs/install-hearth.log`. Serialized by a lock file
 /// in the cluster's state dir, so parallel suites install once. Returns whether it installed.
 pub async fn ensure_hearth(client: &Client, kubeconfig: &Path) -> Result<bool, StackError> {
     let state = kubeconfig.parent().unwrap_or(Path::new("."));

@@ -5,6 +5,7 @@
 
 #![allow(dead_code)] // Each suite uses a different part.
 
+pub mod registry;
 pub mod scaler_tls;
 pub mod volumes;
 
@@ -85,12 +86,6 @@ pub async fn deploy_with(
         .await?;
     d.wait_gateway_ready().await?;
     d.wait_gateway_endpoint().await?;
-    anyhow::ensure!(
-        stack::wait_reachable(&d.url, Duration::from_secs(60)).await,
-        "{} (Service {}/{SERVICE}) never accepted a connection: kube-proxy on the real node did not program it (see its log in the cluster's logs/)",
-        d.url,
-        d.ns.name()
-    );
     Ok(d)
 }
 
@@ -197,8 +192,8 @@ impl Deployed {
         lines.join("\n")
     }
 
-    /// Waits until the gateway Service's EndpointSlice lists a ready endpoint: until then its
-    /// ClusterIP has nowhere to send a connection (as with kube-proxy).
+    /// Waits until the gateway Service's EndpointSlice lists a ready endpoint and its ClusterIP
+    /// accepts a connection from the host (kube-proxy programs the endpoint a moment later).
     pub async fn wait_gateway_endpoint(&self) -> Result<()> {
         let api = self.ns.api::<EndpointSlice>();
         let lp = ListParams::default().labels(&format!("kubernetes.io/service-name={SERVICE}"));
@@ -221,7 +216,16 @@ impl Deployed {
                 })
             },
         )
-        .await
+        .await?;
+        // kube-proxy programs the endpoint a moment after the EndpointSlice says it is ready;
+        // until then a connection to the ClusterIP is refused.
+        anyhow::ensure!(
+            stack::wait_reachable(&self.url, Duration::from_secs(60)).await,
+            "{} (Service {}/{SERVICE}) never accepted a connection: kube-proxy on the real node did not program it (see its log in the cluster's logs/)",
+            self.url,
+            self.ns.name()
+        );
+        Ok(())
     }
 
     /// The backend pods now.

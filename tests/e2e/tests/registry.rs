@@ -1,0 +1,307 @@
+//! Hearth installed from the cluster's OCI registry, the way users install it, on the real node:
+//!
+//! - the registry (`tests/cluster/lib/registry.sh`: TLS with the cluster CA, basic auth) refuses
+//!   anonymous and wrongly authenticated requests, and holds the chart `tests/cluster/install-hearth`
+//!   pushed (`build/push`) as a Helm OCI artifact;
+//! - the release runs the images `build/push` pushed, pinned by digest in the pushed chart's
+//!   values, pulled by the node with the release's pull Secret (`image.pullSecrets`): the pods'
+//!   image IDs are the pushed digests;
+//! - a model whose image needs other credentials than its pull Secret has: the backend's pull is
+//!   refused, the held request is answered with `ImagePullFailed` and the service's status records
+//!   the kubelet's reason; with the right Secret the same service serves, its first activation
+//!   with a real pull phase (`imagePresent: false`) and the next one with none.
+//!
+//! Needs the local cluster (`tests/cluster/up`) and Hearth's images (`build/images`).
+
+mod stack;
+
+use std::time::Duration;
+
+use anyhow::{Context, Result, ensure};
+use hearth_e2e_harness::client;
+use hearth_e2e_harness::stack::{self as hstack, RELEASE_NAMESPACE, ScalerMode};
+use hearth_test_support::{Observed, wait_until};
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::Pod;
+use kube::Api;
+use kube::api::{DeleteParams, ListParams, Patch, PatchParams};
+use serde_json::{Value, json};
+
+use stack::SERVICE;
+use stack::registry::{Registry, pushed};
+
+/// The pull Secret `tests/cluster/install-hearth` writes and the release names.
+const PULL_SECRET: &str = "hearth-registry";
+
+/// The chart's version (charts/hearth/Chart.yaml), which `build/push` pushes it under.
+fn chart_version() -> Result<String> {
+    let chart = std::fs::read_to_string(hstack::workspace_dir().join("charts/hearth/Chart.yaml"))?;
+    chart
+        .lines()
+        .find_map(|l| l.strip_prefix("version:"))
+        .map(|v| v.trim().trim_matches('"').to_owned())
+        .context("charts/hearth/Chart.yaml has no version")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_release_runs_the_registrys_images_by_digest_with_its_pull_secret() -> Result<()> {
+    let cluster = hearth_test_support::Cluster::connect().await?;
+    let client = cluster.client();
+    hstack::ensure_hearth(&client, cluster.kubeconfig()).await?;
+    let registry = Registry::load()?;
+    let password = registry.password()?;
+
+    // Authentication is on: anonymous and wrong credentials get 401, the right ones 200.
+    for (what, credentials, want) in [
+        ("anonymous", None, 401),
+        ("a wrong password", Some(("hearth", "not-the-password")), 401),
+        ("the cluster's credentials", Some(("hearth", password.as_str())), 200),
+    ] {
+        let (code, body) = registry.get("/v2/", credentials, "*/*").await?;
+        ensure!(code == want, "GET /v2/ with {what}: {code} (want {want}): {body}");
+    }
+    // The chart, as a Helm OCI artifact under its version.
+    let version = chart_version()?;
+    let creds = Some(("hearth", password.as_str()));
+    let (code, body) = registry
+        .get(
+            &format!("/v2/charts/hearth/manifests/{version}"),
+            creds,
+            "application/vnd.oci.image.manifest.v1+json",
+        )
+        .await?;
+    ensure!(code == 200, "the chart's manifest: {code} {body}");
+    let manifest: Value = serde_json::from_str(&body)?;
+    ensure!(
+        manifest["config"]["mediaType"] == "application/vnd.cncf.helm.config.v1+json",
+        "charts/hearth:{version} is not a Helm chart artifact: {manifest}"
+    );
+
+    // The release's Deployments name the pushed images by digest and the pull Secret; their
+    // pods run exactly those digests.
+    let images = pushed()?;
+    let pinned = |name: &str| -> Result<(String, String)> {
+        images
+            .iter()
+            .find(|(n, ..)| n == name)
+            .map(|(_, r, d)| (format!("{r}@{d}"), d.clone()))
+            .with_context(|| format!("build/push pushed no {name}"))
+    };
+    let deployments: Api<Deployment> = Api::namespaced(client.clone(), RELEASE_NAMESPACE);
+    let pods: Api<Pod> = Api::namespaced(client.clone(), RELEASE_NAMESPACE);
+    for component in ["hearth-webhook", "hearth-controller"] {
+        let (image, digest) = pinned(component)?;
+        ensure!(
+            image.starts_with(&format!("{}/", registry.host)),
+            "{image} is not in the cluster's registry"
+        );
+        let d = deployments.get(component).await?;
+        let spec = d
+            .spec
+            .and_then(|s| s.template.spec)
+            .context("no pod spec")?;
+        let container = spec.containers.first().context("no container")?;
+        ensure!(
+            container.image.as_deref() == Some(image.as_str()),
+            "{component} runs {:?}, not the pushed {image}",
+            container.image
+        );
+        let secrets: Vec<String> = spec
+            .image_pull_secrets
+            .iter()
+            .flatten()
+            .map(|s| s.name.clone())
+            .collect();
+        ensure!(
+            secrets == [PULL_SECRET],
+            "{component}'s imagePullSecrets: {secrets:?}"
+        );
+        let running = pods
+            .list(&ListParams::default().labels(&format!(
+                "app.kubernetes.io/name=hearth,app.kubernetes.io/component={}",
+                component.trim_start_matches("hearth-")
+            )))
+            .await?
+            .items;
+        ensure!(!running.is_empty(), "no {component} pod");
+        for p in &running {
+            let ids: Vec<String> = p
+                .status
+                .iter()
+                .flat_map(|s| s.container_statuses.iter().flatten())
+                .map(|c| c.image_id.clone())
+                .collect();
+            ensure!(
+                ids.first().is_some_and(|id| id.ends_with(&digest)),
+                "{component} pod {:?} runs image IDs {ids:?}, not {digest}",
+                p.metadata.name
+            );
+        }
+    }
+    // The gateway image the controller renders into every model's gateway is pinned the same way.
+    let (gateway, _) = pinned("hearth-gateway")?;
+    let controller = deployments.get("hearth-controller").await?;
+    let args = controller
+        .spec
+        .and_then(|s| s.template.spec)
+        .and_then(|s| s.containers.into_iter().next())
+        .and_then(|c| c.args)
+        .unwrap_or_default();
+    ensure!(
+        args.contains(&format!("--gateway-image={gateway}")),
+        "the controller's --gateway-image is not the pushed {gateway}: {args:?}"
+    );
+    println!(
+        "registry {}: anonymous and wrong credentials 401; charts/hearth:{version} a Helm artifact; release pinned to {}",
+        registry.host,
+        images
+            .iter()
+            .map(|(n, _, d)| format!("{n}@{}", &d[..19.min(d.len())]))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wrong_pull_secret_is_the_backends_image_pull_failure_and_the_right_one_serves()
+-> Result<()> {
+    let cluster = hearth_test_support::Cluster::connect().await?;
+    let client = cluster.client();
+    hstack::ensure_hearth(&client, cluster.kubeconfig()).await?;
+    let registry = Registry::load()?;
+    let password = registry.password()?;
+    // The stub under a repository of the test's own, with a tag no node has pulled: the first
+    // activation pulls it for real. The pull Secrets are keyed by that repository, so they apply
+    // to the backend's image alone (the gateway's pulls with the node's credentials).
+    let id = std::process::id();
+    let repository = "e2e-pull/vllm-stub";
+    let tag = format!("run-{id}");
+    registry
+        .copy("vllm-stub:e2e", &format!("{repository}:{tag}"))
+        .await?;
+    let image = format!("{}/{repository}:{tag}", registry.host);
+    let key = format!("{}/{repository}", registry.host);
+
+    let name = format!("vllm-stub-pull-{id}");
+    let mut rt = hstack::first_manifest(&hearth_test_support::upstream_file(
+        "stub-inferenceruntime.yaml",
+    ))?;
+    rt["metadata"] = json!({"name": name});
+    // Below the upstream runtime: no service that names none resolves to this copy.
+    rt["spec"]["priority"] = json!(1);
+    rt["spec"]["container"]["image"] = json!(image);
+    hstack::apply(&client, rt, None).await?;
+    let runtimes = hstack::inference_runtimes(&client);
+    let result = async {
+        let secret = |name: &str, password: &str| {
+            json!({
+                "apiVersion": "v1", "kind": "Secret",
+                "metadata": {"name": name},
+                "type": "kubernetes.io/dockerconfigjson",
+                "stringData": {".dockerconfigjson": Registry::docker_config(&key, "hearth", password)},
+            })
+        };
+        let d = stack::deploy_with(
+            "e2e-pull",
+            ScalerMode::Poll,
+            vec![
+                secret("pull-wrong", "not-the-password"),
+                secret("pull-right", &password),
+            ],
+            |o| {
+                o["spec"]["runtime"]["name"] = json!(name);
+                o["spec"]["imagePullSecrets"] = json!([{"name": "pull-wrong"}]);
+                o["spec"]["scaling"]["activationTimeout"] = json!("150s");
+            },
+        )
+        .await?;
+        let ns = d.ns.name().to_owned();
+        let services = hstack::llm_services(&client, &ns);
+
+        // 1. The wrong Secret: the held request is answered with the pull failure.
+        let p = client::chat(&d.url, SERVICE, false, Duration::from_secs(180)).await?;
+        ensure!(
+            p.status == 503 && p.body.contains("activation_failed") && p.body.contains("ImagePullFailed"),
+            "the held request with a wrong pull Secret answered {} {}",
+            p.status,
+            p.body
+        );
+        let svc = services.get(SERVICE).await?;
+        let failure = &svc.data["status"]["lastActivationFailure"];
+        let message = failure["message"].as_str().unwrap_or_default();
+        ensure!(
+            failure["reason"] == "ImagePullFailed"
+                && failure["phase"] == "imagePull"
+                && message.contains(&image)
+                && message.to_ascii_lowercase().contains("unauthorized"),
+            "status.lastActivationFailure after a wrong pull Secret: {failure}"
+        );
+        println!(
+            "wrong pull Secret: 503 after {:.1}s; {}",
+            (p.end - p.sent).as_secs_f64(),
+            message
+        );
+
+        // 2. The right Secret: the same service serves, and its activation pulled the image.
+        services
+            .patch(
+                SERVICE,
+                &PatchParams::default(),
+                &Patch::Merge(json!({"spec": {"imagePullSecrets": [{"name": "pull-right"}]}})),
+            )
+            .await?;
+        stack::wait_ready_reason(&services, |r| r != "ImagePullFailed", Duration::from_secs(120))
+            .await
+            .context("the service still reports ImagePullFailed with the right Secret")?;
+        let t = client::chat(&d.url, SERVICE, true, Duration::from_secs(150)).await?;
+        ensure!(
+            t.status == 200 && t.complete(),
+            "with the right pull Secret: {} {:?}",
+            t.status,
+            t.events
+        );
+        let first = wait_activation(&services, None).await?;
+        ensure!(
+            first["imagePresent"] == false && first["phases"]["imagePull"].as_str().is_some_and(|d| d != "0s"),
+            "the first activation after the pull: {first}"
+        );
+        // 3. Scaled to zero and woken again: the image is on the node, no pull.
+        d.wait_zero(Duration::from_secs(180)).await?;
+        let again = client::chat(&d.url, SERVICE, false, Duration::from_secs(150)).await?;
+        ensure!(again.status == 200, "the second activation answered {} {}", again.status, again.body);
+        let second = wait_activation(&services, first["podUID"].as_str()).await?;
+        ensure!(
+            second["imagePresent"] == true && second["phases"]["imagePull"] == "0s",
+            "the second activation: {second}"
+        );
+        println!(
+            "first activation (image pulled from the registry): {}\nsecond activation (image present): {}",
+            first["phases"], second["phases"]
+        );
+        Ok(())
+    }
+    .await;
+    let _ = runtimes.delete(&name, &DeleteParams::default()).await;
+    result
+}
+
+/// The service's `status.lastActivation` once it is of another pod than `after`'s (podUID).
+async fn wait_activation(
+    services: &Api<kube::api::DynamicObject>,
+    after: Option<&str>,
+) -> Result<Value> {
+    wait_until(
+        "status.lastActivation of the new backend pod",
+        Duration::from_secs(60),
+        || async {
+            let svc = services.get(SERVICE).await?;
+            let a = svc.data["status"]["lastActivation"].clone();
+            Ok(match a["podUID"].as_str() {
+                Some(uid) if Some(uid) != after => Observed::Ready(a),
+                _ => Observed::NotYet(format!("lastActivation: {a}")),
+            })
+        },
+    )
+    .await
+}
