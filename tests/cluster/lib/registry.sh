@@ -64,10 +64,14 @@ CONFIG
   local hosts="$NODE_DIR/containerd/certs.d" host
   for host in "$REGISTRY" hearth.dev; do
     mkdir -p "$hosts/$host"
+    # containerd 1.6 refuses a hosts.toml without a [host] table ("invalid `host` tree").
     cat >"$hosts/$host/hosts.toml" <<HOSTS
 # $host: served by the local cluster's registry (tests/cluster/lib/registry.sh).
 server = "https://$REGISTRY"
-ca = "$STATE/pki/ca.crt"
+
+[host."https://$REGISTRY"]
+  capabilities = ["pull", "resolve"]
+  ca = "$STATE/pki/ca.crt"
 HOSTS
   done
 }
