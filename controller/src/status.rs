@@ -271,10 +271,19 @@ const CREATE_WAITING_REASONS: &[&str] = &[
 /// The kubelet's waiting reason between the restarts of a container that keeps ending.
 const CRASH_LOOP_BACK_OFF: &str = "CrashLoopBackOff";
 
-/// The first characters of a kubelet or scheduler message (a whole runtime error chain can be
-/// long).
-fn first_chars(message: &str) -> String {
-    message.chars().take(300).collect()
+/// A kubelet or scheduler message bounded to about 300 characters: a whole runtime error chain
+/// can be long, and its root cause (`401 Unauthorized`, `not found`) is at its end, so a longer
+/// one keeps its first 140 and last 150 characters around ` … `.
+fn bounded(message: &str) -> String {
+    const HEAD: usize = 140;
+    const TAIL: usize = 150;
+    let n = message.chars().count();
+    if n <= HEAD + TAIL + 10 {
+        return message.to_owned();
+    }
+    let head: String = message.chars().take(HEAD).collect();
+    let tail: String = message.chars().skip(n - TAIL).collect();
+    format!("{head} … {tail}")
 }
 
 /// Why `pod` cannot come up (see [`hearth_crds::ACTIVATION_FAILED_REASONS`]), checked in the
@@ -299,7 +308,7 @@ pub fn pod_failure(pod: &Pod) -> Option<Failure> {
             && c.reason.as_deref() == Some("Unschedulable")
             && crate::handover::waiting_for(pod).is_none()
         {
-            let said = first_chars(c.message.as_deref().unwrap_or_default());
+            let said = bounded(c.message.as_deref().unwrap_or_default());
             return Some(Failure {
                 reason: "Unschedulable",
                 pod: Some(pod_name.clone()),
@@ -344,7 +353,7 @@ pub fn pod_failure(pod: &Pod) -> Option<Failure> {
             let said = t
                 .message
                 .as_deref()
-                .map(|m| format!(": {}", first_chars(m.trim())))
+                .map(|m| format!(": {}", bounded(m.trim())))
                 .unwrap_or_default();
             return Some(Failure {
                 reason,
@@ -368,7 +377,7 @@ pub fn pod_failure(pod: &Pod) -> Option<Failure> {
         } else {
             continue;
         };
-        let said = first_chars(
+        let said = bounded(
             waiting
                 .and_then(|w| w.message.as_deref())
                 .unwrap_or_default(),
@@ -432,7 +441,7 @@ pub fn pull_failed(pod: &Pod, message: &str) -> Option<Failure> {
         phase: "imagePull",
         message: format!(
             "pod {pod_name}: {} (the kubelet's Event; the runtime's container.image, or the pull secret)",
-            first_chars(message)
+            bounded(message)
         ),
     })
 }
@@ -442,7 +451,7 @@ pub fn pull_failed(pod: &Pod, message: &str) -> Option<Failure> {
 /// admission webhook), with the refusal's message; `what` names the pods ("the backend's").
 fn replica_failure(d: &Deployment, what: &str) -> Option<Failure> {
     let c = deployment_condition(d, "ReplicaFailure").filter(|c| c.status == "True")?;
-    let said = first_chars(c.message.as_deref().unwrap_or_default());
+    let said = bounded(c.message.as_deref().unwrap_or_default());
     Some(Failure {
         reason: "FailedCreate",
         pod: None,
@@ -469,7 +478,7 @@ pub fn deployment_failure(d: &Deployment) -> Option<Failure> {
             phase: "modelReady",
             message: format!(
                 "backend pods are not becoming ready within the Deployment's progress deadline: {} (kubectl describe on the backend Deployment's pods says why)",
-                first_chars(c.message.as_deref().unwrap_or_default())
+                bounded(c.message.as_deref().unwrap_or_default())
             ),
         })
 }
@@ -1251,6 +1260,22 @@ mod tests {
         let mut deleted = pod_with(container(crash_wait, ended("Error", 1), 2));
         deleted.metadata.deletion_timestamp = Some(t(1));
         assert_eq!(pod_failure(&deleted), None, "a pod being deleted");
+    }
+
+    #[test]
+    fn a_long_runtime_error_keeps_its_start_and_its_root_cause() {
+        let chain = format!(
+            "Failed to pull image \"r/x:1\": {}: pulling from host r failed with status code [manifests 1]: 401 Unauthorized",
+            "failed to resolve reference \"r/x:1\": ".repeat(8)
+        );
+        let b = bounded(&chain);
+        assert!(b.starts_with("Failed to pull image \"r/x:1\""), "{b}");
+        assert!(b.ends_with("401 Unauthorized"), "{b}");
+        assert!(b.contains(" … ") && b.chars().count() <= 300, "{b}");
+        assert_eq!(bounded("short: not found"), "short: not found");
+        // Characters, not bytes: no panic inside a multi-byte character.
+        let wide = "é".repeat(400);
+        assert_eq!(bounded(&wide).chars().count(), 140 + 3 + 150);
     }
 
     #[test]
