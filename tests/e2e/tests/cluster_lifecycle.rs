@@ -325,8 +325,9 @@ fn crash_then_down_leaves_nothing(step: &str) -> Result<()> {
 
 /// Two crashes, one after the other (they share the second cluster's addresses): right after
 /// the node's namespaces, link, route and cgroups exist, before any process of the node
-/// started; and when everything runs: the real node Ready with pods (CoreDNS) and their mounts,
-/// shims, network namespaces and iptables rules, KEDA started.
+/// started; and when everything runs: the registry serving (its process and storage in the
+/// state dir), the real node Ready with pods (CoreDNS) and their mounts, shims, network
+/// namespaces and iptables rules, KEDA started.
 #[test]
 fn down_after_up_died_half_way_leaves_nothing() -> Result<()> {
     crash_then_down_leaves_nothing("node network ready")?;

@@ -10,7 +10,6 @@
 
 mod stack;
 
-
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
@@ -174,9 +173,9 @@ async fn pre_pull_runs_the_runtime_image_on_its_nodes_and_goes_away_when_turned_
         Api::namespaced(client.clone(), RELEASE_NAMESPACE);
     let pod_name = pod.metadata.name.clone().unwrap_or_default();
     let said: Vec<String> = events
-        .list(&ListParams::default().fields(&format!(
-            "involvedObject.name={pod_name},reason=Pulled"
-        )))
+        .list(
+            &ListParams::default().fields(&format!("involvedObject.name={pod_name},reason=Pulled")),
+        )
         .await?
         .items
         .into_iter()

@@ -54,11 +54,22 @@ async fn the_release_runs_the_registrys_images_by_digest_with_its_pull_secret() 
     // Authentication is on: anonymous and wrong credentials get 401, the right ones 200.
     for (what, credentials, want) in [
         ("anonymous", None, 401),
-        ("a wrong password", Some(("hearth", "not-the-password")), 401),
-        ("the cluster's credentials", Some(("hearth", password.as_str())), 200),
+        (
+            "a wrong password",
+            Some(("hearth", "not-the-password")),
+            401,
+        ),
+        (
+            "the cluster's credentials",
+            Some(("hearth", password.as_str())),
+            200,
+        ),
     ] {
         let (code, body) = registry.get("/v2/", credentials, "*/*").await?;
-        ensure!(code == want, "GET /v2/ with {what}: {code} (want {want}): {body}");
+        ensure!(
+            code == want,
+            "GET /v2/ with {what}: {code} (want {want}): {body}"
+        );
     }
     // The chart, as a Helm OCI artifact under its version.
     let version = chart_version()?;

@@ -55,9 +55,16 @@ impl Registry {
         accept: &str,
     ) -> Result<(u16, String)> {
         let mut cmd = tokio::process::Command::new("curl");
-        cmd.args(["-sS", "--max-time", "10", "-w", "\n%{http_code}", "--cacert"])
-            .arg(&self.ca)
-            .args(["-H", &format!("Accept: {accept}")]);
+        cmd.args([
+            "-sS",
+            "--max-time",
+            "10",
+            "-w",
+            "\n%{http_code}",
+            "--cacert",
+        ])
+        .arg(&self.ca)
+        .args(["-H", &format!("Accept: {accept}")]);
         if let Some((user, password)) = credentials {
             cmd.args(["-u", &format!("{user}:{password}")]);
         }
@@ -112,8 +119,10 @@ pub fn pushed() -> Result<Vec<(String, String, String)>> {
     text.lines()
         .map(|l| match l.split('\t').collect::<Vec<_>>()[..] {
             [name, reference, digest] => Ok((name.into(), reference.into(), digest.into())),
-            _ => bail!("{}: a line is not name, reference, digest: {l:?}", path.display()),
+            _ => bail!(
+                "{}: a line is not name, reference, digest: {l:?}",
+                path.display()
+            ),
         })
         .collect()
 }
-
