@@ -134,11 +134,11 @@ fn start_default(client: &Client, ns: &TestNamespace) -> Running {
     )
 }
 
-/// The gateway image `build/images` built and `tests/cluster/up` imported into the real node,
-/// so gateway pods and drain sidecars run for real.
+/// The gateway image `build/images` built and `tests/cluster/push-images` pushed to the
+/// cluster's registry (pinned by digest), so gateway pods and drain sidecars run for real.
 fn test_render_config() -> RenderConfig {
     let gateway = hearth_test_support::hearth_image("hearth-gateway")
-        .expect("charts/hearth names the gateway image");
+        .expect("the gateway image is in the cluster's registry (tests/cluster/push-images)");
     RenderConfig {
         gateway_image: gateway.clone(),
         drain_image: Some(gateway),

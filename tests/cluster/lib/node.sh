@@ -193,9 +193,17 @@ node_configure() {
       -e "s|@NODE_CGROUP@|$NODE_CGROUP|g" -e "s|@NODE_IP@|$NODE_IP|g" \
       -e "s|@NODE_NAME@|$NODE_NAME|g" -e "s|@KUBELET_PORT@|$KUBELET_PORT|g" \
       -e "s|@CLUSTER_DNS_IP@|$CLUSTER_DNS_IP|g" -e "s|@REGISTRY@|$REGISTRY|g" \
-      -e "s|@REGISTRY_USER@|$REGISTRY_USER|g" -e "s|@REGISTRY_PASSWORD@|$(registry_password)|g" \
+      -e "s|@REGISTRY_USER@|$REGISTRY_USER|g" \
       "$CLUSTER_DIR/node/$f" >"$NODE_DIR/$f"
   done
+  # The registry's password: through the environment (not a command line) into a file only root
+  # reads.
+  (
+    umask 077
+    REGISTRY_PASSWORD="$(registry_password)" awk '{ gsub(/@REGISTRY_PASSWORD@/, ENVIRON["REGISTRY_PASSWORD"]) } 1' \
+      "$NODE_DIR/containerd.toml" >"$NODE_DIR/containerd.toml.tmp"
+  )
+  mv -f "$NODE_DIR/containerd.toml.tmp" "$NODE_DIR/containerd.toml"
   sed -e "s|@NODE_DIR@|$NODE_DIR|g" -e "s|@NODE_POD_CIDR@|$NODE_POD_CIDR|g" \
     "$CLUSTER_DIR/node/cni.conflist" >"$NODE_DIR/cni/net.d/10-hearth.conflist"
 }

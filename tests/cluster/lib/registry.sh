@@ -33,7 +33,8 @@ registry_configure() {
   mkdir -p "$REGISTRY_DIR/data" "$REGISTRY_DIR/certs.d/$REGISTRY"
   chmod 700 "$REGISTRY_DIR"
   openssl rand -hex 24 >"$REGISTRY_DIR/password"
-  htpasswd -nbB "$REGISTRY_USER" "$(registry_password)" | sed '/^$/d' >"$REGISTRY_DIR/htpasswd"
+  # The password on stdin, never on a command line (ps shows those).
+  htpasswd -niB "$REGISTRY_USER" <"$REGISTRY_DIR/password" | sed '/^$/d' >"$REGISTRY_DIR/htpasswd"
   printf '{"auths":{"%s":{"auth":"%s"}}}\n' "$REGISTRY" \
     "$(printf '%s:%s' "$REGISTRY_USER" "$(registry_password)" | base64 -w0)" >"$REGISTRY_DIR/auth.json"
   cp "$STATE/pki/ca.crt" "$REGISTRY_DIR/certs.d/$REGISTRY/ca.crt"
@@ -64,10 +65,13 @@ CONFIG
   local hosts="$NODE_DIR/containerd/certs.d" host
   for host in "$REGISTRY" hearth.dev; do
     mkdir -p "$hosts/$host"
-    # containerd 1.6 refuses a hosts.toml without a [host] table ("invalid `host` tree").
+    # containerd 1.6 refuses a hosts.toml without a [host] table ("invalid `host` tree"), and
+    # tries `server` last with the top-level settings: both trust the CA, so a missing image is
+    # reported as the registry's 404, not as a certificate error of the fallback.
     cat >"$hosts/$host/hosts.toml" <<HOSTS
 # $host: served by the local cluster's registry (tests/cluster/lib/registry.sh).
 server = "https://$REGISTRY"
+ca = "$STATE/pki/ca.crt"
 
 [host."https://$REGISTRY"]
   capabilities = ["pull", "resolve"]
@@ -77,7 +81,8 @@ HOSTS
 }
 
 # registry_ready: the registry answers an authenticated /v2/ over TLS (else prints what it said).
+# The credentials go to curl on stdin (-K -), not on its command line.
 registry_ready() {
-  curl -sS --fail --max-time 2 --cacert "$STATE/pki/ca.crt" \
-    -u "$REGISTRY_USER:$(registry_password)" "https://$REGISTRY/v2/" -o /dev/null
+  printf 'user = "%s:%s"\n' "$REGISTRY_USER" "$(registry_password)" |
+    curl -sS --fail --max-time 2 --cacert "$STATE/pki/ca.crt" -K - "https://$REGISTRY/v2/" -o /dev/null
 }

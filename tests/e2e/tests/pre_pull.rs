@@ -92,7 +92,10 @@ async fn pre_pull_runs_the_runtime_image_on_its_nodes_and_goes_away_when_turned_
     };
     // The stub under a tag no node has pulled yet.
     let registry = stack::registry::Registry::load()?;
-    let reference = format!("e2e-pre-pull/vllm-stub:{name}");
+    let reference = format!(
+        "e2e-pre-pull/vllm-stub:{}",
+        stack::registry::Registry::fresh_tag("run")
+    );
     registry.copy("vllm-stub:e2e", &reference).await?;
     let image = format!("{}/{reference}", registry.host);
     harness::apply(&client, runtime(&name, &node.name, &image, true)?, None).await?;
@@ -172,20 +175,34 @@ async fn pre_pull_runs_the_runtime_image_on_its_nodes_and_goes_away_when_turned_
     let events: Api<k8s_openapi::api::core::v1::Event> =
         Api::namespaced(client.clone(), RELEASE_NAMESPACE);
     let pod_name = pod.metadata.name.clone().unwrap_or_default();
-    let said: Vec<String> = events
-        .list(
-            &ListParams::default().fields(&format!("involvedObject.name={pod_name},reason=Pulled")),
-        )
-        .await?
-        .items
-        .into_iter()
-        .filter_map(|e| e.message)
-        .collect();
-    ensure!(
-        said.iter()
-            .any(|m| m.contains("Successfully pulled") && m.contains(&image)),
-        "the pre-pull pod's Pulled Events do not say {image} was pulled: {said:?}"
-    );
+    // Events are written asynchronously: waited for.
+    let said: Vec<String> = wait_until(
+        format!("a Pulled Event on {pod_name} saying {image} was pulled"),
+        Duration::from_secs(30),
+        || async {
+            let said: Vec<String> = events
+                .list(
+                    &ListParams::default()
+                        .fields(&format!("involvedObject.name={pod_name},reason=Pulled")),
+                )
+                .await?
+                .items
+                .into_iter()
+                .filter_map(|e| e.message)
+                .collect();
+            Ok(
+                if said
+                    .iter()
+                    .any(|m| m.contains("Successfully pulled") && m.contains(&image))
+                {
+                    Observed::Ready(said)
+                } else {
+                    Observed::NotYet(format!("{said:?}"))
+                },
+            )
+        },
+    )
+    .await?;
     println!(
         "[pre-pull] {image} pulled from the registry ({}) on {} (pod {}), condition True after {pulled:.1}s: {}",
         said.join("; "),

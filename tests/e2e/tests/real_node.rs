@@ -10,8 +10,6 @@
 //!
 //! Needs a running cluster with its real node: `tests/cluster/up` as root, or `tests/run-tests`.
 
-mod stack;
-
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
@@ -837,21 +835,13 @@ async fn stub_pods_start_on_the_real_node() -> Result<()> {
     Ok(())
 }
 
-/// Hearth's images as `tests/cluster/install-hearth` pushed them to the cluster's registry
-/// (`build/push`): `<registry>/hearth-rs/<name>:v<appVersion>@<digest>`, pinned to the pushed
-/// digest (a tag the node pulled earlier may name an older build), pulled by the node with its
-/// own credentials for the registry (these pods name no pull Secret).
+/// Hearth's images as `tests/cluster/push-images` pushed them to the cluster's registry, pinned
+/// to the pushed digest (a tag the node pulled earlier may name an older build), pulled by the
+/// node with its own credentials for the registry (these pods name no pull Secret).
 fn hearth_images() -> Result<Vec<(&'static str, String)>> {
-    let pushed = stack::registry::pushed()?;
     ["hearth-webhook", "hearth-controller", "hearth-gateway"]
         .into_iter()
-        .map(|name| {
-            pushed
-                .iter()
-                .find(|(n, ..)| n == name)
-                .map(|(_, reference, digest)| (name, format!("{reference}@{digest}")))
-                .with_context(|| format!("build/push pushed no {name}"))
-        })
+        .map(|name| Ok((name, hearth_test_support::hearth_image(name)?)))
         .collect()
 }
 
@@ -912,7 +902,7 @@ async fn hearth_images_run_non_root_on_a_read_only_root() -> Result<()> {
         ensure!(
             phase(&done) == "Succeeded" && out.trim() == format!("{name} {version}"),
             "{image} --version: expected {name:?} {version:?}, got {out:?} ({}); images older \
-             than this checkout are rebuilt by build/images and pushed by tests/cluster/install-hearth \
+             than this checkout are rebuilt by build/images and pushed by tests/cluster/push-images \
              (tests/run-tests does both)",
             describe(&done)
         );

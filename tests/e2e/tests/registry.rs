@@ -28,7 +28,7 @@ use kube::api::{DeleteParams, ListParams, Patch, PatchParams};
 use serde_json::{Value, json};
 
 use stack::SERVICE;
-use stack::registry::{Registry, pushed};
+use stack::registry::Registry;
 
 /// The pull Secret `tests/cluster/install-hearth` writes and the release names.
 const PULL_SECRET: &str = "hearth-registry";
@@ -90,12 +90,12 @@ async fn the_release_runs_the_registrys_images_by_digest_with_its_pull_secret() 
 
     // The release's Deployments name the pushed images by digest and the pull Secret; their
     // pods run exactly those digests.
-    let images = pushed()?;
+    let images = hearth_test_support::pushed_images()?;
     let pinned = |name: &str| -> Result<(String, String)> {
         images
             .iter()
-            .find(|(n, ..)| n == name)
-            .map(|(_, r, d)| (format!("{r}@{d}"), d.clone()))
+            .find(|i| i.name == name)
+            .map(|i| (i.pinned(), i.digest.clone()))
             .with_context(|| format!("build/push pushed no {name}"))
     };
     let deployments: Api<Deployment> = Api::namespaced(client.clone(), RELEASE_NAMESPACE);
@@ -149,6 +149,32 @@ async fn the_release_runs_the_registrys_images_by_digest_with_its_pull_secret() 
             );
         }
     }
+    // The pull Secret holds the registry's credentials for its host (the node has credentials of
+    // its own too, so the pull alone does not prove the Secret right).
+    let secret: k8s_openapi::api::core::v1::Secret =
+        Api::namespaced(client.clone(), RELEASE_NAMESPACE)
+            .get(PULL_SECRET)
+            .await?;
+    ensure!(
+        secret.type_.as_deref() == Some("kubernetes.io/dockerconfigjson"),
+        "{PULL_SECRET} is of type {:?}",
+        secret.type_
+    );
+    let config: Value = secret
+        .data
+        .as_ref()
+        .and_then(|d| d.get(".dockerconfigjson"))
+        .map(|b| serde_json::from_slice(&b.0))
+        .transpose()?
+        .context("no .dockerconfigjson in the pull Secret")?;
+    // The credentials `up` made, with which build/push and helm just pushed and pulled.
+    let made = registry.auth_config()?;
+    ensure!(
+        config["auths"][registry.host.as_str()] == made["auths"][registry.host.as_str()]
+            && !made["auths"][registry.host.as_str()].is_null(),
+        "{PULL_SECRET} does not hold the cluster's registry credentials for {}",
+        registry.host
+    );
     // The gateway image the controller renders into every model's gateway is pinned the same way.
     let (gateway, _) = pinned("hearth-gateway")?;
     let controller = deployments.get("hearth-controller").await?;
@@ -167,7 +193,7 @@ async fn the_release_runs_the_registrys_images_by_digest_with_its_pull_secret() 
         registry.host,
         images
             .iter()
-            .map(|(n, _, d)| format!("{n}@{}", &d[..19.min(d.len())]))
+            .map(|i| format!("{}@{}", i.name, &i.digest[..19.min(i.digest.len())]))
             .collect::<Vec<_>>()
             .join(", ")
     );
@@ -187,7 +213,7 @@ async fn a_wrong_pull_secret_is_the_backends_image_pull_failure_and_the_right_on
     // to the backend's image alone (the gateway's pulls with the node's credentials).
     let id = std::process::id();
     let repository = "e2e-pull/vllm-stub";
-    let tag = format!("run-{id}");
+    let tag = Registry::fresh_tag("run");
     registry
         .copy("vllm-stub:e2e", &format!("{repository}:{tag}"))
         .await?;

@@ -1,7 +1,7 @@
 //! The demo of `make demo` (`tests/demo` runs the `hearth-demo` binary, which prints what
 //! [`run`] returns) and of the end-to-end suite `tests/e2e/tests/demo.rs`, which asserts on it:
-//! installs Hearth with its Helm chart (`tests/cluster/install-hearth`: the images of
-//! `build/images`, imported into the real node), applies the quickstart runtime and model of
+//! installs Hearth with its Helm chart (`tests/cluster/install-hearth`: the chart and the images
+//! of `build/images` pushed to the cluster's registry, installed from there), applies the quickstart runtime and model of
 //! `examples/quickstart/` (once per KEDA scaler mode, each in its own namespace), and measures a
 //! cold streaming request in each mode: the request, KEDA's 0 → 1, the backend pod scheduled,
 //! started and Ready on the real node, the tokens, and the way back to 0.

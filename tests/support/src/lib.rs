@@ -20,7 +20,7 @@ pub mod process;
 mod upstream;
 mod wait;
 
-pub use images::hearth_image;
+pub use images::{PushedImage, hearth_image, parse_pushed, pushed_images};
 pub use metric_server::MetricServer;
 pub use node::{Event, EventSink, RealNode};
 pub use upstream::{UPSTREAM_EXAMPLES_ENV, upstream_dir, upstream_examples, upstream_file};

@@ -1,11 +1,10 @@
 //! The local cluster's OCI registry (`tests/cluster/lib/registry.sh`) as the suites use it:
-//! its address and credentials from the state dir, requests to its API, copies within it, and
-//! what `build/push` pushed there.
+//! its address and credentials from the state dir, requests to its API, copies within it. What
+//! `build/push` pushed there: `hearth_test_support::pushed_images`.
 
 use std::path::PathBuf;
 
-use anyhow::{Context, Result, bail, ensure};
-use hearth_e2e_harness::stack as hstack;
+use anyhow::{Context, Result, ensure};
 use hearth_test_support::state_dir;
 use serde_json::json;
 
@@ -41,13 +40,29 @@ impl Registry {
             .to_owned())
     }
 
+    /// The Docker config with the registry's credentials that `up` wrote (`auth.json`).
+    pub fn auth_config(&self) -> Result<serde_json::Value> {
+        let text = std::fs::read_to_string(self.dir.join("auth.json"))?;
+        Ok(serde_json::from_str(&text)?)
+    }
+
+    /// An image tag no earlier run used (`<prefix>-<pid>-<nanoseconds>`): a reference the node has
+    /// not pulled, so its first use is a real pull.
+    pub fn fresh_tag(prefix: &str) -> String {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        format!("{prefix}-{}-{nanos}", std::process::id())
+    }
+
     /// A Docker config (`.dockerconfigjson`) giving `user:password` for `key` (a registry host,
     /// or host/path: the kubelet matches the longest prefix of the image's name).
     pub fn docker_config(key: &str, user: &str, password: &str) -> String {
         json!({"auths": {key: {"username": user, "password": password}}}).to_string()
     }
 
-    /// `GET https://<host><path>` with `credentials` (none: anonymous); the status and the body.
+    /// `GET https://<host><path>` with `credentials` (none: anonymous; given to curl on its stdin,
+    /// not its command line); the status and the body.
     pub async fn get(
         &self,
         path: &str,
@@ -64,15 +79,21 @@ impl Registry {
             "--cacert",
         ])
         .arg(&self.ca)
-        .args(["-H", &format!("Accept: {accept}")]);
-        if let Some((user, password)) = credentials {
-            cmd.args(["-u", &format!("{user}:{password}")]);
+        .args(["-H", &format!("Accept: {accept}"), "-K", "-"])
+        .arg(format!("https://{}{path}", self.host))
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+        let mut child = cmd.spawn().context("running curl")?;
+        let config = credentials
+            .map(|(user, password)| format!("user = \"{user}:{password}\"\n"))
+            .unwrap_or_default();
+        {
+            use tokio::io::AsyncWriteExt as _;
+            let mut stdin = child.stdin.take().context("curl's stdin")?;
+            stdin.write_all(config.as_bytes()).await?;
         }
-        let out = cmd
-            .arg(format!("https://{}{path}", self.host))
-            .output()
-            .await
-            .context("running curl")?;
+        let out = child.wait_with_output().await.context("running curl")?;
         ensure!(
             out.status.success(),
             "curl https://{}{path}: {}",
@@ -106,23 +127,4 @@ impl Registry {
         );
         Ok(())
     }
-}
-
-/// What `build/push` pushed (`target/images/pushed.tsv`): (archive name, reference, digest).
-pub fn pushed() -> Result<Vec<(String, String, String)>> {
-    let dir = std::env::var_os("HEARTH_IMAGES_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| hstack::workspace_dir().join("target/images"));
-    let path = dir.join("pushed.tsv");
-    let text = std::fs::read_to_string(&path)
-        .with_context(|| format!("reading {} (build/push writes it)", path.display()))?;
-    text.lines()
-        .map(|l| match l.split('\t').collect::<Vec<_>>()[..] {
-            [name, reference, digest] => Ok((name.into(), reference.into(), digest.into())),
-            _ => bail!(
-                "{}: a line is not name, reference, digest: {l:?}",
-                path.display()
-            ),
-        })
-        .collect()
 }
