@@ -338,11 +338,14 @@ async fn backend_failures_answer_held_requests_with_the_reason_then_the_fix_serv
                     .await
                     .with_context(|| format!("{}: the service still reports {prev}", step.what))?;
             }
-            let (s, p) = tokio::join!(
-                client::chat(&d.url, SERVICE, true, Duration::from_secs(180)),
-                client::chat(&d.url, SERVICE, false, Duration::from_secs(180)),
-            );
-            let (s, p) = (s?, p?);
+            let (s, p) = past_stale(previous, || async {
+                let (s, p) = tokio::join!(
+                    client::chat(&d.url, SERVICE, true, Duration::from_secs(180)),
+                    client::chat(&d.url, SERVICE, false, Duration::from_secs(180)),
+                );
+                Ok((s?, p?))
+            })
+            .await?;
             ensure!(
                 p.status == 503 && p.body.contains("activation_failed") && p.body.contains(step.reason),
                 "{}: the held request answered {} {} (want 503 activation_failed naming {})",
@@ -456,7 +459,11 @@ async fn backend_failures_answer_held_requests_with_the_reason_then_the_fix_serv
         if let Some(prev) = previous {
             stack::wait_ready_reason(&services, |r| r != prev, Duration::from_secs(120)).await?;
         }
-        let t = client::chat(&d.url, SERVICE, true, Duration::from_secs(150)).await?;
+        let (t, _) = past_stale(previous, || async {
+            let t = client::chat(&d.url, SERVICE, true, Duration::from_secs(150)).await?;
+            Ok((t.clone(), t))
+        })
+        .await?;
         ensure!(
             t.status == 200 && t.complete(),
             "after the fix: {} {:?}",
@@ -475,6 +482,38 @@ async fn backend_failures_answer_held_requests_with_the_reason_then_the_fix_serv
     .await;
     let _ = runtimes.delete(&name, &DeleteParams::default()).await;
     result
+}
+
+/// Sends `ask` (a streaming and a plain request, or one twice) until no answer names `stale`,
+/// the reason the service reported before: the gateway follows the LLMService by a watch of its
+/// own, so for a moment after the status changed it may still answer with the old reason, as a
+/// client told to retry after the fix would see. At most 10 tries, 1 s apart; the last answers
+/// are returned whatever they say.
+async fn past_stale<F, Fut>(stale: Option<&str>, ask: F) -> Result<(client::Trace, client::Trace)>
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = Result<(client::Trace, client::Trace)>>,
+{
+    let names = |t: &client::Trace, reason: &str| {
+        t.body.contains(reason)
+            || t.events
+                .iter()
+                .any(|(_, e)| matches!(e, Event::Error(m) if m.contains(reason)))
+    };
+    let mut attempt = 1;
+    loop {
+        let (a, b) = ask().await?;
+        match stale {
+            Some(reason) if attempt < 10 && (names(&a, reason) || names(&b, reason)) => {
+                println!(
+                    "answered with the previous reason {reason} (attempt {attempt}); asking again"
+                );
+                attempt += 1;
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+            _ => return Ok((a, b)),
+        }
+    }
 }
 
 /// The backend Deployment's pod template (KEDA's scaling leaves it alone).
