@@ -144,11 +144,8 @@ build_cluster_images() {
   done
 }
 
-# archive_ref <OCI archive>: the image reference its index.json names.
-archive_ref() {
-  tar -xOf "$1" index.json 2>/dev/null |
-    grep -o '"org.opencontainers.image.ref.name":"[^"]*"' | head -n 1 | cut -d'"' -f4 | grep .
-}
+# archive_ref <OCI archive>: the image reference its index.json names (build/oci-archive.sh).
+source "$ROOT_DIR/build/oci-archive.sh"
 
 # ref_repository <reference>: the reference without its tag or digest.
 ref_repository() {
