@@ -14,8 +14,6 @@ require_packages() {
   need /usr/bin/openssl openssl
   need /etc/ssl/certs/ca-certificates.crt ca-certificates
   need /usr/share/zoneinfo/UTC tzdata
-  need /usr/bin/containerd containerd
-  need /usr/sbin/runc runc
   need /usr/lib/cni/bridge containernetworking-plugins
   need /usr/sbin/iptables iptables
   need /usr/sbin/conntrack conntrack
@@ -30,6 +28,8 @@ require_packages() {
   need /usr/bin/musl-gcc musl-tools
   need /usr/bin/gcc gcc
   need /usr/lib/x86_64-linux-gnu/libc.a libc6-dev
+  # runc's seccomp support (the RuntimeDefault profile), linked statically (lib/build.sh).
+  need /usr/lib/x86_64-linux-gnu/libseccomp.a libseccomp-dev
   need /usr/bin/flock util-linux
   ((${#missing[@]} > 0)) || return 0
   if [[ "$(id -u)" != 0 ]] || ! command -v apt-get >/dev/null 2>&1; then

@@ -54,14 +54,16 @@ go_build() {
   # keeps Go from fetching another toolchain; CGO_ENABLED=0 as upstream's release builds.
   # GOCACHE of its own (build_all removes it once every binary is built): Kubernetes and KEDA
   # leave ~7 GiB of compiled packages, on the disk the real node and the Rust builds share.
-  export CGO_ENABLED=0 GOTOOLCHAIN=local GOFLAGS="-mod=readonly -buildvcs=false"
+  # GO_BUILD_CGO=1 and GO_BUILD_TAGS for the one program that needs cgo (runc's seccomp).
+  export CGO_ENABLED="${GO_BUILD_CGO:-0}" GOTOOLCHAIN=local GOFLAGS="-mod=readonly -buildvcs=false"
   export GOCACHE="$CACHE/build/go-cache"
-  if ! total="$(cd "$dir" && go list -deps "$@" 2>"$logf" | wc -l)"; then
+  local tags=(-tags "${GO_BUILD_TAGS:-}")
+  if ! total="$(cd "$dir" && go list "${tags[@]}" -deps "$@" 2>"$logf" | wc -l)"; then
     tail -n 30 "$logf" >&2
     die "resolving the packages of $label failed (a first build needs the Go module proxy); log: $logf"
   fi
   log "$label: $(grep -c '^go: downloading' "$logf" || true) modules downloaded, $total packages"
-  if ! (cd "$dir" && go build -v -trimpath -ldflags "$ldflags" -o "$out/" "$@" 2>&1) |
+  if ! (cd "$dir" && go build "${tags[@]}" -v -trimpath -ldflags "$ldflags" -o "$out/" "$@" 2>&1) |
     tee -a "$logf" | progress "$label" "$total" >&2; then
     tail -n 30 "$logf" >&2
     die "building $label failed; full log in $logf"
@@ -85,6 +87,8 @@ build_all() {
   [[ -x "$COREDNS" ]] || need+=(coredns)
   [[ -x "$KUBE_ROUTER" ]] || need+=(kube-router)
   [[ -x "$PAUSE" ]] || need+=(pause)
+  [[ -x "$CONTAINERD" && -x "$CTR" && -x "$CONTAINERD_SHIM" ]] || need+=(containerd)
+  [[ -x "$RUNC" ]] || need+=(runc)
   if ((${#need[@]} == 0)); then
     return 0
   fi
@@ -152,6 +156,32 @@ build_all() {
         gcc -Os -Wall -Werror -static -DVERSION="$KUBE_VERSION" -o "$tmp/pause/pause" "$src" ||
           die "compiling $src failed (needs gcc and libc6-dev for a static binary)"
         install_bin "$tmp/pause/pause" "$PAUSE"
+        ;;
+      containerd)
+        # The daemon, ctr and the runc shim, as containerd's Makefile builds them (static, the
+        # version in the binaries; its Revision is not known from the module); the snapshotters
+        # the node does not use are left out, as the Makefile's no_* tags do.
+        ld="-s -w -X github.com/containerd/containerd/v2/version.Version=$CONTAINERD_VERSION"
+        ld+=" -X github.com/containerd/containerd/v2/version.Package=github.com/containerd/containerd/v2"
+        GO_BUILD_TAGS="no_btrfs no_devmapper no_zfs" go_build containerd containerd "$ld" "$tmp/containerd" \
+          github.com/containerd/containerd/v2/cmd/containerd \
+          github.com/containerd/containerd/v2/cmd/ctr \
+          github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2
+        mkdir -p "$CONTAINERD_DIR.tmp"
+        mv -f "$tmp/containerd/containerd" "$tmp/containerd/ctr" "$tmp/containerd/containerd-shim-runc-v2" \
+          "$CONTAINERD_DIR.tmp/"
+        rm -rf "$CONTAINERD_DIR"
+        mv "$CONTAINERD_DIR.tmp" "$CONTAINERD_DIR"
+        ;;
+      runc)
+        # As runc's `make static`: cgo for libseccomp (the RuntimeDefault profile pods ask for),
+        # linked statically; without libpathrs (a Rust library Debian does not ship here).
+        [[ -f /usr/lib/x86_64-linux-gnu/libseccomp.a && -x /usr/bin/gcc ]] ||
+          apt_install "runc's seccomp support" libseccomp-dev gcc libc6-dev
+        GO_BUILD_CGO=1 GO_BUILD_TAGS="seccomp urfave_cli_no_docs netgo osusergo" go_build runc runc \
+          "-s -w -linkmode external -extldflags -static" \
+          "$tmp/runc" github.com/opencontainers/runc
+        install_bin "$tmp/runc/runc" "$RUNC"
         ;;
       kwok)
         go_build kwok kwok "-s -w -X sigs.k8s.io/kwok/pkg/consts.Version=${KWOK_VERSION#v}" \

@@ -126,6 +126,8 @@ KEDA_MINOR="$(cut -d. -f2 <<<"$KEDA_VERSION")"
 HELM_VERSION="$(gomod_version helm helm.sh/helm/v4)"
 COREDNS_VERSION="$(gomod_version coredns github.com/coredns/coredns)"
 KUBE_ROUTER_VERSION="$(gomod_version kube-router github.com/cloudnativelabs/kube-router/v2)"
+CONTAINERD_VERSION="$(gomod_version containerd github.com/containerd/containerd/v2)"
+RUNC_VERSION="$(gomod_version runc github.com/opencontainers/runc)"
 
 ETCD="$BIN/etcd-$ETCD_VERSION"
 KUBE_APISERVER="$BIN/kube-apiserver-$KUBE_VERSION"
@@ -153,9 +155,18 @@ HELM="$BIN/helm-$HELM_VERSION"
 REGISTRY_BIN=/usr/bin/docker-registry
 REGISTRY_DIR="$STATE/registry"
 REGISTRY_USER=hearth
-# The container runtime and CNI plugins come from Debian's packages (see README.md).
-CONTAINERD=/usr/bin/containerd
-CTR=/usr/bin/ctr
+# The real node's container runtime, built from its Go modules (lib/build.sh): containerd 2 (new
+# enough for Kubernetes image volumes) with ctr and the runc shim in one directory, which `up`
+# puts first on containerd's PATH (where containerd looks for its shims), and runc with seccomp.
+CONTAINERD_DIR="$BIN/containerd-$CONTAINERD_VERSION"
+CONTAINERD="$CONTAINERD_DIR/containerd"
+CTR="$CONTAINERD_DIR/ctr"
+# ctr repeats the deprecations containerd reports (cgroup v1, the node's registry credentials:
+# `ctr deprecations list`) on every command; they are known here.
+export CONTAINERD_SUPPRESS_DEPRECATION_WARNINGS=1
+CONTAINERD_SHIM="$CONTAINERD_DIR/containerd-shim-runc-v2"
+RUNC="$BIN/runc-$RUNC_VERSION"
+# The CNI plugins come from Debian's package (see README.md).
 CNI_BIN_DIR=/usr/lib/cni
 # Cluster images (pause, CoreDNS, test tools, KEDA), built once from the binaries above.
 IMAGES="$CACHE/images"

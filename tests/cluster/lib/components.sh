@@ -215,7 +215,7 @@ POLICY
     start registry -- serve "$REGISTRY_DIR/config.yml"
     ;;
   containerd)
-    start_in_node containerd PATH=/usr/sbin:/usr/bin:/sbin:/bin -- --config="$NODE_DIR/containerd.toml"
+    start_in_node containerd PATH="$CONTAINERD_DIR:/usr/sbin:/usr/bin:/sbin:/bin" -- --config="$NODE_DIR/containerd.toml"
     ;;
   kubelet)
     start_in_node kubelet PATH=/usr/sbin:/usr/bin:/sbin:/bin -- \

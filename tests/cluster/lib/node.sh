@@ -65,8 +65,8 @@ node_require() {
   [[ "$(id -u)" == 0 ]] ||
     die "the real node needs root (network and mount namespaces, cgroups, a veth pair); run tests/cluster/up as root"
   local missing=()
-  [[ -x "$CONTAINERD" && -x "$CTR" ]] || missing+=(containerd)
-  command -v runc >/dev/null 2>&1 || missing+=(runc)
+  [[ -x "$CONTAINERD" && -x "$CTR" && -x "$CONTAINERD_SHIM" && -x "$RUNC" ]] ||
+    die "containerd $CONTAINERD_VERSION or runc $RUNC_VERSION is not built in $BIN (tests/cluster/build builds them)"
   [[ -x "$CNI_BIN_DIR/bridge" && -x "$CNI_BIN_DIR/host-local" && -x "$CNI_BIN_DIR/loopback" &&
     -x "$CNI_BIN_DIR/portmap" ]] || missing+=(containernetworking-plugins)
   command -v iptables >/dev/null 2>&1 || missing+=(iptables)
@@ -189,8 +189,8 @@ node_configure() {
   for f in containerd.toml kubelet.yaml kube-proxy.yaml cluster.yaml; do
     sed "${drop[@]}" -e "s|@NODE_DIR@|$NODE_DIR|g" -e "s|@STATE@|$STATE|g" -e "s|@PKI@|$STATE/pki|g" \
       -e "s|@PAUSE_IMAGE@|$PAUSE_IMAGE|g" -e "s|@COREDNS_IMAGE@|$COREDNS_IMAGE|g" \
-      -e "s|@CNI_BIN_DIR@|$CNI_BIN_DIR|g" -e "s|@NODE_POD_CIDR@|$NODE_POD_CIDR|g" \
-      -e "s|@NODE_CGROUP@|$NODE_CGROUP|g" -e "s|@NODE_IP@|$NODE_IP|g" \
+      -e "s|@CNI_BIN_DIR@|$CNI_BIN_DIR|g" -e "s|@RUNC@|$RUNC|g" \
+      -e "s|@NODE_POD_CIDR@|$NODE_POD_CIDR|g" -e "s|@NODE_CGROUP@|$NODE_CGROUP|g" -e "s|@NODE_IP@|$NODE_IP|g" \
       -e "s|@NODE_NAME@|$NODE_NAME|g" -e "s|@KUBELET_PORT@|$KUBELET_PORT|g" \
       -e "s|@CLUSTER_DNS_IP@|$CLUSTER_DNS_IP|g" -e "s|@REGISTRY@|$REGISTRY|g" \
       -e "s|@REGISTRY_USER@|$REGISTRY_USER|g" \

@@ -65,8 +65,8 @@ CONFIG
   local hosts="$NODE_DIR/containerd/certs.d" host
   for host in "$REGISTRY" hearth.dev; do
     mkdir -p "$hosts/$host"
-    # containerd 1.6 refuses a hosts.toml without a [host] table ("invalid `host` tree"), and
-    # tries `server` last with the top-level settings: both trust the CA, so a missing image is
+    # A [host] table (containerd 1.6 refused a hosts.toml without one), and `server`, which
+    # containerd tries last with the top-level settings: both trust the CA, so a missing image is
     # reported as the registry's 404, not as a certificate error of the fallback.
     cat >"$hosts/$host/hosts.toml" <<HOSTS
 # $host: served by the local cluster's registry (tests/cluster/lib/registry.sh).

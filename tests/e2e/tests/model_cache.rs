@@ -60,6 +60,7 @@ use kube::api::{ApiResource, DynamicObject, LogParams, PostParams};
 use kube::core::GroupVersionKind;
 use serde_json::{Value, json};
 
+use stack::registry::Registry;
 use stack::volumes::{Fixture, wait_job};
 use stack::{Deployed, SERVICE, TOKENS};
 
@@ -856,182 +857,128 @@ async fn pvc_source_is_mounted_read_only_and_served() -> Result<()> {
     Ok(())
 }
 
-/// `oci://`: the weights as an OCI image, mounted as a Kubernetes image volume (`ImageVolume`,
-/// beta and on by default in Kubernetes 1.35). The apiserver admits the rendered pod, the
-/// scheduler places it and the kubelet pulls the volume's image; whether the container starts
-/// depends on the node's runtime (containerd 2.1 or later, CRI-O 1.31 or later). This node's
-/// Debian containerd 1.6 cannot mount image volumes: the container fails to be created, and the
-/// test checks that the LLMService says so (`Ready=False`, `BackendFailing`, naming the pod and
-/// the kubelet's reason) instead of loading forever. On a runtime with image volumes it checks
-/// that the model container runs with the image mounted read-only at `/models`.
+/// `oci://`: the weights packaged as an OCI image (`FROM scratch`, a `config.json` and a
+/// safetensors file at its root, built here with buildah as a platform team would build one),
+/// pushed to the cluster's registry under a fresh tag, and named by `model.source.uri`. The
+/// backend mounts it as a Kubernetes image volume (`ImageVolume`, on by default since Kubernetes
+/// 1.35; the node's containerd 2 mounts it): the kubelet pulls it with the node's credentials
+/// for the registry, the stub reads `/models` read-only and serves. No cache claim, no prewarm
+/// (`CacheReady` says `ImageVolume`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn oci_model_is_an_image_volume_and_an_unsupported_runtime_is_reported() -> Result<()> {
-    // The stub image stands in for a weights image: it is on the node already.
-    let reference = STUB_IMAGE;
+async fn oci_source_is_an_image_volume_and_served() -> Result<()> {
+    let t0 = Instant::now();
+    let registry = Registry::load()?;
+    // The weights image: what `model loaded` must name.
+    let marker = format!("oci-weights-{}", Registry::fresh_tag("run"));
+    let config = json!({ "model_type": "stub", "_name_or_path": marker, "architectures": ["StubForCausalLM"] });
+    let weights = safetensors(&[
+        (
+            "model.embed_tokens.weight",
+            "BF16",
+            &[4, 4],
+            (0..32u8).collect(),
+        ),
+        ("lm_head.weight", "U8", &[16], (0..16u8).rev().collect()),
+    ]);
+    let reference = format!(
+        "{}/models/stub-weights:{}",
+        registry.host,
+        Registry::fresh_tag("e2e")
+    );
+    let digest = registry
+        .build_and_push(
+            &reference,
+            &[
+                ("config.json", serde_json::to_vec_pretty(&config)?),
+                ("model.safetensors", weights.clone()),
+            ],
+        )
+        .await?;
+    let pushed = secs(t0);
+
     let d = stack::deploy("e2e-cache-oci", ScalerMode::Push, |o| {
         o["spec"]["model"]["source"]["uri"] = json!(format!("oci://{reference}"));
         o["spec"]["cache"] = json!({"strategy": "None"});
     })
     .await?;
     wait_condition(&d, "CacheReady", "ImageVolume").await?;
-    // One replica without a request: min 1.
-    let mut edit = hearth_e2e_harness::stack::stub_service(d.ns.name(), ScalerMode::Push)?;
-    edit["spec"]["model"]["source"]["uri"] = json!(format!("oci://{reference}"));
-    edit["spec"]["cache"] = json!({"strategy": "None"});
-    edit["spec"]["scaling"]["min"] = json!(1);
-    hearth_e2e_harness::stack::apply(&d.cluster.client(), edit, None).await?;
-
+    let applied = secs(t0);
     let node = RealNode::load()?;
-    let runtime_version = Api::<k8s_openapi::api::core::v1::Node>::all(d.cluster.client())
+    let runtime = Api::<k8s_openapi::api::core::v1::Node>::all(d.cluster.client())
         .get(&node.name)
         .await?
         .status
         .and_then(|s| s.node_info)
         .map(|i| i.container_runtime_version)
         .unwrap_or_default();
-    let supported = image_volumes_supported(&runtime_version);
 
-    let pod = wait_until(
-        "the backend pod with the image volume",
-        Duration::from_secs(120),
-        || async {
-            let pods = d.backend_pods().await?;
-            Ok(match pods.into_iter().next() {
-                Some(p)
-                    if p.status
-                        .as_ref()
-                        .and_then(|s| s.container_statuses.as_ref())
-                        .is_some_and(|cs| {
-                            cs.iter().any(|c| {
-                                c.state.as_ref().is_some_and(|s| {
-                                    s.running.is_some()
-                                        || s.waiting.as_ref().is_some_and(|w| {
-                                            w.reason.as_deref() == Some("CreateContainerError")
-                                        })
-                                })
-                            })
-                        }) =>
-                {
-                    Observed::Ready(p)
-                }
-                other => Observed::NotYet(describe_pods(&other.into_iter().collect::<Vec<_>>())),
-            })
-        },
-    )
-    .await?;
-    let spec = pod.spec.clone().context("backend spec")?;
-    let image = spec
+    let sent = secs(t0);
+    let (first_token, done) = cold_chat(&d).await?;
+    let backend = backend_pod(&d).await?;
+    let spec = backend.spec.clone().context("backend spec")?;
+    let volume = spec
         .volumes
         .iter()
         .flatten()
-        .find_map(|v| v.image.clone())
-        .context("the backend pod has no image volume")?;
+        .find(|v| v.image.is_some())
+        .with_context(|| format!("the backend pod has no image volume: {:?}", spec.volumes))?;
+    let image = volume.image.clone().unwrap_or_default();
     ensure!(
-        image.reference.as_deref() == Some(reference),
-        "image volume {image:?}"
+        image.reference.as_deref() == Some(reference.as_str())
+            && image.pull_policy.as_deref() == Some("IfNotPresent"),
+        "image volume {image:?}, not {reference} (IfNotPresent)"
+    );
+    let engine = spec
+        .containers
+        .iter()
+        .find(|c| c.image.as_deref() == Some(STUB_IMAGE))
+        .context("no stub container")?;
+    let mount = engine
+        .volume_mounts
+        .iter()
+        .flatten()
+        .find(|m| m.name == volume.name)
+        .context("the stub container does not mount the image volume")?;
+    ensure!(
+        mount.mount_path == "/models" && mount.read_only == Some(true),
+        "the image volume's mount is {mount:?}, not read-only at /models"
     );
     ensure!(
-        spec.containers[0]
-            .volume_mounts
-            .iter()
-            .flatten()
-            .any(|m| m.mount_path == "/models" && m.read_only == Some(true)),
-        "the model container does not mount the image read-only at /models: {:?}",
-        spec.containers[0].volume_mounts
+        engine.args.iter().flatten().any(|a| a == "--model=/models"),
+        "the stub's args {:?}",
+        engine.args
     );
-    if supported {
-        let running = pod
-            .status
-            .as_ref()
-            .and_then(|s| s.container_statuses.as_ref())
-            .is_some_and(|cs| {
-                cs.iter()
-                    .any(|c| c.state.as_ref().is_some_and(|s| s.running.is_some()))
-            });
-        ensure!(
-            running,
-            "{runtime_version}: the model container is not running"
-        );
-        println!("[oci] {runtime_version} mounts image volumes: the model container runs");
-        return Ok(());
-    }
-    // What the service says on this node.
-    let client = d.cluster.client();
-    let message = wait_until(
-        "Ready=False BackendFailing on the LLMService",
-        Duration::from_secs(60),
-        || async {
-            let ar = ApiResource::from_gvk(&GroupVersionKind::gvk(
-                "serving.hearth.dev",
-                "v1alpha1",
-                "LLMService",
-            ));
-            let svc = Api::<DynamicObject>::namespaced_with(client.clone(), d.ns.name(), &ar)
-                .get(SERVICE)
-                .await?;
-            let ready = svc.data["status"]["conditions"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .find(|c| c["type"] == "Ready")
-                .cloned()
-                .unwrap_or_default();
-            Ok(
-                if ready["status"] == "False" && ready["reason"] == "BackendFailing" {
-                    Observed::Ready((
-                        ready["message"].as_str().unwrap_or_default().to_owned(),
-                        svc.data["status"]["phase"].clone(),
-                    ))
-                } else {
-                    Observed::NotYet(ready.to_string())
-                },
-            )
-        },
-    )
-    .await?;
-    let pod_name = pod.metadata.name.clone().unwrap_or_default();
+    let loaded = model_loaded(&d, &backend).await?;
     ensure!(
-        message.0.contains(&pod_name) && message.0.contains("CreateContainerError"),
-        "the Ready message does not name the pod and the kubelet's reason: {}",
-        message.0
+        loaded["source"] == "directory"
+            && loaded["dir"] == "/models"
+            && loaded["name_or_path"] == marker.as_str()
+            && loaded["tensors"] == 2
+            && loaded["weight_bytes"] == weights.len(),
+        "the backend did not load the pushed weights image ({marker}, {} weight bytes): {loaded}",
+        weights.len()
     );
-    ensure!(message.1 == "Degraded", "phase {}", message.1);
+    // The kubelet pulled the volume's image (a fresh tag: a real pull, from the registry).
+    let backend_name = backend.metadata.name.clone().unwrap_or_default();
+    let pulled = pod_event_messages(&d, &backend_name)
+        .await?
+        .into_iter()
+        .find(|m| m.starts_with("Successfully pulled image") && m.contains(&reference))
+        .with_context(|| {
+            format!("no \"Successfully pulled image {reference}\" event of pod {backend_name}")
+        })?;
     println!(
-        "[oci] {runtime_version} cannot mount image volumes; the apiserver admitted the pod, the kubelet pulled the volume's image, and the LLMService says: {}",
-        message.0
+        "[oci://{reference}] {runtime}: image {digest} pushed {pushed:.1}s, applied {applied:.1}s; cold request at {sent:.1}s: first token +{first_token:.2}s, [DONE] +{done:.2}s; backend read {} ({} tensors, {} bytes); kubelet: {pulled}",
+        loaded["dir"], loaded["tensors"], loaded["weight_bytes"]
     );
     Ok(())
 }
 
-/// Whether a node's `containerRuntimeVersion` (`containerd://1.6.20~ds1`, `cri-o://1.31.0`)
-/// names a runtime that mounts image volumes: containerd 2.1+, CRI-O 1.31+.
-fn image_volumes_supported(runtime_version: &str) -> bool {
-    let Some((runtime, version)) = runtime_version.split_once("://") else {
-        return false;
-    };
-    let mut parts = version
-        .split(|c: char| !c.is_ascii_digit())
-        .map(|p| p.parse::<u32>().unwrap_or(0));
-    let (major, minor) = (parts.next().unwrap_or(0), parts.next().unwrap_or(0));
-    match runtime {
-        "containerd" => (major, minor) >= (2, 1),
-        "cri-o" => (major, minor) >= (1, 31),
-        _ => false,
-    }
-}
-
-#[test]
-fn image_volume_runtimes_by_version() {
-    for (version, supported) in [
-        ("containerd://1.6.20~ds1", false),
-        ("containerd://1.7.24", false),
-        ("containerd://2.1.0", true),
-        ("containerd://2.2.1-k3s1", true),
-        ("cri-o://1.30.4", false),
-        ("cri-o://1.31.0", true),
-        ("docker://24.0.7", false),
-        ("", false),
-    ] {
-        assert_eq!(image_volumes_supported(version), supported, "{version}");
-    }
+/// The messages of the events about pod `name` in the service's namespace.
+async fn pod_event_messages(d: &Deployed, name: &str) -> Result<Vec<String>> {
+    let events =
+        d.ns.api::<k8s_openapi::api::core::v1::Event>()
+            .list(&kube::api::ListParams::default().fields(&format!("involvedObject.name={name}")))
+            .await?;
+    Ok(events.items.into_iter().filter_map(|e| e.message).collect())
 }

@@ -127,4 +127,80 @@ impl Registry {
         );
         Ok(())
     }
+    /// Builds an image `FROM scratch` holding `files` (name, content; mode 0644) at its root,
+    /// with buildah in a storage of its own, and pushes it to `reference` (`<host>/<path>:<tag>`)
+    /// with the registry's credentials. The digest of the pushed manifest.
+    pub async fn build_and_push(
+        &self,
+        reference: &str,
+        files: &[(&str, Vec<u8>)],
+    ) -> Result<String> {
+        use std::os::unix::fs::PermissionsExt as _;
+        let work = std::env::temp_dir().join(format!("hearth-image-{}", Self::fresh_tag("build")));
+        let context = work.join("context");
+        std::fs::create_dir_all(&context)?;
+        let mut containerfile = String::from("FROM scratch\n");
+        for (name, content) in files {
+            let path = context.join(name);
+            std::fs::write(&path, content)?;
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644))?;
+            containerfile.push_str(&format!("COPY {name} /{name}\n"));
+        }
+        std::fs::write(work.join("Containerfile"), containerfile)?;
+        let storage = [
+            "--root".to_owned(),
+            work.join("root").display().to_string(),
+            "--runroot".to_owned(),
+            work.join("runroot").display().to_string(),
+            "--storage-driver".to_owned(),
+            "vfs".to_owned(),
+        ];
+        let run = |args: Vec<String>| async move {
+            let out = tokio::process::Command::new("buildah")
+                .args(&args)
+                .output()
+                .await
+                .context("running buildah (Debian: apt-get install buildah)")?;
+            ensure!(
+                out.status.success(),
+                "buildah {}: {}",
+                args.join(" "),
+                String::from_utf8_lossy(&out.stderr)
+            );
+            anyhow::Ok(())
+        };
+        let result = async {
+            let mut build = storage.to_vec();
+            build.extend(["build", "--quiet", "-f"].map(String::from));
+            build.push(work.join("Containerfile").display().to_string());
+            build.extend(["-t".to_owned(), reference.to_owned()]);
+            build.push(context.display().to_string());
+            run(build).await?;
+            let mut push = storage.to_vec();
+            push.extend(["push", "--quiet", "--authfile"].map(String::from));
+            push.push(self.dir.join("auth.json").display().to_string());
+            push.push("--cert-dir".to_owned());
+            push.push(
+                self.dir
+                    .join("certs.d")
+                    .join(&self.host)
+                    .display()
+                    .to_string(),
+            );
+            push.push("--digestfile".to_owned());
+            push.push(work.join("digest").display().to_string());
+            push.push(reference.to_owned());
+            push.push(format!("docker://{reference}"));
+            run(push).await?;
+            Ok(std::fs::read_to_string(work.join("digest"))?
+                .trim()
+                .to_owned())
+        }
+        .await;
+        let mut clean = storage.to_vec();
+        clean.extend(["rmi", "--all", "--force"].map(String::from));
+        let _ = run(clean).await;
+        let _ = std::fs::remove_dir_all(&work);
+        result
+    }
 }
