@@ -9,3 +9,22 @@ archive_ref() {
   tar -xOf "$1" index.json 2>/dev/null |
     grep -o '"org.opencontainers.image.ref.name":"[^"]*"' | head -n 1 | cut -d'"' -f4 | grep .
 }
+
+# archive_arches <OCI archive>: the architectures of the images in the archive's image index
+# (build/images writes one index per archive), one per line; fails, printing nothing, when the
+# archive holds no index with platforms.
+archive_arches() {
+  skopeo inspect --raw "oci-archive:$1" 2>/dev/null |
+    grep -o '"architecture": *"[a-z0-9]*"' | cut -d'"' -f4 | sort -u | grep .
+}
+
+# archive_platform_digest <OCI archive> <architecture>: the digest of the linux/<architecture>
+# image in the archive's index (the same in a registry it was pushed to whole, with
+# skopeo copy --all); fails, printing nothing, when the index has none. In an index each entry
+# gives its digest before its platform.
+archive_platform_digest() {
+  skopeo inspect --raw "oci-archive:$1" 2>/dev/null |
+    grep -o '"digest": *"sha256:[0-9a-f]\{64\}"\|"architecture": *"[a-z0-9]*"' |
+    awk -F'"' -v arch="$2" '$2 == "digest" { d = $4 } $2 == "architecture" && $4 == arch { print d; found = 1; exit }
+      END { exit !found }'
+}

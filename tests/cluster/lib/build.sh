@@ -89,6 +89,7 @@ build_all() {
   [[ -x "$PAUSE" ]] || need+=(pause)
   [[ -x "$CONTAINERD" && -x "$CTR" && -x "$CONTAINERD_SHIM" ]] || need+=(containerd)
   [[ -x "$RUNC" ]] || need+=(runc)
+  [[ -x "$COSIGN" ]] || need+=(cosign)
   if ((${#need[@]} == 0)); then
     return 0
   fi
@@ -182,6 +183,11 @@ build_all() {
           "-s -w -linkmode external -extldflags -static" \
           "$tmp/runc" github.com/opencontainers/runc
         install_bin "$tmp/runc/runc" "$RUNC"
+        ;;
+      cosign)
+        go_build cosign cosign "-s -w -X sigs.k8s.io/release-utils/version.gitVersion=$COSIGN_VERSION -X sigs.k8s.io/release-utils/version.gitTreeState=clean" \
+          "$tmp/cosign" github.com/sigstore/cosign/v2/cmd/cosign
+        install_bin "$tmp/cosign/cosign" "$COSIGN"
         ;;
       kwok)
         go_build kwok kwok "-s -w -X sigs.k8s.io/kwok/pkg/consts.Version=${KWOK_VERSION#v}" \

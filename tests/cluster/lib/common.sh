@@ -128,6 +128,7 @@ COREDNS_VERSION="$(gomod_version coredns github.com/coredns/coredns)"
 KUBE_ROUTER_VERSION="$(gomod_version kube-router github.com/cloudnativelabs/kube-router/v2)"
 CONTAINERD_VERSION="$(gomod_version containerd github.com/containerd/containerd/v2)"
 RUNC_VERSION="$(gomod_version runc github.com/opencontainers/runc)"
+COSIGN_VERSION="$(gomod_version cosign github.com/sigstore/cosign/v2)"
 
 ETCD="$BIN/etcd-$ETCD_VERSION"
 KUBE_APISERVER="$BIN/kube-apiserver-$KUBE_VERSION"
@@ -150,6 +151,9 @@ KEDA_ADAPTER="$BIN/keda-adapter-$KEDA_VERSION"
 KEDA_WEBHOOKS="$BIN/keda-admission-webhooks-$KEDA_VERSION"
 KEDA_CONFIG="$CACHE/share/keda-$KEDA_VERSION/config"
 HELM="$BIN/helm-$HELM_VERSION"
+# Signs the images and the chart build/push pushes to the registry, with the cluster's test key
+# pair (lib/registry.sh), and verifies them (the e2e registry suite).
+COSIGN="$BIN/cosign-$COSIGN_VERSION"
 # The registry: Debian's docker-registry (distribution 2.8); its storage, htpasswd file,
 # credentials (a Docker config, auth.json) and configuration live in $REGISTRY_DIR.
 REGISTRY_BIN=/usr/bin/docker-registry

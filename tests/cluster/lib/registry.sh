@@ -10,6 +10,8 @@
 #   auth.json    a Docker config with the credentials, for skopeo (--authfile), helm
 #                (--registry-config) and the pull Secrets (kubernetes.io/dockerconfigjson)
 #   certs.d/$REGISTRY/ca.crt   the cluster CA, as skopeo's --cert-dir wants it
+#   cosign.key, cosign.pub, cosign.password   the cluster's signing key pair (cosign) and the
+#                private key's password: what push-images pushes is signed with it
 #
 # The node's containerd (node/containerd.toml, config_path) trusts the CA for $REGISTRY and
 # resolves hearth.dev/* there too (certs.d/hearth.dev/hosts.toml), as the nodes of an air-gapped
@@ -38,6 +40,15 @@ registry_configure() {
   printf '{"auths":{"%s":{"auth":"%s"}}}\n' "$REGISTRY" \
     "$(printf '%s:%s' "$REGISTRY_USER" "$(registry_password)" | base64 -w0)" >"$REGISTRY_DIR/auth.json"
   cp "$STATE/pki/ca.crt" "$REGISTRY_DIR/certs.d/$REGISTRY/ca.crt"
+  # The cluster's signing key pair (cosign; a random password, through the environment):
+  # push-images signs what it pushes with cosign.key, the e2e registry suite verifies with
+  # cosign.pub, as a platform team verifies a release with the project's public key.
+  [[ -x "$COSIGN" ]] || die "cosign $COSIGN_VERSION is not built in $BIN (tests/cluster/build builds it)"
+  rm -f "$REGISTRY_DIR/cosign.key" "$REGISTRY_DIR/cosign.pub"
+  openssl rand -hex 24 >"$REGISTRY_DIR/cosign.password"
+  COSIGN_PASSWORD="$(cat "$REGISTRY_DIR/cosign.password")" \
+    "$COSIGN" generate-key-pair --output-key-prefix "$REGISTRY_DIR/cosign" >/dev/null 2>&1 ||
+    die "cosign generate-key-pair failed"
   cat >"$REGISTRY_DIR/config.yml" <<CONFIG
 version: 0.1
 log:

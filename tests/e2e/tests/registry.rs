@@ -342,3 +342,212 @@ async fn wait_activation(
     )
     .await
 }
+
+/// What `tests/cluster/push-images` pushed is signed and carries its SBOMs, verified against the
+/// registry with cosign and the cluster's public key, as a platform team verifies a release:
+/// every image index and each of its platform images has a signature of that key; each platform
+/// image has a signed CycloneDX attestation whose subject is that image and whose SBOM describes
+/// the image's binary (its package, and the crates compiled into it); the chart's artifact is
+/// signed. Another key verifies none of them, and an image pushed without signing has no
+/// signature.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn images_and_chart_are_signed_and_carry_their_sboms() -> Result<()> {
+    use base64::Engine as _;
+    let registry = Registry::load()?;
+    let key = registry.public_key();
+    let key = key.to_str().context("key path")?;
+    let password = registry.password()?;
+    let creds = Some(("hearth", password.as_str()));
+    let pushed = hearth_test_support::pushed_images()?;
+    ensure!(
+        pushed.len() == 4,
+        "push-images recorded {} images: {pushed:?}",
+        pushed.len()
+    );
+    let mut rows = Vec::new();
+    for image in &pushed {
+        let pinned = by_digest(image)?;
+        let (repository, _) = pinned.split_once('@').context("pinned")?;
+        let path = repository
+            .strip_prefix(&format!("{}/", registry.host))
+            .context("an image of another registry")?;
+        // The index's signature.
+        let (ok, out, err) = registry
+            .cosign(
+                &["verify"],
+                &["--key", key, "--insecure-ignore-tlog=true", &pinned],
+            )
+            .await?;
+        ensure!(ok, "cosign verify {pinned}: {err}");
+        ensure!(
+            out.contains(&format!("\"docker-manifest-digest\":\"{}\"", image.digest)),
+            "cosign verify {pinned} printed no claim for its digest: {out}"
+        );
+        // Its platform images, from the index the registry serves.
+        let (code, body) = registry
+            .get(
+                &format!("/v2/{path}/manifests/{}", image.digest),
+                creds,
+                "application/vnd.oci.image.index.v1+json",
+            )
+            .await?;
+        ensure!(code == 200, "GET the index of {pinned}: {code} {body}");
+        let index: Value = serde_json::from_str(&body)?;
+        let platforms: Vec<(String, String)> = index["manifests"]
+            .as_array()
+            .context("not an image index")?
+            .iter()
+            .filter_map(|m| {
+                Some((
+                    m["platform"]["architecture"].as_str()?.to_owned(),
+                    m["digest"].as_str()?.to_owned(),
+                ))
+            })
+            .collect();
+        ensure!(
+            !platforms.is_empty(),
+            "the index of {pinned} names no platform image: {body}"
+        );
+        for (arch, digest) in &platforms {
+            let platform_ref = format!("{repository}@{digest}");
+            let (ok, _, err) = registry
+                .cosign(
+                    &["verify"],
+                    &["--key", key, "--insecure-ignore-tlog=true", &platform_ref],
+                )
+                .await?;
+            ensure!(ok, "cosign verify {platform_ref} (linux/{arch}): {err}");
+            let (ok, out, err) = registry
+                .cosign(
+                    &["verify-attestation"],
+                    &[
+                        "--key",
+                        key,
+                        "--insecure-ignore-tlog=true",
+                        "--type",
+                        "cyclonedx",
+                        &platform_ref,
+                    ],
+                )
+                .await?;
+            ensure!(
+                ok,
+                "cosign verify-attestation {platform_ref} (linux/{arch}): {err}"
+            );
+            let envelope: Value = serde_json::from_str(out.lines().next().unwrap_or_default())
+                .with_context(|| format!("cosign verify-attestation printed {out}"))?;
+            let payload = base64::engine::general_purpose::STANDARD
+                .decode(envelope["payload"].as_str().unwrap_or_default())?;
+            let statement: Value = serde_json::from_slice(&payload)?;
+            ensure!(
+                statement["predicateType"] == "https://cyclonedx.org/bom"
+                    && statement["subject"][0]["digest"]["sha256"]
+                        == digest.trim_start_matches("sha256:"),
+                "the attestation of {platform_ref} is not a CycloneDX SBOM about it: {}",
+                statement["predicateType"]
+            );
+            let bom = &statement["predicate"];
+            let components: Vec<&str> = bom["components"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|c| c["name"].as_str())
+                .collect();
+            ensure!(
+                bom["bomFormat"] == "CycloneDX"
+                    && bom["metadata"]["component"]["name"] == image.name.as_str()
+                    && ["tokio", "hyper", "serde"]
+                        .iter()
+                        .all(|c| components.contains(c)),
+                "the SBOM of {} linux/{arch} does not describe its binary: {} with {} components",
+                image.name,
+                bom["metadata"]["component"]["name"],
+                components.len()
+            );
+            rows.push(format!(
+                "{:<18} linux/{arch:<6} {digest} signed, SBOM {} components",
+                image.name,
+                components.len()
+            ));
+        }
+    }
+    // The chart's artifact.
+    let chart = format!("{}/charts/hearth:{}", registry.host, chart_version()?);
+    let (ok, _, err) = registry
+        .cosign(
+            &["verify"],
+            &["--key", key, "--insecure-ignore-tlog=true", &chart],
+        )
+        .await?;
+    ensure!(ok, "cosign verify {chart}: {err}");
+    rows.push(format!("{chart} signed"));
+
+    // Another key verifies nothing.
+    let other = std::env::temp_dir().join(format!("hearth-other-key-{}", Registry::fresh_tag("k")));
+    std::fs::create_dir_all(&other)?;
+    let prefix = other.join("cosign");
+    let status = tokio::process::Command::new(hearth_test_support::state_dir().join("bin/cosign"))
+        .args(["generate-key-pair", "--output-key-prefix"])
+        .arg(&prefix)
+        .env("COSIGN_PASSWORD", "")
+        .output()
+        .await?;
+    ensure!(
+        status.status.success(),
+        "cosign generate-key-pair: {}",
+        String::from_utf8_lossy(&status.stderr)
+    );
+    let other_key = other.join("cosign.pub");
+    let first = by_digest(&pushed[0])?;
+    let (ok, _, err) = registry
+        .cosign(
+            &["verify"],
+            &[
+                "--key",
+                other_key.to_str().unwrap_or_default(),
+                "--insecure-ignore-tlog=true",
+                &first,
+            ],
+        )
+        .await?;
+    let _ = std::fs::remove_dir_all(&other);
+    ensure!(!ok, "{first} verified with a key that did not sign it");
+    ensure!(
+        err.contains("no matching signatures"),
+        "cosign's refusal with another key: {err}"
+    );
+    // An image pushed without signing has no signature.
+    let unsigned = format!(
+        "{}/e2e/unsigned:{}",
+        registry.host,
+        Registry::fresh_tag("u")
+    );
+    let digest = registry
+        .build_and_push(&unsigned, &[("README", b"not signed\n".to_vec())])
+        .await?;
+    let unsigned = format!(
+        "{}@{digest}",
+        unsigned.rsplit_once(':').map_or("", |(r, _)| r)
+    );
+    let (ok, _, err) = registry
+        .cosign(
+            &["verify"],
+            &["--key", key, "--insecure-ignore-tlog=true", &unsigned],
+        )
+        .await?;
+    ensure!(
+        !ok && err.contains("no signatures found"),
+        "cosign verify {unsigned} (never signed): ok={ok} {err}"
+    );
+    println!("{}", rows.join("\n"));
+    Ok(())
+}
+
+/// `<registry>/<repository>@<digest>` of a pushed image (its tag dropped): what cosign signs.
+fn by_digest(image: &hearth_test_support::PushedImage) -> Result<String> {
+    let (repository, _tag) = image
+        .reference
+        .rsplit_once(':')
+        .with_context(|| format!("{} has no tag", image.reference))?;
+    Ok(format!("{repository}@{}", image.digest))
+}

@@ -105,6 +105,42 @@ impl Registry {
         Ok((code.trim().parse()?, body.to_owned()))
     }
 
+    /// The cluster's signing public key (`cosign.pub`), whose private key signed what
+    /// `tests/cluster/push-images` pushed.
+    pub fn public_key(&self) -> PathBuf {
+        self.dir.join("cosign.pub")
+    }
+
+    /// Runs the cluster's cosign (`<state>/bin/cosign`) as `cosign <subcommand> <args>` with the
+    /// registry's credentials (a Docker config dir) and CA (`--registry-cacert`): whether it
+    /// succeeded, its stdout and its stderr.
+    pub async fn cosign(
+        &self,
+        subcommand: &[&str],
+        args: &[&str],
+    ) -> Result<(bool, String, String)> {
+        let config =
+            std::env::temp_dir().join(format!("hearth-cosign-{}", Self::fresh_tag("auth")));
+        std::fs::create_dir_all(&config)?;
+        std::fs::copy(self.dir.join("auth.json"), config.join("config.json"))?;
+        let out = tokio::process::Command::new(state_dir().join("bin/cosign"))
+            .args(subcommand)
+            .arg("--registry-cacert")
+            .arg(&self.ca)
+            .args(args)
+            .env("DOCKER_CONFIG", &config)
+            .env("COSIGN_PASSWORD", "")
+            .output()
+            .await;
+        let _ = std::fs::remove_dir_all(&config);
+        let out = out.context("running cosign (<state>/bin/cosign; tests/cluster/up links it)")?;
+        Ok((
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        ))
+    }
+
     /// Copies an image within the registry (`skopeo copy docker://… docker://…`): a new
     /// reference, so the node has no image of that name yet.
     pub async fn copy(&self, from: &str, to: &str) -> Result<()> {
