@@ -9,7 +9,11 @@
 //! - a model whose image needs other credentials than its pull Secret has: the backend's pull is
 //!   refused, the held request is answered with `ImagePullFailed` and the service's status records
 //!   the kubelet's reason; with the right Secret the same service serves, its first activation
-//!   with a real pull phase (`imagePresent: false`) and the next one with none.
+//!   with a real pull phase (`imagePresent: false`) and the next one with none;
+//! - what was pushed is signed with the cluster's key pair and carries its SBOMs: cosign verifies
+//!   each image index, each platform image, each platform image's CycloneDX attestation (about
+//!   that image, describing its binary) and the chart against the registry with the public key;
+//!   another key verifies nothing, and an image pushed unsigned has no signature.
 //!
 //! Needs the local cluster (`tests/cluster/up`) and Hearth's images (`build/images`).
 
