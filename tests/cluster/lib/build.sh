@@ -90,6 +90,7 @@ build_all() {
   [[ -x "$CONTAINERD" && -x "$CTR" && -x "$CONTAINERD_SHIM" ]] || need+=(containerd)
   [[ -x "$RUNC" ]] || need+=(runc)
   [[ -x "$COSIGN" ]] || need+=(cosign)
+  [[ -x "$ACTIONLINT" ]] || need+=(actionlint)
   if ((${#need[@]} == 0)); then
     return 0
   fi
@@ -188,6 +189,11 @@ build_all() {
         go_build cosign cosign "-s -w -X sigs.k8s.io/release-utils/version.gitVersion=$COSIGN_VERSION -X sigs.k8s.io/release-utils/version.gitTreeState=clean" \
           "$tmp/cosign" github.com/sigstore/cosign/v2/cmd/cosign
         install_bin "$tmp/cosign/cosign" "$COSIGN"
+        ;;
+      actionlint)
+        go_build actionlint actionlint "-s -w -X github.com/rhysd/actionlint.version=${ACTIONLINT_VERSION#v}" \
+          "$tmp/actionlint" github.com/rhysd/actionlint/cmd/actionlint
+        install_bin "$tmp/actionlint/actionlint" "$ACTIONLINT"
         ;;
       kwok)
         go_build kwok kwok "-s -w -X sigs.k8s.io/kwok/pkg/consts.Version=${KWOK_VERSION#v}" \

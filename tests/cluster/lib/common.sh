@@ -129,6 +129,7 @@ KUBE_ROUTER_VERSION="$(gomod_version kube-router github.com/cloudnativelabs/kube
 CONTAINERD_VERSION="$(gomod_version containerd github.com/containerd/containerd/v2)"
 RUNC_VERSION="$(gomod_version runc github.com/opencontainers/runc)"
 COSIGN_VERSION="$(gomod_version cosign github.com/sigstore/cosign/v2)"
+ACTIONLINT_VERSION="$(gomod_version actionlint github.com/rhysd/actionlint)"
 
 ETCD="$BIN/etcd-$ETCD_VERSION"
 KUBE_APISERVER="$BIN/kube-apiserver-$KUBE_VERSION"
@@ -154,6 +155,8 @@ HELM="$BIN/helm-$HELM_VERSION"
 # Signs the images and the chart build/push pushes to the registry, with the cluster's test key
 # pair (lib/registry.sh), and verifies them (the e2e registry suite).
 COSIGN="$BIN/cosign-$COSIGN_VERSION"
+# Lints .github/workflows/ (.ci/run).
+ACTIONLINT="$BIN/actionlint-$ACTIONLINT_VERSION"
 # The registry: Debian's docker-registry (distribution 2.8); its storage, htpasswd file,
 # credentials (a Docker config, auth.json) and configuration live in $REGISTRY_DIR.
 REGISTRY_BIN=/usr/bin/docker-registry

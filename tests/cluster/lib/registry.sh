@@ -46,9 +46,10 @@ registry_configure() {
   [[ -x "$COSIGN" ]] || die "cosign $COSIGN_VERSION is not built in $BIN (tests/cluster/build builds it)"
   rm -f "$REGISTRY_DIR/cosign.key" "$REGISTRY_DIR/cosign.pub"
   openssl rand -hex 24 >"$REGISTRY_DIR/cosign.password"
-  COSIGN_PASSWORD="$(cat "$REGISTRY_DIR/cosign.password")" \
-    "$COSIGN" generate-key-pair --output-key-prefix "$REGISTRY_DIR/cosign" >/dev/null 2>&1 ||
-    die "cosign generate-key-pair failed"
+  local out
+  out="$(COSIGN_PASSWORD="$(cat "$REGISTRY_DIR/cosign.password")" \
+    "$COSIGN" generate-key-pair --output-key-prefix "$REGISTRY_DIR/cosign" 2>&1)" ||
+    die "cosign generate-key-pair failed: $out"
   cat >"$REGISTRY_DIR/config.yml" <<CONFIG
 version: 0.1
 log:
