@@ -1316,6 +1316,8 @@ fn last_termination(pod: &Pod) -> Option<String> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "fault suite: disrupts the shared cluster; tests/run-tests runs it last, alone"]
 async fn backend_oom_killed_mid_stream_error_event_and_rerouted() -> Result<()> {
+    // How long after the test saw the kill the gateway may still send to the killed backend.
+    const KILL_SEEN_WITHIN: Duration = Duration::from_millis(250);
     let _serial = SERIAL.lock().await;
     // Two backends, always (min 2): one is OOM-killed, the other takes the traffic. The stub
     // manifest's `resources.memory: 128Mi` is the container's limit.
@@ -1444,10 +1446,14 @@ async fn backend_oom_killed_mid_stream_error_event_and_rerouted() -> Result<()> 
             Outcome::Failed(class) => {
                 // In flight on the killed backend: a stream ends with an error event, a plain
                 // request with 502, at once; requests sent after the kill go to the other.
+                // The test sees the kill when its own connection to the backend is reset; the
+                // gateway learns it from its connections, a moment later: a request it sends in
+                // that moment on a kept-alive connection to the victim fails as one in flight
+                // (it never sends a POST twice: gateway/src/upstream.rs), hence KILL_SEEN_WITHIN.
                 // "Network is unreachable" here means the node had no rule for the gateway
                 // Service's ClusterIP: kube-proxy's log says why (a resync, a restart).
                 ensure!(
-                    r.sent < killed_at,
+                    r.sent < killed_at + KILL_SEEN_WITHIN,
                     "{:?} {} sent {:.1}s after the kill failed ({class}): {}\nthe real node's kube-proxy, last lines:\n{}",
                     r.kind,
                     r.tag,
