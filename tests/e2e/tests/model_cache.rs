@@ -676,6 +676,30 @@ async fn host_path_cache_prewarmed_on_the_node() -> Result<()> {
     Ok(())
 }
 
+/// The stub container of a backend pod's spec, checked to mount volume `volume` read-only at
+/// `/models`.
+fn stub_mounts_at_models<'a>(
+    spec: &'a PodSpec,
+    volume: &str,
+) -> Result<&'a k8s_openapi::api::core::v1::Container> {
+    let engine = spec
+        .containers
+        .iter()
+        .find(|c| c.image.as_deref() == Some(STUB_IMAGE))
+        .context("no stub container")?;
+    let mount = engine
+        .volume_mounts
+        .iter()
+        .flatten()
+        .find(|m| m.name == volume)
+        .with_context(|| format!("the stub container does not mount volume {volume}"))?;
+    ensure!(
+        mount.mount_path == "/models" && mount.read_only == Some(true),
+        "volume {volume}'s mount is {mount:?}, not read-only at /models"
+    );
+    Ok(engine)
+}
+
 /// A safetensors file (8-byte little-endian header length, JSON header, data), written here
 /// independently of the stub's own writer.
 fn safetensors(tensors: &[(&str, &str, &[u64], Vec<u8>)]) -> Vec<u8> {
@@ -811,21 +835,7 @@ async fn pvc_source_is_mounted_read_only_and_served() -> Result<()> {
             == Some(true),
         "claim weights is not mounted read-only: {volume:?}"
     );
-    let engine = bspec
-        .containers
-        .iter()
-        .find(|c| c.image.as_deref() == Some(STUB_IMAGE))
-        .context("no stub container")?;
-    let mount = engine
-        .volume_mounts
-        .iter()
-        .flatten()
-        .find(|m| m.name == volume.name)
-        .context("the stub container does not mount the claim")?;
-    ensure!(
-        mount.mount_path == "/models" && mount.read_only == Some(true),
-        "the claim's mount is {mount:?}, not read-only at /models"
-    );
+    let engine = stub_mounts_at_models(&bspec, &volume.name)?;
     ensure!(
         engine
             .args
@@ -928,21 +938,7 @@ async fn oci_source_is_an_image_volume_and_served() -> Result<()> {
             && image.pull_policy.as_deref() == Some("IfNotPresent"),
         "image volume {image:?}, not {reference} (IfNotPresent)"
     );
-    let engine = spec
-        .containers
-        .iter()
-        .find(|c| c.image.as_deref() == Some(STUB_IMAGE))
-        .context("no stub container")?;
-    let mount = engine
-        .volume_mounts
-        .iter()
-        .flatten()
-        .find(|m| m.name == volume.name)
-        .context("the stub container does not mount the image volume")?;
-    ensure!(
-        mount.mount_path == "/models" && mount.read_only == Some(true),
-        "the image volume's mount is {mount:?}, not read-only at /models"
-    );
+    let engine = stub_mounts_at_models(&spec, &volume.name)?;
     ensure!(
         engine.args.iter().flatten().any(|a| a == "--model=/models"),
         "the stub's args {:?}",

@@ -376,12 +376,7 @@ async fn images_and_chart_are_signed_and_carry_their_sboms() -> Result<()> {
             .strip_prefix(&format!("{}/", registry.host))
             .context("an image of another registry")?;
         // The index's signature.
-        let (ok, out, err) = registry
-            .cosign(
-                &["verify"],
-                &["--key", key, "--insecure-ignore-tlog=true", &pinned],
-            )
-            .await?;
+        let (ok, out, err) = registry.verify(key, &pinned).await?;
         ensure!(ok, "cosign verify {pinned}: {err}");
         ensure!(
             out.contains(&format!("\"docker-manifest-digest\":\"{}\"", image.digest)),
@@ -414,12 +409,7 @@ async fn images_and_chart_are_signed_and_carry_their_sboms() -> Result<()> {
         );
         for (arch, digest) in &platforms {
             let platform_ref = format!("{repository}@{digest}");
-            let (ok, _, err) = registry
-                .cosign(
-                    &["verify"],
-                    &["--key", key, "--insecure-ignore-tlog=true", &platform_ref],
-                )
-                .await?;
+            let (ok, _, err) = registry.verify(key, &platform_ref).await?;
             ensure!(ok, "cosign verify {platform_ref} (linux/{arch}): {err}");
             let (ok, out, err) = registry
                 .cosign(
@@ -477,12 +467,7 @@ async fn images_and_chart_are_signed_and_carry_their_sboms() -> Result<()> {
     }
     // The chart's artifact.
     let chart = format!("{}/charts/hearth:{}", registry.host, chart_version()?);
-    let (ok, _, err) = registry
-        .cosign(
-            &["verify"],
-            &["--key", key, "--insecure-ignore-tlog=true", &chart],
-        )
-        .await?;
+    let (ok, _, err) = registry.verify(key, &chart).await?;
     ensure!(ok, "cosign verify {chart}: {err}");
     rows.push(format!("{chart} signed"));
 
@@ -504,15 +489,7 @@ async fn images_and_chart_are_signed_and_carry_their_sboms() -> Result<()> {
     let other_key = other.join("cosign.pub");
     let first = by_digest(&pushed[0])?;
     let (ok, _, err) = registry
-        .cosign(
-            &["verify"],
-            &[
-                "--key",
-                other_key.to_str().unwrap_or_default(),
-                "--insecure-ignore-tlog=true",
-                &first,
-            ],
-        )
+        .verify(other_key.to_str().unwrap_or_default(), &first)
         .await?;
     let _ = std::fs::remove_dir_all(&other);
     ensure!(!ok, "{first} verified with a key that did not sign it");
@@ -533,12 +510,7 @@ async fn images_and_chart_are_signed_and_carry_their_sboms() -> Result<()> {
         "{}@{digest}",
         unsigned.rsplit_once(':').map_or("", |(r, _)| r)
     );
-    let (ok, _, err) = registry
-        .cosign(
-            &["verify"],
-            &["--key", key, "--insecure-ignore-tlog=true", &unsigned],
-        )
-        .await?;
+    let (ok, _, err) = registry.verify(key, &unsigned).await?;
     ensure!(
         !ok && err.contains("no signatures found"),
         "cosign verify {unsigned} (never signed): ok={ok} {err}"

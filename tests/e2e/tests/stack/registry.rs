@@ -141,6 +141,17 @@ impl Registry {
         ))
     }
 
+    /// `cosign verify --key <key>` of `reference`, without a transparency log (what
+    /// `build/push --sign-key` signs): whether it verified, stdout (the signed payloads) and
+    /// stderr.
+    pub async fn verify(&self, key: &str, reference: &str) -> Result<(bool, String, String)> {
+        self.cosign(
+            &["verify"],
+            &["--key", key, "--insecure-ignore-tlog=true", reference],
+        )
+        .await
+    }
+
     /// Copies an image within the registry (`skopeo copy docker://… docker://…`): a new
     /// reference, so the node has no image of that name yet.
     pub async fn copy(&self, from: &str, to: &str) -> Result<()> {
