@@ -5,7 +5,8 @@
 //!   pushed (`build/push`) as a Helm OCI artifact;
 //! - the release runs the images `build/push` pushed, pinned by digest in the pushed chart's
 //!   values, pulled by the node with the release's pull Secret (`image.pullSecrets`): the pods'
-//!   image IDs are the pushed digests;
+//!   image IDs are the pushed digests (or, on a node that pulled an earlier index holding the same
+//!   platform image, that index's);
 //! - a model whose image needs other credentials than its pull Secret has: the backend's pull is
 //!   refused, the held request is answered with `ImagePullFailed` and the service's status records
 //!   the kubelet's reason; with the right Secret the same service serves, its first activation
@@ -139,6 +140,16 @@ async fn the_release_runs_the_registrys_images_by_digest_with_its_pull_secret() 
             .await?
             .items;
         ensure!(!running.is_empty(), "no {component} pod");
+        // The node's platform image of the pushed index. The image ID is the index digest the
+        // node pulled it by first: an earlier index holding the same platform image (a build
+        // for fewer platforms, pushed before) keeps its digest there.
+        let path = image
+            .split_once('@')
+            .and_then(|(r, _)| r.rsplit_once(':'))
+            .and_then(|(r, _)| r.strip_prefix(&format!("{}/", registry.host)))
+            .context("pinned reference")?
+            .to_owned();
+        let wanted = platform_image(&registry, &path, &digest).await?;
         for p in &running {
             let ids: Vec<String> = p
                 .status
@@ -146,9 +157,16 @@ async fn the_release_runs_the_registrys_images_by_digest_with_its_pull_secret() 
                 .flat_map(|s| s.container_statuses.iter().flatten())
                 .map(|c| c.image_id.clone())
                 .collect();
+            let id = ids
+                .first()
+                .and_then(|id| id.rsplit_once('@'))
+                .map(|(_, d)| d.to_owned())
+                .with_context(|| {
+                    format!("{component} pod {:?} has no image ID", p.metadata.name)
+                })?;
             ensure!(
-                ids.first().is_some_and(|id| id.ends_with(&digest)),
-                "{component} pod {:?} runs image IDs {ids:?}, not {digest}",
+                id == digest || platform_image(&registry, &path, &id).await? == wanted,
+                "{component} pod {:?} runs image IDs {ids:?}, neither {digest} nor an index of its platform image {wanted}",
                 p.metadata.name
             );
         }
@@ -526,4 +544,32 @@ fn by_digest(image: &hearth_test_support::PushedImage) -> Result<String> {
         .rsplit_once(':')
         .with_context(|| format!("{} has no tag", image.reference))?;
     Ok(format!("{repository}@{}", image.digest))
+}
+
+/// The digest of the image for this machine's architecture (the node's) in the image index
+/// `<path>@<digest>` of the cluster's registry.
+async fn platform_image(registry: &Registry, path: &str, digest: &str) -> Result<String> {
+    let password = registry.password()?;
+    let (code, body) = registry
+        .get(
+            &format!("/v2/{path}/manifests/{digest}"),
+            Some(("hearth", password.as_str())),
+            "application/vnd.oci.image.index.v1+json",
+        )
+        .await?;
+    ensure!(code == 200, "GET the index {path}@{digest}: {code} {body}");
+    let arch = match std::env::consts::ARCH {
+        "x86_64" => "amd64",
+        "aarch64" => "arm64",
+        other => other,
+    };
+    let index: Value = serde_json::from_str(&body)?;
+    index["manifests"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|m| m["platform"]["architecture"] == arch)
+        .and_then(|m| m["digest"].as_str())
+        .map(str::to_owned)
+        .with_context(|| format!("the index {path}@{digest} has no linux/{arch} image: {body}"))
 }

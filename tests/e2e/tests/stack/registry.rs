@@ -19,8 +19,12 @@ pub struct Registry {
 impl Registry {
     pub fn load() -> Result<Self> {
         let state = state_dir();
-        let env = std::fs::read_to_string(state.join("node.env"))
-            .context("reading the cluster's node.env (tests/cluster/up writes it)")?;
+        let env = std::fs::read_to_string(state.join("node.env")).with_context(|| {
+            format!(
+                "reading the cluster's {} (tests/cluster/up writes it; HEARTH_CLUSTER_STATE names another state dir)",
+                state.join("node.env").display()
+            )
+        })?;
         let host = env
             .lines()
             .find_map(|l| l.strip_prefix("REGISTRY="))
