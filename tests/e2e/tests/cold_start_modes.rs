@@ -346,14 +346,40 @@ async fn backend_failures_answer_held_requests_with_the_reason_then_the_fix_serv
                 Ok((s?, p?))
             })
             .await?;
-            ensure!(
-                p.status == 503 && p.body.contains("activation_failed") && p.body.contains(step.reason),
-                "{}: the held request answered {} {} (want 503 activation_failed naming {})",
-                step.what,
-                p.status,
-                p.body,
-                step.reason
-            );
+            if !(p.status == 503
+                && p.body.contains("activation_failed")
+                && p.body.contains(step.reason))
+            {
+                // What the cluster showed then: the backend's pods and the service's status.
+                let pods = match d.backend_pods().await {
+                    Ok(pods) => pods
+                        .iter()
+                        .map(|p| {
+                            format!(
+                                "{} {}",
+                                hearth_test_support::describe_pods(std::slice::from_ref(p)),
+                                serde_json::to_string(
+                                    &p.status.as_ref().map(|s| &s.container_statuses)
+                                )
+                                .unwrap_or_default()
+                            )
+                        })
+                        .collect::<Vec<_>>()
+                        .join("; "),
+                    Err(e) => format!("(listing them failed: {e})"),
+                };
+                let status = match services.get(SERVICE).await {
+                    Ok(svc) => svc.data["status"].to_string(),
+                    Err(e) => format!("(reading it failed: {e})"),
+                };
+                anyhow::bail!(
+                    "{}: the held request answered {} {} (want 503 activation_failed naming {}); backend pods: {pods}; service status: {status}",
+                    step.what,
+                    p.status,
+                    p.body,
+                    step.reason
+                );
+            }
             let err = s.events.iter().find_map(|(_, e)| match e {
                 Event::Error(m) => Some(m.clone()),
                 _ => None,
