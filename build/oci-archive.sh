@@ -10,21 +10,13 @@ archive_ref() {
     grep -o '"org.opencontainers.image.ref.name":"[^"]*"' | head -n 1 | cut -d'"' -f4 | grep .
 }
 
-# archive_arches <OCI archive>: the architectures of the images in the archive's image index
-# (build/images writes one index per archive), one per line; fails, printing nothing, when the
-# archive holds no index with platforms.
-archive_arches() {
-  skopeo inspect --raw "oci-archive:$1" 2>/dev/null |
-    grep -o '"architecture": *"[a-z0-9]*"' | cut -d'"' -f4 | sort -u | grep .
-}
-
-# archive_platform_digest <OCI archive> <architecture>: the digest of the linux/<architecture>
-# image in the archive's index (the same in a registry it was pushed to whole, with
-# skopeo copy --all); fails, printing nothing, when the index has none. In an index each entry
-# gives its digest before its platform.
-archive_platform_digest() {
+# archive_platforms <OCI archive>: "<architecture> <digest>" of each image in the archive's image
+# index (build/images writes one index per archive), one per line; fails, printing nothing, when
+# the archive holds no index with platforms. The digests are the same in a registry the archive
+# was pushed to whole (skopeo copy --all --preserve-digests). In an index each entry gives its
+# digest before its platform.
+archive_platforms() {
   skopeo inspect --raw "oci-archive:$1" 2>/dev/null |
     grep -o '"digest": *"sha256:[0-9a-f]\{64\}"\|"architecture": *"[a-z0-9]*"' |
-    awk -F'"' -v arch="$2" '$2 == "digest" { d = $4 } $2 == "architecture" && $4 == arch { print d; found = 1; exit }
-      END { exit !found }'
+    awk -F'"' '$2 == "digest" { d = $4 } $2 == "architecture" { print $4, d; n++ } END { exit !n }'
 }
