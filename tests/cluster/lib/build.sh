@@ -50,13 +50,9 @@ go_build() {
   mkdir -p "$out" "$CACHE/build"
   start=$SECONDS
   log "building $label: resolving packages, downloading modules (full log: $logf)"
-  # -mod=readonly: go.mod/go.sum are committed and must already be complete; GOTOOLCHAIN=local
-  # keeps Go from fetching another toolchain; CGO_ENABLED=0 as upstream's release builds.
-  # GOCACHE of its own (build_all removes it once every binary is built): Kubernetes and KEDA
-  # leave ~7 GiB of compiled packages, on the disk the real node and the Rust builds share.
-  # GO_BUILD_CGO=1 and GO_BUILD_TAGS for the one program that needs cgo (runc's seccomp).
-  export CGO_ENABLED="${GO_BUILD_CGO:-0}" GOTOOLCHAIN=local GOFLAGS="-mod=readonly -buildvcs=false"
-  export GOCACHE="$CACHE/build/go-cache"
+  # CGO_ENABLED=0 as upstream's release builds; GO_BUILD_CGO=1 and GO_BUILD_TAGS for the one
+  # program that needs cgo (runc's seccomp).
+  export CGO_ENABLED="${GO_BUILD_CGO:-0}"
   local tags=(-tags "${GO_BUILD_TAGS:-}")
   if ! total="$(cd "$dir" && go list "${tags[@]}" -deps "$@" 2>"$logf" | wc -l)"; then
     tail -n 30 "$logf" >&2
@@ -95,6 +91,13 @@ build_all() {
     return 0
   fi
   require_go
+  # -mod=readonly: go.mod/go.sum are committed and must already be complete; GOTOOLCHAIN=local
+  # keeps Go from fetching another toolchain. GOCACHE and GOMODCACHE of their own, removed once
+  # every binary is built: Kubernetes and KEDA leave ~7 GiB of compiled packages and the modules
+  # of all the programs take over 4 GiB, on the disk the real node and the Rust builds share
+  # (-modcacherw lets the modules be removed).
+  export GOTOOLCHAIN=local GOFLAGS="-mod=readonly -modcacherw -buildvcs=false"
+  export GOCACHE="$CACHE/build/go-cache" GOMODCACHE="$CACHE/build/go-mod"
   log "building into $BIN: ${need[*]} (first time only; Kubernetes and KEDA take a while on 2 cores)"
   local kube_ld p
   # What hack/lib/version.sh sets for release builds; the commit is not known from the module,
@@ -220,7 +223,7 @@ build_all() {
         # (go mod download: a no-op when the module is cached; needed when only config/ is missing.)
         dir="$(cd "$CLUSTER_DIR/go/$KEDA_GO_DIR" && go mod download github.com/kedacore/keda/v2 &&
           go list -m -f '{{.Dir}}' github.com/kedacore/keda/v2)" && [[ -d "$dir/config/default" ]] ||
-          die "KEDA's module source (for config/) is not in Go's module cache: cd tests/cluster/go/$KEDA_GO_DIR && go mod download"
+          die "KEDA's module source (for config/) is not in the build's module cache ($GOMODCACHE)"
         rm -rf "$KEDA_CONFIG.tmp"
         mkdir -p "$(dirname "$KEDA_CONFIG")"
         cp -R "$dir/config" "$KEDA_CONFIG.tmp"
@@ -236,6 +239,6 @@ build_all() {
         ;;
     esac
   done
-  rm -rf "$tmp" "$CACHE/build/go-cache"
+  rm -rf "$tmp" "$CACHE/build/go-cache" "$CACHE/build/go-mod"
   log "binaries ready in $BIN"
 }
