@@ -372,8 +372,25 @@ async fn backend_failures_answer_held_requests_with_the_reason_then_the_fix_serv
                     Ok(svc) => svc.data["status"].to_string(),
                     Err(e) => format!("(reading it failed: {e})"),
                 };
+                // Whether a pod was asked for at all: each Deployment's replicas and status.
+                let scaled = match deployments.list(&ListParams::default()).await {
+                    Ok(list) => list
+                        .items
+                        .iter()
+                        .map(|dep| {
+                            format!(
+                                "{} replicas={:?} {}",
+                                dep.metadata.name.as_deref().unwrap_or("?"),
+                                dep.spec.as_ref().and_then(|s| s.replicas),
+                                serde_json::to_string(&dep.status).unwrap_or_default()
+                            )
+                        })
+                        .collect::<Vec<_>>()
+                        .join("; "),
+                    Err(e) => format!("(listing them failed: {e})"),
+                };
                 anyhow::bail!(
-                    "{}: the held request answered {} {} (want 503 activation_failed naming {}); backend pods: {pods}; service status: {status}",
+                    "{}: the held request answered {} {} (want 503 activation_failed naming {}); backend pods: {pods}; service status: {status}; deployments: {scaled}",
                     step.what,
                     p.status,
                     p.body,
