@@ -12,6 +12,7 @@
 //!   an audit annotation saying so: the webhook must never block objects it does not own.
 
 use hearth_crds::{GROUP, InferenceRuntime, LLMAdapter, LLMEndpoint, LLMService};
+use hearth_policies::Selection;
 use kube::core::DynamicObject;
 use kube::core::Status;
 use kube::core::admission::{
@@ -114,40 +115,93 @@ pub struct Answer {
 }
 
 /// Answers one AdmissionReview body. Never panics on any input (fuzzed by `webhook/fuzz`).
+///
+/// # Errors
+///
+/// A body that is not an `admission.k8s.io/v1` AdmissionReview with a request and a uid
+/// ([`ReviewError`]).
 pub fn handle(endpoint: Endpoint, body: &[u8], snapshot: &Snapshot) -> Result<Answer, ReviewError> {
-    // JSON is UTF-8 (RFC 8259 §8.1). serde_json skips fields it ignores without checking them,
-    // so check the whole body first rather than accept invalid bytes in unknown fields.
-    let text = std::str::from_utf8(body)
-        .map_err(|e| ReviewError::Malformed(format!("the body is not UTF-8: {e}")))?;
-    let review: AdmissionReview<DynamicObject> =
-        serde_json::from_str(text).map_err(|e| ReviewError::Malformed(e.to_string()))?;
-    if review.types.api_version != META_API_VERSION_V1 || review.types.kind != META_KIND {
-        return Err(ReviewError::WrongVersion {
-            api_version: review.types.api_version,
-            kind: review.types.kind,
-        });
+    Ok(Review::parse(body)?.answer(endpoint, snapshot))
+}
+
+/// One AdmissionReview request, parsed and checked, to be answered with a [`Snapshot`].
+#[derive(Clone, Debug)]
+pub struct Review {
+    req: AdmissionRequest<DynamicObject>,
+    /// `request.kind.kind` for the kinds the webhook handles, `other` for the rest (metrics).
+    kind: String,
+}
+
+impl Review {
+    /// Parses an AdmissionReview body.
+    ///
+    /// # Errors
+    ///
+    /// Not UTF-8 JSON shaped as an AdmissionReview ([`ReviewError::Malformed`]), another
+    /// version ([`ReviewError::WrongVersion`]), no request or no uid.
+    pub fn parse(body: &[u8]) -> Result<Self, ReviewError> {
+        // JSON is UTF-8 (RFC 8259 §8.1). serde_json skips fields it ignores without checking
+        // them, so check the whole body first rather than accept invalid bytes in unknown
+        // fields.
+        let text = std::str::from_utf8(body)
+            .map_err(|e| ReviewError::Malformed(format!("the body is not UTF-8: {e}")))?;
+        let review: AdmissionReview<DynamicObject> =
+            serde_json::from_str(text).map_err(|e| ReviewError::Malformed(e.to_string()))?;
+        if review.types.api_version != META_API_VERSION_V1 || review.types.kind != META_KIND {
+            return Err(ReviewError::WrongVersion {
+                api_version: review.types.api_version,
+                kind: review.types.kind,
+            });
+        }
+        let req: AdmissionRequest<DynamicObject> =
+            review.try_into().map_err(|_| ReviewError::NoRequest)?;
+        if req.uid.is_empty() {
+            return Err(ReviewError::NoUid);
+        }
+        // Metric label: bounded to the kinds the webhook handles, whatever a client sends.
+        let kind = match req.kind.kind.as_str() {
+            k @ ("LLMService" | "LLMEndpoint" | "LLMAdapter" | "InferenceRuntime"
+            | "Deployment" | "StatefulSet" | "Pod") => k,
+            _ => "other",
+        }
+        .to_owned();
+        Ok(Self { req, kind })
     }
-    let req: AdmissionRequest<DynamicObject> =
-        review.try_into().map_err(|_| ReviewError::NoRequest)?;
-    if req.uid.is_empty() {
-        return Err(ReviewError::NoUid);
+
+    /// The InferenceRuntime a created or updated object names: an LLMService's
+    /// `spec.runtime.name`, a Deployment's, StatefulSet's or Pod's `serving.hearth.dev/runtime`
+    /// (`hearth_policies::Selection`, the rule the answer resolves by). `None` for a vendor
+    /// selection, another kind or operation, or an object that does not parse.
+    pub fn pinned_runtime(&self) -> Option<String> {
+        if !matches!(self.req.operation, Operation::Create | Operation::Update) {
+            return None;
+        }
+        let object = self.req.object.as_ref()?;
+        let selection = match (self.req.kind.group.as_str(), self.kind.as_str()) {
+            (GROUP, "LLMService") => Selection::from_service(&typed::<LLMService>(object).ok()?),
+            ("apps", "Deployment" | "StatefulSet") | ("", "Pod") => {
+                Selection::from_object(&serde_json::json!({ "metadata": object.metadata }))?
+            }
+            _ => return None,
+        };
+        match selection {
+            Selection::Pinned(name) => Some(name),
+            Selection::Vendors(_) => None,
+        }
     }
-    // Metric label: bounded to the kinds the webhook handles, whatever a client sends.
-    let kind = match req.kind.kind.as_str() {
-        k @ ("LLMService" | "LLMEndpoint" | "LLMAdapter" | "InferenceRuntime" | "Deployment"
-        | "StatefulSet" | "Pod") => k,
-        _ => "other",
+
+    /// Answers the review with `snapshot`'s runtimes and policies.
+    pub fn answer(&self, endpoint: Endpoint, snapshot: &Snapshot) -> Answer {
+        let (mut resp, outcome) = answer(endpoint, &self.req, snapshot);
+        // Do not trust the request's type meta: v1 is the only version we speak.
+        resp.types.api_version = META_API_VERSION_V1.to_owned();
+        resp.types.kind = META_KIND.to_owned();
+        Answer {
+            review: resp.into_review(),
+            outcome,
+            kind: self.kind.clone(),
+        }
     }
-    .to_owned();
-    let (mut resp, outcome) = answer(endpoint, &req, snapshot);
-    // Do not trust the request's type meta: v1 is the only version we speak.
-    resp.types.api_version = META_API_VERSION_V1.to_owned();
-    resp.types.kind = META_KIND.to_owned();
-    Ok(Answer {
-        review: resp.into_review(),
-        outcome,
-        kind,
-    })
 }
 
 fn answer(

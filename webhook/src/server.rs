@@ -30,6 +30,7 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use hearth_crds::InferenceRuntime;
 use hearth_net::tls_server::{self, ServeLimits};
 use http_body_util::{BodyExt, Limited};
 use rustls::ServerConfig;
@@ -37,7 +38,7 @@ use tokio::net::TcpListener;
 use tokio::sync::{Semaphore, watch};
 
 use crate::Snapshot;
-use crate::admission::{self, Endpoint, ReviewError};
+use crate::admission::{Endpoint, Review, ReviewError};
 use crate::metrics::{ErrorLabels, Metrics, ReviewLabels};
 
 /// Bounds on what one client may cost the server.
@@ -104,6 +105,9 @@ pub struct AppState {
     pub metrics_auth: Option<hearth_net::secure_metrics::MetricsAuth>,
     /// Slots for reviews evaluated at once ([`Limits::max_evaluations`]).
     pub evaluations: Arc<Semaphore>,
+    /// Where a review reads an InferenceRuntime it names that the snapshot lacks (see
+    /// [`with_named_runtime`]); `None` offline and in in-process tests.
+    pub runtimes: Option<kube::Api<InferenceRuntime>>,
 }
 
 impl AppState {
@@ -116,6 +120,7 @@ impl AppState {
             limits,
             metrics_auth: None,
             evaluations: Arc::new(Semaphore::new(limits.max_evaluations.max(1))),
+            runtimes: None,
         }
     }
 }
@@ -280,7 +285,11 @@ async fn review_inner(
             })?;
     let bytes = collected.to_bytes();
     let started = Instant::now();
-    let snapshot = s.snapshot.load_full();
+    // Parsing takes time in proportion to the body (up to `max_body`): on the blocking pool.
+    let review = tokio::task::spawn_blocking(move || Review::parse(&bytes))
+        .await
+        .map_err(|e| ApiError::Internal(e.to_string()))??;
+    let snapshot = with_named_runtime(s, &review, s.snapshot.load_full()).await;
     // CEL evaluation is CPU-bound and may run to its budget: on the blocking pool, bounded.
     let permit = s
         .evaluations
@@ -290,10 +299,10 @@ async fn review_inner(
         .map_err(|e| ApiError::Internal(e.to_string()))?;
     let answer = tokio::task::spawn_blocking(move || {
         let _permit = permit;
-        admission::handle(endpoint, &bytes, &snapshot)
+        review.answer(endpoint, &snapshot)
     })
     .await
-    .map_err(|e| ApiError::Internal(e.to_string()))??;
+    .map_err(|e| ApiError::Internal(e.to_string()))?;
     let out = serde_json::to_vec(&answer.review).map_err(|e| ApiError::Body(e.to_string()))?;
     s.metrics.duration.observe(started.elapsed().as_secs_f64());
     s.metrics
@@ -305,6 +314,44 @@ async fn review_inner(
         })
         .inc();
     Ok(([(header::CONTENT_TYPE, "application/json")], out).into_response())
+}
+
+/// How long a review waits for the apiserver's answer to [`with_named_runtime`]'s read.
+pub const RUNTIME_READ_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// `snapshot`, or a copy with the InferenceRuntime `review` names ([`Review::pinned_runtime`])
+/// when the snapshot lacks it and the apiserver has it. The snapshot follows a watch and is
+/// rebuilt after a [`crate::watch::DEBOUNCE`], so a runtime created just before the object that
+/// names it (`kubectl apply -f runtime.yaml -f deployment.yaml`) may not be in it yet; the
+/// review would then deny a workload, or warn on a service, for a runtime that exists. One GET
+/// per such review, bounded by [`RUNTIME_READ_TIMEOUT`]; when it fails or finds nothing, the
+/// snapshot as it is (a runtime that does not exist is refused or warned about as before).
+pub async fn with_named_runtime(
+    s: &AppState,
+    review: &Review,
+    snapshot: Arc<Snapshot>,
+) -> Arc<Snapshot> {
+    let (Some(api), Some(name)) = (&s.runtimes, review.pinned_runtime()) else {
+        return snapshot;
+    };
+    if snapshot.runtimes.contains_key(&name) {
+        return snapshot;
+    }
+    match tokio::time::timeout(RUNTIME_READ_TIMEOUT, api.get_opt(&name)).await {
+        Ok(Ok(Some(runtime))) => {
+            tracing::info!(runtime = %name, "InferenceRuntime not in the watch's snapshot yet: read from the apiserver");
+            Arc::new(snapshot.with_runtime(runtime))
+        }
+        Ok(Ok(None)) => snapshot,
+        Ok(Err(e)) => {
+            tracing::warn!(runtime = %name, error = %e, "reading an InferenceRuntime the snapshot lacks failed (RBAC: get on inferenceruntimes); answering with the snapshot");
+            snapshot
+        }
+        Err(_) => {
+            tracing::warn!(runtime = %name, timeout = ?RUNTIME_READ_TIMEOUT, "reading an InferenceRuntime the snapshot lacks timed out; answering with the snapshot");
+            snapshot
+        }
+    }
 }
 
 /// Serves `app` over TLS on `listener` until `shutdown` turns true, then drains: refuses new

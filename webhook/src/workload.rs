@@ -128,6 +128,16 @@ impl Snapshot {
     pub fn runtime_list(&self) -> &[InferenceRuntime] {
         &self.runtime_list
     }
+
+    /// A copy with `runtime` added (or replacing the one of its name): for a review naming a
+    /// runtime the apiserver has and the watch has not delivered yet (`server`'s read-through).
+    pub fn with_runtime(&self, runtime: InferenceRuntime) -> Self {
+        let mut next = self.clone();
+        let name = runtime.metadata.name.clone().unwrap_or_default();
+        next.runtimes.insert(name, Arc::new(runtime));
+        next.runtime_list = next.runtimes.values().map(|r| (**r).clone()).collect();
+        next
+    }
 }
 
 fn selection_field(sel: &Selection, object: &DynamicObject) -> String {

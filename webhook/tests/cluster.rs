@@ -90,8 +90,11 @@ impl Webhook {
             }),
         };
         let (shutdown, shutdown_rx) = tokio::sync::watch::channel(false);
+        let mut state = AppState::new(Snapshot::default(), Limits::default());
+        // As `hearth-webhook` runs: a runtime a review names and the snapshot lacks is read.
+        state.runtimes = Some(Api::all(client.clone()));
         let hook = Self {
-            state: AppState::new(Snapshot::default(), Limits::default()),
+            state,
             shutdown,
             config: config.clone(),
             client: client.clone(),
@@ -931,4 +934,102 @@ async fn llmadapters_are_checked_against_their_base_and_its_runtime() -> Result<
     .await;
     let _ = runtimes.delete(&rt_name, &DeleteParams::default()).await;
     result
+}
+
+/// Deletes cluster-scoped InferenceRuntimes made by a test when it ends, also on failure.
+struct RuntimeGuard {
+    client: Client,
+    names: Vec<String>,
+}
+
+impl Drop for RuntimeGuard {
+    fn drop(&mut self) {
+        let client = self.client.clone();
+        let names = std::mem::take(&mut self.names);
+        let _ = run_detached(async move {
+            let api: Api<InferenceRuntime> = Api::all(client);
+            for n in names {
+                let _ = api.delete(&n, &DeleteParams::default()).await;
+            }
+        });
+    }
+}
+
+/// An annotated Deployment naming `runtime`, which the built-in policies mutate.
+fn deployment_naming(runtime: &str) -> Result<Deployment> {
+    Ok(serde_json::from_value(json!({
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": {"name": "qwen", "annotations": {"serving.hearth.dev/runtime": runtime}},
+        "spec": {"replicas": 0, "selector": {"matchLabels": {"app": "qwen"}},
+                 "template": {"metadata": {"labels": {"app": "qwen"}},
+                              "spec": {"containers": [{"name": "vllm", "image": "vllm/vllm-openai:v0.25.1"}]}}}
+    }))?)
+}
+
+/// A runtime created just before the workload that names it is resolved, though the webhook's
+/// snapshot (a watch, rebuilt after a debounce) has not caught up: the review reads it from the
+/// apiserver. Without that read the workload was denied ("does not exist; available: [...]")
+/// at random, as `kubectl apply -f runtime.yaml -f deployment.yaml` sends them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_runtime_created_just_before_its_workload_is_read_from_the_apiserver() -> Result<()> {
+    let (ns, hook) = setup("webhook-readthrough", Duration::from_secs(3600)).await?;
+    let client = ns.client();
+    let runtimes: Api<InferenceRuntime> = Api::all(client.clone());
+    let deployments: Api<Deployment> = ns.api();
+    let a10 = upstream("InferenceRuntime")
+        .into_iter()
+        .find(|r| r["metadata"]["name"] == "vllm-nvidia-a10")
+        .context("the upstream examples have no vllm-nvidia-a10")?;
+    let names: Vec<String> = (0..5).map(|i| format!("{}-rt-{i}", ns.name())).collect();
+    let _guard = RuntimeGuard {
+        client: client.clone(),
+        names: names.clone(),
+    };
+    let reviews_before = hook.reviews("Deployment");
+    for name in &names {
+        let mut rt = a10.clone();
+        rt["metadata"] = json!({"name": name, "labels": {SCOPE_LABEL: ns.name()}});
+        // A vendor of its own: no other suite's vendor selection sees these runtimes.
+        rt["spec"]["vendor"] = json!("readthrough-test");
+        runtimes
+            .create(&PostParams::default(), &serde_json::from_value(rt)?)
+            .await?;
+        // At once, as kubectl sends the next object of a file.
+        let out = deployments
+            .create(&dry_run(), &deployment_naming(name)?)
+            .await
+            .with_context(|| format!("a Deployment naming {name}, created just after it"))?;
+        let limits = out
+            .spec
+            .as_ref()
+            .and_then(|s| s.template.spec.as_ref())
+            .and_then(|p| p.containers[0].resources.as_ref())
+            .and_then(|r| r.limits.clone())
+            .unwrap_or_default();
+        ensure!(
+            limits.contains_key("nvidia.com/gpu"),
+            "the Deployment naming {name} was not mutated with the runtime's accelerator: limits {limits:?}"
+        );
+    }
+    ensure!(
+        hook.reviews("Deployment") >= reviews_before + names.len() as u64,
+        "the reviews did not reach this webhook"
+    );
+
+    // A runtime that does not exist is still refused, naming the annotation.
+    let missing = format!("{}-absent", ns.name());
+    match deployments
+        .create(&dry_run(), &deployment_naming(&missing)?)
+        .await
+    {
+        Err(kube::Error::Api(e)) => ensure!(
+            e.code == 422
+                && e.message.contains("serving.hearth.dev/runtime")
+                && e.message
+                    .contains(&format!("InferenceRuntime {missing:?} does not exist")),
+            "unexpected refusal: {e:?}"
+        ),
+        other => bail!("a Deployment naming an absent runtime was not refused: {other:?}"),
+    }
+    Ok(())
 }
