@@ -121,25 +121,29 @@ pub struct Answer {
 /// A body that is not an `admission.k8s.io/v1` AdmissionReview with a request and a uid
 /// ([`ReviewError`]).
 pub fn handle(endpoint: Endpoint, body: &[u8], snapshot: &Snapshot) -> Result<Answer, ReviewError> {
-    Ok(Review::parse(body)?.answer(endpoint, snapshot))
+    Ok(Review::parse(endpoint, body)?.answer(snapshot))
 }
 
-/// One AdmissionReview request, parsed and checked, to be answered with a [`Snapshot`].
+/// One AdmissionReview request on an endpoint, parsed and checked, to be answered with a
+/// [`Snapshot`].
 #[derive(Clone, Debug)]
 pub struct Review {
+    endpoint: Endpoint,
     req: AdmissionRequest<DynamicObject>,
     /// `request.kind.kind` for the kinds the webhook handles, `other` for the rest (metrics).
     kind: String,
+    /// The runtime the object names, when the answer resolves one by name.
+    named_runtime: Option<String>,
 }
 
 impl Review {
-    /// Parses an AdmissionReview body.
+    /// Parses an AdmissionReview body that came in on `endpoint`.
     ///
     /// # Errors
     ///
     /// Not UTF-8 JSON shaped as an AdmissionReview ([`ReviewError::Malformed`]), another
     /// version ([`ReviewError::WrongVersion`]), no request or no uid.
-    pub fn parse(body: &[u8]) -> Result<Self, ReviewError> {
+    pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Self, ReviewError> {
         // JSON is UTF-8 (RFC 8259 §8.1). serde_json skips fields it ignores without checking
         // them, so check the whole body first rather than accept invalid bytes in unknown
         // fields.
@@ -165,34 +169,28 @@ impl Review {
             _ => "other",
         }
         .to_owned();
-        Ok(Self { req, kind })
+        let named_runtime = named_runtime(endpoint, &req);
+        Ok(Self {
+            endpoint,
+            req,
+            kind,
+            named_runtime,
+        })
     }
 
-    /// The InferenceRuntime a created or updated object names: an LLMService's
-    /// `spec.runtime.name`, a Deployment's, StatefulSet's or Pod's `serving.hearth.dev/runtime`
-    /// (`hearth_policies::Selection`, the rule the answer resolves by). `None` for a vendor
-    /// selection, another kind or operation, or an object that does not parse.
-    pub fn pinned_runtime(&self) -> Option<String> {
-        if !matches!(self.req.operation, Operation::Create | Operation::Update) {
-            return None;
-        }
-        let object = self.req.object.as_ref()?;
-        let selection = match (self.req.kind.group.as_str(), self.kind.as_str()) {
-            (GROUP, "LLMService") => Selection::from_service(&typed::<LLMService>(object).ok()?),
-            ("apps", "Deployment" | "StatefulSet") | ("", "Pod") => {
-                Selection::from_object(&serde_json::json!({ "metadata": object.metadata }))?
-            }
-            _ => return None,
-        };
-        match selection {
-            Selection::Pinned(name) => Some(name),
-            Selection::Vendors(_) => None,
-        }
+    /// The InferenceRuntime the answer resolves by name: an LLMService's `spec.runtime.name`
+    /// (on `/validate`), or a Deployment's, StatefulSet's or Pod's `serving.hearth.dev/runtime`
+    /// annotation or label (`hearth_policies::Selection`, the rule the answer resolves by), for
+    /// a create or update of the object itself. `None` for a vendor selection, another kind,
+    /// operation or subresource, or an object that does not parse. An LLMAdapter's base
+    /// service's runtime is not included.
+    pub fn named_runtime(&self) -> Option<&str> {
+        self.named_runtime.as_deref()
     }
 
     /// Answers the review with `snapshot`'s runtimes and policies.
-    pub fn answer(&self, endpoint: Endpoint, snapshot: &Snapshot) -> Answer {
-        let (mut resp, outcome) = answer(endpoint, &self.req, snapshot);
+    pub fn answer(&self, snapshot: &Snapshot) -> Answer {
+        let (mut resp, outcome) = answer(self.endpoint, &self.req, snapshot);
         // Do not trust the request's type meta: v1 is the only version we speak.
         resp.types.api_version = META_API_VERSION_V1.to_owned();
         resp.types.kind = META_KIND.to_owned();
@@ -201,6 +199,29 @@ impl Review {
             outcome,
             kind: self.kind.clone(),
         }
+    }
+}
+
+/// [`Review::named_runtime`]: what [`answer`] resolves by name, under the same gates.
+fn named_runtime(endpoint: Endpoint, req: &AdmissionRequest<DynamicObject>) -> Option<String> {
+    if !matches!(req.operation, Operation::Create | Operation::Update)
+        || req.sub_resource.as_deref().is_some_and(|s| !s.is_empty())
+    {
+        return None;
+    }
+    let object = req.object.as_ref()?;
+    let selection = match (endpoint, (req.kind.group.as_str(), req.kind.kind.as_str())) {
+        (Endpoint::Validate, (GROUP, "LLMService")) => {
+            Selection::from_service(&typed::<LLMService>(object).ok()?)
+        }
+        (_, ("apps", "Deployment" | "StatefulSet") | ("", "Pod")) => {
+            Selection::from_object(&serde_json::json!({ "metadata": object.metadata }))?
+        }
+        _ => return None,
+    };
+    match selection {
+        Selection::Pinned(name) => Some(name),
+        Selection::Vendors(_) => None,
     }
 }
 

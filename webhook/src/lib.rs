@@ -17,6 +17,7 @@
 pub mod admission;
 pub mod exported;
 pub mod metrics;
+pub mod readthrough;
 pub mod registration;
 pub mod selfmanaged;
 pub mod server;

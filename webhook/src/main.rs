@@ -163,7 +163,9 @@ async fn run(args: ServeArgs) -> Result<()> {
     };
     let mut state = AppState::new(Snapshot::default().with_settings(&settings), limits);
     state.ready = Arc::new(AtomicBool::new(false));
-    state.runtimes = Some(kube::Api::all(client.clone()));
+    state.runtimes = Some(Arc::new(hearth_webhook::readthrough::RuntimeReads::new(
+        kube::Api::all(client.clone()),
+    )));
     if args.metrics_secure {
         state.metrics_auth = Some(hearth_net::secure_metrics::MetricsAuth::kube(
             client.clone(),

@@ -31,6 +31,14 @@ pub struct ErrorLabels {
     pub reason: &'static str,
 }
 
+/// Labels of a read of an InferenceRuntime the snapshot lacked.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RuntimeReadLabels {
+    /// `found`, `not_found`, `invalid_name`, `cached_miss`, `busy`, `error`, `timeout`
+    /// ([`crate::readthrough::Read::result`]).
+    pub result: &'static str,
+}
+
 /// Labels of a policy compile failure.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct PolicyLabels {
@@ -66,6 +74,9 @@ pub struct Metrics {
     pub exported: Gauge,
     /// `hearth_webhook_snapshot_rebuilds_total`: policy/runtime snapshots swapped in.
     pub rebuilds: Counter,
+    /// `hearth_webhook_runtime_reads_total`: reviews naming an InferenceRuntime the snapshot
+    /// lacked, by what the read found ([`crate::readthrough`]).
+    pub runtime_reads: Family<RuntimeReadLabels, Counter>,
 }
 
 impl Default for Metrics {
@@ -135,6 +146,12 @@ impl Metrics {
             "Policy and runtime snapshots swapped in",
             rebuilds.clone(),
         );
+        let runtime_reads = Family::<RuntimeReadLabels, Counter>::default();
+        r.register(
+            "runtime_reads",
+            "Reviews naming an InferenceRuntime the snapshot lacked, by what the read from the apiserver found",
+            runtime_reads.clone(),
+        );
         let mut libraries = Registry::default();
         libraries.register_collector(Box::new(hearth_policies::fallback::Collector));
         Self {
@@ -150,6 +167,7 @@ impl Metrics {
             runtimes,
             exported,
             rebuilds,
+            runtime_reads,
         }
     }
 

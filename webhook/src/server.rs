@@ -30,7 +30,6 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use hearth_crds::InferenceRuntime;
 use hearth_net::tls_server::{self, ServeLimits};
 use http_body_util::{BodyExt, Limited};
 use rustls::ServerConfig;
@@ -39,7 +38,8 @@ use tokio::sync::{Semaphore, watch};
 
 use crate::Snapshot;
 use crate::admission::{Endpoint, Review, ReviewError};
-use crate::metrics::{ErrorLabels, Metrics, ReviewLabels};
+use crate::metrics::{ErrorLabels, Metrics, ReviewLabels, RuntimeReadLabels};
+use crate::readthrough::{Read, RuntimeReads};
 
 /// Bounds on what one client may cost the server.
 #[derive(Clone, Copy, Debug)]
@@ -107,7 +107,7 @@ pub struct AppState {
     pub evaluations: Arc<Semaphore>,
     /// Where a review reads an InferenceRuntime it names that the snapshot lacks (see
     /// [`with_named_runtime`]); `None` offline and in in-process tests.
-    pub runtimes: Option<kube::Api<InferenceRuntime>>,
+    pub runtimes: Option<Arc<RuntimeReads>>,
 }
 
 impl AppState {
@@ -285,21 +285,21 @@ async fn review_inner(
             })?;
     let bytes = collected.to_bytes();
     let started = Instant::now();
-    // Parsing takes time in proportion to the body (up to `max_body`): on the blocking pool.
-    let review = tokio::task::spawn_blocking(move || Review::parse(&bytes))
-        .await
-        .map_err(|e| ApiError::Internal(e.to_string()))??;
+    // Parsing takes time in proportion to the body (up to `max_body`), CEL evaluation up to its
+    // budget: each on the blocking pool under a slot of `max_evaluations`. The runtime read
+    // between them holds none.
+    let permit = evaluation_slot(s).await?;
+    let review = tokio::task::spawn_blocking(move || {
+        let _permit = permit;
+        Review::parse(endpoint, &bytes)
+    })
+    .await
+    .map_err(|e| ApiError::Internal(e.to_string()))??;
     let snapshot = with_named_runtime(s, &review, s.snapshot.load_full()).await;
-    // CEL evaluation is CPU-bound and may run to its budget: on the blocking pool, bounded.
-    let permit = s
-        .evaluations
-        .clone()
-        .acquire_owned()
-        .await
-        .map_err(|e| ApiError::Internal(e.to_string()))?;
+    let permit = evaluation_slot(s).await?;
     let answer = tokio::task::spawn_blocking(move || {
         let _permit = permit;
-        review.answer(endpoint, &snapshot)
+        review.answer(&snapshot)
     })
     .await
     .map_err(|e| ApiError::Internal(e.to_string()))?;
@@ -316,41 +316,43 @@ async fn review_inner(
     Ok(([(header::CONTENT_TYPE, "application/json")], out).into_response())
 }
 
-/// How long a review waits for the apiserver's answer to [`with_named_runtime`]'s read.
-pub const RUNTIME_READ_TIMEOUT: Duration = Duration::from_secs(2);
+/// A slot of [`Limits::max_evaluations`].
+async fn evaluation_slot(s: &AppState) -> Result<tokio::sync::OwnedSemaphorePermit, ApiError> {
+    s.evaluations
+        .clone()
+        .acquire_owned()
+        .await
+        .map_err(|e| ApiError::Internal(e.to_string()))
+}
 
-/// `snapshot`, or a copy with the InferenceRuntime `review` names ([`Review::pinned_runtime`])
-/// when the snapshot lacks it and the apiserver has it. The snapshot follows a watch and is
-/// rebuilt after a [`crate::watch::DEBOUNCE`], so a runtime created just before the object that
-/// names it (`kubectl apply -f runtime.yaml -f deployment.yaml`) may not be in it yet; the
-/// review would then deny a workload, or warn on a service, for a runtime that exists. One GET
-/// per such review, bounded by [`RUNTIME_READ_TIMEOUT`]; when it fails or finds nothing, the
-/// snapshot as it is (a runtime that does not exist is refused or warned about as before).
+/// `snapshot`, or a copy with the InferenceRuntime `review` names
+/// ([`Review::named_runtime`]) when the snapshot lacks it and the apiserver has it (a runtime
+/// created a moment before the object; see [`crate::readthrough`] for why and the bounds).
+/// Counts the read in `hearth_webhook_runtime_reads_total{result}`.
 pub async fn with_named_runtime(
     s: &AppState,
     review: &Review,
     snapshot: Arc<Snapshot>,
 ) -> Arc<Snapshot> {
-    let (Some(api), Some(name)) = (&s.runtimes, review.pinned_runtime()) else {
+    let (Some(reads), Some(name)) = (&s.runtimes, review.named_runtime()) else {
         return snapshot;
     };
-    if snapshot.runtimes.contains_key(&name) {
+    if snapshot.runtimes.contains_key(name) {
         return snapshot;
     }
-    match tokio::time::timeout(RUNTIME_READ_TIMEOUT, api.get_opt(&name)).await {
-        Ok(Ok(Some(runtime))) => {
+    let read = reads.read(name).await;
+    s.metrics
+        .runtime_reads
+        .get_or_create(&RuntimeReadLabels {
+            result: read.result(),
+        })
+        .inc();
+    match read {
+        Read::Found(runtime) => {
             tracing::info!(runtime = %name, "InferenceRuntime not in the watch's snapshot yet: read from the apiserver");
-            Arc::new(snapshot.with_runtime(runtime))
+            Arc::new(snapshot.with_runtime(*runtime))
         }
-        Ok(Ok(None)) => snapshot,
-        Ok(Err(e)) => {
-            tracing::warn!(runtime = %name, error = %e, "reading an InferenceRuntime the snapshot lacks failed (RBAC: get on inferenceruntimes); answering with the snapshot");
-            snapshot
-        }
-        Err(_) => {
-            tracing::warn!(runtime = %name, timeout = ?RUNTIME_READ_TIMEOUT, "reading an InferenceRuntime the snapshot lacks timed out; answering with the snapshot");
-            snapshot
-        }
+        Read::NotRead(_) => snapshot,
     }
 }
 

@@ -154,7 +154,9 @@ build_all() {
         # The pod sandbox: Kubernetes' own pause.c from the same module, compiled the way its
         # build/pause/Makefile does (static, -Os).
         local src
-        src="$(cd "$CLUSTER_DIR/go/$KUBE_GO_DIR" && go list -m -f '{{.Dir}}' k8s.io/kubernetes)/build/pause/linux/pause.c"
+        # (go mod download: the module cache is the build's own, empty when only pause is missing.)
+        src="$(cd "$CLUSTER_DIR/go/$KUBE_GO_DIR" && go mod download k8s.io/kubernetes &&
+          go list -m -f '{{.Dir}}' k8s.io/kubernetes)/build/pause/linux/pause.c"
         [[ -x /usr/bin/gcc && -f /usr/lib/x86_64-linux-gnu/libc.a ]] ||
           apt_install "compiling the pod sandbox (pause)" gcc libc6-dev
         mkdir -p "$tmp/pause"
