@@ -30,6 +30,7 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use hearth_crds::InferenceRuntime;
 use hearth_net::tls_server::{self, ServeLimits};
 use http_body_util::{BodyExt, Limited};
 use rustls::ServerConfig;
@@ -37,7 +38,7 @@ use tokio::net::TcpListener;
 use tokio::sync::{Semaphore, watch};
 
 use crate::Snapshot;
-use crate::admission::{Endpoint, Review, ReviewError};
+use crate::admission::{Answer, Endpoint, Review, ReviewError};
 use crate::metrics::{ErrorLabels, Metrics, ReviewLabels, RuntimeReadLabels};
 use crate::readthrough::{Read, RuntimeReads};
 
@@ -106,7 +107,7 @@ pub struct AppState {
     /// Slots for reviews evaluated at once ([`Limits::max_evaluations`]).
     pub evaluations: Arc<Semaphore>,
     /// Where a review reads an InferenceRuntime it names that the snapshot lacks (see
-    /// [`with_named_runtime`]); `None` offline and in in-process tests.
+    /// [`read_named_runtime`]); `None` offline and in in-process tests.
     pub runtimes: Option<Arc<RuntimeReads>>,
 }
 
@@ -286,23 +287,48 @@ async fn review_inner(
     let bytes = collected.to_bytes();
     let started = Instant::now();
     // Parsing takes time in proportion to the body (up to `max_body`), CEL evaluation up to its
-    // budget: each on the blocking pool under a slot of `max_evaluations`. The runtime read
-    // between them holds none.
+    // budget: both on the blocking pool under a slot of `max_evaluations`. A review naming a
+    // runtime the snapshot lacks gives its slot up for the read ([`read_named_runtime`]) and is
+    // answered under a second one.
+    let snapshot = s.snapshot.load_full();
+    let reads = s.runtimes.is_some();
     let permit = evaluation_slot(s).await?;
-    let review = tokio::task::spawn_blocking(move || {
+    let first = tokio::task::spawn_blocking(move || {
         let _permit = permit;
-        Review::parse(endpoint, &bytes)
+        let review = Review::parse(endpoint, &bytes)?;
+        Ok::<_, ReviewError>(match review.named_runtime() {
+            Some(name) if reads && !snapshot.runtimes.contains_key(name) => {
+                First::NeedsRuntime(Box::new(review))
+            }
+            _ => First::Answered(Box::new(review.answer(&snapshot))),
+        })
     })
     .await
     .map_err(|e| ApiError::Internal(e.to_string()))??;
-    let snapshot = with_named_runtime(s, &review, s.snapshot.load_full()).await;
-    let permit = evaluation_slot(s).await?;
-    let answer = tokio::task::spawn_blocking(move || {
-        let _permit = permit;
-        review.answer(&snapshot)
-    })
-    .await
-    .map_err(|e| ApiError::Internal(e.to_string()))?;
+    let answer = match first {
+        First::Answered(answer) => *answer,
+        First::NeedsRuntime(review) => {
+            let runtime = read_named_runtime(s, &review).await;
+            let snapshot = s.snapshot.load_full();
+            let permit = evaluation_slot(s).await?;
+            tokio::task::spawn_blocking(move || {
+                let _permit = permit;
+                match runtime {
+                    // Unless the watch has caught up meanwhile.
+                    Some(rt)
+                        if review
+                            .named_runtime()
+                            .is_some_and(|n| !snapshot.runtimes.contains_key(n)) =>
+                    {
+                        review.answer(&snapshot.with_runtime(rt))
+                    }
+                    _ => review.answer(&snapshot),
+                }
+            })
+            .await
+            .map_err(|e| ApiError::Internal(e.to_string()))?
+        }
+    };
     let out = serde_json::to_vec(&answer.review).map_err(|e| ApiError::Body(e.to_string()))?;
     s.metrics.duration.observe(started.elapsed().as_secs_f64());
     s.metrics
@@ -325,21 +351,22 @@ async fn evaluation_slot(s: &AppState) -> Result<tokio::sync::OwnedSemaphorePerm
         .map_err(|e| ApiError::Internal(e.to_string()))
 }
 
-/// `snapshot`, or a copy with the InferenceRuntime `review` names
-/// ([`Review::named_runtime`]) when the snapshot lacks it and the apiserver has it (a runtime
-/// created a moment before the object; see [`crate::readthrough`] for why and the bounds).
-/// Counts the read in `hearth_webhook_runtime_reads_total{result}`.
-pub async fn with_named_runtime(
-    s: &AppState,
-    review: &Review,
-    snapshot: Arc<Snapshot>,
-) -> Arc<Snapshot> {
+/// What the first slot of a review ends with.
+enum First {
+    /// Answered from the snapshot.
+    Answered(Box<Answer>),
+    /// Names a runtime the snapshot lacks: to be read, then answered.
+    NeedsRuntime(Box<Review>),
+}
+
+/// The InferenceRuntime `review` names ([`Review::named_runtime`]), read from the apiserver
+/// because the snapshot lacks it (a runtime created a moment before the object; see
+/// [`crate::readthrough`] for why and the bounds); `None` when it was not read or not found.
+/// Counts the outcome in `hearth_webhook_runtime_reads_total{result}`.
+pub async fn read_named_runtime(s: &AppState, review: &Review) -> Option<InferenceRuntime> {
     let (Some(reads), Some(name)) = (&s.runtimes, review.named_runtime()) else {
-        return snapshot;
+        return None;
     };
-    if snapshot.runtimes.contains_key(name) {
-        return snapshot;
-    }
     let read = reads.read(name).await;
     s.metrics
         .runtime_reads
@@ -350,9 +377,9 @@ pub async fn with_named_runtime(
     match read {
         Read::Found(runtime) => {
             tracing::info!(runtime = %name, "InferenceRuntime not in the watch's snapshot yet: read from the apiserver");
-            Arc::new(snapshot.with_runtime(*runtime))
+            Some(*runtime)
         }
-        Read::NotRead(_) => snapshot,
+        Read::NotRead(_) => None,
     }
 }
 

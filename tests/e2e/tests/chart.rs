@@ -2129,6 +2129,15 @@ fn matrix(release_ns: &str) -> Vec<Check> {
     ] {
         add(w, &["list", "watch"], r, None, None, true);
     }
+    // A runtime a review names that the watch has not delivered yet.
+    add(
+        w,
+        &["get"],
+        "inferenceruntimes.serving.hearth.dev",
+        None,
+        None,
+        true,
+    );
     add(
         w,
         &["patch"],
@@ -2513,7 +2522,8 @@ async fn rbac_matrix_each_account_can_do_what_it_needs_and_nothing_more() -> Res
         "daemonsets.apps [] [create delete get list patch watch]",
     ];
     let webhook_cluster = [
-        "inferenceruntimes.serving.hearth.dev [] [list watch]",
+        // get: a runtime a review names that the watch has not delivered yet.
+        "inferenceruntimes.serving.hearth.dev [] [get list watch]",
         "servingpolicies.serving.hearth.dev [] [list watch]",
         "llmservices.serving.hearth.dev [] [list watch]",
         "llmadapters.serving.hearth.dev [] [list watch]",
