@@ -166,6 +166,15 @@ impl RuntimeReads {
 mod tests {
     use super::*;
 
+    /// [`MAX_MISSES`] names `n0`, `n1`, … remembered at `at(i)`.
+    fn filled(at: impl Fn(usize) -> Instant) -> Misses {
+        let mut m = Misses::default();
+        for i in 0..MAX_MISSES {
+            m.insert(&format!("n{i}"), at(i));
+        }
+        m
+    }
+
     #[test]
     fn a_miss_is_remembered_for_its_ttl_then_read_again() {
         let mut m = Misses::default();
@@ -180,12 +189,9 @@ mod tests {
 
     #[test]
     fn misses_stay_bounded_dropping_the_oldest() {
-        let mut m = Misses::default();
         let t0 = Instant::now();
         // All within the TTL, so none expires: the oldest half goes.
-        for i in 0..MAX_MISSES {
-            m.insert(&format!("n{i}"), t0 + Duration::from_micros(i as u64));
-        }
+        let mut m = filled(|i| t0 + Duration::from_micros(i as u64));
         assert_eq!(m.len(), MAX_MISSES);
         let now = t0 + Duration::from_micros(MAX_MISSES as u64);
         m.insert("newest", now);
@@ -197,11 +203,8 @@ mod tests {
 
     #[test]
     fn misses_at_one_instant_keep_half() {
-        let mut m = Misses::default();
         let t0 = Instant::now();
-        for i in 0..MAX_MISSES {
-            m.insert(&format!("n{i}"), t0);
-        }
+        let mut m = filled(|_| t0);
         m.insert("next", t0);
         assert_eq!(m.len(), MAX_MISSES / 2 + 1);
         assert!(m.recent("next", t0));
@@ -209,11 +212,8 @@ mod tests {
 
     #[test]
     fn expired_misses_go_first() {
-        let mut m = Misses::default();
         let t0 = Instant::now();
-        for i in 0..MAX_MISSES {
-            m.insert(&format!("n{i}"), t0);
-        }
+        let mut m = filled(|_| t0);
         let later = t0 + MISS_TTL;
         m.insert("late", later);
         assert_eq!(m.len(), 1);

@@ -92,7 +92,7 @@ impl Snapshot {
             tracing::error!(error = %e, "policy left out of the set");
         }
         Self {
-            runtime_list: runtimes.values().map(|r| (**r).clone()).collect(),
+            runtime_list: list_of(&runtimes),
             runtimes,
             policies,
             namespaces,
@@ -135,9 +135,14 @@ impl Snapshot {
         let mut next = self.clone();
         let name = runtime.metadata.name.clone().unwrap_or_default();
         next.runtimes.insert(name, Arc::new(runtime));
-        next.runtime_list = next.runtimes.values().map(|r| (**r).clone()).collect();
+        next.runtime_list = list_of(&next.runtimes);
         next
     }
+}
+
+/// The runtimes of `runtimes` in name order, for [`Snapshot::runtime_list`].
+fn list_of(runtimes: &Runtimes) -> Vec<InferenceRuntime> {
+    runtimes.values().map(|r| (**r).clone()).collect()
 }
 
 fn selection_field(sel: &Selection, object: &DynamicObject) -> String {
